@@ -1,0 +1,5 @@
+"""``python -m elastrun`` is the ``elastrun`` command."""
+
+from elastrun.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,34 @@
+"""The ``elastrun`` command: dispatch to a subcommand or to the launcher.
+
+``elastrun store ...``, ``elastrun status ...`` are subcommands; anything else
+is a torchrun-compatible launch (``elastrun [flags] script [args]``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+__all__ = ["main"]
+
+
+def _store(argv: list[str]) -> int:
+    from elastrun.store.cli import main as store_main
+
+    return store_main(argv)
+
+
+def _launch(argv: list[str]) -> int:
+    from elastrun.launcher.cli import main as launch_main
+
+    return launch_main(argv)
+
+
+SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {"store": _store}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[args[0]](args[1:])
+    return _launch(args)

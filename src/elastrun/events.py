@@ -1,0 +1,74 @@
+"""Structured events: what happened, as JSON lines, for operators and tools.
+
+Components emit events through an :class:`EventSink`. The agent writes them to
+a JSON-lines file (one object per line, schema version ``EVENT_SCHEMA``); tests
+and embedders can collect them in memory. Each event has ``v`` (schema
+version), ``ts`` (wall-clock seconds, for humans correlating logs; never used
+for decisions), ``kind``, and event-specific fields.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+__all__ = ["EVENT_SCHEMA", "EventSink", "JsonLinesSink", "ListSink", "NullSink", "make_event"]
+
+EVENT_SCHEMA = 1
+
+
+def make_event(kind: str, **fields: Any) -> dict[str, Any]:
+    return {"v": EVENT_SCHEMA, "ts": round(time.time(), 6), "kind": kind, **fields}
+
+
+class EventSink(Protocol):
+    def emit(self, kind: str, **fields: Any) -> None: ...
+
+
+class NullSink:
+    def emit(self, kind: str, **fields: Any) -> None:
+        return None
+
+
+class ListSink:
+    """Keeps events in memory (tests, embedding)."""
+
+    def __init__(self, on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.events: list[dict[str, Any]] = []
+        self._on_event = on_event
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        event = make_event(kind, **fields)
+        self.events.append(event)
+        if self._on_event is not None:
+            self._on_event(event)
+
+    def kinds(self) -> list[str]:
+        return [e["kind"] for e in self.events]
+
+
+class JsonLinesSink:
+    """Appends one JSON object per line to a file, flushed per event."""
+
+    def __init__(self, path: str | os.PathLike[str], **common: Any) -> None:
+        self.path = os.fspath(path)
+        parent = os.path.dirname(self.path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        self._common = common
+        self._lock = threading.Lock()
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - long-lived
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        line = json.dumps(make_event(kind, **self._common, **fields), sort_keys=True)
+        with self._lock:
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()

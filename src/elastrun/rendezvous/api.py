@@ -1,0 +1,157 @@
+"""What the agent sees of a rendezvous: settings, a round's result, the handler.
+
+The agent's loop, in terms of this interface::
+
+    rdzv = <a Rendezvous>                     # dynamic (store-backed) or static
+    while True:
+        result = await rdzv.next_round()      # blocks until this node is a member
+        start workers for `result`
+        wait for the first of: workers exited, rdzv.wait_for_change()
+        all workers ok   -> await rdzv.complete(); exit 0        (exit barrier)
+        a worker failed  -> stop workers; await rdzv.request_restart(failure)
+                            (raises RestartBudgetExhausted when the job's budget is spent)
+        change signalled -> stop workers (membership change: not counted)
+    finally: await rdzv.shutdown()            # leave (never closes the job for others)
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = [
+    "Change",
+    "Member",
+    "Rendezvous",
+    "RendezvousSettings",
+    "RoundResult",
+]
+
+
+@dataclass(frozen=True)
+class RendezvousSettings:
+    """Settings of one node's rendezvous. Fields in ``AGREED`` must be equal on
+    every node of a job (config agreement); the rest are per node."""
+
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    max_restarts: int = 0
+    role: str = "default"
+    join_timeout: float = 600.0
+    last_call_timeout: float = 30.0
+    close_timeout: float = 60.0
+    lease_ttl: float = 10.0
+    exit_barrier_timeout: float = 300.0
+    # per node:
+    nproc: int = 1
+    host: str = ""  # human-readable host name
+    addr: str = ""  # address other nodes and workers use to reach this node
+    node_rank_hint: int | None = None
+
+    AGREED = (
+        "min_nodes",
+        "max_nodes",
+        "max_restarts",
+        "role",
+        "join_timeout",
+        "last_call_timeout",
+        "close_timeout",
+    )
+
+    def agreed(self) -> dict[str, Any]:
+        """The fields every node of the job must agree on, as JSON-able data."""
+        return {name: getattr(self, name) for name in self.AGREED}
+
+
+@dataclass(frozen=True)
+class Member:
+    node_id: str
+    host: str
+    addr: str
+    group_rank: int
+    nproc: int
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """The outcome of a closed rendezvous round, as seen by one member."""
+
+    run_id: str
+    round: int
+    members: tuple[Member, ...]  # ordered by group_rank
+    group_rank: int  # this node's
+    master_addr: str
+    master_port: int
+    restart_count: int  # restarts of the job used so far (job-wide)
+    max_restarts: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def group_world_size(self) -> int:
+        return len(self.members)
+
+    @property
+    def world_size(self) -> int:
+        """Total workers: the sum of every member's nproc."""
+        return sum(m.nproc for m in self.members)
+
+    @property
+    def rank_offset(self) -> int:
+        """Global rank of this node's local rank 0 (ranks are contiguous)."""
+        return sum(m.nproc for m in self.members if m.group_rank < self.group_rank)
+
+    @property
+    def me(self) -> Member:
+        return self.members[self.group_rank]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Change:
+    """Why the current round must end (returned by ``wait_for_change``)."""
+
+    reason: str  # "node_waiting" | "member_lost" | "new_round" | "restart_requested" | ...
+    detail: str = ""  # human-readable, e.g. "node host-b (10.0.0.2) lost: lease expired"
+    counts_as_restart: bool = False
+
+
+class Rendezvous(abc.ABC):
+    """One node's handle on the job's rendezvous."""
+
+    settings: RendezvousSettings
+
+    @abc.abstractmethod
+    async def next_round(self) -> RoundResult:
+        """Join (or wait for) the next round; return once this node is a
+        member of a closed round. Raises RendezvousTimeout, RendezvousClosed
+        (job already finished: the caller exits 0), ConfigMismatch,
+        RestartBudgetExhausted, StoreError."""
+
+    @abc.abstractmethod
+    async def wait_for_change(self) -> Change:
+        """Return when the current round must end: a member was lost, a node
+        waits to join (and the world is below max), or another member opened
+        a new round. Cancel it when the workers end first."""
+
+    @abc.abstractmethod
+    async def request_restart(self, failure: dict[str, Any]) -> None:
+        """This node's workers failed: open a new round, counting one restart
+        against the job-wide budget (at most once per round, whichever node
+        asks first). Raises RestartBudgetExhausted when the budget is spent;
+        ``failure`` (JSON-able: rank, host, exit code, reason, ...) is recorded
+        as the job's last failure."""
+
+    @abc.abstractmethod
+    async def complete(self) -> None:
+        """This node's workers all succeeded: the exit barrier. Returns when
+        every member of the round completed (or after the exit barrier
+        timeout), and marks the job finished."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Leave the job (revoke this node's lease). Never closes the job for
+        the others. Safe to call more than once."""

@@ -1,0 +1,247 @@
+"""The store interface: a tiny, etcd-shaped key-value store.
+
+Everything elastrun coordinates (rendezvous, restart budget, job status) goes
+through this interface, so one algorithm runs on every implementation: the
+in-memory store, the embedded TCP store and etcd v3.
+
+Model (the same as etcd v3's):
+
+* The store has one global **revision** counter. Every write (put, delete,
+  lease expiry deleting keys, a successful txn) increments it by one; a txn's
+  writes share one revision.
+* Each key holds ``bytes`` and carries ``create_revision``, ``mod_revision``,
+  ``version`` (writes since creation) and an optional ``lease``.
+  ``mod_revision == 0`` in a :class:`Compare` means "the key does not exist".
+* A **lease** has a TTL. Keys put with a lease are deleted (with delete events)
+  when it expires or is revoked. ``lease_keepalive`` resets its TTL.
+* A **watch** delivers put/delete events for a key or prefix in revision order,
+  starting at ``start_revision`` (history included, unless compacted) or, by
+  default, with the next write. No polling anywhere.
+* A **txn** compares keys atomically and then applies either the success or the
+  failure operations: compare-and-set on revisions is a txn.
+
+Values are opaque bytes; structured data on top is versioned JSON (never pickle).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "NO_LEASE",
+    "Compare",
+    "Delete",
+    "Get",
+    "KeyValue",
+    "Op",
+    "Put",
+    "Store",
+    "TxnResult",
+    "Watch",
+    "WatchEvent",
+]
+
+NO_LEASE = 0
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int = NO_LEASE
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    """A change to one key. For ``delete``, ``kv.value`` is empty and
+    ``kv.mod_revision`` is the revision of the deletion."""
+
+    type: Literal["put", "delete"]
+    kv: KeyValue
+
+
+CompareTarget = Literal["mod", "create", "version", "value", "lease"]
+CompareOp = Literal["==", "!=", "<", ">"]
+
+
+@dataclass(frozen=True, slots=True)
+class Compare:
+    """One condition of a txn, e.g. ``Compare("k", "mod", "==", 0)`` (k absent)."""
+
+    key: str
+    target: CompareTarget
+    op: CompareOp
+    value: int | bytes
+
+    @staticmethod
+    def absent(key: str) -> Compare:
+        return Compare(key, "mod", "==", 0)
+
+    @staticmethod
+    def unchanged(key: str, mod_revision: int) -> Compare:
+        return Compare(key, "mod", "==", mod_revision)
+
+    def holds(self, kv: KeyValue | None) -> bool:
+        """Evaluate against a key's current state (``None`` = absent)."""
+        actual: int | bytes
+        if self.target == "value":
+            actual = kv.value if kv is not None else b""
+            if kv is None:
+                # etcd: a value comparison against a missing key is false.
+                return False
+        elif self.target == "mod":
+            actual = kv.mod_revision if kv else 0
+        elif self.target == "create":
+            actual = kv.create_revision if kv else 0
+        elif self.target == "version":
+            actual = kv.version if kv else 0
+        else:
+            actual = kv.lease if kv else NO_LEASE
+        expected = self.value
+        if type(actual) is not type(expected):
+            raise TypeError(f"compare {self.target} needs {type(actual).__name__}")
+        if self.op == "==":
+            return actual == expected
+        if self.op == "!=":
+            return actual != expected
+        if self.op == "<":
+            return actual < expected  # type: ignore[operator]
+        return actual > expected  # type: ignore[operator]
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    key: str
+    value: bytes
+    lease: int = NO_LEASE
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    key: str
+    prefix: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Get:
+    key: str
+    prefix: bool = False
+
+
+Op = Put | Delete | Get
+
+
+@dataclass(frozen=True, slots=True)
+class TxnResult:
+    succeeded: bool
+    revision: int
+    # One entry per Get op of the branch taken (in order): the matching keys.
+    gets: list[list[KeyValue]] = field(default_factory=list)
+
+
+class Watch(abc.ABC):
+    """An open watch: iterate it for events; close it when done.
+
+    Iteration ends (``StopAsyncIteration``) after :meth:`close`. If the store
+    becomes unreachable for longer than the implementation can hide by
+    reconnecting, iteration raises :class:`~elastrun.errors.StoreUnavailable`.
+    """
+
+    def __aiter__(self) -> AsyncIterator[WatchEvent]:
+        return self
+
+    @abc.abstractmethod
+    async def __anext__(self) -> WatchEvent: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    async def __aenter__(self) -> Watch:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+class Store(abc.ABC):
+    """The interface every store implements. All methods may raise
+    :class:`~elastrun.errors.StoreError` subclasses (and nothing else)."""
+
+    # -- reads ---------------------------------------------------------------
+    @abc.abstractmethod
+    async def get(self, key: str) -> KeyValue | None: ...
+
+    @abc.abstractmethod
+    async def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        """All keys starting with ``prefix`` (sorted by key), and the store's
+        revision at the time of the read (watch from ``revision + 1`` to see
+        every later change)."""
+
+    # -- writes --------------------------------------------------------------
+    @abc.abstractmethod
+    async def put(self, key: str, value: bytes, lease: int = NO_LEASE) -> int:
+        """Write ``key``; returns the new revision."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str, prefix: bool = False) -> int:
+        """Delete ``key`` (or every key under the prefix); returns how many."""
+
+    @abc.abstractmethod
+    async def txn(
+        self,
+        compares: Sequence[Compare],
+        success: Sequence[Op],
+        failure: Sequence[Op] = (),
+    ) -> TxnResult: ...
+
+    # -- leases --------------------------------------------------------------
+    @abc.abstractmethod
+    async def lease_grant(self, ttl: float) -> int:
+        """Grant a lease of ``ttl`` seconds; returns its id (never 0).
+        Implementations may round ``ttl`` up (etcd: whole seconds)."""
+
+    @abc.abstractmethod
+    async def lease_keepalive(self, lease: int) -> float:
+        """Reset the lease's TTL; returns the TTL. Raises LeaseNotFound."""
+
+    @abc.abstractmethod
+    async def lease_revoke(self, lease: int) -> None:
+        """Revoke the lease, deleting its keys. Revoking a missing lease is a no-op."""
+
+    # -- watches -------------------------------------------------------------
+    @abc.abstractmethod
+    async def watch(
+        self, key: str, *, prefix: bool = False, start_revision: int | None = None
+    ) -> Watch:
+        """Watch ``key`` (or keys under it, with ``prefix``). Returns once the
+        watch is established: every write after this call returns is seen."""
+
+    # -- lifecycle -----------------------------------------------------------
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    async def __aenter__(self) -> Store:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- conveniences built on the primitives --------------------------------
+    async def create(self, key: str, value: bytes, lease: int = NO_LEASE) -> bool:
+        """Create ``key`` only if absent; True if this call created it."""
+        result = await self.txn([Compare.absent(key)], [Put(key, value, lease)])
+        return result.succeeded
+
+    async def compare_and_set(
+        self, key: str, mod_revision: int, value: bytes, lease: int = NO_LEASE
+    ) -> bool:
+        """Write ``key`` only if its mod revision is still ``mod_revision``
+        (0: only if absent); True if this call wrote it."""
+        result = await self.txn([Compare.unchanged(key, mod_revision)], [Put(key, value, lease)])
+        return result.succeeded

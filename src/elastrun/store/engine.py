@@ -1,0 +1,228 @@
+"""The key-value engine behind the in-memory and embedded TCP stores.
+
+Synchronous and free of I/O: a dict of keys, a revision counter, leases with
+absolute monotonic deadlines (from an injected clock), a bounded history of
+events for watches that start in the past, and watcher callbacks. Async
+front-ends (:mod:`elastrun.store.memory`, :mod:`elastrun.store.server`) own the
+event loop, call :meth:`Engine.expire_leases` at :meth:`Engine.next_deadline`,
+and turn callbacks into queues or frames.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import secrets
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from elastrun.clock import SYSTEM_CLOCK, Clock
+from elastrun.errors import LeaseNotFound, RevisionCompacted
+from elastrun.store.base import (
+    NO_LEASE,
+    Compare,
+    Delete,
+    Get,
+    KeyValue,
+    Op,
+    Put,
+    TxnResult,
+    WatchEvent,
+)
+
+__all__ = ["Engine", "WatchCallback"]
+
+WatchCallback = Callable[[list[WatchEvent]], None]
+
+MIN_TTL = 0.05
+MAX_TTL = 3600.0
+
+
+@dataclass
+class _Lease:
+    ttl: float
+    deadline: float
+    keys: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Watcher:
+    key: str
+    prefix: bool
+    callback: WatchCallback
+
+    def matches(self, key: str) -> bool:
+        return key.startswith(self.key) if self.prefix else key == self.key
+
+
+class Engine:
+    def __init__(self, clock: Clock = SYSTEM_CLOCK, history: int = 100_000) -> None:
+        self.clock = clock
+        self.revision = 0
+        self._kv: dict[str, KeyValue] = {}
+        self._sorted_keys: list[str] = []
+        self._leases: dict[int, _Lease] = {}
+        # History of (revision, events); oldest revision still fully kept:
+        self._history: deque[tuple[int, list[WatchEvent]]] = deque(maxlen=history)
+        self._watchers: dict[int, _Watcher] = {}
+        self._watch_ids = itertools.count(1)
+        self._lease_ids = itertools.count(secrets.randbelow(1 << 40) + 1)
+
+    # -- reads ---------------------------------------------------------------
+    def get(self, key: str) -> KeyValue | None:
+        return self._kv.get(key)
+
+    def range(self, key: str, prefix: bool = False) -> list[KeyValue]:
+        if not prefix:
+            kv = self._kv.get(key)
+            return [kv] if kv is not None else []
+        start = bisect.bisect_left(self._sorted_keys, key)
+        out: list[KeyValue] = []
+        for k in itertools.islice(self._sorted_keys, start, None):
+            if not k.startswith(key):
+                break
+            out.append(self._kv[k])
+        return out
+
+    # -- writes --------------------------------------------------------------
+    def put(self, key: str, value: bytes, lease: int = NO_LEASE) -> int:
+        self._check_lease(lease)
+        self.revision += 1
+        events = [self._apply_put(key, value, lease)]
+        self._publish(events)
+        return self.revision
+
+    def delete(self, key: str, prefix: bool = False) -> int:
+        targets = [kv.key for kv in self.range(key, prefix)]
+        if not targets:
+            return 0
+        self.revision += 1
+        self._publish([self._apply_delete(k) for k in targets])
+        return len(targets)
+
+    def txn(
+        self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op]
+    ) -> TxnResult:
+        ok = all(c.holds(self._kv.get(c.key)) for c in compares)
+        ops = success if ok else failure
+        for op in ops:
+            if isinstance(op, Put):
+                self._check_lease(op.lease)
+        writes = any(isinstance(op, Put) for op in ops) or any(
+            isinstance(op, Delete) and self.range(op.key, op.prefix) for op in ops
+        )
+        if writes:
+            self.revision += 1
+        events: list[WatchEvent] = []
+        gets: list[list[KeyValue]] = []
+        for op in ops:
+            if isinstance(op, Get):
+                gets.append(self.range(op.key, op.prefix))
+            elif isinstance(op, Put):
+                events.append(self._apply_put(op.key, op.value, op.lease))
+            else:
+                events.extend(self._apply_delete(kv.key) for kv in self.range(op.key, op.prefix))
+        if events:
+            self._publish(events)
+        return TxnResult(succeeded=ok, revision=self.revision, gets=gets)
+
+    # -- leases --------------------------------------------------------------
+    def lease_grant(self, ttl: float) -> int:
+        if not (math.isfinite(ttl) and MIN_TTL <= ttl <= MAX_TTL):
+            raise ValueError(f"lease TTL must be between {MIN_TTL} and {MAX_TTL} s, got {ttl}")
+        lease_id = next(self._lease_ids)
+        self._leases[lease_id] = _Lease(ttl, self.clock.monotonic() + ttl)
+        return lease_id
+
+    def lease_keepalive(self, lease_id: int) -> float:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise LeaseNotFound(f"lease {lease_id:x} not found (expired or revoked)")
+        lease.deadline = self.clock.monotonic() + lease.ttl
+        return lease.ttl
+
+    def lease_revoke(self, lease_id: int) -> None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None or not lease.keys:
+            return
+        self.revision += 1
+        self._publish([self._apply_delete(k) for k in sorted(lease.keys)])
+
+    def expire_leases(self) -> list[int]:
+        """Revoke every lease whose deadline has passed; returns their ids."""
+        now = self.clock.monotonic()
+        expired = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
+        for lease_id in expired:
+            self.lease_revoke(lease_id)
+        return expired
+
+    def next_deadline(self) -> float | None:
+        """The earliest lease deadline, or None when there are no leases."""
+        if not self._leases:
+            return None
+        return min(lease.deadline for lease in self._leases.values())
+
+    # -- watches -------------------------------------------------------------
+    def add_watcher(
+        self, key: str, prefix: bool, start_revision: int | None, callback: WatchCallback
+    ) -> int:
+        """Register a watcher. With ``start_revision``, past events from that
+        revision on are delivered (synchronously) before this returns."""
+        watcher = _Watcher(key, prefix, callback)
+        if start_revision is not None and start_revision <= self.revision:
+            oldest = self._history[0][0] if self._history else self.revision + 1
+            # Revisions that produced no events (none exist today) would be fine;
+            # what matters is whether anything at or after start was dropped.
+            full = len(self._history) == self._history.maxlen
+            if full and start_revision < oldest:
+                raise RevisionCompacted(
+                    f"revision {start_revision} is compacted; oldest kept is {oldest}"
+                )
+            for revision, events in self._history:
+                if revision < start_revision:
+                    continue
+                matching = [e for e in events if watcher.matches(e.kv.key)]
+                if matching:
+                    callback(matching)
+        watch_id = next(self._watch_ids)
+        self._watchers[watch_id] = watcher
+        return watch_id
+
+    def remove_watcher(self, watch_id: int) -> None:
+        self._watchers.pop(watch_id, None)
+
+    # -- internals -----------------------------------------------------------
+    def _check_lease(self, lease: int) -> None:
+        if lease != NO_LEASE and lease not in self._leases:
+            raise LeaseNotFound(f"lease {lease:x} not found (expired or revoked)")
+
+    def _apply_put(self, key: str, value: bytes, lease: int) -> WatchEvent:
+        old = self._kv.get(key)
+        if old is None:
+            bisect.insort(self._sorted_keys, key)
+            kv = KeyValue(key, value, self.revision, self.revision, 1, lease)
+        else:
+            if old.lease not in (NO_LEASE, lease) and old.lease in self._leases:
+                self._leases[old.lease].keys.discard(key)
+            kv = KeyValue(key, value, old.create_revision, self.revision, old.version + 1, lease)
+        if lease != NO_LEASE:
+            self._leases[lease].keys.add(key)
+        self._kv[key] = kv
+        return WatchEvent("put", kv)
+
+    def _apply_delete(self, key: str) -> WatchEvent:
+        old = self._kv.pop(key)
+        index = bisect.bisect_left(self._sorted_keys, key)
+        del self._sorted_keys[index]
+        if old.lease != NO_LEASE and old.lease in self._leases:
+            self._leases[old.lease].keys.discard(key)
+        return WatchEvent("delete", KeyValue(key, b"", old.create_revision, self.revision, 0))
+
+    def _publish(self, events: list[WatchEvent]) -> None:
+        self._history.append((self.revision, events))
+        for watcher in list(self._watchers.values()):
+            matching = [e for e in events if watcher.matches(e.kv.key)]
+            if matching:
+                watcher.callback(matching)
