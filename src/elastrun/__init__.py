@@ -18,6 +18,9 @@ from elastrun.errors import (
     StoreUnavailable,
     WorkerError,
 )
+from elastrun.launcher.api import launch
+from elastrun.launcher.config import LaunchConfig
+from elastrun.worker.record import record
 
 __version__ = "0.1.0"
 
@@ -26,6 +29,7 @@ __all__ = [
     "ConfigError",
     "ConfigMismatch",
     "ElastrunError",
+    "LaunchConfig",
     "RendezvousClosed",
     "RendezvousError",
     "RendezvousTimeout",
@@ -35,4 +39,6 @@ __all__ = [
     "StoreUnavailable",
     "WorkerError",
     "__version__",
+    "launch",
+    "record",
 ]

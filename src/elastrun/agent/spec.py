@@ -53,6 +53,9 @@ class WorkerSpec:
         signal.SIGHUP,
         signal.SIGQUIT,
     )
+    # Signals the agent passes on to every worker's process group without
+    # stopping anything (e.g. SIGUSR1 for a "checkpoint now" before preemption).
+    signals_to_forward: tuple[signal.Signals, ...] = ()
     monitor_interval: float = 0.1  # accepted for compatibility; exits are event-driven
     start_method: str = "spawn"  # accepted for compatibility; workers are always exec'd
     hang_timeout: float | None = None  # progress watchdog (later issue)

@@ -60,6 +60,9 @@ class _Watcher:
 class Engine:
     def __init__(self, clock: Clock = SYSTEM_CLOCK, history: int = 100_000) -> None:
         self.clock = clock
+        # Identifies this engine's history: a client that reconnects to a store
+        # whose ``uid`` changed knows its watches cannot resume.
+        self.uid = secrets.token_hex(8)
         self.revision = 0
         self._kv: dict[str, KeyValue] = {}
         self._sorted_keys: list[str] = []

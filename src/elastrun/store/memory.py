@@ -9,7 +9,7 @@ import contextlib
 from collections.abc import Sequence
 
 from elastrun.clock import SYSTEM_CLOCK, Clock
-from elastrun.errors import StoreUnavailable
+from elastrun.errors import StoreError, StoreUnavailable
 from elastrun.store.base import NO_LEASE, Compare, KeyValue, Op, Store, TxnResult, Watch, WatchEvent
 from elastrun.store.engine import Engine
 
@@ -108,10 +108,16 @@ class MemoryStore(Store):
     async def txn(
         self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
     ) -> TxnResult:
-        return self._check().txn(compares, success, failure)
+        try:
+            return self._check().txn(compares, success, failure)
+        except TypeError as exc:  # a compare of the wrong type
+            raise StoreError(str(exc)) from None
 
     async def lease_grant(self, ttl: float) -> int:
-        lease = self._check().lease_grant(ttl)
+        try:
+            lease = self._check().lease_grant(ttl)
+        except ValueError as exc:
+            raise StoreError(str(exc)) from None
         self._poke()
         return lease
 

@@ -1,0 +1,39 @@
+"""Helpers for training scripts run by elastrun (or torchrun).
+
+- :func:`context` / :class:`WorkerContext`: this worker's rank, world size,
+  restart count, ... from the launcher's environment.
+- :func:`heartbeat`: report progress to the hang watchdog (no-op without it).
+- :class:`ElasticSampler`: shards each epoch by the current world size and
+  resumes mid-epoch by global sample offset.
+- :func:`save_checkpoint` / :func:`load_checkpoint`: atomic checkpoints; at
+  start, ranks agree on the newest one and the holder broadcasts it.
+
+Importing this package does not import torch (the checkpoint functions import
+it when called), so ``import elastrun.train`` is cheap.
+"""
+
+from __future__ import annotations
+
+from elastrun.train.checkpoint import (
+    CheckpointInfo,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from elastrun.train.context import WorkerContext, context
+from elastrun.train.heartbeat import heartbeat
+from elastrun.train.sampler import ElasticSampler, global_order
+
+__all__ = [
+    "CheckpointInfo",
+    "ElasticSampler",
+    "WorkerContext",
+    "context",
+    "global_order",
+    "heartbeat",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "save_checkpoint",
+]

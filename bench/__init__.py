@@ -1,0 +1,1 @@
+"""Benchmarks: elastrun side by side with torchrun (see docs/benchmarks.md)."""

@@ -1,0 +1,471 @@
+"""Process plumbing for the benchmarks: launcher configurations, agents as
+subprocesses in their own process groups, the workers' event log, bounded
+waits, node kills and memory sampling.
+
+Every process the harness starts gets its own session; at the end of a run the
+harness kills each agent's process group and the process group of every
+process descended from it (torchrun starts its workers in sessions of their
+own), so nothing outlives a run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+WORKER = BENCH_DIR / "bench_worker.py"
+POLL_S = 0.02
+
+Event = dict[str, Any]
+
+
+class BenchFailure(Exception):
+    """A measured run did not reach the state it waited for (timeout, early
+    exit, launcher unavailable). The harness records it as a failure."""
+
+
+# --------------------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    """One launcher at one set of settings, e.g. ``torchrun`` tuned."""
+
+    name: str
+    launcher: str  # "torchrun" or "elastrun"
+    tuned: bool
+    flags: tuple[str, ...] = ()
+    rdzv_conf: tuple[tuple[str, str], ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def base_command(self) -> list[str]:
+        module = "torch.distributed.run" if self.launcher == "torchrun" else "elastrun"
+        return [sys.executable, "-m", module]
+
+    def argv(self, flags: Sequence[str], rdzv_conf: Mapping[str, str] | None = None) -> list[str]:
+        """The full command line: launcher, scenario flags, this config's
+        flags and rendezvous settings, then the worker script."""
+        conf = dict(self.rdzv_conf)
+        conf.update(rdzv_conf or {})
+        argv = [*self.base_command, *flags, *self.flags]
+        if conf:
+            argv.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()))
+        return [*argv, str(WORKER)]
+
+    def describe(self) -> str:
+        parts = [" ".join(self.flags) or "(no extra flags)"]
+        if self.rdzv_conf:
+            parts.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in self.rdzv_conf))
+        else:
+            parts.append("rendezvous timeouts at the launcher's defaults")
+        if self.env:
+            parts.append("env " + " ".join(f"{k}={v}" for k, v in self.env))
+        return "; ".join(parts)
+
+
+TORCHRUN_DEFAULT = LauncherConfig("torchrun-default", "torchrun", tuned=False)
+ELASTRUN_DEFAULT = LauncherConfig("elastrun-default", "elastrun", tuned=False)
+# torchrun at its best on one machine: the shortest last call it accepts
+# (integer seconds), a 1 s keep-alive, the fastest monitor tick, and its own
+# (non-shared) TCP store for workers, without which restarts and scale-ups on
+# c10d hang or fail at torch 2.13.
+TORCHRUN_TUNED = LauncherConfig(
+    "torchrun-tuned",
+    "torchrun",
+    tuned=True,
+    flags=("--monitor-interval=0.1",),
+    rdzv_conf=(("last_call_timeout", "1"), ("keep_alive_interval", "1")),
+    env=(("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),),
+)
+ELASTRUN_TUNED = LauncherConfig(
+    "elastrun-tuned",
+    "elastrun",
+    tuned=True,
+    flags=("--monitor-interval=0.1",),
+    rdzv_conf=(("last_call_timeout", "1"), ("lease_ttl", "2")),
+)
+# Alternating A B A B within each repetition.
+DEFAULT_CONFIGS = (TORCHRUN_DEFAULT, ELASTRUN_DEFAULT, TORCHRUN_TUNED, ELASTRUN_TUNED)
+
+
+def counterpart(cfg: LauncherConfig, configs: Iterable[LauncherConfig]) -> LauncherConfig | None:
+    """The torchrun config an elastrun config is compared with (same tuning)."""
+    if cfg.launcher != "elastrun":
+        return None
+    for other in configs:
+        if other.launcher == "torchrun" and other.tuned == cfg.tuned:
+            return other
+    return None
+
+
+def check_launcher(cfg: LauncherConfig, timeout: float = 30.0) -> str | None:
+    """``None`` when ``<launcher> --help`` works, else why not (one line)."""
+    try:
+        proc = subprocess.run(
+            [*cfg.base_command, "--help"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO,
+            start_new_session=True,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return f"`{cfg.launcher} --help` did not answer within {timeout:.0f}s"
+    if proc.returncode == 0:
+        return None
+    lines = [ln for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()]
+    tail = lines[-1] if lines else ""
+    return f"`{cfg.launcher} --help` exited {proc.returncode}: {tail}"[:300]
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _proc_table() -> dict[int, tuple[int, int]]:
+    """pid -> (ppid, pgid) for every process we can see."""
+    table: dict[int, tuple[int, int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        table[int(entry)] = (int(fields[1]), int(fields[2]))
+    return table
+
+
+def descendants(root: int, table: Mapping[int, tuple[int, int]] | None = None) -> list[int]:
+    table = _proc_table() if table is None else table
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    out: list[int] = []
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def read_status_kib(pid: int, key: str) -> int | None:
+    """A ``kB`` field of ``/proc/PID/status`` (``VmHWM``, ``VmRSS``), or None."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def kill_tree(root_pids: Iterable[int]) -> None:
+    """SIGKILL the process groups of the given processes and of all their
+    descendants (a node that vanishes at once)."""
+    table = _proc_table()
+    groups: set[int] = set()
+    pids: set[int] = set()
+    for root in root_pids:
+        for pid in [root, *descendants(root, table)]:
+            if pid in table:
+                pids.add(pid)
+                groups.add(table[pid][1])
+    groups.discard(os.getpgrp())
+    for pgid in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    for pid in pids:  # members of a group we must not kill (none expected)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if table[pid][1] == os.getpgrp():
+                os.kill(pid, signal.SIGKILL)
+
+
+@dataclass
+class Agent:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    t_launch: float
+    t_exit: float | None = None
+    known_pids: set[int] = field(default_factory=set)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode if self.t_exit is not None else None
+
+    def log_tail(self, lines: int = 8) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        kept = [ln for ln in text.splitlines() if ln.strip()]
+        return "\n".join(kept[-lines:])
+
+    def remember_tree(self) -> None:
+        """Note the agent's descendants now, to find them again after the
+        agent itself has gone."""
+        if self.t_exit is None:
+            self.known_pids.update(descendants(self.pid))
+
+
+class EventLog:
+    """Incremental reader of the workers' JSON-lines event file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.events: list[Event] = []
+        self._offset = 0
+        self._partial = b""
+
+    def poll(self) -> list[Event]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return self.events
+        self._offset += len(data)
+        data = self._partial + data
+        *lines, self._partial = data.split(b"\n")
+        for line in lines:
+            if line.strip():
+                with contextlib.suppress(ValueError):
+                    self.events.append(json.loads(line))
+        return self.events
+
+    def select(self, ev: str, after: float = 0.0, **match: Any) -> list[Event]:
+        return [
+            e
+            for e in self.events
+            if e.get("ev") == ev
+            and e.get("t", 0.0) > after
+            and all(e.get(k) == v for k, v in match.items())
+        ]
+
+
+def first_per_rank(events: Iterable[Event]) -> dict[int, Event]:
+    out: dict[int, Event] = {}
+    for e in sorted(events, key=lambda e: e["t"]):
+        out.setdefault(int(e["rank"]), e)
+    return out
+
+
+def all_ranks_time(events: Iterable[Event], world: int) -> float | None:
+    """The time by which every rank in ``[0, world)`` had an event, or None."""
+    first = first_per_rank(events)
+    if any(r not in first for r in range(world)):
+        return None
+    return max(float(first[r]["t"]) for r in range(world))
+
+
+class Run:
+    """One measured run: a folder, its agents and the workers' events."""
+
+    def __init__(self, folder: Path, worker_env: Mapping[str, str]) -> None:
+        self.dir = folder
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.events_path = self.dir / "events.jsonl"
+        self.log = EventLog(self.events_path)
+        self.agents: list[Agent] = []
+        self.worker_env = {
+            "BENCH_EVENTS": str(self.events_path),
+            "BENCH_DIR": str(self.dir),
+            "PYTHONUNBUFFERED": "1",
+            **worker_env,
+        }
+        self.mem_pids: dict[int, int] = {}  # pid -> highest VmHWM (KiB) seen
+        self.mem_root: Agent | None = None
+        self._mem_next = 0.0
+
+    # -- processes
+
+    def start_agent(
+        self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None
+    ) -> Agent:
+        log_path = self.dir / f"{name}.log"
+        full_env = {**os.environ, **self.worker_env, **(env or {})}
+        with log_path.open("wb") as log:
+            t_launch = time.time()
+            proc = subprocess.Popen(
+                list(argv),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=full_env,
+                cwd=REPO,
+                start_new_session=True,
+            )
+        agent = Agent(name, proc, log_path, t_launch)
+        (self.dir / f"{name}.cmd").write_text(" ".join(argv) + "\n")
+
+        def waiter() -> None:
+            proc.wait()
+            agent.t_exit = time.time()
+
+        threading.Thread(target=waiter, daemon=True).start()
+        self.agents.append(agent)
+        return agent
+
+    def kill_node(self, agent: Agent) -> float:
+        """SIGKILL an agent, its process group and every descendant's group;
+        returns the time of the kill."""
+        agent.remember_tree()
+        pids = [agent.pid, *agent.known_pids]
+        t = time.time()
+        kill_tree(pids)
+        return t
+
+    def stop(self) -> None:
+        """Ask the workers to finish (they stop together at the next step)."""
+        (self.dir / "stop").write_text("stop\n")
+
+    def cleanup(self) -> None:
+        roots: list[int] = []
+        for agent in self.agents:
+            agent.remember_tree()
+            roots += [agent.pid, *agent.known_pids]
+        self.log.poll()
+        table = _proc_table()
+        for e in self.log.events:  # workers started by an agent that is gone
+            pid = int(e.get("pid", -1))
+            if pid in table and _cmdline_has(pid, str(WORKER)):
+                roots.append(pid)
+        kill_tree(roots)
+        for agent in self.agents:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                agent.proc.wait(10)
+
+    # -- waiting
+
+    def wait(
+        self,
+        what: str,
+        predicate: Callable[[EventLog], Any],
+        timeout: float,
+        alive: Sequence[Agent] = (),
+    ) -> Any:
+        """Poll until ``predicate(log)`` is truthy; fail on timeout or when an
+        agent in ``alive`` exits first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.log.poll()
+            self._sample_memory()
+            value = predicate(self.log)
+            if value:
+                return value
+            for agent in alive:
+                if agent.t_exit is not None:
+                    raise BenchFailure(
+                        f"{agent.name} exited {agent.proc.returncode} while waiting for {what}"
+                        + _tail(agent)
+                    )
+            if time.monotonic() > deadline:
+                raise BenchFailure(f"timed out after {timeout:.0f}s waiting for {what}")
+            time.sleep(POLL_S)
+
+    def wait_exit(self, agents: Sequence[Agent], timeout: float) -> float:
+        """Wait for the agents to exit 0; returns the last exit time."""
+        self.wait(
+            "launcher exit",
+            lambda _log: all(a.t_exit is not None for a in agents),
+            timeout,
+        )
+        for agent in agents:
+            if agent.proc.returncode != 0:
+                raise BenchFailure(f"{agent.name} exited {agent.proc.returncode}" + _tail(agent))
+        return max(a.t_exit or 0.0 for a in agents)
+
+    # -- memory
+
+    def track_memory(self, agent: Agent) -> None:
+        self.mem_root = agent
+
+    def _sample_memory(self) -> None:
+        agent = self.mem_root
+        if agent is None or agent.t_exit is not None or time.monotonic() < self._mem_next:
+            return
+        self._mem_next = time.monotonic() + 0.1
+        workers = {int(e["pid"]) for e in self.log.events if e.get("ev") == "start"}
+        for pid in [agent.pid, *descendants(agent.pid)]:
+            if pid in workers or (pid != agent.pid and _cmdline_has(pid, str(WORKER))):
+                continue
+            hwm = read_status_kib(pid, "VmHWM")
+            if hwm is not None:
+                self.mem_pids[pid] = max(hwm, self.mem_pids.get(pid, 0))
+
+
+def _cmdline_has(pid: int, needle: str) -> bool:
+    try:
+        return needle in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+
+
+def _tail(agent: Agent) -> str:
+    tail = agent.log_tail(6)
+    return f"; log tail: {tail[-600:]}" if tail else ""
+
+
+def physical_floor(folder: Path, nproc: int, timeout: float) -> dict[str, float]:
+    """Start ``nproc`` workers directly (no launcher) on a gloo process group:
+    the time to python start + import torch + process-group init + one step."""
+    run = Run(folder, {"BENCH_TARGET_STEP": "1"})
+    port = free_port()
+    procs: list[Agent] = []
+    try:
+        for rank in range(nproc):
+            env = {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1",
+            }
+            procs.append(run.start_agent(f"rank{rank}", [sys.executable, str(WORKER)], env))
+        t0 = procs[0].t_launch
+        t_step = run.wait(
+            "first step on all ranks (no launcher)",
+            lambda log: all_ranks_time(log.select("step"), nproc),
+            timeout,
+        )
+        imported = all_ranks_time(run.log.select("imported"), nproc) or 0.0
+        pg = all_ranks_time(run.log.select("pg_ready"), nproc) or 0.0
+        started = all_ranks_time(run.log.select("start"), nproc) or 0.0
+        run.wait_exit(procs, timeout)
+        return {
+            "python_started": started - t0,
+            "torch_imported": imported - t0,
+            "pg_ready": pg - t0,
+            "first_step": t_step - t0,
+        }
+    finally:
+        run.cleanup()

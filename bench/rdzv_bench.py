@@ -1,0 +1,154 @@
+"""Rendezvous time for N simulated agents on the embedded store.
+
+``python -m bench.rdzv_bench [--sizes 8,64,256] [--procs 4] [--reps 3]``
+
+Starts ``elastrun store serve`` on loopback, then ``--procs`` processes each
+running N/procs rendezvous handlers (``DynamicRendezvous``, min = max = N, so
+the round closes as soon as everyone joined: this measures the protocol, not
+the last call). The processes connect first; then all are told "go" at once,
+and each reports how long its handlers took from "go" to holding the round's
+result. The rendezvous time is the slowest handler's; the median over the
+repetitions is printed. Then every handler completes (exit barrier), timed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+async def _worker(host: str, port: int, spec: dict[str, object]) -> None:
+    from elastrun.rendezvous.api import RendezvousSettings
+    from elastrun.rendezvous.dynamic import DynamicRendezvous
+    from elastrun.store.client import TcpStore
+
+    n, count, first = int(spec["n"]), int(spec["count"]), int(spec["first"])  # type: ignore[call-overload]
+    store = await TcpStore.connect(host, port, timeout=30.0, request_timeout=60.0)
+    handlers = [
+        DynamicRendezvous(
+            store,
+            RendezvousSettings(
+                run_id=str(spec["run_id"]),
+                min_nodes=n,
+                max_nodes=n,
+                lease_ttl=30.0,
+                join_timeout=120.0,
+                host=f"a{first + i}",
+                addr="127.0.0.1",
+            ),
+            node_id=f"a{first + i}",
+        )
+        for i in range(count)
+    ]
+    print("ready", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    t0 = time.monotonic()
+    results = await asyncio.gather(*(h.next_round() for h in handlers))
+    t_round = time.monotonic() - t0
+    assert all(r.group_world_size == n for r in results)
+    t1 = time.monotonic()
+    await asyncio.gather(*(h.complete() for h in handlers))
+    t_done = time.monotonic() - t1
+    await asyncio.gather(*(h.shutdown() for h in handlers))
+    await store.close()
+    print(json.dumps({"round": t_round, "complete": t_done}), flush=True)
+
+
+def _run_once(addr: tuple[str, int], n: int, procs: int) -> tuple[float, float]:
+    run_id = f"bench-{uuid.uuid4().hex[:8]}"
+    procs = min(procs, n)
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
+    children = []
+    for p in range(procs):
+        count = n // procs + (1 if p < n % procs else 0)
+        first = sum(n // procs + (1 if q < n % procs else 0) for q in range(p))
+        spec = {"run_id": run_id, "n": n, "count": count, "first": first}
+        argv = [sys.executable, "-m", "bench.rdzv_bench", "--worker", addr[0], str(addr[1])]
+        children.append(
+            subprocess.Popen(
+                [*argv, json.dumps(spec)],
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        for c in children:
+            assert c.stdout is not None
+            line = c.stdout.readline()
+            if line.strip() != "ready":
+                raise RuntimeError(f"worker failed to start: {line!r}")
+        for c in children:
+            assert c.stdin is not None
+            c.stdin.write("go\n")
+            c.stdin.flush()
+        times = []
+        for c in children:
+            out, _ = c.communicate(timeout=300)
+            times.append(json.loads(out.strip().splitlines()[-1]))
+        return max(t["round"] for t in times), max(t["complete"] for t in times)
+    finally:
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+                c.wait(10)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="8,64,256")
+    ap.add_argument("--procs", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--worker", nargs=3, metavar=("HOST", "PORT", "SPEC"))
+    args = ap.parse_args()
+    if args.worker:
+        host, port, spec = args.worker
+        asyncio.run(_worker(host, int(port), json.loads(spec)))
+        return 0
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "elastrun", "store", "serve", "--host", "127.0.0.1", "--port", "0"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        m = re.search(r"listening on (\S+):(\d+)", server.stdout.readline())
+        if not m:
+            raise RuntimeError("the store did not start")
+        addr = (m.group(1), int(m.group(2)))
+        print(f"rendezvous on the embedded store ({args.procs} processes, {args.reps} reps)")
+        print(f"{'agents':>7} {'rendezvous s (median)':>22} {'exit barrier s':>15}")
+        for n in (int(x) for x in args.sizes.split(",")):
+            runs = [_run_once(addr, n, args.procs) for _ in range(args.reps)]
+            rdzv = statistics.median(r[0] for r in runs)
+            done = statistics.median(r[1] for r in runs)
+            print(f"{n:>7} {rdzv:>22.3f} {done:>15.3f}", flush=True)
+    finally:
+        server.terminate()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

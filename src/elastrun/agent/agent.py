@@ -1,0 +1,396 @@
+"""The elastic agent: one per node; runs rounds of workers until the job ends.
+
+The loop (see :mod:`elastrun.rendezvous.api`)::
+
+    next_round -> start workers -> first of: workers exited | membership change | signal
+      all ok     -> complete() (exit barrier), exit 0
+      a failure  -> stop workers, failure summary, request_restart() (budget) -> next round
+      change     -> stop workers (not counted) -> next round
+      signal     -> forward it, stop workers, leave, exit 128 + signum (SIGTERM: 143)
+    finally: rendezvous.shutdown() (leave; never closes the job for the others)
+
+Signal handlers only enqueue; the loop acts on them. A second terminating
+signal during a stop cuts the grace short (SIGKILL at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Awaitable
+from typing import Any
+
+from elastrun.agent.env import check_round
+from elastrun.agent.failures import ROOT_CAUSE, WorkerFailure, classify, format_summary
+from elastrun.agent.logs import needs_files, validate_template
+from elastrun.agent.spec import WorkerSpec
+from elastrun.agent.workers import WorkerGroup
+from elastrun.clock import SYSTEM_CLOCK, Clock
+from elastrun.errors import (
+    ConfigError,
+    ElastrunError,
+    RendezvousClosed,
+    RestartBudgetExhausted,
+)
+from elastrun.events import EventSink, JsonLinesSink, NullSink
+from elastrun.rendezvous.api import Change, Rendezvous, RoundResult
+
+__all__ = ["Agent"]
+
+RDZV_SHUTDOWN_TIMEOUT = 30.0
+CANCEL_TIMEOUT = 5.0
+MAX_TRACEBACK_CHARS = 8000
+
+
+class _Signalled(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _Tee:
+    def __init__(self, *sinks: EventSink) -> None:
+        self.sinks = sinks
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        for s in self.sinks:
+            s.emit(kind, **fields)
+
+
+def _say(msg: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(msg if msg.endswith("\n") else msg + "\n")
+        sys.stderr.flush()
+
+
+def _signame(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
+
+
+class Agent:
+    """Runs ``spec``'s workers for the rounds of ``rendezvous`` until the job ends.
+
+    ``await Agent(spec, rdzv, events).run()`` returns the process exit code:
+    0 success (or the job was already finished), 1 failure (restart budget
+    spent, rendezvous error, workers that cannot be started), 128+signum when
+    stopped by a signal. Must run in the main thread for signal handling and
+    so that the workers' parent-death signal is tied to a long-lived thread.
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        rendezvous: Rendezvous,
+        events: EventSink | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        if spec.nproc < 1:
+            raise ConfigError(f"--nproc-per-node must be at least 1, got {spec.nproc}")
+        if not spec.argv:
+            raise ConfigError("nothing to run: the worker command line is empty")
+        if spec.shutdown_timeout < 0:
+            raise ConfigError(f"shutdown timeout must be >= 0, got {spec.shutdown_timeout}")
+        validate_template(spec.log_template)
+        self.spec = spec
+        self.rendezvous = rendezvous
+        self.clock = clock
+        self._events_file: JsonLinesSink | None = None
+        sink: EventSink = events if events is not None else NullSink()
+        if spec.events_file:
+            self._events_file = JsonLinesSink(spec.events_file, host=spec.host)
+            sink = _Tee(sink, self._events_file)
+        self.events: EventSink = sink
+        self._signals: asyncio.Queue[int] = asyncio.Queue()
+        self._signals_seen = 0
+        self._pending_signal: int | None = None
+        self._group: WorkerGroup | None = None
+        self._attempt = -1
+        self._base_dir: str | None = None
+        self._temp_base = False
+        self._installed: list[tuple[int, Any]] = []
+
+    # ------------------------------------------------------------ public
+    async def run(self) -> int:
+        """Run the job on this node; returns the exit code."""
+        self._install_signals()
+        code = 1
+        try:
+            code = await self._loop()
+        except _Signalled as s:
+            code = 128 + s.signum
+            await self._stop_group(s.signum)
+            _say(f"elastrun: received {_signame(s.signum)}: workers stopped; exiting with {code}")
+            self.events.emit("job_failed", exit_code=code, reason=f"signal {_signame(s.signum)}")
+        except ElastrunError as e:
+            _say(f"elastrun: error: {e}")
+            self.events.emit("job_failed", exit_code=1, reason=type(e).__name__, detail=str(e))
+            code = 1
+        finally:
+            if self._group is not None:
+                # Also on cancellation / unexpected errors: never leave workers behind.
+                await self._stop_group(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.rendezvous.shutdown(), RDZV_SHUTDOWN_TIMEOUT)
+            except (ElastrunError, TimeoutError, OSError) as e:
+                _say(f"elastrun: warning: leaving the rendezvous failed: {e!r}")
+            self._remove_signals()
+            if self._temp_base and self._base_dir is not None:
+                shutil.rmtree(self._base_dir, ignore_errors=True)
+            if self._events_file is not None:
+                self._events_file.close()
+        return code
+
+    # ------------------------------------------------------------ signals
+    def _install_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        stop_sigs = {
+            signal.SIGINT,
+            signal.SIGTERM,
+            signal.SIGHUP,
+            signal.SIGQUIT,
+            *self.spec.signals_to_handle,
+        }
+        for sig in stop_sigs:
+            self._add_handler(loop, sig, self._on_stop_signal)
+        for sig in self.spec.signals_to_forward:
+            if sig not in stop_sigs:
+                self._add_handler(loop, sig, self._on_forward_signal)
+
+    def _add_handler(self, loop: asyncio.AbstractEventLoop, sig: int, cb: Any) -> None:
+        previous = signal.getsignal(sig)
+        try:
+            loop.add_signal_handler(sig, cb, sig)
+        except (ValueError, RuntimeError, NotImplementedError) as e:
+            # not the main thread, or not a catchable signal
+            _say(f"elastrun: warning: cannot handle {_signame(sig)}: {e}")
+            return
+        self._installed.append((sig, previous))
+
+    def _remove_signals(self) -> None:
+        with contextlib.suppress(RuntimeError):
+            loop = asyncio.get_running_loop()
+            for sig, previous in self._installed:
+                loop.remove_signal_handler(sig)
+                if previous is not None:  # give the embedding program its handler back
+                    with contextlib.suppress(ValueError, TypeError, OSError):
+                        signal.signal(sig, previous)
+        self._installed.clear()
+
+    def _on_stop_signal(self, sig: int) -> None:
+        self._signals.put_nowait(sig)
+
+    def _on_forward_signal(self, sig: int) -> None:
+        if self._group is not None:
+            self._group.send_signal(sig)
+        self.events.emit("signal_forwarded", signal=_signame(sig))
+
+    async def _first(self, **named: Awaitable[Any]) -> tuple[str, Any]:
+        """The first of ``named`` to finish (its name and result), or
+        _Signalled when a terminating signal comes first. The rest are cancelled."""
+        if self._pending_signal is not None:
+            for aw in named.values():
+                if asyncio.iscoroutine(aw):
+                    aw.close()
+            raise _Signalled(self._pending_signal)
+        tasks = {name: asyncio.ensure_future(aw) for name, aw in named.items()}
+        sig_task = asyncio.ensure_future(self._signals.get())
+        every = [*tasks.values(), sig_task]
+        try:
+            done, _ = await asyncio.wait(every, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            pending = [t for t in every if not t.done()]
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=CANCEL_TIMEOUT)
+        if sig_task in done:
+            self._signals_seen += 1
+            self._pending_signal = sig_task.result()
+            raise _Signalled(self._pending_signal)
+        for name, t in tasks.items():
+            if t in done:
+                return name, t.result()
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------ the loop
+    async def _loop(self) -> int:
+        while True:
+            try:
+                _, result = await self._first(round=self.rendezvous.next_round())
+            except RendezvousClosed as e:
+                _say(f"elastrun: the job is already finished ({e}); nothing to do")
+                self.events.emit("job_finished", exit_code=0, reason="rendezvous_closed")
+                return 0
+            except RestartBudgetExhausted as e:
+                _say(f"elastrun: job failed: {e}")
+                self.events.emit("job_failed", exit_code=1, reason="restarts_exhausted")
+                return 1
+            assert isinstance(result, RoundResult)
+            check_round(self.spec, result)
+            group = self._start(result)
+            name, value = await self._first(
+                workers=group.wait(), change=self.rendezvous.wait_for_change()
+            )
+            if name == "workers" and value is True:
+                await group.close()
+                self._group = None
+                self.events.emit("workers_succeeded", round=result.round, attempt=self._attempt)
+                await self._first(done=self.rendezvous.complete())
+                self.events.emit("job_finished", exit_code=0, reason="workers_succeeded")
+                return 0
+            if name == "workers":
+                code = await self._on_failure(group, result)
+                if code is not None:
+                    return code
+            else:
+                assert isinstance(value, Change)
+                _say(
+                    f"elastrun: membership change ({value.reason}"
+                    f"{': ' + value.detail if value.detail else ''}); restarting the workers"
+                )
+                await self._stop_group(signal.SIGTERM)
+                self._raise_pending()
+                self.events.emit(
+                    "restart",
+                    count=result.restart_count + (1 if value.counts_as_restart else 0),
+                    reason=value.reason,
+                    detail=value.detail,
+                    counted=value.counts_as_restart,
+                    round=result.round,
+                )
+
+    def _start(self, result: RoundResult) -> WorkerGroup:
+        self._attempt += 1
+        base = self._ensure_base_dir()
+        attempt_dir = os.path.join(base, f"attempt_{self._attempt}")
+        group = WorkerGroup(
+            self.spec,
+            result,
+            attempt=self._attempt,
+            attempt_dir=attempt_dir,
+            keep_files=needs_files(self.spec),
+            events=self.events,
+            clock=self.clock,
+        )
+        self._group = group
+        group.start()  # on WorkerError, run() stops the ones already started
+        self.events.emit(
+            "workers_started",
+            round=result.round,
+            attempt=self._attempt,
+            restart_count=result.restart_count,
+            pids=group.pids,
+            ranks=[w.rank for w in group.workers],
+            local_ranks=[w.local_rank for w in group.workers],
+            world_size=result.world_size,
+            group_rank=result.group_rank,
+            master=f"{result.master_addr}:{result.master_port}",
+        )
+        return group
+
+    def _ensure_base_dir(self) -> str:
+        if self._base_dir is None:
+            if self.spec.log_dir is not None:
+                self._base_dir = os.path.join(self.spec.log_dir, self.spec.run_id)
+                os.makedirs(self._base_dir, exist_ok=True)
+            else:
+                self._base_dir = tempfile.mkdtemp(prefix=f"elastrun-{self.spec.run_id}-")
+                # Only error files live here unless redirects/tee asked for log files.
+                self._temp_base = not needs_files(self.spec)
+        return self._base_dir
+
+    async def _on_failure(self, group: WorkerGroup, result: RoundResult) -> int | None:
+        await self._stop_group(signal.SIGTERM)
+        failures = classify(group.failures())
+        payload = self._failure_payload(failures)
+        try:
+            await self._first(restart=self.rendezvous.request_restart(payload))
+        except RestartBudgetExhausted as e:
+            header = (
+                f"elastrun: job failed: workers failed and no restarts are left "
+                f"(max restarts {result.max_restarts}, used {result.restart_count}): {e}"
+            )
+            _say(format_summary(failures, header))
+            self.events.emit(
+                "job_failed", exit_code=1, reason="restarts_exhausted", failure=payload
+            )
+            return 1
+        header = (
+            f"elastrun: workers failed; restarting them "
+            f"(restart {result.restart_count + 1} of {result.max_restarts})"
+        )
+        _say(format_summary(failures, header))
+        self._raise_pending()
+        self.events.emit(
+            "restart",
+            count=result.restart_count + 1,
+            reason="worker_failed",
+            counted=True,
+            round=result.round,
+            failure=payload,
+        )
+        return None
+
+    def _failure_payload(self, failures: list[WorkerFailure]) -> dict[str, Any]:
+        root = next((f for f in failures if f.role == ROOT_CAUSE), None)
+        first = root or (failures[0] if failures else None)
+        data: dict[str, Any] = {"reason": "worker_failed", "host": self.spec.host}
+        if first is not None:
+            j = first.to_json()
+            if j.get("traceback"):
+                j["traceback"] = j["traceback"][-MAX_TRACEBACK_CHARS:]
+            j["stderr_tail"] = [ln[:300] for ln in j["stderr_tail"][-10:]]
+            data.update(j)
+        data["failures"] = [
+            {
+                "rank": f.rank,
+                "exitcode": f.returncode if f.returncode >= 0 else None,
+                "signal": f.signal_name,
+                "role": f.role,
+                "stopped_by_agent": f.stopped_by_agent,
+            }
+            for f in failures
+        ]
+        return data
+
+    def _raise_pending(self) -> None:
+        if self._pending_signal is not None:
+            raise _Signalled(self._pending_signal)
+
+    async def _stop_group(self, sig: int) -> None:
+        """Stop the current group (bounded); a terminating signal arriving
+        meanwhile is remembered, and a second one cuts the grace short."""
+        group = self._group
+        if group is None:
+            return
+        if self._signals_seen >= 2:
+            group.hurry()
+        stop_task = asyncio.ensure_future(group.stop(sig))
+        while not stop_task.done():
+            sig_task = asyncio.ensure_future(self._signals.get())
+            done, _ = await asyncio.wait({stop_task, sig_task}, return_when="FIRST_COMPLETED")
+            if sig_task in done:
+                self._signals_seen += 1
+                if self._pending_signal is None:
+                    self._pending_signal = sig_task.result()
+                if self._signals_seen >= 2:
+                    group.hurry()
+            else:
+                sig_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sig_task
+        unkillable = stop_task.result()
+        self._group = None
+        if unkillable:
+            _say(
+                f"elastrun: warning: worker pids {unkillable} did not die after SIGKILL "
+                "(stuck in the kernel, e.g. uninterruptible I/O); they are left behind"
+            )

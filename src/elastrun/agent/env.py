@@ -1,0 +1,98 @@
+"""The environment of each worker (SPEC section 2), as torchrun sets it.
+
+Precedence, lowest first: the agent's own environment, ``WorkerSpec.env``,
+then the variables computed here (they always win: a worker must never see a
+stale ``RANK``). ``OMP_NUM_THREADS`` and ``PYTHONUNBUFFERED`` default to ``1``
+only when neither the agent's environment nor ``WorkerSpec.env`` set them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+
+from elastrun.agent.spec import WorkerSpec
+from elastrun.errors import WorkerError
+from elastrun.rendezvous.api import RoundResult
+
+__all__ = ["WORKER_ENV_VARS", "check_round", "worker_env"]
+
+# Every variable the agent computes per worker (for docs and tests).
+WORKER_ENV_VARS = (
+    "LOCAL_RANK",
+    "RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "LOCAL_WORLD_SIZE",
+    "WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_ERROR_FILE",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "PYTHON_EXEC",
+    "OMP_NUM_THREADS",
+    "PYTHONUNBUFFERED",
+)
+
+
+def check_round(spec: WorkerSpec, result: RoundResult) -> None:
+    """Refuse a round whose idea of this node disagrees with the spec."""
+    if not 0 <= result.group_rank < len(result.members):
+        raise WorkerError(
+            f"rendezvous round {result.round} gave this node group rank {result.group_rank}, "
+            f"outside [0, {len(result.members)})"
+        )
+    if result.me.nproc != spec.nproc:
+        raise WorkerError(
+            f"rendezvous round {result.round} says this node runs {result.me.nproc} workers "
+            f"but the worker spec says {spec.nproc} (--nproc-per-node)"
+        )
+
+
+def worker_env(
+    spec: WorkerSpec,
+    result: RoundResult,
+    local_rank: int,
+    error_file: str,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The full environment of local rank ``local_rank`` for round ``result``."""
+    env = dict(os.environ if base is None else base)
+    env.update(spec.env)
+    rank = result.rank_offset + local_rank
+    env.update(
+        {
+            "LOCAL_RANK": str(local_rank),
+            "RANK": str(rank),
+            "GROUP_RANK": str(result.group_rank),
+            # One role per job (the role is agreed job-wide), so role ranks are global ranks.
+            "ROLE_RANK": str(rank),
+            "ROLE_NAME": spec.role,
+            "LOCAL_WORLD_SIZE": str(spec.nproc),
+            "WORLD_SIZE": str(result.world_size),
+            "GROUP_WORLD_SIZE": str(result.group_world_size),
+            "ROLE_WORLD_SIZE": str(result.world_size),
+            "MASTER_ADDR": result.master_addr,
+            "MASTER_PORT": str(result.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(result.restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(result.max_restarts),
+            "TORCHELASTIC_RUN_ID": result.run_id,
+            "TORCHELASTIC_ERROR_FILE": error_file,
+            # Workers create their own store from MASTER_ADDR:MASTER_PORT (env://).
+            "TORCHELASTIC_USE_AGENT_STORE": str(False),
+            # As torchrun: on unless the user chose otherwise.
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "PYTHON_EXEC": env.get("PYTHON_EXEC", sys.executable),
+        }
+    )
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env

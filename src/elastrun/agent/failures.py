@@ -1,0 +1,233 @@
+"""Worker failures users can act on: error files, root cause, the summary.
+
+A worker that fails leaves, at best, a ``TORCHELASTIC_ERROR_FILE`` written by
+torch's ``@record`` or by :func:`elastrun.record` (same JSON format)::
+
+    {"message": {"message": "ValueError: ...",
+                 "extraInfo": {"py_callstack": "<traceback>", "timestamp": "<unix s>"},
+                 "errorCode": <optional int>}}
+
+(older writers put a plain string in ``message`` and ``timestamp`` beside it).
+Without a decorator there is no file, so the agent always keeps the last lines
+of each rank's stderr and shows them instead.
+
+The root cause is the earliest failure that the agent did not cause itself;
+ranks stopped by the agent, and ranks that failed after the root cause (a
+cascade: a peer's collective broke), are marked collateral.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+__all__ = [
+    "ErrorFileInfo",
+    "WorkerFailure",
+    "classify",
+    "describe_exit",
+    "format_summary",
+    "read_error_file",
+]
+
+MAX_ERROR_FILE_BYTES = 1 << 20  # an error file larger than this is truncated when read
+ROOT_CAUSE = "root_cause"
+COLLATERAL = "collateral"
+
+
+@dataclass(frozen=True)
+class ErrorFileInfo:
+    message: str
+    traceback: str | None
+    timestamp: int | None
+    error_code: int | None = None
+
+
+def read_error_file(path: str | None) -> ErrorFileInfo | None:
+    """Parse an error file in torch's format; ``None`` if absent or unreadable."""
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as fp:
+            raw = fp.read(MAX_ERROR_FILE_BYTES)
+    except OSError:
+        return None
+    try:
+        data = json.loads(raw.decode("utf-8", errors="replace"))
+    except ValueError:
+        text = raw.decode("utf-8", errors="replace").strip()
+        return ErrorFileInfo(message=text[:2000], traceback=None, timestamp=None) if text else None
+    if not isinstance(data, dict) or "message" not in data:
+        return None
+    msg = data["message"]
+    if isinstance(msg, str):
+        return ErrorFileInfo(
+            message=msg, traceback=None, timestamp=_int_or_none(data.get("timestamp"))
+        )
+    if not isinstance(msg, dict):
+        return None
+    extra = msg.get("extraInfo")
+    extra = extra if isinstance(extra, dict) else {}
+    tb = extra.get("py_callstack")
+    return ErrorFileInfo(
+        message=str(msg.get("message", "")),
+        traceback=tb if isinstance(tb, str) and tb.strip() else None,
+        timestamp=_int_or_none(extra.get("timestamp")),
+        error_code=_int_or_none(msg.get("errorCode")),
+    )
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def describe_exit(returncode: int) -> str:
+    """``exit code 1`` or ``signal SIGKILL (9)`` from a Popen return code."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    signum = -returncode
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    return f"signal {name} ({signum})"
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """One worker that ended with a non-zero exit code or a signal."""
+
+    rank: int
+    local_rank: int
+    host: str
+    pid: int
+    returncode: int
+    exit_time: float  # wall clock, for humans
+    exit_monotonic: float  # for ordering
+    stopped_by_agent: bool = False
+    error: ErrorFileInfo | None = None
+    stderr_tail: tuple[str, ...] = ()
+    stdout_log: str | None = None
+    stderr_log: str | None = None
+    error_file: str | None = None
+    role: str = ""  # ROOT_CAUSE | COLLATERAL, set by classify()
+    attempt: int = 0
+    restart_count: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def exit_description(self) -> str:
+        return describe_exit(self.returncode)
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.returncode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.returncode).name
+        except ValueError:
+            return str(-self.returncode)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able summary (for the rendezvous' last failure and the event log)."""
+        return {
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "host": self.host,
+            "pid": self.pid,
+            "exitcode": self.returncode if self.returncode >= 0 else None,
+            "signal": self.signal_name,
+            "time": round(self.exit_time, 3),
+            "role": self.role,
+            "stopped_by_agent": self.stopped_by_agent,
+            "message": self.error.message if self.error else _last_line(self.stderr_tail),
+            "traceback": self.error.traceback if self.error else None,
+            "stderr_tail": list(self.stderr_tail),
+            "stderr_log": self.stderr_log,
+            "error_file": self.error_file,
+            "attempt": self.attempt,
+            "restart_count": self.restart_count,
+        }
+
+
+def _last_line(lines: tuple[str, ...]) -> str:
+    for line in reversed(lines):
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def classify(failures: list[WorkerFailure]) -> list[WorkerFailure]:
+    """Order failures root cause first, then the rest by time, each marked.
+
+    The root cause is the earliest failure the agent did not cause; if every
+    failed worker was stopped by the agent, there is no root cause here (the
+    trigger was elsewhere: a signal, a membership change, another node).
+    """
+    own = sorted((f for f in failures if not f.stopped_by_agent), key=lambda f: f.exit_monotonic)
+    stopped = sorted((f for f in failures if f.stopped_by_agent), key=lambda f: f.exit_monotonic)
+    out: list[WorkerFailure] = []
+    for i, f in enumerate(own):
+        out.append(replace(f, role=ROOT_CAUSE if i == 0 else COLLATERAL))
+    out.extend(replace(f, role=COLLATERAL) for f in stopped)
+    return out
+
+
+def _fmt_time(wall: float) -> str:
+    t = time.localtime(wall)
+    return time.strftime("%Y-%m-%d %H:%M:%S", t) + f".{int((wall % 1) * 1000):03d}"
+
+
+def format_summary(failures: list[WorkerFailure], header: str, tail_lines: int = 20) -> str:
+    """The human summary, root cause first (``failures`` as returned by classify)."""
+    bar = "=" * 72
+    lines = [bar, header, bar]
+    if not failures:
+        lines.append("(no worker failed on this node)")
+    for f in failures:
+        if f.role == ROOT_CAUSE:
+            title = "ROOT CAUSE"
+        elif f.stopped_by_agent:
+            title = "collateral (stopped by elastrun)"
+        else:
+            title = "collateral (failed after the root cause)"
+        lines.append(
+            f"[{title}] rank {f.rank} (local rank {f.local_rank}) on {f.host or '?'}, "
+            f"pid {f.pid}: {f.exit_description} at {_fmt_time(f.exit_time)}"
+        )
+        if f.role != ROOT_CAUSE:
+            said = f.error.message if f.error is not None else _last_line(f.stderr_tail)
+            if said:
+                lines.append(f"  said: {said[:300]}")
+            continue
+        if f.error is not None:
+            if f.error.message:
+                lines.append(f"  error: {f.error.message}")
+            if f.error.traceback:
+                lines.append("  traceback (from the error file):")
+                lines.extend("    " + ln for ln in f.error.traceback.rstrip().splitlines())
+        if f.error is None or not f.error.traceback:
+            tail = f.stderr_tail[-tail_lines:]
+            if tail:
+                lines.append(f"  last {len(tail)} lines of stderr:")
+                lines.extend("    " + ln for ln in tail)
+            else:
+                lines.append("  (no error file and nothing on stderr)")
+    for f in failures:
+        if f.role == ROOT_CAUSE and f.stderr_log:
+            lines.append(f"full log of rank {f.rank}: {f.stderr_log}")
+    logged = [f.stderr_log for f in failures if f.stderr_log]
+    if logged:
+        attempt_dir = os.path.dirname(os.path.dirname(logged[0]))
+        lines.append(f"logs of every local rank: {attempt_dir}/<local_rank>/stdout.log|stderr.log")
+    elif failures:
+        lines.append("full logs: the workers' output above (--log-dir keeps them in files)")
+    lines.append(bar)
+    return "\n".join(lines)

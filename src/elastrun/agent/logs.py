@@ -1,0 +1,169 @@
+"""Worker logs: per-attempt files, redirects/tee, prefixed console streaming.
+
+Both pipes of every worker are read by the agent as data arrives (asyncio
+streams; workers run with ``PYTHONUNBUFFERED=1`` unless the user set it), so
+console lines appear when the worker writes them. Per local rank and stream:
+
+* file: ``{log_dir}/{run_id}/attempt_{n}/{local_rank}/stdout.log|stderr.log``,
+  written whenever ``--log-dir`` is given (so a failure summary can always
+  point at the full log), or in a kept temporary folder when ``--redirects``
+  or ``--tee`` ask for files and no ``--log-dir`` was given (as torchrun);
+* console: unless redirected (``--redirects`` without ``--tee`` for that
+  stream), and only for ranks in ``--local-ranks-filter`` when given; each
+  line is prefixed by ``WorkerSpec.log_template``;
+* stderr tail: the last lines of every rank's stderr are always kept in
+  memory for the failure summary, whatever the redirects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import string
+import sys
+from dataclasses import dataclass
+from typing import BinaryIO, TextIO
+
+from elastrun.agent.spec import Std, WorkerSpec
+from elastrun.errors import ConfigError
+
+__all__ = [
+    "LinePump",
+    "StreamRoute",
+    "format_prefix",
+    "routes_for",
+    "std_flags",
+    "validate_template",
+]
+
+CHUNK = 65536
+MAX_PARTIAL = 65536  # a "line" longer than this is emitted in pieces
+MAX_TAIL_LINE = 4000
+TAIL_LINES = 20
+
+
+def std_flags(mapping: dict[int, int], local_rank: int) -> int:
+    """Std flags for one local rank (a key of -1 applies to every rank)."""
+    if local_rank in mapping:
+        return mapping[local_rank]
+    return mapping.get(-1, Std.NONE)
+
+
+def format_prefix(template: str, **fields: object) -> str:
+    """Fill the console prefix template. ``{rank}`` (str.format) and torchrun's
+    ``${rank}`` (string.Template) spellings are both accepted."""
+    if not template:
+        return ""
+    if "$" in template:
+        return string.Template(template).safe_substitute({k: str(v) for k, v in fields.items()})
+    return template.format(**fields)
+
+
+def validate_template(template: str) -> None:
+    try:
+        format_prefix(template, host="h", rank=0, local_rank=0, role="r", group_rank=0, restart=0)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(
+            f"bad log line prefix template {template!r}: {e!r}; fields are "
+            "{host} {rank} {local_rank} {role} {group_rank} {restart}"
+        ) from e
+
+
+@dataclass(frozen=True)
+class StreamRoute:
+    """Where one stream of one worker goes."""
+
+    name: str  # "stdout" | "stderr"
+    file_path: str | None
+    console: bool
+    prefix: str
+    keep_tail: bool
+
+
+def routes_for(
+    spec: WorkerSpec, attempt_dir: str | None, local_rank: int, prefix: str
+) -> tuple[StreamRoute, StreamRoute]:
+    """(stdout, stderr) routes of one worker. ``attempt_dir`` is None when no
+    files are kept at all for this attempt."""
+    redirect = std_flags(spec.redirects, local_rank)
+    tee = std_flags(spec.tee, local_rank)
+    shown = spec.local_ranks_filter is None or local_rank in spec.local_ranks_filter
+    out: list[StreamRoute] = []
+    for name, bit in (("stdout", Std.OUT), ("stderr", Std.ERR)):
+        wants_file = bool((redirect | tee) & bit) or spec.log_dir is not None
+        path = None
+        if wants_file and attempt_dir is not None:
+            path = os.path.join(attempt_dir, str(local_rank), f"{name}.log")
+        console = shown and (not (redirect & bit) or bool(tee & bit))
+        out.append(StreamRoute(name, path, console, prefix, keep_tail=name == "stderr"))
+    return out[0], out[1]
+
+
+def needs_files(spec: WorkerSpec) -> bool:
+    """Whether any file is written (--log-dir, or redirects/tee asking for files)."""
+    if spec.log_dir is not None:
+        return True
+    return any(v for v in spec.redirects.values()) or any(v for v in spec.tee.values())
+
+
+class LinePump:
+    """Copies one worker pipe to its file and, line by line, to the console."""
+
+    def __init__(self, reader: asyncio.StreamReader, route: StreamRoute) -> None:
+        self.reader = reader
+        self.route = route
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._partial = b""
+        self._file: BinaryIO | None = None
+        if route.file_path is not None:
+            os.makedirs(os.path.dirname(route.file_path), exist_ok=True)
+            self._file = open(route.file_path, "ab", buffering=0)  # noqa: SIM115 - closed in run()
+
+    async def run(self) -> None:
+        try:
+            while True:
+                data = await self.reader.read(CHUNK)
+                if not data:
+                    break
+                self._take(data)
+        finally:
+            if self._partial:
+                self._line(self._partial)
+                self._partial = b""
+            self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+
+    def _take(self, data: bytes) -> None:
+        if self._file is not None:
+            # a full disk must not stop the pump (the console and the tail go on)
+            with contextlib.suppress(OSError):
+                self._file.write(data)
+        buf = self._partial + data
+        *lines, rest = buf.split(b"\n")
+        for line in lines:
+            self._line(line + b"\n")
+        while len(rest) > MAX_PARTIAL:
+            self._line(rest[:MAX_PARTIAL] + b"\n")
+            rest = rest[MAX_PARTIAL:]
+        self._partial = rest
+
+    def _line(self, raw: bytes) -> None:
+        text = raw.decode("utf-8", errors="replace")
+        if self.route.keep_tail:
+            self.tail.append(text.rstrip("\r\n")[:MAX_TAIL_LINE])
+        if self.route.console:
+            if not text.endswith("\n"):
+                text += "\n"
+            stream: TextIO = sys.stdout if self.route.name == "stdout" else sys.stderr
+            try:
+                stream.write(f"{self.route.prefix}: {text}" if self.route.prefix else text)
+                stream.flush()
+            except (OSError, ValueError):
+                pass  # console gone (closed pipe): keep pumping into the file

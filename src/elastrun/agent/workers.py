@@ -1,0 +1,419 @@
+"""One worker group: spawn, watch, signal, stop and reap the workers of a round.
+
+Process hygiene (USER-PAIN 4):
+
+* every worker is the leader of its own session and process group, so a
+  signal reaches the worker *and its children*, and the terminal's Ctrl-C
+  reaches only the agent (which forwards it);
+* every worker gets ``PR_SET_PDEATHSIG=SIGKILL``: it dies when the agent dies,
+  even by SIGKILL. The kernel ties this to the *thread* that forked, so
+  workers are spawned from the event loop's thread, which lives as long as
+  the agent runs (normally the main thread);
+* exits are noticed as they happen: a pidfd per worker registered with the
+  event loop (a waiting thread per worker where pidfds are unavailable);
+* stopping is bounded: signal each process group, wait the grace, SIGKILL
+  the groups, wait a bounded time, reap; pids that would not die are reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import errno
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastrun.agent import env as worker_env_mod
+from elastrun.agent.failures import WorkerFailure, read_error_file
+from elastrun.agent.logs import LinePump, StreamRoute, format_prefix, routes_for
+from elastrun.agent.spec import WorkerSpec
+from elastrun.clock import SYSTEM_CLOCK, Clock, remaining
+from elastrun.errors import WorkerError
+from elastrun.events import EventSink
+from elastrun.rendezvous.api import RoundResult
+
+__all__ = ["Worker", "WorkerGroup"]
+
+PR_SET_PDEATHSIG = 1
+KILL_WAIT = 5.0  # after SIGKILL, how long to wait for the kernel to finish them
+DRAIN_TIMEOUT = 2.0  # after exit, how long to wait for the rest of a worker's output
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+# Resolved once, in the parent: the child after fork only calls it.
+_PRCTL = _load_prctl()
+
+
+def _preexec(parent_pid: int) -> Callable[[], None]:
+    prctl = _PRCTL
+
+    def child() -> None:  # runs in the forked child, before exec
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        # The agent may have died between fork and prctl: then nobody would kill us.
+        if os.getppid() != parent_pid:
+            os._exit(137)
+
+    return child
+
+
+def _killpg(pgid: int, sig: int) -> bool:
+    """Signal a worker's process group; False when nothing is left in it."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+    return True
+
+
+@dataclass
+class Worker:
+    local_rank: int
+    rank: int
+    error_file: str
+    routes: tuple[StreamRoute, StreamRoute]
+    popen: subprocess.Popen[bytes] | None = None
+    exited: asyncio.Future[int] | None = None
+    exit_monotonic: float | None = None
+    exit_wall: float | None = None
+    stopped_by_agent: bool = False
+    pumps: list[LinePump] = field(default_factory=list)
+    pump_tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    transports: list[asyncio.BaseTransport] = field(default_factory=list)
+    pidfd: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid if self.popen is not None else -1
+
+    @property
+    def done(self) -> bool:
+        return self.exited is not None and self.exited.done()
+
+    @property
+    def returncode(self) -> int | None:
+        return self.exited.result() if self.done and self.exited is not None else None
+
+
+class WorkerGroup:
+    """The workers of one attempt on this node."""
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        result: RoundResult,
+        *,
+        attempt: int,
+        attempt_dir: str,
+        keep_files: bool,
+        events: EventSink,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.spec = spec
+        self.result = result
+        self.attempt = attempt
+        self.attempt_dir = attempt_dir
+        self.events = events
+        self.clock = clock
+        self.workers: list[Worker] = []
+        self._changed = asyncio.Event()
+        self._hurry = asyncio.Event()
+        self._failed_seen = False
+        self._closed = False
+        for lr in range(spec.nproc):
+            rank = result.rank_offset + lr
+            prefix = format_prefix(
+                spec.log_template,
+                host=spec.host,
+                rank=rank,
+                local_rank=lr,
+                role=spec.role,
+                group_rank=result.group_rank,
+                restart=result.restart_count,
+            )
+            routes = routes_for(spec, attempt_dir if keep_files else None, lr, prefix)
+            err = os.path.join(attempt_dir, str(lr), "error.json")
+            self.workers.append(Worker(lr, rank, err, routes))
+
+    # ---------------------------------------------------------------- start
+    def start(self) -> None:
+        """Spawn every worker. Raises WorkerError if one cannot be started
+        (the caller stops the ones already started)."""
+        loop = asyncio.get_running_loop()
+        me = os.getpid()
+        for w in self.workers:
+            os.makedirs(os.path.dirname(w.error_file), exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(w.error_file)  # a stale file from an earlier run with this run id
+            env = worker_env_mod.worker_env(self.spec, self.result, w.local_rank, w.error_file)
+            try:
+                w.popen = subprocess.Popen(
+                    list(self.spec.argv),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    preexec_fn=_preexec(me),  # noqa: PLW1509 - only calls a pre-resolved prctl
+                    close_fds=True,
+                )
+            except OSError as e:
+                raise WorkerError(
+                    f"cannot start worker local rank {w.local_rank}: "
+                    f"{self.spec.argv[0] if self.spec.argv else '<empty argv>'}: "
+                    f"{e.strerror or e}"
+                ) from e
+            w.exited = loop.create_future()
+            self._watch_exit(loop, w)
+            for pipe, route in zip((w.popen.stdout, w.popen.stderr), w.routes, strict=True):
+                assert pipe is not None
+                self._pump(loop, w, pipe, route)
+
+    def _pump(
+        self, loop: asyncio.AbstractEventLoop, w: Worker, pipe: Any, route: StreamRoute
+    ) -> None:
+        reader = asyncio.StreamReader(limit=1 << 20)
+        protocol = asyncio.StreamReaderProtocol(reader)
+        pump = LinePump(reader, route)
+        w.pumps.append(pump)
+
+        async def run() -> None:
+            transport, _ = await loop.connect_read_pipe(lambda: protocol, pipe)
+            w.transports.append(transport)
+            await pump.run()
+
+        w.pump_tasks.append(loop.create_task(run()))
+
+    def _watch_exit(self, loop: asyncio.AbstractEventLoop, w: Worker) -> None:
+        assert w.popen is not None
+        try:
+            w.pidfd = os.pidfd_open(w.popen.pid)
+        except (OSError, AttributeError):
+            w.pidfd = None
+        if w.pidfd is not None:
+            loop.add_reader(w.pidfd, self._on_exit, loop, w)
+            return
+        popen = w.popen
+
+        def wait_thread() -> None:  # fallback: kernels without pidfd
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOWAIT)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._on_exit, loop, w)
+
+        threading.Thread(target=wait_thread, name=f"wait-{popen.pid}", daemon=True).start()
+
+    def _on_exit(self, loop: asyncio.AbstractEventLoop, w: Worker) -> None:
+        assert w.popen is not None and w.exited is not None
+        rc = w.popen.poll()  # reaps (WNOHANG)
+        if rc is None or w.exited.done():
+            return
+        if w.pidfd is not None:
+            loop.remove_reader(w.pidfd)
+            os.close(w.pidfd)
+            w.pidfd = None
+        w.exit_monotonic = self.clock.monotonic()
+        w.exit_wall = time.time()
+        if rc == 0:
+            cause = "ok"
+        elif w.stopped_by_agent:
+            cause = "collateral"
+        elif not self._failed_seen:
+            cause = "root_cause"
+            self._failed_seen = True
+        else:
+            cause = "collateral"
+        exitcode, sig = (rc, None) if rc >= 0 else (None, _signame(-rc))
+        self.events.emit(
+            "worker_exited",
+            rank=w.rank,
+            local_rank=w.local_rank,
+            pid=w.popen.pid,
+            exitcode=exitcode,
+            signal=sig,
+            cause=cause,
+            stopped_by_agent=w.stopped_by_agent,
+            round=self.result.round,
+            attempt=self.attempt,
+        )
+        w.exited.set_result(rc)
+        self._changed.set()
+
+    # ------------------------------------------------------------- watching
+    @property
+    def pids(self) -> list[int]:
+        return [w.pid for w in self.workers if w.popen is not None]
+
+    @property
+    def failed(self) -> bool:
+        return any(w.done and w.returncode != 0 for w in self.workers)
+
+    @property
+    def succeeded(self) -> bool:
+        return all(w.done and w.returncode == 0 for w in self.workers)
+
+    async def wait(self) -> bool:
+        """Return when a worker failed (False) or all exited 0 (True)."""
+        while True:
+            if self.failed:
+                return False
+            if self.succeeded:
+                return True
+            self._changed.clear()
+            await self._changed.wait()
+
+    # ------------------------------------------------------------- stopping
+    def send_signal(self, sig: int) -> None:
+        """Forward a signal to every live worker's process group."""
+        for w in self.workers:
+            if w.popen is not None and not w.done:
+                _killpg(w.pid, sig)
+
+    def hurry(self) -> None:
+        """Cut the current grace short: SIGKILL now."""
+        self._hurry.set()
+
+    async def _wait_exits(self, deadline: float) -> None:
+        while True:
+            pending = [w.exited for w in self.workers if w.exited is not None and not w.done]
+            if not pending:
+                return
+            left = remaining(deadline, self.clock)
+            if left <= 0 or self._hurry.is_set():
+                return
+            hurry: asyncio.Future[Any] = asyncio.ensure_future(self._hurry.wait())
+            waiters: list[asyncio.Future[Any]] = [*pending, hurry]
+            try:
+                await asyncio.wait(waiters, timeout=left, return_when="FIRST_COMPLETED")
+            finally:
+                hurry.cancel()
+
+    async def stop(self, sig: int = signal.SIGTERM, grace: float | None = None) -> list[int]:
+        """Stop every worker: ``sig`` to each process group, wait ``grace``
+        (default: the spec's shutdown timeout), SIGKILL, wait, reap. Returns the
+        pids that would not die."""
+        grace = self.spec.shutdown_timeout if grace is None else grace
+        live = [w for w in self.workers if w.popen is not None and not w.done]
+        for w in live:
+            w.stopped_by_agent = True
+            _killpg(w.pid, sig)
+        if live:
+            self.events.emit(
+                "workers_stopping", signal=_signame(sig), pids=[w.pid for w in live], grace=grace
+            )
+            await self._wait_exits(self.clock.monotonic() + grace)
+        stubborn = [w for w in self.workers if w.popen is not None and not w.done]
+        if stubborn:
+            self.events.emit("workers_killed", pids=[w.pid for w in stubborn], after_grace=grace)
+            for w in stubborn:
+                _killpg(w.pid, signal.SIGKILL)
+            self._hurry.clear()
+            await self._wait_exits(self.clock.monotonic() + KILL_WAIT)
+        unkillable = [w.pid for w in self.workers if w.popen is not None and not w.done]
+        await self.close()
+        if unkillable:
+            self.events.emit("workers_unkillable", pids=unkillable)
+        return unkillable
+
+    async def close(self) -> None:
+        """After the workers exited: kill what is left of their process groups
+        (children they left behind), finish reading their output, release fds."""
+        if self._closed:
+            return
+        self._closed = True
+        for w in self.workers:
+            if w.popen is not None:
+                _killpg(w.pid, signal.SIGKILL)
+        tasks = [t for w in self.workers for t in w.pump_tasks]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=DRAIN_TIMEOUT)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
+        loop = asyncio.get_running_loop()
+        for w in self.workers:
+            for tr in w.transports:
+                tr.close()
+            for p in w.pumps:
+                p.close()
+            if w.pidfd is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    loop.remove_reader(w.pidfd)
+                with contextlib.suppress(OSError):
+                    os.close(w.pidfd)
+                w.pidfd = None
+            if w.popen is not None:
+                for pipe in (w.popen.stdout, w.popen.stderr):
+                    if pipe is not None:
+                        with contextlib.suppress(OSError):
+                            pipe.close()
+
+    # ------------------------------------------------------------- failures
+    def failures(self) -> list[WorkerFailure]:
+        """Every worker that ended with a non-zero code or a signal (unclassified)."""
+        out: list[WorkerFailure] = []
+        for w in self.workers:
+            rc = w.returncode
+            if rc is None or rc == 0 or w.popen is None:
+                continue
+            stderr_pump = w.pumps[1] if len(w.pumps) > 1 else None
+            out.append(
+                WorkerFailure(
+                    rank=w.rank,
+                    local_rank=w.local_rank,
+                    host=self.spec.host,
+                    pid=w.pid,
+                    returncode=rc,
+                    exit_time=w.exit_wall or time.time(),
+                    exit_monotonic=w.exit_monotonic or self.clock.monotonic(),
+                    stopped_by_agent=w.stopped_by_agent,
+                    error=read_error_file(w.error_file),
+                    stderr_tail=tuple(stderr_pump.tail) if stderr_pump else (),
+                    stdout_log=w.routes[0].file_path,
+                    stderr_log=w.routes[1].file_path,
+                    error_file=w.error_file,
+                    attempt=self.attempt,
+                    restart_count=self.result.restart_count,
+                )
+            )
+        return out
+
+
+def _signame(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (for tests and reports)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fp:
+            stat = fp.read()
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ESRCH):
+            return False
+        raise
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return state not in ("Z", "X")

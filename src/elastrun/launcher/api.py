@@ -1,0 +1,147 @@
+"""``elastrun.launch()``: launch workers from Python (torch's ``elastic_launch``).
+
+Two kinds of entrypoint:
+
+* a command (``str``): a ``.py`` path runs as ``python -u script *args`` (like
+  the CLI); anything else is executed as a program with ``*args`` (torch's
+  semantics for a str entrypoint, e.g. ``launch(cfg, "/bin/bash", "job.sh")``).
+  Returns the agent's exit code.
+* a function: a module-level function importable by name, with JSON
+  arguments. Each worker runs ``python -m elastrun.worker._fn_runner`` (no
+  pickle anywhere); returns ``{global_rank: return value}`` for this node's
+  workers, or raises :class:`~elastrun.errors.WorkerError` when they failed.
+
+Functions defined in the launching script are fine (the script is loaded as
+``__mp_main__`` in workers, as multiprocessing does): guard the ``launch()``
+call with ``if __name__ == "__main__":``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from elastrun.errors import ConfigError, WorkerError
+from elastrun.launcher.config import LaunchConfig
+from elastrun.launcher.plan import resolve
+
+__all__ = ["LaunchConfig", "launch"]
+
+FN_SPEC_VERSION = 1
+FN_WORKER_ENV = "ELASTRUN_FN_WORKER"
+
+
+def _function_spec(fn: Callable[..., Any]) -> dict[str, Any]:
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    if not module or not qualname or "<" in qualname:
+        raise ConfigError(
+            f"launch(): entrypoint {fn!r} must be a module-level function importable by name "
+            "(not a lambda, a nested function or a callable object)"
+        )
+    spec: dict[str, Any] = {"module": module, "qualname": qualname}
+    if module == "__main__":
+        main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+        if not main_file:
+            raise ConfigError(
+                f"launch(): {qualname} is defined in an interactive session; define it in a "
+                "module or a script file"
+            )
+        spec["file"] = os.path.abspath(main_file)
+    else:
+        target: Any = sys.modules.get(module)
+        for part in qualname.split("."):
+            target = getattr(target, part, None)
+        if target is not fn:
+            raise ConfigError(
+                f"launch(): {module}:{qualname} does not name {fn!r}; pass a module-level function"
+            )
+    return spec
+
+
+def _json_args(args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    for i, arg in enumerate(args):
+        try:
+            json.dumps(arg, allow_nan=True)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"launch(): argument {i} ({type(arg).__name__}) is not JSON-serializable: {exc}; "
+                "pass JSON data (workers receive it decoded, tuples as lists)"
+            ) from None
+    try:
+        json.dumps(kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"launch(): keyword arguments are not JSON-serializable: {exc}") from None
+
+
+def _command_argv(entrypoint: str, args: Sequence[Any]) -> list[str]:
+    if not entrypoint:
+        raise ConfigError("launch(): empty entrypoint")
+    str_args = [str(a) for a in args]
+    if entrypoint.endswith(".py"):
+        if not os.path.isfile(entrypoint):
+            raise ConfigError(f"launch(): script {entrypoint!r} not found")
+        return [os.environ.get("PYTHON_EXEC", sys.executable), "-u", entrypoint, *str_args]
+    return [entrypoint, *str_args]
+
+
+def launch(
+    config: LaunchConfig,
+    entrypoint: str | Callable[..., Any],
+    *args: Any,
+    **kwargs: Any,
+) -> int | dict[int, Any]:
+    """Run ``entrypoint`` on ``config.nproc_per_node`` workers of this node, as
+    one node of the job ``config`` describes. Blocks until the job ends."""
+    from elastrun.launcher.run import run_plan
+
+    if os.environ.get(FN_WORKER_ENV):
+        raise ConfigError(
+            "launch(): called inside a worker that launch() started; guard the call with "
+            "'if __name__ == \"__main__\":'"
+        )
+    if isinstance(entrypoint, str):
+        if kwargs:
+            raise ConfigError("launch(): keyword arguments need a function entrypoint")
+        return run_plan(resolve(config), _command_argv(entrypoint, args))
+    if not callable(entrypoint):
+        raise ConfigError(f"launch(): entrypoint must be a str or a function, got {entrypoint!r}")
+    import tempfile
+
+    spec = _function_spec(entrypoint)
+    _json_args(args, kwargs)
+    with tempfile.TemporaryDirectory(prefix="elastrun-fn-") as tmp:
+        results = os.path.join(tmp, "results")
+        os.mkdir(results)
+        spec.update(
+            v=FN_SPEC_VERSION,
+            args=list(args),
+            kwargs=kwargs,
+            results=results,
+            sys_path=[p for p in sys.path if p],
+        )
+        spec_path = os.path.join(tmp, "spec.json")
+        with open(spec_path, "w", encoding="utf-8") as f:
+            json.dump(spec, f)
+        env = {**config.env, FN_WORKER_ENV: "1"}
+        plan = resolve(dataclasses.replace(config, env=env))
+        python = os.environ.get("PYTHON_EXEC", sys.executable)
+        argv = [python, "-u", "-m", "elastrun.worker._fn_runner", spec_path]
+        code = run_plan(plan, argv)
+        if code != 0:
+            raise WorkerError(
+                f"launch(): the workers of {spec['qualname']} failed (agent exit code {code}); "
+                "see the failure summary above"
+            )
+        out: dict[int, Any] = {}
+        for name in sorted(os.listdir(results)):
+            if not name.endswith(".json"):
+                continue
+            with open(os.path.join(results, name), encoding="utf-8") as f:
+                record = json.load(f)
+            out[int(record["rank"])] = record["result"]
+        return out

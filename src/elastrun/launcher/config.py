@@ -1,0 +1,460 @@
+"""Launch configuration: the pure parsing and validation of launcher flags.
+
+Nothing here touches the network or starts processes (except counting GPUs
+for ``--nproc-per-node=gpu|auto``). Every error is a
+:class:`~elastrun.errors.ConfigError` whose message starts with the flag it is
+about, e.g. ``--nnodes: minimum 3 is larger than maximum 1 (in '3:1')``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastrun.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_C10D_PORT",
+    "DEFAULT_ETCD_PORT",
+    "DEFAULT_MASTER_PORT",
+    "DEFAULT_SIGNALS",
+    "RDZV_CONF_KEYS",
+    "LaunchConfig",
+    "count_gpus",
+    "parse_endpoint",
+    "parse_endpoints",
+    "parse_nnodes",
+    "parse_nproc",
+    "parse_ranks_filter",
+    "parse_rdzv_conf",
+    "parse_signals",
+    "parse_std",
+]
+
+DEFAULT_C10D_PORT = 29400
+DEFAULT_ETCD_PORT = 2379
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+# --rdzv-conf keys: name -> kind. "float" must be >= 0 (join_timeout 0 is
+# refused below), "bool" accepts 1/0/true/false/yes/no, "str" anything non-empty.
+RDZV_CONF_KEYS: dict[str, str] = {
+    "join_timeout": "float",
+    "last_call_timeout": "float",
+    "close_timeout": "float",
+    "read_timeout": "float",
+    "timeout": "float",  # torch's etcd/static spelling of the join timeout
+    "lease_ttl": "float",
+    "exit_barrier_timeout": "float",
+    "is_host": "bool",
+    "token": "str",
+    "token_file": "str",
+    # etcd
+    "cacert": "str",
+    "cert": "str",
+    "key": "str",
+    "user": "str",
+    "password": "str",
+    "key_prefix": "str",
+    "protocol": "str",  # torch's etcd: http | https
+}
+# torch keys accepted for compatibility and ignored (their job is done otherwise).
+RDZV_CONF_IGNORED = {
+    "use_libuv": "the embedded store is always asyncio",
+    "keep_alive_interval": "liveness is a lease; set lease_ttl",
+    "keep_alive_max_attempt": "liveness is a lease; set lease_ttl",
+    "heartbeat": "liveness is a lease; set lease_ttl",
+    "store_type": "the store is chosen by --rdzv-backend",
+    "rank": "static mode uses --node-rank",
+}
+
+_STD_VALUE = re.compile(r"^[0-3]$")
+_STD_MAPPING = re.compile(r"^(\d+:[0-3],)*\d+:[0-3]$")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything a launch needs except what to run (torch's ``LaunchConfig``).
+
+    Field names follow torch's ``torch.distributed.launcher.api.LaunchConfig``
+    where one exists. ``node_rank=None`` means "not given".
+    """
+
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int = 1
+    run_id: str = "none"
+    role: str = "default"
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str = ""
+    rdzv_configs: Mapping[str, Any] = field(default_factory=dict)
+    standalone: bool = False
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    start_method: str = "spawn"
+    node_rank: int | None = None
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    local_addr: str | None = None
+    log_dir: str | None = None
+    # local_rank -> Std bits; key -1 applies to every local rank.
+    redirects: Mapping[int, int] = field(default_factory=dict)
+    tee: Mapping[int, int] = field(default_factory=dict)
+    local_ranks_filter: frozenset[int] | None = None
+    signals_to_handle: tuple[signal.Signals, ...] = (
+        signal.SIGTERM,
+        signal.SIGINT,
+        signal.SIGHUP,
+        signal.SIGQUIT,
+    )
+    shutdown_timeout: float = 30.0
+    log_template: str | None = None  # None: the agent's default "[{host}:{rank}]"
+    events_file: str | None = None
+    hang_timeout: float | None = None
+    exit_barrier_timeout: float | None = None  # None: --rdzv-conf or 300 s
+    env: Mapping[str, str] = field(default_factory=dict)  # extra worker environment
+
+    def validate(self) -> None:
+        """Check value ranges; raise ConfigError naming the flag."""
+        if self.min_nodes <= 0:
+            raise ConfigError(f"--nnodes: must be at least 1, got {self.min_nodes}")
+        if self.min_nodes > self.max_nodes:
+            raise ConfigError(
+                f"--nnodes: minimum {self.min_nodes} is larger than maximum {self.max_nodes}"
+            )
+        if self.nproc_per_node <= 0:
+            raise ConfigError(f"--nproc-per-node: must be at least 1, got {self.nproc_per_node}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts: must be >= 0, got {self.max_restarts}")
+        if not self.monitor_interval > 0:
+            raise ConfigError(f"--monitor-interval: must be > 0, got {self.monitor_interval}")
+        if self.start_method not in ("spawn", "fork", "forkserver"):
+            raise ConfigError(
+                f"--start-method: must be spawn, fork or forkserver, got {self.start_method!r}"
+            )
+        if self.node_rank is not None and self.node_rank < 0:
+            raise ConfigError(f"--node-rank: must be >= 0, got {self.node_rank}")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ConfigError(f"--master-port: must be in 1..65535, got {self.master_port}")
+        if not self.shutdown_timeout >= 0:
+            raise ConfigError(f"--shutdown-timeout: must be >= 0, got {self.shutdown_timeout}")
+        if self.hang_timeout is not None and not self.hang_timeout > 0:
+            raise ConfigError(f"--hang-timeout: must be > 0, got {self.hang_timeout}")
+        if self.exit_barrier_timeout is not None and not self.exit_barrier_timeout >= 0:
+            raise ConfigError(
+                f"--exit-barrier-timeout: must be >= 0, got {self.exit_barrier_timeout}"
+            )
+        if not self.role:
+            raise ConfigError("--role: must not be empty")
+        if not self.run_id:
+            raise ConfigError("--rdzv-id: must not be empty")
+        for name, std in (("--redirects", self.redirects), ("--tee", self.tee)):
+            for local_rank, bits in std.items():
+                if local_rank < -1 or bits not in (0, 1, 2, 3):
+                    raise ConfigError(f"{name}: bad entry {local_rank}:{bits}")
+        if self.local_ranks_filter is not None and any(r < 0 for r in self.local_ranks_filter):
+            raise ConfigError("--local-ranks-filter: local ranks are >= 0")
+        if self.log_template is not None:
+            check_log_template(self.log_template)
+        parse_rdzv_conf(self.rdzv_configs)
+
+
+def _int(flag: str, text: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ConfigError(f"{flag}: expected an integer, got {text!r}") from None
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` -> (min, max), validated."""
+    parts = text.split(":")
+    if len(parts) == 1:
+        lo = hi = _int("--nnodes", parts[0])
+    elif len(parts) == 2:
+        lo, hi = _int("--nnodes", parts[0]), _int("--nnodes", parts[1])
+    else:
+        raise ConfigError(f"--nnodes: expected N or MIN:MAX, got {text!r}")
+    if lo <= 0:
+        raise ConfigError(f"--nnodes: the number of nodes must be at least 1 (got {text!r})")
+    if lo > hi:
+        raise ConfigError(f"--nnodes: minimum {lo} is larger than maximum {hi} (in {text!r})")
+    return lo, hi
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _visible_devices_cap() -> int | None:
+    """How many GPUs CUDA_VISIBLE_DEVICES allows (None: not set)."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    count = 0
+    for raw in value.split(","):
+        item = raw.strip()
+        if not item or item.startswith("-"):
+            break  # CUDA stops at the first invalid entry
+        count += 1
+    return count
+
+
+def count_gpus() -> int:
+    """NVIDIA GPUs visible to workers, without importing torch."""
+    physical = 0
+    proc = "/proc/driver/nvidia/gpus"
+    try:
+        physical = len(os.listdir(proc))
+    except OSError:
+        import subprocess
+
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=15, check=False
+            )
+            if out.returncode == 0:
+                physical = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+        except (OSError, subprocess.TimeoutExpired):
+            physical = 0
+    cap = _visible_devices_cap()
+    return physical if cap is None else min(physical, cap)
+
+
+def parse_nproc(text: str) -> int:
+    """``N``, ``cpu``, ``gpu`` or ``auto`` -> number of workers on this node."""
+    value = text.strip().lower()
+    if value == "cpu":
+        return _cpu_count()
+    if value in ("gpu", "cuda"):
+        gpus = count_gpus()
+        if gpus == 0:
+            raise ConfigError(
+                "--nproc-per-node: 'gpu' asks for one worker per GPU, but no NVIDIA GPU is "
+                "visible (no /proc/driver/nvidia/gpus, no 'nvidia-smi -L', or "
+                "CUDA_VISIBLE_DEVICES hides them); give a number instead"
+            )
+        return gpus
+    if value == "auto":
+        return count_gpus() or _cpu_count()
+    try:
+        n = int(value)
+    except ValueError:
+        raise ConfigError(
+            f"--nproc-per-node: expected a number, 'auto', 'cpu' or 'gpu', got {text!r}"
+        ) from None
+    if n <= 0:
+        raise ConfigError(f"--nproc-per-node: must be at least 1, got {text!r}")
+    return n
+
+
+def parse_endpoint(text: str, default_port: int, flag: str = "--rdzv-endpoint") -> tuple[str, int]:
+    """``host``, ``host:port``, ``[v6]:port``, ``[v6]`` or a bare IPv6 address."""
+    raw = text.strip()
+    if not raw:
+        raise ConfigError(f"{flag}: empty address")
+    host: str
+    port_text: str | None
+    if raw.startswith("["):
+        end = raw.find("]")
+        if end < 0:
+            raise ConfigError(f"{flag}: unclosed '[' in {text!r}")
+        host, rest = raw[1:end], raw[end + 1 :]
+        if rest and not rest.startswith(":"):
+            raise ConfigError(f"{flag}: expected [ipv6]:port, got {text!r}")
+        port_text = rest[1:] if rest else None
+    elif raw.count(":") > 1:
+        host, port_text = raw, None  # a bare IPv6 address
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConfigError(
+                f"{flag}: {text!r} is neither host:port nor an IPv6 address "
+                "(write IPv6 with a port as [addr]:port)"
+            ) from None
+    elif ":" in raw:
+        host, port_text = raw.split(":", 1)
+    else:
+        host, port_text = raw, None
+    if not host or any(c.isspace() or c in "/@?#," for c in host):
+        raise ConfigError(f"{flag}: bad host in {text!r}")
+    if port_text is None:
+        return host, default_port
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(f"{flag}: bad port {port_text!r} in {text!r} (expected 0..65535)")
+    return host, int(port_text)
+
+
+def parse_endpoints(text: str, default_port: int) -> tuple[tuple[str, int], ...]:
+    """A comma-separated list of endpoints (etcd); ``http(s)://`` prefixes allowed."""
+    out: list[tuple[str, int]] = []
+    for raw in text.split(","):
+        item = raw.strip()
+        for scheme in ("http://", "https://"):
+            if item.startswith(scheme):
+                item = item.removeprefix(scheme).rstrip("/")
+        if not item:
+            raise ConfigError(f"--rdzv-endpoint: empty entry in {text!r}")
+        out.append(parse_endpoint(item, default_port))
+    return tuple(out)
+
+
+def parse_rdzv_conf(conf: str | Mapping[str, Any]) -> dict[str, Any]:
+    """``k=v,k=v`` (or a mapping) -> typed values; unknown keys are errors."""
+    pairs: list[tuple[str, Any]] = []
+    if isinstance(conf, str):
+        text = conf.strip()
+        if text:
+            for item in text.split(","):
+                key, sep, value = item.partition("=")
+                key, value = key.strip(), value.strip()
+                if not key or not sep:
+                    raise ConfigError(
+                        f"--rdzv-conf: {item.strip()!r} is not key=value "
+                        "(expected <key1>=<value1>,<key2>=<value2>,...)"
+                    )
+                if not value:
+                    raise ConfigError(f"--rdzv-conf: {key} has an empty value")
+                pairs.append((key, value))
+    else:
+        pairs = list(conf.items())
+    known = sorted(RDZV_CONF_KEYS)
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in RDZV_CONF_IGNORED:
+            out[key] = value
+            continue
+        kind = RDZV_CONF_KEYS.get(key)
+        if kind is None:
+            raise ConfigError(f"--rdzv-conf: unknown key {key!r}; known keys: {', '.join(known)}")
+        out[key] = _conf_value(key, kind, value)
+    if out.get("join_timeout") == 0 or out.get("timeout") == 0:
+        raise ConfigError("--rdzv-conf: join_timeout must be > 0")
+    if out.get("lease_ttl") == 0:
+        raise ConfigError("--rdzv-conf: lease_ttl must be > 0")
+    if "token" in out and "token_file" in out:
+        raise ConfigError("--rdzv-conf: give token or token_file, not both")
+    if "protocol" in out and out["protocol"] not in ("http", "https"):
+        raise ConfigError(f"--rdzv-conf: protocol must be http or https, got {out['protocol']!r}")
+    return out
+
+
+def _conf_value(key: str, kind: str, value: Any) -> Any:
+    if kind == "float":
+        if isinstance(value, bool):
+            raise ConfigError(f"--rdzv-conf: {key} must be a number of seconds, got {value!r}")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"--rdzv-conf: {key} must be a number of seconds, got {value!r}"
+            ) from None
+        if not number >= 0 or number == float("inf"):
+            raise ConfigError(f"--rdzv-conf: {key} must be a finite number >= 0, got {value!r}")
+        return number
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"--rdzv-conf: {key} must be 1 or 0 (true/false), got {value!r}")
+    text = str(value)
+    if not text:
+        raise ConfigError(f"--rdzv-conf: {key} has an empty value")
+    return text
+
+
+def parse_std(text: str, flag: str) -> dict[int, int]:
+    """torchrun's ``3`` or ``0:1,1:2`` -> {local_rank: bits}; ``-1`` means all."""
+    value = text.strip()
+    if _STD_VALUE.match(value):
+        bits = int(value)
+        return {-1: bits} if bits else {}
+    if _STD_MAPPING.match(value):
+        out: dict[int, int] = {}
+        for item in value.split(","):
+            rank, bits_text = item.split(":")
+            out[int(rank)] = int(bits_text)
+        return out
+    raise ConfigError(
+        f"{flag}: expected 0-3 (0 none, 1 stdout, 2 stderr, 3 both) or a per-local-rank "
+        f"mapping like 0:1,1:2, got {text!r}"
+    )
+
+
+def parse_ranks_filter(text: str) -> frozenset[int] | None:
+    value = text.strip()
+    if not value:
+        return None
+    try:
+        ranks = frozenset(int(x) for x in value.split(","))
+    except ValueError:
+        raise ConfigError(
+            f"--local-ranks-filter: expected comma-separated local ranks like 0,1,2, got {text!r}"
+        ) from None
+    if any(r < 0 for r in ranks):
+        raise ConfigError(f"--local-ranks-filter: local ranks are >= 0, got {text!r}")
+    return ranks
+
+
+def parse_signals(text: str) -> tuple[signal.Signals, ...]:
+    out: list[signal.Signals] = []
+    for item in text.split(","):
+        name = item.strip().upper()
+        if not name:
+            continue
+        if not name.startswith("SIG"):
+            name = "SIG" + name
+        try:
+            sig = signal.Signals[name]
+        except KeyError:
+            raise ConfigError(
+                f"--signals-to-handle: unknown signal {item.strip()!r} "
+                "(expected names like SIGTERM,SIGUSR1)"
+            ) from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+            raise ConfigError(f"--signals-to-handle: {name} cannot be handled or forwarded")
+        if sig not in out:
+            out.append(sig)
+    return tuple(out)
+
+
+_TEMPLATE_FIELDS = {
+    "host": "h",
+    "rank": 0,
+    "local_rank": 0,
+    "role": "default",
+    "group_rank": 0,
+    "restart": 0,
+}
+
+
+def check_log_template(template: str) -> None:
+    if "$" in template:
+        return  # torch's ${rank} spelling: string.Template, never fails
+    try:
+        template.format(**_TEMPLATE_FIELDS)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(
+            f"--log-template: {template!r} is not a valid template ({exc}); fields: "
+            + ", ".join("{" + k + "}" for k in _TEMPLATE_FIELDS)
+        ) from None
+
+
+def template_from_torch_env(value: str) -> str:
+    """torch's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (``${rank}``) -> ours (``{rank}``)."""
+    out = value.replace("{", "{{").replace("}", "}}")
+    for theirs, ours in (("role_name", "role"), ("local_rank", "local_rank"), ("rank", "rank")):
+        out = out.replace("${{" + theirs + "}}", "{" + ours + "}")
+    return out

@@ -1,0 +1,197 @@
+"""From a LaunchConfig to a Plan: the backend, endpoints and settings to use.
+
+Applies torchrun's defaulting rules (``--standalone``; the default ``static``
+backend on a single node becomes a standalone embedded store), reads token
+files, and checks cross-flag rules. Pure: no sockets, no processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from elastrun.errors import ConfigError
+from elastrun.launcher.config import (
+    DEFAULT_C10D_PORT,
+    DEFAULT_ETCD_PORT,
+    DEFAULT_MASTER_PORT,
+    LaunchConfig,
+    parse_endpoint,
+    parse_endpoints,
+    parse_rdzv_conf,
+)
+
+__all__ = ["BACKENDS", "Plan", "resolve"]
+
+# --rdzv-backend name -> our implementation
+BACKENDS = {
+    "c10d": "c10d",
+    "tcp": "c10d",
+    "etcd": "etcd",
+    "etcd-v2": "etcd",
+    "etcd_v2": "etcd",
+    "static": "static",
+}
+DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: LaunchConfig  # after defaulting (run_id, backend, endpoint filled in)
+    backend: str  # "c10d" | "etcd" | "static"
+    endpoints: tuple[tuple[str, int], ...]  # c10d: one; etcd: one or more; static: master
+    conf: dict[str, Any]  # typed --rdzv-conf
+    standalone: bool
+    node_rank: int | None
+    exit_barrier_timeout: float
+    token: str | None
+
+    @property
+    def is_host(self) -> bool | None:
+        """--rdzv-conf is_host (None: decide by address)."""
+        value = self.conf.get("is_host")
+        return None if value is None else bool(value)
+
+    def rendezvous_timeouts(self) -> dict[str, float]:
+        """The --rdzv-conf timeouts RendezvousSettings takes (only those given)."""
+        out: dict[str, float] = {}
+        join = self.conf.get("join_timeout", self.conf.get("timeout"))
+        if join is not None:
+            out["join_timeout"] = float(join)
+        for key in ("last_call_timeout", "close_timeout", "lease_ttl"):
+            if key in self.conf:
+                out[key] = float(self.conf[key])
+        out["exit_barrier_timeout"] = self.exit_barrier_timeout
+        return out
+
+
+def _read_token(conf: dict[str, Any]) -> str | None:
+    if "token" in conf:
+        return str(conf["token"])
+    path = conf.get("token_file")
+    if path is None:
+        return None
+    try:
+        with open(os.path.expanduser(str(path)), encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise ConfigError(
+            f"--rdzv-conf: token_file {path!r} cannot be read: {exc.strerror}"
+        ) from None
+    if not token:
+        raise ConfigError(f"--rdzv-conf: token_file {path!r} is empty")
+    return token
+
+
+def resolve(config: LaunchConfig) -> Plan:
+    """Validate ``config`` and work out the backend to use. Raises ConfigError."""
+    config.validate()
+    conf = parse_rdzv_conf(config.rdzv_configs)
+    name = config.rdzv_backend.strip().lower()
+    backend = BACKENDS.get(name)
+    if backend is None:
+        raise ConfigError(
+            f"--rdzv-backend: unknown backend {config.rdzv_backend!r}; choose one of "
+            "c10d (also tcp), etcd (also etcd-v2), static"
+        )
+    standalone = config.standalone
+    endpoint = config.rdzv_endpoint.strip()
+    run_id = config.run_id
+    if (
+        not standalone
+        and backend == "static"
+        and not endpoint
+        and config.master_port is None
+        and config.max_nodes == 1
+    ):
+        standalone = True  # torchrun: a single-node static launch needs no master port
+    if standalone:
+        if config.max_nodes != 1 or config.min_nodes != 1:
+            raise ConfigError(
+                f"--standalone: runs a single node, but --nnodes asks for "
+                f"{config.min_nodes}:{config.max_nodes}"
+            )
+        import uuid
+
+        backend, endpoint, run_id = "c10d", "127.0.0.1:0", str(uuid.uuid4())
+        conf["is_host"] = True
+    exit_barrier = config.exit_barrier_timeout
+    if exit_barrier is None:
+        exit_barrier = float(conf.get("exit_barrier_timeout", DEFAULT_EXIT_BARRIER_TIMEOUT))
+    node_rank = config.node_rank
+
+    endpoints: tuple[tuple[str, int], ...]
+    if backend == "static":
+        if config.min_nodes != config.max_nodes:
+            raise ConfigError(
+                f"--nnodes: the static backend needs a fixed number of nodes, got "
+                f"{config.min_nodes}:{config.max_nodes} (use --rdzv-backend=c10d for a range)"
+            )
+        if node_rank is None:
+            if config.max_nodes > 1:
+                raise ConfigError(
+                    f"--node-rank: required with --rdzv-backend=static and --nnodes="
+                    f"{config.max_nodes} (each node needs its own rank 0..{config.max_nodes - 1})"
+                )
+            node_rank = 0
+        if node_rank >= config.max_nodes:
+            raise ConfigError(
+                f"--node-rank: {node_rank} is out of range for --nnodes={config.max_nodes} "
+                f"(expected 0..{config.max_nodes - 1})"
+            )
+        if endpoint:  # torchrun: the endpoint names the master for static
+            endpoints = (parse_endpoint(endpoint, DEFAULT_MASTER_PORT),)
+        else:
+            endpoints = (
+                parse_endpoint(
+                    config.master_addr,
+                    config.master_port or DEFAULT_MASTER_PORT,
+                    flag="--master-addr",
+                ),
+            )
+        if endpoints[0][1] == 0:
+            raise ConfigError("--master-port: the static backend needs a fixed port, not 0")
+    elif backend == "c10d":
+        endpoint = endpoint or "localhost"  # torchrun's default: localhost:29400
+        endpoints = (parse_endpoint(endpoint, DEFAULT_C10D_PORT),)
+        if endpoints[0][1] == 0 and not standalone:
+            if config.max_nodes != 1:
+                raise ConfigError(
+                    "--rdzv-endpoint: port 0 (pick a free port) only works on a single node; "
+                    "other nodes could not find the port"
+                )
+            conf["is_host"] = True
+    else:  # etcd
+        endpoint = endpoint or "localhost"  # torchrun's default: localhost:2379
+        endpoints = parse_endpoints(endpoint, DEFAULT_ETCD_PORT)
+        if "https://" in endpoint and "protocol" not in conf:
+            conf["protocol"] = "https"
+    if (
+        backend != "static"
+        and config.node_rank is not None
+        and config.node_rank >= (config.max_nodes)
+    ):
+        raise ConfigError(
+            f"--node-rank: {config.node_rank} is out of range for --nnodes="
+            f"{config.min_nodes}:{config.max_nodes} (expected 0..{config.max_nodes - 1})"
+        )
+    token = _read_token(conf)
+    resolved = dataclasses.replace(
+        config,
+        run_id=run_id,
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        standalone=standalone,
+    )
+    return Plan(
+        config=resolved,
+        backend=backend,
+        endpoints=endpoints,
+        conf=conf,
+        standalone=standalone,
+        node_rank=node_rank,
+        exit_barrier_timeout=exit_barrier,
+        token=token,
+    )

@@ -1,0 +1,273 @@
+"""Wiring: a Plan and a worker command -> store, rendezvous, agent; run them.
+
+Who hosts the embedded (c10d) store (USER-PAIN 1): ``is_host=1|0`` in
+``--rdzv-conf`` decides; without it a node hosts the store when the endpoint's
+host is an address of this machine (loopback counts) and the port is free. If
+the port is taken, another agent on this machine is assumed to host it and
+this one connects as a client. The hosting agent serves the store from its own
+event loop until its agent finishes (after the exit barrier).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from elastrun.agent.spec import DEFAULT_LOG_TEMPLATE, WorkerSpec
+from elastrun.clock import SYSTEM_CLOCK
+from elastrun.errors import ConfigError, StoreUnavailable
+from elastrun.events import EventSink
+from elastrun.launcher.plan import Plan
+from elastrun.rendezvous.api import Rendezvous, RendezvousSettings
+
+if TYPE_CHECKING:
+    from elastrun.store.base import Store
+    from elastrun.store.server import StoreServer
+
+__all__ = ["is_local_address", "route_addr", "run_async", "run_plan"]
+
+RESOLVE_TIMEOUT = 30.0
+WAITING_NOTICE_AFTER = 10.0
+SERVER_LINGER = 5.0  # how long a hosting agent keeps serving for peers still connected
+
+
+def _say(msg: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(msg + "\n")
+        sys.stderr.flush()
+
+
+def _fmt(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return None
+
+
+def is_local_address(host: str) -> bool:
+    """True if ``host`` resolves to an address of this machine (loopback counts).
+
+    An address is local when a socket can be bound to it, which is exactly
+    the kernel's view of "one of my interface addresses"."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except (socket.gaierror, UnicodeError):
+        return False
+    for family, _, _, _, sockaddr in infos:
+        ip = _ip_literal(str(sockaddr[0]))
+        if ip is not None and (ip.is_loopback or ip.is_unspecified):
+            return True
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.bind((sockaddr[0], 0, *sockaddr[2:]))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def route_addr(host: str, port: int) -> str | None:
+    """This machine's address on the route to ``host`` (no packet is sent)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except (socket.gaierror, UnicodeError):
+        return None
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(sockaddr)
+                return str(s.getsockname()[0])
+        except OSError:
+            continue
+    return None
+
+
+async def _in_thread(fn: Any, *args: Any) -> Any:
+    """Run a blocking resolver call, bounded (DNS can hang)."""
+    loop = asyncio.get_running_loop()
+    try:
+        return await asyncio.wait_for(loop.run_in_executor(None, fn, *args), RESOLVE_TIMEOUT)
+    except TimeoutError:
+        raise ConfigError(
+            f"resolving {args[0]!r} took longer than {RESOLVE_TIMEOUT:.0f} s (DNS?)"
+        ) from None
+
+
+def build_spec(plan: Plan, argv: Sequence[str], host: str) -> WorkerSpec:
+    cfg = plan.config
+    stop = {"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"}
+    handle = tuple(s for s in cfg.signals_to_handle if s.name in stop)
+    forward = tuple(s for s in cfg.signals_to_handle if s.name not in stop)
+    return WorkerSpec(
+        argv=tuple(argv),
+        nproc=cfg.nproc_per_node,
+        run_id=cfg.run_id,
+        role=cfg.role,
+        host=host,
+        env=dict(cfg.env),
+        log_dir=cfg.log_dir,
+        redirects=dict(cfg.redirects),
+        tee=dict(cfg.tee),
+        local_ranks_filter=cfg.local_ranks_filter,
+        log_template=cfg.log_template if cfg.log_template is not None else DEFAULT_LOG_TEMPLATE,
+        shutdown_timeout=cfg.shutdown_timeout,
+        signals_to_handle=handle,
+        signals_to_forward=forward,
+        monitor_interval=cfg.monitor_interval,
+        start_method=cfg.start_method,
+        hang_timeout=cfg.hang_timeout,
+        events_file=cfg.events_file,
+    )
+
+
+def build_settings(plan: Plan, host: str, addr: str) -> RendezvousSettings:
+    cfg = plan.config
+    return RendezvousSettings(
+        run_id=cfg.run_id,
+        min_nodes=cfg.min_nodes,
+        max_nodes=cfg.max_nodes,
+        max_restarts=cfg.max_restarts,
+        role=cfg.role,
+        nproc=cfg.nproc_per_node,
+        host=host,
+        addr=addr,
+        node_rank_hint=plan.node_rank,
+        **plan.rendezvous_timeouts(),
+    )
+
+
+async def _host_store(plan: Plan) -> tuple[StoreServer | None, tuple[str, int], str]:
+    """Decide whether this agent hosts the c10d store; start it if so.
+
+    Returns (server or None, endpoint to connect to, note for error messages)."""
+    from elastrun.store.server import StoreServer
+
+    host, port = plan.endpoints[0]
+    explicit = plan.is_host
+    if explicit is False:
+        return None, (host, port), "is_host=0: another node hosts the store"
+    local = bool(await _in_thread(is_local_address, host))
+    if explicit is None and not local:
+        return None, (host, port), f"{host} is not an address of this machine"
+    # Bind the address the user named; a host name binds every interface, as a
+    # name may resolve differently here (e.g. 127.0.1.1) and on other nodes.
+    bind = host if _ip_literal(host) is not None or host == "localhost" else ""
+    server = StoreServer(bind, port, token=plan.token)
+    try:
+        _, bound_port = await server.start()
+    except ConfigError as exc:
+        if explicit is None and "in use" in str(exc):
+            return (
+                None,
+                (host, port),
+                f"port {port} on this machine is in use; assumed another elastrun agent "
+                "here hosts the store",
+            )
+        raise ConfigError(f"--rdzv-endpoint: this node cannot host the store: {exc}") from None
+    if not plan.standalone:
+        _say(f"elastrun: this node hosts the rendezvous store on {_fmt(host, bound_port)}")
+    return server, (host, bound_port), "this node hosts the store"
+
+
+async def _open_store(plan: Plan, endpoint: str, me: str, note: str) -> Store:
+    from elastrun.store.factory import open_store
+
+    timeout = float(plan.conf.get("join_timeout", plan.conf.get("timeout", 600.0)))
+    conf: Mapping[str, str] = {
+        k: str(v)
+        for k, v in plan.conf.items()
+        if k in ("cacert", "cert", "key", "user", "password", "key_prefix", "protocol")
+    }
+    task = asyncio.ensure_future(
+        open_store(plan.backend, endpoint, token=plan.token, conf=conf, timeout=timeout)
+    )
+    try:
+        done, _ = await asyncio.wait({task}, timeout=WAITING_NOTICE_AFTER)
+        if not done:
+            _say(
+                f"elastrun: waiting for the rendezvous store at {endpoint} ({note}); "
+                f"giving up after {timeout:.0f} s (--rdzv-conf join_timeout)"
+            )
+        return await task
+    except StoreUnavailable as exc:
+        raise StoreUnavailable(
+            f"node {me} could not reach the rendezvous store at {endpoint} ({note}): {exc}"
+        ) from None
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+async def _run_agent(spec: WorkerSpec, rdzv: Rendezvous, events: EventSink | None) -> int:
+    from elastrun.agent.agent import Agent
+
+    return await Agent(spec, rdzv, events).run()
+
+
+async def run_async(plan: Plan, argv: Sequence[str], *, events: EventSink | None = None) -> int:
+    """Run this node's agent for ``plan``; returns the process exit code."""
+    cfg = plan.config
+    hostname = socket.gethostname()
+    spec = build_spec(plan, argv, hostname)
+
+    if plan.backend == "static":
+        from elastrun.rendezvous.static import StaticRendezvous
+
+        master_addr, master_port = plan.endpoints[0]
+        node_rank = plan.node_rank or 0
+        addr = cfg.local_addr or (
+            master_addr
+            if node_rank == 0
+            else await _in_thread(route_addr, master_addr, master_port)
+        )
+        settings = build_settings(plan, hostname, addr)
+        rdzv = StaticRendezvous(
+            settings, node_rank=node_rank, master_addr=master_addr, master_port=master_port
+        )
+        return await _run_agent(spec, rdzv, events)
+
+    server: StoreServer | None = None
+    note = "etcd cluster"
+    if plan.backend == "c10d":
+        server, (host, port), note = await _host_store(plan)
+        endpoint = _fmt(host, port)
+        route_to = (host, port)
+    else:
+        endpoint = cfg.rdzv_endpoint
+        route_to = plan.endpoints[0]
+    try:
+        addr = cfg.local_addr or await _in_thread(route_addr, *route_to) or hostname
+        me = f"{hostname} ({addr})"
+        settings = build_settings(plan, hostname, addr)
+        store = await _open_store(plan, endpoint, me, note)
+        try:
+            from elastrun.rendezvous.dynamic import DynamicRendezvous
+
+            dynamic = DynamicRendezvous(store, settings, events=events)
+            return await _run_agent(spec, dynamic, events)
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(store.close(), 5.0)
+    finally:
+        if server is not None:
+            # Peers may still be leaving (their last writes): keep serving them, bounded.
+            deadline = SYSTEM_CLOCK.monotonic() + SERVER_LINGER
+            while server.connection_count > 0 and SYSTEM_CLOCK.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await server.stop()
+
+
+def run_plan(plan: Plan, argv: Sequence[str], *, events: EventSink | None = None) -> int:
+    """Blocking: run the agent in a fresh event loop."""
+    return asyncio.run(run_async(plan, argv, events=events))

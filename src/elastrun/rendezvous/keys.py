@@ -1,0 +1,107 @@
+"""The dynamic rendezvous' key layout and its JSON records (schema ``v``: 1).
+
+Everything of one job lives under ``/elastrun/{run_id}/`` (see
+docs/rendezvous.md)::
+
+    config                      agreed settings (created by the first node)
+    nodes/{node_id}             presence, on the node's lease
+    round                       the job's current round record
+    rounds/{R}/join/{node_id}   joiners of round R, on the lease
+    rounds/{R}/result           round R's result (written with the close)
+    rounds/{R}/done/{node_id}   exit barrier of round R (no lease)
+    waiting/{node_id}           nodes waiting for the next round, on the lease
+
+Records are JSON objects with ``"v": 1``; a record that does not decode raises
+:class:`~elastrun.errors.ProtocolError` naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from elastrun.errors import ProtocolError
+
+__all__ = ["RECORD_VERSION", "Keys", "decode", "encode", "node_id_of"]
+
+RECORD_VERSION = 1
+
+OPEN = "open"
+CLOSED = "closed"
+FINISHED = "finished"
+FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Keys:
+    run_id: str
+
+    @property
+    def root(self) -> str:
+        return f"/elastrun/{self.run_id}/"
+
+    @property
+    def config(self) -> str:
+        return self.root + "config"
+
+    @property
+    def round(self) -> str:
+        return self.root + "round"
+
+    @property
+    def nodes(self) -> str:
+        return self.root + "nodes/"
+
+    def node(self, node_id: str) -> str:
+        return self.nodes + node_id
+
+    @property
+    def waiting_prefix(self) -> str:
+        return self.root + "waiting/"
+
+    def waiting(self, node_id: str) -> str:
+        return self.waiting_prefix + node_id
+
+    def round_prefix(self, r: int) -> str:
+        return f"{self.root}rounds/{r}/"
+
+    def joins(self, r: int) -> str:
+        return self.round_prefix(r) + "join/"
+
+    def join(self, r: int, node_id: str) -> str:
+        return self.joins(r) + node_id
+
+    def result(self, r: int) -> str:
+        return self.round_prefix(r) + "result"
+
+    def dones(self, r: int) -> str:
+        return self.round_prefix(r) + "done/"
+
+    def done(self, r: int, node_id: str) -> str:
+        return self.dones(r) + node_id
+
+
+def node_id_of(key: str) -> str:
+    """The last path component of a per-node key."""
+    return key.rsplit("/", 1)[-1]
+
+
+def encode(record: dict[str, Any]) -> bytes:
+    return json.dumps({"v": RECORD_VERSION, **record}, sort_keys=True).encode()
+
+
+def decode(key: str, value: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(value)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"store key {key} does not hold JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"store key {key} does not hold a JSON object")
+    version = obj.get("v")
+    if version != RECORD_VERSION:
+        raise ProtocolError(
+            f"store key {key} has record version {version!r}; this elastrun reads "
+            f"version {RECORD_VERSION} (are all nodes on the same elastrun version?)"
+        )
+    return obj

@@ -1,0 +1,178 @@
+"""Building and reading the dynamic rendezvous' records (pure; no I/O).
+
+The shapes of ``round`` and ``rounds/{R}/result`` (see :mod:`.keys` and
+docs/rendezvous.md), config agreement, and the master port a joiner offers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import socket
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from elastrun.errors import RendezvousError
+from elastrun.rendezvous import keys as K
+from elastrun.rendezvous.api import Change, Member, RoundResult
+from elastrun.rendezvous.ranks import Candidate, assign_ranks
+
+__all__ = [
+    "close_records",
+    "config_diff",
+    "first_round",
+    "next_round_record",
+    "pick_master_port",
+    "round_change",
+    "round_result",
+]
+
+Record = dict[str, Any]
+
+
+def pick_master_port(addr: str = "") -> int:
+    """A TCP port free on this host, preferably outside the kernel's ephemeral
+    range (so outgoing connections cannot take it before the workers bind)."""
+    low = 32768
+    with (
+        contextlib.suppress(OSError, ValueError),
+        open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f,
+    ):
+        low = int(f.read().split()[0])
+    candidates = [random.randint(20000, low - 1) for _ in range(8)] if low > 20100 else []
+    for port in [*candidates, 0]:
+        for host in (addr, ""):
+            try:
+                family = socket.AF_INET6 if ":" in host else socket.AF_INET
+                with socket.socket(family, socket.SOCK_STREAM) as s:
+                    s.bind((host, port))
+                    return int(s.getsockname()[1])
+            except OSError:
+                continue
+    raise RendezvousError("could not find a free TCP port for MASTER_PORT on this host")
+
+
+def config_diff(
+    run_id: str, job: Mapping[str, Any], mine: Mapping[str, Any]
+) -> tuple[str, dict[str, tuple[object, object]]] | None:
+    """None when the node agrees with the job; else (message, field diffs).
+    ``min_nodes``/``max_nodes`` are reported together as ``nnodes``."""
+    diffs = {k: (job.get(k), v) for k, v in mine.items() if job.get(k) != v}
+    if not diffs:
+        return None
+    parts: list[str] = []
+    if "min_nodes" in diffs or "max_nodes" in diffs:
+        job_n = f"{job.get('min_nodes')}:{job.get('max_nodes')}"
+        my_n = f"{mine['min_nodes']}:{mine['max_nodes']}"
+        parts.append(f"nnodes: job has {job_n}, this node has {my_n}")
+    for name, (theirs, ours) in diffs.items():
+        if name not in ("min_nodes", "max_nodes"):
+            parts.append(f"{name}: job has {theirs!r}, this node has {ours!r}")
+    message = (
+        f"this node's settings differ from those of job {run_id!r}: "
+        + "; ".join(parts)
+        + ". Start every node of a job with the same settings (or use a new --rdzv-id)."
+    )
+    return message, diffs
+
+
+def first_round() -> Record:
+    return {
+        "round": 0,
+        "state": K.OPEN,
+        "restarts": 0,
+        "last_failure": None,
+        "prev": [],
+        "reason": "job_started",
+        "detail": "",
+        "counts": False,
+    }
+
+
+def close_records(
+    rnd: Record, joiners: Sequence[Record], max_nodes: int, reason: str
+) -> tuple[Record, Record]:
+    """(closed round record, result record) for open round ``rnd`` and its
+    joiners in join order: the first ``max_nodes`` become members."""
+    records = list(joiners[:max_nodes])
+    prev = {p["node_id"]: int(p["group_rank"]) for p in rnd.get("prev") or []}
+    ranks = assign_ranks([Candidate(j["node_id"], j.get("rank_hint")) for j in records], prev)
+    records.sort(key=lambda j: ranks[j["node_id"]])
+    members = [
+        {
+            "node_id": j["node_id"],
+            "host": j["host"],
+            "addr": j["addr"],
+            "nproc": int(j["nproc"]),
+            "group_rank": ranks[j["node_id"]],
+        }
+        for j in records
+    ]
+    master = records[0]
+    result = {
+        "round": rnd["round"],
+        "members": members,
+        "master_addr": master["addr"],
+        "master_port": int(master["port"]),
+        "restarts": rnd.get("restarts", 0),
+        "reason": reason,
+    }
+    closed = {**rnd, "state": K.CLOSED, "members": [m["node_id"] for m in members]}
+    return closed, result
+
+
+def next_round_record(
+    rnd: Record,
+    result: Record,
+    reason: str,
+    detail: str,
+    *,
+    counts: bool,
+    failure: Mapping[str, Any] | None,
+) -> Record:
+    """The record that opens round R+1 after closed round ``rnd`` (R)."""
+    return {
+        "round": int(rnd["round"]) + 1,
+        "state": K.OPEN,
+        "restarts": int(rnd.get("restarts", 0)) + (1 if counts else 0),
+        "last_failure": dict(failure or {}) if counts else rnd.get("last_failure"),
+        "prev": [
+            {"node_id": m["node_id"], "group_rank": m["group_rank"]} for m in result["members"]
+        ],
+        "reason": reason,
+        "detail": detail,
+        "counts": counts,
+    }
+
+
+def round_result(run_id: str, node_id: str, result: Record, max_restarts: int) -> RoundResult:
+    members = tuple(
+        Member(m["node_id"], m["host"], m["addr"], int(m["group_rank"]), int(m["nproc"]))
+        for m in result["members"]
+    )
+    me = next(m for m in members if m.node_id == node_id)
+    return RoundResult(
+        run_id=run_id,
+        round=int(result["round"]),
+        members=members,
+        group_rank=me.group_rank,
+        master_addr=result["master_addr"],
+        master_port=int(result["master_port"]),
+        restart_count=int(result.get("restarts", 0)),
+        max_restarts=max_restarts,
+        extra={"node_id": node_id, "reason": result.get("reason", "")},
+    )
+
+
+def round_change(rec: Record | None, reason: str = "", detail: str = "") -> Change:
+    """Why a running member's round ended, from the job's round record."""
+    if reason or rec is None:
+        return Change(reason or "new_round", detail)
+    r = rec.get("round")
+    if rec.get("state") == K.OPEN:
+        return Change(
+            str(rec.get("reason") or "new_round"),
+            str(rec.get("detail") or f"round {r} opened"),
+            bool(rec.get("counts")),
+        )
+    return Change("new_round", f"round {r} is {rec.get('state')} without this node")

@@ -1,0 +1,534 @@
+"""The dynamic rendezvous as a pure state machine: (state, event) -> (state, actions).
+
+Theory of operation
+-------------------
+Modelled on h11's ``_state.py``: this module does no I/O, owns no clock and
+knows nothing of the store. The driver (:mod:`elastrun.rendezvous.dynamic`)
+turns what it observes (the job's ``round`` record, join keys, presence keys,
+done keys, deadlines passing, calls from the agent) into :class:`Event` values,
+feeds them to :meth:`Rules.handle`, and executes the :class:`Action` values it
+gets back. Every write the driver makes to the job's ``round`` record comes back
+to it through a watch as an ordinary event, so the machine learns the outcome
+of a compare-and-set the same way whether this node or another node won it.
+
+One node's life::
+
+    IDLE --NEXT_ROUND--> SEEKING --ROUND_OPEN--> JOINING <--> DECIDING
+                            |                      |  (decider = live joiner
+                            |                      |   with the smallest join revision)
+                            +--ROUND_CLOSED(not me)--> WAITING --ROUND_OPEN--> JOINING
+                                                   |
+                         JOINING/DECIDING --ROUND_CLOSED(me)--> MEMBER
+    MEMBER --MEMBER_LOST/NODE_WAITING/WORKERS_FAILED--> (opens R+1) --ROUND_OPEN--> IDLE
+    MEMBER --WORKERS_SUCCEEDED--> COMPLETING --BARRIER_DONE--> FINISHED
+    any --SHUTDOWN--> LEFT
+
+Only the decider closes a round: at once when ``max`` nodes joined; when at
+least ``min`` joined, after ``last_call_timeout`` counted on its own monotonic
+clock from when it saw ``min`` reached -- or at once when this is a re-formed
+round (there was a previous round) and every node present in the job has
+joined (nobody left to wait for: the USER-PAIN 5 fix).
+
+Rules table (state, event) -> next state: actions.  ``*`` marks conditions.
+
+=========== ================= =================================================
+state       event             next state: actions
+=========== ================= =================================================
+IDLE        NEXT_ROUND        SEEKING: CANCEL(last_call), ARM(join), READ_ROUND
+                              (also from SEEKING, JOINING, DECIDING, WAITING, MEMBER:
+                              a cancelled call, or a member asking again)
+IDLE        WORKERS_FAILED    IDLE (round already moved on: not counted twice)
+SEEKING     ROUND_OPEN        JOINING: JOIN(R)
+SEEKING     ROUND_CLOSED      *me: SEEKING: OPEN_ROUND(rejoin); *not me: WAITING:
+                              WAIT (+ OPEN_ROUND(node_waiting) *room, or
+                              OPEN_ROUND(member_lost) *a member is gone)
+SEEKING     ROUND_FINISHED    FINISHED: RAISE(closed)
+SEEKING     ROUND_FAILED      FAILED: RAISE(budget)
+SEEKING     JOIN_TIMEOUT      IDLE: RAISE(timeout)
+SEEKING     LEASE_LOST        SEEKING: RENEW_LEASE, READ_ROUND
+JOINING     JOINERS_CHANGED   *decider: DECIDING: decide; else JOINING
+JOINING     ROUND_OPEN        *newer R: JOINING: JOIN(R); else JOINING
+JOINING     ROUND_CLOSED      *me: MEMBER: CANCEL(join), RETURN_RESULT;
+                              *not me: WAITING: WAIT (+ OPEN_ROUND *room/lost)
+JOINING     ROUND_FINISHED    FINISHED: RAISE(closed)
+JOINING     ROUND_FAILED      FAILED: RAISE(budget)
+JOINING     JOIN_TIMEOUT      IDLE: LEAVE, RAISE(timeout)
+JOINING     LEASE_LOST        SEEKING: RENEW_LEASE, READ_ROUND
+DECIDING    JOINERS_CHANGED   DECIDING: decide (CLOSE_ROUND, ARM/CANCEL(last_call))
+DECIDING    LAST_CALL_EXPIRED DECIDING: CLOSE_ROUND *count >= min
+DECIDING    (others)          as JOINING (CANCEL(last_call) when leaving)
+WAITING     ROUND_OPEN        JOINING: JOIN(R)
+WAITING     ROUND_CLOSED      *newer R, not me: WAITING: WAIT (+ OPEN_ROUND); else WAITING
+WAITING     MEMBER_LOST       WAITING: OPEN_ROUND(member_lost)
+WAITING     ROUND_FINISHED    FINISHED: RAISE(closed)
+WAITING     ROUND_FAILED      FAILED: RAISE(budget)
+WAITING     JOIN_TIMEOUT      IDLE: LEAVE, RAISE(timeout)
+WAITING     LEASE_LOST        SEEKING: RENEW_LEASE, READ_ROUND
+MEMBER      ROUND_CLOSED      *newer R: IDLE: RETURN_CHANGE; else MEMBER
+MEMBER      ROUND_OPEN        IDLE: RETURN_CHANGE (someone opened R+1)
+MEMBER      MEMBER_LOST       MEMBER: OPEN_ROUND(member_lost)
+MEMBER      NODE_WAITING      MEMBER: OPEN_ROUND(node_waiting) *room
+MEMBER      WORKERS_FAILED    MEMBER: OPEN_ROUND(restart, counts) *budget left,
+                              else FAIL_JOB
+MEMBER      WORKERS_SUCCEEDED COMPLETING: PUT_DONE, ARM(barrier)
+MEMBER      ROUND_FINISHED    FINISHED: RAISE(closed)
+MEMBER      ROUND_FAILED      FAILED: RAISE(budget)
+MEMBER      LEASE_LOST        IDLE: RENEW_LEASE, RETURN_CHANGE(lease_lost)
+COMPLETING  BARRIER_DONE      FINISHED: CANCEL(barrier), MARK_FINISHED, RETURN
+COMPLETING  BARRIER_TIMEOUT   FINISHED: RETURN
+COMPLETING  MEMBER_LOST       FINISHED: CANCEL(barrier), RETURN (the barrier can
+                              never complete; the job goes on without this node)
+COMPLETING  ROUND_OPEN        FINISHED: CANCEL(barrier), RETURN (others re-formed)
+COMPLETING  ROUND_CLOSED      *newer R: FINISHED: RETURN; else COMPLETING
+COMPLETING  ROUND_FINISHED    FINISHED: CANCEL(barrier), RETURN
+COMPLETING  ROUND_FAILED      FINISHED: CANCEL(barrier), RETURN
+COMPLETING  LEASE_LOST        COMPLETING: RENEW_LEASE
+FINISHED    NEXT_ROUND        FINISHED: RAISE(closed)
+FAILED      NEXT_ROUND        FAILED: RAISE(budget)
+FAILED      WORKERS_FAILED    FAILED: RAISE(budget)
+any but     SHUTDOWN          LEFT: CANCEL(all), REVOKE
+LEFT
+LEFT        SHUTDOWN          LEFT
+=========== ================= =================================================
+
+Any other (state, event) pair is a bug in the driver and raises
+:class:`LocalProtocolError`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+__all__ = [
+    "RULES",
+    "Act",
+    "Action",
+    "Context",
+    "Ev",
+    "Event",
+    "LocalProtocolError",
+    "Rules",
+    "State",
+    "Timer",
+]
+
+
+class LocalProtocolError(Exception):
+    """The driver fed an event that is not valid in the current state (a bug)."""
+
+
+class State(enum.Enum):
+    IDLE = "idle"  # between rounds (before next_round, or after a change)
+    SEEKING = "seeking"  # reading the job's round record
+    JOINING = "joining"  # joined the open round R, not its decider
+    DECIDING = "deciding"  # joined the open round R, and its decider
+    WAITING = "waiting"  # round R closed without this node: wait for R+1
+    MEMBER = "member"  # member of the closed round R (workers running)
+    COMPLETING = "completing"  # workers succeeded: at the exit barrier
+    FINISHED = "finished"  # this node is done (job finished or left after success)
+    FAILED = "failed"  # the job's restart budget is spent
+    LEFT = "left"  # shut down
+
+
+class Ev(enum.Enum):
+    NEXT_ROUND = "next_round"
+    ROUND_OPEN = "round_open"
+    ROUND_CLOSED = "round_closed"
+    ROUND_FINISHED = "round_finished"
+    ROUND_FAILED = "round_failed"
+    JOINERS_CHANGED = "joiners_changed"
+    LAST_CALL_EXPIRED = "last_call_expired"
+    JOIN_TIMEOUT = "join_timeout"
+    MEMBER_LOST = "member_lost"
+    NODE_WAITING = "node_waiting"
+    WORKERS_FAILED = "workers_failed"
+    WORKERS_SUCCEEDED = "workers_succeeded"
+    BARRIER_DONE = "barrier_done"
+    BARRIER_TIMEOUT = "barrier_timeout"
+    LEASE_LOST = "lease_lost"
+    SHUTDOWN = "shutdown"
+
+
+class Timer(enum.Enum):
+    JOIN = "join"
+    LAST_CALL = "last_call"
+    BARRIER = "barrier"
+
+
+class Act(enum.Enum):
+    READ_ROUND = "read_round"
+    JOIN = "join"  # put rounds/R/join/me (if round still open R), drop waiting/me
+    LEAVE = "leave"  # delete my join / waiting keys
+    WAIT = "wait"  # put waiting/me
+    CLOSE_ROUND = "close_round"
+    OPEN_ROUND = "open_round"  # CAS round: closed R -> open R+1
+    FAIL_JOB = "fail_job"  # CAS round: closed R -> failed
+    PUT_DONE = "put_done"
+    MARK_FINISHED = "mark_finished"
+    ARM = "arm"
+    CANCEL = "cancel"
+    RENEW_LEASE = "renew_lease"
+    REVOKE = "revoke"
+    RETURN_RESULT = "return_result"
+    RETURN_CHANGE = "return_change"
+    RETURN = "return"
+    RAISE = "raise"
+
+
+@dataclass(frozen=True)
+class Event:
+    type: Ev
+    now: float = 0.0  # the node's monotonic clock when observed
+    round: int = -1  # ROUND_*: the round number in the record
+    member: bool = False  # ROUND_CLOSED: this node is in the result
+    room: bool = False  # ROUND_CLOSED / NODE_WAITING: the closed round's world < max
+    lost: str = ""  # ROUND_CLOSED: a member of the round is gone (detail)
+    count: int = 0  # JOINERS_CHANGED: live joiners of the round
+    decider: bool = False  # JOINERS_CHANGED: this node is the round's decider
+    all_joined: bool = False  # JOINERS_CHANGED: re-formed round, every present node joined
+    restarts: int = 0  # WORKERS_FAILED: restarts of the job used so far
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Action:
+    type: Act
+    round: int = -1
+    timer: Timer | None = None
+    deadline: float = math.inf
+    reason: str = ""
+    detail: str = ""
+    counts: bool = False  # OPEN_ROUND: counts against the restart budget
+    error: str = ""  # RAISE: "timeout" | "closed" | "budget"
+
+
+@dataclass(frozen=True)
+class Context:
+    min_nodes: int
+    max_nodes: int
+    max_restarts: int = 0
+    join_timeout: float = 600.0
+    last_call_timeout: float = 30.0
+    exit_barrier_timeout: float = 300.0
+    round: int = -1  # the round this node is in (or waits after)
+    min_reached_at: float | None = None  # when this node saw >= min joiners of `round`
+    count: int = 0  # live joiners last seen
+
+
+Outcome = tuple[State, Context, list[Action]]
+Rule = Callable[[Context, Event], Outcome]
+
+S = State
+
+
+def _raise(state: State, error: str) -> Rule:
+    def rule(ctx: Context, ev: Event) -> Outcome:
+        return state, ctx, [Action(Act.RAISE, round=ctx.round, error=error)]
+
+    return rule
+
+
+def _stay_in(state: State) -> Rule:
+    def rule(ctx: Context, ev: Event) -> Outcome:
+        return state, ctx, []
+
+    return rule
+
+
+def _next_round(ctx: Context, ev: Event) -> Outcome:
+    deadline = ev.now + ctx.join_timeout
+    return (
+        S.SEEKING,
+        replace(ctx, min_reached_at=None, count=0),
+        [
+            Action(Act.CANCEL, timer=Timer.LAST_CALL),
+            Action(Act.ARM, timer=Timer.JOIN, deadline=deadline),
+            Action(Act.READ_ROUND),
+        ],
+    )
+
+
+def _join(ctx: Context, ev: Event, pre: list[Action] | None = None) -> Outcome:
+    fresh = replace(ctx, round=ev.round, min_reached_at=None, count=0)
+    return S.JOINING, fresh, [*(pre or []), Action(Act.JOIN, round=ev.round)]
+
+
+def _wait(ctx: Context, ev: Event, pre: list[Action] | None = None) -> Outcome:
+    acts = [*(pre or []), Action(Act.WAIT, round=ev.round)]
+    if ev.lost:
+        acts.append(Action(Act.OPEN_ROUND, round=ev.round, reason="member_lost", detail=ev.lost))
+    elif ev.room:
+        acts.append(Action(Act.OPEN_ROUND, round=ev.round, reason="node_waiting", detail=ev.detail))
+    return S.WAITING, replace(ctx, round=ev.round, min_reached_at=None, count=0), acts
+
+
+def _seeking_open(ctx: Context, ev: Event) -> Outcome:
+    return _join(ctx, ev)
+
+
+def _seeking_closed(ctx: Context, ev: Event) -> Outcome:
+    if ev.member:
+        # Asked for a new round while a member of the current one (the agent
+        # lost its workers without a restart): open the next one.
+        act = Action(Act.OPEN_ROUND, round=ev.round, reason="member_rejoined", detail=ev.detail)
+        return S.SEEKING, replace(ctx, round=ev.round), [act]
+    return _wait(ctx, ev)
+
+
+def _renew(ctx: Context, ev: Event) -> Outcome:
+    return S.SEEKING, ctx, [Action(Act.RENEW_LEASE), Action(Act.READ_ROUND)]
+
+
+def _decide(ctx: Context, ev: Event) -> Outcome:
+    """The decider's rule: close, arm the last call, or wait."""
+    count = ev.count
+    if count >= ctx.min_nodes:
+        reached = ctx.min_reached_at if ctx.min_reached_at is not None else ev.now
+        ctx = replace(ctx, min_reached_at=reached, count=count)
+        close = Action(Act.CLOSE_ROUND, round=ctx.round)
+        cancel = Action(Act.CANCEL, timer=Timer.LAST_CALL)
+        if count >= ctx.max_nodes:
+            return S.DECIDING, ctx, [cancel, replace(close, reason="max_nodes")]
+        if ev.all_joined:
+            return S.DECIDING, ctx, [cancel, replace(close, reason="all_rejoined")]
+        deadline = reached + ctx.last_call_timeout
+        if ev.now >= deadline:
+            return S.DECIDING, ctx, [cancel, replace(close, reason="last_call")]
+        return S.DECIDING, ctx, [Action(Act.ARM, timer=Timer.LAST_CALL, deadline=deadline)]
+    ctx = replace(ctx, min_reached_at=None, count=count)
+    return S.DECIDING, ctx, [Action(Act.CANCEL, timer=Timer.LAST_CALL)]
+
+
+def _joiners_changed(ctx: Context, ev: Event) -> Outcome:
+    if ev.decider:
+        return _decide(ctx, ev)
+    # Track when min was reached (for the record); only the decider acts.
+    if ev.count >= ctx.min_nodes:
+        reached = ctx.min_reached_at if ctx.min_reached_at is not None else ev.now
+    else:
+        reached = None
+    return S.JOINING, replace(ctx, min_reached_at=reached, count=ev.count), []
+
+
+def _last_call_expired(ctx: Context, ev: Event) -> Outcome:
+    if ctx.count >= ctx.min_nodes:
+        return S.DECIDING, ctx, [Action(Act.CLOSE_ROUND, round=ctx.round, reason="last_call")]
+    return S.DECIDING, ctx, []
+
+
+def _joining_open(ctx: Context, ev: Event) -> Outcome:
+    if ev.round > ctx.round:
+        return _join(ctx, ev, _cancel_last_call(ctx))
+    return S.JOINING, ctx, []
+
+
+def _cancel_last_call(ctx: Context) -> list[Action]:
+    return [Action(Act.CANCEL, timer=Timer.LAST_CALL)]
+
+
+def _joining_closed(ctx: Context, ev: Event) -> Outcome:
+    pre = _cancel_last_call(ctx)
+    if ev.member:
+        return (
+            S.MEMBER,
+            replace(ctx, round=ev.round),
+            [*pre, Action(Act.CANCEL, timer=Timer.JOIN), Action(Act.RETURN_RESULT, round=ev.round)],
+        )
+    return _wait(ctx, ev, pre)
+
+
+def _join_timeout(ctx: Context, ev: Event) -> Outcome:
+    return (
+        S.IDLE,
+        ctx,
+        [
+            *_cancel_last_call(ctx),
+            Action(Act.LEAVE, round=ctx.round),
+            Action(Act.RAISE, round=ctx.round, error="timeout"),
+        ],
+    )
+
+
+def _waiting_open(ctx: Context, ev: Event) -> Outcome:
+    return _join(ctx, ev)
+
+
+def _waiting_closed(ctx: Context, ev: Event) -> Outcome:
+    if ev.round > ctx.round and not ev.member:
+        return _wait(ctx, ev)
+    return S.WAITING, ctx, []
+
+
+def _waiting_lost(ctx: Context, ev: Event) -> Outcome:
+    act = Action(Act.OPEN_ROUND, round=ctx.round, reason="member_lost", detail=ev.detail)
+    return S.WAITING, ctx, [act]
+
+
+def _member_closed(ctx: Context, ev: Event) -> Outcome:
+    if ev.round > ctx.round:  # the others re-formed without this node
+        return S.IDLE, ctx, [Action(Act.RETURN_CHANGE, round=ev.round)]
+    return S.MEMBER, ctx, []
+
+
+def _completing_closed(ctx: Context, ev: Event) -> Outcome:
+    if ev.round > ctx.round:
+        return _barrier_leave(ctx, ev)
+    return S.COMPLETING, ctx, []
+
+
+def _member_open(ctx: Context, ev: Event) -> Outcome:
+    return S.IDLE, ctx, [Action(Act.RETURN_CHANGE, round=ev.round)]
+
+
+def _member_lost(ctx: Context, ev: Event) -> Outcome:
+    act = Action(Act.OPEN_ROUND, round=ctx.round, reason="member_lost", detail=ev.detail)
+    return S.MEMBER, ctx, [act]
+
+
+def _node_waiting(ctx: Context, ev: Event) -> Outcome:
+    if not ev.room:
+        return S.MEMBER, ctx, []
+    act = Action(Act.OPEN_ROUND, round=ctx.round, reason="node_waiting", detail=ev.detail)
+    return S.MEMBER, ctx, [act]
+
+
+def _workers_failed(ctx: Context, ev: Event) -> Outcome:
+    if ev.restarts >= ctx.max_restarts:
+        return S.MEMBER, ctx, [Action(Act.FAIL_JOB, round=ctx.round, detail=ev.detail)]
+    act = Action(
+        Act.OPEN_ROUND, round=ctx.round, reason="restart_requested", detail=ev.detail, counts=True
+    )
+    return S.MEMBER, ctx, [act]
+
+
+def _workers_succeeded(ctx: Context, ev: Event) -> Outcome:
+    deadline = ev.now + ctx.exit_barrier_timeout
+    return (
+        S.COMPLETING,
+        ctx,
+        [
+            Action(Act.PUT_DONE, round=ctx.round),
+            Action(Act.ARM, timer=Timer.BARRIER, deadline=deadline),
+        ],
+    )
+
+
+def _member_lease_lost(ctx: Context, ev: Event) -> Outcome:
+    acts = [
+        Action(Act.RENEW_LEASE),
+        Action(Act.RETURN_CHANGE, round=ctx.round, reason="lease_lost", detail=ev.detail),
+    ]
+    return S.IDLE, ctx, acts
+
+
+def _barrier_done(ctx: Context, ev: Event) -> Outcome:
+    acts = [
+        Action(Act.CANCEL, timer=Timer.BARRIER),
+        Action(Act.MARK_FINISHED, round=ctx.round),
+        Action(Act.RETURN),
+    ]
+    return S.FINISHED, ctx, acts
+
+
+def _barrier_leave(ctx: Context, ev: Event) -> Outcome:
+    return S.FINISHED, ctx, [Action(Act.CANCEL, timer=Timer.BARRIER), Action(Act.RETURN)]
+
+
+def _completing_renew(ctx: Context, ev: Event) -> Outcome:
+    return S.COMPLETING, ctx, [Action(Act.RENEW_LEASE)]
+
+
+def _shutdown(ctx: Context, ev: Event) -> Outcome:
+    acts = [Action(Act.CANCEL, timer=t) for t in Timer]
+    return S.LEFT, ctx, [*acts, Action(Act.REVOKE)]
+
+
+def _deciding(rule: Rule) -> Rule:
+    """A JOINING rule applied in DECIDING (the decider leaves the same ways)."""
+
+    def wrapped(ctx: Context, ev: Event) -> Outcome:
+        state, new_ctx, acts = rule(ctx, ev)
+        if state is S.JOINING and not any(a.type is Act.JOIN for a in acts):
+            state = S.DECIDING
+        return state, new_ctx, acts
+
+    return wrapped
+
+
+# States from which next_round() starts over (a call that was cancelled, or a
+# member asking for a new round without a change: it opens one).
+_RESTARTABLE = (S.IDLE, S.SEEKING, S.JOINING, S.DECIDING, S.WAITING, S.MEMBER)
+
+_JOINING_RULES: dict[Ev, Rule] = {
+    Ev.JOINERS_CHANGED: _joiners_changed,
+    Ev.ROUND_OPEN: _joining_open,
+    Ev.ROUND_CLOSED: _joining_closed,
+    Ev.ROUND_FINISHED: _raise(S.FINISHED, "closed"),
+    Ev.ROUND_FAILED: _raise(S.FAILED, "budget"),
+    Ev.JOIN_TIMEOUT: _join_timeout,
+    Ev.LEASE_LOST: _renew,
+}
+
+RULES: dict[tuple[State, Ev], Rule] = {
+    **{(s, Ev.NEXT_ROUND): _next_round for s in _RESTARTABLE},
+    (S.IDLE, Ev.WORKERS_FAILED): _stay_in(S.IDLE),
+    (S.SEEKING, Ev.ROUND_OPEN): _seeking_open,
+    (S.SEEKING, Ev.ROUND_CLOSED): _seeking_closed,
+    (S.SEEKING, Ev.ROUND_FINISHED): _raise(S.FINISHED, "closed"),
+    (S.SEEKING, Ev.ROUND_FAILED): _raise(S.FAILED, "budget"),
+    (S.SEEKING, Ev.JOIN_TIMEOUT): _raise(S.IDLE, "timeout"),
+    (S.SEEKING, Ev.LEASE_LOST): _renew,
+    **{(S.JOINING, ev): rule for ev, rule in _JOINING_RULES.items()},
+    **{(S.DECIDING, ev): _deciding(rule) for ev, rule in _JOINING_RULES.items()},
+    (S.DECIDING, Ev.JOINERS_CHANGED): _decide,
+    (S.DECIDING, Ev.LAST_CALL_EXPIRED): _last_call_expired,
+    (S.WAITING, Ev.ROUND_OPEN): _waiting_open,
+    (S.WAITING, Ev.ROUND_CLOSED): _waiting_closed,
+    (S.WAITING, Ev.MEMBER_LOST): _waiting_lost,
+    (S.WAITING, Ev.ROUND_FINISHED): _raise(S.FINISHED, "closed"),
+    (S.WAITING, Ev.ROUND_FAILED): _raise(S.FAILED, "budget"),
+    (S.WAITING, Ev.JOIN_TIMEOUT): _join_timeout,
+    (S.WAITING, Ev.LEASE_LOST): _renew,
+    (S.MEMBER, Ev.ROUND_CLOSED): _member_closed,
+    (S.MEMBER, Ev.ROUND_OPEN): _member_open,
+    (S.MEMBER, Ev.MEMBER_LOST): _member_lost,
+    (S.MEMBER, Ev.NODE_WAITING): _node_waiting,
+    (S.MEMBER, Ev.WORKERS_FAILED): _workers_failed,
+    (S.MEMBER, Ev.WORKERS_SUCCEEDED): _workers_succeeded,
+    (S.MEMBER, Ev.ROUND_FINISHED): _raise(S.FINISHED, "closed"),
+    (S.MEMBER, Ev.ROUND_FAILED): _raise(S.FAILED, "budget"),
+    (S.MEMBER, Ev.LEASE_LOST): _member_lease_lost,
+    (S.COMPLETING, Ev.BARRIER_DONE): _barrier_done,
+    (S.COMPLETING, Ev.BARRIER_TIMEOUT): _barrier_leave,
+    (S.COMPLETING, Ev.MEMBER_LOST): _barrier_leave,
+    (S.COMPLETING, Ev.ROUND_OPEN): _barrier_leave,
+    (S.COMPLETING, Ev.ROUND_CLOSED): _completing_closed,
+    (S.COMPLETING, Ev.ROUND_FINISHED): _barrier_leave,
+    (S.COMPLETING, Ev.ROUND_FAILED): _barrier_leave,
+    (S.COMPLETING, Ev.LEASE_LOST): _completing_renew,
+    (S.FINISHED, Ev.NEXT_ROUND): _raise(S.FINISHED, "closed"),
+    (S.FAILED, Ev.NEXT_ROUND): _raise(S.FAILED, "budget"),
+    (S.FAILED, Ev.WORKERS_FAILED): _raise(S.FAILED, "budget"),
+    **{(s, Ev.SHUTDOWN): _shutdown for s in State if s is not S.LEFT},
+    (S.LEFT, Ev.SHUTDOWN): _stay_in(S.LEFT),
+}
+
+
+class Rules:
+    """One node's rendezvous state machine."""
+
+    def __init__(self, ctx: Context, state: State = State.IDLE) -> None:
+        self.state = state
+        self.ctx = ctx
+
+    def handle(self, event: Event) -> list[Action]:
+        rule = RULES.get((self.state, event.type))
+        if rule is None:
+            raise LocalProtocolError(
+                f"event {event.type.name} is not valid in state {self.state.name}"
+            )
+        self.state, self.ctx, actions = rule(self.ctx, event)
+        return actions

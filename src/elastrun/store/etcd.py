@@ -1,0 +1,414 @@
+"""The etcd v3 store (``--rdzv-backend=etcd``), over etcd's gRPC-JSON gateway.
+
+``open_etcd_store("host1:2379,host2:2379", conf={...})`` returns a
+:class:`~elastrun.store.base.Store` whose keys all live under ``key_prefix``
+(so several jobs share one etcd cleanly), whose leases are etcd leases and
+whose watches are real etcd watches that survive the loss of the member they
+were connected to. Wire details, failover and error translation live in
+:mod:`elastrun.store.etcd_conn`; see docs/etcd.md.
+
+``conf`` keys (from ``--rdzv-conf``): ``cacert``, ``cert``, ``key`` (TLS),
+``user``, ``password``, ``key_prefix``. Other keys are ignored here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from elastrun.errors import (
+    ConfigError,
+    LeaseNotFound,
+    RevisionCompacted,
+    StoreError,
+    StoreUnavailable,
+)
+from elastrun.store.base import (
+    NO_LEASE,
+    Compare,
+    Delete,
+    Get,
+    KeyValue,
+    Op,
+    Put,
+    Store,
+    TxnResult,
+    Watch,
+    WatchEvent,
+)
+from elastrun.store.etcd_conn import (
+    Endpoint,
+    EtcdConnection,
+    EtcdSettings,
+    Json,
+    RetryableError,
+    Stream,
+    gateway_error,
+    settings_from_conf,
+    translate,
+)
+
+__all__ = ["EtcdStore", "EtcdWatch", "open_etcd_store"]
+
+MAX_TTL = 9_000_000_000  # etcd's own limit is about 9e9 s (math.MaxInt64 / 1e9)
+
+_TARGETS = {
+    "mod": "MOD",
+    "create": "CREATE",
+    "version": "VERSION",
+    "value": "VALUE",
+    "lease": "LEASE",
+}
+_FIELDS = {
+    "mod": "mod_revision",
+    "create": "create_revision",
+    "version": "version",
+    "value": "value",
+    "lease": "lease",
+}
+_RESULTS = {"==": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text) if text else b""
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The etcd ``range_end`` that selects every key starting with ``prefix``."""
+    data = bytearray(prefix)
+    while data and data[-1] == 0xFF:
+        data.pop()
+    if not data:
+        return b"\0"  # every key
+    data[-1] += 1
+    return bytes(data)
+
+
+def _int(data: Mapping[str, Any], name: str) -> int:
+    """int64 fields arrive as JSON strings, and are left out when zero."""
+    return int(data.get(name, 0))
+
+
+async def open_etcd_store(
+    endpoint: str, *, conf: Mapping[str, str] | None = None, timeout: float = 30.0
+) -> Store:
+    """Connect (authenticating if ``user`` is set) and check that etcd answers.
+
+    ``timeout`` bounds this call and every later operation (each gets its own
+    deadline, spent failing over between endpoints). Raises ConfigError,
+    AuthenticationError or StoreUnavailable (naming the endpoints).
+    """
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ConfigError(f"etcd timeout must be a positive number of seconds, got {timeout}")
+    settings = settings_from_conf(endpoint, conf or {})
+    store = EtcdStore(settings, timeout=timeout)
+    try:
+        await store.connect()
+    except BaseException:
+        await store.close()
+        raise
+    return store
+
+
+class EtcdStore(Store):
+    """A :class:`Store` on etcd v3. Build it with :func:`open_etcd_store`."""
+
+    def __init__(self, settings: EtcdSettings, *, timeout: float = 30.0) -> None:
+        self.conn = EtcdConnection(settings, timeout=timeout)
+        self._prefix = settings.key_prefix.encode()
+        self._watches: set[EtcdWatch] = set()
+        self._closed = False
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """The member currently in use."""
+        return self.conn.endpoint
+
+    async def connect(self) -> None:
+        await self.conn.authenticate()
+        await self._call("kv/range", {"key": _b64(self._prefix or b"\0"), "count_only": True})
+
+    # -- encoding ------------------------------------------------------------
+    def _key(self, key: str) -> bytes:
+        return self._prefix + key.encode()
+
+    def _range(self, key: str, prefix: bool) -> Json:
+        raw = self._key(key)
+        body: Json = {"key": _b64(raw)}
+        if prefix:
+            body["range_end"] = _b64(prefix_end(raw))
+        return body
+
+    def _kv(self, data: Mapping[str, Any]) -> KeyValue:
+        raw = _unb64(data.get("key", ""))
+        return KeyValue(
+            key=raw[len(self._prefix) :].decode(errors="replace"),
+            value=_unb64(data.get("value", "")),
+            create_revision=_int(data, "create_revision"),
+            mod_revision=_int(data, "mod_revision"),
+            version=_int(data, "version"),
+            lease=_int(data, "lease"),
+        )
+
+    def _kvs(self, data: Mapping[str, Any]) -> list[KeyValue]:
+        return [self._kv(kv) for kv in data.get("kvs", [])]
+
+    def _compare(self, c: Compare) -> Json:
+        if c.target == "value":
+            if not isinstance(c.value, bytes):
+                raise StoreError(f"compare value of {c.key!r} needs bytes, got {c.value!r}")
+            value: str = _b64(c.value)
+        else:
+            if not isinstance(c.value, int) or isinstance(c.value, bool):
+                raise StoreError(f"compare {c.target} of {c.key!r} needs an int, got {c.value!r}")
+            value = str(c.value)
+        return {
+            "key": _b64(self._key(c.key)),
+            "target": _TARGETS[c.target],
+            "result": _RESULTS[c.op],
+            _FIELDS[c.target]: value,
+        }
+
+    def _op(self, op: Op) -> Json:
+        if isinstance(op, Put):
+            put: Json = {"key": _b64(self._key(op.key)), "value": _b64(op.value)}
+            if op.lease != NO_LEASE:
+                put["lease"] = str(op.lease)
+            return {"request_put": put}
+        if isinstance(op, Delete):
+            return {"request_delete_range": self._range(op.key, op.prefix)}
+        return {"request_range": self._range(op.key, op.prefix)}
+
+    async def _call(self, path: str, body: Json, *, idempotent: bool = True) -> Json:
+        if self._closed:
+            raise StoreUnavailable(f"the etcd store ({self.conn.describe()}) is closed")
+        return await self.conn.call(path, body, idempotent=idempotent)
+
+    # -- reads ---------------------------------------------------------------
+    async def get(self, key: str) -> KeyValue | None:
+        kvs = self._kvs(await self._call("kv/range", self._range(key, False)))
+        return kvs[0] if kvs else None
+
+    async def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        data = await self._call("kv/range", self._range(prefix, True))
+        return self._kvs(data), _int(data.get("header", {}), "revision")
+
+    # -- writes --------------------------------------------------------------
+    async def put(self, key: str, value: bytes, lease: int = NO_LEASE) -> int:
+        body: Json = {"key": _b64(self._key(key)), "value": _b64(value)}
+        if lease != NO_LEASE:
+            body["lease"] = str(lease)
+        data = await self._call("kv/put", body)
+        return _int(data.get("header", {}), "revision")
+
+    async def delete(self, key: str, prefix: bool = False) -> int:
+        data = await self._call("kv/deleterange", self._range(key, prefix))
+        return _int(data, "deleted")
+
+    async def txn(
+        self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
+    ) -> TxnResult:
+        body: Json = {
+            "compare": [self._compare(c) for c in compares],
+            "success": [self._op(op) for op in success],
+            "failure": [self._op(op) for op in failure],
+        }
+        read_only = all(isinstance(op, Get) for op in (*success, *failure))
+        data = await self._call("kv/txn", body, idempotent=read_only)
+        succeeded = bool(data.get("succeeded", False))
+        gets = [
+            self._kvs(r["response_range"])
+            for r in data.get("responses", [])
+            if "response_range" in r
+        ]
+        # An empty range answer may come back as {"response_range": {...}} or, in
+        # old gateways, be dropped; pad so there is one entry per Get op.
+        wanted = sum(isinstance(op, Get) for op in (success if succeeded else failure))
+        gets += [[] for _ in range(wanted - len(gets))]
+        return TxnResult(succeeded, _int(data.get("header", {}), "revision"), gets)
+
+    # -- leases --------------------------------------------------------------
+    async def lease_grant(self, ttl: float) -> int:
+        if not (math.isfinite(ttl) and 0 < ttl <= MAX_TTL):
+            raise StoreError(f"lease TTL must be a positive number of seconds, got {ttl}")
+        # etcd TTLs are whole seconds: round up, at least 1.
+        data = await self._call("lease/grant", {"TTL": str(max(1, math.ceil(ttl)))})
+        lease = _int(data, "ID")
+        if lease == NO_LEASE:
+            raise StoreError(f"etcd at {self.conn.describe()} granted no lease: {data}")
+        return lease
+
+    async def lease_keepalive(self, lease: int) -> float:
+        data = await self._call("lease/keepalive", {"ID": str(lease)})
+        ttl = _int(data.get("result", data), "TTL")
+        if ttl <= 0:
+            raise LeaseNotFound(f"lease {lease:x} not found in etcd (expired or revoked)")
+        return float(ttl)
+
+    async def lease_revoke(self, lease: int) -> None:
+        with contextlib.suppress(LeaseNotFound):
+            await self._call("lease/revoke", {"ID": str(lease)})
+
+    # -- watches -------------------------------------------------------------
+    async def watch(
+        self, key: str, *, prefix: bool = False, start_revision: int | None = None
+    ) -> Watch:
+        body = self._range(key, prefix)
+        if start_revision is not None and start_revision > 0:
+            # Fail at once (not on the first event) if that history is gone.
+            probe = {**body, "revision": str(start_revision), "count_only": True}
+            try:
+                await self._call("kv/range", probe)
+            except StoreError as exc:
+                if "future revision" not in str(exc):
+                    raise  # compacted, unreachable, not allowed
+
+        if self._closed:
+            raise StoreUnavailable(f"the etcd store ({self.conn.describe()}) is closed")
+        watch = EtcdWatch(self, body, start_revision)
+        await watch.start()
+        self._watches.add(watch)
+        return watch
+
+    def _forget(self, watch: EtcdWatch) -> None:
+        self._watches.discard(watch)
+
+    # -- lifecycle -----------------------------------------------------------
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for watch in list(self._watches):
+            await watch.close()
+        await self.conn.aclose()
+
+
+def _reauth(error: StoreError | RetryableError) -> bool:
+    return isinstance(error, RetryableError) and error.reauth
+
+
+class EtcdWatch(Watch):
+    """One etcd watch stream, re-established on another member (from the
+    next undelivered revision) when the one it uses breaks."""
+
+    def __init__(self, store: EtcdStore, key_range: Json, start_revision: int | None) -> None:
+        self._store = store
+        self._conn = store.conn
+        self._range = key_range
+        self._next_rev = start_revision if start_revision and start_revision > 0 else None
+        self._queue: asyncio.Queue[WatchEvent | StoreError | None] = asyncio.Queue()
+        self._stream: Stream | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    async def start(self) -> None:
+        self._stream = await self._open()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _open(self) -> Stream:
+        create: Json = {**self._range, "progress_notify": True}
+        if self._next_rev is not None:
+            create["start_revision"] = str(self._next_rev)
+        stream, first = await self._conn.stream(
+            "watch", {"create_request": create}, self._conn.deadline(), self._check_created
+        )
+        if self._next_rev is None:
+            header = first.get("result", {}).get("header", {})
+            self._next_rev = _int(header, "revision") + 1
+        return stream
+
+    async def _check_created(self, message: Json, endpoint: Endpoint) -> None:
+        self._raise_if_broken(message, endpoint)
+        if not message.get("result", {}).get("created"):
+            raise RetryableError(f"watch not created: {message}")
+
+    def _raise_if_broken(self, message: Json, endpoint: Endpoint) -> None:
+        """Raise for an error or a cancelled watch (RetryableError: resume elsewhere)."""
+        if "error" in message:
+            code, text = gateway_error(message, 200)
+            raise translate(code, text, str(endpoint))
+        result = message.get("result", {})
+        if not result.get("canceled"):
+            return
+        if _int(result, "compact_revision"):
+            raise RevisionCompacted(
+                f"etcd at {endpoint}: watch history from revision {self._next_rev} is compacted "
+                f"(oldest kept: {_int(result, 'compact_revision')})"
+            )
+        reason = str(result.get("cancel_reason", "cancelled by the server"))
+        error = translate(0, reason, str(endpoint))
+        if isinstance(error, StoreError) and not isinstance(error, RevisionCompacted):
+            raise error
+        raise RetryableError(f"watch cancelled: {reason}", reauth=_reauth(error))
+
+    async def _run(self) -> None:
+        stream = self._stream
+        try:
+            while stream is not None:
+                try:
+                    message = await stream.next()
+                    if message is None:
+                        raise StoreUnavailable(f"etcd at {stream.endpoint} ended the watch stream")
+                    self._raise_if_broken(message, stream.endpoint)
+                    self._deliver(message.get("result", {}))
+                except (StoreUnavailable, RetryableError) as exc:
+                    await stream.aclose()
+                    self._stream = stream = None
+                    if self._closed:
+                        return
+                    if isinstance(exc, RetryableError) and exc.reauth:
+                        await self._conn.authenticate(force=True)
+                    self._stream = stream = await self._open()
+        except StoreError as exc:
+            self._queue.put_nowait(exc)
+        finally:
+            if stream is not None and self._closed:
+                await stream.aclose()
+
+    def _deliver(self, result: Mapping[str, Any]) -> None:
+        events = result.get("events", [])
+        for event in events:
+            kv = self._store._kv(event.get("kv", {}))
+            if event.get("type") == "DELETE":
+                self._queue.put_nowait(WatchEvent("delete", kv))
+            else:
+                self._queue.put_nowait(WatchEvent("put", kv))
+            self._next_rev = max(self._next_rev or 0, kv.mod_revision + 1)
+        if not events and not result.get("created"):
+            # A progress notification: everything up to this revision was sent.
+            revision = _int(result.get("header", {}), "revision")
+            if revision:
+                self._next_rev = max(self._next_rev or 0, revision + 1)
+
+    async def __anext__(self) -> WatchEvent:
+        if self._closed and self._queue.empty():
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is None:
+            raise StopAsyncIteration
+        if isinstance(item, StoreError):
+            self._queue.put_nowait(item)  # keep failing, don't hang
+            raise item
+        return item
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._store._forget(self)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._stream is not None:
+            await self._stream.aclose()
+            self._stream = None
+        self._queue.put_nowait(None)

@@ -1,0 +1,96 @@
+"""LeaseKeeper: grant a lease and keep it alive as a background task.
+
+The keeper renews the lease every ``ttl / 3``. It calls ``on_lost(reason)``
+once, and sets :attr:`LeaseKeeper.lost`, when the lease is gone: the store says
+it no longer exists (expired or revoked), or the store could not be reached
+for longer than the TTL (so the lease has expired there, or will before we can
+reach it). :meth:`stop` ends the task and revokes the lease (best effort,
+bounded by one TTL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from elastrun.clock import SYSTEM_CLOCK, Clock, remaining
+from elastrun.errors import LeaseNotFound, StoreError
+from elastrun.store.base import NO_LEASE, Store
+
+__all__ = ["LeaseKeeper"]
+
+log = logging.getLogger(__name__)
+
+
+class LeaseKeeper:
+    def __init__(
+        self,
+        store: Store,
+        ttl: float,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        on_lost: Callable[[str], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.ttl = ttl
+        self.clock = clock
+        self.on_lost = on_lost
+        self.lease = NO_LEASE
+        self.lost = asyncio.Event()
+        self.lost_reason = ""
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.lease != NO_LEASE and not self.lost.is_set()
+
+    async def start(self) -> int:
+        """Grant a fresh lease and start keeping it alive; returns its id."""
+        await self.stop(revoke=True)
+        self.lost = asyncio.Event()
+        self.lost_reason = ""
+        self.lease = await asyncio.wait_for(self.store.lease_grant(self.ttl), self.ttl)
+        self._task = asyncio.get_running_loop().create_task(self._run(self.lease))
+        return self.lease
+
+    async def _run(self, lease: int) -> None:
+        expires = self.clock.monotonic() + self.ttl  # as far as we know
+        interval = self.ttl / 3
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                budget = remaining(expires, self.clock)
+                if budget <= 0:
+                    raise TimeoutError
+                ttl = await asyncio.wait_for(self.store.lease_keepalive(lease), budget)
+                expires = self.clock.monotonic() + ttl
+                interval = ttl / 3
+            except LeaseNotFound:
+                self._lose("lease expired or was revoked in the store")
+                return
+            except (StoreError, TimeoutError, OSError) as exc:
+                if remaining(expires, self.clock) <= 0:
+                    self._lose(f"store unreachable for longer than the lease TTL ({exc!r})")
+                    return
+                log.debug("lease keepalive failed, retrying: %r", exc)
+                interval = min(self.ttl / 10, remaining(expires, self.clock))
+
+    def _lose(self, reason: str) -> None:
+        self.lost_reason = reason
+        self.lost.set()
+        if self.on_lost is not None:
+            self.on_lost(reason)
+
+    async def stop(self, revoke: bool = True) -> None:
+        """Stop renewing; revoke the lease (its keys vanish) unless told not to."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        lease, self.lease = self.lease, NO_LEASE
+        if revoke and lease != NO_LEASE and not self.lost.is_set():
+            with contextlib.suppress(StoreError, TimeoutError, OSError):
+                await asyncio.wait_for(self.store.lease_revoke(lease), self.ttl)

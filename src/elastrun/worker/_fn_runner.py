@@ -1,0 +1,84 @@
+"""Runs a Python function as a worker for :func:`elastrun.launch` (no pickle).
+
+``python -m elastrun.worker._fn_runner SPEC.json``. The spec (JSON, written by
+the launcher) names the function by module and qualified name (or by the
+file of the launching ``__main__`` script, loaded as ``__mp_main__`` like
+multiprocessing's spawn does) and carries JSON arguments. The function's
+return value is written as JSON to ``{results}/local_{LOCAL_RANK}.json``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import runpy
+import sys
+import traceback
+from typing import Any
+
+SPEC_VERSION = 1
+
+
+def _resolve(obj: Any, qualname: str) -> Any:
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def load_function(spec: dict[str, Any]) -> Any:
+    qualname = str(spec["qualname"])
+    if spec.get("file"):
+        namespace = runpy.run_path(str(spec["file"]), run_name="__mp_main__")
+        head, _, rest = qualname.partition(".")
+        obj = namespace[head]
+        return _resolve(obj, rest) if rest else obj
+    module = importlib.import_module(str(spec["module"]))
+    return _resolve(module, qualname)
+
+
+def _write_result(results: str, payload: dict[str, Any]) -> None:
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    path = os.path.join(results, f"local_{local_rank}.json")
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(payload, f)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        sys.stderr.write("usage: python -m elastrun.worker._fn_runner SPEC.json\n")
+        return 2
+    with open(argv[0], encoding="utf-8") as f:
+        spec = json.load(f)
+    if spec.get("v") != SPEC_VERSION:
+        sys.stderr.write(f"elastrun: function spec version {spec.get('v')!r} not supported\n")
+        return 2
+    for entry in reversed(spec.get("sys_path", [])):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    fn = load_function(spec)
+    result = fn(*spec.get("args", []), **spec.get("kwargs", {}))
+    payload = {"rank": int(os.environ.get("RANK", "0")), "result": result}
+    try:
+        json.dumps(payload)
+    except (TypeError, ValueError) as exc:
+        sys.stderr.write(
+            f"elastrun: the return value of {spec['qualname']} on rank {payload['rank']} is not "
+            f"JSON-serializable ({exc}); return JSON data (dict, list, str, number, bool, None)\n"
+        )
+        return 1
+    _write_result(str(spec["results"]), payload)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        code = main(sys.argv[1:])
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.exit(code)

@@ -1,0 +1,95 @@
+"""A real elastic training-like worker for end-to-end tests.
+
+Each step: a gloo all-reduce across the world, then rank 0 checkpoints the
+step number atomically. Every step appends one JSON line to
+``$ELASTIC_TEST_DIR/steps.jsonl`` (rank, world size, step, restart count,
+group rank). Control files in that directory:
+  crash_rank_<R>  worker with global rank R exits 1 at its next step (file removed);
+                  if the file holds "exception" it raises instead, if it holds a
+                  signal name ("SIGSEGV", "SIGKILL"...) it sends itself that signal
+  finish          the group stops after the current step and exits 0
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+DIR = Path(os.environ["ELASTIC_TEST_DIR"])
+STEP_SLEEP = float(os.environ.get("ELASTIC_STEP_SLEEP", "0.2"))
+
+
+def log(record: dict[str, object]) -> None:
+    line = json.dumps(record) + "\n"
+    fd = os.open(DIR / "steps.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def load_step() -> int:
+    try:
+        return int(json.loads((DIR / "ckpt.json").read_text())["step"])
+    except FileNotFoundError:
+        return 0
+
+
+def save_step(step: int) -> None:
+    tmp = DIR / f"ckpt.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps({"step": step}))
+    os.replace(tmp, DIR / "ckpt.json")
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    group_rank = int(os.environ["GROUP_RANK"])
+    start = torch.tensor([load_step()])
+    dist.broadcast(start, 0)
+    step = int(start.item())
+    while True:
+        crash = DIR / f"crash_rank_{rank}"
+        if crash.exists():
+            how = crash.read_text().strip()
+            crash.unlink()
+            if how == "exception":
+                raise RuntimeError(f"injected failure on rank {rank}")
+            if how.startswith("SIG"):
+                os.kill(os.getpid(), signal.Signals[how])
+                time.sleep(10)  # a caught or ignored signal falls through to exit 1
+            raise SystemExit(1)
+        finish = torch.tensor([1 if (rank == 0 and (DIR / "finish").exists()) else 0])
+        dist.all_reduce(finish)
+        if finish.item():
+            break
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        assert int(t.item()) == world
+        step += 1
+        if rank == 0:
+            save_step(step)
+        log(
+            {
+                "rank": rank,
+                "world": world,
+                "step": step,
+                "restart": restart,
+                "group_rank": group_rank,
+                "pid": os.getpid(),
+            }
+        )
+        time.sleep(STEP_SLEEP)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""A one-node Rendezvous for agent tests (a test double of the rendezvous only;
+the workers the agent starts are real processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+from elastrun.errors import RendezvousClosed, RestartBudgetExhausted
+from elastrun.rendezvous.api import (
+    Change,
+    Member,
+    Rendezvous,
+    RendezvousSettings,
+    RoundResult,
+)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class OneNodeRendezvous(Rendezvous):
+    def __init__(
+        self,
+        run_id: str = "test-run",
+        nproc: int = 1,
+        max_restarts: int = 0,
+        host: str = "testhost",
+        closed: bool = False,
+    ) -> None:
+        self.settings = RendezvousSettings(
+            run_id=run_id,
+            min_nodes=1,
+            max_nodes=1,
+            max_restarts=max_restarts,
+            nproc=nproc,
+            host=host,
+            addr="127.0.0.1",
+        )
+        self.round = -1
+        self.restart_count = 0
+        self.failures: list[dict[str, Any]] = []
+        self.completed = 0
+        self.shutdowns = 0
+        self.closed = closed
+        self.change = asyncio.Event()
+        self.change_value = Change(reason="node_waiting", detail="a test node waits")
+
+    async def next_round(self) -> RoundResult:
+        if self.closed:
+            raise RendezvousClosed("test job already finished")
+        self.round += 1
+        self.change.clear()
+        s = self.settings
+        return RoundResult(
+            run_id=s.run_id,
+            round=self.round,
+            members=(Member("n0", s.host, s.addr, 0, s.nproc),),
+            group_rank=0,
+            master_addr="127.0.0.1",
+            master_port=free_port(),
+            restart_count=self.restart_count,
+            max_restarts=s.max_restarts,
+        )
+
+    async def wait_for_change(self) -> Change:
+        await self.change.wait()
+        return self.change_value
+
+    async def request_restart(self, failure: dict[str, Any]) -> None:
+        self.failures.append(failure)
+        if self.restart_count >= self.settings.max_restarts:
+            raise RestartBudgetExhausted(
+                f"all {self.settings.max_restarts} restarts of job {self.settings.run_id} are used"
+            )
+        self.restart_count += 1
+
+    async def complete(self) -> None:
+        self.completed += 1
+        self.closed = True
+
+    async def shutdown(self) -> None:
+        self.shutdowns += 1

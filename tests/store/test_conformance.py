@@ -1,0 +1,287 @@
+"""The one conformance suite every store passes (see conftest.BACKENDS).
+
+Lease TTLs are whole seconds (1-2 s) so the same tests hold on etcd, which
+rounds TTLs up; bounds on expiry are generous (TTL + a few seconds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from elastrun.errors import LeaseNotFound, StoreError
+from elastrun.store.base import Compare, Delete, Get, Put, Store, Watch, WatchEvent
+from tests.store.conftest import ClientFactory, StoreHarness
+
+
+async def next_event(watch: Watch, timeout: float = 5.0) -> WatchEvent:
+    return await asyncio.wait_for(watch.__anext__(), timeout)
+
+
+async def events(watch: Watch, n: int, timeout: float = 5.0) -> list[tuple[str, str, bytes]]:
+    out = []
+    for _ in range(n):
+        e = await next_event(watch, timeout)
+        out.append((e.type, e.kv.key, e.kv.value))
+    return out
+
+
+def test_put_get_and_revisions(make_store: StoreHarness) -> None:
+    p = make_store.prefix
+
+    async def body(new: ClientFactory) -> None:
+        s = await new()
+        assert await s.get(p + "missing") is None
+        r1 = await s.put(p + "a", b"1")
+        r2 = await s.put(p + "a", b"\x00\xff binary")
+        assert r2 > r1 > 0
+        kv = await s.get(p + "a")
+        assert kv is not None
+        assert kv.value == b"\x00\xff binary"
+        assert (kv.create_revision, kv.mod_revision, kv.version) == (r1, r2, 2)
+        # another client sees the same data
+        other = await new()
+        assert await other.get(p + "a") == kv
+
+    make_store.run(body)
+
+
+def test_prefix_range_is_sorted_and_excludes_neighbours(make_store: StoreHarness) -> None:
+    p = make_store.prefix
+
+    async def body(new: ClientFactory) -> None:
+        s = await new()
+        last = 0
+        for k in ["r/b", "r/a", "r0", "r/c", "q", "r/a/deeper"]:
+            last = await s.put(p + k, k.encode())
+        kvs, rev = await s.get_prefix(p + "r/")
+        assert [kv.key for kv in kvs] == [p + "r/a", p + "r/a/deeper", p + "r/b", p + "r/c"]
+        assert [kv.value for kv in kvs] == [b"r/a", b"r/a/deeper", b"r/b", b"r/c"]
+        assert rev >= last
+        assert (await s.get_prefix(p + "nothing/"))[0] == []
+
+    make_store.run(body)
+
+
+def test_delete_and_prefix_delete(make_store: StoreHarness) -> None:
+    p = make_store.prefix
+
+    async def body(new: ClientFactory) -> None:
+        s = await new()
+        for k in ["d/1", "d/2", "d/3", "e"]:
+            await s.put(p + k, b"x")
+        assert await s.delete(p + "e") == 1
+        assert await s.delete(p + "e") == 0
+        assert await s.delete(p + "d/", prefix=True) == 3
+        assert (await s.get_prefix(p))[0] == []
+
+    make_store.run(body)
+
+
+def test_txn_compare_and_set(make_store: StoreHarness) -> None:
+    p = make_store.prefix
+    k = p + "cas"
+
+    async def body(new: ClientFactory) -> None:
+        s = await new()
+        assert await s.create(k, b"first")
+        assert not await s.create(k, b"second")
+        kv = await s.get(k)
+        assert kv is not None and kv.value == b"first"
+        assert not await s.compare_and_set(k, kv.mod_revision + 1000, b"stale")
+        assert await s.compare_and_set(k, kv.mod_revision, b"third")
+        # failure branch returns the current value
+        r = await s.txn([Compare(k, "value", "==", b"nope")], [Put(k, b"x")], [Get(k)])
+        assert not r.succeeded
+        assert [kv.value for kv in r.gets[0]] == [b"third"]
+        # one txn's writes share one revision; deletes and prefix gets work
+        r = await s.txn(
+            [Compare(k, "version", "==", 2), Compare(k, "value", "==", b"third")],
+            [Put(p + "t/a", b"1"), Put(p + "t/b", b"2"), Delete(k), Get(p + "t/", prefix=True)],
+        )
+        assert r.succeeded
+        a, b = r.gets[0]
+        assert a.mod_revision == b.mod_revision == r.revision
+        assert await s.get(k) is None
+        with pytest.raises(StoreError):  # wrong operand type for the target
+            await s.txn([Compare(k, "mod", "==", b"x")], [])
+
+    make_store.run(body)
+
+
+def test_cas_race_has_exactly_one_winner(make_store: StoreHarness) -> None:
+    p = make_store.prefix
+
+    async def body(new: ClientFactory) -> None:
+        clients = [await new() for _ in range(6)]
+        for round_ in range(10):
+            key = f"{p}race/{round_}"
+            results = await asyncio.gather(
+                *(c.create(key, str(i).encode()) for i, c in enumerate(clients))
+            )
+            assert sum(results) == 1, f"round {round_}: winners {results}"
+            kv = await clients[0].get(key)
+            assert kv is not None and kv.value == str(results.index(True)).encode()
+            # and a CAS on the observed revision: again exactly one winner
+            outcomes = await asyncio.gather(
+                *(c.compare_and_set(key, kv.mod_revision, b"again") for c in clients)
+            )
+            assert sum(outcomes) == 1
+
+    make_store.run(body)
+
+
+def test_lease_expiry_deletes_keys_and_notifies_watchers(make_store: StoreHarness) -> None:
+    p = make_store.prefix
+
+    async def body(new: ClientFactory) -> None:
+        owner, observer = await new(), await new()
+        lease = await owner.lease_grant(1)
+        await owner.put(p + "l/a", b"1", lease)
+        await owner.put(p + "l/b", b"2", lease)
+        await owner.put(p + "l/keep", b"3")
+        watch = await observer.watch(p + "l/", prefix=True)
+        start = time.monotonic()
+        got = await events(watch, 2, timeout=8.0)
+        assert sorted(got) == [("delete", p + "l/a", b""), ("delete", p + "l/b", b"")]
+        assert time.monotonic() - start < 6.0
+        assert [kv.key for kv in (await observer.get_prefix(p + "l/"))[0]] == [p + "l/keep"]
+        with pytest.raises(LeaseNotFound):
+            await owner.lease_keepalive(lease)
+        with pytest.raises(LeaseNotFound):
+            await owner.put(p + "l/c", b"", lease)
+        await watch.close()
+
+    make_store.run(body)
+
+
+def test_keepalive_extends_lease(make_store: StoreHarness) -> None:
+    p = make_store.prefix
+
+    async def body(new: ClientFactory) -> None:
+        s = await new()
+        lease = await s.lease_grant(2)
+        await s.put(p + "alive", b"1", lease)
+        end = time.monotonic() + 3.5  # well past the TTL
+        while time.monotonic() < end:
+            assert await s.lease_keepalive(lease) >= 2
+            await asyncio.sleep(0.4)
+        assert await s.get(p + "alive") is not None
+        deadline = time.monotonic() + 8.0
+        while await s.get(p + "alive") is not None:
+            assert time.monotonic() < deadline, "key outlived its lease"
+            await asyncio.sleep(0.1)
+
+    make_store.run(body)
+
+
+def test_revoke_deletes_keys_at_once(make_store: StoreHarness) -> None:
+    p = make_store.prefix
+
+    async def body(new: ClientFactory) -> None:
+        s = await new()
+        lease = await s.lease_grant(60)
+        await s.put(p + "rv/a", b"1", lease)
+        watch = await s.watch(p + "rv/", prefix=True)
+        await s.lease_revoke(lease)
+        assert await events(watch, 1, timeout=2.0) == [("delete", p + "rv/a", b"")]
+        assert await s.get(p + "rv/a") is None
+        await s.lease_revoke(lease)  # revoking a missing lease is a no-op
+        with pytest.raises(LeaseNotFound):
+            await s.lease_keepalive(lease)
+
+    make_store.run(body)
+
+
+def test_watch_orders_events_across_keys(make_store: StoreHarness) -> None:
+    p = make_store.prefix
+
+    async def body(new: ClientFactory) -> None:
+        watcher, writer = await new(), await new()
+        watch = await watcher.watch(p + "w/", prefix=True)
+        single = await watcher.watch(p + "w/a")
+        await writer.put(p + "w/a", b"1")
+        await writer.put(p + "w/b", b"1")
+        await writer.put(p + "other", b"x")
+        await writer.put(p + "w/a", b"2")
+        await writer.delete(p + "w/b")
+        seen = []
+        for _ in range(4):
+            seen.append(await next_event(watch))
+        assert [(e.type, e.kv.key, e.kv.value) for e in seen] == [
+            ("put", p + "w/a", b"1"),
+            ("put", p + "w/b", b"1"),
+            ("put", p + "w/a", b"2"),
+            ("delete", p + "w/b", b""),
+        ]
+        revisions = [e.kv.mod_revision for e in seen]
+        assert revisions == sorted(revisions) and len(set(revisions)) == 4
+        assert await events(single, 2) == [("put", p + "w/a", b"1"), ("put", p + "w/a", b"2")]
+
+    make_store.run(body)
+
+
+def test_watch_from_old_revision_replays(make_store: StoreHarness) -> None:
+    p = make_store.prefix
+
+    async def body(new: ClientFactory) -> None:
+        s = await new()
+        r1 = await s.put(p + "h", b"1")
+        await s.put(p + "h", b"2")
+        await s.put(p + "unrelated", b"x")
+        watch = await s.watch(p + "h", start_revision=r1 + 1)
+        await s.put(p + "h", b"3")
+        assert await events(watch, 2) == [("put", p + "h", b"2"), ("put", p + "h", b"3")]
+
+    make_store.run(body)
+
+
+def test_watch_close_ends_iteration(make_store: StoreHarness) -> None:
+    p = make_store.prefix
+
+    async def body(new: ClientFactory) -> None:
+        s = await new()
+        watch = await s.watch(p + "c")
+        await s.put(p + "c", b"1")
+        got = []
+
+        async def consume() -> None:
+            async for event in watch:
+                got.append(event.kv.value)
+                await watch.close()
+
+        await asyncio.wait_for(consume(), 5.0)
+        assert got == [b"1"]
+        await s.put(p + "c", b"2")  # nothing delivered after close
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(watch.__anext__(), 1.0)
+
+    make_store.run(body)
+
+
+def test_waiting_on_a_watch_is_bounded_and_cancel_safe(make_store: StoreHarness) -> None:
+    p = make_store.prefix
+
+    async def body(new: ClientFactory) -> None:
+        s: Store = await new()
+        watch = await s.watch(p + "quiet")
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(watch.__anext__(), 0.3)
+        assert time.monotonic() - start < 3.0
+        # the cancelled wait lost nothing: the next event still arrives
+        await s.put(p + "quiet", b"now")
+        assert await events(watch, 1) == [("put", p + "quiet", b"now")]
+
+    make_store.run(body)
+
+
+def test_invalid_lease_ttl_is_a_store_error(make_store: StoreHarness) -> None:
+    async def body(new: ClientFactory) -> None:
+        s = await new()
+        with pytest.raises(StoreError):
+            await s.lease_grant(-1)
+
+    make_store.run(body)

@@ -1,0 +1,83 @@
+"""The worker environment (SPEC section 2)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from elastrun.agent.env import WORKER_ENV_VARS, check_round, worker_env
+from elastrun.agent.spec import WorkerSpec
+from elastrun.errors import WorkerError
+from elastrun.rendezvous.api import Member, RoundResult
+
+
+def _round(group_rank: int = 1, restart_count: int = 2) -> RoundResult:
+    members = (
+        Member("a", "host-a", "10.0.0.1", 0, 2),
+        Member("b", "host-b", "10.0.0.2", 1, 3),
+        Member("c", "host-c", "10.0.0.3", 2, 4),
+    )
+    return RoundResult(
+        run_id="job7",
+        round=5,
+        members=members,
+        group_rank=group_rank,
+        master_addr="10.0.0.1",
+        master_port=29511,
+        restart_count=restart_count,
+        max_restarts=3,
+    )
+
+
+def _spec(**kw) -> WorkerSpec:
+    return WorkerSpec(argv=("python", "x.py"), nproc=3, run_id="job7", role="trainer", **kw)
+
+
+def test_every_variable_for_a_middle_node():
+    env = worker_env(_spec(), _round(), local_rank=2, error_file="/e/2/error.json", base={})
+    assert set(WORKER_ENV_VARS) <= set(env)
+    assert env["LOCAL_RANK"] == "2"
+    assert env["RANK"] == "4"  # node 0 has 2 workers, so this node starts at 2
+    assert env["GROUP_RANK"] == "1"
+    assert env["ROLE_RANK"] == "4"
+    assert env["ROLE_NAME"] == "trainer"
+    assert env["LOCAL_WORLD_SIZE"] == "3"
+    assert env["WORLD_SIZE"] == "9"
+    assert env["GROUP_WORLD_SIZE"] == "3"
+    assert env["ROLE_WORLD_SIZE"] == "9"
+    assert env["MASTER_ADDR"] == "10.0.0.1"
+    assert env["MASTER_PORT"] == "29511"
+    assert env["TORCHELASTIC_RESTART_COUNT"] == "2"
+    assert env["TORCHELASTIC_MAX_RESTARTS"] == "3"
+    assert env["TORCHELASTIC_RUN_ID"] == "job7"
+    assert env["TORCHELASTIC_ERROR_FILE"] == "/e/2/error.json"
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert env["PYTHON_EXEC"] == sys.executable
+    assert env["OMP_NUM_THREADS"] == "1"
+    assert env["PYTHONUNBUFFERED"] == "1"
+
+
+def test_user_settings_kept_but_ranks_always_computed():
+    base = {"OMP_NUM_THREADS": "8", "RANK": "99", "PATH": "/bin", "PYTHON_EXEC": "/opt/py"}
+    spec = _spec(env={"PYTHONUNBUFFERED": "0", "WORLD_SIZE": "1", "MY_VAR": "x"})
+    env = worker_env(spec, _round(group_rank=0), local_rank=0, error_file="/e", base=base)
+    assert env["OMP_NUM_THREADS"] == "8"
+    assert env["PYTHONUNBUFFERED"] == "0"
+    assert env["PATH"] == "/bin"
+    assert env["MY_VAR"] == "x"
+    assert env["PYTHON_EXEC"] == "/opt/py"
+    assert env["RANK"] == "0"
+    assert env["WORLD_SIZE"] == "9"
+
+
+def test_nccl_async_error_handling_respects_user_choice():
+    env = worker_env(_spec(), _round(), 0, "/e", base={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"})
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+
+
+def test_round_disagreeing_with_nproc_is_refused():
+    check_round(_spec(), _round(group_rank=1))
+    with pytest.raises(WorkerError, match="--nproc-per-node"):
+        check_round(_spec(), _round(group_rank=2))

@@ -1,0 +1,404 @@
+"""Launcher flag parsing: torchrun's flags, both spellings, PET_* defaults, errors.
+
+Pure tests of ``elastrun.launcher`` (no processes): what a user would check is
+that a flag lands where it should, and that a bad value is refused with a
+message that names the flag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+import pytest
+
+from elastrun.errors import ConfigError, RestartBudgetExhausted
+from elastrun.launcher.cli import Command, parse, worker_argv
+from elastrun.launcher.config import (
+    LaunchConfig,
+    parse_endpoint,
+    parse_endpoints,
+    parse_nnodes,
+    parse_nproc,
+    parse_rdzv_conf,
+    parse_signals,
+    parse_std,
+    template_from_torch_env,
+)
+from elastrun.launcher.plan import resolve
+from elastrun.launcher.run import build_settings, build_spec, is_local_address
+from elastrun.rendezvous.api import RendezvousSettings
+from elastrun.rendezvous.static import StaticRendezvous
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("PET_") or name in (
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+            "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
+            "PYTHON_EXEC",
+        ):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def script(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    return "train.py"
+
+
+def run_parse(*flags: str, script: str = "train.py"):
+    return parse([*flags, script])
+
+
+# --------------------------------------------------------------- both spellings
+SPELLED = [
+    ("nproc-per-node", "3", lambda p, c: p.config.nproc_per_node == 3),
+    ("rdzv-backend", "c10d", lambda p, c: p.endpoints == (("localhost", 29400),)),
+    ("rdzv-endpoint", "127.0.0.1:29999", lambda p, c: p.endpoints == (("127.0.0.1", 29999),)),
+    ("rdzv-id", "job7", lambda p, c: p.config.run_id == "job7"),
+    ("rdzv-conf", "join_timeout=5", lambda p, c: p.rendezvous_timeouts()["join_timeout"] == 5),
+    ("max-restarts", "4", lambda p, c: p.config.max_restarts == 4),
+    ("monitor-interval", "0.5", lambda p, c: p.config.monitor_interval == 0.5),
+    ("start-method", "fork", lambda p, c: p.config.start_method == "fork"),
+    ("node-rank", "1", lambda p, c: p.node_rank == 1),
+    ("master-addr", "10.1.2.3", lambda p, c: p.config.master_addr == "10.1.2.3"),
+    ("master-port", "29511", lambda p, c: p.config.master_port == 29511),
+    ("local-addr", "10.9.9.9", lambda p, c: p.config.local_addr == "10.9.9.9"),
+    ("log-dir", "/tmp/x", lambda p, c: p.config.log_dir == "/tmp/x"),
+    ("local-ranks-filter", "0,2", lambda p, c: p.config.local_ranks_filter == {0, 2}),
+    (
+        "signals-to-handle",
+        "SIGTERM,SIGUSR1",
+        lambda p, c: signal.SIGUSR1 in p.config.signals_to_handle,
+    ),
+    ("shutdown-timeout", "7", lambda p, c: p.config.shutdown_timeout == 7),
+    ("log-template", "[{rank}]", lambda p, c: p.config.log_template == "[{rank}]"),
+    ("events-file", "/tmp/ev.jsonl", lambda p, c: p.config.events_file == "/tmp/ev.jsonl"),
+    ("hang-timeout", "12", lambda p, c: p.config.hang_timeout == 12),
+    ("exit-barrier-timeout", "9", lambda p, c: p.exit_barrier_timeout == 9),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "check"), SPELLED, ids=[s[0] for s in SPELLED])
+@pytest.mark.parametrize("spelling", ["dash", "underscore"])
+def test_every_value_flag_in_both_spellings(script, name, value, check, spelling):
+    flag = "--" + (name if spelling == "dash" else name.replace("-", "_"))
+    extra = []
+    if name in ("rdzv-conf", "rdzv-id", "local-addr", "node-rank"):
+        extra = ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400", "--nnodes=1:2"]
+    if name in ("master-addr", "master-port"):
+        extra = ["--nnodes=2", "--node-rank=0"]
+    plan, cmd = run_parse(*extra, f"{flag}={value}")
+    assert check(plan, cmd)
+
+
+@pytest.mark.parametrize("flag", ["-m", "--module"])
+def test_module_flag(flag):
+    _plan, cmd = parse([flag, "json.tool", "--sort-keys"])
+    assert cmd.module
+    assert worker_argv(cmd)[-4:] == ("-u", "-m", "json.tool", "--sort-keys")
+
+
+@pytest.mark.parametrize("flag", ["--no-python", "--no_python"])
+def test_no_python_runs_the_program_directly(flag):
+    _, cmd = parse([flag, "true", "a"])
+    assert worker_argv(cmd) == ("true", "a")
+
+
+@pytest.mark.parametrize("flag", ["--run-path", "--run_path"])
+def test_run_path_uses_runpy(script, flag):
+    _, cmd = parse([flag, "--no-python", script, "x"])
+    argv = worker_argv(cmd)
+    assert argv[1:3] == ("-u", "-c") and "runpy.run_path" in argv[3]
+    assert argv[4] == os.path.abspath(script) and argv[5] == "x"
+
+
+def test_flags_after_the_script_belong_to_the_script(script):
+    plan, cmd = parse(["--nproc-per-node=2", script, "--nproc-per-node=5", "--lr", "0.1"])
+    assert plan.config.nproc_per_node == 2
+    assert cmd.args == ("--nproc-per-node=5", "--lr", "0.1")
+    assert worker_argv(cmd) == (sys.executable, "-u", script, "--nproc-per-node=5", "--lr", "0.1")
+
+
+def test_redirects_and_tee_short_and_long(script):
+    plan, _ = run_parse("-r", "3", "--tee=0:1,1:2")
+    assert plan.config.redirects == {-1: 3}
+    assert plan.config.tee == {0: 1, 1: 2}
+    plan, _ = run_parse("--redirects", "0", "-t", "2")
+    assert plan.config.redirects == {} and plan.config.tee == {-1: 2}
+
+
+# --------------------------------------------------------------- defaults, PET_
+def test_defaults_follow_torchrun(script):
+    plan, _ = run_parse()
+    cfg = plan.config
+    assert (cfg.min_nodes, cfg.max_nodes, cfg.nproc_per_node) == (1, 1, 1)
+    assert cfg.max_restarts == 0 and cfg.role == "default" and cfg.shutdown_timeout == 30
+    # torchrun: a single-node static launch without a master port is standalone
+    assert plan.standalone and plan.backend == "c10d" and plan.is_host is True
+    assert plan.endpoints == (("127.0.0.1", 0),)
+    assert plan.exit_barrier_timeout == 300
+    assert [s.name for s in cfg.signals_to_handle] == ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"]
+
+
+def test_standalone_generates_run_id_and_ignores_backend(script):
+    plan, _ = run_parse(
+        "--standalone", "--rdzv-backend=etcd", "--rdzv-endpoint=x:1", "--rdzv-id=mine"
+    )
+    assert plan.backend == "c10d" and plan.endpoints == (("127.0.0.1", 0),)
+    assert plan.config.run_id != "mine" and len(plan.config.run_id) == 36
+
+
+def test_pet_environment_defaults(script, monkeypatch):
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
+    monkeypatch.setenv("PET_NNODES", "1:2")
+    monkeypatch.setenv("PET_RDZV_BACKEND", "c10d")
+    monkeypatch.setenv("PET_RDZV_ENDPOINT", "127.0.0.1:29401")
+    monkeypatch.setenv("PET_MAX_RESTARTS", "2")
+    monkeypatch.setenv("PET_TEE", "3")
+    plan, _ = run_parse()
+    assert plan.config.nproc_per_node == 3
+    assert (plan.config.min_nodes, plan.config.max_nodes) == (1, 2)
+    assert plan.endpoints == (("127.0.0.1", 29401),)
+    assert plan.config.max_restarts == 2 and plan.config.tee == {-1: 3}
+    # the command line wins over the environment
+    plan, _ = run_parse("--nproc_per_node=1", "--max-restarts=0")
+    assert plan.config.nproc_per_node == 1 and plan.config.max_restarts == 0
+
+
+def test_pet_boolean_flags(monkeypatch):
+    monkeypatch.setenv("PET_MODULE", "1")
+    monkeypatch.setenv("PET_STANDALONE", "1")
+    plan, cmd = parse(["json.tool"])
+    assert cmd.module and plan.standalone
+    monkeypatch.setenv("PET_STANDALONE", "yes")
+    with pytest.raises(ConfigError, match="PET_STANDALONE"):
+        parse(["json.tool"])
+
+
+def test_torch_shutdown_timeout_env(script, monkeypatch):
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "4")
+    assert run_parse()[0].config.shutdown_timeout == 4
+    assert run_parse("--shutdown-timeout=2")[0].config.shutdown_timeout == 2
+
+
+def test_torch_log_prefix_template_env(script, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[${role_name}${rank}]:")
+    assert run_parse()[0].config.log_template == "[{role}{rank}]:"
+    assert template_from_torch_env("${local_rank}{x}") == "{local_rank}{{x}}"
+
+
+# --------------------------------------------------------------- static backend
+def test_static_multi_node(script):
+    plan, _ = run_parse("--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1")
+    assert plan.backend == "static" and not plan.standalone
+    assert plan.endpoints == (("10.0.0.1", 29500),) and plan.node_rank == 1
+    plan, _ = run_parse("--nnodes=2", "--node-rank=0", "--rdzv-endpoint=10.0.0.2:1234")
+    assert plan.endpoints == (("10.0.0.2", 1234),)
+
+
+def test_static_single_node_with_master_port_stays_static(script):
+    plan, _ = run_parse("--master-port=29555")
+    assert plan.backend == "static" and plan.endpoints == (("127.0.0.1", 29555),)
+
+
+# --------------------------------------------------------------- bad input
+BAD = [
+    (["--nnodes=3:1"], "--nnodes", "larger than maximum"),
+    (["--nnodes=0"], "--nnodes", "at least 1"),
+    (["--nnodes=1:2:3"], "--nnodes", "MIN:MAX"),
+    (["--nnodes=a"], "--nnodes", "integer"),
+    (["--nproc-per-node=0"], "--nproc-per-node", "at least 1"),
+    (["--nproc-per-node=many"], "--nproc-per-node", "auto"),
+    (["--rdzv-conf=join_timeout"], "--rdzv-conf", "key=value"),
+    (["--rdzv-conf=join_timeout=soon"], "--rdzv-conf", "number of seconds"),
+    (["--rdzv-conf=timeout=-1"], "--rdzv-conf", ">= 0"),
+    (["--rdzv-conf=is_host=maybe"], "--rdzv-conf", "is_host"),
+    (["--rdzv-conf=bogus=1"], "--rdzv-conf", "known keys: cacert"),
+    (["--rdzv-conf=token=a,token_file=b"], "--rdzv-conf", "not both"),
+    (["--rdzv-conf=token_file=/nonexistent/tok"], "--rdzv-conf", "token_file"),
+    (["--rdzv-backend=zookeeper"], "--rdzv-backend", "c10d"),
+    (["--nnodes=2"], "--node-rank", "required"),
+    (["--nnodes=2", "--node-rank=2"], "--node-rank", "out of range"),
+    (["--nnodes=2", "--node-rank=-1"], "--node-rank", ">= 0"),
+    (["--nnodes=1:2", "--node-rank=0"], "--nnodes", "fixed number of nodes"),
+    (["--rdzv-backend=c10d", "--rdzv-endpoint=a:b:c"], "--rdzv-endpoint", "IPv6"),
+    (["--rdzv-backend=c10d", "--rdzv-endpoint=host:99999"], "--rdzv-endpoint", "bad port"),
+    (["--rdzv-backend=c10d", "--rdzv-endpoint=[::1"], "--rdzv-endpoint", "unclosed"),
+    (["--rdzv-backend=c10d", "--rdzv-endpoint=h:0", "--nnodes=2"], "--rdzv-endpoint", "port 0"),
+    (["--rdzv-backend=etcd", "--rdzv-endpoint=a:1,,b"], "--rdzv-endpoint", "empty entry"),
+    (["--standalone", "--nnodes=2"], "--standalone", "single node"),
+    (["--max-restarts=-1"], "--max-restarts", ">= 0"),
+    (["--max-restarts=x"], "--max-restarts", "integer"),
+    (["--monitor-interval=0"], "--monitor-interval", "> 0"),
+    (["--start-method=thread"], "--start-method", "invalid choice"),
+    (["--master-port=70000"], "--master-port", "1..65535"),
+    (["-r", "4"], "--redirects", "0-3"),
+    (["--tee=0:1,x"], "--tee", "0-3"),
+    (["--local-ranks-filter=a"], "--local-ranks-filter", "comma-separated"),
+    (["--signals-to-handle=SIGNOPE"], "--signals-to-handle", "unknown signal"),
+    (["--signals-to-handle=SIGKILL"], "--signals-to-handle", "cannot be handled"),
+    (["--shutdown-timeout=-1"], "--shutdown-timeout", ">= 0"),
+    (["--hang-timeout=0"], "--hang-timeout", "> 0"),
+    (["--hang-timeout=inf"], "--hang-timeout", "finite"),
+    (["--exit-barrier-timeout=x"], "--exit-barrier-timeout", "number"),
+    (["--log-template={nope}"], "--log-template", "fields"),
+    (["--numa-binding=node"], "--numa-binding", "not supported"),
+    (["--virtual-local-rank"], "--virtual-local-rank", "not supported"),
+    (["--role="], "--role", "empty"),
+]
+
+
+@pytest.mark.parametrize(("flags", "flag", "text"), BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_input_names_the_flag(script, flags, flag, text):
+    with pytest.raises(ConfigError) as info:
+        run_parse(*flags)
+    message = str(info.value)
+    assert message.startswith(flag) or f"argument {flag}" in message, message
+    assert text in message
+
+
+def test_missing_script_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"^script: file 'nope.py' not found"):
+        parse(["nope.py"])
+    with pytest.raises(ConfigError, match=r"^script: missing"):
+        parse(["--nproc-per-node=2"])
+    with pytest.raises(ConfigError, match=r"^script: program"):
+        parse(["--no-python", "no-such-program-xyz"])
+    with pytest.raises(ConfigError, match=r"^--no-python: cannot be combined"):
+        parse(["--no-python", "-m", "json.tool"])
+    parse(["-m", "not.checked.module"])  # a module is found by the worker's python
+
+
+# --------------------------------------------------------------- value parsers
+def test_parse_nnodes():
+    assert parse_nnodes("2") == (2, 2)
+    assert parse_nnodes("1:4") == (1, 4)
+
+
+def test_parse_nproc_cpu_auto_gpu(monkeypatch):
+    cpus = len(os.sched_getaffinity(0))
+    assert parse_nproc("cpu") == cpus
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # hides every GPU
+    assert parse_nproc("auto") == cpus
+    with pytest.raises(ConfigError, match=r"^--nproc-per-node: 'gpu'.*no NVIDIA GPU"):
+        parse_nproc("gpu")
+    assert parse_nproc(" 4 ") == 4
+
+
+def test_parse_endpoint_forms():
+    assert parse_endpoint("node0", 29400) == ("node0", 29400)
+    assert parse_endpoint("node0:1", 29400) == ("node0", 1)
+    assert parse_endpoint("[::1]:5", 29400) == ("::1", 5)
+    assert parse_endpoint("[::1]", 29400) == ("::1", 29400)
+    assert parse_endpoint("fe80::1", 29400) == ("fe80::1", 29400)
+    assert parse_endpoints("http://a:1, https://b,c:3", 2379) == (
+        ("a", 1),
+        ("b", 2379),
+        ("c", 3),
+    )
+
+
+def test_parse_rdzv_conf_types_and_ignored_torch_keys():
+    conf = parse_rdzv_conf(
+        "join_timeout=5,last_call_timeout=0.5,is_host=true,token=t,use_libuv=1,key_prefix=/p"
+    )
+    assert conf["join_timeout"] == 5.0 and conf["last_call_timeout"] == 0.5
+    assert conf["is_host"] is True and conf["token"] == "t" and conf["key_prefix"] == "/p"
+    assert parse_rdzv_conf({"is_host": 0, "timeout": 3})["is_host"] is False
+
+
+def test_parse_std_and_signals():
+    assert parse_std("0", "-r") == {}
+    assert parse_std("0:3,2:1", "-r") == {0: 3, 2: 1}
+    assert parse_signals("TERM, SIGUSR2") == (signal.SIGTERM, signal.SIGUSR2)
+
+
+def test_token_file_is_read(tmp_path, script):
+    token = tmp_path / "tok"
+    token.write_text("s3cret\n")
+    plan, _ = run_parse(
+        "--rdzv-backend=c10d", "--rdzv-endpoint=h", f"--rdzv-conf=token_file={token}"
+    )
+    assert plan.token == "s3cret"
+    assert plan.endpoints == (("h", 29400),)
+
+
+def test_launch_config_validate_names_flags():
+    with pytest.raises(ConfigError, match=r"^--nnodes"):
+        resolve(LaunchConfig(min_nodes=2, max_nodes=1))
+    with pytest.raises(ConfigError, match=r"^--nproc-per-node"):
+        resolve(LaunchConfig(nproc_per_node=0))
+    with pytest.raises(ConfigError, match=r"^--rdzv-conf: unknown key"):
+        resolve(LaunchConfig(rdzv_configs={"joint_timeout": 1}))
+
+
+# --------------------------------------------------------------- spec, settings
+def test_worker_spec_and_settings_from_flags(script):
+    plan, cmd = run_parse(
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:29400",
+        "--nnodes=1:3",
+        "--nproc-per-node=2",
+        "--rdzv-conf=join_timeout=7,last_call_timeout=1,close_timeout=2,lease_ttl=3",
+        "--exit-barrier-timeout=4",
+        "--signals-to-handle=SIGTERM,SIGUSR1",
+        "--role=trainer",
+        "--node-rank=2",
+    )
+    spec = build_spec(plan, worker_argv(cmd), "hostA")
+    assert spec.nproc == 2 and spec.role == "trainer" and spec.host == "hostA"
+    assert spec.signals_to_handle == (signal.SIGTERM,)
+    assert spec.signals_to_forward == (signal.SIGUSR1,)
+    settings = build_settings(plan, "hostA", "10.0.0.1")
+    assert (settings.min_nodes, settings.max_nodes, settings.nproc) == (1, 3, 2)
+    assert (settings.join_timeout, settings.last_call_timeout, settings.close_timeout) == (7, 1, 2)
+    assert settings.lease_ttl == 3 and settings.exit_barrier_timeout == 4
+    assert settings.node_rank_hint == 2 and settings.addr == "10.0.0.1"
+
+
+def test_is_local_address():
+    assert is_local_address("127.0.0.1")
+    assert is_local_address("localhost")
+    assert not is_local_address("192.0.2.1")  # TEST-NET-1: never assigned
+    assert not is_local_address("no-such-host.invalid")
+
+
+# --------------------------------------------------------------- static rendezvous
+def test_static_rendezvous_fixed_world_and_local_restart_budget():
+    settings = RendezvousSettings(
+        run_id="r", min_nodes=2, max_nodes=2, max_restarts=1, nproc=3, host="b", addr="10.0.0.2"
+    )
+    rdzv = StaticRendezvous(settings, node_rank=1, master_addr="10.0.0.1", master_port=29500)
+
+    async def scenario():
+        result = await rdzv.next_round()
+        assert result.group_rank == 1 and result.world_size == 6 and result.rank_offset == 3
+        assert (result.master_addr, result.master_port) == ("10.0.0.1", 29500)
+        assert result.me.addr == "10.0.0.2" and result.members[0].addr == "10.0.0.1"
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(rdzv.wait_for_change(), 0.2)
+        await rdzv.request_restart({"rank": 3})
+        assert (await rdzv.next_round()).restart_count == 1
+        with pytest.raises(RestartBudgetExhausted, match="--max-restarts=1"):
+            await rdzv.request_restart({"rank": 3})
+        await asyncio.wait_for(rdzv.complete(), 1)
+        await rdzv.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_static_rendezvous_rejects_bad_settings():
+    settings = RendezvousSettings(run_id="r", min_nodes=1, max_nodes=2)
+    with pytest.raises(ConfigError, match=r"^--nnodes"):
+        StaticRendezvous(settings, node_rank=0, master_addr="a", master_port=1)
+
+
+def test_command_dataclass_defaults():
+    assert worker_argv(Command("t.py", ())) == (sys.executable, "-u", "t.py")
