@@ -17,6 +17,8 @@ import signal
 import sys
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +107,13 @@ def _progress(result: RunResult) -> str:
     return f"  {result.scenario:<20} {result.config:<17} rep {result.rep}: {vals} {status}"
 
 
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def _terminate(signum: int, _frame: object) -> None:
     # Turn SIGTERM/SIGHUP into an exception so every run's cleanup still runs.
     raise KeyboardInterrupt(f"signal {signum}")
@@ -127,13 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     configs = list(DEFAULT_CONFIGS)
     if args.launchers:
         wanted = [w.strip() for w in args.launchers.split(",")]
+        bad = [w for w in wanted if w not in {c.name for c in configs}]
+        if bad:
+            print(f"unknown launcher config(s): {', '.join(bad)}", file=sys.stderr)
+            return 2
         configs = [c for c in configs if c.name in wanted]
     selected = scenarios.select(groups, args.quick)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_dir = args.out or BENCH_DIR / "results" / stamp
     out_dir.mkdir(parents=True, exist_ok=True)
-
-    import torch  # only for the version in the report
 
     header: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -141,10 +152,19 @@ def main(argv: list[str] | None = None) -> int:
         "repetitions": reps,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
         "python": platform.python_version(),
-        "torch": torch.__version__,
+        "torch": _version("torch"),
+        "bounds": (
+            f"start {settings.start_timeout:.0f}s, disruption -> resumed "
+            f"{settings.phase_timeout:.0f}s, partition -> resumed "
+            f"{settings.partition_timeout:.0f}s, exit {settings.exit_timeout:.0f}s; "
+            f"a step every {settings.step_interval}s"
+        ),
         "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
-    unavailable = {c.launcher: check_launcher(c) for c in configs}
+    with ThreadPoolExecutor() as pool:  # each --help imports its launcher: in parallel
+        one_each = {c.launcher: c for c in configs}
+        checks = {name: pool.submit(check_launcher, c) for name, c in one_each.items()}
+        unavailable = {launcher: f.result() for launcher, f in checks.items()}
     for launcher, why in unavailable.items():
         if why:
             print(f"{launcher} is not usable, its runs count as failed: {why}")
@@ -169,9 +189,10 @@ def main(argv: list[str] | None = None) -> int:
                 extras["notes"] += [f"{sc.name} / {cfg.name} rep {rep}: {n}" for n in result.notes]
 
     if "partition" in groups:
-        extras["partition"] = scenarios.partition_status()
+        why = scenarios.partition_status()
+        extras["partition"] = why or "measured (see partition_2to3 above)"
     if "rdzv_scale" in groups and not args.no_simulated:
-        extras["simulated_rdzv"] = scenarios.simulated_rdzv()
+        extras["simulated_rdzv"] = scenarios.simulated_rdzv(reps)
     header["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
 
     rows = report.summarize(selected, configs, results)

@@ -1,14 +1,16 @@
-"""Rendezvous time for N simulated agents on the embedded store.
+"""Rendezvous time for N simulated agents on the embedded store (and on etcd).
 
-``python -m bench.rdzv_bench [--sizes 8,64,256] [--procs 4] [--reps 3]``
+``python -m bench.rdzv_bench [--sizes 8,64,256] [--procs 4] [--reps 3] [--backends embedded,etcd]``
 
-Starts ``elastrun store serve`` on loopback, then ``--procs`` processes each
-running N/procs rendezvous handlers (``DynamicRendezvous``, min = max = N, so
-the round closes as soon as everyone joined: this measures the protocol, not
-the last call). The processes connect first; then all are told "go" at once,
-and each reports how long its handlers took from "go" to holding the round's
-result. The rendezvous time is the slowest handler's; the median over the
-repetitions is printed. Then every handler completes (exit barrier), timed too.
+Starts ``elastrun store serve`` on loopback (``etcd``: a single-member etcd on
+loopback, from the ``etcd`` binary on PATH, with a temporary data dir), then
+``--procs`` processes each running N/procs rendezvous handlers
+(``DynamicRendezvous``, min = max = N, so the round closes as soon as everyone
+joined: this measures the protocol, not the last call). The processes connect
+first; then all are told "go" at once, and each reports how long its handlers
+took from "go" to holding the round's result. The rendezvous time is the
+slowest handler's; the median over the repetitions is printed. Then every
+handler completes (exit barrier), timed too.
 """
 
 from __future__ import annotations
@@ -18,11 +20,17 @@ import asyncio
 import json
 import os
 import re
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,10 +39,18 @@ REPO = Path(__file__).resolve().parent.parent
 async def _worker(host: str, port: int, spec: dict[str, object]) -> None:
     from elastrun.rendezvous.api import RendezvousSettings
     from elastrun.rendezvous.dynamic import DynamicRendezvous
+    from elastrun.store.base import Store
     from elastrun.store.client import TcpStore
 
     n, count, first = int(spec["n"]), int(spec["count"]), int(spec["first"])  # type: ignore[call-overload]
-    store = await TcpStore.connect(host, port, timeout=30.0, request_timeout=60.0)
+    store: Store
+    if spec.get("backend") == "etcd":
+        from elastrun.store.etcd import open_etcd_store
+
+        conf = {"key_prefix": f"/bench/{spec['run_id']}/"}
+        store = await open_etcd_store(f"{host}:{port}", conf=conf, timeout=60.0)
+    else:
+        store = await TcpStore.connect(host, port, timeout=30.0, request_timeout=60.0)
     handlers = [
         DynamicRendezvous(
             store,
@@ -65,7 +81,9 @@ async def _worker(host: str, port: int, spec: dict[str, object]) -> None:
     print(json.dumps({"round": t_round, "complete": t_done}), flush=True)
 
 
-def _run_once(addr: tuple[str, int], n: int, procs: int) -> tuple[float, float]:
+def _run_once(
+    addr: tuple[str, int], n: int, procs: int, backend: str = "embedded"
+) -> tuple[float, float]:
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     procs = min(procs, n)
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
@@ -73,7 +91,7 @@ def _run_once(addr: tuple[str, int], n: int, procs: int) -> tuple[float, float]:
     for p in range(procs):
         count = n // procs + (1 if p < n % procs else 0)
         first = sum(n // procs + (1 if q < n % procs else 0) for q in range(p))
-        spec = {"run_id": run_id, "n": n, "count": count, "first": first}
+        spec = {"run_id": run_id, "n": n, "count": count, "first": first, "backend": backend}
         argv = [sys.executable, "-m", "bench.rdzv_bench", "--worker", addr[0], str(addr[1])]
         children.append(
             subprocess.Popen(
@@ -107,17 +125,95 @@ def _run_once(addr: tuple[str, int], n: int, procs: int) -> tuple[float, float]:
                 c.wait(10)
 
 
+def _free_ports(count: int) -> list[int]:
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@contextmanager
+def _etcd_member() -> Iterator[tuple[str, int]]:
+    """A single-member etcd on loopback (temporary data dir), stopped by pid."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        raise RuntimeError("the etcd rows need the etcd server binary on PATH (`make etcd`)")
+    client, peer = _free_ports(2)
+    base = Path(tempfile.mkdtemp(prefix="elastrun-bench-etcd-"))
+    url, peer_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
+    args = [
+        binary, "--name", "m0", "--data-dir", str(base / "data"),
+        "--listen-client-urls", url, "--advertise-client-urls", url,
+        "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+        "--initial-cluster", f"m0={peer_url}", "--initial-cluster-state", "new",
+    ]  # fmt: skip
+    with open(base / "etcd.log", "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:
+                    if json.loads(resp.read()).get("health") == "true":
+                        break
+            except (OSError, ValueError):
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"etcd did not start: {(base / 'etcd.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+        yield "127.0.0.1", client
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _table(
+    title: str, addr: tuple[str, int], sizes: list[int], args: argparse.Namespace, backend: str
+) -> None:
+    print(f"rendezvous on {title} ({args.procs} processes, {args.reps} reps)")
+    print(f"{'agents':>7} {'rendezvous s (median)':>22} {'exit barrier s':>15}")
+    for n in sizes:
+        runs = [_run_once(addr, n, args.procs, backend) for _ in range(args.reps)]
+        rdzv = statistics.median(r[0] for r in runs)
+        done = statistics.median(r[1] for r in runs)
+        print(f"{n:>7} {rdzv:>22.3f} {done:>15.3f}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="8,64,256")
     ap.add_argument("--procs", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--backends", default="embedded", help="embedded, etcd or embedded,etcd")
     ap.add_argument("--worker", nargs=3, metavar=("HOST", "PORT", "SPEC"))
     args = ap.parse_args()
     if args.worker:
         host, port, spec = args.worker
         asyncio.run(_worker(host, int(port), json.loads(spec)))
         return 0
+    sizes = [int(x) for x in args.sizes.split(",")]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = set(backends) - {"embedded", "etcd"}
+    if unknown:
+        ap.error(f"--backends: unknown {sorted(unknown)}; choose embedded, etcd")
+    if "embedded" in backends:
+        _bench_embedded(sizes, args)
+    if "etcd" in backends:
+        with _etcd_member() as addr:
+            _table("etcd (single member, loopback)", addr, sizes, args, "etcd")
+    return 0
+
+
+def _bench_embedded(sizes: list[int], args: argparse.Namespace) -> None:
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
     server = subprocess.Popen(
         [sys.executable, "-m", "elastrun", "store", "serve", "--host", "127.0.0.1", "--port", "0"],
@@ -133,13 +229,7 @@ def main() -> int:
         if not m:
             raise RuntimeError("the store did not start")
         addr = (m.group(1), int(m.group(2)))
-        print(f"rendezvous on the embedded store ({args.procs} processes, {args.reps} reps)")
-        print(f"{'agents':>7} {'rendezvous s (median)':>22} {'exit barrier s':>15}")
-        for n in (int(x) for x in args.sizes.split(",")):
-            runs = [_run_once(addr, n, args.procs) for _ in range(args.reps)]
-            rdzv = statistics.median(r[0] for r in runs)
-            done = statistics.median(r[1] for r in runs)
-            print(f"{n:>7} {rdzv:>22.3f} {done:>15.3f}", flush=True)
+        _table("the embedded store", addr, sizes, args, "embedded")
     finally:
         server.terminate()
         try:
@@ -147,7 +237,6 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait(10)
-    return 0
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ class Row:
     min: float | None
     max: float | None
     ratio: float | None = None  # elastrun median / torchrun median (same tuning)
+    ratio_note: str | None = None  # why there is no ratio, e.g. torchrun never got there
     errors: list[str] = field(default_factory=list)
 
 
@@ -78,6 +79,8 @@ def summarize(
                 mine, theirs = by_config[cfg.name], by_config[other.name]
                 if mine.median is not None and theirs.median:
                     mine.ratio = mine.median / theirs.median
+                elif mine.median is not None and theirs.runs and theirs.median is None:
+                    mine.ratio_note = f"{other.name} failed {theirs.failures}/{theirs.runs}"
     return rows
 
 
@@ -130,7 +133,7 @@ def markdown(
         ok = f"{row.runs - row.failures}/{row.runs}"
         if row.failures:
             ok += f" ({row.failures} failed)"
-        ratio = f"{row.ratio:.2f}x" if row.ratio is not None else "-"
+        ratio = f"{row.ratio:.2f}x" if row.ratio is not None else (row.ratio_note or "-")
         out.append(
             f"| {row.scenario} | {row.metric}{unit} | {row.config} | {ok} "
             f"| {_fmt(row.median, row.unit)} | {_fmt(row.min, row.unit)} "
@@ -155,13 +158,21 @@ def markdown(
     notes = extras.get("notes") or []
     if notes:
         out += ["", "## Notes", ""] + [f"- {n}" for n in notes]
-    out += ["", "## Not measured here", ""]
+    out += ["", "## Partition and simulated rendezvous", ""]
     out.append(f"- partition: {extras.get('partition', 'not selected')}")
     sim = extras.get("simulated_rdzv")
     if sim is not None:
-        out.append(f"- simulated rendezvous (64/256/1024 participants): {sim.get('status')}")
-        if "result" in sim:
-            out += ["", "```", json.dumps(sim["result"], indent=2), "```"]
+        out.append(f"- simulated rendezvous participants (elastrun only): {sim.get('status')}")
+        if sim.get("rows"):
+            out += [
+                "",
+                "| participants | rendezvous s (median) | exit barrier s (median) |",
+                "|---|---|---|",
+            ]
+            out += [
+                f"| {r['participants']:.0f} | {r['rendezvous_s']:.3f} | {r['exit_barrier_s']:.3f} |"
+                for r in sim["rows"]
+            ]
     return "\n".join(out) + "\n"
 
 

@@ -8,9 +8,9 @@ All times are seconds of wall-clock time between events on one machine;
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
-import shutil
+import re
 import signal
 import subprocess
 import sys
@@ -26,9 +26,11 @@ from bench.harness import (
     BenchFailure,
     EventLog,
     LauncherConfig,
+    NetnsLab,
     Run,
     all_ranks_time,
     free_port,
+    netns_status,
 )
 
 
@@ -43,6 +45,7 @@ class Settings:
     start_timeout: float = 120.0  # launch -> training
     phase_timeout: float = 90.0  # disruption -> training resumed
     exit_timeout: float = 60.0
+    partition_timeout: float = 60.0  # torchrun is expected to stay stuck: bound it
 
     def worker_env(self) -> dict[str, str]:
         """Environment for the workers of every run. Scenarios that stop the
@@ -268,6 +271,70 @@ def membership(nnodes: str, node_loss: bool) -> Callable[[Context], None]:
     return fn
 
 
+# --------------------------------------------------------------------------- 5. partition
+
+
+def partition(ctx: Context) -> None:
+    """Three agents, each in a network namespace of its own, train at world 3;
+    the 3rd node's link is cut (packets dropped, no resets). The survivors
+    must notice on their own and go on at world 2."""
+    with NetnsLab(3) as lab:
+        try:
+            _partition(ctx, lab)
+        finally:
+            ctx.run.cleanup()  # before the namespaces go
+
+
+def _partition(ctx: Context, lab: NetnsLab) -> None:
+    run, cfg, s = ctx.run, ctx.cfg, ctx.settings
+    port = free_port()
+    endpoint = f"{lab.addr(0)}:{port}"
+    ctx.info["rdzv_endpoint"] = endpoint
+    agents = []
+    for i in range(3):
+        argv = cfg.argv(
+            [
+                "--nnodes=2:3",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={endpoint}",
+                f"--rdzv-id=bench{port}",
+                f"--local-addr={lab.addr(i)}",
+                "--max-restarts=3",
+            ],
+            {"is_host": "1" if i == 0 else "0"},
+        )
+        env = {**_env(cfg), "GLOO_SOCKET_IFNAME": "eth0"}
+        agents.append(run.start_agent(f"agent-{i}", [*lab.exec_prefix(i), *argv], env))
+    a, b = agents[:2]
+    t3 = run.wait(
+        "training at world 3",
+        lambda log: _steps_after(log, 0.0, 3),
+        s.start_timeout,
+        alive=agents,
+    )
+    ctx.out["world3_first_step"] = t3 - a.t_launch
+    run.wait(
+        f"{s.warm_steps} steps at world 3",
+        lambda log: len([e for e in log.select("step") if e["world"] == 3]) >= 3 * s.warm_steps,
+        s.phase_timeout,
+        alive=agents,
+    )
+    t_cut = lab.partition(2)
+    t_back = run.wait(
+        "survivors training at world 2 after the partition",
+        lambda log: _steps_after(log, t_cut, 2),
+        s.partition_timeout,
+        alive=[a, b],
+    )
+    ctx.out["partition"] = t_back - t_cut
+    run.stop()
+    try:
+        run.wait_exit([a, b], s.exit_timeout)
+    except BenchFailure as exc:
+        ctx.notes.append(f"after the measurement: {exc}")
+
+
 # --------------------------------------------------------------------------- 6. rendezvous scale
 
 
@@ -342,6 +409,10 @@ _JOIN = (
     ("scale_up", "s", "3rd agent launched -> first step at world 3 on all ranks"),
 )
 _LOSS = (("node_loss", "s", "3rd node SIGKILLed (all its processes) -> survivors step at world 2"),)
+_PART = (
+    ("world3_first_step", "s", "launch of 3 agents (one network namespace each) -> world 3"),
+    ("partition", "s", "3rd node's link cut (packets dropped) -> survivors step at world 2"),
+)
 _RDZV = (
     ("all_started", "s", "first agent launched -> every agent's worker running"),
     ("all_exited", "s", "first agent launched -> every agent exited 0"),
@@ -401,6 +472,16 @@ def catalogue(quick: bool) -> list[Scenario]:
                 worker_env=_UNTIL_STOPPED,
             )
         )
+    out.append(
+        Scenario(
+            "partition_2to3",
+            "partition",
+            "Partition, c10d --nnodes=2:3 in network namespaces: cut the 3rd node's link",
+            _PART,
+            partition,
+            worker_env=_UNTIL_STOPPED,
+        )
+    )
     for n in (4, 8, 16):
         out.append(
             Scenario(
@@ -439,6 +520,8 @@ QUICK_GROUPS = ("cold_start", "worker_crash")
 
 def select(groups: list[str], quick: bool) -> list[Scenario]:
     scenarios = [sc for sc in catalogue(quick) if sc.group in groups]
+    if "partition" in groups and partition_status() is not None:
+        scenarios = [sc for sc in scenarios if sc.group != "partition"]
     # node_loss runs include the scale-up phase; no need to run it twice.
     if "node_loss" in groups:
         scenarios = [sc for sc in scenarios if sc.group != "scale_up"]
@@ -448,48 +531,64 @@ def select(groups: list[str], quick: bool) -> list[Scenario]:
 # --------------------------------------------------------------------------- 5. partition
 
 
-def partition_status() -> str:
-    """Why the partition scenario does not run (it is not built yet)."""
-    has_ip = shutil.which("ip") is not None
-    if os.geteuid() != 0 or not has_ip:
-        return "skipped: needs root + ip netns"
-    return (
-        "skipped: not built yet (root and `ip` are present; the network-namespace "
-        "partition scenario is left for later)"
-    )
+def partition_status() -> str | None:
+    """None when the partition scenario can run here, else why it is skipped."""
+    return netns_status()
 
 
 # --------------------------------------------------------------------------- simulated rdzv
 
 
-def simulated_rdzv(timeout: float = 300.0) -> dict[str, Any]:
-    """Run ``bench/rdzv_bench.py`` (64/256/1024 simulated participants) when
-    it exists: ``python -m bench.rdzv_bench --json``, whose last stdout line
-    is a JSON object. Returns ``{"status": ..., "result": ...}``."""
+SIMULATED_SIZES = (64, 256, 1024)
+_SIM_ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s*$")
+
+
+def parse_simulated(stdout: str) -> list[dict[str, float]]:
+    """Rows of ``bench/rdzv_bench.py``'s table: agents, rendezvous s
+    (median), exit barrier s."""
+    rows = []
+    for line in stdout.splitlines():
+        m = _SIM_ROW.match(line)
+        if m:
+            rows.append(
+                {
+                    "participants": float(m.group(1)),
+                    "rendezvous_s": float(m.group(2)),
+                    "exit_barrier_s": float(m.group(3)),
+                }
+            )
+    return rows
+
+
+def simulated_rdzv(reps: int, timeout: float = 600.0) -> dict[str, Any]:
+    """Run ``bench/rdzv_bench.py`` (simulated participants on elastrun's
+    embedded store) when it exists. Returns ``{"status": ..., "rows": [...]}``."""
     if not (BENCH_DIR / "rdzv_bench.py").exists():
         return {"status": "not available (bench/rdzv_bench.py is missing)"}
-    cmd = [sys.executable, "-m", "bench.rdzv_bench", "--json"]
+    sizes = ",".join(str(n) for n in SIMULATED_SIZES)
+    cmd = [sys.executable, "-m", "bench.rdzv_bench", "--sizes", sizes, "--reps", str(reps)]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        proc = subprocess.run(
-            cmd,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=REPO,
-            start_new_session=True,
-            check=False,
-        )
+        out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"status": f"failed: no answer within {timeout:.0f}s"}
-    lines = [ln for ln in proc.stdout.strip().splitlines() if ln.strip()]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr.strip().splitlines() or [""])[-1]
-        return {"status": f"failed: exit {proc.returncode}: {tail[:200]}"}
-    try:
-        result = json.loads(lines[-1])
-    except ValueError:
-        return {"status": "ran", "result": "\n".join(lines[-20:])}
-    return {"status": "ran", "result": result}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # its helper processes share its group
+        proc.wait()
+    rows = parse_simulated(out)
+    if proc.returncode != 0 or not rows:
+        tail = (out.strip().splitlines() or [""])[-1]
+        return {"status": f"failed: exit {proc.returncode}: {tail[:200]}", "rows": rows}
+    return {"status": f"ran: `{' '.join(cmd[1:])}`", "rows": rows}
 
 
 def scenario_dir(root: Path, sc: Scenario, cfg: LauncherConfig, rep: int) -> Path:

@@ -1,7 +1,7 @@
 """The ``elastrun`` command: dispatch to a subcommand or to the launcher.
 
-``elastrun store ...``, ``elastrun status ...`` are subcommands; anything else
-is a torchrun-compatible launch (``elastrun [flags] script [args]``).
+``elastrun store ...``, ``elastrun status ...``, ``elastrun timeline ...`` are
+subcommands; anything else is a torchrun-compatible launch (``elastrun [flags] script [args]``).
 """
 
 from __future__ import annotations
@@ -18,13 +18,29 @@ def _store(argv: list[str]) -> int:
     return store_main(argv)
 
 
+def _status(argv: list[str]) -> int:
+    from elastrun.status.cli import main as status_main
+
+    return status_main(argv)
+
+
+def _timeline(argv: list[str]) -> int:
+    from elastrun.status.timeline import main as timeline_main
+
+    return timeline_main(argv)
+
+
 def _launch(argv: list[str]) -> int:
     from elastrun.launcher.cli import main as launch_main
 
     return launch_main(argv)
 
 
-SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {"store": _store}
+SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "store": _store,
+    "status": _status,
+    "timeline": _timeline,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,12 +15,12 @@ observed are printed (``pytest -s`` shows them).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import itertools
 import json
 import os
 import random
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -48,20 +48,6 @@ WORKER_DEATH_BOUND = 15.0  # workers gone after their agent died or was told to 
 STORE_LOSS_MARGIN = 40.0  # a node giving up on an unreachable store: join_timeout + this
 
 
-def _launcher_missing() -> str | None:
-    for module in ("elastrun.launcher.cli", "elastrun.rendezvous.dynamic"):
-        try:
-            if importlib.util.find_spec(module) is None:
-                return f"launcher not ready: {module} missing"
-        except ModuleNotFoundError as e:
-            return f"launcher not ready: {e}"
-    return None
-
-
-_MISSING = _launcher_missing()
-pytestmark = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
-
-
 # -- helpers ------------------------------------------------------------------
 
 
@@ -83,7 +69,7 @@ def rdzv_flags(
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={run_id}",
         f"--max-restarts={max_restarts}",
-        f"--rdzv-conf=last_call_timeout=1,lease_ttl=2,join_timeout={join_timeout},"
+        f"--rdzv-conf=last_call_timeout=1,lease_ttl={LEASE_TTL:g},join_timeout={join_timeout},"
         f"is_host={int(host)}",
         "--shutdown-timeout=5",
     ]
@@ -168,7 +154,7 @@ def inject_crash(j: Job, rank: int, how: str = "") -> None:
     os.replace(tmp, j.dir / f"crash_rank_{rank}")
 
 
-def children(pid: int) -> set[int]:
+def descendants(pid: int) -> set[int]:
     """All descendants of ``pid`` (read from /proc; bounded by the process count)."""
     parent: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
@@ -183,6 +169,16 @@ def children(pid: int) -> set[int]:
         frontier = {p for p, pp in parent.items() if pp in frontier and p not in found}
         found |= frontier
     return found
+
+
+def workers_of(agent: Agent) -> set[int]:
+    """The agent's live worker processes (not its other helpers, e.g. its orphan guard)."""
+    out = set()
+    for pid in descendants(agent.proc.pid):
+        with contextlib.suppress(OSError):
+            if b"elastic_worker.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.add(pid)
+    return out
 
 
 def wait_dead(pids: set[int], bound: float, what: str) -> float:
@@ -263,43 +259,92 @@ def netns() -> Iterator[Callable[[list[str]], Network]]:
         net.close()  # raises if a namespace, link or process is left
 
 
+# -- 0. the fixture itself ------------------------------------------------------------------
+
+_PROBE = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1.5).close()
+    print("open")
+except OSError as e:
+    print("closed", e)
+"""
+
+
+@pytest.mark.netns
+def test_netns_fixture_partitions_and_cleans_up(netns: Callable[[list[str]], Network]) -> None:
+    net = netns(["a", "b", "c"])
+    server = net.run_in(
+        "a", [sys.executable, "-c", "import socket,time; s=socket.create_server(('', 7000)); "
+              "time.sleep(120)"],
+    )  # fmt: skip
+
+    def probe(node: str) -> str:
+        argv = [sys.executable, "-c", _PROBE, net["a"].addr, "7000"]
+        return net.check_call_in(node, argv).strip()
+
+    wait_for(lambda: probe("b") == "open", 20, "the server in a to listen")
+    net.cut("b")
+    assert probe("b").startswith("closed"), "b still reaches a while cut"
+    assert probe("c") == "open", "cutting b cut c too"
+    net.heal("b")
+    assert probe("b") == "open"
+    net.close()
+    assert server.poll() is not None
+    assert net.leftovers() == []
+
+
 # -- 1. worker failures (loopback) ---------------------------------------------------------
 
+WORKER_FAILURES = ["SIGKILL", "SIGSEGV", "exit1", "exception"]
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGSEGV", "exit1", "exception"])
-def test_worker_failure_restarts_the_group(
-    tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A worker dies (signal, exit 1, exception): every agent stops its workers, the
-    group restarts once (counted), training resumes from the checkpoint."""
+
+def test_worker_failures_restart_the_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers die in each way in turn (SIGKILL, SIGSEGV, exit 1, an exception), on
+    alternating nodes: each time every agent stops its workers, the group restarts
+    (one restart counted, job-wide), training resumes from the checkpoint.
+
+    One job goes through all four (not one job each): a group start costs a torch
+    import per worker, and the CI budget is small."""
     monkeypatch.setenv("ELASTIC_STEP_SLEEP", "0.1")
     port = free_port()
     endpoint = f"127.0.0.1:{port}"
+    restarts = len(WORKER_FAILURES)
     with job(tmp_path) as j:
-        a = j.start_agent("a", rdzv_flags(endpoint, host=True, nnodes="2", max_restarts=2))
-        b = j.start_agent("b", rdzv_flags(endpoint, host=False, nnodes="2", max_restarts=2))
-        wait_steps(j, lambda s: s["world"] == 2 and s["step"] >= 3, "training at world 2")
+        a = j.start_agent("a", rdzv_flags(endpoint, host=True, nnodes="2", max_restarts=restarts))
+        b = j.start_agent("b", rdzv_flags(endpoint, host=False, nnodes="2", max_restarts=restarts))
+        wait_steps(j, lambda s: s["world"] == 2 and s["step"] >= 2, "training at world 2")
 
-        old = {int(s["pid"]) for s in j.steps()}
-        victim = last_record(j, rank=1)
-        mark, t = len(j.steps()), time.monotonic()
-        if how.startswith("SIG"):
-            os.kill(int(victim["pid"]), signal.Signals[how])
-        else:
-            inject_crash(j, 1, "exception" if how == "exception" else "")
-        wait_steps(j, lambda s: s["restart"] == 1 and s["rank"] == 0, "restarted", after=mark)
-        print(f"[{how}] worker failure -> training resumed after {time.monotonic() - t:.1f}s")
-        wait_dead(old, WORKER_DEATH_BOUND, "the first attempt's workers to be gone")
+        for attempt, how in enumerate(WORKER_FAILURES, start=1):
+            old = {int(s["pid"]) for s in j.steps()}
+            rank = attempt % 2  # rank 1 (node b), then rank 0 (node a, the store's host), ...
+            victim = last_record(j, rank=rank)
+            mark, t = len(j.steps()), time.monotonic()
+            if how.startswith("SIG"):
+                os.kill(int(victim["pid"]), signal.Signals[how])
+            else:
+                inject_crash(j, rank, "exception" if how == "exception" else "")
 
-        mark = len(j.steps())
-        wait_steps(j, lambda s: s["rank"] == 0, "steps after the restart", after=mark, count=3)
+            def resumed(s: dict[str, Any], n: int = attempt) -> bool:
+                return bool(s["restart"] == n and s["rank"] == 0)
+
+            wait_steps(
+                j,
+                resumed,
+                f"training after {how} of rank {rank}",
+                after=mark,
+                count=2,
+            )
+            print(f"[{how}] rank {rank} died -> training resumed after {time.monotonic() - t:.1f}s")
+            wait_dead(old, WORKER_DEATH_BOUND, f"the workers from before the {how}")
+
         j.touch("finish")
         assert wait_exit(j, a) == 0, diag(j)
         assert wait_exit(j, b) == 0, diag(j)
-        final = check_progress(j, min_steps=6)
-        assert max(s["restart"] for s in j.steps()) == 1, "one failure, one restart"
+        final = check_progress(j, min_steps=2 + 2 * restarts)
+        assert max(s["restart"] for s in j.steps()) == restarts, "one restart per failure"
         assert_no_workers(j)
-        print(f"[{how}] finished at step {final}")
+        print(f"worker failures: finished at step {final} after {restarts} restarts")
 
 
 # -- 2. agent SIGKILLed (namespaces) ------------------------------------------------------
@@ -322,7 +367,7 @@ def test_agent_sigkill_takes_its_workers_and_survivors_reform(
         )  # fmt: skip
         wait_steps(j, lambda s: s["world"] == 3 and s["step"] >= 3, "training at world 3")
 
-        b_workers = children(b.proc.pid)
+        b_workers = workers_of(b)
         assert len(b_workers) >= 2, b_workers
         mark, t, wall = len(j.steps()), time.monotonic(), time.time()
         os.kill(b.proc.pid, signal.SIGKILL)  # the agent alone: its workers must follow
@@ -344,7 +389,11 @@ def test_agent_sigkill_takes_its_workers_and_survivors_reform(
         final = check_progress(j, min_steps=6)
         assert_no_workers(j)
         assert_namespaces_empty(net)
-        print(f"finished at step {final}")
+        counted = max(s["restart"] for s in j.steps())
+        print(f"finished at step {final}; restarts counted: {counted}")
+        # SPEC 1: a node leaving while >= min remain is a membership change, not a
+        # restart; the survivor's worker failing from the lost peer is collateral.
+        assert counted == 0, f"losing a node consumed {counted} of --max-restarts\n{diag(j)}"
 
 
 # -- 3. partition (namespaces) ------------------------------------------------------------
@@ -371,7 +420,7 @@ def test_partitioned_node_is_dropped_and_cannot_corrupt_the_new_round(
         wait_steps(j, lambda s: s["world"] == 3 and s["step"] >= 3, "training at world 3")
 
         # Cut a node that neither hosts the store nor runs rank 0.
-        workers = {name: children(agent.proc.pid) for name, agent in agents.items()}
+        workers = {name: workers_of(agent) for name, agent in agents.items()}
         recent = {int(s["pid"]): s["rank"] for s in j.steps() if s["world"] == 3}
         victim = next(n for n in ("c", "b") if all(recent.get(p, 1) != 0 for p in workers[n]))
         survivors = [n for n in ("a", "b", "c") if n != victim]
@@ -430,7 +479,9 @@ def test_partitioned_node_is_dropped_and_cannot_corrupt_the_new_round(
         final = check_progress(j, min_steps=9)
         assert_no_workers(j)
         assert_namespaces_empty(net)
-        print(f"finished at step {final}")
+        counted = max(s["restart"] for s in j.steps())
+        print(f"finished at step {final}; restarts counted: {counted}")
+        assert counted == 0, f"a partition consumed {counted} of --max-restarts (SPEC 1)"
 
 
 # -- 4. the store's host lost (namespaces) --------------------------------------------------
@@ -464,7 +515,7 @@ def test_store_host_loss_ends_the_job_with_a_clear_error(
             ),
         )  # fmt: skip
         wait_steps(j, lambda s: s["world"] == 2 and s["step"] >= 3, "training at world 2")
-        a_workers, b_workers = children(a.proc.pid), children(b.proc.pid)
+        a_workers, b_workers = workers_of(a), workers_of(b)
 
         t, wall = time.monotonic(), time.time()
         if fault == "kill":
@@ -530,7 +581,7 @@ def test_churn_soak(tmp_path: Path, netns: Callable[[list[str]], Network]) -> No
         live[node] = start_in(j, net, node, f"{node}-{started}", flags(node))
 
     def members() -> int:
-        return sum(1 for a in live.values() if children(a.proc.pid))
+        return sum(1 for a in live.values() if workers_of(a))
 
     with job(tmp_path) as j:
         join("h")
@@ -552,6 +603,8 @@ def test_churn_soak(tmp_path: Path, netns: Callable[[list[str]], Network]) -> No
                 actions.append("agent_kill")
             action = rng.choice(actions)
             pids_before = {int(s["pid"]) for s in j.steps()}
+            for agent in live.values():
+                pids_before |= workers_of(agent)
             mark, t = len(j.steps()), time.monotonic()
             restart_expected = True
             if action == "join":
@@ -562,22 +615,26 @@ def test_churn_soak(tmp_path: Path, netns: Callable[[list[str]], Network]) -> No
             elif action == "agent_kill":
                 node = rng.choice(others)
                 agent = live.pop(node)
-                restart_expected = bool(children(agent.proc.pid))
+                restart_expected = bool(workers_of(agent))
                 os.kill(agent.proc.pid, signal.SIGKILL)
                 agent.proc.wait(10)
                 what = f"agent_kill {node}"
-            else:
+            elif action == "crash":
                 recent = j.steps()[-6:]
-                world = recent[-1]["world"] if recent else 1
-                rank = rng.randrange(world)
-                if action == "crash":
-                    inject_crash(j, rank, rng.choice(["", "exception", "SIGSEGV"]))
-                else:
-                    pids = [int(s["pid"]) for s in recent if s["rank"] == rank]
-                    if pids:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(pids[-1], signal.SIGKILL)
-                what = f"{action} rank {rank}"
+                rank = rng.randrange(recent[-1]["world"] if recent else 1)
+                how = rng.choice(["exit1", "exception", "SIGSEGV"])
+                inject_crash(j, rank, "" if how == "exit1" else how)
+                what = f"crash rank {rank} ({how})"
+            else:
+                running = sorted(set().union(*(workers_of(a) for a in live.values())))
+                victim = rng.choice(running) if running else None
+                try:
+                    if victim is None:
+                        raise ProcessLookupError
+                    os.kill(victim, signal.SIGKILL)
+                except ProcessLookupError:
+                    restart_expected = False
+                what = f"worker_kill pid {victim}"
             log.append(f"{t - (end - seconds):.1f}s {what}")
             if rng.random() < 0.6:
                 # Let it recover, and time it: a rank-0 step by a new worker.
@@ -597,7 +654,9 @@ def test_churn_soak(tmp_path: Path, netns: Callable[[list[str]], Network]) -> No
                         for path in unfired:
                             path.unlink(missing_ok=True)
                         return True
-                    return False
+                    # Steady progress with no restart: the fault raced an earlier
+                    # one (e.g. a join into a round that was re-forming anyway).
+                    return len(new) >= 50
 
                 try:
                     wait_for(recovered, BOUND, f"recovery from {what}")
@@ -629,6 +688,10 @@ def test_churn_soak(tmp_path: Path, netns: Callable[[list[str]], Network]) -> No
             assert code == 0, f"seed {seed}: agent {agent.name} exited {code}\n{diag(j)}"
         final = check_progress(j, min_steps=3)
         restarts = max(s["restart"] for s in j.steps())
-        print(f"soak: finished at step {final}, {restarts} restarts counted, {events} faults")
+        worker_faults = sum(1 for line in log if " crash " in line or " worker_kill " in line)
+        print(
+            f"soak: finished at step {final}, {events} faults ({worker_faults} worker faults), "
+            f"{restarts} restarts counted"
+        )
         assert_no_workers(j)
         assert_namespaces_empty(net)

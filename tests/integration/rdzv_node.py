@@ -3,10 +3,12 @@
 Usage: python -m tests.integration.rdzv_node HOST PORT SPEC_JSON
 
 SPEC_JSON: {"run_id", "min", "max", "count", "prefix", "ttl", "last_call",
-"join_timeout", "max_restarts", "nproc", "script"}. ``script`` is a list of
+"join_timeout", "max_restarts", "nproc", "script", "progress"}. ``script`` is a list of
 steps every handler runs in turn: "next_round", "wait_change", "restart",
 "complete", "shutdown", "sleep:S", "hang". Each handler prints one JSON line
-per step result: {"node", "step", "ok", ...}. Exits 0 when every handler ends.
+per step result: {"node", "step", "ok", ...}; with "progress": true also one line
+per waiting-status report: {"node", "step": "progress", "state", "joined", ...}.
+Exits 0 when every handler ends.
 """
 
 from __future__ import annotations
@@ -42,6 +44,18 @@ async def handler(store: TcpStore, spec: dict[str, Any], index: int) -> None:
         addr="127.0.0.1",
     )
     rdzv = DynamicRendezvous(store, settings, node_id=node)
+    if spec.get("progress"):
+        rdzv.progress = lambda st: out(
+            node=node,
+            step="progress",
+            ok=True,
+            round=st.round,
+            state=st.state,
+            joined=st.joined,
+            deadline=st.deadline,
+            left=st.seconds_left,
+            detail=st.detail,
+        )
     try:
         for step in spec["script"]:
             t0 = time.monotonic()

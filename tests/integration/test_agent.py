@@ -148,7 +148,7 @@ def test_root_cause_summary_names_rank_1(tmp_path, capfd, mode):
         assert "lines of stderr" in summary
     else:
         assert "traceback (from the error file)" in summary
-    log = log_dir / "agent-test" / "attempt_0" / "1" / "stderr.log"
+    log = log_dir / "agent-test" / "testhost" / "attempt_0" / "1" / "stderr.log"
     assert f"full log of rank 1: {log}" in summary
     assert "sentinel-7f3a" in log.read_text()
     failure = rdzv.failures[0]
@@ -345,7 +345,7 @@ def test_redirects_tee_and_rank_filter(tmp_path, capfd):
     assert "out-1" not in cap.out and "err-1" not in cap.err
     assert "<default/h1/2>: out-2" in cap.out and "<default/h1/2>: err-2" in cap.err
     for r in range(3):
-        d = log_dir / "echo" / "attempt_0" / str(r)
+        d = log_dir / "echo" / "h1" / "attempt_0" / str(r)
         assert (d / "stdout.log").read_text() == f"out-{r}\n"
         assert (d / "stderr.log").read_text() == f"err-{r}\n"
 

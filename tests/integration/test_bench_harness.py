@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bench.harness import DEFAULT_CONFIGS, EventLog, all_ranks_time
 from bench.report import RunResult, markdown, summarize
-from bench.scenarios import catalogue, select
+from bench.scenarios import catalogue, parse_simulated, select
 
 from tests.conftest import REPO
 
@@ -73,6 +73,7 @@ def test_full_catalogue_covers_every_group() -> None:
         "worker_crash",
         "scale_up",
         "node_loss",
+        "partition",
         "rdzv_scale",
         "memory",
     }
@@ -153,3 +154,30 @@ def test_quick_bench_runs_both_launchers_side_by_side(tmp_path: Path) -> None:
     assert {"start", "imported", "pg_ready", "resume", "step", "exit"} <= kinds
     assert {e["restart"] for e in events if e["ev"] == "step"} >= {0, 1}
     assert not _our_workers(out / "runs")
+
+
+def test_simulated_rendezvous_table_is_parsed() -> None:
+    out = (
+        "rendezvous on the embedded store (4 processes, 1 reps)\n"
+        " agents  rendezvous s (median) exit barrier s\n"
+        "     64                  0.123           0.010\n"
+        "   1024                  2.500           0.300\n"
+    )
+    rows = parse_simulated(out)
+    assert rows == [
+        {"participants": 64.0, "rendezvous_s": 0.123, "exit_barrier_s": 0.01},
+        {"participants": 1024.0, "rendezvous_s": 2.5, "exit_barrier_s": 0.3},
+    ]
+
+
+def test_ratio_says_when_torchrun_never_got_there() -> None:
+    scenarios = select(["cold_start"], quick=True)
+    name = scenarios[0].name
+    results = [
+        RunResult(name, "torchrun-default", 0, error="timed out"),
+        RunResult(name, "elastrun-default", 0, {"first_step": 2.0}),
+    ]
+    configs = DEFAULT_CONFIGS[:2]
+    rows = summarize(scenarios, configs, results)
+    text = markdown(scenarios, configs, rows, [], {}, {})
+    assert "| elastrun-default | 1/1 | 2.00 | 2.00 | 2.00 | torchrun-default failed 1/1 |" in text

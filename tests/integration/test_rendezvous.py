@@ -280,3 +280,38 @@ def test_join_timeout_names_who_joined(cluster: Any) -> None:
         assert f["error"] == "RendezvousTimeout"
         assert "2 of min 3 nodes joined before join_timeout=3s" in f["message"]
         assert "n0" in f["message"] and "n1" in f["message"]
+
+
+def test_node_waits_while_the_round_is_full_until_a_member_is_lost(cluster: Any) -> None:
+    c = cluster(min=2, max=2, ttl=1.0, last_call=0.5, progress=True)
+    c.start(1, ["next_round", "wait_change", "next_round", "complete"])
+    victim = c.start(1, ["next_round", "hang"], first=9)
+    c.wait(step("next_round", round=0), 2, timeout=60)
+    late = c.start(1, ["next_round", "complete"], first=7)
+    # It reports why it waits, and it waits: no re-round while the world is max.
+    waiting = late.wait_lines(lambda x: x["step"] == "progress", 1, timeout=30)[0]
+    assert waiting["state"] == "waiting"
+    assert waiting["detail"] == "round 0 is full (2 of max 2 nodes)"
+    assert waiting["deadline"] == "join_timeout"
+    time.sleep(3.0)  # three lease TTLs
+    assert not c.lines(step("wait_change")), "a full round was re-formed for a waiting node"
+    assert not c.lines(step("next_round", round=1))
+    victim.kill()
+    change = c.wait(step("wait_change"), 1, timeout=30)[0]
+    assert change["reason"] == "member_lost" and "n9" in change["detail"]
+    second = c.wait(step("next_round", round=1), 2, timeout=30)
+    assert_one_world(second, 2)
+    assert sorted(second[0]["members"]) == ["n0", "n7"]
+    c.wait(step("complete"), 2, timeout=30)
+
+
+def test_joining_node_reports_progress(cluster: Any) -> None:
+    c = cluster(min=2, max=3, last_call=1.0, join_timeout=30.0, progress=True)
+    first = c.start(1, ["next_round", "complete"])
+    got = first.wait_lines(lambda x: x["step"] == "progress", 1, timeout=30)[0]
+    assert (got["state"], got["joined"], got["deadline"]) == ("joining", 1, "join_timeout")
+    assert 0 < got["left"] <= 30.0
+    c.start(1, ["next_round", "complete"], first=1)
+    last_call = first.wait_lines(lambda x: x.get("deadline") == "last_call", 1, timeout=30)[0]
+    assert last_call["joined"] == 2 and 0 < last_call["left"] <= 1.0
+    c.wait(step("complete"), 2, timeout=30)

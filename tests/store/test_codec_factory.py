@@ -9,7 +9,7 @@ import pytest
 
 from elastrun.errors import ConfigError, ProtocolError
 from elastrun.store import codec
-from elastrun.store.base import Compare, Delete, Get, KeyValue, Put, TxnResult, WatchEvent
+from elastrun.store.base import Compare, Delete, Get, KeyValue, Op, Put, TxnResult, WatchEvent
 from elastrun.store.factory import open_store, parse_endpoint
 from elastrun.store.memory import MemoryStore
 
@@ -17,6 +17,7 @@ KV = KeyValue("k/\u00e9", b"\x00\xffdata", 3, 7, 2, 99)
 
 
 def test_values_round_trip_through_json_frames() -> None:
+    ops: list[Op] = [Put("a", b"\x00", 4), Delete("p/", True), Get("a")]
     txn = codec.encode_request(
         5,
         "txn",
@@ -24,7 +25,7 @@ def test_values_round_trip_through_json_frames() -> None:
             codec.encode_compare(c)
             for c in [Compare.absent("a"), Compare("b", "value", "!=", b"\x01")]
         ],
-        success=[codec.encode_op(o) for o in [Put("a", b"\x00", 4), Delete("p/", True), Get("a")]],
+        success=[codec.encode_op(o) for o in ops],
         failure=[],
     )
     decoder = codec.FrameDecoder()

@@ -21,7 +21,7 @@ async def next_event(watch: Watch, timeout: float = 5.0) -> WatchEvent:
 
 
 async def events(watch: Watch, n: int, timeout: float = 5.0) -> list[tuple[str, str, bytes]]:
-    out = []
+    out: list[tuple[str, str, bytes]] = []
     for _ in range(n):
         e = await next_event(watch, timeout)
         out.append((e.type, e.kv.key, e.kv.value))

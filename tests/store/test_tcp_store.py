@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from elastrun.errors import (
     AuthenticationError,
+    ProtocolError,
     RevisionCompacted,
     StoreTimeout,
     StoreUnavailable,
@@ -190,7 +191,7 @@ def test_sigkilled_lease_holder_keys_vanish_within_ttl(store_server: ServerProce
             # ... until it is SIGKILLed (no goodbye)
             killed = time.monotonic()
             os.killpg(proc.pid, signal.SIGKILL)
-            deleted = set()
+            deleted: set[str] = set()
             while len(deleted) < 2:
                 event = await asyncio.wait_for(watch.__anext__(), ttl + 5)
                 assert event.type == "delete"
@@ -300,7 +301,7 @@ def poke(server: ServerProcess, payload: bytes) -> list[dict[str, Any]]:
             sock.shutdown(socket.SHUT_WR)
         try:
             return read_frames(sock, timeout=10)
-        except codec.ProtocolError:
+        except ProtocolError:
             return []
 
 
@@ -358,7 +359,7 @@ def test_malformed_requests_get_errors_not_crashes(
 ) -> None:
     payload = frame(codec.hello(None))
     for request in requests:
-        with contextlib.suppress(codec.ProtocolError, ValueError):
+        with contextlib.suppress(ProtocolError, ValueError):
             payload += frame(request)
     replies = poke(fuzz_server, payload)
     assert replies and replies[0]["t"] == "hello"

@@ -20,15 +20,24 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from collections.abc import Awaitable
 from typing import Any
 
 from elastrun.agent.env import check_round
-from elastrun.agent.failures import ROOT_CAUSE, WorkerFailure, classify, format_summary
-from elastrun.agent.logs import needs_files, validate_template
+from elastrun.agent.failures import (
+    ROOT_CAUSE,
+    WorkerFailure,
+    classify,
+    describe_failure,
+    format_summary,
+)
+from elastrun.agent.guard import OrphanGuard
+from elastrun.agent.logs import claim_host_dir, needs_files, release_host_dir, validate_template
 from elastrun.agent.spec import WorkerSpec
+from elastrun.agent.waiting import WaitingConsole
 from elastrun.agent.workers import WorkerGroup
 from elastrun.clock import SYSTEM_CLOCK, Clock
 from elastrun.errors import (
@@ -116,11 +125,22 @@ class Agent:
         self._base_dir: str | None = None
         self._temp_base = False
         self._installed: list[tuple[int, Any]] = []
+        self._guard = OrphanGuard()
+        self._host_pidfile: str | None = None
+        # What next_round() waits for, on the console (the rendezvous reports it).
+        self._waiting = WaitingConsole(clock=clock)
+        if rendezvous.progress is None:
+            rendezvous.progress = self._waiting.update
 
     # ------------------------------------------------------------ public
     async def run(self) -> int:
         """Run the job on this node; returns the exit code."""
         self._install_signals()
+        if not self._guard.start():
+            _say(
+                f"elastrun: warning: {self._guard.error}; "
+                "children of workers may outlive a killed agent"
+            )
         code = 1
         try:
             code = await self._loop()
@@ -138,10 +158,15 @@ class Agent:
                 # Also on cancellation / unexpected errors: never leave workers behind.
                 await self._stop_group(signal.SIGTERM)
             try:
-                await asyncio.wait_for(self.rendezvous.shutdown(), RDZV_SHUTDOWN_TIMEOUT)
+                # The rendezvous bounds its leave by close_timeout; this is the backstop.
+                bound = max(RDZV_SHUTDOWN_TIMEOUT, self.rendezvous.settings.close_timeout + 1.0)
+                await asyncio.wait_for(self.rendezvous.shutdown(), bound)
             except (ElastrunError, TimeoutError, OSError) as e:
                 _say(f"elastrun: warning: leaving the rendezvous failed: {e!r}")
             self._remove_signals()
+            await self._guard.close()
+            if self._host_pidfile is not None:
+                release_host_dir(self._host_pidfile)
             if self._temp_base and self._base_dir is not None:
                 shutil.rmtree(self._base_dir, ignore_errors=True)
             if self._events_file is not None:
@@ -224,7 +249,7 @@ class Agent:
     async def _loop(self) -> int:
         while True:
             try:
-                _, result = await self._first(round=self.rendezvous.next_round())
+                result = await self._next_round()
             except RendezvousClosed as e:
                 _say(f"elastrun: the job is already finished ({e}); nothing to do")
                 self.events.emit("job_finished", exit_code=0, reason="rendezvous_closed")
@@ -252,10 +277,7 @@ class Agent:
                     return code
             else:
                 assert isinstance(value, Change)
-                _say(
-                    f"elastrun: membership change ({value.reason}"
-                    f"{': ' + value.detail if value.detail else ''}); restarting the workers"
-                )
+                _say(self._change_line(value, result))
                 await self._stop_group(signal.SIGTERM)
                 self._raise_pending()
                 self.events.emit(
@@ -266,6 +288,13 @@ class Agent:
                     counted=value.counts_as_restart,
                     round=result.round,
                 )
+
+    async def _next_round(self) -> Any:
+        self._waiting.start()
+        try:
+            return (await self._first(round=self.rendezvous.next_round()))[1]
+        finally:
+            self._waiting.stop()
 
     def _start(self, result: RoundResult) -> WorkerGroup:
         self._attempt += 1
@@ -279,6 +308,7 @@ class Agent:
             keep_files=needs_files(self.spec),
             events=self.events,
             clock=self.clock,
+            guard=self._guard,
         )
         self._group = group
         group.start()  # on WorkerError, run() stops the ones already started
@@ -299,8 +329,10 @@ class Agent:
     def _ensure_base_dir(self) -> str:
         if self._base_dir is None:
             if self.spec.log_dir is not None:
-                self._base_dir = os.path.join(self.spec.log_dir, self.spec.run_id)
-                os.makedirs(self._base_dir, exist_ok=True)
+                run_dir = os.path.join(self.spec.log_dir, self.spec.run_id)
+                self._base_dir, self._host_pidfile = claim_host_dir(
+                    run_dir, self.spec.host or socket.gethostname()
+                )
             else:
                 self._base_dir = tempfile.mkdtemp(prefix=f"elastrun-{self.spec.run_id}-")
                 # Only error files live here unless redirects/tee asked for log files.
@@ -328,6 +360,12 @@ class Agent:
             f"(restart {result.restart_count + 1} of {result.max_restarts})"
         )
         _say(format_summary(failures, header))
+        root = next((f for f in failures if f.role == ROOT_CAUSE), None)
+        _say(
+            f"elastrun: restarting workers (restart {result.restart_count + 1}/"
+            f"{result.max_restarts}): "
+            + (describe_failure(root) if root is not None else "workers failed on this node")
+        )
         self._raise_pending()
         self.events.emit(
             "restart",
@@ -360,6 +398,19 @@ class Agent:
             for f in failures
         ]
         return data
+
+    @staticmethod
+    def _change_line(change: Change, result: RoundResult) -> str:
+        """The one console line that says why this round ends."""
+        why = change.detail or change.reason.replace("_", " ")
+        if change.counts_as_restart:
+            if not change.detail:
+                why = f"workers failed on another node ({change.reason})"
+            return (
+                f"elastrun: restarting workers (restart {result.restart_count + 1}/"
+                f"{result.max_restarts}): {why}"
+            )
+        return f"elastrun: re-forming: {why}; not counted as a restart"
 
     def _raise_pending(self) -> None:
         if self._pending_signal is not None:

@@ -30,6 +30,7 @@ __all__ = [
     "WorkerFailure",
     "classify",
     "describe_exit",
+    "describe_failure",
     "format_summary",
     "read_error_file",
 ]
@@ -100,6 +101,16 @@ def describe_exit(returncode: int) -> str:
     return f"signal {name} ({signum})"
 
 
+def describe_failure(f: WorkerFailure) -> str:
+    """One line: ``rank 1 on host-a exited with code 1`` (for the restart line)."""
+    where = f"rank {f.rank} on {f.host or '?'}"
+    if f.hang is not None:
+        return f"{f.hang} on {f.host or '?'}" if f.host else f.hang
+    if f.returncode >= 0:
+        return f"{where} exited with code {f.returncode}"
+    return f"{where} was killed by {f.signal_name}"
+
+
 @dataclass(frozen=True)
 class WorkerFailure:
     """One worker that ended with a non-zero exit code or a signal."""
@@ -120,6 +131,7 @@ class WorkerFailure:
     role: str = ""  # ROOT_CAUSE | COLLATERAL, set by classify()
     attempt: int = 0
     restart_count: int = 0
+    hang: str | None = None  # set when the hang watchdog failed this rank
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -154,6 +166,7 @@ class WorkerFailure:
             "error_file": self.error_file,
             "attempt": self.attempt,
             "restart_count": self.restart_count,
+            "hang": self.hang,
         }
 
 
@@ -198,9 +211,12 @@ def format_summary(failures: list[WorkerFailure], header: str, tail_lines: int =
             title = "collateral (stopped by elastrun)"
         else:
             title = "collateral (failed after the root cause)"
+        how = f.exit_description
+        if f.hang is not None:
+            how = f"hung, stopped by elastrun ({how})"
         lines.append(
             f"[{title}] rank {f.rank} (local rank {f.local_rank}) on {f.host or '?'}, "
-            f"pid {f.pid}: {f.exit_description} at {_fmt_time(f.exit_time)}"
+            f"pid {f.pid}: {how} at {_fmt_time(f.exit_time)}"
         )
         if f.role != ROOT_CAUSE:
             said = f.error.message if f.error is not None else _last_line(f.stderr_tail)

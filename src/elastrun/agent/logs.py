@@ -4,7 +4,7 @@ Both pipes of every worker are read by the agent as data arrives (asyncio
 streams; workers run with ``PYTHONUNBUFFERED=1`` unless the user set it), so
 console lines appear when the worker writes them. Per local rank and stream:
 
-* file: ``{log_dir}/{run_id}/attempt_{n}/{local_rank}/stdout.log|stderr.log``,
+* file: ``{log_dir}/{run_id}/{host}/attempt_{n}/{local_rank}/stdout.log|stderr.log``,
   written whenever ``--log-dir`` is given (so a failure summary can always
   point at the full log), or in a kept temporary folder when ``--redirects``
   or ``--tee`` ask for files and no ``--log-dir`` was given (as torchrun);
@@ -32,7 +32,9 @@ from elastrun.errors import ConfigError
 __all__ = [
     "LinePump",
     "StreamRoute",
+    "claim_host_dir",
     "format_prefix",
+    "release_host_dir",
     "routes_for",
     "std_flags",
     "validate_template",
@@ -42,6 +44,8 @@ CHUNK = 65536
 MAX_PARTIAL = 65536  # a "line" longer than this is emitted in pieces
 MAX_TAIL_LINE = 4000
 TAIL_LINES = 20
+MAX_HOST_DIRS = 64
+HOST_PID_FILE = ".agent.pid"
 
 
 def std_flags(mapping: dict[int, int], local_rank: int) -> int:
@@ -167,3 +171,62 @@ class LinePump:
                 stream.flush()
             except (OSError, ValueError):
                 pass  # console gone (closed pipe): keep pumping into the file
+
+
+def claim_host_dir(run_dir: str, host: str) -> tuple[str, str | None]:
+    """``{log_dir}/{run_id}/{host}``: one folder per node, so nodes sharing a
+    file system never write the same file. A second live agent of the same run
+    on the same host (tests; one agent per GPU set) gets ``{host}.1``, ...
+    ``.agent.pid`` in a folder names its holder; a dead holder's folder is
+    taken over. Returns (folder, pid file to release at exit)."""
+    name = _safe_name(host)
+    me = os.getpid()
+    for i in range(MAX_HOST_DIRS):
+        cand = os.path.join(run_dir, name if i == 0 else f"{name}.{i}")
+        os.makedirs(cand, exist_ok=True)
+        pidfile = os.path.join(cand, HOST_PID_FILE)
+        try:
+            fd = os.open(pidfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            holder = _read_pid(pidfile)
+            if holder is not None and holder != me and _pid_alive(holder):
+                continue
+            with open(pidfile, "w", encoding="ascii") as fp:  # stale: take it over
+                fp.write(str(me))
+        except OSError:
+            return cand, None  # cannot mark it: use it anyway
+        else:
+            with os.fdopen(fd, "w", encoding="ascii") as fp:
+                fp.write(str(me))
+        return cand, pidfile
+    raise ConfigError(f"--log-dir: {MAX_HOST_DIRS} live agents of one run on {name}?")
+
+
+def release_host_dir(pidfile: str) -> None:
+    """At exit: free the host folder (if this process still holds it)."""
+    if _read_pid(pidfile) == os.getpid():
+        with contextlib.suppress(OSError):
+            os.unlink(pidfile)
+
+
+def _safe_name(text: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in text).strip(".")
+    return safe or "unknown-host"
+
+
+def _read_pid(path: str) -> int | None:
+    try:
+        with open(path, encoding="ascii", errors="replace") as fp:
+            return int(fp.read(32).strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

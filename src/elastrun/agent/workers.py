@@ -12,7 +12,11 @@ Process hygiene (USER-PAIN 4):
 * exits are noticed as they happen: a pidfd per worker registered with the
   event loop (a waiting thread per worker where pidfds are unavailable);
 * stopping is bounded: signal each process group, wait the grace, SIGKILL
-  the groups, wait a bounded time, reap; pids that would not die are reported.
+  the groups, wait a bounded time, reap; pids that would not die are reported;
+* the workers' own children die with a SIGKILLed agent too: every worker's
+  process group is registered with the agent's orphan guard (agent/guard.py);
+* with ``hang_timeout``, a rank that heartbeated and then made no progress for
+  that long fails the group like a crash (agent/watchdog.py).
 """
 
 from __future__ import annotations
@@ -31,9 +35,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastrun.agent import env as worker_env_mod
-from elastrun.agent.failures import WorkerFailure, read_error_file
+from elastrun.agent.failures import ErrorFileInfo, WorkerFailure, read_error_file
+from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.logs import LinePump, StreamRoute, format_prefix, routes_for
 from elastrun.agent.spec import WorkerSpec
+from elastrun.agent.watchdog import (
+    HEARTBEAT_ENV,
+    HEARTBEAT_INTERVAL_ENV,
+    HangWatchdog,
+    heartbeat_interval,
+)
 from elastrun.clock import SYSTEM_CLOCK, Clock, remaining
 from elastrun.errors import WorkerError
 from elastrun.events import EventSink
@@ -100,6 +111,11 @@ class Worker:
     pump_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     transports: list[asyncio.BaseTransport] = field(default_factory=list)
     pidfd: int | None = None
+    heartbeat_file: str | None = None
+    hang: str | None = None  # "rank R made no progress for S s (last step N)"
+    hang_monotonic: float | None = None
+    hang_wall: float | None = None
+    hang_first: bool = False  # the group's first failure: the root cause
 
     @property
     def pid(self) -> int:
@@ -127,6 +143,7 @@ class WorkerGroup:
         keep_files: bool,
         events: EventSink,
         clock: Clock = SYSTEM_CLOCK,
+        guard: OrphanGuard | None = None,
     ) -> None:
         self.spec = spec
         self.result = result
@@ -139,6 +156,10 @@ class WorkerGroup:
         self._hurry = asyncio.Event()
         self._failed_seen = False
         self._closed = False
+        self.guard = guard
+        self.watchdog: HangWatchdog | None = None
+        if spec.hang_timeout is not None:
+            self.watchdog = HangWatchdog(spec.hang_timeout, self._on_hang, clock)
         for lr in range(spec.nproc):
             rank = result.rank_offset + lr
             prefix = format_prefix(
@@ -152,7 +173,10 @@ class WorkerGroup:
             )
             routes = routes_for(spec, attempt_dir if keep_files else None, lr, prefix)
             err = os.path.join(attempt_dir, str(lr), "error.json")
-            self.workers.append(Worker(lr, rank, err, routes))
+            w = Worker(lr, rank, err, routes)
+            if self.watchdog is not None:
+                w.heartbeat_file = os.path.join(attempt_dir, str(lr), "heartbeat.json")
+            self.workers.append(w)
 
     # ---------------------------------------------------------------- start
     def start(self) -> None:
@@ -165,6 +189,11 @@ class WorkerGroup:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(w.error_file)  # a stale file from an earlier run with this run id
             env = worker_env_mod.worker_env(self.spec, self.result, w.local_rank, w.error_file)
+            if w.heartbeat_file is not None and self.spec.hang_timeout is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(w.heartbeat_file)
+                env[HEARTBEAT_ENV] = w.heartbeat_file
+                env[HEARTBEAT_INTERVAL_ENV] = repr(heartbeat_interval(self.spec.hang_timeout))
             try:
                 w.popen = subprocess.Popen(
                     list(self.spec.argv),
@@ -182,8 +211,12 @@ class WorkerGroup:
                     f"{self.spec.argv[0] if self.spec.argv else '<empty argv>'}: "
                     f"{e.strerror or e}"
                 ) from e
+            if self.guard is not None:
+                self.guard.add(w.popen.pid)
             w.exited = loop.create_future()
             self._watch_exit(loop, w)
+            if self.watchdog is not None and w.heartbeat_file is not None:
+                self.watchdog.watch(w.local_rank, w.heartbeat_file)
             for pipe, route in zip((w.popen.stdout, w.popen.stderr), w.routes, strict=True):
                 assert pipe is not None
                 self._pump(loop, w, pipe, route)
@@ -233,7 +266,11 @@ class WorkerGroup:
             w.pidfd = None
         w.exit_monotonic = self.clock.monotonic()
         w.exit_wall = time.time()
-        if rc == 0:
+        if self.watchdog is not None:
+            self.watchdog.forget(w.local_rank)
+        if w.hang is not None:
+            cause = "root_cause" if w.hang_first else "collateral"
+        elif rc == 0:
             cause = "ok"
         elif w.stopped_by_agent:
             cause = "collateral"
@@ -265,7 +302,31 @@ class WorkerGroup:
 
     @property
     def failed(self) -> bool:
-        return any(w.done and w.returncode != 0 for w in self.workers)
+        return any((w.done and w.returncode != 0) or w.hang is not None for w in self.workers)
+
+    def _on_hang(self, local_rank: int, last_step: int | None, idle: float) -> None:
+        w = self.workers[local_rank]
+        if w.done or self._closed:
+            return
+        timeout = self.spec.hang_timeout or 0.0
+        step = "no step reported" if last_step is None else f"last step {last_step}"
+        w.hang = f"rank {w.rank} made no progress for {timeout:g} s ({step})"
+        w.hang_monotonic = self.clock.monotonic()
+        w.hang_wall = time.time()
+        w.hang_first = not self._failed_seen
+        self._failed_seen = True  # later failures are collateral of this one
+        self.events.emit(
+            "hang_detected",
+            rank=w.rank,
+            local_rank=w.local_rank,
+            pid=w.pid,
+            last_step=last_step,
+            idle_s=round(idle, 3),
+            hang_timeout=timeout,
+            round=self.result.round,
+            attempt=self.attempt,
+        )
+        self._changed.set()
 
     @property
     def succeeded(self) -> bool:
@@ -312,6 +373,8 @@ class WorkerGroup:
         (default: the spec's shutdown timeout), SIGKILL, wait, reap. Returns the
         pids that would not die."""
         grace = self.spec.shutdown_timeout if grace is None else grace
+        if self.watchdog is not None:
+            self.watchdog.close()  # nobody is judged while stopping
         live = [w for w in self.workers if w.popen is not None and not w.done]
         for w in live:
             w.stopped_by_agent = True
@@ -340,9 +403,13 @@ class WorkerGroup:
         if self._closed:
             return
         self._closed = True
+        if self.watchdog is not None:
+            self.watchdog.close()
         for w in self.workers:
             if w.popen is not None:
                 _killpg(w.pid, signal.SIGKILL)
+                if self.guard is not None and w.done:
+                    self.guard.remove(w.pid)
         tasks = [t for w in self.workers for t in w.pump_tasks]
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=DRAIN_TIMEOUT)
@@ -374,9 +441,18 @@ class WorkerGroup:
         out: list[WorkerFailure] = []
         for w in self.workers:
             rc = w.returncode
-            if rc is None or rc == 0 or w.popen is None:
+            if w.popen is None or rc is None or (rc == 0 and w.hang is None):
                 continue
             stderr_pump = w.pumps[1] if len(w.pumps) > 1 else None
+            error = read_error_file(w.error_file)
+            if w.hang is not None:
+                # The hang is the failure; a traceback written while it was stopped
+                # (e.g. by @record) shows where it was stuck.
+                error = ErrorFileInfo(
+                    message=w.hang,
+                    traceback=error.traceback if error is not None else None,
+                    timestamp=int(w.hang_wall) if w.hang_wall else None,
+                )
             out.append(
                 WorkerFailure(
                     rank=w.rank,
@@ -384,16 +460,17 @@ class WorkerGroup:
                     host=self.spec.host,
                     pid=w.pid,
                     returncode=rc,
-                    exit_time=w.exit_wall or time.time(),
-                    exit_monotonic=w.exit_monotonic or self.clock.monotonic(),
-                    stopped_by_agent=w.stopped_by_agent,
-                    error=read_error_file(w.error_file),
+                    exit_time=w.hang_wall or w.exit_wall or time.time(),
+                    exit_monotonic=w.hang_monotonic or w.exit_monotonic or self.clock.monotonic(),
+                    stopped_by_agent=w.stopped_by_agent and w.hang is None,
+                    error=error,
                     stderr_tail=tuple(stderr_pump.tail) if stderr_pump else (),
                     stdout_log=w.routes[0].file_path,
                     stderr_log=w.routes[1].file_path,
                     error_file=w.error_file,
                     attempt=self.attempt,
                     restart_count=self.result.restart_count,
+                    hang=w.hang,
                 )
             )
         return out

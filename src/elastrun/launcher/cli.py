@@ -315,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
         action=EnvDefault,
         default=None,
         metavar="PATH",
-        help="append rendezvous and worker events as JSON lines to this file",
+        help="append rendezvous and worker events as JSON lines to this file (default with "
+        "--log-dir: LOG_DIR/RUN_ID/events-HOST.jsonl; see docs/events.md)",
     )
 
     f = p.add_argument_group("fault tolerance")

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
+import os
 import socket
 import sys
 from collections.abc import Mapping, Sequence
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from elastrun.agent.spec import DEFAULT_LOG_TEMPLATE, WorkerSpec
 from elastrun.clock import SYSTEM_CLOCK
 from elastrun.errors import ConfigError, StoreUnavailable
-from elastrun.events import EventSink
+from elastrun.events import EventSink, JsonLinesSink
 from elastrun.launcher.plan import Plan
 from elastrun.rendezvous.api import Rendezvous, RendezvousSettings
 
@@ -209,6 +211,57 @@ async def _open_store(plan: Plan, endpoint: str, me: str, note: str) -> Store:
                 await task
 
 
+def events_path(plan: Plan, host: str) -> str | None:
+    """The agent's event log: ``--events-file``, else
+    ``{log_dir}/{run_id}/events-{host}.jsonl`` with ``--log-dir``, else none."""
+    cfg = plan.config
+    if cfg.events_file:
+        return cfg.events_file
+    if cfg.log_dir:
+        return os.path.join(cfg.log_dir, cfg.run_id, f"events-{host}.jsonl")
+    return None
+
+
+class _EventLog:
+    """One agent's event file (docs/events.md): the rendezvous' and the agent's
+    events in one JSON-lines file, each with the common fields (run_id, host,
+    node_id once known) and its ``source``. The caller's own sink (the Python
+    API's) gets the same events, untouched."""
+
+    def __init__(self, path: str | None, user: EventSink | None, **common: Any) -> None:
+        self.user = user
+        self.common: dict[str, Any] = dict(common)
+        self.file: JsonLinesSink | None = None
+        if path:
+            try:
+                self.file = JsonLinesSink(path)
+            except OSError as exc:
+                raise ConfigError(f"cannot open the event log {path}: {exc.strerror}") from None
+
+    def sink(self, source: str) -> EventSink | None:
+        return self.user if self.file is None else _Tagged(self, source)
+
+    def emit(self, source: str, kind: str, **fields: Any) -> None:
+        if self.file is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self.file.emit(kind, **{**self.common, "source": source, **fields})
+
+    def close(self) -> None:
+        if self.file is not None:
+            with contextlib.suppress(OSError):
+                self.file.close()
+
+
+class _Tagged:
+    def __init__(self, log: _EventLog, source: str) -> None:
+        self.log, self.source = log, source
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        if self.log.user is not None:
+            self.log.user.emit(kind, **fields)
+        self.log.emit(self.source, kind, **fields)
+
+
 async def _run_agent(spec: WorkerSpec, rdzv: Rendezvous, events: EventSink | None) -> int:
     from elastrun.agent.agent import Agent
 
@@ -219,7 +272,34 @@ async def run_async(plan: Plan, argv: Sequence[str], *, events: EventSink | None
     """Run this node's agent for ``plan``; returns the process exit code."""
     cfg = plan.config
     hostname = socket.gethostname()
+    log = _EventLog(events_path(plan, hostname), events, run_id=cfg.run_id, host=hostname)
+    code = 1
+    try:
+        log.emit(
+            "launcher",
+            "agent_started",
+            pid=os.getpid(),
+            backend=plan.backend,
+            endpoint=cfg.rdzv_endpoint,
+            min_nodes=cfg.min_nodes,
+            max_nodes=cfg.max_nodes,
+            nproc=cfg.nproc_per_node,
+            max_restarts=cfg.max_restarts,
+            node_rank=plan.node_rank,
+        )
+        code = await _run(plan, argv, hostname, log)
+        return code
+    finally:
+        log.emit("launcher", "agent_exited", exit_code=code)
+        log.close()
+
+
+async def _run(plan: Plan, argv: Sequence[str], hostname: str, log: _EventLog) -> int:
+    cfg = plan.config
     spec = build_spec(plan, argv, hostname)
+    if log.file is not None:  # written here, with the rendezvous' events: not twice
+        spec = dataclasses.replace(spec, events_file=None)
+    events = log.sink("agent")
 
     if plan.backend == "static":
         from elastrun.rendezvous.static import StaticRendezvous
@@ -254,7 +334,8 @@ async def run_async(plan: Plan, argv: Sequence[str], *, events: EventSink | None
         try:
             from elastrun.rendezvous.dynamic import DynamicRendezvous
 
-            dynamic = DynamicRendezvous(store, settings, events=events)
+            dynamic = DynamicRendezvous(store, settings, events=log.sink("rendezvous"))
+            log.common["node_id"] = dynamic.node_id
             return await _run_agent(spec, dynamic, events)
         finally:
             with contextlib.suppress(Exception):

@@ -17,15 +17,18 @@ The agent's loop, in terms of this interface::
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = [
     "Change",
     "Member",
+    "ProgressCallback",
     "Rendezvous",
     "RendezvousSettings",
     "RoundResult",
+    "WaitingStatus",
 ]
 
 
@@ -41,7 +44,9 @@ class RendezvousSettings:
     role: str = "default"
     join_timeout: float = 600.0
     last_call_timeout: float = 30.0
-    close_timeout: float = 60.0
+    # Per node: how long leaving (shutdown: revoking the lease) may take; as
+    # torch's close timeout. Past it the lease expires by itself within lease_ttl.
+    close_timeout: float = 30.0
     lease_ttl: float = 10.0
     exit_barrier_timeout: float = 300.0
     # per node:
@@ -57,7 +62,6 @@ class RendezvousSettings:
         "role",
         "join_timeout",
         "last_call_timeout",
-        "close_timeout",
     )
 
     def agreed(self) -> dict[str, Any]:
@@ -119,10 +123,31 @@ class Change:
     counts_as_restart: bool = False
 
 
+@dataclass(frozen=True)
+class WaitingStatus:
+    """What ``next_round()`` waits for (reported on each change; the
+    ``rendezvous_waiting`` event carries the same fields)."""
+
+    round: int
+    state: str  # "joining" (joined the open round) | "waiting" (round closed without me)
+    joined: int  # joiners of the open round; for "waiting", members of the closed round
+    min_nodes: int
+    max_nodes: int
+    deadline: str  # "last_call" | "join_timeout": the next deadline that ends the wait
+    seconds_left: float  # until that deadline, when reported
+    live: bool = True  # joined is live (the decider); else as of this node's last read
+    detail: str = ""  # e.g. "round 0 is full (2 of max 2 nodes)"
+
+
+ProgressCallback = Callable[[WaitingStatus], None]
+
+
 class Rendezvous(abc.ABC):
     """One node's handle on the job's rendezvous."""
 
     settings: RendezvousSettings
+    #: Called (if set) with what next_round() waits for, on each change.
+    progress: ProgressCallback | None = None
 
     @abc.abstractmethod
     async def next_round(self) -> RoundResult:

@@ -201,6 +201,5 @@ async def read_summary(store: Store, run_id: str) -> dict[str, Any] | None:
             revision=res.revision,
         )
     raise StoreError(
-        f"the round record of job {run_id!r} changed {MAX_TRIES} times while reading it; "
-        "try again"
+        f"the round record of job {run_id!r} changed {MAX_TRIES} times while reading it; try again"
     )

@@ -132,6 +132,10 @@ class EtcdStore(Store):
         """The member currently in use."""
         return self.conn.endpoint
 
+    def describe(self) -> str:
+        """``etcd at host:port, ...`` (for messages)."""
+        return f"etcd at {self.conn.describe()}"
+
     async def connect(self) -> None:
         await self.conn.authenticate()
         await self._call("kv/range", {"key": _b64(self._prefix or b"\0"), "count_only": True})

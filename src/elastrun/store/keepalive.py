@@ -5,7 +5,7 @@ once, and sets :attr:`LeaseKeeper.lost`, when the lease is gone: the store says
 it no longer exists (expired or revoked), or the store could not be reached
 for longer than the TTL (so the lease has expired there, or will before we can
 reach it). :meth:`stop` ends the task and revokes the lease (best effort,
-bounded by one TTL).
+bounded by one TTL or the timeout given).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 
 from elastrun.clock import SYSTEM_CLOCK, Clock, remaining
-from elastrun.errors import LeaseNotFound, StoreError
+from elastrun.errors import LeaseNotFound, StoreError, StoreTimeout
 from elastrun.store.base import NO_LEASE, Store
 
 __all__ = ["LeaseKeeper"]
@@ -49,9 +49,17 @@ class LeaseKeeper:
     async def start(self) -> int:
         """Grant a fresh lease and start keeping it alive; returns its id."""
         await self.stop(revoke=True)
+        before = f" (before: lease lost, {self.lost_reason})" if self.lost.is_set() else ""
         self.lost = asyncio.Event()
         self.lost_reason = ""
-        self.lease = await asyncio.wait_for(self.store.lease_grant(self.ttl), self.ttl)
+        try:
+            self.lease = await asyncio.wait_for(self.store.lease_grant(self.ttl), self.ttl)
+        except TimeoutError:
+            # A bare TimeoutError would escape the agent as a traceback: name the store.
+            raise StoreTimeout(
+                f"{_describe(self.store)} granted no lease within {self.ttl:g} s (lease_ttl): "
+                f"unreachable, or without a quorum{before}"
+            ) from None
         self._task = asyncio.get_running_loop().create_task(self._run(self.lease))
         return self.lease
 
@@ -72,7 +80,8 @@ class LeaseKeeper:
                 return
             except (StoreError, TimeoutError, OSError) as exc:
                 if remaining(expires, self.clock) <= 0:
-                    self._lose(f"store unreachable for longer than the lease TTL ({exc!r})")
+                    why = str(exc) or type(exc).__name__
+                    self._lose(f"store unreachable for longer than the lease TTL ({why})")
                     return
                 log.debug("lease keepalive failed, retrying: %r", exc)
                 interval = min(self.ttl / 10, remaining(expires, self.clock))
@@ -83,8 +92,10 @@ class LeaseKeeper:
         if self.on_lost is not None:
             self.on_lost(reason)
 
-    async def stop(self, revoke: bool = True) -> None:
-        """Stop renewing; revoke the lease (its keys vanish) unless told not to."""
+    async def stop(self, revoke: bool = True, timeout: float | None = None) -> None:
+        """Stop renewing; revoke the lease (its keys vanish) unless told not to.
+        The revoke is bounded by ``timeout`` (default: the TTL); if it does not
+        get through, the lease still expires in the store within its TTL."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -93,4 +104,11 @@ class LeaseKeeper:
         lease, self.lease = self.lease, NO_LEASE
         if revoke and lease != NO_LEASE and not self.lost.is_set():
             with contextlib.suppress(StoreError, TimeoutError, OSError):
-                await asyncio.wait_for(self.store.lease_revoke(lease), self.ttl)
+                bound = self.ttl if timeout is None else timeout
+                await asyncio.wait_for(self.store.lease_revoke(lease), bound)
+
+
+def _describe(store: Store) -> str:
+    """What the store is, for messages (``describe()`` where it has one)."""
+    describe = getattr(store, "describe", None)
+    return str(describe()) if callable(describe) else "the store"

@@ -96,7 +96,7 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
 
 
-def _atomic_write(final: Path, write: Callable[[io.BufferedWriter], None]) -> None:
+def _atomic_write(final: Path, write: Callable[[io.BufferedWriter], object]) -> None:
     tmp = final.parent / f".{final.name}.{_host()}.{os.getpid()}.tmp"
     try:
         with open(tmp, "wb") as f:
@@ -272,9 +272,7 @@ def load_checkpoint(
         buf = torch.frombuffer(data, dtype=torch.uint8).to(device)
     else:
         buf = torch.empty(size, dtype=torch.uint8, device=device)
-    src_global = (
-        src_group_rank if group is None else dist.get_global_rank(group, src_group_rank)
-    )
+    src_global = src_group_rank if group is None else dist.get_global_rank(group, src_group_rank)
     dist.broadcast(buf, src=src_global, group=group)
     received = bytes(buf.cpu().untyped_storage())
     del buf

@@ -103,7 +103,8 @@ class WorkerContext:
             raise ConfigError(f"RANK={ctx.rank} is not in [0, WORLD_SIZE={ctx.world_size})")
         if ctx.local_world_size < 1 or not 0 <= ctx.local_rank < ctx.local_world_size:
             raise ConfigError(
-                f"LOCAL_RANK={ctx.local_rank} is not in [0, LOCAL_WORLD_SIZE={ctx.local_world_size})"
+                f"LOCAL_RANK={ctx.local_rank} is not in "
+                f"[0, LOCAL_WORLD_SIZE={ctx.local_world_size})"
             )
         return ctx
 

@@ -154,8 +154,8 @@ class ElasticSampler:
         """Global number of this epoch's samples consumed so far (0..dataset_len)."""
         if self._consumed == 0:
             return self._base
-        if self._consumed >= self._segment_len(self._base):
-            return self.dataset_len
+        if self.drop_last and self._consumed >= self._segment_len(self._base):
+            return self.dataset_len  # the skipped tail counts as consumed
         return min(self.dataset_len, self._base + self._consumed * self.world_size)
 
     def set_epoch(self, epoch: int) -> None:

@@ -1,0 +1,239 @@
+"""Executing the rules' actions against the store (the driver's writes).
+
+Every write to the job's ``round`` record is a compare-and-set against the
+revision this node last saw; whether it won or lost, the outcome comes back
+through the phase's watch on ``round`` as an ordinary event. Actions that end a
+call (``RETURN_*``, ``RAISE``) produce an :class:`Outcome`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from elastrun.errors import (
+    RendezvousClosed,
+    RendezvousTimeout,
+    RestartBudgetExhausted,
+)
+from elastrun.rendezvous import keys as K
+from elastrun.rendezvous import records as R
+from elastrun.rendezvous.api import Change, RoundResult
+from elastrun.rendezvous.rules import Act, Action, Timer
+from elastrun.rendezvous.view import Node, Observer
+from elastrun.store.base import Compare, Delete, KeyValue, Put
+from elastrun.store.keepalive import LeaseKeeper
+
+__all__ = ["Executor", "Outcome"]
+
+
+@dataclass
+class Outcome:
+    result: RoundResult | None = None
+    change: Change | None = None
+    error: BaseException | None = None
+
+
+class Executor:
+    """Executes :class:`~.rules.Action` values for one node."""
+
+    def __init__(
+        self, node: Node, observer: Observer, keeper: LeaseKeeper, timers: dict[Timer, float]
+    ) -> None:
+        self.node = node
+        self.observer = observer
+        self.keeper = keeper
+        self.timers = timers  # the driver's armed deadlines (absolute, monotonic)
+        self.failure: dict[str, Any] | None = None  # the last failure reported
+        self.port = 0  # the master port this node offers (picked once)
+
+    @property
+    def _waiting_key(self) -> str:
+        return self.node.keys.waiting(self.node.node_id)
+
+    async def execute(self, a: Action) -> Outcome | None:
+        node, t = self.node, a.type
+        if t is Act.ARM:
+            assert a.timer is not None
+            self.timers[a.timer] = a.deadline
+        elif t is Act.CANCEL:
+            if a.timer is not None:
+                self.timers.pop(a.timer, None)
+        elif t is Act.READ_ROUND:
+            pass  # the SEEKING phase reads the round record
+        elif t is Act.JOIN:
+            await self._join(a.round)
+        elif t is Act.LEAVE:
+            await self.observer.note_joiners(a.round)
+            await node.store.txn(
+                [], [Delete(node.keys.join(a.round, node.node_id)), Delete(self._waiting_key)]
+            )
+        elif t is Act.WAIT:
+            rec = {"node_id": node.node_id, "host": node.host, "round": a.round}
+            await node.store.put(self._waiting_key, K.encode(rec), self.keeper.lease)
+        elif t is Act.CLOSE_ROUND:
+            await self._close_round(a)
+        elif t is Act.OPEN_ROUND:
+            await self._open_round(a)
+        elif t is Act.FAIL_JOB:
+            await self._fail_job(a)
+        elif t is Act.PUT_DONE:
+            await node.store.put(node.keys.done(a.round, node.node_id), K.encode({}))
+        elif t is Act.MARK_FINISHED:
+            await self._mark_finished(a.round)
+        elif t is Act.RENEW_LEASE:
+            await self.keeper.start()
+            await self.put_presence()
+        elif t is Act.REVOKE:
+            # Leaving: bounded by close_timeout; past it the lease expires by
+            # itself within lease_ttl and the others see the leave then.
+            await self.keeper.stop(revoke=True, timeout=node.settings.close_timeout)
+        elif t is Act.RETURN_RESULT:
+            return Outcome(result=await self._round_result(a.round))
+        elif t is Act.RETURN_CHANGE:
+            return Outcome(change=R.round_change(self.observer.view.round, a.reason, a.detail))
+        elif t is Act.RETURN:
+            return Outcome()
+        elif t is Act.RAISE:
+            return Outcome(error=await self._error(a))
+        return None
+
+    async def put_presence(self) -> None:
+        node = self.node
+        record = {
+            "node_id": node.node_id,
+            "host": node.host,
+            "addr": node.addr,
+            "nproc": node.settings.nproc,
+            "rank_hint": node.settings.node_rank_hint,
+            "pid": os.getpid(),
+            "since": time.time(),
+        }
+        await node.store.put(node.keys.node(node.node_id), K.encode(record), self.keeper.lease)
+
+    async def _join(self, r: int) -> None:
+        node, view = self.node, self.observer.view
+        kv = view.round_kv
+        if kv is None or view.round is None or view.round["round"] != r:
+            return
+        if not self.port:
+            self.port = await asyncio.to_thread(R.pick_master_port, node.settings.addr)
+        rec = {
+            "node_id": node.node_id,
+            "host": node.host,
+            "addr": node.addr,
+            "nproc": node.settings.nproc,
+            "rank_hint": node.settings.node_rank_hint,
+            "port": self.port,
+            "pid": os.getpid(),
+        }
+        res = await node.store.txn(
+            [Compare.unchanged(node.keys.round, kv.mod_revision)],
+            [
+                Put(node.keys.join(r, node.node_id), K.encode(rec), self.keeper.lease),
+                Delete(self._waiting_key),
+            ],
+        )
+        if res.succeeded:
+            node.events.emit("node_joined", round=r, node=node.node_id, host=node.host)
+
+    async def _close_round(self, a: Action) -> None:
+        node, view = self.node, self.observer.view
+        kv, r = view.round_kv, a.round
+        if kv is None or view.round is None or view.round.get("state") != K.OPEN:
+            return
+        order = sorted(view.joiners.values(), key=lambda kv: kv.create_revision)
+        joiners = [K.decode(j.key, j.value) for j in order]
+        closed, result = R.close_records(view.round, joiners, node.settings.max_nodes, a.reason)
+        members = result["members"]
+        res = await node.store.txn(
+            [Compare.unchanged(node.keys.round, kv.mod_revision)],
+            [
+                Put(node.keys.round, K.encode(closed)),
+                Put(node.keys.result(r), K.encode(result)),
+            ],
+        )
+        if res.succeeded:
+            view.results[r] = K.decode("result", K.encode(result))
+            node.events.emit(
+                "round_closed",
+                round=r,
+                reason=a.reason,
+                members=[m["host"] for m in members],
+                ranks={m["node_id"]: m["group_rank"] for m in members},
+            )
+
+    def _closed_round_kv(self, r: int) -> tuple[KeyValue, dict[str, Any]] | None:
+        view = self.observer.view
+        kv, rec = view.round_kv, view.round
+        if kv is None or rec is None or rec["round"] != r or rec["state"] != K.CLOSED:
+            return None
+        return kv, rec
+
+    async def _cas_round(self, kv: KeyValue, new: dict[str, Any]) -> bool:
+        keys, store = self.node.keys, self.node.store
+        return await store.compare_and_set(keys.round, kv.mod_revision, K.encode(new))
+
+    async def _open_round(self, a: Action) -> None:
+        found = self._closed_round_kv(a.round)
+        if found is None:
+            return
+        kv, rec = found
+        result = await self.observer.get_result(a.round)
+        new = R.next_round_record(
+            rec, result, a.reason, a.detail, counts=a.counts, failure=self.failure
+        )
+        if await self._cas_round(kv, new):
+            events, me = self.node.events, self.node.node_id
+            if a.reason == "member_lost":
+                events.emit("node_lost", round=a.round, detail=a.detail, by=me)
+            events.emit("round_opened", round=a.round + 1, reason=a.reason, detail=a.detail, by=me)
+
+    async def _fail_job(self, a: Action) -> None:
+        found = self._closed_round_kv(a.round)
+        if found is None:
+            return
+        kv, rec = found
+        if await self._cas_round(kv, {**rec, "state": K.FAILED, "last_failure": self.failure}):
+            self.node.events.emit("job_failed", round=a.round, reason="restart budget exhausted")
+
+    async def _mark_finished(self, r: int) -> None:
+        found = self._closed_round_kv(r)
+        if found is None:
+            return
+        kv, rec = found
+        if await self._cas_round(kv, {**rec, "state": K.FINISHED}):
+            self.node.events.emit("job_finished", round=r)
+
+    async def _round_result(self, r: int) -> RoundResult:
+        s = self.node.settings
+        result = await self.observer.get_result(r)
+        return R.round_result(s.run_id, self.node.node_id, result, s.max_restarts)
+
+    async def _error(self, a: Action) -> BaseException:
+        s, r, obs = self.node.settings, a.round, self.observer
+        if a.error == "closed":
+            return RendezvousClosed(
+                f"job {s.run_id!r} has finished: there will be no further rounds"
+            )
+        if a.error == "budget":
+            rec = obs.view.round or {}
+            return RestartBudgetExhausted(
+                f"job {s.run_id!r} used its restart budget ({s.max_restarts} restarts, "
+                f"--max-restarts); last failure: {rec.get('last_failure')}"
+            )
+        await obs.note_joiners(r)
+        joins = sorted(h for (jr, _), h in obs.joiner_hosts.items() if jr == r)
+        rnd = obs.view.round
+        if obs.rules.ctx.round == r and rnd and rnd["state"] != K.OPEN:
+            return RendezvousTimeout(
+                f"round {r} closed without this node and no new round opened before "
+                f"join_timeout={s.join_timeout:g}s (job is full: max {s.max_nodes} nodes)"
+            )
+        return RendezvousTimeout(
+            f"{len(joins)} of min {s.min_nodes} nodes joined before "
+            f"join_timeout={s.join_timeout:g}s: {', '.join(joins) or 'none'}"
+        )

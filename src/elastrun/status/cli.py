@@ -1,0 +1,369 @@
+"""``elastrun status``: a job's round, members, restarts and last failure, read
+from its store.
+
+    elastrun status --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID
+                    [--json] [--watch] [--rdzv-conf k=v,...] [--timeout S]
+
+``--json`` prints the summary as one JSON object (stable keys, see
+docs/events.md); with ``--watch`` one object per line, each time the job
+changes. ``--watch`` follows the job with a store watch on its prefix (no
+polling) until the job finishes or fails, or until SIGINT / SIGTERM.
+
+Exit codes: 0 shown; 1 no such job, store unreachable or broken records;
+2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from elastrun.errors import ConfigError, ElastrunError, StoreError, StoreUnavailable
+from elastrun.rendezvous.keys import Keys
+from elastrun.status.summary import TERMINAL_STATES, read_summary
+from elastrun.store.base import Store, Watch, WatchEvent
+
+__all__ = ["main", "render_table"]
+
+DEFAULT_TIMEOUT = 10.0
+DEBOUNCE = 0.05  # gather a burst of store changes into one refresh
+STORE_CONF_KEYS = ("cacert", "cert", "key", "user", "password", "key_prefix", "protocol")
+KNOWN_CONF = frozenset((*STORE_CONF_KEYS, "token", "token_file"))
+
+
+class _Failed(Exception):
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="elastrun status",
+        description="Show a job's round, members, ranks, restarts and last failure, "
+        "read from its rendezvous store.",
+    )
+    p.add_argument(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        dest="backend",
+        default="c10d",
+        help="c10d (or tcp), etcd, etcd-v2 (default c10d)",
+    )
+    p.add_argument(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        dest="endpoint",
+        required=True,
+        metavar="HOST[:PORT]",
+        help="the job's store",
+    )
+    p.add_argument(
+        "--rdzv-id",
+        "--rdzv_id",
+        dest="run_id",
+        required=True,
+        metavar="ID",
+        help="the job's --rdzv-id",
+    )
+    p.add_argument(
+        "--rdzv-conf",
+        "--rdzv_conf",
+        dest="conf",
+        default="",
+        metavar="K=V,...",
+        help="store options: token, token_file; etcd: cacert, cert, key, user, "
+        "password, key_prefix, protocol (other launcher keys are ignored)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON (one object per line)")
+    p.add_argument(
+        "--watch",
+        action="store_true",
+        help="follow the job: print again on every change, until it ends",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        metavar="S",
+        help=f"give up reaching the store after S seconds (default {DEFAULT_TIMEOUT:g})",
+    )
+    return p
+
+
+def _conf(text: str) -> tuple[str | None, dict[str, str]]:
+    token: str | None = None
+    conf: dict[str, str] = {}
+    for item in (i.strip() for i in text.split(",")):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key:
+            raise ConfigError(f"--rdzv-conf: {item!r} is not key=value")
+        if key == "token":
+            token = value
+        elif key == "token_file":
+            try:
+                with open(value, encoding="utf-8") as f:
+                    token = f.read().strip()
+            except OSError as exc:
+                raise ConfigError(f"--rdzv-conf: token_file {value!r}: {exc.strerror}") from None
+        elif key in STORE_CONF_KEYS:
+            conf[key] = value
+        # Any other launcher key (join_timeout, is_host, ...) is irrelevant here:
+        # accepted so that a job's --rdzv-conf can be pasted as is.
+    return token, conf
+
+
+def _where(backend: str, endpoint: str) -> str:
+    if backend in ("c10d", "tcp"):
+        from elastrun.store.factory import parse_endpoint
+
+        host, port = parse_endpoint(endpoint)
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return endpoint
+
+
+async def _open(args: argparse.Namespace, where: str) -> Store:
+    from elastrun.store.factory import open_store
+
+    token, conf = _conf(args.conf)
+    try:
+        return await asyncio.wait_for(
+            open_store(args.backend, args.endpoint, token=token, conf=conf, timeout=args.timeout),
+            args.timeout + 1.0,
+        )
+    except TimeoutError:
+        raise _Failed(
+            f"cannot reach the {args.backend} store at {where} within {args.timeout:g} s "
+            "(--timeout)"
+        ) from None
+    except StoreError as exc:
+        msg = str(exc)
+        if where in msg:  # the store's own message already names the endpoint
+            raise _Failed(f"{msg} (--rdzv-backend {args.backend})") from None
+        raise _Failed(f"cannot reach the {args.backend} store at {where}: {msg}") from None
+
+
+async def _read(store: Store, args: argparse.Namespace, where: str) -> dict[str, Any]:
+    try:
+        summary = await asyncio.wait_for(read_summary(store, args.run_id), args.timeout)
+    except TimeoutError:
+        raise _Failed(
+            f"the {args.backend} store at {where} did not answer within {args.timeout:g} s"
+        ) from None
+    except StoreError as exc:
+        raise _Failed(f"reading job {args.run_id!r} from the store at {where}: {exc}") from None
+    if summary is None:
+        raise _Failed(f"no job {args.run_id!r} in the store at {where}")
+    return summary
+
+
+# ---------------------------------------------------------------- rendering
+def _fmt_time(ts: Any) -> str:
+    if not isinstance(ts, (int, float)):
+        return "?"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def _failure_line(f: dict[str, Any]) -> str:
+    what = (
+        f"signal {f['signal']}"
+        if f.get("signal")
+        else (f"exit code {f['exitcode']}" if f.get("exitcode") is not None else "failed")
+    )
+    where = f"rank {f.get('rank')}" + (f" on {f['host']}" if f.get("host") else "")
+    line = f"{where}: {what} at {_fmt_time(f.get('time'))}"
+    if f.get("reason"):
+        line += f" ({f['reason']})"
+    if f.get("message"):
+        line += f": {f['message']}"
+    return line
+
+
+def render_table(s: dict[str, Any], where: str) -> str:
+    """The summary as a human-readable block of text."""
+    out = [f"job {s['run_id']}  (store {where}, revision {s['revision']})"]
+    rnd = "-" if s["round"] is None else str(s["round"])
+    why = f" (opened: {s['round_reason']}" if s.get("round_reason") else ""
+    if why:
+        why += f": {s['round_detail']})" if s.get("round_detail") else ")"
+    out.append(f"state     {s['state']}, round {rnd}{why}")
+    budget = "?" if s["max_restarts"] is None else str(s["max_restarts"])
+    out.append(f"restarts  {s['restarts']} of {budget}")
+    out.append(
+        f"nodes     {len(s['members'])} in the group (min {s['min_nodes']}, "
+        f"max {s['max_nodes']}), {s['nodes_present']} present; world size {s['world_size']}"
+    )
+    if s["master"]:
+        out.append(f"master    {s['master']}")
+    if s["members"]:
+        label = "members" if s["members_round"] == s["round"] else "members of the last round"
+        out.append(f"\n{label} (round {s['members_round']}):")
+        rows = [("GROUP_RANK", "HOST", "ADDR", "NPROC", "STATUS", "NODE")]
+        rows += [
+            (
+                str(m["group_rank"]),
+                str(m["host"]),
+                str(m["addr"]),
+                str(m["nproc"]),
+                m["status"],
+                m["node_id"],
+            )
+            for m in s["members"]
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for r in rows:
+            out.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+    if s["joined"]:
+        joined = ", ".join(f"{j['host']} ({j['node_id']})" for j in s["joined"])
+        out.append(f"\njoined round {rnd}: {joined}")
+    if s["waiting"]:
+        out.append("waiting: " + ", ".join(f"{w['host']} ({w['node_id']})" for w in s["waiting"]))
+    failure = s["last_failure"]
+    out.append("\nlast failure: " + (_failure_line(failure) if failure else "none"))
+    return "\n".join(out)
+
+
+def _printer(args: argparse.Namespace, where: str) -> Callable[[dict[str, Any]], None]:
+    tty = sys.stdout.isatty()
+    first = [True]
+
+    def show(summary: dict[str, Any]) -> None:
+        if args.json:
+            text = json.dumps(summary, sort_keys=True)
+        else:
+            text = render_table(summary, where)
+            if args.watch:
+                if tty:
+                    text = "\x1b[H\x1b[2J" + text
+                elif not first[0]:
+                    text = "\n" + "-" * 72 + "\n" + text
+        first[0] = False
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+
+    return show
+
+
+# ---------------------------------------------------------------- watching
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return {**a, "revision": 0} == {**b, "revision": 0}
+
+
+async def _watch(
+    store: Store, args: argparse.Namespace, where: str, show: Callable[[dict[str, Any]], None]
+) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    installed = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+    changes: asyncio.Queue[WatchEvent | BaseException] = asyncio.Queue()
+    watch: Watch | None = None
+    pump: asyncio.Task[None] | None = None
+
+    async def drain(w: Watch) -> None:
+        try:
+            async for ev in w:
+                changes.put_nowait(ev)
+        except StoreError as exc:
+            changes.put_nowait(exc)
+
+    try:
+        last = await _read(store, args, where)
+        show(last)
+        if last["state"] in TERMINAL_STATES:
+            return 0
+        try:
+            watch = await asyncio.wait_for(
+                store.watch(
+                    Keys(args.run_id).root, prefix=True, start_revision=last["revision"] + 1
+                ),
+                args.timeout,
+            )
+        except (TimeoutError, StoreError) as exc:
+            raise _Failed(
+                f"cannot watch job {args.run_id!r} in the store at {where}: {exc}"
+            ) from None
+        pump = loop.create_task(drain(watch))
+        stopped = loop.create_task(stop.wait())
+        try:
+            while True:
+                got = loop.create_task(changes.get())
+                await asyncio.wait({got, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                if not got.done():
+                    got.cancel()
+                    return 0  # SIGINT / SIGTERM: the operator is done watching
+                item = got.result()
+                await asyncio.sleep(DEBOUNCE)
+                while not changes.empty() and not isinstance(item, BaseException):
+                    item = changes.get_nowait()
+                if isinstance(item, BaseException):
+                    raise _Failed(f"lost the store at {where} while watching: {item}")
+                summary = await _read(store, args, where)
+                if not _same(summary, last):
+                    show(summary)
+                    last = summary
+                if last["state"] in TERMINAL_STATES:
+                    return 0
+        finally:
+            stopped.cancel()
+    finally:
+        if pump is not None:
+            pump.cancel()
+        if watch is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(watch.close(), 2.0)
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
+async def _main(args: argparse.Namespace) -> int:
+    if args.backend.strip().lower() == "static":
+        raise ConfigError("--rdzv-backend static keeps no store: there is no job state to show")
+    where = _where(args.backend.strip().lower(), args.endpoint)
+    store = await _open(args, where)
+    try:
+        show = _printer(args, where)
+        if args.watch:
+            return await _watch(store, args, where, show)
+        show(await _read(store, args, where))
+        return 0
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(store.close(), 2.0)
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(list(argv))
+    except SystemExit as exc:  # argparse printed the usage and the problem
+        return exc.code if isinstance(exc.code, int) else 2
+    if not args.timeout > 0:
+        print("elastrun status: error: --timeout must be > 0", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_main(args))
+    except _Failed as exc:
+        print(f"elastrun status: error: {exc}", file=sys.stderr, flush=True)
+        return exc.code
+    except ConfigError as exc:
+        print(f"elastrun status: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except (ElastrunError, StoreUnavailable) as exc:
+        print(f"elastrun status: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        return 130

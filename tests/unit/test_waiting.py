@@ -1,0 +1,128 @@
+"""Rendezvous waiting progress: the status the rendezvous reports, the console line."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+from elastrun.agent.waiting import WaitingConsole, describe, format_duration
+from elastrun.events import ListSink
+from elastrun.rendezvous.api import RendezvousSettings, WaitingStatus
+from elastrun.rendezvous.progress import ProgressReporter, waiting_status
+from elastrun.rendezvous.rules import Context, Rules, State, Timer
+from elastrun.rendezvous.view import View
+
+S = RendezvousSettings(run_id="j", min_nodes=2, max_nodes=3, join_timeout=600, last_call_timeout=30)
+
+
+def rules(state: State, **ctx: object) -> Rules:
+    return Rules(Context(min_nodes=2, max_nodes=3, **ctx), state)  # type: ignore[arg-type]
+
+
+def test_joining_below_min_waits_for_the_join_timeout() -> None:
+    st = waiting_status(
+        rules(State.DECIDING, round=0, count=1), {Timer.JOIN: 700.0}, View(), S, 100.0
+    )
+    assert st is not None
+    assert (st.state, st.joined, st.deadline, st.seconds_left, st.live) == (
+        "joining",
+        1,
+        "join_timeout",
+        600.0,
+        True,
+    )
+
+
+def test_decider_at_min_waits_for_the_last_call() -> None:
+    timers = {Timer.JOIN: 700.0, Timer.LAST_CALL: 125.0}
+    st = waiting_status(rules(State.DECIDING, round=0, count=2), timers, View(), S, 100.0)
+    assert st is not None and (st.deadline, st.seconds_left) == ("last_call", 25.0)
+
+
+def test_follower_estimates_the_last_call_and_its_count_is_not_live() -> None:
+    r = rules(State.JOINING, round=0, count=2, min_reached_at=90.0)
+    st = waiting_status(r, {Timer.JOIN: 700.0}, View(), S, 100.0)
+    assert st is not None and (st.deadline, st.seconds_left, st.live) == ("last_call", 20.0, False)
+
+
+def test_waiting_node_says_the_round_is_full() -> None:
+    view = View(round={"round": 4, "state": "closed"})
+    view.results[4] = {"members": [{"node_id": n} for n in "abc"]}
+    st = waiting_status(rules(State.WAITING, round=4), {Timer.JOIN: 160.0}, view, S, 100.0)
+    assert st is not None
+    assert (st.state, st.round, st.joined, st.deadline) == ("waiting", 4, 3, "join_timeout")
+    assert st.detail == "round 4 is full (3 of max 3 nodes)"
+
+
+def test_not_waiting_as_a_member() -> None:
+    assert waiting_status(rules(State.MEMBER, round=0), {}, View(), S, 0.0) is None
+
+
+def test_reporter_emits_only_on_change() -> None:
+    sink, seen = ListSink(), list[WaitingStatus]()
+    rep = ProgressReporter(sink, "n0", lambda: seen.append)
+    a = WaitingStatus(0, "joining", 1, 2, 3, "join_timeout", 600.0)
+    rep.update(a)
+    rep.update(WaitingStatus(0, "joining", 1, 2, 3, "join_timeout", 590.0))  # only time moved
+    rep.update(WaitingStatus(0, "joining", 2, 2, 3, "last_call", 30.0))
+    assert sink.kinds() == ["rendezvous_waiting", "rendezvous_waiting"]
+    assert [s.joined for s in seen] == [1, 2]
+    ev = sink.events[1]
+    assert (ev["joined"], ev["min"], ev["max"], ev["deadline"], ev["seconds_left"]) == (
+        2,
+        2,
+        3,
+        "last_call",
+        30.0,
+    )
+
+
+def test_describe() -> None:
+    assert format_duration(598.2) == "9m59s" and format_duration(5) == "5s"
+    st = WaitingStatus(0, "joining", 1, 2, 3, "join_timeout", 600.0)
+    assert describe(st, 598.2) == (
+        "elastrun: rendezvous round 0: 1 of min 2 nodes joined (max 3); join timeout in 9m59s"
+    )
+    st = WaitingStatus(1, "joining", 2, 2, 3, "last_call", 30.0)
+    assert describe(st, 12) == (
+        "elastrun: rendezvous round 1: 2 nodes joined (min 2, max 3); "
+        "last call closes the round in 12s"
+    )
+    st = WaitingStatus(0, "waiting", 3, 2, 3, "join_timeout", 60, detail="round 0 is full (x)")
+    assert describe(st, 60).startswith("elastrun: waiting for the next round: round 0 is full")
+
+
+def test_console_log_lines_on_change_after_the_quiet_period() -> None:
+    async def main() -> str:
+        out = io.StringIO()
+        con = WaitingConsole(out, tty=False, quiet=0.1, every=10.0)
+        con.start()
+        con.update(WaitingStatus(0, "joining", 1, 2, 3, "join_timeout", 600.0))
+        await asyncio.sleep(0.05)
+        assert out.getvalue() == ""  # quiet period: nothing yet
+        await asyncio.sleep(0.15)
+        con.update(WaitingStatus(0, "joining", 1, 2, 3, "join_timeout", 599.0))  # no change
+        await asyncio.sleep(0.05)
+        con.update(WaitingStatus(0, "joining", 2, 2, 3, "last_call", 30.0))
+        await asyncio.sleep(0.05)
+        con.stop()
+        return out.getvalue()
+
+    lines = asyncio.run(main()).splitlines()
+    assert len(lines) == 2, lines
+    assert "1 of min 2" in lines[0] and "2 nodes joined" in lines[1]
+
+
+def test_console_on_a_terminal_redraws_in_place_and_clears() -> None:
+    async def main() -> str:
+        out = io.StringIO()
+        con = WaitingConsole(out, tty=True, quiet=0.0)
+        con.start()
+        con.update(WaitingStatus(0, "waiting", 3, 2, 3, "join_timeout", 60.0, detail="full"))
+        await asyncio.sleep(0.05)
+        con.stop()
+        return out.getvalue()
+
+    text = asyncio.run(main())
+    assert text.startswith("\r\x1b[K") and "\n" not in text
+    assert text.endswith("\r\x1b[K")
