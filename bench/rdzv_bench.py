@@ -26,12 +26,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -88,11 +90,13 @@ def _run_once(
     procs = min(procs, n)
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
     children = []
+    errs: list[IO[bytes]] = []
     for p in range(procs):
         count = n // procs + (1 if p < n % procs else 0)
         first = sum(n // procs + (1 if q < n % procs else 0) for q in range(p))
         spec = {"run_id": run_id, "n": n, "count": count, "first": first, "backend": backend}
         argv = [sys.executable, "-m", "bench.rdzv_bench", "--worker", addr[0], str(addr[1])]
+        errs.append(tempfile.TemporaryFile())  # noqa: SIM115 (closed in the finally below)
         children.append(
             subprocess.Popen(
                 [*argv, json.dumps(spec)],
@@ -100,29 +104,43 @@ def _run_once(
                 env=env,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
+                stderr=errs[-1],
                 text=True,
             )
         )
     try:
-        for c in children:
+        for c, err in zip(children, errs, strict=True):
             assert c.stdout is not None
             line = c.stdout.readline()
             if line.strip() != "ready":
-                raise RuntimeError(f"worker failed to start: {line!r}")
+                raise RuntimeError(f"worker failed to start: {line!r}{_tail(c, err)}")
         for c in children:
             assert c.stdin is not None
             c.stdin.write("go\n")
             c.stdin.flush()
         times = []
-        for c in children:
+        for c, err in zip(children, errs, strict=True):
             out, _ = c.communicate(timeout=300)
-            times.append(json.loads(out.strip().splitlines()[-1]))
+            lines = out.strip().splitlines()
+            if c.returncode != 0 or not lines:
+                raise RuntimeError(f"a worker of the {n}-agent run failed{_tail(c, err)}")
+            times.append(json.loads(lines[-1]))
         return max(t["round"] for t in times), max(t["complete"] for t in times)
     finally:
         for c in children:
             if c.poll() is None:
                 c.kill()
                 c.wait(10)
+        for err in errs:
+            err.close()
+
+
+def _tail(proc: subprocess.Popen[str], err: IO[bytes]) -> str:
+    """A failed worker's exit status and the end of its stderr, for the error."""
+    proc.poll()
+    err.seek(0)
+    text = err.read()[-3000:].decode("utf-8", "replace").strip()
+    return f" (exit status {proc.returncode}):\n{text or '(no output on stderr)'}"
 
 
 def _free_ports(count: int) -> list[int]:
@@ -228,6 +246,8 @@ def _bench_embedded(sizes: list[int], args: argparse.Namespace) -> None:
         m = re.search(r"listening on (\S+):(\d+)", server.stdout.readline())
         if not m:
             raise RuntimeError("the store did not start")
+        # Keep reading what the store prints (its log): a full pipe would stall it.
+        threading.Thread(target=server.stdout.read, daemon=True).start()
         addr = (m.group(1), int(m.group(2)))
         _table("the embedded store", addr, sizes, args, "embedded")
     finally:

@@ -16,7 +16,9 @@ every kernel or image; bridge port states need only the bridge module.)
 Processes started with ``run_in`` run in their own process group; ``close``
 kills those groups, then anything else still inside the namespaces, deletes
 the namespaces and checks that nothing it made is left. Every command and
-every wait is bounded.
+every wait is bounded. Namespace names carry the creating pid, so a later run
+can delete what a run killed before its teardown left behind
+(``sweep_stale``), and never touches a live run's.
 """
 
 from __future__ import annotations
@@ -76,6 +78,41 @@ def unavailable_reason() -> str | None:
     return None
 
 
+NS_PREFIX = "erfault"  # namespaces: erfault-<owner pid>-<random>-<node>
+
+
+def _owner_alive(ns: str) -> bool:
+    """Whether the process that made namespace ``ns`` (its pid is in the name) lives."""
+    parts = ns.split("-")
+    if len(parts) < 3 or not parts[1].isdigit():
+        return True  # not ours to judge
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale() -> list[str]:
+    """Delete namespaces left by earlier runs whose process is gone (a run killed
+    before its teardown). A namespace of a live run is never touched; processes
+    still inside a stale one are killed first (they can only be that run's)."""
+    removed = []
+    listed = ip("netns", "list", check=False).stdout
+    for line in listed.splitlines():
+        name = line.split()[0] if line.split() else ""
+        if not name.startswith(NS_PREFIX + "-") or _owner_alive(name):
+            continue
+        for pid in ip("netns", "pids", name, check=False).stdout.split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        if ip("netns", "del", name, check=False).returncode == 0:
+            removed.append(name)
+    return removed
+
+
 @dataclass
 class Node:
     name: str
@@ -88,9 +125,11 @@ class Node:
 
 @dataclass
 class Network:
-    """Namespaces ``<prefix>-<node>`` around a switch namespace ``<prefix>-sw``."""
+    """Namespaces ``<ns_prefix>-<node>`` around a switch namespace ``<ns_prefix>-sw``;
+    interfaces ``<prefix>n<i>`` / ``<prefix>p<i>``."""
 
-    prefix: str
+    prefix: str  # interface names (at most 11 bytes: names are limited to 15)
+    ns_prefix: str  # namespace names: erfault-<pid>-<random>
     subnet: str  # "10.213.X"
     switch: str
     nodes: dict[str, Node] = field(default_factory=dict)
@@ -101,10 +140,11 @@ class Network:
 
     @classmethod
     def create(cls, names: Sequence[str]) -> Network:
-        tag = f"{os.getpid() % 100000}{secrets.token_hex(2)}"
-        prefix = f"ef{tag}"
+        token = secrets.token_hex(2)
+        prefix = f"ef{os.getpid() % 100000}{token}"
+        ns_prefix = f"{NS_PREFIX}-{os.getpid()}-{token}"
         subnet = f"10.213.{1 + secrets.randbelow(254)}"
-        net = cls(prefix=prefix, subnet=subnet, switch=f"{prefix}-sw")
+        net = cls(prefix=prefix, ns_prefix=ns_prefix, subnet=subnet, switch=f"{ns_prefix}-sw")
         try:
             net._add_ns(net.switch)
             ip("-n", net.switch, "link", "add", "br0", "type", "bridge")
@@ -122,7 +162,7 @@ class Network:
         ip("-n", ns, "link", "set", "lo", "up")
 
     def _add_node(self, name: str, index: int) -> None:
-        ns = f"{self.prefix}-{name}"
+        ns = f"{self.ns_prefix}-{name}"
         # Interface names are limited to 15 bytes; the prefix is at most 11.
         node = Node(
             name=name,
@@ -219,7 +259,7 @@ class Network:
         listed = ip("netns", "list", check=False).stdout
         for line in listed.splitlines():
             name = line.split()[0] if line.split() else ""
-            if name.startswith(self.prefix):
+            if name.startswith(self.ns_prefix):
                 left.append(f"namespace {name}")
         links = ip("-o", "link", "show", check=False).stdout
         left += [
@@ -271,12 +311,33 @@ class Network:
 
 
 @contextlib.contextmanager
+def teardown_on_sigterm() -> Iterator[None]:
+    """Turn SIGTERM (``timeout``, a CI runner cancelling) into KeyboardInterrupt
+    while namespaces exist, so that teardowns run instead of leaking them."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
 def network(names: Sequence[str]) -> Iterator[Network]:
     reason = unavailable_reason()
     if reason is not None:
         raise NetnsUnavailable(reason)
-    net = Network.create(names)
-    try:
-        yield net
-    finally:
-        net.close()
+    sweep_stale()
+    with teardown_on_sigterm():
+        net = Network.create(names)
+        try:
+            yield net
+        finally:
+            net.close()

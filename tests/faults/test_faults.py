@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from tests.faults.netns import Network, unavailable_reason
+from tests.faults.netns import Network, sweep_stale, teardown_on_sigterm, unavailable_reason
 from tests.integration.elastic_harness import (
     ELASTRUN,
     SCRIPTS,
@@ -247,6 +247,9 @@ def netns() -> Iterator[Callable[[list[str]], Network]]:
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(f"network namespaces unavailable: {reason}")
+    swept = sweep_stale()
+    if swept:
+        print(f"removed namespaces left by a killed earlier run: {swept}")
     made: list[Network] = []
 
     def make(names: list[str]) -> Network:
@@ -254,9 +257,17 @@ def netns() -> Iterator[Callable[[list[str]], Network]]:
         made.append(net)
         return net
 
-    yield make
-    for net in made:
-        net.close()  # raises if a namespace, link or process is left
+    with teardown_on_sigterm():
+        try:
+            yield make
+        finally:
+            left = []
+            for net in made:
+                try:
+                    net.close()  # raises if a namespace, link or process is left
+                except AssertionError as e:
+                    left.append(str(e))
+            assert not left, left
 
 
 # -- 0. the fixture itself ------------------------------------------------------------------

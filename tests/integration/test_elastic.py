@@ -9,6 +9,7 @@ finishes with every checkpointed step kept and no worker left alive.
 from __future__ import annotations
 
 import json
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,30 @@ def test_crash_without_restarts_names_root_cause(tmp_path: Path) -> None:
         assert not any(pid_alive(s["pid"]) for s in j.steps())
 
 
+def test_every_node_prints_what_failed_when_workers_restart(tmp_path: Path) -> None:
+    """A worker crashes on one node: the other node's agent, whose workers were
+    fine, prints the same one-line reason (rank, host, exit code)."""
+    port = free_port()
+    with job(tmp_path) as j:
+        a = j.start_agent("a", c10d_flags(port, host=True, nnodes="2"))
+        b = j.start_agent("b", c10d_flags(port, host=False, nnodes="2"))
+        wait_for(lambda: any(s["world"] == 2 for s in j.steps()), BOUND, "training at world 2")
+        mark = len(j.steps())
+        j.touch("crash_rank_1")
+        wait_for(lambda: steps_after(j, mark, lambda s: s["restart"] == 1), BOUND, "restart 1")
+        j.touch("finish")
+        assert a.wait(BOUND) == 0, a.output()[-3000:]
+        assert b.wait(BOUND) == 0, b.output()[-3000:]
+    crashed = [x for x in (a, b) if "workers failed; restarting them" in x.output()]
+    assert len(crashed) == 1, [x.output()[-2000:] for x in (a, b)]
+    other = b if crashed[0] is a else a
+    line = (
+        f"elastrun: restarting workers (restart 1/3): rank 1 on {socket.gethostname()} "
+        "exited with code 1"
+    )
+    assert line in other.output(), other.output()[-3000:]
+
+
 @pytest.mark.parametrize("sig", ["SIGKILL"])
 def test_agent_kill_leaves_no_worker(tmp_path: Path, sig: str) -> None:
     port = free_port()
@@ -105,3 +130,35 @@ def test_agent_kill_leaves_no_worker(tmp_path: Path, sig: str) -> None:
         a.proc.kill()  # the agent alone, not its group: workers must follow it
         a.proc.wait(10)
         wait_for(lambda: not any(pid_alive(p) for p in pids), 5, "workers to die with the agent")
+
+
+def test_store_host_loss_is_reported_within_read_timeout(tmp_path: Path) -> None:
+    """The agent hosting the embedded store dies mid-training. The other agent
+    still has join_timeout=600 (only the first connection may take that long):
+    every later store request is bounded by read_timeout, so it exits non-zero
+    well within a minute, naming the store it lost, and leaves no worker."""
+    port = free_port()
+    conf = "last_call_timeout=1,lease_ttl=2,join_timeout=600,read_timeout=5"
+
+    def flags(host: bool) -> list[str]:
+        out = c10d_flags(port, host=host, nnodes="1:2")
+        return [f for f in out if not f.startswith("--rdzv-conf")] + [
+            f"--rdzv-conf={conf},is_host={int(host)}"
+        ]
+
+    with job(tmp_path) as j:
+        a = j.start_agent("a", flags(True))
+        b = j.start_agent("b", flags(False))
+        wait_for(lambda: any(s["world"] == 2 for s in j.steps()), BOUND, "training at world 2")
+        b_pids = {s["pid"] for s in j.steps() if s["world"] == 2 and s["group_rank"] == 1}
+        t = time.monotonic()
+        a.kill_group()
+        code = b.wait(45)
+        took = time.monotonic() - t
+        out = b.output()
+        print(f"store host killed: the other agent exited {code} after {took:.1f}s")
+        assert code != 0, out[-3000:]
+        assert f"127.0.0.1:{port}" in out, out[-3000:]
+        agent_lines = [ln for ln in out.splitlines() if not ln.startswith("[")]  # not workers'
+        assert not any(ln.startswith("Traceback") for ln in agent_lines), out[-3000:]
+        wait_for(lambda: not any(pid_alive(p) for p in b_pids), 10, "the other node's workers")

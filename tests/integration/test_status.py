@@ -130,6 +130,11 @@ def test_status_and_event_log_tell_the_job_story(tmp_path: Path) -> None:
         assert all(m["addr"] == "127.0.0.1" for m in s1["members"])
         assert (s1["restarts"], s1["max_restarts"], s1["last_failure"]) == (0, 3, None)
         assert (s1["min_nodes"], s1["max_nodes"]) == (1, 3)
+        # Round timing, for the operator (wall clock of the agents' host).
+        opened, closed = s1["round_opened_at"], s1["round_closed_at"]
+        assert isinstance(opened, float) and isinstance(closed, float), s1
+        assert opened <= closed <= time.time() + 1
+        assert isinstance(s1["state_for_s"], float) and s1["state_for_s"] >= 0
 
         # Follow the rest of the job with --watch (stops by itself when the job ends).
         watch_out = tmp_path / "watch.jsonl"
@@ -173,7 +178,9 @@ def test_status_and_event_log_tell_the_job_story(tmp_path: Path) -> None:
             # The readable table says the same.
             table = status("--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", RUN_ID)
             assert table.returncode == 0, table.stderr
-            assert "state     running" in table.stdout and "restarts  1 of 3" in table.stdout
+            assert "state     running for " in table.stdout, table.stdout
+            assert "restarts  1 of 3" in table.stdout
+            assert "(opened: restart_requested: rank 1 on " in table.stdout, table.stdout
             assert "last failure: rank 1" in table.stdout, table.stdout
 
             j.touch("finish")
@@ -238,10 +245,23 @@ def test_status_and_event_log_tell_the_job_story(tmp_path: Path) -> None:
     assert min(events.index(e) for e in finished) > restart
     exits = [e for e in events if e["kind"] == "agent_exited"]
     assert [e["exit_code"] for e in exits] == [0, 0, 0]
-    # One file per agent, each with its own node id throughout.
+    # One file per agent, each with its own node id throughout, and its own
+    # membership history: a round_joined for each round its workers ran in.
     for path in ev.values():
-        ids = {e.get("node_id") for e in read_events([path])} - {None}
+        mine = read_events([path])
+        ids = {e.get("node_id") for e in mine} - {None}
         assert len(ids) == 1, (path.name, ids)
+        joined = [e for e in mine if e["kind"] == "round_joined"]
+        started = [e for e in mine if e["kind"] == "workers_started"]
+        assert [e["round"] for e in joined] == [e["round"] for e in started], path.name
+        for jn, st in zip(joined, started, strict=True):
+            assert (jn["group_rank"], jn["world_size"]) == (st["group_rank"], st["world_size"])
+            assert jn["master"] == st["master"] and jn["members"] == jn["group_world_size"]
+    # c came while the group ran: it waited for the next round, then joined it.
+    c_events = read_events([ev["c"]])
+    waited = first_index(c_events, 0, lambda e: e["kind"] == "node_waiting", "c waiting")
+    assert "closed without this node" in c_events[waited]["reason"], c_events[waited]
+    first_index(c_events, waited, lambda e: e["kind"] == "round_joined", "c joining")
 
     # The same logs drawn as a self-contained HTML timeline.
     page = tmp_path / "timeline.html"
@@ -376,12 +396,14 @@ def test_status_reads_a_job_on_etcd() -> None:
         a = DynamicRendezvous(store, settings("ha"), node_id="a")
         b = DynamicRendezvous(store, settings("hb"), node_id="b")
         try:
-            await asyncio.wait_for(asyncio.gather(a.next_round(), b.next_round()), 30)
+            ra, rb = await asyncio.wait_for(asyncio.gather(a.next_round(), b.next_round()), 30)
             proc = await asyncio.to_thread(status, *base, "--rdzv-id", "j", "--json")
             assert proc.returncode == 0, proc.stderr
             s = json.loads(proc.stdout)
             assert s["state"] == "running" and s["round"] == 0
-            assert [(m["host"], m["group_rank"]) for m in s["members"]] == [("ha", 0), ("hb", 1)]
+            # Ranks follow join order, which the two concurrent joins decide.
+            ranks = sorted([("ha", ra.group_rank), ("hb", rb.group_rank)], key=lambda x: x[1])
+            assert [(m["host"], m["group_rank"]) for m in s["members"]] == ranks
             proc = await asyncio.to_thread(status, *base, "--rdzv-id", "nope")
             assert proc.returncode == 1
             assert f"no job 'nope' in the store at {cluster.endpoints}" in proc.stderr

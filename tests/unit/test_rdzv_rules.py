@@ -192,12 +192,12 @@ def test_member_of_a_superseded_round_returns_a_change() -> None:
     assert acts(m.handle(Event(Ev.ROUND_CLOSED, round=4))) == [Act.RETURN_CHANGE]
 
 
-def test_restart_counts_until_the_budget_is_spent() -> None:
+def test_failed_workers_always_reform_and_the_close_decides_the_charge() -> None:
     m = machine(State.MEMBER)
-    actions = m.handle(Event(Ev.WORKERS_FAILED, restarts=0))
-    assert actions[0].type is Act.OPEN_ROUND and actions[0].counts
-    actions = m.handle(Event(Ev.WORKERS_FAILED, restarts=1))
-    assert acts(actions) == [Act.FAIL_JOB]
+    for used in (0, 1, 5):  # even with the budget spent: a lost node may excuse it
+        actions = m.handle(Event(Ev.WORKERS_FAILED, restarts=used))
+        assert acts(actions) == [Act.OPEN_ROUND]
+        assert actions[0].counts and actions[0].reason == "restart_requested"
     assert m.handle(Event(Ev.ROUND_FAILED))[0].error == "budget"
     assert st(m) is State.FAILED
     assert m.handle(Event(Ev.NEXT_ROUND))[0].error == "budget"
@@ -263,3 +263,27 @@ def test_close_timeout_is_per_node_not_agreed() -> None:
     assert config_diff("j", a.agreed(), b.agreed()) is None
     # A job record written with close_timeout in it (older nodes) still agrees.
     assert config_diff("j", {**a.agreed(), "close_timeout": 60.0}, b.agreed()) is None
+
+
+@pytest.mark.parametrize(
+    ("rc", "hang"),
+    [(1, None), (-9, None), (0, "rank 2 made no progress for 30 s (last step 7)")],
+)
+def test_the_restart_reason_every_node_prints_is_the_failing_nodes_line(
+    rc: int, hang: str | None
+) -> None:
+    """The new round's detail, built from the failure record in the store, is
+    the line the failing node's agent prints (so every node prints the same)."""
+    from elastrun.agent.failures import WorkerFailure, describe_failure
+    from elastrun.rendezvous.records import describe_failure as describe_record
+
+    f = WorkerFailure(
+        rank=2, local_rank=0, host="host-a", pid=7, returncode=rc, exit_time=0.0,
+        exit_monotonic=0.0, hang=hang,
+    )  # fmt: skip
+    record = {"reason": "worker_failed", "host": "host-a", **f.to_json()}
+    assert describe_record(record) == describe_failure(f)
+    m = machine(State.MEMBER)
+    actions = m.handle(Event(Ev.WORKERS_FAILED, restarts=0, detail=describe_record(record)))
+    opened = [a for a in actions if a.type is Act.OPEN_ROUND]
+    assert [a.detail for a in opened] == [describe_failure(f)]

@@ -355,12 +355,22 @@ class Agent:
                 "job_failed", exit_code=1, reason="restarts_exhausted", failure=payload
             )
             return 1
+        root = next((f for f in failures if f.role == ROOT_CAUSE), None)
+        if result.restart_count >= result.max_restarts:
+            # The rendezvous decides when the next round closes: the job fails
+            # unless a node was lost (then this failure is collateral, not counted).
+            header = (
+                f"elastrun: workers failed and no restarts are left (max restarts "
+                f"{result.max_restarts}); re-forming: the job goes on only if a node was lost"
+            )
+            _say(format_summary(failures, header))
+            self._raise_pending()
+            return None
         header = (
             f"elastrun: workers failed; restarting them "
             f"(restart {result.restart_count + 1} of {result.max_restarts})"
         )
         _say(format_summary(failures, header))
-        root = next((f for f in failures if f.role == ROOT_CAUSE), None)
         _say(
             f"elastrun: restarting workers (restart {result.restart_count + 1}/"
             f"{result.max_restarts}): "

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["is_local_address", "route_addr", "run_async", "run_plan"]
 
 RESOLVE_TIMEOUT = 30.0
+DEFAULT_READ_TIMEOUT = 60.0  # --rdzv-conf read_timeout: each store request after the first
 WAITING_NOTICE_AFTER = 10.0
 SERVER_LINGER = 5.0  # how long a hosting agent keeps serving for peers still connected
 
@@ -183,14 +184,29 @@ async def _host_store(plan: Plan) -> tuple[StoreServer | None, tuple[str, int], 
 async def _open_store(plan: Plan, endpoint: str, me: str, note: str) -> Store:
     from elastrun.store.factory import open_store
 
+    # The first connection is retried up to join_timeout (agents may start
+    # before the store's host); each later request is bounded by read_timeout
+    # (never longer than join_timeout), so a store lost mid-job is reported
+    # within it (and the lease TTL), not after join_timeout.
     timeout = float(plan.conf.get("join_timeout", plan.conf.get("timeout", 600.0)))
+    read_timeout = float(plan.conf.get("read_timeout", DEFAULT_READ_TIMEOUT))
+    if read_timeout <= 0:
+        raise ConfigError(f"--rdzv-conf read_timeout must be > 0 seconds, got {read_timeout:g}")
+    read_timeout = min(read_timeout, timeout)
     conf: Mapping[str, str] = {
         k: str(v)
         for k, v in plan.conf.items()
         if k in ("cacert", "cert", "key", "user", "password", "key_prefix", "protocol")
     }
     task = asyncio.ensure_future(
-        open_store(plan.backend, endpoint, token=plan.token, conf=conf, timeout=timeout)
+        open_store(
+            plan.backend,
+            endpoint,
+            token=plan.token,
+            conf=conf,
+            timeout=timeout,
+            request_timeout=read_timeout,
+        )
     )
     try:
         done, _ = await asyncio.wait({task}, timeout=WAITING_NOTICE_AFTER)

@@ -74,12 +74,17 @@ class Executor:
         elif t is Act.WAIT:
             rec = {"node_id": node.node_id, "host": node.host, "round": a.round}
             await node.store.put(self._waiting_key, K.encode(rec), self.keeper.lease)
+            node.events.emit(
+                "node_waiting",
+                round=a.round,
+                node=node.node_id,
+                host=node.host,
+                reason=self._waiting_reason(a.round),
+            )
         elif t is Act.CLOSE_ROUND:
             await self._close_round(a)
         elif t is Act.OPEN_ROUND:
             await self._open_round(a)
-        elif t is Act.FAIL_JOB:
-            await self._fail_job(a)
         elif t is Act.PUT_DONE:
             await node.store.put(node.keys.done(a.round, node.node_id), K.encode({}))
         elif t is Act.MARK_FINISHED:
@@ -92,7 +97,19 @@ class Executor:
             # itself within lease_ttl and the others see the leave then.
             await self.keeper.stop(revoke=True, timeout=node.settings.close_timeout)
         elif t is Act.RETURN_RESULT:
-            return Outcome(result=await self._round_result(a.round))
+            result = await self._round_result(a.round)
+            node.events.emit(
+                "round_joined",
+                round=result.round,
+                node=node.node_id,
+                group_rank=result.group_rank,
+                group_world_size=result.group_world_size,
+                world_size=result.world_size,
+                members=len(result.members),
+                master=_addr_port(result.master_addr, result.master_port),
+                restart_count=result.restart_count,
+            )
+            return Outcome(result=result)
         elif t is Act.RETURN_CHANGE:
             return Outcome(change=R.round_change(self.observer.view.round, a.reason, a.detail))
         elif t is Act.RETURN:
@@ -147,7 +164,15 @@ class Executor:
             return
         order = sorted(view.joiners.values(), key=lambda kv: kv.create_revision)
         joiners = [K.decode(j.key, j.value) for j in order]
-        closed, result = R.close_records(view.round, joiners, node.settings.max_nodes, a.reason)
+        settings = node.settings
+        closed, result = R.close_records(
+            view.round,
+            joiners,
+            settings.max_nodes,
+            a.reason,
+            time.time(),
+            max_restarts=settings.max_restarts,
+        )
         members = result["members"]
         res = await node.store.txn(
             [Compare.unchanged(node.keys.round, kv.mod_revision)],
@@ -156,7 +181,9 @@ class Executor:
                 Put(node.keys.result(r), K.encode(result)),
             ],
         )
-        if res.succeeded:
+        if res.succeeded and closed["state"] == K.FAILED:
+            node.events.emit("job_failed", round=r, reason="restart budget exhausted")
+        elif res.succeeded:
             view.results[r] = K.decode("result", K.encode(result))
             node.events.emit(
                 "round_closed",
@@ -184,21 +211,19 @@ class Executor:
         kv, rec = found
         result = await self.observer.get_result(a.round)
         new = R.next_round_record(
-            rec, result, a.reason, a.detail, counts=a.counts, failure=self.failure
+            rec,
+            result,
+            a.reason,
+            a.detail,
+            counts=a.counts,
+            failure=self.failure,
+            opened_at=time.time(),
         )
         if await self._cas_round(kv, new):
             events, me = self.node.events, self.node.node_id
             if a.reason == "member_lost":
                 events.emit("node_lost", round=a.round, detail=a.detail, by=me)
             events.emit("round_opened", round=a.round + 1, reason=a.reason, detail=a.detail, by=me)
-
-    async def _fail_job(self, a: Action) -> None:
-        found = self._closed_round_kv(a.round)
-        if found is None:
-            return
-        kv, rec = found
-        if await self._cas_round(kv, {**rec, "state": K.FAILED, "last_failure": self.failure}):
-            self.node.events.emit("job_failed", round=a.round, reason="restart budget exhausted")
 
     async def _mark_finished(self, r: int) -> None:
         found = self._closed_round_kv(r)
@@ -207,6 +232,19 @@ class Executor:
         kv, rec = found
         if await self._cas_round(kv, {**rec, "state": K.FINISHED}):
             self.node.events.emit("job_finished", round=r)
+
+    def _waiting_reason(self, r: int) -> str:
+        """Why this node waits after round ``r`` closed without it."""
+        result = self.observer.view.results.get(r)
+        max_nodes = self.node.settings.max_nodes
+        if result is None:
+            return f"round {r} closed without this node"
+        n = len(result["members"])
+        if n >= max_nodes:
+            return f"round {r} is full ({n} of max {max_nodes} nodes); waiting for a free place"
+        return (
+            f"round {r} closed without this node ({n} of max {max_nodes} nodes); joining the next"
+        )
 
     async def _round_result(self, r: int) -> RoundResult:
         s = self.node.settings
@@ -223,7 +261,7 @@ class Executor:
             rec = obs.view.round or {}
             return RestartBudgetExhausted(
                 f"job {s.run_id!r} used its restart budget ({s.max_restarts} restarts, "
-                f"--max-restarts); last failure: {rec.get('last_failure')}"
+                f"--max-restarts); last failure: {R.describe_failure(rec.get('last_failure'))}"
             )
         await obs.note_joiners(r)
         joins = sorted(h for (jr, _), h in obs.joiner_hosts.items() if jr == r)
@@ -237,3 +275,7 @@ class Executor:
             f"{len(joins)} of min {s.min_nodes} nodes joined before "
             f"join_timeout={s.join_timeout:g}s: {', '.join(joins) or 'none'}"
         )
+
+
+def _addr_port(addr: str, port: int) -> str:
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"

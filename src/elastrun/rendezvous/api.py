@@ -164,11 +164,14 @@ class Rendezvous(abc.ABC):
 
     @abc.abstractmethod
     async def request_restart(self, failure: dict[str, Any]) -> None:
-        """This node's workers failed: open a new round, counting one restart
-        against the job-wide budget (at most once per round, whichever node
-        asks first). Raises RestartBudgetExhausted when the budget is spent;
-        ``failure`` (JSON-able: rank, host, exit code, reason, ...) is recorded
-        as the job's last failure."""
+        """This node's workers failed: open a new round (at most once per
+        round, whichever node asks first). The restart is charged against the
+        job-wide budget when that round closes with every previous member
+        back; if a member is gone, the failure was collateral of losing it and
+        is not counted. An overspent budget makes ``next_round`` raise
+        RestartBudgetExhausted (static rendezvous: raised here). ``failure``
+        (JSON-able: rank, host, exit code, reason, ...) becomes the job's last
+        failure when charged."""
 
     @abc.abstractmethod
     async def complete(self) -> None:

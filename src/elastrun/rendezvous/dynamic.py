@@ -122,10 +122,13 @@ class DynamicRendezvous(Rendezvous):
     async def request_restart(self, failure: dict[str, Any]) -> None:
         self._executor.failure = dict(failure)
         self.events.emit("restart_requested", node=self.node_id, failure=dict(failure))
+        # The new round's detail: what every member prints for this restart.
+        detail = R.describe_failure(failure)
 
         def workers_failed(view: View) -> Event:
             restarts = int((view.round or {}).get("restarts", 0))
-            return Event(Ev.WORKERS_FAILED, now=self.clock.monotonic(), restarts=restarts)
+            now = self.clock.monotonic()
+            return Event(Ev.WORKERS_FAILED, now=now, restarts=restarts, detail=detail)
 
         if self.rules.state is State.MEMBER:
             await self._run(None, workers_failed)
@@ -166,7 +169,8 @@ class DynamicRendezvous(Rendezvous):
         mismatch = R.config_diff(self.settings.run_id, job, mine)
         if mismatch is not None:
             message, diffs = mismatch
-            self.events.emit("config_mismatch", node=self.node_id, message=message)
+            fields = [f"{k}: job has {a!r}, this node has {b!r}" for k, (a, b) in diffs.items()]
+            self.events.emit("config_mismatch", node=self.node_id, message=message, fields=fields)
             raise ConfigMismatch(message, diffs)
 
     def _lease_lost(self, reason: str) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 from elastrun.errors import StoreError
@@ -88,7 +89,7 @@ class Phase:
 
     async def _create_first_round(self) -> None:
         node = self.node
-        if await node.store.create(node.keys.round, K.encode(R.first_round())):
+        if await node.store.create(node.keys.round, K.encode(R.first_round(time.time()))):
             node.events.emit("round_opened", round=0, reason="job_started", node=node.node_id)
 
     async def _read_nodes(self) -> None:

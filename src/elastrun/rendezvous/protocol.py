@@ -72,7 +72,6 @@ class Act(enum.Enum):
     WAIT = "wait"  # put waiting/me
     CLOSE_ROUND = "close_round"
     OPEN_ROUND = "open_round"  # CAS round: closed R -> open R+1
-    FAIL_JOB = "fail_job"  # CAS round: closed R -> failed
     PUT_DONE = "put_done"
     MARK_FINISHED = "mark_finished"
     ARM = "arm"

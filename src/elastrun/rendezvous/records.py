@@ -20,6 +20,7 @@ from elastrun.rendezvous.ranks import Candidate, assign_ranks
 __all__ = [
     "close_records",
     "config_diff",
+    "describe_failure",
     "first_round",
     "next_round_record",
     "pick_master_port",
@@ -76,7 +77,29 @@ def config_diff(
     return message, diffs
 
 
-def first_round() -> Record:
+def describe_failure(failure: Mapping[str, Any] | None) -> str:
+    """One line for a failure record (the agent's ``request_restart`` payload,
+    the round's ``last_failure``): ``rank 1 on host-a exited with code 1``,
+    ``rank 1 on host-a was killed by SIGKILL``, or the hang message. The same
+    words as :func:`elastrun.agent.failures.describe_failure`."""
+    if not failure:
+        return "workers failed on another node"
+    host = failure.get("host") or "?"
+    if failure.get("hang"):
+        return f"{failure['hang']} on {host}"
+    if failure.get("rank") is None:
+        return f"workers failed on {host}"
+    where = f"rank {failure['rank']} on {host}"
+    if failure.get("signal"):
+        return f"{where} was killed by {failure['signal']}"
+    if failure.get("exitcode") is not None:
+        return f"{where} exited with code {failure['exitcode']}"
+    return f"{where} failed"
+
+
+def first_round(opened_at: float) -> Record:
+    """Round 0. ``opened_at`` (wall clock, every ``*_at``) is for people
+    reading the records (``elastrun status``); no decision uses it."""
     return {
         "round": 0,
         "state": K.OPEN,
@@ -86,14 +109,29 @@ def first_round() -> Record:
         "reason": "job_started",
         "detail": "",
         "counts": False,
+        "opened_at": opened_at,
     }
 
 
 def close_records(
-    rnd: Record, joiners: Sequence[Record], max_nodes: int, reason: str
+    rnd: Record,
+    joiners: Sequence[Record],
+    max_nodes: int,
+    reason: str,
+    closed_at: float,
+    *,
+    max_restarts: int | None = None,
 ) -> tuple[Record, Record]:
     """(closed round record, result record) for open round ``rnd`` and its
-    joiners in join order: the first ``max_nodes`` become members."""
+    joiners in join order: the first ``max_nodes`` become members.
+
+    A restart is charged here, when the round it opened closes, not when a
+    node asks for it: a worker failure counts only if every member of the
+    previous round is back. If one is missing, the failure was collateral of
+    losing that node (its peers' collectives broke when it vanished, before
+    its lease expired), and a membership change is never counted (SPEC 1).
+    When the charge overspends ``max_restarts``, the record returned is the
+    job's FAILED record instead of a closed one."""
     records = list(joiners[:max_nodes])
     prev = {p["node_id"]: int(p["group_rank"]) for p in rnd.get("prev") or []}
     ranks = assign_ranks([Candidate(j["node_id"], j.get("rank_hint")) for j in records], prev)
@@ -109,15 +147,29 @@ def close_records(
         for j in records
     ]
     master = records[0]
+    member_ids = {m["node_id"] for m in members}
+    charged = bool(rnd.get("counts")) and prev.keys() <= member_ids
+    restarts = int(rnd.get("restarts", 0)) + (1 if charged else 0)
     result = {
         "round": rnd["round"],
         "members": members,
         "master_addr": master["addr"],
         "master_port": int(master["port"]),
-        "restarts": rnd.get("restarts", 0),
+        "restarts": restarts,
+        "charged": charged,
         "reason": reason,
+        "opened_at": rnd.get("opened_at"),
+        "closed_at": closed_at,
     }
-    closed = {**rnd, "state": K.CLOSED, "members": [m["node_id"] for m in members]}
+    closed = {
+        **rnd,
+        "state": K.CLOSED,
+        "members": [m["node_id"] for m in members],
+        "restarts": restarts,
+        "last_failure": rnd.get("pending_failure") if charged else rnd.get("last_failure"),
+    }
+    if max_restarts is not None and restarts > max_restarts:
+        closed = {**closed, "state": K.FAILED, "restarts": restarts - 1}
     return closed, result
 
 
@@ -129,19 +181,23 @@ def next_round_record(
     *,
     counts: bool,
     failure: Mapping[str, Any] | None,
+    opened_at: float,
 ) -> Record:
     """The record that opens round R+1 after closed round ``rnd`` (R)."""
     return {
         "round": int(rnd["round"]) + 1,
         "state": K.OPEN,
-        "restarts": int(rnd.get("restarts", 0)) + (1 if counts else 0),
-        "last_failure": dict(failure or {}) if counts else rnd.get("last_failure"),
+        # Charged when this round closes (see close_records), not now.
+        "restarts": int(rnd.get("restarts", 0)),
+        "last_failure": rnd.get("last_failure"),
+        "pending_failure": dict(failure or {}) if counts else None,
         "prev": [
             {"node_id": m["node_id"], "group_rank": m["group_rank"]} for m in result["members"]
         ],
         "reason": reason,
         "detail": detail,
         "counts": counts,
+        "opened_at": opened_at,
     }
 
 

@@ -68,8 +68,10 @@ MEMBER      ROUND_CLOSED      *newer R: IDLE: RETURN_CHANGE; else MEMBER
 MEMBER      ROUND_OPEN        IDLE: RETURN_CHANGE (someone opened R+1)
 MEMBER      MEMBER_LOST       MEMBER: OPEN_ROUND(member_lost)
 MEMBER      NODE_WAITING      MEMBER: OPEN_ROUND(node_waiting) *room
-MEMBER      WORKERS_FAILED    MEMBER: OPEN_ROUND(restart, counts) *budget left,
-                              else FAIL_JOB
+MEMBER      WORKERS_FAILED    MEMBER: OPEN_ROUND(restart, counts): the restart is
+                              charged when R+1 closes with every member of R back
+                              (else a lost node caused it: not counted); a charge
+                              past the budget closes R+1 as FAILED
 MEMBER      WORKERS_SUCCEEDED COMPLETING: PUT_DONE, ARM(barrier)
 MEMBER      ROUND_FINISHED    FINISHED: RAISE(closed)
 MEMBER      ROUND_FAILED      FAILED: RAISE(budget)
@@ -303,8 +305,9 @@ def _node_waiting(ctx: Context, ev: Event) -> Outcome:
 
 
 def _workers_failed(ctx: Context, ev: Event) -> Outcome:
-    if ev.restarts >= ctx.max_restarts:
-        return S.MEMBER, ctx, [Action(Act.FAIL_JOB, round=ctx.round, detail=ev.detail)]
+    # Always re-form, even with no budget left: whether the failure counts is
+    # decided when the next round closes (a lost node excuses it; see
+    # records.close_records), and an overspent budget fails the job then.
     act = Action(
         Act.OPEN_ROUND, round=ctx.round, reason="restart_requested", detail=ev.detail, counts=True
     )

@@ -174,6 +174,18 @@ def _fmt_time(ts: Any) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
 
+def fmt_duration(seconds: float) -> str:
+    """``12s``, ``3m04s``, ``2h05m``, ``3d04h``."""
+    n = int(max(0.0, seconds))
+    if n < 60:
+        return f"{n}s"
+    if n < 3600:
+        return f"{n // 60}m{n % 60:02d}s"
+    if n < 86400:
+        return f"{n // 3600}h{n % 3600 // 60:02d}m"
+    return f"{n // 86400}d{n % 86400 // 3600:02d}h"
+
+
 def _failure_line(f: dict[str, Any]) -> str:
     what = (
         f"signal {f['signal']}"
@@ -196,7 +208,9 @@ def render_table(s: dict[str, Any], where: str) -> str:
     why = f" (opened: {s['round_reason']}" if s.get("round_reason") else ""
     if why:
         why += f": {s['round_detail']})" if s.get("round_detail") else ")"
-    out.append(f"state     {s['state']}, round {rnd}{why}")
+    since = s.get("state_for_s")
+    for_ = f" for {fmt_duration(since)}" if isinstance(since, (int, float)) else ""
+    out.append(f"state     {s['state']}{for_}, round {rnd}{why}")
     budget = "?" if s["max_restarts"] is None else str(s["max_restarts"])
     out.append(f"restarts  {s['restarts']} of {budget}")
     out.append(
@@ -256,7 +270,8 @@ def _printer(args: argparse.Namespace, where: str) -> Callable[[dict[str, Any]],
 
 # ---------------------------------------------------------------- watching
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return {**a, "revision": 0} == {**b, "revision": 0}
+    # state_for_s grows with the clock: not a change of the job.
+    return {**a, "revision": 0, "state_for_s": 0} == {**b, "revision": 0, "state_for_s": 0}
 
 
 async def _watch(

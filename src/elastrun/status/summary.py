@@ -19,6 +19,7 @@ documented in docs/events.md.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from elastrun.errors import ProtocolError, StoreError
@@ -72,6 +73,11 @@ def job_state(rec: dict[str, Any] | None) -> str:
     raise ProtocolError(f"the job's round record has an unknown state {state!r}")
 
 
+def _wall(value: Any) -> float | None:
+    """A record's wall-clock time (absent in records of older nodes)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def _failure(raw: Any) -> dict[str, Any] | None:
     if not isinstance(raw, dict):
         return None
@@ -90,12 +96,18 @@ def summarize(
     nodes: dict[str, dict[str, Any]],
     waiting: dict[str, dict[str, Any]],
     revision: int,
+    now: float | None = None,
 ) -> dict[str, Any]:
-    """Pure: the records of one job -> its summary (stable keys)."""
+    """Pure: the records of one job -> its summary (stable keys). ``now``
+    (wall clock; default: the current time) dates ``state_for_s``."""
     settings = (config or {}).get("settings") or {}
     state = job_state(round_rec)
     rnd = int(round_rec["round"]) if round_rec is not None else None
     is_open = round_rec is not None and round_rec.get("state") == K.OPEN
+    opened_at = _wall(round_rec.get("opened_at")) if round_rec is not None else None
+    closed_at = _wall(result.get("closed_at")) if result is not None and not is_open else None
+    since = {"joining": opened_at, "restarting": opened_at, "running": closed_at}.get(state)
+    now = time.time() if now is None else now
     # The members shown: the current round's when it is closed, else the last
     # closed round's (the group that is being re-formed).
     shown = prev_result if is_open else result
@@ -131,6 +143,9 @@ def summarize(
         "round_state": round_rec.get("state") if round_rec is not None else None,
         "round_reason": round_rec.get("reason") if round_rec is not None else None,
         "round_detail": (round_rec.get("detail") or None) if round_rec is not None else None,
+        "round_opened_at": opened_at,
+        "round_closed_at": closed_at,
+        "state_for_s": None if since is None else round(max(0.0, now - since), 3),
         "members_round": int(shown["round"]) if shown is not None else None,
         "members": members,
         "world_size": sum(m["nproc"] for m in members),

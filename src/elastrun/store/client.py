@@ -199,6 +199,10 @@ class TcpStore(Store):
         await store._connected(store.clock.monotonic() + timeout)
         return store
 
+    def describe(self) -> str:
+        """For messages: which store (see :mod:`elastrun.store.keepalive`)."""
+        return f"the elastrun store at {self.address}"
+
     # -- connection ------------------------------------------------------------
     async def _connected(self, deadline: float) -> _Conn:
         if self._closed:
@@ -206,7 +210,16 @@ class TcpStore(Store):
         conn = self._conn
         if conn is not None and conn.alive:
             return conn
-        async with self._lock:
+        # Another task may be reconnecting (holding the lock): wait for it
+        # no longer than this request's own deadline.
+        try:
+            async with asyncio.timeout(max(0.0, remaining(deadline, self.clock))):
+                await self._lock.acquire()
+        except TimeoutError:
+            raise StoreUnavailable(
+                f"cannot reach the elastrun store at {self.address}: still reconnecting"
+            ) from None
+        try:
             conn = self._conn
             if conn is not None and conn.alive:
                 return conn
@@ -228,6 +241,8 @@ class TcpStore(Store):
             self._conn = conn
             conn.task = asyncio.get_running_loop().create_task(self._read_loop(conn))
             return conn
+        finally:
+            self._lock.release()
 
     async def _open(self, deadline: float) -> _Conn:
         left = remaining(deadline, self.clock)

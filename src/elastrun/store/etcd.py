@@ -98,16 +98,22 @@ def _int(data: Mapping[str, Any], name: str) -> int:
 
 
 async def open_etcd_store(
-    endpoint: str, *, conf: Mapping[str, str] | None = None, timeout: float = 30.0
+    endpoint: str,
+    *,
+    conf: Mapping[str, str] | None = None,
+    timeout: float = 30.0,
+    request_timeout: float | None = None,
 ) -> Store:
     """Connect (authenticating if ``user`` is set) and check that etcd answers.
 
-    ``timeout`` bounds this call and every later operation (each gets its own
-    deadline, spent failing over between endpoints). Raises ConfigError,
-    AuthenticationError or StoreUnavailable (naming the endpoints).
+    ``timeout`` bounds this call, and every later operation unless
+    ``request_timeout`` is given (each gets its own deadline, spent failing
+    over between endpoints). Raises ConfigError, AuthenticationError or
+    StoreUnavailable (naming the endpoints).
     """
-    if not (math.isfinite(timeout) and timeout > 0):
-        raise ConfigError(f"etcd timeout must be a positive number of seconds, got {timeout}")
+    for name, value in (("timeout", timeout), ("request timeout", request_timeout)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"etcd {name} must be a positive number of seconds, got {value}")
     settings = settings_from_conf(endpoint, conf or {})
     store = EtcdStore(settings, timeout=timeout)
     try:
@@ -115,6 +121,8 @@ async def open_etcd_store(
     except BaseException:
         await store.close()
         raise
+    if request_timeout is not None:
+        store.conn.set_timeout(request_timeout)
     return store
 
 

@@ -279,8 +279,7 @@ class EtcdConnection:
 
     def __init__(self, settings: EtcdSettings, *, timeout: float) -> None:
         self.settings = settings
-        self.timeout = timeout
-        self.attempt_timeout = min(MAX_ATTEMPT, max(MIN_ATTEMPT, timeout / 3))
+        self.set_timeout(timeout)
         self._scheme = "https" if settings.https else "http"
         transport = httpx.AsyncHTTPTransport(
             verify=_ssl_context(settings) if settings.https else False,
@@ -292,6 +291,11 @@ class EtcdConnection:
         self._current = 0
         self._token: str | None = None
         self._auth_lock = asyncio.Lock()
+
+    def set_timeout(self, timeout: float) -> None:
+        """Bound each later operation (failover included) by ``timeout`` s."""
+        self.timeout = timeout
+        self.attempt_timeout = min(MAX_ATTEMPT, max(MIN_ATTEMPT, timeout / 3))
 
     @property
     def endpoint(self) -> Endpoint:

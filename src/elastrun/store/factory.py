@@ -71,20 +71,34 @@ async def open_store(
     token: str | None = None,
     conf: Mapping[str, str] | None = None,
     timeout: float = 30.0,
+    request_timeout: float | None = None,
 ) -> Store:
-    """Open a connected store for ``backend`` at ``endpoint``."""
+    """Open a connected store for ``backend`` at ``endpoint``.
+
+    ``timeout`` bounds this first connection (retried: the store may still be
+    starting). ``request_timeout``, when given, bounds each later request,
+    reconnections included, so that a store lost mid-job is reported within
+    it; otherwise the backend's default (embedded store) or ``timeout`` (etcd)."""
     name = backend.strip().lower()
     if name in ("c10d", "tcp"):
         from elastrun.store.client import TcpStore
 
         host, port = parse_endpoint(endpoint, DEFAULT_PORT)
-        return await TcpStore.connect(host, port, token=token, timeout=timeout)
+        if request_timeout is None:
+            return await TcpStore.connect(host, port, token=token, timeout=timeout)
+        store = await TcpStore.connect(
+            host, port, token=token, timeout=timeout, request_timeout=request_timeout
+        )
+        store.connect_timeout = request_timeout  # reconnecting watches, from now on
+        return store
     if name == "memory":
         return MemoryStore()
     if name in ("etcd", "etcd-v2"):
         module = importlib.import_module("elastrun.store.etcd")
         opener = cast(Callable[..., Awaitable[Store]], module.open_etcd_store)
-        return await opener(endpoint, conf=dict(conf or {}), timeout=timeout)
+        return await opener(
+            endpoint, conf=dict(conf or {}), timeout=timeout, request_timeout=request_timeout
+        )
     raise ConfigError(
         f"unknown rendezvous backend {backend!r}; choose one of: c10d (or tcp), etcd, etcd-v2"
         ", static"

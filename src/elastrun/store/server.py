@@ -10,6 +10,12 @@ A connection that misbehaves is closed and nothing else is affected: a first
 frame that is not a valid hello (or none within ``hello_timeout``), a wrong or
 missing token, bytes that are not frames, a frame over the size limit, or a
 reader so slow that more than ``max_output_buffer`` bytes queue up for it.
+
+Responses are flow-controlled: while more than half of ``max_output_buffer``
+is queued for a connection, the server reads no further requests from it (a
+client with many large reads in flight waits; it is not "too slow"). Only
+watch events, which the client does not ask for one by one, can push a
+connection past the limit.
 """
 
 from __future__ import annotations
@@ -163,6 +169,10 @@ class _Connection(asyncio.Protocol):
         # size of a watch's history replay until the queue drains again.
         self.allowance = server.max_output_buffer
         self.replaying = False
+        # Set while the transport's buffer is above its high-water mark: no
+        # request is handled (and nothing read) until it drains.
+        self.write_paused = False
+        self.reading_paused = False
         self._hello_timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------
@@ -171,6 +181,8 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
         peer = transport.get_extra_info("peername")
         self.peer = _fmt(str(peer[0]), int(peer[1])) if peer else "?"
+        high = max(1, self.server.max_output_buffer // 2)
+        transport.set_write_buffer_limits(high=high, low=high // 4)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -192,7 +204,27 @@ class _Connection(asyncio.Protocol):
         if self.closing:
             return
         self.decoder.push(data)
+        self._handle_frames()
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.reading_paused and not self.closing and self.transport is not None:
+            self.reading_paused = False
+            self.transport.resume_reading()
+            self._handle_frames()
+
+    def _handle_frames(self) -> None:
         while self.transport is not None and not self.transport.is_closing():
+            if self.write_paused:
+                # Backpressure: the rest waits (in the decoder) until the
+                # client has read what is queued for it (resume_writing).
+                if not self.reading_paused:
+                    self.reading_paused = True
+                    self.transport.pause_reading()
+                return
             try:
                 frame = self.decoder.pop()
             except ProtocolError as exc:
