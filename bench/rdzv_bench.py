@@ -6,7 +6,9 @@ Starts ``elastrun store serve`` on loopback (``etcd``: a single-member etcd on
 loopback, from the ``etcd`` binary on PATH, with a temporary data dir), then
 ``--procs`` processes each running N/procs rendezvous handlers
 (``DynamicRendezvous``, min = max = N, so the round closes as soon as everyone
-joined: this measures the protocol, not the last call). The processes connect
+joined: this measures the protocol, not the last call). On the embedded store
+each handler has its own connection, as each real agent has (etcd: one client
+per process). The processes connect
 first; then all are told "go" at once, and each reports how long its handlers
 took from "go" to holding the round's result. The rendezvous time is the
 slowest handler's; the median over the repetitions is printed. Then every
@@ -45,17 +47,22 @@ async def _worker(host: str, port: int, spec: dict[str, object]) -> None:
     from elastrun.store.client import TcpStore
 
     n, count, first = int(spec["n"]), int(spec["count"]), int(spec["first"])  # type: ignore[call-overload]
-    store: Store
+    stores: list[Store]
     if spec.get("backend") == "etcd":
         from elastrun.store.etcd import open_etcd_store
 
         conf = {"key_prefix": f"/bench/{spec['run_id']}/"}
-        store = await open_etcd_store(f"{host}:{port}", conf=conf, timeout=60.0)
+        stores = [await open_etcd_store(f"{host}:{port}", conf=conf, timeout=60.0)] * count
     else:
-        store = await TcpStore.connect(host, port, timeout=30.0, request_timeout=60.0)
+        # One connection per simulated agent, as each real agent has its own:
+        # the store's per-connection output bound then applies per agent.
+        stores = [
+            await TcpStore.connect(host, port, timeout=30.0, request_timeout=60.0)
+            for _ in range(count)
+        ]
     handlers = [
         DynamicRendezvous(
-            store,
+            stores[i],
             RendezvousSettings(
                 run_id=str(spec["run_id"]),
                 min_nodes=n,
@@ -79,7 +86,8 @@ async def _worker(host: str, port: int, spec: dict[str, object]) -> None:
     await asyncio.gather(*(h.complete() for h in handlers))
     t_done = time.monotonic() - t1
     await asyncio.gather(*(h.shutdown() for h in handlers))
-    await store.close()
+    for store in {id(s): s for s in stores}.values():
+        await store.close()
     print(json.dumps({"round": t_round, "complete": t_done}), flush=True)
 
 

@@ -358,7 +358,9 @@ def test_summary_follows_an_in_process_rendezvous() -> None:
         failure = {"reason": "worker_failed", "host": "hb", "rank": 3, "exitcode": 1, "time": 1.5}
         await asyncio.wait_for(b.request_restart(failure), 30)
         s = await summary_where(store, lambda s: s["state"] == "restarting")
-        assert (s["round"], s["members_round"], s["restarts"]) == (1, 0, 1)
+        # Charged when round 1 closes with both members back, not before.
+        assert (s["round"], s["members_round"], s["restarts"]) == (1, 0, 0)
+        assert s["restart_pending"] is True
         assert s["round_reason"] == "restart_requested"
         assert s["last_failure"]["rank"] == 3 and s["last_failure"]["host"] == "hb"
         await asyncio.wait_for(b.shutdown(), 30)

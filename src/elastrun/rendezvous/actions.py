@@ -155,6 +155,7 @@ class Executor:
             ],
         )
         if res.succeeded:
+            self.observer.joined = (r, res.revision)
             node.events.emit("node_joined", round=r, node=node.node_id, host=node.host)
 
     async def _close_round(self, a: Action) -> None:

@@ -12,8 +12,9 @@ What each phase reads and watches:
 phase       reads, then watches
 =========== ================================================================
 seek        ``round`` (creating round 0 if absent)
-join        ``round``; the round's joins; the decider also the joins prefix
-            and ``nodes/``, the others only their predecessor's join key
+join        ``round``; the round's joins (a follower on the embedded store:
+            only its own and its predecessor's); the decider also the joins
+            prefix and ``nodes/``, the others only their predecessor's join key
 wait        ``round``, ``nodes/``
 member      ``round``, ``nodes/``, ``waiting/``
 complete    ``round``, ``nodes/``; the round's done keys (read only)
@@ -31,7 +32,7 @@ from elastrun.errors import StoreError
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import records as R
 from elastrun.rendezvous.rules import Ev, Event, Rules, State
-from elastrun.rendezvous.view import Node, Observer, read
+from elastrun.rendezvous.view import NewestReader, Node, Observer, read
 from elastrun.store.base import Watch
 
 __all__ = ["PHASES", "Inbox", "Phase", "phase_of"]
@@ -99,6 +100,28 @@ class Phase:
         view.nodes_loaded = True
         await self._watch("nodes", k.nodes, True, nrev)
 
+    async def _open_follower(self, r: int) -> bool:
+        """The join phase of a follower, reading only its predecessor's join
+        (O(1) bytes, where the store can: the embedded store): True if done.
+        False where the full join prefix must be read instead (the decider,
+        or this node's join is not the newest it finds: the general case)."""
+        obs, store, k = self.observer, self.node.store, self.node.keys
+        if obs.joined is None or obs.joined[0] != r or not isinstance(store, NewestReader):
+            return False
+        # My join key and the join created just before it, at one revision:
+        # the same predecessor the full read would find.
+        kvs, count, jrev = await store.get_prefix_newest(k.joins(r), obs.joined[1], 2)
+        ids = [K.node_id_of(kv.key) for kv in kvs]
+        if len(ids) < 2 or ids[0] != self.node.node_id:
+            return False
+        view = obs.view
+        view.joiners = {ids[0]: kvs[0]}
+        view.joined_count = count
+        obs.saw_joiners(r, kvs)
+        view.predecessor = ids[1]
+        await self._watch("pred", k.join(r, ids[1]), False, jrev)
+        return True
+
     async def open(self, phase: tuple[str, int]) -> list[Event]:
         """Read and watch what ``phase`` needs; return its initial events."""
         name, r = phase
@@ -111,7 +134,7 @@ class Phase:
         obs.set_round(kvs[0] if kvs else None)
         await self._watch("round", k.round, False, rev)
         rnd = int(view.round["round"]) if view.round else r
-        if name == "join":
+        if name == "join" and not await self._open_follower(r):
             joins, jrev = await read(store, k.joins(r), True)
             view.joiners = {K.node_id_of(kv.key): kv for kv in joins}
             obs.saw_joiners(r, joins)

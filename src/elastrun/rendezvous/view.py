@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from elastrun.clock import Clock
 from elastrun.errors import RendezvousError, StoreError
@@ -31,7 +31,7 @@ from elastrun.rendezvous.api import RendezvousSettings
 from elastrun.rendezvous.rules import Ev, Event, Rules
 from elastrun.store.base import Get, KeyValue, Store, WatchEvent
 
-__all__ = ["Node", "Observer", "View", "read"]
+__all__ = ["NewestReader", "Node", "Observer", "View", "read"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,19 @@ class View:
     done: set[str] = field(default_factory=set)
     predecessor: str | None = None
     decider: bool = False
+    # How many joined, where only a follower's predecessor was read (not
+    # every join): see Phase.open.
+    joined_count: int | None = None
+
+
+@runtime_checkable
+class NewestReader(Protocol):
+    """A store that reads a prefix's most recently created keys up to a
+    revision in one small request (the embedded store's client)."""
+
+    async def get_prefix_newest(
+        self, prefix: str, max_create_revision: int, limit: int = 1
+    ) -> tuple[list[KeyValue], int, int]: ...
 
 
 async def read(store: Store, key: str, prefix: bool) -> tuple[list[KeyValue], int]:
@@ -81,6 +94,8 @@ class Observer:
         self.resnap = False
         # Everyone seen joining, (round, node id) -> host: the join-timeout message.
         self.joiner_hosts: dict[tuple[int, str], str] = {}
+        # (round, store revision) of this node's last successful join.
+        self.joined: tuple[int, int] | None = None
 
     def new_view(self) -> View:
         """A fresh view for a new phase (round results are kept: immutable)."""
@@ -140,11 +155,12 @@ class Observer:
             and all(nid in view.joiners for nid in view.nodes)
             and not view.waiting
         )
+        count = len(view.joiners) if view.joined_count is None else view.joined_count
         return Event(
             Ev.JOINERS_CHANGED,
             now=self.node.clock.monotonic(),
             round=self.rules.ctx.round,
-            count=len(view.joiners),
+            count=count,
             decider=view.decider,
             all_joined=all_joined,
         )

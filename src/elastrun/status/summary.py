@@ -168,7 +168,12 @@ def summarize(
         "max_nodes": settings.get("max_nodes"),
         "restarts": int(round_rec.get("restarts", 0)) if round_rec is not None else 0,
         "max_restarts": settings.get("max_restarts"),
-        "last_failure": _failure(round_rec.get("last_failure")) if round_rec else None,
+        # A failure awaiting its charge (decided when the round it opened
+        # closes: see rendezvous.records.close_records) is the newest one.
+        "last_failure": _failure(round_rec.get("pending_failure") or round_rec.get("last_failure"))
+        if round_rec
+        else None,
+        "restart_pending": bool(round_rec and round_rec.get("pending_failure")),
         "revision": revision,
     }
 

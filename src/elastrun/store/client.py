@@ -148,8 +148,10 @@ class TcpWatch(Watch):
         self._queue.put_nowait(None)
         conn = self.conn
         if conn is not None and conn.alive:
-            with contextlib.suppress(StoreError):
-                await self._store._request("watch_cancel", timeout=2.0, watch=self.watch_id)
+            # Not waited for: events still in flight for this watch are dropped
+            # here (it is no longer registered), and a lost connection ends
+            # every watch of it on the server anyway.
+            self._store._post(conn, "watch_cancel", watch=self.watch_id)
 
 
 class TcpStore(Store):
@@ -426,6 +428,11 @@ class TcpStore(Store):
         message = error.get("message") if isinstance(error, dict) else None
         raise _ERRORS.get(str(code), StoreError)(str(message or f"{op} failed ({code})"))
 
+    def _post(self, conn: _Conn, op: str, **args: Any) -> None:
+        """Send a request whose answer nobody waits for (it is ignored)."""
+        with contextlib.suppress(OSError, ProtocolError, RuntimeError):
+            conn.writer.write(codec.encode_frame(codec.encode_request(next(self._ids), op, **args)))
+
     def _forget(self, watch: TcpWatch) -> None:
         self._watches.pop(watch.watch_id, None)
 
@@ -441,6 +448,28 @@ class TcpStore(Store):
         if not isinstance(raw, list):
             raise ProtocolError(f"malformed range response from {self.address}")
         return [codec.decode_kv(kv) for kv in raw], codec.expect_int(result, "revision")
+
+    async def get_prefix_newest(
+        self, prefix: str, max_create_revision: int, limit: int = 1
+    ) -> tuple[list[KeyValue], int, int]:
+        """Up to ``limit`` keys under ``prefix`` created at or before
+        ``max_create_revision``, the most recently created first; how many keys
+        are under ``prefix`` in all; and the store's revision of the read. One
+        request of O(limit) bytes (a server that predates the option answers
+        every key, and the selection is made here)."""
+        result = await self._request(
+            "range", key=prefix, max_create=max_create_revision, limit=limit
+        )
+        raw = result.get("kvs")
+        if not isinstance(raw, list):
+            raise ProtocolError(f"malformed range response from {self.address}")
+        kvs = [codec.decode_kv(kv) for kv in raw]
+        revision = codec.expect_int(result, "revision")
+        if "count" in result:
+            return kvs, codec.expect_int(result, "count"), revision
+        older = [kv for kv in kvs if kv.create_revision <= max_create_revision]
+        older.sort(key=lambda kv: kv.create_revision, reverse=True)
+        return (older[:limit] if limit else older), len(kvs), revision
 
     async def put(self, key: str, value: bytes, lease: int = NO_LEASE) -> int:
         result = await self._request("put", key=key, value=codec.b64(value), lease=lease)

@@ -377,6 +377,12 @@ def decode_request(obj: Mapping[str, Any]) -> Request:
         args["key"] = expect_str(obj, "key")
         if op == "delete":
             args["prefix"] = expect_bool(obj, "prefix", False)
+        if op == "range" and "max_create" in obj:
+            # Optional (a server that ignores it answers every key): up to
+            # ``limit`` keys created at or before ``max_create``, newest first,
+            # and the ``count`` of all keys under the prefix.
+            args["max_create"] = expect_int(obj, "max_create")
+            args["limit"] = expect_int(obj, "limit") if "limit" in obj else 0
     elif op == "put":
         args["key"] = expect_str(obj, "key")
         args["value"] = _unb64(obj, "value")

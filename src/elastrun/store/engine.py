@@ -47,6 +47,10 @@ class _Lease:
     keys: set[str] = field(default_factory=set)
 
 
+def _created(kv: KeyValue) -> int:
+    return kv.create_revision
+
+
 @dataclass
 class _Watcher:
     key: str
@@ -70,6 +74,10 @@ class Engine:
         # History of (revision, events); oldest revision still fully kept:
         self._history: deque[tuple[int, list[WatchEvent]]] = deque(maxlen=history)
         self._watchers: dict[int, _Watcher] = {}
+        # The same watchers indexed for publishing: by exact key, and by prefix
+        # (few distinct prefixes), so a write visits only the watchers it matches.
+        self._by_key: dict[str, dict[int, _Watcher]] = {}
+        self._by_prefix: dict[str, dict[int, _Watcher]] = {}
         self._watch_ids = itertools.count(1)
         self._lease_ids = itertools.count(secrets.randbelow(1 << 40) + 1)
 
@@ -88,6 +96,20 @@ class Engine:
                 break
             out.append(self._kv[k])
         return out
+
+    def range_newest(
+        self, prefix: str, max_create_revision: int, limit: int
+    ) -> tuple[list[KeyValue], int]:
+        """Up to ``limit`` keys under ``prefix`` created at or before
+        ``max_create_revision``, the most recently created first; and how
+        many keys are under ``prefix`` in all (etcd's range with sort by
+        create revision, ``max_create_revision`` and ``limit``)."""
+        kvs = self.range(prefix, prefix=True)
+        older = [kv for kv in kvs if kv.create_revision <= max_create_revision]
+        if limit == 1:  # the common case: one's predecessor (and oneself)
+            return ([max(older, key=_created)] if older else []), len(kvs)
+        older.sort(key=_created, reverse=True)
+        return (older[:limit] if limit else older), len(kvs)
 
     # -- writes --------------------------------------------------------------
     def put(self, key: str, value: bytes, lease: int = NO_LEASE) -> int:
@@ -183,18 +205,33 @@ class Engine:
                 raise RevisionCompacted(
                     f"revision {start_revision} is compacted; oldest kept is {oldest}"
                 )
-            for revision, events in self._history:
+            # Revisions ascend: walk back from the newest to start_revision
+            # (a watch usually starts just behind the store's revision).
+            since: list[list[WatchEvent]] = []
+            for revision, events in reversed(self._history):
                 if revision < start_revision:
-                    continue
+                    break
+                since.append(events)
+            for events in reversed(since):
                 matching = [e for e in events if watcher.matches(e.kv.key)]
                 if matching:
                     callback(matching)
         watch_id = next(self._watch_ids)
         self._watchers[watch_id] = watcher
+        index = self._by_prefix if prefix else self._by_key
+        index.setdefault(key, {})[watch_id] = watcher
         return watch_id
 
     def remove_watcher(self, watch_id: int) -> None:
-        self._watchers.pop(watch_id, None)
+        watcher = self._watchers.pop(watch_id, None)
+        if watcher is None:
+            return
+        index = self._by_prefix if watcher.prefix else self._by_key
+        group = index.get(watcher.key)
+        if group is not None:
+            group.pop(watch_id, None)
+            if not group:
+                del index[watcher.key]
 
     # -- internals -----------------------------------------------------------
     def _check_lease(self, lease: int) -> None:
@@ -225,7 +262,24 @@ class Engine:
 
     def _publish(self, events: list[WatchEvent]) -> None:
         self._history.append((self.revision, events))
-        for watcher in list(self._watchers.values()):
+        # Each matching watcher once, in registration order (as before), with
+        # this revision's events for its key or prefix.
+        hits: dict[int, _Watcher] = {}
+        for event in events:
+            key = event.kv.key
+            group = self._by_key.get(key)
+            if group:
+                hits.update(group)
+            for prefix, group in self._by_prefix.items():
+                if key.startswith(prefix):
+                    hits.update(group)
+        if not hits:
+            return
+        if len(events) == 1:
+            for _, watcher in sorted(hits.items()):
+                watcher.callback(events)
+            return
+        for _, watcher in sorted(hits.items()):
             matching = [e for e in events if watcher.matches(e.kv.key)]
             if matching:
                 watcher.callback(matching)

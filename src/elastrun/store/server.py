@@ -371,6 +371,10 @@ class _Connection(asyncio.Protocol):
             kv = engine.get(args["key"])
             return {"kv": None if kv is None else codec.encode_kv(kv), "revision": engine.revision}
         if op == "range":
+            if "max_create" in args:
+                kvs, count = engine.range_newest(args["key"], args["max_create"], args["limit"])
+                kvs_json = [codec.encode_kv(kv) for kv in kvs]
+                return {"kvs": kvs_json, "count": count, "revision": engine.revision}
             kvs = engine.range(args["key"], prefix=True)
             return {"kvs": [codec.encode_kv(kv) for kv in kvs], "revision": engine.revision}
         if op == "put":

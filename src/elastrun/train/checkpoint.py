@@ -45,7 +45,8 @@ __all__ = [
 
 LATEST = "latest"
 _NAME = re.compile(r"^ckpt-(\d{12,})\.pt$")
-_TMP = re.compile(r"^\.ckpt-.*\.(?P<host>[^.]+)\.(?P<pid>\d+)\.tmp$")
+# Temp files of interrupted saves: of a checkpoint, or of the ``latest`` pointer.
+_TMP = re.compile(r"^\.(?:ckpt-.*|latest)\.(?P<host>[^.]+)\.(?P<pid>\d+)\.tmp$")
 
 
 @dataclass(frozen=True, slots=True)
