@@ -12,7 +12,7 @@ import time
 import pytest
 
 from elastrun.errors import LeaseNotFound, StoreError
-from elastrun.store.base import Compare, Delete, Get, Put, Store, Watch, WatchEvent
+from elastrun.store.base import Compare, Delete, Get, KeyValue, Put, Store, Watch, WatchEvent
 from tests.store.conftest import ClientFactory, StoreHarness
 
 
@@ -283,5 +283,126 @@ def test_invalid_lease_ttl_is_a_store_error(make_store: StoreHarness) -> None:
         s = await new()
         with pytest.raises(StoreError):
             await s.lease_grant(-1)
+
+    make_store.run(body)
+
+
+# -- get_prefix_newest: the newest keys created up to a revision ----------------
+def test_newest_selects_by_create_revision_newest_first(make_store: StoreHarness) -> None:
+    p = make_store.prefix
+
+    async def body(new: ClientFactory) -> None:
+        s = await new()
+        j = p + "j/"
+        order = ["n3", "n1", "n4", "n0", "n2"]  # creation order, not key order
+        created = {name: await s.put(j + name, b"x") for name in order}
+        revs = [created[name] for name in order]
+        # Neighbours outside the prefix, and a rewrite (its create revision stays).
+        await s.put(p + "j", b"")
+        await s.put(p + "jx/n9", b"")
+        last = await s.put(j + "n3", b"rewritten")
+
+        def names(kvs: list[KeyValue]) -> list[str]:
+            assert all(kv.key.startswith(j) for kv in kvs)
+            return [kv.key[len(j) :] for kv in kvs]
+
+        kvs, count, rev = await s.get_prefix_newest(j, revs[3], 2)
+        assert (names(kvs), count) == (["n0", "n4"], 5)
+        assert rev >= last
+        assert [kv.create_revision for kv in kvs] == [revs[3], revs[2]]
+        assert kvs[0] == await s.get(j + "n0")  # whole key-values, not just keys
+        # the default limit is 1: one's own key (or, with one less, its predecessor)
+        kvs, count, _ = await s.get_prefix_newest(j, revs[2])
+        assert (names(kvs), count) == (["n4"], 5)
+        kvs, _, _ = await s.get_prefix_newest(j, revs[2] - 1)
+        assert names(kvs) == ["n1"]
+        # a bound past every key: the newest of all
+        kvs, count, _ = await s.get_prefix_newest(j, last + 1000, 3)
+        assert (names(kvs), count) == (["n2", "n0", "n4"], 5)
+        # the rewritten key counts by its creation, and carries its new value
+        kvs, _, _ = await s.get_prefix_newest(j, revs[0], 1)
+        assert names(kvs) == ["n3"] and kvs[0].value == b"rewritten"
+        assert (kvs[0].create_revision, kvs[0].mod_revision) == (revs[0], last)
+
+    make_store.run(body)
+
+
+def test_newest_limit_and_bounds_edge_cases(make_store: StoreHarness) -> None:
+    p = make_store.prefix
+
+    async def body(new: ClientFactory) -> None:
+        s = await new()
+        j = p + "j/"
+        revs = [await s.put(j + name, b"") for name in ["c", "a", "b"]]
+        newest_first = [j + "b", j + "a", j + "c"]
+        # a limit larger than what there is: every selected key, no padding
+        kvs, count, _ = await s.get_prefix_newest(j, revs[1], 10)
+        assert ([kv.key for kv in kvs], count) == ([j + "a", j + "c"], 3)
+        kvs, count, _ = await s.get_prefix_newest(j, revs[2], 100)
+        assert ([kv.key for kv in kvs], count) == (newest_first, 3)
+        # limit 0: no limit
+        kvs, _, _ = await s.get_prefix_newest(j, revs[2], 0)
+        assert [kv.key for kv in kvs] == newest_first
+        # a bound below the first key (and 0): nothing, but the count of all
+        for bound in (revs[0] - 1, 0):
+            kvs, count, rev = await s.get_prefix_newest(j, bound, 2)
+            assert (kvs, count) == ([], 3)
+            assert rev >= revs[2]
+        # a prefix with no keys under it
+        kvs, count, rev = await s.get_prefix_newest(p + "none/", revs[2], 5)
+        assert (kvs, count) == ([], 0)
+        assert rev >= revs[2]
+        # the empty prefix (every key of the store): the bound picks my key
+        kvs, count, _ = await s.get_prefix_newest("", revs[1], 1)
+        assert [kv.key for kv in kvs] == [j + "a"]
+        assert count >= 3
+
+    make_store.run(body)
+
+
+def test_newest_sees_a_recreated_key_at_its_new_create_revision(
+    make_store: StoreHarness,
+) -> None:
+    p = make_store.prefix
+
+    async def body(new: ClientFactory) -> None:
+        s = await new()
+        j = p + "j/"
+        a1 = await s.put(j + "a", b"1")
+        b1 = await s.put(j + "b", b"1")
+        await s.delete(j + "a")
+        kvs, count, _ = await s.get_prefix_newest(j, b1 + 1000, 5)
+        assert ([kv.key for kv in kvs], count) == ([j + "b"], 1)
+        a2 = await s.put(j + "a", b"2")
+        assert a2 > b1 > a1
+        kvs, count, _ = await s.get_prefix_newest(j, a2, 5)
+        assert ([(kv.key, kv.create_revision) for kv in kvs], count) == (
+            [(j + "a", a2), (j + "b", b1)],
+            2,
+        )
+        # Its old creation is gone: up to b1, only b was created (and still is).
+        kvs, count, _ = await s.get_prefix_newest(j, b1, 5)
+        assert ([kv.key for kv in kvs], count) == ([j + "b"], 2)
+        kvs, _, _ = await s.get_prefix_newest(j, a1, 5)
+        assert kvs == []
+
+    make_store.run(body)
+
+
+def test_newest_orders_keys_of_one_txn_by_key(make_store: StoreHarness) -> None:
+    p = make_store.prefix
+
+    async def body(new: ClientFactory) -> None:
+        s = await new()
+        j = p + "j/"
+        first = await s.put(j + "z", b"")
+        res = await s.txn([], [Put(j + "c", b""), Put(j + "a", b""), Put(j + "b", b"")])
+        kvs, count, _ = await s.get_prefix_newest(j, res.revision, 0)
+        assert [kv.key for kv in kvs] == [j + "a", j + "b", j + "c", j + "z"]
+        assert [kv.create_revision for kv in kvs] == [res.revision] * 3 + [first]
+        assert count == 4
+        # (Which of them a limit keeps is unspecified: etcd's sort is unstable.)
+        kvs, _, _ = await s.get_prefix_newest(j, res.revision, 2)
+        assert len(kvs) == 2 and {kv.key for kv in kvs} <= {j + "a", j + "b", j + "c"}
 
     make_store.run(body)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from elastrun.clock import FakeClock
-from elastrun.errors import LeaseNotFound
+from elastrun.errors import LeaseNotFound, RevisionCompacted
 from elastrun.store.base import Compare, Delete, Get, Put, WatchEvent
 from elastrun.store.engine import Engine
 
@@ -71,3 +73,167 @@ def test_watch_replays_history_from_revision() -> None:
     e.add_watcher("a", False, 2, seen.extend)
     e.put("a", b"3")
     assert [ev.kv.value for ev in seen] == [b"2", b"3"]
+
+
+# -- the watcher index: a write reaches exactly the watchers it matches ---------
+def _keys(seen: list[WatchEvent]) -> list[str]:
+    return [ev.kv.key for ev in seen]
+
+
+def test_exact_watcher_ignores_siblings_and_prefix_watcher_sees_all_under_it() -> None:
+    e = Engine(FakeClock())
+    exact: list[WatchEvent] = []
+    under: list[WatchEvent] = []
+    e.add_watcher("a/b", False, None, exact.extend)
+    e.add_watcher("a/b", True, None, under.extend)
+    for key in ["a/bc", "a/b", "a/b/x", "a/c", "a", "b", "a/", "a/b"]:
+        e.put(key, b"v")
+    e.delete("a/b")
+    assert _keys(exact) == ["a/b", "a/b", "a/b"]
+    assert [ev.type for ev in exact] == ["put", "put", "delete"]
+    assert _keys(under) == ["a/bc", "a/b", "a/b/x", "a/b", "a/b"]
+
+
+def test_removed_watchers_see_nothing_and_leave_no_index_behind() -> None:
+    e = Engine(FakeClock())
+    one: list[WatchEvent] = []
+    two: list[WatchEvent] = []
+    pre: list[WatchEvent] = []
+    w1 = e.add_watcher("k", False, None, one.extend)
+    w2 = e.add_watcher("k", False, None, two.extend)
+    wp = e.add_watcher("k", True, None, pre.extend)
+    e.put("k", b"1")
+    e.remove_watcher(w1)
+    e.put("k", b"2")
+    assert [ev.kv.value for ev in one] == [b"1"]
+    assert [ev.kv.value for ev in two] == [b"1", b"2"]  # the other one on "k" stays
+    e.remove_watcher(w2)
+    e.remove_watcher(wp)
+    e.remove_watcher(wp)  # twice, and unknown ids: no-ops
+    e.remove_watcher(12345)
+    e.put("k", b"3")
+    e.put("k2", b"3")
+    assert len(one) == 1 and len(two) == 2 and len(pre) == 2
+    assert not e._watchers and not e._by_key and not e._by_prefix
+
+
+def test_many_watchers_each_get_only_their_events() -> None:
+    e = Engine(FakeClock())
+    n = 40
+    exact: dict[str, list[WatchEvent]] = {}
+    for i in range(n):
+        exact[f"k/{i}"] = []
+        e.add_watcher(f"k/{i}", False, None, exact[f"k/{i}"].extend)
+    prefixes: dict[str, list[WatchEvent]] = {p: [] for p in ["k/", "k/1", "k/2", "x/"]}
+    for p, seen in prefixes.items():
+        e.add_watcher(p, True, None, seen.extend)
+    for i in reversed(range(n)):
+        e.put(f"k/{i}", str(i).encode())
+    for key, seen in exact.items():
+        assert _keys(seen) == [key]
+        assert seen[0].kv.value == key[2:].encode()
+    written = [f"k/{i}" for i in reversed(range(n))]
+    assert _keys(prefixes["k/"]) == written
+    for p in ["k/1", "k/2"]:
+        assert _keys(prefixes[p]) == [k for k in written if k.startswith(p)]
+    assert prefixes["x/"] == []
+
+
+def test_a_multi_key_write_calls_each_watcher_once_with_its_events() -> None:
+    e = Engine(FakeClock())
+    calls: dict[str, list[list[str]]] = {"all": [], "k/1": [], "k/2": [], "other": []}
+
+    def recorder(name: str) -> Callable[[list[WatchEvent]], None]:
+        return lambda events: calls[name].append(_keys(events))
+
+    order: list[str] = []
+    e.add_watcher("k/", True, None, recorder("all"))
+    e.add_watcher("k/1", False, None, recorder("k/1"))
+    e.add_watcher("k/2", False, None, recorder("k/2"))
+    e.add_watcher("other", False, None, recorder("other"))
+    e.add_watcher("k/", True, None, lambda events: order.append("second prefix"))
+    e.add_watcher("k/1", False, None, lambda events: order.append("second exact"))
+    e.txn([], [Put("k/2", b""), Put("k/1", b""), Put("k/3", b"")], [])
+    assert calls == {
+        "all": [["k/2", "k/1", "k/3"]],
+        "k/1": [["k/1"]],
+        "k/2": [["k/2"]],
+        "other": [],
+    }
+    assert order == ["second prefix", "second exact"]  # registration order
+    e.delete("k/", prefix=True)
+    assert calls["all"][-1] == ["k/1", "k/2", "k/3"]
+    assert calls["k/1"][-1] == ["k/1"] and calls["k/2"][-1] == ["k/2"]
+
+
+# -- watch replay from history ------------------------------------------------
+def test_replay_from_the_middle_of_a_long_history_is_exact_and_ordered() -> None:
+    e = Engine(FakeClock(), history=5000)
+    for i in range(1200):
+        e.put(f"h/{i % 7}", str(i).encode())
+        if i % 100 == 99:
+            e.delete(f"h/{i % 7}")
+    assert e.revision == 1212
+    start = 600
+    replayed: list[WatchEvent] = []
+    e.add_watcher("h/", True, start, replayed.extend)  # delivered before it returns
+    assert [ev.kv.mod_revision for ev in replayed] == list(range(start, e.revision + 1))
+    assert replayed[0] == WatchEvent("put", e._history[start - 1][1][0].kv)
+    # then the live events follow, with nothing repeated
+    e.put("h/x", b"live")
+    assert replayed[-1].kv.key == "h/x" and replayed[-1].kv.mod_revision == 1213
+    assert len(replayed) == 1213 - start + 1
+    # an exact key's replay holds only that key's events
+    only: list[WatchEvent] = []
+    e.add_watcher("h/3", False, 1000, only.extend)
+    assert _keys(only) == ["h/3"] * len(only)
+    assert [ev.kv.mod_revision for ev in only] == [
+        ev.kv.mod_revision for ev in replayed if ev.kv.key == "h/3" and ev.kv.mod_revision >= 1000
+    ]
+    # from the store's next revision (or later): nothing in the past
+    later: list[WatchEvent] = []
+    e.add_watcher("h/", True, e.revision + 1, later.extend)
+    assert later == []
+
+
+def test_replay_of_trimmed_history_raises_revision_compacted() -> None:
+    e = Engine(FakeClock(), history=10)
+    for i in range(25):
+        e.put(f"t/{i}", b"")
+    # revisions 16..25 are kept
+    with pytest.raises(RevisionCompacted):
+        e.add_watcher("t/", True, 15, lambda events: None)
+    with pytest.raises(RevisionCompacted):
+        e.add_watcher("t/3", False, 1, lambda events: None)
+    assert not e._watchers  # a refused watch is not registered
+    seen: list[WatchEvent] = []
+    e.add_watcher("t/", True, 16, seen.extend)
+    assert [ev.kv.mod_revision for ev in seen] == list(range(16, 26))
+    # history not yet full: everything is still there, from revision 1
+    fresh = Engine(FakeClock(), history=10)
+    for i in range(9):
+        fresh.put("f", str(i).encode())
+    seen = []
+    fresh.add_watcher("f", False, 1, seen.extend)
+    assert [ev.kv.value for ev in seen] == [str(i).encode() for i in range(9)]
+
+
+# -- range_newest -----------------------------------------------------------------
+def test_range_newest_selects_by_create_revision_and_counts_all() -> None:
+    e = Engine(FakeClock())
+    for key in ["j/c", "j/a", "j/b", "jx"]:  # revisions 1..4
+        e.put(key, b"")
+    e.put("j/c", b"again")  # rewritten: still created at 1
+    e.txn([], [Put("j/e", b""), Put("j/d", b"")], [])  # both created at 6
+
+    def newest(max_create: int, limit: int) -> tuple[list[str], int]:
+        kvs, count = e.range_newest("j/", max_create, limit)
+        return [kv.key for kv in kvs], count
+
+    assert newest(3, 1) == (["j/b"], 5)
+    assert newest(2, 5) == (["j/a", "j/c"], 5)
+    assert newest(6, 0) == (["j/d", "j/e", "j/b", "j/a", "j/c"], 5)  # ties: key order
+    assert newest(6, 1) == (["j/d"], 5)
+    assert newest(6, -1) == newest(6, 0)  # limit <= 0: no limit, as in etcd
+    assert newest(0, 3) == ([], 5)
+    assert e.range_newest("nothing/", 10, 3) == ([], 0)

@@ -42,6 +42,7 @@ __all__ = [
     "TxnResult",
     "Watch",
     "WatchEvent",
+    "newest_created",
 ]
 
 NO_LEASE = 0
@@ -145,6 +146,23 @@ class TxnResult:
     gets: list[list[KeyValue]] = field(default_factory=list)
 
 
+def newest_created(kvs: Sequence[KeyValue], max_create_revision: int, limit: int) -> list[KeyValue]:
+    """The keys of ``kvs`` created at or before ``max_create_revision``, the
+    most recently created first (keys created by one txn, which share a create
+    revision, in key order), at most ``limit`` of them (``limit <= 0``: all,
+    as in etcd). What :meth:`Store.get_prefix_newest` selects; on etcd, which
+    keys of one create revision a limit cuts off is unspecified."""
+    older = [kv for kv in kvs if kv.create_revision <= max_create_revision]
+    if limit == 1:  # the common case; max() keeps the first of equals
+        return [max(older, key=_created)] if older else []
+    older.sort(key=_created, reverse=True)  # stable: ties stay in key order
+    return older[:limit] if limit > 0 else older
+
+
+def _created(kv: KeyValue) -> int:
+    return kv.create_revision
+
+
 class Watch(abc.ABC):
     """An open watch: iterate it for events; close it when done.
 
@@ -182,6 +200,20 @@ class Store(abc.ABC):
         """All keys starting with ``prefix`` (sorted by key), and the store's
         revision at the time of the read (watch from ``revision + 1`` to see
         every later change)."""
+
+    async def get_prefix_newest(
+        self, prefix: str, max_create_revision: int, limit: int = 1
+    ) -> tuple[list[KeyValue], int, int]:
+        """Up to ``limit`` keys under ``prefix`` created at or before
+        ``max_create_revision``, the most recently created first (see
+        :func:`newest_created`; ``limit <= 0``: no limit); how many keys are
+        under ``prefix`` in all; and the store's revision of the read.
+
+        This default reads the whole prefix; the embedded store's client and
+        etcd override it with one request that carries only the selected keys
+        (O(limit) bytes: a rendezvous joiner reads its predecessor with it)."""
+        kvs, revision = await self.get_prefix(prefix)
+        return newest_created(kvs, max_create_revision, limit), len(kvs), revision
 
     # -- writes --------------------------------------------------------------
     @abc.abstractmethod

@@ -3,7 +3,8 @@ TCP connection to a :class:`~elastrun.store.server.StoreServer`.
 
 * Requests are multiplexed by id; each has an absolute deadline
   (:class:`~elastrun.errors.StoreTimeout` when it passes).
-* Watches stream by watch id over the same connection.
+* Watches stream by watch id over the same connection
+  (:class:`~elastrun.store.client_watch.TcpWatch`).
 * When the connection is lost, the next request reconnects (retrying until its
   deadline) and open watches resume from the revision after the last one they
   delivered, so no event is missed or repeated. If the store restarted without
@@ -35,7 +36,17 @@ from elastrun.errors import (
     StoreUnavailable,
 )
 from elastrun.store import codec
-from elastrun.store.base import NO_LEASE, Compare, KeyValue, Op, Store, TxnResult, Watch, WatchEvent
+from elastrun.store.base import (
+    NO_LEASE,
+    Compare,
+    KeyValue,
+    Op,
+    Store,
+    TxnResult,
+    Watch,
+    newest_created,
+)
+from elastrun.store.client_watch import TcpWatch
 
 __all__ = ["TcpStore", "TcpWatch"]
 
@@ -73,85 +84,6 @@ class _Conn:
         self.task: asyncio.Task[None] | None = None
         self.alive = True
         self.reason = "connection closed by the store"
-
-
-class TcpWatch(Watch):
-    """A watch on a :class:`TcpStore`; survives reconnects (see module doc)."""
-
-    def __init__(self, store: TcpStore, watch_id: int, key: str, prefix: bool) -> None:
-        self._store = store
-        self.watch_id = watch_id
-        self.key = key
-        self.prefix = prefix
-        self._queue: asyncio.Queue[WatchEvent | BaseException | None] = asyncio.Queue()
-        self.closed = False
-        self.conn: _Conn | None = None  # the connection it is established on
-        self.next_revision: int | None = None  # resume point (first revision not yet seen)
-        self._partial_rev = 0  # a revision delivered only in part (split frames)
-        self._partial_count = 0
-        self._skip_rev = 0  # after resuming mid-revision: events already delivered
-        self._skip_count = 0
-
-    def resume_revision(self) -> int | None:
-        if self._partial_count:
-            self._skip_rev, self._skip_count = self._partial_rev, self._partial_count
-            self._partial_count = 0
-            return self._partial_rev
-        return self.next_revision
-
-    def established(self, conn: _Conn, revision: int) -> None:
-        # Every event up to ``revision`` was delivered (the server sends a
-        # watch's history before its response).
-        self.conn = conn
-        self.next_revision = max(self.next_revision or 0, revision + 1)
-
-    def deliver(self, events: list[WatchEvent], partial: bool) -> None:
-        if self.closed:
-            return
-        for event in events:
-            rev = event.kv.mod_revision
-            if self._skip_count and rev == self._skip_rev:
-                self._skip_count -= 1
-                continue
-            if self.next_revision is not None and rev < self.next_revision:
-                continue  # already delivered before a reconnect
-            self._queue.put_nowait(event)
-            if partial:
-                if rev != self._partial_rev:
-                    self._partial_rev, self._partial_count = rev, 0
-                self._partial_count += 1
-        if events and not partial:
-            self.next_revision = events[-1].kv.mod_revision + 1
-            self._partial_count = 0
-            self._skip_count = 0
-
-    def fail(self, exc: BaseException) -> None:
-        if not self.closed:
-            self.closed = True
-            self._store._forget(self)
-            self._queue.put_nowait(exc)
-
-    async def __anext__(self) -> WatchEvent:
-        item = await self._queue.get()
-        if isinstance(item, WatchEvent):
-            return item
-        self._queue.put_nowait(item)  # keep ending (or failing) for later calls
-        if item is None:
-            raise StopAsyncIteration
-        raise item
-
-    async def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self._store._forget(self)
-        self._queue.put_nowait(None)
-        conn = self.conn
-        if conn is not None and conn.alive:
-            # Not waited for: events still in flight for this watch are dropped
-            # here (it is no longer registered), and a lost connection ends
-            # every watch of it on the server anyway.
-            self._store._post(conn, "watch_cancel", watch=self.watch_id)
 
 
 class TcpStore(Store):
@@ -467,9 +399,7 @@ class TcpStore(Store):
         revision = codec.expect_int(result, "revision")
         if "count" in result:
             return kvs, codec.expect_int(result, "count"), revision
-        older = [kv for kv in kvs if kv.create_revision <= max_create_revision]
-        older.sort(key=lambda kv: kv.create_revision, reverse=True)
-        return (older[:limit] if limit else older), len(kvs), revision
+        return newest_created(kvs, max_create_revision, limit), len(kvs), revision
 
     async def put(self, key: str, value: bytes, lease: int = NO_LEASE) -> int:
         result = await self._request("put", key=key, value=codec.b64(value), lease=lease)

@@ -30,6 +30,7 @@ from elastrun.store.base import (
     Put,
     TxnResult,
     WatchEvent,
+    newest_created,
 )
 
 __all__ = ["Engine", "WatchCallback"]
@@ -45,10 +46,6 @@ class _Lease:
     ttl: float
     deadline: float
     keys: set[str] = field(default_factory=set)
-
-
-def _created(kv: KeyValue) -> int:
-    return kv.create_revision
 
 
 @dataclass
@@ -103,13 +100,10 @@ class Engine:
         """Up to ``limit`` keys under ``prefix`` created at or before
         ``max_create_revision``, the most recently created first; and how
         many keys are under ``prefix`` in all (etcd's range with sort by
-        create revision, ``max_create_revision`` and ``limit``)."""
+        create revision, ``max_create_revision`` and ``limit``; ``limit <= 0``:
+        no limit)."""
         kvs = self.range(prefix, prefix=True)
-        older = [kv for kv in kvs if kv.create_revision <= max_create_revision]
-        if limit == 1:  # the common case: one's predecessor (and oneself)
-            return ([max(older, key=_created)] if older else []), len(kvs)
-        older.sort(key=_created, reverse=True)
-        return (older[:limit] if limit else older), len(kvs)
+        return newest_created(kvs, max_create_revision, limit), len(kvs)
 
     # -- writes --------------------------------------------------------------
     def put(self, key: str, value: bytes, lease: int = NO_LEASE) -> int:

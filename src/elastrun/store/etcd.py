@@ -213,6 +213,31 @@ class EtcdStore(Store):
         data = await self._call("kv/range", self._range(prefix, True))
         return self._kvs(data), _int(data.get("header", {}), "revision")
 
+    async def get_prefix_newest(
+        self, prefix: str, max_create_revision: int, limit: int = 1
+    ) -> tuple[list[KeyValue], int, int]:
+        """One range request that etcd answers with only the selected keys:
+        sorted by create revision, newest first, filtered by
+        ``max_create_revision`` and cut to ``limit``; its ``count`` is every
+        key under the prefix (etcd counts before it filters)."""
+        body = self._range(prefix, True)
+        if max_create_revision <= 0:
+            # etcd reads max_create_revision 0 as "no bound"; none is that old.
+            data = await self._call("kv/range", {**body, "count_only": True})
+            return [], _int(data, "count"), _int(data.get("header", {}), "revision")
+        body |= {
+            "sort_target": "CREATE",
+            "sort_order": "DESCEND",
+            "max_create_revision": str(max_create_revision),
+        }
+        if limit > 0:
+            body["limit"] = str(limit)
+        data = await self._call("kv/range", body)
+        # etcd's sort is not stable: keys created by one txn (one create
+        # revision) come back in key order, as from the other stores.
+        kvs = sorted(self._kvs(data), key=lambda kv: (-kv.create_revision, kv.key))
+        return kvs, _int(data, "count"), _int(data.get("header", {}), "revision")
+
     # -- writes --------------------------------------------------------------
     async def put(self, key: str, value: bytes, lease: int = NO_LEASE) -> int:
         body: Json = {"key": _b64(self._key(key)), "value": _b64(value)}

@@ -99,6 +99,13 @@ class MemoryStore(Store):
         engine = self._check()
         return engine.range(prefix, prefix=True), engine.revision
 
+    async def get_prefix_newest(
+        self, prefix: str, max_create_revision: int, limit: int = 1
+    ) -> tuple[list[KeyValue], int, int]:
+        engine = self._check()
+        kvs, count = engine.range_newest(prefix, max_create_revision, limit)
+        return kvs, count, engine.revision
+
     async def put(self, key: str, value: bytes, lease: int = NO_LEASE) -> int:
         return self._check().put(key, value, lease)
 
