@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="comma-separated groups: " + ",".join(scenarios.GROUPS) + " (default: all)",
     )
-    p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; quick 1)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions (default 2; quick 1)")
     p.add_argument(
         "--launchers",
         default=None,
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, _terminate)
     args = parse_args(argv)
     settings = scenarios.Settings.quick_settings() if args.quick else scenarios.Settings()
-    reps = args.reps if args.reps is not None else (1 if args.quick else 3)
+    reps = args.reps if args.reps is not None else (1 if args.quick else 2)
     if args.scenarios:
         groups = [g.strip() for g in args.scenarios.split(",") if g.strip()]
     else:
