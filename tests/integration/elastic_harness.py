@@ -123,3 +123,63 @@ def job(tmp_path: Path) -> Iterator[Job]:
         yield j
     finally:
         j.cleanup()
+
+
+BOUND = 90.0  # generous: a loaded 2-core machine
+
+
+def steps_after(
+    j: Job, t0_index: int, pred: Callable[[dict[str, Any]], bool]
+) -> list[dict[str, Any]]:
+    return [s for s in j.steps()[t0_index:] if pred(s)]
+
+
+def check_finished(j: Job, tmp_path: Path, *agents: Agent) -> list[int]:
+    """Finish the job: every agent exits 0, no step redone, the checkpoint
+    holds the last step, no worker left alive. Returns rank 0's steps."""
+    j.touch("finish")
+    for agent in agents:
+        assert agent.wait(BOUND) == 0, agent.output()[-3000:]
+    rank0 = [s["step"] for s in j.steps() if s["rank"] == 0]
+    assert rank0 == sorted(rank0) and len(set(rank0)) == len(rank0), "a step was redone"
+    ckpt = json.loads((tmp_path / "ckpt.json").read_text())["step"]
+    assert ckpt == rank0[-1]
+    assert not any(pid_alive(s["pid"]) for s in j.steps())
+    return rank0
+
+
+def join_loss_and_crash(
+    j: Job, tmp_path: Path, flags: Callable[[str], list[str]], label: str = ""
+) -> None:
+    """The elastic scenario: agents a and b train; c joins (world 3); c is
+    SIGKILLed with its workers (world 2 again); a worker crash consumes one
+    restart; the job finishes. ``flags(name)`` gives each agent's flags."""
+    a = j.start_agent("a", flags("a"))
+    b = j.start_agent("b", flags("b"))
+    wait_for(lambda: any(s["world"] == 2 for s in j.steps()), BOUND, "training at world 2")
+
+    mark = len(j.steps())
+    t = time.monotonic()
+    c = j.start_agent("c", flags("c"))
+    wait_for(lambda: steps_after(j, mark, lambda s: s["world"] == 3), BOUND, "world 3")
+    print(f"{label}scale-up: world 3 after {time.monotonic() - t:.1f}s")
+
+    c_pids = {s["pid"] for s in j.steps() if s["world"] == 3 and s["group_rank"] == 2}
+    mark = len(j.steps())
+    t = time.monotonic()
+    c.kill_group()
+    wait_for(lambda: steps_after(j, mark, lambda s: s["world"] == 2), BOUND, "world 2 again")
+    print(f"{label}node loss: world 2 after {time.monotonic() - t:.1f}s")
+    assert not any(pid_alive(p) for p in c_pids), "the killed node's workers survived"
+
+    restarts_before = max(s["restart"] for s in j.steps())
+    mark = len(j.steps())
+    j.touch("crash_rank_1")
+    wait_for(
+        lambda: steps_after(j, mark, lambda s: s["restart"] > restarts_before),
+        BOUND,
+        "training after the worker crash",
+    )
+    check_finished(j, tmp_path, a, b)
+    # Only the crash counted as a restart; the join and the loss did not.
+    assert max(s["restart"] for s in j.steps()) == restarts_before + 1

@@ -8,17 +8,21 @@ finishes with every checkpointed step kept and no worker left alive.
 
 from __future__ import annotations
 
-import json
 import socket
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.integration.elastic_harness import Job, free_port, job, pid_alive, wait_for
-
-BOUND = 90.0  # generous: a loaded 2-core machine
+from tests.integration.elastic_harness import (
+    BOUND,
+    free_port,
+    job,
+    join_loss_and_crash,
+    pid_alive,
+    steps_after,
+    wait_for,
+)
 
 
 def c10d_flags(port: int, *, host: bool, nnodes: str = "1:3", max_restarts: int = 3) -> list[str]:
@@ -34,50 +38,10 @@ def c10d_flags(port: int, *, host: bool, nnodes: str = "1:3", max_restarts: int 
     ]
 
 
-def steps_after(j: Job, t0_index: int, pred: Any) -> list[dict[str, Any]]:
-    return [s for s in j.steps()[t0_index:] if pred(s)]
-
-
 def test_join_loss_and_crash_on_embedded_store(tmp_path: Path) -> None:
     port = free_port()
     with job(tmp_path) as j:
-        a = j.start_agent("a", c10d_flags(port, host=True))
-        b = j.start_agent("b", c10d_flags(port, host=False))
-        wait_for(lambda: any(s["world"] == 2 for s in j.steps()), BOUND, "training at world 2")
-
-        mark = len(j.steps())
-        t = time.monotonic()
-        c = j.start_agent("c", c10d_flags(port, host=False))
-        wait_for(lambda: steps_after(j, mark, lambda s: s["world"] == 3), BOUND, "world 3")
-        print(f"scale-up: world 3 after {time.monotonic() - t:.1f}s")
-
-        c_pids = {s["pid"] for s in j.steps() if s["world"] == 3 and s["group_rank"] == 2}
-        mark = len(j.steps())
-        t = time.monotonic()
-        c.kill_group()
-        wait_for(lambda: steps_after(j, mark, lambda s: s["world"] == 2), BOUND, "world 2 again")
-        print(f"node loss: world 2 after {time.monotonic() - t:.1f}s")
-        assert not any(pid_alive(p) for p in c_pids), "the killed node's workers survived"
-
-        restarts_before = max(s["restart"] for s in j.steps())
-        mark = len(j.steps())
-        j.touch("crash_rank_1")
-        wait_for(
-            lambda: steps_after(j, mark, lambda s: s["restart"] > restarts_before),
-            BOUND,
-            "training after the worker crash",
-        )
-        j.touch("finish")
-        assert a.wait(BOUND) == 0, a.output()[-3000:]
-        assert b.wait(BOUND) == 0, b.output()[-3000:]
-
-        rank0 = [s["step"] for s in j.steps() if s["rank"] == 0]
-        assert rank0 == sorted(rank0) and len(set(rank0)) == len(rank0), "a step was redone"
-        ckpt = json.loads((tmp_path / "ckpt.json").read_text())["step"]
-        assert ckpt == rank0[-1]
-        # Only the crash counted as a restart; joins and losses did not.
-        assert max(s["restart"] for s in j.steps()) == restarts_before + 1
-        assert not any(pid_alive(s["pid"]) for s in j.steps())
+        join_loss_and_crash(j, tmp_path, lambda name: c10d_flags(port, host=name == "a"))
 
 
 def test_crash_without_restarts_names_root_cause(tmp_path: Path) -> None:

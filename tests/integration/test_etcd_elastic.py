@@ -13,7 +13,6 @@ real etcd members on loopback (SPEC 3 and 7, USER-PAIN 11).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import signal
@@ -23,13 +22,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.elastic_harness import Agent, Job, free_port, job, pid_alive, wait_for
-from tests.integration.test_elastic import steps_after
+from tests.integration.elastic_harness import (
+    BOUND,
+    check_finished,
+    free_port,
+    job,
+    join_loss_and_crash,
+    pid_alive,
+    steps_after,
+    wait_for,
+)
 from tests.store.etcd_fixture import EtcdCluster, gateway, requires_etcd, start_cluster
 
 pytestmark = [pytest.mark.etcd, requires_etcd]
 
-BOUND = 90.0  # generous: a loaded 2-core machine
 FAIL_BOUND = 90.0  # quorum loss -> agent exit
 
 
@@ -101,53 +107,13 @@ def remote_ports(pid: int) -> set[int]:
     return ports
 
 
-def check_finished(j: Job, tmp_path: Path, *agents: Agent) -> list[int]:
-    j.touch("finish")
-    for agent in agents:
-        assert agent.wait(BOUND) == 0, agent.output()[-3000:]
-    rank0 = [s["step"] for s in j.steps() if s["rank"] == 0]
-    assert rank0 == sorted(rank0) and len(set(rank0)) == len(rank0), "a step was redone"
-    ckpt = json.loads((tmp_path / "ckpt.json").read_text())["step"]
-    assert ckpt == rank0[-1]
-    assert not any(pid_alive(s["pid"]) for s in j.steps())
-    return rank0
-
-
 # -- the elastic scenario ---------------------------------------------------------------
 
 
 def test_join_loss_and_crash_on_etcd(tmp_path: Path, etcd1: EtcdCluster) -> None:
     flags = etcd_flags(etcd1.endpoints, run_id())
     with job(tmp_path) as j:
-        a = j.start_agent("a", flags)
-        b = j.start_agent("b", flags)
-        wait_for(lambda: any(s["world"] == 2 for s in j.steps()), BOUND, "training at world 2")
-
-        mark = len(j.steps())
-        t = time.monotonic()
-        c = j.start_agent("c", flags)
-        wait_for(lambda: steps_after(j, mark, lambda s: s["world"] == 3), BOUND, "world 3")
-        print(f"etcd scale-up: world 3 after {time.monotonic() - t:.1f}s")
-
-        c_pids = {s["pid"] for s in j.steps() if s["world"] == 3 and s["group_rank"] == 2}
-        mark = len(j.steps())
-        t = time.monotonic()
-        c.kill_group()
-        wait_for(lambda: steps_after(j, mark, lambda s: s["world"] == 2), BOUND, "world 2 again")
-        print(f"etcd node loss: world 2 after {time.monotonic() - t:.1f}s")
-        assert not any(pid_alive(p) for p in c_pids), "the killed node's workers survived"
-
-        restarts_before = max(s["restart"] for s in j.steps())
-        mark = len(j.steps())
-        j.touch("crash_rank_1")
-        wait_for(
-            lambda: steps_after(j, mark, lambda s: s["restart"] > restarts_before),
-            BOUND,
-            "training after the worker crash",
-        )
-        check_finished(j, tmp_path, a, b)
-        # Only the crash counted as a restart; the join and the loss did not.
-        assert max(s["restart"] for s in j.steps()) == restarts_before + 1
+        join_loss_and_crash(j, tmp_path, lambda name: flags, label="etcd ")
 
 
 def test_etcd_v2_name_runs_a_job(tmp_path: Path, etcd1: EtcdCluster) -> None:
