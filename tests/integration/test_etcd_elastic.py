@@ -32,7 +32,7 @@ from tests.integration.elastic_harness import (
     steps_after,
     wait_for,
 )
-from tests.store.etcd_fixture import EtcdCluster, gateway, requires_etcd, start_cluster
+from tests.store.etcd_fixture import EtcdCluster, enable_auth, requires_etcd, start_cluster
 
 pytestmark = [pytest.mark.etcd, requires_etcd]
 
@@ -192,11 +192,7 @@ def etcd_auth() -> Iterator[EtcdCluster]:
     """A member of its own with auth enabled: user root, password pw."""
     cluster = start_cluster(1)
     try:
-        url = cluster.url
-        gateway(url, "auth/role/add", {"name": "root"})
-        gateway(url, "auth/user/add", {"name": "root", "password": "pw"})
-        gateway(url, "auth/user/grant", {"user": "root", "role": "root"})
-        gateway(url, "auth/enable", {})
+        enable_auth(cluster)
         yield cluster
     finally:
         cluster.stop()

@@ -292,3 +292,12 @@ async def etcd_backend(request: pytest.FixtureRequest) -> AsyncIterator[ClientFa
         return await open_etcd_store(cluster.endpoints, conf={"key_prefix": prefix}, timeout=10.0)
 
     yield new_client
+
+
+def enable_auth(cluster: EtcdCluster, password: str = "pw") -> None:
+    """Turn on etcd auth through the gateway: user ``root`` with ``password``."""
+    url = cluster.url
+    gateway(url, "auth/role/add", {"name": "root"})
+    gateway(url, "auth/user/add", {"name": "root", "password": password})
+    gateway(url, "auth/user/grant", {"user": "root", "role": "root"})
+    gateway(url, "auth/enable", {})

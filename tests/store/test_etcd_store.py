@@ -21,6 +21,7 @@ from elastrun.errors import (
 from elastrun.store.base import Compare, Delete, Get, Put, Store, WatchEvent
 from tests.store.etcd_fixture import (
     EtcdCluster,
+    enable_auth,
     free_ports,
     gateway,
     requires_etcd,
@@ -227,11 +228,7 @@ def etcd_with_auth() -> Iterator[EtcdCluster]:
     """A member of its own with auth enabled: user root, password pw."""
     cluster = start_cluster(1)
     try:
-        url = cluster.url
-        gateway(url, "auth/role/add", {"name": "root"})
-        gateway(url, "auth/user/add", {"name": "root", "password": "pw"})
-        gateway(url, "auth/user/grant", {"user": "root", "role": "root"})
-        gateway(url, "auth/enable", {})
+        enable_auth(cluster)
         yield cluster
     finally:
         cluster.stop()
