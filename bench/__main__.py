@@ -22,16 +22,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from bench import report, scenarios
-from bench.harness import (
-    BENCH_DIR,
-    DEFAULT_CONFIGS,
-    BenchFailure,
-    LauncherConfig,
-    Run,
-    check_launcher,
-    physical_floor,
-)
+from bench import report, scenarios, simulated
+from bench.configs import DEFAULT_CONFIGS, LauncherConfig, check_launcher
+from bench.harness import Run, physical_floor
+from bench.paths import BENCH_DIR, BenchFailure
 from bench.report import RunResult
 
 
@@ -45,7 +39,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--scenarios",
         default=None,
-        help="comma-separated groups: " + ",".join(scenarios.GROUPS) + " (default: all)",
+        help="comma-separated groups: "
+        + ",".join(scenarios.GROUPS)
+        + " (default: all of these), or "
+        + ",".join(scenarios.EXTRA_GROUPS),
     )
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 2; quick 1)")
     p.add_argument(
@@ -119,7 +116,12 @@ def _terminate(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min"
+
+
 def main(argv: list[str] | None = None) -> int:
+    t_main = time.monotonic()
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _terminate)
     args = parse_args(argv)
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         groups = [g.strip() for g in args.scenarios.split(",") if g.strip()]
     else:
         groups = list(scenarios.QUICK_GROUPS if args.quick else scenarios.GROUPS)
-    unknown = [g for g in groups if g not in scenarios.GROUPS]
+    unknown = [g for g in groups if g not in scenarios.GROUPS + scenarios.EXTRA_GROUPS]
     if unknown:
         print(f"unknown scenario group(s): {', '.join(unknown)}", file=sys.stderr)
         return 2
@@ -153,12 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
         "python": platform.python_version(),
         "torch": _version("torch"),
-        "bounds": (
-            f"start {settings.start_timeout:.0f}s, disruption -> resumed "
-            f"{settings.phase_timeout:.0f}s, partition -> resumed "
-            f"{settings.partition_timeout:.0f}s, exit {settings.exit_timeout:.0f}s; "
-            f"a step every {settings.step_interval}s"
-        ),
+        "bounds": settings.bounds(),
         "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
     with ThreadPoolExecutor() as pool:  # each --help imports its launcher: in parallel
@@ -168,23 +165,33 @@ def main(argv: list[str] | None = None) -> int:
     for launcher, why in unavailable.items():
         if why:
             print(f"{launcher} is not usable, its runs count as failed: {why}")
-    print(f"results in {out_dir}")
+    run_sim = "rdzv_scale" in groups and not args.no_simulated and simulated.available()
+    estimated = {"startup": scenarios.STARTUP_EST_S, "floor": scenarios.FLOOR_EST_S * reps}
+    estimated.update(scenarios.estimate(selected, configs, reps))
+    if run_sim:
+        estimated["simulated_rdzv"] = scenarios.SIMULATED_EST_S * reps
+    header["estimated wall time"] = _minutes(sum(estimated.values()))
+    actual: dict[str, float] = {"startup": time.monotonic() - t_main, "floor": 0.0}
+    print(f"results in {out_dir}; estimated wall time {header['estimated wall time']}")
 
     results: list[RunResult] = []
     floor: list[dict[str, float]] = []
     extras: dict[str, Any] = {"notes": []}
     for rep in range(reps):
         print(f"repetition {rep + 1}/{reps}")
+        t_floor = time.monotonic()
         try:
             floor.append(physical_floor(out_dir / "runs" / f"floor-rep{rep}", 2, 60.0))
             print("  floor: " + " ".join(f"{k}={v:.2f}" for k, v in floor[-1].items()))
         except BenchFailure as exc:
             extras["floor_error"] = str(exc)
             print(f"  floor: FAILED ({exc})")
+        actual["floor"] += time.monotonic() - t_floor
         for sc in selected:
             for cfg in configs:
                 result = run_one(sc, cfg, rep, settings, out_dir, unavailable[cfg.launcher])
                 results.append(result)
+                actual[sc.group] = actual.get(sc.group, 0.0) + result.wall_s
                 print(_progress(result), flush=True)
                 extras["notes"] += [f"{sc.name} / {cfg.name} rep {rep}: {n}" for n in result.notes]
 
@@ -192,8 +199,17 @@ def main(argv: list[str] | None = None) -> int:
         why = scenarios.partition_status()
         extras["partition"] = why or "measured (see partition_2to3 above)"
     if "rdzv_scale" in groups and not args.no_simulated:
-        extras["simulated_rdzv"] = scenarios.simulated_rdzv(reps)
+        t_sim = time.monotonic()
+        extras["simulated_rdzv"] = simulated.simulated_rdzv(reps)
+        if run_sim:
+            actual["simulated_rdzv"] = time.monotonic() - t_sim
     header["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    total = time.monotonic() - t_main
+    header["wall time"] = f"{_minutes(total)} (estimated {header['estimated wall time']})"
+    runs_per_group: dict[str, int] = {}
+    for sc in selected:
+        runs_per_group[sc.group] = runs_per_group.get(sc.group, 0) + reps * len(configs)
+    extras["wall_time"] = report.wall_time(estimated, actual, runs_per_group, total)
 
     rows = report.summarize(selected, configs, results)
     text = report.markdown(selected, configs, rows, floor, extras, header)
@@ -202,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(text)
     print(f"written: {out_dir / 'results.md'}, {out_dir / 'results.json'}")
+    print(f"total wall time: {header['wall time']}")
     return 0
 
 

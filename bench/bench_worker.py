@@ -4,8 +4,9 @@ It writes one JSON line per event to the file named by ``$BENCH_EVENTS``
 (``O_APPEND`` writes of one short line each, so many processes can share the
 file). Times are wall-clock ``time.time()``: every process runs on one machine.
 
-Events (``ev``): ``start`` (first thing the process does, before importing
-torch), ``imported`` (torch imported), ``pg_ready`` (gloo process group up),
+Events (``ev``): ``start`` (first thing the script does, before importing
+torch; in a warm spare interpreter torch is imported already), ``imported``
+(torch imported), ``pg_ready`` (gloo process group up),
 ``step`` (after each step's all-reduce), ``exit``. Every event carries ``t``,
 ``pid``, ``rank``, ``local_rank``, ``world``, ``restart``
 (``$TORCHELASTIC_RESTART_COUNT``) and, for steps, ``step``.

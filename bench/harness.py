@@ -1,6 +1,6 @@
-"""Process plumbing for the benchmarks: launcher configurations, agents as
-subprocesses in their own process groups, the workers' event log, bounded
-waits, node kills and memory sampling.
+"""Process plumbing for the benchmarks: agents as subprocesses in their own
+process groups, the workers' event log, bounded waits (with detection of a
+run that is stuck), node kills and memory sampling.
 
 Every process the harness starts gets its own session; at the end of a run the
 harness kills each agent's process group and the process group of every
@@ -24,113 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO = BENCH_DIR.parent
-WORKER = BENCH_DIR / "bench_worker.py"
+from bench.paths import REPO, WORKER, BenchFailure
+
 POLL_S = 0.02
+# elastrun's warm spare workers (idle interpreters that imported torch) run
+# this script; their command line also names the worker script.
+SPARE_MARK = "elastrun/worker/_spare.py"
+SPARE_SETTLED_S = 1.0  # a spare whose peak RSS has not grown for this long is done
 
 Event = dict[str, Any]
-
-
-class BenchFailure(Exception):
-    """A measured run did not reach the state it waited for (timeout, early
-    exit, launcher unavailable). The harness records it as a failure."""
-
-
-# --------------------------------------------------------------------------- configs
-
-
-@dataclass(frozen=True)
-class LauncherConfig:
-    """One launcher at one set of settings, e.g. ``torchrun`` tuned."""
-
-    name: str
-    launcher: str  # "torchrun" or "elastrun"
-    tuned: bool
-    flags: tuple[str, ...] = ()
-    rdzv_conf: tuple[tuple[str, str], ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def base_command(self) -> list[str]:
-        module = "torch.distributed.run" if self.launcher == "torchrun" else "elastrun"
-        return [sys.executable, "-m", module]
-
-    def argv(self, flags: Sequence[str], rdzv_conf: Mapping[str, str] | None = None) -> list[str]:
-        """The full command line: launcher, scenario flags, this config's
-        flags and rendezvous settings, then the worker script."""
-        conf = dict(self.rdzv_conf)
-        conf.update(rdzv_conf or {})
-        argv = [*self.base_command, *flags, *self.flags]
-        if conf:
-            argv.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()))
-        return [*argv, str(WORKER)]
-
-    def describe(self) -> str:
-        parts = [" ".join(self.flags) or "(no extra flags)"]
-        if self.rdzv_conf:
-            parts.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in self.rdzv_conf))
-        else:
-            parts.append("rendezvous timeouts at the launcher's defaults")
-        if self.env:
-            parts.append("env " + " ".join(f"{k}={v}" for k, v in self.env))
-        return "; ".join(parts)
-
-
-TORCHRUN_DEFAULT = LauncherConfig("torchrun-default", "torchrun", tuned=False)
-ELASTRUN_DEFAULT = LauncherConfig("elastrun-default", "elastrun", tuned=False)
-# torchrun at its best on one machine: the shortest last call it accepts
-# (integer seconds), a 1 s keep-alive, the fastest monitor tick, and its own
-# (non-shared) TCP store for workers, without which restarts and scale-ups on
-# c10d hang or fail at torch 2.13.
-TORCHRUN_TUNED = LauncherConfig(
-    "torchrun-tuned",
-    "torchrun",
-    tuned=True,
-    flags=("--monitor-interval=0.1",),
-    rdzv_conf=(("last_call_timeout", "1"), ("keep_alive_interval", "1")),
-    env=(("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),),
-)
-ELASTRUN_TUNED = LauncherConfig(
-    "elastrun-tuned",
-    "elastrun",
-    tuned=True,
-    flags=("--monitor-interval=0.1",),
-    rdzv_conf=(("last_call_timeout", "1"), ("lease_ttl", "2")),
-)
-# Alternating A B A B within each repetition.
-DEFAULT_CONFIGS = (TORCHRUN_DEFAULT, ELASTRUN_DEFAULT, TORCHRUN_TUNED, ELASTRUN_TUNED)
-
-
-def counterpart(cfg: LauncherConfig, configs: Iterable[LauncherConfig]) -> LauncherConfig | None:
-    """The torchrun config an elastrun config is compared with (same tuning)."""
-    if cfg.launcher != "elastrun":
-        return None
-    for other in configs:
-        if other.launcher == "torchrun" and other.tuned == cfg.tuned:
-            return other
-    return None
-
-
-def check_launcher(cfg: LauncherConfig, timeout: float = 30.0) -> str | None:
-    """``None`` when ``<launcher> --help`` works, else why not (one line)."""
-    try:
-        proc = subprocess.run(
-            [*cfg.base_command, "--help"],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=REPO,
-            start_new_session=True,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return f"`{cfg.launcher} --help` did not answer within {timeout:.0f}s"
-    if proc.returncode == 0:
-        return None
-    lines = [ln for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()]
-    tail = lines[-1] if lines else ""
-    return f"`{cfg.launcher} --help` exited {proc.returncode}: {tail}"[:300]
 
 
 # --------------------------------------------------------------------------- processes
@@ -300,7 +202,9 @@ class Run:
             "PYTHONUNBUFFERED": "1",
             **worker_env,
         }
-        self.mem_pids: dict[int, int] = {}  # pid -> highest VmHWM (KiB) seen
+        self.mem_pids: dict[int, int] = {}  # agent + helpers: pid -> highest VmHWM (KiB)
+        self.spare_pids: dict[int, int] = {}  # warm spares: pid -> highest VmHWM (KiB)
+        self._spare_grew: dict[int, float] = {}  # pid -> when its VmHWM last grew
         self.mem_root: Agent | None = None
         self._mem_next = 0.0
 
@@ -370,10 +274,14 @@ class Run:
         predicate: Callable[[EventLog], Any],
         timeout: float,
         alive: Sequence[Agent] = (),
+        stall: float | None = None,
     ) -> Any:
-        """Poll until ``predicate(log)`` is truthy; fail on timeout or when an
-        agent in ``alive`` exits first."""
-        deadline = time.monotonic() + timeout
+        """Poll until ``predicate(log)`` is truthy; fail on timeout, when an
+        agent in ``alive`` exits first, or (``stall``) when no worker wrote an
+        event for ``stall`` seconds: the run is stuck."""
+        start = time.monotonic()
+        deadline = start + timeout
+        seen, last_event = len(self.log.events), start
         while True:
             self.log.poll()
             self._sample_memory()
@@ -386,7 +294,15 @@ class Run:
                         f"{agent.name} exited {agent.proc.returncode} while waiting for {what}"
                         + _tail(agent)
                     )
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if len(self.log.events) != seen:
+                seen, last_event = len(self.log.events), now
+            if stall is not None and now - last_event > stall:
+                raise BenchFailure(
+                    f"stuck: no worker event for {stall:.0f}s (bound) while waiting for {what}"
+                    f" ({now - start:.0f}s after it began)"
+                )
+            if now > deadline:
                 raise BenchFailure(f"timed out after {timeout:.0f}s waiting for {what}")
             time.sleep(POLL_S)
 
@@ -408,22 +324,63 @@ class Run:
         self.mem_root = agent
 
     def _sample_memory(self) -> None:
+        """Peak RSS of the tracked agent and its non-worker descendants;
+        warm spares (``SPARE_MARK`` in the command line, not yet a worker)
+        are kept apart in ``spare_pids``."""
         agent = self.mem_root
         if agent is None or agent.t_exit is not None or time.monotonic() < self._mem_next:
             return
-        self._mem_next = time.monotonic() + 0.1
+        now = time.monotonic()
+        self._mem_next = now + 0.1
         workers = {int(e["pid"]) for e in self.log.events if e.get("ev") == "start"}
+        for pid in workers & self.spare_pids.keys():  # a spare that became a worker
+            del self.spare_pids[pid]
+            self._spare_grew.pop(pid, None)
         for pid in [agent.pid, *descendants(agent.pid)]:
-            if pid in workers or (pid != agent.pid and _cmdline_has(pid, str(WORKER))):
+            if pid in workers:
                 continue
-            hwm = read_status_kib(pid, "VmHWM")
-            if hwm is not None:
-                self.mem_pids[pid] = max(hwm, self.mem_pids.get(pid, 0))
+            cmdline = _cmdline(pid) if pid != agent.pid else ""
+            if SPARE_MARK in cmdline:
+                hwm = read_status_kib(pid, "VmHWM")
+                if hwm is not None and hwm > self.spare_pids.get(pid, -1):
+                    self.spare_pids[pid] = hwm
+                    self._spare_grew[pid] = now
+            elif str(WORKER) not in cmdline:
+                hwm = read_status_kib(pid, "VmHWM")
+                if hwm is not None:
+                    self.mem_pids[pid] = max(hwm, self.mem_pids.get(pid, 0))
+
+    def spares_settled(self) -> bool:
+        """True when every live spare seen has torch loaded and its peak RSS
+        has stopped growing (vacuously true without spares)."""
+        now = time.monotonic()
+        for pid in self.spare_pids:
+            if not Path(f"/proc/{pid}").exists():
+                continue  # gone (discarded or reaped): its peak is final
+            if now - self._spare_grew.get(pid, now) < SPARE_SETTLED_S:
+                return False
+            if not _maps_have(pid, b"libtorch"):
+                return False
+        return True
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
+    except OSError:
+        return ""
 
 
 def _cmdline_has(pid: int, needle: str) -> bool:
+    return needle in _cmdline(pid)
+
+
+def _maps_have(pid: int, needle: bytes) -> bool:
+    """Whether a file mapped into the process has ``needle`` in its path."""
     try:
-        return needle in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        return needle in Path(f"/proc/{pid}/maps").read_bytes()
     except OSError:
         return False
 
@@ -470,85 +427,3 @@ def physical_floor(folder: Path, nproc: int, timeout: float) -> dict[str, float]
         }
     finally:
         run.cleanup()
-
-
-# --------------------------------------------------------------------------- network namespaces
-
-
-class NetnsLab:
-    """Three "nodes" in network namespaces of their own, joined by a bridge in
-    a fourth (hub) namespace; nothing is changed in the host's namespace.
-    Node ``i`` has address ``10.77.<lab>.<i+1>`` on its interface ``eth0``.
-    ``partition(i)`` takes node ``i``'s link to the bridge down: its packets
-    are dropped silently, as with a pulled cable (no reset, no FIN)."""
-
-    def __init__(self, nodes: int = 3) -> None:
-        self.tag = f"eb{os.getpid() % 100000}"
-        self.hub = f"{self.tag}-h"
-        self.nodes = [f"{self.tag}-n{i}" for i in range(nodes)]
-        self.subnet = 100 + os.getpid() % 100
-        self._created: list[str] = []
-
-    def addr(self, i: int) -> str:
-        return f"10.77.{self.subnet}.{i + 1}"
-
-    @staticmethod
-    def _ip(*args: str) -> None:
-        proc = subprocess.run(
-            ["ip", *args], capture_output=True, text=True, timeout=20, check=False
-        )
-        if proc.returncode != 0:
-            raise BenchFailure(f"`ip {' '.join(args)}` failed: {proc.stderr.strip()[:200]}")
-
-    def __enter__(self) -> NetnsLab:
-        try:
-            for ns in [self.hub, *self.nodes]:
-                self._ip("netns", "add", ns)
-                self._created.append(ns)
-                self._ip("-n", ns, "link", "set", "lo", "up")
-            self._ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
-            self._ip("-n", self.hub, "link", "set", "br0", "up")
-            for i, ns in enumerate(self.nodes):
-                port = f"v{i}"
-                self._ip(
-                    "-n", self.hub, "link", "add", port, "type", "veth",
-                    "peer", "name", "eth0", "netns", ns,
-                )  # fmt: skip
-                self._ip("-n", self.hub, "link", "set", port, "master", "br0", "up")
-                self._ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
-                self._ip("-n", ns, "link", "set", "eth0", "up")
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        for ns in reversed(self._created):
-            with contextlib.suppress(BenchFailure, subprocess.TimeoutExpired):
-                self._ip("netns", "del", ns)
-        self._created.clear()
-
-    def exec_prefix(self, i: int) -> list[str]:
-        return ["ip", "netns", "exec", self.nodes[i]]
-
-    def partition(self, i: int) -> float:
-        t = time.time()
-        self._ip("-n", self.hub, "link", "set", f"v{i}", "down")
-        return t
-
-
-def netns_status() -> str | None:
-    """None when network namespaces can be made here, else why not."""
-    import shutil
-
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        return "skipped: needs root + ip netns"
-    try:
-        with NetnsLab(nodes=1):
-            pass
-    except (BenchFailure, OSError, subprocess.TimeoutExpired) as exc:
-        return f"skipped: needs root + ip netns ({exc})"
-    return None

@@ -12,7 +12,8 @@ per process). The processes connect
 first; then all are told "go" at once, and each reports how long its handlers
 took from "go" to holding the round's result. The rendezvous time is the
 slowest handler's; the median over the repetitions is printed. Then every
-handler completes (exit barrier), timed too.
+handler completes (exit barrier), timed too (``--detail``: also when each
+process's handlers left it).
 """
 
 from __future__ import annotations
@@ -83,16 +84,23 @@ async def _worker(host: str, port: int, spec: dict[str, object]) -> None:
     t_round = time.monotonic() - t0
     assert all(r.group_world_size == n for r in results)
     t1 = time.monotonic()
-    await asyncio.gather(*(h.complete() for h in handlers))
+    each: list[float] = []
+
+    async def complete(h: DynamicRendezvous) -> None:
+        await h.complete()
+        each.append(time.monotonic() - t1)
+
+    await asyncio.gather(*(complete(h) for h in handlers))
     t_done = time.monotonic() - t1
     await asyncio.gather(*(h.shutdown() for h in handlers))
     for store in {id(s): s for s in stores}.values():
         await store.close()
-    print(json.dumps({"round": t_round, "complete": t_done}), flush=True)
+    each.sort()
+    print(json.dumps({"round": t_round, "complete": t_done, "each": each}), flush=True)
 
 
 def _run_once(
-    addr: tuple[str, int], n: int, procs: int, backend: str = "embedded"
+    addr: tuple[str, int], n: int, procs: int, backend: str = "embedded", detail: bool = False
 ) -> tuple[float, float]:
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     procs = min(procs, n)
@@ -133,6 +141,15 @@ def _run_once(
             if c.returncode != 0 or not lines:
                 raise RuntimeError(f"a worker of the {n}-agent run failed{_tail(c, err)}")
             times.append(json.loads(lines[-1]))
+        if detail:  # when each handler left the barrier, per process (seconds)
+            for p, t in enumerate(times):
+                each = t["each"]
+                q = [each[min(len(each) - 1, int(f * len(each)))] for f in (0.0, 0.5, 0.9)]
+                print(
+                    f"  process {p}: {len(each)} handlers left the barrier after "
+                    f"min {q[0]:.2f} / p50 {q[1]:.2f} / p90 {q[2]:.2f} / max {each[-1]:.2f} s",
+                    flush=True,
+                )
         return max(t["round"] for t in times), max(t["complete"] for t in times)
     finally:
         for c in children:
@@ -208,7 +225,7 @@ def _table(
     print(f"rendezvous on {title} ({args.procs} processes, {args.reps} reps)")
     print(f"{'agents':>7} {'rendezvous s (median)':>22} {'exit barrier s':>15}")
     for n in sizes:
-        runs = [_run_once(addr, n, args.procs, backend) for _ in range(args.reps)]
+        runs = [_run_once(addr, n, args.procs, backend, args.detail) for _ in range(args.reps)]
         rdzv = statistics.median(r[0] for r in runs)
         done = statistics.median(r[1] for r in runs)
         print(f"{n:>7} {rdzv:>22.3f} {done:>15.3f}", flush=True)
@@ -220,6 +237,11 @@ def main() -> int:
     ap.add_argument("--procs", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--backends", default="embedded", help="embedded, etcd or embedded,etcd")
+    ap.add_argument(
+        "--detail",
+        action="store_true",
+        help="also print, per process, when its handlers left the exit barrier",
+    )
     ap.add_argument("--worker", nargs=3, metavar=("HOST", "PORT", "SPEC"))
     args = ap.parse_args()
     if args.worker:

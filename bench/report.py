@@ -11,8 +11,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.harness import LauncherConfig, counterpart
-from bench.scenarios import Scenario
+from bench.base import Scenario
+from bench.configs import LauncherConfig, counterpart
+
+# Metrics a successful run may leave out (nothing to measure there): such a
+# run is not counted for them rather than counted as failed.
+OPTIONAL_METRICS = frozenset({"spare_rss"})
 
 
 @dataclass
@@ -56,6 +60,8 @@ def summarize(
             by_config: dict[str, Row] = {}
             for cfg in configs:
                 runs = [r for r in results if r.scenario == sc.name and r.config == cfg.name]
+                if key in OPTIONAL_METRICS:
+                    runs = [r for r in runs if key in r.metrics or r.error is not None]
                 values = [r.metrics[key] for r in runs if key in r.metrics]
                 errors = sorted({r.error or "not measured" for r in runs if key not in r.metrics})
                 row = Row(
@@ -155,6 +161,19 @@ def markdown(
                 continue
             done.add((scenario, config, err))
             out.append(f"- {scenario} / {config}: {err}")
+    wall = extras.get("wall_time")
+    if wall:
+        out += ["", "## Wall time", ""]
+        out += ["| part | runs | estimated s | actual s |", "|---|---|---|---|"]
+        for row in wall["rows"]:
+            runs = row["runs"] if row["runs"] else "-"
+            est = f"{row['estimated_s']:.0f}" if row["estimated_s"] is not None else "-"
+            act = f"{row['actual_s']:.0f}" if row["actual_s"] is not None else "-"
+            out.append(f"| {row['part']} | {runs} | {est} | {act} |")
+        out.append(
+            f"| total | | {wall['estimated_s']:.0f} ({wall['estimated_s'] / 60:.1f} min) "
+            f"| {wall['total_s']:.0f} ({wall['total_s'] / 60:.1f} min) |"
+        )
     notes = extras.get("notes") or []
     if notes:
         out += ["", "## Notes", ""] + [f"- {n}" for n in notes]
@@ -174,6 +193,37 @@ def markdown(
                 for r in sim["rows"]
             ]
     return "\n".join(out) + "\n"
+
+
+def wall_time(
+    estimated: dict[str, float],
+    actual: dict[str, float],
+    runs: dict[str, int],
+    total: float,
+) -> dict[str, Any]:
+    """Estimated and actual wall seconds per part of the benchmark (startup,
+    physical floor, each scenario group, simulated rendezvous); what the
+    parts do not account for (report writing, waits between runs) is
+    "other"."""
+    parts = list(dict.fromkeys([*estimated, *actual]))
+    rows: list[dict[str, Any]] = [
+        {
+            "part": part,
+            "runs": runs.get(part, 0),
+            "estimated_s": estimated.get(part),
+            "actual_s": actual.get(part),
+        }
+        for part in parts
+    ]
+    rows.append(
+        {
+            "part": "other",
+            "runs": 0,
+            "estimated_s": None,
+            "actual_s": max(0.0, total - sum(actual.values())),
+        }
+    )
+    return {"rows": rows, "estimated_s": sum(estimated.values()), "total_s": total}
 
 
 def write_json(

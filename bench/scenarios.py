@@ -1,6 +1,8 @@
-"""The benchmark scenarios. Each one runs a launcher configuration once and
-fills a dict of metric -> value; a :class:`~bench.harness.BenchFailure` (or
-any error) marks the metrics it did not reach as failed.
+"""The benchmark scenarios and their catalogue. Each scenario runs a launcher
+configuration once and fills a dict of metric -> value; a
+:class:`~bench.paths.BenchFailure` (or any error) marks the metrics it did not
+reach as failed. The single-node scenarios live here, the multi-agent ones in
+:mod:`bench.multinode`.
 
 All times are seconds of wall-clock time between events on one machine;
 ``launch`` is the moment the harness starts the launcher process.
@@ -8,97 +10,39 @@ All times are seconds of wall-clock time between events on one machine;
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
-from bench.harness import (
-    BENCH_DIR,
-    REPO,
-    BenchFailure,
-    EventLog,
-    LauncherConfig,
-    NetnsLab,
-    Run,
-    all_ranks_time,
-    free_port,
-    netns_status,
+from bench import multinode
+from bench.base import (
+    UNTIL_STOPPED,
+    Context,
+    Scenario,
+    Settings,
+    launcher_env,
+    max_step,
 )
+from bench.configs import LauncherConfig
+from bench.harness import all_ranks_time
+from bench.netns import netns_status
+from bench.paths import BenchFailure
 
-
-@dataclass
-class Settings:
-    """Knobs shared by all scenarios (``--quick`` shrinks them)."""
-
-    quick: bool = False
-    step_interval: float = 0.15
-    target_steps: int = 10  # cold start / memory: steps before the job ends
-    warm_steps: int = 8  # steps of steady training before a disruption
-    start_timeout: float = 120.0  # launch -> training
-    phase_timeout: float = 90.0  # disruption -> training resumed
-    exit_timeout: float = 60.0
-    partition_timeout: float = 60.0  # torchrun is expected to stay stuck: bound it
-
-    def worker_env(self) -> dict[str, str]:
-        """Environment for the workers of every run. Scenarios that stop the
-        job with the stop file pass their own ``BENCH_TARGET_STEP=0``."""
-        return {"BENCH_TARGET_STEP": str(self.target_steps)}
-
-    @classmethod
-    def quick_settings(cls) -> Settings:
-        return cls(
-            quick=True,
-            target_steps=5,
-            warm_steps=3,
-            start_timeout=40.0,
-            phase_timeout=30.0,
-            exit_timeout=20.0,
-        )
-
-
-@dataclass
-class Context:
-    run: Run
-    cfg: LauncherConfig
-    settings: Settings
-    out: dict[str, float] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Scenario:
-    name: str  # unique, e.g. "cold_start_np2"
-    group: str  # what --scenarios selects, e.g. "cold_start"
-    title: str
-    metrics: tuple[tuple[str, str, str], ...]  # (key, unit, meaning)
-    fn: Callable[[Context], None]
-    worker_env: tuple[tuple[str, str], ...] = ()
-
-
-def _env(cfg: LauncherConfig) -> dict[str, str]:
-    return dict(cfg.env)
-
-
-def _steps_after(log: EventLog, after: float, world: int, **match: Any) -> float | None:
-    return all_ranks_time(
-        [e for e in log.select("step", after=after, **match) if int(e["world"]) == world], world
-    )
-
-
-def _max_step(log: EventLog, before: float) -> int:
-    return max(
-        (int(e["step"]) for e in log.events if e.get("ev") == "step" and e["t"] <= before),
-        default=0,
-    )
+__all__ = [
+    "EXTRA_GROUPS",
+    "GROUPS",
+    "QUICK_GROUPS",
+    "Context",
+    "Scenario",
+    "Settings",
+    "catalogue",
+    "estimate",
+    "partition_status",
+    "scenario_dir",
+    "select",
+]
 
 
 # --------------------------------------------------------------------------- 1. cold start
@@ -108,7 +52,7 @@ def cold_start(nproc: int) -> Callable[[Context], None]:
     def fn(ctx: Context) -> None:
         run, cfg, s = ctx.run, ctx.cfg, ctx.settings
         argv = cfg.argv(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0"])
-        agent = run.start_agent("agent", argv, _env(cfg))
+        agent = run.start_agent("agent", argv, launcher_env(cfg))
         t0 = agent.t_launch
         t_started = run.wait(
             f"{nproc} workers started",
@@ -145,7 +89,7 @@ def worker_crash(nproc: int) -> Callable[[Context], None]:
     def fn(ctx: Context) -> None:
         run, cfg, s = ctx.run, ctx.cfg, ctx.settings
         argv = cfg.argv(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=3"])
-        agent = run.start_agent("agent", argv, _env(cfg))
+        agent = run.start_agent("agent", argv, launcher_env(cfg))
         run.wait(
             f"{s.warm_steps} steps on all ranks",
             lambda log: all_ranks_time(log.select("step", step=s.warm_steps), nproc),
@@ -160,7 +104,7 @@ def worker_crash(nproc: int) -> Callable[[Context], None]:
         except ProcessLookupError as exc:
             raise BenchFailure(f"worker rank 1 (pid {pid}) already gone") from exc
         run.log.poll()
-        before = _max_step(run.log, t_kill)
+        before = max_step(run.log, t_kill)
         t_respawn = run.wait(
             "restarted workers started",
             lambda log: all_ranks_time(
@@ -168,6 +112,7 @@ def worker_crash(nproc: int) -> Callable[[Context], None]:
             ),
             s.phase_timeout,
             alive=[agent],
+            stall=s.restart_stall,
         )
         ctx.out["respawn"] = t_respawn - t_kill
         t_resumed = run.wait(
@@ -177,6 +122,7 @@ def worker_crash(nproc: int) -> Callable[[Context], None]:
             ),
             s.phase_timeout,
             alive=[agent],
+            stall=s.restart_stall,
         )
         ctx.out["resumed"] = t_resumed - t_kill
         resumes = [e for e in run.log.select("resume", after=t_kill) if int(e["restart"]) >= 1]
@@ -191,201 +137,48 @@ def worker_crash(nproc: int) -> Callable[[Context], None]:
     return fn
 
 
-# --------------------------------------------------------------------------- 3+4. membership
-
-
-def _agent_argv(
-    cfg: LauncherConfig, nnodes: str, port: int, is_host: bool, run_id: str
-) -> list[str]:
-    return cfg.argv(
-        [
-            f"--nnodes={nnodes}",
-            "--nproc-per-node=1",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            f"--rdzv-id={run_id}",
-            "--max-restarts=3",
-        ],
-        {"is_host": "1" if is_host else "0"},
-    )
-
-
-def membership(nnodes: str, node_loss: bool) -> Callable[[Context], None]:
-    """Two agents train; a third joins (scale-up); optionally it is then
-    killed with all its processes (node loss)."""
-
-    def fn(ctx: Context) -> None:
-        run, cfg, s = ctx.run, ctx.cfg, ctx.settings
-        port = free_port()
-        run_id = f"bench{port}"
-        ctx.info["rdzv_endpoint"] = f"127.0.0.1:{port}"
-        a = run.start_agent("agent-a", _agent_argv(cfg, nnodes, port, True, run_id), _env(cfg))
-        b = run.start_agent("agent-b", _agent_argv(cfg, nnodes, port, False, run_id), _env(cfg))
-        t_a = a.t_launch
-        t2 = run.wait(
-            "training at world 2",
-            lambda log: _steps_after(log, 0.0, 2),
-            s.start_timeout,
-            alive=[a, b],
-        )
-        ctx.out["world2_first_step"] = t2 - t_a
-        run.wait(
-            f"{s.warm_steps} steps at world 2",
-            lambda log: len([e for e in log.select("step") if e["world"] == 2]) >= 2 * s.warm_steps,
-            s.start_timeout,
-            alive=[a, b],
-        )
-        c = run.start_agent("agent-c", _agent_argv(cfg, nnodes, port, False, run_id), _env(cfg))
-        t_join = c.t_launch
-        t3 = run.wait(
-            "training at world 3",
-            lambda log: _steps_after(log, t_join, 3),
-            s.phase_timeout,
-            alive=[a, b, c],
-        )
-        ctx.out["scale_up"] = t3 - t_join
-        if node_loss:
-            run.wait(
-                f"{s.warm_steps} steps at world 3",
-                lambda log: (
-                    len([e for e in log.select("step", after=t3) if e["world"] == 3])
-                    >= 3 * s.warm_steps
-                ),
-                s.phase_timeout,
-                alive=[a, b, c],
-            )
-            t_kill = run.kill_node(c)
-            t_back = run.wait(
-                "survivors training at world 2",
-                lambda log: _steps_after(log, t_kill, 2),
-                s.phase_timeout,
-                alive=[a, b],
-            )
-            ctx.out["node_loss"] = t_back - t_kill
-        run.stop()
-        try:
-            run.wait_exit([a, b] if node_loss else [a, b, c], s.exit_timeout)
-        except BenchFailure as exc:
-            ctx.notes.append(f"after the measurement: {exc}")
-
-    return fn
-
-
-# --------------------------------------------------------------------------- 5. partition
-
-
-def partition(ctx: Context) -> None:
-    """Three agents, each in a network namespace of its own, train at world 3;
-    the 3rd node's link is cut (packets dropped, no resets). The survivors
-    must notice on their own and go on at world 2."""
-    with NetnsLab(3) as lab:
-        try:
-            _partition(ctx, lab)
-        finally:
-            ctx.run.cleanup()  # before the namespaces go
-
-
-def _partition(ctx: Context, lab: NetnsLab) -> None:
-    run, cfg, s = ctx.run, ctx.cfg, ctx.settings
-    port = free_port()
-    endpoint = f"{lab.addr(0)}:{port}"
-    ctx.info["rdzv_endpoint"] = endpoint
-    agents = []
-    for i in range(3):
-        argv = cfg.argv(
-            [
-                "--nnodes=2:3",
-                "--nproc-per-node=1",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={endpoint}",
-                f"--rdzv-id=bench{port}",
-                f"--local-addr={lab.addr(i)}",
-                "--max-restarts=3",
-            ],
-            {"is_host": "1" if i == 0 else "0"},
-        )
-        env = {**_env(cfg), "GLOO_SOCKET_IFNAME": "eth0"}
-        agents.append(run.start_agent(f"agent-{i}", [*lab.exec_prefix(i), *argv], env))
-    a, b = agents[:2]
-    t3 = run.wait(
-        "training at world 3",
-        lambda log: _steps_after(log, 0.0, 3),
-        s.start_timeout,
-        alive=agents,
-    )
-    ctx.out["world3_first_step"] = t3 - a.t_launch
-    run.wait(
-        f"{s.warm_steps} steps at world 3",
-        lambda log: len([e for e in log.select("step") if e["world"] == 3]) >= 3 * s.warm_steps,
-        s.phase_timeout,
-        alive=agents,
-    )
-    t_cut = lab.partition(2)
-    t_back = run.wait(
-        "survivors training at world 2 after the partition",
-        lambda log: _steps_after(log, t_cut, 2),
-        s.partition_timeout,
-        alive=[a, b],
-    )
-    ctx.out["partition"] = t_back - t_cut
-    run.stop()
-    try:
-        run.wait_exit([a, b], s.exit_timeout)
-    except BenchFailure as exc:
-        ctx.notes.append(f"after the measurement: {exc}")
-
-
-# --------------------------------------------------------------------------- 6. rendezvous scale
-
-
-def rdzv_scale(n: int) -> Callable[[Context], None]:
-    def fn(ctx: Context) -> None:
-        run, cfg, s = ctx.run, ctx.cfg, ctx.settings
-        port = free_port()
-        agents = [
-            run.start_agent(
-                f"agent-{i}",
-                _agent_argv(cfg, str(n), port, i == 0, f"bench{port}"),
-                _env(cfg),
-            )
-            for i in range(n)
-        ]
-        t0 = agents[0].t_launch
-        t_all = run.wait(
-            f"{n} workers started",
-            lambda log: all_ranks_time(log.select("start"), n),
-            s.start_timeout + 4 * n,
-            alive=agents,
-        )
-        ctx.out["all_started"] = t_all - t0
-        t_exit = run.wait_exit(agents, s.exit_timeout + 2 * n)
-        ctx.out["all_exited"] = t_exit - t0
-
-    return fn
-
-
 # --------------------------------------------------------------------------- 7. memory
 
 
+MEMORY_STEPS = 10
+
+
 def memory(nproc: int) -> Callable[[Context], None]:
+    """Peak RSS of the launcher and its helpers while it trains an elastic
+    job (restarts allowed, so a launcher that keeps warm spares has them);
+    spares are reported apart, once they have finished preloading."""
+
     def fn(ctx: Context) -> None:
         run, cfg, s = ctx.run, ctx.cfg, ctx.settings
-        argv = cfg.argv(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0"])
-        agent = run.start_agent("agent", argv, _env(cfg))
+        argv = cfg.argv(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=3"])
+        agent = run.start_agent("agent", argv, launcher_env(cfg))
         run.track_memory(agent)
-        steps = MEMORY_STEPS
         run.wait(
-            f"{steps} steps on all ranks",
-            lambda log: all_ranks_time(log.select("step", step=steps), nproc),
+            f"{MEMORY_STEPS} steps on all ranks",
+            lambda log: all_ranks_time(log.select("step", step=MEMORY_STEPS), nproc),
             s.start_timeout,
             alive=[agent],
         )
+        try:
+            run.wait(
+                "warm spares preloaded",
+                lambda _log: run.spares_settled(),
+                s.spare_timeout,
+                alive=[agent],
+            )
+        except BenchFailure as exc:
+            if agent.t_exit is not None:
+                raise
+            ctx.notes.append(f"spare_rss is what the spares had reached: {exc}")
         own = run.mem_pids.get(agent.pid)
         if not own:
             raise BenchFailure("could not read the launcher's VmHWM")
         ctx.out["agent_rss"] = own / 1024
         ctx.out["agent_tree_rss"] = sum(run.mem_pids.values()) / 1024
+        ctx.out["spare_rss"] = sum(run.spare_pids.values()) / 1024
         ctx.info["agent_helper_pids"] = len(run.mem_pids) - 1
+        ctx.info["spare_pids"] = len(run.spare_pids)
+        run.stop()
         run.wait_exit([agent], s.exit_timeout)
 
     return fn
@@ -420,15 +213,37 @@ _RDZV = (
 _MEM = (
     ("agent_rss", "MiB", "peak RSS (VmHWM) of the launcher process"),
     ("agent_tree_rss", "MiB", "launcher + its non-worker helper processes, peak RSS summed"),
+    (
+        "spare_rss",
+        "MiB",
+        "warm spare workers (idle interpreters with torch imported), peak RSS summed; 0: none",
+    ),
 )
 
 
-_UNTIL_STOPPED = (("BENCH_TARGET_STEP", "0"),)
-MEMORY_STEPS = 20
+def _est(tdef: float, edef: float, ttun: float, etun: float) -> tuple[tuple[str, float], ...]:
+    return (
+        ("torchrun-default", tdef),
+        ("elastrun-default", edef),
+        ("torchrun-tuned", ttun),
+        ("elastrun-tuned", etun),
+    )
+
+
+# Seconds per run, from the per-run wall times of the last full run
+# (bench/results/full2) with today's steps and bounds: a run that got stuck
+# there is counted as its last event + the stall bound (torchrun-default's
+# worker crash: 8 s + 20 s; its scale-up: 34 s last call + 1 s + 20 s) or as
+# the partition bound (5 s to world 3 + 30 s).
+_EST_MEMBERSHIP = {
+    True: _est(55.0, 46.4, 20.4, 11.0),  # with node loss
+    False: _est(55.0, 36.0, 13.5, 7.5),  # scale-up only
+}
 
 
 def catalogue(quick: bool) -> list[Scenario]:
     nprocs = (2,) if quick else (2, 4)
+    cold_est = {2: _est(5.5, 3.9, 5.6, 4.2), 4: _est(7.9, 6.4, 7.6, 6.7)}
     out: list[Scenario] = []
     for n in nprocs:
         out.append(
@@ -438,6 +253,7 @@ def catalogue(quick: bool) -> list[Scenario]:
                 f"Cold start, --standalone --nproc-per-node={n}",
                 _COLD,
                 cold_start(n),
+                est_s=cold_est[n],
             )
         )
     out.append(
@@ -447,29 +263,34 @@ def catalogue(quick: bool) -> list[Scenario]:
             "Worker SIGKILL mid-training, --standalone --nproc-per-node=2 --max-restarts=3",
             _CRASH,
             worker_crash(2),
-            worker_env=_UNTIL_STOPPED,
+            worker_env=UNTIL_STOPPED,
+            est_s=_est(29.0, 5.0, 6.0, 4.6),
         )
     )
-    for nnodes in ("2:3", "1:3"):
+    # 2:3 is the default; 1:3 repeats every phase of it (2 agents are above
+    # both minimums, 3 is the maximum of both) and is selected on its own.
+    for nnodes, suffix in (("2:3", ""), ("1:3", "_1to3")):
         tag = nnodes.replace(":", "to")
         out.append(
             Scenario(
                 f"scale_up_{tag}",
-                "scale_up",
+                "scale_up" + suffix,
                 f"Scale-up, c10d --nnodes={nnodes}, 1 worker per agent, a 3rd agent joins",
                 _JOIN,
-                membership(nnodes, node_loss=False),
-                worker_env=_UNTIL_STOPPED,
+                multinode.membership(nnodes, node_loss=False),
+                worker_env=UNTIL_STOPPED,
+                est_s=_EST_MEMBERSHIP[False],
             )
         )
         out.append(
             Scenario(
                 f"node_loss_{tag}",
-                "node_loss",
+                "node_loss" + suffix,
                 f"Node loss, c10d --nnodes={nnodes}: scale to 3, then SIGKILL the 3rd node",
                 _JOIN + _LOSS,
-                membership(nnodes, node_loss=True),
-                worker_env=_UNTIL_STOPPED,
+                multinode.membership(nnodes, node_loss=True),
+                worker_env=UNTIL_STOPPED,
+                est_s=_EST_MEMBERSHIP[True],
             )
         )
     out.append(
@@ -478,10 +299,16 @@ def catalogue(quick: bool) -> list[Scenario]:
             "partition",
             "Partition, c10d --nnodes=2:3 in network namespaces: cut the 3rd node's link",
             _PART,
-            partition,
-            worker_env=_UNTIL_STOPPED,
+            multinode.partition,
+            worker_env=UNTIL_STOPPED,
+            est_s=_est(37.0, 20.2, 37.5, 12.4),
         )
     )
+    rdzv_est = {
+        4: _est(5.1, 0.7, 5.7, 0.8),
+        8: _est(9.4, 1.5, 9.7, 1.5),
+        16: _est(20.1, 2.8, 27.9, 2.9),
+    }
     for n in (4, 8, 16):
         out.append(
             Scenario(
@@ -489,23 +316,26 @@ def catalogue(quick: bool) -> list[Scenario]:
                 "rdzv_scale",
                 f"Rendezvous of {n} real agents (c10d --nnodes={n}, trivial worker)",
                 _RDZV,
-                rdzv_scale(n),
+                multinode.rdzv_scale(n),
                 worker_env=(("BENCH_MODE", "trivial"),),
+                est_s=rdzv_est[n],
             )
         )
     out.append(
         Scenario(
             "memory_np2",
             "memory",
-            "Agent memory, --standalone --nproc-per-node=2",
+            "Agent memory, --standalone --nproc-per-node=2 --max-restarts=3",
             _MEM,
             memory(2),
-            worker_env=(("BENCH_TARGET_STEP", str(MEMORY_STEPS)),),
+            worker_env=UNTIL_STOPPED,
+            est_s=_est(5.5, 6.0, 5.6, 5.7),  # elastrun: + its warm spares preloading
         )
     )
     return out
 
 
+# The full run: every phase once.
 GROUPS = (
     "cold_start",
     "worker_crash",
@@ -515,80 +345,46 @@ GROUPS = (
     "rdzv_scale",
     "memory",
 )
+# Selected only by name (--scenarios): the same phases at --nnodes=1:3.
+EXTRA_GROUPS = ("scale_up_1to3", "node_loss_1to3")
 QUICK_GROUPS = ("cold_start", "worker_crash")
 
 
-def select(groups: list[str], quick: bool) -> list[Scenario]:
+def select(groups: Sequence[str], quick: bool) -> list[Scenario]:
     scenarios = [sc for sc in catalogue(quick) if sc.group in groups]
     if "partition" in groups and partition_status() is not None:
         scenarios = [sc for sc in scenarios if sc.group != "partition"]
     # node_loss runs include the scale-up phase; no need to run it twice.
-    if "node_loss" in groups:
-        scenarios = [sc for sc in scenarios if sc.group != "scale_up"]
+    for loss, join in (("node_loss", "scale_up"), ("node_loss_1to3", "scale_up_1to3")):
+        if loss in groups:
+            scenarios = [sc for sc in scenarios if sc.group != join]
     return scenarios
 
 
-# --------------------------------------------------------------------------- 5. partition
+# --------------------------------------------------------------------------- wall time
+
+FLOOR_EST_S = 3.0  # the physical floor, per repetition
+SIMULATED_EST_S = 26.0  # bench.rdzv_bench 64/256/1024, per repetition
+STARTUP_EST_S = 3.0  # the launchers' --help checks
+
+
+def estimate(
+    scenarios: Sequence[Scenario], configs: Sequence[LauncherConfig], reps: int
+) -> dict[str, float]:
+    """Expected wall seconds per scenario group for ``reps`` repetitions."""
+    out: dict[str, float] = {}
+    for sc in scenarios:
+        per_rep = sum(sc.estimate(cfg.name) for cfg in configs)
+        out[sc.group] = out.get(sc.group, 0.0) + per_rep * reps
+    return out
+
+
+# --------------------------------------------------------------------------- misc
 
 
 def partition_status() -> str | None:
     """None when the partition scenario can run here, else why it is skipped."""
     return netns_status()
-
-
-# --------------------------------------------------------------------------- simulated rdzv
-
-
-SIMULATED_SIZES = (64, 256, 1024)
-_SIM_ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s*$")
-
-
-def parse_simulated(stdout: str) -> list[dict[str, float]]:
-    """Rows of ``bench/rdzv_bench.py``'s table: agents, rendezvous s
-    (median), exit barrier s."""
-    rows = []
-    for line in stdout.splitlines():
-        m = _SIM_ROW.match(line)
-        if m:
-            rows.append(
-                {
-                    "participants": float(m.group(1)),
-                    "rendezvous_s": float(m.group(2)),
-                    "exit_barrier_s": float(m.group(3)),
-                }
-            )
-    return rows
-
-
-def simulated_rdzv(reps: int, timeout: float = 600.0) -> dict[str, Any]:
-    """Run ``bench/rdzv_bench.py`` (simulated participants on elastrun's
-    embedded store) when it exists. Returns ``{"status": ..., "rows": [...]}``."""
-    if not (BENCH_DIR / "rdzv_bench.py").exists():
-        return {"status": "not available (bench/rdzv_bench.py is missing)"}
-    sizes = ",".join(str(n) for n in SIMULATED_SIZES)
-    cmd = [sys.executable, "-m", "bench.rdzv_bench", "--sizes", sizes, "--reps", str(reps)]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"status": f"failed: no answer within {timeout:.0f}s"}
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # its helper processes share its group
-        proc.wait()
-    rows = parse_simulated(out)
-    if proc.returncode != 0 or not rows:
-        tail = (out.strip().splitlines() or [""])[-1]
-        return {"status": f"failed: exit {proc.returncode}: {tail[:200]}", "rows": rows}
-    return {"status": f"ran: `{' '.join(cmd[1:])}`", "rows": rows}
 
 
 def scenario_dir(root: Path, sc: Scenario, cfg: LauncherConfig, rep: int) -> Path:

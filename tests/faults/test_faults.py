@@ -172,11 +172,15 @@ def descendants(pid: int) -> set[int]:
 
 
 def workers_of(agent: Agent) -> set[int]:
-    """The agent's live worker processes (not its other helpers, e.g. its orphan guard)."""
+    """The agent's live worker processes (not its other helpers: its orphan
+    guard, or a warm spare still waiting, whose stdin is the agent's socket;
+    a spare that became a worker has /dev/null there, as every worker)."""
     out = set()
     for pid in descendants(agent.proc.pid):
         with contextlib.suppress(OSError):
-            if b"elastic_worker.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"elastic_worker.py" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            if not os.readlink(f"/proc/{pid}/fd/0").startswith("socket:"):
                 out.add(pid)
     return out
 

@@ -8,11 +8,16 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from bench.harness import DEFAULT_CONFIGS, EventLog, all_ranks_time
-from bench.report import RunResult, markdown, summarize
-from bench.scenarios import catalogue, parse_simulated, select
+import pytest
+from bench.configs import DEFAULT_CONFIGS
+from bench.harness import SPARE_MARK, EventLog, Run, all_ranks_time
+from bench.paths import WORKER, BenchFailure
+from bench.report import RunResult, markdown, summarize, wall_time
+from bench.scenarios import GROUPS, catalogue, estimate, select
+from bench.simulated import parse_simulated
 
 from tests.conftest import REPO
 
@@ -76,9 +81,74 @@ def test_full_catalogue_covers_every_group() -> None:
         "partition",
         "rdzv_scale",
         "memory",
+        "scale_up_1to3",
+        "node_loss_1to3",
     }
     names = [sc.name for sc in catalogue(quick=False)]
     assert len(names) == len(set(names))
+    # The full run makes every phase once: node loss includes the scale-up,
+    # the 1:3 variants are asked for by name.
+    full = [sc.name for sc in select(list(GROUPS), quick=False)]
+    assert "node_loss_2to3" in full
+    assert not [n for n in full if n.startswith("scale_up") or n.endswith("1to3")]
+    assert [sc.name for sc in select(["node_loss_1to3"], quick=False)] == ["node_loss_1to3"]
+
+
+def test_every_scenario_has_an_estimate_and_the_report_shows_wall_time() -> None:
+    scenarios = catalogue(quick=False)
+    for sc in scenarios:
+        assert {name for name, _ in sc.est_s} == {c.name for c in DEFAULT_CONFIGS}, sc.name
+    est = estimate(select(["cold_start"], quick=True), DEFAULT_CONFIGS, reps=2)
+    assert set(est) == {"cold_start"}
+    assert est["cold_start"] == 2 * sum(s for _, s in scenarios[0].est_s)
+    wall = wall_time({"floor": 6.0, **est}, {"floor": 5.0, "cold_start": 30.0}, {}, 40.0)
+    assert wall["rows"][-1] == {"part": "other", "runs": 0, "estimated_s": None, "actual_s": 5.0}
+    text = markdown([], DEFAULT_CONFIGS, [], [], {"wall_time": wall}, {})
+    assert "## Wall time" in text
+    assert "| cold_start | - |" in text
+    assert "| 40 (0.7 min) |" in text
+
+
+def test_wait_reports_a_run_without_worker_events_as_stuck(tmp_path: Path) -> None:
+    run = Run(tmp_path / "run", {})
+    t0 = time.monotonic()
+    with pytest.raises(BenchFailure, match=r"stuck: no worker event for 0s \(bound\)"):
+        run.wait("nothing", lambda _log: False, timeout=30.0, stall=0.3)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(BenchFailure, match="timed out after 0s"):
+        run.wait("nothing", lambda _log: False, timeout=0.2)
+    run.cleanup()
+
+
+def test_memory_keeps_warm_spares_apart(tmp_path: Path) -> None:
+    """A spare (its command line names elastrun's _spare.py and the worker
+    script) is summed into spare_rss, a helper into the agent tree, a worker
+    in neither."""
+    sleeper = "import time; time.sleep(60)"
+    script = (
+        "import subprocess, sys, time\n"
+        f"spare = [sys.executable, '-c', {sleeper!r}, '/x/{SPARE_MARK}', {str(WORKER)!r}]\n"
+        f"helper = [sys.executable, '-c', {sleeper!r}, 'helper']\n"
+        "procs = [subprocess.Popen(spare), subprocess.Popen(helper)]\n"
+        "print(' '.join(str(p.pid) for p in procs), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    run = Run(tmp_path / "run", {})
+    try:
+        agent = run.start_agent("agent", [sys.executable, "-c", script])
+        run.track_memory(agent)
+        deadline = time.monotonic() + 20
+        while len(agent.log_tail(1).split()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        spare, helper = (int(p) for p in agent.log_tail(1).split())
+        run.wait("both children sampled", lambda _log: helper in run.mem_pids, 20.0)
+        run.wait("the spare sampled", lambda _log: spare in run.spare_pids, 20.0)
+        assert agent.pid in run.mem_pids
+        assert spare not in run.mem_pids
+        assert run.spare_pids[spare] > 0
+        assert not run.spares_settled()  # no torch mapped: still preloading
+    finally:
+        run.cleanup()
 
 
 def _our_workers(folder: Path) -> list[int]:

@@ -402,3 +402,23 @@ def test_static_rendezvous_rejects_bad_settings():
 
 def test_command_dataclass_defaults():
     assert worker_argv(Command("t.py", ())) == (sys.executable, "-u", "t.py")
+
+
+@pytest.mark.parametrize(
+    ("flags", "prewarm"),
+    [
+        (["--standalone", "--max-restarts=2"], True),
+        (["--standalone"], True),  # the first workers start from spares too
+        (["--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400"], True),
+        (["--standalone", "--max-restarts=2", "--no-prewarm"], False),
+        (["--standalone", "--max-restarts=2", "--run-path"], False),
+    ],
+)
+def test_spares_only_for_python_commands(script, flags, prewarm):
+    plan, cmd = run_parse(*flags, script=script)
+    assert build_spec(plan, worker_argv(cmd), "hostA").prewarm is prewarm
+
+
+def test_no_python_programs_get_no_spare():
+    plan, cmd = parse(["--standalone", "--max-restarts=2", "--no-python", "true", "-u", "x"])
+    assert build_spec(plan, worker_argv(cmd), "hostA").prewarm is False

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -36,6 +37,7 @@ from elastrun.agent.failures import (
 )
 from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.logs import claim_host_dir, needs_files, release_host_dir, validate_template
+from elastrun.agent.spares import SparePool, python_entry
 from elastrun.agent.spec import WorkerSpec
 from elastrun.agent.waiting import WaitingConsole
 from elastrun.agent.workers import WorkerGroup
@@ -126,6 +128,10 @@ class Agent:
         self._temp_base = False
         self._installed: list[tuple[int, Any]] = []
         self._guard = OrphanGuard()
+        self._spares: SparePool | None = None
+        entry = python_entry(spec.argv) if spec.prewarm else None
+        if entry is not None:
+            self._spares = SparePool(spec, entry, self.events, self._guard)
         self._host_pidfile: str | None = None
         # What next_round() waits for, on the console (the rendezvous reports it).
         self._waiting = WaitingConsole(clock=clock)
@@ -141,6 +147,10 @@ class Agent:
                 f"elastrun: warning: {self._guard.error}; "
                 "children of workers may outlive a killed agent"
             )
+        if self._spares is not None:
+            # The first workers' interpreters start (and import torch) while
+            # the rendezvous runs; the round's variables come when it closes.
+            self._spares.replenish(self._spares.first_envs(self.rendezvous.settings.max_restarts))
         code = 1
         try:
             code = await self._loop()
@@ -164,6 +174,8 @@ class Agent:
             except (ElastrunError, TimeoutError, OSError) as e:
                 _say(f"elastrun: warning: leaving the rendezvous failed: {e!r}")
             self._remove_signals()
+            if self._spares is not None:
+                await self._spares.close()
             await self._guard.close()
             if self._host_pidfile is not None:
                 release_host_dir(self._host_pidfile)
@@ -311,7 +323,18 @@ class Agent:
             guard=self._guard,
         )
         self._group = group
-        group.start()  # on WorkerError, run() stops the ones already started
+        spares = self._spares
+        # A spare still importing is used for a restart (it has a head start);
+        # for the first start, where the rendezvous rarely leaves it the time,
+        # the worker starts cold at full priority and the spare is kept.
+        first = self._attempt == 0
+        take = None if spares is None else functools.partial(spares.take, unready_ok=not first)
+        group.start(take)  # on WorkerError, run() stops the ones already started
+        if spares is not None:
+            if self._may_restart(result):
+                spares.replenish(group.envs())
+            else:
+                spares.drop()
         self.events.emit(
             "workers_started",
             round=result.round,
@@ -320,11 +343,18 @@ class Agent:
             pids=group.pids,
             ranks=[w.rank for w in group.workers],
             local_ranks=[w.local_rank for w in group.workers],
+            warm=[w.warm for w in group.workers],
             world_size=result.world_size,
             group_rank=result.group_rank,
             master=f"{result.master_addr}:{result.master_port}",
         )
         return group
+
+    def _may_restart(self, result: RoundResult) -> bool:
+        """Whether these workers can still be started again (restarts left, or
+        a membership change, which is never counted)."""
+        settings = self.rendezvous.settings
+        return result.restart_count < result.max_restarts or settings.min_nodes < settings.max_nodes
 
     def _ensure_base_dir(self) -> str:
         if self._base_dir is None:

@@ -16,30 +16,36 @@ from elastrun.agent.spec import WorkerSpec
 from elastrun.errors import WorkerError
 from elastrun.rendezvous.api import RoundResult
 
-__all__ = ["WORKER_ENV_VARS", "check_round", "worker_env"]
+__all__ = ["ROUND_ENV_VARS", "WORKER_ENV_VARS", "check_round", "stable_env", "worker_env"]
 
-# Every variable the agent computes per worker (for docs and tests).
-WORKER_ENV_VARS = (
-    "LOCAL_RANK",
+# The variables that change from round to round; the rest of a worker's
+# environment is the same in every round (stable_env).
+ROUND_ENV_VARS = (
     "RANK",
     "GROUP_RANK",
     "ROLE_RANK",
-    "ROLE_NAME",
-    "LOCAL_WORLD_SIZE",
     "WORLD_SIZE",
     "GROUP_WORLD_SIZE",
     "ROLE_WORLD_SIZE",
     "MASTER_ADDR",
     "MASTER_PORT",
     "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_ERROR_FILE",
+)
+
+# Every variable the agent computes per worker (for docs and tests).
+WORKER_ENV_VARS = (
+    "LOCAL_RANK",
+    "ROLE_NAME",
+    "LOCAL_WORLD_SIZE",
     "TORCHELASTIC_MAX_RESTARTS",
     "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_ERROR_FILE",
     "TORCHELASTIC_USE_AGENT_STORE",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "PYTHON_EXEC",
     "OMP_NUM_THREADS",
     "PYTHONUNBUFFERED",
+    *ROUND_ENV_VARS,
 )
 
 
@@ -57,35 +63,24 @@ def check_round(spec: WorkerSpec, result: RoundResult) -> None:
         )
 
 
-def worker_env(
+def stable_env(
     spec: WorkerSpec,
-    result: RoundResult,
     local_rank: int,
-    error_file: str,
+    run_id: str,
+    max_restarts: int,
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The full environment of local rank ``local_rank`` for round ``result``."""
+    """The part of a worker's environment that is the same in every round
+    (what a warm spare starts with, see agent/spares.py)."""
     env = dict(os.environ if base is None else base)
     env.update(spec.env)
-    rank = result.rank_offset + local_rank
     env.update(
         {
             "LOCAL_RANK": str(local_rank),
-            "RANK": str(rank),
-            "GROUP_RANK": str(result.group_rank),
-            # One role per job (the role is agreed job-wide), so role ranks are global ranks.
-            "ROLE_RANK": str(rank),
             "ROLE_NAME": spec.role,
             "LOCAL_WORLD_SIZE": str(spec.nproc),
-            "WORLD_SIZE": str(result.world_size),
-            "GROUP_WORLD_SIZE": str(result.group_world_size),
-            "ROLE_WORLD_SIZE": str(result.world_size),
-            "MASTER_ADDR": result.master_addr,
-            "MASTER_PORT": str(result.master_port),
-            "TORCHELASTIC_RESTART_COUNT": str(result.restart_count),
-            "TORCHELASTIC_MAX_RESTARTS": str(result.max_restarts),
-            "TORCHELASTIC_RUN_ID": result.run_id,
-            "TORCHELASTIC_ERROR_FILE": error_file,
+            "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+            "TORCHELASTIC_RUN_ID": run_id,
             # Workers create their own store from MASTER_ADDR:MASTER_PORT (env://).
             "TORCHELASTIC_USE_AGENT_STORE": str(False),
             # As torchrun: on unless the user chose otherwise.
@@ -95,4 +90,32 @@ def worker_env(
     )
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def worker_env(
+    spec: WorkerSpec,
+    result: RoundResult,
+    local_rank: int,
+    error_file: str,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The full environment of local rank ``local_rank`` for round ``result``."""
+    env = stable_env(spec, local_rank, result.run_id, result.max_restarts, base)
+    rank = result.rank_offset + local_rank
+    env.update(
+        {
+            "RANK": str(rank),
+            "GROUP_RANK": str(result.group_rank),
+            # One role per job (the role is agreed job-wide), so role ranks are global ranks.
+            "ROLE_RANK": str(rank),
+            "WORLD_SIZE": str(result.world_size),
+            "GROUP_WORLD_SIZE": str(result.group_world_size),
+            "ROLE_WORLD_SIZE": str(result.world_size),
+            "MASTER_ADDR": result.master_addr,
+            "MASTER_PORT": str(result.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(result.restart_count),
+            "TORCHELASTIC_ERROR_FILE": error_file,
+        }
+    )
     return env

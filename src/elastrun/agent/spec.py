@@ -60,3 +60,6 @@ class WorkerSpec:
     start_method: str = "spawn"  # accepted for compatibility; workers are always exec'd
     hang_timeout: float | None = None  # progress watchdog (later issue)
     events_file: str | None = None
+    # Start workers from warm spare interpreters (agent/spares.py). The launcher
+    # sets it for the Python commands it builds (a script or -m module).
+    prewarm: bool = False

@@ -50,7 +50,10 @@ from elastrun.errors import WorkerError
 from elastrun.events import EventSink
 from elastrun.rendezvous.api import RoundResult
 
-__all__ = ["Worker", "WorkerGroup"]
+__all__ = ["Worker", "WorkerGroup", "preexec_for", "round_env"]
+
+# (local rank, environment) -> a warm spare turned into that worker, or None.
+TakeSpare = Callable[[int, dict[str, str]], "subprocess.Popen[bytes] | None"]
 
 PR_SET_PDEATHSIG = 1
 KILL_WAIT = 5.0  # after SIGKILL, how long to wait for the kernel to finish them
@@ -72,7 +75,7 @@ def _load_prctl() -> Callable[..., int] | None:
 _PRCTL = _load_prctl()
 
 
-def _preexec(parent_pid: int) -> Callable[[], None]:
+def preexec_for(parent_pid: int) -> Callable[[], None]:
     prctl = _PRCTL
 
     def child() -> None:  # runs in the forked child, before exec
@@ -116,6 +119,7 @@ class Worker:
     hang_monotonic: float | None = None
     hang_wall: float | None = None
     hang_first: bool = False  # the group's first failure: the root cause
+    warm: bool = False  # started from a warm spare
 
     @property
     def pid(self) -> int:
@@ -179,8 +183,9 @@ class WorkerGroup:
             self.workers.append(w)
 
     # ---------------------------------------------------------------- start
-    def start(self) -> None:
-        """Spawn every worker. Raises WorkerError if one cannot be started
+    def start(self, take: TakeSpare | None = None) -> None:
+        """Spawn every worker (``take`` may hand over a warm spare for a local
+        rank, see agent/spares.py). Raises WorkerError if one cannot be started
         (the caller stops the ones already started)."""
         loop = asyncio.get_running_loop()
         me = os.getpid()
@@ -188,31 +193,32 @@ class WorkerGroup:
             os.makedirs(os.path.dirname(w.error_file), exist_ok=True)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(w.error_file)  # a stale file from an earlier run with this run id
-            env = worker_env_mod.worker_env(self.spec, self.result, w.local_rank, w.error_file)
-            if w.heartbeat_file is not None and self.spec.hang_timeout is not None:
+            if w.heartbeat_file is not None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(w.heartbeat_file)
-                env[HEARTBEAT_ENV] = w.heartbeat_file
-                env[HEARTBEAT_INTERVAL_ENV] = repr(heartbeat_interval(self.spec.hang_timeout))
-            try:
-                w.popen = subprocess.Popen(
-                    list(self.spec.argv),
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    start_new_session=True,
-                    preexec_fn=_preexec(me),  # noqa: PLW1509 - only calls a pre-resolved prctl
-                    close_fds=True,
-                )
-            except OSError as e:
-                raise WorkerError(
-                    f"cannot start worker local rank {w.local_rank}: "
-                    f"{self.spec.argv[0] if self.spec.argv else '<empty argv>'}: "
-                    f"{e.strerror or e}"
-                ) from e
-            if self.guard is not None:
-                self.guard.add(w.popen.pid)
+            env = round_env(self.spec, self.result, w.local_rank, w.error_file, w.heartbeat_file)
+            w.popen = take(w.local_rank, env) if take is not None else None
+            w.warm = w.popen is not None
+            if w.popen is None:
+                try:
+                    w.popen = subprocess.Popen(
+                        list(self.spec.argv),
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        start_new_session=True,
+                        preexec_fn=preexec_for(me),  # noqa: PLW1509 - a pre-resolved prctl
+                        close_fds=True,
+                    )
+                except OSError as e:
+                    raise WorkerError(
+                        f"cannot start worker local rank {w.local_rank}: "
+                        f"{self.spec.argv[0] if self.spec.argv else '<empty argv>'}: "
+                        f"{e.strerror or e}"
+                    ) from e
+                if self.guard is not None:
+                    self.guard.add(w.popen.pid)
             w.exited = loop.create_future()
             self._watch_exit(loop, w)
             if self.watchdog is not None and w.heartbeat_file is not None:
@@ -220,6 +226,15 @@ class WorkerGroup:
             for pipe, route in zip((w.popen.stdout, w.popen.stderr), w.routes, strict=True):
                 assert pipe is not None
                 self._pump(loop, w, pipe, route)
+
+    def envs(self) -> dict[int, dict[str, str]]:
+        """Each local rank's environment in this round (what spares start with)."""
+        return {
+            w.local_rank: round_env(
+                self.spec, self.result, w.local_rank, w.error_file, w.heartbeat_file
+            )
+            for w in self.workers
+        }
 
     def _pump(
         self, loop: asyncio.AbstractEventLoop, w: Worker, pipe: Any, route: StreamRoute
@@ -474,6 +489,21 @@ class WorkerGroup:
                 )
             )
         return out
+
+
+def round_env(
+    spec: WorkerSpec,
+    result: RoundResult,
+    local_rank: int,
+    error_file: str,
+    heartbeat_file: str | None,
+) -> dict[str, str]:
+    """The full environment of one worker in ``result``'s round."""
+    env = worker_env_mod.worker_env(spec, result, local_rank, error_file)
+    if heartbeat_file is not None and spec.hang_timeout is not None:
+        env[HEARTBEAT_ENV] = heartbeat_file
+        env[HEARTBEAT_INTERVAL_ENV] = repr(heartbeat_interval(spec.hang_timeout))
+    return env
 
 
 def _signame(signum: int) -> str:

@@ -107,7 +107,10 @@ def launch(
     if isinstance(entrypoint, str):
         if kwargs:
             raise ConfigError("launch(): keyword arguments need a function entrypoint")
-        return run_plan(resolve(config), _command_argv(entrypoint, args))
+        argv = _command_argv(entrypoint, args)
+        if not entrypoint.endswith(".py"):
+            config = dataclasses.replace(config, prewarm=False)  # a program, not Python
+        return run_plan(resolve(config), argv)
     if not callable(entrypoint):
         raise ConfigError(f"launch(): entrypoint must be a str or a function, got {entrypoint!r}")
     import tempfile

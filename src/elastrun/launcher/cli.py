@@ -353,6 +353,13 @@ def build_parser() -> argparse.ArgumentParser:
         "long (default: off)",
     )
     f.add_argument(
+        "--prewarm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep a warm spare interpreter (torch imported) per worker, so restarts skip "
+        "Python start and 'import torch' (default: on when a restart is possible)",
+    )
+    f.add_argument(
         *_both("--exit-barrier-timeout"),
         action=EnvDefault,
         default=None,
@@ -495,6 +502,8 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
         events_file=ns.events_file or None,
         hang_timeout=_float("--hang-timeout", ns.hang_timeout),
         exit_barrier_timeout=_float("--exit-barrier-timeout", ns.exit_barrier_timeout),
+        # Spares run Python: not for --no-python programs or --run-path's -c.
+        prewarm=ns.prewarm and not (ns.no_python or ns.run_path),
     )
     cmd = Command(
         script=ns.script,

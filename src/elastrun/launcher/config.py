@@ -118,6 +118,9 @@ class LaunchConfig:
     hang_timeout: float | None = None
     exit_barrier_timeout: float | None = None  # None: --rdzv-conf or 300 s
     env: Mapping[str, str] = field(default_factory=dict)  # extra worker environment
+    # Warm spare interpreters (agent/spares.py); only for Python commands the
+    # launcher builds (a script or -m module).
+    prewarm: bool = True
 
     def validate(self) -> None:
         """Check value ranges; raise ConfigError naming the flag."""

@@ -129,6 +129,7 @@ def build_spec(plan: Plan, argv: Sequence[str], host: str) -> WorkerSpec:
         start_method=cfg.start_method,
         hang_timeout=cfg.hang_timeout,
         events_file=cfg.events_file,
+        prewarm=cfg.prewarm,
     )
 
 

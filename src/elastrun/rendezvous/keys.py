@@ -8,8 +8,14 @@ docs/rendezvous.md)::
     round                       the job's current round record
     rounds/{R}/join/{node_id}   joiners of round R, on the lease
     rounds/{R}/result           round R's result (written with the close)
-    rounds/{R}/done/{node_id}   exit barrier of round R (no lease)
+    rounds/{R}/done/{node_id}   exit barrier of round R (no lease): each member
+                                counts them after its own (O(1) bytes); only
+                                the barrier's watcher reads and watches them
     waiting/{node_id}           nodes waiting for the next round, on the lease
+
+The exit barrier's "round R finished" record is ``round`` itself (``state``
+finished): the one key every member at the barrier watches, besides the
+barrier watcher's ``nodes/{node_id}`` (see :mod:`elastrun.rendezvous.rules`).
 
 Records are JSON objects with ``"v": 1``; a record that does not decode raises
 :class:`~elastrun.errors.ProtocolError` naming the key.

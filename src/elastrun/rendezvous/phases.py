@@ -17,8 +17,17 @@ join        ``round``; the round's joins (a follower on the embedded store:
             prefix and ``nodes/``, the others only their predecessor's join key
 wait        ``round``, ``nodes/``
 member      ``round``, ``nodes/``, ``waiting/``
-complete    ``round``, ``nodes/``; the round's done keys (read only)
+complete    ``round``; the count of the round's done keys (O(1) bytes); then
+            the barrier's watcher (the first member in rank order whose
+            presence key exists; normally rank 0) the done keys and
+            ``nodes/``, every other member only the watcher's presence key
+            (see :meth:`Phase.open_barrier`)
 =========== ================================================================
+
+Every phase but ``complete`` costs each member O(n) bytes; ``complete`` costs
+O(1) for all but the barrier's watcher (O(n) store traffic and watch events
+per round in all, where every member reading and watching ``nodes/`` and the
+done keys was O(n^2)).
 """
 
 from __future__ import annotations
@@ -148,14 +157,8 @@ class Phase:
                 pred = ids[ids.index(me) - 1]
                 view.predecessor = pred
                 await self._watch("pred", k.join(r, pred), False, jrev)
-        if name in ("wait", "member", "complete"):
+        if name in ("wait", "member"):
             await self._read_nodes()
-        if name == "complete":
-            # Read after this node's own done key: the last member to finish
-            # sees every done key and marks the job finished; the others learn
-            # of it from the round record (no O(n^2) watch on done keys).
-            dones, _ = await read(store, k.dones(r), True)
-            view.done = {K.node_id_of(kv.key) for kv in dones}
         if name == "member":
             waiting, wrev = await read(store, k.waiting_prefix, True)
             view.waiting = {K.node_id_of(kv.key): kv for kv in waiting}
@@ -166,10 +169,47 @@ class Phase:
             events.append(round_ev)
         if name == "join":
             events.append(obs.joiners_event())
-        if name in ("wait", "member", "complete") and rnd == r:
+        if name in ("wait", "member") and rnd == r:
             events.extend(await obs.lost_events())
         if name == "member" and rnd == r:
             events.extend(obs.waiting_event(n) for n in view.waiting)
-        if name == "complete" and rnd == r and obs.all_done():
-            events.append(Event(Ev.BARRIER_DONE))
+        if name == "complete" and rnd == r and (view.round or {}).get("state") == K.CLOSED:
+            events.extend(await self.open_barrier(r))
+        return events
+
+    async def open_barrier(self, r: int) -> list[Event]:
+        """The exit barrier of round ``r``, after this node's done key (the
+        protocol: the module doc of :mod:`.rules`). Every member counts the
+        done keys; the one whose count is the round's size (the last to
+        finish, in revision order) is done. Otherwise it finds the barrier's
+        watcher: the first member in rank order whose presence key exists
+        (members before it that are gone must have a done key, else one is
+        lost). The watcher reads and watches the done keys and ``nodes/``;
+        every other member watches only the watcher's presence key."""
+        obs, store, k, me = self.observer, self.node.store, self.node.keys, self.node.node_id
+        view, now = obs.view, self.node.clock.monotonic()
+        members = obs.members()
+        # Read after this node's own done key: O(1) bytes (a count).
+        _, count, _ = await store.get_prefix_newest(k.dones(r), 0, 1)
+        if members and count >= len(members):
+            return [Event(Ev.BARRIER_DONE, now=now)]
+        for m in members:
+            nid = m["node_id"]
+            if nid == me:
+                break
+            kvs, rev = await read(store, k.node(nid), False)
+            if kvs:
+                view.watcher = nid
+                await self._watch("watcher", k.node(nid), False, rev)
+                return []
+            if not await obs.finished(nid):
+                return [obs.lost_event(m, "lease expired or revoked")]
+        # This node is the barrier's watcher.
+        dones, drev = await read(store, k.dones(r), True)
+        view.done = {K.node_id_of(kv.key) for kv in dones}
+        await self._watch("done", k.dones(r), True, drev)
+        await self._read_nodes()
+        events = await obs.lost_events()
+        if obs.all_done():
+            events.append(Event(Ev.BARRIER_DONE, now=now))
         return events

@@ -21,6 +21,7 @@ One node's life::
                          JOINING/DECIDING --ROUND_CLOSED(me)--> MEMBER
     MEMBER --MEMBER_LOST/NODE_WAITING/WORKERS_FAILED--> (opens R+1) --ROUND_OPEN--> IDLE
     MEMBER --WORKERS_SUCCEEDED--> COMPLETING --BARRIER_DONE--> FINISHED
+                                  (--MEMBER_LOST--> opens R+1, FINISHED)
     any --SHUTDOWN--> LEFT
 
 Only the decider closes a round: at once when ``max`` nodes joined; when at
@@ -28,6 +29,25 @@ least ``min`` joined, after ``last_call_timeout`` counted on its own monotonic
 clock from when it saw ``min`` reached -- or at once when this is a re-formed
 round (there was a previous round) and every node present in the job has
 joined (nobody left to wait for: the USER-PAIN 5 fix).
+
+The exit barrier (COMPLETING) costs O(n) store traffic and watch events per
+round, not O(n^2): a member whose workers succeeded puts its done key, then
+counts the done keys (one O(1)-byte read); the member whose count reaches the
+round's size -- the last to finish, in revision order -- feeds BARRIER_DONE
+and marks the job finished (CAS on ``round``). Everyone waits on ``round``
+alone, plus one more key: the round's *barrier watcher* is the first member in
+rank order whose presence key exists (normally group rank 0). The watcher reads
+and watches the done keys and every presence key (O(n) events, for one node):
+it finishes the job when the last done key appears (should the last finisher
+die before its CAS), and it alone notices a member lost during the barrier
+(presence gone, no done key), whereupon it opens R+1 (``member_lost``) so that
+the others, which see R+1 on ``round``, leave too. Every other member watches
+only the watcher's presence key: gone without a done key, the watcher is lost
+(MEMBER_LOST: open R+1, leave); gone with one (it left the barrier: timed out
+or shut down), the driver re-reads its phase and the next member in rank order
+takes the role. Any member may mark finished or open R+1: both are CAS on a
+closed ``round`` R, so two nodes that both believe they are the watcher are
+harmless. The role is chosen by the driver (``phases``), as the decider is.
 
 Rules table (state, event) -> next state: actions.  ``*`` marks conditions.
 
@@ -78,8 +98,9 @@ MEMBER      ROUND_FAILED      FAILED: RAISE(budget)
 MEMBER      LEASE_LOST        IDLE: RENEW_LEASE, RETURN_CHANGE(lease_lost)
 COMPLETING  BARRIER_DONE      FINISHED: CANCEL(barrier), MARK_FINISHED, RETURN
 COMPLETING  BARRIER_TIMEOUT   FINISHED: RETURN
-COMPLETING  MEMBER_LOST       FINISHED: CANCEL(barrier), RETURN (the barrier can
-                              never complete; the job goes on without this node)
+COMPLETING  MEMBER_LOST       FINISHED: CANCEL(barrier), OPEN_ROUND(member_lost),
+                              RETURN (the barrier can never complete; opening R+1
+                              tells the members that watch only ``round``)
 COMPLETING  ROUND_OPEN        FINISHED: CANCEL(barrier), RETURN (others re-formed)
 COMPLETING  ROUND_CLOSED      *newer R: FINISHED: RETURN; else COMPLETING
 COMPLETING  ROUND_FINISHED    FINISHED: CANCEL(barrier), RETURN
@@ -343,6 +364,17 @@ def _barrier_done(ctx: Context, ev: Event) -> Outcome:
     return S.FINISHED, ctx, acts
 
 
+def _barrier_lost(ctx: Context, ev: Event) -> Outcome:
+    # Only the barrier's watcher (or a watcher of the watcher) sees the loss:
+    # re-opening the round is how the others, watching ``round``, learn it.
+    acts = [
+        Action(Act.CANCEL, timer=Timer.BARRIER),
+        Action(Act.OPEN_ROUND, round=ctx.round, reason="member_lost", detail=ev.detail),
+        Action(Act.RETURN),
+    ]
+    return S.FINISHED, ctx, acts
+
+
 def _barrier_leave(ctx: Context, ev: Event) -> Outcome:
     return S.FINISHED, ctx, [Action(Act.CANCEL, timer=Timer.BARRIER), Action(Act.RETURN)]
 
@@ -413,7 +445,7 @@ RULES: dict[tuple[State, Ev], Rule] = {
     (S.MEMBER, Ev.LEASE_LOST): _member_lease_lost,
     (S.COMPLETING, Ev.BARRIER_DONE): _barrier_done,
     (S.COMPLETING, Ev.BARRIER_TIMEOUT): _barrier_leave,
-    (S.COMPLETING, Ev.MEMBER_LOST): _barrier_leave,
+    (S.COMPLETING, Ev.MEMBER_LOST): _barrier_lost,
     (S.COMPLETING, Ev.ROUND_OPEN): _barrier_leave,
     (S.COMPLETING, Ev.ROUND_CLOSED): _completing_closed,
     (S.COMPLETING, Ev.ROUND_FINISHED): _barrier_leave,

@@ -10,7 +10,9 @@ phase set-up, and on each watch event) into :class:`~.rules.Event` values:
 * joins and presence keys -> ``JOINERS_CHANGED`` (the decider's input);
 * running members' change detection: a member's presence gone without its done
   key -> ``MEMBER_LOST``; a waiting node -> ``NODE_WAITING``;
-* the exit barrier's check: every member of the round done.
+* the exit barrier: every member of the round done (``BARRIER_DONE``); for the
+  barrier's watcher, a done key or a presence key gone; for the others, the
+  watcher's presence gone (lost, or left: pick the watcher again).
 
 It does the few reads that translation needs (a round's result, a member's
 done key) and never writes.
@@ -61,6 +63,9 @@ class View:
     waiting: dict[str, KeyValue] = field(default_factory=dict)
     done: set[str] = field(default_factory=set)
     predecessor: str | None = None
+    # The exit barrier's watcher whose presence this node watches (None: this
+    # node is the watcher, or not at the barrier): see Phase.open_barrier.
+    watcher: str | None = None
     decider: bool = False
     # How many joined, where only a follower's predecessor was read (not
     # every join): see Phase.open.
@@ -215,6 +220,9 @@ class Observer:
         members = self.members()
         return bool(members) and all(m["node_id"] in self.view.done for m in members)
 
+    def member(self, node_id: str) -> dict[str, Any] | None:
+        return next((m for m in self.members() if m["node_id"] == node_id), None)
+
     # -- watch events ------------------------------------------------------------
     async def translate(self, tag: str, wev: WatchEvent) -> list[Event]:
         """Rule events for one event of the phase's watch named ``tag``."""
@@ -245,6 +253,20 @@ class Observer:
                 if m["node_id"] == nid and not await self.finished(nid):
                     return [self.lost_event(m, "lease expired or revoked")]
             return []
+        if tag == "done":  # the barrier's watcher: a member finished
+            if put and nid not in view.done:
+                view.done.add(nid)
+                if self.all_done():
+                    return [Event(Ev.BARRIER_DONE, now=self.node.clock.monotonic())]
+            return []
+        if tag == "watcher":  # the barrier's watcher's presence
+            member = self.member(nid)
+            if put or member is None:
+                return []
+            if await self.finished(nid):
+                self.resnap = True  # it left the barrier: pick the watcher again
+                return []
+            return [self.lost_event(member, "lease expired or revoked")]
         if tag == "waiting":
             if put:
                 view.waiting[nid] = wev.kv

@@ -11,6 +11,10 @@ TCP connection to a :class:`~elastrun.store.server.StoreServer`.
   its history (a new server id), open watches raise
   :class:`~elastrun.errors.RevisionCompacted`; if it stays unreachable longer
   than ``connect_timeout``, they raise :class:`~elastrun.errors.StoreUnavailable`.
+* Leases granted or kept alive through the client are renewed first thing on
+  every new connection (:mod:`elastrun.store.client_leases`): the store cuts
+  the leases of a lost connection to a short grace. A client holding leases or
+  watches reconnects as soon as its connection is lost.
 * A write (put, delete, txn, lease grant/revoke) in flight when the connection
   drops raises StoreUnavailable: it may or may not have been applied. Reads
   and keepalives are retried once on the new connection.
@@ -21,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +49,8 @@ from elastrun.store.base import (
     Watch,
     newest_created,
 )
+from elastrun.store.client_conn import Conn, describe_error, fmt_address, open_conn
+from elastrun.store.client_leases import HeldLeases
 from elastrun.store.client_watch import TcpWatch
 
 __all__ = ["TcpStore", "TcpWatch"]
@@ -57,33 +62,6 @@ _ERRORS: dict[str, type[StoreError]] = {
     "auth": AuthenticationError,
 }
 _IDEMPOTENT = frozenset({"get", "range", "lease_keepalive", "ping", "watch_cancel"})
-
-
-def _fmt(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(exc, socket.gaierror):
-        return f"cannot resolve the host name ({exc.strerror})"
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror.lower()
-    return str(exc) or type(exc).__name__
-
-
-class _Conn:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-        self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self.decoder = codec.FrameDecoder()
-        self.task: asyncio.Task[None] | None = None
-        self.alive = True
-        self.reason = "connection closed by the store"
 
 
 class TcpStore(Store):
@@ -101,16 +79,17 @@ class TcpStore(Store):
     ) -> None:
         self.host = host
         self.port = port
-        self.address = _fmt(host, port)
+        self.address = fmt_address(host, port)
         self.token = token
         self.request_timeout = request_timeout
         self.connect_timeout = connect_timeout
         self.clock = clock
         self.server_id: str | None = None
-        self._conn: _Conn | None = None
+        self._conn: Conn | None = None
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
         self._watches: dict[int, TcpWatch] = {}
+        self._leases = HeldLeases(clock)
         self._resumer: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -138,7 +117,7 @@ class TcpStore(Store):
         return f"the elastrun store at {self.address}"
 
     # -- connection ------------------------------------------------------------
-    async def _connected(self, deadline: float) -> _Conn:
+    async def _connected(self, deadline: float) -> Conn:
         if self._closed:
             raise StoreUnavailable(f"the client of the elastrun store at {self.address} is closed")
         conn = self._conn
@@ -167,46 +146,24 @@ class TcpStore(Store):
                 except (OSError, StoreUnavailable) as exc:
                     left = remaining(deadline, self.clock)
                     if left <= delay:
+                        why = describe_error(exc)
                         raise StoreUnavailable(
-                            f"cannot reach the elastrun store at {self.address}: {_describe(exc)}"
+                            f"cannot reach the elastrun store at {self.address}: {why}"
                         ) from None
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 1.0)
             self._conn = conn
             conn.task = asyncio.get_running_loop().create_task(self._read_loop(conn))
+            self._leases.renew_on(conn, self._ids)  # before any other request
             return conn
         finally:
             self._lock.release()
 
-    async def _open(self, deadline: float) -> _Conn:
+    async def _open(self, deadline: float) -> Conn:
         left = remaining(deadline, self.clock)
         if left <= 0:
             raise TimeoutError
-        async with asyncio.timeout(left):
-            reader, writer = await asyncio.open_connection(self.host, self.port)
-            conn = _Conn(reader, writer)
-            try:
-                writer.write(codec.encode_frame(codec.hello(self.token)))
-                await writer.drain()
-                while (reply := conn.decoder.pop()) is None:
-                    data = await reader.read(65536)
-                    if not data:
-                        raise StoreUnavailable("the store closed the connection during the hello")
-                    conn.decoder.push(data)
-            except BaseException:
-                writer.close()
-                raise
-        if reply.get("t") == "error":
-            writer.close()
-            code = reply.get("code")
-            message = str(reply.get("message", "refused"))
-            if code == "auth":
-                raise AuthenticationError(f"the elastrun store at {self.address}: {message}")
-            raise ProtocolError(f"the elastrun store at {self.address} refused us: {message}")
-        if reply.get("t") != "hello" or not isinstance(reply.get("server_id"), str):
-            writer.close()
-            raise ProtocolError(f"{self.address} did not answer like an elastrun store")
-        server_id = reply["server_id"]
+        conn, server_id = await open_conn(self.host, self.port, self.token, left)
         if self.server_id is not None and server_id != self.server_id:
             lost = RevisionCompacted(
                 f"the elastrun store at {self.address} restarted without its history; "
@@ -215,9 +172,9 @@ class TcpStore(Store):
             for watch in list(self._watches.values()):
                 watch.fail(lost)
         self.server_id = server_id
-        return conn  # the read loop takes over conn.decoder, with any bytes it holds
+        return conn
 
-    async def _read_loop(self, conn: _Conn) -> None:
+    async def _read_loop(self, conn: Conn) -> None:
         decoder = conn.decoder
         try:
             while True:
@@ -230,11 +187,11 @@ class TcpStore(Store):
         except ProtocolError as exc:
             conn.reason = f"protocol error: {exc}"
         except (OSError, EOFError) as exc:
-            conn.reason = _describe(exc)
+            conn.reason = describe_error(exc)
         finally:
             self._lost(conn)
 
-    def _dispatch(self, conn: _Conn, frame: dict[str, Any]) -> None:
+    def _dispatch(self, conn: Conn, frame: dict[str, Any]) -> None:
         kind = frame.get("t")
         if kind == "resp":
             future = conn.pending.pop(frame.get("id"), None)  # type: ignore[arg-type]
@@ -251,7 +208,7 @@ class TcpStore(Store):
         elif kind == "error":
             conn.reason = f"the store closed the connection: {frame.get('message')!s:.300}"
 
-    def _lost(self, conn: _Conn) -> None:
+    def _lost(self, conn: Conn) -> None:
         if not conn.alive:
             return
         conn.alive = False
@@ -265,12 +222,18 @@ class TcpStore(Store):
             if not future.done():
                 future.set_exception(error)
         conn.pending.clear()
-        if self._watches and not self._closed and (self._resumer is None or self._resumer.done()):
+        held = self._watches or self._leases
+        if held and not self._closed and (self._resumer is None or self._resumer.done()):
             self._resumer = asyncio.get_running_loop().create_task(self._resume())
 
     async def _resume(self) -> None:
-        """Re-establish open watches on a new connection (bounded)."""
+        """Reconnect at once (which renews held leases), then re-establish open
+        watches on the new connection (bounded)."""
         deadline = self.clock.monotonic() + self.connect_timeout
+        if not self._watches:
+            with contextlib.suppress(StoreError):  # the next request reports it
+                await self._connected(deadline)
+            return
         while not self._closed:
             todo = [w for w in self._watches.values() if w.conn is None or not w.conn.alive]
             if not todo:
@@ -330,7 +293,7 @@ class TcpStore(Store):
                     ) from None
                 raise
 
-    async def _send(self, conn: _Conn, deadline: float, op: str, **args: Any) -> Any:
+    async def _send(self, conn: Conn, deadline: float, op: str, **args: Any) -> Any:
         request_id = next(self._ids)
         frame = codec.encode_frame(codec.encode_request(request_id, op, **args))
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -345,8 +308,9 @@ class TcpStore(Store):
                 f"the elastrun store at {self.address} did not answer a {op} request in time"
             ) from None
         except OSError as exc:
+            why = describe_error(exc)
             raise StoreUnavailable(
-                f"lost the connection to the elastrun store at {self.address}: {_describe(exc)}"
+                f"lost the connection to the elastrun store at {self.address}: {why}"
             ) from None
         finally:
             conn.pending.pop(request_id, None)
@@ -360,7 +324,7 @@ class TcpStore(Store):
         message = error.get("message") if isinstance(error, dict) else None
         raise _ERRORS.get(str(code), StoreError)(str(message or f"{op} failed ({code})"))
 
-    def _post(self, conn: _Conn, op: str, **args: Any) -> None:
+    def _post(self, conn: Conn, op: str, **args: Any) -> None:
         """Send a request whose answer nobody waits for (it is ignored)."""
         with contextlib.suppress(OSError, ProtocolError, RuntimeError):
             conn.writer.write(codec.encode_frame(codec.encode_request(next(self._ids), op, **args)))
@@ -426,16 +390,24 @@ class TcpStore(Store):
 
     async def lease_grant(self, ttl: float) -> int:
         result = await self._request("lease_grant", ttl=float(ttl))
-        return codec.expect_int(result, "lease", minimum=1)
+        lease = codec.expect_int(result, "lease", minimum=1)
+        self._leases.renewed(lease, float(ttl))
+        return lease
 
     async def lease_keepalive(self, lease: int) -> float:
-        result = await self._request("lease_keepalive", lease=lease)
+        try:
+            result = await self._request("lease_keepalive", lease=lease)
+        except LeaseNotFound:
+            self._leases.forget(lease)
+            raise
         ttl = result.get("ttl")
         if type(ttl) not in (int, float):
             raise ProtocolError(f"malformed lease_keepalive response from {self.address}")
+        self._leases.renewed(lease, float(ttl))
         return float(ttl)
 
     async def lease_revoke(self, lease: int) -> None:
+        self._leases.forget(lease)  # never renewed again, whatever the answer
         await self._request("lease_revoke", lease=lease)
 
     async def watch(
@@ -472,6 +444,7 @@ class TcpStore(Store):
             watch.closed = True
             watch._queue.put_nowait(None)
         self._watches.clear()
+        self._leases.clear()
         if self._resumer is not None:
             self._resumer.cancel()
             with contextlib.suppress(asyncio.CancelledError):

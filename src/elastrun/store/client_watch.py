@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 from elastrun.store.base import Watch, WatchEvent
 
 if TYPE_CHECKING:
-    from elastrun.store.client import TcpStore, _Conn
+    from elastrun.store.client import TcpStore
+    from elastrun.store.client_conn import Conn
 
 __all__ = ["TcpWatch"]
 
@@ -30,7 +31,7 @@ class TcpWatch(Watch):
         self.prefix = prefix
         self._queue: asyncio.Queue[WatchEvent | BaseException | None] = asyncio.Queue()
         self.closed = False
-        self.conn: _Conn | None = None  # the connection it is established on
+        self.conn: Conn | None = None  # the connection it is established on
         self.next_revision: int | None = None  # resume point (first revision not yet seen)
         self._partial_rev = 0  # a revision delivered only in part (split frames)
         self._partial_count = 0
@@ -44,7 +45,7 @@ class TcpWatch(Watch):
             return self._partial_rev
         return self.next_revision
 
-    def established(self, conn: _Conn, revision: int) -> None:
+    def established(self, conn: Conn, revision: int) -> None:
         # Every event up to ``revision`` was delivered (the server sends a
         # watch's history before its response).
         self.conn = conn

@@ -6,6 +6,11 @@ events for watches that start in the past, and watcher callbacks. Async
 front-ends (:mod:`elastrun.store.memory`, :mod:`elastrun.store.server`) own the
 event loop, call :meth:`Engine.expire_leases` at :meth:`Engine.next_deadline`,
 and turn callbacks into queues or frames.
+
+A lease may have an *owner* (any hashable token; the TCP server uses the
+connection that granted it or last kept it alive). When the owner goes away,
+:meth:`Engine.lease_owner_gone` shortens its leases' deadlines to a short
+grace; the front-end must then re-arm its timer (the deadline moved earlier).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class _Lease:
     ttl: float
     deadline: float
     keys: set[str] = field(default_factory=set)
+    owner: object | None = None
 
 
 @dataclass
@@ -68,6 +74,7 @@ class Engine:
         self._kv: dict[str, KeyValue] = {}
         self._sorted_keys: list[str] = []
         self._leases: dict[int, _Lease] = {}
+        self._owned: dict[object, set[int]] = {}  # owner -> ids of the leases it owns
         # History of (revision, events); oldest revision still fully kept:
         self._history: deque[tuple[int, list[WatchEvent]]] = deque(maxlen=history)
         self._watchers: dict[int, _Watcher] = {}
@@ -148,26 +155,49 @@ class Engine:
         return TxnResult(succeeded=ok, revision=self.revision, gets=gets)
 
     # -- leases --------------------------------------------------------------
-    def lease_grant(self, ttl: float) -> int:
+    def lease_grant(self, ttl: float, owner: object | None = None) -> int:
         if not (math.isfinite(ttl) and MIN_TTL <= ttl <= MAX_TTL):
             raise ValueError(f"lease TTL must be between {MIN_TTL} and {MAX_TTL} s, got {ttl}")
         lease_id = next(self._lease_ids)
-        self._leases[lease_id] = _Lease(ttl, self.clock.monotonic() + ttl)
+        lease = self._leases[lease_id] = _Lease(ttl, self.clock.monotonic() + ttl)
+        self._set_owner(lease_id, lease, owner)
         return lease_id
 
-    def lease_keepalive(self, lease_id: int) -> float:
+    def lease_keepalive(self, lease_id: int, owner: object | None = None) -> float:
+        """Restore the full TTL; ``owner`` becomes the lease's owner (None: none)."""
         lease = self._leases.get(lease_id)
         if lease is None:
             raise LeaseNotFound(f"lease {lease_id:x} not found (expired or revoked)")
         lease.deadline = self.clock.monotonic() + lease.ttl
+        self._set_owner(lease_id, lease, owner)
         return lease.ttl
 
     def lease_revoke(self, lease_id: int) -> None:
         lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            self._set_owner(lease_id, lease, None)
         if lease is None or not lease.keys:
             return
         self.revision += 1
         self._publish([self._apply_delete(k) for k in sorted(lease.keys)])
+
+    def lease_owner_gone(self, owner: object, grace: float) -> list[int]:
+        """``owner`` went away: each lease it owns expires within ``grace``
+        (``min(deadline, now + grace)``, never later than before) unless kept
+        alive again, and has no owner from now on. Returns those leases' ids.
+        The earliest deadline may have moved earlier: re-arm the expiry timer."""
+        ids = sorted(self._owned.pop(owner, ()))
+        cutoff = self.clock.monotonic() + max(0.0, grace)
+        for lease_id in ids:
+            lease = self._leases[lease_id]
+            lease.owner = None
+            lease.deadline = min(lease.deadline, cutoff)
+        return ids
+
+    def lease_disown(self, owner: object) -> None:
+        """Forget ``owner`` without touching deadlines (its leases keep their TTL)."""
+        for lease_id in self._owned.pop(owner, ()):
+            self._leases[lease_id].owner = None
 
     def expire_leases(self) -> list[int]:
         """Revoke every lease whose deadline has passed; returns their ids."""
@@ -228,6 +258,19 @@ class Engine:
                 del index[watcher.key]
 
     # -- internals -----------------------------------------------------------
+    def _set_owner(self, lease_id: int, lease: _Lease, owner: object | None) -> None:
+        if lease.owner is owner:
+            return
+        if lease.owner is not None:
+            owned = self._owned.get(lease.owner)
+            if owned is not None:
+                owned.discard(lease_id)
+                if not owned:
+                    del self._owned[lease.owner]
+        lease.owner = owner
+        if owner is not None:
+            self._owned.setdefault(owner, set()).add(lease_id)
+
     def _check_lease(self, lease: int) -> None:
         if lease != NO_LEASE and lease not in self._leases:
             raise LeaseNotFound(f"lease {lease:x} not found (expired or revoked)")

@@ -18,7 +18,10 @@ __all__ = ["LeaseReaper", "MemoryStore", "QueueWatch"]
 
 class LeaseReaper:
     """Runs ``engine.expire_leases()`` whenever the earliest lease deadline
-    passes. Call :meth:`poke` after anything that may move the deadline."""
+    passes. Call :meth:`poke` after anything that may move the deadline: a
+    grant, keepalive or revoke, and above all a deadline moved *earlier*
+    (:meth:`Engine.lease_owner_gone`), which the sleeping reaper would
+    otherwise only notice at the old deadline."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine

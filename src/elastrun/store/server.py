@@ -2,9 +2,19 @@
 behind the wire protocol of :mod:`elastrun.store.codec`.
 
 Runs inside an agent's event loop (the agent hosting the store) or on its own
-(``elastrun store serve``). Leases expire on a timer, independent of
-connections (as in etcd): a dropped connection does not revoke its leases, and
-a killed client's keys vanish when its lease TTL runs out.
+(``elastrun store serve``). Leases expire on a timer (as in etcd), with one
+addition, the *grace on disconnect*: each lease remembers the connection that
+granted it or last kept it alive (its owner). When that connection ends (end
+of file, reset, or closed by the server), the lease's deadline is cut to at
+most :data:`DISCONNECT_GRACE` from then. A client process that dies has its
+socket closed by the kernel, so its keys vanish within the grace instead of
+the whole TTL; a live client that lost its connection reconnects and renews
+its leases at once (see :mod:`elastrun.store.client`), well within the grace.
+A keepalive from any connection restores the full TTL and makes that
+connection the owner. A peer that vanishes without a FIN or reset (network
+partition, powered-off host) still loses its leases only at the TTL. Leases
+of an engine handed over from a stopped server have no owner (plain TTL)
+until they are kept alive again.
 
 A connection that misbehaves is closed and nothing else is affected: a first
 frame that is not a valid hello (or none within ``hello_timeout``), a wrong or
@@ -41,11 +51,17 @@ from elastrun.store.base import WatchEvent
 from elastrun.store.engine import Engine
 from elastrun.store.memory import LeaseReaper
 
-__all__ = ["DEFAULT_PORT", "StoreServer"]
+__all__ = ["DEFAULT_PORT", "DISCONNECT_GRACE", "StoreServer"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 29400
+# Seconds a lease outlives the end of its owner's connection (never more than
+# its TTL left). Long enough for a live client to notice the lost connection,
+# reconnect (its first retries come within 0.05 + 0.1 + 0.2 + 0.4 s) and
+# renew; short enough that a killed node is seen gone in about 2 s rather than
+# after its lease TTL (10 s by default). See docs/store-protocol.md.
+DISCONNECT_GRACE = 2.0
 _READ_LIMIT_HINT = 64 * 1024
 
 
@@ -63,6 +79,7 @@ class StoreServer:
         hello_timeout: float = 10.0,
         max_output_buffer: int = 16 * 1024 * 1024,
         max_frame: int = codec.MAX_FRAME,
+        disconnect_grace: float = DISCONNECT_GRACE,
     ) -> None:
         self.host = host
         self.port = port
@@ -71,6 +88,7 @@ class StoreServer:
         self.hello_timeout = hello_timeout
         self.max_output_buffer = max_output_buffer
         self.max_frame = max_frame
+        self.disconnect_grace = disconnect_grace
         self._server: asyncio.Server | None = None
         self._reaper: LeaseReaper | None = None
         self._connections: set[_Connection] = set()
@@ -112,9 +130,13 @@ class StoreServer:
 
     async def stop(self) -> None:
         """Stop listening and drop every connection. The engine (keys, leases,
-        history) stays intact: a new server on the same engine continues it."""
+        history) stays intact: a new server on the same engine continues it.
+        Its leases keep their deadlines (no grace: the clients did not go
+        away) and lose their owners (this server's connections)."""
         if self._server is not None:
             self._server.close()
+        for conn in self._connections:
+            self.engine.lease_disown(conn)
         self.disconnect_all()
         if self._server is not None:
             with contextlib.suppress(Exception):
@@ -125,7 +147,8 @@ class StoreServer:
             self._reaper = None
 
     def disconnect_all(self) -> None:
-        """Drop every client connection (clients reconnect; tests, failover drills)."""
+        """Drop every client connection (clients reconnect and renew their
+        leases within the grace; tests, failover drills)."""
         for conn in list(self._connections):
             conn.abort("server dropped the connection")
 
@@ -199,6 +222,17 @@ class _Connection(asyncio.Protocol):
             self.engine.remove_watcher(watcher)
         self.watches.clear()
         self.server._connections.discard(self)
+        # The owner of these leases is gone: a dead process's kernel closes its
+        # socket, so they expire within the grace unless renewed (reconnect).
+        gone = self.engine.lease_owner_gone(self, self.server.disconnect_grace)
+        if gone:
+            log.info(
+                "store connection %s ended: %d lease(s) expire within %g s unless renewed",
+                self.peer,
+                len(gone),
+                self.server.disconnect_grace,
+            )
+            self.server._poke_reaper()  # a deadline moved earlier
 
     def data_received(self, data: bytes) -> None:
         if self.closing:
@@ -386,12 +420,12 @@ class _Connection(asyncio.Protocol):
             result = engine.txn(args["compares"], args["success"], args["failure"])
             return codec.encode_txn_result(result)
         if op == "lease_grant":
-            lease = engine.lease_grant(args["ttl"])
+            lease = engine.lease_grant(args["ttl"], owner=self)
             self.server._poke_reaper()
             return {"lease": lease, "ttl": args["ttl"]}
         if op == "lease_keepalive":
             engine.expire_leases()  # an expired lease must not be revived
-            ttl = engine.lease_keepalive(args["lease"])
+            ttl = engine.lease_keepalive(args["lease"], owner=self)
             self.server._poke_reaper()
             return {"ttl": ttl}
         if op == "lease_revoke":

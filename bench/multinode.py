@@ -1,0 +1,183 @@
+"""Scenarios with several agents on a c10d rendezvous: scale-up and node loss
+(3+4), partition (5), rendezvous scale (6). See docs/benchmarks.md."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from bench.base import Context, count_steps, launcher_env, steps_after
+from bench.configs import LauncherConfig
+from bench.harness import Agent, all_ranks_time, free_port
+from bench.netns import NetnsLab
+from bench.paths import BenchFailure
+
+
+def agent_argv(
+    cfg: LauncherConfig, nnodes: str, endpoint: str, is_host: bool, run_id: str, *extra: str
+) -> list[str]:
+    return cfg.argv(
+        [
+            f"--nnodes={nnodes}",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={run_id}",
+            *extra,
+            "--max-restarts=3",
+        ],
+        {"is_host": "1" if is_host else "0"},
+    )
+
+
+# --------------------------------------------------------------------------- 3+4. membership
+
+
+def membership(nnodes: str, node_loss: bool) -> Callable[[Context], None]:
+    """Two agents train; a third joins (scale-up); optionally it is then
+    killed with all its processes (node loss)."""
+
+    def fn(ctx: Context) -> None:
+        run, cfg, s = ctx.run, ctx.cfg, ctx.settings
+        port = free_port()
+        endpoint, run_id = f"127.0.0.1:{port}", f"bench{port}"
+        ctx.info["rdzv_endpoint"] = endpoint
+
+        def start(name: str, is_host: bool = False) -> Agent:
+            argv = agent_argv(cfg, nnodes, endpoint, is_host, run_id)
+            return run.start_agent(name, argv, launcher_env(cfg))
+
+        a, b = start("agent-a", is_host=True), start("agent-b")
+        t2 = run.wait(
+            "training at world 2",
+            lambda log: steps_after(log, 0.0, 2),
+            s.start_timeout,
+            alive=[a, b],
+        )
+        ctx.out["world2_first_step"] = t2 - a.t_launch
+        run.wait(
+            f"{s.warm_steps} steps at world 2",
+            lambda log: count_steps(log, 2) >= 2 * s.warm_steps,
+            s.start_timeout,
+            alive=[a, b],
+            stall=s.restart_stall,
+        )
+        c = start("agent-c")
+        t_join = c.t_launch
+        t3 = run.wait(
+            "training at world 3",
+            lambda log: steps_after(log, t_join, 3),
+            s.phase_timeout,
+            alive=[a, b, c],
+            stall=s.restart_stall,
+        )
+        ctx.out["scale_up"] = t3 - t_join
+        if node_loss:
+            run.wait(
+                f"{s.warm_steps} steps at world 3",
+                lambda log: count_steps(log, 3, after=t3) >= 3 * s.warm_steps,
+                s.phase_timeout,
+                alive=[a, b, c],
+                stall=s.restart_stall,
+            )
+            t_kill = run.kill_node(c)
+            t_back = run.wait(
+                "survivors training at world 2",
+                lambda log: steps_after(log, t_kill, 2),
+                s.phase_timeout,
+                alive=[a, b],
+                stall=s.loss_stall(cfg),
+            )
+            ctx.out["node_loss"] = t_back - t_kill
+        run.stop()
+        try:
+            run.wait_exit([a, b] if node_loss else [a, b, c], s.exit_timeout)
+        except BenchFailure as exc:
+            ctx.notes.append(f"after the measurement: {exc}")
+
+    return fn
+
+
+# --------------------------------------------------------------------------- 5. partition
+
+
+def partition(ctx: Context) -> None:
+    """Three agents, each in a network namespace of its own, train at world 3;
+    the 3rd node's link is cut (packets dropped, no resets). The survivors
+    must notice on their own and go on at world 2."""
+    with NetnsLab(3) as lab:
+        try:
+            _partition(ctx, lab)
+        finally:
+            ctx.run.cleanup()  # before the namespaces go
+
+
+def _partition(ctx: Context, lab: NetnsLab) -> None:
+    run, cfg, s = ctx.run, ctx.cfg, ctx.settings
+    port = free_port()
+    endpoint = f"{lab.addr(0)}:{port}"
+    ctx.info["rdzv_endpoint"] = endpoint
+    agents = []
+    for i in range(3):
+        argv = agent_argv(
+            cfg, "2:3", endpoint, i == 0, f"bench{port}", f"--local-addr={lab.addr(i)}"
+        )
+        env = {**launcher_env(cfg), "GLOO_SOCKET_IFNAME": "eth0"}
+        agents.append(run.start_agent(f"agent-{i}", [*lab.exec_prefix(i), *argv], env))
+    a, b = agents[:2]
+    t3 = run.wait(
+        "training at world 3",
+        lambda log: steps_after(log, 0.0, 3),
+        s.start_timeout,
+        alive=agents,
+    )
+    ctx.out["world3_first_step"] = t3 - a.t_launch
+    run.wait(
+        f"{s.warm_steps} steps at world 3",
+        lambda log: count_steps(log, 3) >= 3 * s.warm_steps,
+        s.phase_timeout,
+        alive=agents,
+        stall=s.restart_stall,
+    )
+    t_cut = lab.partition(2)
+    t_back = run.wait(
+        "survivors training at world 2 after the partition",
+        lambda log: steps_after(log, t_cut, 2),
+        s.partition_timeout,
+        alive=[a, b],
+    )
+    ctx.out["partition"] = t_back - t_cut
+    run.stop()
+    try:
+        run.wait_exit([a, b], s.exit_timeout)
+    except BenchFailure as exc:
+        ctx.notes.append(f"after the measurement: {exc}")
+
+
+# --------------------------------------------------------------------------- 6. rendezvous scale
+
+
+def rdzv_scale(n: int) -> Callable[[Context], None]:
+    def fn(ctx: Context) -> None:
+        run, cfg, s = ctx.run, ctx.cfg, ctx.settings
+        port = free_port()
+        endpoint = f"127.0.0.1:{port}"
+        agents = [
+            run.start_agent(
+                f"agent-{i}",
+                agent_argv(cfg, str(n), endpoint, i == 0, f"bench{port}"),
+                launcher_env(cfg),
+            )
+            for i in range(n)
+        ]
+        t0 = agents[0].t_launch
+        t_all = run.wait(
+            f"{n} workers started",
+            lambda log: all_ranks_time(log.select("start"), n),
+            s.start_timeout + 4 * n,
+            alive=agents,
+        )
+        ctx.out["all_started"] = t_all - t0
+        t_exit = run.wait_exit(agents, s.exit_timeout + 2 * n)
+        ctx.out["all_exited"] = t_exit - t0
+
+    return fn

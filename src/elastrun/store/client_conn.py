@@ -1,0 +1,74 @@
+"""One connection of the embedded store's client (:mod:`elastrun.store.client`):
+open the socket, say hello, and hold what the client's read loop and requests
+share (pending answers by request id, the frame decoder)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+from elastrun.errors import AuthenticationError, ProtocolError, StoreUnavailable
+from elastrun.store import codec
+
+__all__ = ["Conn", "describe_error", "fmt_address", "open_conn"]
+
+
+def fmt_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def describe_error(exc: BaseException) -> str:
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve the host name ({exc.strerror})"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
+    return str(exc) or type(exc).__name__
+
+
+class Conn:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.decoder = codec.FrameDecoder()
+        self.task: asyncio.Task[None] | None = None
+        self.alive = True
+        self.reason = "connection closed by the store"
+
+
+async def open_conn(host: str, port: int, token: str | None, timeout: float) -> tuple[Conn, str]:
+    """Connect and say hello within ``timeout``; returns the connection and the
+    store's server id. Raises OSError, TimeoutError or StoreUnavailable (retry),
+    AuthenticationError or ProtocolError (do not)."""
+    address = fmt_address(host, port)
+    async with asyncio.timeout(timeout):
+        reader, writer = await asyncio.open_connection(host, port)
+        conn = Conn(reader, writer)
+        try:
+            writer.write(codec.encode_frame(codec.hello(token)))
+            await writer.drain()
+            while (reply := conn.decoder.pop()) is None:
+                data = await reader.read(65536)
+                if not data:
+                    raise StoreUnavailable("the store closed the connection during the hello")
+                conn.decoder.push(data)
+        except BaseException:
+            writer.close()
+            raise
+    if reply.get("t") == "error":
+        writer.close()
+        code = reply.get("code")
+        message = str(reply.get("message", "refused"))
+        if code == "auth":
+            raise AuthenticationError(f"the elastrun store at {address}: {message}")
+        raise ProtocolError(f"the elastrun store at {address} refused us: {message}")
+    server_id = reply.get("server_id")
+    if reply.get("t") != "hello" or not isinstance(server_id, str):
+        writer.close()
+        raise ProtocolError(f"{address} did not answer like an elastrun store")
+    return conn, server_id  # the read loop takes over conn.decoder, with any bytes it holds
