@@ -79,7 +79,11 @@ def test_sigkilled_agent_is_dropped_well_before_its_lease_ttl(tmp_path: Path) ->
         wait_for(lambda: any(s["world"] == 2 for s in j.steps()), BOUND, "training at world 2")
         mark = len(j.steps())
         c = j.start_agent("c", flags(port, host=False), script=str(worker))  # group rank 2
-        wait_for(lambda: steps_after(j, mark, lambda s: s["world"] == 3), BOUND, "world 3")
+        wait_for(
+            lambda: steps_after(j, mark, lambda s: s["world"] == 3 and s["group_rank"] == 2),
+            BOUND,
+            "node c training at world 3",
+        )
 
         c_pids = {s["pid"] for s in j.steps() if s["world"] == 3 and s["group_rank"] == 2}
         assert c_pids, "node c has no worker at world 3"

@@ -46,7 +46,7 @@ PROBE = textwrap.dedent(
     with open(os.path.join(out, f"r{rc}-{rank}.json"), "w") as f:
         json.dump(rec, f)
     dist.destroy_process_group()
-    if rc == "0" and rank == "1":
+    if rc == "0" and rank == "1" and not os.environ.get("PROBE_NO_FAIL"):
         sys.exit(3)
     if os.environ.get("PROBE_RAISE") and rc == "1" and rank == "0":
         raise ValueError("probe failure in the restarted worker")
@@ -146,6 +146,7 @@ def test_warm_workers_see_what_cold_workers_see(tmp_path):
 def test_the_first_workers_start_from_spares_ready_during_the_rendezvous(tmp_path):
     # Agent A waits in the rendezvous for B; its spares import torch meanwhile.
     out, env = _setup(tmp_path)
+    env["PROBE_NO_FAIL"] = "1"  # (rank 0 is done before rank 1 would fail: no restart)
     port = free_port()
     events_a, events_b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     common = [
@@ -216,7 +217,7 @@ def test_module_mode_runs_as_python_dash_m(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = _records(out)
     warm = recs["r1-0"]
-    assert warm["warm"] is True and recs["r0-0"]["warm"] is True
+    assert warm["warm"] is True  # (the first start may be cold)
     assert warm["argv"] == [str(pkg / "probe.py"), "x"]
     assert warm["path0"] == str(tmp_path) and warm["file"] == str(pkg / "probe.py")
     assert warm["spec"] == "pkg.probe" and warm["name"] == "__main__"
