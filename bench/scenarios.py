@@ -187,13 +187,17 @@ def memory(nproc: int) -> Callable[[Context], None]:
 # --------------------------------------------------------------------------- catalogue
 
 _COLD = (
-    ("workers_started", "s", "launch -> every worker process running (before torch import)"),
+    (
+        "workers_started",
+        "s",
+        "launch -> every worker script running (a warm spare: torch imported)",
+    ),
     ("first_step", "s", "launch -> first step done on all ranks"),
     ("exit", "s", "last step -> launcher exited 0"),
     ("total", "s", "launch -> launcher exited 0"),
 )
 _CRASH = (
-    ("respawn", "s", "SIGKILL of one worker -> all replacement workers running"),
+    ("respawn", "s", "SIGKILL of one worker -> every replacement worker script running"),
     ("resumed", "s", "SIGKILL of one worker -> first step after the restart on all ranks"),
     ("steps_lost", "steps", "last step before the kill - step resumed from"),
 )
