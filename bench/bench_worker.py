@@ -2,7 +2,8 @@
 
 It writes one JSON line per event to the file named by ``$BENCH_EVENTS``
 (``O_APPEND`` writes of one short line each, so many processes can share the
-file). Times are wall-clock ``time.time()``: every process runs on one machine.
+file). Times ``t`` are ``time.monotonic()``: CLOCK_MONOTONIC is one clock for every
+process of a machine, and unlike the wall clock it never steps (``wall`` is for humans).
 
 Events (``ev``): ``start`` (first thing the script does, before importing
 torch; in a warm spare interpreter torch is imported already), ``imported``
@@ -26,7 +27,7 @@ stop decision travels in each step's all-reduce.
 
 import time
 
-T_START = time.time()
+T_START = time.monotonic()
 
 import json  # noqa: E402
 import os  # noqa: E402
@@ -59,7 +60,13 @@ BASE: dict[str, object] = {
 
 
 def emit(ev: str, t: float | None = None, **fields: object) -> None:
-    record = {"ev": ev, "t": time.time() if t is None else t, **BASE, **fields}
+    record = {
+        "ev": ev,
+        "t": time.monotonic() if t is None else t,
+        "wall": time.time(),
+        **BASE,
+        **fields,
+    }
     fd = os.open(EVENTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, (json.dumps(record) + "\n").encode())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -192,7 +193,10 @@ class Run:
 
     def __init__(self, folder: Path, worker_env: Mapping[str, str]) -> None:
         self.dir = folder
-        self.dir.mkdir(parents=True, exist_ok=True)
+        # A folder left by an earlier run with the same --out holds its events
+        # and checkpoint: they would be read as this run's.
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir.mkdir(parents=True)
         self.events_path = self.dir / "events.jsonl"
         self.log = EventLog(self.events_path)
         self.agents: list[Agent] = []
@@ -216,7 +220,7 @@ class Run:
         log_path = self.dir / f"{name}.log"
         full_env = {**os.environ, **self.worker_env, **(env or {})}
         with log_path.open("wb") as log:
-            t_launch = time.time()
+            t_launch = time.monotonic()
             proc = subprocess.Popen(
                 list(argv),
                 stdout=log,
@@ -231,7 +235,7 @@ class Run:
 
         def waiter() -> None:
             proc.wait()
-            agent.t_exit = time.time()
+            agent.t_exit = time.monotonic()
 
         threading.Thread(target=waiter, daemon=True).start()
         self.agents.append(agent)
@@ -242,7 +246,7 @@ class Run:
         returns the time of the kill."""
         agent.remember_tree()
         pids = [agent.pid, *agent.known_pids]
-        t = time.time()
+        t = time.monotonic()
         kill_tree(pids)
         return t
 

@@ -72,7 +72,7 @@ class NetnsLab:
         return ["ip", "netns", "exec", self.nodes[i]]
 
     def partition(self, i: int) -> float:
-        t = time.time()
+        t = time.monotonic()
         self._ip("-n", self.hub, "link", "set", f"v{i}", "down")
         return t
 

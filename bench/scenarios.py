@@ -98,7 +98,7 @@ def worker_crash(nproc: int) -> Callable[[Context], None]:
         )
         victims = run.log.select("start", rank=1, restart=0) or run.log.select("start", rank=1)
         pid = int(victims[-1]["pid"])
-        t_kill = time.time()
+        t_kill = time.monotonic()
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError as exc:

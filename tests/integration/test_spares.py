@@ -112,8 +112,8 @@ def test_warm_workers_see_what_cold_workers_see(tmp_path):
     for name, cold in cold_recs.items():
         warm = warm_recs[name]
         assert cold["warm"] is False, name
-        if name.startswith("r1-"):  # restarts; the first start may be cold (see below)
-            assert warm["warm"] is True, f"{name} started cold"
+        # The probe imports torch: even a spare still importing is a head start.
+        assert warm["warm"] is True, f"{name} started cold"
         for key in ("argv", "file", "path0", "name", "spec", "world", "sum", "stdin"):
             assert _rel(warm[key], warm_dir) == _rel(cold[key], cold_dir), (name, key)
         assert warm["argv"] == ["probe.py", "a", "--b=c"]
@@ -132,13 +132,10 @@ def test_warm_workers_see_what_cold_workers_see(tmp_path):
     assert used == {r["pid"] for r in warm_recs.values() if r["warm"]}
     assert {warm_recs["r1-0"]["pid"], warm_recs["r1-1"]["pid"]} <= used
     started = [e["pid"] for e in events if e["kind"] == "spare_started"]
-    # After the restart no restart is left: no spare is kept for nothing.
-    # (A spare not ready for the first start is kept for the restart.)
-    first_warm = sum(1 for n, r in warm_recs.items() if n.startswith("r0-") and r["warm"])
-    assert len(started) == 2 + first_warm
-    dropped = [e for e in events if e["kind"] == "spare_discarded"]
-    assert len(dropped) == len(started) - len(used)
-    assert {e["reason"] for e in dropped} <= {"no restart is possible"}
+    # Two for the first start, two for the restart; after it no restart is
+    # left, and no spare is kept for nothing.
+    assert len(started) == 4 and len(used) == 4
+    assert not [e for e in events if e["kind"] == "spare_discarded"]
     for pid in started:
         assert not pid_alive(pid), f"spare {pid} outlived the agent"
 
@@ -285,12 +282,15 @@ def test_spares_die_with_a_killed_agent(tmp_path):
 
 
 def test_a_spare_still_importing_is_used_and_runs_the_script(tmp_path):
-    # The pool on its own: a spare whose preload takes 3 s is needed at once.
-    (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(3)\n")
+    # The pool on its own: a spare whose preload takes 3 s is needed at once,
+    # by a script that imports the same module (a head start).
+    (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(3)\nLOADED = time.time()\n")
     script = tmp_path / "s.py"
     script.write_text(
-        "import os, sys\n"
-        "print('RAN', 'slowmod' in sys.modules, os.environ['RANK'], sys.argv[1:], flush=True)\n"
+        "import os, sys, time\n"
+        "T0 = time.time()\n"
+        "import slowmod\n"
+        "print('RAN', slowmod.LOADED < T0, os.environ['RANK'], sys.argv[1:], flush=True)\n"
     )
     spec = WorkerSpec(argv=(PYTHON, "-u", str(script), "z"), nproc=1, run_id="spare-test")
     entry = python_entry(spec.argv)
@@ -306,9 +306,30 @@ def test_a_spare_still_importing_is_used_and_runs_the_script(tmp_path):
     finally:
         asyncio.run(pool.close())
     assert popen.returncode == 0, err
-    assert b"RAN True 5 ['z']" in out
+    assert b"RAN True 5 ['z']" in out  # slowmod was loaded before the script ran
     (used,) = [e for e in sink.events if e["kind"] == "spare_used"]
     assert used["ready"] is False
+
+
+def test_a_spare_still_importing_is_kept_for_a_script_that_does_not_need_it(tmp_path):
+    (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(30)\n")
+    script = tmp_path / "s.py"
+    script.write_text("print('no slowmod here')\n")
+    spec = WorkerSpec(argv=(PYTHON, "-u", str(script)), nproc=1, run_id="spare-test")
+    entry = python_entry(spec.argv)
+    assert entry is not None
+    sink = ListSink()
+    pool = SparePool(spec, entry, sink, preload=("slowmod",))
+    assert pool.head_start is False
+    pool.replenish({0: dict(os.environ)})
+    try:
+        (pid,) = pool.pids
+        assert pool.take(0, dict(os.environ)) is None  # the worker starts cold, at once
+        assert pool.pids == [pid] and pid_alive(pid)  # kept for a later start
+    finally:
+        asyncio.run(pool.close())
+    assert not pid_alive(pid)
+    assert not [e for e in sink.events if e["kind"] in ("spare_used", "spare_discarded")]
 
 
 def test_a_spare_started_with_another_environment_is_not_used(tmp_path):

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from elastrun.agent.spares import ROUND_VARS, PythonEntry, compatible, python_entry
+from elastrun.agent.spares import (
+    ROUND_VARS,
+    PythonEntry,
+    compatible,
+    entry_file,
+    imports_any,
+    python_entry,
+)
 from elastrun.launcher.cli import RUN_PATH_CODE, Command, worker_argv
 
 
@@ -29,3 +36,34 @@ def test_only_round_variables_may_differ():
     del missing["PATH"]
     assert compatible(base, missing) == "PATH"
     assert "LOCAL_RANK" not in ROUND_VARS  # a spare belongs to one local rank
+
+
+def test_whether_the_worker_imports_the_preloaded_modules(tmp_path):
+    def src(text: str) -> str:
+        path = tmp_path / "s.py"
+        path.write_text(text)
+        return str(path)
+
+    assert imports_any(src("import torch\n"), ["torch"])
+    assert imports_any(src("import os, torch.distributed as dist\n"), ["torch"])
+    assert imports_any(src("def main():\n    from torch import nn\n"), ["torch"])
+    assert not imports_any(src("import torchvision\nfrom . import torch\n"), ["torch"])
+    assert not imports_any(src("print('torch')\n"), ["torch"])
+    assert not imports_any(src("import torch(\n"), ["torch"])  # not Python: no
+    assert not imports_any(str(tmp_path / "missing.py"), ["torch"])
+    assert not imports_any(None, ["torch"])
+
+
+def test_the_file_a_module_entry_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pkg" / "app").mkdir(parents=True)
+    (tmp_path / "pkg" / "train.py").write_text("")
+    (tmp_path / "pkg" / "app" / "__main__.py").write_text("")
+    assert entry_file(PythonEntry(("py", "-u"), "module", "pkg.train", ())) == str(
+        tmp_path / "pkg" / "train.py"
+    )
+    assert entry_file(PythonEntry(("py", "-u"), "module", "pkg.app", ())) == str(
+        tmp_path / "pkg" / "app" / "__main__.py"
+    )
+    assert entry_file(PythonEntry(("py", "-u"), "module", "json.tool", ())) is None
+    assert entry_file(PythonEntry(("py", "-u"), "script", "t.py", ())) == "t.py"

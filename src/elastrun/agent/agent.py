@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import shutil
 import signal
@@ -324,12 +323,9 @@ class Agent:
         )
         self._group = group
         spares = self._spares
-        # A spare still importing is used for a restart (it has a head start);
-        # for the first start, where the rendezvous rarely leaves it the time,
-        # the worker starts cold at full priority and the spare is kept.
-        first = self._attempt == 0
-        take = None if spares is None else functools.partial(spares.take, unready_ok=not first)
-        group.start(take)  # on WorkerError, run() stops the ones already started
+        group.start(
+            spares.take if spares is not None else None
+        )  # on WorkerError, run() stops the ones already started
         if spares is not None:
             if self._may_restart(result):
                 spares.replenish(group.envs())

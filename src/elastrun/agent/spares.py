@@ -13,7 +13,9 @@ would. A spare that has died or was started with an environment that differs
 from the worker's in anything but the per-round variables (``ROUND_VARS``) is
 killed and the worker is started cold: a spare can only save time, never
 change what runs. A spare still importing is used all the same (raised to
-normal priority): it has a head start on a cold worker.
+normal priority) when the worker imports the preloaded modules itself (its
+source says so): it has a head start on a cold worker; otherwise it is kept for
+a later start and the worker starts cold.
 
 Spares preload at idle CPU priority where the spare may return to normal
 priority afterwards (root or ``CAP_SYS_NICE``), otherwise after a delay, so
@@ -26,6 +28,7 @@ script or ``-m`` module, not ``--no-python`` or ``--run-path``) get spares
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import json
@@ -85,6 +88,42 @@ def python_entry(argv: Sequence[str]) -> PythonEntry | None:
     return PythonEntry(tuple(argv[:2]), "script", argv[2], tuple(argv[3:]))
 
 
+def entry_file(entry: PythonEntry) -> str | None:
+    """The source file the worker runs first: the script, or for ``-m`` the
+    module's file under the working directory (None when not found there; the
+    agent never imports user code to find it)."""
+    if entry.kind == "script":
+        return entry.target
+    base = os.path.join(os.getcwd(), *entry.target.split("."))
+    for path in (base + ".py", os.path.join(base, "__main__.py")):
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def imports_any(path: str | None, modules: Sequence[str]) -> bool:
+    """Whether the Python source at ``path`` imports one of ``modules`` (or a
+    submodule) anywhere in it; False when it cannot be read or parsed."""
+    if path is None or not modules:
+        return False
+    try:
+        with open(path, "rb") as fp:
+            tree = ast.parse(fp.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return False
+    roots = set(modules)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        if any(name.split(".")[0] in roots for name in names):
+            return True
+    return False
+
+
 def compatible(started: Mapping[str, str], wanted: Mapping[str, str]) -> str | None:
     """None if a spare started with ``started`` may become a worker with
     ``wanted``; otherwise the first variable that differs."""
@@ -136,6 +175,9 @@ class SparePool:
         self.events = events
         self.guard = guard
         self.preload = tuple(preload)
+        # A spare still importing is a head start only for a worker that
+        # imports the same: a script that never imports torch would wait for it.
+        self.head_start = not self.preload or imports_any(entry_file(entry), self.preload)
         self._spares: dict[int, _Spare] = {}
         self._dead: list[subprocess.Popen[bytes]] = []
         self._closed = False
@@ -225,16 +267,15 @@ class SparePool:
         spare.unwatch = lambda: loop.remove_reader(spare.sock.fileno())
 
     # ------------------------------------------------------------ using
-    def take(
-        self, local_rank: int, env: Mapping[str, str], *, unready_ok: bool = True
-    ) -> subprocess.Popen[bytes] | None:
+    def take(self, local_rank: int, env: Mapping[str, str]) -> subprocess.Popen[bytes] | None:
         """The spare of ``local_rank`` turned into the worker with ``env``, or
-        None (the caller starts the worker cold). With ``unready_ok`` false, a
-        spare still importing is left alone (kept for a later start)."""
+        None (the caller starts the worker cold). A spare still importing is
+        used only when the worker imports those modules itself (``head_start``);
+        otherwise it is left alone, kept for a later start."""
         spare = self._spares.get(local_rank)
         if spare is None:
             return None
-        if not unready_ok and spare.popen.poll() is None and not spare.poll_ready():
+        if not self.head_start and spare.popen.poll() is None and not spare.poll_ready():
             return None
         del self._spares[local_rank]
         why = self._unusable(spare, env)
