@@ -112,8 +112,8 @@ def test_warm_workers_see_what_cold_workers_see(tmp_path):
     for name, cold in cold_recs.items():
         warm = warm_recs[name]
         assert cold["warm"] is False, name
-        # The probe imports torch: even a spare still importing is a head start.
-        assert warm["warm"] is True, f"{name} started cold"
+        if name.startswith("r1-"):  # restarts; the first start takes only ready spares
+            assert warm["warm"] is True, f"{name} started cold"
         for key in ("argv", "file", "path0", "name", "spec", "world", "sum", "stdin"):
             assert _rel(warm[key], warm_dir) == _rel(cold[key], cold_dir), (name, key)
         assert warm["argv"] == ["probe.py", "a", "--b=c"]
@@ -132,9 +132,10 @@ def test_warm_workers_see_what_cold_workers_see(tmp_path):
     assert used == {r["pid"] for r in warm_recs.values() if r["warm"]}
     assert {warm_recs["r1-0"]["pid"], warm_recs["r1-1"]["pid"]} <= used
     started = [e["pid"] for e in events if e["kind"] == "spare_started"]
-    # Two for the first start, two for the restart; after it no restart is
-    # left, and no spare is kept for nothing.
-    assert len(started) == 4 and len(used) == 4
+    # A spare not ready for the first start is kept for the restart; after the
+    # restart no restart is left, and no spare is kept for nothing.
+    first_warm = sum(1 for n, r in warm_recs.items() if n.startswith("r0-") and r["warm"])
+    assert len(started) == 2 + first_warm and len(used) == len(started)
     assert not [e for e in events if e["kind"] == "spare_discarded"]
     for pid in started:
         assert not pid_alive(pid), f"spare {pid} outlived the agent"
@@ -309,6 +310,26 @@ def test_a_spare_still_importing_is_used_and_runs_the_script(tmp_path):
     assert b"RAN True 5 ['z']" in out  # slowmod was loaded before the script ran
     (used,) = [e for e in sink.events if e["kind"] == "spare_used"]
     assert used["ready"] is False
+
+
+def test_a_first_start_does_not_wait_for_a_spare_still_importing(tmp_path):
+    # The same script, but a first start: it must not wait for the import
+    # (a script failing on a mistyped argument fails at once).
+    (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(30)\n")
+    script = tmp_path / "s.py"
+    script.write_text("import slowmod\n")
+    spec = WorkerSpec(argv=(PYTHON, "-u", str(script)), nproc=1, run_id="spare-test")
+    entry = python_entry(spec.argv)
+    assert entry is not None
+    pool = SparePool(spec, entry, ListSink(), preload=("slowmod",))
+    assert pool.head_start is True
+    pool.replenish({0: dict(os.environ)})
+    try:
+        (pid,) = pool.pids
+        assert pool.take(0, dict(os.environ), restart=False) is None
+        assert pool.pids == [pid] and pid_alive(pid)  # kept for a later start
+    finally:
+        asyncio.run(pool.close())
 
 
 def test_a_spare_still_importing_is_kept_for_a_script_that_does_not_need_it(tmp_path):

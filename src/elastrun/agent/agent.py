@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -323,9 +324,9 @@ class Agent:
         )
         self._group = group
         spares = self._spares
-        group.start(
-            spares.take if spares is not None else None
-        )  # on WorkerError, run() stops the ones already started
+        # A first start takes only spares that are ready (see agent/spares.py).
+        take = None if spares is None else functools.partial(spares.take, restart=self._attempt > 0)
+        group.start(take)  # on WorkerError, run() stops the ones already started
         if spares is not None:
             if self._may_restart(result):
                 spares.replenish(group.envs())

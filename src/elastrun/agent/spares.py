@@ -12,10 +12,12 @@ over a socket (JSON, one line); it runs the script as ``python -u script``
 would. A spare that has died or was started with an environment that differs
 from the worker's in anything but the per-round variables (``ROUND_VARS``) is
 killed and the worker is started cold: a spare can only save time, never
-change what runs. A spare still importing is used all the same (raised to
-normal priority) when the worker imports the preloaded modules itself (its
-source says so): it has a head start on a cold worker; otherwise it is kept for
-a later start and the worker starts cold.
+change what runs. A spare still importing is kept for a later start while the
+worker starts cold, except for a restart of a script that imports the
+preloaded modules itself (its source says so): there it is used all the same,
+raised to normal priority, as a head start. (On a first start, a script that
+fails early, say on a mistyped argument, must fail at once, not after
+``import torch``.)
 
 Spares preload at idle CPU priority where the spare may return to normal
 priority afterwards (root or ``CAP_SYS_NICE``), otherwise after a delay, so
@@ -267,15 +269,18 @@ class SparePool:
         spare.unwatch = lambda: loop.remove_reader(spare.sock.fileno())
 
     # ------------------------------------------------------------ using
-    def take(self, local_rank: int, env: Mapping[str, str]) -> subprocess.Popen[bytes] | None:
+    def take(
+        self, local_rank: int, env: Mapping[str, str], *, restart: bool = True
+    ) -> subprocess.Popen[bytes] | None:
         """The spare of ``local_rank`` turned into the worker with ``env``, or
         None (the caller starts the worker cold). A spare still importing is
-        used only when the worker imports those modules itself (``head_start``);
-        otherwise it is left alone, kept for a later start."""
+        used only for a restart of a worker that imports those modules itself
+        (``head_start``); otherwise it is left alone, kept for a later start."""
         spare = self._spares.get(local_rank)
         if spare is None:
             return None
-        if not self.head_start and spare.popen.poll() is None and not spare.poll_ready():
+        unready_ok = restart and self.head_start
+        if not unready_ok and spare.popen.poll() is None and not spare.poll_ready():
             return None
         del self._spares[local_rank]
         why = self._unusable(spare, env)
