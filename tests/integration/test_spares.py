@@ -282,6 +282,14 @@ def test_spares_die_with_a_killed_agent(tmp_path):
             agent.wait(timeout=10)
 
 
+def _pool(script: Path, *args: str, preload: tuple[str, ...], sink: ListSink) -> SparePool:
+    """A spare pool on its own (no agent) for one worker running ``script``."""
+    spec = WorkerSpec(argv=(PYTHON, "-u", str(script), *args), nproc=1, run_id="spare-test")
+    entry = python_entry(spec.argv)
+    assert entry is not None
+    return SparePool(spec, entry, sink, preload=preload)
+
+
 def test_a_spare_still_importing_is_used_and_runs_the_script(tmp_path):
     # The pool on its own: a spare whose preload takes 3 s is needed at once,
     # by a script that imports the same module (a head start).
@@ -293,11 +301,8 @@ def test_a_spare_still_importing_is_used_and_runs_the_script(tmp_path):
         "import slowmod\n"
         "print('RAN', slowmod.LOADED < T0, os.environ['RANK'], sys.argv[1:], flush=True)\n"
     )
-    spec = WorkerSpec(argv=(PYTHON, "-u", str(script), "z"), nproc=1, run_id="spare-test")
-    entry = python_entry(spec.argv)
-    assert entry is not None
     sink = ListSink()
-    pool = SparePool(spec, entry, sink, preload=("slowmod",))
+    pool = _pool(script, "z", preload=("slowmod",), sink=sink)
     env = {**os.environ, "RANK": "0"}
     pool.replenish({0: env})
     popen = pool.take(0, {**env, "RANK": "5"})
@@ -318,10 +323,7 @@ def test_a_first_start_does_not_wait_for_a_spare_still_importing(tmp_path):
     (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(30)\n")
     script = tmp_path / "s.py"
     script.write_text("import slowmod\n")
-    spec = WorkerSpec(argv=(PYTHON, "-u", str(script)), nproc=1, run_id="spare-test")
-    entry = python_entry(spec.argv)
-    assert entry is not None
-    pool = SparePool(spec, entry, ListSink(), preload=("slowmod",))
+    pool = _pool(script, preload=("slowmod",), sink=ListSink())
     assert pool.head_start is True
     pool.replenish({0: dict(os.environ)})
     try:
@@ -336,11 +338,8 @@ def test_a_spare_still_importing_is_kept_for_a_script_that_does_not_need_it(tmp_
     (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(30)\n")
     script = tmp_path / "s.py"
     script.write_text("print('no slowmod here')\n")
-    spec = WorkerSpec(argv=(PYTHON, "-u", str(script)), nproc=1, run_id="spare-test")
-    entry = python_entry(spec.argv)
-    assert entry is not None
     sink = ListSink()
-    pool = SparePool(spec, entry, sink, preload=("slowmod",))
+    pool = _pool(script, preload=("slowmod",), sink=sink)
     assert pool.head_start is False
     pool.replenish({0: dict(os.environ)})
     try:
@@ -356,11 +355,8 @@ def test_a_spare_still_importing_is_kept_for_a_script_that_does_not_need_it(tmp_
 def test_a_spare_started_with_another_environment_is_not_used(tmp_path):
     script = tmp_path / "s.py"
     script.write_text("print('ran')\n")
-    spec = WorkerSpec(argv=(PYTHON, "-u", str(script)), nproc=1, run_id="spare-test")
-    entry = python_entry(spec.argv)
-    assert entry is not None
     sink = ListSink()
-    pool = SparePool(spec, entry, sink, preload=())
+    pool = _pool(script, preload=(), sink=sink)
     env = {**os.environ, "RANK": "0", "OMP_NUM_THREADS": "1"}
     pool.replenish({0: env})
     spare_pid = pool.pids[0]
