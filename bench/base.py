@@ -7,6 +7,7 @@ All times are seconds of wall-clock time between events on one machine;
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,6 +134,37 @@ def steps_after(log: EventLog, after: float, world: int, **match: Any) -> float 
 
 def count_steps(log: EventLog, world: int, after: float = 0.0) -> int:
     return len([e for e in log.select("step", after=after) if e["world"] == world])
+
+
+def pause(
+    log: EventLog,
+    t_disrupt: float,
+    survivors: Callable[[Any], bool],
+    resumed: Callable[[Any], bool],
+) -> float | None:
+    """The training pause of the ranks that were not hit: for each survivor
+    slot (node, local rank) whose steps ``survivors`` selects, the longest gap
+    between two of its consecutive steps from its last step at or before
+    ``t_disrupt`` to its first step that ``resumed`` accepts; the worst slot's.
+    None while a slot has not resumed."""
+    steps = [e for e in log.select("step") if survivors(e)]
+    slots = {(e.get("node", ""), int(e["local_rank"])) for e in steps}
+    if not slots:
+        return None
+    worst = 0.0
+    for slot in slots:
+        mine = sorted(
+            (e for e in steps if (e.get("node", ""), int(e["local_rank"])) == slot),
+            key=lambda e: e["t"],
+        )
+        before = [e["t"] for e in mine if e["t"] <= t_disrupt]
+        after = [e for e in mine if e["t"] > t_disrupt and resumed(e)]
+        if not before or not after:
+            return None
+        end = after[0]["t"]
+        times = [max(before), *(e["t"] for e in mine if t_disrupt < e["t"] <= end)]
+        worst = max(worst, *(b - a for a, b in itertools.pairwise(times)))
+    return worst
 
 
 def max_step(log: EventLog, before: float) -> int:

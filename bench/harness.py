@@ -28,9 +28,9 @@ from typing import Any
 from bench.paths import REPO, WORKER, BenchFailure
 
 POLL_S = 0.02
-# elastrun's warm spare workers (idle interpreters that imported torch) run
+# elastrun's warm interpreter (the zygote workers are forked from) runs
 # this script; their command line also names the worker script.
-SPARE_MARK = "elastrun/worker/_spare.py"
+SPARE_MARK = "elastrun/worker/_runner.py"
 SPARE_SETTLED_S = 1.0  # a spare whose peak RSS has not grown for this long is done
 
 Event = dict[str, Any]
@@ -219,6 +219,9 @@ class Run:
     ) -> Agent:
         log_path = self.dir / f"{name}.log"
         full_env = {**os.environ, **self.worker_env, **(env or {})}
+        # elastrun's module cache: one per run, shared by its agents (one machine),
+        # empty at the run's start: the first launch is the script's first run here.
+        full_env.setdefault("ELASTRUN_CACHE_DIR", str(self.dir / "module-cache"))
         with log_path.open("wb") as log:
             t_launch = time.monotonic()
             proc = subprocess.Popen(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from bench.base import Context, count_steps, launcher_env, steps_after
+from bench.base import Context, count_steps, launcher_env, pause, steps_after
 from bench.configs import LauncherConfig
 from bench.harness import Agent, all_ranks_time, free_port
 from bench.netns import NetnsLab
@@ -44,7 +44,7 @@ def membership(nnodes: str, node_loss: bool) -> Callable[[Context], None]:
 
         def start(name: str, is_host: bool = False) -> Agent:
             argv = agent_argv(cfg, nnodes, endpoint, is_host, run_id)
-            return run.start_agent(name, argv, launcher_env(cfg))
+            return run.start_agent(name, argv, {**launcher_env(cfg), "BENCH_NODE": name})
 
         a, b = start("agent-a", is_host=True), start("agent-b")
         t2 = run.wait(
@@ -71,6 +71,12 @@ def membership(nnodes: str, node_loss: bool) -> Callable[[Context], None]:
             stall=s.restart_stall,
         )
         ctx.out["scale_up"] = t3 - t_join
+        running = ("agent-a", "agent-b")
+        gap = pause(
+            run.log, t_join, lambda e: e.get("node") in running, lambda e: int(e["world"]) == 3
+        )
+        if gap is not None:
+            ctx.out["pause_scale_up"] = gap
         if node_loss:
             run.wait(
                 f"{s.warm_steps} steps at world 3",
@@ -88,6 +94,14 @@ def membership(nnodes: str, node_loss: bool) -> Callable[[Context], None]:
                 stall=s.loss_stall(cfg),
             )
             ctx.out["node_loss"] = t_back - t_kill
+            gap = pause(
+                run.log,
+                t_kill,
+                lambda e: e.get("node") in running,
+                lambda e: int(e["world"]) == 2 and e["t"] > t_kill,
+            )
+            if gap is not None:
+                ctx.out["pause_node_loss"] = gap
         run.stop()
         try:
             run.wait_exit([a, b] if node_loss else [a, b, c], s.exit_timeout)

@@ -24,6 +24,7 @@ from bench.base import (
     Settings,
     launcher_env,
     max_step,
+    pause,
 )
 from bench.configs import LauncherConfig
 from bench.harness import all_ranks_time
@@ -49,35 +50,45 @@ __all__ = [
 
 
 def cold_start(nproc: int) -> Callable[[Context], None]:
-    def fn(ctx: Context) -> None:
+    """The job launched twice in a row: the first launch is the first run of
+    the script on this machine (elastrun's module cache empty), the second
+    the same script again (the cache holds what the first run imported)."""
+
+    def launch(ctx: Context, folder: Path) -> tuple[float, float, float, float]:
         run, cfg, s = ctx.run, ctx.cfg, ctx.settings
+        folder.mkdir(parents=True, exist_ok=True)
         argv = cfg.argv(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0"])
-        agent = run.start_agent("agent", argv, launcher_env(cfg))
+        agent = run.start_agent(
+            f"agent-{folder.name}", argv, {**launcher_env(cfg), "BENCH_DIR": str(folder)}
+        )
         t0 = agent.t_launch
         t_started = run.wait(
             f"{nproc} workers started",
-            lambda log: all_ranks_time(log.select("start"), nproc),
+            lambda log: all_ranks_time(log.select("start", after=t0), nproc),
             s.start_timeout,
             alive=[agent],
         )
-        ctx.out["workers_started"] = t_started - t0
         t_first = run.wait(
             "first step on all ranks",
-            lambda log: all_ranks_time(log.select("step"), nproc),
+            lambda log: all_ranks_time(log.select("step", after=t0), nproc),
             s.start_timeout,
             alive=[agent],
         )
-        ctx.out["first_step"] = t_first - t0
         run.wait(
             "last step",
-            lambda log: all_ranks_time(log.select("step", step=s.target_steps), nproc),
+            lambda log: all_ranks_time(log.select("step", after=t0, step=s.target_steps), nproc),
             s.start_timeout,
             alive=[agent],
         )
-        t_last = max(e["t"] for e in run.log.select("step", step=s.target_steps))
+        t_last = max(e["t"] for e in run.log.select("step", after=t0, step=s.target_steps))
         t_exit = run.wait_exit([agent], s.exit_timeout)
-        ctx.out["exit"] = t_exit - t_last
-        ctx.out["total"] = t_exit - t0
+        return t_started - t0, t_first - t0, t_exit - t_last, t_exit - t0
+
+    def fn(ctx: Context) -> None:
+        started, first, exit_s, total = launch(ctx, ctx.run.dir / "first")
+        ctx.out.update(workers_started=started, first_step=first, exit=exit_s, total=total)
+        started, first, _, _ = launch(ctx, ctx.run.dir / "again")
+        ctx.out.update(workers_started_again=started, first_step_again=first)
 
     return fn
 
@@ -125,6 +136,15 @@ def worker_crash(nproc: int) -> Callable[[Context], None]:
             stall=s.restart_stall,
         )
         ctx.out["resumed"] = t_resumed - t_kill
+        # The ranks that were not killed: their gap in steps.
+        gap = pause(
+            run.log,
+            t_kill,
+            lambda e: int(e["local_rank"]) != 1,
+            lambda e: int(e["restart"]) >= 1,
+        )
+        if gap is not None:
+            ctx.out["pause"] = gap
         resumes = [e for e in run.log.select("resume", after=t_kill) if int(e["restart"]) >= 1]
         if resumes:
             ctx.out["steps_lost"] = float(max(0, before - int(resumes[0]["step"])))
@@ -190,22 +210,45 @@ _COLD = (
     (
         "workers_started",
         "s",
-        "launch -> every worker script running (a warm spare: torch imported)",
+        "first run of the script: launch -> every worker script running",
     ),
-    ("first_step", "s", "launch -> first step done on all ranks"),
+    ("first_step", "s", "first run of the script: launch -> first step done on all ranks"),
     ("exit", "s", "last step -> launcher exited 0"),
     ("total", "s", "launch -> launcher exited 0"),
+    (
+        "workers_started_again",
+        "s",
+        "the same script again (elastrun's module cache warm): launch -> workers running",
+    ),
+    ("first_step_again", "s", "the same script again: launch -> first step on all ranks"),
 )
 _CRASH = (
     ("respawn", "s", "SIGKILL of one worker -> every replacement worker script running"),
     ("resumed", "s", "SIGKILL of one worker -> first step after the restart on all ranks"),
+    (
+        "pause",
+        "s",
+        "training pause of the rank not killed: its last step before -> first step after",
+    ),
     ("steps_lost", "steps", "last step before the kill - step resumed from"),
 )
 _JOIN = (
     ("world2_first_step", "s", "launch of 2 agents -> first step at world 2"),
     ("scale_up", "s", "3rd agent launched -> first step at world 3 on all ranks"),
+    (
+        "pause_scale_up",
+        "s",
+        "training pause of the 2 running nodes: longest gap in their steps up to world 3",
+    ),
 )
-_LOSS = (("node_loss", "s", "3rd node SIGKILLed (all its processes) -> survivors step at world 2"),)
+_LOSS = (
+    ("node_loss", "s", "3rd node SIGKILLed (all its processes) -> survivors step at world 2"),
+    (
+        "pause_node_loss",
+        "s",
+        "training pause of the survivors: last step before the kill -> first at world 2",
+    ),
+)
 _PART = (
     ("world3_first_step", "s", "launch of 3 agents (one network namespace each) -> world 3"),
     ("partition", "s", "3rd node's link cut (packets dropped) -> survivors step at world 2"),

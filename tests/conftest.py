@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 # Workers started by tests run with the same interpreter and see the package.
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
+# The warm interpreter's module lists (agent/modcache.py): one private folder
+# for this test session, so a test never starts warmer because of an earlier
+# session, and nothing is written to the user's cache.
+if "ELASTRUN_CACHE_DIR" not in os.environ:
+    _CACHE = tempfile.mkdtemp(prefix="elastrun-test-cache-")
+    os.environ["ELASTRUN_CACHE_DIR"] = _CACHE
+    atexit.register(shutil.rmtree, _CACHE, True)

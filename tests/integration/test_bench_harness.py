@@ -121,7 +121,7 @@ def test_wait_reports_a_run_without_worker_events_as_stuck(tmp_path: Path) -> No
 
 
 def test_memory_keeps_warm_spares_apart(tmp_path: Path) -> None:
-    """A spare (its command line names elastrun's _spare.py and the worker
+    """A spare (its command line names elastrun's _runner.py and the worker
     script) is summed into spare_rss, a helper into the agent tree, a worker
     in neither."""
     sleeper = "import time; time.sleep(60)"

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from elastrun.agent.spares import (
-    ROUND_VARS,
+from elastrun.agent.spares import LOCAL_VARS, ROUND_VARS, compatible
+from elastrun.agent.spawn import (
+    RUNNER_SCRIPT,
     PythonEntry,
-    compatible,
     entry_file,
     imports_any,
     python_entry,
+    runner_argv,
 )
 from elastrun.launcher.cli import RUN_PATH_CODE, Command, worker_argv
 
@@ -35,7 +36,19 @@ def test_only_round_variables_may_differ():
     missing = dict(base)
     del missing["PATH"]
     assert compatible(base, missing) == "PATH"
-    assert "LOCAL_RANK" not in ROUND_VARS  # a spare belongs to one local rank
+    # One warm interpreter forks every local rank's worker.
+    assert "LOCAL_RANK" in LOCAL_VARS and "LOCAL_RANK" not in ROUND_VARS
+    assert compatible(base, {**base, "LOCAL_RANK": "3"}) is None
+
+
+def test_python_workers_run_through_the_runner():
+    argv = worker_argv(Command(script="train.py", args=("--lr", "1")))
+    assert runner_argv(argv) == (argv[0], "-u", RUNNER_SCRIPT, "train.py", "--lr", "1")
+    argv = worker_argv(Command(script="pkg.train", args=("x",), module=True))
+    assert runner_argv(argv) == (argv[0], "-u", RUNNER_SCRIPT, "-m", "pkg.train", "x")
+    assert runner_argv(("./prog", "a")) == ("./prog", "a")
+    run_path = worker_argv(Command(script="t.py", args=(), run_path=True))
+    assert runner_argv(run_path) == run_path
 
 
 def test_whether_the_worker_imports_the_preloaded_modules(tmp_path):

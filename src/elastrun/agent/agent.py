@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import shutil
 import signal
@@ -27,6 +26,7 @@ import tempfile
 from collections.abc import Awaitable
 from typing import Any
 
+from elastrun.agent.children import Reaper
 from elastrun.agent.env import check_round
 from elastrun.agent.failures import (
     ROOT_CAUSE,
@@ -37,7 +37,9 @@ from elastrun.agent.failures import (
 )
 from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.logs import claim_host_dir, needs_files, release_host_dir, validate_template
-from elastrun.agent.spares import SparePool, python_entry
+from elastrun.agent.modcache import ModuleCache, cache_key, default_cache_dir
+from elastrun.agent.spares import SparePool
+from elastrun.agent.spawn import python_entry
 from elastrun.agent.spec import WorkerSpec
 from elastrun.agent.waiting import WaitingConsole
 from elastrun.agent.workers import WorkerGroup
@@ -55,6 +57,8 @@ __all__ = ["Agent"]
 
 RDZV_SHUTDOWN_TIMEOUT = 30.0
 CANCEL_TIMEOUT = 5.0
+MODULES_NOTE = "modules"  # the job-wide list of modules the script imports
+NOTE_TIMEOUT = 5.0
 MAX_TRACEBACK_CHARS = 8000
 
 
@@ -128,11 +132,27 @@ class Agent:
         self._temp_base = False
         self._installed: list[tuple[int, Any]] = []
         self._guard = OrphanGuard()
+        self._reaper = Reaper()
         self._spares: SparePool | None = None
         entry = python_entry(spec.argv) if spec.prewarm else None
         if entry is not None:
-            self._spares = SparePool(spec, entry, self.events, self._guard)
+            cache = None
+            if spec.prewarm_modules != "torch":
+                key = cache_key(entry.kind, entry.target, entry.args, entry.prefix[0], os.getcwd())
+                cache = ModuleCache(spec.prewarm_cache or default_cache_dir(), key)
+            self._spares = SparePool(
+                spec,
+                entry,
+                self.events,
+                self._guard,
+                self._reaper,
+                cache=cache,
+                scope="all" if spec.prewarm_modules == "all" else "installed",
+                say=_say,
+            )
         self._host_pidfile: str | None = None
+        self._note_fetch: asyncio.Task[None] | None = None
+        self._note_writes: set[asyncio.Task[None]] = set()
         # What next_round() waits for, on the console (the rendezvous reports it).
         self._waiting = WaitingConsole(clock=clock)
         if rendezvous.progress is None:
@@ -148,9 +168,12 @@ class Agent:
                 "children of workers may outlive a killed agent"
             )
         if self._spares is not None:
-            # The first workers' interpreters start (and import torch) while
-            # the rendezvous runs; the round's variables come when it closes.
-            self._spares.replenish(self._spares.first_envs(self.rendezvous.settings.max_restarts))
+            # The warm interpreter starts (and imports torch) while the
+            # rendezvous runs; the round's variables come when it closes.
+            self._spares.keep(self._spares.first_env(self.rendezvous.settings.max_restarts))
+            # What the script imports, as the job's other nodes recorded it: a
+            # node new to this job (a fresh machine) warms up as the others did.
+            self._note_fetch = asyncio.ensure_future(self._fetch_modules_note())
         code = 1
         try:
             code = await self._loop()
@@ -174,8 +197,13 @@ class Agent:
             except (ElastrunError, TimeoutError, OSError) as e:
                 _say(f"elastrun: warning: leaving the rendezvous failed: {e!r}")
             self._remove_signals()
+            for task in (self._note_fetch, *self._note_writes):
+                if task is not None:
+                    task.cancel()
             if self._spares is not None:
                 await self._spares.close()
+            self._reaper.reap()
+            self._reaper.disable()
             await self._guard.close()
             if self._host_pidfile is not None:
                 release_host_dir(self._host_pidfile)
@@ -200,6 +228,8 @@ class Agent:
         for sig in self.spec.signals_to_forward:
             if sig not in stop_sigs:
                 self._add_handler(loop, sig, self._on_forward_signal)
+        # Orphans of workers come to the agent (a child subreaper): reap them.
+        self._add_handler(loop, signal.SIGCHLD, self._on_child)
 
     def _add_handler(self, loop: asyncio.AbstractEventLoop, sig: int, cb: Any) -> None:
         previous = signal.getsignal(sig)
@@ -223,6 +253,12 @@ class Agent:
 
     def _on_stop_signal(self, sig: int) -> None:
         self._signals.put_nowait(sig)
+
+    def _on_child(self, _sig: int) -> None:
+        if self._spares is not None:
+            self._spares.reap()
+        if self._reaper.enabled:
+            self._reaper.reap()
 
     def _on_forward_signal(self, sig: int) -> None:
         if self._group is not None:
@@ -272,7 +308,8 @@ class Agent:
                 return 1
             assert isinstance(result, RoundResult)
             check_round(self.spec, result)
-            group = self._start(result)
+            group = self._new_group(result)
+            await self._first(start=self._start(group, result))
             name, value = await self._first(
                 workers=group.wait(), change=self.rendezvous.wait_for_change()
             )
@@ -301,14 +338,40 @@ class Agent:
                     round=result.round,
                 )
 
+    async def _warm_join(self) -> None:
+        """Before joining a job that trains without this node: wait (bounded)
+        for the warm interpreter, so the others pause only for the restart,
+        not for this node's imports."""
+        spares, timeout = self._spares, self.spec.warm_join_timeout
+        if spares is None or timeout <= 0 or not spares.pids:
+            return
+        if self._note_fetch is not None and not self._note_fetch.done():
+            await asyncio.wait({self._note_fetch}, timeout=NOTE_TIMEOUT)
+        if spares.ready:
+            return
+        if not await self.rendezvous.joining_running_job():
+            return
+        _say(
+            f"elastrun: joining a running job: waiting up to {timeout:g}s for the warm "
+            "interpreter first, so the others pause only for the restart"
+        )
+        t0 = self.clock.monotonic()
+        ready = bool((await self._first(warm=spares.wait_ready(timeout)))[1])
+        waited = self.clock.monotonic() - t0
+        self.events.emit("warm_join", waited_s=round(waited, 3), ready=ready, timeout=timeout)
+        if not ready:
+            spares.use_unready = False  # too slow to wait for at the start too
+            _say(f"elastrun: the warm interpreter is not ready after {waited:.0f}s; joining anyway")
+
     async def _next_round(self) -> Any:
+        await self._warm_join()
         self._waiting.start()
         try:
             return (await self._first(round=self.rendezvous.next_round()))[1]
         finally:
             self._waiting.stop()
 
-    def _start(self, result: RoundResult) -> WorkerGroup:
+    def _new_group(self, result: RoundResult) -> WorkerGroup:
         self._attempt += 1
         base = self._ensure_base_dir()
         attempt_dir = os.path.join(base, f"attempt_{self._attempt}")
@@ -321,15 +384,20 @@ class Agent:
             events=self.events,
             clock=self.clock,
             guard=self._guard,
+            reaper=self._reaper,
+            on_message=self._on_worker_message,
+            module_scope="all" if self.spec.prewarm_modules == "all" else "installed",
         )
         self._group = group
+        return group
+
+    async def _start(self, group: WorkerGroup, result: RoundResult) -> None:
         spares = self._spares
-        # A first start takes only spares that are ready (see agent/spares.py).
-        take = None if spares is None else functools.partial(spares.take, restart=self._attempt > 0)
-        group.start(take)  # on WorkerError, run() stops the ones already started
+        # On WorkerError or a signal, run() stops the ones already started.
+        await group.start(spares.fork if spares is not None else None)
         if spares is not None:
             if self._may_restart(result):
-                spares.replenish(group.envs())
+                spares.keep(group.envs()[0])
             else:
                 spares.drop()
         self.events.emit(
@@ -345,7 +413,22 @@ class Agent:
             group_rank=result.group_rank,
             master=f"{result.master_addr}:{result.master_port}",
         )
-        return group
+
+    def _on_worker_message(self, _local_rank: int, message: dict[str, Any]) -> None:
+        spares = self._spares
+        if spares is None or self.spec.prewarm_modules == "torch":
+            return
+        if spares.learn(message) and self._group is not None and self._group.result.group_rank == 0:
+            # One node (group rank 0) shares the list with the job.
+            task = asyncio.ensure_future(self.rendezvous.write_note(MODULES_NOTE, spares.note()))
+            self._note_writes.add(task)
+            task.add_done_callback(self._note_writes.discard)
+
+    async def _fetch_modules_note(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            note = await asyncio.wait_for(self.rendezvous.read_note(MODULES_NOTE), NOTE_TIMEOUT)
+            if note is not None and self._spares is not None:
+                self._spares.learn({**note, "kind": "modules", "why": "job"})
 
     def _may_restart(self, result: RoundResult) -> bool:
         """Whether these workers can still be started again (restarts left, or

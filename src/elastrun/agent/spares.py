@@ -1,36 +1,47 @@
-"""Warm spares: workers skip Python start and ``import torch``.
+"""Warm starts: workers forked from an interpreter that already imported
+what they need.
 
-A worker start costs an interpreter, ``import torch`` (1-2 s on a fast disk,
-far more on a shared filesystem), then the process group; every restart pays
-it again. The agent keeps one *spare* per local rank instead: an interpreter
-started from ``elastrun/worker/_spare.py`` with the worker's interpreter,
-flags, working directory, command line and environment, which imports torch
-and waits. The first spares start with the agent, so the import overlaps the
-rendezvous; after each start, new ones are kept while a restart is possible.
-Starting a round's workers hands each spare its environment and arguments
-over a socket (JSON, one line); it runs the script as ``python -u script``
-would. A spare that has died or was started with an environment that differs
-from the worker's in anything but the per-round variables (``ROUND_VARS``) is
-killed and the worker is started cold: a spare can only save time, never
-change what runs. A spare still importing is kept for a later start while the
-worker starts cold, except for a restart of a script that imports the
-preloaded modules itself (its source says so): there it is used all the same,
-raised to normal priority, as a head start. (On a first start, a script that
-fails early, say on a mistyped argument, must fail at once, not after
-``import torch``.)
+A worker start costs an interpreter, ``import torch`` and whatever the script
+imports next (``torch.optim`` alone pulls in some 800 modules: seconds on a
+fast disk, far more on a shared filesystem); every restart pays it again, and
+N workers starting at once pay it N times over on the node's cores. The agent
+keeps one warm interpreter instead, the *zygote* (``worker/_zygote.py``): it
+is started with the worker's interpreter, flags, working directory, command
+line and environment (less the per-round and per-rank variables), imports
+torch and the modules the script imported when it last ran on this machine
+(``agent/modcache.py``), and forks the workers when a round starts. A forked
+worker has every one of those modules loaded (shared copy-on-write with the
+zygote), and runs the script as ``python -u script`` would.
 
-Spares preload at idle CPU priority where the spare may return to normal
-priority afterwards (root or ``CAP_SYS_NICE``), otherwise after a delay, so
-they do not slow the workers' own start. They are the agent's children like
-workers: own session, ``PR_SET_PDEATHSIG``, registered with the orphan guard,
-killed when the agent ends. Only Python commands built by the launcher (a
-script or ``-m`` module, not ``--no-python`` or ``--run-path``) get spares
-(``WorkerSpec.prewarm``).
+When the zygote is used:
+
+* ready (its imports done): always;
+* still importing: for a script that imports the preloaded modules itself
+  (its source says so, or its module list was recorded), the start waits for
+  it (raised to normal priority; at most ``READY_WAIT``): the workers would
+  import the same, so it is a head start, and one import instead of one per
+  worker fighting for the cores;
+* never for a script that does not import them: its workers start cold at
+  once, and the zygote is kept for a later start.
+
+A zygote that has died, or was started with an environment that differs from
+a worker's in anything but the per-round and per-rank variables
+(``ROUND_VARS``, ``LOCAL_VARS``), is discarded and the workers start cold: a
+warm start can only save time, never change what runs. The zygote imports at
+idle CPU priority where it may return to normal priority afterwards (root or
+``CAP_SYS_NICE``), otherwise after a delay, so it does not slow the workers'
+own start. It is the agent's child like a worker: own session,
+``PR_SET_PDEATHSIG``, registered with the orphan guard, killed when the agent
+ends or no start will need it. Workers are forked through an intermediate
+process so that they are the agent's children (``agent/children.py``).
+
+Only Python commands built by the launcher (a script or ``-m`` module, not
+``--no-python`` or ``--run-path``) get a zygote (``WorkerSpec.prewarm``).
 """
 
 from __future__ import annotations
 
-import ast
+import array
 import asyncio
 import contextlib
 import json
@@ -39,130 +50,78 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
+from elastrun.agent.children import ForkedProcess, Reaper
 from elastrun.agent.env import ROUND_ENV_VARS, stable_env
 from elastrun.agent.guard import OrphanGuard
+from elastrun.agent.modcache import ModuleCache, ModuleList, merged, valid_names
+from elastrun.agent.spawn import RUNNER_SCRIPT, PythonEntry, entry_file, imports_any, preexec_for
 from elastrun.agent.spec import WorkerSpec
 from elastrun.agent.watchdog import HEARTBEAT_ENV, HEARTBEAT_INTERVAL_ENV, heartbeat_interval
-from elastrun.agent.workers import preexec_for
 from elastrun.events import EventSink
 
-__all__ = ["ROUND_VARS", "SPARE_SCRIPT", "PythonEntry", "SparePool", "compatible", "python_entry"]
+__all__ = ["LOCAL_VARS", "ROUND_VARS", "SparePool", "compatible"]
 
-SPARE_SCRIPT = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "worker", "_spare.py"
-)
-PROTOCOL = 1
-PRELOAD_ENV = "ELASTRUN_SPARE_PRELOAD"  # read (and removed) by worker/_spare.py
-DELAY_ENV = "ELASTRUN_SPARE_DELAY"
+PROTOCOL = 2
 PRELOAD = ("torch",)
-UNPRIVILEGED_DELAY = 3.0  # s: without idle priority, let the workers import first
+UNPRIVILEGED_DELAY = 3.0  # s: without idle priority, let cold workers import first
+PRELOAD_BUDGET = 120.0  # s a zygote may spend importing
+PRELOAD_MAX_RSS = 4096  # MiB a zygote may grow to while importing
+READY_WAIT = 60.0  # s a start waits for a zygote still importing (then: cold)
+FORK_TIMEOUT = 30.0  # s for a zygote to answer a fork order
 REAP_WAIT = 2.0
+MAX_MESSAGE = 1 << 20
+STDERR_TAIL = 4096
 
-# Worker variables that change from round to round; everything else in a
-# worker's environment must be what the spare was started with.
+# Worker variables that change from round to round, and from local rank to
+# local rank; everything else in a worker's environment must be what the
+# zygote was started with.
 ROUND_VARS = frozenset((*ROUND_ENV_VARS, HEARTBEAT_ENV))
+LOCAL_VARS = frozenset(("LOCAL_RANK",))
 
-
-@dataclass(frozen=True)
-class PythonEntry:
-    """A worker argv split as ``prefix + [target] + args`` (script) or
-    ``prefix + ["-m", target] + args`` (module)."""
-
-    prefix: tuple[str, ...]
-    kind: str  # "script" | "module"
-    target: str
-    args: tuple[str, ...]
-
-
-def python_entry(argv: Sequence[str]) -> PythonEntry | None:
-    """The launcher's Python argv shapes: ``python -u [-m] target args``."""
-    if len(argv) < 3 or argv[1] != "-u":
-        return None
-    if argv[2] == "-m":
-        if len(argv) < 4:
-            return None
-        return PythonEntry(tuple(argv[:2]), "module", argv[3], tuple(argv[4:]))
-    if argv[2].startswith("-"):
-        return None
-    return PythonEntry(tuple(argv[:2]), "script", argv[2], tuple(argv[3:]))
-
-
-def entry_file(entry: PythonEntry) -> str | None:
-    """The source file the worker runs first: the script, or for ``-m`` the
-    module's file under the working directory (None when not found there; the
-    agent never imports user code to find it)."""
-    if entry.kind == "script":
-        return entry.target
-    base = os.path.join(os.getcwd(), *entry.target.split("."))
-    for path in (base + ".py", os.path.join(base, "__main__.py")):
-        if os.path.isfile(path):
-            return path
-    return None
-
-
-def imports_any(path: str | None, modules: Sequence[str]) -> bool:
-    """Whether the Python source at ``path`` imports one of ``modules`` (or a
-    submodule) anywhere in it; False when it cannot be read or parsed."""
-    if path is None or not modules:
-        return False
-    try:
-        with open(path, "rb") as fp:
-            tree = ast.parse(fp.read(), path)
-    except (OSError, SyntaxError, ValueError):
-        return False
-    roots = set(modules)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        else:
-            continue
-        if any(name.split(".")[0] in roots for name in names):
-            return True
-    return False
+# What the runner and the zygote read (worker/_runner.py, worker/_zygote.py).
+MODE_ENV = "ELASTRUN_RUNNER"
+SCOPE_ENV = "ELASTRUN_MODULE_SCOPE"
+PRELOAD_ENV = "ELASTRUN_PRELOAD"
+DELAY_ENV = "ELASTRUN_SPARE_DELAY"
+AGENT_ENV = "ELASTRUN_AGENT_PID"
+BUDGET_ENV = "ELASTRUN_PRELOAD_BUDGET"
+RSS_ENV = "ELASTRUN_PRELOAD_MAX_RSS"
 
 
 def compatible(started: Mapping[str, str], wanted: Mapping[str, str]) -> str | None:
-    """None if a spare started with ``started`` may become a worker with
+    """None if a zygote started with ``started`` may fork a worker with
     ``wanted``; otherwise the first variable that differs."""
+    skip = ROUND_VARS | LOCAL_VARS
     for key in sorted(set(started) | set(wanted)):
-        if key not in ROUND_VARS and started.get(key) != wanted.get(key):
+        if key not in skip and started.get(key) != wanted.get(key):
             return key
     return None
 
 
 @dataclass
-class _Spare:
-    local_rank: int
+class _Zygote:
     popen: subprocess.Popen[bytes]
     sock: socket.socket
     env: dict[str, str]
+    started: float
     ready: bool = False
-    started: float = 0.0
-    unwatch: Callable[[], object] | None = None
+    ready_event: asyncio.Event = field(default_factory=asyncio.Event)
+    pending: asyncio.Future[list[int | None]] | None = None
+    stderr: bytearray = field(default_factory=bytearray)
+    stats: dict[str, Any] = field(default_factory=dict)
+    gone: str | None = None  # why it cannot be used any more
 
-    def close_socket(self) -> None:
-        if self.unwatch is not None:
-            with contextlib.suppress(OSError, ValueError):
-                self.unwatch()
-            self.unwatch = None
-        with contextlib.suppress(OSError):
-            self.sock.close()
-
-    def poll_ready(self) -> bool:
-        if not self.ready:
-            with contextlib.suppress(BlockingIOError, InterruptedError, OSError):
-                data = self.sock.recv(4096)
-                self.ready = b'"ready": true' in data
-        return self.ready
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
 
 
 class SparePool:
-    """One warm spare per local rank, across rounds."""
+    """The node's warm interpreter, across rounds."""
 
     def __init__(
         self,
@@ -170,65 +129,107 @@ class SparePool:
         entry: PythonEntry,
         events: EventSink,
         guard: OrphanGuard | None = None,
+        reaper: Reaper | None = None,
+        *,
         preload: Sequence[str] = PRELOAD,
+        cache: ModuleCache | None = None,
+        scope: str = "installed",
+        budget: float = PRELOAD_BUDGET,
+        max_rss_mb: float = PRELOAD_MAX_RSS,
+        say: Any = None,
     ) -> None:
         self.spec = spec
         self.entry = entry
         self.events = events
         self.guard = guard
+        self.reaper = reaper if reaper is not None else Reaper()
         self.preload = tuple(preload)
-        # A spare still importing is a head start only for a worker that
+        self.cache = cache
+        self.scope = scope
+        self.budget = budget
+        self.max_rss_mb = max_rss_mb
+        self._say = say
+        self.recorded = cache.load() if cache is not None else ModuleList()
+        # A zygote still importing is a head start only for a worker that
         # imports the same: a script that never imports torch would wait for it.
-        self.head_start = not self.preload or imports_any(entry_file(entry), self.preload)
-        self._spares: dict[int, _Spare] = {}
+        self.head_start = (
+            not self.preload
+            or bool(self.recorded.modules)
+            or imports_any(entry_file(entry), self.preload)
+        )
+        self._z: _Zygote | None = None
         self._dead: list[subprocess.Popen[bytes]] = []
         self._closed = False
+        self.error: str | None = None
+        # False for the next start only: a zygote still importing is not used
+        # (set when a joining node stopped waiting for it: it is slow).
+        self.use_unready = True
 
+    # ------------------------------------------------------------ state
     @property
     def pids(self) -> list[int]:
-        return [s.popen.pid for s in self._spares.values()]
+        z = self._z
+        return [] if z is None or z.gone else [z.pid]
 
-    def first_envs(self, max_restarts: int) -> dict[int, dict[str, str]]:
-        """Environments for spares started before the first round: the stable
-        part of each worker's environment (the round's part comes with the
-        order). ``max_restarts`` as this node's settings say; should the job's
-        differ, the spare is discarded at hand-over."""
-        envs = {}
-        for lr in range(self.spec.nproc):
-            env = stable_env(self.spec, lr, self.spec.run_id, max_restarts)
-            if self.spec.hang_timeout is not None:
-                env[HEARTBEAT_INTERVAL_ENV] = repr(heartbeat_interval(self.spec.hang_timeout))
-            envs[lr] = env
-        return envs
+    @property
+    def ready(self) -> bool:
+        z = self._z
+        return z is not None and z.gone is None and z.ready
 
-    # ------------------------------------------------------------ spawning
-    def replenish(self, envs: Mapping[int, Mapping[str, str]]) -> None:
-        """Start a spare for every local rank in ``envs`` that has none."""
+    def first_env(self, max_restarts: int) -> dict[str, str]:
+        """The zygote's environment before the first round: the stable part of a
+        worker's (the round's part comes with the fork order). ``max_restarts``
+        as this node's settings say; should the job's differ, the zygote is
+        discarded at the first fork."""
+        env = stable_env(self.spec, 0, self.spec.run_id, max_restarts)
+        if self.spec.hang_timeout is not None:
+            env[HEARTBEAT_INTERVAL_ENV] = repr(heartbeat_interval(self.spec.hang_timeout))
+        return env
+
+    # ------------------------------------------------------------ starting
+    def keep(self, env: Mapping[str, str]) -> None:
+        """Make sure a zygote compatible with workers of environment ``env``
+        lives (after a start: for the next one)."""
         if self._closed:
             return
-        self._reap()
-        for lr, env in sorted(envs.items()):
-            if lr not in self._spares:
-                spare = self._spawn(lr, dict(env))
-                if spare is not None:
-                    self._spares[lr] = spare
+        self.reap()
+        z = self._z
+        if z is not None and z.gone is None and z.popen.poll() is None:
+            why = compatible(z.env, env)
+            if why is None:
+                return
+            self._discard(z, f"started with a different {why}")
+        self._z = self._spawn(env)
 
-    def _spawn(self, local_rank: int, env: dict[str, str]) -> _Spare | None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    def _spawn(self, env: Mapping[str, str]) -> _Zygote | None:
+        if not self.reaper.enable():
+            if self.error is None:
+                self.error = self.reaper.error
+                self.events.emit("spare_failed", reason=self.reaper.error)
+            return None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         entry = self.entry
-        command = ["-m", entry.target] if entry.kind == "module" else [entry.target]
-        argv = [*entry.prefix, SPARE_SCRIPT, *command, *entry.args]
-        spare_env = {
-            **env,
-            PRELOAD_ENV: ",".join(self.preload),
+        argv = [*entry.prefix, RUNNER_SCRIPT, *entry.command, *entry.args]
+        z_env = {k: v for k, v in env.items() if k not in LOCAL_VARS}
+        skip = self.recorded.skip
+        modules = [m for m in (*self.preload, *self.recorded.modules) if m not in skip]
+        preload = {"modules": modules, "python": self.recorded.python, "torch": self.recorded.torch}
+        spawn_env = {
+            **z_env,
+            MODE_ENV: "zygote",
+            SCOPE_ENV: self.scope,
+            PRELOAD_ENV: json.dumps(preload),
             DELAY_ENV: repr(UNPRIVILEGED_DELAY),
+            AGENT_ENV: str(os.getpid()),
+            BUDGET_ENV: repr(self.budget),
+            RSS_ENV: repr(self.max_rss_mb),
         }
         try:
             popen = subprocess.Popen(
                 argv,
-                env=spare_env,
+                env=spawn_env,
                 stdin=theirs.fileno(),
-                stdout=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
                 preexec_fn=preexec_for(os.getpid()),  # noqa: PLW1509 - a pre-resolved prctl
@@ -236,140 +237,315 @@ class SparePool:
             )
         except OSError as e:
             ours.close()
-            self.events.emit("spare_failed", local_rank=local_rank, reason=str(e))
+            self.events.emit("spare_failed", reason=str(e))
             return None
         finally:
             theirs.close()
         ours.setblocking(False)
         if self.guard is not None:
             self.guard.add(popen.pid)
-        self.events.emit("spare_started", local_rank=local_rank, pid=popen.pid)
-        spare = _Spare(local_rank, popen, ours, env, started=time.monotonic())
-        self._watch_ready(spare)
-        return spare
+        # Whatever an import starts in the zygote's session comes to the agent
+        # if the zygote is killed first: reaped like a worker's orphans.
+        self.reaper.watch_session(popen.pid)
+        z = _Zygote(popen, ours, z_env, started=time.monotonic())
+        self.events.emit("spare_started", pid=popen.pid, modules=len(modules))
+        self._watch(z)
+        return z
 
-    def _watch_ready(self, spare: _Spare) -> None:
-        """Note (and report) the spare's "ready" as it arrives, where a loop runs."""
+    # ------------------------------------------------------------ messages
+    def _watch(self, z: _Zygote) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_reader(z.sock.fileno(), self._on_message, z)
+        if z.popen.stderr is not None:
+            fd = z.popen.stderr.fileno()
+            os.set_blocking(fd, False)
+            loop.add_reader(fd, self._on_stderr, z, fd)
+
+    def _on_stderr(self, z: _Zygote, fd: int) -> None:
         try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            asyncio.get_running_loop().remove_reader(fd)
+            return
+        z.stderr += data
+        del z.stderr[:-STDERR_TAIL]
+
+    def _on_message(self, z: _Zygote) -> None:
+        while True:
+            try:
+                data = z.sock.recv(MAX_MESSAGE)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._lost(z)
+                return
+            try:
+                message = json.loads(data)
+            except ValueError:
+                continue
+            if isinstance(message, dict) and message.get("v") == PROTOCOL:
+                self._dispatch(z, message)
+
+    def _dispatch(self, z: _Zygote, message: dict[str, Any]) -> None:
+        if message.get("ready") is True:
+            z.ready = True
+            z.ready_event.set()
+            z.stats = message
+            failed = message.get("failed") or []
+            self.events.emit(
+                "spare_ready",
+                pid=z.pid,
+                preload_s=round(time.monotonic() - z.started, 3),
+                loaded=message.get("loaded"),
+                failed=[f[0] for f in failed if isinstance(f, list) and f],
+                rss_mb=round(int(message.get("rss_kb") or 0) / 1024, 1),
+                stopped=message.get("stopped"),
+            )
+            for item in failed:
+                if isinstance(item, list) and len(item) == 2:
+                    self._debug(f"warm interpreter skipped module {item[0]}: {item[1]}")
+            if message.get("stopped"):
+                self._debug(f"warm interpreter stopped importing: {message['stopped']}")
+        elif "pids" in message:
+            pids = message["pids"]
+            if z.pending is not None and not z.pending.done() and isinstance(pids, list):
+                z.pending.set_result([p if isinstance(p, int) and p > 0 else None for p in pids])
+        elif "unsafe" in message:
+            name, why = str(message.get("unsafe")), str(message.get("why"))
+            self.recorded.skip[name] = why
+            self.recorded.modules = [m for m in self.recorded.modules if m != name]
+            self._save()
+            self._discard(z, f"module {name} is not safe to import ahead of time: {why}")
+            self._debug(f"module {name} is not imported ahead of time any more: {why}")
+            if self._z is z:
+                self._z = self._spawn(z.env)
+
+    def _lost(self, z: _Zygote) -> None:
+        self._unwatch(z)
+        if z.gone is None:
+            z.gone = f"exited before it was needed: {self._tail(z)}"
+        if z.pending is not None and not z.pending.done():
+            z.pending.set_result([])
+        z.ready_event.set()  # nobody waits for a zygote that is gone
+
+    def _unwatch(self, z: _Zygote) -> None:
+        with contextlib.suppress(RuntimeError, ValueError, OSError):
             loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return  # no loop: take() reads it when needed
+            loop.remove_reader(z.sock.fileno())
+            if z.popen.stderr is not None:
+                loop.remove_reader(z.popen.stderr.fileno())
 
-        def on_readable() -> None:
-            loop.remove_reader(spare.sock.fileno())
-            if spare.poll_ready():
-                self.events.emit(
-                    "spare_ready",
-                    local_rank=spare.local_rank,
-                    pid=spare.popen.pid,
-                    preload_s=round(time.monotonic() - spare.started, 3),
-                )
+    def _tail(self, z: _Zygote) -> str:
+        lines = z.stderr.decode(errors="replace").strip().splitlines()
+        rc = z.popen.poll()
+        head = f"exit code {rc}" if rc is not None else "still running"
+        return f"{head}: {lines[-1][:300]}" if lines else head
 
-        loop.add_reader(spare.sock.fileno(), on_readable)
-        spare.unwatch = lambda: loop.remove_reader(spare.sock.fileno())
+    def _debug(self, line: str) -> None:
+        if self._say is not None and os.environ.get("ELASTRUN_DEBUG"):
+            self._say(f"elastrun: debug: {line}")
+
+    # ------------------------------------------------------------ learning
+    def learn(self, message: Mapping[str, Any]) -> bool:
+        """A worker's report of the modules it imported (or the job's note of
+        them): remember them, and have the zygote import the new ones for the
+        next start. True when there were new ones."""
+        if message.get("kind") != "modules":
+            return False
+        names = valid_names(message.get("modules"))
+        known = set(self.preload) | set(self.recorded.modules)
+        new = [n for n in names if n not in known and n not in self.recorded.skip]
+        if not new:
+            return False
+        self.recorded.modules = merged(self.recorded.modules, new, self.recorded.skip)
+        python, torch = message.get("python"), message.get("torch")
+        self.recorded.python = python if isinstance(python, str) else None
+        self.recorded.torch = torch if isinstance(torch, str) else None
+        self.head_start = True
+        saved = self._save()
+        self.events.emit(
+            "modules_recorded",
+            modules=len(self.recorded.modules),
+            new=len(new),
+            why=message.get("why"),
+            cache=self.cache.path if self.cache is not None and saved else None,
+        )
+        z = self._z
+        if z is not None and z.gone is None:
+            with contextlib.suppress(OSError):
+                z.sock.send(json.dumps({"v": PROTOCOL, "preload": new}).encode())
+                z.ready = False
+                z.ready_event.clear()
+        return True
+
+    def note(self) -> dict[str, Any]:
+        """What the other agents of the job may learn from this one."""
+        r = self.recorded
+        return {"modules": r.modules, "python": r.python, "torch": r.torch}
+
+    def _save(self) -> bool:
+        if self.cache is None:
+            return False
+        if self.cache.save(self.recorded):
+            return True
+        self._debug(f"module cache not written: {self.cache.error}")
+        return False
 
     # ------------------------------------------------------------ using
-    def take(
-        self, local_rank: int, env: Mapping[str, str], *, restart: bool = True
-    ) -> subprocess.Popen[bytes] | None:
-        """The spare of ``local_rank`` turned into the worker with ``env``, or
-        None (the caller starts the worker cold). A spare still importing is
-        used only for a restart of a worker that imports those modules itself
-        (``head_start``); otherwise it is left alone, kept for a later start."""
-        spare = self._spares.get(local_rank)
-        if spare is None:
-            return None
-        unready_ok = restart and self.head_start
-        if not unready_ok and spare.popen.poll() is None and not spare.poll_ready():
-            return None
-        del self._spares[local_rank]
-        why = self._unusable(spare, env)
-        ready = spare.poll_ready()
-        if why is None and not ready:
-            # Still importing: it has a head start on a cold worker, so use it,
-            # at normal priority from now on (it reads the order once done).
-            _promote(spare.popen.pid)
-        if why is None:
-            order = {"v": PROTOCOL, "env": dict(env), "args": list(self.entry.args)}
-            try:
-                spare.sock.setblocking(True)
-                spare.sock.settimeout(1.0)
-                spare.sock.sendall(json.dumps(order).encode() + b"\n")
-            except OSError as e:
-                why = f"cannot hand over: {e}"
-        if why is not None:
-            self.events.emit(
-                "spare_discarded", local_rank=local_rank, pid=spare.popen.pid, reason=why
-            )
-            self._discard(spare)
-            return None
-        spare.close_socket()
-        self.events.emit(
-            "spare_used",
-            local_rank=local_rank,
-            pid=spare.popen.pid,
-            warm_s=round(time.monotonic() - spare.started, 3),
-            ready=ready,
-        )
-        return spare.popen
+    async def wait_ready(self, timeout: float) -> bool:
+        """Wait (bounded) until the zygote is ready; False if it is not (or gone)."""
+        z = self._z
+        if z is None or z.gone is not None:
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(z.ready_event.wait(), timeout)
+        return z.gone is None and z.ready
 
-    def _unusable(self, spare: _Spare, env: Mapping[str, str]) -> str | None:
-        rc = spare.popen.poll()
-        if rc is not None:
-            return f"exited with {rc} before it was needed: {_tail(spare.popen)}"
-        differs = compatible(spare.env, env)
-        if differs is not None:
-            return f"started with a different {differs}"
-        return None
+    async def fork(
+        self, envs: Mapping[int, Mapping[str, str]], channels: Mapping[int, int]
+    ) -> dict[int, ForkedProcess]:
+        """Workers forked from the zygote, by local rank: each with its
+        environment ``envs[lr]`` and its channel socket fd ``channels[lr]``
+        (see worker/_runner.py). Empty (start them cold) when the zygote cannot
+        be used now; a zygote still importing is kept for later then."""
+        z = self._z
+        if z is None or not envs:
+            return {}
+        if z.gone is not None or z.popen.poll() is not None:
+            self._discard(z, z.gone or f"exited before it was needed: {self._tail(z)}")
+            self._z = None
+            return {}
+        for env in envs.values():
+            why = compatible(z.env, env)
+            if why is not None:
+                self._discard(z, f"started with a different {why}")
+                self._z = None
+                return {}
+        waited = time.monotonic()
+        use_unready, self.use_unready = self.use_unready, True
+        if not z.ready:
+            # The workers would import the same themselves: the zygote's
+            # import is a head start (and one import, not one per worker).
+            if not (self.head_start and use_unready):
+                return {}
+            _promote(z.pid)
+            if not await self.wait_ready(READY_WAIT):
+                return {}  # gone, or too slow: start cold (a slow one is kept)
+        waited = time.monotonic() - waited
+        ranks = sorted(envs)
+        pipes: dict[int, tuple[int, int, int, int]] = {}
+        loop = asyncio.get_running_loop()
+        z.pending = loop.create_future()
+        try:
+            for i, lr in enumerate(ranks):
+                out_r, out_w = os.pipe()
+                err_r, err_w = os.pipe()
+                pipes[lr] = (out_r, out_w, err_r, err_w)
+                order = {"env": dict(envs[lr]), "args": list(self.entry.args)}
+                message = json.dumps(
+                    {"v": PROTOCOL, "fork": order, "index": i, "count": len(ranks)}
+                )
+                fds = array.array("i", [out_w, err_w, channels[lr]])
+                z.sock.setblocking(True)
+                z.sock.settimeout(5.0)
+                z.sock.sendmsg([message.encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+            z.sock.setblocking(False)
+            pids = await asyncio.wait_for(z.pending, FORK_TIMEOUT)
+        except (OSError, TimeoutError) as e:
+            pids = []
+            self._discard(z, f"cannot fork workers: {e!r}")
+            self._z = None
+        finally:
+            z.pending = None
+            for _, out_w, _, err_w in pipes.values():
+                os.close(out_w)
+                os.close(err_w)
+        out: dict[int, ForkedProcess] = {}
+        for i, lr in enumerate(ranks):
+            out_r, _, err_r, _ = pipes.get(lr, (-1, -1, -1, -1))
+            pid = pids[i] if i < len(pids) else None
+            if pid is None:
+                for fd in (out_r, err_r):
+                    if fd >= 0:
+                        os.close(fd)
+                continue
+            out[lr] = ForkedProcess(pid, os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
+            self.reaper.watch_session(pid)
+            if self.guard is not None:
+                self.guard.add(pid)
+            self.events.emit(
+                "spare_used",
+                local_rank=lr,
+                pid=pid,
+                zygote=z.pid,
+                warm_s=round(time.monotonic() - z.started, 3),
+                waited_s=round(waited, 3),
+            )
+        return out
 
     # ------------------------------------------------------------ ending
-    def _discard(self, spare: _Spare) -> None:
-        spare.close_socket()
+    def _discard(self, z: _Zygote, reason: str) -> None:
+        if z.gone is None or not z.gone.startswith("discarded"):
+            self.events.emit("spare_discarded", pid=z.pid, reason=reason)
+        z.gone = f"discarded: {reason}"
+        self._unwatch(z)
+        with contextlib.suppress(OSError):
+            z.sock.close()
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(spare.popen.pid, signal.SIGKILL)
-        self._dead.append(spare.popen)
+            os.killpg(z.pid, signal.SIGKILL)
+        z.ready_event.set()
+        self._dead.append(z.popen)
 
-    def _reap(self) -> None:
+    def reap(self) -> None:
+        """Reap zygotes that were let go (on SIGCHLD, and before a new one)."""
         alive = []
         for popen in self._dead:
             if popen.poll() is None:
                 alive.append(popen)
                 continue
-            for pipe in (popen.stdout, popen.stderr):
-                if pipe is not None:
-                    with contextlib.suppress(OSError):
-                        pipe.close()
+            if popen.stderr is not None:
+                with contextlib.suppress(OSError):
+                    popen.stderr.close()
             if self.guard is not None:
                 self.guard.remove(popen.pid)
         self._dead = alive
 
     def drop(self) -> None:
-        """Kill the spares kept (no start will need them)."""
-        for spare in list(self._spares.values()):
-            self.events.emit(
-                "spare_discarded",
-                local_rank=spare.local_rank,
-                pid=spare.popen.pid,
-                reason="no restart is possible",
-            )
-            self._discard(spare)
-        self._spares.clear()
+        """Kill the zygote (no start will need it)."""
+        z = self._z
+        if z is not None and z.gone is None:
+            self._discard(z, "no restart is possible")
+        self._z = None
 
     async def close(self) -> None:
-        """Kill every spare and reap them (bounded)."""
+        """Kill the zygote and reap it (bounded)."""
         self._closed = True
-        for spare in list(self._spares.values()):
-            self._discard(spare)
-        self._spares.clear()
+        z = self._z
+        if z is not None:
+            if z.gone is None:
+                z.gone = "closed"
+            self._unwatch(z)
+            with contextlib.suppress(OSError):
+                z.sock.close()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(z.pid, signal.SIGKILL)
+            self._dead.append(z.popen)
+        self._z = None
         deadline = time.monotonic() + REAP_WAIT
         while self._dead and time.monotonic() < deadline:
-            self._reap()
+            self.reap()
             if self._dead:
                 await asyncio.sleep(0.01)
 
 
 def _promote(pid: int) -> None:
-    """Every thread of a spare still preloading at idle priority back to normal
+    """Every thread of a zygote importing at idle priority back to normal
     (it went idle only because it may come back; best effort)."""
     if not hasattr(os, "SCHED_IDLE"):
         return
@@ -379,17 +555,3 @@ def _promote(pid: int) -> None:
         for tid in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(OSError):
                 os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
-
-
-def _tail(popen: subprocess.Popen[bytes]) -> str:
-    """The last line a dead spare wrote to stderr (for the event)."""
-    pipe = popen.stderr
-    if pipe is None:
-        return "no output"
-    try:
-        os.set_blocking(pipe.fileno(), False)
-        data = pipe.read(8192) or b""
-    except OSError:
-        data = b""
-    lines = data.decode(errors="replace").strip().splitlines()
-    return lines[-1][:300] if lines else "no output"

@@ -60,6 +60,17 @@ class WorkerSpec:
     start_method: str = "spawn"  # accepted for compatibility; workers are always exec'd
     hang_timeout: float | None = None  # progress watchdog (later issue)
     events_file: str | None = None
-    # Start workers from warm spare interpreters (agent/spares.py). The launcher
-    # sets it for the Python commands it builds (a script or -m module).
+    # Fork workers from a warm interpreter (agent/spares.py). The launcher sets
+    # it for the Python commands it builds (a script or -m module).
     prewarm: bool = False
+    # What the warm interpreter imports ahead of time: "installed" (torch and
+    # the standard-library and installed-package modules the script imported
+    # when it last ran), "all" (its own modules too, never the script) or
+    # "torch" (torch alone, no cache).
+    prewarm_modules: str = "installed"
+    # Where the module lists are kept across runs (agent/modcache.py); None:
+    # the default folder.
+    prewarm_cache: str | None = None
+    # A node joining a running job waits up to this long for its warm
+    # interpreter before it enters the round (0: it does not wait).
+    warm_join_timeout: float = 60.0

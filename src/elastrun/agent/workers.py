@@ -23,21 +23,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import errno
+import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from elastrun.agent import env as worker_env_mod
+from elastrun.agent.children import ForkedProcess, Reaper
 from elastrun.agent.failures import ErrorFileInfo, WorkerFailure, read_error_file
 from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.logs import LinePump, StreamRoute, format_prefix, routes_for
+from elastrun.agent.spawn import preexec_for, python_entry, runner_argv
 from elastrun.agent.spec import WorkerSpec
 from elastrun.agent.watchdog import (
     HEARTBEAT_ENV,
@@ -52,40 +55,21 @@ from elastrun.rendezvous.api import RoundResult
 
 __all__ = ["Worker", "WorkerGroup", "preexec_for", "round_env"]
 
-# (local rank, environment) -> a warm spare turned into that worker, or None.
-TakeSpare = Callable[[int, dict[str, str]], "subprocess.Popen[bytes] | None"]
+# ({local rank: environment}, {local rank: channel fd}) -> workers forked from
+# the warm interpreter, by local rank (see agent/spares.py); the rest start cold.
+Fork = Callable[
+    [Mapping[int, Mapping[str, str]], Mapping[int, int]], Awaitable[dict[int, ForkedProcess]]
+]
+# (local rank, a message the worker's runner sent) -> None
+OnMessage = Callable[[int, dict[str, Any]], None]
+# The process handle of a worker: started cold, or forked and adopted.
+Process = subprocess.Popen[bytes] | ForkedProcess
 
-PR_SET_PDEATHSIG = 1
+CHANNEL_ENV = "ELASTRUN_CHANNEL_FD"  # read by worker/_runner.py
+SCOPE_ENV = "ELASTRUN_MODULE_SCOPE"
 KILL_WAIT = 5.0  # after SIGKILL, how long to wait for the kernel to finish them
 DRAIN_TIMEOUT = 2.0  # after exit, how long to wait for the rest of a worker's output
-
-
-def _load_prctl() -> Callable[..., int] | None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    return prctl
-
-
-# Resolved once, in the parent: the child after fork only calls it.
-_PRCTL = _load_prctl()
-
-
-def preexec_for(parent_pid: int) -> Callable[[], None]:
-    prctl = _PRCTL
-
-    def child() -> None:  # runs in the forked child, before exec
-        if prctl is not None:
-            prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        # The agent may have died between fork and prctl: then nobody would kill us.
-        if os.getppid() != parent_pid:
-            os._exit(137)
-
-    return child
+MAX_CHANNEL_BYTES = 1 << 20  # what one worker may send the agent over its channel, in all
 
 
 def _killpg(pgid: int, sig: int) -> bool:
@@ -105,7 +89,10 @@ class Worker:
     rank: int
     error_file: str
     routes: tuple[StreamRoute, StreamRoute]
-    popen: subprocess.Popen[bytes] | None = None
+    popen: Process | None = None
+    channel: socket.socket | None = None  # the agent's end of the runner's channel
+    channel_buf: bytearray = field(default_factory=bytearray)
+    channel_read: int = 0
     exited: asyncio.Future[int] | None = None
     exit_monotonic: float | None = None
     exit_wall: float | None = None
@@ -148,8 +135,16 @@ class WorkerGroup:
         events: EventSink,
         clock: Clock = SYSTEM_CLOCK,
         guard: OrphanGuard | None = None,
+        reaper: Reaper | None = None,
+        on_message: OnMessage | None = None,
+        module_scope: str = "installed",
     ) -> None:
         self.spec = spec
+        self.reaper = reaper
+        self.on_message = on_message
+        self.module_scope = module_scope
+        # Python workers run through elastrun's runner (worker/_runner.py).
+        self.runs_runner = python_entry(spec.argv) is not None
         self.result = result
         self.attempt = attempt
         self.attempt_dir = attempt_dir
@@ -183,12 +178,12 @@ class WorkerGroup:
             self.workers.append(w)
 
     # ---------------------------------------------------------------- start
-    def start(self, take: TakeSpare | None = None) -> None:
-        """Spawn every worker (``take`` may hand over a warm spare for a local
-        rank, see agent/spares.py). Raises WorkerError if one cannot be started
-        (the caller stops the ones already started)."""
-        loop = asyncio.get_running_loop()
-        me = os.getpid()
+    async def start(self, fork: Fork | None = None) -> None:
+        """Spawn every worker (``fork`` may fork some from the warm interpreter,
+        see agent/spares.py; the rest start cold). Raises WorkerError if one
+        cannot be started (the caller stops the ones already started)."""
+        envs: dict[int, dict[str, str]] = {}
+        theirs: dict[int, socket.socket] = {}
         for w in self.workers:
             os.makedirs(os.path.dirname(w.error_file), exist_ok=True)
             with contextlib.suppress(FileNotFoundError):
@@ -196,36 +191,112 @@ class WorkerGroup:
             if w.heartbeat_file is not None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(w.heartbeat_file)
-            env = round_env(self.spec, self.result, w.local_rank, w.error_file, w.heartbeat_file)
-            w.popen = take(w.local_rank, env) if take is not None else None
-            w.warm = w.popen is not None
-            if w.popen is None:
-                try:
-                    w.popen = subprocess.Popen(
-                        list(self.spec.argv),
-                        env=env,
-                        stdin=subprocess.DEVNULL,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE,
-                        start_new_session=True,
-                        preexec_fn=preexec_for(me),  # noqa: PLW1509 - a pre-resolved prctl
-                        close_fds=True,
-                    )
-                except OSError as e:
-                    raise WorkerError(
-                        f"cannot start worker local rank {w.local_rank}: "
-                        f"{self.spec.argv[0] if self.spec.argv else '<empty argv>'}: "
-                        f"{e.strerror or e}"
-                    ) from e
-                if self.guard is not None:
-                    self.guard.add(w.popen.pid)
-            w.exited = loop.create_future()
-            self._watch_exit(loop, w)
-            if self.watchdog is not None and w.heartbeat_file is not None:
-                self.watchdog.watch(w.local_rank, w.heartbeat_file)
-            for pipe, route in zip((w.popen.stdout, w.popen.stderr), w.routes, strict=True):
-                assert pipe is not None
-                self._pump(loop, w, pipe, route)
+            envs[w.local_rank] = round_env(
+                self.spec, self.result, w.local_rank, w.error_file, w.heartbeat_file
+            )
+            if self.runs_runner:
+                w.channel, theirs[w.local_rank] = socket.socketpair()
+        try:
+            forked: dict[int, ForkedProcess] = {}
+            if fork is not None and self.runs_runner:
+                channels = {lr: sock.fileno() for lr, sock in theirs.items()}
+                forked = await fork(envs, channels)
+            for w in self.workers:
+                env = envs[w.local_rank]
+                if self.runs_runner:
+                    env[SCOPE_ENV] = self.module_scope
+                w.popen = forked.get(w.local_rank)
+                w.warm = w.popen is not None
+                if w.popen is None:
+                    w.popen = self._spawn_cold(w, env, theirs.get(w.local_rank))
+                self._watch(w)
+        finally:
+            for sock in theirs.values():
+                sock.close()
+
+    def _spawn_cold(
+        self, w: Worker, env: dict[str, str], channel: socket.socket | None
+    ) -> subprocess.Popen[bytes]:
+        argv = list(runner_argv(self.spec.argv))
+        fds: tuple[int, ...] = ()
+        if channel is not None:
+            env = {**env, CHANNEL_ENV: str(channel.fileno())}
+            fds = (channel.fileno(),)
+        try:
+            popen = subprocess.Popen(
+                argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                preexec_fn=preexec_for(os.getpid()),  # noqa: PLW1509 - a pre-resolved prctl
+                close_fds=True,
+                pass_fds=fds,
+            )
+        except OSError as e:
+            raise WorkerError(
+                f"cannot start worker local rank {w.local_rank}: "
+                f"{self.spec.argv[0] if self.spec.argv else '<empty argv>'}: "
+                f"{e.strerror or e}"
+            ) from e
+        if self.guard is not None:
+            self.guard.add(popen.pid)
+        if self.reaper is not None:
+            self.reaper.watch_session(popen.pid)
+        return popen
+
+    def _watch(self, w: Worker) -> None:
+        """Watch a started worker: its exit, its output, its channel."""
+        loop = asyncio.get_running_loop()
+        assert w.popen is not None
+        w.exited = loop.create_future()
+        self._watch_exit(loop, w)
+        if self.watchdog is not None and w.heartbeat_file is not None:
+            self.watchdog.watch(w.local_rank, w.heartbeat_file)
+        for pipe, route in zip((w.popen.stdout, w.popen.stderr), w.routes, strict=True):
+            assert pipe is not None
+            self._pump(loop, w, pipe, route)
+        if w.channel is not None:
+            w.channel.setblocking(False)
+            loop.add_reader(w.channel.fileno(), self._on_channel, w)
+            if w.warm:
+                with contextlib.suppress(OSError):
+                    w.channel.send(b"go\n")  # registered: the forked worker may run
+
+    def _on_channel(self, w: Worker) -> None:
+        """Read what the worker's runner sends (JSON lines, bounded)."""
+        sock = w.channel
+        if sock is None:
+            return
+        try:
+            data = sock.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        w.channel_read += len(data)
+        if not data or w.channel_read > MAX_CHANNEL_BYTES:
+            self._close_channel(w)
+            return
+        w.channel_buf += data
+        while b"\n" in w.channel_buf:
+            line, _, rest = bytes(w.channel_buf).partition(b"\n")
+            w.channel_buf = bytearray(rest)
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(message, dict) and self.on_message is not None:
+                self.on_message(w.local_rank, message)
+
+    def _close_channel(self, w: Worker) -> None:
+        sock, w.channel = w.channel, None
+        if sock is None:
+            return
+        with contextlib.suppress(RuntimeError, ValueError, OSError):
+            asyncio.get_running_loop().remove_reader(sock.fileno())
+        sock.close()
 
     def envs(self) -> dict[int, dict[str, str]]:
         """Each local rank's environment in this round (what spares start with)."""
@@ -434,6 +505,7 @@ class WorkerGroup:
                 await asyncio.wait(pending, timeout=1.0)
         loop = asyncio.get_running_loop()
         for w in self.workers:
+            self._close_channel(w)
             for tr in w.transports:
                 tr.close()
             for p in w.pumps:

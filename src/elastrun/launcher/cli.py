@@ -356,8 +356,36 @@ def build_parser() -> argparse.ArgumentParser:
         "--prewarm",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="keep a warm spare interpreter (torch imported) per worker, so restarts skip "
-        "Python start and 'import torch' (default: on when a restart is possible)",
+        help="fork workers from a warm interpreter that imported torch and what the script "
+        "imported when it last ran, so starts and restarts skip Python start and those "
+        "imports (default: on)",
+    )
+    f.add_argument(
+        *_both("--prewarm-modules"),
+        action=EnvDefault,
+        default="installed",
+        choices=("installed", "all", "torch"),
+        help="what the warm interpreter imports ahead of time: 'installed' (torch and the "
+        "standard-library and installed-package modules the script imported last time), "
+        "'all' (the script's own modules too, never the script itself), 'torch' (torch "
+        "only, no cache) (default: installed)",
+    )
+    f.add_argument(
+        *_both("--prewarm-cache"),
+        action=EnvDefault,
+        default=None,
+        metavar="DIR",
+        help="where the lists of modules scripts imported are kept across runs (default: "
+        "$ELASTRUN_CACHE_DIR, else $XDG_CACHE_HOME/elastrun or ~/.cache/elastrun)",
+    )
+    f.add_argument(
+        *_both("--warm-join-timeout"),
+        action=EnvDefault,
+        default=None,
+        metavar="SECONDS",
+        help="a node joining a running job waits up to this long for its warm interpreter "
+        "before it enters the round, so the others pause only for the restart (default: "
+        "60; 0: do not wait)",
     )
     f.add_argument(
         *_both("--exit-barrier-timeout"),
@@ -504,6 +532,9 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
         exit_barrier_timeout=_float("--exit-barrier-timeout", ns.exit_barrier_timeout),
         # Spares run Python: not for --no-python programs or --run-path's -c.
         prewarm=ns.prewarm and not (ns.no_python or ns.run_path),
+        prewarm_modules=ns.prewarm_modules,
+        prewarm_cache=ns.prewarm_cache or None,
+        warm_join_timeout=_float("--warm-join-timeout", ns.warm_join_timeout),
     )
     cmd = Command(
         script=ns.script,

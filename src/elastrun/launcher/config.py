@@ -118,9 +118,12 @@ class LaunchConfig:
     hang_timeout: float | None = None
     exit_barrier_timeout: float | None = None  # None: --rdzv-conf or 300 s
     env: Mapping[str, str] = field(default_factory=dict)  # extra worker environment
-    # Warm spare interpreters (agent/spares.py); only for Python commands the
-    # launcher builds (a script or -m module).
+    # Fork workers from a warm interpreter (agent/spares.py); only for Python
+    # commands the launcher builds (a script or -m module).
     prewarm: bool = True
+    prewarm_modules: str = "installed"  # "installed" | "all" | "torch"
+    prewarm_cache: str | None = None  # None: $ELASTRUN_CACHE_DIR or ~/.cache/elastrun
+    warm_join_timeout: float | None = None  # None: 60 s
 
     def validate(self) -> None:
         """Check value ranges; raise ConfigError naming the flag."""
@@ -151,6 +154,14 @@ class LaunchConfig:
         if self.exit_barrier_timeout is not None and not self.exit_barrier_timeout >= 0:
             raise ConfigError(
                 f"--exit-barrier-timeout: must be >= 0, got {self.exit_barrier_timeout}"
+            )
+        if self.prewarm_modules not in ("installed", "all", "torch"):
+            raise ConfigError(
+                f"--prewarm-modules: must be installed, all or torch, got {self.prewarm_modules!r}"
+            )
+        if self.warm_join_timeout is not None and not 0 <= self.warm_join_timeout <= 86400:
+            raise ConfigError(
+                f"--warm-join-timeout: must be in 0..86400 seconds, got {self.warm_join_timeout}"
             )
         if not self.role:
             raise ConfigError("--role: must not be empty")

@@ -130,6 +130,9 @@ def build_spec(plan: Plan, argv: Sequence[str], host: str) -> WorkerSpec:
         hang_timeout=cfg.hang_timeout,
         events_file=cfg.events_file,
         prewarm=cfg.prewarm,
+        prewarm_modules=cfg.prewarm_modules,
+        prewarm_cache=cfg.prewarm_cache,
+        warm_join_timeout=60.0 if cfg.warm_join_timeout is None else cfg.warm_join_timeout,
     )
 
 

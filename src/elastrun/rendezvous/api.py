@@ -179,6 +179,22 @@ class Rendezvous(abc.ABC):
         every member of the round completed (or after the exit barrier
         timeout), and marks the job finished."""
 
+    async def read_note(self, name: str) -> dict[str, Any] | None:
+        """The job-wide note ``name`` another agent left (a JSON object), or
+        None. Never raises."""
+        return None
+
+    async def write_note(self, name: str, value: dict[str, Any]) -> None:
+        """Leave the job-wide note ``name`` for the other agents (best effort,
+        bounded in size; never raises)."""
+        del name, value  # a rendezvous without a store keeps no notes
+
+    async def joining_running_job(self) -> bool:
+        """True when the job trains without this node right now (its round is
+        closed and this node is not a member): joining would restart the
+        others' workers. Asked before ``next_round()``; never raises."""
+        return False
+
     @abc.abstractmethod
     async def shutdown(self) -> None:
         """Leave the job (revoke this node's lease). Never closes the job for

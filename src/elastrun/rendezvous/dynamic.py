@@ -16,6 +16,7 @@ their actions ends the call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import re
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from elastrun.clock import SYSTEM_CLOCK, Clock
-from elastrun.errors import ConfigMismatch, RendezvousClosed, RendezvousError
+from elastrun.errors import ConfigMismatch, RendezvousClosed, RendezvousError, StoreError
 from elastrun.events import EventSink, NullSink
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import records as R
@@ -52,6 +53,8 @@ _TIMER_EVENTS = {
 }
 
 Initial = Event | Callable[[View], Event]
+NOTE_MAX_BYTES = 256 * 1024  # a job-wide note (see read_note)
+_NOTE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
 
 
 def _safe_id(text: str) -> str:
@@ -111,6 +114,34 @@ class DynamicRendezvous(Rendezvous):
         out = await self._run(Event(Ev.NEXT_ROUND, now=self.clock.monotonic()))
         assert out.result is not None
         return out.result
+
+    async def read_note(self, name: str) -> dict[str, Any] | None:
+        if not _NOTE_NAME.match(name):
+            return None
+        try:
+            kv = await self.store.get(self.keys.note(name))
+            if kv is None or len(kv.value) > NOTE_MAX_BYTES:
+                return None
+            return K.decode(kv.key, kv.value)
+        except (StoreError, RendezvousError):
+            return None
+
+    async def write_note(self, name: str, value: dict[str, Any]) -> None:
+        data = K.encode(value)
+        if not _NOTE_NAME.match(name) or len(data) > NOTE_MAX_BYTES:
+            return
+        with contextlib.suppress(StoreError):
+            await self.store.put(self.keys.note(name), data)
+
+    async def joining_running_job(self) -> bool:
+        try:
+            kv = await self.store.get(self.keys.round)
+            rec = None if kv is None else K.decode(kv.key, kv.value)
+        except (StoreError, RendezvousError, ValueError, KeyError):
+            return False  # next_round() reads it again and reports what is wrong
+        if rec is None or rec.get("state") != K.CLOSED:
+            return False
+        return self.node_id not in (rec.get("members") or ())
 
     async def wait_for_change(self) -> Change:
         if self.rules.state is not State.MEMBER:

@@ -87,6 +87,10 @@ class Keys:
     def done(self, r: int, node_id: str) -> str:
         return self.dones(r) + node_id
 
+    def note(self, name: str) -> str:
+        """A job-wide note the agents share (e.g. the modules the script imports)."""
+        return self.root + "notes/" + name
+
 
 def node_id_of(key: str) -> str:
     """The last path component of a per-node key."""

@@ -1,0 +1,352 @@
+"""The first code of every Python worker elastrun starts (stdlib only).
+
+The agent runs a worker's script or ``-m`` module through this program:
+``python -u _runner.py script args`` (or ``... -m module args``), the worker's
+own command line with this file in front. It runs the target exactly as
+``python -u script args`` would (``sys.argv``, ``sys.path[0]``, a fresh
+``__main__`` with ``__file__``, tracebacks without this file's frames, the
+exit code), after setting up what elastrun observes from inside the worker:
+
+* **the modules the worker imported** by the time it trains (its first
+  ``torch.optim`` step, or ``ELASTRUN_MODULES_AFTER`` seconds after it
+  started, whichever comes first), sent once to the agent over the *channel*
+  socket, so that the next warm interpreter imports them ahead of time
+  (``agent/modcache.py``). Only modules of the standard library and of
+  installed packages are named (``ELASTRUN_MODULE_SCOPE=all`` also names the
+  user's own modules); never the script itself.
+
+With ``ELASTRUN_RUNNER=zygote`` the program is the agent's warm interpreter
+instead (``_zygote.py``, loaded from beside this file): it imports modules
+ahead of time, then forks the workers. A forked worker continues here, in
+:func:`main`, as a worker.
+
+The channel (fd ``ELASTRUN_CHANNEL_FD``, a stream socket to the agent):
+JSON lines, ``"v": 2``; worker -> agent ``{"v": 2, "kind": "modules",
+"modules": [...], "python": "3.11.7", "torch": "2.13.0"}``. Writes never
+block the worker: a message that does not fit is dropped.
+
+Variables this program reads are removed from ``os.environ`` before the
+script runs, so the script and its children do not see them.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import os
+import re
+import site
+import sys
+import sysconfig
+import threading
+import types
+from collections.abc import Callable, Iterable, Sequence
+from importlib.machinery import SourceFileLoader
+from typing import Any
+
+PROTOCOL = 2
+MODE_ENV = "ELASTRUN_RUNNER"  # "zygote": serve forks (see _zygote.py)
+CHANNEL_ENV = "ELASTRUN_CHANNEL_FD"  # the channel socket's fd
+SCOPE_ENV = "ELASTRUN_MODULE_SCOPE"  # "installed" (default) or "all"
+AFTER_ENV = "ELASTRUN_MODULES_AFTER"  # s after start to record without an optimizer step
+PRIVATE_ENV = (MODE_ENV, CHANNEL_ENV, SCOPE_ENV, AFTER_ENV)
+DEFAULT_AFTER = 30.0
+MAX_MODULES = 5000
+MAX_NAME = 200
+OPTIMIZER_MODULE = "torch.optim.optimizer"
+_SELF = os.path.abspath(__file__)
+_HERE = os.path.dirname(_SELF)
+NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
+# Never named: the script, and elastrun's own runner modules.
+_NEVER = ("__main__", "__mp_main__", "_elastrun_zygote")
+
+
+# --------------------------------------------------------------------------- modules
+
+
+def installed_roots() -> tuple[str, ...]:
+    """Folders whose modules count as the standard library or installed packages."""
+    paths = sysconfig.get_paths()
+    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    with contextlib.suppress(AttributeError):
+        roots.update(site.getsitepackages())
+    with contextlib.suppress(AttributeError):
+        roots.add(site.getusersitepackages())
+    return tuple(sorted({os.path.realpath(r) for r in roots if r}))
+
+
+def origin_installed(origin: str | None, locations: Iterable[str], roots: Sequence[str]) -> bool:
+    """Whether a module found at ``origin`` (or, for a namespace package, in
+    ``locations``) lives under one of ``roots``. Built-in and frozen modules
+    (no file) count as the standard library."""
+    files = [origin] if origin else list(locations)
+    if not files:
+        return True
+    for f in files:
+        if f in ("built-in", "frozen"):
+            continue
+        real = os.path.realpath(f)
+        if not any(real == r or real.startswith(r + os.sep) for r in roots):
+            return False
+    return True
+
+
+def _module_installed(mod: types.ModuleType, roots: Sequence[str]) -> bool:
+    spec = getattr(mod, "__spec__", None)
+    origin = getattr(mod, "__file__", None) or getattr(spec, "origin", None)
+    path = getattr(mod, "__path__", None)
+    locations = [p for p in path if isinstance(p, str)] if isinstance(path, list) else []
+    if not isinstance(origin, str) and not locations:
+        return False  # neither a file nor a package folder: not something to import
+    return origin_installed(origin if isinstance(origin, str) else None, locations, roots)
+
+
+def select_modules(
+    modules: dict[str, Any], scope: str, roots: Sequence[str], limit: int = MAX_MODULES
+) -> list[str]:
+    """The names of ``modules`` (``sys.modules``, in import order) a warm
+    interpreter may import ahead of time: real modules under their own name,
+    not the script, and (scope ``installed``) from ``roots`` only."""
+    out: list[str] = []
+    for name, mod in list(modules.items()):
+        if len(out) >= limit:
+            break
+        if not isinstance(mod, types.ModuleType) or name in _NEVER:
+            continue
+        if len(name) > MAX_NAME or not NAME_RE.match(name) or getattr(mod, "__name__", "") != name:
+            continue
+        try:
+            if scope != "all" and not _module_installed(mod, roots):
+                continue
+        except Exception:  # noqa: S112 - an exotic module object: not one to name
+            continue
+        out.append(name)
+    return out
+
+
+class _OnImport(importlib.abc.MetaPathFinder):
+    """Calls ``callback(module)`` once ``name`` has been imported (a post-import hook)."""
+
+    def __init__(self, name: str, callback: Callable[[types.ModuleType], None]) -> None:
+        self.name = name
+        self.callback = callback
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
+        spec: importlib.machinery.ModuleSpec | None = None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        callback = self.callback
+
+        class _Then(importlib.abc.Loader):
+            def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: types.ModuleType) -> None:
+                loader.exec_module(module)
+                with contextlib.suppress(Exception):
+                    callback(module)
+
+        spec.loader = _Then()
+        return spec
+
+
+class ModuleRecorder:
+    """Sends the worker's imported modules to the agent once it trains."""
+
+    def __init__(self, channel: Channel, scope: str, after: float) -> None:
+        self.channel = channel
+        self.scope = scope
+        self.after = after
+        self._sent = False
+        self._lock = threading.Lock()
+        self._hook: Any = None
+
+    def install(self) -> None:
+        mod = sys.modules.get(OPTIMIZER_MODULE)
+        if mod is not None:
+            self._on_optimizer_module(mod)
+        else:
+            sys.meta_path.insert(0, _OnImport(OPTIMIZER_MODULE, self._on_optimizer_module))
+        if self.after > 0:
+            timer = threading.Timer(self.after, self.send, args=("timer",))
+            timer.daemon = True
+            timer.name = "elastrun-modules"
+            timer.start()
+
+    def _on_optimizer_module(self, mod: types.ModuleType) -> None:
+        register = getattr(mod, "register_optimizer_step_post_hook", None)
+        if register is not None:
+            self._hook = register(self._on_step)
+
+    def _on_step(self, *_: Any) -> None:
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            with contextlib.suppress(Exception):
+                hook.remove()
+        self.send("optimizer_step")
+
+    def send(self, why: str) -> None:
+        """Never raises: it runs inside the script's optimizer step."""
+        with self._lock:
+            if self._sent:
+                return
+            self._sent = True
+        with contextlib.suppress(Exception):
+            self._send(why)
+
+    def _send(self, why: str) -> None:
+        names = select_modules(sys.modules, self.scope, installed_roots())
+        torch = sys.modules.get("torch")
+        self.channel.send(
+            {
+                "kind": "modules",
+                "why": why,
+                "modules": names,
+                "python": ".".join(map(str, sys.version_info[:3])),
+                "torch": getattr(torch, "__version__", None) if torch is not None else None,
+            }
+        )
+
+
+class Channel:
+    """The worker's end of the channel socket (writes never block)."""
+
+    def __init__(self, fd: int | None) -> None:
+        self.fd = fd
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.set_inheritable(fd, False)  # not for the script's own children
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self.fd is None:
+            return
+        data = json.dumps({"v": PROTOCOL, **message}).encode() + b"\n"
+        with contextlib.suppress(OSError):
+            os.set_blocking(self.fd, False)
+            if os.write(self.fd, data) != len(data):
+                # A short write would leave half a line: this channel is done.
+                os.close(self.fd)
+                self.fd = None
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _fresh_main(file: str | None) -> dict[str, object]:
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    if file is not None:
+        main.__file__ = file
+        main.__loader__ = SourceFileLoader("__main__", file)
+        main.__dict__["__cached__"] = None
+    sys.modules["__main__"] = main
+    return main.__dict__
+
+
+def _run_script(script: str, args: list[str]) -> None:
+    """As ``python script args``: argv as given, sys.path[0] the script's real
+    directory, ``__file__`` absolute, a fresh ``__main__``."""
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.realpath(script))
+    path = os.path.abspath(script)
+    with open(path, "rb") as fp:
+        code = compile(fp.read(), path, "exec", dont_inherit=True)
+    exec(code, _fresh_main(path))  # noqa: S102 - running the user's script is the point
+
+
+def _run_module(module: str, args: list[str]) -> None:
+    """As ``python -m module args`` (the same runpy entry point)."""
+    import runpy
+
+    sys.argv = ["-m", *args]
+    sys.path[0] = os.getcwd()
+    _fresh_main(None)
+    runpy._run_module_as_main(module, alter_argv=True)  # type: ignore[attr-defined]
+
+
+def _strip_own_frames(exc: BaseException) -> None:
+    own = {_SELF, os.path.join(_HERE, "_zygote.py")}
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in own:
+        tb = tb.tb_next
+    exc.__traceback__ = tb
+
+
+def target_path(kind: str, target: str) -> str:
+    """sys.path[0] as the worker will have it."""
+    return os.path.dirname(os.path.realpath(target)) if kind == "script" else os.getcwd()
+
+
+def run_worker(kind: str, target: str, args: list[str]) -> None:
+    """Set up the observers, then run the target; exits as the target would."""
+    env = os.environ
+    channel_fd = env.get(CHANNEL_ENV, "")
+    channel = Channel(int(channel_fd) if channel_fd.isdigit() else None)
+    scope = env.get(SCOPE_ENV, "installed")
+    try:
+        after = float(env.get(AFTER_ENV, "") or DEFAULT_AFTER)
+    except ValueError:
+        after = DEFAULT_AFTER
+    for name in PRIVATE_ENV:
+        env.pop(name, None)
+    if channel.fd is not None:
+        ModuleRecorder(channel, scope, after).install()
+    try:
+        if kind == "module":
+            _run_module(target, args)
+        else:
+            _run_script(target, args)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:
+        _strip_own_frames(e)  # the traceback reads as the script's own
+        sys.excepthook(type(e), e, e.__traceback__)
+        sys.exit(1)
+
+
+def _load_zygote() -> types.ModuleType:
+    """``_zygote.py`` from beside this file (this program runs as a script,
+    so its folder is not a package here)."""
+    path = os.path.join(_HERE, "_zygote.py")
+    spec = importlib.util.spec_from_file_location("_elastrun_zygote", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main(argv: list[str]) -> None:
+    # argv as the worker's own, after the interpreter: "script args" or "-m module args".
+    if not argv or (argv[0] == "-m" and len(argv) < 2):
+        sys.exit("elastrun runner: usage: _runner.py script args | -m module args")
+    kind, target = ("module", argv[1]) if argv[0] == "-m" else ("script", argv[0])
+    args = argv[2:] if kind == "module" else argv[1:]
+    if os.environ.get(MODE_ENV) == "zygote":
+        # Imports resolve as they will for the worker: its sys.path[0].
+        sys.path[0] = target_path(kind, target)
+        order = _load_zygote().serve()
+        if order is None:
+            sys.exit(0)  # the agent closed the socket: not needed any more
+        args = [str(a) for a in order["args"]]
+    run_worker(kind, target, args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,476 @@
+"""The warm interpreter workers are forked from (stdlib only).
+
+Loaded by ``_runner.py`` when ``ELASTRUN_RUNNER=zygote``: the agent starts one
+per node with the worker's interpreter, flags, command line and environment
+(less the per-round and per-rank variables), fd 0 a ``SOCK_SEQPACKET`` socket
+to the agent. It imports modules ahead of time (torch, then what the script
+imported when it last ran: ``ELASTRUN_PRELOAD``), one at a time, at idle CPU
+priority where it may return to normal priority afterwards (root or
+``CAP_SYS_NICE``; otherwise after ``ELASTRUN_SPARE_DELAY`` seconds), and
+forks workers when told to. Between two imports it reads the agent's orders,
+so a fork never waits for the rest of the list.
+
+Protocol: one JSON object per message, ``"v": 2``::
+
+    zygote -> agent  {"ready": true, "loaded": N, "failed": [[name, why], ...],
+                      "rss_kb": N, "preload_s": S, "stopped": why | null,
+                      "python": "3.11.7", "torch": "2.13.0" | null}
+    agent -> zygote  {"preload": [name, ...]}          import these too
+    agent -> zygote  {"fork": {"env": {...}, "args": [...]}, "index": i, "count": n}
+                     with 3 fds: the worker's stdout, stderr and channel socket
+    zygote -> agent  {"pids": [pid | null, ...]}       once all n are forked
+    zygote -> agent  {"unsafe": name, "why": ...}      then it exits: a module
+                     started a Python thread or initialised CUDA (not fork-safe)
+
+End of file from the agent: exit 0.
+
+Each worker is forked twice (zygote -> intermediate -> worker) and the
+intermediate exits at once, so the worker is re-parented to the agent (a
+child subreaper): the agent waits for it as for any child. The worker starts
+a session of its own at once (before the zygote answers: a signal to the
+zygote's process group must not reach it), and once it is the agent's child
+sets its parent-death signal (tied to its parent at the time) and waits for
+the agent's ``go`` on the channel socket (sent once the agent has registered
+it): an agent that dies or gives up before that leaves nothing running.
+
+Bounds: the preload stops after ``ELASTRUN_PRELOAD_BUDGET`` seconds or once
+the resident memory passes ``ELASTRUN_PRELOAD_MAX_RSS`` MiB; a module that
+fails to import is skipped and named in the next ``ready``; with the
+``installed`` scope a module is imported only if it is found in the standard
+library or in installed packages (never the script's own folder).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import importlib.util
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any
+
+# _runner.py is the program's __main__; its helpers are shared.
+_runner = sys.modules["__main__"]
+
+PROTOCOL = 2
+PRELOAD_ENV = "ELASTRUN_PRELOAD"  # JSON {"modules": [...], "python": ..., "torch": ...}
+DELAY_ENV = "ELASTRUN_SPARE_DELAY"
+AGENT_ENV = "ELASTRUN_AGENT_PID"
+BUDGET_ENV = "ELASTRUN_PRELOAD_BUDGET"  # s
+RSS_ENV = "ELASTRUN_PRELOAD_MAX_RSS"  # MiB
+OWN_ENV = (PRELOAD_ENV, DELAY_ENV, AGENT_ENV, BUDGET_ENV, RSS_ENV)
+MAX_MESSAGE = 4 << 20
+FDS_PER_WORKER = 3
+MAX_FAILED = 50
+ADOPT_WAIT = 5.0  # s for the re-parenting to the agent
+GO_WAIT = 60.0  # s for the agent's go
+PR_SET_PDEATHSIG = 1
+
+
+def _load_prctl() -> Any:
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+def _can_return_from_idle() -> bool:
+    """Whether this process may leave SCHED_IDLE again (tried on a throwaway thread)."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    ok: list[bool] = []
+
+    def probe() -> None:
+        tid = threading.get_native_id()
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            ok.append(True)
+        except OSError:
+            ok.append(False)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    return bool(ok and ok[0])
+
+
+def _set_policy(policy: int) -> None:
+    """Every thread of this process to ``policy`` (best effort)."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+
+
+def _rss_kb() -> int:
+    path = "/proc/self/status"
+    with contextlib.suppress(OSError, ValueError, IndexError), open(path, encoding="ascii") as fp:
+        for line in fp:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _version(name: str) -> str | None:
+    mod = sys.modules.get(name)
+    return getattr(mod, "__version__", None) if mod is not None else None
+
+
+class _Become(Exception):
+    """Raised in a freshly forked worker: unwinds the zygote's loop."""
+
+    def __init__(self, order: dict[str, Any], fds: list[int], others: list[int]) -> None:
+        super().__init__()
+        self.order = order
+        self.fds = fds
+        self.others = others
+
+
+class Zygote:
+    def __init__(self) -> None:
+        env = os.environ
+        self.ctl = socket.socket(fileno=0)
+        self.agent_pid = int(env.get(AGENT_ENV, "0") or 0)
+        spec = _json(env.get(PRELOAD_ENV, ""))
+        self.scope = env.get(_runner.SCOPE_ENV, "installed")
+        self.delay = _float(env.get(DELAY_ENV), 0.0)
+        self.budget = _float(env.get(BUDGET_ENV), 120.0)
+        self.max_rss_kb = int(_float(env.get(RSS_ENV), 4096.0) * 1024)
+        for name in OWN_ENV:
+            env.pop(name, None)
+        self.roots = _runner.installed_roots()
+        self.queue: deque[str] = deque()
+        self.queued: set[str] = set()
+        self.checked: set[str] = set()  # top-level packages found where they may be
+        self.expect_torch = spec.get("torch") if isinstance(spec.get("torch"), str) else None
+        python = ".".join(map(str, sys.version_info[:3]))
+        listed = spec.get("modules")
+        modules: list[Any] = listed if isinstance(listed, list) else []
+        if spec.get("python") not in (None, python):
+            modules = [m for m in modules if m == "torch"]  # recorded by another Python
+        self._enqueue(modules)
+        self.loaded = 0
+        self.failed: list[list[str]] = []
+        self.stopped: str | None = None
+        self.started = time.monotonic()
+        self.idle = _can_return_from_idle()
+        self.prctl = _load_prctl()
+        self.batch: list[tuple[dict[str, Any], list[int]]] = []
+
+    # ------------------------------------------------------------ preload
+    def _enqueue(self, names: object) -> None:
+        if not isinstance(names, list):
+            return
+        for name in names:
+            if (
+                isinstance(name, str)
+                and _runner.NAME_RE.match(name)
+                and len(name) <= _runner.MAX_NAME
+                and name not in self.queued
+                and len(self.queued) < _runner.MAX_MODULES
+            ):
+                self.queued.add(name)
+                self.queue.append(name)
+
+    def _fail(self, name: str, why: object) -> None:
+        if len(self.failed) < MAX_FAILED:
+            self.failed.append([name, str(why)[:200] or type(why).__name__])
+
+    def _import_next(self) -> None:
+        name = self.queue.popleft()
+        if name in sys.modules:
+            return
+        if time.monotonic() - self.started > self.budget:
+            self.stopped = f"time budget of {self.budget:g} s spent"
+        elif _rss_kb() > self.max_rss_kb:
+            self.stopped = f"memory budget of {self.max_rss_kb // 1024} MiB reached"
+        if self.stopped is not None:
+            self.queue.clear()
+            return
+        if self.scope != "all" and not self._under_checked_package(name):
+            try:
+                spec = importlib.util.find_spec(name)
+            except (Exception, SystemExit) as e:
+                self._fail(name, e)
+                return
+            if spec is None:
+                self._fail(name, "not found")
+                return
+            locations = list(spec.submodule_search_locations or ())
+            if not _runner.origin_installed(spec.origin, locations, self.roots):
+                self._fail(name, "not from the standard library or an installed package")
+                return
+        threads = threading.active_count()
+        try:
+            importlib.import_module(name)
+        except (Exception, SystemExit) as e:
+            self._fail(name, f"{type(e).__name__}: {e}")
+            return
+        self.loaded += 1
+        if "." not in name:
+            self.checked.add(name)
+        if name == "torch" and self.expect_torch not in (None, _version("torch")):
+            self.queue.clear()  # recorded with another torch: only torch itself is sure
+            self.stopped = f"the module list was recorded with torch {self.expect_torch}"
+        if threading.active_count() > threads:
+            self._unsafe(name, "it started a thread (a fork would copy it half-way)")
+        cuda = sys.modules.get("torch.cuda")
+        if cuda is not None and getattr(cuda, "is_initialized", lambda: False)():
+            self._unsafe(name, "it initialised CUDA (the device must stay free)")
+
+    def _under_checked_package(self, name: str) -> bool:
+        """A submodule of a package already imported from an installed place is
+        found in that package's folder: no need to look for it on sys.path."""
+        top = name.split(".", 1)[0]
+        if top == name:
+            return False
+        if top not in self.checked:
+            mod = sys.modules.get(top)
+            if mod is None or not _runner._module_installed(mod, self.roots):
+                return False
+            self.checked.add(top)
+        return True
+
+    def _unsafe(self, name: str, why: str) -> None:
+        self._send({"unsafe": name, "why": why})
+        os._exit(4)
+
+    def _report(self) -> None:
+        self._send(
+            {
+                "ready": True,
+                "loaded": self.loaded,
+                "failed": self.failed,
+                "rss_kb": _rss_kb(),
+                "preload_s": round(time.monotonic() - self.started, 3),
+                "stopped": self.stopped,
+                "python": ".".join(map(str, sys.version_info[:3])),
+                "torch": _version("torch"),
+            }
+        )
+        self.failed = []
+
+    # ------------------------------------------------------------ messages
+    def _send(self, message: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError):
+            self.ctl.send(json.dumps({"v": PROTOCOL, **message}).encode())
+
+    def _recv(self) -> tuple[dict[str, Any] | None, list[int]]:
+        """One message and its fds; (None, []) at end of file."""
+        try:
+            data, fds, flags, _ = socket.recv_fds(self.ctl, MAX_MESSAGE, FDS_PER_WORKER)
+        except OSError:
+            return None, []
+        if not data and not fds:
+            return None, []
+        message = _json(data.decode(errors="replace")) if not flags & socket.MSG_TRUNC else {}
+        if message.get("v") != PROTOCOL:
+            message = {}
+        return message, fds
+
+    def _handle(self, message: dict[str, Any], fds: list[int]) -> None:
+        """Act on one message; raises _Become in a forked worker."""
+        if "preload" in message:
+            self._enqueue(message["preload"])
+        if "fork" in message and isinstance(message["fork"], dict) and len(fds) == 3:
+            self.batch.append((message["fork"], fds))
+            fds = []
+            if len(self.batch) >= int(message.get("count", 1)):
+                batch, self.batch = self.batch, []
+                self._fork_batch(batch)
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _readable(self, timeout: float) -> bool:
+        with contextlib.suppress(OSError, ValueError):
+            return bool(select.select([self.ctl], [], [], timeout)[0])
+        return False
+
+    # ------------------------------------------------------------ forking
+    def _fork_batch(self, batch: list[tuple[dict[str, Any], list[int]]]) -> None:
+        if self.idle:
+            _set_policy(os.SCHED_OTHER)  # the workers inherit it
+        every_fd = [fd for _, fds in batch for fd in fds]
+        kids: list[tuple[int, int] | None] = []
+        for order, fds in batch:
+            r, w = os.pipe()
+            try:
+                pid = os.fork()
+            except OSError:
+                os.close(r)
+                os.close(w)
+                kids.append(None)
+                continue
+            if pid == 0:  # the intermediate
+                os.close(r)
+                if _fork_or_exit():
+                    os._exit(0)  # the worker is re-parented to the agent
+                # The worker: a session of its own before anyone may signal
+                # the zygote's process group, then its pid to the zygote.
+                os.setsid()
+                _report(w, os.getpid())
+                raise _Become(order, fds, [fd for fd in every_fd if fd not in fds])
+            os.close(w)
+            kids.append((pid, r))
+        pids: list[int | None] = []
+        for kid in kids:
+            if kid is None:
+                pids.append(None)
+                continue
+            pid, r = kid
+            data = _read_all(r)  # the worker's pid, once it leads a session
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)  # the intermediate is gone: the worker is the agent's
+            pids.append(int(data) if data.isdigit() else None)
+        for fd in every_fd:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._send({"pids": pids})
+        if self.idle and self.queue:
+            _set_policy(os.SCHED_IDLE)
+
+    def adopted(self, become: _Become) -> dict[str, Any]:
+        """In the worker: wait to be the agent's child, then become its worker."""
+        deadline = time.monotonic() + ADOPT_WAIT
+        while os.getppid() != self.agent_pid:
+            if time.monotonic() > deadline:
+                os._exit(70)
+            time.sleep(0.0005)
+        if self.prctl is not None:
+            self.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != self.agent_pid:
+            os._exit(70)  # the agent died in between
+        _set_policy(os.SCHED_OTHER)
+        with contextlib.suppress(OSError):
+            os.close(self.ctl.detach())  # the agent's socket is the zygote's, not ours
+        for fd in become.others:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        out, err, channel = become.fds
+        if not _wait_go(channel, GO_WAIT):
+            os._exit(71)
+        devnull = os.open(os.devnull, os.O_RDONLY)  # fd 0 is free: the socket is gone
+        if devnull != 0:
+            os.dup2(devnull, 0)  # the worker's stdin, as the agent gives cold workers
+            os.close(devnull)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        os.close(out)
+        os.close(err)
+        env = become.order.get("env")
+        os.environ.clear()
+        os.environ.update({str(k): str(v) for k, v in (env or {}).items()})
+        os.environ[_runner.CHANNEL_ENV] = str(channel)
+        return become.order
+
+    # ------------------------------------------------------------ the loop
+    def serve(self) -> dict[str, Any] | None:
+        """Preload and fork until the agent closes the socket (None), or, in a
+        forked worker, return its order."""
+        try:
+            self._loop()
+        except _Become as become:
+            return self.adopted(become)
+        return None
+
+    def _loop(self) -> None:
+        if self.idle:
+            _set_policy(os.SCHED_IDLE)
+        elif self.delay > 0 and self.queue and self._readable(self.delay):
+            pass  # the agent needs us already: no more waiting
+        reported = False
+        while True:
+            if self.queue:
+                reported = False
+                if self._readable(0):
+                    message, fds = self._recv()
+                    if message is None:
+                        return
+                    self._handle(message, fds)
+                else:
+                    self._import_next()
+                continue
+            if not reported:
+                if self.idle:
+                    _set_policy(os.SCHED_OTHER)
+                self._report()
+                reported = True
+            message, fds = self._recv()
+            if message is None:
+                return
+            self._handle(message, fds)
+            if self.queue and self.idle:
+                _set_policy(os.SCHED_IDLE)
+
+
+def _fork_or_exit() -> int:
+    try:
+        return os.fork()
+    except OSError:
+        os._exit(1)
+
+
+def _report(fd: int, pid: int) -> None:
+    try:
+        os.write(fd, str(pid).encode())
+        os.close(fd)
+    except OSError:
+        os._exit(72)
+
+
+def _read_all(fd: int) -> str:
+    data = b""
+    with contextlib.suppress(OSError):
+        while chunk := os.read(fd, 64):
+            data += chunk
+    os.close(fd)
+    return data.decode(errors="replace").strip()
+
+
+def _wait_go(fd: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    buf = b""
+    while not buf.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            ready = select.select([fd], [], [], left)[0]
+            chunk = os.read(fd, 16) if ready else b""
+        except OSError:
+            return False
+        if ready and not chunk:
+            return False  # the agent closed it: not wanted
+        buf += chunk
+    return buf.strip() == b"go"
+
+
+def _json(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _float(text: str | None, default: float) -> float:
+    try:
+        return float(text) if text else default
+    except ValueError:
+        return default
+
+
+def serve() -> dict[str, Any] | None:
+    return Zygote().serve()

@@ -1,0 +1,215 @@
+"""A node joining a running job waits for its warm interpreter first (bounded),
+so the running nodes pause only for the restart, and a module list recorded
+by one run makes the next run's first start warm.
+
+Real agents on the embedded store (loopback), real gloo workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+from elastrun.agent.modcache import ModuleCache, ModuleList, cache_key
+from tests.conftest import PYTHON
+from tests.integration.elastic_harness import free_port, wait_for
+from tests.integration.test_cli import ELASTRUN, RUN_TIMEOUT, elastrun, env_without_pet
+
+# Steps every 0.1 s at whatever world size the round has, logging each step;
+# all ranks stop together once the stop file exists.
+TRAINER = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import torch
+    import torch.distributed as dist
+    if os.environ.get("IMPORT_SLOW"):
+        import slowmod
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = os.environ["STEPS"]
+    while True:
+        flag = torch.tensor([1.0 if os.path.exists(out + ".stop") else 0.0])
+        dist.all_reduce(flag)
+        line = json.dumps({"t": time.monotonic(), "rank": rank, "world": world,
+                           "node": os.environ["NODE"]})
+        fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        os.write(fd, (line + "\\n").encode())
+        os.close(fd)
+        if flag.item() > 0:
+            break
+        time.sleep(0.1)
+    dist.destroy_process_group()
+    """
+)
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _plant(cache_dir: Path, cwd: Path, modules: list[str]) -> None:
+    """A module list for trainer.py as if an earlier run had recorded it."""
+    key = cache_key("script", "trainer.py", (), PYTHON, str(cwd))
+    assert ModuleCache(str(cache_dir), key).save(ModuleList(modules=modules))
+
+
+def _join(
+    tmp_path: Path, slow_s: float, warm_join_timeout: float, via_note: bool = False
+) -> dict[str, Any]:
+    (tmp_path / "trainer.py").write_text(TRAINER)
+    (tmp_path / "slowmod.py").write_text(f"import time\ntime.sleep({slow_s})\n")
+    steps = tmp_path / "steps.jsonl"
+    port = free_port()
+    common = [
+        "--nnodes=1:2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=warm-join",
+        "--max-restarts=0",
+    ]
+    base = {**env_without_pet(), "STEPS": str(steps)}
+    env_a = {**base, "NODE": "a", "ELASTRUN_CACHE_DIR": str(tmp_path / "cache-a")}
+    env_b = {**base, "NODE": "b", "ELASTRUN_CACHE_DIR": str(tmp_path / "cache-b")}
+    flags_a = ["--rdzv-conf=is_host=1,last_call_timeout=1"]
+    if via_note:
+        # Node a's worker imports slowmod and records it; node b, new to this
+        # machine's cache, learns it from the job's note in the store.
+        for env in (env_a, env_b):
+            env.update(IMPORT_SLOW="1", ELASTRUN_MODULES_AFTER="1")
+        flags_a.append("--prewarm-modules=all")
+    else:
+        # Node b's warm interpreter has a slow import to do before it is ready.
+        _plant(tmp_path / "cache-b", tmp_path, ["torch", "slowmod"])
+    events_b = tmp_path / "b.jsonl"
+
+    def start(env: dict[str, str], *flags: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [ELASTRUN, *common, *flags, "trainer.py"],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+
+    procs = [start(env_a, *flags_a)]
+    try:
+        wait_for(lambda: any(s["world"] == 1 for s in _lines(steps)), 120, "a trains alone")
+        if via_note:
+            time.sleep(2)  # (node a records what its worker imported after 1 s)
+        t_b = time.monotonic()
+        procs.append(
+            start(
+                env_b,
+                "--rdzv-conf=is_host=0,last_call_timeout=1",
+                "--prewarm-modules=all",
+                f"--warm-join-timeout={warm_join_timeout}",
+                f"--events-file={events_b}",
+            )
+        )
+        wait_for(
+            lambda: {s["node"] for s in _lines(steps) if s["world"] == 2} == {"a", "b"},
+            120,
+            "world 2 on both nodes",
+        )
+        (tmp_path / "steps.jsonl.stop").touch()
+        for p in procs:
+            _, err = p.communicate(timeout=RUN_TIMEOUT)
+            assert p.returncode == 0, err[-3000:]
+        b_err = err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+    evs = [json.loads(x) for x in events_b.read_text().splitlines()]
+    lines = _lines(steps)
+    return {
+        "events_b": evs,
+        "t_b": t_b,
+        "warm_join": [e for e in evs if e["kind"] == "warm_join"],
+        "started": [e for e in evs if e["kind"] == "workers_started"],
+        "last_world1_a": max(s["t"] for s in lines if s["world"] == 1 and s["node"] == "a"),
+        "first_world2": min(s["t"] for s in lines if s["world"] == 2),
+        "stderr_b": b_err,
+    }
+
+
+def test_a_joining_node_enters_the_round_once_its_workers_can_start_warm(tmp_path):
+    got = _join(tmp_path, slow_s=4, warm_join_timeout=60)
+    (wj,) = got["warm_join"]
+    assert wj["ready"] is True and wj["waited_s"] >= 3
+    assert "joining a running job: waiting up to 60s" in got["stderr_b"]
+    # Node a trained on while node b imported: it paused only for the restart.
+    assert got["last_world1_a"] >= got["t_b"] + 3
+    assert got["started"][0]["warm"] == [True]
+
+
+def test_a_node_new_to_the_job_learns_what_to_import_from_the_job(tmp_path):
+    got = _join(tmp_path, slow_s=4, warm_join_timeout=60, via_note=True)
+    learned = [e for e in got["events_b"] if e["kind"] == "modules_recorded"]
+    assert learned and learned[0]["why"] == "job"
+    (wj,) = got["warm_join"]
+    assert wj["ready"] is True and wj["waited_s"] >= 3  # it imported slowmod first
+    assert got["last_world1_a"] >= got["t_b"] + 3
+    assert got["started"][0]["warm"] == [True]
+
+
+def test_a_joining_node_whose_warm_interpreter_is_slow_joins_after_the_bound(tmp_path):
+    got = _join(tmp_path, slow_s=120, warm_join_timeout=2)
+    (wj,) = got["warm_join"]
+    assert wj["ready"] is False and 1.5 <= wj["waited_s"] < 15
+    assert "not ready after 2s; joining anyway" in got["stderr_b"]
+    # It joined without waiting for the slow import, its worker started cold.
+    assert got["first_world2"] - got["t_b"] < 60
+    assert got["started"][0]["warm"] == [False]
+
+
+RECORDER = textwrap.dedent(
+    """
+    import os, sys
+    seen = [m for m in ("email.mime.text", "xml.dom.minidom") if m in sys.modules]
+    import torch
+    import email.mime.text, xml.dom.minidom
+    name = f"{os.environ['RUN']}-{os.environ['RANK']}"
+    with open(os.path.join(os.environ["OUT"], name), "w") as f:
+        f.write(",".join(seen))
+    # The first optimizer step: the runner records what the worker imported.
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    w.sum().backward()
+    opt.step()
+    """
+)
+
+
+def test_the_module_list_survives_the_run_and_the_next_first_start_is_warm(tmp_path):
+    (tmp_path / "rec.py").write_text(RECORDER)
+    env = {
+        **env_without_pet(),
+        "OUT": str(tmp_path),
+        "ELASTRUN_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    for run in ("one", "two"):
+        proc = elastrun(
+            "--standalone", "--nproc-per-node=2", "rec.py", cwd=tmp_path, env={**env, "RUN": run}
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    (cached,) = (tmp_path / "cache").glob("modules-*.json")
+    modules = json.loads(cached.read_text())["modules"]
+    assert {"email.mime.text", "torch.optim"} <= set(modules)  # (torch: always preloaded)
+    assert "rec" not in modules and "__main__" not in modules  # never the script
+    # First run: nothing recorded yet. Second run, first start: already imported.
+    for rank in ("0", "1"):
+        assert (tmp_path / f"one-{rank}").read_text() == ""
+        assert (tmp_path / f"two-{rank}").read_text() == "email.mime.text,xml.dom.minidom"

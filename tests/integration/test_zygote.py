@@ -1,0 +1,332 @@
+"""The warm interpreter on its own (agent/spares.py, worker/_zygote.py): what it
+imports ahead of time, what it refuses, how it is bounded, and the module
+cache that survives the run (agent/modcache.py).
+
+Real zygote processes, real forks, real files; no agent (the agent-level
+behaviour is in test_spares.py and test_warm_join.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+from elastrun.agent import WorkerSpec
+from elastrun.agent.modcache import ModuleCache, cache_key
+from elastrun.agent.spares import SparePool
+from elastrun.agent.spawn import python_entry
+from elastrun.events import ListSink
+from tests.conftest import PYTHON
+from tests.integration.elastic_harness import pid_alive
+
+# Prints which of the modules named in PROBE_MODULES were loaded before the
+# script itself imported anything, then imports them (as a script would).
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    names = [n for n in os.environ.get("PROBE_MODULES", "").split(",") if n]
+    before = sorted(n for n in names if n in sys.modules)
+    import importlib
+    for n in names:
+        with __import__("contextlib").suppress(ImportError):
+            importlib.import_module(n)
+    print("BEFORE", ",".join(before), "RANK", os.environ.get("RANK"), flush=True)
+    """
+)
+
+
+def _pool(
+    tmp_path: Path,
+    *,
+    preload: tuple[str, ...] = ("email.mime.text",),
+    script_text: str = SCRIPT,
+    cache: bool = True,
+    sink: ListSink | None = None,
+    **kw: Any,
+) -> tuple[SparePool, ListSink]:
+    script = tmp_path / "s.py"
+    script.write_text(script_text)
+    spec = WorkerSpec(argv=(PYTHON, "-u", str(script)), nproc=1, run_id="zygote-test")
+    entry = python_entry(spec.argv)
+    assert entry is not None
+    sink = sink or ListSink()
+    mc = None
+    if cache:
+        key = cache_key(entry.kind, entry.target, entry.args, PYTHON, str(tmp_path))
+        mc = ModuleCache(str(tmp_path / "cache"), key)
+    return SparePool(spec, entry, sink, preload=preload, cache=mc, **kw), sink
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTRUN_")}
+    env.update(RANK="0", **extra)
+    return env
+
+
+async def _fork_one(pool: SparePool, env: dict[str, str]) -> tuple[int, str] | None:
+    """Fork one worker with ``env``; its exit code and output (None: not forked)."""
+    ours, theirs = socket.socketpair()
+    try:
+        forked = await pool.fork({0: env}, {0: theirs.fileno()})
+    finally:
+        theirs.close()
+    if not forked:
+        ours.close()
+        return None
+    proc = forked[0]
+    ours.send(b"go\n")
+    assert proc.stdout is not None
+    loop = asyncio.get_running_loop()
+    out = await loop.run_in_executor(None, proc.stdout.read)
+    rc = await loop.run_in_executor(None, proc.wait, 60)
+    ours.close()
+    return rc, out.decode()
+
+
+def _kinds(sink: ListSink, kind: str) -> list[dict[str, Any]]:
+    return [e for e in sink.events if e["kind"] == kind]
+
+
+def test_a_start_waits_for_a_zygote_importing_what_the_script_imports(tmp_path):
+    # The zygote's preload takes 3 s; the script imports the same module: the
+    # start waits for it (a head start), and the script finds it loaded.
+    (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(3)\n")
+    env = _env(PROBE_MODULES="slowmod", WHO="x")
+    script = SCRIPT + "import slowmod  # the script imports it itself (after the check)\n"
+
+    async def main() -> tuple[int, str] | None:
+        pool, _ = _pool(tmp_path, preload=("slowmod",), scope="all", script_text=script)
+        assert pool.head_start
+        pool.keep(env)
+        try:
+            return await _fork_one(pool, {**env, "RANK": "5"})
+        finally:
+            await pool.close()
+
+    t0 = time.monotonic()
+    got = asyncio.run(main())
+    assert got is not None
+    rc, out = got
+    assert rc == 0 and "BEFORE slowmod RANK 5" in out, out
+    assert time.monotonic() - t0 >= 2.5
+
+
+def test_a_zygote_importing_is_kept_for_a_script_that_does_not_need_it(tmp_path):
+    (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(30)\n")
+
+    async def main() -> None:
+        pool, sink = _pool(
+            tmp_path, preload=("slowmod",), script_text="print('no slowmod here')\n", cache=False
+        )
+        assert pool.head_start is False
+        pool.keep(_env())
+        (pid,) = pool.pids
+        try:
+            t0 = time.monotonic()
+            assert await _fork_one(pool, _env()) is None  # the worker starts cold, at once
+            assert time.monotonic() - t0 < 1
+            assert pool.pids == [pid] and pid_alive(pid)  # kept for a later start
+        finally:
+            await pool.close()
+        assert not pid_alive(pid)
+        assert not _kinds(sink, "spare_used") and not _kinds(sink, "spare_discarded")
+
+    asyncio.run(main())
+
+
+def test_a_zygote_started_with_another_environment_is_not_used(tmp_path):
+    async def main() -> None:
+        pool, sink = _pool(tmp_path, preload=(), cache=False)
+        env = _env(OMP_NUM_THREADS="1")
+        pool.keep(env)
+        (pid,) = pool.pids
+        try:
+            assert await _fork_one(pool, {**env, "OMP_NUM_THREADS": "8"}) is None
+        finally:
+            await pool.close()
+        (gone,) = _kinds(sink, "spare_discarded")
+        assert gone["reason"] == "started with a different OMP_NUM_THREADS"
+        assert not pid_alive(pid)
+
+    asyncio.run(main())
+
+
+def test_learned_modules_are_imported_and_kept_for_the_next_run(tmp_path):
+    # A worker reports the modules it imported; the zygote imports the new
+    # ones before it counts as ready again, and the list is written to the
+    # cache, where the next run's zygote finds it from its start.
+    names = ["email.mime.text", "xml.dom.minidom", "wave"]
+    env = _env(PROBE_MODULES=",".join(names))
+
+    async def first() -> str:
+        pool, sink = _pool(tmp_path, preload=())
+        pool.keep(env)
+        try:
+            assert await pool.wait_ready(60)
+            pool.learn({"kind": "modules", "modules": names, "python": None, "torch": None})
+            assert not pool.ready  # importing the new ones
+            assert await pool.wait_ready(60)
+            got = await _fork_one(pool, env)
+        finally:
+            await pool.close()
+        (recorded,) = _kinds(sink, "modules_recorded")
+        assert recorded["new"] == 3 and recorded["cache"]
+        assert _kinds(sink, "spare_ready")[-1]["loaded"] == 3
+        assert got is not None and got[0] == 0
+        return got[1]
+
+    out = asyncio.run(first())
+    assert "BEFORE email.mime.text,wave,xml.dom.minidom" in out, out
+    (cached,) = (tmp_path / "cache").glob("modules-*.json")
+    assert json.loads(cached.read_text())["modules"] == names
+    assert oct(os.stat(tmp_path / "cache").st_mode & 0o777) == "0o700"
+
+    async def second() -> None:
+        pool, sink = _pool(tmp_path, preload=())
+        assert pool.head_start  # its list was recorded: the script imports them
+        pool.keep(env)
+        try:
+            assert await pool.wait_ready(60)
+        finally:
+            await pool.close()
+        (started,) = _kinds(sink, "spare_started")
+        assert started["modules"] == 3
+        assert _kinds(sink, "spare_ready")[0]["loaded"] == 3
+
+    asyncio.run(second())
+
+
+def test_a_module_that_fails_to_import_is_skipped_and_named(tmp_path):
+    (tmp_path / "boom.py").write_text("raise RuntimeError('boom at import')\n")
+    (tmp_path / "fine.py").write_text("X = 1\n")
+    env = _env(PROBE_MODULES="fine")
+
+    async def main() -> tuple[int, str] | None:
+        pool, sink = _pool(
+            tmp_path, preload=("boom", "no_such_module_xyz", "fine"), scope="all", cache=False
+        )
+        pool.keep(env)
+        try:
+            assert await pool.wait_ready(60)
+            (ready,) = _kinds(sink, "spare_ready")
+            assert ready["failed"] == ["boom", "no_such_module_xyz"]
+            assert ready["loaded"] == 1
+            return await _fork_one(pool, env)
+        finally:
+            await pool.close()
+
+    got = asyncio.run(main())
+    assert got is not None and got[0] == 0 and "BEFORE fine" in got[1]
+
+
+def test_only_installed_modules_are_imported_unless_asked(tmp_path):
+    # The script's own folder is on sys.path, but its modules (which may run
+    # code at import) are not imported ahead of time by default.
+    (tmp_path / "mine.py").write_text("open('IMPORTED', 'w').close()\n")
+
+    async def main() -> dict[str, Any]:
+        pool, sink = _pool(tmp_path, preload=("mine", "wave"), cache=False)
+        pool.keep(_env())
+        try:
+            assert await pool.wait_ready(60)
+        finally:
+            await pool.close()
+        (ready,) = _kinds(sink, "spare_ready")
+        return ready
+
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        ready = asyncio.run(main())
+    finally:
+        os.chdir(old)
+    assert ready["failed"] == ["mine"] and ready["loaded"] == 1
+    assert not (tmp_path / "IMPORTED").exists()
+
+
+def test_a_module_that_starts_a_thread_is_dropped_and_remembered(tmp_path):
+    # Forking copies one thread: a module that starts a thread at import is
+    # not safe in the zygote. It is refused, remembered in the cache, and a
+    # new zygote without it takes over.
+    (tmp_path / "threader.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    )
+    env = _env(PROBE_MODULES="email.mime.text")
+
+    async def main() -> tuple[int, str] | None:
+        pool, sink = _pool(tmp_path, preload=("threader", "email.mime.text"), scope="all")
+        pool.keep(env)
+        try:
+            for _ in range(200):  # the first zygote refuses threader and a second starts
+                if len(_kinds(sink, "spare_started")) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert await pool.wait_ready(60)
+            (gone,) = _kinds(sink, "spare_discarded")
+            assert "threader" in gone["reason"] and "thread" in gone["reason"]
+            return await _fork_one(pool, env)
+        finally:
+            await pool.close()
+
+    got = asyncio.run(main())
+    assert got is not None and got[0] == 0 and "BEFORE email.mime.text" in got[1]
+    (cached,) = (tmp_path / "cache").glob("modules-*.json")
+    assert "threader" in json.loads(cached.read_text())["skip"]
+
+
+def test_the_preload_is_bounded_in_time(tmp_path):
+    for i in range(4):
+        (tmp_path / f"slow{i}.py").write_text("import time\ntime.sleep(1)\n")
+
+    async def main() -> dict[str, Any]:
+        pool, sink = _pool(
+            tmp_path,
+            preload=tuple(f"slow{i}" for i in range(4)),
+            scope="all",
+            cache=False,
+            budget=1.5,
+        )
+        pool.keep(_env())
+        try:
+            assert await pool.wait_ready(60)
+        finally:
+            await pool.close()
+        return _kinds(sink, "spare_ready")[0]
+
+    ready = asyncio.run(main())
+    assert ready["stopped"] == "time budget of 1.5 s spent"
+    assert 1 <= ready["loaded"] <= 3
+    assert ready["rss_mb"] > 0
+
+
+def test_a_forked_worker_runs_only_after_the_go(tmp_path):
+    # A worker the agent never registered (no "go": the agent died or gave up)
+    # exits without running the script.
+    marker = tmp_path / "RAN"
+    script = f"open({str(marker)!r}, 'w').close()\n"
+
+    async def main() -> int:
+        pool, _ = _pool(tmp_path, preload=(), script_text=script, cache=False)
+        pool.keep(_env())
+        ours, theirs = socket.socketpair()
+        try:
+            assert await pool.wait_ready(60)
+            forked = await pool.fork({0: _env()}, {0: theirs.fileno()})
+            theirs.close()
+            ours.close()  # never "go"
+            return await asyncio.get_running_loop().run_in_executor(None, forked[0].wait, 30)
+        finally:
+            with contextlib.suppress(OSError):
+                theirs.close()
+            await pool.close()
+
+    assert asyncio.run(main()) == 71
+    assert not marker.exists()
