@@ -1,0 +1,362 @@
+"""The frameworks users run, under real ``elastrun`` agents (CPU, gloo, loopback).
+
+* PyTorch Lightning ``Trainer(accelerator="cpu", devices=2, strategy="ddp")``,
+  standalone; and ``Trainer(num_nodes=2, devices=1)`` over 2 agents that meet
+  on one c10d endpoint. Lightning must pick its ``TorchElasticEnvironment``
+  (from the variables elastrun sets), see elastrun's ranks and world size, and
+  start no processes of its own: the workers are exactly the pids elastrun's
+  event log names, with no children.
+* Hugging Face ``accelerate``: ``Accelerator()`` with ``ACCELERATE_USE_CPU=1``
+  (what ``accelerate launch --cpu`` sets) trains as 2 processes with the data
+  sharded; without it, on a machine with no accelerator, ``Accelerator()``
+  runs each process on its own, exactly as under torchrun.
+* Lightning with a worker SIGKILLed mid-epoch: the job restarts once and
+  ``fit(ckpt_path="last")`` resumes from ``last.ckpt``, ending at the right
+  step and epoch with the weights of an undisturbed run.
+
+Every Lightning fit trains a linear model on random tensors, so its final
+weights are known: ``reference_checksum`` replays the same steps in this
+process. A resumed fit must end with them too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.elastic_harness import (
+    ELASTRUN,
+    SCRIPTS,
+    Agent,
+    free_port,
+    pid_alive,
+    wait_for,
+)
+from tests.integration.test_cli import env_without_pet
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("lightning", reason="lightning is not installed (pip install -e '.[dev]')")
+
+BOUND = 150.0  # per job: a loaded 2-core machine; Lightning alone imports in 3-8 s
+FEATURES = 8  # as the worker scripts
+BATCH = 4
+LR = 0.05
+
+
+def reference_checksum(world: int, epochs: int, batches: int) -> float:
+    """The sum of the weights after the Lightning script's fit, replayed in one
+    process: Lightning shards the training set with torch's ``DistributedSampler``
+    (shuffled, seed 0, ``set_epoch`` every epoch), and DDP's mean of the ranks'
+    gradients is the gradient of the loss over all the ranks' batches."""
+    from torch.utils.data import DistributedSampler, TensorDataset
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(batches * BATCH * world, FEATURES, generator=generator)
+    y = x.sum(dim=1, keepdim=True)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(FEATURES, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    samplers: list[DistributedSampler[Any]] = [
+        DistributedSampler(TensorDataset(x), num_replicas=world, rank=r, shuffle=True, seed=0)
+        for r in range(world)
+    ]
+    for epoch in range(epochs):
+        shards = []
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+            shards.append(list(sampler))
+        for step in range(batches):
+            index = [i for shard in shards for i in shard[step * BATCH : (step + 1) * BATCH]]
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x[index]), y[index]).backward()
+            optimizer.step()
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+def events(path: Path) -> list[dict[str, Any]]:
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                out.append(json.loads(line))
+    return out
+
+
+def started_pids(*paths: Path, restart: int = 0) -> list[int]:
+    """The worker pids elastrun's event logs say it started for ``restart``."""
+    return sorted(
+        int(pid)
+        for path in paths
+        for e in events(path)
+        if e["kind"] == "workers_started" and e["restart_count"] == restart
+        for pid in e["pids"]
+    )
+
+
+class Jobs:
+    """Agents started by one test; on exit every agent group and every worker
+    pid their event logs name is SIGKILLed (workers lead their own sessions)."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.dir = tmp_path
+        self.out = tmp_path / "out"
+        self.out.mkdir()
+        self.agents: list[Agent] = []
+
+    def start(self, name: str, flags: list[str], script: str, args: list[str], **env: str) -> Agent:
+        log_path = self.dir / f"agent-{name}.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [
+                    *ELASTRUN,
+                    *flags,
+                    f"--events-file={self.events_file(name)}",
+                    str(SCRIPTS / script),
+                    str(self.out),
+                    *args,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**env_without_pet(), "PYTHONUNBUFFERED": "1", **env},
+                cwd=self.dir,
+                start_new_session=True,
+            )
+        agent = Agent(name, proc, log_path)
+        self.agents.append(agent)
+        return agent
+
+    def events_file(self, name: str) -> Path:
+        return self.dir / f"events-{name}.jsonl"
+
+    def records(self, pattern: str) -> dict[str, dict[str, Any]]:
+        return {p.stem: json.loads(p.read_text()) for p in sorted(self.out.glob(pattern))}
+
+    def steps(self) -> list[dict[str, Any]]:
+        return events(self.out / "steps.jsonl")
+
+    def cleanup(self) -> None:
+        for agent in self.agents:
+            agent.kill_group(signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                agent.proc.wait(10)
+        for agent in self.agents:
+            for e in events(self.events_file(agent.name)):
+                for pid in e.get("pids", []) if e["kind"] == "workers_started" else []:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def jobs(tmp_path: Path) -> Iterator[Jobs]:
+    j = Jobs(tmp_path)
+    try:
+        yield j
+    finally:
+        j.cleanup()
+
+
+def lightning_args(j: Jobs, *, epochs: int, batches: int, devices: int, nodes: int) -> list[str]:
+    return [
+        *("--root", str(j.dir / "root")),
+        *("--epochs", str(epochs), "--batches", str(batches)),
+        *("--devices", str(devices), "--num-nodes", str(nodes)),
+    ]
+
+
+def check_lightning_fit(
+    fits: dict[str, dict[str, Any]],
+    pids: list[int],
+    *,
+    world: int,
+    nodes: int,
+    epochs: int,
+    batches: int,
+) -> None:
+    """Lightning saw elastrun's world, spawned nothing, and trained to the end."""
+    assert len(fits) == world, fits
+    assert sorted(f["pid"] for f in fits.values()) == pids, "Lightning ran outside elastrun's pids"
+    expected = reference_checksum(world, epochs, batches)
+    for f in fits.values():
+        assert f["cluster_environment"] == "TorchElasticEnvironment", f
+        assert f["creates_processes_externally"] is True
+        assert f["launcher_spawned"] == 0 and f["children"] == [], f
+        assert f["strategy"] == "DDPStrategy" and f["backend"] == "gloo"
+        env = f["env"]
+        assert f["global_rank"] == f["dist_rank"] == f["import_rank"] == int(env["RANK"])
+        assert f["world_size"] == f["dist_world_size"] == int(env["WORLD_SIZE"]) == world
+        assert f["local_rank"] == int(env["LOCAL_RANK"])
+        assert f["node_rank"] == int(env["GROUP_RANK"])
+        assert f["num_nodes"] == int(env["GROUP_WORLD_SIZE"]) == nodes
+        assert f["num_devices"] == int(env["LOCAL_WORLD_SIZE"]) == world // nodes
+        assert f["global_step"] == epochs * batches and f["current_epoch"] == epochs, f
+        assert f["checksum"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert sorted(f["global_rank"] for f in fits.values()) == list(range(world))
+
+
+def test_lightning_ddp_standalone(tmp_path: Path) -> None:
+    epochs, batches = 2, 4
+    with jobs(tmp_path) as j:
+        agent = j.start(
+            "a",
+            ["--standalone", "--nproc-per-node=2"],
+            "lightning_fit.py",
+            lightning_args(j, epochs=epochs, batches=batches, devices=2, nodes=1),
+        )
+        assert agent.wait(BOUND) == 0, agent.output()[-3000:]
+        fits = j.records("fit-*.json")
+        pids = started_pids(j.events_file("a"))
+        check_lightning_fit(fits, pids, world=2, nodes=1, epochs=epochs, batches=batches)
+        assert all(f["env"]["GROUP_RANK"] == "0" for f in fits.values())
+        # Every step of every rank ran in those two processes.
+        assert {s["pid"] for s in j.steps()} == set(pids)
+        assert len(j.steps()) == 2 * epochs * batches
+        assert not any(pid_alive(p) for p in pids)
+        assert (j.dir / "root" / "ckpt" / "last.ckpt").is_file()
+
+
+def test_lightning_ddp_two_agents(tmp_path: Path) -> None:
+    epochs, batches = 2, 4
+    port = free_port()
+    flags = [
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=lightning-two-agents",
+    ]
+    with jobs(tmp_path) as j:
+        args = lightning_args(j, epochs=epochs, batches=batches, devices=1, nodes=2)
+        agents = [j.start(name, flags, "lightning_fit.py", args) for name in ("a", "b")]
+        for agent in agents:
+            assert agent.wait(BOUND) == 0, agent.output()[-3000:]
+        fits = j.records("fit-*.json")
+        pids = started_pids(j.events_file("a"), j.events_file("b"))
+        check_lightning_fit(fits, pids, world=2, nodes=2, epochs=epochs, batches=batches)
+        # One worker per agent: node ranks 0 and 1, each local rank 0.
+        assert sorted(f["node_rank"] for f in fits.values()) == [0, 1]
+        assert all(f["local_rank"] == 0 for f in fits.values())
+
+
+@pytest.mark.parametrize("use_cpu", [True, False], ids=["ACCELERATE_USE_CPU=1", "plain"])
+def test_accelerate_loop(tmp_path: Path, use_cpu: bool) -> None:
+    pytest.importorskip(
+        "accelerate", reason="accelerate is not installed (pip install -e '.[dev]')"
+    )
+    if not use_cpu and torch.cuda.is_available():
+        pytest.skip("Accelerator() picks the GPU here; this case is about CPU-only machines")
+    epochs, steps_per_epoch = 2, 4
+    env = {"ACCELERATE_USE_CPU": "1"} if use_cpu else {}
+    with jobs(tmp_path) as j:
+        agent = j.start(
+            "a",
+            ["--standalone", "--nproc-per-node=2"],
+            "accelerate_loop.py",
+            ["--epochs", str(epochs), "--steps-per-epoch", str(steps_per_epoch)],
+            **env,
+        )
+        assert agent.wait(BOUND) == 0, agent.output()[-3000:]
+        runs = j.records("accelerate-*.json")
+        pids = started_pids(j.events_file("a"))
+        assert sorted(r["pid"] for r in runs.values()) == pids
+        for r in runs.values():
+            assert r["children"] == [], r
+            assert r["steps"] == epochs * steps_per_epoch  # the data set scales with the world
+            # accelerate initialises torch.distributed from elastrun's variables either way.
+            assert r["dist_world_size"] == 2 and r["dist_rank"] == int(r["env"]["RANK"])
+        if use_cpu:
+            for r in runs.values():
+                assert r["distributed_type"] == "DistributedType.MULTI_CPU", r
+                assert r["backend"] == "gloo" and r["model_class"] == "DistributedDataParallel"
+                assert r["num_processes"] == 2
+                assert r["process_index"] == int(r["env"]["RANK"])
+                assert r["local_process_index"] == int(r["env"]["LOCAL_RANK"])
+                assert r["is_main_process"] == (r["process_index"] == 0)
+                assert len(r["gathered_losses"]) == 2
+            assert sorted(r["process_index"] for r in runs.values()) == [0, 1]
+            # Gradients were averaged: the ranks, on different shards, end with equal weights.
+            checksums = {r["checksum"] for r in runs.values()}
+            assert len(checksums) == 1, checksums
+        else:
+            # No accelerator and no ACCELERATE_USE_CPU: accelerate trains each process
+            # alone (torchrun gives the same); see docs/training.md, *Frameworks*.
+            for r in runs.values():
+                assert r["distributed_type"] == "DistributedType.NO", r
+                assert r["num_processes"] == 1 and r["model_class"] == "Linear"
+
+
+def test_lightning_resumes_from_last_checkpoint_after_a_worker_is_killed(tmp_path: Path) -> None:
+    epochs, batches = 3, 5
+    with jobs(tmp_path) as j:
+        args = lightning_args(j, epochs=epochs, batches=batches, devices=2, nodes=1)
+        agent = j.start(
+            "a",
+            ["--standalone", "--nproc-per-node=2", "--max-restarts=1"],
+            "lightning_fit.py",
+            [*args, "--resume", "--step-delay", "0.2"],
+        )
+        last = j.dir / "root" / "ckpt" / "last.ckpt"
+
+        def killable_step() -> int | None:
+            # Mid-epoch 1 or later, past the first epoch's checkpoint, and not in an
+            # epoch's last step: rank 1 may be one step past its last line, and the next
+            # epoch-end checkpoint must not be written before it dies.
+            steps = [s["step"] for s in j.steps() if s["restart"] == 0 and s["rank"] == 1]
+            if steps and steps[-1] > batches and steps[-1] % batches not in (0, batches - 1):
+                return int(steps[-1]) if last.exists() else None
+            return None
+
+        killed_at = wait_for(killable_step, BOUND, "rank 1 mid-epoch past a checkpoint", 0.05)
+        pids = started_pids(j.events_file("a"))
+        assert len(pids) == 2
+        victim = next(s["pid"] for s in j.steps() if s["rank"] == 1)
+        assert victim in pids and pid_alive(victim)
+        os.kill(victim, signal.SIGKILL)
+
+        assert agent.wait(BOUND) == 0, agent.output()[-3000:]
+        assert not any(pid_alive(p) for p in pids)
+
+        # elastrun saw the kill as the root cause and restarted the group once.
+        evs = events(j.events_file("a"))
+        root = [e for e in evs if e["kind"] == "worker_exited" and e["cause"] == "root_cause"]
+        assert [(e["pid"], e["signal"]) for e in root] == [(victim, "SIGKILL")]
+        restarts = [e for e in evs if e["kind"] == "restart"]
+        assert [(e["reason"], e["count"]) for e in restarts] == [("worker_failed", 1)]
+        # Lightning's SIGTERM handler let the surviving rank exit within the grace.
+        assert not [e for e in evs if e["kind"] == "workers_killed"]
+
+        # The killed attempt never finished; the restarted one resumed from last.ckpt.
+        assert j.records("fit-*-a0.json") == {}
+        fits = j.records("fit-*-a1.json")
+        check_lightning_fit(
+            fits,
+            started_pids(j.events_file("a"), restart=1),
+            world=2,
+            nodes=1,
+            epochs=epochs,
+            batches=batches,
+        )
+        starts = {(f["start_step"], f["start_epoch"]) for f in fits.values()}
+        assert len(starts) == 1, starts
+        ((start_step, start_epoch),) = starts
+        # An epoch-end checkpoint at or before the kill, not a fresh start.
+        assert batches <= start_step <= killed_at and start_step % batches == 0, starts
+        assert start_epoch == start_step // batches
+        assert all(Path(f["ckpt_path"]).resolve() == last.resolve() for f in fits.values())
+
+        # No step lost: the restarted ranks ran exactly the steps after the checkpoint.
+        for rank in (0, 1):
+            after = [s["step"] for s in j.steps() if s["restart"] == 1 and s["rank"] == rank]
+            assert after == list(range(start_step + 1, epochs * batches + 1)), (rank, after)
+        warm = [e["warm"] for e in evs if e["kind"] == "workers_started"]
+        print(
+            f"killed at step {killed_at}, resumed from step {start_step} (epoch {start_epoch}); "
+            f"workers warm per attempt: {warm}"
+        )
