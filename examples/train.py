@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -47,6 +49,7 @@ from elastrun.train import (
 
 DATA = Path(__file__).resolve().parent / "data" / "digits.csv.gz"
 TEST_SIZE = 360
+DEFAULT_CHECKPOINT_DIR = "runs/train/checkpoints"
 SPLIT_SEED = 20240601  # fixed: the test set never changes with --seed
 PIXEL_MEAN, PIXEL_STD = 0.30, 0.38  # of the training images scaled to [0, 1]
 
@@ -59,8 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="model init and data order (default 0)")
     p.add_argument(
         "--checkpoint-dir",
-        default="./checkpoints",
-        help="node-local checkpoint directory (default ./checkpoints)",
+        default=DEFAULT_CHECKPOINT_DIR,
+        help=f"node-local checkpoint directory (default {DEFAULT_CHECKPOINT_DIR}, under the "
+        "current directory; runs/ is ignored by git)",
     )
     p.add_argument(
         "--checkpoint-every",
@@ -82,8 +86,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--crash-at-step",
         type=int,
         default=-1,
-        help="fault injection: the last rank exits with code 1 at this global step, "
-        "only in a run that started from scratch (no checkpoint, restart count 0)",
+        help="fault injection: the last rank fails at this global step, only in a run that "
+        "started from scratch (no checkpoint, restart count 0), so a restart goes on",
+    )
+    p.add_argument(
+        "--crash-how",
+        choices=["exit", "sigkill"],
+        default="exit",
+        help="how --crash-at-step fails: exit with code 1 (default), or SIGKILL itself, as the "
+        "kernel's OOM killer would",
     )
     return p.parse_args(argv)
 
@@ -129,6 +140,14 @@ def init_distributed(backend: str, launched: bool) -> None:
     else:  # plain `python train.py`: a world of one
         store = dist.HashStore()  # type: ignore[attr-defined]
         dist.init_process_group(backend, store=store, rank=0, world_size=1)
+
+
+def inject_failure(how: str, rank: int, step: int) -> None:
+    """The fault --crash-at-step asks for: say so, then SIGKILL this process (or return)."""
+    what = "SIGKILL to itself" if how == "sigkill" else "exit code 1"
+    print(f"[rank {rank}] injected failure at step {step}: {what}", flush=True)
+    if how == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.step_delay > 0:
                 time.sleep(args.step_delay)
             if fresh and global_step == args.crash_at_step and rank == world - 1:
-                print(f"[rank {rank}] injected failure at step {global_step}", flush=True)
+                inject_failure(args.crash_how, rank, global_step)
                 return 1
             if args.log_every > 0 and global_step % args.log_every == 0:
                 say(
