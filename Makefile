@@ -1,5 +1,5 @@
 # One entry point for newcomers, developers and CI.
-#   make demo   set up what the demo needs (elastrun + torch), then train the example with a
+#   make demo   set up what the demo needs (elastrun + torch + numpy), then train the example with a
 #               worker killed partway: elastrun restarts it and training resumes (examples/demo.py)
 #   make test   set up everything (venv, torch, dev tools, etcd), run the checks and the tests
 #   make check  ruff + strict mypy
@@ -23,7 +23,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-# The demo needs elastrun and torch only.
+# The demo needs elastrun and its torch extra (torch, numpy) only.
 $(DEMO_STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e '.[torch]' '$(TORCH_PIN)'
 	touch $@
