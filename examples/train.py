@@ -11,7 +11,8 @@ The data set (UCI handwritten digits, 1797 8x8 images, vendored in
 examples/data/) is split into 1437 training and 360 held-out test images.
 Each rank trains on its shard (``ElasticSampler``), gradients are averaged by
 DDP, a checkpoint is saved atomically at every epoch end (and every
-``--checkpoint-every`` steps), and on start the ranks agree on the newest
+``--checkpoint-every`` steps; in ``runs/train/checkpoints`` under the current
+directory unless ``--checkpoint-dir`` says otherwise), and on start the ranks agree on the newest
 checkpoint any of them holds and resume from it: the same epoch and the same
 global sample offset inside it, at whatever world size the job now has.
 

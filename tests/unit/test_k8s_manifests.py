@@ -536,7 +536,7 @@ def test_dockerfile_matches_the_project() -> None:
     assert re.search(r"^WORKDIR /app$", text, re.M)
     assert re.search(r"^COPY examples /app/examples$", text, re.M)
     copied = {w for line in text.splitlines() if line.startswith("COPY ") for w in line.split()}
-    for needed in ("pyproject.toml", "README.md", "src"):  # what pip needs to build elastrun
+    for needed in ("pyproject.toml", "README.md", "LICENSE", "src"):  # what pip needs to build
         assert needed in copied
 
 
