@@ -36,7 +36,7 @@ MODULES = sorted(
     if p.suffix in (".py", ".typed") and "__pycache__" not in p.parts
 )
 SKIP = shutil.ignore_patterns(
-    ".git", ".venv", "runs", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", "bench"
+    ".git", ".venv", "runs", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", "results"
 )
 # Everything an sdist may hold, relative to its top folder (folders have no trailing slash).
 SDIST_ALLOWED = re.compile(
