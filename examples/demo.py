@@ -168,7 +168,8 @@ def story(events: list[dict[str, Any]], output: str, code: int) -> tuple[list[st
     budget = next((e["max_restarts"] for e in events if e.get("kind") == "agent_started"), "?")
 
     def pids(e: dict[str, Any]) -> str:
-        warm = " (warm spares: Python and torch already loaded)" if all(e.get("warm", [])) else ""
+        flags = e.get("warm") or []
+        warm = " (warm spares: Python and torch already loaded)" if flags and all(flags) else ""
         return f"ranks {e['ranks']} as pids {e['pids']}{warm}"
 
     if started:
@@ -211,12 +212,29 @@ def story(events: list[dict[str, Any]], output: str, code: int) -> tuple[list[st
     return told, wrong
 
 
+def draw_timeline(run_dir: Path) -> Path | None:
+    """``elastrun timeline`` of the event log into run_dir/timeline.html (None if it failed)."""
+    events, html = run_dir / "events.jsonl", run_dir / "timeline.html"
+    prefix, _ = elastrun_program()
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        done = subprocess.run(
+            [*prefix, "timeline", str(events), "--out", str(html)],
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+        if done.returncode == 0 and html.exists():
+            return html
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run_dir = Path(args.run_dir)
     # A fresh start: the previous demo's checkpoints would make this one resume at once.
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     (run_dir / "events.jsonl").unlink(missing_ok=True)
+    (run_dir / "timeline.html").unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
 
     cmd, shown = build_command(args, run_dir)
@@ -230,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     for i, line in enumerate(told, 1):
         print(f"  {i}. {line}")
     print(f"  ({elapsed:.0f} s in all)")
+    timeline = draw_timeline(run_dir)
+    if timeline is not None:
+        print(f"The same history drawn as a timeline (elastrun timeline): {timeline}")
     if wrong:
         print("The demo did not go as expected: " + "; ".join(wrong), file=sys.stderr)
         return code or 1

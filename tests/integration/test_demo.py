@@ -100,6 +100,9 @@ def test_demo_injected_kill_restarts_and_resumes_from_the_checkpoint(tmp_path: P
     assert "restart 1 of 1" in summary
     assert "resumed from the checkpoint of step 70" in summary and "5 steps redone" in summary
     assert f"finished: test accuracy {float(final[1]):.4f} after 6 epochs" in summary
+    # ... and `elastrun timeline` drew it.
+    assert f"timeline): {run_dir / 'timeline.html'}" in summary
+    assert "<html" in (run_dir / "timeline.html").read_text(encoding="utf-8").lower()
 
 
 @pytest.mark.timeout(200)
