@@ -1,5 +1,6 @@
 # One entry point for newcomers, developers and CI.
-#   make demo   set up everything, then train the elastic example on the embedded store
+#   make demo   set up what the demo needs (elastrun + torch + numpy), then train the example with a
+#               worker killed partway: elastrun restarts it and training resumes (examples/demo.py)
 #   make test   set up everything (venv, torch, dev tools, etcd), run the checks and the tests
 #   make check  ruff + strict mypy
 #   make bench  benchmarks against torchrun (see docs/benchmarks.md)
@@ -7,17 +8,30 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+# The exact torch of CI and the demo: its CPU wheel. A bare range would let pip pick the
+# registry's newest torch, a CUDA build of several GB. Keep equal to the `dev` extra's pin.
+TORCH_PIN := torch==2.13.0
+DEMO_STAMP := $(VENV)/.demo-installed
+DEV_STAMP := $(VENV)/.dev-installed
 
-.PHONY: setup etcd check test demo bench bench-quick clean
+.PHONY: setup setup-demo etcd check test demo bench bench-quick clean
 
-setup: $(STAMP)
+setup: $(DEV_STAMP)
+setup-demo: $(DEMO_STAMP)
 
-$(STAMP): pyproject.toml
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+
+# The demo needs elastrun and its torch extra (torch, numpy) only.
+$(DEMO_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[torch]' '$(TORCH_PIN)'
+	touch $@
+
+# Tests and checks: the `dev` extra (torch, etcd client, pytest, mypy, ruff, ...).
+$(DEV_STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e '.[dev]'
-	touch $(STAMP)
+	touch $@
 
 etcd:
 	@bash scripts/ensure-etcd.sh
@@ -30,8 +44,8 @@ check: setup
 test: setup etcd check
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-demo: setup
-	$(VENV)/bin/elastrun --standalone --nproc-per-node=2 examples/train.py $(DEMO_ARGS)
+demo: setup-demo
+	$(PY) examples/demo.py $(DEMO_ARGS)
 
 bench: setup etcd
 	$(PY) -m bench $(BENCH_ARGS)

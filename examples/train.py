@@ -11,7 +11,8 @@ The data set (UCI handwritten digits, 1797 8x8 images, vendored in
 examples/data/) is split into 1437 training and 360 held-out test images.
 Each rank trains on its shard (``ElasticSampler``), gradients are averaged by
 DDP, a checkpoint is saved atomically at every epoch end (and every
-``--checkpoint-every`` steps), and on start the ranks agree on the newest
+``--checkpoint-every`` steps; in ``runs/train/checkpoints`` under the current
+directory unless ``--checkpoint-dir`` says otherwise), and on start the ranks agree on the newest
 checkpoint any of them holds and resume from it: the same epoch and the same
 global sample offset inside it, at whatever world size the job now has.
 
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -47,6 +50,7 @@ from elastrun.train import (
 
 DATA = Path(__file__).resolve().parent / "data" / "digits.csv.gz"
 TEST_SIZE = 360
+DEFAULT_CHECKPOINT_DIR = "runs/train/checkpoints"
 SPLIT_SEED = 20240601  # fixed: the test set never changes with --seed
 PIXEL_MEAN, PIXEL_STD = 0.30, 0.38  # of the training images scaled to [0, 1]
 
@@ -59,8 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="model init and data order (default 0)")
     p.add_argument(
         "--checkpoint-dir",
-        default="./checkpoints",
-        help="node-local checkpoint directory (default ./checkpoints)",
+        default=DEFAULT_CHECKPOINT_DIR,
+        help=f"node-local checkpoint directory (default {DEFAULT_CHECKPOINT_DIR}, under the "
+        "current directory; runs/ is ignored by git)",
     )
     p.add_argument(
         "--checkpoint-every",
@@ -82,8 +87,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--crash-at-step",
         type=int,
         default=-1,
-        help="fault injection: the last rank exits with code 1 at this global step, "
-        "only in a run that started from scratch (no checkpoint, restart count 0)",
+        help="fault injection: the last rank fails at this global step, only in a run that "
+        "started from scratch (no checkpoint, restart count 0), so a restart goes on",
+    )
+    p.add_argument(
+        "--crash-how",
+        choices=["exit", "sigkill"],
+        default="exit",
+        help="how --crash-at-step fails: exit with code 1 (default), or SIGKILL itself, as the "
+        "kernel's OOM killer would",
     )
     return p.parse_args(argv)
 
@@ -129,6 +141,14 @@ def init_distributed(backend: str, launched: bool) -> None:
     else:  # plain `python train.py`: a world of one
         store = dist.HashStore()  # type: ignore[attr-defined]
         dist.init_process_group(backend, store=store, rank=0, world_size=1)
+
+
+def inject_failure(how: str, rank: int, step: int) -> None:
+    """The fault --crash-at-step asks for: say so, then SIGKILL this process (or return)."""
+    what = "SIGKILL to itself" if how == "sigkill" else "exit code 1"
+    print(f"[rank {rank}] injected failure at step {step}: {what}", flush=True)
+    if how == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.step_delay > 0:
                 time.sleep(args.step_delay)
             if fresh and global_step == args.crash_at_step and rank == world - 1:
-                print(f"[rank {rank}] injected failure at step {global_step}", flush=True)
+                inject_failure(args.crash_how, rank, global_step)
                 return 1
             if args.log_every > 0 and global_step % args.log_every == 0:
                 say(

@@ -1,36 +1,37 @@
 """Offline checks of the Kubernetes manifests in deploy/kubernetes (docs/kubernetes.md).
 
 No cluster here: the manifests are checked for the mistakes that would break them on one. Every
-YAML document parses; the agents' command line, with Kubernetes' ``$(VAR)`` expansion done as
-the kubelet does it, is accepted by elastrun's own parser (and the script's flags by the
-script's); the etcd endpoints name the etcd StatefulSet's members; the grace period outlasts
-``--shutdown-timeout``; Services select the pods they are for.
-
-PyYAML is not a dependency of the project, so the manifests are read with a small parser of
-the YAML subset they are written in (block mappings and sequences, plain and quoted scalars,
-flow collections of scalars). It refuses anything else, duplicate keys, tabs and YAML 1.1's
-ambiguous booleans (``yes``/``no``/``on``/``off``). When PyYAML is installed its reading is
-compared with ours.
+YAML document parses (PyYAML, refusing duplicate keys) and every core object passes
+``kubernetes-validate --strict`` for every Kubernetes version from 1.27 (the oldest the docs
+support) to the newest kubernetes-validate knows. The PyTorchJob is a Kubeflow custom resource:
+its pod template is validated as a core PodTemplate and its own fields against the training
+operator's API. The agents' command line, with Kubernetes' ``$(VAR)`` expansion done as the
+kubelet does it (and, for the PyTorchJob, the ``PET_*`` variables the operator adds), is
+accepted by elastrun's own parser (and the script's flags by the script's); the etcd endpoints
+name the etcd StatefulSet's members; the grace period outlasts ``--shutdown-timeout``; Services
+select the pods they are for.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 import shlex
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
+import yaml
 
 from elastrun.launcher.cli import parse
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "kubernetes"
 MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
-AGENT_MANIFESTS = ["job.yaml", "statefulset.yaml"]
+AGENT_MANIFESTS = ["job.yaml", "statefulset.yaml", "pytorchjob.yaml"]
+OLDEST_K8S = (1, 27)  # docs/kubernetes.md: "Needs Kubernetes 1.27 or newer"
 
 # Values the downward API would give, for the $(VAR) expansion.
 FIELD_VALUES = {
@@ -42,215 +43,56 @@ FIELD_VALUES = {
 }
 
 
-# ----------------------------------------------------------------- YAML subset
+# ----------------------------------------------------------------- YAML and schemas
 
 
-class YamlSubsetError(ValueError):
-    pass
+class _UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc]
+    """PyYAML's safe loader, refusing duplicate keys (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return dict(super().construct_mapping(node, deep=deep))
 
 
-_AMBIGUOUS = {"yes", "no", "on", "off", "y", "n"}
-_INT = re.compile(r"^[-+]?(0|[1-9][0-9]*)$")
-_KEY = re.compile(r"""^("[^"]*"|'[^']*'|[^\s'"#\-\[\]{}][^:#]*?|-[^\s:][^:#]*?):(?:\s+(.*))?$""")
+def load_all(text: str) -> list[Any]:
+    return [d for d in yaml.load_all(text, Loader=_UniqueKeyLoader) if d is not None]
 
 
-def _strip_comment(text: str) -> str:
-    quote = ""
-    for i, ch in enumerate(text):
-        if quote:
-            if ch == quote:
-                quote = ""
-        elif ch in "\"'" and (i == 0 or text[i - 1] in " :[{,-"):
-            quote = ch
-        elif ch == "#" and (i == 0 or text[i - 1] in " \t"):
-            return text[:i].rstrip()
-    return text.rstrip()
+def test_loader_refuses_duplicate_keys() -> None:
+    assert load_all("a: 1\n---\nb: [x, 'y: z']\n") == [{"a": 1}, {"b": ["x", "y: z"]}]
+    with pytest.raises(yaml.YAMLError, match="duplicate key 'a'"):
+        load_all("a: 1\nb: 2\na: 3\n")
 
 
-def _split_flow(body: str, where: str) -> list[str]:
-    items, depth, quote, start = [], 0, "", 0
-    for i, ch in enumerate(body):
-        if quote:
-            quote = "" if ch == quote else quote
-        elif ch in "\"'":
-            quote = ch
-        elif ch in "[{":
-            depth += 1
-        elif ch in "]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            items.append(body[start:i].strip())
-            start = i + 1
-    last = body[start:].strip()
-    if last:
-        items.append(last)
-    if any(not item for item in items):
-        raise YamlSubsetError(f"{where}: empty item in flow collection {body!r}")
-    return items
+def k8s_versions() -> list[str]:
+    """Every minor version kubernetes-validate has schemas for, from OLDEST_K8S on."""
+    from kubernetes_validate.utils import all_versions
+
+    minors = {tuple(int(x) for x in v.split(".")[:2]) for v in all_versions()}
+    return [f"{a}.{b}.0" for a, b in sorted(minors) if (a, b) >= OLDEST_K8S]
 
 
-def _scalar(text: str, where: str) -> Any:
-    text = text.strip()
-    if text.startswith('"'):
-        if not text.endswith('"') or len(text) < 2:
-            raise YamlSubsetError(f"{where}: unterminated string {text!r}")
-        return json.loads(text)  # the subset's double-quoted escapes are JSON's
-    if text.startswith("'"):
-        if not text.endswith("'") or len(text) < 2:
-            raise YamlSubsetError(f"{where}: unterminated string {text!r}")
-        return text[1:-1].replace("''", "'")
-    if text.startswith("["):
-        if not text.endswith("]"):
-            raise YamlSubsetError(f"{where}: unterminated flow sequence {text!r}")
-        return [_scalar(item, where) for item in _split_flow(text[1:-1], where)]
-    if text.startswith("{"):
-        if not text.endswith("}"):
-            raise YamlSubsetError(f"{where}: unterminated flow mapping {text!r}")
-        out: dict[str, Any] = {}
-        for item in _split_flow(text[1:-1], where):
-            key, sep, value = item.partition(": ")
-            if not sep:
-                raise YamlSubsetError(f"{where}: {item!r} is not key: value")
-            out[str(_scalar(key, where))] = _scalar(value, where)
-        return out
-    if text[:1] in ("|", ">", "&", "*", "!", "%", "@", "`"):
-        raise YamlSubsetError(f"{where}: {text!r} is outside the YAML subset used here")
-    if ": " in text or text.endswith(":"):
-        raise YamlSubsetError(f"{where}: plain scalar {text!r} contains ': ' (quote it)")
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("null", "~", ""):
-        return None
-    if low in _AMBIGUOUS:
-        raise YamlSubsetError(f"{where}: {text!r} is a boolean in YAML 1.1: quote it")
-    if _INT.match(text):
-        return int(text)
-    return text
-
-
-class _Doc:
-    def __init__(self, lines: list[tuple[int, int, str]], name: str) -> None:
-        self.lines = lines  # (line number, indent, text)
-        self.name = name
-        self.i = 0
-
-    def where(self) -> str:
-        line = self.lines[min(self.i, len(self.lines) - 1)][0]
-        return f"{self.name}:{line}"
-
-    def block(self, indent: int) -> Any:
-        text = self.lines[self.i][2]
-        if text == "-" or text.startswith("- "):
-            return self.sequence(indent)
-        if _KEY.match(text):
-            return self.mapping(indent)
-        value = _scalar(text, self.where())
-        self.i += 1
-        return value
-
-    def nested(self, indent: int, allow_seq_same_indent: bool) -> Any:
-        """The value of a ``key:`` or ``-`` with nothing after it: the next, deeper block."""
-        if self.i < len(self.lines):
-            _, ind, text = self.lines[self.i]
-            if ind > indent or (
-                allow_seq_same_indent and ind == indent and (text == "-" or text.startswith("- "))
-            ):
-                return self.block(ind)
-        return None
-
-    def sequence(self, indent: int) -> list[Any]:
-        out: list[Any] = []
-        while self.i < len(self.lines):
-            no, ind, text = self.lines[self.i]
-            if ind < indent:
-                break
-            if ind > indent:
-                raise YamlSubsetError(f"{self.where()}: unexpected indentation")
-            if not (text == "-" or text.startswith("- ")):
-                break
-            rest = text[1:].lstrip()
-            if not rest:
-                self.i += 1
-                out.append(self.nested(indent, allow_seq_same_indent=False))
-                continue
-            # "- key: value" starts a mapping indented at the item's text.
-            self.lines[self.i] = (no, ind + len(text) - len(rest), rest)
-            out.append(self.block(ind + len(text) - len(rest)))
-        return out
-
-    def mapping(self, indent: int) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        while self.i < len(self.lines):
-            _, ind, text = self.lines[self.i]
-            if ind < indent:
-                break
-            if ind > indent:
-                raise YamlSubsetError(f"{self.where()}: unexpected indentation")
-            if text == "-" or text.startswith("- "):
-                break
-            m = _KEY.match(text)
-            if m is None:
-                raise YamlSubsetError(f"{self.where()}: expected 'key: value', got {text!r}")
-            key = str(_scalar(m.group(1), self.where()))
-            if key in out:
-                raise YamlSubsetError(f"{self.where()}: duplicate key {key!r}")
-            rest = m.group(2)
-            if rest:
-                out[key] = _scalar(rest, self.where())
-                self.i += 1
-            else:
-                self.i += 1
-                out[key] = self.nested(indent, allow_seq_same_indent=True)
-        return out
-
-
-def load_all(text: str, name: str) -> list[Any]:
-    """The documents of ``text``, read as the YAML subset described above."""
-    docs: list[list[tuple[int, int, str]]] = [[]]
-    for no, raw in enumerate(text.splitlines(), 1):
-        if "\t" in raw[: len(raw) - len(raw.lstrip())]:
-            raise YamlSubsetError(f"{name}:{no}: tab in indentation")
-        if raw.rstrip() == "---":
-            docs.append([])
-            continue
-        if raw.startswith("..."):
-            raise YamlSubsetError(f"{name}:{no}: document end marker is outside the subset")
-        body = _strip_comment(raw)
-        if body.strip():
-            docs[-1].append((no, len(body) - len(body.lstrip(" ")), body.strip()))
-    out = []
-    for lines in docs:
-        if not lines:
-            continue
-        doc = _Doc(lines, name)
-        value = doc.block(lines[0][1])
-        if doc.i != len(lines):
-            raise YamlSubsetError(f"{doc.where()}: unexpected content")
-        out.append(value)
-    return out
-
-
-def test_subset_parser_reads_what_yaml_does() -> None:
-    text = (
-        "a: 1\nb:\n- x\n- 'y: z' # comment\nc:\n  d: {}\n  e: [1, \"two\"]\n---\n"
-        '- k: v\n  l:\n    - m: "n#o"\n'
-    )
-    assert load_all(text, "t") == [
-        {"a": 1, "b": ["x", "y: z"], "c": {"d": {}, "e": [1, "two"]}},
-        [{"k": "v", "l": [{"m": "n#o"}]}],
-    ]
-    for bad in ("a: 1\na: 2\n", "a: yes\n", "a: |\n  x\n", "a:\n\t- b\n", "a: b: c\n"):
-        with pytest.raises(YamlSubsetError):
-            load_all(bad, "t")
+def schema_errors(doc: dict[str, Any], version: str) -> str | None:
+    try:
+        kubernetes_validate.validate(doc, version, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        where = ".".join(str(p) for p in exc.path) or "(top)"
+        return f"{doc['kind']}/{doc['metadata']['name']} on {version}: {where}: {exc.message}"
+    return None
 
 
 # ----------------------------------------------------------------- helpers
 
 
 def manifest(name: str) -> list[dict[str, Any]]:
-    path = DEPLOY / name
-    docs = load_all(path.read_text(encoding="utf-8"), name)
+    docs = load_all((DEPLOY / name).read_text(encoding="utf-8"))
     assert all(isinstance(d, dict) for d in docs), name
     return docs
 
@@ -280,11 +122,12 @@ def expand(text: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)", sub, text)
 
 
-def container_env(c: dict[str, Any]) -> dict[str, str]:
+def container_env(c: dict[str, Any], added: list[dict[str, Any]] | None = None) -> dict[str, str]:
     """The container's environment as the kubelet builds it, in order, with downward API
-    values from FIELD_VALUES."""
+    values from FIELD_VALUES; ``added``: entries a controller appends after the container's own
+    (as the training operator does with its PET_* variables)."""
     env: dict[str, str] = {}
-    for item in c.get("env", []):
+    for item in [*c.get("env", []), *(added or [])]:
         if "value" in item:
             env[item["name"]] = expand(str(item["value"]), env)
         else:
@@ -294,8 +137,8 @@ def container_env(c: dict[str, Any]) -> dict[str, str]:
     return env
 
 
-def agent_argv(c: dict[str, Any]) -> list[str]:
-    env = container_env(c)
+def agent_argv(c: dict[str, Any], added: list[dict[str, Any]] | None = None) -> list[str]:
+    env = container_env(c, added)
     words = [expand(str(w), env) for w in [*c["command"], *c.get("args", [])]]
     left = [w for w in words if "$(" in w]
     assert not left, f"undefined $(VAR) references: {left}"
@@ -303,10 +146,69 @@ def agent_argv(c: dict[str, Any]) -> list[str]:
     return words[1:]
 
 
+WORKLOADS = {"job.yaml": "Job", "statefulset.yaml": "StatefulSet", "pytorchjob.yaml": "PyTorchJob"}
+AGENT_CONTAINER = {
+    "job.yaml": "elastrun",
+    "statefulset.yaml": "elastrun",
+    "pytorchjob.yaml": "pytorch",
+}
+
+
+def pod_template(workload: dict[str, Any]) -> dict[str, Any]:
+    spec = workload["spec"]
+    template: dict[str, Any] = (
+        spec["pytorchReplicaSpecs"]["Worker"]["template"]
+        if workload["kind"] == "PyTorchJob"
+        else spec["template"]
+    )
+    return template
+
+
 def agent_pod_spec(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    docs = manifest(name)
-    workload = one(docs, "Job" if name == "job.yaml" else "StatefulSet")
-    return workload, workload["spec"]["template"]["spec"]
+    workload = one(manifest(name), WORKLOADS[name])
+    return workload, pod_template(workload)["spec"]
+
+
+def agent_container(name: str) -> dict[str, Any]:
+    return container(agent_pod_spec(name)[1], AGENT_CONTAINER[name])
+
+
+def operator_env(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """The variables the Kubeflow training operator (kubeflow.org/v1) appends to each container
+    of an elastic PyTorchJob with Worker replicas only, from ``spec.elasticPolicy``."""
+    policy = job["spec"]["elasticPolicy"]
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    host = policy.get("rdzvHost", f"{job['metadata']['name']}-worker-0")
+    port = policy.get("rdzvPort", 23456)  # else the container's "pytorchjob-port"
+    if "minReplicas" in policy or "maxReplicas" in policy:
+        nnodes = f"{policy['minReplicas']}:{policy['maxReplicas']}"
+    else:
+        nnodes = str(worker["replicas"])
+    env = {
+        "PYTHONUNBUFFERED": "0",
+        "PET_RDZV_ENDPOINT": f"{host}:{port}",
+        "PET_RDZV_BACKEND": policy.get("rdzvBackend", "c10d"),
+        "PET_NNODES": nnodes,
+    }
+    if "maxRestarts" in policy:
+        env["PET_MAX_RESTARTS"] = str(policy["maxRestarts"])
+    if "nProcPerNode" in policy:
+        env["PET_NPROC_PER_NODE"] = str(policy["nProcPerNode"])
+    if "rdzvId" in policy:
+        env["PET_RDZV_ID"] = policy["rdzvId"]
+    if policy.get("rdzvConf"):
+        env["PET_RDZV_CONF"] = ",".join(f"{c['key']}={c['value']}" for c in policy["rdzvConf"])
+    if policy.get("standalone"):
+        env["PET_STANDALONE"] = ""
+    return [{"name": k, "value": v} for k, v in env.items()]
+
+
+def agent_setup(name: str) -> tuple[list[str], dict[str, str]]:
+    """(the agent's argv after expansion, the PET_* variables it runs with)."""
+    c = agent_container(name)
+    added = operator_env(agent_pod_spec(name)[0]) if name == "pytorchjob.yaml" else []
+    env = container_env(c, added)
+    return agent_argv(c, added), {k: v for k, v in env.items() if k.startswith("PET_")}
 
 
 def etcd_statefulset() -> dict[str, Any]:
@@ -327,32 +229,76 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_manifests_exist() -> None:
     names = {p.name for p in MANIFESTS}
-    assert {"etcd.yaml", "job.yaml", "statefulset.yaml"} <= names
+    assert {"etcd.yaml", "job.yaml", "statefulset.yaml", "pytorchjob.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
 def test_every_document_parses_and_is_a_k8s_object(path: Path) -> None:
-    text = path.read_text(encoding="utf-8")
-    docs = load_all(text, path.name)
+    docs = load_all(path.read_text(encoding="utf-8"))
     assert docs
     for doc in docs:
         assert isinstance(doc, dict)
         assert doc.get("apiVersion") and doc.get("kind"), doc
         assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", doc["metadata"]["name"])
-    try:
-        import yaml  # type: ignore[import-untyped,unused-ignore]
-    except ImportError:
-        return
-    assert list(yaml.safe_load_all(text)) == docs
+
+
+def test_schema_versions_span_the_supported_range() -> None:
+    versions = k8s_versions()
+    assert versions[0] == "1.27.0"
+    assert versions[-1] == f"{kubernetes_validate.latest_version().rsplit('.', 1)[0]}.0"
+    assert len(versions) >= 8, versions  # 1.27 .. 1.34 at least: the failing range seen before
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_core_objects_pass_strict_schema_validation(path: Path) -> None:
+    """kubernetes-validate --strict, for each version from 1.27 to the newest it knows. Custom
+    resources (the PyTorchJob) have no core schema: their pod template is checked instead."""
+    errors = []
+    for found in manifest(path.name):
+        doc = found
+        if found["apiVersion"].startswith("kubeflow.org/"):
+            doc = {
+                "apiVersion": "v1",
+                "kind": "PodTemplate",
+                "metadata": {"name": found["metadata"]["name"]},
+                "template": pod_template(found),
+            }
+        for version in k8s_versions():
+            err = schema_errors(doc, version)
+            if err:
+                errors.append(err)
+    assert not errors, "\n".join(errors)
+
+
+def test_strict_validation_catches_what_it_must() -> None:
+    """The check can fail: an unknown field, a wrong type, the 1.27 and 1.29-1.34 pitfalls."""
+    job = one(manifest("job.yaml"), "Job")
+    latest = k8s_versions()[-1]
+    assert schema_errors(job, "1.27.0") is None
+    bad = yaml.safe_load(yaml.safe_dump(job))
+    bad["spec"]["template"]["spec"]["containers"][0]["enviroment"] = []
+    assert "enviroment" in (schema_errors(bad, latest) or "")
+    bad = yaml.safe_load(yaml.safe_dump(job))
+    bad["spec"]["parallelism"] = "three"
+    assert "parallelism" in (schema_errors(bad, latest) or "")
+    rules = yaml.safe_load(yaml.safe_dump(job))["spec"]["podFailurePolicy"]["rules"]
+    no_conditions = yaml.safe_load(yaml.safe_dump(job))
+    no_conditions["spec"]["podFailurePolicy"]["rules"][0] = {
+        k: v for k, v in rules[0].items() if k != "onPodConditions"
+    }
+    assert "onPodConditions" in (schema_errors(no_conditions, "1.27.0") or "")
+    no_status = yaml.safe_load(yaml.safe_dump(job))
+    del no_status["spec"]["podFailurePolicy"]["rules"][1]["onPodConditions"][0]["status"]
+    assert "status" in (schema_errors(no_status, "1.30.0") or "")
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
 def test_services_and_workloads_select_their_pods(path: Path) -> None:
     docs = manifest(path.name)
     pods = [
-        d["spec"]["template"]["metadata"]["labels"]
+        pod_template(d)["metadata"]["labels"]
         for d in docs
-        if d["kind"] in ("Job", "StatefulSet")
+        if d["kind"] in ("Job", "StatefulSet", "PyTorchJob")
     ]
     for doc in docs:
         selector = doc["spec"].get("selector")
@@ -413,8 +359,10 @@ def test_agent_command_line_parses_with_elastrun(
     name: str, clean_env: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     workload, pod = agent_pod_spec(name)
-    c = container(pod, "elastrun")
-    argv = agent_argv(c)
+    c = agent_container(name)
+    argv, pet = agent_setup(name)
+    for key, value in pet.items():
+        monkeypatch.setenv(key, value)
     # The image's WORKDIR holds examples/ as the repository root does: resolve the script there.
     assert c["workingDir"] == "/app"
     monkeypatch.chdir(ROOT)
@@ -429,10 +377,16 @@ def test_agent_command_line_parses_with_elastrun(
     if name == "job.yaml":
         label = FIELD_VALUES["metadata.labels['batch.kubernetes.io/controller-uid']"]
         assert plan.config.run_id.endswith(label), "the run id must be unique per Job"
+    else:
+        assert plan.config.run_id not in ("", "none")
 
     # N pods within the elastic range
     spec = workload["spec"]
-    pods = spec["parallelism"] if name == "job.yaml" else spec["replicas"]
+    pods = {
+        "job.yaml": lambda: spec["parallelism"],
+        "statefulset.yaml": lambda: spec["replicas"],
+        "pytorchjob.yaml": lambda: spec["pytorchReplicaSpecs"]["Worker"]["replicas"],
+    }[name]()
     assert plan.config.min_nodes <= pods <= plan.config.max_nodes
     assert plan.config.min_nodes < plan.config.max_nodes, "elastic: MIN < MAX"
 
@@ -461,8 +415,7 @@ def test_agent_command_line_parses_with_elastrun(
 @pytest.mark.parametrize("name", AGENT_MANIFESTS)
 def test_script_arguments_parse_with_the_example(name: str, clean_env: None) -> None:
     pytest.importorskip("torch")
-    _, pod = agent_pod_spec(name)
-    argv = agent_argv(container(pod, "elastrun"))
+    argv, _ = agent_setup(name)
     script_at = argv.index("examples/train.py")
     spec = importlib.util.spec_from_file_location("k8s_example_train", ROOT / "examples/train.py")
     assert spec is not None and spec.loader is not None
@@ -472,15 +425,83 @@ def test_script_arguments_parse_with_the_example(name: str, clean_env: None) -> 
     assert ns.checkpoint_dir == "/ckpt"
 
 
+# ----------------------------------------------------------------- the PyTorchJob
+
+# The training operator's kubeflow.org/v1 PyTorchJob API: the fields it knows.
+PTJ_SPEC = {"runPolicy", "elasticPolicy", "pytorchReplicaSpecs", "nprocPerNode"}
+PTJ_ELASTIC = {
+    "minReplicas", "maxReplicas", "rdzvBackend", "rdzvPort", "rdzvHost", "rdzvId", "rdzvConf",
+    "standalone", "nProcPerNode", "maxRestarts", "metrics",
+}  # fmt: skip
+PTJ_RUN_POLICY = {
+    "cleanPodPolicy", "ttlSecondsAfterFinished", "activeDeadlineSeconds", "backoffLimit",
+    "schedulingPolicy", "suspend", "managedBy",
+}  # fmt: skip
+PTJ_REPLICA = {"replicas", "template", "restartPolicy"}
+
+
+def test_pytorchjob_uses_only_fields_the_operator_knows() -> None:
+    job = one(manifest("pytorchjob.yaml"), "PyTorchJob")
+    assert job["apiVersion"] == "kubeflow.org/v1"
+    spec = job["spec"]
+    assert set(spec) <= PTJ_SPEC, set(spec) - PTJ_SPEC
+    policy = spec["elasticPolicy"]
+    assert set(policy) <= PTJ_ELASTIC, set(policy) - PTJ_ELASTIC
+    assert set(spec.get("runPolicy", {})) <= PTJ_RUN_POLICY
+    assert policy["rdzvBackend"] in ("c10d", "etcd", "etcd-v2")
+    assert policy["rdzvBackend"] == "etcd"
+    assert all(set(c) == {"key", "value"} for c in policy["rdzvConf"])
+    assert all(isinstance(c["value"], str) for c in policy["rdzvConf"])
+    assert set(spec["pytorchReplicaSpecs"]) == {"Worker"}, "elastic: workers only, no Master"
+    worker = spec["pytorchReplicaSpecs"]["Worker"]
+    assert set(worker) <= PTJ_REPLICA
+    assert worker["restartPolicy"] in ("Always", "OnFailure", "Never", "ExitCode")
+    assert policy["minReplicas"] <= worker["replicas"] <= policy["maxReplicas"]
+    # the operator looks for its container by this name
+    assert [c["name"] for c in worker["template"]["spec"]["containers"]] == ["pytorch"]
+
+
+def test_pytorchjob_rendezvous_comes_from_the_operators_pet_variables(
+    clean_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """elastrun takes the backend, nnodes, run id, restarts and rdzv conf from PET_* alone; the
+    command line only adds the member list (a flag wins over its PET_ variable)."""
+    job = one(manifest("pytorchjob.yaml"), "PyTorchJob")
+    policy = job["spec"]["elasticPolicy"]
+    argv, pet = agent_setup("pytorchjob.yaml")
+    assert pet["PET_NNODES"] == f"{policy['minReplicas']}:{policy['maxReplicas']}"
+    assert pet["PET_RDZV_CONF"] == "lease_ttl=10,key_prefix=/elastrun-k8s/ml"  # expanded
+    flags = {a.split("=", 1)[0] for a in argv[: argv.index("examples/train.py")]}
+    for taken_from_env in (
+        "--nnodes", "--rdzv-backend", "--rdzv-id", "--rdzv-conf", "--max-restarts",
+    ):  # fmt: skip
+        assert taken_from_env not in flags
+    for key, value in pet.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(ROOT)
+    plan, _ = parse(argv)
+    assert (plan.config.min_nodes, plan.config.max_nodes) == (2, 4)
+    assert plan.config.run_id == policy["rdzvId"]
+    assert plan.config.max_restarts == policy["maxRestarts"]
+    assert plan.backend == "etcd"
+    # Without the flag, PET_RDZV_ENDPOINT (rdzvHost:rdzvPort) is the endpoint.
+    at = next(i for i, a in enumerate(argv) if a.startswith("--rdzv-endpoint="))
+    plan, _ = parse(argv[:at] + argv[at + 1 :])
+    assert list(plan.endpoints) == [(policy["rdzvHost"], policy["rdzvPort"])]
+
+
 def test_agent_pods_reach_each_other_and_etcd() -> None:
     docs = manifest("job.yaml")
     job = one(docs, "Job", "train")
     pod = job["spec"]["template"]["spec"]
     assert one(docs, "Service", pod["subdomain"])["spec"]["clusterIP"] == "None"
     # Both manifests run the same agent command line (one of them must not drift).
-    _, sts_pod = agent_pod_spec("statefulset.yaml")
-    job_args = container(pod, "elastrun")["args"]
-    assert container(sts_pod, "elastrun")["args"] == job_args
+    job_args = agent_container("job.yaml")["args"]
+    assert agent_container("statefulset.yaml")["args"] == job_args
+    # The PyTorchJob trains the same way (its rendezvous flags come from PET_* instead).
+    script_at = job_args.index("examples/train.py")
+    ptj_args = agent_container("pytorchjob.yaml")["args"]
+    assert ptj_args[ptj_args.index("examples/train.py") :] == job_args[script_at:]
 
 
 def test_job_is_indexed_and_elastic() -> None:
@@ -515,7 +536,7 @@ def test_dockerfile_matches_the_project() -> None:
     assert re.search(r"^WORKDIR /app$", text, re.M)
     assert re.search(r"^COPY examples /app/examples$", text, re.M)
     copied = {w for line in text.splitlines() if line.startswith("COPY ") for w in line.split()}
-    for needed in ("pyproject.toml", "README.md", "src"):  # what pip needs to build elastrun
+    for needed in ("pyproject.toml", "README.md", "LICENSE", "src"):  # what pip needs to build
         assert needed in copied
 
 

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One elastrun agent on this node of a SLURM job: what `srun` in train.sbatch runs on every node
+# of the allocation (docs/slurm.md). Arguments: more elastrun flags, then the training script and
+# its arguments. This adds the rendezvous flags every node must agree on, from SLURM's variables:
+#   the first node of the allocation hosts the store (is_host=1 there, 0 elsewhere),
+#   the run id is the job id (a requeued job keeps it, and resumes its checkpoints),
+#   as many nodes as the allocation has.
+set -euo pipefail
+
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+is_host=$((SLURM_NODEID == 0))
+
+exec elastrun \
+    --nnodes="${ELASTRUN_NNODES:-$SLURM_NNODES}" \
+    --rdzv-backend=c10d \
+    --rdzv-endpoint="$head_node:${ELASTRUN_PORT:-29400}" \
+    --rdzv-id="$SLURM_JOB_ID" \
+    --rdzv-conf="is_host=$is_host" \
+    "$@"

@@ -1,0 +1,114 @@
+"""``make demo`` end to end: ``examples/demo.py`` with its defaults, as the Makefile runs it.
+
+The demo's injected failure (rank 1 SIGKILLs itself at step 75, first attempt only) must lead to
+an elastrun restart and a resume from the step-70 checkpoint, read from what a user sees: the
+agent's event log and the output. A demo run in which nothing fails must say so and exit non-zero
+(the demo checks its own story).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO
+
+pytest.importorskip("torch")
+
+DEMO = REPO / "examples" / "demo.py"
+
+
+def run_demo(run_dir: Path, *extra: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(DEMO), "--run-dir", str(run_dir), *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        check=False,
+    )
+
+
+def events(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            out.append(json.loads(line))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_demo_injected_kill_restarts_and_resumes_from_the_checkpoint(tmp_path: Path) -> None:
+    run_dir = tmp_path / "demo"
+    done = run_demo(run_dir)
+    out = done.stdout
+    assert done.returncode == 0, out[-4000:] + done.stderr[-2000:]
+
+    # What the demo promises up front, and the command it shows, are what ran.
+    assert "--max-restarts=1" in out
+    assert "--crash-at-step 75 --crash-how sigkill" in out
+    assert "[rank 1] injected failure at step 75: SIGKILL to itself" in out
+
+    evs = events(run_dir / "events.jsonl")
+    kinds = [e["kind"] for e in evs]
+    started = [e for e in evs if e["kind"] == "workers_started"]
+    assert [e["restart_count"] for e in started] == [0, 1], started
+    # The root cause is rank 1, killed by SIGKILL (not stopped by elastrun) ...
+    roots = [e for e in evs if e["kind"] == "worker_exited" and e["cause"] == "root_cause"]
+    assert len(roots) == 1, roots
+    assert roots[0]["rank"] == 1 and roots[0]["signal"] == "SIGKILL", roots[0]
+    assert not roots[0]["stopped_by_agent"]
+    assert roots[0]["pid"] in started[0]["pids"]
+    # ... which costs the one restart of the budget ...
+    restarts = [e for e in evs if e["kind"] == "restart"]
+    assert len(restarts) == 1 and restarts[0]["counted"] and restarts[0]["count"] == 1, restarts
+    assert restarts[0]["reason"] == "worker_failed"
+    failure = restarts[0]["failure"]
+    assert (failure["rank"], failure["signal"]) == (1, "SIGKILL"), failure
+    assert kinds.index("restart") < kinds.index("workers_started", kinds.index("restart"))
+    # ... and the job then finishes.
+    assert any(e["kind"] == "job_finished" and e["source"] == "agent" for e in evs)
+    assert evs[-1]["kind"] == "agent_exited" and evs[-1]["exit_code"] == 0
+
+    # The restarted workers agreed on the step-70 checkpoint (epoch 3) and resumed there.
+    assert "=> using checkpoint from rank: 0, step: 70" in out
+    m = re.search(
+        r"=> resumed: epoch=(\d+) offset=(\d+)/1437 global_step=70 \(world 2, restart 1\)", out
+    )
+    assert m and int(m[1]) == 3, out[-4000:]
+    assert out.index("injected failure") < m.start()
+    steps_after = [int(s) for s in re.findall(r"epoch \d+ step (\d+) offset", out[m.end() :])]
+    assert steps_after and steps_after[0] == 80, steps_after  # no step before 70 is redone
+
+    final = re.search(r"final: epoch=6 test_acc=([0-9.]+) world=2 restarts=1", out)
+    assert final and float(final[1]) >= 0.90, out[-2000:]
+    # The checkpoints went where the demo said, not into the repository.
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("ckpt-*.pt"))
+
+    # The demo's own summary tells the same story.
+    summary = out[out.index("What happened") :]
+    assert "rank 1 (pid" in summary and "killed by SIGKILL: the root cause" in summary
+    assert "restart 1 of 1" in summary
+    assert "resumed from the checkpoint of step 70" in summary and "5 steps redone" in summary
+    assert f"finished: test accuracy {float(final[1]):.4f} after 6 epochs" in summary
+    # ... and `elastrun timeline` drew it.
+    assert f"timeline): {run_dir / 'timeline.html'}" in summary
+    assert "<html" in (run_dir / "timeline.html").read_text(encoding="utf-8").lower()
+
+
+@pytest.mark.timeout(200)
+def test_demo_says_so_when_nothing_failed(tmp_path: Path) -> None:
+    done = run_demo(tmp_path / "demo", "--epochs", "1", "--crash-at-step", "1000")
+    assert done.returncode != 0, done.stdout[-3000:]
+    assert "final: epoch=1" in done.stdout  # training itself went fine
+    assert "did not go as expected: no worker failed" in done.stderr, done.stderr
+    assert "elastrun did not restart the workers" in done.stderr
