@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from elastrun.agent.env import ROUND_ENV_VARS, stable_env
 from elastrun.agent.guard import OrphanGuard
-from elastrun.agent.spec import WorkerSpec
+from elastrun.agent.spec import WorkerSpec, argv_for
 from elastrun.agent.watchdog import HEARTBEAT_ENV, HEARTBEAT_INTERVAL_ENV, heartbeat_interval
 from elastrun.agent.workers import preexec_for
 from elastrun.events import EventSink
@@ -217,7 +217,7 @@ class SparePool:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         entry = self.entry
         command = ["-m", entry.target] if entry.kind == "module" else [entry.target]
-        argv = [*entry.prefix, SPARE_SCRIPT, *command, *entry.args]
+        argv = [*entry.prefix, SPARE_SCRIPT, *command, *argv_for(entry.args, local_rank)]
         spare_env = {
             **env,
             PRELOAD_ENV: ",".join(self.preload),
@@ -290,7 +290,7 @@ class SparePool:
             # at normal priority from now on (it reads the order once done).
             _promote(spare.popen.pid)
         if why is None:
-            order = {"v": PROTOCOL, "env": dict(env), "args": list(self.entry.args)}
+            order = {"v": PROTOCOL, "env": dict(env), "args": argv_for(self.entry.args, local_rank)}
             try:
                 spare.sock.setblocking(True)
                 spare.sock.settimeout(1.0)

@@ -50,7 +50,8 @@ def describe(status: WaitingStatus, left: float) -> str:
     if st.joined < st.min_nodes:
         count = f"{st.joined} of min {st.min_nodes} nodes joined (max {st.max_nodes}){seen}"
     else:
-        count = f"{st.joined} nodes joined (min {st.min_nodes}, max {st.max_nodes}){seen}"
+        nodes = "1 node" if st.joined == 1 else f"{st.joined} nodes"
+        count = f"{nodes} joined (min {st.min_nodes}, max {st.max_nodes}){seen}"
     return f"elastrun: rendezvous round {st.round}: {count}; {when}"
 
 

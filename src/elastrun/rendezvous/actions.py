@@ -261,7 +261,8 @@ class Executor:
         if a.error == "budget":
             rec = obs.view.round or {}
             return RestartBudgetExhausted(
-                f"job {s.run_id!r} used its restart budget ({s.max_restarts} restarts, "
+                f"job {s.run_id!r} used its restart budget ({s.max_restarts} "
+                f"restart{'' if s.max_restarts == 1 else 's'}, "
                 f"--max-restarts); last failure: {R.describe_failure(rec.get('last_failure'))}"
             )
         await obs.note_joiners(r)

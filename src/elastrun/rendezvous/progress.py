@@ -47,7 +47,9 @@ def waiting_status(
         joined = ctx.count
         deadline, at = "join_timeout", join_at
         last_call = timers.get(Timer.LAST_CALL)
-        if last_call is None and not live and ctx.min_reached_at is not None:
+        # The decider's timer is gone once it fired (the round is closing):
+        # its last call still ends the wait, not the join timeout.
+        if last_call is None and ctx.min_reached_at is not None:
             last_call = ctx.min_reached_at + settings.last_call_timeout
         if joined >= settings.min_nodes and last_call is not None and last_call <= at:
             deadline, at = "last_call", last_call
