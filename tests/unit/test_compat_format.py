@@ -223,6 +223,8 @@ def test_waiting_line_plural() -> None:
     assert "round 0: 1 node joined (min 1, max 2)" in describe(one, 1.0)
     two = WaitingStatus(0, "joining", 2, 1, 3, "last_call", 1.0)
     assert "2 nodes joined" in describe(two, 1.0)
+    none = WaitingStatus(0, "joining", 0, 1, 1, "join_timeout", 9.0)
+    assert "0 of min 1 node joined (max 1)" in describe(none, 9.0)
 
 
 # ----------------------------------------------------------------- status

@@ -59,7 +59,8 @@ def check_round(spec: WorkerSpec, result: RoundResult) -> None:
         )
     if result.me.nproc != spec.nproc:
         raise WorkerError(
-            f"rendezvous round {result.round} says this node runs {result.me.nproc} workers "
+            f"rendezvous round {result.round} says this node runs {result.me.nproc} "
+            f"worker{'' if result.me.nproc == 1 else 's'} "
             f"but the worker spec says {spec.nproc} (--nproc-per-node)"
         )
 

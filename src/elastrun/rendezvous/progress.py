@@ -69,7 +69,7 @@ def waiting_status(
         result = view.results.get(r)
         members = len(result["members"]) if result else 0
         if rec.get("state") == K.CLOSED and members >= settings.max_nodes:
-            detail = f"round {r} is full ({members} of max {settings.max_nodes} nodes)"
+            detail = f"round {r} is full ({members} of max {_nodes(settings.max_nodes)})"
         else:
             detail = f"round {r} is {rec.get('state', 'closed')}"
         return WaitingStatus(
@@ -84,6 +84,11 @@ def waiting_status(
             detail=detail,
         )
     return None
+
+
+def _nodes(n: int) -> str:
+    """``1 node``, ``2 nodes``."""
+    return f"{n} node" if n == 1 else f"{n} nodes"
 
 
 def _left(deadline: float, now: float) -> float:

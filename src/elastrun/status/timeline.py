@@ -283,5 +283,5 @@ def main(argv: Sequence[str]) -> int:
     except OSError as exc:
         print(f"elastrun timeline: error: {exc}", file=sys.stderr)
         return 1
-    print(f"elastrun timeline: {len(events)} events -> {args.out}")
+    print(f"elastrun timeline: {_count(len(events), 'event')} -> {args.out}")
     return 0
