@@ -276,7 +276,7 @@ def test_status_and_event_log_tell_the_job_story(tmp_path: Path) -> None:
     text = page.read_text()
     svg = text[text.index("<svg") : text.index("</svg>") + len("</svg>")]
     ElementTree.fromstring(svg)  # well-formed
-    assert "3 nodes" in text and "1 restarts" in text and f"round {closed[-1]['round']}" in svg
+    assert "3 nodes" in text and "1 restart," in text and f"round {closed[-1]['round']}" in svg
     assert "rank 1 on" in text and "<script" not in text
 
 

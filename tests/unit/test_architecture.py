@@ -37,7 +37,7 @@ def layer_of(module: str) -> str:
     head = parts[1]
     if head in FOUNDATION:
         return "foundation"
-    if head in {"cli", "__main__"}:
+    if head in {"cli", "__main__", "launch"}:  # launch: ``python -m elastrun.launch``
         return "cli"
     return head
 

@@ -25,7 +25,6 @@ from elastrun.launcher.config import (
     parse_rdzv_conf,
     parse_signals,
     parse_std,
-    template_from_torch_env,
 )
 from elastrun.launcher.plan import resolve
 from elastrun.launcher.run import build_settings, build_spec, is_local_address
@@ -189,8 +188,12 @@ def test_torch_shutdown_timeout_env(script, monkeypatch):
 
 def test_torch_log_prefix_template_env(script, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[${role_name}${rank}]:")
-    assert run_parse()[0].config.log_template == "[{role}{rank}]:"
-    assert template_from_torch_env("${local_rank}{x}") == "{local_rank}{{x}}"
+    config = run_parse()[0].config
+    # Kept as torch's template (printed as torchrun does), not turned into ours.
+    assert config.log_line_prefix_template == "[${role_name}${rank}]:"
+    assert config.log_template is None
+    config = run_parse("--log-template={host}")[0].config
+    assert config.log_template == "{host}"
 
 
 # --------------------------------------------------------------- static backend

@@ -469,10 +469,15 @@ class Agent:
         if result.restart_count >= result.max_restarts:
             # The rendezvous decides when the next round closes: the job fails
             # unless a node was lost (then this failure is collateral, not counted).
-            header = (
-                f"elastrun: workers failed and no restarts are left (max restarts "
-                f"{result.max_restarts}); re-forming: the job goes on only if a node was lost"
-            )
+            spent = f"no restarts are left (max restarts {result.max_restarts})"
+            if len(result.members) <= 1:
+                # No other node in the group: none can have been lost.
+                header = f"elastrun: workers failed and {spent}: the job fails"
+            else:
+                header = (
+                    f"elastrun: workers failed and {spent}; the job goes on only if another "
+                    "node of the group was lost (this failure is then not counted)"
+                )
             _say(format_summary(failures, header))
             self._raise_pending()
             return None

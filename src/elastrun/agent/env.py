@@ -41,6 +41,7 @@ WORKER_ENV_VARS = (
     "TORCHELASTIC_MAX_RESTARTS",
     "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "PYTHON_EXEC",
     "OMP_NUM_THREADS",
@@ -58,7 +59,8 @@ def check_round(spec: WorkerSpec, result: RoundResult) -> None:
         )
     if result.me.nproc != spec.nproc:
         raise WorkerError(
-            f"rendezvous round {result.round} says this node runs {result.me.nproc} workers "
+            f"rendezvous round {result.round} says this node runs {result.me.nproc} "
+            f"worker{'' if result.me.nproc == 1 else 's'} "
             f"but the worker spec says {spec.nproc} (--nproc-per-node)"
         )
 
@@ -81,8 +83,17 @@ def stable_env(
             "LOCAL_WORLD_SIZE": str(spec.nproc),
             "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
             "TORCHELASTIC_RUN_ID": run_id,
-            # Workers create their own store from MASTER_ADDR:MASTER_PORT (env://).
+            # False: with env://, rank 0 hosts torch's TCPStore on
+            # MASTER_ADDR:MASTER_PORT and the others connect. "True" would tell
+            # every rank to connect to a TCPStore the agent serves there, as
+            # torchrun's c10d agent does; ours serves no TCPStore, so
+            # init_process_group() would wait for one that never comes.
             "TORCHELASTIC_USE_AGENT_STORE": str(False),
+            # As torchrun: the signals the launcher handles (read by torch's
+            # own process launching, should a worker start processes with it).
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(
+                s.name for s in (*spec.signals_to_handle, *spec.signals_to_forward)
+            ),
             # As torchrun: on unless the user chose otherwise.
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             "PYTHON_EXEC": env.get("PYTHON_EXEC", sys.executable),

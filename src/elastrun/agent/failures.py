@@ -9,7 +9,8 @@ torch's ``@record`` or by :func:`elastrun.record` (same JSON format)::
 
 (older writers put a plain string in ``message`` and ``timestamp`` beside it).
 Without a decorator there is no file, so the agent always keeps the last lines
-of each rank's stderr and shows them instead.
+of each rank's stderr and shows them instead (or, when a rank wrote nothing
+to stderr, the last lines of its stdout: some scripts print their errors).
 
 The root cause is the earliest failure that the agent did not cause itself;
 ranks stopped by the agent, and ranks that failed after the root cause (a
@@ -125,6 +126,7 @@ class WorkerFailure:
     stopped_by_agent: bool = False
     error: ErrorFileInfo | None = None
     stderr_tail: tuple[str, ...] = ()
+    stdout_tail: tuple[str, ...] = ()
     stdout_log: str | None = None
     stderr_log: str | None = None
     error_file: str | None = None
@@ -147,6 +149,11 @@ class WorkerFailure:
         except ValueError:
             return str(-self.returncode)
 
+    @property
+    def last_words(self) -> str:
+        """The last non-blank line on stderr, else on stdout ("" if none)."""
+        return _last_line(self.stderr_tail) or _last_line(self.stdout_tail)
+
     def to_json(self) -> dict[str, Any]:
         """JSON-able summary (for the rendezvous' last failure and the event log)."""
         return {
@@ -159,7 +166,7 @@ class WorkerFailure:
             "time": round(self.exit_time, 3),
             "role": self.role,
             "stopped_by_agent": self.stopped_by_agent,
-            "message": self.error.message if self.error else _last_line(self.stderr_tail),
+            "message": self.error.message if self.error else self.last_words,
             "traceback": self.error.traceback if self.error else None,
             "stderr_tail": list(self.stderr_tail),
             "stderr_log": self.stderr_log,
@@ -193,6 +200,11 @@ def classify(failures: list[WorkerFailure]) -> list[WorkerFailure]:
     return out
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 line``, ``3 lines``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _fmt_time(wall: float) -> str:
     t = time.localtime(wall)
     return time.strftime("%Y-%m-%d %H:%M:%S", t) + f".{int((wall % 1) * 1000):03d}"
@@ -219,7 +231,7 @@ def format_summary(failures: list[WorkerFailure], header: str, tail_lines: int =
             f"pid {f.pid}: {how} at {_fmt_time(f.exit_time)}"
         )
         if f.role != ROOT_CAUSE:
-            said = f.error.message if f.error is not None else _last_line(f.stderr_tail)
+            said = f.error.message if f.error is not None else f.last_words
             if said:
                 lines.append(f"  said: {said[:300]}")
             continue
@@ -230,14 +242,21 @@ def format_summary(failures: list[WorkerFailure], header: str, tail_lines: int =
                 lines.append("  traceback (from the error file):")
                 lines.extend("    " + ln for ln in f.error.traceback.rstrip().splitlines())
         if f.error is None or not f.error.traceback:
-            tail = f.stderr_tail[-tail_lines:]
-            if tail:
-                lines.append(f"  last {len(tail)} lines of stderr:")
+            tail, stream = f.stderr_tail[-tail_lines:], "stderr"
+            if not any(ln.strip() for ln in tail):
+                tail, stream = f.stdout_tail[-tail_lines:], "stdout (nothing on stderr)"
+            if any(ln.strip() for ln in tail):
+                lines.append(f"  last {_count(len(tail), 'line')} of {stream}:")
                 lines.extend("    " + ln for ln in tail)
             else:
-                lines.append("  (no error file and nothing on stderr)")
+                lines.append("  (no error file, and nothing on stderr or stdout)")
     for f in failures:
-        if f.role == ROOT_CAUSE and f.stderr_log:
+        if f.role != ROOT_CAUSE:
+            continue
+        quiet_stderr = not any(ln.strip() for ln in f.stderr_tail)
+        if quiet_stderr and f.stdout_log and any(ln.strip() for ln in f.stdout_tail):
+            lines.append(f"full log of rank {f.rank}: {f.stdout_log}")
+        elif f.stderr_log:
             lines.append(f"full log of rank {f.rank}: {f.stderr_log}")
     logged = [f.stderr_log for f in failures if f.stderr_log]
     if logged:

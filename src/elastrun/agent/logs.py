@@ -10,8 +10,15 @@ console lines appear when the worker writes them. Per local rank and stream:
   or ``--tee`` ask for files and no ``--log-dir`` was given (as torchrun);
 * console: unless redirected (``--redirects`` without ``--tee`` for that
   stream), and only for ranks in ``--local-ranks-filter`` when given; each
-  line is prefixed by ``WorkerSpec.log_template``;
-* stderr tail: the last lines of every rank's stderr are always kept in
+  line is prefixed by ``WorkerSpec.log_template`` and ``": "``. With torch's
+  ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` instead
+  (``WorkerSpec.torch_log_template``), lines are shown as torchrun shows them:
+  the template's text, verbatim, before each line of a ``--tee``'d stream,
+  and other streams' lines as the worker wrote them;
+* one prefix per line: torch prefixes the lines of an uncaught exception with
+  ``[rank{R}]: `` once the process group exists; where our prefix already
+  shows the rank, that copy is dropped on the console (files keep every byte);
+* tails: the last lines of every rank's stderr and stdout are always kept in
   memory for the failure summary, whatever the redirects.
 """
 
@@ -21,6 +28,7 @@ import asyncio
 import collections
 import contextlib
 import os
+import re
 import string
 import sys
 from dataclasses import dataclass
@@ -36,7 +44,10 @@ __all__ = [
     "format_prefix",
     "release_host_dir",
     "routes_for",
+    "shows_rank",
     "std_flags",
+    "torch_prefix",
+    "torch_rank_tag",
     "validate_template",
 ]
 
@@ -53,6 +64,24 @@ def std_flags(mapping: dict[int, int], local_rank: int) -> int:
     if local_rank in mapping:
         return mapping[local_rank]
     return mapping.get(-1, Std.NONE)
+
+
+def torch_prefix(template: str, *, role: str, rank: int, local_rank: int) -> str:
+    """torch's line prefix: ``${role_name}``, ``${rank}`` and ``${local_rank}``
+    substituted (anything else left as written), used verbatim."""
+    return string.Template(template).safe_substitute(
+        role_name=role, rank=str(rank), local_rank=str(local_rank)
+    )
+
+
+def shows_rank(template: str) -> bool:
+    """Whether a prefix made from ``template`` names the global rank."""
+    return bool(re.search(r"\{rank\}|\$rank\b|\$\{rank\}", template))
+
+
+def torch_rank_tag(rank: int) -> str:
+    """What torch writes before each line of an uncaught exception's report."""
+    return f"[rank{rank}]: "
 
 
 def format_prefix(template: str, **fields: object) -> str:
@@ -82,18 +111,46 @@ class StreamRoute:
     name: str  # "stdout" | "stderr"
     file_path: str | None
     console: bool
-    prefix: str
-    keep_tail: bool
+    prefix: str  # written before each console line, as is ("" for none)
+    keep_tail: bool = True
+    # torch's "[rank{R}]: " tag of this worker: dropped from the start of tail
+    # lines, and of console lines when ``prefix`` already names the rank.
+    rank_tag: str = ""
+    console_drops_tag: bool = False
 
 
 def routes_for(
-    spec: WorkerSpec, attempt_dir: str | None, local_rank: int, prefix: str
+    spec: WorkerSpec,
+    attempt_dir: str | None,
+    local_rank: int,
+    *,
+    rank: int,
+    group_rank: int = 0,
+    restart: int = 0,
 ) -> tuple[StreamRoute, StreamRoute]:
-    """(stdout, stderr) routes of one worker. ``attempt_dir`` is None when no
-    files are kept at all for this attempt."""
+    """(stdout, stderr) routes of one worker (global rank ``rank``).
+    ``attempt_dir`` is None when no files are kept at all for this attempt."""
     redirect = std_flags(spec.redirects, local_rank)
     tee = std_flags(spec.tee, local_rank)
     shown = spec.local_ranks_filter is None or local_rank in spec.local_ranks_filter
+    torch_style = spec.torch_log_template is not None
+    if spec.torch_log_template is not None:
+        ours = torch_prefix(
+            spec.torch_log_template, role=spec.role, rank=rank, local_rank=local_rank
+        )
+        template = spec.torch_log_template
+    else:
+        ours = format_prefix(
+            spec.log_template,
+            host=spec.host,
+            rank=rank,
+            local_rank=local_rank,
+            role=spec.role,
+            group_rank=group_rank,
+            restart=restart,
+        )
+        ours = f"{ours}: " if ours else ""
+        template = spec.log_template
     out: list[StreamRoute] = []
     for name, bit in (("stdout", Std.OUT), ("stderr", Std.ERR)):
         wants_file = bool((redirect | tee) & bit) or spec.log_dir is not None
@@ -101,7 +158,15 @@ def routes_for(
         if wants_file and attempt_dir is not None:
             path = os.path.join(attempt_dir, str(local_rank), f"{name}.log")
         console = shown and (not (redirect & bit) or bool(tee & bit))
-        out.append(StreamRoute(name, path, console, prefix, keep_tail=name == "stderr"))
+        # torchrun prefixes only the streams it tees; the others reach the
+        # console as the worker wrote them.
+        prefix = ours if not torch_style or tee & bit else ""
+        drops = bool(prefix) and shows_rank(template)
+        out.append(
+            StreamRoute(
+                name, path, console, prefix, rank_tag=torch_rank_tag(rank), console_drops_tag=drops
+            )
+        )
     return out[0], out[1]
 
 
@@ -160,14 +225,18 @@ class LinePump:
 
     def _line(self, raw: bytes) -> None:
         text = raw.decode("utf-8", errors="replace")
+        tag = self.route.rank_tag
+        bare = text[len(tag) :] if tag and text.startswith(tag) else text
         if self.route.keep_tail:
-            self.tail.append(text.rstrip("\r\n")[:MAX_TAIL_LINE])
+            self.tail.append(bare.rstrip("\r\n")[:MAX_TAIL_LINE])
         if self.route.console:
+            if self.route.console_drops_tag:
+                text = bare
             if not text.endswith("\n"):
                 text += "\n"
             stream: TextIO = sys.stdout if self.route.name == "stdout" else sys.stderr
             try:
-                stream.write(f"{self.route.prefix}: {text}" if self.route.prefix else text)
+                stream.write(self.route.prefix + text)
                 stream.flush()
             except (OSError, ValueError):
                 pass  # console gone (closed pipe): keep pumping into the file

@@ -59,7 +59,7 @@ from elastrun.agent.env import ROUND_ENV_VARS, stable_env
 from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.modcache import ModuleCache, ModuleList, merged, valid_names
 from elastrun.agent.spawn import RUNNER_SCRIPT, PythonEntry, entry_file, imports_any, preexec_for
-from elastrun.agent.spec import WorkerSpec
+from elastrun.agent.spec import WorkerSpec, argv_for
 from elastrun.agent.watchdog import HEARTBEAT_ENV, HEARTBEAT_INTERVAL_ENV, heartbeat_interval
 from elastrun.events import EventSink
 
@@ -447,7 +447,7 @@ class SparePool:
                 out_r, out_w = os.pipe()
                 err_r, err_w = os.pipe()
                 pipes[lr] = (out_r, out_w, err_r, err_w)
-                order = {"env": dict(envs[lr]), "args": list(self.entry.args)}
+                order = {"env": dict(envs[lr]), "args": argv_for(self.entry.args, lr)}
                 message = json.dumps(
                     {"v": PROTOCOL, "fork": order, "index": i, "count": len(ranks)}
                 )

@@ -13,11 +13,23 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, field
 
-__all__ = ["DEFAULT_LOG_TEMPLATE", "Std", "WorkerSpec"]
+__all__ = ["DEFAULT_LOG_TEMPLATE", "LOCAL_RANK_MACRO", "Std", "WorkerSpec", "argv_for"]
 
 # Console prefix of each worker line. Fields: host, rank (global), local_rank,
 # role, group_rank, restart (attempt number).
 DEFAULT_LOG_TEMPLATE = "[{host}:{rank}]"
+
+
+# In a worker's arguments, replaced by that worker's local rank (torchrun's
+# macro; ``python -m elastrun.launch`` passes ``--local_rank=${local_rank}``).
+LOCAL_RANK_MACRO = "${local_rank}"
+
+
+def argv_for(argv: tuple[str, ...] | list[str], local_rank: int) -> list[str]:
+    """``argv`` of local rank ``local_rank``: each ``${local_rank}`` replaced.
+    Only that exact text is replaced (torch's string.Template would also turn
+    ``$$`` into ``$`` and replace ``$local_rank``)."""
+    return [a.replace(LOCAL_RANK_MACRO, str(local_rank)) for a in argv]
 
 
 class Std:
@@ -46,6 +58,11 @@ class WorkerSpec:
     tee: dict[int, int] = field(default_factory=dict)
     local_ranks_filter: frozenset[int] | None = None  # None: show every local rank
     log_template: str = DEFAULT_LOG_TEMPLATE
+    # torch's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (``${rank}``, ``${local_rank}``,
+    # ``${role_name}``): when set, console lines look as under torchrun (the
+    # text verbatim before each line of a --tee'd stream, others raw) and
+    # ``log_template`` is not used.
+    torch_log_template: str | None = None
     shutdown_timeout: float = 30.0  # SIGTERM -> SIGKILL grace
     signals_to_handle: tuple[signal.Signals, ...] = (
         signal.SIGINT,

@@ -38,6 +38,11 @@ def format_duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
+def _nodes(n: int) -> str:
+    """``1 node``, ``2 nodes``."""
+    return f"{n} node" if n == 1 else f"{n} nodes"
+
+
 def describe(status: WaitingStatus, left: float) -> str:
     """One line for ``status`` with ``left`` seconds to its deadline."""
     st = status
@@ -48,9 +53,9 @@ def describe(status: WaitingStatus, left: float) -> str:
         return f"elastrun: waiting for the next round: {why}; {when}"
     seen = "" if st.live else " (as of this node's join)"
     if st.joined < st.min_nodes:
-        count = f"{st.joined} of min {st.min_nodes} nodes joined (max {st.max_nodes}){seen}"
+        count = f"{st.joined} of min {_nodes(st.min_nodes)} joined (max {st.max_nodes}){seen}"
     else:
-        count = f"{st.joined} nodes joined (min {st.min_nodes}, max {st.max_nodes}){seen}"
+        count = f"{_nodes(st.joined)} joined (min {st.min_nodes}, max {st.max_nodes}){seen}"
     return f"elastrun: rendezvous round {st.round}: {count}; {when}"
 
 

@@ -39,9 +39,9 @@ from elastrun.agent import env as worker_env_mod
 from elastrun.agent.children import ForkedProcess, Reaper
 from elastrun.agent.failures import ErrorFileInfo, WorkerFailure, read_error_file
 from elastrun.agent.guard import OrphanGuard
-from elastrun.agent.logs import LinePump, StreamRoute, format_prefix, routes_for
+from elastrun.agent.logs import LinePump, StreamRoute, routes_for
 from elastrun.agent.spawn import preexec_for, python_entry, runner_argv
-from elastrun.agent.spec import WorkerSpec
+from elastrun.agent.spec import WorkerSpec, argv_for
 from elastrun.agent.watchdog import (
     HEARTBEAT_ENV,
     HEARTBEAT_INTERVAL_ENV,
@@ -161,16 +161,14 @@ class WorkerGroup:
             self.watchdog = HangWatchdog(spec.hang_timeout, self._on_hang, clock)
         for lr in range(spec.nproc):
             rank = result.rank_offset + lr
-            prefix = format_prefix(
-                spec.log_template,
-                host=spec.host,
+            routes = routes_for(
+                spec,
+                attempt_dir if keep_files else None,
+                lr,
                 rank=rank,
-                local_rank=lr,
-                role=spec.role,
                 group_rank=result.group_rank,
                 restart=result.restart_count,
             )
-            routes = routes_for(spec, attempt_dir if keep_files else None, lr, prefix)
             err = os.path.join(attempt_dir, str(lr), "error.json")
             w = Worker(lr, rank, err, routes)
             if self.watchdog is not None:
@@ -217,7 +215,7 @@ class WorkerGroup:
     def _spawn_cold(
         self, w: Worker, env: dict[str, str], channel: socket.socket | None
     ) -> subprocess.Popen[bytes]:
-        argv = list(runner_argv(self.spec.argv))
+        argv = list(runner_argv(argv_for(self.spec.argv, w.local_rank)))
         fds: tuple[int, ...] = ()
         if channel is not None:
             env = {**env, CHANNEL_ENV: str(channel.fileno())}
@@ -530,6 +528,7 @@ class WorkerGroup:
             rc = w.returncode
             if w.popen is None or rc is None or (rc == 0 and w.hang is None):
                 continue
+            stdout_pump = w.pumps[0] if w.pumps else None
             stderr_pump = w.pumps[1] if len(w.pumps) > 1 else None
             error = read_error_file(w.error_file)
             if w.hang is not None:
@@ -552,6 +551,7 @@ class WorkerGroup:
                     stopped_by_agent=w.stopped_by_agent and w.hang is None,
                     error=error,
                     stderr_tail=tuple(stderr_pump.tail) if stderr_pump else (),
+                    stdout_tail=tuple(stdout_pump.tail) if stdout_pump else (),
                     stdout_log=w.routes[0].file_path,
                     stderr_log=w.routes[1].file_path,
                     error_file=w.error_file,

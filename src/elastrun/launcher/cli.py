@@ -11,6 +11,7 @@ Every torchrun flag in both spellings (``--nproc-per-node`` and
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import shutil
@@ -29,11 +30,21 @@ from elastrun.launcher.config import (
     parse_rdzv_conf,
     parse_signals,
     parse_std,
-    template_from_torch_env,
 )
 from elastrun.launcher.plan import Plan, resolve
 
-__all__ = ["build_parser", "config_from_args", "main", "worker_argv"]
+__all__ = [
+    "Command",
+    "build_parser",
+    "config_from_args",
+    "execute",
+    "main",
+    "parse_namespace",
+    "usage_error",
+    "worker_argv",
+]
+
+USAGE = "elastrun [flags] script [script args...]"
 
 # --run-path: run the script with runpy in a fresh interpreter (torchrun's run_script_path).
 RUN_PATH_CODE = (
@@ -46,6 +57,53 @@ class _Parser(argparse.ArgumentParser):
         if "required: script" in message:
             message = "script: missing: name the training script (or -m module) to run"
         raise ConfigError(message)
+
+
+# Flags of torch.distributed.launch that name a worker argument, not a
+# launcher setting: never guessed as an abbreviation of one of ours.
+_LEGACY_FLAGS = {
+    "--local-rank": (
+        "not an elastrun flag: each worker finds its local rank in LOCAL_RANK. A script "
+        "that wants it as an argument runs under 'python -m elastrun.launch' (as under "
+        "torch.distributed.launch); an argument for the script goes after the script "
+        "(see docs/migration.md)"
+    ),
+    "--use-env": (
+        "not an elastrun flag: elastrun always sets LOCAL_RANK, which is what --use-env "
+        "asked torch.distributed.launch for; drop the flag (or use 'python -m "
+        "elastrun.launch --use-env', see docs/migration.md)"
+    ),
+}
+
+
+def unknown_flags_message(extras: Sequence[str], parser: argparse.ArgumentParser) -> str:
+    """The error for arguments before the script that are no flag of ours.
+    Flags are never abbreviated (a prefix could silently mean another flag,
+    e.g. --local-rank for --local-ranks-filter): suggest the full name."""
+    first = extras[0]
+    name = first.split("=", 1)[0]
+    legacy = _LEGACY_FLAGS.get(name.replace("_", "-"))
+    if legacy is not None:
+        return f"{name}: {legacy}"
+    known = sorted(parser._option_string_actions)  # argparse keeps them here
+    hint = ""
+    if name.startswith("--"):
+        # One spelling per flag: the one in the style the user typed.
+        style = "_" if "_" in name else "-"
+        names: dict[str, str] = {}
+        for o in known:
+            if o.startswith("--"):
+                key = "--" + o[2:].replace("_", "-")
+                if key not in names or (style in o[2:] and style not in names[key][2:]):
+                    names[key] = o
+        spelled = sorted(names.values())
+        longer = [o for o in spelled if o.startswith(name) and o != name]
+        close = difflib.get_close_matches(name, spelled, n=1, cutoff=0.75)
+        if longer:
+            hint = f"; did you mean {' or '.join(longer[:3])}? (flags are not abbreviated)"
+        elif close:
+            hint = f"; did you mean {close[0]}?"
+    return f"unrecognized arguments: {' '.join(extras)}{hint}"
 
 
 def _env_name(dest: str) -> str:
@@ -93,6 +151,27 @@ class EnvFlag(argparse.Action):
         setattr(namespace, self.dest, True)
 
 
+class LogsSpecs(argparse.Action):
+    """torchrun's --logs-specs: ``default`` (torch's own DefaultLogsSpecs: the
+    log folders, --redirects, --tee and --local-ranks-filter, which elastrun
+    implements) is accepted as the no-op it is; plugins are not loaded."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        if str(values).strip() != "default":
+            raise ConfigError(
+                f"{option_string}: {values!r}: elastrun loads no torchrun.logs_specs plugins; "
+                "only 'default' (what --log-dir, --redirects, --tee and --local-ranks-filter "
+                "do) is accepted"
+            )
+        setattr(namespace, self.dest, "default")
+
+
 class Unsupported(argparse.Action):
     """A torchrun flag elastrun does not offer: a clear error instead of 'unrecognized'."""
 
@@ -128,12 +207,25 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="elastrun",
+        usage=(
+            "elastrun [flags] script [script args...]\n"
+            "       elastrun status | timeline | store serve [options]  (see 'other commands')"
+        ),
         description=(
             "Elastic, fault-tolerant launcher for distributed PyTorch: a drop-in for torchrun. "
             "Every value flag can also be set as PET_<FLAG> in the environment "
             "(e.g. PET_NPROC_PER_NODE=2); the command line wins."
         ),
         epilog=(
+            "other commands:\n"
+            "  elastrun status --rdzv-endpoint HOST:PORT --rdzv-id ID [--watch] [--json]\n"
+            "                      a running job's round, members, restarts, last failure\n"
+            "  elastrun timeline EVENTS.jsonl... [--out timeline.html]\n"
+            "                      a job's history (from --events-file logs) as an HTML page\n"
+            "  elastrun store serve [--host H] [--port P] [--token-file F]\n"
+            "                      the rendezvous store as its own process\n"
+            "  (each with --help; torch.distributed.launch users: python -m elastrun.launch)\n"
+            "\n"
             "examples:\n"
             "  elastrun --standalone --nproc-per-node=2 train.py --epochs 3\n"
             "  elastrun --nnodes=1:4 --nproc-per-node=gpu --rdzv-backend=c10d \\\n"
@@ -142,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
             "train.py"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     p.add_argument("--version", action="version", version=f"elastrun {_version()}")
 
@@ -225,9 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
         *_both("--nproc-per-node"),
         action=EnvDefault,
         default="1",
-        metavar="N|auto|cpu|gpu",
-        help="workers on this node: a number, gpu (one per visible NVIDIA GPU), cpu (one per "
-        "CPU), or auto (gpu if any, else cpu). Default: 1",
+        metavar="N|auto|cpu|gpu|xpu",
+        help="workers on this node: a number, gpu (one per visible NVIDIA GPU), xpu (one per "
+        "visible Intel GPU), cpu (one per CPU), or auto (gpu, else xpu, else cpu). Default: 1",
     )
     w.add_argument("--role", action=EnvDefault, default="default", help="role name of the workers")
     w.add_argument(
@@ -280,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument(
         "-r",
         "--redirects",
+        "--redirect",
         action=EnvDefault,
         default="0",
         metavar="STD",
@@ -307,8 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="TEMPLATE",
         help="console prefix of worker lines; fields {host} {rank} {local_rank} {role} "
-        "{group_rank} {restart} (default: '[{host}:{rank}]'; torch's "
-        "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE is honoured)",
+        "{group_rank} {restart} (default: '[{host}:{rank}]'). Without it, torch's "
+        "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE shows lines as torchrun does",
     )
     lg.add_argument(
         *_both("--events-file"),
@@ -398,8 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = p.add_argument_group(
         "torchrun compatibility",
-        "--logs-specs, --numa-binding, --duplicate-stdout-filters, --duplicate-stderr-filters "
-        "and --virtual-local-rank are refused with an explanation",
+        "--numa-binding, --duplicate-stdout-filters, --duplicate-stderr-filters and "
+        "--virtual-local-rank are refused with an explanation",
     )
     c.add_argument(
         *_both("--event-log-handler"),
@@ -408,8 +502,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="accepted and ignored: use --events-file",
     )
+    c.add_argument(
+        *_both("--logs-specs"),
+        action=LogsSpecs,
+        default=None,
+        metavar="NAME",
+        help="accepted: 'default' (torch's default logs, which these flags are); plugins are "
+        "not loaded",
+    )
     for flag, reason in (
-        ("--logs-specs", "logging plugins are not loaded; use --log-dir/--log-template"),
         ("--numa-binding", "bind workers with numactl via --no-python instead"),
         ("--duplicate-stdout-filters", "use --tee and grep the log files"),
         ("--duplicate-stderr-filters", "use --tee and grep the log files"),
@@ -498,9 +599,9 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
         shutdown = _float(
             "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
         )
-    template = ns.log_template
-    if template is None and os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"):
-        template = template_from_torch_env(os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"])
+    # torch's template, honoured as torchrun does (see agent/logs.py), unless
+    # --log-template chose ours.
+    torch_template = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None
     monitor = _float("--monitor-interval", ns.monitor_interval)
     max_restarts = _int("--max-restarts", ns.max_restarts)
     config = LaunchConfig(
@@ -526,7 +627,8 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
         local_ranks_filter=parse_ranks_filter(ns.local_ranks_filter),
         signals_to_handle=parse_signals(ns.signals_to_handle),
         shutdown_timeout=30.0 if shutdown is None else shutdown,
-        log_template=template,
+        log_template=ns.log_template,
+        log_line_prefix_template=torch_template,
         events_file=ns.events_file or None,
         hang_timeout=_float("--hang-timeout", ns.hang_timeout),
         exit_barrier_timeout=_float("--exit-barrier-timeout", ns.exit_barrier_timeout),
@@ -547,9 +649,17 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
     return config, cmd
 
 
+def parse_namespace(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """``parser.parse_args`` with our message for unknown flags."""
+    ns, extras = parser.parse_known_args(list(argv))
+    if extras:
+        raise ConfigError(unknown_flags_message(extras, parser))
+    return ns
+
+
 def parse(argv: Sequence[str]) -> tuple[Plan, Command]:
     """Flags -> (Plan, Command). Raises ConfigError naming the flag."""
-    ns = build_parser().parse_args(list(argv))
+    ns = parse_namespace(build_parser(), argv)
     config, cmd = config_from_args(ns)
     return resolve(config), cmd
 
@@ -560,11 +670,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         plan, cmd = parse(args)
     except ConfigError as exc:
-        sys.stderr.write("usage: elastrun [flags] script [script args...] (see --help)\n")
-        sys.stderr.write(f"elastrun: error: {exc}\n")
-        return 2
+        return usage_error(exc)
     except SystemExit as exc:  # --help, --version
         return exc.code if isinstance(exc.code, int) else 0
+    return execute(plan, cmd)
+
+
+def usage_error(exc: ConfigError, usage: str = USAGE) -> int:
+    """Report a bad flag (before anything started); returns 2."""
+    sys.stderr.write(f"usage: {usage} (see --help)\n")
+    sys.stderr.write(f"elastrun: error: {exc}\n")
+    return 2
+
+
+def execute(plan: Plan, cmd: Command) -> int:
+    """Run a parsed launch; returns the exit code."""
     from elastrun.launcher.run import run_plan
 
     try:

@@ -26,6 +26,7 @@ __all__ = [
     "RDZV_CONF_KEYS",
     "LaunchConfig",
     "count_gpus",
+    "count_xpus",
     "parse_endpoint",
     "parse_endpoints",
     "parse_nnodes",
@@ -114,6 +115,10 @@ class LaunchConfig:
     )
     shutdown_timeout: float = 30.0
     log_template: str | None = None  # None: the agent's default "[{host}:{rank}]"
+    # torch's LaunchConfig field: a TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE
+    # (${rank}, ${local_rank}, ${role_name}); lines then look as under torchrun.
+    # Not used when log_template is given.
+    log_line_prefix_template: str | None = None
     events_file: str | None = None
     hang_timeout: float | None = None
     exit_barrier_timeout: float | None = None  # None: --rdzv-conf or 300 s
@@ -243,11 +248,46 @@ def count_gpus() -> int:
     return physical if cap is None else min(physical, cap)
 
 
+def count_xpus(sysfs: str = "/sys/class/drm") -> int:
+    """Intel GPUs (torch's ``xpu``) visible to workers, without importing torch:
+    DRM cards of vendor 0x8086 driven by i915 or xe, capped by ZE_AFFINITY_MASK."""
+    count = 0
+    try:
+        names = os.listdir(sysfs)
+    except OSError:
+        names = []
+    for name in names:
+        if not re.fullmatch(r"card\d+", name):
+            continue
+        device = os.path.join(sysfs, name, "device")
+        try:
+            with open(os.path.join(device, "vendor"), encoding="ascii") as fp:
+                vendor = fp.read().strip()
+            driver = os.path.basename(os.readlink(os.path.join(device, "driver")))
+        except (OSError, ValueError):
+            continue
+        if vendor == "0x8086" and driver in ("i915", "xe"):
+            count += 1
+    mask = os.environ.get("ZE_AFFINITY_MASK", "").strip()
+    if mask:  # "0,1" or "0.0,0.1": count the root devices named
+        count = min(count, len({item.split(".")[0].strip() for item in mask.split(",")}))
+    return count
+
+
 def parse_nproc(text: str) -> int:
-    """``N``, ``cpu``, ``gpu`` or ``auto`` -> number of workers on this node."""
+    """``N``, ``cpu``, ``gpu``, ``xpu`` or ``auto`` -> number of workers on this node."""
     value = text.strip().lower()
     if value == "cpu":
         return _cpu_count()
+    if value == "xpu":
+        xpus = count_xpus()
+        if xpus == 0:
+            raise ConfigError(
+                "--nproc-per-node: 'xpu' asks for one worker per Intel XPU, but none is "
+                "visible (no Intel i915/xe card in /sys/class/drm, or ZE_AFFINITY_MASK hides "
+                "them); give a number instead"
+            )
+        return xpus
     if value in ("gpu", "cuda"):
         gpus = count_gpus()
         if gpus == 0:
@@ -258,12 +298,12 @@ def parse_nproc(text: str) -> int:
             )
         return gpus
     if value == "auto":
-        return count_gpus() or _cpu_count()
+        return count_gpus() or count_xpus() or _cpu_count()
     try:
         n = int(value)
     except ValueError:
         raise ConfigError(
-            f"--nproc-per-node: expected a number, 'auto', 'cpu' or 'gpu', got {text!r}"
+            f"--nproc-per-node: expected a number, 'auto', 'cpu', 'gpu' or 'xpu', got {text!r}"
         ) from None
     if n <= 0:
         raise ConfigError(f"--nproc-per-node: must be at least 1, got {text!r}")
@@ -464,11 +504,3 @@ def check_log_template(template: str) -> None:
             f"--log-template: {template!r} is not a valid template ({exc}); fields: "
             + ", ".join("{" + k + "}" for k in _TEMPLATE_FIELDS)
         ) from None
-
-
-def template_from_torch_env(value: str) -> str:
-    """torch's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (``${rank}``) -> ours (``{rank}``)."""
-    out = value.replace("{", "{{").replace("}", "}}")
-    for theirs, ours in (("role_name", "role"), ("local_rank", "local_rank"), ("rank", "rank")):
-        out = out.replace("${{" + theirs + "}}", "{" + ours + "}")
-    return out

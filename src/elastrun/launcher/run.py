@@ -122,6 +122,7 @@ def build_spec(plan: Plan, argv: Sequence[str], host: str) -> WorkerSpec:
         tee=dict(cfg.tee),
         local_ranks_filter=cfg.local_ranks_filter,
         log_template=cfg.log_template if cfg.log_template is not None else DEFAULT_LOG_TEMPLATE,
+        torch_log_template=cfg.log_line_prefix_template if cfg.log_template is None else None,
         shutdown_timeout=cfg.shutdown_timeout,
         signals_to_handle=handle,
         signals_to_forward=forward,

@@ -242,9 +242,9 @@ class Executor:
             return f"round {r} closed without this node"
         n = len(result["members"])
         if n >= max_nodes:
-            return f"round {r} is full ({n} of max {max_nodes} nodes); waiting for a free place"
+            return f"round {r} is full ({n} of max {_nodes(max_nodes)}); waiting for a free place"
         return (
-            f"round {r} closed without this node ({n} of max {max_nodes} nodes); joining the next"
+            f"round {r} closed without this node ({n} of max {_nodes(max_nodes)}); joining the next"
         )
 
     async def _round_result(self, r: int) -> RoundResult:
@@ -261,7 +261,8 @@ class Executor:
         if a.error == "budget":
             rec = obs.view.round or {}
             return RestartBudgetExhausted(
-                f"job {s.run_id!r} used its restart budget ({s.max_restarts} restarts, "
+                f"job {s.run_id!r} used its restart budget ({s.max_restarts} "
+                f"restart{'' if s.max_restarts == 1 else 's'}, "
                 f"--max-restarts); last failure: {R.describe_failure(rec.get('last_failure'))}"
             )
         await obs.note_joiners(r)
@@ -270,12 +271,17 @@ class Executor:
         if obs.rules.ctx.round == r and rnd and rnd["state"] != K.OPEN:
             return RendezvousTimeout(
                 f"round {r} closed without this node and no new round opened before "
-                f"join_timeout={s.join_timeout:g}s (job is full: max {s.max_nodes} nodes)"
+                f"join_timeout={s.join_timeout:g}s (job is full: max {_nodes(s.max_nodes)})"
             )
         return RendezvousTimeout(
-            f"{len(joins)} of min {s.min_nodes} nodes joined before "
+            f"{len(joins)} of min {_nodes(s.min_nodes)} joined before "
             f"join_timeout={s.join_timeout:g}s: {', '.join(joins) or 'none'}"
         )
+
+
+def _nodes(n: int) -> str:
+    """``1 node``, ``2 nodes``."""
+    return f"{n} node" if n == 1 else f"{n} nodes"
 
 
 def _addr_port(addr: str, port: int) -> str:

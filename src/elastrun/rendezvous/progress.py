@@ -47,7 +47,9 @@ def waiting_status(
         joined = ctx.count
         deadline, at = "join_timeout", join_at
         last_call = timers.get(Timer.LAST_CALL)
-        if last_call is None and not live and ctx.min_reached_at is not None:
+        # The decider's timer is gone once it fired (the round is closing):
+        # its last call still ends the wait, not the join timeout.
+        if last_call is None and ctx.min_reached_at is not None:
             last_call = ctx.min_reached_at + settings.last_call_timeout
         if joined >= settings.min_nodes and last_call is not None and last_call <= at:
             deadline, at = "last_call", last_call
@@ -67,7 +69,7 @@ def waiting_status(
         result = view.results.get(r)
         members = len(result["members"]) if result else 0
         if rec.get("state") == K.CLOSED and members >= settings.max_nodes:
-            detail = f"round {r} is full ({members} of max {settings.max_nodes} nodes)"
+            detail = f"round {r} is full ({members} of max {_nodes(settings.max_nodes)})"
         else:
             detail = f"round {r} is {rec.get('state', 'closed')}"
         return WaitingStatus(
@@ -82,6 +84,11 @@ def waiting_status(
             detail=detail,
         )
     return None
+
+
+def _nodes(n: int) -> str:
+    """``1 node``, ``2 nodes``."""
+    return f"{n} node" if n == 1 else f"{n} nodes"
 
 
 def _left(deadline: float, now: float) -> float:

@@ -7,7 +7,9 @@ from its store.
 ``--json`` prints the summary as one JSON object (stable keys, see
 docs/events.md); with ``--watch`` one object per line, each time the job
 changes. ``--watch`` follows the job with a store watch on its prefix (no
-polling) until the job finishes or fails, or until SIGINT / SIGTERM.
+polling) until the job finishes or fails, or until SIGINT / SIGTERM; its table
+is redrawn in place on a terminal, and printed as the lines that changed
+when the output is a file or a pipe (see :class:`Printer`).
 
 Exit codes: 0 shown; 1 no such job, store unreachable or broken records;
 2 bad arguments.
@@ -18,22 +20,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import difflib
 import json
+import math
+import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TextIO
 
 from elastrun.errors import ConfigError, ElastrunError, StoreError, StoreUnavailable
 from elastrun.rendezvous.keys import Keys
 from elastrun.status.summary import TERMINAL_STATES, read_summary
 from elastrun.store.base import Store, Watch, WatchEvent
 
-__all__ = ["main", "render_table"]
+__all__ = ["Printer", "main", "render_table"]
 
 DEFAULT_TIMEOUT = 10.0
 DEBOUNCE = 0.05  # gather a burst of store changes into one refresh
+TICK = 1.0  # a live table on a terminal is refreshed this often
 STORE_CONF_KEYS = ("cacert", "cert", "key", "user", "password", "key_prefix", "protocol")
 KNOWN_CONF = frozenset((*STORE_CONF_KEYS, "token", "token_file"))
 
@@ -247,25 +253,92 @@ def render_table(s: dict[str, Any], where: str) -> str:
     return "\n".join(out)
 
 
-def _printer(args: argparse.Namespace, where: str) -> Callable[[dict[str, Any]], None]:
-    tty = sys.stdout.isatty()
-    first = [True]
+class Printer:
+    """Prints summaries: once, or for ``--watch`` each change.
 
-    def show(summary: dict[str, Any]) -> None:
-        if args.json:
-            text = json.dumps(summary, sort_keys=True)
+    ``--json``: one object per line. A table on a terminal is redrawn in place
+    (cursor moved back over the previous drawing, each line rewritten), and
+    refreshed each second so that durations keep counting; a table into a
+    file or pipe is printed once in full, then only the lines that changed,
+    under a time stamp (``+`` new, ``-`` gone)."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        where: str,
+        stream: TextIO | None = None,
+        tty: bool | None = None,
+    ) -> None:
+        self.json = bool(args.json)
+        self.watch = bool(args.watch)
+        self.where = where
+        self.stream = stream if stream is not None else sys.stdout
+        self.tty = self.stream.isatty() if tty is None else tty
+        self._drawn_rows = 0
+        self._last_lines: list[str] | None = None
+        self._last: dict[str, Any] | None = None
+        self._last_at = 0.0
+
+    @property
+    def ticks(self) -> bool:
+        """Whether the display wants a refresh each second (a live table)."""
+        return self.watch and self.tty and not self.json
+
+    def __call__(self, summary: dict[str, Any]) -> None:
+        self._last, self._last_at = summary, time.monotonic()
+        if self.json:
+            self._write(json.dumps(summary, sort_keys=True) + "\n")
+        elif not self.watch:
+            self._write(render_table(summary, self.where) + "\n")
+        elif self.tty:
+            self._redraw(render_table(summary, self.where))
         else:
-            text = render_table(summary, where)
-            if args.watch:
-                if tty:
-                    text = "\x1b[H\x1b[2J" + text
-                elif not first[0]:
-                    text = "\n" + "-" * 72 + "\n" + text
-        first[0] = False
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
+            self._changes(summary)
 
-    return show
+    def tick(self) -> None:
+        """Redraw the last summary with its durations advanced (terminal only)."""
+        if not self.ticks or self._last is None:
+            return
+        since = self._last.get("state_for_s")
+        if isinstance(since, (int, float)):
+            aged = {**self._last, "state_for_s": since + time.monotonic() - self._last_at}
+            self._redraw(render_table(aged, self.where))
+
+    def _redraw(self, text: str) -> None:
+        cols, rows = shutil.get_terminal_size((80, 24))
+        lines = text.splitlines()
+        height = sum(max(1, math.ceil(len(ln) / max(cols, 1))) for ln in lines)
+        out = ""
+        if self._drawn_rows and self._drawn_rows < rows:
+            out = f"\x1b[{self._drawn_rows}F"  # back to the start of the drawing
+        elif self._drawn_rows:
+            out = "\x1b[H\x1b[2J"  # taller than the screen: start over at the top
+        out += "".join(f"\x1b[2K{ln}\n" for ln in lines) + "\x1b[J"
+        self._drawn_rows = height
+        self._write(out)
+
+    def _changes(self, summary: dict[str, Any]) -> None:
+        # Compared without what changes by itself (durations, the revision).
+        lines = render_table({**summary, "state_for_s": None, "revision": 0}, self.where)
+        now = lines.splitlines()
+        before, self._last_lines = self._last_lines, now
+        if before is None:
+            self._write(render_table(summary, self.where) + "\n")
+            return
+        diff = [
+            ln[0] + " " + ln[2:]
+            for ln in difflib.ndiff(before, now)
+            if ln[:1] in "+-" and ln[2:].strip()
+        ]
+        if not diff:
+            return
+        stamp = time.strftime("%H:%M:%S")
+        self._write(f"--- {stamp} (revision {summary['revision']})\n" + "\n".join(diff) + "\n")
+
+    def _write(self, text: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.stream.write(text)
+            self.stream.flush()
 
 
 # ---------------------------------------------------------------- watching
@@ -274,9 +347,7 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return {**a, "revision": 0, "state_for_s": 0} == {**b, "revision": 0, "state_for_s": 0}
 
 
-async def _watch(
-    store: Store, args: argparse.Namespace, where: str, show: Callable[[dict[str, Any]], None]
-) -> int:
+async def _watch(store: Store, args: argparse.Namespace, where: str, show: Printer) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     installed = []
@@ -316,7 +387,13 @@ async def _watch(
         try:
             while True:
                 got = loop.create_task(changes.get())
-                await asyncio.wait({got, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                while not got.done() and not stopped.done():
+                    await asyncio.wait(
+                        {got, stopped},
+                        timeout=TICK if show.ticks else None,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                    show.tick()
                 if not got.done():
                     got.cancel()
                     return 0  # SIGINT / SIGTERM: the operator is done watching
@@ -350,7 +427,7 @@ async def _main(args: argparse.Namespace) -> int:
     where = _where(args.backend.strip().lower(), args.endpoint)
     store = await _open(args, where)
     try:
-        show = _printer(args, where)
+        show = Printer(args, where)
         if args.watch:
             return await _watch(store, args, where, show)
         show(await _read(store, args, where))

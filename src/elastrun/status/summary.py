@@ -173,7 +173,10 @@ def summarize(
         "last_failure": _failure(round_rec.get("pending_failure") or round_rec.get("last_failure"))
         if round_rec
         else None,
-        "restart_pending": bool(round_rec and round_rec.get("pending_failure")),
+        # Only an open round has a charge still to decide: a closed record
+        # keeps the failure that opened it, already counted (or not, when a
+        # node was lost) in "restarts".
+        "restart_pending": bool(is_open and round_rec and round_rec.get("pending_failure")),
         "revision": revision,
     }
 

@@ -3,7 +3,10 @@ as one self-contained HTML page (inline SVG, no scripts, no dependencies).
 
 Drawn from the agents' event logs (docs/events.md): one lane per node with its
 workers' running spans, the rounds (with why each was opened), the world size
-over time, worker failures (root causes) and restarts.
+over time, worker failures (root causes) and restarts, over a time axis (ticks
+at round steps from the first event). Labels that would overlap (rounds opened
+milliseconds apart at a restart) are placed on further rows, or left to the
+tooltips.
 """
 
 from __future__ import annotations
@@ -11,19 +14,27 @@ from __future__ import annotations
 import argparse
 import html
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["load_events", "main", "render_html"]
+__all__ = ["axis_ticks", "fmt_offset", "load_events", "main", "place_labels", "render_html"]
 
 WIDTH = 1100
 LEFT = 170
 RIGHT = 30
 LANE_H = 26
 WORLD_H = 90
+LABEL_TOP = 4
+LABEL_ROWS = 3  # rows for round labels above the plot
+LABEL_ROW_H = 12
+CHAR_W = 6.2  # estimated width of a character at font-size 11
+MIN_TICK_PX = 70  # ticks at least this far apart
+# Tick steps in seconds: 1 2 5 10 15 30 s, 1 2 5 10 15 30 min, 1 2 3 6 12 h, days.
+STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200)
 
 
 @dataclass
@@ -52,6 +63,59 @@ def load_events(paths: Sequence[str]) -> list[dict[str, Any]]:
                     events.append(obj)
     events.sort(key=lambda e: float(e["ts"]))
     return events
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def axis_ticks(span: float, width: float) -> list[float]:
+    """Offsets (seconds from the start) of the axis ticks: a round step that
+    keeps them at least MIN_TICK_PX apart on ``width`` pixels for ``span`` s."""
+    if span <= 0 or width <= 0:
+        return [0.0]
+    wanted = span * MIN_TICK_PX / width
+    step = next((float(s) for s in STEPS if s >= wanted), None)
+    if step is None:
+        step = 86400.0 * max(1, math.ceil(wanted / 86400))
+    count = int(span // step)
+    return [i * step for i in range(count + 1)]
+
+
+def fmt_offset(seconds: float) -> str:
+    """``0s``, ``45s``, ``2m``, ``2m30s``, ``1h``, ``1h05m``, ``2d``."""
+    n = round(seconds)
+    if n < 60:
+        return f"{n}s"
+    if n < 3600:
+        m, s = divmod(n, 60)
+        return f"{m}m{s:02d}s" if s else f"{m}m"
+    if n < 86400:
+        h, m = divmod(n // 60, 60)
+        return f"{h}h{m:02d}m" if m else f"{h}h"
+    d, h = divmod(n // 3600, 24)
+    return f"{d}d{h:02d}h" if h else f"{d}d"
+
+
+def place_labels(
+    labels: Sequence[tuple[float, str]], rows: int, *, right: float, gap: float = 4.0
+) -> list[tuple[float, int, str]]:
+    """Place text labels (x, text) on ``rows`` rows so that none overlaps
+    another: each goes on the first row where it fits after the labels
+    already there; one that fits nowhere (or would cross ``right``) is left
+    out. Returns (x, row, text) of the placed ones."""
+    ends = [-math.inf] * rows
+    placed: list[tuple[float, int, str]] = []
+    for lx, text in sorted(labels, key=lambda item: item[0]):
+        w = len(text) * CHAR_W
+        if lx + w > right:
+            continue
+        for row in range(rows):
+            if lx >= ends[row] + gap:
+                ends[row] = lx + w
+                placed.append((lx, row, text))
+                break
+    return placed
 
 
 def _fmt(ts: float) -> str:
@@ -115,22 +179,38 @@ def render_html(events: list[dict[str, Any]], title: str = "") -> str:
         if lane.started:
             lane.spans.append((lane.started[0], t1, lane.started[1]))
 
-    top = 40
+    top = LABEL_TOP + LABEL_ROWS * LABEL_ROW_H + 6
     lane_top = top + WORLD_H + 30
-    height = lane_top + LANE_H * len(lanes) + 40
+    axis_y = lane_top + LANE_H * len(lanes) + 8
+    height = axis_y + 34
     out: list[str] = []
     add = out.append
     add(f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" ')
     add('font-family="sans-serif" font-size="11">')
-    # Rounds: alternating bands with their number and reason.
+    # Rounds: alternating bands; their labels placed where they do not overlap
+    # (a restart opens rounds milliseconds apart: a label that finds no free
+    # place is left to the band's tooltip).
+    labels: list[tuple[float, str]] = []
     for i, (ts, r, reason) in enumerate(rounds):
         end = rounds[i + 1][0] if i + 1 < len(rounds) else t1
         fill = "#f4f4f4" if i % 2 else "#e8eef7"
         w = max(x(end) - x(ts), 1.0)
-        add(f'<rect x="{x(ts):.1f}" y="{top - 20}" width="{w:.1f}" height="{height - top}" ')
+        add(f'<rect x="{x(ts):.1f}" y="{top - 4}" width="{w:.1f}" height="{axis_y - top + 4}" ')
         add(f'fill="{fill}"><title>round {r}: {html.escape(reason)} at {_fmt(ts)}</title></rect>')
-        add(f'<text x="{x(ts) + 3:.1f}" y="{top - 8}">round {r}</text>')
-    # World size over time (a step line).
+        labels.append((x(ts) + 2, f"round {r}"))
+    for lx, row, text in place_labels(labels, LABEL_ROWS, right=WIDTH - 2):
+        ly = LABEL_TOP + (row + 1) * LABEL_ROW_H - 2
+        add(f'<text x="{lx:.1f}" y="{ly}">{html.escape(text)}</text>')
+    # The time axis: ticks at round steps from the first event, with a grid.
+    add(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{axis_y}" y2="{axis_y}" stroke="#555"/>')
+    for tick in axis_ticks(span, plot_w):
+        tx = x(t0 + tick)
+        add(f'<line x1="{tx:.1f}" x2="{tx:.1f}" y1="{top}" y2="{axis_y}" stroke="#ddd"/>')
+        add(f'<line x1="{tx:.1f}" x2="{tx:.1f}" y1="{axis_y}" y2="{axis_y + 5}" stroke="#555"/>')
+        add(f'<text x="{tx:.1f}" y="{axis_y + 17}" text-anchor="middle">')
+        add(f"{html.escape(fmt_offset(tick))}</text>")
+    add(f'<text x="10" y="{axis_y + 17}">time from {_fmt(t0)}</text>')
+    # World size over time (a step line), its values placed without overlaps.
     max_world = max((w for _, w in world), default=1) or 1
     pts: list[str] = []
     prev = 0
@@ -141,12 +221,12 @@ def render_html(events: list[dict[str, Any]], title: str = "") -> str:
         prev = w
     add(f'<text x="10" y="{top + WORLD_H / 2:.0f}">world size (max {max_world})</text>')
     add(f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{" ".join(pts)}"/>')
-    for ts, w in world[1:-1]:
-        y = top + WORLD_H - w / max_world * WORLD_H
-        add(f'<text x="{x(ts) + 2:.1f}" y="{y - 3:.1f}" fill="#1f77b4">{w}</text>')
+    values = [(x(ts) + 2, str(w)) for ts, w in world[1:-1] if w]
+    for vx, row, text in place_labels(values, 2, right=WIDTH - 2):
+        add(f'<text x="{vx:.1f}" y="{top + 10 + row * LABEL_ROW_H}" fill="#1f77b4">{text}</text>')
     # Restarts: dashed lines across the plot.
     for ts, label in restarts:
-        add(f'<line x1="{x(ts):.1f}" x2="{x(ts):.1f}" y1="{top}" y2="{height - 30}" ')
+        add(f'<line x1="{x(ts):.1f}" x2="{x(ts):.1f}" y1="{top}" y2="{axis_y}" ')
         add(f'stroke="#ff7f0e" stroke-dasharray="4 3"><title>{html.escape(label)}</title></line>')
     # One lane per node: worker spans and marks.
     for i, lane in enumerate(lanes.values()):
@@ -160,8 +240,6 @@ def render_html(events: list[dict[str, Any]], title: str = "") -> str:
         for ts, color, label in lane.marks:
             add(f'<circle cx="{x(ts):.1f}" cy="{y + LANE_H / 2}" r="5" fill="{color}">')
             add(f"<title>{html.escape(label)}</title></circle>")
-    add(f'<text x="{LEFT}" y="{height - 10}">{_fmt(t0)}</text>')
-    add(f'<text x="{WIDTH - RIGHT}" y="{height - 10}" text-anchor="end">{_fmt(t1)}</text>')
     add("</svg>")
     failures = [
         _failure_title(e)
@@ -171,14 +249,16 @@ def render_html(events: list[dict[str, Any]], title: str = "") -> str:
     legend = (
         "<p>Bands: rounds. Blue line: world size. Blue bars: a node's workers running. "
         "Red dot: a root-cause worker failure. Orange dashes: a counted restart. "
-        "Purple: a node lost. Green: an agent finished. Hover for details.</p>"
+        "Purple: a node lost. Green: an agent finished. The axis: time from the first "
+        "event. Hover for details.</p>"
     )
     items = "".join(f"<li>{html.escape(f)}</li>" for f in failures) or "<li>none</li>"
     name = html.escape(title or str(events[0].get("run_id", "")))
     return (
         f"<!doctype html><html><head><meta charset=utf-8><title>elastrun timeline {name}"
-        f"</title></head><body><h2>job {name}: {len(rounds)} rounds, {len(restarts)} restarts"
-        f", {len(lanes)} nodes</h2>{''.join(out)}{legend}<h3>failures</h3><ul>{items}</ul>"
+        f"</title></head><body><h2>job {name}: {_count(len(rounds), 'round')}, "
+        f"{_count(len(restarts), 'restart')}, {_count(len(lanes), 'node')}</h2>"
+        f"{''.join(out)}{legend}<h3>failures</h3><ul>{items}</ul>"
         "</body></html>\n"
     )
 
@@ -203,5 +283,5 @@ def main(argv: Sequence[str]) -> int:
     except OSError as exc:
         print(f"elastrun timeline: error: {exc}", file=sys.stderr)
         return 1
-    print(f"elastrun timeline: {len(events)} events -> {args.out}")
+    print(f"elastrun timeline: {_count(len(events), 'event')} -> {args.out}")
     return 0

@@ -1,0 +1,51 @@
+"""Runs one ``elastrun.launch()`` conformance case in its own process.
+
+    python -m tests.integration.scripts.conformance.api_driver CASE CONFIG_JSON [DIR]
+
+CONFIG_JSON holds LaunchConfig fields. Prints one JSON line ``{"result": ...}``
+(an exit code, or the per-rank results of a function) and exits 0, or prints
+``{"error": type, "message": ...}`` and exits 3.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import elastrun
+from tests.integration.scripts.conformance.functions import rank_plus_ten, rank_sum
+
+HERE = Path(__file__).resolve().parent
+
+
+def run(case: str, config: elastrun.LaunchConfig, folder: str) -> Any:
+    if case == "script":
+        script = str(HERE / "touch_rank.py")
+        return elastrun.launch(config, sys.executable, "-u", script, f"--touch-file-dir={folder}")
+    if case == "fail":
+        return elastrun.launch(config, sys.executable, "-u", str(HERE / "touch_rank.py"), "--fail")
+    if case == "bash":
+        return elastrun.launch(config, str(HERE / "touch_rank.sh"), folder)
+    if case == "function":
+        return elastrun.launch(config, rank_plus_ten)
+    if case == "rank_sum":
+        return elastrun.launch(config, rank_sum)
+    raise SystemExit(f"unknown case {case!r}")
+
+
+def main() -> int:
+    case, raw = sys.argv[1], sys.argv[2]
+    folder = sys.argv[3] if len(sys.argv) > 3 else ""
+    try:
+        result = run(case, elastrun.LaunchConfig(**json.loads(raw)), folder)
+    except elastrun.ElastrunError as exc:
+        print(json.dumps({"error": type(exc).__name__, "message": str(exc)}), flush=True)
+        return 3
+    print(json.dumps({"result": result}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,639 @@
+"""Conformance with PyTorch's own launcher tests, run against elastrun.
+
+PyTorch tests torchrun in ``test/distributed/launcher/test_run.py`` (the CLI,
+``torch.distributed.run.main([...])``), ``launch_test.py``
+(``torch.distributed.launch``) and ``api_test.py`` (``elastic_launch``). Each
+case here takes the facts of one of theirs (the arguments, exactly as they
+spell them, and the outcome they expect) and runs a real ``elastrun`` (or
+``elastrun.launch()``) with real workers. The workers (``scripts/conformance``)
+are our own and do what upstream's ``bin/`` scripts do: check the worker
+environment and touch a file named after the global rank, fail on ``--fail``,
+check ``--local_rank``, form a process group with a given init method, report
+``is_torchelastic_launched()``.
+
+Upstream cases not here test torch's internals through mocks (an agent or
+rendezvous handler patched to raise, ``_get_entrypoint_name``, the event
+recorder) or devices this machine lacks (``--nproc-per-node=gpu|xpu`` with
+torch's device counts patched, ``--virtual-local-rank`` on 2 GPUs); the
+deliberate differences are listed in docs/cli.md ("Conformance with
+torchrun's tests"). Cases that wait on other work are marked xfail with the
+reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastrun.errors import ConfigError
+from elastrun.launcher.config import count_gpus, count_xpus, parse_nnodes
+from tests.conftest import REPO
+from tests.integration.elastic_harness import ELASTRUN, free_port
+from tests.store.etcd_fixture import requires_etcd, start_cluster
+
+BIN = Path(__file__).resolve().parent / "scripts" / "conformance"
+TOUCH = str(BIN / "touch_rank.py")
+TOUCH_SH = str(BIN / "touch_rank.sh")
+RUN_TIMEOUT = 240
+QUOTED_CONF = pytest.mark.xfail(
+    strict=False, reason="fixed on the launchcfg branch (quoted --rdzv-conf values)"
+)
+EMPTY_RUN_ID = pytest.mark.xfail(
+    strict=False, reason="fixed on the launchcfg branch (empty run id)"
+)
+
+
+def env(**extra: str) -> dict[str, str]:
+    """The launcher's environment: no PET_* leftovers, the sentinel upstream
+    sets in the parent (the workers must see it), our sources first."""
+    out = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
+    out["TEST_SENTINEL_PARENT"] = "FOOBAR"
+    out["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO)]))
+    out.update(extra)
+    return out
+
+
+def torchrun(
+    *args: str, extra_env: dict[str, str] | None = None, timeout: float = RUN_TIMEOUT
+) -> subprocess.CompletedProcess[str]:
+    """``elastrun ARGS`` (where upstream calls ``torch.distributed.run.main(ARGS)``)."""
+    return subprocess.run(
+        [*ELASTRUN, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env(**(extra_env or {})),
+        check=False,
+        cwd=REPO,
+    )
+
+
+def ranks_touched(folder: Path) -> set[str]:
+    return set(os.listdir(folder))
+
+
+def expect_ranks(proc: subprocess.CompletedProcess[str], folder: Path, world: int) -> None:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert ranks_touched(folder) == {str(i) for i in range(world)}, proc.stderr[-3000:]
+
+
+def run_id() -> str:
+    return str(uuid.uuid4().int)  # upstream's run ids
+
+
+# ------------------------------------------------------------ test_run.py
+def test_launch_user_script_python(tmp_path: Path) -> None:
+    proc = torchrun(
+        "--nnodes=1",
+        "--nproc-per-node=4",
+        f"--rdzv-id={run_id()}",
+        "--monitor-interval=1",
+        "--start-method=spawn",
+        TOUCH,
+        f"--touch-file-dir={tmp_path}",
+    )
+    expect_ranks(proc, tmp_path, 4)
+    # upstream's script prints every variable it reads; the sentinel came through
+    assert proc.stdout.count("TEST_SENTINEL_PARENT=FOOBAR") == 4
+
+
+def test_launch_user_script_python_caffe2_bc(tmp_path: Path) -> None:
+    proc = torchrun(
+        "--nnodes=1",
+        "--nproc-per-node=4",
+        "--monitor-interval=1",
+        "--start-method=spawn",
+        "--master-addr=localhost",
+        f"--master-port={free_port()}",
+        "--node-rank=0",
+        TOUCH,
+        f"--touch-file-dir={tmp_path}",
+    )
+    expect_ranks(proc, tmp_path, 4)
+
+
+@pytest.mark.parametrize("nproc", [["--nproc-per-node=4"], []], ids=["nproc4", "default_nproc"])
+def test_launch_user_script_bash(tmp_path: Path, nproc: list[str]) -> None:
+    args = ["--nnodes=1", *nproc, f"--rdzv-id={run_id()}", "--monitor-interval=1"]
+    args += ["--start-method=spawn", "--no-python"]
+    # --no-python cannot be used with --module (upstream: ValueError; here exit 2)
+    bad = torchrun(*args, "--module", TOUCH_SH, str(tmp_path))
+    assert bad.returncode == 2 and "--no-python" in bad.stderr and "--module" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    proc = torchrun(*args, TOUCH_SH, str(tmp_path))
+    expect_ranks(proc, tmp_path, 4 if nproc else 1)
+
+
+def test_launch_with_env_vars(tmp_path: Path) -> None:
+    pet = {
+        "PET_NNODES": "1",
+        "PET_NPROC_PER_NODE": "4",
+        "PET_RDZV_ID": run_id(),
+        "PET_MONITOR_INTERVAL": "1",
+        "PET_START_METHOD": "spawn",
+        "PET_NO_PYTHON": "1",
+    }
+    bad = torchrun(TOUCH_SH, str(tmp_path), extra_env={**pet, "PET_MODULE": "1"})
+    assert bad.returncode == 2 and "--module" in bad.stderr, bad.stderr
+    proc = torchrun(TOUCH_SH, str(tmp_path), extra_env={**pet, "PET_MODULE": "0"})
+    expect_ranks(proc, tmp_path, 4)
+
+
+@pytest.mark.parametrize(
+    ("nproc", "expected"),
+    [("auto", len(os.sched_getaffinity(0))), ("4", 4)],
+    ids=["auto_cpu", "number"],
+)
+def test_nproc_launch_configurations(tmp_path: Path, nproc: str, expected: int) -> None:
+    # upstream patches torch.accelerator to "none" for auto
+    if nproc == "auto" and (count_gpus() or count_xpus()):
+        pytest.skip("auto counts this machine's GPUs")
+    proc = torchrun(
+        "--nnodes=1",
+        f"--nproc-per-node={nproc}",
+        f"--rdzv-id={run_id()}",
+        "--monitor-interval=1",
+        "--start-method=spawn",
+        "--no-python",
+        TOUCH_SH,
+        str(tmp_path),
+    )
+    expect_ranks(proc, tmp_path, expected)
+
+
+@pytest.mark.parametrize(
+    "nproc",
+    [
+        "unknown",
+        pytest.param("gpu", marks=pytest.mark.skipif(count_gpus() > 0, reason="has a GPU")),
+        pytest.param("xpu", marks=pytest.mark.skipif(count_xpus() > 0, reason="has an XPU")),
+    ],
+)
+def test_nproc_launch_without_devices_is_an_error(tmp_path: Path, nproc: str) -> None:
+    # upstream: ValueError for "unknown"; "gpu"/"xpu" without the device are
+    # errors in torch too ("Cuda is not available.", "Xpu is not available.").
+    # This machine has neither, so both are checked here as the refusal a
+    # machine without them gets (the device counts are unit-tested).
+    proc = torchrun(f"--nproc-per-node={nproc}", "--no-python", TOUCH_SH, str(tmp_path))
+    assert proc.returncode == 2, proc.stderr
+    assert "--nproc-per-node" in proc.stderr and "Traceback" not in proc.stderr
+    if nproc != "unknown":
+        assert f"'{nproc}'" in proc.stderr and "expected a number" not in proc.stderr
+    assert not ranks_touched(tmp_path)
+
+
+ELASTIC_CONF = ["join_timeout=5,last_call_timeout=1,timeout=5"]
+
+
+def _elastic_args(conf: str, *rest: str) -> list[str]:
+    return [
+        "--nnodes=1:2",
+        "--nproc-per-node=4",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=localhost:{free_port()}",
+        f"--rdzv-conf={conf}",
+        f"--rdzv-id={run_id()}",
+        "--monitor-interval=1",
+        *rest,
+    ]
+
+
+@pytest.mark.parametrize(
+    "conf",
+    [
+        pytest.param("'join_timeout=5,last_call_timeout=1,timeout=5'", marks=QUOTED_CONF),
+        "join_timeout=5,last_call_timeout=1,timeout=5",
+    ],
+    ids=["upstream_quoted", "unquoted"],
+)
+def test_launch_elastic(tmp_path: Path, conf: str) -> None:
+    # upstream's list holds the quotes literally (no shell removes them)
+    proc = torchrun(
+        *_elastic_args(conf, "--start-method=spawn"), TOUCH, f"--touch-file-dir={tmp_path}"
+    )
+    expect_ranks(proc, tmp_path, 4)
+
+
+@pytest.mark.parametrize(
+    "conf",
+    [
+        pytest.param("'join_timeout=5,last_call_timeout=1,timeout=5'", marks=QUOTED_CONF),
+        "join_timeout=5,last_call_timeout=1,timeout=5",
+    ],
+    ids=["upstream_quoted", "unquoted"],
+)
+def test_launch_elastic_worker_raise_exception(conf: str) -> None:
+    # upstream: the launcher raises ChildFailedError; the CLI's equivalent is
+    # a non-zero exit with the root cause named.
+    proc = torchrun(
+        *_elastic_args(conf, "--max-restarts=0", "--start-method=spawn"), TOUCH, "--fail"
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "ROOT CAUSE" in proc.stderr and "failing on purpose (--fail)" in proc.stderr
+
+
+def test_launch_standalone(tmp_path: Path) -> None:
+    proc = torchrun(
+        "--nnodes=1",
+        "--nproc-per-node=4",
+        "--standalone",
+        "--monitor-interval=1",
+        "--start-method=spawn",
+        TOUCH,
+        f"--touch-file-dir={tmp_path}",
+    )
+    expect_ranks(proc, tmp_path, 4)
+
+
+def test_launch_run_path(tmp_path: Path) -> None:
+    proc = torchrun(
+        "--run-path",
+        "--nnodes=1",
+        "--nproc-per-node=4",
+        "--monitor-interval=1",
+        "--start-method=spawn",
+        TOUCH,
+        f"--touch-file-dir={tmp_path}",
+    )
+    expect_ranks(proc, tmp_path, 4)
+
+
+def test_launch_elastic_multiple_agents(tmp_path: Path) -> None:
+    args = [
+        "--nnodes=1:2",
+        "--nproc-per-node=4",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=localhost:{free_port()}",
+        "--rdzv_conf=timeout=5",
+        f"--rdzv-id={run_id()}",
+        "--monitor-interval=1",
+        "--start-method=spawn",
+        TOUCH,
+        f"--touch-file-dir={tmp_path}",
+    ]
+    other = subprocess.Popen(
+        [*ELASTRUN, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env(),
+        cwd=REPO,
+        start_new_session=True,
+    )
+    try:
+        proc = torchrun(*args)
+        out, _ = other.communicate(timeout=RUN_TIMEOUT)
+    finally:
+        if other.poll() is None:
+            os.killpg(other.pid, 9)
+            other.wait(10)
+    assert other.returncode == 0, out[-3000:]
+    expect_ranks(proc, tmp_path, 8)
+
+
+def test_min_max_nodes_parse() -> None:
+    assert parse_nnodes("1") == (1, 1)
+    assert parse_nnodes("2:20") == (2, 20)
+    with pytest.raises(ConfigError, match="--nnodes"):
+        parse_nnodes("2:20:30")
+
+
+def _is_torchelastic(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    out = tmp_path / "out"
+    proc = torchrun(
+        "--run-path",
+        "--nnodes=1",
+        "--nproc-per-node=1",
+        "--monitor-interval=1",
+        *extra,
+        str(BIN / "is_torchelastic.py"),
+        f"--out-file={out}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out.read_text() == "True"
+    return proc
+
+
+def test_is_torchelastic_launched(tmp_path: Path) -> None:
+    _is_torchelastic(tmp_path)
+
+
+def test_is_torchelastic_launched_with_logs_spec_defined(tmp_path: Path) -> None:
+    # upstream patches the entry points; torch 2.13 really ships "default"
+    _is_torchelastic(tmp_path, "--logs_specs=default")
+
+
+def test_logs_logs_spec_entrypoint_must_be_defined(tmp_path: Path) -> None:
+    proc = torchrun(
+        "--run-path",
+        "--nnodes=1",
+        "--nproc-per-node=1",
+        "--monitor-interval=1",
+        "--logs_specs=DOESNOT_EXIST",
+        str(BIN / "is_torchelastic.py"),
+        f"--out-file={tmp_path / 'out'}",
+    )
+    assert proc.returncode == 2 and "--logs_specs" in proc.stderr and "DOESNOT_EXIST" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_is_not_torchelastic_launched(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    clean = {k: v for k, v in env().items() if not k.startswith("TORCHELASTIC_")}
+    subprocess.run(
+        [sys.executable, str(BIN / "is_torchelastic.py"), f"--out-file={out}"],
+        env=clean,
+        timeout=RUN_TIMEOUT,
+        check=True,
+    )
+    assert out.read_text() == "False"
+
+
+@pytest.mark.parametrize("method", ["tcp", "env"])
+def test_init_method_with_torchelastic(method: str) -> None:
+    port = free_port()
+    init = f"tcp://localhost:{port}" if method == "tcp" else "env://"
+    proc = torchrun(
+        "--run-path",
+        "--nnodes=1",
+        "--nproc-per-node=4",
+        "--master-addr=localhost",
+        f"--master-port={port}",
+        "--monitor-interval=1",
+        str(BIN / "init_method.py"),
+        f"--init-method={init}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("all-reduce ok") == 4
+
+
+def test_capture_logs_using_default_logs_specs(tmp_path: Path) -> None:
+    proc = torchrun(
+        "--nnodes=1",
+        "--nproc-per-node=4",
+        f"--rdzv-id={run_id()}",
+        "--redirect=3",  # upstream's own spelling of --redirects
+        "--tee=3",
+        "--monitor-interval=1",
+        "--start-method=spawn",
+        "--no-python",
+        TOUCH_SH,
+        str(tmp_path),
+        extra_env={"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]: "},
+    )
+    assert proc.returncode == 0, proc.stderr
+    for i in range(4):
+        assert f"[rank{i}]: creating " in proc.stdout, proc.stdout
+    assert ": : " not in proc.stdout  # the template, exactly, once
+
+
+def test_virtual_local_rank_is_refused_with_a_reason() -> None:
+    proc = torchrun("--virtual-local-rank", "--no-python", "true")
+    assert proc.returncode == 2
+    assert "--virtual-local-rank" in proc.stderr and "CUDA_VISIBLE_DEVICES" in proc.stderr
+
+
+# ------------------------------------------------------------ launch_test.py
+def test_launch_without_env() -> None:
+    """``python -m torch.distributed.launch`` without --use-env: the script
+    gets --local_rank (``python -m elastrun.launch``)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elastrun.launch",
+            "--nnodes=1",
+            "--nproc-per-node=4",
+            "--monitor-interval=1",
+            "--start-method=spawn",
+            "--master-addr=localhost",
+            f"--master-port={free_port()}",
+            "--node-rank=0",
+            str(BIN / "check_local_rank.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        env=env(),
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("ok") == 4
+
+
+def test_launch_with_env(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elastrun.launch",
+            "--nnodes=1",
+            "--nproc-per-node=4",
+            "--monitor-interval=1",
+            "--start-method=spawn",
+            "--master-addr=localhost",
+            f"--master-port={free_port()}",
+            "--node-rank=0",
+            "--use-env",
+            TOUCH,
+            f"--touch-file-dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        env=env(),
+        check=False,
+    )
+    expect_ranks(proc, tmp_path, 4)
+
+
+# ------------------------------------------------------------ worker environment
+def test_worker_environment_matches_torchrun_where_it_matters(tmp_path: Path) -> None:
+    script = tmp_path / "env.py"
+    script.write_text(
+        "import json, os\n"
+        "keys = ['TORCHELASTIC_USE_AGENT_STORE', 'TORCHELASTIC_SIGNALS_TO_HANDLE', "
+        "'TORCH_NCCL_ASYNC_ERROR_HANDLING', 'TORCHELASTIC_RUN_ID', 'PYTHON_EXEC']\n"
+        "print('ENV ' + json.dumps({k: os.environ.get(k) for k in keys}), flush=True)\n"
+    )
+    proc = torchrun("--standalone", "--nproc-per-node=1", str(script))
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.split("ENV ", 1)[1].splitlines()[0])
+    # torchrun's default, set the same way for the workers
+    assert seen["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    assert seen["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    # a deliberate difference (docs/cli.md): no agent-hosted TCPStore, so the
+    # workers' env:// rendezvous hosts its own (test_init_method_* proves it works)
+    assert seen["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+    proc = torchrun(
+        "--standalone", "--nproc-per-node=1", "--signals-to-handle=SIGTERM,SIGUSR1", str(script)
+    )
+    seen = json.loads(proc.stdout.split("ENV ", 1)[1].splitlines()[0])
+    assert seen["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGUSR1"
+
+
+# ------------------------------------------------------------ api_test.py
+def launch_case(case: str, config: dict[str, Any], folder: Path | None = None) -> dict[str, Any]:
+    """One ``elastrun.launch()`` call in its own process (see api_driver)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.integration.scripts.conformance.api_driver",
+            case,
+            json.dumps(config),
+            str(folder or ""),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        env=env(OMP_NUM_THREADS="1"),
+        cwd=REPO,
+        check=False,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    out: dict[str, Any] = json.loads(lines[-1])
+    out["stderr"] = proc.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def etcd_endpoint() -> Any:
+    cluster = start_cluster(1)
+    try:
+        yield cluster.endpoints
+    finally:
+        cluster.stop()
+
+
+def etcd_config(endpoint: str, min_nodes: int, max_nodes: int, nproc: int, **kw: Any) -> Any:
+    """upstream's get_test_launch_config (run_id "" unless given)."""
+    return {
+        "min_nodes": min_nodes,
+        "max_nodes": max_nodes,
+        "nproc_per_node": nproc,
+        "run_id": kw.pop("run_id", ""),
+        "rdzv_endpoint": endpoint,
+        "monitor_interval": 0.1,
+        "rdzv_backend": kw.pop("rdzv_backend", "etcd"),
+        "start_method": "spawn",
+        "max_restarts": 0,
+        "rdzv_configs": kw.pop("rdzv_configs", {}),
+    }
+
+
+RUN_IDS = [pytest.param("", marks=EMPTY_RUN_ID, id="upstream_empty_run_id"), "conformance"]
+
+
+@requires_etcd
+@pytest.mark.etcd
+@pytest.mark.parametrize("rid", RUN_IDS)
+def test_api_launch_script_python(etcd_endpoint: str, tmp_path: Path, rid: str) -> None:
+    rid = rid and f"{rid}-{uuid.uuid4().hex[:8]}"
+    cfg = etcd_config(etcd_endpoint, 1, 1, 4, run_id=rid)
+    got = launch_case("script", cfg, tmp_path)
+    assert got.get("result") == 0, got
+    assert ranks_touched(tmp_path) == {"0", "1", "2", "3"}
+
+
+@requires_etcd
+@pytest.mark.etcd
+@pytest.mark.parametrize("rid", RUN_IDS)
+def test_api_launch_script_bash(etcd_endpoint: str, tmp_path: Path, rid: str) -> None:
+    rid = rid and f"{rid}-{uuid.uuid4().hex[:8]}"
+    got = launch_case("bash", etcd_config(etcd_endpoint, 1, 1, 4, run_id=rid), tmp_path)
+    assert got.get("result") == 0, got
+    assert ranks_touched(tmp_path) == {"0", "1", "2", "3"}
+
+
+@requires_etcd
+@pytest.mark.etcd
+@pytest.mark.parametrize("rid", RUN_IDS)
+def test_api_launch_function(etcd_endpoint: str, rid: str) -> None:
+    rid = rid and f"{rid}-{uuid.uuid4().hex[:8]}"
+    got = launch_case("function", etcd_config(etcd_endpoint, 1, 1, 4, run_id=rid))
+    # upstream: sorted(res.values()) == [10, 11, 12, 13] (keys: global ranks)
+    assert "result" in got, got
+    assert sorted(got["result"].values()) == [10, 11, 12, 13], got
+    assert sorted(got["result"]) == ["0", "1", "2", "3"]
+
+
+@pytest.mark.parametrize("rid", RUN_IDS)
+def test_api_launch_dist_sum_with_static_rdzv(rid: str) -> None:
+    cfg = etcd_config(
+        f"127.0.0.1:{free_port()}",
+        1,
+        1,
+        4,
+        run_id=rid,
+        rdzv_backend="static",
+        rdzv_configs={"rank": 0},
+    )
+    got = launch_case("rank_sum", cfg)
+    assert "result" in got, got
+    assert sorted(got["result"].values()) == [6, 6, 6, 6], got
+
+
+@requires_etcd
+@pytest.mark.etcd
+@pytest.mark.parametrize("rid", RUN_IDS)
+def test_api_launch_elastic(etcd_endpoint: str, tmp_path: Path, rid: str) -> None:
+    # min 1, max 2, one node: it starts after the last call (30 s, as torch)
+    rid = rid and f"{rid}-{uuid.uuid4().hex[:8]}"
+    got = launch_case("script", etcd_config(etcd_endpoint, 1, 2, 4, run_id=rid), tmp_path)
+    assert got.get("result") == 0, got
+    assert ranks_touched(tmp_path) == {"0", "1", "2", "3"}
+
+
+@requires_etcd
+@pytest.mark.etcd
+@pytest.mark.parametrize("rid", RUN_IDS)
+def test_api_launch_elastic_worker_raise_exception(etcd_endpoint: str, rid: str) -> None:
+    # upstream: elastic_launch raises ChildFailedError; launch() with a command
+    # returns the agent's exit code instead (docs/cli.md), with the summary.
+    rid = rid and f"{rid}-{uuid.uuid4().hex[:8]}"
+    got = launch_case("fail", etcd_config(etcd_endpoint, 1, 2, 4, run_id=rid))
+    assert got.get("result") == 1, got
+    assert "failing on purpose (--fail)" in got["stderr"]
+
+
+@requires_etcd
+@pytest.mark.etcd
+def test_api_launch_elastic_multiple_agents(etcd_endpoint: str, tmp_path: Path) -> None:
+    cfg = json.dumps(etcd_config(etcd_endpoint, 1, 2, 4, run_id=run_id()))
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.integration.scripts.conformance.api_driver",
+        "script",
+        cfg,
+        str(tmp_path),
+    ]
+    other = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(), cwd=REPO
+    )
+    try:
+        mine = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT,
+            env=env(),
+            cwd=REPO,
+            check=False,
+        )
+        out, _ = other.communicate(timeout=RUN_TIMEOUT)
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait(10)
+    assert other.returncode == 0 and mine.returncode == 0, out[-2000:] + mine.stderr[-2000:]
+    assert ranks_touched(tmp_path) == {str(i) for i in range(8)}
