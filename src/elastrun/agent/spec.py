@@ -63,3 +63,6 @@ class WorkerSpec:
     # Start workers from warm spare interpreters (agent/spares.py). The launcher
     # sets it for the Python commands it builds (a script or -m module).
     prewarm: bool = False
+    # Exit 1 when the workers succeeded but some of their output could not be
+    # written to its log file (default: a warning and an event only).
+    require_logs: bool = False
