@@ -23,7 +23,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 from collections.abc import Awaitable
 from typing import Any
 
@@ -36,7 +35,14 @@ from elastrun.agent.failures import (
     format_summary,
 )
 from elastrun.agent.guard import OrphanGuard
-from elastrun.agent.logs import claim_host_dir, needs_files, release_host_dir, validate_template
+from elastrun.agent.logs import (
+    LogWriteErrors,
+    claim_host_dir,
+    needs_files,
+    release_host_dir,
+    temp_dir,
+    validate_template,
+)
 from elastrun.agent.spares import SparePool, python_entry
 from elastrun.agent.spec import WorkerSpec
 from elastrun.agent.waiting import WaitingConsole
@@ -49,6 +55,7 @@ from elastrun.errors import (
     RestartBudgetExhausted,
 )
 from elastrun.events import EventSink, JsonLinesSink, NullSink
+from elastrun.names import check_run_id
 from elastrun.rendezvous.api import Change, Rendezvous, RoundResult
 
 __all__ = ["Agent"]
@@ -109,6 +116,7 @@ class Agent:
             raise ConfigError("nothing to run: the worker command line is empty")
         if spec.shutdown_timeout < 0:
             raise ConfigError(f"shutdown timeout must be >= 0, got {spec.shutdown_timeout}")
+        check_run_id(spec.run_id, "run id")  # a folder name under --log-dir
         validate_template(spec.log_template)
         self.spec = spec
         self.rendezvous = rendezvous
@@ -119,6 +127,7 @@ class Agent:
             self._events_file = JsonLinesSink(spec.events_file, host=spec.host)
             sink = _Tee(sink, self._events_file)
         self.events: EventSink = sink
+        self._log_errors = LogWriteErrors(sink, _say)
         self._signals: asyncio.Queue[int] = asyncio.Queue()
         self._signals_seen = 0
         self._pending_signal: int | None = None
@@ -137,6 +146,9 @@ class Agent:
         self._waiting = WaitingConsole(clock=clock)
         if rendezvous.progress is None:
             rendezvous.progress = self._waiting.update
+        if rendezvous.notice is None:
+            # Said at registration, before the waiting line is first drawn.
+            rendezvous.notice = _say
 
     # ------------------------------------------------------------ public
     async def run(self) -> int:
@@ -147,12 +159,13 @@ class Agent:
                 f"elastrun: warning: {self._guard.error}; "
                 "children of workers may outlive a killed agent"
             )
-        if self._spares is not None:
-            # The first workers' interpreters start (and import torch) while
-            # the rendezvous runs; the round's variables come when it closes.
-            self._spares.replenish(self._spares.first_envs(self.rendezvous.settings.max_restarts))
         code = 1
         try:
+            if self._spares is not None:
+                # The first workers' interpreters start (and import torch) while
+                # the rendezvous runs; the round's variables come when it closes.
+                envs = self._spares.first_envs(self.rendezvous.settings.max_restarts)
+                await self._replenish(envs)
             code = await self._loop()
         except _Signalled as s:
             code = 128 + s.signum
@@ -272,7 +285,7 @@ class Agent:
                 return 1
             assert isinstance(result, RoundResult)
             check_round(self.spec, result)
-            group = self._start(result)
+            group = await self._start(result)
             name, value = await self._first(
                 workers=group.wait(), change=self.rendezvous.wait_for_change()
             )
@@ -281,6 +294,8 @@ class Agent:
                 self._group = None
                 self.events.emit("workers_succeeded", round=result.round, attempt=self._attempt)
                 await self._first(done=self.rendezvous.complete())
+                if self.spec.require_logs and self._log_errors.any:
+                    return self._lost_logs()
                 self.events.emit("job_finished", exit_code=0, reason="workers_succeeded")
                 return 0
             if name == "workers":
@@ -308,7 +323,31 @@ class Agent:
         finally:
             self._waiting.stop()
 
-    def _start(self, result: RoundResult) -> WorkerGroup:
+    def _lost_logs(self) -> int:
+        """--require-logs: the workers succeeded, but some output never reached its file."""
+        _say(f"elastrun: error: {self._log_errors.summary()}; exiting 1 (--require-logs)")
+        files = sorted(self._log_errors.failed)
+        self.events.emit("job_failed", exit_code=1, reason="log_output_lost", files=files)
+        return 1
+
+    async def _replenish(self, envs: dict[int, dict[str, str]]) -> None:
+        """Start missing spares one at a time, yielding to the loop between
+        them: a signal is acted on while many start."""
+        assert self._spares is not None
+        for lr in sorted(envs):
+            if not self._signals.empty():
+                return
+            self._spares.replenish({lr: envs[lr]})
+            await asyncio.sleep(0)
+
+    def _signal_now(self) -> None:
+        """Raise _Signalled for a terminating signal waiting in the queue."""
+        sig = self._signals.get_nowait()
+        self._signals_seen += 1
+        self._pending_signal = sig
+        raise _Signalled(sig)
+
+    async def _start(self, result: RoundResult) -> WorkerGroup:
         self._attempt += 1
         base = self._ensure_base_dir()
         attempt_dir = os.path.join(base, f"attempt_{self._attempt}")
@@ -321,15 +360,18 @@ class Agent:
             events=self.events,
             clock=self.clock,
             guard=self._guard,
+            log_errors=self._log_errors,
         )
         self._group = group
         spares = self._spares
         # A first start takes only spares that are ready (see agent/spares.py).
         take = None if spares is None else functools.partial(spares.take, restart=self._attempt > 0)
-        group.start(take)  # on WorkerError, run() stops the ones already started
+        # On WorkerError or a signal, run() stops the ones already started.
+        if not await group.start(take, should_stop=lambda: not self._signals.empty()):
+            self._signal_now()
         if spares is not None:
             if self._may_restart(result):
-                spares.replenish(group.envs())
+                await self._replenish(group.envs())
             else:
                 spares.drop()
         self.events.emit(
@@ -356,12 +398,17 @@ class Agent:
     def _ensure_base_dir(self) -> str:
         if self._base_dir is None:
             if self.spec.log_dir is not None:
-                run_dir = os.path.join(self.spec.log_dir, self.spec.run_id)
-                self._base_dir, self._host_pidfile = claim_host_dir(
-                    run_dir, self.spec.host or socket.gethostname()
-                )
+                run_dir = os.path.join(self.spec.log_dir, check_run_id(self.spec.run_id, "run id"))
+                try:
+                    self._base_dir, self._host_pidfile = claim_host_dir(
+                        run_dir, self.spec.host or socket.gethostname()
+                    )
+                except OSError as e:  # a full or read-only disk: kept in a temporary folder
+                    self._base_dir = temp_dir(self.spec.run_id)
+                    fate = f"worker logs go to {self._base_dir} instead"
+                    self._log_errors.report(run_dir, e, fate=fate)
             else:
-                self._base_dir = tempfile.mkdtemp(prefix=f"elastrun-{self.spec.run_id}-")
+                self._base_dir = temp_dir(self.spec.run_id)
                 # Only error files live here unless redirects/tee asked for log files.
                 self._temp_base = not needs_files(self.spec)
         return self._base_dir

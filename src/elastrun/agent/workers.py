@@ -37,7 +37,7 @@ from typing import Any
 from elastrun.agent import env as worker_env_mod
 from elastrun.agent.failures import ErrorFileInfo, WorkerFailure, read_error_file
 from elastrun.agent.guard import OrphanGuard
-from elastrun.agent.logs import LinePump, StreamRoute, format_prefix, routes_for
+from elastrun.agent.logs import LinePump, LogWriteErrors, StreamRoute, format_prefix, routes_for
 from elastrun.agent.spec import WorkerSpec
 from elastrun.agent.watchdog import (
     HEARTBEAT_ENV,
@@ -148,8 +148,11 @@ class WorkerGroup:
         events: EventSink,
         clock: Clock = SYSTEM_CLOCK,
         guard: OrphanGuard | None = None,
+        log_errors: LogWriteErrors | None = None,
     ) -> None:
         self.spec = spec
+        # Log files that cannot be written: warned about once (the agent's, across rounds).
+        self.log_errors = log_errors if log_errors is not None else LogWriteErrors(events)
         self.result = result
         self.attempt = attempt
         self.attempt_dir = attempt_dir
@@ -183,49 +186,72 @@ class WorkerGroup:
             self.workers.append(w)
 
     # ---------------------------------------------------------------- start
-    def start(self, take: TakeSpare | None = None) -> None:
+    async def start(
+        self, take: TakeSpare | None = None, should_stop: Callable[[], bool] | None = None
+    ) -> bool:
         """Spawn every worker (``take`` may hand over a warm spare for a local
-        rank, see agent/spares.py). Raises WorkerError if one cannot be started
-        (the caller stops the ones already started)."""
+        rank, see agent/spares.py). Yields to the event loop after each one,
+        so a signal is handled while a large group spawns, and returns False
+        as soon as ``should_stop()`` is true (the caller stops the ones already
+        started); True once every worker started. Raises WorkerError if one
+        cannot be started (the caller stops the ones already started)."""
         loop = asyncio.get_running_loop()
         me = os.getpid()
         for w in self.workers:
+            if should_stop is not None and should_stop():
+                return False
+            self._start_one(loop, me, w, take)
+            await asyncio.sleep(0)
+        return True
+
+    def _start_one(
+        self, loop: asyncio.AbstractEventLoop, me: int, w: Worker, take: TakeSpare | None
+    ) -> None:
+        try:
             os.makedirs(os.path.dirname(w.error_file), exist_ok=True)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(w.error_file)  # a stale file from an earlier run with this run id
-            if w.heartbeat_file is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(w.heartbeat_file)
-            env = round_env(self.spec, self.result, w.local_rank, w.error_file, w.heartbeat_file)
-            w.popen = take(w.local_rank, env) if take is not None else None
-            w.warm = w.popen is not None
-            if w.popen is None:
-                try:
-                    w.popen = subprocess.Popen(
-                        list(self.spec.argv),
-                        env=env,
-                        stdin=subprocess.DEVNULL,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE,
-                        start_new_session=True,
-                        preexec_fn=preexec_for(me),  # noqa: PLW1509 - a pre-resolved prctl
-                        close_fds=True,
-                    )
-                except OSError as e:
-                    raise WorkerError(
-                        f"cannot start worker local rank {w.local_rank}: "
-                        f"{self.spec.argv[0] if self.spec.argv else '<empty argv>'}: "
-                        f"{e.strerror or e}"
-                    ) from e
-                if self.guard is not None:
-                    self.guard.add(w.popen.pid)
-            w.exited = loop.create_future()
-            self._watch_exit(loop, w)
-            if self.watchdog is not None and w.heartbeat_file is not None:
-                self.watchdog.watch(w.local_rank, w.heartbeat_file)
-            for pipe, route in zip((w.popen.stdout, w.popen.stderr), w.routes, strict=True):
-                assert pipe is not None
-                self._pump(loop, w, pipe, route)
+        except OSError as e:  # a full or read-only disk: the worker runs without one
+            self.log_errors.report(
+                os.path.dirname(w.error_file),
+                e,
+                rank=w.rank,
+                local_rank=w.local_rank,
+                fate="the worker runs without an error file",
+            )
+        with contextlib.suppress(OSError):
+            os.unlink(w.error_file)  # a stale file from an earlier run with this run id
+        if w.heartbeat_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(w.heartbeat_file)
+        env = round_env(self.spec, self.result, w.local_rank, w.error_file, w.heartbeat_file)
+        w.popen = take(w.local_rank, env) if take is not None else None
+        w.warm = w.popen is not None
+        if w.popen is None:
+            try:
+                w.popen = subprocess.Popen(
+                    list(self.spec.argv),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    preexec_fn=preexec_for(me),  # noqa: PLW1509 - a pre-resolved prctl
+                    close_fds=True,
+                )
+            except OSError as e:
+                raise WorkerError(
+                    f"cannot start worker local rank {w.local_rank}: "
+                    f"{self.spec.argv[0] if self.spec.argv else '<empty argv>'}: "
+                    f"{e.strerror or e}"
+                ) from e
+            if self.guard is not None:
+                self.guard.add(w.popen.pid)
+        w.exited = loop.create_future()
+        self._watch_exit(loop, w)
+        if self.watchdog is not None and w.heartbeat_file is not None:
+            self.watchdog.watch(w.local_rank, w.heartbeat_file)
+        for pipe, route in zip((w.popen.stdout, w.popen.stderr), w.routes, strict=True):
+            assert pipe is not None
+            self._pump(loop, w, pipe, route)
 
     def envs(self) -> dict[int, dict[str, str]]:
         """Each local rank's environment in this round (what spares start with)."""
@@ -241,7 +267,7 @@ class WorkerGroup:
     ) -> None:
         reader = asyncio.StreamReader(limit=1 << 20)
         protocol = asyncio.StreamReaderProtocol(reader)
-        pump = LinePump(reader, route)
+        pump = LinePump(reader, route, self.log_errors, w.rank, w.local_rank)
         w.pumps.append(pump)
 
         async def run() -> None:
