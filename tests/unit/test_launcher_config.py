@@ -220,7 +220,7 @@ BAD = [
     (["--nproc-per-node=many"], "--nproc-per-node", "auto"),
     (["--rdzv-conf=join_timeout"], "--rdzv-conf", "key=value"),
     (["--rdzv-conf=join_timeout=soon"], "--rdzv-conf", "number of seconds"),
-    (["--rdzv-conf=timeout=-1"], "--rdzv-conf", ">= 0"),
+    (["--rdzv-conf=timeout=-1"], "--rdzv-conf", "timeout: must be > 0 and <= 604800 seconds"),
     (["--rdzv-conf=is_host=maybe"], "--rdzv-conf", "is_host"),
     (["--rdzv-conf=bogus=1"], "--rdzv-conf", "known keys: cacert"),
     (["--rdzv-conf=token=a,token_file=b"], "--rdzv-conf", "not both"),

@@ -22,7 +22,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 from collections.abc import Awaitable
 from typing import Any
 
@@ -36,7 +35,14 @@ from elastrun.agent.failures import (
     format_summary,
 )
 from elastrun.agent.guard import OrphanGuard
-from elastrun.agent.logs import claim_host_dir, needs_files, release_host_dir, validate_template
+from elastrun.agent.logs import (
+    LogWriteErrors,
+    claim_host_dir,
+    needs_files,
+    release_host_dir,
+    temp_dir,
+    validate_template,
+)
 from elastrun.agent.modcache import ModuleCache, cache_key, default_cache_dir
 from elastrun.agent.spares import SparePool
 from elastrun.agent.spawn import python_entry
@@ -51,6 +57,7 @@ from elastrun.errors import (
     RestartBudgetExhausted,
 )
 from elastrun.events import EventSink, JsonLinesSink, NullSink
+from elastrun.names import check_run_id
 from elastrun.rendezvous.api import Change, Rendezvous, RoundResult
 
 __all__ = ["Agent"]
@@ -113,6 +120,7 @@ class Agent:
             raise ConfigError("nothing to run: the worker command line is empty")
         if spec.shutdown_timeout < 0:
             raise ConfigError(f"shutdown timeout must be >= 0, got {spec.shutdown_timeout}")
+        check_run_id(spec.run_id, "run id")  # a folder name under --log-dir
         validate_template(spec.log_template)
         self.spec = spec
         self.rendezvous = rendezvous
@@ -123,6 +131,7 @@ class Agent:
             self._events_file = JsonLinesSink(spec.events_file, host=spec.host)
             sink = _Tee(sink, self._events_file)
         self.events: EventSink = sink
+        self._log_errors = LogWriteErrors(sink, _say)
         self._signals: asyncio.Queue[int] = asyncio.Queue()
         self._signals_seen = 0
         self._pending_signal: int | None = None
@@ -157,6 +166,9 @@ class Agent:
         self._waiting = WaitingConsole(clock=clock)
         if rendezvous.progress is None:
             rendezvous.progress = self._waiting.update
+        if rendezvous.notice is None:
+            # Said at registration, before the waiting line is first drawn.
+            rendezvous.notice = _say
 
     # ------------------------------------------------------------ public
     async def run(self) -> int:
@@ -318,6 +330,8 @@ class Agent:
                 self._group = None
                 self.events.emit("workers_succeeded", round=result.round, attempt=self._attempt)
                 await self._first(done=self.rendezvous.complete())
+                if self.spec.require_logs and self._log_errors.any:
+                    return self._lost_logs()
                 self.events.emit("job_finished", exit_code=0, reason="workers_succeeded")
                 return 0
             if name == "workers":
@@ -371,6 +385,13 @@ class Agent:
         finally:
             self._waiting.stop()
 
+    def _lost_logs(self) -> int:
+        """--require-logs: the workers succeeded, but some output never reached its file."""
+        _say(f"elastrun: error: {self._log_errors.summary()}; exiting 1 (--require-logs)")
+        files = sorted(self._log_errors.failed)
+        self.events.emit("job_failed", exit_code=1, reason="log_output_lost", files=files)
+        return 1
+
     def _new_group(self, result: RoundResult) -> WorkerGroup:
         self._attempt += 1
         base = self._ensure_base_dir()
@@ -387,6 +408,7 @@ class Agent:
             reaper=self._reaper,
             on_message=self._on_worker_message,
             module_scope="all" if self.spec.prewarm_modules == "all" else "installed",
+            log_errors=self._log_errors,
         )
         self._group = group
         return group
@@ -439,12 +461,17 @@ class Agent:
     def _ensure_base_dir(self) -> str:
         if self._base_dir is None:
             if self.spec.log_dir is not None:
-                run_dir = os.path.join(self.spec.log_dir, self.spec.run_id)
-                self._base_dir, self._host_pidfile = claim_host_dir(
-                    run_dir, self.spec.host or socket.gethostname()
-                )
+                run_dir = os.path.join(self.spec.log_dir, check_run_id(self.spec.run_id, "run id"))
+                try:
+                    self._base_dir, self._host_pidfile = claim_host_dir(
+                        run_dir, self.spec.host or socket.gethostname()
+                    )
+                except OSError as e:  # a full or read-only disk: kept in a temporary folder
+                    self._base_dir = temp_dir(self.spec.run_id)
+                    fate = f"worker logs go to {self._base_dir} instead"
+                    self._log_errors.report(run_dir, e, fate=fate)
             else:
-                self._base_dir = tempfile.mkdtemp(prefix=f"elastrun-{self.spec.run_id}-")
+                self._base_dir = temp_dir(self.spec.run_id)
                 # Only error files live here unless redirects/tee asked for log files.
                 self._temp_base = not needs_files(self.spec)
         return self._base_dir

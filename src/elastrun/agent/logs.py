@@ -20,6 +20,13 @@ console lines appear when the worker writes them. Per local rank and stream:
   shows the rank, that copy is dropped on the console (files keep every byte);
 * tails: the last lines of every rank's stderr and stdout are always kept in
   memory for the failure summary, whatever the redirects.
+
+A log file that cannot be written (a full disk, a read-only or vanished
+folder) never stops the pump: the console and the tail go on, and
+:class:`LogWriteErrors` says so once per file (a console warning naming the
+file and the error, at most ``MAX_LOG_WARNINGS`` lines per agent, and a
+``log_write_failed`` event), then counts the bytes that did not reach it
+(``log_output_lost`` when the stream ends).
 """
 
 from __future__ import annotations
@@ -31,14 +38,19 @@ import os
 import re
 import string
 import sys
-from dataclasses import dataclass
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import BinaryIO, TextIO
 
 from elastrun.agent.spec import Std, WorkerSpec
-from elastrun.errors import ConfigError
+from elastrun.errors import ConfigError, WorkerError
+from elastrun.events import EventSink
+from elastrun.names import check_run_id, path_component
 
 __all__ = [
     "LinePump",
+    "LogWriteErrors",
     "StreamRoute",
     "claim_host_dir",
     "format_prefix",
@@ -46,6 +58,7 @@ __all__ = [
     "routes_for",
     "shows_rank",
     "std_flags",
+    "temp_dir",
     "torch_prefix",
     "torch_rank_tag",
     "validate_template",
@@ -56,6 +69,7 @@ MAX_PARTIAL = 65536  # a "line" longer than this is emitted in pieces
 MAX_TAIL_LINE = 4000
 TAIL_LINES = 20
 MAX_HOST_DIRS = 64
+MAX_LOG_WARNINGS = 8  # console lines about unwritable log files, per agent
 HOST_PID_FILE = ".agent.pid"
 
 
@@ -177,18 +191,133 @@ def needs_files(spec: WorkerSpec) -> bool:
     return any(v for v in spec.redirects.values()) or any(v for v in spec.tee.values())
 
 
+def _say(msg: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(msg + "\n")
+        sys.stderr.flush()
+
+
+@dataclass
+class LogWriteErrors:
+    """The worker log files of one agent that could not be written: warned
+    about once each (at most ``MAX_LOG_WARNINGS`` console lines), reported
+    as events, and the bytes that did not reach them counted."""
+
+    events: EventSink | None = None
+    say: Callable[[str], None] = _say
+    failed: dict[str, str] = field(default_factory=dict)  # path -> the first error
+    lost: dict[str, int] = field(default_factory=dict)  # path -> bytes not written
+    shown: int = 0
+
+    @property
+    def any(self) -> bool:
+        return bool(self.failed)
+
+    def report(
+        self,
+        path: str,
+        error: OSError,
+        *,
+        rank: int | None = None,
+        local_rank: int | None = None,
+        stream: str | None = None,
+        console: bool = True,
+        fate: str = "",
+    ) -> None:
+        """The first failure of ``path`` (later ones of the same file are
+        silent). ``fate``: what happens instead (for a stream: said here)."""
+        if path in self.failed:
+            return
+        why = error.strerror or str(error)
+        self.failed[path] = why
+        if self.events is not None:
+            self.events.emit(
+                "log_write_failed",
+                path=path,
+                error=why,
+                errno=error.errno,
+                rank=rank,
+                local_rank=local_rank,
+                stream=stream,
+            )
+        if self.shown < MAX_LOG_WARNINGS:
+            where = f" (rank {rank} {stream})" if rank is not None and stream else ""
+            if not fate:
+                fate = (
+                    "the console still shows it"
+                    if console
+                    else "that output is lost (--redirects sends it to the file only)"
+                )
+            self.say(f"elastrun: warning: cannot write {path}{where}: {why}; {fate}")
+        elif self.shown == MAX_LOG_WARNINGS:
+            self.say(
+                "elastrun: warning: more log files cannot be written; not shown "
+                "(see log_write_failed in the event log)"
+            )
+        self.shown += 1
+
+    def summary(self) -> str:
+        """One line: what did not reach the log files."""
+        first, why = next(iter(self.failed.items()))
+        return (
+            f"the workers succeeded, but not all of their output reached its log files "
+            f"({len(self.failed)} failed, {sum(self.lost.values())} bytes lost; first: "
+            f"{first}: {why})"
+        )
+
+    def count_lost(self, path: str, n: int) -> None:
+        self.lost[path] = self.lost.get(path, 0) + n
+
+    def closed(self, path: str, rank: int | None, stream: str | None) -> None:
+        """A stream ended: report the bytes its file missed, if any."""
+        n = self.lost.get(path, 0)
+        if n and self.events is not None:
+            self.events.emit(
+                "log_output_lost",
+                path=path,
+                bytes=n,
+                error=self.failed.get(path, ""),
+                rank=rank,
+                stream=stream,
+            )
+
+
 class LinePump:
     """Copies one worker pipe to its file and, line by line, to the console."""
 
-    def __init__(self, reader: asyncio.StreamReader, route: StreamRoute) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        route: StreamRoute,
+        errors: LogWriteErrors | None = None,
+        rank: int | None = None,
+        local_rank: int | None = None,
+    ) -> None:
         self.reader = reader
         self.route = route
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._partial = b""
         self._file: BinaryIO | None = None
+        self._errors = errors if errors is not None else LogWriteErrors()
+        self._rank, self._local_rank = rank, local_rank
+        self._closed = False
         if route.file_path is not None:
-            os.makedirs(os.path.dirname(route.file_path), exist_ok=True)
-            self._file = open(route.file_path, "ab", buffering=0)  # noqa: SIM115 - closed in run()
+            try:
+                os.makedirs(os.path.dirname(route.file_path), exist_ok=True)
+                self._file = open(route.file_path, "ab", buffering=0)  # noqa: SIM115 - closed in run()
+            except OSError as e:
+                self._failed(e)
+
+    def _failed(self, error: OSError) -> None:
+        assert self.route.file_path is not None
+        self._errors.report(
+            self.route.file_path,
+            error,
+            rank=self._rank,
+            local_rank=self._local_rank,
+            stream=self.route.name,
+            console=self.route.console,
+        )
 
     async def run(self) -> None:
         try:
@@ -208,12 +337,33 @@ class LinePump:
             with contextlib.suppress(OSError):
                 self._file.close()
             self._file = None
+        if self.route.file_path is not None and not self._closed:
+            self._closed = True
+            self._errors.closed(self.route.file_path, self._rank, self.route.name)
+
+    def _write(self, data: bytes) -> None:
+        """All of ``data`` to the file (a raw write may take only part of it);
+        what a failing disk refuses is counted as lost. The pump goes on: the
+        console and the tail do not depend on the disk."""
+        path = self.route.file_path
+        if path is None:
+            return
+        if self._file is None:
+            self._errors.count_lost(path, len(data))
+            return
+        view, written = memoryview(data), 0
+        try:
+            while written < len(data):
+                n = self._file.write(view[written:])
+                if not n:
+                    raise OSError(0, "the write made no progress")
+                written += n
+        except OSError as e:
+            self._failed(e)
+            self._errors.count_lost(path, len(data) - written)
 
     def _take(self, data: bytes) -> None:
-        if self._file is not None:
-            # a full disk must not stop the pump (the console and the tail go on)
-            with contextlib.suppress(OSError):
-                self._file.write(data)
+        self._write(data)
         buf = self._partial + data
         *lines, rest = buf.split(b"\n")
         for line in lines:
@@ -240,6 +390,17 @@ class LinePump:
                 stream.flush()
             except (OSError, ValueError):
                 pass  # console gone (closed pipe): keep pumping into the file
+
+
+def temp_dir(run_id: str) -> str:
+    """A fresh temporary folder for one agent's attempts (error files, logs)."""
+    try:
+        return tempfile.mkdtemp(prefix=f"elastrun-{check_run_id(run_id, 'run id')}-")
+    except OSError as e:
+        raise WorkerError(
+            f"cannot create a folder for the workers' error files in {tempfile.gettempdir()}: "
+            f"{e.strerror or e}"
+        ) from None
 
 
 def claim_host_dir(run_dir: str, host: str) -> tuple[str, str | None]:
@@ -279,8 +440,7 @@ def release_host_dir(pidfile: str) -> None:
 
 
 def _safe_name(text: str) -> str:
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in text).strip(".")
-    return safe or "unknown-host"
+    return path_component(text, "unknown-host")
 
 
 def _read_pid(path: str) -> int | None:

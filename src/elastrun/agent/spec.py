@@ -91,3 +91,6 @@ class WorkerSpec:
     # A node joining a running job waits up to this long for its warm
     # interpreter before it enters the round (0: it does not wait).
     warm_join_timeout: float = 60.0
+    # Exit 1 when the workers succeeded but some of their output could not be
+    # written to its log file (default: a warning and an event only).
+    require_logs: bool = False

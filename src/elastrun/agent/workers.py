@@ -39,7 +39,7 @@ from elastrun.agent import env as worker_env_mod
 from elastrun.agent.children import ForkedProcess, Reaper
 from elastrun.agent.failures import ErrorFileInfo, WorkerFailure, read_error_file
 from elastrun.agent.guard import OrphanGuard
-from elastrun.agent.logs import LinePump, StreamRoute, routes_for
+from elastrun.agent.logs import LinePump, LogWriteErrors, StreamRoute, routes_for
 from elastrun.agent.spawn import preexec_for, python_entry, runner_argv
 from elastrun.agent.spec import WorkerSpec, argv_for
 from elastrun.agent.watchdog import (
@@ -138,6 +138,7 @@ class WorkerGroup:
         reaper: Reaper | None = None,
         on_message: OnMessage | None = None,
         module_scope: str = "installed",
+        log_errors: LogWriteErrors | None = None,
     ) -> None:
         self.spec = spec
         self.reaper = reaper
@@ -145,6 +146,8 @@ class WorkerGroup:
         self.module_scope = module_scope
         # Python workers run through elastrun's runner (worker/_runner.py).
         self.runs_runner = python_entry(spec.argv) is not None
+        # Log files that cannot be written: warned about once (the agent's, across rounds).
+        self.log_errors = log_errors if log_errors is not None else LogWriteErrors(events)
         self.result = result
         self.attempt = attempt
         self.attempt_dir = attempt_dir
@@ -176,41 +179,64 @@ class WorkerGroup:
             self.workers.append(w)
 
     # ---------------------------------------------------------------- start
-    async def start(self, fork: Fork | None = None) -> None:
-        """Spawn every worker (``fork`` may fork some from the warm interpreter,
-        see agent/spares.py; the rest start cold). Raises WorkerError if one
-        cannot be started (the caller stops the ones already started)."""
+    async def start(
+        self, fork: Fork | None = None, should_stop: Callable[[], bool] | None = None
+    ) -> bool:
+        """Spawn every worker: ``fork`` may fork some from the warm interpreter
+        (see agent/spares.py), the rest start cold, one at a time, yielding to
+        the event loop after each so that a signal is handled while a large
+        group spawns. Returns False as soon as ``should_stop()`` is true, True
+        once every worker started. Raises WorkerError if one cannot be
+        started. Either way the caller stops the ones already started."""
         envs: dict[int, dict[str, str]] = {}
         theirs: dict[int, socket.socket] = {}
         for w in self.workers:
-            os.makedirs(os.path.dirname(w.error_file), exist_ok=True)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(w.error_file)  # a stale file from an earlier run with this run id
-            if w.heartbeat_file is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(w.heartbeat_file)
+            self._prepare(w)
             envs[w.local_rank] = round_env(
                 self.spec, self.result, w.local_rank, w.error_file, w.heartbeat_file
             )
             if self.runs_runner:
+                envs[w.local_rank][SCOPE_ENV] = self.module_scope
                 w.channel, theirs[w.local_rank] = socket.socketpair()
         try:
             forked: dict[int, ForkedProcess] = {}
             if fork is not None and self.runs_runner:
                 channels = {lr: sock.fileno() for lr, sock in theirs.items()}
                 forked = await fork(envs, channels)
+            for w in self.workers:  # the forked ones exist already: registered first
+                if w.local_rank in forked:
+                    w.popen, w.warm = forked[w.local_rank], True
+                    self._watch(w)
             for w in self.workers:
-                env = envs[w.local_rank]
-                if self.runs_runner:
-                    env[SCOPE_ENV] = self.module_scope
-                w.popen = forked.get(w.local_rank)
-                w.warm = w.popen is not None
-                if w.popen is None:
-                    w.popen = self._spawn_cold(w, env, theirs.get(w.local_rank))
+                if w.popen is not None:
+                    continue
+                if should_stop is not None and should_stop():
+                    return False
+                w.popen = self._spawn_cold(w, envs[w.local_rank], theirs.get(w.local_rank))
                 self._watch(w)
+                await asyncio.sleep(0)
+            return True
         finally:
             for sock in theirs.values():
                 sock.close()
+
+    def _prepare(self, w: Worker) -> None:
+        """The worker's folder, without the files of an earlier run."""
+        try:
+            os.makedirs(os.path.dirname(w.error_file), exist_ok=True)
+        except OSError as e:  # a full or read-only disk: the worker runs without one
+            self.log_errors.report(
+                os.path.dirname(w.error_file),
+                e,
+                rank=w.rank,
+                local_rank=w.local_rank,
+                fate="the worker runs without an error file",
+            )
+        with contextlib.suppress(OSError):
+            os.unlink(w.error_file)  # a stale file from an earlier run with this run id
+        if w.heartbeat_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(w.heartbeat_file)
 
     def _spawn_cold(
         self, w: Worker, env: dict[str, str], channel: socket.socket | None
@@ -310,7 +336,7 @@ class WorkerGroup:
     ) -> None:
         reader = asyncio.StreamReader(limit=1 << 20)
         protocol = asyncio.StreamReaderProtocol(reader)
-        pump = LinePump(reader, route)
+        pump = LinePump(reader, route, self.log_errors, w.rank, w.local_rank)
         w.pumps.append(pump)
 
         async def run() -> None:

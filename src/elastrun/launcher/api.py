@@ -27,12 +27,55 @@ from typing import Any
 
 from elastrun.errors import ConfigError, WorkerError
 from elastrun.launcher.config import LaunchConfig
-from elastrun.launcher.plan import resolve
+from elastrun.launcher.plan import Plan, resolve
 
 __all__ = ["LaunchConfig", "launch"]
 
 FN_SPEC_VERSION = 1
 FN_WORKER_ENV = "ELASTRUN_FN_WORKER"
+
+# The checks are shared with the command line, whose messages start with the
+# flag; from Python they name the LaunchConfig field instead.
+_FIELD_OF_FLAG = {
+    "--nnodes": "min_nodes/max_nodes",
+    "--nproc-per-node": "nproc_per_node",
+    "--rdzv-id": "run_id",
+    "--rdzv-backend": "rdzv_backend",
+    "--rdzv-endpoint": "rdzv_endpoint",
+    "--rdzv-conf": "rdzv_configs",
+    "--standalone": "standalone",
+    "--max-restarts": "max_restarts",
+    "--monitor-interval": "monitor_interval",
+    "--start-method": "start_method",
+    "--node-rank": "node_rank",
+    "--master-addr": "master_addr",
+    "--master-port": "master_port",
+    "--local-addr": "local_addr",
+    "--log-dir": "log_dir",
+    "--redirects": "redirects",
+    "--tee": "tee",
+    "--local-ranks-filter": "local_ranks_filter",
+    "--signals-to-handle": "signals_to_handle",
+    "--shutdown-timeout": "shutdown_timeout",
+    "--log-template": "log_template",
+    "--events-file": "events_file",
+    "--hang-timeout": "hang_timeout",
+    "--exit-barrier-timeout": "exit_barrier_timeout",
+    "--role": "role",
+}
+
+
+def _resolve(config: LaunchConfig) -> Plan:
+    """plan.resolve, with errors naming the LaunchConfig field, not the flag."""
+    try:
+        return resolve(config)
+    except ConfigError as exc:
+        message = str(exc)
+        flag, sep, rest = message.partition(": ")
+        field = _FIELD_OF_FLAG.get(flag)
+        if not sep or field is None:
+            raise
+        raise ConfigError(f"LaunchConfig.{field}: {rest}") from None
 
 
 def _function_spec(fn: Callable[..., Any]) -> dict[str, Any]:
@@ -110,7 +153,7 @@ def launch(
         argv = _command_argv(entrypoint, args)
         if not entrypoint.endswith(".py"):
             config = dataclasses.replace(config, prewarm=False)  # a program, not Python
-        return run_plan(resolve(config), argv)
+        return run_plan(_resolve(config), argv)
     if not callable(entrypoint):
         raise ConfigError(f"launch(): entrypoint must be a str or a function, got {entrypoint!r}")
     import tempfile
@@ -131,7 +174,7 @@ def launch(
         with open(spec_path, "w", encoding="utf-8") as f:
             json.dump(spec, f)
         env = {**config.env, FN_WORKER_ENV: "1"}
-        plan = resolve(dataclasses.replace(config, env=env))
+        plan = _resolve(dataclasses.replace(config, env=env))
         python = os.environ.get("PYTHON_EXEC", sys.executable)
         argv = [python, "-u", "-m", "elastrun.worker._fn_runner", spec_path]
         code = run_plan(plan, argv)

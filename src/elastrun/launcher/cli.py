@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import math
 import os
 import shutil
 import sys
@@ -30,6 +29,13 @@ from elastrun.launcher.config import (
     parse_rdzv_conf,
     parse_signals,
     parse_std,
+)
+from elastrun.launcher.limits import (
+    FLAG_SECONDS,
+    MAX_NODES,
+    MAX_RESTARTS,
+    parse_int,
+    parse_seconds,
 )
 from elastrun.launcher.plan import Plan, resolve
 
@@ -405,6 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
         "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE shows lines as torchrun does",
     )
     lg.add_argument(
+        *_both("--require-logs"),
+        action=EnvFlag,
+        help="exit 1 when the workers succeeded but some of their output could not be "
+        "written to its log file (a full disk); default: a warning and an event only",
+    )
+    lg.add_argument(
         *_both("--events-file"),
         action=EnvDefault,
         default=None,
@@ -530,24 +542,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _float(flag: str, text: str | None) -> float | None:
+    """ASCII seconds in the flag's documented range (limits.FLAG_SECONDS)."""
     if text is None:
         return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(f"{flag}: expected a number of seconds, got {text!r}") from None
-    if not math.isfinite(value):
-        raise ConfigError(f"{flag}: expected a finite number of seconds, got {text!r}")
-    return value
+    return parse_seconds(flag, text, FLAG_SECONDS[flag])
 
 
-def _int(flag: str, text: str | None) -> int | None:
+def _int(flag: str, text: str | None, lo: int, hi: int) -> int | None:
+    """ASCII digits in ``lo..hi``."""
     if text is None:
         return None
-    try:
-        return int(text)
-    except ValueError:
-        raise ConfigError(f"{flag}: expected an integer, got {text!r}") from None
+    return parse_int(flag, text, lo, hi)
 
 
 @dataclass(frozen=True)
@@ -596,14 +601,16 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
     min_nodes, max_nodes = parse_nnodes(ns.nnodes)
     shutdown = _float("--shutdown-timeout", ns.shutdown_timeout)
     if shutdown is None:
-        shutdown = _float(
-            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
-        )
+        torch_env = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+        if torch_env is not None:
+            shutdown = parse_seconds(
+                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", torch_env, FLAG_SECONDS["--shutdown-timeout"]
+            )
     # torch's template, honoured as torchrun does (see agent/logs.py), unless
     # --log-template chose ours.
     torch_template = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None
     monitor = _float("--monitor-interval", ns.monitor_interval)
-    max_restarts = _int("--max-restarts", ns.max_restarts)
+    max_restarts = _int("--max-restarts", ns.max_restarts, 0, MAX_RESTARTS)
     config = LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -617,9 +624,9 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
         max_restarts=0 if max_restarts is None else max_restarts,
         monitor_interval=0.1 if monitor is None else monitor,
         start_method=ns.start_method,
-        node_rank=_int("--node-rank", ns.node_rank),
+        node_rank=_int("--node-rank", ns.node_rank, 0, MAX_NODES - 1),
         master_addr=ns.master_addr,
-        master_port=_int("--master-port", ns.master_port),
+        master_port=_int("--master-port", ns.master_port, 1, 65535),
         local_addr=ns.local_addr or None,
         log_dir=ns.log_dir or None,
         redirects=parse_std(ns.redirects, "--redirects"),
@@ -637,6 +644,7 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
         prewarm_modules=ns.prewarm_modules,
         prewarm_cache=ns.prewarm_cache or None,
         warm_join_timeout=_float("--warm-join-timeout", ns.warm_join_timeout),
+        require_logs=ns.require_logs,
     )
     cmd = Command(
         script=ns.script,

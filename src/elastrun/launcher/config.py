@@ -17,6 +17,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastrun.errors import ConfigError
+from elastrun.launcher.limits import (
+    CONF_SECONDS,
+    FLAG_SECONDS,
+    MAX_NODES,
+    MAX_NPROC_PER_NODE,
+    MAX_RESTARTS,
+    check_int,
+    check_seconds,
+    machine_nproc_limit,
+    parse_ascii_int,
+    parse_seconds,
+    worker_cost,
+)
+from elastrun.names import check_run_id
 
 __all__ = [
     "DEFAULT_C10D_PORT",
@@ -42,8 +56,9 @@ DEFAULT_ETCD_PORT = 2379
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
-# --rdzv-conf keys: name -> kind. "float" must be >= 0 (join_timeout 0 is
-# refused below), "bool" accepts 1/0/true/false/yes/no, "str" anything non-empty.
+# --rdzv-conf keys: name -> kind. "float": seconds in the key's range
+# (limits.CONF_SECONDS), "bool" accepts 1/0/true/false/yes/no, "str" anything
+# non-empty.
 RDZV_CONF_KEYS: dict[str, str] = {
     "join_timeout": "float",
     "last_call_timeout": "float",
@@ -75,7 +90,11 @@ RDZV_CONF_IGNORED = {
 }
 
 _STD_VALUE = re.compile(r"^[0-3]$")
-_STD_MAPPING = re.compile(r"^(\d+:[0-3],)*\d+:[0-3]$")
+_STD_MAPPING = re.compile(r"^([0-9]+:[0-3],)*[0-9]+:[0-3]$")
+_NPROC = re.compile(r"[+-]?[0-9]{1,64}")
+_BAD_ADDR_CHARS = "/@?#,\\"
+MAX_ROLE_LEN = 128
+NPROC_WHY = "elastrun's limit per agent"
 
 
 @dataclass(frozen=True)
@@ -89,6 +108,7 @@ class LaunchConfig:
     min_nodes: int = 1
     max_nodes: int = 1
     nproc_per_node: int = 1
+    # "" (torch's default in its LaunchConfig): a generated id (see plan.resolve).
     run_id: str = "none"
     role: str = "default"
     rdzv_backend: str = "static"
@@ -129,80 +149,121 @@ class LaunchConfig:
     prewarm_modules: str = "installed"  # "installed" | "all" | "torch"
     prewarm_cache: str | None = None  # None: $ELASTRUN_CACHE_DIR or ~/.cache/elastrun
     warm_join_timeout: float | None = None  # None: 60 s
+    # --require-logs: lost worker output fails a job whose workers succeeded.
+    require_logs: bool = False
 
     def validate(self) -> None:
-        """Check value ranges; raise ConfigError naming the flag."""
-        if self.min_nodes <= 0:
-            raise ConfigError(f"--nnodes: must be at least 1, got {self.min_nodes}")
+        """Check types and value ranges; raise ConfigError naming the flag."""
+        check_int("--nnodes", self.min_nodes, 1, MAX_NODES)
+        check_int("--nnodes", self.max_nodes, 1, MAX_NODES)
         if self.min_nodes > self.max_nodes:
             raise ConfigError(
                 f"--nnodes: minimum {self.min_nodes} is larger than maximum {self.max_nodes}"
             )
-        if self.nproc_per_node <= 0:
-            raise ConfigError(f"--nproc-per-node: must be at least 1, got {self.nproc_per_node}")
-        if self.max_restarts < 0:
-            raise ConfigError(f"--max-restarts: must be >= 0, got {self.max_restarts}")
-        if not self.monitor_interval > 0:
-            raise ConfigError(f"--monitor-interval: must be > 0, got {self.monitor_interval}")
+        check_int("--nproc-per-node", self.nproc_per_node, 1, MAX_NPROC_PER_NODE, NPROC_WHY)
+        self.check_machine_nproc()
+        check_int("--max-restarts", self.max_restarts, 0, MAX_RESTARTS)
+        check_seconds(
+            "--monitor-interval", self.monitor_interval, FLAG_SECONDS["--monitor-interval"]
+        )
         if self.start_method not in ("spawn", "fork", "forkserver"):
             raise ConfigError(
                 f"--start-method: must be spawn, fork or forkserver, got {self.start_method!r}"
             )
-        if self.node_rank is not None and self.node_rank < 0:
-            raise ConfigError(f"--node-rank: must be >= 0, got {self.node_rank}")
-        if self.master_port is not None and not 0 < self.master_port < 65536:
-            raise ConfigError(f"--master-port: must be in 1..65535, got {self.master_port}")
-        if not self.shutdown_timeout >= 0:
-            raise ConfigError(f"--shutdown-timeout: must be >= 0, got {self.shutdown_timeout}")
-        if self.hang_timeout is not None and not self.hang_timeout > 0:
-            raise ConfigError(f"--hang-timeout: must be > 0, got {self.hang_timeout}")
-        if self.exit_barrier_timeout is not None and not self.exit_barrier_timeout >= 0:
-            raise ConfigError(
-                f"--exit-barrier-timeout: must be >= 0, got {self.exit_barrier_timeout}"
+        if self.node_rank is not None:
+            check_int("--node-rank", self.node_rank, 0, MAX_NODES - 1)
+        if self.master_port is not None:
+            if isinstance(self.master_port, bool) or not isinstance(self.master_port, int):
+                raise ConfigError(f"--master-port: expected an integer, got {self.master_port!r}")
+            if not 0 < self.master_port < 65536:
+                raise ConfigError(f"--master-port: must be in 1..65535, got {self.master_port}")
+        check_seconds(
+            "--shutdown-timeout", self.shutdown_timeout, FLAG_SECONDS["--shutdown-timeout"]
+        )
+        if self.hang_timeout is not None:
+            check_seconds("--hang-timeout", self.hang_timeout, FLAG_SECONDS["--hang-timeout"])
+        if self.exit_barrier_timeout is not None:
+            check_seconds(
+                "--exit-barrier-timeout",
+                self.exit_barrier_timeout,
+                FLAG_SECONDS["--exit-barrier-timeout"],
             )
         if self.prewarm_modules not in ("installed", "all", "torch"):
             raise ConfigError(
                 f"--prewarm-modules: must be installed, all or torch, got {self.prewarm_modules!r}"
             )
-        if self.warm_join_timeout is not None and not 0 <= self.warm_join_timeout <= 86400:
-            raise ConfigError(
-                f"--warm-join-timeout: must be in 0..86400 seconds, got {self.warm_join_timeout}"
+        if self.warm_join_timeout is not None:
+            check_seconds(
+                "--warm-join-timeout", self.warm_join_timeout, FLAG_SECONDS["--warm-join-timeout"]
             )
-        if not self.role:
-            raise ConfigError("--role: must not be empty")
-        if not self.run_id:
-            raise ConfigError("--rdzv-id: must not be empty")
+        check_role(self.role)
+        if self.run_id != "":  # "" asks for a generated id
+            check_run_id(self.run_id, "--rdzv-id")
+        if self.local_addr is not None:
+            check_address("--local-addr", self.local_addr)
         for name, std in (("--redirects", self.redirects), ("--tee", self.tee)):
             for local_rank, bits in std.items():
                 if local_rank < -1 or bits not in (0, 1, 2, 3):
                     raise ConfigError(f"{name}: bad entry {local_rank}:{bits}")
-        if self.local_ranks_filter is not None and any(r < 0 for r in self.local_ranks_filter):
-            raise ConfigError("--local-ranks-filter: local ranks are >= 0")
+        if self.local_ranks_filter is not None:
+            for r in self.local_ranks_filter:
+                check_int("--local-ranks-filter", r, 0, MAX_NPROC_PER_NODE - 1)
         if self.log_template is not None:
             check_log_template(self.log_template)
         parse_rdzv_conf(self.rdzv_configs)
 
+    def check_machine_nproc(self) -> None:
+        """``nproc_per_node`` against what this machine lets one agent hold."""
+        files = self.log_dir is not None or any(self.redirects.values()) or any(self.tee.values())
+        procs, fds = worker_cost(files, self.prewarm)
+        limit = machine_nproc_limit(procs, fds)
+        if limit is not None and self.nproc_per_node > limit[0]:
+            raise ConfigError(
+                f"--nproc-per-node: {self.nproc_per_node} workers are more than this machine "
+                f"allows one agent ({limit[0]}): {limit[1]}"
+            )
 
-def _int(flag: str, text: str) -> int:
-    try:
-        return int(text.strip())
-    except ValueError:
-        raise ConfigError(f"{flag}: expected an integer, got {text!r}") from None
+
+def check_role(role: object) -> str:
+    """A role name: 1 to 128 printable characters (it is shown on consoles
+    and in ``elastrun status``, and must agree between nodes)."""
+    if not isinstance(role, str) or not role:
+        raise ConfigError("--role: must not be empty")
+    if len(role) > MAX_ROLE_LEN:
+        raise ConfigError(f"--role: at most {MAX_ROLE_LEN} characters, got {len(role)}")
+    if not role.isprintable():
+        raise ConfigError(f"--role: {role!r} contains control characters")
+    return role
+
+
+def check_address(flag: str, addr: object) -> str:
+    """A host name or IP address as given (not resolved): no spaces, control
+    characters or URL/path punctuation, at most 255 characters."""
+    if not isinstance(addr, str) or not addr.strip():
+        raise ConfigError(f"{flag}: must not be empty")
+    if len(addr) > 255:
+        raise ConfigError(f"{flag}: at most 255 characters, got {len(addr)}")
+    if not addr.isascii() or any(
+        c.isspace() or not c.isprintable() or c in _BAD_ADDR_CHARS for c in addr
+    ):
+        raise ConfigError(f"{flag}: {addr!r} is not a host name or IP address")
+    return addr
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
     """``N`` or ``MIN:MAX`` -> (min, max), validated."""
     parts = text.split(":")
     if len(parts) == 1:
-        lo = hi = _int("--nnodes", parts[0])
+        lo = hi = parse_ascii_int("--nnodes", parts[0])
     elif len(parts) == 2:
-        lo, hi = _int("--nnodes", parts[0]), _int("--nnodes", parts[1])
+        lo, hi = parse_ascii_int("--nnodes", parts[0]), parse_ascii_int("--nnodes", parts[1])
     else:
         raise ConfigError(f"--nnodes: expected N or MIN:MAX, got {text!r}")
-    if lo <= 0:
+    if lo <= 0 or hi <= 0:
         raise ConfigError(f"--nnodes: the number of nodes must be at least 1 (got {text!r})")
     if lo > hi:
         raise ConfigError(f"--nnodes: minimum {lo} is larger than maximum {hi} (in {text!r})")
+    check_int("--nnodes", hi, 1, MAX_NODES)
     return lo, hi
 
 
@@ -299,15 +360,16 @@ def parse_nproc(text: str) -> int:
         return gpus
     if value == "auto":
         return count_gpus() or count_xpus() or _cpu_count()
-    try:
-        n = int(value)
-    except ValueError:
+    if _NPROC.fullmatch(value) is None:
+        shown = text if len(text) <= 64 else text[:64] + "..."
         raise ConfigError(
-            f"--nproc-per-node: expected a number, 'auto', 'cpu', 'gpu' or 'xpu', got {text!r}"
-        ) from None
+            f"--nproc-per-node: expected a number (ASCII digits), 'auto', 'cpu', 'gpu' or "
+            f"'xpu', got {shown!r}"
+        )
+    n = int(value)
     if n <= 0:
         raise ConfigError(f"--nproc-per-node: must be at least 1, got {text!r}")
-    return n
+    return check_int("--nproc-per-node", n, 1, MAX_NPROC_PER_NODE, NPROC_WHY)
 
 
 def parse_endpoint(text: str, default_port: int, flag: str = "--rdzv-endpoint") -> tuple[str, int]:
@@ -338,11 +400,16 @@ def parse_endpoint(text: str, default_port: int, flag: str = "--rdzv-endpoint") 
         host, port_text = raw.split(":", 1)
     else:
         host, port_text = raw, None
-    if not host or any(c.isspace() or c in "/@?#," for c in host):
+    if not host or any(c.isspace() or not c.isprintable() or c in "/@?#," for c in host):
         raise ConfigError(f"{flag}: bad host in {text!r}")
     if port_text is None:
         return host, default_port
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+    if (
+        not port_text.isascii()
+        or not port_text.isdigit()
+        or len(port_text) > 5
+        or not 0 <= int(port_text) <= 65535
+    ):
         raise ConfigError(f"{flag}: bad port {port_text!r} in {text!r} (expected 0..65535)")
     return host, int(port_text)
 
@@ -361,15 +428,27 @@ def parse_endpoints(text: str, default_port: int) -> tuple[tuple[str, int], ...]
     return tuple(out)
 
 
+def _unquote(text: str) -> str:
+    """``'x'`` or ``"x"`` -> ``x`` (one level of matching quotes)."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1].strip()
+    return text
+
+
 def parse_rdzv_conf(conf: str | Mapping[str, Any]) -> dict[str, Any]:
-    """``k=v,k=v`` (or a mapping) -> typed values; unknown keys are errors."""
+    """``k=v,k=v`` (or a mapping) -> typed values; unknown keys are errors.
+
+    Quotes that no shell removed are tolerated as torchrun tolerates them: one
+    level of matching quotes around the whole text (``'k=v,k=v'``, as
+    PyTorch's own launcher tests pass it), an item, a key or a value is
+    dropped. Values cannot hold commas, quoted or not (as in torchrun)."""
     pairs: list[tuple[str, Any]] = []
     if isinstance(conf, str):
-        text = conf.strip()
+        text = _unquote(conf.strip())
         if text:
             for item in text.split(","):
-                key, sep, value = item.partition("=")
-                key, value = key.strip(), value.strip()
+                key, sep, value = _unquote(item.strip()).partition("=")
+                key, value = _unquote(key.strip()), _unquote(value.strip())
                 if not key or not sep:
                     raise ConfigError(
                         f"--rdzv-conf: {item.strip()!r} is not key=value "
@@ -390,10 +469,6 @@ def parse_rdzv_conf(conf: str | Mapping[str, Any]) -> dict[str, Any]:
         if kind is None:
             raise ConfigError(f"--rdzv-conf: unknown key {key!r}; known keys: {', '.join(known)}")
         out[key] = _conf_value(key, kind, value)
-    if out.get("join_timeout") == 0 or out.get("timeout") == 0:
-        raise ConfigError("--rdzv-conf: join_timeout must be > 0")
-    if out.get("lease_ttl") == 0:
-        raise ConfigError("--rdzv-conf: lease_ttl must be > 0")
     if "token" in out and "token_file" in out:
         raise ConfigError("--rdzv-conf: give token or token_file, not both")
     if "protocol" in out and out["protocol"] not in ("http", "https"):
@@ -403,17 +478,10 @@ def parse_rdzv_conf(conf: str | Mapping[str, Any]) -> dict[str, Any]:
 
 def _conf_value(key: str, kind: str, value: Any) -> Any:
     if kind == "float":
-        if isinstance(value, bool):
-            raise ConfigError(f"--rdzv-conf: {key} must be a number of seconds, got {value!r}")
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(
-                f"--rdzv-conf: {key} must be a number of seconds, got {value!r}"
-            ) from None
-        if not number >= 0 or number == float("inf"):
-            raise ConfigError(f"--rdzv-conf: {key} must be a finite number >= 0, got {value!r}")
-        return number
+        name, rng = f"--rdzv-conf: {key}", CONF_SECONDS[key]
+        if isinstance(value, str):
+            return parse_seconds(name, value, rng)
+        return check_seconds(name, value, rng)
     if kind == "bool":
         if isinstance(value, bool):
             return value
@@ -426,6 +494,8 @@ def _conf_value(key: str, kind: str, value: Any) -> Any:
     text = str(value)
     if not text:
         raise ConfigError(f"--rdzv-conf: {key} has an empty value")
+    if any(c in text for c in "\x00\n\r"):
+        raise ConfigError(f"--rdzv-conf: {key} contains a NUL or line break")
     return text
 
 
@@ -451,14 +521,16 @@ def parse_ranks_filter(text: str) -> frozenset[int] | None:
     value = text.strip()
     if not value:
         return None
-    try:
-        ranks = frozenset(int(x) for x in value.split(","))
-    except ValueError:
+    items = [x.strip() for x in value.split(",")]
+    if any(_NPROC.fullmatch(x) is None for x in items):
         raise ConfigError(
             f"--local-ranks-filter: expected comma-separated local ranks like 0,1,2, got {text!r}"
-        ) from None
+        )
+    ranks = frozenset(int(x) for x in items)
     if any(r < 0 for r in ranks):
         raise ConfigError(f"--local-ranks-filter: local ranks are >= 0, got {text!r}")
+    for r in ranks:
+        check_int("--local-ranks-filter", r, 0, MAX_NPROC_PER_NODE - 1)
     return ranks
 
 

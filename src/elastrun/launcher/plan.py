@@ -1,8 +1,9 @@
 """From a LaunchConfig to a Plan: the backend, endpoints and settings to use.
 
 Applies torchrun's defaulting rules (``--standalone``; the default ``static``
-backend on a single node becomes a standalone embedded store), reads token
-files, and checks cross-flag rules. Pure: no sockets, no processes.
+backend on a single node becomes a standalone embedded store; an empty run id
+becomes a generated one), reads token files, and checks cross-flag rules.
+Pure: no sockets, no processes.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class Plan:
     node_rank: int | None
     exit_barrier_timeout: float
     token: str | None
+    # The run id was empty ("" asks for one, as torch's launcher) and was
+    # generated here: other nodes cannot know it unless told.
+    generated_run_id: bool = False
 
     @property
     def is_host(self) -> bool | None:
@@ -85,6 +89,24 @@ def _read_token(conf: dict[str, Any]) -> str | None:
     return token
 
 
+def check_writable_dir(flag: str, path: str) -> None:
+    """``path`` is, or can be made, a folder this process may write into:
+    its nearest existing ancestor must be a writable folder (nothing is
+    created here). A full disk is found later, when writing."""
+    probe = os.path.abspath(path)
+    while not os.path.lexists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise ConfigError(f"{flag}: {probe!r} exists and is not a folder (in {path!r})")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{flag}: cannot write into {probe!r} (in {path!r}): permission or read-only"
+        )
+
+
 def resolve(config: LaunchConfig) -> Plan:
     """Validate ``config`` and work out the backend to use. Raises ConfigError."""
     config.validate()
@@ -99,6 +121,14 @@ def resolve(config: LaunchConfig) -> Plan:
     standalone = config.standalone
     endpoint = config.rdzv_endpoint.strip()
     run_id = config.run_id
+    generated = False
+    if not run_id:
+        import uuid
+
+        # As torch's launcher: an empty run id is a generated one. Only this
+        # node knows it, so other nodes can join only if started with it
+        # (the launcher says so when the job may have more than one node).
+        run_id, generated = str(uuid.uuid4()), True
     if (
         not standalone
         and backend == "static"
@@ -178,6 +208,8 @@ def resolve(config: LaunchConfig) -> Plan:
             f"{config.min_nodes}:{config.max_nodes} (expected 0..{config.max_nodes - 1})"
         )
     token = _read_token(conf)
+    if config.log_dir:
+        check_writable_dir("--log-dir", config.log_dir)
     resolved = dataclasses.replace(
         config,
         run_id=run_id,
@@ -194,4 +226,5 @@ def resolve(config: LaunchConfig) -> Plan:
         node_rank=node_rank,
         exit_barrier_timeout=exit_barrier,
         token=token,
+        generated_run_id=generated and not standalone,
     )

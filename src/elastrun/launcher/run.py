@@ -25,6 +25,7 @@ from elastrun.clock import SYSTEM_CLOCK
 from elastrun.errors import ConfigError, StoreUnavailable
 from elastrun.events import EventSink, JsonLinesSink
 from elastrun.launcher.plan import Plan
+from elastrun.names import check_run_id, path_component
 from elastrun.rendezvous.api import Rendezvous, RendezvousSettings
 
 if TYPE_CHECKING:
@@ -134,6 +135,7 @@ def build_spec(plan: Plan, argv: Sequence[str], host: str) -> WorkerSpec:
         prewarm_modules=cfg.prewarm_modules,
         prewarm_cache=cfg.prewarm_cache,
         warm_join_timeout=60.0 if cfg.warm_join_timeout is None else cfg.warm_join_timeout,
+        require_logs=cfg.require_logs,
     )
 
 
@@ -239,7 +241,8 @@ def events_path(plan: Plan, host: str) -> str | None:
     if cfg.events_file:
         return cfg.events_file
     if cfg.log_dir:
-        return os.path.join(cfg.log_dir, cfg.run_id, f"events-{host}.jsonl")
+        name = path_component(host, "unknown-host")
+        return os.path.join(cfg.log_dir, check_run_id(cfg.run_id, "run id"), f"events-{name}.jsonl")
     return None
 
 
@@ -293,6 +296,12 @@ async def run_async(plan: Plan, argv: Sequence[str], *, events: EventSink | None
     """Run this node's agent for ``plan``; returns the process exit code."""
     cfg = plan.config
     hostname = socket.gethostname()
+    if plan.generated_run_id and cfg.max_nodes > 1:
+        _say(
+            f"elastrun: warning: no --rdzv-id (run_id) was given: this job's id is "
+            f"{cfg.run_id}; other nodes can join it only if started with "
+            f"--rdzv-id={cfg.run_id}"
+        )
     log = _EventLog(events_path(plan, hostname), events, run_id=cfg.run_id, host=hostname)
     code = 1
     try:

@@ -118,7 +118,8 @@ class Executor:
             return Outcome(error=await self._error(a))
         return None
 
-    async def put_presence(self) -> None:
+    def presence(self) -> Put:
+        """This node's presence key, on its lease."""
         node = self.node
         record = {
             "node_id": node.node_id,
@@ -129,7 +130,11 @@ class Executor:
             "pid": os.getpid(),
             "since": time.time(),
         }
-        await node.store.put(node.keys.node(node.node_id), K.encode(record), self.keeper.lease)
+        return Put(node.keys.node(node.node_id), K.encode(record), self.keeper.lease)
+
+    async def put_presence(self) -> None:
+        put = self.presence()
+        await self.node.store.put(put.key, put.value, put.lease)
 
     async def _join(self, r: int) -> None:
         node, view = self.node, self.observer.view

@@ -148,6 +148,9 @@ class Rendezvous(abc.ABC):
     settings: RendezvousSettings
     #: Called (if set) with what next_round() waits for, on each change.
     progress: ProgressCallback | None = None
+    #: Called (if set) with a line for the operator, e.g. that this node
+    #: started a new job under the id of a job that is over.
+    notice: Callable[[str], None] | None = None
 
     @abc.abstractmethod
     async def next_round(self) -> RoundResult:

@@ -39,9 +39,10 @@ from elastrun.rendezvous.api import (
 )
 from elastrun.rendezvous.phases import Inbox, Phase, phase_of
 from elastrun.rendezvous.progress import ProgressReporter, waiting_status
+from elastrun.rendezvous.reuse import Verdict, classify, describe_reset
 from elastrun.rendezvous.rules import Context, Ev, Event, Rules, State, Timer
 from elastrun.rendezvous.view import Node, Observer, View
-from elastrun.store.base import Store
+from elastrun.store.base import Compare, Delete, Get, Put, Store
 from elastrun.store.keepalive import LeaseKeeper
 
 __all__ = ["DynamicRendezvous", "create_dynamic_rendezvous"]
@@ -55,6 +56,7 @@ _TIMER_EVENTS = {
 Initial = Event | Callable[[View], Event]
 NOTE_MAX_BYTES = 256 * 1024  # a job-wide note (see read_note)
 _NOTE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
+REGISTER_TRIES = 8  # reads of the job's records on a first registration (races)
 
 
 def _safe_id(text: str) -> str:
@@ -184,10 +186,85 @@ class DynamicRendezvous(Rendezvous):
     async def _register(self) -> None:
         if self._registered and self.keeper.alive:
             return
-        await self._check_config()
+        if self._registered:
+            # A member whose lease was lost registers again: it rejoins its
+            # job whatever it finds (never starts a new one, see .reuse).
+            await self._check_config()
+            await self.keeper.start()
+            await self._executor.put_presence()
+            return
         await self.keeper.start()
-        await self._executor.put_presence()
+        await self._first_register()
         self._registered = True
+
+    async def _first_register(self) -> None:
+        """Classify what is under the job id (:mod:`.reuse`) and act: create
+        the job, join it, start it afresh, or report it finished. Every write
+        is a txn on what was read; a lost race reads again (bounded)."""
+        k, store, mine = self.keys, self.store, self.settings.agreed()
+        for _ in range(REGISTER_TRIES):
+            res = await store.txn([], [Get(k.config), Get(k.round), Get(k.nodes, prefix=True)])
+            config_kv = res.gets[0][0] if res.gets[0] else None
+            round_kv = res.gets[1][0] if res.gets[1] else None
+            config = K.decode(k.config, config_kv.value) if config_kv else None
+            rnd = K.decode(k.round, round_kv.value) if round_kv else None
+            found = classify(config, rnd, len(res.gets[2]))
+            config_rev = config_kv.mod_revision if config_kv else 0
+            round_rev = round_kv.mod_revision if round_kv else 0
+            if found.verdict is Verdict.FINISHED:
+                raise RendezvousClosed(
+                    f"job {self.settings.run_id!r} finished earlier; to run it again, use a "
+                    "new --rdzv-id"
+                )
+            if found.verdict is Verdict.RESET:
+                same = [
+                    Compare.unchanged(k.config, config_rev),
+                    Compare.unchanged(k.round, round_rev),
+                ]
+                done = await store.txn(same, [Delete(k.root, prefix=True)])
+                if done.succeeded:
+                    self._announce_reset(found.why, config, rnd)
+                continue
+            if config is not None:
+                self._agree(config.get("settings", {}), mine)
+                ops = [self._executor.presence()]
+            else:
+                ops = [Put(k.config, K.encode({"settings": mine})), self._executor.presence()]
+            compares = [Compare.unchanged(k.config, config_rev)]
+            if found.verdict is Verdict.NEW:
+                compares.append(Compare.unchanged(k.round, round_rev))
+            if (await store.txn(compares, ops)).succeeded:
+                return
+        raise RendezvousError(
+            f"job {self.settings.run_id!r}: its records changed {REGISTER_TRIES} times while "
+            "this node registered (nodes starting and leaving at once?); try again"
+        )
+
+    def _announce_reset(
+        self, why: str, config: dict[str, Any] | None, rnd: dict[str, Any] | None
+    ) -> None:
+        line = describe_reset(self.settings.run_id, why, config, rnd)
+        rnd = rnd or {}
+        self.events.emit(
+            "job_reset",
+            node=self.node_id,
+            reason=why,
+            previous_round=rnd.get("round"),
+            previous_state=rnd.get("state"),
+            previous_restarts=rnd.get("restarts"),
+            previous_settings=(config or {}).get("settings"),
+            last_failure=rnd.get("last_failure"),
+        )
+        if self.notice is not None:
+            self.notice(line)
+
+    def _agree(self, job: dict[str, Any], mine: dict[str, Any]) -> None:
+        mismatch = R.config_diff(self.settings.run_id, job, mine)
+        if mismatch is not None:
+            message, diffs = mismatch
+            fields = [f"{k}: job has {a!r}, this node has {b!r}" for k, (a, b) in diffs.items()]
+            self.events.emit("config_mismatch", node=self.node_id, message=message, fields=fields)
+            raise ConfigMismatch(message, diffs)
 
     async def _check_config(self) -> None:
         mine = self.settings.agreed()
@@ -198,13 +275,7 @@ class DynamicRendezvous(Rendezvous):
         if kv is None:  # deleted in between: try again once
             await self.store.create(key, K.encode({"settings": mine}))
             return
-        job = K.decode(key, kv.value).get("settings", {})
-        mismatch = R.config_diff(self.settings.run_id, job, mine)
-        if mismatch is not None:
-            message, diffs = mismatch
-            fields = [f"{k}: job has {a!r}, this node has {b!r}" for k, (a, b) in diffs.items()]
-            self.events.emit("config_mismatch", node=self.node_id, message=message, fields=fields)
-            raise ConfigMismatch(message, diffs)
+        self._agree(K.decode(key, kv.value).get("settings", {}), mine)
 
     def _lease_lost(self, reason: str) -> None:
         if self._inbox is not None:

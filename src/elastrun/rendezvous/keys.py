@@ -19,6 +19,10 @@ barrier watcher's ``nodes/{node_id}`` (see :mod:`elastrun.rendezvous.rules`).
 
 Records are JSON objects with ``"v": 1``; a record that does not decode raises
 :class:`~elastrun.errors.ProtocolError` naming the key.
+
+Keys are built only from checked parts: the job id must match the job-id
+grammar (:mod:`elastrun.names`; no ``/``, so no id names a part of another
+job's key space) and node ids are the rendezvous' own (``[A-Za-z0-9._-]``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastrun.errors import ProtocolError
+from elastrun.names import check_run_id
 
 __all__ = ["RECORD_VERSION", "Keys", "decode", "encode", "node_id_of"]
 
@@ -42,6 +47,9 @@ FAILED = "failed"
 @dataclass(frozen=True)
 class Keys:
     run_id: str
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id, "run id")
 
     @property
     def root(self) -> str:

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from elastrun.errors import ConfigError, ElastrunError, StoreError, StoreUnavailable
+from elastrun.names import run_id_problem
 from elastrun.rendezvous.keys import Keys
 from elastrun.status.summary import TERMINAL_STATES, read_summary
 from elastrun.store.base import Store, Watch, WatchEvent
@@ -445,6 +446,10 @@ def main(argv: Sequence[str]) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     if not args.timeout > 0:
         print("elastrun status: error: --timeout must be > 0", file=sys.stderr)
+        return 2
+    problem = run_id_problem(args.run_id)
+    if problem is not None:  # the same job-id grammar as the launcher's
+        print(f"elastrun status: error: --rdzv-id: {args.run_id!r} {problem}", file=sys.stderr)
         return 2
     try:
         return asyncio.run(_main(args))

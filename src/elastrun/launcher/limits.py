@@ -1,0 +1,201 @@
+"""The documented limits of launcher values, and ASCII-only number parsing.
+
+Every number a user gives (flags, ``PET_*`` variables, ``--rdzv-conf``
+values, :class:`~elastrun.launcher.config.LaunchConfig` fields) is checked
+here at parse time, before anything starts, against a range stated in the
+error: ``--rdzv-conf: lease_ttl: must be >= 0.5 and <= 3600 seconds, got
+'1e9'``. Numbers are ASCII only: Python's ``int()`` and ``float()`` accept
+any Unicode digit (fullwidth, Arabic-Indic, ...), ``'1_000'``, ``'nan'`` and
+``'inf'``; these parsers accept ``[+-]digits`` and decimal/exponent forms
+of ASCII digits, nothing else.
+
+The number of workers per node is bounded twice: by a fixed limit
+(:data:`MAX_NPROC_PER_NODE`) and by what this machine lets one agent hold
+(:func:`machine_nproc_limit`: open files, processes, pids).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+
+from elastrun.errors import ConfigError
+
+__all__ = [
+    "CONF_SECONDS",
+    "FLAG_SECONDS",
+    "MAX_NODES",
+    "MAX_NPROC_PER_NODE",
+    "MAX_RESTARTS",
+    "Range",
+    "check_int",
+    "check_seconds",
+    "machine_nproc_limit",
+    "parse_ascii_int",
+    "parse_int",
+    "parse_seconds",
+    "worker_cost",
+]
+
+MAX_NODES = 100_000
+MAX_NPROC_PER_NODE = 1024
+MAX_RESTARTS = 1_000_000
+HOUR = 3600.0
+DAY = 86_400.0
+WEEK = 604_800.0
+MAX_NUMBER_TEXT = 64  # characters: longer "numbers" are refused unread
+
+# What the agent holds per worker: two pipes (stdout, stderr), a pidfd and the
+# runner's channel socket, plus its two log files when files are kept. The
+# warm interpreter is one process per agent (in the reserve), whatever the
+# number of workers it forks.
+FDS_PER_WORKER = 4
+FDS_PER_WORKER_FILES = 2
+FD_RESERVE = 64  # the agent's own: store connection, event loop, logs, spares' slack
+PROC_RESERVE = 16
+
+_INT = re.compile(r"[+-]?[0-9]+")
+_FLOAT = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
+@dataclass(frozen=True)
+class Range:
+    """Allowed values ``lo <= x <= hi`` (``lo < x`` when ``lo_open``)."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+
+    def __contains__(self, x: float) -> bool:
+        above = x > self.lo if self.lo_open else x >= self.lo
+        return above and x <= self.hi
+
+    def text(self, unit: str = "") -> str:
+        low = f"> {self.lo:g}" if self.lo_open else f">= {self.lo:g}"
+        return f"{low} and <= {self.hi:g}" + (f" {unit}" if unit else "")
+
+
+# --rdzv-conf keys that are durations (seconds) and their ranges.
+CONF_SECONDS: dict[str, Range] = {
+    "join_timeout": Range(0.0, WEEK, lo_open=True),
+    "timeout": Range(0.0, WEEK, lo_open=True),  # torch's spelling of join_timeout
+    "last_call_timeout": Range(0.0, DAY),
+    "close_timeout": Range(0.0, HOUR),
+    "read_timeout": Range(0.0, DAY, lo_open=True),
+    # The embedded store grants 0.05..3600 s, etcd whole seconds; below 0.5 s
+    # a keepalive every TTL/3 is busy work, not faster detection.
+    "lease_ttl": Range(0.5, HOUR),
+    "exit_barrier_timeout": Range(0.0, WEEK),
+}
+
+# Duration flags and their ranges.
+FLAG_SECONDS: dict[str, Range] = {
+    "--monitor-interval": Range(0.0, HOUR, lo_open=True),
+    "--shutdown-timeout": Range(0.0, HOUR),
+    "--hang-timeout": Range(0.0, WEEK, lo_open=True),
+    "--exit-barrier-timeout": Range(0.0, WEEK),
+    "--warm-join-timeout": Range(0.0, HOUR),
+}
+
+
+def parse_ascii_int(name: str, text: str) -> int:
+    """ASCII ``[+-]digits`` (spaces around allowed), at most 64 characters."""
+    raw = str(text).strip()
+    if len(raw) > MAX_NUMBER_TEXT or _INT.fullmatch(raw) is None:
+        shown = raw if len(raw) <= MAX_NUMBER_TEXT else raw[:MAX_NUMBER_TEXT] + "..."
+        raise ConfigError(f"{name}: expected an integer (ASCII digits), got {shown!r}")
+    return int(raw)
+
+
+def parse_int(name: str, text: str, lo: int, hi: int, why_hi: str = "") -> int:
+    """ASCII ``[+-]digits`` in ``lo..hi``; else ConfigError ``{name}: ...``
+    stating the range."""
+    return check_int(name, parse_ascii_int(name, text), lo, hi, why_hi)
+
+
+def check_int(name: str, value: object, lo: int, hi: int, why_hi: str = "") -> int:
+    """An int (not a bool) in ``lo..hi``; else ConfigError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if value < lo:
+        raise ConfigError(f"{name}: must be >= {lo}, got {value}")
+    if value > hi:
+        why = f" ({why_hi})" if why_hi else ""
+        raise ConfigError(f"{name}: must be in {lo}..{hi}{why}, got {value}")
+    return value
+
+
+def parse_seconds(name: str, text: str, rng: Range) -> float:
+    """ASCII decimal seconds (``30``, ``2.5``, ``1e3``) in ``rng``; no
+    ``nan``/``inf``, no Unicode digits."""
+    raw = str(text).strip()
+    if len(raw) > MAX_NUMBER_TEXT or _FLOAT.fullmatch(raw) is None:
+        shown = raw if len(raw) <= MAX_NUMBER_TEXT else raw[:MAX_NUMBER_TEXT] + "..."
+        raise ConfigError(
+            f"{name}: expected a finite number of seconds in ASCII digits (e.g. 30 or 2.5), "
+            f"got {shown!r}"
+        )
+    return check_seconds(name, float(raw), rng, shown=raw)
+
+
+def check_seconds(name: str, value: object, rng: Range, shown: str | None = None) -> float:
+    """A finite int or float (not a bool) in ``rng``; else ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name}: expected a number of seconds, got {value!r}")
+    number = float(value)
+    what = repr(shown) if shown is not None else f"{value!r}"
+    if not math.isfinite(number) or number not in rng:
+        raise ConfigError(f"{name}: must be {rng.text('seconds')}, got {what}")
+    return number
+
+
+def worker_cost(files: bool, prewarm: bool) -> tuple[int, int]:
+    """(processes, open files) the agent needs per worker (``prewarm``: one
+    warm interpreter per agent, counted in the reserve, not per worker)."""
+    del prewarm
+    return 1, FDS_PER_WORKER + (FDS_PER_WORKER_FILES if files else 0)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def machine_nproc_limit(procs_per_worker: int, fds_per_worker: int) -> tuple[int, str] | None:
+    """The most workers this machine lets one agent start, and what limits it
+    (None: nothing known limits it): the open-file soft limit (``ulimit -n``),
+    the per-user process limit (``ulimit -u``; not for root, whom the kernel
+    exempts), and the kernel's pid space (half of ``pid_max``)."""
+    import resource
+
+    found: list[tuple[int, str]] = []
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY:
+        n = max(0, (soft - FD_RESERVE) // fds_per_worker)
+        found.append(
+            (
+                n,
+                f"the open-file limit is {soft} (ulimit -n) and the agent holds "
+                f"{fds_per_worker} per worker; raise it with 'ulimit -n'",
+            )
+        )
+    nproc_soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if nproc_soft != resource.RLIM_INFINITY and os.geteuid() != 0:
+        n = max(0, (nproc_soft - PROC_RESERVE) // procs_per_worker)
+        found.append(
+            (
+                n,
+                f"the process limit is {nproc_soft} (ulimit -u) and each worker takes "
+                f"{procs_per_worker}",
+            )
+        )
+    pid_max = _read_int("/proc/sys/kernel/pid_max")
+    if pid_max is not None:
+        n = max(0, (pid_max // 2) // procs_per_worker)
+        found.append((n, f"half of the kernel's pid_max ({pid_max}) is left for the rest"))
+    return min(found, key=lambda f: f[0]) if found else None

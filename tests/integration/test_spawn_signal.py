@@ -1,0 +1,105 @@
+"""Many workers: a signal is acted on while they spawn, and the number is bounded.
+
+* A real agent starting ``--nproc-per-node=1000`` sleeping workers (the
+  documented limit is 1024) gets SIGTERM once about 100 have started: it
+  exits 143 within 2 s (it used to finish spawning first: 7 s here at 1000,
+  over 12 s at 100000) and leaves no worker, alive or zombie.
+* A number of workers the machine cannot hold (the open-file limit, lowered
+  for the agent) is refused before anything starts: exit 2 naming
+  ``--nproc-per-node`` and ``ulimit -n``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+from tests.integration.elastic_harness import ELASTRUN, wait_for
+
+NPROC = 1000
+STOP_BOUND = 2.0  # seconds from SIGTERM to the agent's exit
+
+
+def children_of(pid: int) -> int:
+    n = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                n += 1
+    return n
+
+
+def with_marker(marker: str) -> list[int]:
+    """Pids whose command line holds ``marker`` (this test's workers only)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    out.append(int(entry))
+    return out
+
+
+def test_sigterm_while_a_large_group_spawns(tmp_path: Path) -> None:
+    marker = f"{uuid.uuid4().int % 10**6 + 10**6}"  # sleep's argument: unique to this run
+    script = tmp_path / "sleeper.sh"
+    script.write_text(f"#!/bin/sh\nexec sleep {marker}\n")
+    script.chmod(0o755)
+    agent = subprocess.Popen(
+        [*ELASTRUN, "--standalone", f"--nproc-per-node={NPROC}", "--no-python", str(script)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        wait_for(lambda: children_of(agent.pid) >= 100, 60, "100 workers started", 0.02)
+        started = children_of(agent.pid)
+        t = time.monotonic()
+        agent.send_signal(signal.SIGTERM)
+        code = agent.wait(30)
+        took = time.monotonic() - t
+        stderr = agent.stderr.read().decode() if agent.stderr else ""
+        print(f"SIGTERM with {started} of {NPROC} workers started: exit {code} in {took:.2f}s")
+        assert code == 128 + signal.SIGTERM, stderr
+        assert "received SIGTERM" in stderr and "Traceback" not in stderr
+        assert took < STOP_BOUND, f"{took:.2f}s"
+        assert started < NPROC  # the signal came during the spawn
+        # Every worker gone: none alive, none a zombie (the agent reaped them).
+        assert wait_for(lambda: not with_marker(marker), 10, "no worker left"), marker
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)
+        for pid in with_marker(marker):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        agent.wait(10)
+
+
+def test_more_workers_than_the_machine_allows_is_refused(tmp_path: Path) -> None:
+    script = tmp_path / "w.py"
+    script.write_text("print('ran')\n")
+
+    def low_nofile() -> None:  # in the agent's process only
+        resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200))
+
+    res = subprocess.run(
+        [*ELASTRUN, "--standalone", "--nproc-per-node=100", f"--log-dir={tmp_path}", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=low_nofile,
+        check=False,
+    )
+    assert res.returncode == 2, res.stderr
+    assert "--nproc-per-node: 100 workers are more than this machine allows" in res.stderr
+    assert "ulimit -n" in res.stderr and "ran" not in res.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["w.py"]  # nothing was started
