@@ -16,8 +16,7 @@ rendezvous handler patched to raise, ``_get_entrypoint_name``, the event
 recorder) or devices this machine lacks (``--nproc-per-node=gpu|xpu`` with
 torch's device counts patched, ``--virtual-local-rank`` on 2 GPUs); the
 deliberate differences are listed in docs/cli.md ("Conformance with
-torchrun's tests"). Cases that wait on other work are marked xfail with the
-reason.
+torchrun's tests").
 """
 
 from __future__ import annotations
@@ -42,12 +41,6 @@ BIN = Path(__file__).resolve().parent / "scripts" / "conformance"
 TOUCH = str(BIN / "touch_rank.py")
 TOUCH_SH = str(BIN / "touch_rank.sh")
 RUN_TIMEOUT = 240
-QUOTED_CONF = pytest.mark.xfail(
-    strict=False, reason="fixed on the launchcfg branch (quoted --rdzv-conf values)"
-)
-EMPTY_RUN_ID = pytest.mark.xfail(
-    strict=False, reason="fixed on the launchcfg branch (empty run id)"
-)
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -208,7 +201,7 @@ def _elastic_args(conf: str, *rest: str) -> list[str]:
 @pytest.mark.parametrize(
     "conf",
     [
-        pytest.param("'join_timeout=5,last_call_timeout=1,timeout=5'", marks=QUOTED_CONF),
+        "'join_timeout=5,last_call_timeout=1,timeout=5'",
         "join_timeout=5,last_call_timeout=1,timeout=5",
     ],
     ids=["upstream_quoted", "unquoted"],
@@ -224,7 +217,7 @@ def test_launch_elastic(tmp_path: Path, conf: str) -> None:
 @pytest.mark.parametrize(
     "conf",
     [
-        pytest.param("'join_timeout=5,last_call_timeout=1,timeout=5'", marks=QUOTED_CONF),
+        "'join_timeout=5,last_call_timeout=1,timeout=5'",
         "join_timeout=5,last_call_timeout=1,timeout=5",
     ],
     ids=["upstream_quoted", "unquoted"],
@@ -530,7 +523,7 @@ def etcd_config(endpoint: str, min_nodes: int, max_nodes: int, nproc: int, **kw:
     }
 
 
-RUN_IDS = [pytest.param("", marks=EMPTY_RUN_ID, id="upstream_empty_run_id"), "conformance"]
+RUN_IDS = [pytest.param("", id="upstream_empty_run_id"), "conformance"]
 
 
 @requires_etcd

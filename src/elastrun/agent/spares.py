@@ -90,12 +90,15 @@ DELAY_ENV = "ELASTRUN_SPARE_DELAY"
 AGENT_ENV = "ELASTRUN_AGENT_PID"
 BUDGET_ENV = "ELASTRUN_PRELOAD_BUDGET"
 RSS_ENV = "ELASTRUN_PRELOAD_MAX_RSS"
+# Set per worker by the agent for the runner, which removes them.
+RUNNER_VARS = frozenset((SCOPE_ENV, "ELASTRUN_CHANNEL_FD"))
 
 
 def compatible(started: Mapping[str, str], wanted: Mapping[str, str]) -> str | None:
     """None if a zygote started with ``started`` may fork a worker with
-    ``wanted``; otherwise the first variable that differs."""
-    skip = ROUND_VARS | LOCAL_VARS
+    ``wanted``; otherwise the first variable that differs (the runner's own
+    variables, which it removes before the script runs, aside)."""
+    skip = ROUND_VARS | LOCAL_VARS | RUNNER_VARS
     for key in sorted(set(started) | set(wanted)):
         if key not in skip and started.get(key) != wanted.get(key):
             return key
