@@ -58,6 +58,12 @@ def build_legacy_parser() -> argparse.ArgumentParser:
         "--local-rank=N) unless --use-env is given. Scripts that read LOCAL_RANK from the "
         "environment can use the 'elastrun' command instead (see docs/migration.md)."
     )
+    p.epilog = (
+        "examples:\n"
+        "  python -m elastrun.launch --nproc_per_node=2 train.py --epochs 3\n"
+        "  python -m elastrun.launch --nnodes=2 --node_rank=0 --nproc_per_node=8 \\\n"
+        "      --master_addr=10.0.0.1 --master_port=29500 train.py"
+    )
     g = p.add_argument_group("torch.distributed.launch")
     g.add_argument(
         "--use-env",
