@@ -66,6 +66,8 @@ async def open_conn(host: str, port: int, token: str | None, timeout: float) -> 
         message = str(reply.get("message", "refused"))
         if code == "auth":
             raise AuthenticationError(f"the elastrun store at {address}: {message}")
+        if code == "busy":  # too many connections for now: retried
+            raise StoreUnavailable(f"the elastrun store at {address} is busy: {message}")
         raise ProtocolError(f"the elastrun store at {address} refused us: {message}")
     server_id = reply.get("server_id")
     if reply.get("t") != "hello" or not isinstance(server_id, str):
