@@ -500,6 +500,23 @@ def test_a_slow_reader_catches_up_with_every_event_in_order() -> None:
     run(body)
 
 
+def test_a_watch_from_the_first_revision_gets_the_whole_history() -> None:
+    async def body() -> None:
+        async with StoreServer("127.0.0.1", 0) as server:
+            host, port = server.address or ("", 0)
+            store = await TcpStore.connect(host, port, timeout=5)
+            for i in range(3):
+                await store.put(f"/h/{i}", b"")
+            for start in (0, 1):
+                watch = await store.watch("/h/", prefix=True, start_revision=start)
+                got = [(await asyncio.wait_for(watch.__anext__(), 5)).kv.key for _ in range(3)]
+                assert got == ["/h/0", "/h/1", "/h/2"]
+                await watch.close()
+            await store.close()
+
+    run(body)
+
+
 def test_reconnect_resumes_watches_without_gaps_or_repeats() -> None:
     async def body() -> None:
         server = StoreServer("127.0.0.1", 0)

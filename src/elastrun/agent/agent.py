@@ -137,6 +137,8 @@ class Agent:
         self._waiting = WaitingConsole(clock=clock)
         if rendezvous.progress is None:
             rendezvous.progress = self._waiting.update
+        if rendezvous.lease_listener is None:  # revoked by the guard if the agent is killed
+            rendezvous.lease_listener = self._guard.set_lease
 
     # ------------------------------------------------------------ public
     async def run(self) -> int:

@@ -111,6 +111,7 @@ class DynamicRendezvous(Rendezvous):
             )
         )
         self.keeper = LeaseKeeper(store, settings.lease_ttl, clock=clock, on_lost=self._lease_lost)
+        self.keeper.on_lease = self._lease_changed
         node = Node(store, settings, self.keys, self.node_id, host, self.addr, clock, self.events)
         self._node = node
         self._timers: dict[Timer, float] = {}
@@ -194,6 +195,11 @@ class DynamicRendezvous(Rendezvous):
             fields = [f"{k}: job has {a!r}, this node has {b!r}" for k, (a, b) in diffs.items()]
             self.events.emit("config_mismatch", node=self.node_id, message=message, fields=fields)
             raise ConfigMismatch(message, diffs)
+
+    def _lease_changed(self, lease: int) -> None:
+        listener = self.lease_listener
+        if listener is not None:
+            listener(self.store.revoke_spec(lease) if lease else None)
 
     def _lease_lost(self, reason: str) -> None:
         if self._inbox is not None:

@@ -39,7 +39,13 @@ from elastrun.errors import (
     StoreUnavailable,
 )
 from elastrun.store import codec
-from elastrun.store.client_conn import Conn, describe_error, fmt_address, open_conn
+from elastrun.store.client_conn import (
+    Conn,
+    close_writer,
+    describe_error,
+    fmt_address,
+    open_conn,
+)
 from elastrun.store.client_leases import HeldLeases
 from elastrun.store.client_watch import TcpWatch
 
@@ -210,7 +216,7 @@ class TcpLink:
         if not conn.alive:
             return
         conn.alive = False
-        conn.writer.close()
+        close_writer(conn.writer)
         if self._conn is conn:
             self._conn = None
         error = StoreUnavailable(

@@ -303,7 +303,7 @@ class Connection(asyncio.Protocol):
         revision = self.engine.revision
         if not self.engine.is_synced(watcher):
             # Everything before ``start`` is "delivered"; history follows this answer.
-            revision = start - 1
+            revision = max(0, start - 1)
             self.lagging[watch_id] = watcher
         self.send(codec.encode_response(request.id, {"revision": revision}))
         self._schedule_pump()
