@@ -78,6 +78,43 @@ def half_sent_frames(host: str, port: int, n: int, held: list[socket.socket]) ->
                 sock.send(struct.pack(">I", 4 * MiB) + b"{" * (64 * 1024))
 
 
+def big_frames_before_hello(
+    host: str, port: int, n: int, held: list[socket.socket], size: int = 4 * MiB
+) -> int:
+    """``n`` connections that each start a frame of ``size`` bytes before any
+    hello and push as much of it as the store takes within 30 s. Returns the
+    bytes the store accepted in all."""
+    body = b"{" + b" " * (size - 1)
+    pending: dict[socket.socket, memoryview] = {}
+    for _ in range(n):
+        with contextlib.suppress(OSError):
+            sock = connect(host, port)
+            sock.setblocking(False)
+            held.append(sock)
+            pending[sock] = memoryview(struct.pack(">I", size) + body)
+    sent = 0
+    deadline = time.monotonic() + 30.0
+    while pending and time.monotonic() < deadline:
+        progress = False
+        for sock, data in list(pending.items()):
+            try:
+                k = sock.send(data[: 1 << 20])
+            except BlockingIOError:
+                continue
+            except OSError:  # closed by the store
+                del pending[sock]
+                continue
+            sent += k
+            progress = progress or k > 0
+            if k == len(data):
+                del pending[sock]
+            else:
+                pending[sock] = data[k:]
+        if not progress:
+            time.sleep(0.05)
+    return sent
+
+
 def closed_by_server(sock: socket.socket) -> bool:
     """True once the server closed ``sock`` (end of file or a reset)."""
     sock.setblocking(False)
@@ -126,7 +163,7 @@ def _measure(name: str, scenario: Callable[[str, int, int, str], str]) -> None:
 
     token_file = Path(f"/tmp/elastrun-abuse-token-{os.getpid()}")
     token_file.write_text("s3cret-token")
-    server = start_server_process("--token-file", str(token_file), "--hello-timeout", "10")
+    server = start_server_process("--token-file", str(token_file))
     try:
         pid = server.proc.pid
         time.sleep(0.5)
@@ -151,6 +188,14 @@ def _silent(host: str, port: int, pid: int, token: str) -> str:
         time.sleep(1.0)
         closed = sum(closed_by_server(s) for s in held)
         return f"{len(held)} opened, {closed} closed by the store at once"
+
+
+def _big(host: str, port: int, pid: int, token: str) -> str:
+    with sockets() as held:
+        sent = big_frames_before_hello(host, port, 600, held)
+        time.sleep(1.0)
+        closed = sum(closed_by_server(s) for s in held)
+        return f"{sent / MiB:.0f} MiB accepted from 600 connections, {closed} closed by the store"
 
 
 def _half(host: str, port: int, pid: int, token: str) -> str:
@@ -195,6 +240,7 @@ def main() -> None:
     print("| scenario | VmHWM before | VmHWM after | growth | what happened |")
     print("|---|---|---|---|---|")
     _measure("600 connections, no hello", _silent)
+    _measure("600 connections each sending a 4 MiB frame before its hello", _big)
     _measure("300 half-sent hellos + 300 announced 4 MiB frames", _half)
     _measure("300 overwrites of a 3 MB key, then delete", _overwrites(3_000_000))
     _measure("300 overwrites of a 1.5 MiB key, then delete", _overwrites(1536 * 1024))
