@@ -12,7 +12,10 @@ this tree at the boundary where they happen, so callers catch one family::
     │   ├── AuthenticationError      wrong or missing token / credentials
     │   ├── ProtocolError            malformed frame, unknown version, oversized frame
     │   ├── LeaseNotFound            the lease expired or was revoked
+    │   ├── LimitExceeded            a value, request or answer over a store limit (names it)
+    │   ├── WatchCancelled           the store ended a watch (it could not keep up)
     │   └── RevisionCompacted        a watch asked for history that is no longer kept
+    │       └── StoreReset           the store restarted without its data and history
     ├── RendezvousError              agreeing on membership
     │   ├── RendezvousTimeout        min nodes never joined before the join timeout
     │   ├── RendezvousClosed         the job finished or was closed
@@ -32,6 +35,7 @@ __all__ = [
     "ConfigMismatch",
     "ElastrunError",
     "LeaseNotFound",
+    "LimitExceeded",
     "ProtocolError",
     "RendezvousClosed",
     "RendezvousError",
@@ -39,8 +43,10 @@ __all__ = [
     "RestartBudgetExhausted",
     "RevisionCompacted",
     "StoreError",
+    "StoreReset",
     "StoreTimeout",
     "StoreUnavailable",
+    "WatchCancelled",
     "WorkerError",
 ]
 
@@ -77,8 +83,37 @@ class LeaseNotFound(StoreError):
     """The lease does not exist (it expired, or was revoked)."""
 
 
+class LimitExceeded(StoreError):
+    """A request, value or answer exceeds one of the store's documented limits
+    (the message names the limit and its value)."""
+
+
+class WatchCancelled(StoreError):
+    """The store ended a watch, e.g. one whose consumer fell too far behind.
+    ``next_revision`` is the first revision it did not deliver (0: unknown):
+    read the current state and watch again from there."""
+
+    def __init__(self, message: str, next_revision: int = 0) -> None:
+        super().__init__(message)
+        self.next_revision = next_revision
+
+
 class RevisionCompacted(StoreError):
-    """A watch asked to start at a revision whose history is no longer kept."""
+    """A watch asked for history that is no longer kept (etcd's "compacted").
+
+    ``compact_revision`` is the oldest revision a watch may start from now
+    (0: unknown). The remedy is to read the current state and watch from the
+    revision after that read."""
+
+    def __init__(self, message: str, compact_revision: int = 0) -> None:
+        super().__init__(message)
+        self.compact_revision = compact_revision
+
+
+class StoreReset(RevisionCompacted):
+    """The store restarted without its data: every key, lease and revision
+    of before is gone (not only history). Unlike compaction, re-reading does
+    not recover from this: the coordination state is lost."""
 
 
 class RendezvousError(ElastrunError):

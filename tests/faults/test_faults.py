@@ -511,8 +511,9 @@ def test_store_host_loss_ends_the_job_with_a_clear_error(
     exits non-zero within a bound, naming the store it lost, and leaves no worker."""
     net = netns(["a", "b"])
     endpoint = f"{net['a'].addr}:{STORE_PORT}"
-    # A node retries an unreachable store for up to join_timeout (a restarted
-    # store is reconnected), then gives up: that is the bound here.
+    # Killed: every reconnection is refused, and the node reports the store
+    # gone after 5 s of refusals. Cut: nothing answers at all, and the node
+    # waits for up to read_timeout (here join_timeout, the smaller): the bound.
     join_timeout = 20
     with job(tmp_path) as j:
         a = start_in(

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from elastrun.errors import LeaseNotFound, StoreError
+from elastrun.errors import LeaseNotFound, RevisionCompacted, StoreError
 from elastrun.store.base import Compare, Delete, Get, KeyValue, Put, Store, Watch, WatchEvent
 from tests.store.conftest import ClientFactory, StoreHarness
 
@@ -404,5 +404,41 @@ def test_newest_orders_keys_of_one_txn_by_key(make_store: StoreHarness) -> None:
         # (Which of them a limit keeps is unspecified: etcd's sort is unstable.)
         kvs, _, _ = await s.get_prefix_newest(j, res.revision, 2)
         assert len(kvs) == 2 and {kv.key for kv in kvs} <= {j + "a", j + "b", j + "c"}
+
+    make_store.run(body)
+
+
+# -- compaction: history before a revision is gone; current values are not ---
+def test_compaction_refuses_old_watches_and_keeps_current_values(make_store: StoreHarness) -> None:
+    p = make_store.prefix
+    k = p + "compact"
+
+    async def body(new: ClientFactory) -> None:
+        s = await new()
+        revs = [await s.put(k, str(i).encode()) for i in range(4)]
+        live = await s.watch(k)
+        await s.compact(revs[2])
+        # a watch from before the compaction: compacted, naming the oldest kept
+        with pytest.raises(RevisionCompacted) as info:
+            watch = await s.watch(k, start_revision=revs[1])
+            await next_event(watch)  # (where a store reports it only on the stream)
+        assert info.value.compact_revision == revs[2]
+        # from the compaction revision on, the history is there
+        watch = await s.watch(k, start_revision=revs[2])
+        assert await events(watch, 2) == [("put", k, b"2"), ("put", k, b"3")]
+        # the current value, and watches established before, are untouched
+        kv = await s.get(k)
+        assert kv is not None and (kv.value, kv.version) == (b"3", 4)
+        await s.put(k, b"4")
+        assert await events(live, 1) == [("put", k, b"4")]
+        assert await events(watch, 1) == [("put", k, b"4")]
+        # compacting again to the same or an older revision: already compacted
+        for again in (revs[2], revs[0]):
+            with pytest.raises(RevisionCompacted):
+                await s.compact(again)
+        # a future revision is refused, and is no compaction
+        with pytest.raises(StoreError) as future:
+            await s.compact(revs[3] + 1000)
+        assert not isinstance(future.value, RevisionCompacted)
 
     make_store.run(body)

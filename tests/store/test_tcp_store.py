@@ -29,7 +29,9 @@ from elastrun.errors import (
     StoreUnavailable,
 )
 from elastrun.store import codec
+from elastrun.store.base import Put
 from elastrun.store.client import TcpStore
+from elastrun.store.limits import StoreLimits
 from elastrun.store.server import StoreServer
 from tests.conftest import PYTHON, REPO
 from tests.store.conftest import (
@@ -409,35 +411,107 @@ def test_idle_handshake_is_closed_after_the_hello_deadline() -> None:
 
 
 # -- slow readers, reconnects -----------------------------------------------------
-def test_slow_watcher_is_disconnected_without_hurting_others() -> None:
+async def raw_watcher(host: str, port: int, key: str, start: int | None = None) -> Any:
+    """A raw connection with one prefix watch on ``key``, answered; returns
+    (reader, writer, decoder, frames read so far after the answer)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    req = codec.encode_request(1, "watch", watch=7, key=key, prefix=True, start_revision=start)
+    writer.write(frame(codec.hello(None)) + frame(req))
+    decoder = codec.FrameDecoder()
+    got: list[dict[str, Any]] = []
+    while not any(f.get("t") == "resp" for f in got):
+        got += decoder.feed(await asyncio.wait_for(reader.read(65536), 5))
+    answer = next(f for f in got if f.get("t") == "resp")
+    assert answer["ok"] is True, answer
+    return reader, writer, decoder, got[got.index(answer) + 1 :]
+
+
+def small_output_limits(stall: float = 60.0) -> StoreLimits:
+    return StoreLimits(output_high_water=256 * 1024, stall_timeout=stall)
+
+
+def test_a_watcher_that_never_reads_holds_bounded_output_and_is_dropped() -> None:
     async def body() -> None:
-        async with StoreServer("127.0.0.1", 0, max_output_buffer=512 * 1024) as server:
+        limits = small_output_limits(stall=3.0)
+        async with StoreServer("127.0.0.1", 0, limits=limits) as server:
             host, port = server.address or ("", 0)
             # a watcher that stops reading after its watch is set up
-            reader, writer = await asyncio.open_connection(host, port)
-            watch_req = codec.encode_request(1, "watch", watch=7, key="/slow/", prefix=True)
-            writer.write(frame(codec.hello(None)) + frame(watch_req))
-            decoder = codec.FrameDecoder()
-            got: list[dict[str, Any]] = []
-            while len(got) < 2:
-                got += decoder.feed(await asyncio.wait_for(reader.read(65536), 5))
-            assert got[1]["ok"] is True
+            _reader, writer, _, _ = await raw_watcher(host, port, "/slow/")
             store = await TcpStore.connect(host, port, timeout=5)
             watch = await store.watch("/slow/", prefix=True)
             assert server.connection_count == 2
+            slow = next(c for c in server._connections if 7 in c.watches)
             value = os.urandom(48 * 1024)
-            n = 200
+            n = 200  # about 13 MB of events, base64
+            peak = 0
             for i in range(n):
                 await store.put(f"/slow/{i:04d}", value)
-            for i in range(n):
+                assert slow.transport is not None
+                peak = max(peak, slow.transport.get_write_buffer_size())
+            for i in range(n):  # the reading client gets every event, in order
                 event = await asyncio.wait_for(watch.__anext__(), 10)
                 assert event.kv.key == f"/slow/{i:04d}" and event.kv.value == value
-            assert server.connection_count == 1, "the slow watcher was not disconnected"
-            with contextlib.suppress(ConnectionResetError):  # drained, then closed
-                while await asyncio.wait_for(reader.read(1 << 20), 10):
-                    pass
+            # What the server queued for the never-reading one stayed bounded:
+            # the high-water mark plus at most one revision's frame.
+            assert peak <= limits.output_high_water + 100 * 1024, peak
+            assert 7 in slow.lagging  # it fell back to catching up from history
+            # and once it has not read for the stall timeout it is dropped
+            deadline = time.monotonic() + 15
+            while server.connection_count != 1:
+                assert time.monotonic() < deadline, "the stalled watcher was not dropped"
+                await asyncio.sleep(0.1)
             writer.close()
             assert await store.ping() > 0
+            await store.close()
+
+    run(body)
+
+
+def test_a_slow_reader_catches_up_with_every_event_in_order() -> None:
+    async def body() -> None:
+        async with StoreServer("127.0.0.1", 0, limits=small_output_limits()) as server:
+            host, port = server.address or ("", 0)
+            store = await TcpStore.connect(host, port, timeout=5)
+            first = await store.put("/c/0000", b"before")
+            # One watch from the past (history replay) and one live; the
+            # reader reads nothing until every write is done.
+            reader, writer, decoder, got = await raw_watcher(host, port, "/c/", start=first)
+            value = os.urandom(32 * 1024)
+            n = 150
+            for i in range(1, n):
+                await store.put(f"/c/{i:04d}", value)
+            await store.txn([], [Put(f"/c/t{j}", b"x") for j in range(3)])  # one revision, 3 keys
+            events: list[tuple[str, int]] = []
+            while True:
+                for f in got:
+                    assert f["t"] == "events", f
+                    events += [(e["kv"]["key"], e["kv"]["mod"]) for e in f["events"]]
+                if len(events) >= n + 3:
+                    break
+                await asyncio.sleep(0.001)  # a slow reader
+                got = decoder.feed(await asyncio.wait_for(reader.read(1 << 16), 10))
+            keys = [k for k, _ in events]
+            assert keys == [f"/c/{i:04d}" for i in range(n)] + [f"/c/t{j}" for j in range(3)]
+            revisions = [r for _, r in events]
+            assert revisions == sorted(revisions) and revisions[0] == first
+            writer.close()
+            await store.close()
+
+    run(body)
+
+
+def test_a_watch_from_the_first_revision_gets_the_whole_history() -> None:
+    async def body() -> None:
+        async with StoreServer("127.0.0.1", 0) as server:
+            host, port = server.address or ("", 0)
+            store = await TcpStore.connect(host, port, timeout=5)
+            for i in range(3):
+                await store.put(f"/h/{i}", b"")
+            for start in (0, 1):
+                watch = await store.watch("/h/", prefix=True, start_revision=start)
+                got = [(await asyncio.wait_for(watch.__anext__(), 5)).kv.key for _ in range(3)]
+                assert got == ["/h/0", "/h/1", "/h/2"]
+                await watch.close()
             await store.close()
 
     run(body)

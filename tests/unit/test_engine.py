@@ -7,9 +7,10 @@ from collections.abc import Callable
 import pytest
 
 from elastrun.clock import FakeClock
-from elastrun.errors import LeaseNotFound, RevisionCompacted
+from elastrun.errors import LeaseNotFound, LimitExceeded, RevisionCompacted
 from elastrun.store.base import Compare, Delete, Get, Put, WatchEvent
 from elastrun.store.engine import Engine
+from elastrun.store.limits import StoreLimits, encoded_size
 
 
 def test_revisions_and_versions() -> None:
@@ -178,7 +179,7 @@ def test_replay_from_the_middle_of_a_long_history_is_exact_and_ordered() -> None
     replayed: list[WatchEvent] = []
     e.add_watcher("h/", True, start, replayed.extend)  # delivered before it returns
     assert [ev.kv.mod_revision for ev in replayed] == list(range(start, e.revision + 1))
-    assert replayed[0] == WatchEvent("put", e._history[start - 1][1][0].kv)
+    assert replayed[0] == WatchEvent("put", next(e.history.since(start))[1][0].kv)
     # then the live events follow, with nothing repeated
     e.put("h/x", b"live")
     assert replayed[-1].kv.key == "h/x" and replayed[-1].kv.mod_revision == 1213
@@ -237,3 +238,154 @@ def test_range_newest_selects_by_create_revision_and_counts_all() -> None:
     assert newest(6, -1) == newest(6, 0)  # limit <= 0: no limit, as in etcd
     assert newest(0, 3) == ([], 5)
     assert e.range_newest("nothing/", 10, 3) == ([], 0)
+
+
+# -- bounds in bytes: history, data, values, answers -------------------------------
+def small_limits(**changes: int) -> StoreLimits:
+    base = {"history_bytes": 64 * 1024, "max_data_bytes": 256 * 1024, "max_value": 16 * 1024}
+    return StoreLimits(**{**base, **changes})
+
+
+def test_history_is_bounded_in_bytes_and_compacts_the_oldest() -> None:
+    e = Engine(FakeClock(), limits=small_limits())
+    value = b"x" * 10_000
+    for _ in range(300):
+        e.put("big", value)
+    assert e.history.bytes <= 64 * 1024
+    assert 1 <= len(e.history) <= 7
+    assert e.compact_revision == 300 - len(e.history) + 1
+    e.delete("big")
+    assert e.data_bytes == 0  # nothing of the overwritten values is held as data
+    with pytest.raises(RevisionCompacted) as info:
+        e.add_watcher("big", False, 5, lambda events: None)
+    assert info.value.compact_revision == e.compact_revision
+    seen: list[WatchEvent] = []
+    e.add_watcher("big", False, e.compact_revision, seen.extend)
+    assert [ev.kv.mod_revision for ev in seen] == list(range(e.compact_revision, 302))
+    assert seen[-1].type == "delete"
+
+
+def test_one_revision_larger_than_the_history_bound_is_still_kept() -> None:
+    e = Engine(FakeClock(), limits=small_limits(history_bytes=1000))
+    e.put("a", b"")
+    e.put("b", b"y" * 5000)
+    assert len(e.history) == 1 and e.compact_revision == 2
+    seen: list[WatchEvent] = []
+    e.add_watcher("b", False, 2, seen.extend)
+    assert [ev.kv.value for ev in seen] == [b"y" * 5000]
+
+
+def test_compact_discards_history_before_a_revision() -> None:
+    e = Engine(FakeClock())
+    for i in range(5):
+        e.put("k", str(i).encode())
+    e.compact(3)
+    assert e.compact_revision == 3
+    with pytest.raises(RevisionCompacted):
+        e.add_watcher("k", False, 2, lambda events: None)
+    seen: list[WatchEvent] = []
+    e.add_watcher("k", False, 3, seen.extend)
+    assert [ev.kv.value for ev in seen] == [b"2", b"3", b"4"]
+    for again in (3, 1):
+        with pytest.raises(RevisionCompacted):
+            e.compact(again)
+    with pytest.raises(ValueError, match="future"):
+        e.compact(99)
+    assert e.get("k") is not None and e.get("k").value == b"4"  # type: ignore[union-attr]
+
+
+def test_writes_over_the_value_key_or_data_limits_fail_unapplied() -> None:
+    e = Engine(FakeClock(), limits=small_limits())
+    with pytest.raises(LimitExceeded, match="max_value"):
+        e.put("v", b"x" * (16 * 1024 + 1))
+    with pytest.raises(LimitExceeded, match="max_key"):
+        e.put("k" * 5000, b"")
+    with pytest.raises(LimitExceeded, match="max_value"):  # all or nothing in a txn
+        e.txn([], [Put("ok", b""), Put("v", b"x" * 20_000)], [])
+    assert e.revision == 0 and e.get("ok") is None
+    e.put("v", b"x" * 16 * 1024)  # at the limit: fine
+    for i in range(14):  # 15 values of 16 KiB (and their overhead) fit in 256 KiB
+        e.put(f"fill/{i}", b"f" * 16 * 1024)
+    with pytest.raises(LimitExceeded, match="max_data_bytes"):
+        e.put("fill/more", b"f" * 16 * 1024)
+    e.put("fill/0", b"")  # shrinking is always allowed
+    e.put("fill/more", b"f" * 10_000)  # and frees room
+    e.delete("fill/", prefix=True)
+    e.put("after", b"f" * 16 * 1024)
+
+
+def test_txn_whose_gets_could_answer_too_much_is_refused_unapplied() -> None:
+    e = Engine(FakeClock())
+    for i in range(20):
+        e.put(f"r/{i:02d}", b"x" * 1000)
+    revision = e.revision
+    with pytest.raises(LimitExceeded, match="max_response"):
+        e.txn([], [Put("w", b"1"), Get("r/", prefix=True)], [], max_answer=10_000)
+    assert e.revision == revision and e.get("w") is None
+    result = e.txn([], [Put("w", b"1"), Get("r/0", prefix=True)], [], max_answer=30_000)
+    assert [kv.key for kv in result.gets[0]] == [f"r/{i:02d}" for i in range(10)]
+
+
+def test_range_pages_cover_every_key_once_in_order() -> None:
+    e = Engine(FakeClock())
+    keys = [f"p/{i:03d}" for i in range(50)]
+    for k in keys:
+        e.put(k, b"v" * 100)
+    e.put("p0", b"")  # a neighbour outside the prefix
+    seen: list[str] = []
+    after: str | None = None
+    pages = 0
+    while True:
+        kvs, more = e.range_page("p/", after, 0, 1500)
+        pages += 1
+        assert kvs and sum(encoded_size(kv) for kv in kvs[:-1]) <= 1500
+        seen += [kv.key for kv in kvs]
+        if not more:
+            break
+        after = kvs[-1].key
+    assert seen == keys and pages > 5
+    kvs, more = e.range_page("p/", None, 7, 1 << 20)
+    assert len(kvs) == 7 and more
+    assert e.range_page("p/", keys[-1], 0, 1 << 20) == ([], False)
+    big = Engine(FakeClock())
+    big.put("b/1", b"x" * 5000)
+    assert len(big.range_page("b/", None, 0, 10)[0]) == 1  # never an empty page
+
+
+# -- watchers that fall behind catch up from history ------------------------------
+def test_a_watcher_that_refuses_events_catches_up_in_order() -> None:
+    e = Engine(FakeClock())
+    taken: list[int] = []
+    room = [2]
+
+    def take(events: list[WatchEvent]) -> bool:
+        if room[0] <= 0:
+            return False
+        room[0] -= 1
+        taken.extend(ev.kv.mod_revision for ev in events)
+        return True
+
+    wid = e.add_watcher("w/", True, None, take)
+    for i in range(10):
+        e.put(f"w/{i}", b"")
+    assert taken == [1, 2] and not e.is_synced(wid)
+    room[0] = 3
+    assert e.catch_up(wid) is False  # refused again after 3 revisions
+    assert taken == [1, 2, 3, 4, 5]
+    room[0] = 100
+    assert e.catch_up(wid, budget=1) is False  # one revision per small budget
+    assert taken[-1] == 6
+    assert e.catch_up(wid) is True and e.is_synced(wid)
+    e.put("w/live", b"")
+    assert taken == list(range(1, 12))
+
+
+def test_compaction_past_a_lagging_watcher_cancels_it() -> None:
+    e = Engine(FakeClock(), history=5)
+    wid = e.add_watcher("c/", True, None, lambda events: False)  # never takes anything
+    for i in range(20):
+        e.put(f"c/{i}", b"")
+    with pytest.raises(RevisionCompacted) as info:
+        e.catch_up(wid)
+    assert info.value.compact_revision == 16
+    assert wid not in e._watchers

@@ -4,23 +4,33 @@ It reads lines from stdin, whose write end only the agent holds::
 
     +<pgid>   a worker was started: it leads process group and session <pgid>
     -<pgid>   that worker is gone and its group was cleaned up
+    L<json>   the agent's rendezvous lease and how to revoke it (see revoke())
+    L         the agent holds no lease (any earlier one is forgotten)
 
 End of file means the agent is gone. The kernel closes the agent's descriptors
 however it dies, SIGKILL included, so this runs exactly when nobody else can
 clean up: every process group still listed is SIGKILLed, and so is every
 process still in one of those sessions (children that moved to a process
 group of their own). Only descendants that started a new session (daemons)
-escape. Then the guard exits.
+escape. Then the lease, if one is held, is revoked, so that the other nodes
+see this one gone now rather than at its lease's TTL: on etcd through its
+JSON gateway (``POST /v3/lease/revoke``, with the agent's endpoints, TLS files
+and user), on the embedded store through its own protocol. Then the guard
+exits. Everything is bounded in time; nothing here may hang.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
+import struct
 import sys
 import time
 
 KILL_FOR = 3.0  # keep killing (new forks) for at most this long
+REVOKE_FOR = 5.0  # try to revoke the lease for at most this long
 
 
 def _sessions_members(sids: set[int]) -> list[int]:
@@ -69,10 +79,139 @@ def kill_all(pgids: set[int]) -> None:
         time.sleep(0.02)
 
 
+def _kill_once(pgids: set[int]) -> None:
+    for pgid in pgids:
+        try:  # noqa: SIM105
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+# -- revoking the lease ---------------------------------------------------------------
+def revoke(spec: dict[str, object], deadline: float) -> bool:
+    """Revoke the lease ``spec`` describes (a store's ``revoke_spec``); True
+    when a store said it is gone. Errors are swallowed: best effort."""
+    kind = spec.get("kind")
+    lease = spec.get("lease")
+    if type(lease) is not int or lease <= 0:
+        return False
+    try:
+        if kind == "etcd":
+            return _revoke_etcd(spec, lease, deadline)
+        if kind == "elastrun":
+            return _revoke_elastrun(spec, lease, deadline)
+    except Exception:
+        return False
+    return False
+
+
+def _left(deadline: float) -> float:
+    return max(0.1, deadline - time.monotonic())
+
+
+def _revoke_etcd(spec: dict[str, object], lease: int, deadline: float) -> bool:
+    import http.client
+    import ssl
+
+    context = None
+    if spec.get("https"):
+        cacert = spec.get("cacert")
+        context = ssl.create_default_context(cafile=cacert if isinstance(cacert, str) else None)
+        cert, key = spec.get("cert"), spec.get("key")
+        if isinstance(cert, str):
+            context.load_cert_chain(cert, key if isinstance(key, str) else None)
+    endpoints = spec.get("endpoints")
+    if not isinstance(endpoints, list):
+        return False
+
+    def post(
+        conn: http.client.HTTPConnection, path: str, body: object, headers: dict[str, str]
+    ) -> dict[str, object]:
+        conn.request("POST", path, json.dumps(body), headers)
+        data = json.loads(conn.getresponse().read() or b"{}")
+        return data if isinstance(data, dict) else {}
+
+    for _ in range(3):  # a few rounds over the endpoints (one may be down)
+        for endpoint in endpoints:
+            if time.monotonic() >= deadline:
+                return False
+            host, port = str(endpoint[0]), int(endpoint[1])
+            conn: http.client.HTTPConnection
+            if context is not None:
+                conn = http.client.HTTPSConnection(
+                    host, port, timeout=_left(deadline), context=context
+                )
+            else:
+                conn = http.client.HTTPConnection(host, port, timeout=_left(deadline))
+            try:
+                headers = {"Content-Type": "application/json"}
+                user = spec.get("user")
+                if isinstance(user, str) and user:
+                    auth = {"name": user, "password": str(spec.get("password") or "")}
+                    token = post(conn, "/v3/auth/authenticate", auth, headers).get("token")
+                    if not isinstance(token, str):
+                        continue
+                    headers["Authorization"] = token
+                answer = post(conn, "/v3/lease/revoke", {"ID": str(lease)}, headers)
+                if "error" not in answer or "not found" in str(answer.get("error")):
+                    return True
+            except (OSError, ValueError, http.client.HTTPException):
+                continue
+            finally:
+                conn.close()
+        time.sleep(min(0.2, _left(deadline)))
+    return False
+
+
+def _revoke_elastrun(spec: dict[str, object], lease: int, deadline: float) -> bool:
+    """The embedded store's protocol: a hello, then one lease_revoke request
+    (frames of a 4-byte big-endian length and UTF-8 JSON)."""
+    host, port, token = str(spec.get("host")), int(str(spec.get("port"))), spec.get("token")
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=_left(deadline)) as sock:
+                sock.settimeout(_left(deadline))
+                _send_frame(sock, {"v": 1, "t": "hello", "token": token})
+                if _read_frame(sock).get("t") != "hello":
+                    return False  # refused (wrong token?): nothing else to try
+                _send_frame(
+                    sock, {"v": 1, "t": "req", "id": 1, "op": "lease_revoke", "lease": lease}
+                )
+                return _read_frame(sock).get("ok") is True
+        except (OSError, ValueError):
+            time.sleep(min(0.2, _left(deadline)))
+    return False
+
+
+def _send_frame(sock: socket.socket, message: dict[str, object]) -> None:
+    body = json.dumps(message, separators=(",", ":")).encode()
+    sock.sendall(struct.pack(">I", len(body)) + body)
+
+
+def _read_frame(sock: socket.socket) -> dict[str, object]:
+    head = _read_exactly(sock, 4)
+    (length,) = struct.unpack(">I", head)
+    if length > 1 << 20:
+        raise ValueError("frame too large")
+    data = json.loads(_read_exactly(sock, length))
+    return data if isinstance(data, dict) else {}
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise ValueError("connection closed")
+        out += chunk
+    return out
+
+
 def main() -> int:
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
     pgids: set[int] = set()
+    lease: dict[str, object] | None = None
     buf = b""
     while True:
         try:
@@ -86,6 +225,13 @@ def main() -> int:
         buf += data
         *lines, buf = buf.split(b"\n")
         for line in lines:
+            if line[:1] == b"L":
+                try:
+                    spec = json.loads(line[1:]) if line[1:] else None
+                except ValueError:
+                    continue
+                lease = spec if isinstance(spec, dict) else None
+                continue
             try:
                 pgid = int(line[1:])
             except ValueError:
@@ -96,6 +242,11 @@ def main() -> int:
                 pgids.add(pgid)
             elif line[:1] == b"-":
                 pgids.discard(pgid)
+    # The agent is gone. Its workers first (one pass at once), then its lease,
+    # then the workers again until none is left.
+    _kill_once(pgids)
+    if lease is not None:
+        revoke(lease, time.monotonic() + REVOKE_FOR)
     kill_all(pgids)
     return 0
 

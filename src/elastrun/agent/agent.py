@@ -169,6 +169,8 @@ class Agent:
         if rendezvous.notice is None:
             # Said at registration, before the waiting line is first drawn.
             rendezvous.notice = _say
+        if rendezvous.lease_listener is None:  # revoked by the guard if the agent is killed
+            rendezvous.lease_listener = self._guard.set_lease
 
     # ------------------------------------------------------------ public
     async def run(self) -> int:

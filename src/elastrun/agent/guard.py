@@ -11,6 +11,13 @@ guard reads end of file and SIGKILLs every listed process group and the
 processes still in those sessions, then exits. On a normal exit the agent has
 already cleaned up, so the guard finds nothing left to do.
 
+The agent also tells the guard how to revoke its rendezvous lease (the
+store's address, credentials and the lease id: :meth:`OrphanGuard.set_lease`),
+and the guard, after killing the workers, revokes it: the other nodes see
+this node gone at once instead of at the lease TTL (etcd ties leases to no
+connection; the embedded store would wait its disconnect grace). On a normal
+exit the agent has revoked it itself and told the guard so.
+
 Worker start costs one small write to the pipe. If the guard cannot be
 started, the agent warns and goes on (workers still have PDEATHSIG).
 """
@@ -19,9 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 from elastrun.clock import SYSTEM_CLOCK
 
@@ -69,6 +78,11 @@ class OrphanGuard:
     def remove(self, pgid: int) -> None:
         """That worker's group was cleaned up (it may be reused by others)."""
         self._send(f"-{pgid}\n")
+
+    def set_lease(self, spec: dict[str, Any] | None) -> None:
+        """Revoke this lease if the agent dies (a store's ``revoke_spec``);
+        None: there is none to revoke."""
+        self._send("L" + ("" if spec is None else json.dumps(spec, separators=(",", ":"))) + "\n")
 
     def _send(self, line: str) -> None:
         if self._fd is None:

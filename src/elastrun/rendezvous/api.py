@@ -23,6 +23,7 @@ from typing import Any
 
 __all__ = [
     "Change",
+    "LeaseListener",
     "Member",
     "ProgressCallback",
     "Rendezvous",
@@ -140,6 +141,9 @@ class WaitingStatus:
 
 
 ProgressCallback = Callable[[WaitingStatus], None]
+# Told how another process could revoke this node's lease (the store's
+# ``revoke_spec``: JSON-able), or None when it holds none.
+LeaseListener = Callable[[dict[str, Any] | None], None]
 
 
 class Rendezvous(abc.ABC):
@@ -151,6 +155,11 @@ class Rendezvous(abc.ABC):
     #: Called (if set) with a line for the operator, e.g. that this node
     #: started a new job under the id of a job that is over.
     notice: Callable[[str], None] | None = None
+    #: Called (if set) whenever this node's lease changes, with how another
+    #: process could revoke it (None: no lease): the agent's orphan guard
+    #: revokes it if the agent is killed, so the others see the node gone at
+    #: once rather than at the lease TTL.
+    lease_listener: LeaseListener | None = None
 
     @abc.abstractmethod
     async def next_round(self) -> RoundResult:

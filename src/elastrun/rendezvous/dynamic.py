@@ -25,7 +25,15 @@ from collections.abc import Callable
 from typing import Any
 
 from elastrun.clock import SYSTEM_CLOCK, Clock
-from elastrun.errors import ConfigMismatch, RendezvousClosed, RendezvousError, StoreError
+from elastrun.errors import (
+    ConfigMismatch,
+    RendezvousClosed,
+    RendezvousError,
+    RevisionCompacted,
+    StoreError,
+    StoreReset,
+    WatchCancelled,
+)
 from elastrun.events import EventSink, NullSink
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import records as R
@@ -57,6 +65,17 @@ Initial = Event | Callable[[View], Event]
 NOTE_MAX_BYTES = 256 * 1024  # a job-wide note (see read_note)
 _NOTE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
 REGISTER_TRIES = 8  # reads of the job's records on a first registration (races)
+
+# A phase whose watches keep being compacted before they deliver anything is
+# re-read at most this many times in a row before the error is raised.
+MAX_REREADS = 20
+
+
+def rereadable(exc: StoreError) -> bool:
+    """A watch error that reading the phase again recovers from: its history
+    was compacted, or the store ended it (it fell behind). Not a store that
+    lost everything (StoreReset)."""
+    return isinstance(exc, RevisionCompacted | WatchCancelled) and not isinstance(exc, StoreReset)
 
 
 def _safe_id(text: str) -> str:
@@ -97,6 +116,7 @@ class DynamicRendezvous(Rendezvous):
             )
         )
         self.keeper = LeaseKeeper(store, settings.lease_ttl, clock=clock, on_lost=self._lease_lost)
+        self.keeper.on_lease = self._lease_changed
         node = Node(store, settings, self.keys, self.node_id, host, self.addr, clock, self.events)
         self._node = node
         self._timers: dict[Timer, float] = {}
@@ -106,6 +126,7 @@ class DynamicRendezvous(Rendezvous):
         self._registered = False
         self._inbox: Inbox | None = None
         self._phase_id = 0
+        self._rereads = 0  # phases re-read in a row after a compacted watch
 
     # -- the Rendezvous interface ------------------------------------------
     async def next_round(self) -> RoundResult:
@@ -277,6 +298,11 @@ class DynamicRendezvous(Rendezvous):
             return
         self._agree(K.decode(key, kv.value).get("settings", {}), mine)
 
+    def _lease_changed(self, lease: int) -> None:
+        listener = self.lease_listener
+        if listener is not None:
+            listener(self.store.revoke_spec(lease) if lease else None)
+
     def _lease_lost(self, reason: str) -> None:
         if self._inbox is not None:
             self._inbox.put_nowait((-1, "lease_lost", (self.keeper.lease, reason)))
@@ -300,7 +326,14 @@ class DynamicRendezvous(Rendezvous):
                 self._observer.resnap = False
                 ph = Phase(self._node, self._observer, self._inbox, self._phase_id)
                 try:
-                    initial: list[Initial] = list(await ph.open(phase))
+                    try:
+                        initial: list[Initial] = list(await ph.open(phase))
+                    except StoreError as exc:
+                        if not rereadable(exc):
+                            raise
+                        self._reread(phase, exc)
+                        continue
+                    self._rereads = 0
                     if extra is not None:
                         initial.append(extra)
                         extra = None
@@ -361,13 +394,26 @@ class DynamicRendezvous(Rendezvous):
             elif pid != self._phase_id:
                 continue  # from the watches of an earlier phase
             elif tag == "error":
-                raise payload
+                if not rereadable(payload):
+                    raise payload
+                self._reread(phase, payload)
+                return None  # the caller opens the phase again: read, then watch
             else:
                 events = await self._observer.translate(tag, payload)
                 out = await self._process(phase, list(events))
             if out is not None:
                 return out
         return None
+
+    def _reread(self, phase: tuple[str, int], exc: StoreError) -> None:
+        """A watch of ``phase`` lost history it needs (compacted, or cut off by
+        the store for falling behind): the phase is read and watched again."""
+        self._rereads += 1
+        if self._rereads > MAX_REREADS:
+            raise exc
+        self.events.emit(
+            "watch_reread", node=self.node_id, phase=phase[0], round=phase[1], reason=str(exc)
+        )
 
     async def _feed(self, event: Event) -> Outcome | None:
         for action in self.rules.handle(event):

@@ -19,6 +19,11 @@ Model (the same as etcd v3's):
   default, with the next write. No polling anywhere.
 * A **txn** compares keys atomically and then applies either the success or the
   failure operations: compare-and-set on revisions is a txn.
+* The history of past revisions is bounded: **compaction** discards it before a
+  revision (:meth:`Store.compact`, or the store itself when its history bound is
+  reached). A watch that asks for compacted history, or falls that far behind,
+  raises :class:`~elastrun.errors.RevisionCompacted` (with the oldest revision
+  still kept): read the current state and watch again from after that read.
 
 Values are opaque bytes; structured data on top is versioned JSON (never pickle).
 """
@@ -28,7 +33,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = [
     "NO_LEASE",
@@ -254,9 +259,24 @@ class Store(abc.ABC):
         """Watch ``key`` (or keys under it, with ``prefix``). Returns once the
         watch is established: every write after this call returns is seen."""
 
+    @abc.abstractmethod
+    async def compact(self, revision: int) -> None:
+        """Discard the watch history before ``revision``: watches may start at
+        ``revision`` or later. Raises RevisionCompacted if the store is
+        already compacted that far, StoreError for a future revision. Keys'
+        current values are never affected."""
+
     # -- lifecycle -----------------------------------------------------------
     @abc.abstractmethod
     async def close(self) -> None: ...
+
+    def revoke_spec(self, lease: int) -> dict[str, Any] | None:
+        """How another process could revoke ``lease`` once this one is gone
+        (the agent's orphan guard does, when the agent is killed): a JSON-able
+        description of the store's address and credentials and the lease
+        (``kind``: ``"elastrun"`` or ``"etcd"``; see agent/_guard_main.py), or
+        None where that is not possible (the in-memory store)."""
+        return None
 
     async def __aenter__(self) -> Store:
         return self

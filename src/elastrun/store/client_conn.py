@@ -5,13 +5,14 @@ share (pending answers by request id, the frame decoder)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from typing import Any
 
 from elastrun.errors import AuthenticationError, ProtocolError, StoreUnavailable
 from elastrun.store import codec
 
-__all__ = ["Conn", "describe_error", "fmt_address", "open_conn"]
+__all__ = ["Conn", "close_writer", "describe_error", "fmt_address", "open_conn"]
 
 
 def fmt_address(host: str, port: int) -> str:
@@ -28,6 +29,20 @@ def describe_error(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror.lower()
     return str(exc) or type(exc).__name__
+
+
+def close_writer(writer: asyncio.StreamWriter) -> None:
+    """Close without waiting; the close's outcome (a reset, say) is consumed
+    in the background, not reported later as "never retrieved"."""
+    writer.close()
+    with contextlib.suppress(RuntimeError):  # no running loop: nothing to consume
+        waiter = asyncio.ensure_future(writer.wait_closed())
+        waiter.add_done_callback(_consume)
+
+
+def _consume(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class Conn:
@@ -58,17 +73,19 @@ async def open_conn(host: str, port: int, token: str | None, timeout: float) -> 
                     raise StoreUnavailable("the store closed the connection during the hello")
                 conn.decoder.push(data)
         except BaseException:
-            writer.close()
+            close_writer(writer)
             raise
     if reply.get("t") == "error":
-        writer.close()
+        close_writer(writer)
         code = reply.get("code")
         message = str(reply.get("message", "refused"))
         if code == "auth":
             raise AuthenticationError(f"the elastrun store at {address}: {message}")
+        if code == "busy":  # too many connections for now: retried
+            raise StoreUnavailable(f"the elastrun store at {address} is busy: {message}")
         raise ProtocolError(f"the elastrun store at {address} refused us: {message}")
     server_id = reply.get("server_id")
     if reply.get("t") != "hello" or not isinstance(server_id, str):
-        writer.close()
+        close_writer(writer)
         raise ProtocolError(f"{address} did not answer like an elastrun store")
     return conn, server_id  # the read loop takes over conn.decoder, with any bytes it holds

@@ -2,7 +2,9 @@
 
 Framing: every message is one **frame**: a 4-byte big-endian length, then that
 many bytes of UTF-8 JSON holding one object. Frames larger than
-:data:`MAX_FRAME` are refused. Byte values travel as base64 strings.
+:data:`MAX_FRAME` are refused (before the hello, larger than
+:data:`~elastrun.store.limits.PRE_HELLO_FRAME`). Byte values travel as base64
+strings.
 
 Messages (every one carries ``"v": PROTOCOL_VERSION``):
 
@@ -14,6 +16,9 @@ Messages (every one carries ``"v": PROTOCOL_VERSION``):
   ``{"t": "resp", "id": int, "ok": false, "error": {"code", "message"}}``.
 * server -> client: ``{"t": "events", "watch": int, "events": [...]}`` (a
   watch's events; one frame never splits a revision).
+* server -> client: ``{"t": "cancel", "watch": int, "code": str, "message":
+  str, "compact_revision": int}``: the server ended that watch (``compacted``:
+  it fell behind the compacted history).
 * server -> client: ``{"t": "error", "code": str, "message": str}``, then the
   server closes the connection (auth failure, protocol violation, too slow).
 
@@ -44,6 +49,7 @@ from elastrun.store.base import (
     TxnResult,
     WatchEvent,
 )
+from elastrun.store.limits import MAX_FRAME
 
 __all__ = [
     "MAX_FRAME",
@@ -58,6 +64,7 @@ __all__ = [
     "decode_op",
     "decode_request",
     "decode_txn_result",
+    "encode_cancel",
     "encode_compare",
     "encode_error",
     "encode_event",
@@ -76,7 +83,6 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 1
-MAX_FRAME = 4 * 1024 * 1024
 _HEADER = struct.Struct(">I")
 _MAX_INT = (1 << 63) - 1
 
@@ -92,6 +98,7 @@ OPS = frozenset(
         "lease_revoke",
         "watch",
         "watch_cancel",
+        "compact",
         "ping",
     }
 )
@@ -328,13 +335,24 @@ def encode_response(request_id: int, result: Any) -> Json:
     return {"v": PROTOCOL_VERSION, "t": "resp", "id": request_id, "ok": True, "result": result}
 
 
-def error_response(request_id: int, code: str, message: str) -> Json:
+def error_response(request_id: int, code: str, message: str, **extra: Any) -> Json:
     return {
         "v": PROTOCOL_VERSION,
         "t": "resp",
         "id": request_id,
         "ok": False,
-        "error": {"code": code, "message": message},
+        "error": {"code": code, "message": message, **extra},
+    }
+
+
+def encode_cancel(watch_id: int, code: str, message: str, compact_revision: int = 0) -> Json:
+    return {
+        "v": PROTOCOL_VERSION,
+        "t": "cancel",
+        "watch": watch_id,
+        "code": code,
+        "message": message,
+        "compact_revision": compact_revision,
     }
 
 
@@ -383,6 +401,12 @@ def decode_request(obj: Mapping[str, Any]) -> Request:
             # and the ``count`` of all keys under the prefix.
             args["max_create"] = expect_int(obj, "max_create")
             args["limit"] = expect_int(obj, "limit") if "limit" in obj else 0
+        elif op == "range" and obj.get("page") is True:
+            # Paged (the answer says ``more``): keys after ``after``, at most
+            # ``limit`` of them (0: any number), within the server's page size.
+            args["page"] = True
+            args["after"] = expect_str(obj, "after") if obj.get("after") is not None else None
+            args["limit"] = expect_int(obj, "limit") if "limit" in obj else 0
     elif op == "put":
         args["key"] = expect_str(obj, "key")
         args["value"] = _unb64(obj, "value")
@@ -406,4 +430,6 @@ def decode_request(obj: Mapping[str, Any]) -> Request:
         args["start_revision"] = None if start is None else expect_int(obj, "start_revision")
     elif op == "watch_cancel":
         args["watch"] = expect_int(obj, "watch", minimum=1)
+    elif op == "compact":
+        args["revision"] = expect_int(obj, "revision")
     return Request(request_id, op, args)

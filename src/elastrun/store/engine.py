@@ -7,6 +7,23 @@ front-ends (:mod:`elastrun.store.memory`, :mod:`elastrun.store.server`) own the
 event loop, call :meth:`Engine.expire_leases` at :meth:`Engine.next_deadline`,
 and turn callbacks into queues or frames.
 
+History and data are bounded in bytes (:class:`~elastrun.store.limits.StoreLimits`):
+the oldest revisions are compacted when the history holds more than
+``history_bytes`` (or ``history_revisions``), as etcd compacts; a watch that
+asks for a compacted revision gets :class:`~elastrun.errors.RevisionCompacted`
+carrying the oldest revision still kept. Writes beyond ``max_value``,
+``max_key`` or ``max_data_bytes`` fail with
+:class:`~elastrun.errors.LimitExceeded`, unapplied.
+
+A watcher is *synced* (it gets each write's events as they happen) or
+*catching up* (it reads history from the first revision it has not had, at
+the front-end's pace: :meth:`Engine.catch_up`). A watcher that starts in the
+past catches up; a synced watcher whose callback refuses events (returns
+False: its consumer is too far behind) falls back to catching up from the
+refused revision, so a slow consumer holds at most what its front-end queues
+plus the bounded history. If compaction passes a watcher that is catching up,
+:meth:`Engine.catch_up` raises RevisionCompacted and drops it.
+
 A lease may have an *owner* (any hashable token; the TCP server uses the
 connection that granted it or last kept it alive). When the owner goes away,
 :meth:`Engine.lease_owner_gone` shortens its leases' deadlines to a short
@@ -19,7 +36,6 @@ import bisect
 import itertools
 import math
 import secrets
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -37,10 +53,21 @@ from elastrun.store.base import (
     WatchEvent,
     newest_created,
 )
+from elastrun.store.history import History
+from elastrun.store.limits import (
+    DEFAULT_LIMITS,
+    KEY_OVERHEAD,
+    StoreLimits,
+    check_answer,
+    check_puts,
+    encoded_size,
+)
 
 __all__ = ["Engine", "WatchCallback"]
 
-WatchCallback = Callable[[list[WatchEvent]], None]
+# Called with the events of one revision for the watcher; returns False when
+# it cannot take them now (the watcher then catches up later), else True/None.
+WatchCallback = Callable[[list[WatchEvent]], bool | None]
 
 MIN_TTL = 0.05
 MAX_TTL = 3600.0
@@ -59,24 +86,35 @@ class _Watcher:
     key: str
     prefix: bool
     callback: WatchCallback
+    next_rev: int  # the first revision not delivered yet
+    synced: bool  # False: catching up from history (see catch_up)
 
     def matches(self, key: str) -> bool:
         return key.startswith(self.key) if self.prefix else key == self.key
 
 
 class Engine:
-    def __init__(self, clock: Clock = SYSTEM_CLOCK, history: int = 100_000) -> None:
+    def __init__(
+        self,
+        clock: Clock = SYSTEM_CLOCK,
+        history: int | None = None,
+        *,
+        limits: StoreLimits = DEFAULT_LIMITS,
+    ) -> None:
         self.clock = clock
+        self.limits = limits
         # Identifies this engine's history: a client that reconnects to a store
         # whose ``uid`` changed knows its watches cannot resume.
         self.uid = secrets.token_hex(8)
         self.revision = 0
         self._kv: dict[str, KeyValue] = {}
         self._sorted_keys: list[str] = []
+        self._data_bytes = 0
         self._leases: dict[int, _Lease] = {}
         self._owned: dict[object, set[int]] = {}  # owner -> ids of the leases it owns
-        # History of (revision, events); oldest revision still fully kept:
-        self._history: deque[tuple[int, list[WatchEvent]]] = deque(maxlen=history)
+        self.history = History(
+            limits.history_bytes, limits.history_revisions if history is None else history
+        )
         self._watchers: dict[int, _Watcher] = {}
         # The same watchers indexed for publishing: by exact key, and by prefix
         # (few distinct prefixes), so a write visits only the watchers it matches.
@@ -84,6 +122,16 @@ class Engine:
         self._by_prefix: dict[str, dict[int, _Watcher]] = {}
         self._watch_ids = itertools.count(1)
         self._lease_ids = itertools.count(secrets.randbelow(1 << 40) + 1)
+
+    @property
+    def data_bytes(self) -> int:
+        """What the live keys are counted as against ``max_data_bytes``."""
+        return self._data_bytes
+
+    @property
+    def compact_revision(self) -> int:
+        """The oldest revision a watch may start from (0: none compacted yet)."""
+        return self.history.compact_revision
 
     # -- reads ---------------------------------------------------------------
     def get(self, key: str) -> KeyValue | None:
@@ -112,9 +160,34 @@ class Engine:
         kvs = self.range(prefix, prefix=True)
         return newest_created(kvs, max_create_revision, limit), len(kvs)
 
+    def range_page(
+        self, prefix: str, after: str | None, limit: int, max_bytes: int
+    ) -> tuple[list[KeyValue], bool]:
+        """Keys under ``prefix`` (sorted), after the key ``after`` (exclusive;
+        None: from the first), at most ``limit`` of them (<= 0: no count
+        limit) and at most about ``max_bytes`` on the wire (never fewer than
+        one); and whether more keys follow."""
+        keys = self._sorted_keys
+        start = bisect.bisect_left(keys, prefix)
+        if after is not None and after >= prefix:
+            start = max(start, bisect.bisect_right(keys, after))
+        out: list[KeyValue] = []
+        size = 0
+        for i in range(start, len(keys)):
+            k = keys[i]
+            if not k.startswith(prefix):
+                return out, False
+            kv = self._kv[k]
+            size += encoded_size(kv)
+            if out and ((limit > 0 and len(out) >= limit) or size > max_bytes):
+                return out, True
+            out.append(kv)
+        return out, False
+
     # -- writes --------------------------------------------------------------
     def put(self, key: str, value: bytes, lease: int = NO_LEASE) -> int:
         self._check_lease(lease)
+        check_puts(self.limits, [Put(key, value, lease)], self._kv, self._data_bytes)
         self.revision += 1
         events = [self._apply_put(key, value, lease)]
         self._publish(events)
@@ -129,13 +202,23 @@ class Engine:
         return len(targets)
 
     def txn(
-        self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op]
+        self,
+        compares: Sequence[Compare],
+        success: Sequence[Op],
+        failure: Sequence[Op],
+        *,
+        max_answer: int | None = None,
     ) -> TxnResult:
+        """Apply the txn. With ``max_answer``, a txn whose gets could answer
+        more than that many bytes (on the wire) raises LimitExceeded, unapplied."""
         ok = all(c.holds(self._kv.get(c.key)) for c in compares)
         ops = success if ok else failure
-        for op in ops:
-            if isinstance(op, Put):
-                self._check_lease(op.lease)
+        puts = [op for op in ops if isinstance(op, Put)]
+        for put in puts:
+            self._check_lease(put.lease)
+        check_puts(self.limits, puts, self._kv, self._data_bytes)
+        if max_answer is not None:
+            check_answer(ops, puts, max_answer, self.range)
         writes = any(isinstance(op, Put) for op in ops) or any(
             isinstance(op, Delete) and self.range(op.key, op.prefix) for op in ops
         )
@@ -153,6 +236,24 @@ class Engine:
         if events:
             self._publish(events)
         return TxnResult(succeeded=ok, revision=self.revision, gets=gets)
+
+    def compact(self, revision: int) -> None:
+        """Discard the history before ``revision`` (etcd's compaction): a watch
+        may start at ``revision`` or later, not before. Raises
+        RevisionCompacted if it is already compacted that far, ValueError for
+        a revision the store has not reached."""
+        if revision > self.revision:
+            raise ValueError(
+                f"cannot compact to revision {revision}: it is a future revision "
+                f"(the store is at {self.revision})"
+            )
+        if revision <= self.compact_revision or revision < 1:
+            raise RevisionCompacted(
+                f"revision {revision} is already compacted "
+                f"(the oldest a watch may start from is {max(self.compact_revision, 1)})",
+                max(self.compact_revision, 1),
+            )
+        self.history.compact(revision)
 
     # -- leases --------------------------------------------------------------
     def lease_grant(self, ttl: float, owner: object | None = None) -> int:
@@ -215,36 +316,72 @@ class Engine:
 
     # -- watches -------------------------------------------------------------
     def add_watcher(
-        self, key: str, prefix: bool, start_revision: int | None, callback: WatchCallback
+        self,
+        key: str,
+        prefix: bool,
+        start_revision: int | None,
+        callback: WatchCallback,
+        *,
+        catch_up: bool = True,
     ) -> int:
-        """Register a watcher. With ``start_revision``, past events from that
-        revision on are delivered (synchronously) before this returns."""
-        watcher = _Watcher(key, prefix, callback)
+        """Register a watcher. With ``start_revision`` in the past it starts
+        catching up from there: with ``catch_up`` (the default) the whole
+        history since is delivered (synchronously) before this returns;
+        without, the front-end calls :meth:`catch_up` at its own pace.
+        Raises RevisionCompacted (not registered) for a compacted start."""
         if start_revision is not None and start_revision <= self.revision:
-            oldest = self._history[0][0] if self._history else self.revision + 1
-            # Revisions that produced no events (none exist today) would be fine;
-            # what matters is whether anything at or after start was dropped.
-            full = len(self._history) == self._history.maxlen
-            if full and start_revision < oldest:
+            if start_revision < self.compact_revision:
                 raise RevisionCompacted(
-                    f"revision {start_revision} is compacted; oldest kept is {oldest}"
+                    f"revision {start_revision} is compacted; "
+                    f"the oldest a watch may start from is {self.compact_revision}",
+                    self.compact_revision,
                 )
-            # Revisions ascend: walk back from the newest to start_revision
-            # (a watch usually starts just behind the store's revision).
-            since: list[list[WatchEvent]] = []
-            for revision, events in reversed(self._history):
-                if revision < start_revision:
-                    break
-                since.append(events)
-            for events in reversed(since):
-                matching = [e for e in events if watcher.matches(e.kv.key)]
-                if matching:
-                    callback(matching)
+            watcher = _Watcher(key, prefix, callback, max(1, start_revision), synced=False)
+        else:
+            watcher = _Watcher(key, prefix, callback, self.revision + 1, synced=True)
         watch_id = next(self._watch_ids)
         self._watchers[watch_id] = watcher
         index = self._by_prefix if prefix else self._by_key
         index.setdefault(key, {})[watch_id] = watcher
+        if not watcher.synced and catch_up:
+            self.catch_up(watch_id)
         return watch_id
+
+    def is_synced(self, watch_id: int) -> bool:
+        watcher = self._watchers.get(watch_id)
+        return watcher is None or watcher.synced
+
+    def catch_up(self, watch_id: int, budget: int | None = None) -> bool:
+        """Deliver history to a watcher that is catching up: whole revisions,
+        in order, until it is synced, its callback refuses, or about
+        ``budget`` bytes were delivered (None: no bound). True once synced
+        (or unknown). If compaction passed it, it is removed and
+        RevisionCompacted raised."""
+        watcher = self._watchers.get(watch_id)
+        if watcher is None or watcher.synced:
+            return True
+        if watcher.next_rev < self.compact_revision:
+            self.remove_watcher(watch_id)
+            raise RevisionCompacted(
+                f"the watch fell behind: revision {watcher.next_rev} was compacted; "
+                f"the oldest kept is {self.compact_revision}",
+                self.compact_revision,
+            )
+        sent = 0
+        for revision, events, size in self.history.since(watcher.next_rev):
+            if budget is not None and sent >= budget:
+                return False
+            matching = [e for e in events if watcher.matches(e.kv.key)]
+            if matching:
+                if watcher.callback(matching) is False:
+                    return False
+                sent += size
+            watcher.next_rev = revision + 1
+            if watch_id not in self._watchers:  # removed by its callback
+                return True
+        watcher.synced = True
+        watcher.next_rev = self.revision + 1
+        return True
 
     def remove_watcher(self, watch_id: int) -> None:
         watcher = self._watchers.pop(watch_id, None)
@@ -287,10 +424,15 @@ class Engine:
         if lease != NO_LEASE:
             self._leases[lease].keys.add(key)
         self._kv[key] = kv
+        if old is None:
+            self._data_bytes += len(key) + len(value) + KEY_OVERHEAD
+        else:
+            self._data_bytes += len(value) - len(old.value)
         return WatchEvent("put", kv)
 
     def _apply_delete(self, key: str) -> WatchEvent:
         old = self._kv.pop(key)
+        self._data_bytes -= len(key) + len(old.value) + KEY_OVERHEAD
         index = bisect.bisect_left(self._sorted_keys, key)
         del self._sorted_keys[index]
         if old.lease != NO_LEASE and old.lease in self._leases:
@@ -298,9 +440,10 @@ class Engine:
         return WatchEvent("delete", KeyValue(key, b"", old.create_revision, self.revision, 0))
 
     def _publish(self, events: list[WatchEvent]) -> None:
-        self._history.append((self.revision, events))
-        # Each matching watcher once, in registration order (as before), with
-        # this revision's events for its key or prefix.
+        self.history.append(self.revision, events)
+        # Each matching synced watcher once, in registration order, with this
+        # revision's events for its key or prefix (one catching up reads them
+        # from history later).
         hits: dict[int, _Watcher] = {}
         for event in events:
             key = event.kv.key
@@ -312,11 +455,18 @@ class Engine:
                     hits.update(group)
         if not hits:
             return
-        if len(events) == 1:
-            for _, watcher in sorted(hits.items()):
-                watcher.callback(events)
-            return
+        revision = self.revision
         for _, watcher in sorted(hits.items()):
-            matching = [e for e in events if watcher.matches(e.kv.key)]
-            if matching:
-                watcher.callback(matching)
+            if not watcher.synced:
+                continue
+            if len(events) == 1:
+                matching = events
+            else:
+                matching = [e for e in events if watcher.matches(e.kv.key)]
+                if not matching:
+                    continue
+            if watcher.callback(matching) is False:
+                watcher.synced = False  # catches up from this revision
+                watcher.next_rev = revision
+            else:
+                watcher.next_rev = revision + 1

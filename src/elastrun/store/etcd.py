@@ -294,6 +294,28 @@ class EtcdStore(Store):
         with contextlib.suppress(LeaseNotFound):
             await self._call("lease/revoke", {"ID": str(lease)})
 
+    def revoke_spec(self, lease: int) -> dict[str, Any] | None:
+        """etcd's address, TLS files and user for a plain HTTP(S) revoke of
+        ``lease`` through the JSON gateway (see :meth:`Store.revoke_spec`)."""
+        s = self.conn.settings
+        return {
+            "kind": "etcd",
+            "lease": lease,
+            "endpoints": [[e.host, e.port] for e in s.endpoints],
+            "https": s.https,
+            "cacert": s.cacert,
+            "cert": s.cert,
+            "key": s.key,
+            "user": s.user,
+            "password": s.password,
+        }
+
+    # -- compaction ------------------------------------------------------------
+    async def compact(self, revision: int) -> None:
+        # Not retried blindly: a compaction applied before a lost answer would
+        # come back as "already compacted".
+        await self._call("kv/compaction", {"revision": str(revision)}, idempotent=False)
+
     # -- watches -------------------------------------------------------------
     async def watch(
         self, key: str, *, prefix: bool = False, start_revision: int | None = None
@@ -304,9 +326,11 @@ class EtcdStore(Store):
             probe = {**body, "revision": str(start_revision), "count_only": True}
             try:
                 await self._call("kv/range", probe)
+            except RevisionCompacted as exc:
+                raise await self._compacted(body, start_revision, exc) from None
             except StoreError as exc:
                 if "future revision" not in str(exc):
-                    raise  # compacted, unreachable, not allowed
+                    raise  # unreachable, not allowed
 
         if self._closed:
             raise StoreUnavailable(f"the etcd store ({self.conn.describe()}) is closed")
@@ -317,6 +341,23 @@ class EtcdStore(Store):
 
     def _forget(self, watch: EtcdWatch) -> None:
         self._watches.discard(watch)
+
+    async def _compacted(
+        self, body: Json, start_revision: int, error: RevisionCompacted
+    ) -> RevisionCompacted:
+        """``error`` with the compact revision, which only a watch reports:
+        open one from ``start_revision`` and read its cancellation."""
+        watch = EtcdWatch(self, body, start_revision)
+        try:
+            await watch.start()
+            await asyncio.wait_for(watch.__anext__(), 5.0)
+        except RevisionCompacted as exc:
+            return exc
+        except (StoreError, TimeoutError):
+            pass
+        finally:
+            await watch.close()
+        return error
 
     # -- lifecycle -----------------------------------------------------------
     async def close(self) -> None:
@@ -375,10 +416,12 @@ class EtcdWatch(Watch):
         result = message.get("result", {})
         if not result.get("canceled"):
             return
-        if _int(result, "compact_revision"):
+        compact_revision = _int(result, "compact_revision")
+        if compact_revision:
             raise RevisionCompacted(
                 f"etcd at {endpoint}: watch history from revision {self._next_rev} is compacted "
-                f"(oldest kept: {_int(result, 'compact_revision')})"
+                f"(oldest kept: {compact_revision})",
+                compact_revision,
             )
         reason = str(result.get("cancel_reason", "cancelled by the server"))
         error = translate(0, reason, str(endpoint))

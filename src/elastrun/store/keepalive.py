@@ -5,7 +5,8 @@ once, and sets :attr:`LeaseKeeper.lost`, when the lease is gone: the store says
 it no longer exists (expired or revoked), or the store could not be reached
 for longer than the TTL (so the lease has expired there, or will before we can
 reach it). :meth:`stop` ends the task and revokes the lease (best effort,
-bounded by one TTL or the timeout given).
+bounded by one TTL or the timeout given). ``on_lease`` (if set) is told the
+lease held from now on: its id after each grant, NO_LEASE once stopped.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class LeaseKeeper:
         self.ttl = ttl
         self.clock = clock
         self.on_lost = on_lost
+        self.on_lease: Callable[[int], None] | None = None
         self.lease = NO_LEASE
         self.lost = asyncio.Event()
         self.lost_reason = ""
@@ -61,6 +63,8 @@ class LeaseKeeper:
                 f"unreachable, or without a quorum{before}"
             ) from None
         self._task = asyncio.get_running_loop().create_task(self._run(self.lease))
+        if self.on_lease is not None:
+            self.on_lease(self.lease)
         return self.lease
 
     async def _run(self, lease: int) -> None:
@@ -106,6 +110,8 @@ class LeaseKeeper:
             with contextlib.suppress(StoreError, TimeoutError, OSError):
                 bound = self.ttl if timeout is None else timeout
                 await asyncio.wait_for(self.store.lease_revoke(lease), bound)
+        if self.on_lease is not None and lease != NO_LEASE:
+            self.on_lease(NO_LEASE)
 
 
 def _describe(store: Store) -> str:

@@ -1,17 +1,25 @@
 """In-memory store: the engine behind an asyncio front-end, for tests and
 single-process use. Leases expire on a timer set at the earliest lease
-deadline (no polling)."""
+deadline (no polling).
+
+Each watch holds at most ``watch_queue_bytes`` (see
+:mod:`elastrun.store.limits`) of events its consumer has not read; past that
+it stops taking live events and, as the consumer reads, catches up from the
+engine's history (see :mod:`elastrun.store.engine`). If compaction passes it
+meanwhile, iterating it raises RevisionCompacted: read, then watch again."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import Sequence
 
 from elastrun.clock import SYSTEM_CLOCK, Clock
-from elastrun.errors import StoreError, StoreUnavailable
+from elastrun.errors import RevisionCompacted, StoreError, StoreUnavailable
 from elastrun.store.base import NO_LEASE, Compare, KeyValue, Op, Store, TxnResult, Watch, WatchEvent
 from elastrun.store.engine import Engine
+from elastrun.store.history import event_size
 
 __all__ = ["LeaseReaper", "MemoryStore", "QueueWatch"]
 
@@ -51,31 +59,68 @@ class LeaseReaper:
 
 
 class QueueWatch(Watch):
-    """A watch fed by engine callbacks through an unbounded queue."""
+    """A watch fed by engine callbacks through a queue bounded in bytes."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, max_bytes: int | None = None) -> None:
         self._engine = engine
-        self._queue: asyncio.Queue[WatchEvent | None] = asyncio.Queue()
+        self._max_bytes = engine.limits.watch_queue_bytes if max_bytes is None else max_bytes
+        self._queue: collections.deque[WatchEvent] = collections.deque()
+        self._bytes = 0
+        self._ready = asyncio.Event()
+        self._error: StoreError | None = None
         self._closed = False
         self.watch_id = 0
 
-    def feed(self, events: list[WatchEvent]) -> None:
+    @property
+    def queued_bytes(self) -> int:
+        return self._bytes
+
+    def feed(self, events: list[WatchEvent]) -> bool:
+        """The engine's callback: False (not taken) when the queue is full."""
+        if self._closed:
+            return True
+        if self._queue and self._bytes >= self._max_bytes:
+            return False
         for event in events:
-            self._queue.put_nowait(event)
+            self._queue.append(event)
+            self._bytes += event_size(event)
+        self._ready.set()
+        return True
+
+    def _refill(self) -> None:
+        """Catch up from history while there is room (no-op when synced)."""
+        if self._closed or self._error is not None:
+            return
+        try:
+            self._engine.catch_up(self.watch_id, max(1, self._max_bytes - self._bytes))
+        except RevisionCompacted as exc:
+            self._error = exc
 
     async def __anext__(self) -> WatchEvent:
-        if self._closed and self._queue.empty():
-            raise StopAsyncIteration
-        event = await self._queue.get()
-        if event is None:
-            raise StopAsyncIteration
-        return event
+        while True:
+            if self._queue:
+                event = self._queue.popleft()
+                self._bytes -= event_size(event)
+                if self._bytes <= self._max_bytes // 4:
+                    self._refill()
+                return event
+            if self._closed:
+                raise StopAsyncIteration
+            self._refill()
+            if self._queue:
+                continue
+            if self._error is not None:
+                raise self._error  # keeps failing on later calls too
+            self._ready.clear()
+            await self._ready.wait()
 
     async def close(self) -> None:
         if not self._closed:
             self._closed = True
             self._engine.remove_watcher(self.watch_id)
-            self._queue.put_nowait(None)
+            self._queue.clear()
+            self._bytes = 0
+            self._ready.set()
 
 
 class MemoryStore(Store):
@@ -146,9 +191,16 @@ class MemoryStore(Store):
     ) -> Watch:
         engine = self._check()
         watch = QueueWatch(engine)
-        watch.watch_id = engine.add_watcher(key, prefix, start_revision, watch.feed)
+        watch.watch_id = engine.add_watcher(key, prefix, start_revision, watch.feed, catch_up=False)
+        watch._refill()
         self._watches.append(watch)
         return watch
+
+    async def compact(self, revision: int) -> None:
+        try:
+            self._check().compact(revision)
+        except ValueError as exc:
+            raise StoreError(str(exc)) from None
 
     async def close(self) -> None:
         if self._closed:

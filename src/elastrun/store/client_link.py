@@ -1,0 +1,348 @@
+"""The connection machinery under :class:`~elastrun.store.client.TcpStore`:
+connecting and reconnecting, the read loop, requests with deadlines, and
+watches re-established after a reconnect.
+
+* Requests are multiplexed by id; each has an absolute deadline
+  (:class:`~elastrun.errors.StoreTimeout` when it passes).
+* When the connection is lost, the next request reconnects (retrying until its
+  deadline) and open watches resume from the revision after the last one they
+  delivered. A client holding leases or watches reconnects at once; its held
+  leases are renewed first thing on every new connection
+  (:mod:`elastrun.store.client_leases`).
+* **A store that is gone is reported, not waited for.** Once connected, if
+  every reconnection attempt for ``refused_timeout`` (5 s) is refused (nothing
+  listens on the port: the process serving the store exited, e.g. the agent
+  hosting it was killed), requests and watches fail with StoreUnavailable
+  naming the store, instead of retrying until their deadline. A store that
+  does not answer at all (host down, partition) is still waited for until the
+  deadline, and the first connection is retried until its own (the store may
+  still be starting).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from typing import Any
+
+from elastrun.clock import SYSTEM_CLOCK, Clock, remaining
+from elastrun.errors import (
+    AuthenticationError,
+    LeaseNotFound,
+    LimitExceeded,
+    ProtocolError,
+    RevisionCompacted,
+    StoreError,
+    StoreReset,
+    StoreTimeout,
+    StoreUnavailable,
+)
+from elastrun.store import codec
+from elastrun.store.client_conn import (
+    Conn,
+    close_writer,
+    describe_error,
+    fmt_address,
+    open_conn,
+)
+from elastrun.store.client_leases import HeldLeases
+from elastrun.store.client_watch import TcpWatch
+
+__all__ = ["REFUSED_TIMEOUT", "TcpLink"]
+
+_ERRORS: dict[str, type[StoreError]] = {
+    "lease_not_found": LeaseNotFound,
+    "compacted": RevisionCompacted,
+    "limit": LimitExceeded,
+    "protocol": ProtocolError,
+    "auth": AuthenticationError,
+}
+_IDEMPOTENT = frozenset({"get", "range", "lease_keepalive", "ping", "watch_cancel"})
+REFUSED_TIMEOUT = 5.0
+
+
+class StoreGone(StoreUnavailable):
+    """Every reconnection was refused for ``refused_timeout``: not retried."""
+
+
+class TcpLink:
+    """One client's connection to the embedded store, kept up (see module doc)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        token: str | None = None,
+        request_timeout: float = 10.0,
+        connect_timeout: float = 30.0,
+        refused_timeout: float = REFUSED_TIMEOUT,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.address = fmt_address(host, port)
+        self.token = token
+        self.request_timeout = request_timeout
+        self.connect_timeout = connect_timeout
+        self.refused_timeout = refused_timeout
+        self.clock = clock
+        self.server_id: str | None = None
+        self._conn: Conn | None = None
+        self._lock = asyncio.Lock()
+        self._ids = itertools.count(1)
+        self._watches: dict[int, TcpWatch] = {}
+        self._leases = HeldLeases(clock)
+        self._resumer: asyncio.Task[None] | None = None
+        self._refused_since: float | None = None
+        self._closed = False
+
+    # -- connection ------------------------------------------------------------
+    async def _connected(self, deadline: float) -> Conn:
+        if self._closed:
+            raise StoreUnavailable(f"the client of the elastrun store at {self.address} is closed")
+        conn = self._conn
+        if conn is not None and conn.alive:
+            return conn
+        # Another task may be reconnecting (holding the lock): wait for it
+        # no longer than this request's own deadline.
+        try:
+            async with asyncio.timeout(max(0.0, remaining(deadline, self.clock))):
+                await self._lock.acquire()
+        except TimeoutError:
+            raise StoreUnavailable(
+                f"cannot reach the elastrun store at {self.address}: still reconnecting"
+            ) from None
+        try:
+            conn = self._conn
+            if conn is not None and conn.alive:
+                return conn
+            delay = 0.05
+            while True:
+                try:
+                    conn = await self._open(deadline)
+                    break
+                except (AuthenticationError, ProtocolError):
+                    raise
+                except (OSError, StoreUnavailable) as exc:
+                    self._check_gone(exc)
+                    left = remaining(deadline, self.clock)
+                    if left <= delay:
+                        why = describe_error(exc)
+                        raise StoreUnavailable(
+                            f"cannot reach the elastrun store at {self.address}: {why}"
+                        ) from None
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+            self._refused_since = None
+            self._conn = conn
+            conn.task = asyncio.get_running_loop().create_task(self._read_loop(conn))
+            self._leases.renew_on(conn, self._ids)  # before any other request
+            return conn
+        finally:
+            self._lock.release()
+
+    def _check_gone(self, exc: BaseException) -> None:
+        """Raise StoreGone once reconnections were refused for refused_timeout."""
+        if self.server_id is None or not isinstance(exc, ConnectionRefusedError):
+            self._refused_since = None  # never connected yet, or not a refusal
+            return
+        now = self.clock.monotonic()
+        if self._refused_since is None:
+            self._refused_since = now
+        if now - self._refused_since >= self.refused_timeout:
+            raise StoreGone(
+                f"lost the elastrun store at {self.address}: connection refused for "
+                f"{now - self._refused_since:.0f} s, nothing listens there any more "
+                "(the process serving the store exited: was the agent hosting it "
+                "stopped or killed?)"
+            )
+
+    async def _open(self, deadline: float) -> Conn:
+        left = remaining(deadline, self.clock)
+        if left <= 0:
+            raise TimeoutError
+        conn, server_id = await open_conn(self.host, self.port, self.token, left)
+        if self.server_id is not None and server_id != self.server_id:
+            lost = StoreReset(
+                f"the elastrun store at {self.address} restarted without its data "
+                "and history; open watches cannot resume"
+            )
+            for watch in list(self._watches.values()):
+                watch.fail(lost)
+        self.server_id = server_id
+        return conn
+
+    async def _read_loop(self, conn: Conn) -> None:
+        decoder = conn.decoder
+        try:
+            while True:
+                while (frame := decoder.pop()) is not None:
+                    self._dispatch(conn, frame)
+                data = await conn.reader.read(65536)
+                if not data:
+                    break
+                decoder.push(data)
+        except ProtocolError as exc:
+            conn.reason = f"protocol error: {exc}"
+        except (OSError, EOFError) as exc:
+            conn.reason = describe_error(exc)
+        finally:
+            self._lost(conn)
+
+    def _dispatch(self, conn: Conn, frame: dict[str, Any]) -> None:
+        kind = frame.get("t")
+        if kind == "resp":
+            future = conn.pending.pop(frame.get("id"), None)  # type: ignore[arg-type]
+            if future is not None and not future.done():
+                future.set_result(frame)
+        elif kind == "events":
+            watch = self._watches.get(frame.get("watch"))  # type: ignore[arg-type]
+            if watch is not None and watch.conn in (conn, None):
+                raw = frame.get("events")
+                if not isinstance(raw, list):
+                    raise ProtocolError("'events' must be a list")
+                events = [codec.decode_event(e) for e in raw]
+                watch.deliver(events, frame.get("partial") is True)
+        elif kind == "cancel":
+            watch = self._watches.get(frame.get("watch"))  # type: ignore[arg-type]
+            if watch is not None and watch.conn in (conn, None):
+                watch.fail(_error_of(frame, f"the store ended the watch on {watch.key!r}"))
+        elif kind == "error":
+            conn.reason = f"the store closed the connection: {frame.get('message')!s:.300}"
+
+    def _lost(self, conn: Conn) -> None:
+        if not conn.alive:
+            return
+        conn.alive = False
+        close_writer(conn.writer)
+        if self._conn is conn:
+            self._conn = None
+        error = StoreUnavailable(
+            f"lost the connection to the elastrun store at {self.address}: {conn.reason}"
+        )
+        for future in conn.pending.values():
+            if not future.done():
+                future.set_exception(error)
+        conn.pending.clear()
+        held = self._watches or self._leases
+        if held and not self._closed and (self._resumer is None or self._resumer.done()):
+            self._resumer = asyncio.get_running_loop().create_task(self._resume())
+
+    async def _resume(self) -> None:
+        """Reconnect at once (which renews held leases), then re-establish open
+        watches on the new connection (bounded)."""
+        deadline = self.clock.monotonic() + self.connect_timeout
+        if not self._watches:
+            with contextlib.suppress(StoreError):  # the next request reports it
+                await self._connected(deadline)
+            return
+        while not self._closed:
+            todo = [w for w in self._watches.values() if w.conn is None or not w.conn.alive]
+            if not todo:
+                return
+            try:
+                for watch in todo:
+                    if not watch.closed:
+                        await self._establish(watch, deadline)
+            except StoreUnavailable as exc:
+                if remaining(deadline, self.clock) > 0 and not isinstance(exc, StoreGone):
+                    continue
+                failure = exc
+                if not isinstance(exc, StoreGone):
+                    failure = StoreUnavailable(
+                        f"watch on {watch.key!r} lost the elastrun store at {self.address} "
+                        f"and could not resume: {exc}"
+                    )
+                for w in list(self._watches.values()):
+                    w.fail(failure)
+                return
+            except StoreError as exc:  # compacted, auth, protocol
+                watch.fail(exc)
+
+    async def _establish(self, watch: TcpWatch, deadline: float) -> None:
+        conn = await self._connected(deadline)
+        watch.conn = conn  # route events of this connection to it from now on
+        try:
+            result = await self._send(
+                conn,
+                deadline,
+                "watch",
+                watch=watch.watch_id,
+                key=watch.key,
+                prefix=watch.prefix,
+                start_revision=watch.resume_revision(),
+            )
+        except BaseException:
+            watch.conn = None
+            raise
+        watch.established(conn, codec.expect_int(result, "revision"))
+
+    # -- requests --------------------------------------------------------------
+    async def _request(self, op: str, *, timeout: float | None = None, **args: Any) -> Any:
+        deadline = self.clock.monotonic() + (self.request_timeout if timeout is None else timeout)
+        retried = False
+        while True:
+            conn = await self._connected(deadline)
+            try:
+                return await self._send(conn, deadline, op, **args)
+            except StoreTimeout:
+                raise
+            except StoreUnavailable as exc:
+                if op in _IDEMPOTENT and not retried and remaining(deadline, self.clock) > 0:
+                    retried = True
+                    continue
+                if op not in _IDEMPOTENT:
+                    raise StoreUnavailable(
+                        f"{exc} (the {op} may or may not have been applied)"
+                    ) from None
+                raise
+
+    async def _send(self, conn: Conn, deadline: float, op: str, **args: Any) -> Any:
+        request_id = next(self._ids)
+        frame = codec.encode_frame(codec.encode_request(request_id, op, **args))
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        conn.pending[request_id] = future
+        try:
+            async with asyncio.timeout(remaining(deadline, self.clock)):
+                conn.writer.write(frame)
+                await conn.writer.drain()
+                response = await future
+        except TimeoutError:
+            raise StoreTimeout(
+                f"the elastrun store at {self.address} did not answer a {op} request in time"
+            ) from None
+        except OSError as exc:
+            why = describe_error(exc)
+            raise StoreUnavailable(
+                f"lost the connection to the elastrun store at {self.address}: {why}"
+            ) from None
+        finally:
+            conn.pending.pop(request_id, None)
+        if response.get("ok") is True:
+            result = response.get("result")
+            if not isinstance(result, dict):
+                raise ProtocolError(f"malformed {op} response from {self.address}")
+            return result
+        raise _error_of(response.get("error"), f"{op} failed")
+
+    def _post(self, conn: Conn, op: str, **args: Any) -> None:
+        """Send a request whose answer nobody waits for (it is ignored)."""
+        with contextlib.suppress(OSError, ProtocolError, RuntimeError):
+            conn.writer.write(codec.encode_frame(codec.encode_request(next(self._ids), op, **args)))
+
+    def _forget(self, watch: TcpWatch) -> None:
+        self._watches.pop(watch.watch_id, None)
+
+
+def _error_of(error: Any, fallback: str) -> StoreError:
+    """The exception for an error object (``code``, ``message``, ...)."""
+    if not isinstance(error, dict):
+        return StoreError(fallback)
+    code = str(error.get("code"))
+    message = str(error.get("message") or f"{fallback} ({code})")
+    if code == "compacted":
+        revision = error.get("compact_revision")
+        return RevisionCompacted(message, revision if type(revision) is int else 0)
+    return _ERRORS.get(code, StoreError)(message)

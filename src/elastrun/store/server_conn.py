@@ -1,0 +1,416 @@
+"""One connection of the embedded store's server (:mod:`elastrun.store.server`).
+
+What a connection may make the server hold is bounded
+(:class:`~elastrun.store.limits.StoreLimits`):
+
+* Before its hello: one frame of at most ``PRE_HELLO_FRAME`` bytes, within
+  ``hello_timeout``. A first frame that is not a valid hello, a wrong or
+  missing token, bytes that are not frames: an error frame, then closed.
+* After: frames of at most ``MAX_FRAME``; a frame begun must be complete
+  within ``frame_timeout``.
+* Output: while more than ``output_high_water`` bytes are queued for it, its
+  requests wait unread and its watches stop taking live events: they catch up
+  from the engine's history as the queue drains (a watch that falls behind
+  the compacted history is cancelled with a ``cancel`` frame, code
+  ``compacted``). A peer that does not read for ``stall_timeout`` is dropped.
+* Answers: range answers come in pages of at most ``max_response`` bytes (for
+  clients that ask for pages; others get an error past it), a txn whose
+  answer could be larger is refused unapplied.
+
+Requests are executed by :mod:`elastrun.store.server_ops`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import socket
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from elastrun.errors import ProtocolError, RevisionCompacted
+from elastrun.store import codec
+from elastrun.store.base import WatchEvent
+from elastrun.store.limits import PRE_HELLO_FRAME
+from elastrun.store.server_ops import execute, failure_response
+
+if TYPE_CHECKING:
+    from elastrun.store.server import StoreServer
+
+__all__ = ["CATCH_UP_STEP", "Connection", "fmt_address"]
+
+log = logging.getLogger("elastrun.store.server")
+
+# History bytes a catching-up watch is sent per step (then other work runs).
+CATCH_UP_STEP = 256 * 1024
+
+
+def fmt_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class Connection(asyncio.Protocol):
+    def __init__(self, server: StoreServer) -> None:
+        self.server = server
+        self.engine = server.engine
+        self.limits = server.limits
+        self.decoder = codec.FrameDecoder(PRE_HELLO_FRAME)
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self.peer_ip = "?"
+        self.authenticated = False
+        self.closing = False
+        self.admitted = False
+        self.watches: dict[int, int] = {}  # client's watch id -> engine watcher id
+        # Watches catching up from history (client's id -> engine watcher id).
+        self.lagging: dict[int, int] = {}
+        self._pump_scheduled = False
+        # Set while the transport's buffer is above its high-water mark: no
+        # request is handled (and nothing read) until it drains.
+        self.write_paused = False
+        self.reading_paused = False
+        self._hello_timer: asyncio.TimerHandle | None = None
+        self._frame_timer: asyncio.TimerHandle | None = None
+        self._stall_timer: asyncio.TimerHandle | None = None
+
+    # -- asyncio.Protocol ------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        if peer:
+            self.peer_ip = str(peer[0])
+            self.peer = fmt_address(self.peer_ip, int(peer[1]))
+        high = self.limits.output_high_water
+        transport.set_write_buffer_limits(high=high, low=high // 4)
+        refused = self.server.admit(self)
+        if refused is not None:
+            self.server.refused += 1
+            self.refuse(f"refused: {refused}")
+            return
+        self.admitted = True
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        loop = asyncio.get_running_loop()
+        self._hello_timer = loop.call_later(self.limits.hello_timeout, self._hello_expired)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing = True
+        for timer in (self._hello_timer, self._frame_timer, self._stall_timer):
+            if timer is not None:
+                timer.cancel()
+        for watcher in self.watches.values():
+            self.engine.remove_watcher(watcher)
+        self.watches.clear()
+        self.lagging.clear()
+        self.server.gone(self)
+        if not self.admitted:
+            return
+        # The owner of these leases is gone: a dead process's kernel closes its
+        # socket, so they expire within the grace unless renewed (reconnect).
+        gone = self.engine.lease_owner_gone(self, self.server.disconnect_grace)
+        if gone:
+            log.info(
+                "store connection %s ended: %d lease(s) expire within %g s unless renewed",
+                self.peer,
+                len(gone),
+                self.server.disconnect_grace,
+            )
+            self.server.poke_reaper()  # a deadline moved earlier
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return
+        self.decoder.push(data)
+        self._handle_frames()
+
+    def eof_received(self) -> bool | None:
+        return None  # close our side too
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        if self._stall_timer is None and not self.closing:
+            loop = asyncio.get_running_loop()
+            self._stall_timer = loop.call_later(self.limits.stall_timeout, self._stalled)
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+        if self.closing or self.transport is None:
+            return
+        if self.reading_paused:
+            self.reading_paused = False
+            self.transport.resume_reading()
+            self._handle_frames()
+        self._schedule_pump()
+
+    # -- input -----------------------------------------------------------------
+    def _handle_frames(self) -> None:
+        while self.transport is not None and not self.transport.is_closing():
+            if self.write_paused:
+                # Backpressure: the rest waits (in the decoder) until the
+                # client has read what is queued for it (resume_writing).
+                if not self.reading_paused:
+                    self.reading_paused = True
+                    self.transport.pause_reading()
+                return
+            try:
+                frame = self.decoder.pop()
+            except ProtocolError as exc:
+                self.fail("protocol", str(exc))
+                return
+            if frame is None:
+                break
+            try:
+                self._handle(frame)
+            except Exception as exc:  # never let one connection take the server down
+                self.server.abuse.warn(
+                    f"connection {self.peer}: internal error handling a frame: {exc!r}"
+                )
+                self.fail("internal", f"internal server error: {type(exc).__name__}")
+                return
+        self._watch_frame_time()
+
+    def _watch_frame_time(self) -> None:
+        """A partial frame must be completed within the frame timeout (before
+        the hello the hello timeout covers it)."""
+        if self.closing:
+            return
+        if not self.authenticated:
+            if self.decoder.pending > PRE_HELLO_FRAME:
+                self.fail("protocol", f"more than {PRE_HELLO_FRAME} bytes before the hello")
+            return
+        if self.decoder.pending and self._frame_timer is None:
+            loop = asyncio.get_running_loop()
+            self._frame_timer = loop.call_later(self.limits.frame_timeout, self._frame_expired)
+        elif not self.decoder.pending and self._frame_timer is not None:
+            self._frame_timer.cancel()
+            self._frame_timer = None
+
+    def _frame_expired(self) -> None:
+        self._frame_timer = None
+        if self.closing or not self.decoder.pending:
+            return
+        if self.reading_paused:  # our backpressure, not the client's fault
+            self._watch_frame_time()
+            return
+        self.fail("protocol", f"a frame was not completed within {self.limits.frame_timeout:g} s")
+
+    def _handle(self, frame: dict[str, Any]) -> None:
+        if not self.authenticated:
+            self._handle_hello(frame)
+            return
+        try:
+            request = codec.decode_request(frame)
+        except ProtocolError as exc:
+            request_id = frame.get("id")
+            if type(request_id) is int and frame.get("t") == "req":
+                self.send(codec.error_response(request_id, "protocol", str(exc)))
+            else:
+                self.fail("protocol", str(exc))
+            return
+        if request.op == "watch":
+            self._watch(request)
+            return
+        if request.op == "watch_cancel":
+            watcher = self.watches.pop(request.args["watch"], None)
+            self.lagging.pop(request.args["watch"], None)
+            if watcher is not None:
+                self.engine.remove_watcher(watcher)
+            self.send(codec.encode_response(request.id, {}))
+            return
+        self.send_answer(request.id, execute(self, request))
+
+    def send_answer(self, request_id: int, message: Mapping[str, Any]) -> None:
+        """Send a response; one too large for a frame becomes a ``limit`` error."""
+        try:
+            data = codec.encode_frame(message)
+        except ProtocolError as exc:
+            data = codec.encode_frame(
+                codec.error_response(request_id, "limit", f"the answer is too large: {exc}")
+            )
+        self._write(data)
+
+    def _handle_hello(self, frame: Mapping[str, Any]) -> None:
+        if frame.get("t") != "hello":
+            self.fail("protocol", "the first frame must be a hello")
+            return
+        token = frame.get("token")
+        if token is not None and not isinstance(token, str):
+            self.fail("protocol", "hello 'token' must be a string or null")
+            return
+        expected = self.server.token
+        if expected is not None:
+            if not token:
+                self.fail(
+                    "auth",
+                    "this elastrun store requires a token and the client sent none; "
+                    "give every node the job's token",
+                )
+                return
+            if not hmac.compare_digest(token.encode(), expected.encode()):
+                self.fail(
+                    "auth",
+                    "the client's token does not match this elastrun store's token; "
+                    "give every node the same token",
+                )
+                return
+        self.authenticated = True
+        self.decoder.max_frame = self.server.max_frame
+        self.server.hello_done(self)
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+            self._hello_timer = None
+        self.send(
+            {
+                "v": codec.PROTOCOL_VERSION,
+                "t": "hello",
+                "server_id": self.engine.uid,
+                "revision": self.engine.revision,
+            }
+        )
+
+    # -- watches ---------------------------------------------------------------
+    def _watch(self, request: codec.Request) -> None:
+        args = request.args
+        watch_id: int = args["watch"]
+        if watch_id in self.watches:
+            self.send(
+                codec.error_response(
+                    request.id, "invalid", f"watch id {watch_id} is already in use"
+                )
+            )
+            return
+
+        def deliver(events: list[WatchEvent]) -> bool:
+            return self.send_events(watch_id, events)
+
+        start = args["start_revision"]
+        try:
+            watcher = self.engine.add_watcher(
+                args["key"], args["prefix"], start, deliver, catch_up=False
+            )
+        except RevisionCompacted as exc:
+            self.send(failure_response(request.id, exc))
+            return
+        self.watches[watch_id] = watcher
+        revision = self.engine.revision
+        if not self.engine.is_synced(watcher):
+            # Everything before ``start`` is "delivered"; history follows this answer.
+            revision = max(0, start - 1)
+            self.lagging[watch_id] = watcher
+        self.send(codec.encode_response(request.id, {"revision": revision}))
+        self._schedule_pump()
+
+    def _schedule_pump(self) -> None:
+        if self.lagging and not self._pump_scheduled and not self.closing:
+            self._pump_scheduled = True
+            asyncio.get_running_loop().call_soon(self._pump)
+
+    def _pump(self) -> None:
+        """One step of catching up for each lagging watch, while output drains."""
+        self._pump_scheduled = False
+        for watch_id, watcher in list(self.lagging.items()):
+            if self.closing or self.write_paused:
+                return  # resume_writing schedules the next step
+            try:
+                synced = self.engine.catch_up(watcher, CATCH_UP_STEP)
+            except RevisionCompacted as exc:
+                self.lagging.pop(watch_id, None)
+                self.watches.pop(watch_id, None)
+                frame = codec.encode_cancel(watch_id, "compacted", str(exc), exc.compact_revision)
+                self.send(frame)
+                continue
+            if synced:
+                self.lagging.pop(watch_id, None)
+        self._schedule_pump()
+
+    def send_events(self, watch_id: int, events: list[WatchEvent]) -> bool:
+        """The engine's callback for one revision of one watch: False (not
+        sent; the watch catches up later) while the output is backed up."""
+        if self.closing or self.transport is None or watch_id not in self.watches:
+            return True  # the watch is ending: nothing to send, nothing to catch up
+        if self.write_paused:
+            self.lagging[watch_id] = self.watches[watch_id]
+            return False
+        for data in _event_frames(watch_id, events):
+            self._write(data)
+        return True
+
+    # -- output ----------------------------------------------------------------
+    def send(self, message: Mapping[str, Any]) -> None:
+        if self.closing or self.transport is None:
+            return
+        self._write(codec.encode_frame(message))
+
+    def _write(self, data: bytes) -> None:
+        if self.closing or self.transport is None:
+            return
+        self.transport.write(data)
+        queued = self.transport.get_write_buffer_size()
+        if queued > self.limits.max_output_buffer:
+            self.abort(f"client too slow: {queued} bytes queued for it")
+
+    # -- closing ---------------------------------------------------------------
+    def fail(self, code: str, message: str) -> None:
+        """Tell the peer why (best effort), then close after flushing."""
+        if self.closing or self.transport is None:
+            return
+        self.server.abuse.warn(f"closed connection {self.peer}: {message}")
+        self._close_with(code, message)
+
+    def refuse(self, message: str) -> None:
+        """Admission refused it (or evicted it): tell it why and close."""
+        if self.closing or self.transport is None:
+            return
+        self.server.abuse.warn(f"connection {self.peer} {message}")
+        self._close_with("busy", message)
+
+    def _close_with(self, code: str, message: str) -> None:
+        assert self.transport is not None
+        with contextlib.suppress(ProtocolError):
+            self.transport.write(codec.encode_frame(codec.encode_error(code, message)))
+        self.closing = True
+        self.transport.close()
+
+    def abort(self, reason: str) -> None:
+        """Close at once, discarding queued output."""
+        if self.transport is None or self.transport.is_closing():
+            return
+        if reason != "server dropped the connection":
+            self.server.abuse.warn(f"dropped connection {self.peer}: {reason}")
+        self.closing = True
+        self.transport.abort()
+
+    def _hello_expired(self) -> None:
+        if not self.authenticated:
+            self.fail("protocol", f"no hello within {self.limits.hello_timeout:g} s")
+
+    def _stalled(self) -> None:
+        self._stall_timer = None
+        if self.write_paused:
+            self.abort(f"not reading: output queued for {self.limits.stall_timeout:g} s")
+
+
+def _event_frames(watch_id: int, events: list[WatchEvent], partial: bool = False) -> list[bytes]:
+    """One revision's events as frames: one, unless they exceed the frame
+    limit; then split, every frame but the revision's last marked ``partial``
+    (``partial``: mark the last one too, it is not the revision's last)."""
+    message = codec.encode_events(watch_id, events)
+    if partial:
+        message["partial"] = True
+    try:
+        return [codec.encode_frame(message)]
+    except ProtocolError:
+        if len(events) == 1:  # cannot happen within the key and value limits
+            raise
+    half = len(events) // 2
+    return _event_frames(watch_id, events[:half], True) + _event_frames(
+        watch_id, events[half:], partial
+    )

@@ -1,0 +1,251 @@
+"""Hostile clients of the embedded store, and its memory under each.
+
+Used by tests/store/test_store_limits.py, and run as a script to measure the
+peak memory (VmHWM) of a real ``elastrun store serve`` process under each
+abuse scenario, each on a fresh server (the figures in docs/reliability.md)::
+
+    python -m tests.store.abuse
+
+Every hostile socket here is a plain blocking socket of this process, bound
+to a loopback source address of its own (127.0.0.2 by default) so that the
+store's per-peer limits apply to it and not to the legitimate client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from elastrun.store import codec
+from elastrun.store.client import TcpStore
+
+ABUSER = "127.0.0.2"
+MiB = 1024 * 1024
+
+
+def vm_kib(pid: int, field: str) -> int:
+    """``VmRSS`` or ``VmHWM`` (KiB) of a process."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def connect(host: str, port: int, source: str = ABUSER, timeout: float = 5.0) -> socket.socket:
+    sock = socket.create_connection((host, port), timeout=timeout, source_address=(source, 0))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # hold little for the server
+    return sock
+
+
+@contextlib.contextmanager
+def sockets() -> Iterator[list[socket.socket]]:
+    held: list[socket.socket] = []
+    try:
+        yield held
+    finally:
+        for sock in held:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+def silent_connections(host: str, port: int, n: int, held: list[socket.socket]) -> None:
+    """``n`` connections that never say anything."""
+    for _ in range(n):
+        with contextlib.suppress(OSError):
+            held.append(connect(host, port))
+
+
+def half_sent_frames(host: str, port: int, n: int, held: list[socket.socket]) -> None:
+    """``n`` connections that announce a frame (a hello of 4000 bytes, the
+    most the store accepts before a hello) and send half of it; and ``n``
+    that announce a 4 MiB frame and send 64 KiB of it."""
+    for _ in range(n):
+        with contextlib.suppress(OSError):
+            sock = connect(host, port)
+            held.append(sock)
+            sock.sendall(struct.pack(">I", 4000) + b'{"v":1,"t":"hello","token":"' + b"x" * 2000)
+        with contextlib.suppress(OSError):
+            sock = connect(host, port)
+            held.append(sock)
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.send(struct.pack(">I", 4 * MiB) + b"{" * (64 * 1024))
+
+
+def big_frames_before_hello(
+    host: str, port: int, n: int, held: list[socket.socket], size: int = 4 * MiB
+) -> int:
+    """``n`` connections that each start a frame of ``size`` bytes before any
+    hello and push as much of it as the store takes within 30 s. Returns the
+    bytes the store accepted in all."""
+    body = b"{" + b" " * (size - 1)
+    pending: dict[socket.socket, memoryview] = {}
+    for _ in range(n):
+        with contextlib.suppress(OSError):
+            sock = connect(host, port)
+            sock.setblocking(False)
+            held.append(sock)
+            pending[sock] = memoryview(struct.pack(">I", size) + body)
+    sent = 0
+    deadline = time.monotonic() + 30.0
+    while pending and time.monotonic() < deadline:
+        progress = False
+        for sock, data in list(pending.items()):
+            try:
+                k = sock.send(data[: 1 << 20])
+            except BlockingIOError:
+                continue
+            except OSError:  # closed by the store
+                del pending[sock]
+                continue
+            sent += k
+            progress = progress or k > 0
+            if k == len(data):
+                del pending[sock]
+            else:
+                pending[sock] = data[k:]
+        if not progress:
+            time.sleep(0.05)
+    return sent
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """True once the server closed ``sock`` (end of file or a reset)."""
+    sock.setblocking(False)
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def never_reading_watchers(
+    host: str, port: int, token: str | None, n: int, held: list[socket.socket]
+) -> None:
+    """``n`` authenticated connections, each watching everything from
+    revision 1, that never read a byte."""
+    hello = codec.encode_frame(codec.hello(token))
+    for i in range(n):
+        sock = connect(host, port)
+        held.append(sock)
+        watch = codec.encode_request(1, "watch", watch=i + 1, key="", prefix=True, start_revision=1)
+        sock.sendall(hello + codec.encode_frame(watch))
+
+
+async def overwrite(store: TcpStore, key: str, size: int, times: int) -> int:
+    """Put ``times`` values of ``size`` bytes under ``key``, then delete it;
+    returns how many puts were accepted."""
+    value = os.urandom(size)
+    accepted = 0
+    for _ in range(times):
+        try:
+            await store.put(key, value)
+            accepted += 1
+        except Exception:
+            pass
+    await store.delete(key)
+    return accepted
+
+
+# -- the measurement ----------------------------------------------------------------
+def _measure(name: str, scenario: Callable[[str, int, int, str], str]) -> None:
+    from tests.store.conftest import start_server_process, stop_process
+
+    token_file = Path(f"/tmp/elastrun-abuse-token-{os.getpid()}")
+    token_file.write_text("s3cret-token")
+    server = start_server_process("--token-file", str(token_file))
+    try:
+        pid = server.proc.pid
+        time.sleep(0.5)
+        before = vm_kib(pid, "VmHWM")
+        note = scenario(server.host, server.port, pid, "s3cret-token")
+        time.sleep(1.0)
+        peak = vm_kib(pid, "VmHWM")
+        alive = "alive" if server.alive() else "DEAD"
+        print(
+            f"| {name} | {before / 1024:.0f} MB | {peak / 1024:.0f} MB | "
+            f"+{(peak - before) / 1024:.0f} MB | {note}; server {alive} |",
+            flush=True,
+        )
+    finally:
+        stop_process(server.proc)
+        token_file.unlink(missing_ok=True)
+
+
+def _silent(host: str, port: int, pid: int, token: str) -> str:
+    with sockets() as held:
+        silent_connections(host, port, 600, held)
+        time.sleep(1.0)
+        closed = sum(closed_by_server(s) for s in held)
+        return f"{len(held)} opened, {closed} closed by the store at once"
+
+
+def _big(host: str, port: int, pid: int, token: str) -> str:
+    with sockets() as held:
+        sent = big_frames_before_hello(host, port, 600, held)
+        time.sleep(1.0)
+        closed = sum(closed_by_server(s) for s in held)
+        return f"{sent / MiB:.0f} MiB accepted from 600 connections, {closed} closed by the store"
+
+
+def _half(host: str, port: int, pid: int, token: str) -> str:
+    with sockets() as held:
+        half_sent_frames(host, port, 300, held)
+        time.sleep(1.0)
+        closed = sum(closed_by_server(s) for s in held)
+        return f"{len(held)} opened, {closed} closed by the store at once"
+
+
+def _overwrites(size: int) -> Callable[[str, int, int, str], str]:
+    def run(host: str, port: int, pid: int, token: str) -> str:
+        async def body() -> int:
+            store = await TcpStore.connect(host, port, token=token)
+            try:
+                return await overwrite(store, "/abuse/big", size, 300)
+            finally:
+                await store.close()
+
+        accepted = asyncio.run(body())
+        return f"{accepted} of 300 puts accepted"
+
+    return run
+
+
+def _watchers(host: str, port: int, pid: int, token: str) -> str:
+    async def fill() -> None:
+        store = await TcpStore.connect(host, port, token=token)
+        try:
+            await overwrite(store, "/abuse/big", 1536 * 1024, 30)
+        finally:
+            await store.close()
+
+    asyncio.run(fill())
+    with sockets() as held:
+        never_reading_watchers(host, port, token, 10, held)
+        time.sleep(3.0)
+        return "10 watchers from revision 1 over 30 values of 1.5 MiB, never reading"
+
+
+def main() -> None:
+    print("| scenario | VmHWM before | VmHWM after | growth | what happened |")
+    print("|---|---|---|---|---|")
+    _measure("600 connections, no hello", _silent)
+    _measure("600 connections each sending a 4 MiB frame before its hello", _big)
+    _measure("300 half-sent hellos + 300 announced 4 MiB frames", _half)
+    _measure("300 overwrites of a 3 MB key, then delete", _overwrites(3_000_000))
+    _measure("300 overwrites of a 1.5 MiB key, then delete", _overwrites(1536 * 1024))
+    _measure("10 never-reading watchers from revision 1", _watchers)
+
+
+if __name__ == "__main__":
+    main()
