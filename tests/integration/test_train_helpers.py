@@ -17,6 +17,7 @@ import pytest
 
 from elastrun.errors import ConfigError
 from elastrun.train import WorkerContext, heartbeat, latest_checkpoint, list_checkpoints
+from elastrun.train.checkpoint_files import check
 from elastrun.train.heartbeat import _reset_for_tests
 from tests.conftest import PYTHON, REPO
 
@@ -159,6 +160,7 @@ def test_atomic_save_survives_sigkill_mid_save(tmp_path: Path) -> None:
         pointed = d / (d / "latest").read_text().strip()
         assert pointed.exists()
         for info in list_checkpoints(d):
+            assert check(info, info.path.read_bytes()).status == "verified"  # record and data agree
             st = torch.load(info.path, weights_only=True)
             assert st["step"] == info.step
             assert bool((st["w"] == float(info.step)).all())

@@ -38,6 +38,7 @@ from elastrun.launcher.limits import (
     parse_seconds,
 )
 from elastrun.launcher.plan import Plan, resolve
+from elastrun.worker import _settle
 
 __all__ = [
     "Command",
@@ -52,9 +53,23 @@ __all__ = [
 
 USAGE = "elastrun [flags] script [script args...]"
 
-# --run-path: run the script with runpy in a fresh interpreter (torchrun's run_script_path).
+# --run-path: run the script with runpy in a fresh interpreter (torchrun's run_script_path),
+# inside worker/_settle.py's after_success (loaded by path: any Python 3 interpreter), which
+# shuts torch.distributed down before exit when the script succeeded and left it up.
 RUN_PATH_CODE = (
-    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    "import runpy, sys\n"
+    "sys.argv = sys.argv[1:]\n"
+    "try:\n"
+    "    from importlib.util import module_from_spec, spec_from_file_location\n"
+    f"    _spec = spec_from_file_location('_elastrun_settle', {_settle.__file__!r})\n"
+    "    _mod = module_from_spec(_spec)\n"
+    "    _spec.loader.exec_module(_mod)\n"
+    "    _guard = _mod.after_success()\n"
+    "except Exception:\n"
+    "    import contextlib\n"
+    "    _guard = contextlib.nullcontext()\n"
+    "with _guard:\n"
+    "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
 )
 
 

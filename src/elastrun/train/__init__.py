@@ -5,8 +5,9 @@
 - :func:`heartbeat`: report progress to the hang watchdog (no-op without it).
 - :class:`ElasticSampler`: shards each epoch by the current world size and
   resumes mid-epoch by global sample offset.
-- :func:`save_checkpoint` / :func:`load_checkpoint`: atomic checkpoints; at
-  start, ranks agree on the newest one and the holder broadcasts it.
+- :func:`save_checkpoint` / :func:`load_checkpoint`: atomic, checksummed
+  checkpoints; at start, damaged ones are moved aside, ranks agree on the
+  newest intact one and the holder broadcasts it.
 
 Importing this package does not import torch (the checkpoint functions import
 it when called), so ``import elastrun.train`` is cheap.

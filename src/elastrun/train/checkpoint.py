@@ -1,37 +1,48 @@
-"""Checkpoint helpers: atomic save, and agreement on the newest checkpoint at start.
+"""Checkpoint helpers: atomic, checksummed saves; at start, agreement on the newest intact one.
 
-Files in a checkpoint directory::
+:func:`save_checkpoint` writes ``ckpt-<step>.pt`` and its checksum record
+``ckpt-<step>.pt.json`` (size and SHA-256) so that a kill at any moment leaves
+the previous checkpoints intact (see :mod:`elastrun.train.checkpoint_files`
+for the layout and the order of writes), points ``latest`` at it and deletes
+all but the newest ``keep``.
 
-    ckpt-000000000042.pt   one checkpoint per step key (torch.save of your state)
-    latest                 the file name of the newest checkpoint, one line
-
-:func:`save_checkpoint` writes a temporary file in the same directory, flushes
-and fsyncs it, renames it into place with ``os.replace``, fsyncs the directory,
-then updates ``latest`` the same way and deletes all but the newest ``keep``.
-A crash at any moment leaves the previous checkpoints intact; the newest
-complete file is found by its name even if ``latest`` was not updated yet.
-
-:func:`load_checkpoint` is called by every rank at start. With one collective
-(an all-gather of ``(step, rank, size)``) the ranks agree on the newest
-checkpoint any of them holds; if some rank lacks it, the holder broadcasts its
-bytes (a uint8 tensor) and those ranks save them locally. So a node that joins
-an elastic job needs no shared filesystem.
+:func:`load_checkpoint` is called by every rank at start. Each rank first
+finds its own newest *intact* checkpoint: newest first, a checkpoint whose
+bytes do not match its record, whose record is unreadable, or which has no
+record (an older elastrun wrote it) and does not load, is moved into
+``corrupt/`` with one line saying which file, why and where it went, and the
+next older one is tried. Then, with one collective (an all-gather of
+``(step, rank, size, sha256)``), the ranks agree on the newest checkpoint any
+of them holds intact; if some rank lacks it, the holder broadcasts its bytes
+(a uint8 tensor), the others check them against the holder's SHA-256 and save
+them with a record. So a node that joins an elastic job needs no shared
+filesystem, and one rank's damaged copy is replaced by another's good one.
 
 torch is imported inside the functions: importing this module stays cheap.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import re
-import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from elastrun.errors import ConfigError
+from elastrun.train.checkpoint_files import (
+    CheckpointInfo,
+    check,
+    checkpoint_path,
+    latest_checkpoint,
+    list_checkpoints,
+    move_aside,
+    publish,
+    write_checkpoint,
+)
 
 __all__ = [
     "CheckpointInfo",
@@ -43,113 +54,19 @@ __all__ = [
     "save_checkpoint_bytes",
 ]
 
-LATEST = "latest"
-_NAME = re.compile(r"^ckpt-(\d{12,})\.pt$")
-# Temp files of interrupted saves: of a checkpoint, or of the ``latest`` pointer.
-_TMP = re.compile(r"^\.(?:ckpt-.*|latest)\.(?P<host>[^.]+)\.(?P<pid>\d+)\.tmp$")
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointInfo:
-    step: int
-    path: Path
-
-
-def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
-    """Where the checkpoint for ``step`` lives in ``directory``."""
-    return Path(directory) / f"ckpt-{step:012d}.pt"
-
-
-def list_checkpoints(directory: str | os.PathLike[str]) -> list[CheckpointInfo]:
-    """Complete checkpoints in ``directory``, oldest first (none if it does not exist)."""
-    d = Path(directory)
-    try:
-        names = os.listdir(d)
-    except FileNotFoundError:
-        return []
-    found = []
-    for name in names:
-        m = _NAME.match(name)
-        if m:
-            found.append(CheckpointInfo(int(m.group(1)), d / name))
-    return sorted(found, key=lambda c: c.step)
-
-
-def latest_checkpoint(directory: str | os.PathLike[str]) -> CheckpointInfo | None:
-    """The newest complete checkpoint in ``directory``, or None.
-
-    Every ``ckpt-*.pt`` name is complete (it only appears by an atomic rename
-    after fsync), so the highest step wins even where ``latest`` lags behind.
-    """
-    found = list_checkpoints(directory)
-    return found[-1] if found else None
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
-
-
-def _atomic_write(final: Path, write: Callable[[io.BufferedWriter], object]) -> None:
-    tmp = final.parent / f".{final.name}.{_host()}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(final.parent)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _prune(d: Path, keep: int) -> None:
-    if keep > 0:
-        for old in list_checkpoints(d)[:-keep]:
-            old.path.unlink(missing_ok=True)
-    host = _host()
-    for name in os.listdir(d):  # temp files of saves killed on this host
-        m = _TMP.match(name)
-        if m and m.group("host") == host and not _pid_alive(int(m.group("pid"))):
-            (d / name).unlink(missing_ok=True)
-
-
-def _publish(d: Path, final: Path, keep: int) -> None:
-    newest = latest_checkpoint(d)
-    if newest is not None and newest.path == final:
-        _atomic_write(d / LATEST, lambda f: f.write(final.name.encode() + b"\n"))
-    _prune(d, keep)
+Log = Callable[[str], None] | None
 
 
 def save_checkpoint_bytes(
-    data: bytes, directory: str | os.PathLike[str], *, step: int, keep: int = 3
+    data: bytes | bytearray, directory: str | os.PathLike[str], *, step: int, keep: int = 3
 ) -> Path:
     """Atomically store already-serialised checkpoint bytes as ``step`` (see save_checkpoint)."""
     if step < 0:
         raise ConfigError(f"checkpoint step must be >= 0, got {step}")
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    final = checkpoint_path(d, step)
-    _atomic_write(final, lambda f: f.write(data))
-    _publish(d, final, keep)
+    final, _ = write_checkpoint(d, step, lambda f: f.write(data))
+    publish(d, final, keep)
     return final
 
 
@@ -163,6 +80,7 @@ def save_checkpoint(
     the highest step. Keeps the newest ``keep`` checkpoints (0: keep all).
     Use ``torch.load(..., weights_only=True)``-compatible contents (tensors,
     dicts, lists, numbers, strings), which is what :func:`load_checkpoint` uses.
+    A checksum record (size, SHA-256) is written beside it.
     """
     import torch
 
@@ -170,36 +88,135 @@ def save_checkpoint(
         raise ConfigError(f"checkpoint step must be >= 0, got {step}")
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    final = checkpoint_path(d, step)
-    _atomic_write(final, lambda f: torch.save(dict(state), f))
-    _publish(d, final, keep)
+    final, _ = write_checkpoint(d, step, lambda f: torch.save(dict(state), f))
+    publish(d, final, keep)
     return final
 
 
-def _read_newest(directory: str | os.PathLike[str]) -> tuple[CheckpointInfo, bytearray] | None:
-    for _ in range(5):  # another process may prune the file between listing and reading
-        info = latest_checkpoint(directory)
-        if info is None:
-            return None
-        try:
-            with open(info.path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                data = bytearray(size)
-                if f.readinto(data) != size:
-                    continue
-            return info, data
-        except FileNotFoundError:
-            continue
-    raise ConfigError(f"checkpoints in {directory} keep vanishing while being read")
+# ------------------------------------------------------------------ loading
 
 
-def _deserialize(data: bytes | bytearray, map_location: Any) -> dict[str, Any]:
+@dataclass
+class _Local:
+    """This rank's newest intact checkpoint."""
+
+    info: CheckpointInfo
+    data: bytearray
+    sha256: str
+    state: dict[str, Any] | None = None  # already loaded (an unverified one is loaded to check)
+
+
+def _say(log: Log, line: str) -> None:
+    if log is not None:
+        log(line)
+
+
+def _first_line(e: BaseException) -> str:
+    """One short line for torch's (often many-paragraph) load errors."""
+    text = str(e)
+    m = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\n\n|$)", text, re.S)
+    if m:  # the cause, without torch's advice on weights_only
+        text = m.group(1)
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    line = lines[0] if lines else ""
+    if len(line) > 120 and ". " in line:
+        line = line.split(". ", 1)[0] + "."
+    line = f"{type(e).__name__}: {line}" if line else type(e).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def _read(path: Path) -> bytearray:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        data = bytearray(size)
+        n = f.readinto(data) or 0
+    if n < size:
+        del data[n:]  # it shrank while being read: the check will say so
+    return data
+
+
+def _torch_load(data: bytes | bytearray, map_location: Any) -> dict[str, Any]:
     import torch
 
     state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     if not isinstance(state, dict):
-        raise ConfigError(f"checkpoint holds a {type(state).__name__}, expected a dict")
+        raise ValueError(f"it holds a {type(state).__name__}, expected a dict")
     return state
+
+
+def _load(data: bytes | bytearray, map_location: Any, what: str) -> dict[str, Any]:
+    """Load bytes that passed their checksum: a failure is the content, not damage."""
+    try:
+        return _torch_load(data, map_location)
+    except Exception as e:
+        raise ConfigError(
+            f"{what} is intact (its SHA-256 matches) but cannot be loaded: {_first_line(e)}; "
+            "checkpoints must load with torch.load(weights_only=True): tensors, dicts, lists, "
+            "numbers, strings"
+        ) from e
+
+
+def _set_aside(info: CheckpointInfo, why: str, log: Log) -> None:
+    try:
+        dest = move_aside(info)
+    except FileNotFoundError:
+        return  # gone: another rank sharing this directory moved it (and said so)
+    except OSError as e:
+        _say(
+            log,
+            f"=> checkpoint {info.path} is damaged ({why}) and cannot be moved aside "
+            f"({e.strerror or e}): skipping it",
+        )
+        return
+    _say(log, f"=> checkpoint {info.path} is damaged ({why}): moved to {dest}; trying older ones")
+
+
+def _find_local(directory: str | os.PathLike[str], map_location: Any, log: Log) -> _Local | None:
+    """The newest intact checkpoint in ``directory``; damaged ones are moved aside."""
+    for info in reversed(list_checkpoints(directory)):
+        try:
+            data = _read(info.path)
+        except FileNotFoundError:
+            continue  # pruned or moved aside by another process meanwhile
+        except PermissionError as e:
+            raise ConfigError(f"checkpoint {info.path} cannot be read: {e.strerror or e}") from e
+        except OSError as e:  # an I/O error: the medium is damaged
+            _set_aside(info, f"cannot be read: {e.strerror or e}", log)
+            continue
+        verdict = check(info, data)
+        if verdict.status == "verified":
+            return _Local(info, data, verdict.sha256)
+        if verdict.status == "unverified":
+            try:
+                state = _torch_load(data, map_location)
+            except Exception as e:
+                why = f"no checksum record, and its {len(data)} bytes do not load: {_first_line(e)}"
+            else:
+                _say(
+                    log,
+                    f"=> checkpoint {info.path} has no checksum record (saved by an older "
+                    "elastrun?); it loads, so it is used unverified",
+                )
+                return _Local(info, data, verdict.sha256, state)
+        else:
+            why = verdict.why
+        _set_aside(info, why, log)
+    return None
+
+
+def _state_of(local: _Local, map_location: Any) -> dict[str, Any]:
+    if local.state is not None:
+        return local.state
+    return _load(local.data, map_location, f"checkpoint {local.info.path}")
+
+
+def _digest_words(hexdigest: str | None) -> list[int]:
+    raw = bytes.fromhex(hexdigest) if hexdigest else bytes(32)
+    return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, 32, 8)]
+
+
+def _words_digest(words: tuple[int, ...]) -> str:
+    return b"".join(int(w).to_bytes(8, "little", signed=True) for w in words).hex()
 
 
 def load_checkpoint(
@@ -210,33 +227,35 @@ def load_checkpoint(
     keep: int = 3,
     log: Callable[[str], None] | None = print,
 ) -> dict[str, Any] | None:
-    """Agree with the other ranks on the newest checkpoint and return its state.
+    """Agree with the other ranks on the newest intact checkpoint and return its state.
 
     Every rank of ``group`` (default: the default process group) must call it.
-    Each rank looks into its own ``directory``; the ranks all-gather
-    ``(step, rank, size)`` and pick the highest step (lowest rank on ties).
-    If every rank holds that step, each loads its own file. Otherwise the
-    holder broadcasts the file's bytes and the ranks that lacked it save them
-    into their ``directory`` (byte-identical). Returns the state on every rank,
-    or None on every rank when nobody has a checkpoint. Without an initialised
-    process group it just loads the local newest checkpoint.
+    Each rank looks into its own ``directory`` for its newest intact
+    checkpoint (damaged ones are moved into ``directory/corrupt/``, one line
+    each); the ranks all-gather ``(step, rank, size, sha256)`` and pick the
+    highest step (lowest rank on ties). If every rank holds that step, each
+    loads its own file. Otherwise the holder broadcasts the file's bytes and
+    the ranks that lacked it check them against the holder's SHA-256 and save
+    them (byte-identical, with a record) into their ``directory``. Returns the
+    state on every rank, or None on every rank when nobody has a checkpoint.
+    Without an initialised process group it loads the local newest intact one.
 
     ``log`` (default ``print``) receives, on the group's rank 0,
     ``=> using checkpoint from rank: R, step: S`` and, when bytes are sent,
     ``=> checkpoint broadcast size is: N bytes``; receivers log where they
-    saved the copy. Pass ``log=None`` for silence.
+    saved the copy; any rank logs the checkpoints it moved aside or uses
+    unverified. Pass ``log=None`` for silence. Raises ConfigError when the
+    chosen checkpoint is intact but its contents cannot be loaded.
     """
     import torch
     import torch.distributed as dist
 
-    found = _read_newest(directory)
-    local, data = (None, None) if found is None else found
+    local = _find_local(directory, map_location, log)
     if not (dist.is_available() and dist.is_initialized()):
-        if local is None or data is None:
+        if local is None:
             return None
-        if log is not None:
-            log(f"=> using checkpoint from rank: 0, step: {local.step} ({local.path})")
-        return _deserialize(data, map_location)
+        _say(log, f"=> using checkpoint from rank: 0, step: {local.info.step} ({local.info.path})")
+        return _state_of(local, map_location)
 
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
@@ -245,7 +264,12 @@ def load_checkpoint(
         device = torch.device("cuda", torch.cuda.current_device())
 
     mine = torch.tensor(
-        [local.step if local else -1, rank, len(data) if data is not None else 0],
+        [
+            local.info.step if local else -1,
+            rank,
+            len(local.data) if local else 0,
+            *_digest_words(local.sha256 if local else None),
+        ],
         dtype=torch.int64,
         device=device,
     )
@@ -253,37 +277,49 @@ def load_checkpoint(
     dist.all_gather(gathered, mine, group=group)
     rows = [tuple(int(v) for v in t.cpu().tolist()) for t in gathered]
     best_step = max(r[0] for r in rows)
+    quiet = log is None or rank != 0
     if best_step < 0:
-        if log is not None and rank == 0:
-            log("=> no checkpoint on any rank: starting from scratch")
+        if not quiet:
+            _say(log, "=> no checkpoint on any rank: starting from scratch")
         return None
     src_group_rank = min(r[1] for r in rows if r[0] == best_step)
-    size = next(r[2] for r in rows if r[1] == src_group_rank)
-    if log is not None and rank == 0:
-        log(f"=> using checkpoint from rank: {src_group_rank}, step: {best_step}")
+    src_row = next(r for r in rows if r[1] == src_group_rank)
+    size = src_row[2]
+    if not quiet:
+        _say(log, f"=> using checkpoint from rank: {src_group_rank}, step: {best_step}")
 
     if all(r[0] == best_step for r in rows):
-        assert data is not None
-        return _deserialize(data, map_location)
+        assert local is not None
+        return _state_of(local, map_location)
 
-    if log is not None and rank == 0:
-        log(f"=> checkpoint broadcast size is: {size} bytes")
-    if rank == src_group_rank:
-        assert data is not None
-        buf = torch.frombuffer(data, dtype=torch.uint8).to(device)
-    else:
-        buf = torch.empty(size, dtype=torch.uint8, device=device)
-    src_global = src_group_rank if group is None else dist.get_global_rank(group, src_group_rank)
-    dist.broadcast(buf, src=src_global, group=group)
-    received = bytes(buf.cpu().untyped_storage())
-    del buf
-    if local is None or local.step < best_step:
-        path = save_checkpoint_bytes(received, directory, step=best_step, keep=keep)
-        if log is not None:
-            log(
-                f"=> rank {rank}: received checkpoint step {best_step} from rank "
-                f"{src_group_rank} ({size} bytes), saved to {path}"
+    if not quiet:
+        _say(log, f"=> checkpoint broadcast size is: {size} bytes")
+    received = b""
+    if size > 0:
+        if rank == src_group_rank:
+            assert local is not None
+            buf = torch.frombuffer(local.data, dtype=torch.uint8).to(device)
+        else:
+            buf = torch.empty(size, dtype=torch.uint8, device=device)
+        src_global = (
+            src_group_rank if group is None else dist.get_global_rank(group, src_group_rank)
+        )
+        dist.broadcast(buf, src=src_global, group=group)
+        received = bytes(buf.cpu().untyped_storage())
+        del buf
+    if local is None or local.info.step < best_step:
+        expected = _words_digest(src_row[3:7])
+        if hashlib.sha256(received).hexdigest() != expected:
+            raise ConfigError(
+                f"checkpoint step {best_step} received from rank {src_group_rank} does not "
+                f"match the SHA-256 that rank sent ({expected[:16]}...): damaged in transit"
             )
-        return _deserialize(received, map_location)
-    assert data is not None
-    return _deserialize(data, map_location)
+        path = save_checkpoint_bytes(received, directory, step=best_step, keep=keep)
+        _say(
+            log,
+            f"=> rank {rank}: received checkpoint step {best_step} from rank "
+            f"{src_group_rank} ({size} bytes), saved to {path}",
+        )
+        what = f"checkpoint step {best_step} received from rank {src_group_rank}"
+        return _load(received, map_location, what)
+    return _state_of(local, map_location)

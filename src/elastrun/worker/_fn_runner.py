@@ -4,7 +4,9 @@
 the launcher) names the function by module and qualified name (or by the
 file of the launching ``__main__`` script, loaded as ``__mp_main__`` like
 multiprocessing's spawn does) and carries JSON arguments. The function's
-return value is written as JSON to ``{results}/local_{LOCAL_RANK}.json``.
+return value is written as JSON to ``{results}/local_{LOCAL_RANK}.json``. A
+process group the function left up is shut down before the interpreter exits
+(``_settle.py``), so a finished worker cannot abort in its teardown.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import runpy
 import sys
 import traceback
 from typing import Any
+
+from elastrun.worker._settle import after_success
 
 SPEC_VERSION = 1
 
@@ -59,7 +63,8 @@ def main(argv: list[str]) -> int:
         if entry not in sys.path:
             sys.path.insert(0, entry)
     fn = load_function(spec)
-    result = fn(*spec.get("args", []), **spec.get("kwargs", {}))
+    with after_success():  # then torch.distributed is shut down before exit
+        result = fn(*spec.get("args", []), **spec.get("kwargs", {}))
     payload = {"rank": int(os.environ.get("RANK", "0")), "result": result}
     try:
         json.dumps(payload)
