@@ -61,8 +61,8 @@ OPTIMIZER_MODULE = "torch.optim.optimizer"
 _SELF = os.path.abspath(__file__)
 _HERE = os.path.dirname(_SELF)
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
-# Never named: the script, and elastrun's own runner modules.
-_NEVER = ("__main__", "__mp_main__", "_elastrun_zygote")
+# Never named: the script (elastrun's own runner modules, ``_elastrun_*``, neither).
+_NEVER = ("__main__", "__mp_main__")
 
 
 # --------------------------------------------------------------------------- modules
@@ -115,7 +115,7 @@ def select_modules(
     for name, mod in list(modules.items()):
         if len(out) >= limit:
             break
-        if not isinstance(mod, types.ModuleType) or name in _NEVER:
+        if not isinstance(mod, types.ModuleType) or name in _NEVER or name.startswith("_elastrun"):
             continue
         if len(name) > MAX_NAME or not NAME_RE.match(name) or getattr(mod, "__name__", "") != name:
             continue
@@ -281,7 +281,7 @@ def _run_module(module: str, args: list[str]) -> None:
 
 
 def _strip_own_frames(exc: BaseException) -> None:
-    own = {_SELF, os.path.join(_HERE, "_zygote.py")}
+    own = {_SELF, os.path.join(_HERE, "_zygote.py"), os.path.join(_HERE, "_settle.py")}
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename in own:
         tb = tb.tb_next
@@ -307,11 +307,15 @@ def run_worker(kind: str, target: str, args: list[str]) -> None:
         env.pop(name, None)
     if channel.fd is not None:
         ModuleRecorder(channel, scope, after).install()
+    # A script that succeeded has torch.distributed shut down before the
+    # interpreter finalizes, so it cannot abort in its teardown (_settle.py).
+    settle = _load_sibling("_settle")
     try:
-        if kind == "module":
-            _run_module(target, args)
-        else:
-            _run_script(target, args)
+        with settle.after_success():
+            if kind == "module":
+                _run_module(target, args)
+            else:
+                _run_script(target, args)
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:
@@ -320,11 +324,11 @@ def run_worker(kind: str, target: str, args: list[str]) -> None:
         sys.exit(1)
 
 
-def _load_zygote() -> types.ModuleType:
-    """``_zygote.py`` from beside this file (this program runs as a script,
-    so its folder is not a package here)."""
-    path = os.path.join(_HERE, "_zygote.py")
-    spec = importlib.util.spec_from_file_location("_elastrun_zygote", path)
+def _load_sibling(name: str) -> types.ModuleType:
+    """``{name}.py`` from beside this file, as module ``_elastrun{name}`` (this
+    program runs as a script, so its folder is not a package here)."""
+    path = os.path.join(_HERE, f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_elastrun{name}", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
@@ -341,7 +345,7 @@ def main(argv: list[str]) -> None:
     if os.environ.get(MODE_ENV) == "zygote":
         # Imports resolve as they will for the worker: its sys.path[0].
         sys.path[0] = target_path(kind, target)
-        order = _load_zygote().serve()
+        order = _load_sibling("_zygote").serve()
         if order is None:
             sys.exit(0)  # the agent closed the socket: not needed any more
         args = [str(a) for a in order["args"]]
