@@ -47,7 +47,10 @@ class Settings:
     quick: bool = False
     step_interval: float = 0.15
     target_steps: int = 10  # cold start: steps before the job ends
-    warm_steps: int = 5  # steps of steady training before a disruption
+    warm_steps: int = 5  # steps of steady training before a join or a node loss
+    # Steps before a worker is killed: training that has gone on for a while
+    # (3 s), as a crash usually comes after the first steps, not during them.
+    crash_steps: int = 20
     start_timeout: float = 120.0  # launch -> training (covers a 30 s last call)
     phase_timeout: float = 90.0  # disruption -> training resumed, hard bound
     restart_stall: float = 20.0  # stuck after a worker kill or a scale-up
@@ -74,7 +77,8 @@ class Settings:
             f"{self.loss_stall_tuned:.0f}s (tuned) after a node loss; "
             f"partition -> resumed {self.partition_timeout:.0f}s; exit {self.exit_timeout:.0f}s; "
             f"warm spares preloaded {self.spare_timeout:.0f}s; "
-            f"{self.warm_steps} steps before a disruption, a step every {self.step_interval}s"
+            f"{self.warm_steps} steps before a join or a node loss, {self.crash_steps} before "
+            f"a worker kill, a step every {self.step_interval}s"
         )
 
     @classmethod
@@ -83,6 +87,7 @@ class Settings:
             quick=True,
             target_steps=5,
             warm_steps=3,
+            crash_steps=5,
             start_timeout=40.0,
             phase_timeout=30.0,
             exit_timeout=20.0,

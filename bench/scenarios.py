@@ -102,8 +102,8 @@ def worker_crash(nproc: int) -> Callable[[Context], None]:
         argv = cfg.argv(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=3"])
         agent = run.start_agent("agent", argv, launcher_env(cfg))
         run.wait(
-            f"{s.warm_steps} steps on all ranks",
-            lambda log: all_ranks_time(log.select("step", step=s.warm_steps), nproc),
+            f"{s.crash_steps} steps on all ranks",
+            lambda log: all_ranks_time(log.select("step", step=s.crash_steps), nproc),
             s.start_timeout,
             alive=[agent],
         )
@@ -314,6 +314,18 @@ def catalogue(quick: bool) -> list[Scenario]:
             est_s=_est(29.0, 5.0, 6.0, 4.6),
         )
     )
+    # The trivial worker (no model, optimizer or data loader): a labelled floor.
+    out.append(
+        Scenario(
+            "worker_crash_floor_np2",
+            "worker_crash_floor",
+            "Worker SIGKILL, FLOOR worker (an all-reduce per step, nothing else), 2 workers",
+            _CRASH,
+            worker_crash(2),
+            worker_env=(*UNTIL_STOPPED, ("BENCH_WORKLOAD", "floor")),
+            est_s=_est(29.0, 5.0, 6.0, 4.6),
+        )
+    )
     # 2:3 is the default; 1:3 repeats every phase of it (2 agents are above
     # both minimums, 3 is the maximum of both) and is selected on its own.
     for nnodes, suffix in (("2:3", ""), ("1:3", "_1to3")):
@@ -392,8 +404,9 @@ GROUPS = (
     "rdzv_scale",
     "memory",
 )
-# Selected only by name (--scenarios): the same phases at --nnodes=1:3.
-EXTRA_GROUPS = ("scale_up_1to3", "node_loss_1to3")
+# Selected only by name (--scenarios): the same phases at --nnodes=1:3, and the
+# worker crash with the trivial floor worker.
+EXTRA_GROUPS = ("scale_up_1to3", "node_loss_1to3", "worker_crash_floor")
 QUICK_GROUPS = ("cold_start", "worker_crash")
 
 

@@ -66,7 +66,7 @@ def _pool(
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTRUN_")}
-    env.update(RANK="0", **extra)
+    env.update({"RANK": "0", **extra})
     return env
 
 
@@ -330,3 +330,80 @@ def test_a_forked_worker_runs_only_after_the_go(tmp_path):
 
     assert asyncio.run(main()) == 71
     assert not marker.exists()
+
+
+def test_a_module_that_reads_a_per_rank_variable_when_imported_is_not_preloaded(tmp_path):
+    # The zygote has no RANK; a module that reads it when imported would keep
+    # the zygote's answer in every worker. It is refused (with its package),
+    # remembered, and the workers import it themselves, each seeing its rank.
+    pkg = tmp_path / "rankpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "reader.py").write_text("import os\nRANK_AT_IMPORT = os.environ.get('RANK')\n")
+    script = (
+        "import sys\n"
+        "before = 'rankpkg.reader' in sys.modules\n"
+        "import rankpkg.reader\n"
+        "print('BEFORE', before, 'RANK', rankpkg.reader.RANK_AT_IMPORT, flush=True)\n"
+    )
+
+    async def main() -> tuple[int, str] | None:
+        pool, sink = _pool(
+            tmp_path,
+            preload=("rankpkg.reader", "email.mime.text"),
+            scope="all",
+            script_text=script,
+        )
+        pool.keep(_env())
+        try:
+            for _ in range(200):
+                if len(_kinds(sink, "spare_started")) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert await pool.wait_ready(60)
+            (gone,) = _kinds(sink, "spare_discarded")
+            assert "rankpkg.reader reads RANK when it is imported" in gone["reason"]
+            return await _fork_one(pool, _env(RANK="7"))
+        finally:
+            await pool.close()
+
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        got = asyncio.run(main())
+    finally:
+        os.chdir(old)
+    assert got is not None and got[0] == 0 and "BEFORE False RANK 7" in got[1], got
+    (cached,) = (tmp_path / "cache").glob("modules-*.json")
+    assert "rankpkg" in json.loads(cached.read_text())["skip"]
+
+
+def test_a_module_that_initialises_cuda_is_not_preloaded(tmp_path):
+    # The warm interpreter must leave the GPU free. This machine has no GPU, so
+    # the module only marks torch.cuda initialised as CUDA initialisation
+    # would: the zygote must refuse it all the same and go on without it.
+    (tmp_path / "cudainit.py").write_text("import torch.cuda\ntorch.cuda._initialized = True\n")
+    env = _env(PROBE_MODULES="email.mime.text")
+
+    async def main() -> tuple[int, str] | None:
+        pool, sink = _pool(tmp_path, preload=("torch", "cudainit", "email.mime.text"), scope="all")
+        pool.keep(env)
+        try:
+            for _ in range(400):
+                if len(_kinds(sink, "spare_started")) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert await pool.wait_ready(120)
+            (gone,) = _kinds(sink, "spare_discarded")
+            assert "cudainit" in gone["reason"] and "CUDA" in gone["reason"]
+            return await _fork_one(pool, env)
+        finally:
+            await pool.close()
+
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        got = asyncio.run(main())
+    finally:
+        os.chdir(old)
+    assert got is not None and got[0] == 0 and "BEFORE email.mime.text" in got[1], got

@@ -39,8 +39,13 @@ def spec(**kw: object) -> WorkerSpec:
 
 def pump_lines(route_index: int, data: bytes, capsys: pytest.CaptureFixture[str], **kw: object):
     routes = routes_for(spec(**kw), None, 1, rank=5)
-    pump = LinePump(asyncio.StreamReader(), routes[route_index])
-    pump._take(data)
+    # (a loop of its own: an earlier test's asyncio.run() leaves none current)
+    loop = asyncio.new_event_loop()
+    try:
+        pump = LinePump(asyncio.StreamReader(loop=loop), routes[route_index])
+        pump._take(data)
+    finally:
+        loop.close()
     out = capsys.readouterr()
     return (out.out if route_index == 0 else out.err), list(pump.tail)
 

@@ -12,8 +12,9 @@ working directory), the shape of its arguments (the flags it is given, not
 their values) and the worker's interpreter. The Python and torch versions
 the list was recorded with are kept in the file; the warm interpreter uses
 only ``torch`` from a list recorded with other versions. Modules that proved
-unsafe to import ahead of time (they started a thread or initialised CUDA)
-are remembered as ``skip`` and never imported again.
+unsafe to import ahead of time (they started a thread, initialised CUDA, or
+read a per-rank variable such as ``RANK`` when imported) are remembered as
+``skip``, with their package's other modules, and never imported again.
 
 Bounds: a file holds at most ``MAX_MODULES`` names (valid dotted names of at
 most 200 characters) and is at most ``MAX_FILE_BYTES``; a bigger or damaged
@@ -34,7 +35,16 @@ import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["CACHE_ENV", "ModuleCache", "ModuleList", "cache_key", "default_cache_dir"]
+__all__ = [
+    "CACHE_ENV",
+    "ModuleCache",
+    "ModuleList",
+    "cache_key",
+    "default_cache_dir",
+    "merged",
+    "skipped",
+    "valid_names",
+]
 
 CACHE_ENV = "ELASTRUN_CACHE_DIR"
 VERSION = 1
@@ -118,7 +128,7 @@ class ModuleList:
         }
         python, torch = data.get("python"), data.get("torch")
         return cls(
-            modules=[m for m in valid_names(data.get("modules")) if m not in skips],
+            modules=[m for m in valid_names(data.get("modules")) if not skipped(m, skips)],
             skip=dict(list(skips.items())[:MAX_MODULES]),
             python=python if isinstance(python, str) else None,
             torch=torch if isinstance(torch, str) else None,
@@ -194,12 +204,19 @@ class ModuleCache:
         return True
 
 
+def skipped(name: str, skip: Mapping[str, str]) -> bool:
+    """Whether ``name`` or a package it belongs to is in ``skip``."""
+    parts = name.split(".")
+    return any(".".join(parts[:i]) in skip for i in range(1, len(parts) + 1))
+
+
 def merged(old: Iterable[str], new: Iterable[str], skip: Mapping[str, str]) -> list[str]:
-    """``old`` then the names of ``new`` not in it, none of ``skip`` (bounded)."""
-    out = [m for m in old if m not in skip]
+    """``old`` then the names of ``new`` not in it, none of ``skip`` or its
+    packages' modules (bounded)."""
+    out = [m for m in old if not skipped(m, skip)]
     seen = set(out)
     for name in new:
-        if name not in seen and name not in skip:
+        if name not in seen and not skipped(name, skip):
             seen.add(name)
             out.append(name)
     return out[:MAX_MODULES]

@@ -57,7 +57,7 @@ from typing import Any
 from elastrun.agent.children import ForkedProcess, Reaper
 from elastrun.agent.env import ROUND_ENV_VARS, stable_env
 from elastrun.agent.guard import OrphanGuard
-from elastrun.agent.modcache import ModuleCache, ModuleList, merged, valid_names
+from elastrun.agent.modcache import ModuleCache, ModuleList, merged, skipped, valid_names
 from elastrun.agent.spawn import RUNNER_SCRIPT, PythonEntry, entry_file, imports_any, preexec_for
 from elastrun.agent.spec import WorkerSpec, argv_for
 from elastrun.agent.watchdog import HEARTBEAT_ENV, HEARTBEAT_INTERVAL_ENV, heartbeat_interval
@@ -71,6 +71,7 @@ UNPRIVILEGED_DELAY = 3.0  # s: without idle priority, let cold workers import fi
 PRELOAD_BUDGET = 120.0  # s a zygote may spend importing
 PRELOAD_MAX_RSS = 4096  # MiB a zygote may grow to while importing
 READY_WAIT = 60.0  # s a start waits for a zygote still importing (then: cold)
+MAX_REFUSALS = 8  # zygotes quitting on an unsafe module before the list is dropped
 FORK_TIMEOUT = 30.0  # s for a zygote to answer a fork order
 REAP_WAIT = 2.0
 MAX_MESSAGE = 1 << 20
@@ -167,6 +168,8 @@ class SparePool:
         # False for the next start only: a zygote still importing is not used
         # (set when a joining node stopped waiting for it: it is slow).
         self.use_unready = True
+        self.refusals = 0  # zygotes that quit on an unsafe module
+        self.gave_up = False  # the recorded list was dropped once already
 
     # ------------------------------------------------------------ state
     @property
@@ -213,10 +216,17 @@ class SparePool:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         entry = self.entry
         argv = [*entry.prefix, RUNNER_SCRIPT, *entry.command, *entry.args]
-        z_env = {k: v for k, v in env.items() if k not in LOCAL_VARS}
+        # Only what every worker shares: no rank, round or runner variable.
+        z_env = {k: v for k, v in env.items() if k not in ROUND_VARS | LOCAL_VARS | RUNNER_VARS}
         skip = self.recorded.skip
-        modules = [m for m in (*self.preload, *self.recorded.modules) if m not in skip]
-        preload = {"modules": modules, "python": self.recorded.python, "torch": self.recorded.torch}
+        modules = [m for m in (*self.preload, *self.recorded.modules) if not skipped(m, skip)]
+        preload = {
+            "modules": modules,
+            "python": self.recorded.python,
+            "torch": self.recorded.torch,
+            # What a module must not read while the zygote imports it.
+            "watch": sorted(ROUND_VARS | LOCAL_VARS),
+        }
         spawn_env = {
             **z_env,
             MODE_ENV: "zygote",
@@ -320,14 +330,36 @@ class SparePool:
             if z.pending is not None and not z.pending.done() and isinstance(pids, list):
                 z.pending.set_result([p if isinstance(p, int) and p > 0 else None for p in pids])
         elif "unsafe" in message:
-            name, why = str(message.get("unsafe")), str(message.get("why"))
+            self._refused(z, message.get("unsafe"), str(message.get("why")))
+
+    def _refused(self, z: _Zygote, unsafe: object, why: str) -> None:
+        """The zygote found a module unsafe to import ahead of time and quit:
+        remember it (with its package) and start another without it, a bounded
+        number of times."""
+        names = valid_names(unsafe if isinstance(unsafe, list) else [unsafe])
+        for name in names:
             self.recorded.skip[name] = why
-            self.recorded.modules = [m for m in self.recorded.modules if m != name]
-            self._save()
-            self._discard(z, f"module {name} is not safe to import ahead of time: {why}")
-            self._debug(f"module {name} is not imported ahead of time any more: {why}")
-            if self._z is z:
-                self._z = self._spawn(z.env)
+        self.recorded.modules = [
+            m for m in self.recorded.modules if not skipped(m, self.recorded.skip)
+        ]
+        self._save()
+        shown = f"modules {', '.join(names)} are" if len(names) > 1 else f"module {names[0]} is"
+        if not names:
+            shown = "a module is"
+        self._discard(z, f"{shown} not safe to import ahead of time: {why}")
+        self._debug(f"{shown} not imported ahead of time any more: {why}")
+        if self._z is not z:
+            return
+        self.refusals += 1
+        if not names or self.refusals > MAX_REFUSALS:
+            # Something keeps refusing that the skip list does not catch:
+            # torch alone from now on, and after that, no zygote at all.
+            if self.gave_up:
+                self._z = None
+                return
+            self.gave_up = True
+            self.recorded = ModuleList(skip=self.recorded.skip)
+        self._z = self._spawn(z.env)
 
     def _lost(self, z: _Zygote) -> None:
         self._unwatch(z)
@@ -363,7 +395,7 @@ class SparePool:
             return False
         names = valid_names(message.get("modules"))
         known = set(self.preload) | set(self.recorded.modules)
-        new = [n for n in names if n not in known and n not in self.recorded.skip]
+        new = [n for n in names if n not in known and not skipped(n, self.recorded.skip)]
         if not new:
             return False
         self.recorded.modules = merged(self.recorded.modules, new, self.recorded.skip)

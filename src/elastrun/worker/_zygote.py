@@ -19,8 +19,9 @@ Protocol: one JSON object per message, ``"v": 2``::
     agent -> zygote  {"fork": {"env": {...}, "args": [...]}, "index": i, "count": n}
                      with 3 fds: the worker's stdout, stderr and channel socket
     zygote -> agent  {"pids": [pid | null, ...]}       once all n are forked
-    zygote -> agent  {"unsafe": name, "why": ...}      then it exits: a module
-                     started a Python thread or initialised CUDA (not fork-safe)
+    zygote -> agent  {"unsafe": [name, ...], "why": ...}  then it exits: a module
+                     started a Python thread or initialised CUDA (not fork-safe),
+                     or read a per-rank variable (RANK, ...) when imported
 
 End of file from the agent: exit 0.
 
@@ -127,6 +128,50 @@ def _version(name: str) -> str | None:
     return getattr(mod, "__version__", None) if mod is not None else None
 
 
+class _EnvWatch(os._Environ):  # type: ignore[type-arg]
+    """``os.environ`` while the zygote imports a module: the same variables,
+    but reading one of ``watched`` (the per-round and per-rank variables,
+    which the zygote does not have) is noted with the module that read it."""
+
+    def __init__(self, real: Any, watched: frozenset[str]) -> None:
+        super().__init__(
+            real._data, real.encodekey, real.decodekey, real.encodevalue, real.decodevalue
+        )
+        self.watched = watched
+        self.seen: tuple[str, str] | None = None  # (variable, module)
+
+    def __getitem__(self, key: str) -> str:
+        if key in self.watched:
+            self._note(key)
+        return str(super().__getitem__(key))
+
+    def __contains__(self, key: object) -> bool:
+        if isinstance(key, str) and key in self.watched:
+            self._note(key)
+        return super().__contains__(key)
+
+    def _note(self, key: str) -> None:
+        if self.seen is None:
+            self.seen = (key, _reader())
+
+
+def _reader() -> str:
+    """The module whose code is reading the environment (outside os, the
+    import machinery and this file)."""
+    frame: Any = sys._getframe(2)
+    while frame is not None:
+        name = str(frame.f_globals.get("__name__", ""))
+        if name and name not in _PLUMBING and not name.startswith(("importlib", "_elastrun")):
+            return name
+        frame = frame.f_back
+    return ""
+
+
+_PLUMBING = frozenset(
+    ("os", "_collections_abc", "collections.abc", "collections", "__main__", "typing")
+)
+
+
 class _Become(Exception):
     """Raised in a freshly forked worker: unwinds the zygote's loop."""
 
@@ -152,8 +197,10 @@ class Zygote:
         self.roots = _runner.installed_roots()
         self.queue: deque[str] = deque()
         self.queued: set[str] = set()
-        self.checked: set[str] = set()  # top-level packages found where they may be
+        self.checked: dict[str, bool] = {}  # top-level package -> installed
         self.expect_torch = spec.get("torch") if isinstance(spec.get("torch"), str) else None
+        watch = spec.get("watch")
+        self.watched = frozenset(str(k) for k in watch) if isinstance(watch, list) else frozenset()
         python = ".".join(map(str, sys.version_info[:3]))
         listed = spec.get("modules")
         modules: list[Any] = listed if isinstance(listed, list) else []
@@ -198,52 +245,61 @@ class Zygote:
         if self.stopped is not None:
             self.queue.clear()
             return
-        if self.scope != "all" and not self._under_checked_package(name):
-            try:
-                spec = importlib.util.find_spec(name)
-            except (Exception, SystemExit) as e:
-                self._fail(name, e)
-                return
-            if spec is None:
-                self._fail(name, "not found")
-                return
-            locations = list(spec.submodule_search_locations or ())
-            if not _runner.origin_installed(spec.origin, locations, self.roots):
-                self._fail(name, "not from the standard library or an installed package")
-                return
+        top = name.split(".", 1)[0]
+        if self.scope != "all" and not self._installed(top):
+            self._fail(name, "not from the standard library or an installed package")
+            return
         threads = threading.active_count()
+        real = os.environ
+        watch = _EnvWatch(real, self.watched)
+        os.environ = watch  # noqa: B003 - swapped for this import only, same variables
         try:
             importlib.import_module(name)
         except (Exception, SystemExit) as e:
             self._fail(name, f"{type(e).__name__}: {e}")
             return
+        finally:
+            os.environ = real  # noqa: B003
+        if watch.seen is not None:
+            # Its state now holds what a worker of another rank would not see:
+            # not safe ahead of time (nor anything of its package, nor of the
+            # package whose import brought it in).
+            key, reader = watch.seen
+            packages = sorted({name.split(".")[0], (reader or name).split(".")[0]})
+            self._unsafe(packages, f"{reader or name} reads {key} when it is imported")
         self.loaded += 1
-        if "." not in name:
-            self.checked.add(name)
         if name == "torch" and self.expect_torch not in (None, _version("torch")):
             self.queue.clear()  # recorded with another torch: only torch itself is sure
             self.stopped = f"the module list was recorded with torch {self.expect_torch}"
         if threading.active_count() > threads:
-            self._unsafe(name, "it started a thread (a fork would copy it half-way)")
+            self._unsafe([name], "it started a thread (a fork would copy it half-way)")
         cuda = sys.modules.get("torch.cuda")
         if cuda is not None and getattr(cuda, "is_initialized", lambda: False)():
-            self._unsafe(name, "it initialised CUDA (the device must stay free)")
+            self._unsafe([name], "it initialised CUDA (the device must stay free)")
 
-    def _under_checked_package(self, name: str) -> bool:
-        """A submodule of a package already imported from an installed place is
-        found in that package's folder: no need to look for it on sys.path."""
-        top = name.split(".", 1)[0]
-        if top == name:
-            return False
+    def _installed(self, top: str) -> bool:
+        """Whether top-level package ``top`` is found in the standard library or
+        an installed package (not the script's folder or the working
+        directory). Looking a top-level name up imports nothing; its modules
+        live in its folder."""
         if top not in self.checked:
             mod = sys.modules.get(top)
-            if mod is None or not _runner._module_installed(mod, self.roots):
-                return False
-            self.checked.add(top)
-        return True
+            try:
+                if mod is not None:
+                    ok = _runner._module_installed(mod, self.roots)
+                else:
+                    spec = importlib.util.find_spec(top)
+                    locations = list(spec.submodule_search_locations or ()) if spec else []
+                    ok = spec is not None and _runner.origin_installed(
+                        spec.origin, locations, self.roots
+                    )
+            except (Exception, SystemExit):
+                ok = False
+            self.checked[top] = ok
+        return self.checked[top]
 
-    def _unsafe(self, name: str, why: str) -> None:
-        self._send({"unsafe": name, "why": why})
+    def _unsafe(self, names: list[str], why: str) -> None:
+        self._send({"unsafe": names, "why": why})
         os._exit(4)
 
     def _report(self) -> None:
