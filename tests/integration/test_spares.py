@@ -134,9 +134,10 @@ def test_warm_workers_see_what_cold_workers_see(tmp_path):
     for name, cold in cold_recs.items():
         warm = warm_recs[name]
         assert cold["warm"] is False, name
-        # Forked from the warm interpreter (the first start waited for it: the
-        # script imports torch itself), torch already imported.
-        assert warm["warm"] is True, f"{name} started cold"
+        # Restarts are forked from the warm interpreter, torch already imported
+        # (the first start is forked at once, between two of its imports).
+        if name.startswith("r1-"):
+            assert warm["warm"] is True, f"{name} started cold"
         # What python -u probe.py sees, through elastrun's runner, cold or warm.
         for key in ("argv", "file", "path0", "name", "spec", "stdin", "stdin_tty"):
             assert _rel(cold[key], cold_dir) == _rel(plain[key], plain_dir), (name, key)

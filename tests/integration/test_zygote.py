@@ -94,28 +94,76 @@ def _kinds(sink: ListSink, kind: str) -> list[dict[str, Any]]:
     return [e for e in sink.events if e["kind"] == kind]
 
 
-def test_a_start_waits_for_a_zygote_importing_what_the_script_imports(tmp_path):
-    # The zygote's preload takes 3 s; the script imports the same module: the
-    # start waits for it (a head start), and the script finds it loaded.
+async def _fork_many(pool: SparePool, envs: dict[int, dict[str, str]]) -> dict[int, str]:
+    """Fork one worker per entry of ``envs``; each one's output (they must all be forked)."""
+    pairs = {lr: socket.socketpair() for lr in envs}
+    try:
+        forked = await pool.fork(envs, {lr: theirs.fileno() for lr, (_, theirs) in pairs.items()})
+    finally:
+        for _, theirs in pairs.values():
+            theirs.close()
+    assert set(forked) == set(envs)
+    loop = asyncio.get_running_loop()
+    out = {}
+    for lr, proc in forked.items():
+        pairs[lr][0].send(b"go\n")
+        assert proc.stdout is not None
+        out[lr] = (await loop.run_in_executor(None, proc.stdout.read)).decode()
+        assert await loop.run_in_executor(None, proc.wait, 60) == 0
+        pairs[lr][0].close()
+    return out
+
+
+def test_more_workers_than_cpus_wait_for_a_zygote_importing_what_they_import(tmp_path):
+    # The zygote's preload takes 3 s; the script imports the same module; two
+    # workers on one CPU: the start waits for the whole import (one import
+    # beats two fighting for the CPU), and both find it loaded.
     (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(3)\n")
-    env = _env(PROBE_MODULES="slowmod", WHO="x")
+    (tmp_path / "later.py").write_text("X = 1\n")
+    env = _env(PROBE_MODULES="slowmod,later")
     script = SCRIPT + "import slowmod  # the script imports it itself (after the check)\n"
 
-    async def main() -> tuple[int, str] | None:
-        pool, _ = _pool(tmp_path, preload=("slowmod",), scope="all", script_text=script)
+    async def main() -> dict[int, str]:
+        pool, _ = _pool(tmp_path, preload=("slowmod", "later"), scope="all", script_text=script)
         assert pool.head_start
         pool.keep(env)
         try:
-            return await _fork_one(pool, {**env, "RANK": "5"})
+            return await _fork_many(pool, {0: {**env, "RANK": "5"}, 1: {**env, "RANK": "6"}})
+        finally:
+            await pool.close()
+
+    cpus = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cpus)})
+    t0 = time.monotonic()
+    try:
+        out = asyncio.run(main())
+    finally:
+        os.sched_setaffinity(0, cpus)
+    assert "BEFORE later,slowmod RANK 5" in out[0] and "BEFORE later,slowmod RANK 6" in out[1]
+    assert time.monotonic() - t0 >= 2.5
+
+
+def test_with_cpus_to_spare_a_start_forks_between_two_imports(tmp_path):
+    # One worker: it is forked as soon as the zygote is between two imports
+    # (after the first slow module, before the second), and imports the rest.
+    (tmp_path / "slowa.py").write_text("import time\ntime.sleep(2)\n")
+    (tmp_path / "slowb.py").write_text("import time\ntime.sleep(20)\n")
+    env = _env(PROBE_MODULES="slowa,slowb")
+    script = SCRIPT.replace("importlib.import_module(n)", "pass") + "import slowa\n"
+
+    async def main() -> tuple[int, str] | None:
+        pool, _ = _pool(tmp_path, preload=("slowa", "slowb"), scope="all", script_text=script)
+        pool.keep(env)
+        await asyncio.sleep(0.5)  # the zygote is importing slowa
+        try:
+            return await _fork_one(pool, env)
         finally:
             await pool.close()
 
     t0 = time.monotonic()
     got = asyncio.run(main())
-    assert got is not None
-    rc, out = got
-    assert rc == 0 and "BEFORE slowmod RANK 5" in out, out
-    assert time.monotonic() - t0 >= 2.5
+    assert got is not None and got[0] == 0 and "BEFORE slowa RANK 0" in got[1], got
+    assert time.monotonic() - t0 < 15  # it did not wait for slowb
 
 
 def test_a_zygote_importing_is_kept_for_a_script_that_does_not_need_it(tmp_path):

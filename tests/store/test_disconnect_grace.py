@@ -93,10 +93,13 @@ def test_owner_gone_cuts_deadlines_to_the_grace_never_later() -> None:
     plain = engine.lease_grant(60.0)
     engine.put("/long", b"", long)
     assert engine.lease_owner_gone("a", 2.0) == sorted([long, short])
-    assert engine.next_deadline() == clock.monotonic() + 1.0  # the short one: unchanged
-    clock.advance(1.5)
-    assert engine.expire_leases() == [short]
+    # A lease shorter than twice the grace gets half its TTL instead.
+    assert engine.next_deadline() == clock.monotonic() + 0.5
     clock.advance(0.6)
+    assert engine.expire_leases() == [short]
+    clock.advance(1.0)
+    assert engine.expire_leases() == []  # the long one: the grace, 2 s
+    clock.advance(0.5)
     assert engine.expire_leases() == [long]
     assert engine.get("/long") is None
     assert engine.lease_owner_gone("a", 2.0) == []  # forgotten

@@ -17,10 +17,11 @@ When the zygote is used:
 
 * ready (its imports done): always;
 * still importing: for a script that imports the preloaded modules itself
-  (its source says so, or its module list was recorded), the start waits for
-  it (raised to normal priority; at most ``READY_WAIT``): the workers would
-  import the same, so it is a head start, and one import instead of one per
-  worker fighting for the cores;
+  (its source says so, or its module list was recorded), it is a head start
+  (raised to normal priority): with more workers than usable CPUs the start
+  waits for it (at most ``READY_WAIT``: one import beats N fighting for the
+  cores); otherwise it forks at once, between two of its imports, and the
+  workers import the rest themselves, in parallel;
 * never for a script that does not import them: its workers start cold at
   once, and the zygote is kept for a later start.
 
@@ -70,7 +71,7 @@ PRELOAD = ("torch",)
 UNPRIVILEGED_DELAY = 3.0  # s: without idle priority, let cold workers import first
 PRELOAD_BUDGET = 120.0  # s a zygote may spend importing
 PRELOAD_MAX_RSS = 4096  # MiB a zygote may grow to while importing
-READY_WAIT = 60.0  # s a start waits for a zygote still importing (then: cold)
+READY_WAIT = 60.0  # s a start of more workers than CPUs waits for a zygote importing
 MAX_REFUSALS = 8  # zygotes quitting on an unsafe module before the list is dropped
 FORK_TIMEOUT = 30.0  # s for a zygote to answer a fork order
 REAP_WAIT = 2.0
@@ -93,6 +94,13 @@ BUDGET_ENV = "ELASTRUN_PRELOAD_BUDGET"
 RSS_ENV = "ELASTRUN_PRELOAD_MAX_RSS"
 # Set per worker by the agent for the runner, which removes them.
 RUNNER_VARS = frozenset((SCOPE_ENV, "ELASTRUN_CHANNEL_FD"))
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def compatible(started: Mapping[str, str], wanted: Mapping[str, str]) -> str | None:
@@ -470,7 +478,10 @@ class SparePool:
             if not (self.head_start and use_unready):
                 return {}
             _promote(z.pid)
-            if not await self.wait_ready(READY_WAIT):
+            # More workers than CPUs: one import beats N fighting for the
+            # cores, so wait for all of it. Otherwise fork now (it forks
+            # between two imports) and the workers import the rest in parallel.
+            if len(envs) > usable_cpus() and not await self.wait_ready(READY_WAIT):
                 return {}  # gone, or too slow: start cold (a slow one is kept)
         waited = time.monotonic() - waited
         ranks = sorted(envs)

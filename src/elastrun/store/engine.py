@@ -283,15 +283,17 @@ class Engine:
         self._publish([self._apply_delete(k) for k in sorted(lease.keys)])
 
     def lease_owner_gone(self, owner: object, grace: float) -> list[int]:
-        """``owner`` went away: each lease it owns expires within ``grace``
-        (``min(deadline, now + grace)``, never later than before) unless kept
-        alive again, and has no owner from now on. Returns those leases' ids.
-        The earliest deadline may have moved earlier: re-arm the expiry timer."""
+        """``owner`` went away: each lease it owns expires within ``grace`` or
+        half its TTL, whichever is shorter (``min(deadline, now + that)``,
+        never later than before) unless kept alive again, and has no owner
+        from now on. Returns those leases' ids. The earliest deadline may have
+        moved earlier: re-arm the expiry timer."""
         ids = sorted(self._owned.pop(owner, ()))
-        cutoff = self.clock.monotonic() + max(0.0, grace)
+        now = self.clock.monotonic()
         for lease_id in ids:
             lease = self._leases[lease_id]
             lease.owner = None
+            cutoff = now + max(0.0, min(grace, lease.ttl / 2))
             lease.deadline = min(lease.deadline, cutoff)
         return ids
 
