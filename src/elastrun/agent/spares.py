@@ -61,6 +61,7 @@ from elastrun.agent.modcache import ModuleCache, ModuleList, merged, valid_names
 from elastrun.agent.spawn import RUNNER_SCRIPT, PythonEntry, entry_file, imports_any, preexec_for
 from elastrun.agent.spec import WorkerSpec, argv_for
 from elastrun.agent.watchdog import HEARTBEAT_ENV, HEARTBEAT_INTERVAL_ENV, heartbeat_interval
+from elastrun.errors import WorkerError
 from elastrun.events import EventSink
 
 __all__ = ["LOCAL_VARS", "ROUND_VARS", "SparePool", "compatible"]
@@ -163,7 +164,7 @@ class SparePool:
         self._z: _Zygote | None = None
         self._dead: list[subprocess.Popen[bytes]] = []
         self._closed = False
-        self.error: str | None = None
+        self.error: WorkerError | None = None
         # False for the next start only: a zygote still importing is not used
         # (set when a joining node stopped waiting for it: it is slow).
         self.use_unready = True
@@ -208,7 +209,7 @@ class SparePool:
         if not self.reaper.enable():
             if self.error is None:
                 self.error = self.reaper.error
-                self.events.emit("spare_failed", reason=self.reaper.error)
+                self.events.emit("spare_failed", reason=str(self.reaper.error))
             return None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         entry = self.entry

@@ -30,11 +30,13 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from elastrun.endpoint import Endpoint, format_endpoints, parse_endpoint_list
 from elastrun.errors import ConfigError, ElastrunError, StoreError, StoreUnavailable
 from elastrun.names import run_id_problem
 from elastrun.rendezvous.keys import Keys
 from elastrun.status.summary import TERMINAL_STATES, read_summary
 from elastrun.store.base import Store, Watch, WatchEvent
+from elastrun.store.factory import DEFAULT_ETCD_PORT, DEFAULT_PORT
 
 __all__ = ["Printer", "main", "render_table"]
 
@@ -130,22 +132,25 @@ def _conf(text: str) -> tuple[str | None, dict[str, str]]:
     return token, conf
 
 
-def _where(backend: str, endpoint: str) -> str:
-    if backend in ("c10d", "tcp"):
-        from elastrun.store.factory import parse_endpoint
+def _endpoints(backend: str, text: str) -> tuple[tuple[Endpoint, ...], bool]:
+    """``--rdzv-endpoint`` for ``backend``: the store's one endpoint, or etcd's
+    members (and whether one of them said ``https://``)."""
+    if backend in ("etcd", "etcd-v2"):
+        return parse_endpoint_list(text, DEFAULT_ETCD_PORT, "--rdzv-endpoint")
+    return (Endpoint.parse(text, DEFAULT_PORT, "--rdzv-endpoint"),), False
 
-        host, port = parse_endpoint(endpoint)
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    return endpoint
 
-
-async def _open(args: argparse.Namespace, where: str) -> Store:
+async def _open(
+    args: argparse.Namespace, endpoints: tuple[Endpoint, ...], https: bool, where: str
+) -> Store:
     from elastrun.store.factory import open_store
 
     token, conf = _conf(args.conf)
+    if https:
+        conf.setdefault("protocol", "https")
     try:
         return await asyncio.wait_for(
-            open_store(args.backend, args.endpoint, token=token, conf=conf, timeout=args.timeout),
+            open_store(args.backend, endpoints, token=token, conf=conf, timeout=args.timeout),
             args.timeout + 1.0,
         )
     except TimeoutError:
@@ -425,8 +430,9 @@ async def _watch(store: Store, args: argparse.Namespace, where: str, show: Print
 async def _main(args: argparse.Namespace) -> int:
     if args.backend.strip().lower() == "static":
         raise ConfigError("--rdzv-backend static keeps no store: there is no job state to show")
-    where = _where(args.backend.strip().lower(), args.endpoint)
-    store = await _open(args, where)
+    endpoints, https = _endpoints(args.backend.strip().lower(), args.endpoint)
+    where = format_endpoints(endpoints)
+    store = await _open(args, endpoints, https, where)
     try:
         show = Printer(args, where)
         if args.watch:
