@@ -29,16 +29,8 @@ from typing import Any
 import pytest
 
 from tests.faults.netns import Network, sweep_stale, teardown_on_sigterm, unavailable_reason
-from tests.integration.elastic_harness import (
-    ELASTRUN,
-    SCRIPTS,
-    Agent,
-    Job,
-    free_port,
-    job,
-    pid_alive,
-    wait_for,
-)
+from tests.helpers import free_port, pid_alive, wait_for
+from tests.integration.elastic_harness import ELASTRUN, SCRIPTS, Agent, Job, job
 
 LEASE_TTL = 2.0
 STORE_PORT = 29400  # each namespace has its own port space: no collisions

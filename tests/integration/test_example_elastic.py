@@ -33,8 +33,9 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO
-from tests.integration.elastic_harness import ELASTRUN, Agent, Job, free_port, job, pid_alive
-from tests.integration.elastic_harness import wait_for as _wait_for
+from tests.helpers import free_port, pid_alive
+from tests.helpers import wait_for as _wait_for
+from tests.integration.elastic_harness import ELASTRUN, Agent, Job, job
 
 torch = pytest.importorskip("torch")
 
