@@ -1,6 +1,6 @@
 """One worker group: spawn, watch, signal, stop and reap the workers of a round.
 
-Process hygiene (USER-PAIN 4):
+Process hygiene (no worker outlives the agent):
 
 * every worker is the leader of its own session and process group, so a
   signal reaches the worker *and its children*, and the terminal's Ctrl-C
@@ -527,24 +527,28 @@ class WorkerGroup:
                 t.cancel()
             if pending:
                 await asyncio.wait(pending, timeout=1.0)
-        loop = asyncio.get_running_loop()
         for w in self.workers:
-            self._close_channel(w)
-            for tr in w.transports:
-                tr.close()
-            for p in w.pumps:
-                p.close()
-            if w.pidfd is not None:
-                with contextlib.suppress(OSError, ValueError):
-                    loop.remove_reader(w.pidfd)
-                with contextlib.suppress(OSError):
-                    os.close(w.pidfd)
-                w.pidfd = None
-            if w.popen is not None:
-                for pipe in (w.popen.stdout, w.popen.stderr):
-                    if pipe is not None:
-                        with contextlib.suppress(OSError):
-                            pipe.close()
+            self._release(w)
+
+    def _release(self, w: Worker) -> None:
+        """Close what the agent holds of worker ``w``: its channel, output
+        pipes and pumps, its pidfd."""
+        self._close_channel(w)
+        for tr in w.transports:
+            tr.close()
+        for p in w.pumps:
+            p.close()
+        if w.pidfd is not None:
+            with contextlib.suppress(OSError, ValueError):
+                asyncio.get_running_loop().remove_reader(w.pidfd)
+            with contextlib.suppress(OSError):
+                os.close(w.pidfd)
+            w.pidfd = None
+        if w.popen is not None:
+            for pipe in (w.popen.stdout, w.popen.stderr):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
 
     # ------------------------------------------------------------- failures
     def failures(self) -> list[WorkerFailure]:

@@ -177,30 +177,33 @@ class LaunchConfig:
                 raise ConfigError(f"--master-port: expected an integer, got {self.master_port!r}")
             if not 0 < self.master_port < 65536:
                 raise ConfigError(f"--master-port: must be in 1..65535, got {self.master_port}")
-        check_seconds(
-            "--shutdown-timeout", self.shutdown_timeout, FLAG_SECONDS["--shutdown-timeout"]
-        )
-        if self.hang_timeout is not None:
-            check_seconds("--hang-timeout", self.hang_timeout, FLAG_SECONDS["--hang-timeout"])
-        if self.exit_barrier_timeout is not None:
-            check_seconds(
-                "--exit-barrier-timeout",
-                self.exit_barrier_timeout,
-                FLAG_SECONDS["--exit-barrier-timeout"],
-            )
+        self._check_timeouts()
         if self.prewarm_modules not in ("installed", "all", "torch"):
             raise ConfigError(
                 f"--prewarm-modules: must be installed, all or torch, got {self.prewarm_modules!r}"
-            )
-        if self.warm_join_timeout is not None:
-            check_seconds(
-                "--warm-join-timeout", self.warm_join_timeout, FLAG_SECONDS["--warm-join-timeout"]
             )
         check_role(self.role)
         if self.run_id != "":  # "" asks for a generated id
             check_run_id(self.run_id, "--rdzv-id")
         if self.local_addr is not None:
             check_address("--local-addr", self.local_addr)
+        self._check_output()
+        parse_rdzv_conf(self.rdzv_configs)
+
+    def _check_timeouts(self) -> None:
+        check_seconds(
+            "--shutdown-timeout", self.shutdown_timeout, FLAG_SECONDS["--shutdown-timeout"]
+        )
+        for flag, value in (
+            ("--hang-timeout", self.hang_timeout),
+            ("--exit-barrier-timeout", self.exit_barrier_timeout),
+            ("--warm-join-timeout", self.warm_join_timeout),
+        ):
+            if value is not None:
+                check_seconds(flag, value, FLAG_SECONDS[flag])
+
+    def _check_output(self) -> None:
+        """The worker output flags: redirects, tee, the rank filter, the line prefix."""
         for name, std in (("--redirects", self.redirects), ("--tee", self.tee)):
             for local_rank, bits in std.items():
                 if local_rank < -1 or bits not in (0, 1, 2, 3):
@@ -210,7 +213,6 @@ class LaunchConfig:
                 check_int("--local-ranks-filter", r, 0, MAX_NPROC_PER_NODE - 1)
         if self.log_template is not None:
             check_log_template(self.log_template)
-        parse_rdzv_conf(self.rdzv_configs)
 
     def check_machine_nproc(self) -> None:
         """``nproc_per_node`` against what this machine lets one agent hold."""

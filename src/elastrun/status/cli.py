@@ -353,6 +353,31 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return {**a, "revision": 0, "state_for_s": 0} == {**b, "revision": 0, "state_for_s": 0}
 
 
+async def _next_change(
+    changes: asyncio.Queue[WatchEvent | BaseException],
+    stopped: asyncio.Task[Any],
+    show: Printer,
+) -> WatchEvent | BaseException | None:
+    """The next change (after a burst: the last of it), or a watch error;
+    None once ``stopped`` is done. The display ticks meanwhile."""
+    got = asyncio.get_running_loop().create_task(changes.get())
+    while not got.done() and not stopped.done():
+        await asyncio.wait(
+            {got, stopped},
+            timeout=TICK if show.ticks else None,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        show.tick()
+    if not got.done():
+        got.cancel()
+        return None
+    item = got.result()
+    await asyncio.sleep(DEBOUNCE)
+    while not changes.empty() and not isinstance(item, BaseException):
+        item = changes.get_nowait()
+    return item
+
+
 async def _watch(store: Store, args: argparse.Namespace, where: str, show: Printer) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -392,21 +417,9 @@ async def _watch(store: Store, args: argparse.Namespace, where: str, show: Print
         stopped = loop.create_task(stop.wait())
         try:
             while True:
-                got = loop.create_task(changes.get())
-                while not got.done() and not stopped.done():
-                    await asyncio.wait(
-                        {got, stopped},
-                        timeout=TICK if show.ticks else None,
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
-                    show.tick()
-                if not got.done():
-                    got.cancel()
+                item = await _next_change(changes, stopped, show)
+                if item is None:
                     return 0  # SIGINT / SIGTERM: the operator is done watching
-                item = got.result()
-                await asyncio.sleep(DEBOUNCE)
-                while not changes.empty() and not isinstance(item, BaseException):
-                    item = changes.get_nowait()
                 if isinstance(item, BaseException):
                     raise _Failed(f"lost the store at {where} while watching: {item}")
                 summary = await _read(store, args, where)
