@@ -1,5 +1,5 @@
 """End to end on etcd: real agents (``python -m elastrun``), real gloo workers,
-real etcd members on loopback (SPEC 3 and 7, USER-PAIN 11).
+real etcd members on loopback, through the etcd v3 API only.
 
 * the elastic scenario of test_elastic.py (join, node loss, worker crash) with
   ``--rdzv-backend=etcd``, and a 2-node job with ``--rdzv-backend=etcd-v2``;

@@ -1,4 +1,4 @@
-"""End to end, the example (issue 6): kills and joins do not change the result.
+"""End to end, the example (examples/train.py): kills and joins do not change the result.
 
 ``examples/train.py`` trains for a few epochs twice, on loopback, with real
 agents, real gloo workers and the embedded store:

@@ -1,4 +1,4 @@
-"""No orphans, even of a SIGKILLed agent (USER-PAIN 4).
+"""No orphans, even of a SIGKILLed agent.
 
 Each worker has ``PR_SET_PDEATHSIG=SIGKILL``, so the workers die with the
 agent. Their own children do not: the parent-death signal is not inherited,

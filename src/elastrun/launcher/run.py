@@ -1,6 +1,6 @@
 """Wiring: a Plan and a worker command -> store, rendezvous, agent; run them.
 
-Who hosts the embedded (c10d) store (USER-PAIN 1): ``is_host=1|0`` in
+Who hosts the embedded (c10d) store: ``is_host=1|0`` in
 ``--rdzv-conf`` decides; without it a node hosts the store when the endpoint's
 host is an address of this machine (loopback counts) and the port is free. If
 the port is taken, another agent on this machine is assumed to host it and
