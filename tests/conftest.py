@@ -9,6 +9,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tests.store.etcd_fixture import etcd_with_auth  # noqa: F401 (fixture)
+
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 # Workers started by tests run with the same interpreter and see the package.

@@ -34,6 +34,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.helpers import stop_groups
+
 CMD_TIMEOUT = 15.0
 
 
@@ -278,13 +280,7 @@ class Network:
         Returns the pids that were still running inside the namespaces after
         the started process groups were killed (stray processes).
         """
-        for proc in self.procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(10)
+        stop_groups(*self.procs)
         strays: list[int] = []
         for ns in self.namespaces:
             # Only processes in a namespace this network created: ours.

@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any
 
+from elastrun.failure import FailureRecord
 from elastrun.rendezvous.api import RendezvousSettings
 from elastrun.rendezvous.dynamic import DynamicRendezvous
 from elastrun.store.client import TcpStore
@@ -87,7 +88,7 @@ async def handler(store: TcpStore, spec: dict[str, Any], index: int) -> None:
                         t=time.monotonic() - t0,
                     )
                 elif step == "restart":
-                    await rdzv.request_restart({"node": node, "exitcode": 1})
+                    await rdzv.request_restart(FailureRecord(host=node, exitcode=1))
                     out(node=node, step=step, ok=True, t=time.monotonic() - t0)
                 elif step == "complete":
                     await rdzv.complete()

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 from elastrun.agent import Agent, Std, WorkerSpec
-from elastrun.agent.workers import pid_alive
 from elastrun.events import ListSink
 from tests.conftest import PYTHON, REPO
+from tests.helpers import pid_alive, stop_groups
 from tests.integration.scripts.one_node import OneNodeRendezvous
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -230,9 +230,7 @@ def wait_dead(pids: list[int], timeout: float) -> list[int]:
 
 
 def cleanup(proc: subprocess.Popen[bytes], pids: list[int]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=10)
+    stop_groups(proc)
     for pid in pids:
         if pid_alive(pid):
             os.kill(pid, signal.SIGKILL)

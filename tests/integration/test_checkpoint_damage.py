@@ -13,7 +13,6 @@ restarts finishes with the right result (tests/integration/scripts/ckpt_worker.p
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -29,7 +28,8 @@ import pytest
 from elastrun.train import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from elastrun.train.checkpoint_files import CORRUPT_DIR, check, record_path
 from tests.conftest import PYTHON
-from tests.integration.elastic_harness import SCRIPTS, free_port
+from tests.helpers import free_port, stop_groups
+from tests.integration.elastic_harness import SCRIPTS
 
 torch = pytest.importorskip("torch")
 
@@ -320,11 +320,7 @@ def _run_ranks(code: str, world: int, *args: str) -> list[str]:
             outs.append(out)
             assert p.returncode == 0, out
     finally:
-        for p in procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(30)
+        stop_groups(*procs, timeout=30)
     return outs
 
 
@@ -419,11 +415,7 @@ def _finish(agents: list[tuple[subprocess.Popen[bytes], Path]], timeout: float) 
             except subprocess.TimeoutExpired:
                 pytest.fail(f"agent still running after {timeout}s:\n{log.read_text()[-3000:]}")
     finally:
-        for proc, _ in agents:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
+        stop_groups(*(proc for proc, _ in agents), timeout=30)
     return [log.read_text(errors="replace") for _, log in agents]
 
 

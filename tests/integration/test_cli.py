@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.helpers import free_port
 
 ELASTRUN = str(Path(sys.executable).with_name("elastrun"))
 BAD_TIMEOUT = 30
@@ -54,12 +55,6 @@ def elastrun(*args: str, cwd: Path, timeout: float = RUN_TIMEOUT, env=None):
         timeout=timeout,
         env=env or env_without_pet(),
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def results(stdout: str) -> list[str]:

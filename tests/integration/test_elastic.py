@@ -14,15 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.elastic_harness import (
-    BOUND,
-    free_port,
-    job,
-    join_loss_and_crash,
-    pid_alive,
-    steps_after,
-    wait_for,
-)
+from tests.helpers import free_port, pid_alive, wait_for
+from tests.integration.elastic_harness import BOUND, job, join_loss_and_crash, steps_after
 
 
 def c10d_flags(port: int, *, host: bool, nnodes: str = "1:3", max_restarts: int = 3) -> list[str]:

@@ -1,5 +1,5 @@
 """End to end on etcd: real agents (``python -m elastrun``), real gloo workers,
-real etcd members on loopback (SPEC 3 and 7, USER-PAIN 11).
+real etcd members on loopback, through the etcd v3 API only.
 
 * the elastic scenario of test_elastic.py (join, node loss, worker crash) with
   ``--rdzv-backend=etcd``, and a 2-node job with ``--rdzv-backend=etcd-v2``;
@@ -22,17 +22,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port, pid_alive, wait_for
 from tests.integration.elastic_harness import (
     BOUND,
     check_finished,
-    free_port,
     job,
     join_loss_and_crash,
-    pid_alive,
     steps_after,
-    wait_for,
 )
-from tests.store.etcd_fixture import EtcdCluster, enable_auth, requires_etcd, start_cluster
+from tests.store.etcd_fixture import EtcdCluster, requires_etcd, start_cluster
 
 pytestmark = [pytest.mark.etcd, requires_etcd]
 
@@ -187,17 +185,6 @@ def test_quorum_loss_stops_workers_and_fails(tmp_path: Path, etcd3: EtcdCluster)
 # -- bad configuration: clear error, no worker ------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def etcd_auth() -> Iterator[EtcdCluster]:
-    """A member of its own with auth enabled: user root, password pw."""
-    cluster = start_cluster(1)
-    try:
-        enable_auth(cluster)
-        yield cluster
-    finally:
-        cluster.stop()
-
-
 def fails_cleanly(tmp_path: Path, flags: list[str], bound: float = 45.0) -> str:
     with job(tmp_path) as j:
         t = time.monotonic()
@@ -212,19 +199,19 @@ def fails_cleanly(tmp_path: Path, flags: list[str], bound: float = 45.0) -> str:
         return out
 
 
-def test_wrong_password(tmp_path: Path, etcd_auth: EtcdCluster) -> None:
-    flags = etcd_flags(etcd_auth.endpoints, run_id(), conf="user=root,password=wrong")
+def test_wrong_password(tmp_path: Path, etcd_with_auth: EtcdCluster) -> None:
+    flags = etcd_flags(etcd_with_auth.endpoints, run_id(), conf="user=root,password=wrong")
     out = fails_cleanly(tmp_path, flags)
     assert "user name or password" in out or "authentication" in out.lower(), out[-3000:]
 
 
-def test_missing_credentials(tmp_path: Path, etcd_auth: EtcdCluster) -> None:
-    out = fails_cleanly(tmp_path, etcd_flags(etcd_auth.endpoints, run_id()))
+def test_missing_credentials(tmp_path: Path, etcd_with_auth: EtcdCluster) -> None:
+    out = fails_cleanly(tmp_path, etcd_flags(etcd_with_auth.endpoints, run_id()))
     assert "authentication" in out.lower(), out[-3000:]
 
 
-def test_correct_password_runs(tmp_path: Path, etcd_auth: EtcdCluster) -> None:
-    flags = etcd_flags(etcd_auth.endpoints, run_id(), nnodes="1", conf="user=root,password=pw")
+def test_correct_password_runs(tmp_path: Path, etcd_with_auth: EtcdCluster) -> None:
+    flags = etcd_flags(etcd_with_auth.endpoints, run_id(), nnodes="1", conf="user=root,password=pw")
     with job(tmp_path) as j:
         a = j.start_agent("a", flags)
         wait_for(lambda: len(j.steps()) >= 3, BOUND, "training with user/password")

@@ -1,4 +1,4 @@
-"""End to end, the example (issue 6): kills and joins do not change the result.
+"""End to end, the example (examples/train.py): kills and joins do not change the result.
 
 ``examples/train.py`` trains for a few epochs twice, on loopback, with real
 agents, real gloo workers and the embedded store:
@@ -33,8 +33,9 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO
-from tests.integration.elastic_harness import ELASTRUN, Agent, Job, free_port, job, pid_alive
-from tests.integration.elastic_harness import wait_for as _wait_for
+from tests.helpers import free_port, pid_alive
+from tests.helpers import wait_for as _wait_for
+from tests.integration.elastic_harness import ELASTRUN, Agent, Job, job
 
 torch = pytest.importorskip("torch")
 

@@ -32,14 +32,8 @@ from typing import Any
 
 import pytest
 
-from tests.integration.elastic_harness import (
-    ELASTRUN,
-    SCRIPTS,
-    Agent,
-    free_port,
-    pid_alive,
-    wait_for,
-)
+from tests.helpers import free_port, pid_alive, wait_for
+from tests.integration.elastic_harness import ELASTRUN, SCRIPTS, Agent
 from tests.integration.test_cli import env_without_pet
 
 torch = pytest.importorskip("torch")

@@ -31,7 +31,8 @@ from elastrun.store.base import Store
 from elastrun.store.client import TcpStore
 from elastrun.store.etcd import open_etcd_store
 from elastrun.store.server import StoreServer
-from tests.integration.elastic_harness import BOUND, job, steps_after, wait_for
+from tests.helpers import wait_for
+from tests.integration.elastic_harness import BOUND, job, steps_after
 from tests.integration.test_node_loss_disconnect import QUIET_WORKER
 from tests.store.etcd_fixture import (
     EtcdCluster,

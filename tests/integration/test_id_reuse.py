@@ -13,10 +13,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import signal
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.elastic_harness import ELASTRUN, SCRIPTS, free_port, wait_for
+from tests.helpers import free_port, stop_groups, wait_for
+from tests.integration.elastic_harness import ELASTRUN, SCRIPTS
 from tests.store.etcd_fixture import ETCD, start_cluster
 
 WORKER = str(SCRIPTS / "launch_input_worker.py")
@@ -87,9 +86,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
         wait_for(lambda: "listening on" in log.read_text(), 30, "the store to listen")
         yield Backend("c10d", f"127.0.0.1:{port}")
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGKILL)
-        server.wait(10)
+        stop_groups(server)
 
 
 def run(
@@ -161,9 +158,7 @@ def test_an_abandoned_jobs_restart_count_is_not_inherited(backend: Backend, tmp_
         agent.wait(30)
         wait_for(lambda: backend.live_nodes("dropped") == 0, GONE, "its presence to expire")
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(agent.pid, signal.SIGKILL)
-        agent.wait(10)
+        stop_groups(agent)
     new_dir = tmp_path / "new"
     new_dir.mkdir()
     new = run(backend.flags("dropped", "--max-restarts=1"), "fail-once", str(new_dir), cwd=tmp_path)

@@ -25,16 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.elastic_harness import (
-    BOUND,
-    ELASTRUN,
-    SCRIPTS,
-    Agent,
-    Job,
-    free_port,
-    job,
-    wait_for,
-)
+from tests.helpers import free_port, wait_for
+from tests.integration.elastic_harness import BOUND, ELASTRUN, SCRIPTS, Agent, Job, job
 
 WORKER = str(SCRIPTS / "launch_input_worker.py")
 RUN = 120.0  # bound of one short job on a loaded 2-core machine

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO
-from tests.integration.elastic_harness import free_port
+from tests.helpers import free_port, stop_groups
 
 TIMEOUT = 240
 LAUNCH = [sys.executable, "-m", "elastrun.launch"]
@@ -154,9 +154,7 @@ def test_seed_script_two_static_nodes_with_master_flags(tmp_path: Path) -> None:
         mine = run(node(0), tmp_path)
         out, err = other.communicate(timeout=TIMEOUT)
     finally:
-        if other.poll() is None:
-            os.killpg(other.pid, 9)
-            other.wait(10)
+        stop_groups(other)
     assert mine.returncode == 0 and other.returncode == 0, mine.stderr[-2000:] + err[-2000:]
     done = tagged(mine.stdout + out, "TRAINED")
     assert [(d["rank"], d["world"], d["local_rank_arg"]) for d in done] == [

@@ -14,14 +14,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tests.integration.elastic_harness import (
-    BOUND,
-    free_port,
-    job,
-    pid_alive,
-    steps_after,
-    wait_for,
-)
+from tests.helpers import free_port, pid_alive, wait_for
+from tests.integration.elastic_harness import BOUND, job, steps_after
 
 LEASE_TTL = 60
 WELL_BEFORE_TTL = 30.0

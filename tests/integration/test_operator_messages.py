@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 from tests.conftest import REPO
-from tests.integration.elastic_harness import free_port
+from tests.helpers import free_port, stop_groups
 
 ELASTRUN = [sys.executable, "-m", "elastrun"]
 TIMEOUT = 180
@@ -139,9 +139,7 @@ def test_group_failure_header_names_the_only_way_on(tmp_path: Path) -> None:
         other = elastrun(*common, "--rdzv-conf=is_host=0", "--node-rank=1", "w.py", cwd=tmp_path)
         host.communicate(timeout=TIMEOUT)
     finally:
-        if host.poll() is None:
-            os.killpg(host.pid, 9)
-            host.wait(10)
+        stop_groups(host)
     assert other.returncode == 1
     assert (
         "no restarts are left (max restarts 0); the job goes on only if another node of the "

@@ -20,6 +20,7 @@ import itertools
 
 from elastrun.errors import RevisionCompacted
 from elastrun.events import ListSink
+from elastrun.failure import FailureRecord
 from elastrun.rendezvous.api import RendezvousSettings
 from elastrun.rendezvous.dynamic import DynamicRendezvous
 from elastrun.store.base import Watch, WatchEvent
@@ -102,7 +103,7 @@ def test_rounds_form_although_watches_are_compacted_again_and_again() -> None:
             assert sorted(r.group_rank for r in results) == list(range(n))
             assert all(r.world_size == n for r in results)
             if round_ == 0:  # a restart: every handler sees the round end
-                await handlers[0].request_restart({"reason": "test"})
+                await handlers[0].request_restart(FailureRecord(reason="test"))
                 changes = await asyncio.wait_for(
                     asyncio.gather(*(h.wait_for_change() for h in handlers[1:])), 30
                 )

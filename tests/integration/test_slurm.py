@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO
-from tests.integration.elastic_harness import free_port, pid_alive, wait_for
+from tests.helpers import free_port, pid_alive, stop_groups, wait_for
 
 pytest.importorskip("torch")
 
@@ -225,11 +225,7 @@ def test_two_nodes_run_the_recipe_and_sigusr1_reaches_the_workers(tmp_path: Path
         for p in procs:
             assert p.wait(BOUND) == 0, output()
     finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(10)
+        stop_groups(*procs)
         for s in read_jsonl(tmp_path / "steps.jsonl"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(s["pid"]), signal.SIGKILL)
@@ -271,8 +267,7 @@ def test_batch_script_requeues_on_sigusr1_and_exits_with_srun(tmp_path: Path) ->
         os.kill(batch.pid, signal.SIGUSR1)  # --signal=B:USR1@90: the batch shell only
         out, _ = batch.communicate(timeout=60)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(batch.pid, signal.SIGKILL)
+        stop_groups(batch)
     text = out.decode(errors="replace")
     assert batch.returncode == 143, text  # srun's status: it ended on SLURM's SIGTERM
     assert f"requeueing job {JOB_ID}" in text

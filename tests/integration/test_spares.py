@@ -19,7 +19,7 @@ from typing import Any
 
 from elastrun.agent.spares import ROUND_VARS
 from tests.conftest import PYTHON
-from tests.integration.elastic_harness import free_port, pid_alive, wait_for
+from tests.helpers import free_port, pid_alive, stop_groups, wait_for
 from tests.integration.test_cli import ELASTRUN, RUN_TIMEOUT, elastrun, env_without_pet
 
 # Records what a worker sees, all-reduces over gloo, and fails once (rank 1 of
@@ -216,10 +216,7 @@ def test_the_first_workers_are_forked_from_a_zygote_ready_during_the_rendezvous(
             _, err = p.communicate(timeout=RUN_TIMEOUT)
             assert p.returncode == 0, err[-3000:]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+        stop_groups(*procs)
     evs = _events(events_a)
     first = next(e for e in evs if e["kind"] == "workers_started")
     assert first["warm"] == [True]
@@ -330,9 +327,7 @@ def test_the_zygote_and_forked_workers_die_with_a_killed_agent(tmp_path):
             time.sleep(0.1)
         assert not [p for p in pids if pid_alive(p)], "outlived its SIGKILLed agent"
     finally:
-        if agent.poll() is None:
-            os.killpg(agent.pid, signal.SIGKILL)
-            agent.wait(timeout=10)
+        stop_groups(agent)
 
 
 def _zombie_children(pid: int) -> list[str]:
@@ -371,6 +366,4 @@ def test_orphans_of_forked_workers_are_reaped(tmp_path):
         for o in orphans:
             assert not Path(f"/proc/{o}").exists(), f"orphan {o} left unreaped"
     finally:
-        if agent.poll() is None:
-            os.killpg(agent.pid, signal.SIGKILL)
-            agent.wait(timeout=10)
+        stop_groups(agent)

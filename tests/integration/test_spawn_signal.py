@@ -20,7 +20,8 @@ import time
 import uuid
 from pathlib import Path
 
-from tests.integration.elastic_harness import ELASTRUN, wait_for
+from tests.helpers import stop_groups, wait_for
+from tests.integration.elastic_harness import ELASTRUN
 
 NPROC = 1000
 STOP_BOUND = 2.0  # seconds from SIGTERM to the agent's exit
@@ -76,8 +77,7 @@ def test_sigterm_while_a_large_group_spawns(tmp_path: Path) -> None:
         # Every worker gone: none alive, none a zombie (the agent reaped them).
         assert wait_for(lambda: not with_marker(marker), 10, "no worker left"), marker
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(agent.pid, signal.SIGKILL)
+        stop_groups(agent)
         for pid in with_marker(marker):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -26,8 +25,10 @@ from xml.etree import ElementTree
 
 import pytest
 
+from elastrun.failure import FailureRecord
 from elastrun.store.memory import MemoryStore
-from tests.integration.elastic_harness import ELASTRUN, free_port, job, wait_for
+from tests.helpers import free_port, stop_groups, wait_for
+from tests.integration.elastic_harness import ELASTRUN, job
 from tests.store.etcd_fixture import requires_etcd, start_cluster
 
 BOUND = 90.0  # generous: a loaded 2-core machine
@@ -100,10 +101,7 @@ def background(args: list[str], out: Path) -> Iterator[subprocess.Popen[bytes]]:
     try:
         yield proc
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(10)
+        stop_groups(proc)
 
 
 def first_index(events: list[dict[str, Any]], start: int, pred: Any, what: str) -> int:
@@ -355,7 +353,7 @@ def test_summary_follows_an_in_process_rendezvous() -> None:
             ("hb", "10.0.0.2", 1, "alive"),
         ]
         assert s["world_size"] == 4 and s["master"] == f"10.0.0.1:{ra.master_port}"
-        failure = {"reason": "worker_failed", "host": "hb", "rank": 3, "exitcode": 1, "time": 1.5}
+        failure = FailureRecord(host="hb", rank=3, exitcode=1, time=1.5)
         await asyncio.wait_for(b.request_restart(failure), 30)
         s = await summary_where(store, lambda s: s["state"] == "restarting")
         # Charged when round 1 closes with both members back, not before.

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.elastic_harness import BOUND, free_port, job, pid_alive, wait_for
+from tests.helpers import free_port, pid_alive, wait_for
+from tests.integration.elastic_harness import BOUND, job
 from tests.integration.test_node_loss_disconnect import QUIET_WORKER
 
 REPORT_BOUND = 15.0  # the refusal window (5 s) plus stopping workers, on a loaded machine

@@ -34,7 +34,8 @@ import pytest
 from elastrun.errors import ConfigError
 from elastrun.launcher.config import count_gpus, count_xpus, parse_nnodes
 from tests.conftest import REPO
-from tests.integration.elastic_harness import ELASTRUN, free_port
+from tests.helpers import free_port, stop_groups
+from tests.integration.elastic_harness import ELASTRUN
 from tests.store.etcd_fixture import requires_etcd, start_cluster
 
 BIN = Path(__file__).resolve().parent / "scripts" / "conformance"
@@ -284,9 +285,7 @@ def test_launch_elastic_multiple_agents(tmp_path: Path) -> None:
         proc = torchrun(*args)
         out, _ = other.communicate(timeout=RUN_TIMEOUT)
     finally:
-        if other.poll() is None:
-            os.killpg(other.pid, 9)
-            other.wait(10)
+        stop_groups(other)
     assert other.returncode == 0, out[-3000:]
     expect_ranks(proc, tmp_path, 8)
 

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
 import re
-import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -20,24 +17,16 @@ from elastrun.train import WorkerContext, heartbeat, latest_checkpoint, list_che
 from elastrun.train.checkpoint_files import check
 from elastrun.train.heartbeat import _reset_for_tests
 from tests.conftest import PYTHON, REPO
+from tests.helpers import free_port, stop_groups
 
 torch = pytest.importorskip("torch")
 
 TORCHRUN = Path(PYTHON).parent / "torchrun"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _stop(proc: subprocess.Popen[str]) -> None:
     """Stop a process we started, and its session (workers of torchrun)."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    stop_groups(proc, timeout=30)
 
 
 def _run(cmd: list[str], timeout: float, **kw: object) -> subprocess.CompletedProcess[str]:
@@ -209,7 +198,7 @@ def test_ranks_agree_on_newest_checkpoint_and_holder_broadcasts_it(tmp_path: Pat
     save(1, 3)
     newest = save(1, 7)  # only rank 1 holds the newest
     (tmp_path / "rank2").mkdir()  # rank 2 holds nothing (a node that just joined)
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(3):
         env = {

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import textwrap
 import time
@@ -18,7 +17,7 @@ from typing import Any
 
 from elastrun.agent.modcache import ModuleCache, ModuleList, cache_key
 from tests.conftest import PYTHON
-from tests.integration.elastic_harness import free_port, wait_for
+from tests.helpers import free_port, stop_groups, wait_for
 from tests.integration.test_cli import ELASTRUN, RUN_TIMEOUT, env_without_pet
 
 # Steps every 0.1 s at whatever world size the round has, logging each step;
@@ -128,10 +127,7 @@ def _join(
             assert p.returncode == 0, err[-3000:]
         b_err = err
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+        stop_groups(*procs)
     evs = [json.loads(x) for x in events_b.read_text().splitlines()]
     lines = _lines(steps)
     return {

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 from elastrun.agent import Agent, WorkerSpec
-from elastrun.agent.workers import pid_alive
 from elastrun.events import ListSink
 from tests.conftest import PYTHON, REPO
+from tests.helpers import pid_alive, stop_groups
 from tests.integration.scripts.one_node import OneNodeRendezvous
 from tests.integration.test_agent import SCRIPTS, assert_reaped, run_agent, started_pids
 
@@ -153,9 +153,7 @@ def test_sigkill_of_agent_kills_the_workers_whole_trees(tmp_path):
         alive = [p for p in pids if pid_alive(p)]
         assert alive == [], f"processes of the workers' trees outlived the agent: {alive}"
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+        stop_groups(proc)
         for pid in pids:
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)

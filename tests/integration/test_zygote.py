@@ -24,7 +24,7 @@ from elastrun.agent.spares import SparePool
 from elastrun.agent.spawn import python_entry
 from elastrun.events import ListSink
 from tests.conftest import PYTHON
-from tests.integration.elastic_harness import pid_alive
+from tests.helpers import pid_alive
 
 # Prints which of the modules named in PROBE_MODULES were loaded before the
 # script itself imported anything, then imports them (as a script would).

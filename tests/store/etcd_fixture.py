@@ -6,7 +6,8 @@ need etcd are skipped with a clear reason when the ``etcd`` binary is missing
 (``make etcd`` or ``scripts/ensure-etcd.sh`` installs it).
 
 Use :func:`start_cluster` directly, or the session-scoped ``etcd_session``
-fixture (one member; give each store its own ``key_prefix``).
+fixture (one member; give each store its own ``key_prefix``); ``etcd_with_auth``
+is a member of its own with auth on (:func:`enable_auth`).
 :func:`etcd_backend` plugs etcd into the store conformance suite.
 """
 
@@ -18,7 +19,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from elastrun.store.base import Store
+from tests.helpers import free_ports
 
 ClientFactory = Callable[[], Awaitable[Store]]
 
@@ -39,20 +40,6 @@ SKIP_REASON = "needs the etcd server binary (Debian's etcd-server; run `make etc
 requires_etcd = pytest.mark.skipif(ETCD is None, reason=SKIP_REASON)
 
 START_TIMEOUT = 30.0
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free TCP ports on 127.0.0.1."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass(frozen=True)
@@ -301,3 +288,17 @@ def enable_auth(cluster: EtcdCluster, password: str = "pw") -> None:
     gateway(url, "auth/user/add", {"name": "root", "password": password})
     gateway(url, "auth/user/grant", {"user": "root", "role": "root"})
     gateway(url, "auth/enable", {})
+
+
+@pytest.fixture(scope="module")
+def etcd_with_auth() -> Iterator[EtcdCluster]:
+    """A member of its own with auth enabled (:func:`enable_auth`): user
+    ``root``, password ``pw``. Skipped without the etcd binary."""
+    if ETCD is None:
+        pytest.skip(SKIP_REASON)
+    cluster = start_cluster(1)
+    try:
+        enable_auth(cluster)
+        yield cluster
+    finally:
+        cluster.stop()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -19,10 +19,9 @@ from elastrun.errors import (
     StoreUnavailable,
 )
 from elastrun.store.base import Compare, Delete, Get, Put, Store, WatchEvent
+from tests.helpers import free_ports
 from tests.store.etcd_fixture import (
     EtcdCluster,
-    enable_auth,
-    free_ports,
     gateway,
     requires_etcd,
     start_cluster,
@@ -221,17 +220,6 @@ def test_endpoint_parsing() -> None:
         Endpoint("::1", 2379),
     )
     assert str(eps[2]) == "[::1]:2"
-
-
-@pytest.fixture(scope="module")
-def etcd_with_auth() -> Iterator[EtcdCluster]:
-    """A member of its own with auth enabled: user root, password pw."""
-    cluster = start_cluster(1)
-    try:
-        enable_auth(cluster)
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 def test_authentication(etcd_with_auth: EtcdCluster) -> None:

@@ -34,6 +34,7 @@ from elastrun.store.client import TcpStore
 from elastrun.store.limits import StoreLimits
 from elastrun.store.server import StoreServer
 from tests.conftest import PYTHON, REPO
+from tests.helpers import free_port
 from tests.store.conftest import (
     ServerProcess,
     read_line,
@@ -253,9 +254,7 @@ def test_wrong_or_missing_token_is_refused_and_nothing_is_written(tmp_path: Path
 
 # -- bounded waits --------------------------------------------------------------
 def test_unreachable_store_fails_fast_naming_the_address() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nothing listens there
+    port = free_port()  # nothing listens there
 
     async def body() -> None:
         start = time.monotonic()

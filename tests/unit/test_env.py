@@ -1,4 +1,4 @@
-"""The worker environment (SPEC section 2)."""
+"""The worker environment: the variables torchrun sets for each rank."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from elastrun.errors import ConfigError, RestartBudgetExhausted
+from elastrun.failure import FailureRecord
 from elastrun.launcher.cli import Command, parse, worker_argv
 from elastrun.launcher.config import (
     LaunchConfig,
@@ -387,10 +388,10 @@ def test_static_rendezvous_fixed_world_and_local_restart_budget():
         assert result.me.addr == "10.0.0.2" and result.members[0].addr == "10.0.0.1"
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(rdzv.wait_for_change(), 0.2)
-        await rdzv.request_restart({"rank": 3})
+        await rdzv.request_restart(FailureRecord(rank=3))
         assert (await rdzv.next_round()).restart_count == 1
         with pytest.raises(RestartBudgetExhausted, match="--max-restarts=1"):
-            await rdzv.request_restart({"rank": 3})
+            await rdzv.request_restart(FailureRecord(rank=3))
         await asyncio.wait_for(rdzv.complete(), 1)
         await rdzv.shutdown()
 

@@ -19,6 +19,7 @@ import pytest
 
 from elastrun.errors import ConfigMismatch, RendezvousClosed, RestartBudgetExhausted
 from elastrun.events import EventSink
+from elastrun.failure import FailureRecord
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.api import RendezvousSettings
 from elastrun.rendezvous.dynamic import DynamicRendezvous
@@ -130,7 +131,7 @@ async def fail_job(store: MemoryStore, max_restarts: int = 1) -> None:
     old, _, _ = handler(store, "old", max_restarts=max_restarts)
     for _ in range(max_restarts + 1):
         await old.next_round()
-        await old.request_restart({"rank": 0, "host": "old", "exitcode": 1})
+        await old.request_restart(FailureRecord(rank=0, host="old", exitcode=1))
     with pytest.raises(RestartBudgetExhausted):
         await old.next_round()
     await old.shutdown()
@@ -155,7 +156,7 @@ def test_a_failed_jobs_id_starts_a_new_job_afresh() -> None:
         assert not any("/rounds/1/" in kv.key for kv in kvs)
         # A second node of the new job joins it (no second reset).
         other, other_events, other_said = handler(store, "other", max_nodes=2, max_restarts=3)
-        await new.request_restart({"rank": 0, "host": "new", "exitcode": 1})
+        await new.request_restart(FailureRecord(rank=0, host="new", exitcode=1))
         both = await asyncio.gather(new.next_round(), other.next_round())
         assert {r.restart_count for r in both} == {1}
         assert not other_said and "job_reset" not in [k for k, _ in other_events.seen]
@@ -169,7 +170,7 @@ def test_an_abandoned_jobs_id_does_not_inherit_its_restart_count() -> None:
         store = MemoryStore()
         old, _, _ = handler(store, "old", max_restarts=1)
         await old.next_round()
-        await old.request_restart({"rank": 0, "host": "old", "exitcode": 1})
+        await old.request_restart(FailureRecord(rank=0, host="old", exitcode=1))
         assert (await old.next_round()).restart_count == 1
         await old.shutdown()  # the job is stopped (its one node is gone)
         new, events, said = handler(store, "new", max_restarts=1)
@@ -177,7 +178,7 @@ def test_an_abandoned_jobs_id_does_not_inherit_its_restart_count() -> None:
         assert result.restart_count == 0
         assert dict(events.seen)["job_reset"]["reason"] == "abandoned"
         assert "no node left (round 1, 1 of 1 restarts used)" in said[0]
-        await new.request_restart({"rank": 0, "host": "new", "exitcode": 1})
+        await new.request_restart(FailureRecord(rank=0, host="new", exitcode=1))
         # Its first crash is its first restart, not the end of the job.
         assert (await new.next_round()).restart_count == 1
         await new.shutdown()
@@ -190,7 +191,7 @@ def test_a_live_job_is_joined_with_its_restart_count_and_settings() -> None:
         store = MemoryStore()
         a, _, _ = handler(store, "a", max_nodes=2, max_restarts=2)
         await a.next_round()
-        await a.request_restart({"rank": 0, "host": "a", "exitcode": 1})
+        await a.request_restart(FailureRecord(rank=0, host="a", exitcode=1))
         b, b_events, b_said = handler(store, "b", max_nodes=2, max_restarts=2)
         ra, rb = await asyncio.gather(a.next_round(), b.next_round())
         assert ra.restart_count == rb.restart_count == 1  # the live job's count

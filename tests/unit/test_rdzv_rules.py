@@ -4,6 +4,7 @@ every (state, event) pair that is not in the table."""
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import replace
 from typing import Any
 
@@ -274,16 +275,20 @@ def test_the_restart_reason_every_node_prints_is_the_failing_nodes_line(
 ) -> None:
     """The new round's detail, built from the failure record in the store, is
     the line the failing node's agent prints (so every node prints the same)."""
-    from elastrun.agent.failures import WorkerFailure, describe_failure
-    from elastrun.rendezvous.records import describe_failure as describe_record
+    from elastrun.agent.failures import WorkerFailure, failure_record
+    from elastrun.failure import FailureRecord, describe_stored
 
     f = WorkerFailure(
         rank=2, local_rank=0, host="host-a", pid=7, returncode=rc, exit_time=0.0,
         exit_monotonic=0.0, hang=hang,
     )  # fmt: skip
-    record = {"reason": "worker_failed", "host": "host-a", **f.to_json()}
-    assert describe_record(record) == describe_failure(f)
+    mine = failure_record([f], "host-a")
+    record = json.loads(json.dumps(mine.to_json()))  # as stored and read by another node
+    words = {1: "rank 2 on host-a exited with code 1", -9: "rank 2 on host-a was killed by SIGKILL"}
+    assert mine.describe() == words.get(rc, f"{hang} on host-a")
+    assert describe_stored(record) == mine.describe()
+    assert FailureRecord.from_json(record) == mine
     m = machine(State.MEMBER)
-    actions = m.handle(Event(Ev.WORKERS_FAILED, restarts=0, detail=describe_record(record)))
+    actions = m.handle(Event(Ev.WORKERS_FAILED, restarts=0, detail=describe_stored(record)))
     opened = [a for a in actions if a.type is Act.OPEN_ROUND]
-    assert [a.detail for a in opened] == [describe_failure(f)]
+    assert [a.detail for a in opened] == [mine.describe()]

@@ -21,19 +21,13 @@ import os
 import shutil
 import signal
 import socket
-import sys
 from collections.abc import Awaitable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from elastrun.agent.children import Reaper
 from elastrun.agent.env import check_round
-from elastrun.agent.failures import (
-    ROOT_CAUSE,
-    WorkerFailure,
-    classify,
-    describe_failure,
-    format_summary,
-)
+from elastrun.agent.failures import ROOT_CAUSE, classify, failure_record, format_summary
 from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.logs import (
     LogWriteErrors,
@@ -58,6 +52,7 @@ from elastrun.errors import (
 )
 from elastrun.events import EventSink, JsonLinesSink, NullSink
 from elastrun.names import check_run_id
+from elastrun.procs import say, signal_name
 from elastrun.rendezvous.api import Change, Rendezvous, RoundResult
 
 __all__ = ["Agent"]
@@ -66,7 +61,20 @@ RDZV_SHUTDOWN_TIMEOUT = 30.0
 CANCEL_TIMEOUT = 5.0
 MODULES_NOTE = "modules"  # the job-wide list of modules the script imports
 NOTE_TIMEOUT = 5.0
-MAX_TRACEBACK_CHARS = 8000
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class WorkersExited:
+    """The round's workers ended: all exited 0 (``succeeded``), or one failed."""
+
+    succeeded: bool
+
+
+async def _exited(group: WorkerGroup) -> WorkersExited:
+    return WorkersExited(await group.wait())
 
 
 class _Signalled(Exception):
@@ -82,19 +90,6 @@ class _Tee:
     def emit(self, kind: str, **fields: Any) -> None:
         for s in self.sinks:
             s.emit(kind, **fields)
-
-
-def _say(msg: str) -> None:
-    with contextlib.suppress(OSError, ValueError):
-        sys.stderr.write(msg if msg.endswith("\n") else msg + "\n")
-        sys.stderr.flush()
-
-
-def _signame(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return str(signum)
 
 
 class Agent:
@@ -131,7 +126,7 @@ class Agent:
             self._events_file = JsonLinesSink(spec.events_file, host=spec.host)
             sink = _Tee(sink, self._events_file)
         self.events: EventSink = sink
-        self._log_errors = LogWriteErrors(sink, _say)
+        self._log_errors = LogWriteErrors(sink, say)
         self._signals: asyncio.Queue[int] = asyncio.Queue()
         self._signals_seen = 0
         self._pending_signal: int | None = None
@@ -157,7 +152,7 @@ class Agent:
                 self._reaper,
                 cache=cache,
                 scope="all" if spec.prewarm_modules == "all" else "installed",
-                say=_say,
+                say=say,
             )
         self._host_pidfile: str | None = None
         self._note_fetch: asyncio.Task[None] | None = None
@@ -168,7 +163,7 @@ class Agent:
             rendezvous.progress = self._waiting.update
         if rendezvous.notice is None:
             # Said at registration, before the waiting line is first drawn.
-            rendezvous.notice = _say
+            rendezvous.notice = say
         if rendezvous.lease_listener is None:  # revoked by the guard if the agent is killed
             rendezvous.lease_listener = self._guard.set_lease
 
@@ -177,7 +172,7 @@ class Agent:
         """Run the job on this node; returns the exit code."""
         self._install_signals()
         if not self._guard.start():
-            _say(
+            say(
                 f"elastrun: warning: {self._guard.error}; "
                 "children of workers may outlive a killed agent"
             )
@@ -194,10 +189,10 @@ class Agent:
         except _Signalled as s:
             code = 128 + s.signum
             await self._stop_group(s.signum)
-            _say(f"elastrun: received {_signame(s.signum)}: workers stopped; exiting with {code}")
-            self.events.emit("job_failed", exit_code=code, reason=f"signal {_signame(s.signum)}")
+            say(f"elastrun: received {signal_name(s.signum)}: workers stopped; exiting with {code}")
+            self.events.emit("job_failed", exit_code=code, reason=f"signal {signal_name(s.signum)}")
         except ElastrunError as e:
-            _say(f"elastrun: error: {e}")
+            say(f"elastrun: error: {e}")
             self.events.emit("job_failed", exit_code=1, reason=type(e).__name__, detail=str(e))
             code = 1
         finally:
@@ -209,7 +204,7 @@ class Agent:
                 bound = max(RDZV_SHUTDOWN_TIMEOUT, self.rendezvous.settings.close_timeout + 1.0)
                 await asyncio.wait_for(self.rendezvous.shutdown(), bound)
             except (ElastrunError, TimeoutError, OSError) as e:
-                _say(f"elastrun: warning: leaving the rendezvous failed: {e!r}")
+                say(f"elastrun: warning: leaving the rendezvous failed: {e!r}")
             self._remove_signals()
             for task in (self._note_fetch, *self._note_writes):
                 if task is not None:
@@ -251,7 +246,7 @@ class Agent:
             loop.add_signal_handler(sig, cb, sig)
         except (ValueError, RuntimeError, NotImplementedError) as e:
             # not the main thread, or not a catchable signal
-            _say(f"elastrun: warning: cannot handle {_signame(sig)}: {e}")
+            say(f"elastrun: warning: cannot handle {signal_name(sig)}: {e}")
             return
         self._installed.append((sig, previous))
 
@@ -277,19 +272,20 @@ class Agent:
     def _on_forward_signal(self, sig: int) -> None:
         if self._group is not None:
             self._group.send_signal(sig)
-        self.events.emit("signal_forwarded", signal=_signame(sig))
+        self.events.emit("signal_forwarded", signal=signal_name(sig))
 
-    async def _first(self, **named: Awaitable[Any]) -> tuple[str, Any]:
-        """The first of ``named`` to finish (its name and result), or
-        _Signalled when a terminating signal comes first. The rest are cancelled."""
+    async def _first(self, *racers: Awaitable[T]) -> T:
+        """The result of the first of ``racers`` to finish (the earlier one
+        given when several finish together), or _Signalled when a terminating
+        signal comes first. The others are cancelled (bounded)."""
         if self._pending_signal is not None:
-            for aw in named.values():
+            for aw in racers:
                 if asyncio.iscoroutine(aw):
                     aw.close()
             raise _Signalled(self._pending_signal)
-        tasks = {name: asyncio.ensure_future(aw) for name, aw in named.items()}
+        tasks = [asyncio.ensure_future(aw) for aw in racers]
         sig_task = asyncio.ensure_future(self._signals.get())
-        every = [*tasks.values(), sig_task]
+        every: list[asyncio.Future[Any]] = [*tasks, sig_task]
         try:
             done, _ = await asyncio.wait(every, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -302,10 +298,7 @@ class Agent:
             self._signals_seen += 1
             self._pending_signal = sig_task.result()
             raise _Signalled(self._pending_signal)
-        for name, t in tasks.items():
-            if t in done:
-                return name, t.result()
-        raise AssertionError("unreachable")
+        return next(t for t in tasks if t in done).result()
 
     # ------------------------------------------------------------ the loop
     async def _loop(self) -> int:
@@ -313,46 +306,51 @@ class Agent:
             try:
                 result = await self._next_round()
             except RendezvousClosed as e:
-                _say(f"elastrun: the job is already finished ({e}); nothing to do")
+                say(f"elastrun: the job is already finished ({e}); nothing to do")
                 self.events.emit("job_finished", exit_code=0, reason="rendezvous_closed")
                 return 0
             except RestartBudgetExhausted as e:
-                _say(f"elastrun: job failed: {e}")
+                say(f"elastrun: job failed: {e}")
                 self.events.emit("job_failed", exit_code=1, reason="restarts_exhausted")
                 return 1
-            assert isinstance(result, RoundResult)
             check_round(self.spec, result)
             group = self._new_group(result)
-            await self._first(start=self._start(group, result))
-            name, value = await self._first(
-                workers=group.wait(), change=self.rendezvous.wait_for_change()
+            await self._first(self._start(group, result))
+            ended: WorkersExited | Change = await self._first(
+                _exited(group), self.rendezvous.wait_for_change()
             )
-            if name == "workers" and value is True:
-                await group.close()
-                self._group = None
-                self.events.emit("workers_succeeded", round=result.round, attempt=self._attempt)
-                await self._first(done=self.rendezvous.complete())
-                if self.spec.require_logs and self._log_errors.any:
-                    return self._lost_logs()
-                self.events.emit("job_finished", exit_code=0, reason="workers_succeeded")
-                return 0
-            if name == "workers":
-                code = await self._on_failure(group, result)
-                if code is not None:
-                    return code
-            else:
-                assert isinstance(value, Change)
-                _say(self._change_line(value, result))
-                await self._stop_group(signal.SIGTERM)
-                self._raise_pending()
-                self.events.emit(
-                    "restart",
-                    count=result.restart_count + (1 if value.counts_as_restart else 0),
-                    reason=value.reason,
-                    detail=value.detail,
-                    counted=value.counts_as_restart,
-                    round=result.round,
-                )
+            match ended:
+                case WorkersExited(succeeded=True):
+                    return await self._on_success(group, result)
+                case WorkersExited():
+                    code = await self._on_failure(group, result)
+                    if code is not None:
+                        return code
+                case Change():
+                    await self._on_change(ended, result)
+
+    async def _on_success(self, group: WorkerGroup, result: RoundResult) -> int:
+        await group.close()
+        self._group = None
+        self.events.emit("workers_succeeded", round=result.round, attempt=self._attempt)
+        await self._first(self.rendezvous.complete())
+        if self.spec.require_logs and self._log_errors.any:
+            return self._lost_logs()
+        self.events.emit("job_finished", exit_code=0, reason="workers_succeeded")
+        return 0
+
+    async def _on_change(self, change: Change, result: RoundResult) -> None:
+        say(self._change_line(change, result))
+        await self._stop_group(signal.SIGTERM)
+        self._raise_pending()
+        self.events.emit(
+            "restart",
+            count=result.restart_count + (1 if change.counts_as_restart else 0),
+            reason=change.reason,
+            detail=change.detail,
+            counted=change.counts_as_restart,
+            round=result.round,
+        )
 
     async def _warm_join(self) -> None:
         """Before joining a job that trains without this node: wait (bounded)
@@ -367,29 +365,29 @@ class Agent:
             return
         if not await self.rendezvous.joining_running_job():
             return
-        _say(
+        say(
             f"elastrun: joining a running job: waiting up to {timeout:g}s for the warm "
             "interpreter first, so the others pause only for the restart"
         )
         t0 = self.clock.monotonic()
-        ready = bool((await self._first(warm=spares.wait_ready(timeout)))[1])
+        ready = await self._first(spares.wait_ready(timeout))
         waited = self.clock.monotonic() - t0
         self.events.emit("warm_join", waited_s=round(waited, 3), ready=ready, timeout=timeout)
         if not ready:
             spares.use_unready = False  # too slow to wait for at the start too
-            _say(f"elastrun: the warm interpreter is not ready after {waited:.0f}s; joining anyway")
+            say(f"elastrun: the warm interpreter is not ready after {waited:.0f}s; joining anyway")
 
-    async def _next_round(self) -> Any:
+    async def _next_round(self) -> RoundResult:
         await self._warm_join()
         self._waiting.start()
         try:
-            return (await self._first(round=self.rendezvous.next_round()))[1]
+            return await self._first(self.rendezvous.next_round())
         finally:
             self._waiting.stop()
 
     def _lost_logs(self) -> int:
         """--require-logs: the workers succeeded, but some output never reached its file."""
-        _say(f"elastrun: error: {self._log_errors.summary()}; exiting 1 (--require-logs)")
+        say(f"elastrun: error: {self._log_errors.summary()}; exiting 1 (--require-logs)")
         files = sorted(self._log_errors.failed)
         self.events.emit("job_failed", exit_code=1, reason="log_output_lost", files=files)
         return 1
@@ -481,17 +479,17 @@ class Agent:
     async def _on_failure(self, group: WorkerGroup, result: RoundResult) -> int | None:
         await self._stop_group(signal.SIGTERM)
         failures = classify(group.failures())
-        payload = self._failure_payload(failures)
+        record = failure_record(failures, self.spec.host)
         try:
-            await self._first(restart=self.rendezvous.request_restart(payload))
+            await self._first(self.rendezvous.request_restart(record))
         except RestartBudgetExhausted as e:
             header = (
                 f"elastrun: job failed: workers failed and no restarts are left "
                 f"(max restarts {result.max_restarts}, used {result.restart_count}): {e}"
             )
-            _say(format_summary(failures, header))
+            say(format_summary(failures, header))
             self.events.emit(
-                "job_failed", exit_code=1, reason="restarts_exhausted", failure=payload
+                "job_failed", exit_code=1, reason="restarts_exhausted", failure=record.to_json()
             )
             return 1
         root = next((f for f in failures if f.role == ROOT_CAUSE), None)
@@ -507,18 +505,18 @@ class Agent:
                     f"elastrun: workers failed and {spent}; the job goes on only if another "
                     "node of the group was lost (this failure is then not counted)"
                 )
-            _say(format_summary(failures, header))
+            say(format_summary(failures, header))
             self._raise_pending()
             return None
         header = (
             f"elastrun: workers failed; restarting them "
             f"(restart {result.restart_count + 1} of {result.max_restarts})"
         )
-        _say(format_summary(failures, header))
-        _say(
+        say(format_summary(failures, header))
+        say(
             f"elastrun: restarting workers (restart {result.restart_count + 1}/"
             f"{result.max_restarts}): "
-            + (describe_failure(root) if root is not None else "workers failed on this node")
+            + (record.describe() if root is not None else "workers failed on this node")
         )
         self._raise_pending()
         self.events.emit(
@@ -527,31 +525,9 @@ class Agent:
             reason="worker_failed",
             counted=True,
             round=result.round,
-            failure=payload,
+            failure=record.to_json(),
         )
         return None
-
-    def _failure_payload(self, failures: list[WorkerFailure]) -> dict[str, Any]:
-        root = next((f for f in failures if f.role == ROOT_CAUSE), None)
-        first = root or (failures[0] if failures else None)
-        data: dict[str, Any] = {"reason": "worker_failed", "host": self.spec.host}
-        if first is not None:
-            j = first.to_json()
-            if j.get("traceback"):
-                j["traceback"] = j["traceback"][-MAX_TRACEBACK_CHARS:]
-            j["stderr_tail"] = [ln[:300] for ln in j["stderr_tail"][-10:]]
-            data.update(j)
-        data["failures"] = [
-            {
-                "rank": f.rank,
-                "exitcode": f.returncode if f.returncode >= 0 else None,
-                "signal": f.signal_name,
-                "role": f.role,
-                "stopped_by_agent": f.stopped_by_agent,
-            }
-            for f in failures
-        ]
-        return data
 
     @staticmethod
     def _change_line(change: Change, result: RoundResult) -> str:
@@ -595,7 +571,7 @@ class Agent:
         unkillable = stop_task.result()
         self._group = None
         if unkillable:
-            _say(
+            say(
                 f"elastrun: warning: worker pids {unkillable} did not die after SIGKILL "
                 "(stuck in the kernel, e.g. uninterruptible I/O); they are left behind"
             )

@@ -26,6 +26,7 @@ from collections import OrderedDict
 from typing import IO
 
 from elastrun.agent.spawn import PRCTL
+from elastrun.errors import WorkerError
 
 __all__ = ["ForkedProcess", "Reaper", "children_of_self"]
 
@@ -105,7 +106,7 @@ class Reaper:
 
     def __init__(self) -> None:
         self.enabled = False
-        self.error: str | None = None
+        self.error: WorkerError | None = None
         self._sessions: OrderedDict[int, None] = OrderedDict()
         self.reaped = 0
 
@@ -114,7 +115,9 @@ class Reaper:
         if self.enabled:
             return True
         if not _set_subreaper(1):
-            self.error = "cannot become a child subreaper (prctl PR_SET_CHILD_SUBREAPER)"
+            self.error = WorkerError(
+                "cannot become a child subreaper (prctl PR_SET_CHILD_SUBREAPER)"
+            )
             return False
         self.enabled = True
         return True

@@ -1,4 +1,4 @@
-"""The environment of each worker (SPEC section 2), as torchrun sets it.
+"""The environment of each worker (RANK, WORLD_SIZE, MASTER_ADDR, ...), as torchrun sets it.
 
 Precedence, lowest first: the agent's own environment, ``WorkerSpec.env``,
 then the variables computed here (they always win: a worker must never see a

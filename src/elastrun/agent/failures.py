@@ -21,22 +21,28 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from elastrun.failure import FailedWorker, FailureRecord
+from elastrun.procs import signal_name
 
 __all__ = [
     "ErrorFileInfo",
     "WorkerFailure",
     "classify",
     "describe_exit",
-    "describe_failure",
+    "failure_record",
     "format_summary",
     "read_error_file",
 ]
 
 MAX_ERROR_FILE_BYTES = 1 << 20  # an error file larger than this is truncated when read
+# What a failure record keeps (it is written to the store and the event log).
+MAX_TRACEBACK_CHARS = 8000
+MAX_TAIL_LINES = 10
+MAX_TAIL_LINE_CHARS = 300
 ROOT_CAUSE = "root_cause"
 COLLATERAL = "collateral"
 
@@ -95,21 +101,7 @@ def describe_exit(returncode: int) -> str:
     if returncode >= 0:
         return f"exit code {returncode}"
     signum = -returncode
-    try:
-        name = signal.Signals(signum).name
-    except ValueError:
-        name = f"signal {signum}"
-    return f"signal {name} ({signum})"
-
-
-def describe_failure(f: WorkerFailure) -> str:
-    """One line: ``rank 1 on host-a exited with code 1`` (for the restart line)."""
-    where = f"rank {f.rank} on {f.host or '?'}"
-    if f.hang is not None:
-        return f"{f.hang} on {f.host or '?'}" if f.host else f.hang
-    if f.returncode >= 0:
-        return f"{where} exited with code {f.returncode}"
-    return f"{where} was killed by {f.signal_name}"
+    return f"signal {signal_name(signum)} ({signum})"
 
 
 @dataclass(frozen=True)
@@ -142,39 +134,62 @@ class WorkerFailure:
 
     @property
     def signal_name(self) -> str | None:
-        if self.returncode >= 0:
-            return None
-        try:
-            return signal.Signals(-self.returncode).name
-        except ValueError:
-            return str(-self.returncode)
+        return None if self.returncode >= 0 else signal_name(-self.returncode)
 
     @property
     def last_words(self) -> str:
         """The last non-blank line on stderr, else on stdout ("" if none)."""
         return _last_line(self.stderr_tail) or _last_line(self.stdout_tail)
 
+    def record(self) -> FailureRecord:
+        """This failure as the record a node reports (see :mod:`elastrun.failure`)."""
+        return FailureRecord(
+            host=self.host,
+            rank=self.rank,
+            local_rank=self.local_rank,
+            pid=self.pid,
+            exitcode=self.returncode if self.returncode >= 0 else None,
+            signal=self.signal_name,
+            time=round(self.exit_time, 3),
+            role=self.role,
+            stopped_by_agent=self.stopped_by_agent,
+            message=self.error.message if self.error else self.last_words,
+            traceback=self.error.traceback if self.error else None,
+            stderr_tail=self.stderr_tail,
+            stderr_log=self.stderr_log,
+            error_file=self.error_file,
+            attempt=self.attempt,
+            restart_count=self.restart_count,
+            hang=self.hang,
+        )
+
     def to_json(self) -> dict[str, Any]:
-        """JSON-able summary (for the rendezvous' last failure and the event log)."""
-        return {
-            "rank": self.rank,
-            "local_rank": self.local_rank,
-            "host": self.host,
-            "pid": self.pid,
-            "exitcode": self.returncode if self.returncode >= 0 else None,
-            "signal": self.signal_name,
-            "time": round(self.exit_time, 3),
-            "role": self.role,
-            "stopped_by_agent": self.stopped_by_agent,
-            "message": self.error.message if self.error else self.last_words,
-            "traceback": self.error.traceback if self.error else None,
-            "stderr_tail": list(self.stderr_tail),
-            "stderr_log": self.stderr_log,
-            "error_file": self.error_file,
-            "attempt": self.attempt,
-            "restart_count": self.restart_count,
-            "hang": self.hang,
-        }
+        """JSON-able (the event log's and the store's record of it)."""
+        return self.record().to_json()
+
+    def brief(self) -> FailedWorker:
+        return FailedWorker(
+            rank=self.rank,
+            exitcode=self.returncode if self.returncode >= 0 else None,
+            signal=self.signal_name,
+            role=self.role,
+            stopped_by_agent=self.stopped_by_agent,
+        )
+
+
+def failure_record(failures: list[WorkerFailure], host: str) -> FailureRecord:
+    """What this node reports for ``failures`` (as classify returns them): its
+    root cause (else the first failure), with the traceback and stderr lines
+    kept short for the store, and every failed worker in brief."""
+    root = next((f for f in failures if f.role == ROOT_CAUSE), None)
+    first = root or (failures[0] if failures else None)
+    record = FailureRecord(host=host) if first is None else first.record()
+    return replace(
+        record,
+        traceback=record.traceback[-MAX_TRACEBACK_CHARS:] if record.traceback else None,
+        stderr_tail=tuple(ln[:MAX_TAIL_LINE_CHARS] for ln in record.stderr_tail[-MAX_TAIL_LINES:]),
+        failures=tuple(f.brief() for f in failures),
+    )
 
 
 def _last_line(lines: tuple[str, ...]) -> str:

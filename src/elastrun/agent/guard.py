@@ -1,4 +1,4 @@
-"""No orphans, even of a SIGKILLed agent (USER-PAIN 4).
+"""No orphans, even of a SIGKILLed agent.
 
 Each worker has ``PR_SET_PDEATHSIG=SIGKILL``, so the workers die with the
 agent. Their own children do not: the parent-death signal is not inherited,
@@ -33,6 +33,7 @@ import sys
 from typing import Any
 
 from elastrun.clock import SYSTEM_CLOCK
+from elastrun.errors import WorkerError
 
 __all__ = ["OrphanGuard"]
 
@@ -44,7 +45,7 @@ class OrphanGuard:
     def __init__(self) -> None:
         self._proc: subprocess.Popen[bytes] | None = None
         self._fd: int | None = None
-        self.error: str | None = None
+        self.error: WorkerError | None = None
 
     @property
     def pid(self) -> int | None:
@@ -64,7 +65,7 @@ class OrphanGuard:
                 close_fds=True,
             )
         except OSError as e:
-            self.error = f"cannot start the orphan guard: {e.strerror or e}"
+            self.error = WorkerError(f"cannot start the orphan guard: {e.strerror or e}")
             return False
         assert self._proc.stdin is not None
         self._fd = self._proc.stdin.fileno()
@@ -90,7 +91,7 @@ class OrphanGuard:
         try:
             os.write(self._fd, line.encode("ascii"))
         except (BlockingIOError, BrokenPipeError, OSError) as e:
-            self.error = f"the orphan guard stopped listening: {e!r}"
+            self.error = WorkerError(f"the orphan guard stopped listening: {e!r}")
             self._close_pipe()
 
     def _close_pipe(self) -> None:

@@ -47,6 +47,7 @@ from elastrun.agent.spec import Std, WorkerSpec
 from elastrun.errors import ConfigError, WorkerError
 from elastrun.events import EventSink
 from elastrun.names import check_run_id, path_component
+from elastrun.procs import pid_alive, say
 
 __all__ = [
     "LinePump",
@@ -191,12 +192,6 @@ def needs_files(spec: WorkerSpec) -> bool:
     return any(v for v in spec.redirects.values()) or any(v for v in spec.tee.values())
 
 
-def _say(msg: str) -> None:
-    with contextlib.suppress(OSError, ValueError):
-        sys.stderr.write(msg + "\n")
-        sys.stderr.flush()
-
-
 @dataclass
 class LogWriteErrors:
     """The worker log files of one agent that could not be written: warned
@@ -204,7 +199,7 @@ class LogWriteErrors:
     as events, and the bytes that did not reach them counted."""
 
     events: EventSink | None = None
-    say: Callable[[str], None] = _say
+    say: Callable[[str], None] = say
     failed: dict[str, str] = field(default_factory=dict)  # path -> the first error
     lost: dict[str, int] = field(default_factory=dict)  # path -> bytes not written
     shown: int = 0
@@ -419,7 +414,7 @@ def claim_host_dir(run_dir: str, host: str) -> tuple[str, str | None]:
             fd = os.open(pidfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             holder = _read_pid(pidfile)
-            if holder is not None and holder != me and _pid_alive(holder):
+            if holder is not None and holder != me and pid_alive(holder):
                 continue
             with open(pidfile, "w", encoding="ascii") as fp:  # stale: take it over
                 fp.write(str(me))
@@ -449,13 +444,3 @@ def _read_pid(path: str) -> int | None:
             return int(fp.read(32).strip())
     except (OSError, ValueError):
         return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

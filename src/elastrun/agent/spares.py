@@ -62,6 +62,7 @@ from elastrun.agent.modcache import ModuleCache, ModuleList, merged, skipped, va
 from elastrun.agent.spawn import RUNNER_SCRIPT, PythonEntry, entry_file, imports_any, preexec_for
 from elastrun.agent.spec import WorkerSpec, argv_for
 from elastrun.agent.watchdog import HEARTBEAT_ENV, HEARTBEAT_INTERVAL_ENV, heartbeat_interval
+from elastrun.errors import WorkerError
 from elastrun.events import EventSink
 
 __all__ = ["LOCAL_VARS", "ROUND_VARS", "SparePool", "compatible"]
@@ -172,7 +173,7 @@ class SparePool:
         self._z: _Zygote | None = None
         self._dead: list[subprocess.Popen[bytes]] = []
         self._closed = False
-        self.error: str | None = None
+        self.error: WorkerError | None = None
         # False for the next start only: a zygote still importing is not used
         # (set when a joining node stopped waiting for it: it is slow).
         self.use_unready = True
@@ -219,7 +220,7 @@ class SparePool:
         if not self.reaper.enable():
             if self.error is None:
                 self.error = self.reaper.error
-                self.events.emit("spare_failed", reason=self.reaper.error)
+                self.events.emit("spare_failed", reason=str(self.reaper.error))
             return None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         entry = self.entry
@@ -457,19 +458,9 @@ class SparePool:
         environment ``envs[lr]`` and its channel socket fd ``channels[lr]``
         (see worker/_runner.py). Empty (start them cold) when the zygote cannot
         be used now; a zygote still importing is kept for later then."""
-        z = self._z
-        if z is None or not envs:
+        z = self._usable(envs)
+        if z is None:
             return {}
-        if z.gone is not None or z.popen.poll() is not None:
-            self._discard(z, z.gone or f"exited before it was needed: {self._tail(z)}")
-            self._z = None
-            return {}
-        for env in envs.values():
-            why = compatible(z.env, env)
-            if why is not None:
-                self._discard(z, f"started with a different {why}")
-                self._z = None
-                return {}
         waited = time.monotonic()
         use_unready, self.use_unready = self.use_unready, True
         if not z.ready:
@@ -486,25 +477,11 @@ class SparePool:
         waited = time.monotonic() - waited
         ranks = sorted(envs)
         pipes: dict[int, tuple[int, int, int, int]] = {}
-        loop = asyncio.get_running_loop()
-        z.pending = loop.create_future()
+        z.pending = asyncio.get_running_loop().create_future()
+        pids: list[int | None] = []
         try:
-            for i, lr in enumerate(ranks):
-                out_r, out_w = os.pipe()
-                err_r, err_w = os.pipe()
-                pipes[lr] = (out_r, out_w, err_r, err_w)
-                order = {"env": dict(envs[lr]), "args": argv_for(self.entry.args, lr)}
-                message = json.dumps(
-                    {"v": PROTOCOL, "fork": order, "index": i, "count": len(ranks)}
-                )
-                fds = array.array("i", [out_w, err_w, channels[lr]])
-                z.sock.setblocking(True)
-                z.sock.settimeout(5.0)
-                z.sock.sendmsg([message.encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
-            z.sock.setblocking(False)
-            pids = await asyncio.wait_for(z.pending, FORK_TIMEOUT)
+            pids = await self._order_forks(z, ranks, envs, channels, pipes)
         except (OSError, TimeoutError) as e:
-            pids = []
             self._discard(z, f"cannot fork workers: {e!r}")
             self._z = None
         finally:
@@ -512,6 +489,60 @@ class SparePool:
             for _, out_w, _, err_w in pipes.values():
                 os.close(out_w)
                 os.close(err_w)
+        return self._adopt(z, ranks, pipes, pids, waited)
+
+    def _usable(self, envs: Mapping[int, Mapping[str, str]]) -> _Zygote | None:
+        """The zygote, if workers with ``envs`` can be forked from it (an
+        exited or incompatible one is discarded)."""
+        z = self._z
+        if z is None or not envs:
+            return None
+        if z.gone is not None or z.popen.poll() is not None:
+            self._discard(z, z.gone or f"exited before it was needed: {self._tail(z)}")
+            self._z = None
+            return None
+        for env in envs.values():
+            why = compatible(z.env, env)
+            if why is not None:
+                self._discard(z, f"started with a different {why}")
+                self._z = None
+                return None
+        return z
+
+    async def _order_forks(
+        self,
+        z: _Zygote,
+        ranks: list[int],
+        envs: Mapping[int, Mapping[str, str]],
+        channels: Mapping[int, int],
+        pipes: dict[int, tuple[int, int, int, int]],
+    ) -> list[int | None]:
+        """Ask the zygote for one fork per rank (with its output pipes, which
+        are recorded in ``pipes``, and channel); the forks' pids, in order."""
+        assert z.pending is not None
+        for i, lr in enumerate(ranks):
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            pipes[lr] = (out_r, out_w, err_r, err_w)
+            order = {"env": dict(envs[lr]), "args": argv_for(self.entry.args, lr)}
+            message = json.dumps({"v": PROTOCOL, "fork": order, "index": i, "count": len(ranks)})
+            fds = array.array("i", [out_w, err_w, channels[lr]])
+            z.sock.setblocking(True)
+            z.sock.settimeout(5.0)
+            z.sock.sendmsg([message.encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+        z.sock.setblocking(False)
+        return await asyncio.wait_for(z.pending, FORK_TIMEOUT)
+
+    def _adopt(
+        self,
+        z: _Zygote,
+        ranks: list[int],
+        pipes: dict[int, tuple[int, int, int, int]],
+        pids: list[int | None],
+        waited: float,
+    ) -> dict[int, ForkedProcess]:
+        """The forked workers, by local rank (the read ends of the pipes of
+        ranks that got no process are closed)."""
         out: dict[int, ForkedProcess] = {}
         for i, lr in enumerate(ranks):
             out_r, _, err_r, _ = pipes.get(lr, (-1, -1, -1, -1))

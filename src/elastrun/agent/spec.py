@@ -50,7 +50,7 @@ class WorkerSpec:
     role: str = "default"
     host: str = ""
     # Extra environment for every worker (on top of os.environ and the
-    # SPEC section 2 variables the agent computes per rank).
+    # torchrun variables the agent computes per rank: RANK, WORLD_SIZE, ...).
     env: dict[str, str] = field(default_factory=dict)
     log_dir: str | None = None  # one folder per attempt and per rank, kept
     # local_rank -> Std flags; a key of -1 applies to every local rank.

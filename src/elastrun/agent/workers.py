@@ -1,6 +1,6 @@
 """One worker group: spawn, watch, signal, stop and reap the workers of a round.
 
-Process hygiene (USER-PAIN 4):
+Process hygiene (no worker outlives the agent):
 
 * every worker is the leader of its own session and process group, so a
   signal reaches the worker *and its children*, and the terminal's Ctrl-C
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import json
 import os
 import signal
@@ -51,6 +50,7 @@ from elastrun.agent.watchdog import (
 from elastrun.clock import SYSTEM_CLOCK, Clock, remaining
 from elastrun.errors import WorkerError
 from elastrun.events import EventSink
+from elastrun.procs import signal_name
 from elastrun.rendezvous.api import RoundResult
 
 __all__ = ["Worker", "WorkerGroup", "preexec_for", "round_env"]
@@ -389,7 +389,7 @@ class WorkerGroup:
             self._failed_seen = True
         else:
             cause = "collateral"
-        exitcode, sig = (rc, None) if rc >= 0 else (None, _signame(-rc))
+        exitcode, sig = (rc, None) if rc >= 0 else (None, signal_name(-rc))
         self.events.emit(
             "worker_exited",
             rank=w.rank,
@@ -491,7 +491,7 @@ class WorkerGroup:
             _killpg(w.pid, sig)
         if live:
             self.events.emit(
-                "workers_stopping", signal=_signame(sig), pids=[w.pid for w in live], grace=grace
+                "workers_stopping", signal=signal_name(sig), pids=[w.pid for w in live], grace=grace
             )
             await self._wait_exits(self.clock.monotonic() + grace)
         stubborn = [w for w in self.workers if w.popen is not None and not w.done]
@@ -527,24 +527,28 @@ class WorkerGroup:
                 t.cancel()
             if pending:
                 await asyncio.wait(pending, timeout=1.0)
-        loop = asyncio.get_running_loop()
         for w in self.workers:
-            self._close_channel(w)
-            for tr in w.transports:
-                tr.close()
-            for p in w.pumps:
-                p.close()
-            if w.pidfd is not None:
-                with contextlib.suppress(OSError, ValueError):
-                    loop.remove_reader(w.pidfd)
-                with contextlib.suppress(OSError):
-                    os.close(w.pidfd)
-                w.pidfd = None
-            if w.popen is not None:
-                for pipe in (w.popen.stdout, w.popen.stderr):
-                    if pipe is not None:
-                        with contextlib.suppress(OSError):
-                            pipe.close()
+            self._release(w)
+
+    def _release(self, w: Worker) -> None:
+        """Close what the agent holds of worker ``w``: its channel, output
+        pipes and pumps, its pidfd."""
+        self._close_channel(w)
+        for tr in w.transports:
+            tr.close()
+        for p in w.pumps:
+            p.close()
+        if w.pidfd is not None:
+            with contextlib.suppress(OSError, ValueError):
+                asyncio.get_running_loop().remove_reader(w.pidfd)
+            with contextlib.suppress(OSError):
+                os.close(w.pidfd)
+            w.pidfd = None
+        if w.popen is not None:
+            for pipe in (w.popen.stdout, w.popen.stderr):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
 
     # ------------------------------------------------------------- failures
     def failures(self) -> list[WorkerFailure]:
@@ -602,23 +606,3 @@ def round_env(
         env[HEARTBEAT_ENV] = heartbeat_file
         env[HEARTBEAT_INTERVAL_ENV] = repr(heartbeat_interval(spec.hang_timeout))
     return env
-
-
-def _signame(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return str(signum)
-
-
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie (for tests and reports)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fp:
-            stat = fp.read()
-    except OSError as e:
-        if e.errno in (errno.ENOENT, errno.ESRCH):
-            return False
-        raise
-    state = stat.rsplit(")", 1)[1].split()[0]
-    return state not in ("Z", "X")

@@ -8,7 +8,6 @@ about, e.g. ``--nnodes: minimum 3 is larger than maximum 1 (in '3:1')``.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import signal
@@ -16,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastrun.endpoint import Endpoint, parse_endpoint_list
 from elastrun.errors import ConfigError
 from elastrun.launcher.limits import (
     CONF_SECONDS,
@@ -177,30 +177,33 @@ class LaunchConfig:
                 raise ConfigError(f"--master-port: expected an integer, got {self.master_port!r}")
             if not 0 < self.master_port < 65536:
                 raise ConfigError(f"--master-port: must be in 1..65535, got {self.master_port}")
-        check_seconds(
-            "--shutdown-timeout", self.shutdown_timeout, FLAG_SECONDS["--shutdown-timeout"]
-        )
-        if self.hang_timeout is not None:
-            check_seconds("--hang-timeout", self.hang_timeout, FLAG_SECONDS["--hang-timeout"])
-        if self.exit_barrier_timeout is not None:
-            check_seconds(
-                "--exit-barrier-timeout",
-                self.exit_barrier_timeout,
-                FLAG_SECONDS["--exit-barrier-timeout"],
-            )
+        self._check_timeouts()
         if self.prewarm_modules not in ("installed", "all", "torch"):
             raise ConfigError(
                 f"--prewarm-modules: must be installed, all or torch, got {self.prewarm_modules!r}"
-            )
-        if self.warm_join_timeout is not None:
-            check_seconds(
-                "--warm-join-timeout", self.warm_join_timeout, FLAG_SECONDS["--warm-join-timeout"]
             )
         check_role(self.role)
         if self.run_id != "":  # "" asks for a generated id
             check_run_id(self.run_id, "--rdzv-id")
         if self.local_addr is not None:
             check_address("--local-addr", self.local_addr)
+        self._check_output()
+        parse_rdzv_conf(self.rdzv_configs)
+
+    def _check_timeouts(self) -> None:
+        check_seconds(
+            "--shutdown-timeout", self.shutdown_timeout, FLAG_SECONDS["--shutdown-timeout"]
+        )
+        for flag, value in (
+            ("--hang-timeout", self.hang_timeout),
+            ("--exit-barrier-timeout", self.exit_barrier_timeout),
+            ("--warm-join-timeout", self.warm_join_timeout),
+        ):
+            if value is not None:
+                check_seconds(flag, value, FLAG_SECONDS[flag])
+
+    def _check_output(self) -> None:
+        """The worker output flags: redirects, tee, the rank filter, the line prefix."""
         for name, std in (("--redirects", self.redirects), ("--tee", self.tee)):
             for local_rank, bits in std.items():
                 if local_rank < -1 or bits not in (0, 1, 2, 3):
@@ -210,7 +213,6 @@ class LaunchConfig:
                 check_int("--local-ranks-filter", r, 0, MAX_NPROC_PER_NODE - 1)
         if self.log_template is not None:
             check_log_template(self.log_template)
-        parse_rdzv_conf(self.rdzv_configs)
 
     def check_machine_nproc(self) -> None:
         """``nproc_per_node`` against what this machine lets one agent hold."""
@@ -372,60 +374,14 @@ def parse_nproc(text: str) -> int:
     return check_int("--nproc-per-node", n, 1, MAX_NPROC_PER_NODE, NPROC_WHY)
 
 
-def parse_endpoint(text: str, default_port: int, flag: str = "--rdzv-endpoint") -> tuple[str, int]:
+def parse_endpoint(text: str, default_port: int, flag: str = "--rdzv-endpoint") -> Endpoint:
     """``host``, ``host:port``, ``[v6]:port``, ``[v6]`` or a bare IPv6 address."""
-    raw = text.strip()
-    if not raw:
-        raise ConfigError(f"{flag}: empty address")
-    host: str
-    port_text: str | None
-    if raw.startswith("["):
-        end = raw.find("]")
-        if end < 0:
-            raise ConfigError(f"{flag}: unclosed '[' in {text!r}")
-        host, rest = raw[1:end], raw[end + 1 :]
-        if rest and not rest.startswith(":"):
-            raise ConfigError(f"{flag}: expected [ipv6]:port, got {text!r}")
-        port_text = rest[1:] if rest else None
-    elif raw.count(":") > 1:
-        host, port_text = raw, None  # a bare IPv6 address
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise ConfigError(
-                f"{flag}: {text!r} is neither host:port nor an IPv6 address "
-                "(write IPv6 with a port as [addr]:port)"
-            ) from None
-    elif ":" in raw:
-        host, port_text = raw.split(":", 1)
-    else:
-        host, port_text = raw, None
-    if not host or any(c.isspace() or not c.isprintable() or c in "/@?#," for c in host):
-        raise ConfigError(f"{flag}: bad host in {text!r}")
-    if port_text is None:
-        return host, default_port
-    if (
-        not port_text.isascii()
-        or not port_text.isdigit()
-        or len(port_text) > 5
-        or not 0 <= int(port_text) <= 65535
-    ):
-        raise ConfigError(f"{flag}: bad port {port_text!r} in {text!r} (expected 0..65535)")
-    return host, int(port_text)
+    return Endpoint.parse(text, default_port, flag)
 
 
-def parse_endpoints(text: str, default_port: int) -> tuple[tuple[str, int], ...]:
+def parse_endpoints(text: str, default_port: int) -> tuple[Endpoint, ...]:
     """A comma-separated list of endpoints (etcd); ``http(s)://`` prefixes allowed."""
-    out: list[tuple[str, int]] = []
-    for raw in text.split(","):
-        item = raw.strip()
-        for scheme in ("http://", "https://"):
-            if item.startswith(scheme):
-                item = item.removeprefix(scheme).rstrip("/")
-        if not item:
-            raise ConfigError(f"--rdzv-endpoint: empty entry in {text!r}")
-        out.append(parse_endpoint(item, default_port))
-    return tuple(out)
+    return parse_endpoint_list(text, default_port, "--rdzv-endpoint")[0]
 
 
 def _unquote(text: str) -> str:

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from elastrun.endpoint import Endpoint, parse_endpoint_list
 from elastrun.errors import ConfigError
 from elastrun.launcher.config import (
     DEFAULT_C10D_PORT,
     DEFAULT_ETCD_PORT,
     DEFAULT_MASTER_PORT,
     LaunchConfig,
-    parse_endpoint,
-    parse_endpoints,
     parse_rdzv_conf,
 )
 
@@ -42,7 +42,7 @@ DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
 class Plan:
     config: LaunchConfig  # after defaulting (run_id, backend, endpoint filled in)
     backend: str  # "c10d" | "etcd" | "static"
-    endpoints: tuple[tuple[str, int], ...]  # c10d: one; etcd: one or more; static: master
+    endpoints: tuple[Endpoint, ...]  # c10d: one; etcd: one or more; static: master
     conf: dict[str, Any]  # typed --rdzv-conf
     standalone: bool
     node_rank: int | None
@@ -111,100 +111,47 @@ def resolve(config: LaunchConfig) -> Plan:
     """Validate ``config`` and work out the backend to use. Raises ConfigError."""
     config.validate()
     conf = parse_rdzv_conf(config.rdzv_configs)
-    name = config.rdzv_backend.strip().lower()
-    backend = BACKENDS.get(name)
-    if backend is None:
-        raise ConfigError(
-            f"--rdzv-backend: unknown backend {config.rdzv_backend!r}; choose one of "
-            "c10d (also tcp), etcd (also etcd-v2), static"
-        )
-    standalone = config.standalone
+    backend = _backend(config.rdzv_backend)
     endpoint = config.rdzv_endpoint.strip()
-    run_id = config.run_id
-    generated = False
+    run_id, generated = config.run_id, False
     if not run_id:
-        import uuid
-
         # As torch's launcher: an empty run id is a generated one. Only this
         # node knows it, so other nodes can join only if started with it
         # (the launcher says so when the job may have more than one node).
         run_id, generated = str(uuid.uuid4()), True
-    if (
-        not standalone
-        and backend == "static"
+    standalone = config.standalone or (
+        backend == "static"
         and not endpoint
         and config.master_port is None
-        and config.max_nodes == 1
-    ):
-        standalone = True  # torchrun: a single-node static launch needs no master port
+        and config.max_nodes == 1  # torchrun: a single-node static launch needs no master port
+    )
     if standalone:
         if config.max_nodes != 1 or config.min_nodes != 1:
             raise ConfigError(
                 f"--standalone: runs a single node, but --nnodes asks for "
                 f"{config.min_nodes}:{config.max_nodes}"
             )
-        import uuid
-
         backend, endpoint, run_id = "c10d", "127.0.0.1:0", str(uuid.uuid4())
         conf["is_host"] = True
     exit_barrier = config.exit_barrier_timeout
     if exit_barrier is None:
         exit_barrier = float(conf.get("exit_barrier_timeout", DEFAULT_EXIT_BARRIER_TIMEOUT))
     node_rank = config.node_rank
-
-    endpoints: tuple[tuple[str, int], ...]
+    endpoints: tuple[Endpoint, ...]
     if backend == "static":
-        if config.min_nodes != config.max_nodes:
-            raise ConfigError(
-                f"--nnodes: the static backend needs a fixed number of nodes, got "
-                f"{config.min_nodes}:{config.max_nodes} (use --rdzv-backend=c10d for a range)"
-            )
-        if node_rank is None:
-            if config.max_nodes > 1:
-                raise ConfigError(
-                    f"--node-rank: required with --rdzv-backend=static and --nnodes="
-                    f"{config.max_nodes} (each node needs its own rank 0..{config.max_nodes - 1})"
-                )
-            node_rank = 0
-        if node_rank >= config.max_nodes:
-            raise ConfigError(
-                f"--node-rank: {node_rank} is out of range for --nnodes={config.max_nodes} "
-                f"(expected 0..{config.max_nodes - 1})"
-            )
-        if endpoint:  # torchrun: the endpoint names the master for static
-            endpoints = (parse_endpoint(endpoint, DEFAULT_MASTER_PORT),)
-        else:
-            endpoints = (
-                parse_endpoint(
-                    config.master_addr,
-                    config.master_port or DEFAULT_MASTER_PORT,
-                    flag="--master-addr",
-                ),
-            )
-        if endpoints[0][1] == 0:
-            raise ConfigError("--master-port: the static backend needs a fixed port, not 0")
+        node_rank = _static_node_rank(config)
+        endpoints = (_static_master(config, endpoint),)
     elif backend == "c10d":
         endpoint = endpoint or "localhost"  # torchrun's default: localhost:29400
-        endpoints = (parse_endpoint(endpoint, DEFAULT_C10D_PORT),)
-        if endpoints[0][1] == 0 and not standalone:
-            if config.max_nodes != 1:
-                raise ConfigError(
-                    "--rdzv-endpoint: port 0 (pick a free port) only works on a single node; "
-                    "other nodes could not find the port"
-                )
-            conf["is_host"] = True
+        endpoints = (_c10d_endpoint(config, endpoint, standalone, conf),)
     else:  # etcd
         endpoint = endpoint or "localhost"  # torchrun's default: localhost:2379
-        endpoints = parse_endpoints(endpoint, DEFAULT_ETCD_PORT)
-        if "https://" in endpoint and "protocol" not in conf:
+        endpoints, https = parse_endpoint_list(endpoint, DEFAULT_ETCD_PORT, "--rdzv-endpoint")
+        if https and "protocol" not in conf:
             conf["protocol"] = "https"
-    if (
-        backend != "static"
-        and config.node_rank is not None
-        and config.node_rank >= (config.max_nodes)
-    ):
+    if backend != "static" and node_rank is not None and node_rank >= config.max_nodes:
         raise ConfigError(
-            f"--node-rank: {config.node_rank} is out of range for --nnodes="
+            f"--node-rank: {node_rank} is out of range for --nnodes="
             f"{config.min_nodes}:{config.max_nodes} (expected 0..{config.max_nodes - 1})"
         )
     token = _read_token(conf)
@@ -228,3 +175,63 @@ def resolve(config: LaunchConfig) -> Plan:
         token=token,
         generated_run_id=generated and not standalone,
     )
+
+
+def _backend(name: str) -> str:
+    backend = BACKENDS.get(name.strip().lower())
+    if backend is None:
+        raise ConfigError(
+            f"--rdzv-backend: unknown backend {name!r}; choose one of "
+            "c10d (also tcp), etcd (also etcd-v2), static"
+        )
+    return backend
+
+
+def _static_node_rank(config: LaunchConfig) -> int:
+    """The static backend: a fixed number of nodes, each with its rank."""
+    if config.min_nodes != config.max_nodes:
+        raise ConfigError(
+            f"--nnodes: the static backend needs a fixed number of nodes, got "
+            f"{config.min_nodes}:{config.max_nodes} (use --rdzv-backend=c10d for a range)"
+        )
+    node_rank = config.node_rank
+    if node_rank is None:
+        if config.max_nodes > 1:
+            raise ConfigError(
+                f"--node-rank: required with --rdzv-backend=static and --nnodes="
+                f"{config.max_nodes} (each node needs its own rank 0..{config.max_nodes - 1})"
+            )
+        node_rank = 0
+    if node_rank >= config.max_nodes:
+        raise ConfigError(
+            f"--node-rank: {node_rank} is out of range for --nnodes={config.max_nodes} "
+            f"(expected 0..{config.max_nodes - 1})"
+        )
+    return node_rank
+
+
+def _static_master(config: LaunchConfig, endpoint: str) -> Endpoint:
+    """The static backend's master: the endpoint (as torchrun), else the master flags."""
+    if endpoint:
+        master = Endpoint.parse(endpoint, DEFAULT_MASTER_PORT, "--rdzv-endpoint")
+    else:
+        port = config.master_port or DEFAULT_MASTER_PORT
+        master = Endpoint.parse(config.master_addr, port, "--master-addr")
+    if master.port == 0:
+        raise ConfigError("--master-port: the static backend needs a fixed port, not 0")
+    return master
+
+
+def _c10d_endpoint(
+    config: LaunchConfig, endpoint: str, standalone: bool, conf: dict[str, Any]
+) -> Endpoint:
+    """The embedded store's endpoint; port 0 (any free port) makes this node its host."""
+    store = Endpoint.parse(endpoint, DEFAULT_C10D_PORT, "--rdzv-endpoint")
+    if store.port == 0 and not standalone:
+        if config.max_nodes != 1:
+            raise ConfigError(
+                "--rdzv-endpoint: port 0 (pick a free port) only works on a single node; "
+                "other nodes could not find the port"
+            )
+        conf["is_host"] = True
+    return store

@@ -1,6 +1,6 @@
 """Wiring: a Plan and a worker command -> store, rendezvous, agent; run them.
 
-Who hosts the embedded (c10d) store (USER-PAIN 1): ``is_host=1|0`` in
+Who hosts the embedded (c10d) store: ``is_host=1|0`` in
 ``--rdzv-conf`` decides; without it a node hosts the store when the endpoint's
 host is an address of this machine (loopback counts) and the port is free. If
 the port is taken, another agent on this machine is assumed to host it and
@@ -16,16 +16,17 @@ import dataclasses
 import ipaddress
 import os
 import socket
-import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from elastrun.agent.spec import DEFAULT_LOG_TEMPLATE, WorkerSpec
 from elastrun.clock import SYSTEM_CLOCK
+from elastrun.endpoint import Endpoint, format_endpoints
 from elastrun.errors import ConfigError, StoreUnavailable
 from elastrun.events import EventSink, JsonLinesSink
 from elastrun.launcher.plan import Plan
 from elastrun.names import check_run_id, path_component
+from elastrun.procs import say
 from elastrun.rendezvous.api import Rendezvous, RendezvousSettings
 
 if TYPE_CHECKING:
@@ -38,16 +39,6 @@ RESOLVE_TIMEOUT = 30.0
 DEFAULT_READ_TIMEOUT = 60.0  # --rdzv-conf read_timeout: each store request after the first
 WAITING_NOTICE_AFTER = 10.0
 SERVER_LINGER = 5.0  # how long a hosting agent keeps serving for peers still connected
-
-
-def _say(msg: str) -> None:
-    with contextlib.suppress(OSError, ValueError):
-        sys.stderr.write(msg + "\n")
-        sys.stderr.flush()
-
-
-def _fmt(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -155,19 +146,20 @@ def build_settings(plan: Plan, host: str, addr: str) -> RendezvousSettings:
     )
 
 
-async def _host_store(plan: Plan) -> tuple[StoreServer | None, tuple[str, int], str]:
+async def _host_store(plan: Plan) -> tuple[StoreServer | None, Endpoint, str]:
     """Decide whether this agent hosts the c10d store; start it if so.
 
     Returns (server or None, endpoint to connect to, note for error messages)."""
     from elastrun.store.server import StoreServer
 
-    host, port = plan.endpoints[0]
+    endpoint = plan.endpoints[0]
+    host, port = endpoint
     explicit = plan.is_host
     if explicit is False:
-        return None, (host, port), "is_host=0: another node hosts the store"
+        return None, endpoint, "is_host=0: another node hosts the store"
     local = bool(await _in_thread(is_local_address, host))
     if explicit is None and not local:
-        return None, (host, port), f"{host} is not an address of this machine"
+        return None, endpoint, f"{host} is not an address of this machine"
     # Bind the address the user named; a host name binds every interface, as a
     # name may resolve differently here (e.g. 127.0.1.1) and on other nodes.
     bind = host if _ip_literal(host) is not None or host == "localhost" else ""
@@ -178,17 +170,18 @@ async def _host_store(plan: Plan) -> tuple[StoreServer | None, tuple[str, int], 
         if explicit is None and "in use" in str(exc):
             return (
                 None,
-                (host, port),
+                endpoint,
                 f"port {port} on this machine is in use; assumed another elastrun agent "
                 "here hosts the store",
             )
         raise ConfigError(f"--rdzv-endpoint: this node cannot host the store: {exc}") from None
+    bound = Endpoint(host, bound_port)
     if not plan.standalone:
-        _say(f"elastrun: this node hosts the rendezvous store on {_fmt(host, bound_port)}")
-    return server, (host, bound_port), "this node hosts the store"
+        say(f"elastrun: this node hosts the rendezvous store on {bound}")
+    return server, bound, "this node hosts the store"
 
 
-async def _open_store(plan: Plan, endpoint: str, me: str, note: str) -> Store:
+async def _open_store(plan: Plan, endpoints: tuple[Endpoint, ...], me: str, note: str) -> Store:
     from elastrun.store.factory import open_store
 
     # The first connection is retried up to join_timeout (agents may start
@@ -208,24 +201,25 @@ async def _open_store(plan: Plan, endpoint: str, me: str, note: str) -> Store:
     task = asyncio.ensure_future(
         open_store(
             plan.backend,
-            endpoint,
+            endpoints,
             token=plan.token,
             conf=conf,
             timeout=timeout,
             request_timeout=read_timeout,
         )
     )
+    where = format_endpoints(endpoints)
     try:
         done, _ = await asyncio.wait({task}, timeout=WAITING_NOTICE_AFTER)
         if not done:
-            _say(
-                f"elastrun: waiting for the rendezvous store at {endpoint} ({note}); "
+            say(
+                f"elastrun: waiting for the rendezvous store at {where} ({note}); "
                 f"giving up after {timeout:.0f} s (--rdzv-conf join_timeout)"
             )
         return await task
     except StoreUnavailable as exc:
         raise StoreUnavailable(
-            f"node {me} could not reach the rendezvous store at {endpoint} ({note}): {exc}"
+            f"node {me} could not reach the rendezvous store at {where} ({note}): {exc}"
         ) from None
     finally:
         if not task.done():
@@ -297,7 +291,7 @@ async def run_async(plan: Plan, argv: Sequence[str], *, events: EventSink | None
     cfg = plan.config
     hostname = socket.gethostname()
     if plan.generated_run_id and cfg.max_nodes > 1:
-        _say(
+        say(
             f"elastrun: warning: no --rdzv-id (run_id) was given: this job's id is "
             f"{cfg.run_id}; other nodes can join it only if started with "
             f"--rdzv-id={cfg.run_id}"
@@ -349,18 +343,15 @@ async def _run(plan: Plan, argv: Sequence[str], hostname: str, log: _EventLog) -
 
     server: StoreServer | None = None
     note = "etcd cluster"
+    endpoints = plan.endpoints
     if plan.backend == "c10d":
-        server, (host, port), note = await _host_store(plan)
-        endpoint = _fmt(host, port)
-        route_to = (host, port)
-    else:
-        endpoint = cfg.rdzv_endpoint
-        route_to = plan.endpoints[0]
+        server, store_at, note = await _host_store(plan)
+        endpoints = (store_at,)
     try:
-        addr = cfg.local_addr or await _in_thread(route_addr, *route_to) or hostname
+        addr = cfg.local_addr or await _in_thread(route_addr, *endpoints[0]) or hostname
         me = f"{hostname} ({addr})"
         settings = build_settings(plan, hostname, addr)
-        store = await _open_store(plan, endpoint, me, note)
+        store = await _open_store(plan, endpoints, me, note)
         try:
             from elastrun.rendezvous.dynamic import DynamicRendezvous
 

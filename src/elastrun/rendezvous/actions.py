@@ -14,11 +14,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from elastrun.endpoint import Endpoint
 from elastrun.errors import (
     RendezvousClosed,
     RendezvousTimeout,
     RestartBudgetExhausted,
 )
+from elastrun.failure import describe_stored
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import records as R
 from elastrun.rendezvous.api import Change, RoundResult
@@ -106,7 +108,7 @@ class Executor:
                 group_world_size=result.group_world_size,
                 world_size=result.world_size,
                 members=len(result.members),
-                master=_addr_port(result.master_addr, result.master_port),
+                master=str(Endpoint(result.master_addr, result.master_port)),
                 restart_count=result.restart_count,
             )
             return Outcome(result=result)
@@ -268,7 +270,7 @@ class Executor:
             return RestartBudgetExhausted(
                 f"job {s.run_id!r} used its restart budget ({s.max_restarts} "
                 f"restart{'' if s.max_restarts == 1 else 's'}, "
-                f"--max-restarts); last failure: {R.describe_failure(rec.get('last_failure'))}"
+                f"--max-restarts); last failure: {describe_stored(rec.get('last_failure'))}"
             )
         await obs.note_joiners(r)
         joins = sorted(h for (jr, _), h in obs.joiner_hosts.items() if jr == r)
@@ -287,7 +289,3 @@ class Executor:
 def _nodes(n: int) -> str:
     """``1 node``, ``2 nodes``."""
     return f"{n} node" if n == 1 else f"{n} nodes"
-
-
-def _addr_port(addr: str, port: int) -> str:
-    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"

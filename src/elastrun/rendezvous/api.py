@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from elastrun.failure import FailureRecord
+
 __all__ = [
     "Change",
     "LeaseListener",
@@ -175,15 +177,15 @@ class Rendezvous(abc.ABC):
         a new round. Cancel it when the workers end first."""
 
     @abc.abstractmethod
-    async def request_restart(self, failure: dict[str, Any]) -> None:
+    async def request_restart(self, failure: FailureRecord) -> None:
         """This node's workers failed: open a new round (at most once per
         round, whichever node asks first). The restart is charged against the
         job-wide budget when that round closes with every previous member
         back; if a member is gone, the failure was collateral of losing it and
         is not counted. An overspent budget makes ``next_round`` raise
         RestartBudgetExhausted (static rendezvous: raised here). ``failure``
-        (JSON-able: rank, host, exit code, reason, ...) becomes the job's last
-        failure when charged."""
+        becomes the job's last failure when charged, and its one-line
+        description the new round's detail."""
 
     @abc.abstractmethod
     async def complete(self) -> None:

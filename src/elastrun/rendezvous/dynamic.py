@@ -35,6 +35,7 @@ from elastrun.errors import (
     WatchCancelled,
 )
 from elastrun.events import EventSink, NullSink
+from elastrun.failure import FailureRecord
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import records as R
 from elastrun.rendezvous.actions import Executor, Outcome
@@ -173,11 +174,11 @@ class DynamicRendezvous(Rendezvous):
         assert out.change is not None
         return out.change
 
-    async def request_restart(self, failure: dict[str, Any]) -> None:
-        self._executor.failure = dict(failure)
-        self.events.emit("restart_requested", node=self.node_id, failure=dict(failure))
+    async def request_restart(self, failure: FailureRecord) -> None:
+        self._executor.failure = failure.to_json()
+        self.events.emit("restart_requested", node=self.node_id, failure=failure.to_json())
         # The new round's detail: what every member prints for this restart.
-        detail = R.describe_failure(failure)
+        detail = failure.describe()
 
         def workers_failed(view: View) -> Event:
             restarts = int((view.round or {}).get("restarts", 0))

@@ -20,7 +20,6 @@ from elastrun.rendezvous.ranks import Candidate, assign_ranks
 __all__ = [
     "close_records",
     "config_diff",
-    "describe_failure",
     "first_round",
     "next_round_record",
     "pick_master_port",
@@ -77,26 +76,6 @@ def config_diff(
     return message, diffs
 
 
-def describe_failure(failure: Mapping[str, Any] | None) -> str:
-    """One line for a failure record (the agent's ``request_restart`` payload,
-    the round's ``last_failure``): ``rank 1 on host-a exited with code 1``,
-    ``rank 1 on host-a was killed by SIGKILL``, or the hang message. The same
-    words as :func:`elastrun.agent.failures.describe_failure`."""
-    if not failure:
-        return "workers failed on another node"
-    host = failure.get("host") or "?"
-    if failure.get("hang"):
-        return f"{failure['hang']} on {host}"
-    if failure.get("rank") is None:
-        return f"workers failed on {host}"
-    where = f"rank {failure['rank']} on {host}"
-    if failure.get("signal"):
-        return f"{where} was killed by {failure['signal']}"
-    if failure.get("exitcode") is not None:
-        return f"{where} exited with code {failure['exitcode']}"
-    return f"{where} failed"
-
-
 def first_round(opened_at: float) -> Record:
     """Round 0. ``opened_at`` (wall clock, every ``*_at``) is for people
     reading the records (``elastrun status``); no decision uses it."""
@@ -129,7 +108,7 @@ def close_records(
     node asks for it: a worker failure counts only if every member of the
     previous round is back. If one is missing, the failure was collateral of
     losing that node (its peers' collectives broke when it vanished, before
-    its lease expired), and a membership change is never counted (SPEC 1).
+    its lease expired), and a membership change is never counted.
     When the charge overspends ``max_restarts``, the record returned is the
     job's FAILED record instead of a closed one."""
     records = list(joiners[:max_nodes])

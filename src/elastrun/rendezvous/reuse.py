@@ -46,8 +46,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from elastrun.failure import describe_stored
 from elastrun.rendezvous import keys as K
-from elastrun.rendezvous.records import describe_failure
 
 __all__ = ["TABLE", "Found", "Verdict", "classify", "describe_reset"]
 
@@ -110,7 +110,7 @@ def describe_reset(
         what = f"the previous job with this id failed ({used}"
         failure = rnd.get("last_failure")
         if isinstance(failure, Mapping) and failure:
-            what += f"; last failure: {describe_failure(failure)}"
+            what += f"; last failure: {describe_stored(failure)}"
         what += ")"
     elif why == "abandoned":
         what = (

@@ -13,9 +13,9 @@ As nothing is exchanged, every node must run the same ``--nproc-per-node``
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from elastrun.errors import ConfigError, RendezvousClosed, RestartBudgetExhausted
+from elastrun.failure import FailureRecord
 from elastrun.rendezvous.api import Change, Member, Rendezvous, RendezvousSettings, RoundResult
 
 __all__ = ["StaticRendezvous"]
@@ -46,7 +46,7 @@ class StaticRendezvous(Rendezvous):
         self.master_addr = master_addr
         self.master_port = master_port
         self.restart_count = 0
-        self.last_failure: dict[str, Any] | None = None
+        self.last_failure: FailureRecord | None = None
         self._closed = False
 
     def _member(self, rank: int) -> Member:
@@ -83,8 +83,8 @@ class StaticRendezvous(Rendezvous):
         await asyncio.Event().wait()
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def request_restart(self, failure: dict[str, Any]) -> None:
-        self.last_failure = dict(failure)
+    async def request_restart(self, failure: FailureRecord) -> None:
+        self.last_failure = failure
         if self.restart_count >= self.settings.max_restarts:
             raise RestartBudgetExhausted(
                 f"--max-restarts={self.settings.max_restarts} used up on node rank "

@@ -30,11 +30,13 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from elastrun.endpoint import Endpoint, format_endpoints, parse_endpoint_list
 from elastrun.errors import ConfigError, ElastrunError, StoreError, StoreUnavailable
 from elastrun.names import run_id_problem
 from elastrun.rendezvous.keys import Keys
 from elastrun.status.summary import TERMINAL_STATES, read_summary
 from elastrun.store.base import Store, Watch, WatchEvent
+from elastrun.store.factory import DEFAULT_ETCD_PORT, DEFAULT_PORT
 
 __all__ = ["Printer", "main", "render_table"]
 
@@ -130,22 +132,25 @@ def _conf(text: str) -> tuple[str | None, dict[str, str]]:
     return token, conf
 
 
-def _where(backend: str, endpoint: str) -> str:
-    if backend in ("c10d", "tcp"):
-        from elastrun.store.factory import parse_endpoint
+def _endpoints(backend: str, text: str) -> tuple[tuple[Endpoint, ...], bool]:
+    """``--rdzv-endpoint`` for ``backend``: the store's one endpoint, or etcd's
+    members (and whether one of them said ``https://``)."""
+    if backend in ("etcd", "etcd-v2"):
+        return parse_endpoint_list(text, DEFAULT_ETCD_PORT, "--rdzv-endpoint")
+    return (Endpoint.parse(text, DEFAULT_PORT, "--rdzv-endpoint"),), False
 
-        host, port = parse_endpoint(endpoint)
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    return endpoint
 
-
-async def _open(args: argparse.Namespace, where: str) -> Store:
+async def _open(
+    args: argparse.Namespace, endpoints: tuple[Endpoint, ...], https: bool, where: str
+) -> Store:
     from elastrun.store.factory import open_store
 
     token, conf = _conf(args.conf)
+    if https:
+        conf.setdefault("protocol", "https")
     try:
         return await asyncio.wait_for(
-            open_store(args.backend, args.endpoint, token=token, conf=conf, timeout=args.timeout),
+            open_store(args.backend, endpoints, token=token, conf=conf, timeout=args.timeout),
             args.timeout + 1.0,
         )
     except TimeoutError:
@@ -348,6 +353,31 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return {**a, "revision": 0, "state_for_s": 0} == {**b, "revision": 0, "state_for_s": 0}
 
 
+async def _next_change(
+    changes: asyncio.Queue[WatchEvent | BaseException],
+    stopped: asyncio.Task[Any],
+    show: Printer,
+) -> WatchEvent | BaseException | None:
+    """The next change (after a burst: the last of it), or a watch error;
+    None once ``stopped`` is done. The display ticks meanwhile."""
+    got = asyncio.get_running_loop().create_task(changes.get())
+    while not got.done() and not stopped.done():
+        await asyncio.wait(
+            {got, stopped},
+            timeout=TICK if show.ticks else None,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        show.tick()
+    if not got.done():
+        got.cancel()
+        return None
+    item = got.result()
+    await asyncio.sleep(DEBOUNCE)
+    while not changes.empty() and not isinstance(item, BaseException):
+        item = changes.get_nowait()
+    return item
+
+
 async def _watch(store: Store, args: argparse.Namespace, where: str, show: Printer) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -387,21 +417,9 @@ async def _watch(store: Store, args: argparse.Namespace, where: str, show: Print
         stopped = loop.create_task(stop.wait())
         try:
             while True:
-                got = loop.create_task(changes.get())
-                while not got.done() and not stopped.done():
-                    await asyncio.wait(
-                        {got, stopped},
-                        timeout=TICK if show.ticks else None,
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
-                    show.tick()
-                if not got.done():
-                    got.cancel()
+                item = await _next_change(changes, stopped, show)
+                if item is None:
                     return 0  # SIGINT / SIGTERM: the operator is done watching
-                item = got.result()
-                await asyncio.sleep(DEBOUNCE)
-                while not changes.empty() and not isinstance(item, BaseException):
-                    item = changes.get_nowait()
                 if isinstance(item, BaseException):
                     raise _Failed(f"lost the store at {where} while watching: {item}")
                 summary = await _read(store, args, where)
@@ -425,8 +443,9 @@ async def _watch(store: Store, args: argparse.Namespace, where: str, show: Print
 async def _main(args: argparse.Namespace) -> int:
     if args.backend.strip().lower() == "static":
         raise ConfigError("--rdzv-backend static keeps no store: there is no job state to show")
-    where = _where(args.backend.strip().lower(), args.endpoint)
-    store = await _open(args, where)
+    endpoints, https = _endpoints(args.backend.strip().lower(), args.endpoint)
+    where = format_endpoints(endpoints)
+    store = await _open(args, endpoints, https, where)
     try:
         show = Printer(args, where)
         if args.watch:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from elastrun.endpoint import Endpoint
 from elastrun.errors import ProtocolError, StoreError
 from elastrun.rendezvous import keys as K
 from elastrun.store.base import Compare, Get, KeyValue, Store
@@ -134,7 +135,7 @@ def summarize(
     master = None
     if shown is not None and shown.get("master_addr"):
         addr, port = str(shown["master_addr"]), shown.get("master_port")
-        master = f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+        master = str(Endpoint(addr, port)) if isinstance(port, int) else addr
     return {
         "v": SUMMARY_VERSION,
         "run_id": run_id,

@@ -127,120 +127,188 @@ def _failure_title(e: dict[str, Any]) -> str:
     return f"{_fmt(e['ts'])} rank {e.get('rank')} on {e.get('host')}: {how} (root cause)"
 
 
-def render_html(events: list[dict[str, Any]], title: str = "") -> str:
-    """The timeline page for ``events`` (in time order)."""
-    if not events:
-        return "<!doctype html><meta charset=utf-8><title>elastrun timeline</title><p>no events"
-    t0, t1 = float(events[0]["ts"]), float(events[-1]["ts"])
-    span = max(t1 - t0, 1e-3)
-    plot_w = WIDTH - LEFT - RIGHT
+@dataclass
+class _History:
+    """What the page draws, gathered from the events in one pass."""
 
-    def x(ts: float) -> float:
-        return LEFT + (ts - t0) / span * plot_w
+    t0: float
+    t1: float
+    lanes: dict[str, _Lane] = field(default_factory=dict)  # by node id
+    rounds: list[tuple[float, int, str]] = field(default_factory=list)  # ts, round, reason
+    world: list[tuple[float, int]] = field(default_factory=list)  # ts, world size
+    restarts: list[tuple[float, str]] = field(default_factory=list)  # ts, title
+    seen_world: set[int] = field(default_factory=set)  # rounds whose world is recorded
 
-    lanes: dict[str, _Lane] = {}
-    rounds: list[tuple[float, int, str]] = []  # ts, round, reason
-    world: list[tuple[float, int]] = [(t0, 0)]
-    seen_world: set[int] = set()
-    restarts: list[tuple[float, str]] = []
-    for e in events:
+    def add(self, e: dict[str, Any]) -> None:
         kind, ts = e.get("kind"), float(e["ts"])
         key = str(e.get("node_id") or "")
         if not key:  # before the agent joined the rendezvous (agent_started): no lane
-            if kind in {"round_opened", "workers_started"}:
-                key = str(e.get("host") or "?")
-            else:
-                continue
-        lane = lanes.setdefault(key, _Lane(f"{e.get('host', '?')} {key[-6:]}"))
+            if kind not in {"round_opened", "workers_started"}:
+                return
+            key = str(e.get("host") or "?")
+        lane = self.lanes.setdefault(key, _Lane(f"{e.get('host', '?')} {key[-6:]}"))
+        self._spans(lane, kind, ts, e)
+        self._marks(lane, kind, ts, e)
+
+    def _spans(self, lane: _Lane, kind: Any, ts: float, e: dict[str, Any]) -> None:
+        """Rounds, world size, and the lane's running spans."""
         if kind == "round_opened":
-            rounds.append((ts, int(e.get("round", -1)), str(e.get("reason", ""))))
+            self.rounds.append((ts, int(e.get("round", -1)), str(e.get("reason", ""))))
             if int(e.get("round", 0)) > 0:
-                world.append((ts, 0))
+                self.world.append((ts, 0))
         elif kind == "workers_started":
             lane.started = (ts, int(e.get("round", -1)))
             r = int(e.get("round", -1))
-            if r not in seen_world:
-                seen_world.add(r)
-                world.append((ts, int(e.get("world_size", 0))))
+            if r not in self.seen_world:
+                self.seen_world.add(r)
+                self.world.append((ts, int(e.get("world_size", 0))))
         elif kind in ("restart", "workers_succeeded", "job_failed") and lane.started:
             lane.spans.append((lane.started[0], ts, lane.started[1]))
             lane.started = None
+
+    def _marks(self, lane: _Lane, kind: Any, ts: float, e: dict[str, Any]) -> None:
+        """Failures, counted restarts, lost nodes and finished agents."""
         if kind == "worker_exited" and e.get("cause") == "root_cause":
             lane.marks.append((ts, "#d62728", _failure_title(e)))
         elif kind == "restart" and e.get("counted") and e.get("reason") == "worker_failed":
-            restarts.append((ts, f"{_fmt(ts)} restart {e.get('count')} (worker failed)"))
+            self.restarts.append((ts, f"{_fmt(ts)} restart {e.get('count')} (worker failed)"))
         elif kind == "node_lost":
             lane.marks.append((ts, "#9467bd", f"{_fmt(ts)} {e.get('detail', 'node lost')}"))
         elif kind in ("job_finished", "job_failed") and e.get("source") == "agent":
             color = "#2ca02c" if kind == "job_finished" else "#d62728"
             lane.marks.append((ts, color, f"{_fmt(ts)} {kind} ({e.get('reason', '')})"))
-    world.append((t1, 0))
-    for lane in lanes.values():
+
+
+def _history(events: list[dict[str, Any]]) -> _History:
+    t0, t1 = float(events[0]["ts"]), float(events[-1]["ts"])
+    h = _History(t0, t1, world=[(t0, 0)])
+    for e in events:
+        h.add(e)
+    h.world.append((t1, 0))
+    for lane in h.lanes.values():
         if lane.started:
             lane.spans.append((lane.started[0], t1, lane.started[1]))
+    return h
 
+
+@dataclass
+class _Svg:
+    """The drawing: its geometry, and the SVG text written so far."""
+
+    h: _History
+    top: float
+    lane_top: float
+    axis_y: float
+    out: list[str] = field(default_factory=list)
+
+    @property
+    def span(self) -> float:
+        return max(self.h.t1 - self.h.t0, 1e-3)
+
+    def x(self, ts: float) -> float:
+        return LEFT + (ts - self.h.t0) / self.span * (WIDTH - LEFT - RIGHT)
+
+    def add(self, text: str) -> None:
+        self.out.append(text)
+
+    def rounds(self) -> None:
+        """Alternating bands; their labels placed where they do not overlap (a
+        restart opens rounds milliseconds apart: a label that finds no free
+        place is left to the band's tooltip)."""
+        x, add, rounds = self.x, self.add, self.h.rounds
+        labels: list[tuple[float, str]] = []
+        for i, (ts, r, reason) in enumerate(rounds):
+            end = rounds[i + 1][0] if i + 1 < len(rounds) else self.h.t1
+            fill = "#f4f4f4" if i % 2 else "#e8eef7"
+            w = max(x(end) - x(ts), 1.0)
+            add(
+                f'<rect x="{x(ts):.1f}" y="{self.top - 4}" width="{w:.1f}" '
+                f'height="{self.axis_y - self.top + 4}" '
+            )
+            tip = f"round {r}: {html.escape(reason)} at {_fmt(ts)}"
+            add(f'fill="{fill}"><title>{tip}</title></rect>')
+            labels.append((x(ts) + 2, f"round {r}"))
+        for lx, row, text in place_labels(labels, LABEL_ROWS, right=WIDTH - 2):
+            ly = LABEL_TOP + (row + 1) * LABEL_ROW_H - 2
+            add(f'<text x="{lx:.1f}" y="{ly}">{html.escape(text)}</text>')
+
+    def axis(self) -> None:
+        """Ticks at round steps from the first event, with a grid."""
+        add, top, axis_y = self.add, self.top, self.axis_y
+        add(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{axis_y}" y2="{axis_y}" stroke="#555"/>')
+        for tick in axis_ticks(self.span, WIDTH - LEFT - RIGHT):
+            tx = self.x(self.h.t0 + tick)
+            add(f'<line x1="{tx:.1f}" x2="{tx:.1f}" y1="{top}" y2="{axis_y}" stroke="#ddd"/>')
+            add(
+                f'<line x1="{tx:.1f}" x2="{tx:.1f}" y1="{axis_y}" y2="{axis_y + 5}" stroke="#555"/>'
+            )
+            add(f'<text x="{tx:.1f}" y="{axis_y + 17}" text-anchor="middle">')
+            add(f"{html.escape(fmt_offset(tick))}</text>")
+        add(f'<text x="10" y="{axis_y + 17}">time from {_fmt(self.h.t0)}</text>')
+
+    def world(self) -> None:
+        """World size over time (a step line), its values placed without overlaps."""
+        x, add, top, world = self.x, self.add, self.top, self.h.world
+        max_world = max((w for _, w in world), default=1) or 1
+        pts: list[str] = []
+        prev = 0
+        for ts, w in world:
+            y_prev = top + WORLD_H - prev / max_world * WORLD_H
+            y_new = top + WORLD_H - w / max_world * WORLD_H
+            pts += [f"{x(ts):.1f},{y_prev:.1f}", f"{x(ts):.1f},{y_new:.1f}"]
+            prev = w
+        add(f'<text x="10" y="{top + WORLD_H / 2:.0f}">world size (max {max_world})</text>')
+        add(f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{" ".join(pts)}"/>')
+        values = [(x(ts) + 2, str(w)) for ts, w in world[1:-1] if w]
+        for vx, row, text in place_labels(values, 2, right=WIDTH - 2):
+            vy = top + 10 + row * LABEL_ROW_H
+            add(f'<text x="{vx:.1f}" y="{vy}" fill="#1f77b4">{text}</text>')
+
+    def restarts(self) -> None:
+        """Dashed lines across the plot."""
+        for ts, label in self.h.restarts:
+            self.add(f'<line x1="{self.x(ts):.1f}" x2="{self.x(ts):.1f}" y1="{self.top}" ')
+            self.add(f'y2="{self.axis_y}" ')
+            self.add('stroke="#ff7f0e" stroke-dasharray="4 3">')
+            self.add(f"<title>{html.escape(label)}</title></line>")
+
+    def lanes(self) -> None:
+        """One lane per node: worker spans and marks."""
+        x, add = self.x, self.add
+        for i, lane in enumerate(self.h.lanes.values()):
+            y = self.lane_top + i * LANE_H
+            add(f'<text x="10" y="{y + 15}">{html.escape(lane.label)}</text>')
+            for start, end, r in lane.spans:
+                w = max(x(end) - x(start), 1.0)
+                add(f'<rect x="{x(start):.1f}" y="{y + 4}" width="{w:.1f}" height="{LANE_H - 8}" ')
+                add(f'fill="#9ecae1"><title>workers, round {r}: {_fmt(start)}-{_fmt(end)}</title>')
+                add("</rect>")
+            for ts, color, label in lane.marks:
+                add(f'<circle cx="{x(ts):.1f}" cy="{y + LANE_H / 2}" r="5" fill="{color}">')
+                add(f"<title>{html.escape(label)}</title></circle>")
+
+
+def _svg(h: _History) -> str:
     top = LABEL_TOP + LABEL_ROWS * LABEL_ROW_H + 6
     lane_top = top + WORLD_H + 30
-    axis_y = lane_top + LANE_H * len(lanes) + 8
-    height = axis_y + 34
-    out: list[str] = []
-    add = out.append
-    add(f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" ')
-    add('font-family="sans-serif" font-size="11">')
-    # Rounds: alternating bands; their labels placed where they do not overlap
-    # (a restart opens rounds milliseconds apart: a label that finds no free
-    # place is left to the band's tooltip).
-    labels: list[tuple[float, str]] = []
-    for i, (ts, r, reason) in enumerate(rounds):
-        end = rounds[i + 1][0] if i + 1 < len(rounds) else t1
-        fill = "#f4f4f4" if i % 2 else "#e8eef7"
-        w = max(x(end) - x(ts), 1.0)
-        add(f'<rect x="{x(ts):.1f}" y="{top - 4}" width="{w:.1f}" height="{axis_y - top + 4}" ')
-        add(f'fill="{fill}"><title>round {r}: {html.escape(reason)} at {_fmt(ts)}</title></rect>')
-        labels.append((x(ts) + 2, f"round {r}"))
-    for lx, row, text in place_labels(labels, LABEL_ROWS, right=WIDTH - 2):
-        ly = LABEL_TOP + (row + 1) * LABEL_ROW_H - 2
-        add(f'<text x="{lx:.1f}" y="{ly}">{html.escape(text)}</text>')
-    # The time axis: ticks at round steps from the first event, with a grid.
-    add(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{axis_y}" y2="{axis_y}" stroke="#555"/>')
-    for tick in axis_ticks(span, plot_w):
-        tx = x(t0 + tick)
-        add(f'<line x1="{tx:.1f}" x2="{tx:.1f}" y1="{top}" y2="{axis_y}" stroke="#ddd"/>')
-        add(f'<line x1="{tx:.1f}" x2="{tx:.1f}" y1="{axis_y}" y2="{axis_y + 5}" stroke="#555"/>')
-        add(f'<text x="{tx:.1f}" y="{axis_y + 17}" text-anchor="middle">')
-        add(f"{html.escape(fmt_offset(tick))}</text>")
-    add(f'<text x="10" y="{axis_y + 17}">time from {_fmt(t0)}</text>')
-    # World size over time (a step line), its values placed without overlaps.
-    max_world = max((w for _, w in world), default=1) or 1
-    pts: list[str] = []
-    prev = 0
-    for ts, w in world:
-        y_prev = top + WORLD_H - prev / max_world * WORLD_H
-        y_new = top + WORLD_H - w / max_world * WORLD_H
-        pts += [f"{x(ts):.1f},{y_prev:.1f}", f"{x(ts):.1f},{y_new:.1f}"]
-        prev = w
-    add(f'<text x="10" y="{top + WORLD_H / 2:.0f}">world size (max {max_world})</text>')
-    add(f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{" ".join(pts)}"/>')
-    values = [(x(ts) + 2, str(w)) for ts, w in world[1:-1] if w]
-    for vx, row, text in place_labels(values, 2, right=WIDTH - 2):
-        add(f'<text x="{vx:.1f}" y="{top + 10 + row * LABEL_ROW_H}" fill="#1f77b4">{text}</text>')
-    # Restarts: dashed lines across the plot.
-    for ts, label in restarts:
-        add(f'<line x1="{x(ts):.1f}" x2="{x(ts):.1f}" y1="{top}" y2="{axis_y}" ')
-        add(f'stroke="#ff7f0e" stroke-dasharray="4 3"><title>{html.escape(label)}</title></line>')
-    # One lane per node: worker spans and marks.
-    for i, lane in enumerate(lanes.values()):
-        y = lane_top + i * LANE_H
-        add(f'<text x="10" y="{y + 15}">{html.escape(lane.label)}</text>')
-        for start, end, r in lane.spans:
-            w = max(x(end) - x(start), 1.0)
-            add(f'<rect x="{x(start):.1f}" y="{y + 4}" width="{w:.1f}" height="{LANE_H - 8}" ')
-            add(f'fill="#9ecae1"><title>workers, round {r}: {_fmt(start)}-{_fmt(end)}</title>')
-            add("</rect>")
-        for ts, color, label in lane.marks:
-            add(f'<circle cx="{x(ts):.1f}" cy="{y + LANE_H / 2}" r="5" fill="{color}">')
-            add(f"<title>{html.escape(label)}</title></circle>")
-    add("</svg>")
+    axis_y = lane_top + LANE_H * len(h.lanes) + 8
+    svg = _Svg(h, top, lane_top, axis_y)
+    svg.add(f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{axis_y + 34}" ')
+    svg.add('font-family="sans-serif" font-size="11">')
+    svg.rounds()
+    svg.axis()
+    svg.world()
+    svg.restarts()
+    svg.lanes()
+    svg.add("</svg>")
+    return "".join(svg.out)
+
+
+def render_html(events: list[dict[str, Any]], title: str = "") -> str:
+    """The timeline page for ``events`` (in time order)."""
+    if not events:
+        return "<!doctype html><meta charset=utf-8><title>elastrun timeline</title><p>no events"
+    h = _history(events)
     failures = [
         _failure_title(e)
         for e in events
@@ -256,9 +324,9 @@ def render_html(events: list[dict[str, Any]], title: str = "") -> str:
     name = html.escape(title or str(events[0].get("run_id", "")))
     return (
         f"<!doctype html><html><head><meta charset=utf-8><title>elastrun timeline {name}"
-        f"</title></head><body><h2>job {name}: {_count(len(rounds), 'round')}, "
-        f"{_count(len(restarts), 'restart')}, {_count(len(lanes), 'node')}</h2>"
-        f"{''.join(out)}{legend}<h3>failures</h3><ul>{items}</ul>"
+        f"</title></head><body><h2>job {name}: {_count(len(h.rounds), 'round')}, "
+        f"{_count(len(h.restarts), 'restart')}, {_count(len(h.lanes), 'node')}</h2>"
+        f"{_svg(h)}{legend}<h3>failures</h3><ul>{items}</ul>"
         "</body></html>\n"
     )
 

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from elastrun.endpoint import Endpoint
 from elastrun.errors import ConfigError, ElastrunError
 from elastrun.store.limits import DEFAULT_LIMITS, MAX_TOKEN, StoreLimits
 from elastrun.store.server import DEFAULT_PORT, StoreServer
@@ -142,8 +143,7 @@ async def _serve(host: str, port: int, token: str | None, limits: StoreLimits) -
         loop.add_signal_handler(sig, stop.set)
     server = StoreServer(host, port, token=token, limits=limits)
     bound_host, bound_port = await server.start()
-    shown = f"[{bound_host}]:{bound_port}" if ":" in bound_host else f"{bound_host}:{bound_port}"
-    print(f"elastrun store listening on {shown}", flush=True)
+    print(f"elastrun store listening on {Endpoint(bound_host, bound_port)}", flush=True)
     try:
         await stop.wait()
     finally:

@@ -9,14 +9,11 @@ import contextlib
 import socket
 from typing import Any
 
+from elastrun.endpoint import Endpoint
 from elastrun.errors import AuthenticationError, ProtocolError, StoreUnavailable
 from elastrun.store import codec
 
-__all__ = ["Conn", "close_writer", "describe_error", "fmt_address", "open_conn"]
-
-
-def fmt_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+__all__ = ["Conn", "close_writer", "describe_error", "open_conn"]
 
 
 def describe_error(exc: BaseException) -> str:
@@ -60,7 +57,7 @@ async def open_conn(host: str, port: int, token: str | None, timeout: float) -> 
     """Connect and say hello within ``timeout``; returns the connection and the
     store's server id. Raises OSError, TimeoutError or StoreUnavailable (retry),
     AuthenticationError or ProtocolError (do not)."""
-    address = fmt_address(host, port)
+    address = str(Endpoint(host, port))
     async with asyncio.timeout(timeout):
         reader, writer = await asyncio.open_connection(host, port)
         conn = Conn(reader, writer)

@@ -27,6 +27,7 @@ import itertools
 from typing import Any
 
 from elastrun.clock import SYSTEM_CLOCK, Clock, remaining
+from elastrun.endpoint import Endpoint
 from elastrun.errors import (
     AuthenticationError,
     LeaseNotFound,
@@ -43,7 +44,6 @@ from elastrun.store.client_conn import (
     Conn,
     close_writer,
     describe_error,
-    fmt_address,
     open_conn,
 )
 from elastrun.store.client_leases import HeldLeases
@@ -82,7 +82,7 @@ class TcpLink:
     ) -> None:
         self.host = host
         self.port = port
-        self.address = fmt_address(host, port)
+        self.address = str(Endpoint(host, port))
         self.token = token
         self.request_timeout = request_timeout
         self.connect_timeout = connect_timeout

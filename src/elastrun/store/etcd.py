@@ -98,13 +98,16 @@ def _int(data: Mapping[str, Any], name: str) -> int:
 
 
 async def open_etcd_store(
-    endpoint: str,
+    endpoints: str | Sequence[Endpoint],
     *,
     conf: Mapping[str, str] | None = None,
     timeout: float = 30.0,
     request_timeout: float | None = None,
 ) -> Store:
     """Connect (authenticating if ``user`` is set) and check that etcd answers.
+
+    ``endpoints``: the members, typed, or as ``host:port[,host:port...]``
+    (``http://`` / ``https://`` prefixes allowed).
 
     ``timeout`` bounds this call, and every later operation unless
     ``request_timeout`` is given (each gets its own deadline, spent failing
@@ -114,7 +117,7 @@ async def open_etcd_store(
     for name, value in (("timeout", timeout), ("request timeout", request_timeout)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ConfigError(f"etcd {name} must be a positive number of seconds, got {value}")
-    settings = settings_from_conf(endpoint, conf or {})
+    settings = settings_from_conf(endpoints, conf or {})
     store = EtcdStore(settings, timeout=timeout)
     try:
         await store.connect()

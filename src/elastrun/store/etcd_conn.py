@@ -16,10 +16,11 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from elastrun.endpoint import Endpoint, parse_endpoint_list
 from elastrun.errors import (
     AuthenticationError,
     ConfigError,
@@ -40,6 +41,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 
 __all__ = [
     "DEFAULT_PORT",
+    "Endpoint",
     "EtcdConnection",
     "EtcdSettings",
     "Json",
@@ -76,16 +78,6 @@ _REQUIRE_LEADER = {"Grpc-Metadata-hasleader": "true"}
 
 
 @dataclass(frozen=True, slots=True)
-class Endpoint:
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-
-@dataclass(frozen=True, slots=True)
 class EtcdSettings:
     endpoints: tuple[Endpoint, ...]
     https: bool
@@ -103,49 +95,25 @@ class EtcdSettings:
 def parse_endpoints(spec: str) -> tuple[tuple[Endpoint, ...], bool]:
     """``host:port[,host:port...]`` (port defaults to 2379; IPv6 in brackets;
     an ``http://`` or ``https://`` prefix is accepted) -> endpoints, https?"""
-    endpoints: list[Endpoint] = []
-    https = False
-    for raw in spec.split(","):
-        item = raw.strip()
-        if not item:
-            continue
-        if "://" in item:
-            scheme, item = item.split("://", 1)
-            if scheme not in ("http", "https"):
-                raise ConfigError(f"etcd endpoint {raw.strip()!r}: scheme must be http or https")
-            https = https or scheme == "https"
-            item = item.rstrip("/")
-        host, port = item, DEFAULT_PORT
-        if item.startswith("["):
-            close = item.find("]")
-            if close < 0:
-                raise ConfigError(f"etcd endpoint {raw.strip()!r}: missing ']'")
-            host, rest = item[1:close], item[close + 1 :]
-            if rest:
-                if not rest.startswith(":"):
-                    raise ConfigError(f"etcd endpoint {raw.strip()!r}: expected [host]:port")
-                port = _port(rest[1:], raw)
-        elif item.count(":") == 1:
-            host, port_text = item.split(":")
-            port = _port(port_text, raw)
-        if not host:
-            raise ConfigError(f"etcd endpoint {raw.strip()!r}: empty host")
-        endpoints.append(Endpoint(host, port))
-    if not endpoints:
-        raise ConfigError(f"no etcd endpoint in {spec!r} (expected host:port[,host:port...])")
-    return tuple(endpoints), https
+    return parse_endpoint_list(spec, DEFAULT_PORT, "etcd endpoint")
 
 
-def _port(text: str, raw: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 65536:
-        raise ConfigError(f"etcd endpoint {raw.strip()!r}: bad port {text!r}")
-    return int(text)
-
-
-def settings_from_conf(endpoint: str, conf: Mapping[str, str]) -> EtcdSettings:
-    """Validate the endpoint and the etcd keys of ``--rdzv-conf`` (other keys
-    are left to other layers and ignored here)."""
-    endpoints, https = parse_endpoints(endpoint)
+def settings_from_conf(
+    endpoints: str | Sequence[Endpoint], conf: Mapping[str, str]
+) -> EtcdSettings:
+    """Validate the endpoints (a ``host:port,...`` string is parsed here) and
+    the etcd keys of ``--rdzv-conf`` (other keys are left to other layers and
+    ignored here). HTTPS: an ``https://`` endpoint, ``protocol=https`` or TLS files."""
+    if isinstance(endpoints, str):
+        members, https = parse_endpoints(endpoints)
+    else:
+        members, https = tuple(endpoints), False
+    if not members:
+        raise ConfigError("no etcd endpoint (expected host:port[,host:port...])")
+    for e in members:
+        if e.port == 0:
+            raise ConfigError(f"etcd endpoint {str(e)!r}: port 0 is not a port etcd listens on")
+    https = https or conf.get("protocol") == "https"
     files: dict[str, str | None] = {}
     for name in ("cacert", "cert", "key"):
         path = conf.get(name) or None
@@ -158,7 +126,7 @@ def settings_from_conf(endpoint: str, conf: Mapping[str, str]) -> EtcdSettings:
     if password and user is None:
         raise ConfigError("etcd password given without user (--rdzv-conf user=...)")
     return EtcdSettings(
-        endpoints=endpoints,
+        endpoints=members,
         https=https or any(files.values()),
         cacert=files["cacert"],
         cert=files["cert"],

@@ -36,11 +36,12 @@ import resource
 import socket
 import time
 
+from elastrun.endpoint import Endpoint
 from elastrun.errors import ConfigError, StoreError
 from elastrun.store.engine import Engine
 from elastrun.store.limits import DEFAULT_LIMITS, MAX_FRAME, MAX_TOKEN, StoreLimits
 from elastrun.store.memory import LeaseReaper
-from elastrun.store.server_conn import Connection, fmt_address
+from elastrun.store.server_conn import Connection
 
 __all__ = ["DEFAULT_PORT", "DISCONNECT_GRACE", "AbuseLog", "StoreServer"]
 
@@ -167,7 +168,7 @@ class StoreServer:
         except socket.gaierror as exc:
             raise ConfigError(f"cannot listen on {self.host!r}: {exc.strerror}") from None
         except OSError as exc:
-            where = fmt_address(self.host, self.port)
+            where = Endpoint(self.host, self.port)
             if exc.errno == errno.EADDRINUSE:
                 raise ConfigError(
                     f"cannot listen on {where}: the port is already in use by another "
@@ -182,7 +183,7 @@ class StoreServer:
         self.address = (str(sockname[0]), int(sockname[1]))
         self._reaper = LeaseReaper(self.engine)
         self._reaper.poke()  # an engine handed over from a previous server may hold leases
-        log.info("elastrun store listening on %s", fmt_address(*self.address))
+        log.info("elastrun store listening on %s", Endpoint(*self.address))
         return self.address
 
     async def stop(self) -> None:

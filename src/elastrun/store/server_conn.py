@@ -30,6 +30,7 @@ import socket
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from elastrun.endpoint import Endpoint
 from elastrun.errors import ProtocolError, RevisionCompacted
 from elastrun.store import codec
 from elastrun.store.base import WatchEvent
@@ -39,16 +40,12 @@ from elastrun.store.server_ops import execute, failure_response
 if TYPE_CHECKING:
     from elastrun.store.server import StoreServer
 
-__all__ = ["CATCH_UP_STEP", "Connection", "fmt_address"]
+__all__ = ["CATCH_UP_STEP", "Connection"]
 
 log = logging.getLogger("elastrun.store.server")
 
 # History bytes a catching-up watch is sent per step (then other work runs).
 CATCH_UP_STEP = 256 * 1024
-
-
-def fmt_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class Connection(asyncio.Protocol):
@@ -82,7 +79,7 @@ class Connection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         if peer:
             self.peer_ip = str(peer[0])
-            self.peer = fmt_address(self.peer_ip, int(peer[1]))
+            self.peer = str(Endpoint(self.peer_ip, int(peer[1])))
         high = self.limits.output_high_water
         transport.set_write_buffer_limits(high=high, low=high // 4)
         refused = self.server.admit(self)

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from elastrun.procs import pid_alive
+
 __all__ = [
     "CORRUPT_DIR",
     "LATEST",
@@ -230,16 +232,6 @@ def write_checkpoint(
     return final, digest
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _prune(d: Path, keep: int) -> None:
     found = list_checkpoints(d)
     if keep > 0:
@@ -251,7 +243,7 @@ def _prune(d: Path, keep: int) -> None:
     host = _host()
     for name in os.listdir(d):
         m = _TMP.match(name)
-        if m and m.group("host") == host and not _pid_alive(int(m.group("pid"))):
+        if m and m.group("host") == host and not pid_alive(int(m.group("pid"))):
             (d / name).unlink(missing_ok=True)  # a save killed on this host
             continue
         r = _RECORD.match(name)

@@ -1,7 +1,7 @@
 """Worker: gloo all-reduce over env://, then records its environment.
 
 Usage: gloo_env.py OUTDIR [--crash-rank R --crash-restart C] [--hold]
-Writes OUTDIR/<pid>.json with the SPEC section 2 variables and the all-reduce
+Writes OUTDIR/<pid>.json with the torchrun environment variables and the all-reduce
 result. --crash-rank: rank R raises when TORCHELASTIC_RESTART_COUNT == C.
 --hold: after writing, waits until OUTDIR/release exists.
 """

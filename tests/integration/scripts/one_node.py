@@ -4,10 +4,10 @@ the workers the agent starts are real processes)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from typing import Any
 
 from elastrun.errors import RendezvousClosed, RestartBudgetExhausted
+from elastrun.failure import FailureRecord
 from elastrun.rendezvous.api import (
     Change,
     Member,
@@ -15,12 +15,7 @@ from elastrun.rendezvous.api import (
     RendezvousSettings,
     RoundResult,
 )
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.helpers import free_port
 
 
 class OneNodeRendezvous(Rendezvous):
@@ -43,7 +38,7 @@ class OneNodeRendezvous(Rendezvous):
         )
         self.round = -1
         self.restart_count = 0
-        self.failures: list[dict[str, Any]] = []
+        self.failures: list[dict[str, Any]] = []  # the records, as JSON
         self.completed = 0
         self.shutdowns = 0
         self.closed = closed
@@ -71,8 +66,8 @@ class OneNodeRendezvous(Rendezvous):
         await self.change.wait()
         return self.change_value
 
-    async def request_restart(self, failure: dict[str, Any]) -> None:
-        self.failures.append(failure)
+    async def request_restart(self, failure: FailureRecord) -> None:
+        self.failures.append(failure.to_json())
         if self.restart_count >= self.settings.max_restarts:
             raise RestartBudgetExhausted(
                 f"all {self.settings.max_restarts} restarts of job {self.settings.run_id} are used"

@@ -1,0 +1,95 @@
+"""What many tests need, written once: free ports, bounded waits, liveness of
+a process, and cleaning up the process groups a test started.
+
+Ports. A port found free and closed again (bind, close, hand out the number)
+can be given to anyone by the OS before the program under test binds it: to
+an outgoing connection, to another test's "free" port, on a machine where
+several test sessions run at once. :func:`free_port` instead keeps a socket
+bound to the port (with ``SO_REUSEADDR``, not listening) for the rest of the
+session: the kernel then hands that port to no other ``bind(0)`` nor outgoing
+connection, while a server that binds it with ``SO_REUSEADDR`` (asyncio
+servers, so elastrun's store; etcd; torch's TCPStore) still can. Nothing
+connecting to it gets an answer until such a server listens.
+
+The etcd helpers (a real cluster, auth, TLS files) are in
+:mod:`tests.store.etcd_fixture`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from elastrun.procs import pid_alive
+
+__all__ = ["free_port", "free_ports", "kill_group", "pid_alive", "stop_groups", "wait_for"]
+
+T = TypeVar("T")
+
+_held: list[socket.socket] = []  # bound for the session: see the module docstring
+_held_lock = threading.Lock()
+MAX_HELD = 4096  # a session that asks for more has a leak
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that this session holds (see the module docstring)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+    except BaseException:
+        s.close()
+        raise
+    with _held_lock:
+        if len(_held) >= MAX_HELD:
+            s.close()
+            raise AssertionError(f"this test session asked for over {MAX_HELD} ports")
+        _held.append(s)
+    return int(s.getsockname()[1])
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports, each held as :func:`free_port` does."""
+    return [free_port(host) for _ in range(count)]
+
+
+def wait_for(
+    predicate: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1
+) -> T:
+    """Poll ``predicate`` until it returns something true (returned), for at
+    most ``timeout`` seconds; then fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to process group ``pgid`` (a process started with
+    ``start_new_session=True`` leads its own); a group already gone is fine."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def stop_groups(*procs: subprocess.Popen[Any], timeout: float = 10.0) -> None:
+    """Clean-up: SIGKILL the group of each of ``procs`` still running (each
+    leads its own group), then reap each, waiting at most ``timeout`` seconds
+    for each."""
+    for proc in procs:
+        if proc.poll() is None:
+            kill_group(proc.pid)
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout)
