@@ -1,12 +1,14 @@
 """The dynamic (store-backed) rendezvous: the driver of :mod:`.rules`.
 
-The driver does the store I/O. For each *phase* (the machine's state and
-round) it reads what that phase needs, opens watches from the revision after
-each read (:mod:`.phases`), turns what it reads and what the watches deliver
-into rule events (:mod:`.view`), and executes the actions the rules return
-(:mod:`.actions`). Waits are on watches and on the nearest deadline; nothing
-polls. While ``next_round()`` waits, it reports what for (:mod:`.progress`).
-See docs/rendezvous.md for the protocol.
+The driver does the store I/O; the decisions are the rules' (:mod:`.rules`)
+and the planner's (:mod:`.plan`), both pure. For each *phase* (the machine's
+state and round) it reads what the planner says that phase needs, opens
+watches from the revision after each read (:mod:`.phases`), does the reads the
+planner's answers need to become rule events (:mod:`.view`), and executes the
+actions the rules return (:mod:`.actions`). Waits are on the inbox (watch
+events, a lost lease) and on the nearest deadline, through the injected clock;
+nothing polls. While ``next_round()`` waits, it reports what for
+(:mod:`.progress`). See docs/rendezvous.md for the protocol.
 
 This module is the pump: the :class:`~.api.Rendezvous` calls, registration and
 config agreement, and the loop that feeds events to the rules until one of
