@@ -52,7 +52,7 @@ harmless. The role is chosen by the planner (:func:`.plan.barrier_step`), as
 the decider is (:func:`.plan.join_role`).
 
 Rules table (state, event) -> next state: actions, rendered from ``RULES`` by
-:func:`render_table` (a unit test keeps the two equal). ``*`` marks conditions;
+:func:`.table.render_table` (a unit test keeps the two equal). ``*`` marks conditions;
 RAISE names the exception raised.
 
 ============ ================ =====================================================================
@@ -126,8 +126,7 @@ Any other (state, event) pair is a bug in the driver and raises
 
 from __future__ import annotations
 
-import textwrap
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -189,7 +188,6 @@ __all__ = [
     "Timer",
     "WorkersFailed",
     "WorkersSucceeded",
-    "render_table",
 ]
 
 
@@ -549,53 +547,3 @@ class Rules:
             )
         self.state, self.ctx, actions = rule(self.ctx, event)
         return actions
-
-
-# -- the table, rendered from RULES --------------------------------------------------
-_LINE_WIDTH = 99  # the docstring's lines stay within it
-
-
-def _row_text(rule: Rule) -> str:
-    doc = rule.__doc__ or ""
-    return " ".join(doc.split("\n\n", 1)[0].split())
-
-
-def _rows(rules: Mapping[tuple[State, type[Event]], Rule]) -> list[tuple[str, str, str]]:
-    """(state, event, text) per row, in the order of State and EVENTS. A rule
-    filed under one event for three states or more is one row: ``any but X``
-    where it is every state but one or two, else its first state, with the
-    others named."""
-    rows: list[tuple[str, str, str]] = []
-    seen: set[tuple[type[Event], int]] = set()
-    for state in State:
-        for ev in EVENTS:
-            rule = rules.get((state, ev))
-            if rule is None or (ev, id(rule)) in seen:
-                continue
-            seen.add((ev, id(rule)))
-            states = [s for s in State if rules.get((s, ev)) is rule]
-            others = [s for s in State if s not in states]
-            label, text = state.name, _row_text(rule)
-            if len(states) >= 3 and len(others) <= 2:
-                label = "any but " + ", ".join(s.name for s in others)
-            elif len(states) > 1:
-                text += " (also from " + ", ".join(s.name for s in states[1:]) + ")"
-            rows.append((label, ev.__name__, text))
-    return rows
-
-
-def render_table(rules: Mapping[tuple[State, type[Event]], Rule] | None = None) -> str:
-    """The rules table as reStructuredText (the module docstring's), rendered
-    from ``RULES``: one row per rule, in the rule's own words (its docstring)."""
-    rows = _rows(RULES if rules is None else rules)
-    w_state = max(len("state"), *(len(r[0]) for r in rows))
-    w_event = max(len("event"), *(len(r[1]) for r in rows))
-    w_text = _LINE_WIDTH - w_state - w_event - 2
-    border = f"{'=' * w_state} {'=' * w_event} {'=' * w_text}"
-    out = [border, f"{'state':<{w_state}} {'event':<{w_event}} next state: actions", border]
-    for label, event, text in rows:
-        for i, line in enumerate(textwrap.wrap(text, w_text)):
-            first, second = (label, event) if i == 0 else ("", "")
-            out.append(f"{first:<{w_state}} {second:<{w_event}} {line}".rstrip())
-    out.append(border)
-    return "\n".join(out)
