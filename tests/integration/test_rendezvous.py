@@ -168,9 +168,9 @@ def test_many_handlers_agree(cluster: Any) -> None:
 
 def test_killed_while_joining_does_not_block(cluster: Any) -> None:
     c = cluster(min=3, max=4, ttl=2.0, last_call=1.0)
-    victim = c.start(1, ["next_round"], first=9, min=3)
+    victim = c.start(1, ["next_round"], first=9, min=3, progress=True)
     # The victim joins first (it is the decider), then dies before the round closes.
-    time.sleep(1.5)
+    victim.wait_lines(lambda x: x["step"] == "progress" and x["state"] == "joining", 1, 30)
     victim.kill()
     c.start(3, ["next_round", "complete"])
     results = c.wait(step("next_round"), 3, timeout=60)
@@ -293,7 +293,8 @@ def test_node_waits_while_the_round_is_full_until_a_member_is_lost(cluster: Any)
     assert waiting["state"] == "waiting"
     assert waiting["detail"] == "round 0 is full (2 of max 2 nodes)"
     assert waiting["deadline"] == "join_timeout"
-    time.sleep(3.0)  # three lease TTLs
+    # That it keeps waiting for three lease TTLs while the members renew their
+    # leases is checked in virtual time (tests/unit/test_rdzv_timers.py).
     assert not c.lines(step("wait_change")), "a full round was re-formed for a waiting node"
     assert not c.lines(step("next_round", round=1))
     victim.kill()

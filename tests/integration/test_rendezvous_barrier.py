@@ -5,9 +5,12 @@ Fixtures and helpers: tests/integration/test_rendezvous.py."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
+from elastrun.rendezvous import keys as K
+from elastrun.store.client import TcpStore
 from tests.integration import test_rendezvous as base
 from tests.integration.test_rendezvous import assert_one_world, step
 
@@ -15,6 +18,29 @@ store = base.store  # the fixtures
 cluster = base.cluster
 
 BARRIER = 30.0  # rdzv_node's exit_barrier_timeout: every test returns well before it
+
+
+def done_keys(c: Any) -> set[str]:
+    """The nodes whose done key for round 0 is in the store: they are at the
+    exit barrier (or past it)."""
+
+    async def read() -> set[str]:
+        host, port = c.addr
+        store = await TcpStore.connect(host, port, timeout=10.0)
+        try:
+            kvs, _ = await store.get_prefix(K.Keys(c.common["run_id"]).dones(0))
+            return {K.node_id_of(kv.key) for kv in kvs}
+        finally:
+            await store.close()
+
+    return asyncio.run(read())
+
+
+def wait_at_barrier(c: Any, nodes: set[str], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not nodes <= done_keys(c):
+        assert time.monotonic() < deadline, f"{nodes} not at the barrier after {timeout}s"
+        time.sleep(0.05)
 
 
 def assert_job_finished(c: Any) -> None:
@@ -46,7 +72,7 @@ def test_the_watcher_killed_mid_barrier_does_not_stall_the_others(cluster: Any) 
     results = c.wait(step("next_round"), 3, timeout=60)
     assert_one_world(results, 3)
     assert next(r for r in results if r["node"] == "n0")["rank"] == 0
-    time.sleep(1.5)
+    wait_at_barrier(c, {"n0", "n1"})
     assert not c.lines(step("complete")), "the barrier ended before every member finished"
     victim.kill()  # at the barrier, its done key written
     done = c.wait(step("complete"), 2, timeout=30)
@@ -62,7 +88,7 @@ def test_a_member_killed_during_the_barrier_ends_it(cluster: Any) -> None:
     c.start(2, ["next_round", "complete"])
     c.wait(step("next_round"), 3, timeout=60)
     c.wait(step("hang"), 1, timeout=30)
-    time.sleep(0.5)  # the others wait at the barrier
+    wait_at_barrier(c, {"n0", "n1"})  # the others wait at the barrier
     assert not c.lines(step("complete"))
     victim.kill()  # its workers were running: no done key
     killed_at = time.monotonic()

@@ -24,9 +24,9 @@ from elastrun.launcher.cli import Command, build_parser, parse, unknown_flags_me
 from elastrun.launcher.config import count_xpus, parse_nproc
 from elastrun.launcher.legacy import local_rank_flag, parse_legacy
 from elastrun.rendezvous.api import RendezvousSettings, WaitingStatus
+from elastrun.rendezvous.plan import View
 from elastrun.rendezvous.progress import waiting_status
 from elastrun.rendezvous.rules import Context, Rules, State, Timer
-from elastrun.rendezvous.view import View
 from elastrun.status.cli import Printer, render_table
 from elastrun.status.summary import summarize
 from elastrun.status.timeline import axis_ticks, fmt_offset, place_labels, render_html

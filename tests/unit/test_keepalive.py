@@ -1,15 +1,20 @@
-"""LeaseKeeper against the in-memory store and the embedded TCP store (in process)."""
+"""LeaseKeeper against the in-memory store and the embedded TCP store (in process).
+
+The in-memory store runs in virtual time (:class:`~elastrun.clock.VirtualTimeLoop`:
+the store's leases, the keeper's renewals and the test's waits on one clock,
+deterministic and instant); the TCP store, whose replies travel over real
+sockets, in real time."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import pytest
 
+from elastrun.clock import SYSTEM_CLOCK, Clock, VirtualTimeLoop, run_virtual
 from elastrun.store.base import Store
 from elastrun.store.client import TcpStore
 from elastrun.store.keepalive import LeaseKeeper
@@ -26,18 +31,21 @@ class Harness:
     store: Store
     client: Callable[[], Awaitable[Store]]
     kill: Callable[[], Awaitable[None]]
+    clock: Clock = SYSTEM_CLOCK  # the store's (and so the keeper's)
     opened: list[Store] = field(default_factory=list)
 
 
 @contextlib.asynccontextmanager
 async def memory() -> AsyncIterator[Harness]:
-    store = MemoryStore()
+    loop = asyncio.get_running_loop()
+    assert isinstance(loop, VirtualTimeLoop)
+    store = MemoryStore(clock=loop.clock)
 
     async def client() -> Store:
         return store
 
     try:
-        yield Harness(store, client, store.close)
+        yield Harness(store, client, store.close, loop.clock)
     finally:
         await store.close()
 
@@ -70,30 +78,33 @@ def run(kind: str, body: Callable[[Harness], Awaitable[None]]) -> None:
         async with STORES[kind]() as h:
             await asyncio.wait_for(body(h), 30.0)
 
-    asyncio.run(main())
+    if kind == "memory":
+        run_virtual(main())
+    else:
+        asyncio.run(main())
 
 
 async def lost_within(lost: asyncio.Future[str], seconds: float) -> str:
     return await asyncio.wait_for(asyncio.shield(lost), seconds)
 
 
-def keeper_with_future(store: Store) -> tuple[LeaseKeeper, asyncio.Future[str]]:
+def keeper_with_future(h: Harness) -> tuple[LeaseKeeper, asyncio.Future[str]]:
     fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     def on_lost(reason: str) -> None:
         if not fut.done():
             fut.set_result(reason)
 
-    return LeaseKeeper(store, TTL, on_lost=on_lost), fut
+    return LeaseKeeper(h.store, TTL, clock=h.clock, on_lost=on_lost), fut
 
 
 @pytest.mark.parametrize("kind", list(STORES))
 def test_keeps_the_lease_alive_past_several_ttls(kind: str) -> None:
     async def body(h: Harness) -> None:
-        keeper, lost = keeper_with_future(h.store)
+        keeper, lost = keeper_with_future(h)
         lease = await keeper.start()
         await h.store.put("/ka/k", b"v", lease)
-        await asyncio.sleep(5 * TTL)
+        await h.clock.sleep_until(h.clock.monotonic() + 5 * TTL)
         assert not lost.done() and keeper.alive
         assert await h.store.get("/ka/k") is not None
         await keeper.stop()
@@ -104,7 +115,7 @@ def test_keeps_the_lease_alive_past_several_ttls(kind: str) -> None:
 @pytest.mark.parametrize("kind", list(STORES))
 def test_on_lost_when_revoked_from_outside(kind: str) -> None:
     async def body(h: Harness) -> None:
-        keeper, lost = keeper_with_future(h.store)
+        keeper, lost = keeper_with_future(h)
         lease = await keeper.start()
         other = await h.client()
         await other.lease_revoke(lease)
@@ -119,14 +130,14 @@ def test_on_lost_when_revoked_from_outside(kind: str) -> None:
 @pytest.mark.parametrize("kind", list(STORES))
 def test_on_lost_when_the_store_goes_away(kind: str) -> None:
     async def body(h: Harness) -> None:
-        keeper, lost = keeper_with_future(h.store)
+        keeper, lost = keeper_with_future(h)
         await keeper.start()
-        t0 = time.monotonic()
+        t0 = h.clock.monotonic()
         await h.kill()
         reason = await lost_within(lost, 2 * TTL + 2.0)
         assert "store unreachable" in reason
         # Declared lost once the lease must have expired there, not before.
-        assert time.monotonic() - t0 >= TTL * 0.5
+        assert h.clock.monotonic() - t0 >= TTL * 0.5
         await keeper.stop()
 
     run(kind, body)
@@ -135,7 +146,7 @@ def test_on_lost_when_the_store_goes_away(kind: str) -> None:
 @pytest.mark.parametrize("kind", list(STORES))
 def test_stop_revokes_the_lease(kind: str) -> None:
     async def body(h: Harness) -> None:
-        keeper, lost = keeper_with_future(h.store)
+        keeper, lost = keeper_with_future(h)
         lease = await keeper.start()
         await h.store.put("/ka/gone", b"v", lease)
         await keeper.stop(revoke=True)
@@ -147,11 +158,11 @@ def test_stop_revokes_the_lease(kind: str) -> None:
 
 def test_stop_is_bounded_when_the_store_is_gone() -> None:
     async def body(h: Harness) -> None:
-        keeper, _ = keeper_with_future(h.store)
+        keeper, _ = keeper_with_future(h)
         await keeper.start()
         await h.kill()
-        t0 = time.monotonic()
+        t0 = h.clock.monotonic()
         await keeper.stop(revoke=True, timeout=0.2)
-        assert time.monotonic() - t0 < 1.0
+        assert h.clock.monotonic() - t0 < 1.0
 
     run("tcp", body)

@@ -2,7 +2,9 @@
 in-memory store (fast; no processes). Several members complete; the barrier's
 watcher dies mid-barrier; a member is lost during it; and the store traffic of
 the barrier stays O(n): only one member reads or watches the ``nodes/`` and
-done prefixes."""
+done prefixes. Everything runs in virtual time (the store's leases, the
+handlers' timers and the test's waits on the loop's clock): deterministic,
+and as fast as the code."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from elastrun.clock import VirtualTimeLoop, run_virtual
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.api import RendezvousSettings
 from elastrun.rendezvous.dynamic import DynamicRendezvous
@@ -26,7 +29,7 @@ class CountingStore(MemoryStore):
     """A memory store that counts prefix reads and watches by key."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(clock=vloop().clock)
         self.prefix_reads: Counter[str] = Counter()
         self.watches: Counter[str] = Counter()
 
@@ -45,11 +48,21 @@ class CountingStore(MemoryStore):
         return await super().watch(key, prefix=prefix, start_revision=start_revision)
 
 
+def vloop() -> VirtualTimeLoop:
+    loop = asyncio.get_running_loop()
+    assert isinstance(loop, VirtualTimeLoop)
+    return loop
+
+
+def memory_store() -> MemoryStore:
+    return MemoryStore(clock=vloop().clock)
+
+
 def run(scenario: Callable[[], Awaitable[T]]) -> T:
     async def bounded() -> T:
         return await asyncio.wait_for(scenario(), 20.0)
 
-    return asyncio.run(bounded())
+    return run_virtual(bounded())
 
 
 async def form(store: MemoryStore, n: int) -> list[DynamicRendezvous]:
@@ -69,6 +82,7 @@ async def form(store: MemoryStore, n: int) -> list[DynamicRendezvous]:
                 addr="127.0.0.1",
             ),
             node_id=f"n{i}",
+            clock=vloop().clock,
         )
         for i in range(n)
     ]
@@ -96,7 +110,7 @@ async def at_barrier(h: DynamicRendezvous) -> None:
         return done is not None and h.rules.state.name == "COMPLETING"
 
     await until(ready)
-    await asyncio.sleep(0.05)  # its phase is set up (reads and watches)
+    await vloop().all_tasks_blocked()  # its phase is set up (reads and watches)
 
 
 async def die(h: DynamicRendezvous) -> None:
@@ -152,7 +166,7 @@ def test_the_barrier_reads_and_watches_the_prefixes_once_in_all() -> None:
 
 def test_the_watcher_dies_mid_barrier_and_the_next_member_takes_over() -> None:
     async def scenario() -> dict[str, Any]:
-        store = MemoryStore()
+        store = memory_store()
         hs = await form(store, 4)
         w, nxt, a, b = hs
         tw = asyncio.create_task(w.complete())
@@ -181,7 +195,7 @@ def test_the_watcher_dies_mid_barrier_and_the_next_member_takes_over() -> None:
 
 def test_a_member_lost_during_the_barrier_ends_it_for_everyone() -> None:
     async def scenario() -> tuple[dict[str, Any], float]:
-        store = MemoryStore()
+        store = memory_store()
         hs = await form(store, 4)
         tasks = []
         for h in hs[:3]:  # rank 0 (the watcher) and two more wait at the barrier
@@ -204,7 +218,7 @@ def test_a_member_lost_during_the_barrier_ends_it_for_everyone() -> None:
 
 def test_the_watcher_lost_while_running_ends_the_barrier() -> None:
     async def scenario() -> dict[str, Any]:
-        store = MemoryStore()
+        store = memory_store()
         hs = await form(store, 3)
         tasks = []
         for h in hs[1:]:  # rank 0 is still running its workers

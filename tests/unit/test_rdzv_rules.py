@@ -10,17 +10,34 @@ from typing import Any
 
 import pytest
 
+from elastrun.errors import RendezvousClosed, RendezvousTimeout, RestartBudgetExhausted
 from elastrun.rendezvous.rules import (
+    EVENTS,
     RULES,
     Act,
     Action,
+    BarrierDone,
+    BarrierTimeout,
     Context,
-    Ev,
     Event,
+    JoinersChanged,
+    JoinTimeout,
+    LastCallExpired,
+    LeaseLost,
     LocalProtocolError,
+    MemberLost,
+    NextRound,
+    NodeWaiting,
+    RoundClosed,
+    RoundFailed,
+    RoundFinished,
+    RoundOpen,
     Rules,
+    Shutdown,
     State,
     Timer,
+    WorkersFailed,
+    WorkersSucceeded,
 )
 
 CTX = Context(min_nodes=2, max_nodes=4, max_restarts=1, join_timeout=60, last_call_timeout=5)
@@ -38,37 +55,60 @@ def acts(actions: list[Action]) -> list[Act]:
     return [a.type for a in actions]
 
 
-TABLE = sorted(RULES, key=lambda k: (k[0].value, k[1].value))
+# One event of each class, with its fields' plain values.
+SAMPLE: dict[type[Event], Event] = {
+    NextRound: NextRound(now=100.0),
+    RoundOpen: RoundOpen(round=3),
+    RoundClosed: RoundClosed(round=3),
+    RoundFinished: RoundFinished(round=3),
+    RoundFailed: RoundFailed(round=3),
+    JoinersChanged: JoinersChanged(now=100.0, count=0),
+    LastCallExpired: LastCallExpired(),
+    JoinTimeout: JoinTimeout(),
+    MemberLost: MemberLost(detail=""),
+    NodeWaiting: NodeWaiting(room=False, detail=""),
+    WorkersFailed: WorkersFailed(detail=""),
+    WorkersSucceeded: WorkersSucceeded(now=100.0),
+    BarrierDone: BarrierDone(),
+    BarrierTimeout: BarrierTimeout(),
+    LeaseLost: LeaseLost(detail=""),
+    Shutdown: Shutdown(),
+}
+TABLE = sorted(RULES, key=lambda k: (k[0].value, k[1].__name__))
+
+
+def test_every_event_class_is_listed() -> None:
+    assert set(SAMPLE) == set(EVENTS) == set(Event.__subclasses__())
 
 
 @pytest.mark.parametrize(("state", "ev"), TABLE)
-def test_every_table_entry_runs(state: State, ev: Ev) -> None:
+def test_every_table_entry_runs(state: State, ev: type[Event]) -> None:
     m = machine(state, count=2)
-    actions = m.handle(Event(ev, now=100.0, round=3))
+    actions = m.handle(SAMPLE[ev])
     assert isinstance(m.state, State)
     assert all(a.type in Act for a in actions)
 
 
-BAD = [(s, e) for s, e in itertools.product(State, Ev) if (s, e) not in RULES]
+BAD = [(s, e) for s, e in itertools.product(State, EVENTS) if (s, e) not in RULES]
 
 
 @pytest.mark.parametrize(("state", "ev"), BAD)
-def test_pairs_outside_the_table_are_errors(state: State, ev: Ev) -> None:
+def test_pairs_outside_the_table_are_errors(state: State, ev: type[Event]) -> None:
     m = machine(state)
-    with pytest.raises(LocalProtocolError, match=ev.name):
-        m.handle(Event(ev))
+    with pytest.raises(LocalProtocolError, match=ev.__name__):
+        m.handle(SAMPLE[ev])
     assert st(m) is state
 
 
 def test_bad_pairs_exist_for_every_terminal_state() -> None:
-    assert (State.LEFT, Ev.NEXT_ROUND) in BAD
-    assert (State.FINISHED, Ev.WORKERS_FAILED) in BAD
-    assert (State.JOINING, Ev.LAST_CALL_EXPIRED) in BAD
+    assert (State.LEFT, NextRound) in BAD
+    assert (State.FINISHED, WorkersFailed) in BAD
+    assert (State.JOINING, LastCallExpired) in BAD
 
 
 def test_next_round_arms_join_timeout_and_seeks() -> None:
     m = machine(State.IDLE)
-    actions = m.handle(Event(Ev.NEXT_ROUND, now=10.0))
+    actions = m.handle(NextRound(now=10.0))
     assert st(m) is State.SEEKING
     arm = next(a for a in actions if a.type is Act.ARM)
     assert arm.timer is Timer.JOIN and arm.deadline == 70.0
@@ -76,73 +116,73 @@ def test_next_round_arms_join_timeout_and_seeks() -> None:
 
 def test_seeking_joins_an_open_round() -> None:
     m = machine(State.SEEKING)
-    actions = m.handle(Event(Ev.ROUND_OPEN, round=5))
+    actions = m.handle(RoundOpen(round=5))
     assert st(m) is State.JOINING and m.ctx.round == 5
     assert acts(actions) == [Act.JOIN]
 
 
 def test_closed_round_without_me_waits_and_opens_when_room() -> None:
     m = machine(State.SEEKING)
-    actions = m.handle(Event(Ev.ROUND_CLOSED, round=5, room=True, detail="x waits"))
+    actions = m.handle(RoundClosed(round=5, room=True, detail="x waits"))
     assert st(m) is State.WAITING
     assert acts(actions) == [Act.WAIT, Act.OPEN_ROUND]
     assert actions[1].reason == "node_waiting"
     m = machine(State.SEEKING)
-    assert acts(m.handle(Event(Ev.ROUND_CLOSED, round=5, room=False))) == [Act.WAIT]
+    assert acts(m.handle(RoundClosed(round=5, room=False))) == [Act.WAIT]
 
 
 def test_waiting_node_opens_when_a_member_is_gone() -> None:
     m = machine(State.SEEKING)
-    actions = m.handle(Event(Ev.ROUND_CLOSED, round=5, lost="node b lost"))
+    actions = m.handle(RoundClosed(round=5, lost="node b lost"))
     assert actions[-1].reason == "member_lost"
     m = machine(State.WAITING)
-    actions = m.handle(Event(Ev.MEMBER_LOST, detail="node b lost"))
+    actions = m.handle(MemberLost(detail="node b lost"))
     assert acts(actions) == [Act.OPEN_ROUND] and actions[0].detail == "node b lost"
 
 
 def test_member_asking_again_opens_a_new_round() -> None:
     m = machine(State.SEEKING)
-    actions = m.handle(Event(Ev.ROUND_CLOSED, round=3, member=True))
+    actions = m.handle(RoundClosed(round=3, member=True))
     assert st(m) is State.SEEKING
     assert actions[0].type is Act.OPEN_ROUND and actions[0].reason == "member_rejoined"
 
 
 def test_follower_tracks_but_does_not_act() -> None:
     m = machine(State.JOINING)
-    assert m.handle(Event(Ev.JOINERS_CHANGED, now=1.0, count=3)) == []
+    assert m.handle(JoinersChanged(now=1.0, count=3)) == []
     assert st(m) is State.JOINING and m.ctx.min_reached_at == 1.0
-    m.handle(Event(Ev.JOINERS_CHANGED, now=2.0, count=1))
+    m.handle(JoinersChanged(now=2.0, count=1))
     assert m.ctx.min_reached_at is None
 
 
 def test_decider_closes_at_max_at_once() -> None:
     m = machine(State.JOINING)
-    actions = m.handle(Event(Ev.JOINERS_CHANGED, now=1.0, count=4, decider=True))
+    actions = m.handle(JoinersChanged(now=1.0, count=4, decider=True))
     assert st(m) is State.DECIDING
     assert Act.CLOSE_ROUND in acts(actions)
 
 
 def test_decider_waits_the_last_call_from_when_min_was_reached() -> None:
     m = machine(State.DECIDING)
-    actions = m.handle(Event(Ev.JOINERS_CHANGED, now=10.0, count=2, decider=True))
+    actions = m.handle(JoinersChanged(now=10.0, count=2, decider=True))
     assert acts(actions) == [Act.ARM]
     assert actions[0].timer is Timer.LAST_CALL and actions[0].deadline == 15.0
     # A third joiner does not push the deadline back.
-    actions = m.handle(Event(Ev.JOINERS_CHANGED, now=12.0, count=3, decider=True))
+    actions = m.handle(JoinersChanged(now=12.0, count=3, decider=True))
     assert actions[0].deadline == 15.0
-    actions = m.handle(Event(Ev.LAST_CALL_EXPIRED, now=15.0))
+    actions = m.handle(LastCallExpired())
     assert acts(actions) == [Act.CLOSE_ROUND]
 
 
 def test_decider_closes_when_the_deadline_already_passed() -> None:
     m = machine(State.DECIDING, min_reached_at=0.0)
-    actions = m.handle(Event(Ev.JOINERS_CHANGED, now=6.0, count=2, decider=True))
+    actions = m.handle(JoinersChanged(now=6.0, count=2, decider=True))
     assert Act.CLOSE_ROUND in acts(actions)
 
 
 def test_decider_skips_last_call_when_everyone_rejoined() -> None:
     m = machine(State.DECIDING)
-    ev = Event(Ev.JOINERS_CHANGED, now=1.0, count=3, decider=True, all_joined=True)
+    ev = JoinersChanged(now=1.0, count=3, decider=True, all_joined=True)
     actions = m.handle(ev)
     close = next(a for a in actions if a.type is Act.CLOSE_ROUND)
     assert close.reason == "all_rejoined"
@@ -150,97 +190,97 @@ def test_decider_skips_last_call_when_everyone_rejoined() -> None:
 
 def test_decider_below_min_cancels_last_call() -> None:
     m = machine(State.DECIDING, min_reached_at=1.0, count=2)
-    actions = m.handle(Event(Ev.JOINERS_CHANGED, now=2.0, count=1, decider=True))
+    actions = m.handle(JoinersChanged(now=2.0, count=1, decider=True))
     assert acts(actions) == [Act.CANCEL] and m.ctx.min_reached_at is None
-    assert m.handle(Event(Ev.LAST_CALL_EXPIRED, now=9.0)) == []
+    assert m.handle(LastCallExpired()) == []
 
 
 def test_round_closed_with_me_returns_the_result() -> None:
     for state in (State.JOINING, State.DECIDING):
         m = machine(state)
-        actions = m.handle(Event(Ev.ROUND_CLOSED, round=3, member=True))
+        actions = m.handle(RoundClosed(round=3, member=True))
         assert st(m) is State.MEMBER
         assert acts(actions)[-1] is Act.RETURN_RESULT
 
 
 def test_round_closed_without_me_while_joining_waits() -> None:
     m = machine(State.DECIDING)
-    actions = m.handle(Event(Ev.ROUND_CLOSED, round=3, member=False, room=False))
+    actions = m.handle(RoundClosed(round=3, member=False, room=False))
     assert st(m) is State.WAITING and Act.WAIT in acts(actions)
 
 
 def test_join_timeout_leaves_and_raises() -> None:
     for state in (State.JOINING, State.DECIDING, State.WAITING):
         m = machine(state)
-        actions = m.handle(Event(Ev.JOIN_TIMEOUT))
+        actions = m.handle(JoinTimeout())
         assert st(m) is State.IDLE
-        assert Act.LEAVE in acts(actions) and actions[-1].error == "timeout"
+        assert Act.LEAVE in acts(actions) and actions[-1].error is RendezvousTimeout
 
 
 def test_member_reacts_to_loss_and_waiting_nodes() -> None:
     m = machine(State.MEMBER)
-    assert m.handle(Event(Ev.MEMBER_LOST, detail="d"))[0].reason == "member_lost"
-    assert m.handle(Event(Ev.NODE_WAITING, room=False)) == []
-    assert m.handle(Event(Ev.NODE_WAITING, room=True))[0].reason == "node_waiting"
+    assert m.handle(MemberLost(detail="d"))[0].reason == "member_lost"
+    assert m.handle(NodeWaiting(room=False, detail="")) == []
+    assert m.handle(NodeWaiting(room=True, detail=""))[0].reason == "node_waiting"
     assert st(m) is State.MEMBER
-    assert acts(m.handle(Event(Ev.ROUND_OPEN, round=4))) == [Act.RETURN_CHANGE]
+    assert acts(m.handle(RoundOpen(round=4))) == [Act.RETURN_CHANGE]
     assert st(m) is State.IDLE
 
 
 def test_member_of_a_superseded_round_returns_a_change() -> None:
     m = machine(State.MEMBER)
-    assert m.handle(Event(Ev.ROUND_CLOSED, round=3)) == []
-    assert acts(m.handle(Event(Ev.ROUND_CLOSED, round=4))) == [Act.RETURN_CHANGE]
+    assert m.handle(RoundClosed(round=3)) == []
+    assert acts(m.handle(RoundClosed(round=4))) == [Act.RETURN_CHANGE]
 
 
 def test_failed_workers_always_reform_and_the_close_decides_the_charge() -> None:
     m = machine(State.MEMBER)
-    for used in (0, 1, 5):  # even with the budget spent: a lost node may excuse it
-        actions = m.handle(Event(Ev.WORKERS_FAILED, restarts=used))
+    for _ in range(3):  # even with the budget spent: a lost node may excuse it
+        actions = m.handle(WorkersFailed(detail=""))
         assert acts(actions) == [Act.OPEN_ROUND]
         assert actions[0].counts and actions[0].reason == "restart_requested"
-    assert m.handle(Event(Ev.ROUND_FAILED))[0].error == "budget"
+    assert m.handle(RoundFailed(round=3))[0].error is RestartBudgetExhausted
     assert st(m) is State.FAILED
-    assert m.handle(Event(Ev.NEXT_ROUND))[0].error == "budget"
+    assert m.handle(NextRound(now=0.0))[0].error is RestartBudgetExhausted
 
 
 def test_restart_after_the_round_moved_on_is_not_counted() -> None:
     m = machine(State.IDLE)
-    assert m.handle(Event(Ev.WORKERS_FAILED, restarts=0)) == []
+    assert m.handle(WorkersFailed(detail="")) == []
 
 
 def test_exit_barrier() -> None:
     m = machine(State.MEMBER)
-    actions = m.handle(Event(Ev.WORKERS_SUCCEEDED, now=1.0))
+    actions = m.handle(WorkersSucceeded(now=1.0))
     assert st(m) is State.COMPLETING and acts(actions) == [Act.PUT_DONE, Act.ARM]
     assert actions[1].deadline == 1.0 + CTX.exit_barrier_timeout
-    actions = m.handle(Event(Ev.BARRIER_DONE))
+    actions = m.handle(BarrierDone())
     assert Act.MARK_FINISHED in acts(actions) and st(m) is State.FINISHED
-    assert m.handle(Event(Ev.NEXT_ROUND))[0].error == "closed"
+    assert m.handle(NextRound(now=0.0))[0].error is RendezvousClosed
 
 
 def test_barrier_timeout_does_not_finish_the_job() -> None:
     m = machine(State.COMPLETING)
-    actions = m.handle(Event(Ev.BARRIER_TIMEOUT))
+    actions = m.handle(BarrierTimeout())
     assert Act.MARK_FINISHED not in acts(actions) and acts(actions)[-1] is Act.RETURN
 
 
 def test_shutdown_revokes_from_anywhere_and_is_idempotent() -> None:
     for state in State:
         m = machine(state)
-        actions = m.handle(Event(Ev.SHUTDOWN))
+        actions = m.handle(Shutdown())
         assert st(m) is State.LEFT
         if state is not State.LEFT:
             assert acts(actions)[-1] is Act.REVOKE
-    assert machine(State.LEFT).handle(Event(Ev.SHUTDOWN)) == []
+    assert machine(State.LEFT).handle(Shutdown()) == []
 
 
 def test_lease_lost_while_running_is_a_change() -> None:
     m = machine(State.MEMBER)
-    actions = m.handle(Event(Ev.LEASE_LOST, detail="gone"))
+    actions = m.handle(LeaseLost(detail="gone"))
     assert acts(actions) == [Act.RENEW_LEASE, Act.RETURN_CHANGE] and st(m) is State.IDLE
     m = machine(State.JOINING)
-    assert acts(m.handle(Event(Ev.LEASE_LOST))) == [Act.RENEW_LEASE, Act.READ_ROUND]
+    assert acts(m.handle(LeaseLost(detail=""))) == [Act.RENEW_LEASE, Act.READ_ROUND]
     assert st(m) is State.SEEKING
 
 
@@ -250,8 +290,8 @@ def test_docstring_lists_every_state() -> None:
     doc = mod.__doc__ or ""
     for state in State:
         assert state.name in doc
-    for ev in Ev:
-        assert ev.name in doc
+    for ev in EVENTS:
+        assert ev.__name__ in doc
 
 
 def test_close_timeout_is_per_node_not_agreed() -> None:
@@ -289,6 +329,39 @@ def test_the_restart_reason_every_node_prints_is_the_failing_nodes_line(
     assert describe_stored(record) == mine.describe()
     assert FailureRecord.from_json(record) == mine
     m = machine(State.MEMBER)
-    actions = m.handle(Event(Ev.WORKERS_FAILED, restarts=0, detail=describe_stored(record)))
+    actions = m.handle(WorkersFailed(detail=describe_stored(record)))
     opened = [a for a in actions if a.type is Act.OPEN_ROUND]
     assert [a.detail for a in opened] == [mine.describe()]
+
+
+def test_the_docstrings_table_is_the_rendering_of_rules() -> None:
+    """The module docstring's table is RULES rendered, not a hand-kept copy:
+    on a change of the rules, paste ``render_table()``'s output into it."""
+    import elastrun.rendezvous.rules as mod
+    from elastrun.rendezvous.table import render_table
+
+    table = render_table()
+    assert table in (mod.__doc__ or ""), f"the rules table changed; it is now:\n{table}"
+    # Every rule has its own words in the table (no row without text).
+    assert all(
+        len(line.split(None, 2)) == 3 for line in table.splitlines()[3:-1] if line[:1] != " "
+    )
+
+
+def test_the_rendering_follows_the_rules() -> None:
+    """A rule changed in RULES shows in the rendering (it is not fixed text)."""
+    from elastrun.rendezvous.table import render_table
+
+    def _hold(ctx: Context, ev: Event) -> tuple[State, Context, list[Action]]:
+        """MEMBER: nothing at all"""
+        return State.MEMBER, ctx, []
+
+    changed: dict[tuple[State, type[Event]], Any] = {**RULES, (State.MEMBER, NodeWaiting): _hold}
+    rows = [r for r in render_table(changed).splitlines() if "NodeWaiting" in r]
+    assert rows == [f"{'MEMBER':<12} {'NodeWaiting':<16} MEMBER: nothing at all"]
+
+
+def test_every_action_has_a_handler_in_the_driver() -> None:
+    from elastrun.rendezvous.actions import HANDLERS
+
+    assert set(HANDLERS) == set(Act)

@@ -6,14 +6,33 @@ from dataclasses import replace
 
 import pytest
 
-from elastrun.rendezvous.rules import Act, Action, Context, Ev, Event, Rules, State, Timer
+from elastrun.errors import RendezvousClosed
+from elastrun.rendezvous.rules import (
+    Act,
+    Action,
+    BarrierDone,
+    BarrierTimeout,
+    Context,
+    Event,
+    LeaseLost,
+    MemberLost,
+    NextRound,
+    RoundClosed,
+    RoundFailed,
+    RoundFinished,
+    RoundOpen,
+    Rules,
+    State,
+    Timer,
+    WorkersSucceeded,
+)
 
 CTX = Context(min_nodes=2, max_nodes=4, exit_barrier_timeout=300.0, round=3)
 
 
 def completing() -> Rules:
     m = Rules(replace(CTX), State.MEMBER)
-    m.handle(Event(Ev.WORKERS_SUCCEEDED, now=10.0))
+    m.handle(WorkersSucceeded(now=10.0))
     return m
 
 
@@ -27,7 +46,7 @@ def types(actions: list[Action]) -> list[Act]:
 
 def test_workers_succeeded_puts_done_and_arms_the_barrier() -> None:
     m = Rules(replace(CTX), State.MEMBER)
-    actions = m.handle(Event(Ev.WORKERS_SUCCEEDED, now=10.0))
+    actions = m.handle(WorkersSucceeded(now=10.0))
     assert st(m) is State.COMPLETING
     assert types(actions) == [Act.PUT_DONE, Act.ARM]
     assert actions[0].round == 3
@@ -36,7 +55,7 @@ def test_workers_succeeded_puts_done_and_arms_the_barrier() -> None:
 
 def test_barrier_done_marks_the_round_finished_once() -> None:
     m = completing()
-    actions = m.handle(Event(Ev.BARRIER_DONE))
+    actions = m.handle(BarrierDone())
     assert types(actions) == [Act.CANCEL, Act.MARK_FINISHED, Act.RETURN]
     assert actions[1].round == 3 and m.state is State.FINISHED
 
@@ -45,7 +64,7 @@ def test_member_lost_at_the_barrier_reopens_the_round_and_leaves() -> None:
     # The watcher (or a member watching it) is the only one to see the loss:
     # opening R+1 is how the members that watch only ``round`` learn of it.
     m = completing()
-    actions = m.handle(Event(Ev.MEMBER_LOST, detail="node h (n1) lost: lease expired"))
+    actions = m.handle(MemberLost(detail="node h (n1) lost: lease expired"))
     assert st(m) is State.FINISHED
     assert types(actions) == [Act.CANCEL, Act.OPEN_ROUND, Act.RETURN]
     assert actions[0].timer is Timer.BARRIER
@@ -54,37 +73,37 @@ def test_member_lost_at_the_barrier_reopens_the_round_and_leaves() -> None:
     assert opened.detail == "node h (n1) lost: lease expired"
 
 
-@pytest.mark.parametrize("ev", [Ev.ROUND_OPEN, Ev.ROUND_FINISHED, Ev.ROUND_FAILED])
-def test_what_others_write_on_round_ends_the_barrier_without_writing(ev: Ev) -> None:
+@pytest.mark.parametrize("ev", [RoundOpen(round=4), RoundFinished(round=3), RoundFailed(round=3)])
+def test_what_others_write_on_round_ends_the_barrier_without_writing(ev: Event) -> None:
     m = completing()
-    actions = m.handle(Event(ev, round=4 if ev is Ev.ROUND_OPEN else 3))
+    actions = m.handle(ev)
     assert st(m) is State.FINISHED and types(actions) == [Act.CANCEL, Act.RETURN]
 
 
 def test_own_round_closed_again_keeps_waiting_a_newer_one_leaves() -> None:
     m = completing()
-    assert m.handle(Event(Ev.ROUND_CLOSED, round=3)) == []
+    assert m.handle(RoundClosed(round=3)) == []
     assert st(m) is State.COMPLETING
-    actions = m.handle(Event(Ev.ROUND_CLOSED, round=5))
+    actions = m.handle(RoundClosed(round=5))
     assert st(m) is State.FINISHED and types(actions)[-1] is Act.RETURN
 
 
 def test_barrier_timeout_leaves_without_finishing_or_reopening() -> None:
     m = completing()
-    actions = m.handle(Event(Ev.BARRIER_TIMEOUT))
+    actions = m.handle(BarrierTimeout())
     assert st(m) is State.FINISHED and types(actions) == [Act.CANCEL, Act.RETURN]
 
 
 def test_lease_lost_at_the_barrier_renews_and_keeps_waiting() -> None:
     m = completing()
-    assert types(m.handle(Event(Ev.LEASE_LOST))) == [Act.RENEW_LEASE]
+    assert types(m.handle(LeaseLost(detail=""))) == [Act.RENEW_LEASE]
     assert st(m) is State.COMPLETING
 
 
 def test_after_the_barrier_the_job_is_closed_to_this_node() -> None:
     m = completing()
-    m.handle(Event(Ev.BARRIER_DONE))
-    assert m.handle(Event(Ev.NEXT_ROUND))[0].error == "closed"
+    m.handle(BarrierDone())
+    assert m.handle(NextRound(now=0.0))[0].error is RendezvousClosed
 
 
 def test_docstring_describes_the_barrier_protocol() -> None:

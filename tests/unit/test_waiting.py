@@ -6,11 +6,20 @@ import asyncio
 import io
 
 from elastrun.agent.waiting import WaitingConsole, describe, format_duration
+from elastrun.clock import Clock, VirtualTimeLoop, run_virtual
 from elastrun.events import ListSink
 from elastrun.rendezvous.api import RendezvousSettings, WaitingStatus
+from elastrun.rendezvous.plan import View
 from elastrun.rendezvous.progress import ProgressReporter, waiting_status
 from elastrun.rendezvous.rules import Context, Rules, State, Timer
-from elastrun.rendezvous.view import View
+
+
+def loop_clock() -> Clock:
+    """The clock of the running virtual-time loop (see run_virtual)."""
+    loop = asyncio.get_running_loop()
+    assert isinstance(loop, VirtualTimeLoop)
+    return loop.clock
+
 
 S = RendezvousSettings(run_id="j", min_nodes=2, max_nodes=3, join_timeout=600, last_call_timeout=30)
 
@@ -93,36 +102,41 @@ def test_describe() -> None:
 
 
 def test_console_log_lines_on_change_after_the_quiet_period() -> None:
+    # Virtual time: each step happens at an exact instant, after every task
+    # ran what was due by then.
     async def main() -> str:
+        clock = loop_clock()
+        at = clock.monotonic()
         out = io.StringIO()
-        con = WaitingConsole(out, tty=False, quiet=0.1, every=10.0)
+        con = WaitingConsole(out, tty=False, clock=clock, quiet=0.1, every=10.0)
         con.start()
         con.update(WaitingStatus(0, "joining", 1, 2, 3, "join_timeout", 600.0))
-        await asyncio.sleep(0.05)
+        await clock.sleep_until(at + 0.05)
         assert out.getvalue() == ""  # quiet period: nothing yet
-        await asyncio.sleep(0.15)
+        await clock.sleep_until(at + 0.2)
         con.update(WaitingStatus(0, "joining", 1, 2, 3, "join_timeout", 599.0))  # no change
-        await asyncio.sleep(0.05)
+        await clock.sleep_until(at + 0.25)
         con.update(WaitingStatus(0, "joining", 2, 2, 3, "last_call", 30.0))
-        await asyncio.sleep(0.05)
+        await clock.sleep_until(at + 0.3)
         con.stop()
         return out.getvalue()
 
-    lines = asyncio.run(main()).splitlines()
+    lines = run_virtual(main()).splitlines()
     assert len(lines) == 2, lines
     assert "1 of min 2" in lines[0] and "2 nodes joined" in lines[1]
 
 
 def test_console_on_a_terminal_redraws_in_place_and_clears() -> None:
     async def main() -> str:
+        clock = loop_clock()
         out = io.StringIO()
-        con = WaitingConsole(out, tty=True, quiet=0.0)
+        con = WaitingConsole(out, tty=True, clock=clock, quiet=0.0)
         con.start()
         con.update(WaitingStatus(0, "waiting", 3, 2, 3, "join_timeout", 60.0, detail="full"))
-        await asyncio.sleep(0.05)
+        await clock.sleep_until(clock.monotonic() + 0.05)
         con.stop()
         return out.getvalue()
 
-    text = asyncio.run(main())
+    text = run_virtual(main())
     assert text.startswith("\r\x1b[K") and "\n" not in text
     assert text.endswith("\r\x1b[K")

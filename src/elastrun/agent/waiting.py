@@ -21,7 +21,7 @@ import math
 import sys
 from typing import TextIO
 
-from elastrun.clock import SYSTEM_CLOCK, Clock
+from elastrun.clock import SYSTEM_CLOCK, Clock, wait_until
 from elastrun.rendezvous.api import WaitingStatus
 
 __all__ = ["WaitingConsole", "describe", "format_duration"]
@@ -128,9 +128,8 @@ class WaitingConsole:
             out.flush()
 
     async def _sleep_until(self, deadline: float) -> None:
-        timeout = None if math.isinf(deadline) else max(0.0, deadline - self.clock.monotonic())
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), timeout)
+            await wait_until(self._wake.wait(), deadline, self.clock)
         self._wake.clear()
 
     async def _run(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,12 +25,12 @@ from elastrun.failure import describe_stored
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import records as R
 from elastrun.rendezvous.api import Change, RoundResult
-from elastrun.rendezvous.rules import Act, Action, Timer
+from elastrun.rendezvous.protocol import Act, Action, Timer
 from elastrun.rendezvous.view import Node, Observer
 from elastrun.store.base import Compare, Delete, KeyValue, Put
 from elastrun.store.keepalive import LeaseKeeper
 
-__all__ = ["Executor", "Outcome"]
+__all__ = ["HANDLERS", "Executor", "Outcome"]
 
 
 @dataclass
@@ -57,68 +58,76 @@ class Executor:
         return self.node.keys.waiting(self.node.node_id)
 
     async def execute(self, a: Action) -> Outcome | None:
-        node, t = self.node, a.type
-        if t is Act.ARM:
-            assert a.timer is not None
-            self.timers[a.timer] = a.deadline
-        elif t is Act.CANCEL:
-            if a.timer is not None:
-                self.timers.pop(a.timer, None)
-        elif t is Act.READ_ROUND:
-            pass  # the SEEKING phase reads the round record
-        elif t is Act.JOIN:
-            await self._join(a.round)
-        elif t is Act.LEAVE:
-            await self.observer.note_joiners(a.round)
-            await node.store.txn(
-                [], [Delete(node.keys.join(a.round, node.node_id)), Delete(self._waiting_key)]
-            )
-        elif t is Act.WAIT:
-            rec = {"node_id": node.node_id, "host": node.host, "round": a.round}
-            await node.store.put(self._waiting_key, K.encode(rec), self.keeper.lease)
-            node.events.emit(
-                "node_waiting",
-                round=a.round,
-                node=node.node_id,
-                host=node.host,
-                reason=self._waiting_reason(a.round),
-            )
-        elif t is Act.CLOSE_ROUND:
-            await self._close_round(a)
-        elif t is Act.OPEN_ROUND:
-            await self._open_round(a)
-        elif t is Act.PUT_DONE:
-            await node.store.put(node.keys.done(a.round, node.node_id), K.encode({}))
-        elif t is Act.MARK_FINISHED:
-            await self._mark_finished(a.round)
-        elif t is Act.RENEW_LEASE:
-            await self.keeper.start()
-            await self.put_presence()
-        elif t is Act.REVOKE:
-            # Leaving: bounded by close_timeout; past it the lease expires by
-            # itself within lease_ttl and the others see the leave then.
-            await self.keeper.stop(revoke=True, timeout=node.settings.close_timeout)
-        elif t is Act.RETURN_RESULT:
-            result = await self._round_result(a.round)
-            node.events.emit(
-                "round_joined",
-                round=result.round,
-                node=node.node_id,
-                group_rank=result.group_rank,
-                group_world_size=result.group_world_size,
-                world_size=result.world_size,
-                members=len(result.members),
-                master=str(Endpoint(result.master_addr, result.master_port)),
-                restart_count=result.restart_count,
-            )
-            return Outcome(result=result)
-        elif t is Act.RETURN_CHANGE:
-            return Outcome(change=R.round_change(self.observer.view.round, a.reason, a.detail))
-        elif t is Act.RETURN:
-            return Outcome()
-        elif t is Act.RAISE:
-            return Outcome(error=await self._error(a))
-        return None
+        """Carry ``a`` out; an :class:`Outcome` where it ends the call."""
+        return await HANDLERS[a.type](self, a)
+
+    async def _arm(self, a: Action) -> None:
+        assert a.timer is not None
+        self.timers[a.timer] = a.deadline
+
+    async def _cancel(self, a: Action) -> None:
+        if a.timer is not None:
+            self.timers.pop(a.timer, None)
+
+    async def _read_round(self, a: Action) -> None:
+        pass  # the SEEKING phase reads the round record
+
+    async def _leave(self, a: Action) -> None:
+        node = self.node
+        await self.observer.note_joiners(a.round)
+        await node.store.txn(
+            [], [Delete(node.keys.join(a.round, node.node_id)), Delete(self._waiting_key)]
+        )
+
+    async def _wait(self, a: Action) -> None:
+        node = self.node
+        rec = {"node_id": node.node_id, "host": node.host, "round": a.round}
+        await node.store.put(self._waiting_key, K.encode(rec), self.keeper.lease)
+        node.events.emit(
+            "node_waiting",
+            round=a.round,
+            node=node.node_id,
+            host=node.host,
+            reason=self._waiting_reason(a.round),
+        )
+
+    async def _put_done(self, a: Action) -> None:
+        node = self.node
+        await node.store.put(node.keys.done(a.round, node.node_id), K.encode({}))
+
+    async def _renew_lease(self, a: Action) -> None:
+        await self.keeper.start()
+        await self.put_presence()
+
+    async def _revoke(self, a: Action) -> None:
+        # Leaving: bounded by close_timeout; past it the lease expires by
+        # itself within lease_ttl and the others see the leave then.
+        await self.keeper.stop(revoke=True, timeout=self.node.settings.close_timeout)
+
+    async def _return_result(self, a: Action) -> Outcome:
+        node = self.node
+        result = await self._round_result(a.round)
+        node.events.emit(
+            "round_joined",
+            round=result.round,
+            node=node.node_id,
+            group_rank=result.group_rank,
+            group_world_size=result.group_world_size,
+            world_size=result.world_size,
+            members=len(result.members),
+            master=str(Endpoint(result.master_addr, result.master_port)),
+            restart_count=result.restart_count,
+        )
+        return Outcome(result=result)
+
+    async def _return_change(self, a: Action) -> Outcome:
+        return Outcome(change=R.round_change(self.observer.view.round, a.reason, a.detail))
+
+    async def _return(self, a: Action) -> Outcome:
+        return Outcome()
+
+    async def _raise(self, a: Action) -> Outcome:
+        return Outcome(error=await self._error(a))
 
     def presence(self) -> Put:
         """This node's presence key, on its lease."""
@@ -138,8 +147,8 @@ class Executor:
         put = self.presence()
         await self.node.store.put(put.key, put.value, put.lease)
 
-    async def _join(self, r: int) -> None:
-        node, view = self.node, self.observer.view
+    async def _join(self, a: Action) -> None:
+        node, view, r = self.node, self.observer.view, a.round
         kv = view.round_kv
         if kv is None or view.round is None or view.round["round"] != r:
             return
@@ -233,7 +242,8 @@ class Executor:
                 events.emit("node_lost", round=a.round, detail=a.detail, by=me)
             events.emit("round_opened", round=a.round + 1, reason=a.reason, detail=a.detail, by=me)
 
-    async def _mark_finished(self, r: int) -> None:
+    async def _mark_finished(self, a: Action) -> None:
+        r = a.round
         found = self._closed_round_kv(r)
         if found is None:
             return
@@ -260,18 +270,22 @@ class Executor:
         return R.round_result(s.run_id, self.node.node_id, result, s.max_restarts)
 
     async def _error(self, a: Action) -> BaseException:
-        s, r, obs = self.node.settings, a.round, self.observer
-        if a.error == "closed":
+        s, obs = self.node.settings, self.observer
+        if a.error is RendezvousClosed:
             return RendezvousClosed(
                 f"job {s.run_id!r} has finished: there will be no further rounds"
             )
-        if a.error == "budget":
+        if a.error is RestartBudgetExhausted:
             rec = obs.view.round or {}
             return RestartBudgetExhausted(
                 f"job {s.run_id!r} used its restart budget ({s.max_restarts} "
                 f"restart{'' if s.max_restarts == 1 else 's'}, "
                 f"--max-restarts); last failure: {describe_stored(rec.get('last_failure'))}"
             )
+        return await self._timeout_error(a.round)
+
+    async def _timeout_error(self, r: int) -> RendezvousTimeout:
+        s, obs = self.node.settings, self.observer
         await obs.note_joiners(r)
         joins = sorted(h for (jr, _), h in obs.joiner_hosts.items() if jr == r)
         rnd = obs.view.round
@@ -284,6 +298,27 @@ class Executor:
             f"{len(joins)} of min {_nodes(s.min_nodes)} joined before "
             f"join_timeout={s.join_timeout:g}s: {', '.join(joins) or 'none'}"
         )
+
+
+# What each action does (a unit test checks that every Act has one).
+HANDLERS: dict[Act, Callable[[Executor, Action], Awaitable[Outcome | None]]] = {
+    Act.ARM: Executor._arm,
+    Act.CANCEL: Executor._cancel,
+    Act.READ_ROUND: Executor._read_round,
+    Act.JOIN: Executor._join,
+    Act.LEAVE: Executor._leave,
+    Act.WAIT: Executor._wait,
+    Act.CLOSE_ROUND: Executor._close_round,
+    Act.OPEN_ROUND: Executor._open_round,
+    Act.PUT_DONE: Executor._put_done,
+    Act.MARK_FINISHED: Executor._mark_finished,
+    Act.RENEW_LEASE: Executor._renew_lease,
+    Act.REVOKE: Executor._revoke,
+    Act.RETURN_RESULT: Executor._return_result,
+    Act.RETURN_CHANGE: Executor._return_change,
+    Act.RETURN: Executor._return,
+    Act.RAISE: Executor._raise,
+}
 
 
 def _nodes(n: int) -> str:

@@ -1,12 +1,14 @@
 """The dynamic (store-backed) rendezvous: the driver of :mod:`.rules`.
 
-The driver does the store I/O. For each *phase* (the machine's state and
-round) it reads what that phase needs, opens watches from the revision after
-each read (:mod:`.phases`), turns what it reads and what the watches deliver
-into rule events (:mod:`.view`), and executes the actions the rules return
-(:mod:`.actions`). Waits are on watches and on the nearest deadline; nothing
-polls. While ``next_round()`` waits, it reports what for (:mod:`.progress`).
-See docs/rendezvous.md for the protocol.
+The driver does the store I/O; the decisions are the rules' (:mod:`.rules`)
+and the planner's (:mod:`.plan`), both pure. For each *phase* (the machine's
+state and round) it reads what the planner says that phase needs, opens
+watches from the revision after each read (:mod:`.phases`), does the reads the
+planner's answers need to become rule events (:mod:`.view`), and executes the
+actions the rules return (:mod:`.actions`). Waits are on the inbox (watch
+events, a lost lease) and on the nearest deadline, through the injected clock;
+nothing polls. While ``next_round()`` waits, it reports what for
+(:mod:`.progress`). See docs/rendezvous.md for the protocol.
 
 This module is the pump: the :class:`~.api.Rendezvous` calls, registration and
 config agreement, and the loop that feeds events to the rules until one of
@@ -21,10 +23,9 @@ import math
 import os
 import re
 import socket
-from collections.abc import Callable
 from typing import Any
 
-from elastrun.clock import SYSTEM_CLOCK, Clock
+from elastrun.clock import SYSTEM_CLOCK, Clock, wait_until
 from elastrun.errors import (
     ConfigMismatch,
     RendezvousClosed,
@@ -46,23 +47,29 @@ from elastrun.rendezvous.api import (
     RendezvousSettings,
     RoundResult,
 )
-from elastrun.rendezvous.phases import Inbox, Phase, phase_of
+from elastrun.rendezvous.phases import Inbox, LeaseGone, Message, OpenPhase, WatchFailed, WatchFired
+from elastrun.rendezvous.plan import PhasePlan, plan_phase
 from elastrun.rendezvous.progress import ProgressReporter, waiting_status
 from elastrun.rendezvous.reuse import Verdict, classify, describe_reset
-from elastrun.rendezvous.rules import Context, Ev, Event, Rules, State, Timer
-from elastrun.rendezvous.view import Node, Observer, View
+from elastrun.rendezvous.rules import (
+    TIMER_EVENTS,
+    Context,
+    Event,
+    LeaseLost,
+    NextRound,
+    Rules,
+    Shutdown,
+    State,
+    Timer,
+    WorkersFailed,
+    WorkersSucceeded,
+)
+from elastrun.rendezvous.view import Node, Observer
 from elastrun.store.base import Compare, Delete, Get, Put, Store
 from elastrun.store.keepalive import LeaseKeeper
 
 __all__ = ["DynamicRendezvous", "create_dynamic_rendezvous"]
 
-_TIMER_EVENTS = {
-    Timer.JOIN: Ev.JOIN_TIMEOUT,
-    Timer.LAST_CALL: Ev.LAST_CALL_EXPIRED,
-    Timer.BARRIER: Ev.BARRIER_TIMEOUT,
-}
-
-Initial = Event | Callable[[View], Event]
 NOTE_MAX_BYTES = 256 * 1024  # a job-wide note (see read_note)
 _NOTE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
 REGISTER_TRIES = 8  # reads of the job's records on a first registration (races)
@@ -135,7 +142,7 @@ class DynamicRendezvous(Rendezvous):
             raise RendezvousClosed("this node has left the job (shutdown was called)")
         if self.rules.state not in (State.FINISHED, State.FAILED):
             await self._register()
-        out = await self._run(Event(Ev.NEXT_ROUND, now=self.clock.monotonic()))
+        out = await self._run(NextRound(self.clock.monotonic()))
         assert out.result is not None
         return out.result
 
@@ -180,29 +187,26 @@ class DynamicRendezvous(Rendezvous):
         # The new round's detail: what every member prints for this restart.
         detail = failure.describe()
 
-        def workers_failed(view: View) -> Event:
-            restarts = int((view.round or {}).get("restarts", 0))
-            now = self.clock.monotonic()
-            return Event(Ev.WORKERS_FAILED, now=now, restarts=restarts, detail=detail)
-
         if self.rules.state is State.MEMBER:
-            await self._run(None, workers_failed)
+            # Fed once the member phase read the round record (which opening
+            # the next round compares against).
+            await self._run(None, WorkersFailed(detail))
         elif self.rules.state in (State.IDLE, State.FAILED):
-            await self._feed(workers_failed(self._observer.view))
+            await self._feed(WorkersFailed(detail))
 
     async def complete(self) -> None:
         if self.rules.state is not State.MEMBER:
             return
         # Straight to the barrier: no member phase first (its O(n) reads of
         # ``nodes/`` and ``waiting/`` by every member were O(n^2) in all).
-        await self._run(Event(Ev.WORKERS_SUCCEEDED, now=self.clock.monotonic()))
+        await self._run(WorkersSucceeded(self.clock.monotonic()))
 
     async def shutdown(self) -> None:
         """Leave: revoke the lease, bounded by ``close_timeout``."""
         if self.rules.state is State.LEFT:
             return
         self.events.emit("node_left", node=self.node_id, host=self.host)
-        await self._feed(Event(Ev.SHUTDOWN))
+        await self._feed(Shutdown())
 
     # -- registration ----------------------------------------------------------
     async def _register(self) -> None:
@@ -306,114 +310,124 @@ class DynamicRendezvous(Rendezvous):
 
     def _lease_lost(self, reason: str) -> None:
         if self._inbox is not None:
-            self._inbox.put_nowait((-1, "lease_lost", (self.keeper.lease, reason)))
+            self._inbox.put_nowait(LeaseGone(self.keeper.lease, reason))
 
     # -- the pump ----------------------------------------------------------------
-    async def _run(
-        self, first: Event | None, extra: Callable[[View], Event] | None = None
-    ) -> Outcome:
+    async def _run(self, first: Event | None, extra: Event | None = None) -> Outcome:
+        """Feed ``first``, then set phases up and feed what they read and
+        watch (``extra`` once the first phase is read) until an action ends
+        the call."""
         if self._inbox is None:
             self._inbox = asyncio.Queue()
         try:
-            if first is not None:
-                out = await self._feed(first)
-                if out is not None:
-                    return self._finish(out)
-            while True:
-                phase = phase_of(self.rules)
-                if phase is None:
-                    raise RendezvousError(f"rendezvous in state {self.rules.state.name}: no phase")
-                self._phase_id += 1
-                self._observer.resnap = False
-                ph = Phase(self._node, self._observer, self._inbox, self._phase_id)
-                try:
-                    try:
-                        initial: list[Initial] = list(await ph.open(phase))
-                    except StoreError as exc:
-                        if not rereadable(exc):
-                            raise
-                        self._reread(phase, exc)
-                        continue
-                    self._rereads = 0
-                    if extra is not None:
-                        initial.append(extra)
-                        extra = None
-                    out = await self._process(phase, initial)
-                    if out is None:
-                        out = await self._wait_loop(phase)
-                    if out is not None:
-                        return self._finish(out)
-                finally:
-                    await ph.close()
+            out = None if first is None else await self._feed(first)
+            while out is None:
+                out, extra = await self._run_phase(extra)
+            if out.error is not None:
+                raise out.error
+            return out
         finally:
             self._reporter.update(None)
 
-    def _finish(self, out: Outcome) -> Outcome:
-        if out.error is not None:
-            raise out.error
-        return out
+    def _plan(self) -> PhasePlan:
+        plan = plan_phase(self.rules.state, self.rules.ctx.round)
+        if plan is None:
+            raise RendezvousError(f"rendezvous in state {self.rules.state.name}: no phase")
+        return plan
 
-    def _phase_moved(self, phase: tuple[str, int]) -> bool:
-        return phase_of(self.rules) != phase or self._observer.resnap
+    async def _run_phase(self, extra: Event | None) -> tuple[Outcome | None, Event | None]:
+        """One phase: read and watch, feed its events, wait until the phase
+        moves on. Returns the outcome that ends the call (None: go on), and
+        ``extra`` where it is still to be fed."""
+        assert self._inbox is not None
+        plan = self._plan()
+        self._phase_id += 1
+        self._observer.resnap = False
+        phase = OpenPhase(self._node, self._observer, self._inbox, self._phase_id)
+        try:
+            try:
+                initial = await phase.open(plan)
+            except StoreError as exc:
+                self._reread(plan, exc)
+                return None, extra
+            self._rereads = 0
+            if extra is not None:
+                initial.append(extra)
+            out = await self._process(plan, initial)
+            if out is None:
+                out = await self._wait_loop(plan)
+            return out, None
+        finally:
+            await phase.close()
 
-    async def _process(self, phase: tuple[str, int], items: list[Initial]) -> Outcome | None:
-        for item in items:
-            ev = item if isinstance(item, Event) else item(self._observer.view)
+    def _phase_moved(self, plan: PhasePlan) -> bool:
+        return self._plan_now() != plan or self._observer.resnap
+
+    def _plan_now(self) -> PhasePlan | None:
+        return plan_phase(self.rules.state, self.rules.ctx.round)
+
+    async def _process(self, plan: PhasePlan, events: list[Event]) -> Outcome | None:
+        for ev in events:
             out = await self._feed(ev)
             if out is not None:
                 return out
-            if self._phase_moved(phase):
+            if self._phase_moved(plan):
                 return None
         return None
 
-    async def _wait_loop(self, phase: tuple[str, int]) -> Outcome | None:
+    async def _wait_loop(self, plan: PhasePlan) -> Outcome | None:
+        """Wait for the inbox or the nearest deadline, and feed what comes,
+        until the phase moves on (None) or an action ends the call."""
         assert self._inbox is not None
-        while not self._phase_moved(phase):
-            now = self.clock.monotonic()
-            self._reporter.update(
-                waiting_status(self.rules, self._timers, self._observer.view, self.settings, now)
-            )
+        while not self._phase_moved(plan):
+            self._report()
             timer, deadline = min(
                 self._timers.items(), key=lambda kv: kv[1], default=(None, math.inf)
             )
-            timeout = None if math.isinf(deadline) else max(0.0, deadline - now)
             try:
-                pid, tag, payload = await asyncio.wait_for(self._inbox.get(), timeout)
+                message = await wait_until(self._inbox.get(), deadline, self.clock)
             except TimeoutError:
-                if timer is None:
-                    continue
+                assert timer is not None  # an infinite deadline never passes
                 del self._timers[timer]
-                out = await self._feed(Event(_TIMER_EVENTS[timer], now=self.clock.monotonic()))
-                if out is not None:
-                    return out
-                continue
-            if tag == "lease_lost":
-                lease, reason = payload
-                if lease != self.keeper.lease:
-                    continue  # about a lease already replaced
-                out = await self._feed(Event(Ev.LEASE_LOST, detail=f"this node's {reason}"))
-            elif pid != self._phase_id:
-                continue  # from the watches of an earlier phase
-            elif tag == "error":
-                if not rereadable(payload):
-                    raise payload
-                self._reread(phase, payload)
-                return None  # the caller opens the phase again: read, then watch
+                out = await self._feed(TIMER_EVENTS[timer])
             else:
-                events = await self._observer.translate(tag, payload)
-                out = await self._process(phase, list(events))
+                out = await self._receive(plan, message)
             if out is not None:
                 return out
         return None
 
-    def _reread(self, phase: tuple[str, int], exc: StoreError) -> None:
-        """A watch of ``phase`` lost history it needs (compacted, or cut off by
-        the store for falling behind): the phase is read and watched again."""
+    def _report(self) -> None:
+        """What this node waits for (reported only when it changed)."""
+        now, view = self.clock.monotonic(), self._observer.view
+        self._reporter.update(waiting_status(self.rules, self._timers, view, self.settings, now))
+
+    async def _receive(self, plan: PhasePlan, message: Message) -> Outcome | None:
+        """Feed what one inbox message means."""
+        match message:
+            case LeaseGone(lease, reason):
+                if lease != self.keeper.lease:
+                    return None  # about a lease already replaced
+                return await self._feed(LeaseLost(f"this node's {reason}"))
+            case WatchFired(phase_id, watched, wev) if phase_id == self._phase_id:
+                return await self._process(plan, await self._observer.translate(watched, wev))
+            case WatchFailed(phase_id, exc) if phase_id == self._phase_id:
+                self._reread(plan, exc)
+                self._observer.resnap = True  # read, then watch again
+        return None  # (or from the watches of an earlier phase)
+
+    def _reread(self, plan: PhasePlan, exc: StoreError) -> None:
+        """A watch of the phase lost history it needs (compacted, or cut off
+        by the store for falling behind): the phase is read and watched again,
+        at most MAX_REREADS times in a row. Any other error is raised."""
         self._rereads += 1
-        if self._rereads > MAX_REREADS:
+        if not rereadable(exc) or self._rereads > MAX_REREADS:
             raise exc
         self.events.emit(
-            "watch_reread", node=self.node_id, phase=phase[0], round=phase[1], reason=str(exc)
+            "watch_reread",
+            node=self.node_id,
+            phase=plan.phase.value,
+            round=plan.round,
+            reason=str(exc),
         )
 
     async def _feed(self, event: Event) -> Outcome | None:

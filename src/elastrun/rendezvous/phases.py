@@ -1,33 +1,12 @@
 """One phase's reads and watches (the driver's watch plumbing).
 
-A *phase* is the machine's state and round (see ``PHASES``). Setting one up
-reads what it needs and opens each watch from the revision after its read, so
-no change between the read and the watch is missed; every watch event lands in
-the driver's inbox tagged with the phase's id, and events of an earlier phase
-are dropped there. Closing the phase cancels its drains and closes its watches.
-
-What each phase reads and watches:
-
-=========== ================================================================
-phase       reads, then watches
-=========== ================================================================
-seek        ``round`` (creating round 0 if absent)
-join        ``round``; the round's joins (a follower on the embedded store:
-            only its own and its predecessor's); the decider also the joins
-            prefix and ``nodes/``, the others only their predecessor's join key
-wait        ``round``, ``nodes/``
-member      ``round``, ``nodes/``, ``waiting/``
-complete    ``round``; the count of the round's done keys (O(1) bytes); then
-            the barrier's watcher (the first member in rank order whose
-            presence key exists; normally rank 0) the done keys and
-            ``nodes/``, every other member only the watcher's presence key
-            (see :meth:`Phase.open_barrier`)
-=========== ================================================================
-
-Every phase but ``complete`` costs each member O(n) bytes; ``complete`` costs
-O(1) for all but the barrier's watcher (O(n) store traffic and watch events
-per round in all, where every member reading and watching ``nodes/`` and the
-done keys was O(n^2)).
+A *phase* is the machine's state and round; what it reads and watches is the
+planner's (:func:`.plan.plan_phase`, whose module doc has the table). Setting
+one up reads what it needs and opens each watch from the revision after its
+read, so no change between the read and the watch is missed; every watch event
+lands in the driver's inbox as a :class:`WatchFired` of the phase's id, and
+messages of an earlier phase are dropped there. Closing the phase cancels its
+drains and closes its watches.
 """
 
 from __future__ import annotations
@@ -35,38 +14,50 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
+from dataclasses import dataclass
 
-from elastrun.errors import StoreError
+from elastrun.errors import RendezvousError, StoreError
 from elastrun.rendezvous import keys as K
+from elastrun.rendezvous import plan as P
 from elastrun.rendezvous import records as R
-from elastrun.rendezvous.rules import Ev, Event, Rules, State
-from elastrun.rendezvous.view import NewestReader, Node, Observer, read
-from elastrun.store.base import Watch
+from elastrun.rendezvous.protocol import BarrierDone, Event
+from elastrun.rendezvous.view import Node, Observer, read
+from elastrun.store.base import Watch, WatchEvent
 
-__all__ = ["PHASES", "Inbox", "Phase", "phase_of"]
-
-PHASES = {
-    State.SEEKING: "seek",
-    State.JOINING: "join",
-    State.DECIDING: "join",
-    State.WAITING: "wait",
-    State.MEMBER: "member",
-    State.COMPLETING: "complete",
-}
-
-# (phase id, tag, payload): a watch event, "error" (a StoreError), or
-# "lease_lost" (phase id -1: valid in any phase).
-Inbox = asyncio.Queue[tuple[int, str, Any]]
+__all__ = ["Inbox", "LeaseGone", "Message", "OpenPhase", "WatchFailed", "WatchFired"]
 
 
-def phase_of(rules: Rules) -> tuple[str, int] | None:
-    """The phase (name, round) of the machine's state; None where none waits."""
-    name = PHASES.get(rules.state)
-    return None if name is None else (name, rules.ctx.round)
+# -- the driver's inbox ---------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class WatchFired:
+    """An event of one of phase ``phase_id``'s watches."""
+
+    phase_id: int
+    watched: P.Watched
+    event: WatchEvent
 
 
-class Phase:
+@dataclass(frozen=True, slots=True)
+class WatchFailed:
+    """One of phase ``phase_id``'s watches ended with a store error."""
+
+    phase_id: int
+    error: StoreError
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGone:
+    """This node's lease ``lease`` was lost (valid in any phase)."""
+
+    lease: int
+    reason: str
+
+
+Message = WatchFired | WatchFailed | LeaseGone
+Inbox = asyncio.Queue[Message]
+
+
+class OpenPhase:
     """The reads and watches of one phase; :meth:`close` always."""
 
     def __init__(self, node: Node, observer: Observer, inbox: Inbox, phase_id: int) -> None:
@@ -84,18 +75,41 @@ class Phase:
             with contextlib.suppress(StoreError, OSError):
                 await watch.close()
 
-    async def _watch(self, tag: str, key: str, prefix: bool, rev: int) -> None:
+    async def _watch(self, watched: P.Watched, key: str, prefix: bool, rev: int) -> None:
         watch = await self.node.store.watch(key, prefix=prefix, start_revision=rev + 1)
         self._watches.append(watch)
-        self._tasks.append(asyncio.get_running_loop().create_task(self._drain(tag, watch)))
+        drain = self._drain(watched, watch)
+        self._tasks.append(asyncio.get_running_loop().create_task(drain))
 
-    async def _drain(self, tag: str, watch: Watch) -> None:
+    async def _drain(self, watched: P.Watched, watch: Watch) -> None:
         pid, inbox = self.phase_id, self.inbox
         try:
             async for wev in watch:
-                inbox.put_nowait((pid, tag, wev))
+                inbox.put_nowait(WatchFired(pid, watched, wev))
         except StoreError as exc:
-            inbox.put_nowait((pid, "error", exc))
+            inbox.put_nowait(WatchFailed(pid, exc))
+
+    # -- setting a phase up -----------------------------------------------------
+    async def open(self, plan: P.PhasePlan) -> list[Event]:
+        """Read and watch what ``plan`` says; return the phase's initial events."""
+        self.observer.new_view()
+        await self._read_round()
+        if plan.joins:
+            await self._open_joins(plan.round)
+        if plan.nodes:
+            await self._read_nodes()
+        if plan.waiting:
+            await self._read_waiting()
+        return await self._initial_events(plan)
+
+    async def _read_round(self) -> None:
+        store, k = self.node.store, self.node.keys
+        kvs, rev = await read(store, k.round, False)
+        if not kvs:
+            await self._create_first_round()
+            kvs, rev = await read(store, k.round, False)
+        self.observer.view.set_round(kvs[0] if kvs else None)
+        await self._watch(P.Watched.ROUND, k.round, False, rev)
 
     async def _create_first_round(self) -> None:
         node = self.node
@@ -107,109 +121,115 @@ class Phase:
         nodes, nrev = await read(self.node.store, k.nodes, True)
         view.nodes = {K.node_id_of(kv.key): kv for kv in nodes}
         view.nodes_loaded = True
-        await self._watch("nodes", k.nodes, True, nrev)
+        await self._watch(P.Watched.NODES, k.nodes, True, nrev)
+
+    async def _read_waiting(self) -> None:
+        view, k = self.observer.view, self.node.keys
+        waiting, wrev = await read(self.node.store, k.waiting_prefix, True)
+        view.waiting = {K.node_id_of(kv.key): kv for kv in waiting}
+        await self._watch(P.Watched.WAITING, k.waiting_prefix, True, wrev)
+
+    async def _open_joins(self, r: int) -> None:
+        """The decider watches every join and ``nodes/``; a follower only its
+        predecessor's join key (see :func:`.plan.join_role`)."""
+        if await self._open_follower(r):
+            return
+        obs, store, k = self.observer, self.node.store, self.node.keys
+        view = obs.view
+        joins, jrev = await read(store, k.joins(r), True)
+        view.joiners = {K.node_id_of(kv.key): kv for kv in joins}
+        obs.saw_joiners(r, joins)
+        role = P.join_role(self.node.node_id, joins)
+        view.decider = isinstance(role, P.Decider)
+        if isinstance(role, P.Decider):
+            await self._watch(P.Watched.JOINS, k.joins(r), True, jrev)
+            await self._read_nodes()
+        elif isinstance(role, P.Follower):
+            view.predecessor = role.predecessor
+            await self._watch(P.Watched.PREDECESSOR, k.join(r, role.predecessor), False, jrev)
 
     async def _open_follower(self, r: int) -> bool:
-        """The join phase of a follower, reading only its predecessor's join
-        (O(1) bytes, where the store can: the embedded store): True if done.
-        False where the full join prefix must be read instead (the decider,
-        or this node's join is not the newest it finds: the general case)."""
+        """The join phase of a follower that reads only its own join and its
+        predecessor's (O(1) bytes): True if done. False where the full join
+        prefix must be read instead (see :func:`.plan.follower_of_newest`)."""
         obs, store, k = self.observer, self.node.store, self.node.keys
-        if obs.joined is None or obs.joined[0] != r or not isinstance(store, NewestReader):
+        if obs.joined is None or obs.joined[0] != r:
             return False
         # My join key and the join created just before it, at one revision:
         # the same predecessor the full read would find.
         kvs, count, jrev = await store.get_prefix_newest(k.joins(r), obs.joined[1], 2)
-        ids = [K.node_id_of(kv.key) for kv in kvs]
-        if len(ids) < 2 or ids[0] != self.node.node_id:
+        role = P.follower_of_newest(self.node.node_id, kvs)
+        if role is None:
             return False
         view = obs.view
-        view.joiners = {ids[0]: kvs[0]}
+        view.joiners = {self.node.node_id: kvs[0]}
         view.joined_count = count
         obs.saw_joiners(r, kvs)
-        view.predecessor = ids[1]
-        await self._watch("pred", k.join(r, ids[1]), False, jrev)
+        view.predecessor = role.predecessor
+        await self._watch(P.Watched.PREDECESSOR, k.join(r, role.predecessor), False, jrev)
         return True
 
-    async def open(self, phase: tuple[str, int]) -> list[Event]:
-        """Read and watch what ``phase`` needs; return its initial events."""
-        name, r = phase
-        k, obs, store, me = self.node.keys, self.observer, self.node.store, self.node.node_id
-        view = obs.new_view()
-        kvs, rev = await read(store, k.round, False)
-        if not kvs:
-            await self._create_first_round()
-            kvs, rev = await read(store, k.round, False)
-        obs.set_round(kvs[0] if kvs else None)
-        await self._watch("round", k.round, False, rev)
-        rnd = int(view.round["round"]) if view.round else r
-        if name == "join" and not await self._open_follower(r):
-            joins, jrev = await read(store, k.joins(r), True)
-            view.joiners = {K.node_id_of(kv.key): kv for kv in joins}
-            obs.saw_joiners(r, joins)
-            order = sorted(joins, key=lambda kv: kv.create_revision)
-            ids = [K.node_id_of(kv.key) for kv in order]
-            view.decider = bool(ids) and ids[0] == me
-            if view.decider:
-                await self._watch("join", k.joins(r), True, jrev)
-                await self._read_nodes()
-            elif me in ids:
-                pred = ids[ids.index(me) - 1]
-                view.predecessor = pred
-                await self._watch("pred", k.join(r, pred), False, jrev)
-        if name in ("wait", "member"):
-            await self._read_nodes()
-        if name == "member":
-            waiting, wrev = await read(store, k.waiting_prefix, True)
-            view.waiting = {K.node_id_of(kv.key): kv for kv in waiting}
-            await self._watch("waiting", k.waiting_prefix, True, wrev)
+    async def _initial_events(self, plan: P.PhasePlan) -> list[Event]:
+        obs, r = self.observer, plan.round
+        view = obs.view
         events: list[Event] = []
         round_ev = await obs.round_event()
         if round_ev is not None:
             events.append(round_ev)
-        if name == "join":
-            events.append(obs.joiners_event())
-        if name in ("wait", "member") and rnd == r:
+        if plan.joins:
+            events.append(P.joiners_event(view, self.node.clock.monotonic()))
+        # The rest concerns round r; a newer round record ends the phase anyway.
+        if view.round is not None and int(view.round["round"]) != r:
+            return events
+        if plan.nodes:
             events.extend(await obs.lost_events())
-        if name == "member" and rnd == r:
-            events.extend(obs.waiting_event(n) for n in view.waiting)
-        if name == "complete" and rnd == r and (view.round or {}).get("state") == K.CLOSED:
+        if plan.waiting:
+            max_nodes = self.node.settings.max_nodes
+            events.extend(P.waiting_event(view, r, n, max_nodes) for n in view.waiting)
+        if plan.barrier and (view.round or {}).get("state") == K.CLOSED:
             events.extend(await self.open_barrier(r))
         return events
 
+    # -- the exit barrier ------------------------------------------------------------
     async def open_barrier(self, r: int) -> list[Event]:
-        """The exit barrier of round ``r``, after this node's done key (the
-        protocol: the module doc of :mod:`.rules`). Every member counts the
-        done keys; the one whose count is the round's size (the last to
-        finish, in revision order) is done. Otherwise it finds the barrier's
-        watcher: the first member in rank order whose presence key exists
-        (members before it that are gone must have a done key, else one is
-        lost). The watcher reads and watches the done keys and ``nodes/``;
-        every other member watches only the watcher's presence key."""
-        obs, store, k, me = self.observer, self.node.store, self.node.keys, self.node.node_id
-        view, now = obs.view, self.node.clock.monotonic()
-        members = obs.members()
-        # Read after this node's own done key: O(1) bytes (a count).
+        """The exit barrier of round ``r``, after this node's done key: count
+        the done keys (O(1) bytes), then take the planner's steps
+        (:func:`.plan.barrier_step`), reading one member's presence or done
+        key at a time, until it says whom to watch."""
+        obs, store, k = self.observer, self.node.store, self.node.keys
+        members = obs.view.members(r)
         _, count, _ = await store.get_prefix_newest(k.dones(r), 0, 1)
-        if members and count >= len(members):
-            return [Event(Ev.BARRIER_DONE, now=now)]
-        for m in members:
-            nid = m["node_id"]
-            if nid == me:
-                break
-            kvs, rev = await read(store, k.node(nid), False)
-            if kvs:
-                view.watcher = nid
-                await self._watch("watcher", k.node(nid), False, rev)
+        present: dict[str, bool] = {}
+        done: dict[str, bool] = {}
+        revs: dict[str, int] = {}
+        for _ in range(2 * len(members) + 1):  # each step learns one fact, or ends
+            step = P.barrier_step(members, self.node.node_id, count, present, done)
+            if isinstance(step, P.CheckPresence):
+                kvs, revs[step.node_id] = await read(store, k.node(step.node_id), False)
+                present[step.node_id] = bool(kvs)
+            elif isinstance(step, P.CheckDone):
+                done[step.node_id] = await obs.finished(step.node_id)
+            elif isinstance(step, P.WatchWatcher):
+                obs.view.watcher = step.node_id
+                rev = revs[step.node_id]
+                await self._watch(P.Watched.WATCHER, k.node(step.node_id), False, rev)
                 return []
-            if not await obs.finished(nid):
-                return [obs.lost_event(m, "lease expired or revoked")]
-        # This node is the barrier's watcher.
-        dones, drev = await read(store, k.dones(r), True)
-        view.done = {K.node_id_of(kv.key) for kv in dones}
-        await self._watch("done", k.dones(r), True, drev)
+            elif isinstance(step, P.LostAtBarrier):
+                return [P.lost_event(step.member)]
+            elif isinstance(step, BarrierDone):
+                return [step]
+            else:
+                return await self._watch_barrier(r)
+        raise RendezvousError(f"round {r}: the exit barrier's set-up did not settle")
+
+    async def _watch_barrier(self, r: int) -> list[Event]:
+        """This node is the barrier's watcher: the done keys and ``nodes/``."""
+        obs, k = self.observer, self.node.keys
+        dones, drev = await read(self.node.store, k.dones(r), True)
+        obs.view.done = {K.node_id_of(kv.key) for kv in dones}
+        await self._watch(P.Watched.DONE, k.dones(r), True, drev)
         await self._read_nodes()
         events = await obs.lost_events()
-        if obs.all_done():
-            events.append(Event(Ev.BARRIER_DONE, now=now))
+        if P.all_done(obs.view, r):
+            events.append(BarrierDone())
         return events

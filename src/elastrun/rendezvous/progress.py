@@ -24,8 +24,8 @@ from collections.abc import Callable, Mapping
 from elastrun.events import EventSink
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.api import RendezvousSettings, WaitingStatus
+from elastrun.rendezvous.plan import View
 from elastrun.rendezvous.rules import Rules, State, Timer
-from elastrun.rendezvous.view import View
 
 __all__ = ["ProgressReporter", "waiting_status"]
 

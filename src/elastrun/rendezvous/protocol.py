@@ -1,8 +1,10 @@
 """The rendezvous state machine's vocabulary: states, events, actions, timers.
 
-Pure data, shared by the rules (:mod:`.rules`, which re-exports every name)
-and the driver (:mod:`.dynamic` and its parts). See the table in
-:mod:`.rules` for what each event does in each state.
+Pure data, shared by the rules (:mod:`.rules`, which re-exports every name),
+the planner (:mod:`.plan`) and the driver (:mod:`.dynamic` and its parts). As
+in h11, every event is a class of its own that carries only its own fields;
+the rules match on the class. See the table in :mod:`.rules` for what each
+event does in each state.
 """
 
 from __future__ import annotations
@@ -11,15 +13,39 @@ import enum
 import math
 from dataclasses import dataclass
 
+from elastrun.errors import (
+    RendezvousClosed,
+    RendezvousTimeout,
+    RestartBudgetExhausted,
+)
+
 __all__ = [
+    "EVENTS",
+    "TIMER_EVENTS",
     "Act",
     "Action",
+    "BarrierDone",
+    "BarrierTimeout",
     "Context",
-    "Ev",
     "Event",
+    "JoinTimeout",
+    "JoinersChanged",
+    "LastCallExpired",
+    "LeaseLost",
     "LocalProtocolError",
+    "MemberLost",
+    "NextRound",
+    "NodeWaiting",
+    "RaisedError",
+    "RoundClosed",
+    "RoundFailed",
+    "RoundFinished",
+    "RoundOpen",
+    "Shutdown",
     "State",
     "Timer",
+    "WorkersFailed",
+    "WorkersSucceeded",
 ]
 
 
@@ -40,29 +66,155 @@ class State(enum.Enum):
     LEFT = "left"  # shut down
 
 
-class Ev(enum.Enum):
-    NEXT_ROUND = "next_round"
-    ROUND_OPEN = "round_open"
-    ROUND_CLOSED = "round_closed"
-    ROUND_FINISHED = "round_finished"
-    ROUND_FAILED = "round_failed"
-    JOINERS_CHANGED = "joiners_changed"
-    LAST_CALL_EXPIRED = "last_call_expired"
-    JOIN_TIMEOUT = "join_timeout"
-    MEMBER_LOST = "member_lost"
-    NODE_WAITING = "node_waiting"
-    WORKERS_FAILED = "workers_failed"
-    WORKERS_SUCCEEDED = "workers_succeeded"
-    BARRIER_DONE = "barrier_done"
-    BARRIER_TIMEOUT = "barrier_timeout"
-    LEASE_LOST = "lease_lost"
-    SHUTDOWN = "shutdown"
+# -- events: one class each, with only its own fields ---------------------------
+@dataclass(frozen=True)
+class Event:
+    """Base of the rule events (never fed itself)."""
 
 
+@dataclass(frozen=True)
+class NextRound(Event):
+    """The agent called ``next_round()``."""
+
+    now: float  # the node's monotonic clock: the join timeout counts from here
+
+
+@dataclass(frozen=True)
+class RoundOpen(Event):
+    """The job's ``round`` record: round ``round`` is open."""
+
+    round: int
+
+
+@dataclass(frozen=True)
+class RoundClosed(Event):
+    """The job's ``round`` record: round ``round`` is closed (its result written)."""
+
+    round: int
+    member: bool = False  # this node is in the result
+    room: bool = False  # the round's world is below max
+    lost: str = ""  # a member of the round is gone (how, for people); "" if none
+    detail: str = ""  # this node waiting, for people (the reason of a round it opens)
+
+
+@dataclass(frozen=True)
+class RoundFinished(Event):
+    """The job's ``round`` record: the job finished (after round ``round``)."""
+
+    round: int
+
+
+@dataclass(frozen=True)
+class RoundFailed(Event):
+    """The job's ``round`` record: the job failed (its restart budget spent)."""
+
+    round: int
+
+
+@dataclass(frozen=True)
+class JoinersChanged(Event):
+    """The joiners of the open round changed (or were read)."""
+
+    now: float
+    count: int  # live joiners of the round
+    decider: bool = False  # this node is the round's decider
+    all_joined: bool = False  # a re-formed round, and every present node joined
+
+
+@dataclass(frozen=True)
+class LastCallExpired(Event):
+    """The decider's last-call deadline passed."""
+
+
+@dataclass(frozen=True)
+class JoinTimeout(Event):
+    """The join timeout passed before this node became a member."""
+
+
+@dataclass(frozen=True)
+class MemberLost(Event):
+    """A member of this node's round is gone without finishing."""
+
+    detail: str
+
+
+@dataclass(frozen=True)
+class NodeWaiting(Event):
+    """A node waits to join the next round."""
+
+    room: bool  # this node's round's world is below max
+    detail: str
+
+
+@dataclass(frozen=True)
+class WorkersFailed(Event):
+    """This node's workers failed (``request_restart()``)."""
+
+    detail: str  # the failure in one line: the new round's detail
+
+
+@dataclass(frozen=True)
+class WorkersSucceeded(Event):
+    """This node's workers all succeeded (``complete()``)."""
+
+    now: float  # the exit barrier's timeout counts from here
+
+
+@dataclass(frozen=True)
+class BarrierDone(Event):
+    """Every member of the round put its done key."""
+
+
+@dataclass(frozen=True)
+class BarrierTimeout(Event):
+    """The exit barrier's timeout passed."""
+
+
+@dataclass(frozen=True)
+class LeaseLost(Event):
+    """This node's lease is gone (expired, revoked, or the store unreachable)."""
+
+    detail: str
+
+
+@dataclass(frozen=True)
+class Shutdown(Event):
+    """The agent called ``shutdown()``: leave."""
+
+
+EVENTS: tuple[type[Event], ...] = (
+    NextRound,
+    RoundOpen,
+    RoundClosed,
+    RoundFinished,
+    RoundFailed,
+    JoinersChanged,
+    LastCallExpired,
+    JoinTimeout,
+    MemberLost,
+    NodeWaiting,
+    WorkersFailed,
+    WorkersSucceeded,
+    BarrierDone,
+    BarrierTimeout,
+    LeaseLost,
+    Shutdown,
+)
+
+
+# -- timers and actions ------------------------------------------------------------
 class Timer(enum.Enum):
     JOIN = "join"
     LAST_CALL = "last_call"
     BARRIER = "barrier"
+
+
+# The event a timer feeds when its deadline passes.
+TIMER_EVENTS: dict[Timer, Event] = {
+    Timer.JOIN: JoinTimeout(),
+    Timer.LAST_CALL: LastCallExpired(),
+    Timer.BARRIER: BarrierTimeout(),
+}
 
 
 class Act(enum.Enum):
@@ -84,19 +236,8 @@ class Act(enum.Enum):
     RAISE = "raise"
 
 
-@dataclass(frozen=True)
-class Event:
-    type: Ev
-    now: float = 0.0  # the node's monotonic clock when observed
-    round: int = -1  # ROUND_*: the round number in the record
-    member: bool = False  # ROUND_CLOSED: this node is in the result
-    room: bool = False  # ROUND_CLOSED / NODE_WAITING: the closed round's world < max
-    lost: str = ""  # ROUND_CLOSED: a member of the round is gone (detail)
-    count: int = 0  # JOINERS_CHANGED: live joiners of the round
-    decider: bool = False  # JOINERS_CHANGED: this node is the round's decider
-    all_joined: bool = False  # JOINERS_CHANGED: re-formed round, every present node joined
-    restarts: int = 0  # WORKERS_FAILED: restarts of the job used so far
-    detail: str = ""
+# What RAISE raises: the exception class (the driver writes its message).
+RaisedError = type[RendezvousTimeout] | type[RendezvousClosed] | type[RestartBudgetExhausted]
 
 
 @dataclass(frozen=True)
@@ -108,7 +249,7 @@ class Action:
     reason: str = ""
     detail: str = ""
     counts: bool = False  # OPEN_ROUND: counts against the restart budget
-    error: str = ""  # RAISE: "timeout" | "closed" | "budget"
+    error: RaisedError | None = None  # RAISE: what to raise
 
 
 @dataclass(frozen=True)

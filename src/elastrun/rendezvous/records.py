@@ -108,7 +108,8 @@ def close_records(
     node asks for it: a worker failure counts only if every member of the
     previous round is back. If one is missing, the failure was collateral of
     losing that node (its peers' collectives broke when it vanished, before
-    its lease expired), and a membership change is never counted.
+    its lease expired), and a membership change is never counted against the
+    restart budget.
     When the charge overspends ``max_restarts``, the record returned is the
     job's FAILED record instead of a closed one."""
     records = list(joiners[:max_nodes])

@@ -1,12 +1,14 @@
 """LeaseKeeper: grant a lease and keep it alive as a background task.
 
-The keeper renews the lease every ``ttl / 3``. It calls ``on_lost(reason)``
-once, and sets :attr:`LeaseKeeper.lost`, when the lease is gone: the store says
-it no longer exists (expired or revoked), or the store could not be reached
-for longer than the TTL (so the lease has expired there, or will before we can
-reach it). :meth:`stop` ends the task and revokes the lease (best effort,
-bounded by one TTL or the timeout given). ``on_lease`` (if set) is told the
-lease held from now on: its id after each grant, NO_LEASE once stopped.
+The keeper renews the lease every ``ttl / 3``; every wait is a deadline on
+the injected clock (:func:`~elastrun.clock.wait_until`, ``sleep_until``).
+It calls ``on_lost(reason)`` once, and sets :attr:`LeaseKeeper.lost`, when
+the lease is gone: the store says it no longer exists (expired or revoked), or
+the store could not be reached for longer than the TTL (so the lease has
+expired there, or will before we can reach it). :meth:`stop` ends the task and
+revokes the lease (best effort, bounded by one TTL or the timeout given).
+``on_lease`` (if set) is told the lease held from now on: its id after each
+grant, NO_LEASE once stopped.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from elastrun.clock import SYSTEM_CLOCK, Clock, remaining
+from elastrun.clock import SYSTEM_CLOCK, Clock, remaining, wait_until
 from elastrun.errors import LeaseNotFound, StoreError, StoreTimeout
 from elastrun.store.base import NO_LEASE, Store
 
@@ -55,7 +57,8 @@ class LeaseKeeper:
         self.lost = asyncio.Event()
         self.lost_reason = ""
         try:
-            self.lease = await asyncio.wait_for(self.store.lease_grant(self.ttl), self.ttl)
+            deadline = self.clock.monotonic() + self.ttl
+            self.lease = await wait_until(self.store.lease_grant(self.ttl), deadline, self.clock)
         except TimeoutError:
             # A bare TimeoutError would escape the agent as a traceback: name the store.
             raise StoreTimeout(
@@ -68,17 +71,17 @@ class LeaseKeeper:
         return self.lease
 
     async def _run(self, lease: int) -> None:
-        expires = self.clock.monotonic() + self.ttl  # as far as we know
-        interval = self.ttl / 3
+        clock = self.clock
+        expires = clock.monotonic() + self.ttl  # as far as we know
+        renew_at = clock.monotonic() + self.ttl / 3
         while True:
-            await asyncio.sleep(interval)
+            await clock.sleep_until(renew_at)
             try:
-                budget = remaining(expires, self.clock)
-                if budget <= 0:
+                if remaining(expires, clock) <= 0:
                     raise TimeoutError
-                ttl = await asyncio.wait_for(self.store.lease_keepalive(lease), budget)
-                expires = self.clock.monotonic() + ttl
-                interval = ttl / 3
+                ttl = await wait_until(self.store.lease_keepalive(lease), expires, clock)
+                expires = clock.monotonic() + ttl
+                renew_at = clock.monotonic() + ttl / 3
             except LeaseNotFound:
                 self._lose("lease expired or was revoked in the store")
                 return
@@ -88,7 +91,7 @@ class LeaseKeeper:
                     self._lose(f"store unreachable for longer than the lease TTL ({why})")
                     return
                 log.debug("lease keepalive failed, retrying: %r", exc)
-                interval = min(self.ttl / 10, remaining(expires, self.clock))
+                renew_at = clock.monotonic() + min(self.ttl / 10, remaining(expires, clock))
 
     def _lose(self, reason: str) -> None:
         self.lost_reason = reason
@@ -109,7 +112,8 @@ class LeaseKeeper:
         if revoke and lease != NO_LEASE and not self.lost.is_set():
             with contextlib.suppress(StoreError, TimeoutError, OSError):
                 bound = self.ttl if timeout is None else timeout
-                await asyncio.wait_for(self.store.lease_revoke(lease), bound)
+                deadline = self.clock.monotonic() + bound
+                await wait_until(self.store.lease_revoke(lease), deadline, self.clock)
         if self.on_lease is not None and lease != NO_LEASE:
             self.on_lease(NO_LEASE)
 

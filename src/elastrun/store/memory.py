@@ -13,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 from collections.abc import Sequence
 
-from elastrun.clock import SYSTEM_CLOCK, Clock
+from elastrun.clock import SYSTEM_CLOCK, Clock, wait_until
 from elastrun.errors import RevisionCompacted, StoreError, StoreUnavailable
 from elastrun.store.base import NO_LEASE, Compare, KeyValue, Op, Store, TxnResult, Watch, WatchEvent
 from elastrun.store.engine import Engine
@@ -46,9 +47,14 @@ class LeaseReaper:
             self._engine.expire_leases()
             deadline = self._engine.next_deadline()
             self._wake.clear()
-            timeout = None if deadline is None else deadline - self._engine.clock.monotonic()
+            # (Not asyncio.wait_for: on Python 3.11, cancelling it just as the
+            # wake-up lands leaves its inner task's end unheard: a hang.)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                await wait_until(
+                    self._wake.wait(),
+                    math.inf if deadline is None else deadline,
+                    self._engine.clock,
+                )
 
     async def stop(self) -> None:
         if self._task is not None:

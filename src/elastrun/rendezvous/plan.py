@@ -1,0 +1,442 @@
+"""The rendezvous planner: pure decisions over what a node read (no I/O).
+
+The rules (:mod:`.rules`) say what to do on an event; this module says what
+to read and watch, who decides, who watches the exit barrier, and which events
+the store's state and its watch events mean. The driver (:mod:`.phases`,
+:mod:`.view`, :mod:`.dynamic`) does the reads, watches and writes these
+functions ask for, fills a :class:`View` with what it got, and feeds the
+events back to the rules. Everything here is a function of its arguments and
+is tested without a store (tests/unit/test_rdzv_plan.py).
+
+What each phase reads, then watches (:func:`plan_phase`):
+
+=========== ================================================================
+phase       reads, then watches
+=========== ================================================================
+seek        ``round`` (creating round 0 if absent)
+join        ``round``; the round's joins: the decider (:func:`join_role`)
+            the joins prefix and ``nodes/``, a follower only its
+            predecessor's join key (read alone where this node's own join
+            is the newest up to its revision: :func:`follower_of_newest`)
+wait        ``round``, ``nodes/``
+member      ``round``, ``nodes/``, ``waiting/``
+complete    ``round``; the count of the round's done keys (O(1) bytes); then
+            :func:`barrier_step`: the barrier's watcher reads and watches the
+            done keys and ``nodes/``, every other member only the watcher's
+            presence key
+=========== ================================================================
+
+Every phase but ``complete`` costs each member O(n) bytes; ``complete`` costs
+O(1) for all but the barrier's watcher (O(n) store traffic and watch events
+per round in all).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastrun.rendezvous import keys as K
+from elastrun.rendezvous.protocol import (
+    BarrierDone,
+    Event,
+    JoinersChanged,
+    MemberLost,
+    NodeWaiting,
+    RoundClosed,
+    RoundFailed,
+    RoundFinished,
+    RoundOpen,
+    State,
+)
+from elastrun.store.base import KeyValue, WatchEvent
+
+__all__ = [
+    "BarrierStep",
+    "BeWatcher",
+    "CheckDone",
+    "CheckPresence",
+    "Decider",
+    "Follower",
+    "GoneMember",
+    "JoinRole",
+    "LostAtBarrier",
+    "Phase",
+    "PhasePlan",
+    "Reaction",
+    "Resnap",
+    "RoundChanged",
+    "View",
+    "WatchWatcher",
+    "Watched",
+    "absent_members",
+    "all_done",
+    "barrier_step",
+    "follower_of_newest",
+    "join_role",
+    "joiners_event",
+    "lost_event",
+    "plan_phase",
+    "react",
+    "result_needed",
+    "round_event",
+    "waiting_event",
+]
+
+Record = dict[str, Any]
+LOST_LEASE = "lease expired or revoked"
+
+
+# -- phases: what each reads and watches ---------------------------------------------
+class Phase(enum.Enum):
+    SEEK = "seek"
+    JOIN = "join"
+    WAIT = "wait"
+    MEMBER = "member"
+    COMPLETE = "complete"
+
+
+@dataclass(frozen=True)
+class PhasePlan:
+    """What one phase reads and watches, besides ``round`` (every phase)."""
+
+    phase: Phase
+    round: int
+    joins: bool = False  # the round's joins (see join_role, follower_of_newest)
+    nodes: bool = False  # read and watch nodes/
+    waiting: bool = False  # read and watch waiting/
+    barrier: bool = False  # count the done keys, then barrier_step
+
+
+_PHASES = {
+    State.SEEKING: Phase.SEEK,
+    State.JOINING: Phase.JOIN,
+    State.DECIDING: Phase.JOIN,
+    State.WAITING: Phase.WAIT,
+    State.MEMBER: Phase.MEMBER,
+    State.COMPLETING: Phase.COMPLETE,
+}
+
+
+def plan_phase(state: State, round: int) -> PhasePlan | None:
+    """The phase of the machine's state in ``round``; None where none waits."""
+    phase = _PHASES.get(state)
+    if phase is None:
+        return None
+    return PhasePlan(
+        phase,
+        round,
+        joins=phase is Phase.JOIN,
+        nodes=phase in (Phase.WAIT, Phase.MEMBER),
+        waiting=phase is Phase.MEMBER,
+        barrier=phase is Phase.COMPLETE,
+    )
+
+
+class Watched(enum.Enum):
+    """What one of a phase's watches is on."""
+
+    ROUND = "round"  # the job's round record
+    JOINS = "joins"  # the round's joins (the decider)
+    PREDECESSOR = "predecessor"  # one join key (a follower's predecessor)
+    NODES = "nodes"  # every presence key
+    WAITING = "waiting"  # every waiting key
+    DONE = "done"  # the round's done keys (the barrier's watcher)
+    WATCHER = "watcher"  # the barrier watcher's presence key (the other members)
+
+
+# -- the snapshot ------------------------------------------------------------------
+@dataclass
+class View:
+    """What this node knows of the store in the current phase: what it read,
+    updated by the phase's watch events (:func:`react`)."""
+
+    round_kv: KeyValue | None = None
+    round: Record | None = None
+    results: dict[int, Record] = field(default_factory=dict)  # immutable once written
+    joiners: dict[str, KeyValue] = field(default_factory=dict)
+    nodes: dict[str, KeyValue] = field(default_factory=dict)
+    nodes_loaded: bool = False
+    waiting: dict[str, KeyValue] = field(default_factory=dict)
+    done: set[str] = field(default_factory=set)  # members known to have put a done key
+    predecessor: str | None = None
+    # The exit barrier's watcher whose presence this node watches (None: this
+    # node is the watcher, or not at the barrier).
+    watcher: str | None = None
+    decider: bool = False
+    # How many joined, where only a follower's predecessor was read (not
+    # every join): see follower_of_newest.
+    joined_count: int | None = None
+
+    def set_round(self, kv: KeyValue | None) -> None:
+        self.round_kv = kv
+        self.round = None if kv is None else K.decode(kv.key, kv.value)
+
+    def members(self, r: int) -> list[Record]:
+        """The members of closed round ``r`` in rank order (as read)."""
+        result = self.results.get(r)
+        return list(result["members"]) if result else []
+
+
+# -- the decider ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Decider:
+    """This node decides the round: it watches every join and ``nodes/``."""
+
+
+@dataclass(frozen=True)
+class Follower:
+    """This node watches only its predecessor's join key; when it goes, the
+    phase is read again (this node may be the decider then)."""
+
+    predecessor: str
+
+
+JoinRole = Decider | Follower
+
+
+def join_role(me: str, joins: Iterable[KeyValue]) -> JoinRole | None:
+    """The decider is the live joiner with the smallest join revision; every
+    other joiner follows the joiner just before it. None: not joined."""
+    ids = [K.node_id_of(kv.key) for kv in sorted(joins, key=lambda kv: kv.create_revision)]
+    if ids and ids[0] == me:
+        return Decider()
+    if me in ids:
+        return Follower(ids[ids.index(me) - 1])
+    return None
+
+
+def follower_of_newest(me: str, newest: Sequence[KeyValue]) -> Follower | None:
+    """The role read from the (up to) two newest joins created up to this
+    node's own join, newest first: a follower of the second where the first is
+    this node's. None where that does not tell (this node's join is not the
+    newest there, or it is alone: read every join)."""
+    ids = [K.node_id_of(kv.key) for kv in newest]
+    if len(ids) < 2 or ids[0] != me:
+        return None
+    return Follower(ids[1])
+
+
+# -- the exit barrier ------------------------------------------------------------------
+@dataclass(frozen=True)
+class CheckPresence:
+    """Read this member's presence key, then ask again."""
+
+    node_id: str
+
+
+@dataclass(frozen=True)
+class CheckDone:
+    """Read whether this member put its done key, then ask again."""
+
+    node_id: str
+
+
+@dataclass(frozen=True)
+class WatchWatcher:
+    """Watch this member's presence key: it is the barrier's watcher."""
+
+    node_id: str
+
+
+@dataclass(frozen=True)
+class LostAtBarrier:
+    """This member is gone without a done key: it is lost."""
+
+    member: Record
+
+
+@dataclass(frozen=True)
+class BeWatcher:
+    """This node is the barrier's watcher: read and watch the done keys and
+    ``nodes/``."""
+
+
+BarrierStep = BarrierDone | CheckPresence | CheckDone | WatchWatcher | LostAtBarrier | BeWatcher
+
+
+def barrier_step(
+    members: Sequence[Record],
+    me: str,
+    done_count: int,
+    present: Mapping[str, bool],
+    done: Mapping[str, bool],
+) -> BarrierStep:
+    """The next step of setting up the exit barrier, after this node's done
+    key, from the count of done keys and what is known so far of the members
+    before this node (``present``: presence key exists; ``done``: done key
+    exists). Every member counted: done. Else the watcher is the first member
+    in rank order whose presence key exists; a member before it that is gone
+    must have a done key, else it is lost; none before this node: this node
+    watches."""
+    if members and done_count >= len(members):
+        return BarrierDone()
+    for m in members:
+        nid = m["node_id"]
+        if nid == me:
+            break
+        if nid not in present:
+            return CheckPresence(nid)
+        if present[nid]:
+            return WatchWatcher(nid)
+        if nid not in done:
+            return CheckDone(nid)
+        if not done[nid]:
+            return LostAtBarrier(m)
+    return BeWatcher()
+
+
+def all_done(view: View, r: int) -> bool:
+    members = view.members(r)
+    return bool(members) and all(m["node_id"] in view.done for m in members)
+
+
+# -- store state -> events --------------------------------------------------------------
+def result_needed(view: View) -> int | None:
+    """The round whose result :func:`round_event` needs and the view lacks."""
+    rec = view.round
+    if rec is None or rec["state"] != K.CLOSED:
+        return None
+    r = int(rec["round"])
+    return None if r in view.results else r
+
+
+def round_event(view: View, me: str, host: str, max_nodes: int) -> Event | None:
+    """The event of the round record (a closed round's result must be in the
+    view: :func:`result_needed`)."""
+    rec = view.round
+    if rec is None:
+        return None
+    r, state = int(rec["round"]), rec["state"]
+    if state == K.OPEN:
+        return RoundOpen(r)
+    if state == K.FINISHED:
+        return RoundFinished(r)
+    if state == K.FAILED:
+        return RoundFailed(r)
+    members = [m["node_id"] for m in view.members(r)]
+    lost = ""
+    if view.nodes_loaded:
+        gone = [m for m in members if m not in view.nodes]
+        lost = f"node {gone[0]} lost (no presence in the store)" if gone else ""
+    return RoundClosed(
+        r,
+        member=me in members,
+        room=len(members) < max_nodes,
+        lost=lost,
+        detail=f"node {host} ({me}) waits to join",
+    )
+
+
+def joiners_event(view: View, now: float) -> JoinersChanged:
+    """The joiners of the open round, as the decider (or a follower) sees them."""
+    prev = (view.round or {}).get("prev") or []
+    all_joined = (
+        bool(prev)
+        and view.nodes_loaded
+        and all(nid in view.joiners for nid in view.nodes)
+        and not view.waiting
+    )
+    count = len(view.joiners) if view.joined_count is None else view.joined_count
+    return JoinersChanged(now, count, decider=view.decider, all_joined=all_joined)
+
+
+def absent_members(view: View, r: int) -> list[Record]:
+    """Members of round ``r`` without a presence key nor a known done key:
+    each is lost unless it put its done key (the driver checks)."""
+    return [
+        m
+        for m in view.members(r)
+        if m["node_id"] not in view.nodes and m["node_id"] not in view.done
+    ]
+
+
+def lost_event(member: Record, how: str = LOST_LEASE) -> MemberLost:
+    return MemberLost(f"node {member['host']} ({member['node_id']}) lost: {how}")
+
+
+def waiting_event(view: View, r: int, node_id: str, max_nodes: int) -> NodeWaiting:
+    room = len(view.members(r)) < max_nodes
+    kv = view.waiting.get(node_id)
+    host = K.decode(kv.key, kv.value).get("host", node_id) if kv else node_id
+    return NodeWaiting(room, f"node {host} ({node_id}) waits to join")
+
+
+# -- watch events -> reactions ------------------------------------------------------------
+@dataclass(frozen=True)
+class Resnap:
+    """Set the phase up again: read, then watch (the predecessor or the
+    barrier's watcher left)."""
+
+
+@dataclass(frozen=True)
+class RoundChanged:
+    """The round record changed (in the view): its event is
+    :func:`round_event`, once any result it needs is read."""
+
+
+@dataclass(frozen=True)
+class GoneMember:
+    """A member's presence went: :func:`lost_event` unless it put its done
+    key; if it did and ``resnap`` (it was the barrier's watcher), set the
+    phase up again."""
+
+    member: Record
+    resnap: bool = False
+
+
+Reaction = list[Event] | Resnap | RoundChanged | GoneMember
+
+
+def react(
+    view: View, watched: Watched, wev: WatchEvent, *, r: int, now: float, max_nodes: int
+) -> Reaction:
+    """Apply one watch event of the phase in round ``r`` to the view; what
+    it means (``now``: this node's clock; ``max_nodes``: the job's max)."""
+    nid, put = K.node_id_of(wev.kv.key), wev.type == "put"
+    if watched is Watched.ROUND:
+        view.set_round(wev.kv if put else None)
+        return RoundChanged()
+    if watched is Watched.PREDECESSOR:
+        return [] if put else Resnap()
+    if watched is Watched.JOINS:
+        _apply(view.joiners, nid, wev)
+        return [joiners_event(view, now)]
+    if watched is Watched.NODES:
+        return _nodes_changed(view, nid, wev, r, now)
+    if watched is Watched.DONE:
+        if put and nid not in view.done:
+            view.done.add(nid)
+            if all_done(view, r):
+                return [BarrierDone()]
+        return []
+    if watched is Watched.WATCHER:
+        member = _member(view, r, nid)
+        if put or member is None:
+            return []
+        return GoneMember(member, resnap=True)
+    _apply(view.waiting, nid, wev)  # Watched.WAITING
+    return [waiting_event(view, r, nid, max_nodes)] if put else []
+
+
+def _apply(keys: dict[str, KeyValue], nid: str, wev: WatchEvent) -> None:
+    if wev.type == "put":
+        keys[nid] = wev.kv
+    else:
+        keys.pop(nid, None)
+
+
+def _member(view: View, r: int, nid: str) -> Record | None:
+    return next((m for m in view.members(r) if m["node_id"] == nid), None)
+
+
+def _nodes_changed(view: View, nid: str, wev: WatchEvent, r: int, now: float) -> Reaction:
+    _apply(view.nodes, nid, wev)
+    if view.decider:
+        return [joiners_event(view, now)]
+    member = None if wev.type == "put" else _member(view, r, nid)
+    if member is None or nid in view.done:
+        return []
+    return GoneMember(member)
