@@ -332,8 +332,8 @@ class Run:
 
     def _sample_memory(self) -> None:
         """Peak RSS of the tracked agent and its non-worker descendants;
-        warm spares (``SPARE_MARK`` in the command line, not yet a worker)
-        are kept apart in ``spare_pids``."""
+        warm spares (the agent's children with ``SPARE_MARK`` in the command
+        line, not yet a worker) are kept apart in ``spare_pids``."""
         agent = self.mem_root
         if agent is None or agent.t_exit is not None or time.monotonic() < self._mem_next:
             return
@@ -343,11 +343,14 @@ class Run:
         for pid in workers & self.spare_pids.keys():  # a spare that became a worker
             del self.spare_pids[pid]
             self._spare_grew.pop(pid, None)
-        for pid in [agent.pid, *descendants(agent.pid)]:
+        table = _proc_table()
+        for pid in [agent.pid, *descendants(agent.pid, table)]:
             if pid in workers:
                 continue
             cmdline = _cmdline(pid) if pid != agent.pid else ""
             if SPARE_MARK in cmdline:
+                if table.get(pid, (0, 0))[0] != agent.pid:
+                    continue  # a worker's child, or a zygote's short-lived fork: not a spare
                 hwm = read_status_kib(pid, "VmHWM")
                 if hwm is not None and hwm > self.spare_pids.get(pid, -1):
                     self.spare_pids[pid] = hwm

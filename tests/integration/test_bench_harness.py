@@ -83,6 +83,7 @@ def test_full_catalogue_covers_every_group() -> None:
         "memory",
         "scale_up_1to3",
         "node_loss_1to3",
+        "worker_crash_floor",
     }
     names = [sc.name for sc in catalogue(quick=False)]
     assert len(names) == len(set(names))
