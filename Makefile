@@ -2,6 +2,7 @@
 #   make demo   set up what the demo needs (elastrun + torch + numpy), then train the example with a
 #               worker killed partway: elastrun restarts it and training resumes (examples/demo.py)
 #   make test   set up everything (venv, torch, dev tools, etcd), run the checks and the tests
+#   make test-fast  the checks and the fast tests (unit, stores) for daily work
 #   make check  ruff + strict mypy
 #   make bench  benchmarks against torchrun (see docs/benchmarks.md)
 SHELL := /bin/bash
@@ -14,7 +15,7 @@ TORCH_PIN := torch==2.13.0
 DEMO_STAMP := $(VENV)/.demo-installed
 DEV_STAMP := $(VENV)/.dev-installed
 
-.PHONY: setup setup-demo etcd check test demo bench bench-quick clean
+.PHONY: setup setup-demo etcd check test test-fast demo bench bench-quick clean
 
 setup: $(DEV_STAMP)
 setup-demo: $(DEMO_STAMP)
@@ -43,6 +44,10 @@ check: setup
 
 test: setup etcd check
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# The fast subset for daily work (about 2 minutes): pure logic and the stores.
+test-fast: setup etcd check
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests/unit tests/store $(PYTEST_ARGS)
 
 demo: setup-demo
 	$(PY) examples/demo.py $(DEMO_ARGS)

@@ -153,6 +153,35 @@ def test_stray_higher_step_file_without_record_is_moved_aside(tmp_path: Path, co
     assert latest_checkpoint(d).step == 2  # type: ignore[union-attr]
 
 
+def test_a_damaged_newest_moved_aside_by_another_rank_mid_read_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranks sharing one directory: rank B reads the damaged newest, then rank
+    A moves it (data, then record) aside before B looks at its record. B must
+    not take the missing record for an older elastrun's checkpoint and use the
+    damaged bytes unverified (seen once in CI as a rank loading step 3)."""
+    from elastrun.train import checkpoint as ckpt_mod
+    from elastrun.train.checkpoint_files import move_aside
+
+    d = tmp_path / "shared"
+    _save_steps(d, 2, 3)
+    _flip_tensor_bytes(d / "ckpt-000000000003.pt")
+    real_read = ckpt_mod._read
+
+    def read_then_other_rank_moves_it(path: Path) -> bytearray:
+        data = real_read(path)
+        if path.name == "ckpt-000000000003.pt":
+            (info,) = [i for i in list_checkpoints(d) if i.step == 3]
+            move_aside(info)  # what the other rank does on finding it damaged
+        return data
+
+    monkeypatch.setattr(ckpt_mod, "_read", read_then_other_rank_moves_it)
+    state, lines = _logged(d)
+    assert state is not None and state["step"] == 2, lines
+    assert not [ln for ln in lines if "unverified" in ln], lines
+    assert (d / CORRUPT_DIR / "ckpt-000000000003.pt").exists()
+
+
 def test_several_damaged_in_a_row_and_a_second_damage_of_the_same_step(tmp_path: Path) -> None:
     d = tmp_path / "ckpt"
     _save_steps(d, 1, 2, 3, 4)

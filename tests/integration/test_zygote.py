@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from elastrun.agent import WorkerSpec
-from elastrun.agent.modcache import ModuleCache, cache_key
+from elastrun.agent.modcache import ModuleCache, ModuleList, cache_key
 from elastrun.agent.spares import SparePool
 from elastrun.agent.spawn import python_entry
 from elastrun.events import ListSink
@@ -144,15 +144,19 @@ def test_more_workers_than_cpus_wait_for_a_zygote_importing_what_they_import(tmp
 
 
 def test_with_cpus_to_spare_a_start_forks_between_two_imports(tmp_path):
-    # One worker: it is forked as soon as the zygote is between two imports
-    # (after the first slow module, before the second), and imports the rest.
+    # One worker: it is forked as soon as the zygote has its base module
+    # (slowa stands for torch) and is between two of the script's recorded
+    # ones (slowb), and imports the rest itself.
     (tmp_path / "slowa.py").write_text("import time\ntime.sleep(2)\n")
     (tmp_path / "slowb.py").write_text("import time\ntime.sleep(20)\n")
     env = _env(PROBE_MODULES="slowa,slowb")
     script = SCRIPT.replace("importlib.import_module(n)", "pass") + "import slowa\n"
 
     async def main() -> tuple[int, str] | None:
-        pool, _ = _pool(tmp_path, preload=("slowa", "slowb"), scope="all", script_text=script)
+        pool, _ = _pool(tmp_path, preload=("slowa",), scope="all", script_text=script)
+        assert pool.cache is not None
+        pool.cache.save(ModuleList(modules=["slowb"]))
+        pool.recorded = pool.cache.load()
         pool.keep(env)
         await asyncio.sleep(0.5)  # the zygote is importing slowa
         try:

@@ -20,8 +20,8 @@ When the zygote is used:
   (its source says so, or its module list was recorded), it is a head start
   (raised to normal priority): with more workers than usable CPUs the start
   waits for it (at most ``READY_WAIT``: one import beats N fighting for the
-  cores); otherwise it forks at once, between two of its imports, and the
-  workers import the rest themselves, in parallel;
+  cores); otherwise the workers are forked as soon as it has torch, between
+  two of its imports, and import the rest themselves, in parallel;
 * never for a script that does not import them: its workers start cold at
   once, and the zygote is kept for a later start.
 
@@ -235,6 +235,8 @@ class SparePool:
             "torch": self.recorded.torch,
             # What a module must not read while the zygote imports it.
             "watch": sorted(ROUND_VARS | LOCAL_VARS),
+            # Imported before any fork: every worker forked has torch.
+            "base": sum(1 for m in self.preload if not skipped(m, skip)),
         }
         spawn_env = {
             **z_env,
@@ -470,8 +472,9 @@ class SparePool:
                 return {}
             _promote(z.pid)
             # More workers than CPUs: one import beats N fighting for the
-            # cores, so wait for all of it. Otherwise fork now (it forks
-            # between two imports) and the workers import the rest in parallel.
+            # cores, so wait for all of it. Otherwise fork now: the zygote
+            # forks once it has torch, between two imports, and the workers
+            # import the rest in parallel.
             if len(envs) > usable_cpus() and not await self.wait_ready(READY_WAIT):
                 return {}  # gone, or too slow: start cold (a slow one is kept)
         waited = time.monotonic() - waited

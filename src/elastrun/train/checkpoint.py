@@ -186,6 +186,11 @@ def _find_local(directory: str | os.PathLike[str], map_location: Any, log: Log) 
         verdict = check(info, data)
         if verdict.status == "verified":
             return _Local(info, data, verdict.sha256)
+        if verdict.status == "unverified" and not info.path.exists():
+            # Another rank sharing the directory found it damaged and moved it
+            # aside between our read and our look at its record (the data
+            # moves first, then its record): it is not ours to use.
+            continue
         if verdict.status == "unverified":
             try:
                 state = _torch_load(data, map_location)

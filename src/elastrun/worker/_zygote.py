@@ -7,8 +7,9 @@ to the agent. It imports modules ahead of time (torch, then what the script
 imported when it last ran: ``ELASTRUN_PRELOAD``), one at a time, at idle CPU
 priority where it may return to normal priority afterwards (root or
 ``CAP_SYS_NICE``; otherwise after ``ELASTRUN_SPARE_DELAY`` seconds), and
-forks workers when told to. Between two imports it reads the agent's orders,
-so a fork never waits for the rest of the list.
+forks workers when told to. Once the first ``base`` modules (torch) are
+imported, it reads the agent's orders between two imports, so a fork waits
+for torch but never for the rest of the list.
 
 Protocol: one JSON object per message, ``"v": 2``::
 
@@ -207,6 +208,10 @@ class Zygote:
         if spec.get("python") not in (None, python):
             modules = [m for m in modules if m == "torch"]  # recorded by another Python
         self._enqueue(modules)
+        # The first ``base`` names (torch) are imported before any order is
+        # read: a fork never comes before them.
+        base = spec.get("base")
+        self.base = min(len(self.queue), base if isinstance(base, int) and base > 0 else 0)
         self.loaded = 0
         self.failed: list[list[str]] = []
         self.stopped: str | None = None
@@ -236,6 +241,7 @@ class Zygote:
 
     def _import_next(self) -> None:
         name = self.queue.popleft()
+        self.base = max(0, self.base - 1)
         if name in sys.modules:
             return
         if time.monotonic() - self.started > self.budget:
@@ -450,13 +456,21 @@ class Zygote:
         while True:
             if self.queue:
                 reported = False
-                if self._readable(0):
+                if self.base == 0 and self._readable(0):
                     message, fds = self._recv()
                     if message is None:
                         return
                     self._handle(message, fds)
                 else:
                     self._import_next()
+                continue
+            if not reported and self._readable(0):
+                # Orders that came while it imported its base (more modules,
+                # perhaps) are read before it says it is ready.
+                message, fds = self._recv()
+                if message is None:
+                    return
+                self._handle(message, fds)
                 continue
             if not reported:
                 if self.idle:
