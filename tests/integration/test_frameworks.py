@@ -192,6 +192,10 @@ def check_lightning_fit(
         assert f["num_devices"] == int(env["LOCAL_WORLD_SIZE"]) == world // nodes
         assert f["global_step"] == epochs * batches and f["current_epoch"] == epochs, f
         assert f["checksum"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+        # Automatic progress: every optimizer step Lightning took was seen
+        # through torch's hooks (a resumed fit counts its own steps only).
+        steps = f["global_step"] - (f["start_step"] or 0)
+        assert f["progress"]["steps"] == steps and f["progress"]["step_time"] > 0, f
     assert sorted(f["global_rank"] for f in fits.values()) == list(range(world))
 
 

@@ -25,6 +25,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from elastrun.agent import hangs, stragglers
 from elastrun.agent.children import Reaper
 from elastrun.agent.env import check_round
 from elastrun.agent.failures import ROOT_CAUSE, classify, failure_record, format_summary
@@ -316,9 +317,15 @@ class Agent:
             check_round(self.spec, result)
             group = self._new_group(result)
             await self._first(self._start(group, result))
-            ended: WorkersExited | Change = await self._first(
-                _exited(group), self.rendezvous.wait_for_change()
+            progress = asyncio.ensure_future(
+                stragglers.publish_loop(self.rendezvous, group, result, self.spec.host, self.events)
             )
+            try:
+                ended: WorkersExited | Change = await self._first(
+                    _exited(group), self.rendezvous.wait_for_change()
+                )
+            finally:
+                progress.cancel()
             match ended:
                 case WorkersExited(succeeded=True):
                     return await self._on_success(group, result)
@@ -341,6 +348,11 @@ class Agent:
 
     async def _on_change(self, change: Change, result: RoundResult) -> None:
         say(self._change_line(change, result))
+        group = self._group
+        if change.hang and group is not None:
+            # A hang declared on another node: our ranks' stacks, for its summary.
+            await group.collect_stacks()
+            await hangs.share(self.rendezvous, result, hangs.local_stacks(group, self.spec.host))
         await self._stop_group(signal.SIGTERM)
         self._raise_pending()
         self.events.emit(
@@ -476,18 +488,32 @@ class Agent:
                 self._temp_base = not needs_files(self.spec)
         return self._base_dir
 
+    async def _hang_report(self, group: WorkerGroup, result: RoundResult) -> str:
+        """Every rank's stacks when this node declared a hang ("" otherwise)."""
+        if not any(w.hang is not None for w in group.workers):
+            return ""
+        own = hangs.local_stacks(group, self.spec.host)
+        await hangs.share(self.rendezvous, result, own)
+        every = await self._first(hangs.gather(self.rendezvous, result, own))
+        return hangs.summary(every, group.attempt_dir if self.spec.log_dir else None)
+
     async def _on_failure(self, group: WorkerGroup, result: RoundResult) -> int | None:
         await self._stop_group(signal.SIGTERM)
         failures = classify(group.failures())
         record = failure_record(failures, self.spec.host)
+        exhausted: RestartBudgetExhausted | None = None
         try:
             await self._first(self.rendezvous.request_restart(record))
         except RestartBudgetExhausted as e:
+            exhausted = e
+        # The other nodes learn of it now and share their ranks' stacks.
+        stacks = await self._hang_report(group, result)
+        if exhausted is not None:
             header = (
                 f"elastrun: job failed: workers failed and no restarts are left "
-                f"(max restarts {result.max_restarts}, used {result.restart_count}): {e}"
+                f"(max restarts {result.max_restarts}, used {result.restart_count}): {exhausted}"
             )
-            say(format_summary(failures, header))
+            say(_with(format_summary(failures, header), stacks))
             self.events.emit(
                 "job_failed", exit_code=1, reason="restarts_exhausted", failure=record.to_json()
             )
@@ -505,14 +531,14 @@ class Agent:
                     f"elastrun: workers failed and {spent}; the job goes on only if another "
                     "node of the group was lost (this failure is then not counted)"
                 )
-            say(format_summary(failures, header))
+            say(_with(format_summary(failures, header), stacks))
             self._raise_pending()
             return None
         header = (
             f"elastrun: workers failed; restarting them "
             f"(restart {result.restart_count + 1} of {result.max_restarts})"
         )
-        say(format_summary(failures, header))
+        say(_with(format_summary(failures, header), stacks))
         say(
             f"elastrun: restarting workers (restart {result.restart_count + 1}/"
             f"{result.max_restarts}): "
@@ -575,3 +601,11 @@ class Agent:
                 f"elastrun: warning: worker pids {unkillable} did not die after SIGKILL "
                 "(stuck in the kernel, e.g. uninterruptible I/O); they are left behind"
             )
+
+
+def _with(summary: str, stacks: str) -> str:
+    """The failure summary with the stacks section before its closing bar."""
+    if not stacks:
+        return summary
+    head, _, bar = summary.rpartition("\n")
+    return f"{head}\n{stacks}\n{bar}"

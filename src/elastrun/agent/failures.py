@@ -225,46 +225,46 @@ def _fmt_time(wall: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", t) + f".{int((wall % 1) * 1000):03d}"
 
 
-def format_summary(failures: list[WorkerFailure], header: str, tail_lines: int = 20) -> str:
-    """The human summary, root cause first (``failures`` as returned by classify)."""
-    bar = "=" * 72
-    lines = [bar, header, bar]
-    if not failures:
-        lines.append("(no worker failed on this node)")
-    for f in failures:
-        if f.role == ROOT_CAUSE:
-            title = "ROOT CAUSE"
-        elif f.stopped_by_agent:
-            title = "collateral (stopped by elastrun)"
-        else:
-            title = "collateral (failed after the root cause)"
-        how = f.exit_description
-        if f.hang is not None:
-            how = f"hung, stopped by elastrun ({how})"
-        lines.append(
-            f"[{title}] rank {f.rank} (local rank {f.local_rank}) on {f.host or '?'}, "
-            f"pid {f.pid}: {how} at {_fmt_time(f.exit_time)}"
-        )
-        if f.role != ROOT_CAUSE:
-            said = f.error.message if f.error is not None else f.last_words
-            if said:
-                lines.append(f"  said: {said[:300]}")
-            continue
-        if f.error is not None:
-            if f.error.message:
-                lines.append(f"  error: {f.error.message}")
-            if f.error.traceback:
-                lines.append("  traceback (from the error file):")
-                lines.extend("    " + ln for ln in f.error.traceback.rstrip().splitlines())
-        if f.error is None or not f.error.traceback:
-            tail, stream = f.stderr_tail[-tail_lines:], "stderr"
-            if not any(ln.strip() for ln in tail):
-                tail, stream = f.stdout_tail[-tail_lines:], "stdout (nothing on stderr)"
-            if any(ln.strip() for ln in tail):
-                lines.append(f"  last {_count(len(tail), 'line')} of {stream}:")
-                lines.extend("    " + ln for ln in tail)
-            else:
-                lines.append("  (no error file, and nothing on stderr or stdout)")
+def _title(f: WorkerFailure) -> str:
+    if f.role == ROOT_CAUSE:
+        title = "ROOT CAUSE"
+    elif f.stopped_by_agent:
+        title = "collateral (stopped by elastrun)"
+    else:
+        title = "collateral (failed after the root cause)"
+    how = f.exit_description
+    if f.hang is not None:
+        how = f"hung, stopped by elastrun ({how})"
+    return (
+        f"[{title}] rank {f.rank} (local rank {f.local_rank}) on {f.host or '?'}, "
+        f"pid {f.pid}: {how} at {_fmt_time(f.exit_time)}"
+    )
+
+
+def _root_cause_lines(f: WorkerFailure, tail_lines: int) -> list[str]:
+    """What the root cause said: its error file, else its last output lines."""
+    lines: list[str] = []
+    if f.error is not None:
+        if f.error.message:
+            lines.append(f"  error: {f.error.message}")
+        if f.error.traceback:
+            lines.append("  traceback (from the error file):")
+            lines.extend("    " + ln for ln in f.error.traceback.rstrip().splitlines())
+            return lines
+    tail, stream = f.stderr_tail[-tail_lines:], "stderr"
+    if not any(ln.strip() for ln in tail):
+        tail, stream = f.stdout_tail[-tail_lines:], "stdout (nothing on stderr)"
+    if any(ln.strip() for ln in tail):
+        lines.append(f"  last {_count(len(tail), 'line')} of {stream}:")
+        lines.extend("    " + ln for ln in tail)
+    else:
+        lines.append("  (no error file, and nothing on stderr or stdout)")
+    return lines
+
+
+def _log_lines(failures: list[WorkerFailure]) -> list[str]:
+    """Where the full logs are."""
+    lines: list[str] = []
     for f in failures:
         if f.role != ROOT_CAUSE:
             continue
@@ -279,5 +279,23 @@ def format_summary(failures: list[WorkerFailure], header: str, tail_lines: int =
         lines.append(f"logs of every local rank: {attempt_dir}/<local_rank>/stdout.log|stderr.log")
     elif failures:
         lines.append("full logs: the workers' output above (--log-dir keeps them in files)")
+    return lines
+
+
+def format_summary(failures: list[WorkerFailure], header: str, tail_lines: int = 20) -> str:
+    """The human summary, root cause first (``failures`` as returned by classify)."""
+    bar = "=" * 72
+    lines = [bar, header, bar]
+    if not failures:
+        lines.append("(no worker failed on this node)")
+    for f in failures:
+        lines.append(_title(f))
+        if f.role == ROOT_CAUSE:
+            lines.extend(_root_cause_lines(f, tail_lines))
+            continue
+        said = f.error.message if f.error is not None else f.last_words
+        if said:
+            lines.append(f"  said: {said[:300]}")
+    lines.extend(_log_lines(failures))
     lines.append(bar)
     return "\n".join(lines)

@@ -61,6 +61,7 @@ from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.modcache import ModuleCache, ModuleList, merged, skipped, valid_names
 from elastrun.agent.spawn import RUNNER_SCRIPT, PythonEntry, entry_file, imports_any, preexec_for
 from elastrun.agent.spec import WorkerSpec, argv_for
+from elastrun.agent.stacks import STACKS_ENV
 from elastrun.agent.watchdog import HEARTBEAT_ENV, HEARTBEAT_INTERVAL_ENV, heartbeat_interval
 from elastrun.errors import WorkerError
 from elastrun.events import EventSink
@@ -82,7 +83,7 @@ STDERR_TAIL = 4096
 # Worker variables that change from round to round, and from local rank to
 # local rank; everything else in a worker's environment must be what the
 # zygote was started with.
-ROUND_VARS = frozenset((*ROUND_ENV_VARS, HEARTBEAT_ENV))
+ROUND_VARS = frozenset((*ROUND_ENV_VARS, HEARTBEAT_ENV, STACKS_ENV))
 LOCAL_VARS = frozenset(("LOCAL_RANK",))
 
 # What the runner and the zygote read (worker/_runner.py, worker/_zygote.py).

@@ -75,7 +75,10 @@ class WorkerSpec:
     signals_to_forward: tuple[signal.Signals, ...] = ()
     monitor_interval: float = 0.1  # accepted for compatibility; exits are event-driven
     start_method: str = "spawn"  # accepted for compatibility; workers are always exec'd
-    hang_timeout: float | None = None  # progress watchdog (later issue)
+    # Progress watchdog (agent/watchdog.py): a fixed timeout, or with
+    # hang_auto the floor of each rank's calibrated one.
+    hang_timeout: float | None = None
+    hang_auto: bool = False
     events_file: str | None = None
     # Fork workers from a warm interpreter (agent/spares.py). The launcher sets
     # it for the Python commands it builds (a script or -m module).

@@ -15,8 +15,11 @@ Process hygiene (no worker outlives the agent):
   the groups, wait a bounded time, reap; pids that would not die are reported;
 * the workers' own children die with a SIGKILLed agent too: every worker's
   process group is registered with the agent's orphan guard (agent/guard.py);
-* with ``hang_timeout``, a rank that heartbeated and then made no progress for
-  that long fails the group like a crash (agent/watchdog.py).
+* with ``hang_timeout``, a rank that showed progress and then made none for
+  its timeout fails the group like a crash (agent/watchdog.py); before the
+  group is stopped every local rank's Python stack is collected
+  (agent/stacks.py), and the rank stuck in code of its own (not waiting in
+  torch) is named the hung one.
 """
 
 from __future__ import annotations
@@ -41,11 +44,16 @@ from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.logs import LinePump, LogWriteErrors, StreamRoute, routes_for
 from elastrun.agent.spawn import preexec_for, python_entry, runner_argv
 from elastrun.agent.spec import WorkerSpec, argv_for
+from elastrun.agent.stacks import STACKS_ENV, collect, in_torch, main_thread, ordered, top_frame
 from elastrun.agent.watchdog import (
     HEARTBEAT_ENV,
     HEARTBEAT_INTERVAL_ENV,
+    Beat,
+    Hang,
+    HangPolicy,
     HangWatchdog,
     heartbeat_interval,
+    read_beat,
 )
 from elastrun.clock import SYSTEM_CLOCK, Clock, remaining
 from elastrun.errors import WorkerError
@@ -102,6 +110,9 @@ class Worker:
     transports: list[asyncio.BaseTransport] = field(default_factory=list)
     pidfd: int | None = None
     heartbeat_file: str | None = None
+    stacks_file: str | None = None
+    stacks: str | None = None  # its Python stacks, collected when a hang was declared
+    main_thread: int | None = None
     hang: str | None = None  # "rank R made no progress for S s (last step N)"
     hang_monotonic: float | None = None
     hang_wall: float | None = None
@@ -160,8 +171,10 @@ class WorkerGroup:
         self._closed = False
         self.guard = guard
         self.watchdog: HangWatchdog | None = None
+        self._hang_task: asyncio.Task[None] | None = None
         if spec.hang_timeout is not None:
-            self.watchdog = HangWatchdog(spec.hang_timeout, self._on_hang, clock)
+            policy = HangPolicy(spec.hang_timeout, spec.hang_auto)
+            self.watchdog = HangWatchdog(policy, self._on_hang, clock)
         for lr in range(spec.nproc):
             rank = result.rank_offset + lr
             routes = routes_for(
@@ -174,8 +187,11 @@ class WorkerGroup:
             )
             err = os.path.join(attempt_dir, str(lr), "error.json")
             w = Worker(lr, rank, err, routes)
-            if self.watchdog is not None:
+            # Progress: for the watchdog, and (from the runner) the step times.
+            if self.watchdog is not None or self.runs_runner:
                 w.heartbeat_file = os.path.join(attempt_dir, str(lr), "heartbeat.json")
+            if self.watchdog is not None and self.runs_runner:
+                w.stacks_file = os.path.join(attempt_dir, str(lr), "stacks.txt")
             self.workers.append(w)
 
     # ---------------------------------------------------------------- start
@@ -195,6 +211,8 @@ class WorkerGroup:
             envs[w.local_rank] = round_env(
                 self.spec, self.result, w.local_rank, w.error_file, w.heartbeat_file
             )
+            if w.stacks_file is not None:
+                envs[w.local_rank][STACKS_ENV] = w.stacks_file
             if self.runs_runner:
                 envs[w.local_rank][SCOPE_ENV] = self.module_scope
                 w.channel, theirs[w.local_rank] = socket.socketpair()
@@ -234,9 +252,10 @@ class WorkerGroup:
             )
         with contextlib.suppress(OSError):
             os.unlink(w.error_file)  # a stale file from an earlier run with this run id
-        if w.heartbeat_file is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(w.heartbeat_file)
+        for stale in (w.heartbeat_file, w.stacks_file):
+            if stale is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(stale)
 
     def _spawn_cold(
         self, w: Worker, env: dict[str, str], channel: socket.socket | None
@@ -414,13 +433,83 @@ class WorkerGroup:
     def failed(self) -> bool:
         return any((w.done and w.returncode != 0) or w.hang is not None for w in self.workers)
 
-    def _on_hang(self, local_rank: int, last_step: int | None, idle: float) -> None:
-        w = self.workers[local_rank]
+    def _on_hang(self, hang: Hang) -> None:
+        """The watchdog found a rank without progress: collect every local
+        rank's stacks first (bounded), then fail the group."""
+        if self._closed or self._hang_task is not None:
+            return
+        self._hang_task = asyncio.ensure_future(self._declare_hang(hang))
+
+    async def collect_stacks(self) -> dict[int, str]:
+        """Every live local rank's Python stacks (by local rank), also kept on
+        the workers for the failure summary. Bounded (agent/stacks.py)."""
+        live = {
+            w.local_rank: (w.pid, w.stacks_file)
+            for w in self.workers
+            if w.stacks_file is not None and w.popen is not None and not w.done
+        }
+        dumps = await collect(live, clock=self.clock) if live else {}
+        for lr, dump in dumps.items():
+            w = self.workers[lr]
+            w.stacks = dump
+            w.main_thread = main_thread(w.stacks_file) if w.stacks_file else None
+        return dumps
+
+    def _hung_one(self, hang: Hang) -> Worker:
+        """The hung rank: the one the watchdog judged, unless it waits in torch
+        (for a peer) while another rank, also without progress for half the
+        timeout, sits in code of its own: that one is the culprit."""
+        judged = self.workers[hang.key]
+        if judged.stacks is None or not in_torch(judged.stacks, judged.main_thread):
+            return judged
+        dumps = {
+            w.local_rank: (w.stacks, w.main_thread) for w in self.workers if w.stacks is not None
+        }
+        now = self.clock.monotonic()
+        for lr in ordered(dumps, range(len(self.workers))):
+            w, got = self.workers[lr], dumps.get(lr)
+            if got is None or in_torch(*got) or w.done or w.heartbeat_file is None:
+                continue
+            beat = read_beat(w.heartbeat_file)
+            if beat is None or now - beat.monotonic >= hang.timeout / 2:
+                return w
+        return judged
+
+    async def _declare_hang(self, hang: Hang) -> None:
+        await self.collect_stacks()
+        w = self._hung_one(hang)
         if w.done or self._closed:
             return
-        timeout = self.spec.hang_timeout or 0.0
+        if (
+            self.spec.hang_auto
+            and self.watchdog is not None
+            and w.stacks is not None
+            and in_torch(w.stacks, w.main_thread)
+            and not self.watchdog.is_patient(w.local_rank)
+        ):
+            # Waiting for a peer: the culprit is elsewhere (see watchdog.py).
+            self.events.emit(
+                "hang_suspected",
+                rank=w.rank,
+                idle_s=round(hang.idle, 3),
+                sits_in=str(top_frame(w.stacks, w.main_thread)),
+                round=self.result.round,
+            )
+            self._hang_task = None
+            self.watchdog.wait_longer(w.local_rank)
+            return
+        beat = read_beat(w.heartbeat_file) if w.heartbeat_file is not None else None
+        last_step = beat.step if beat is not None else hang.last_step
         step = "no step reported" if last_step is None else f"last step {last_step}"
-        w.hang = f"rank {w.rank} made no progress for {timeout:g} s ({step})"
+        if self.spec.hang_auto:
+            during = f", in phase {hang.phase}" if hang.phase else ""
+            idle = hang.idle if beat is None else self.clock.monotonic() - beat.monotonic
+            w.hang = (
+                f"rank {w.rank} made no progress for {idle:.0f} s "
+                f"(timeout auto: {hang.timeout:g} s; {step}{during})"
+            )
+        else:
+            w.hang = f"rank {w.rank} made no progress for {hang.timeout:g} s ({step})"
         w.hang_monotonic = self.clock.monotonic()
         w.hang_wall = time.time()
         w.hang_first = not self._failed_seen
@@ -431,12 +520,24 @@ class WorkerGroup:
             local_rank=w.local_rank,
             pid=w.pid,
             last_step=last_step,
-            idle_s=round(idle, 3),
-            hang_timeout=timeout,
+            idle_s=round(hang.idle, 3),
+            hang_timeout=round(hang.timeout, 3),
+            auto=self.spec.hang_auto,
+            phase=hang.phase,
+            judged_rank=self.workers[hang.key].rank,
+            sits_in={
+                x.rank: str(top_frame(x.stacks, x.main_thread))
+                for x in self.workers
+                if x.stacks is not None
+            },
             round=self.result.round,
             attempt=self.attempt,
         )
         self._changed.set()
+
+    def beats(self) -> dict[int, Beat]:
+        """The last progress read of each local rank (the watchdog's)."""
+        return self.watchdog.beats() if self.watchdog is not None else {}
 
     @property
     def succeeded(self) -> bool:
@@ -485,6 +586,8 @@ class WorkerGroup:
         grace = self.spec.shutdown_timeout if grace is None else grace
         if self.watchdog is not None:
             self.watchdog.close()  # nobody is judged while stopping
+        if self._hang_task is not None and not self._hang_task.done():
+            await asyncio.wait({self._hang_task}, timeout=5.0)
         live = [w for w in self.workers if w.popen is not None and not w.done]
         for w in live:
             w.stopped_by_agent = True
@@ -602,7 +705,8 @@ def round_env(
 ) -> dict[str, str]:
     """The full environment of one worker in ``result``'s round."""
     env = worker_env_mod.worker_env(spec, result, local_rank, error_file)
-    if heartbeat_file is not None and spec.hang_timeout is not None:
+    if heartbeat_file is not None:
         env[HEARTBEAT_ENV] = heartbeat_file
-        env[HEARTBEAT_INTERVAL_ENV] = repr(heartbeat_interval(spec.hang_timeout))
+        if spec.hang_timeout is not None:
+            env[HEARTBEAT_INTERVAL_ENV] = repr(heartbeat_interval(spec.hang_timeout))
     return env

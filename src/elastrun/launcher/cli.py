@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from elastrun.agent.watchdog import DEFAULT_AUTO_FLOOR
 from elastrun.errors import ConfigError, ElastrunError
 from elastrun.launcher.config import (
     DEFAULT_SIGNALS,
@@ -469,9 +470,11 @@ def build_parser() -> argparse.ArgumentParser:
         *_both("--hang-timeout"),
         action=EnvDefault,
         default=None,
-        metavar="SECONDS",
-        help="fail the group when a worker that reported progress stops progressing for this "
-        "long (default: off)",
+        metavar="SECONDS|auto[:FLOOR]",
+        help="fail the group when a worker that showed progress (optimizer steps, DataLoader "
+        "batches, heartbeat()) makes none for this long; 'auto' learns each rank's timeout "
+        f"from its own progress, never below FLOOR (default {DEFAULT_AUTO_FLOOR:g} s); every "
+        "rank's Python stack is shown (default: off)",
     )
     f.add_argument(
         "--prewarm",
@@ -563,6 +566,22 @@ def _float(flag: str, text: str | None) -> float | None:
     return parse_seconds(flag, text, FLAG_SECONDS[flag])
 
 
+def parse_hang_timeout(text: str | None) -> tuple[float | None, bool]:
+    """``--hang-timeout``: ``S`` (fixed), ``auto`` or ``auto:FLOOR`` ->
+    (seconds or floor, auto)."""
+    if text is None:
+        return None, False
+    raw = str(text).strip()
+    if raw == "auto" or raw.startswith("auto:"):
+        floor = raw.partition(":")[2]
+        if not floor:
+            if raw != "auto":
+                raise ConfigError("--hang-timeout: 'auto:' needs a floor in seconds, e.g. auto:60")
+            return DEFAULT_AUTO_FLOOR, True
+        return parse_seconds("--hang-timeout", floor, FLAG_SECONDS["--hang-timeout"]), True
+    return _float("--hang-timeout", raw), False
+
+
 def _int(flag: str, text: str | None, lo: int, hi: int) -> int | None:
     """ASCII digits in ``lo..hi``."""
     if text is None:
@@ -625,6 +644,7 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
     # --log-template chose ours.
     torch_template = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None
     monitor = _float("--monitor-interval", ns.monitor_interval)
+    hang = parse_hang_timeout(ns.hang_timeout)
     max_restarts = _int("--max-restarts", ns.max_restarts, 0, MAX_RESTARTS)
     config = LaunchConfig(
         min_nodes=min_nodes,
@@ -652,7 +672,8 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
         log_template=ns.log_template,
         log_line_prefix_template=torch_template,
         events_file=ns.events_file or None,
-        hang_timeout=_float("--hang-timeout", ns.hang_timeout),
+        hang_timeout=hang[0],
+        hang_auto=hang[1],
         exit_barrier_timeout=_float("--exit-barrier-timeout", ns.exit_barrier_timeout),
         # Spares run Python: not for --no-python programs or --run-path's -c.
         prewarm=ns.prewarm and not (ns.no_python or ns.run_path),

@@ -141,6 +141,9 @@ class LaunchConfig:
     log_line_prefix_template: str | None = None
     events_file: str | None = None
     hang_timeout: float | None = None
+    # hang_timeout is the floor of each rank's own calibrated timeout
+    # (``--hang-timeout auto[:FLOOR]``; see agent/watchdog.py).
+    hang_auto: bool = False
     exit_barrier_timeout: float | None = None  # None: --rdzv-conf or 300 s
     env: Mapping[str, str] = field(default_factory=dict)  # extra worker environment
     # Fork workers from a warm interpreter (agent/spares.py); only for Python

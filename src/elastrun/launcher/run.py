@@ -121,6 +121,7 @@ def build_spec(plan: Plan, argv: Sequence[str], host: str) -> WorkerSpec:
         monitor_interval=cfg.monitor_interval,
         start_method=cfg.start_method,
         hang_timeout=cfg.hang_timeout,
+        hang_auto=cfg.hang_auto and cfg.hang_timeout is not None,
         events_file=cfg.events_file,
         prewarm=cfg.prewarm,
         prewarm_modules=cfg.prewarm_modules,

@@ -17,7 +17,7 @@ The agent's loop, in terms of this interface::
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -124,6 +124,7 @@ class Change:
     reason: str  # "node_waiting" | "member_lost" | "new_round" | "restart_requested" | ...
     detail: str = ""  # human-readable, e.g. "node host-b (10.0.0.2) lost: lease expired"
     counts_as_restart: bool = False
+    hang: bool = False  # a hang was declared elsewhere: collect the stacks before stopping
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,13 @@ class Rendezvous(abc.ABC):
         """Leave the job-wide note ``name`` for the other agents (best effort,
         bounded in size; never raises)."""
         del name, value  # a rendezvous without a store keeps no notes
+
+    async def gather_notes(self, names: Sequence[str], timeout: float) -> dict[str, dict[str, Any]]:
+        """The job-wide notes ``names`` (all sharing the first one's prefix up
+        to its last ``_``), waiting up to ``timeout`` seconds for those not
+        written yet. Returns those found. Never raises."""
+        del names, timeout
+        return {}
 
     async def joining_running_job(self) -> bool:
         """True when the job trains without this node right now (its round is

@@ -23,6 +23,7 @@ import math
 import os
 import re
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 from elastrun.clock import SYSTEM_CLOCK, Clock, wait_until
@@ -65,7 +66,7 @@ from elastrun.rendezvous.rules import (
     WorkersSucceeded,
 )
 from elastrun.rendezvous.view import Node, Observer
-from elastrun.store.base import Compare, Delete, Get, Put, Store
+from elastrun.store.base import Compare, Delete, Get, KeyValue, Put, Store
 from elastrun.store.keepalive import LeaseKeeper
 
 __all__ = ["DynamicRendezvous", "create_dynamic_rendezvous"]
@@ -163,6 +164,38 @@ class DynamicRendezvous(Rendezvous):
             return
         with contextlib.suppress(StoreError):
             await self.store.put(self.keys.note(name), data)
+
+    async def gather_notes(self, names: Sequence[str], timeout: float) -> dict[str, dict[str, Any]]:
+        want = {n for n in names if _NOTE_NAME.match(n)}
+        if not want:
+            return {}
+        first = min(want)
+        prefix = self.keys.note(first[: first.rfind("_") + 1] if "_" in first else first)
+        got: dict[str, dict[str, Any]] = {}
+
+        def absorb(kv: KeyValue) -> None:
+            name = kv.key[len(self.keys.note("")) :]
+            if name in want and len(kv.value) <= NOTE_MAX_BYTES:
+                with contextlib.suppress(ValueError, RendezvousError):
+                    got[name] = K.decode(kv.key, kv.value)
+
+        deadline = self.clock.monotonic() + timeout
+        with contextlib.suppress(StoreError, TimeoutError):
+            kvs, rev = await self.store.get_prefix(prefix)
+            for kv in kvs:
+                absorb(kv)
+            if want <= got.keys() or timeout <= 0:
+                return got
+            async with (
+                asyncio.timeout(max(0.0, deadline - self.clock.monotonic())),
+                await self.store.watch(prefix, prefix=True, start_revision=rev + 1) as watch,
+            ):
+                async for event in watch:
+                    if event.type == "put":
+                        absorb(event.kv)
+                    if want <= got.keys():
+                        break
+        return got
 
     async def joining_running_job(self) -> bool:
         try:

@@ -206,9 +206,11 @@ def round_change(rec: Record | None, reason: str = "", detail: str = "") -> Chan
         return Change(reason or "new_round", detail)
     r = rec.get("round")
     if rec.get("state") == K.OPEN:
+        failure = rec.get("pending_failure")
         return Change(
             str(rec.get("reason") or "new_round"),
             str(rec.get("detail") or f"round {r} opened"),
             bool(rec.get("counts")),
+            hang=isinstance(failure, dict) and bool(failure.get("hang")),
         )
     return Change("new_round", f"round {r} is {rec.get('state')} without this node")

@@ -246,17 +246,61 @@ def render_table(s: dict[str, Any], where: str) -> str:
             )
             for m in s["members"]
         ]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        for r in rows:
-            out.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+        out.extend(_table(rows))
     if s["joined"]:
         joined = ", ".join(f"{j['host']} ({j['node_id']})" for j in s["joined"])
         out.append(f"\njoined round {rnd}: {joined}")
     if s["waiting"]:
         out.append("waiting: " + ", ".join(f"{w['host']} ({w['node_id']})" for w in s["waiting"]))
+    out.extend(_ranks_block(s.get("ranks") or []))
     failure = s["last_failure"]
     out.append("\nlast failure: " + (_failure_line(failure) if failure else "none"))
+    out.extend(_stacks_block(s.get("hang_stacks")))
     return "\n".join(out)
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+
+
+def _ranks_block(ranks: list[dict[str, Any]]) -> list[str]:
+    """Per-rank step times (reported every few seconds by each agent)."""
+    if not ranks:
+        return []
+    rows = [("RANK", "HOST", "STEP", "STEP_TIME", "OWN_TIME", "IDLE", "")]
+    for r in ranks:
+        st, own, idle = r.get("step_time_s"), r.get("own_time_s"), r.get("idle_s")
+        note = "STRAGGLER" if r.get("straggler") else (f"in {r['phase']}" if r.get("phase") else "")
+        rows.append(
+            (
+                str(r["rank"]),
+                str(r.get("host") or "?"),
+                "-" if r.get("step") is None else str(r["step"]),
+                "-" if st is None else f"{st * 1000:.1f} ms",
+                "-" if own is None else f"{own * 1000:.1f} ms",
+                "-" if idle is None else fmt_duration(idle),
+                note,
+            )
+        )
+    title = (
+        "\nranks (medians of the recent optimizer steps; own time: outside backward passes, "
+        "where DDP waits for the slowest rank):"
+    )
+    return [title, *_table(rows)]
+
+
+def _stacks_block(stacks: dict[str, Any] | None) -> list[str]:
+    """Where each rank sat when the last hang was declared."""
+    if not stacks or not stacks.get("ranks"):
+        return []
+    out = [f"\nstacks at the last hang (round {stacks['round']}), stuck ranks first:"]
+    for r in stacks["ranks"]:
+        frames = r.get("frames") or []
+        role = "waiting in torch" if r.get("in_torch") else "stuck in its own code"
+        where = frames[0] if frames else "(no Python frame)"
+        out.append(f"  rank {r['rank']} on {r.get('host') or '?'} [{role}] sits in {where}")
+    return out
 
 
 class Printer:

@@ -10,6 +10,8 @@ records the rendezvous keeps anyway (see :mod:`elastrun.rendezvous.keys`)::
     rounds/{R}/done/...     members whose workers succeeded (exit barrier)
     nodes/...               presence (on each node's lease)
     waiting/...             nodes waiting for the next round
+    notes/progress_{G}      step times of group rank G's workers (agent/stragglers.py)
+    notes/stacks_{R}_{G}    its workers' stacks when round R ended on a hang (agent/hangs.py)
 
 Everything is read in one transaction (one store revision), guarded by the
 ``round`` record's revision so that the round and its result agree. The
@@ -33,6 +35,8 @@ SUMMARY_VERSION = 1
 JOB_STATES = ("joining", "running", "restarting", "finished", "failed")
 TERMINAL_STATES = frozenset({"finished", "failed"})
 MAX_TRIES = 20  # the round record changed between our two reads this often: give up
+MAX_NOTES = 1024  # progress and stacks notes read (one per node and round)
+MAX_NOTE_BYTES = 256 * 1024
 
 _FAILURE_FIELDS = (
     "rank",
@@ -52,6 +56,20 @@ _FAILURE_FIELDS = (
 
 def _records(kvs: list[KeyValue]) -> dict[str, dict[str, Any]]:
     return {K.node_id_of(kv.key): K.decode(kv.key, kv.value) for kv in kvs}
+
+
+def _notes(kvs: list[KeyValue], prefix: str) -> dict[str, dict[str, Any]]:
+    out = {}
+    for kv in kvs[:MAX_NOTES]:
+        if len(kv.value) > MAX_NOTE_BYTES:
+            continue
+        try:
+            value = K.decode(kv.key, kv.value)
+        except (ProtocolError, ValueError):
+            continue
+        if isinstance(value, dict):
+            out[kv.key[len(prefix) :]] = value
+    return out
 
 
 def _one(kvs: list[KeyValue]) -> dict[str, Any] | None:
@@ -98,6 +116,7 @@ def summarize(
     waiting: dict[str, dict[str, Any]],
     revision: int,
     now: float | None = None,
+    notes: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Pure: the records of one job -> its summary (stable keys). ``now``
     (wall clock; default: the current time) dates ``state_for_s``."""
@@ -178,8 +197,62 @@ def summarize(
         # keeps the failure that opened it, already counted (or not, when a
         # node was lost) in "restarts".
         "restart_pending": bool(is_open and round_rec and round_rec.get("pending_failure")),
+        "ranks": (ranks := rank_progress(notes or {}, shown)),
+        "stragglers": [r["rank"] for r in ranks if r["straggler"]],
+        "hang_stacks": hang_stacks(notes or {}),
         "revision": revision,
     }
+
+
+def _num(value: Any) -> float | None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return float(value) if ok else None
+
+
+def rank_progress(
+    notes: dict[str, dict[str, Any]], shown: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    """Per-rank step times of the round shown, from the agents' progress notes
+    (agent/stragglers.py), ordered by rank."""
+    if shown is None:
+        return []
+    out = []
+    for name, note in notes.items():
+        if not name.startswith("progress_") or note.get("round") != shown.get("round"):
+            continue
+        for r in note.get("ranks") or ():
+            if not isinstance(r, dict) or not isinstance(r.get("rank"), int):
+                continue
+            out.append(
+                {
+                    "rank": r["rank"],
+                    "host": str(note.get("host") or ""),
+                    "step": r.get("step") if isinstance(r.get("step"), int) else None,
+                    "step_time_s": _num(r.get("step_time")),
+                    "own_time_s": _num(r.get("own_time")),
+                    "idle_s": _num(r.get("idle_s")),
+                    "phase": r.get("phase") if isinstance(r.get("phase"), str) else None,
+                    "straggler": r.get("straggler") is True,
+                    "reported_at": _wall(note.get("at")),
+                }
+            )
+    return sorted(out, key=lambda r: r["rank"])
+
+
+def hang_stacks(notes: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """Every rank's stack at the job's last declared hang (agent/hangs.py)."""
+    rounds: dict[int, list[Any]] = {}
+    for name, note in notes.items():
+        r = note.get("round")
+        ranks = note.get("ranks")
+        if name.startswith("stacks_") and isinstance(r, int) and isinstance(ranks, list):
+            rounds.setdefault(r, []).extend(ranks)
+    if not rounds:
+        return None
+    last = max(rounds)
+    ranks = [x for x in rounds[last] if isinstance(x, dict) and isinstance(x.get("rank"), int)]
+    ranks.sort(key=lambda x: (bool(x.get("in_torch")), x["rank"]))
+    return {"round": last, "ranks": ranks}
 
 
 async def read_summary(store: Store, run_id: str) -> dict[str, Any] | None:
@@ -195,20 +268,21 @@ async def read_summary(store: Store, run_id: str) -> dict[str, Any] | None:
             guard = Compare.unchanged(k.round, round_kv.mod_revision)
             r = int(K.decode(round_kv.key, round_kv.value)["round"])
         ops = [Get(k.config), Get(k.round), Get(k.nodes, True), Get(k.waiting_prefix, True)]
+        ops += [Get(k.note("progress_"), True), Get(k.note("stacks_"), True)]
         if r is not None:
             ops += [Get(k.result(r)), Get(k.result(r - 1)), Get(k.joins(r), True)]
             ops += [Get(k.dones(r), True)]
         res = await store.txn([guard], ops)
         if not res.succeeded:
             continue  # the round moved on between the two reads: read again
-        config_kvs, round_kvs, node_kvs, waiting_kvs = res.gets[:4]
+        config_kvs, round_kvs, node_kvs, waiting_kvs, progress_kvs, stacks_kvs = res.gets[:6]
         if not config_kvs and not round_kvs:
             return None
         result = prev = None
         joins: dict[str, dict[str, Any]] = {}
         dones: set[str] = set()
         if r is not None:
-            result_kvs, prev_kvs, join_kvs, done_kvs = res.gets[4:8]
+            result_kvs, prev_kvs, join_kvs, done_kvs = res.gets[6:10]
             result, prev = _one(result_kvs), _one(prev_kvs) if r > 0 else None
             joins = _records(join_kvs)
             dones = {K.node_id_of(kv.key) for kv in done_kvs}
@@ -223,6 +297,7 @@ async def read_summary(store: Store, run_id: str) -> dict[str, Any] | None:
             nodes=_records(node_kvs),
             waiting=_records(waiting_kvs),
             revision=res.revision,
+            notes=_notes([*progress_kvs, *stacks_kvs], k.note("")),
         )
     raise StoreError(
         f"the round record of job {run_id!r} changed {MAX_TRIES} times while reading it; try again"

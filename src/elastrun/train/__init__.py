@@ -2,7 +2,9 @@
 
 - :func:`context` / :class:`WorkerContext`: this worker's rank, world size,
   restart count, ... from the launcher's environment.
-- :func:`heartbeat`: report progress to the hang watchdog (no-op without it).
+- :func:`heartbeat`: report progress to the hang watchdog (no-op without it);
+  :func:`phase`: mark a long phase of the script (progress is otherwise
+  recorded automatically in workers elastrun starts).
 - :class:`ElasticSampler`: shards each epoch by the current world size and
   resumes mid-epoch by global sample offset.
 - :func:`save_checkpoint` / :func:`load_checkpoint`: atomic, checksummed
@@ -23,7 +25,7 @@ from elastrun.train.checkpoint import (
     save_checkpoint,
 )
 from elastrun.train.context import WorkerContext, context
-from elastrun.train.heartbeat import heartbeat
+from elastrun.train.heartbeat import heartbeat, phase
 from elastrun.train.sampler import ElasticSampler, global_order
 
 __all__ = [
@@ -36,5 +38,6 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "phase",
     "save_checkpoint",
 ]

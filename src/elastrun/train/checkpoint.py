@@ -43,6 +43,7 @@ from elastrun.train.checkpoint_files import (
     publish,
     write_checkpoint,
 )
+from elastrun.train.heartbeat import phase
 
 __all__ = [
     "CheckpointInfo",
@@ -87,9 +88,10 @@ def save_checkpoint(
     if step < 0:
         raise ConfigError(f"checkpoint step must be >= 0, got {step}")
     d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    final, _ = write_checkpoint(d, step, lambda f: torch.save(dict(state), f))
-    publish(d, final, keep)
+    with phase("checkpoint"):  # --hang-timeout auto allows it longer than a step
+        d.mkdir(parents=True, exist_ok=True)
+        final, _ = write_checkpoint(d, step, lambda f: torch.save(dict(state), f))
+        publish(d, final, keep)
     return final
 
 
@@ -252,6 +254,13 @@ def load_checkpoint(
     unverified. Pass ``log=None`` for silence. Raises ConfigError when the
     chosen checkpoint is intact but its contents cannot be loaded.
     """
+    with phase("checkpoint"):  # --hang-timeout auto allows it longer than a step
+        return _agree_and_load(directory, group, map_location, keep, log)
+
+
+def _agree_and_load(
+    directory: str | os.PathLike[str], group: Any, map_location: Any, keep: int, log: Log
+) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 

@@ -12,16 +12,25 @@ Linux is shared by all processes of the machine, so the agent on the same node
 compares it with its own ``time.monotonic()``. The file is replaced atomically
 (temporary file + ``os.replace``), so a reader never sees a torn line. Without
 the variable the call is a cheap no-op, so scripts can call it unconditionally.
+
+In a worker that elastrun's runner started, progress is recorded
+automatically (optimizer steps, DataLoader batches: see
+``elastrun/worker/_progress.py``); ``heartbeat(step)`` then feeds the same
+record, and :func:`phase` marks a long phase of the script.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
-__all__ = ["HEARTBEAT_ENV", "HEARTBEAT_INTERVAL_S", "HEARTBEAT_SCHEMA", "heartbeat"]
+__all__ = ["HEARTBEAT_ENV", "HEARTBEAT_INTERVAL_S", "HEARTBEAT_SCHEMA", "heartbeat", "phase"]
 
 HEARTBEAT_ENV = "ELASTRUN_HEARTBEAT_FILE"
 HEARTBEAT_SCHEMA = 1
@@ -55,6 +64,29 @@ def _reset_for_tests() -> None:
         _path, _path_read, _last_write = None, False, -float("inf")
 
 
+def _progress() -> Any:
+    """The worker runner's automatic progress (worker/_progress.py), if on."""
+    mod = sys.modules.get("_elastrun_progress")
+    return mod.current() if mod is not None else None
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Mark a long phase of the script (an evaluation without a DataLoader, an
+    export), so that ``--hang-timeout auto`` allows it longer than a step.
+
+    Inside a phase the watchdog waits 10 times the rank's timeout
+    (``--hang-timeout auto`` only); the phase's duration does not count as a gap between two steps.
+    elastrun's checkpoint helpers and ``torch.save``/``torch.load`` are
+    phases already. A no-op outside elastrun."""
+    progress = _progress()
+    if progress is None:
+        yield
+        return
+    with progress.in_phase(str(name)):
+        yield
+
+
 def heartbeat(step: int | None = None) -> None:
     """Report progress: "this worker is alive and at ``step``".
 
@@ -63,6 +95,10 @@ def heartbeat(step: int | None = None) -> None:
     Never raises for I/O problems (a full disk must not kill training); the
     watchdog then sees no progress and says so.
     """
+    progress = _progress()
+    if progress is not None:
+        progress.heartbeat(step)  # written by its thread, rate-limited
+        return
     path = _target()
     if path is None:
         return

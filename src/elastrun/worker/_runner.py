@@ -15,6 +15,13 @@ exit code), after setting up what elastrun observes from inside the worker:
   installed packages are named (``ELASTRUN_MODULE_SCOPE=all`` also names the
   user's own modules); never the script itself.
 
+* **progress** (``_progress.py``): optimizer steps, DataLoader batches and
+  checkpoint phases, counted through torch's process-wide hooks and written
+  to ``ELASTRUN_HEARTBEAT_FILE`` for the hang watchdog and the step times;
+* **stacks**: with ``ELASTRUN_STACKS_FILE``, ``faulthandler`` writes every
+  thread's Python stack there on ``SIGRTMIN+5`` (the agent sends it when it
+  declares a hang).
+
 With ``ELASTRUN_RUNNER=zygote`` the program is the agent's warm interpreter
 instead (``_zygote.py``, loaded from beside this file): it imports modules
 ahead of time, then forks the workers. A forked worker continues here, in
@@ -55,7 +62,13 @@ MODE_ENV = "ELASTRUN_RUNNER"  # "zygote": serve forks (see _zygote.py)
 CHANNEL_ENV = "ELASTRUN_CHANNEL_FD"  # the channel socket's fd
 SCOPE_ENV = "ELASTRUN_MODULE_SCOPE"  # "installed" (default) or "all"
 AFTER_ENV = "ELASTRUN_MODULES_AFTER"  # s after start to record without an optimizer step
-PRIVATE_ENV = (MODE_ENV, CHANNEL_ENV, SCOPE_ENV, AFTER_ENV)
+STACKS_ENV = "ELASTRUN_STACKS_FILE"  # where faulthandler writes on STACK_SIGNAL
+PROGRESS_ENV = ("ELASTRUN_HEARTBEAT_FILE", "ELASTRUN_HEARTBEAT_INTERVAL")  # see _progress.py
+PRIVATE_ENV = (MODE_ENV, CHANNEL_ENV, SCOPE_ENV, AFTER_ENV, STACKS_ENV, *PROGRESS_ENV)
+# The signal on which a worker writes every thread's Python stack (the agent
+# sends it when it declares a hang). A real-time signal: scripts and the
+# libraries they use (SLURM's SIGUSR1, Lightning's requeue) do not take it.
+STACK_SIGNAL_OFFSET = 5  # SIGRTMIN+5
 DEFAULT_AFTER = 30.0
 MAX_MODULES = 5000
 MAX_NAME = 200
@@ -263,6 +276,46 @@ def pause_before_destroy(c10d: types.ModuleType) -> None:
         dist.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
 
 
+def on_import(name: str, callback: Callable[[types.ModuleType], None]) -> None:
+    """``callback(module)`` once ``name`` is imported (now, if it is)."""
+    mod = sys.modules.get(name)
+    if mod is not None:
+        with contextlib.suppress(Exception):
+            callback(mod)
+    else:
+        sys.meta_path.insert(0, _OnImport(name, callback))
+
+
+_stacks_file: Any = None  # kept open: faulthandler writes to its fd
+
+
+def register_stacks(path: str) -> None:
+    """Dump every thread's stack into ``path`` on STACK_SIGNAL. ``path``
+    appears only once the handler is in place: the agent signals a worker
+    only when it exists (the signal's default action would end the process)."""
+    global _stacks_file
+    import faulthandler
+    import signal
+
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        f = open(tmp, "w", encoding="utf-8")  # noqa: SIM115 - kept open for faulthandler
+        # faulthandler names threads by id: say which one runs the script.
+        f.write(f"# elastrun: main thread 0x{threading.get_ident():x}\n")
+        f.flush()
+        signum = signal.SIGRTMIN + STACK_SIGNAL_OFFSET
+        # faulthandler restores the previous disposition when the interpreter
+        # finalizes: "ignore", so a late signal cannot end an exiting worker.
+        signal.signal(signum, signal.SIG_IGN)
+        faulthandler.register(signum, file=f, all_threads=True, chain=False)
+        os.replace(tmp, path)
+    except (OSError, ValueError, RuntimeError):
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return
+    _stacks_file = f
+
+
 def guard_teardown() -> None:
     """:func:`pause_before_destroy` now, or once torch.distributed is imported."""
     c10d = sys.modules.get(C10D_MODULE)
@@ -351,6 +404,10 @@ def run_worker(kind: str, target: str, args: list[str]) -> None:
         after = float(env.get(AFTER_ENV, "") or DEFAULT_AFTER)
     except ValueError:
         after = DEFAULT_AFTER
+    stacks = env.get(STACKS_ENV)
+    if stacks:
+        register_stacks(stacks)
+    _load_sibling("_progress").install(on_import)  # reads its own variables
     for name in PRIVATE_ENV:
         env.pop(name, None)
     if channel.fd is not None:

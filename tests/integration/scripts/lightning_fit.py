@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -50,6 +51,14 @@ def append(path: Path, record: Mapping[str, object]) -> None:
         os.write(fd, (json.dumps(record) + "\n").encode())
     finally:
         os.close(fd)
+
+
+def progress_seen() -> dict[str, object] | None:
+    mod = sys.modules.get("_elastrun_progress")
+    p = mod.current() if mod is not None else None
+    if p is None:
+        return None
+    return {"steps": p.steps, "batches": p.changes, "step_time": p.step_time()}
 
 
 def children() -> list[int]:
@@ -175,6 +184,9 @@ def main() -> None:
         "ckpt_path": trainer.ckpt_path,
         "checksum": checksum,
         "children": children(),
+        # What elastrun's runner recorded, through torch's hooks, with no
+        # change to this script (None under another launcher).
+        "progress": progress_seen(),
     }
     rank = os.environ.get("RANK", "0")
     (args.out / f"fit-r{rank}-a{restart}.json").write_text(json.dumps(result))

@@ -1,0 +1,183 @@
+"""What automatic progress costs a training step, and how fast ``auto`` finds a hang.
+
+1. **Overhead.** A training loop as scripts write it (an MLP under
+   ``DistributedDataParallel`` on a one-rank gloo group, SGD with momentum,
+   batches from a ``DataLoader``), run in child processes with the progress
+   hooks installed as elastrun's runner installs them (``on``) and without
+   (``off``), alternating, ``--rounds`` times each. Each child times
+   ``--steps`` steps after a warm-up and reports the median of its blocks'
+   mean step time. The steps have no sleep: the hooks' cost is as large a
+   share of the step as it can be. Reported: the median ``on/off`` ratio.
+2. **Detection.** ``tests/integration/scripts/hang_ddp.py stuck`` (3 ranks,
+   about 50 ms steps, rank 1 stuck at step 30) under ``elastrun
+   --hang-timeout auto:FLOOR``: ``idle_s`` of the ``hang_detected`` event
+   (seconds from the stuck rank's last progress to the declaration). torchrun
+   has no such detection: the others wait in gloo's all-reduce until its
+   timeout (30 minutes by default).
+
+Usage: python -m bench.progress_overhead [--rounds 5] [--steps 2000] [--floor 5] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+HANG_SCRIPT = REPO / "tests" / "integration" / "scripts" / "hang_ddp.py"
+BLOCK = 100
+
+
+def child(hooks: bool, steps: int) -> None:
+    if hooks:
+        from elastrun.worker import _progress, _runner
+
+        fd, path = tempfile.mkstemp(prefix="progress-bench-")
+        os.close(fd)
+        os.environ[_progress.FILE_ENV] = path
+        _progress.install(_runner.on_import)
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, TensorDataset
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = DDP(
+        torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    data = TensorDataset(torch.randn(8192, 64), torch.randn(8192, 1))
+
+    def batches():
+        while True:
+            yield from DataLoader(data, batch_size=32, shuffle=True)
+
+    it = batches()
+
+    def step() -> None:
+        x, y = next(it)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    for _ in range(200):
+        step()
+    means = []
+    for _ in range(max(1, steps // BLOCK)):
+        t0 = time.perf_counter()
+        for _ in range(BLOCK):
+            step()
+        means.append((time.perf_counter() - t0) / BLOCK)
+    dist.destroy_process_group()
+    print(json.dumps({"hooks": hooks, "step_s": statistics.median(means)}))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def overhead(rounds: int, steps: int) -> dict[str, object]:
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(rounds):
+        for hooks in (False, True):
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.progress_overhead",
+                    "--child",
+                    str(int(hooks)),
+                    "--steps",
+                    str(steps),
+                ],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=True,
+            ).stdout
+            times[hooks].append(json.loads(out.strip().splitlines()[-1])["step_s"])
+    ratios = [on / off for on, off in zip(times[True], times[False], strict=True)]
+    return {
+        "step_s_off": times[False],
+        "step_s_on": times[True],
+        "ratio_median": statistics.median(ratios),
+        "ratios": ratios,
+    }
+
+
+def detection(floor: float) -> dict[str, object]:
+    with tempfile.TemporaryDirectory(prefix="hang-bench-") as d:
+        out, events = Path(d) / "out", Path(d) / "events.jsonl"
+        out.mkdir()
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "elastrun",
+                "--nproc-per-node=3",
+                "--max-restarts=1",
+                f"--hang-timeout=auto:{floor:g}",
+                f"--events-file={events}",
+                str(HANG_SCRIPT),
+                str(out),
+                "stuck",
+                "40",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        hangs = [
+            e
+            for e in (json.loads(x) for x in events.read_text().splitlines())
+            if e["kind"] == "hang_detected"
+        ]
+    return {
+        "floor_s": floor,
+        "exit": proc.returncode,
+        "idle_s": hangs[0]["idle_s"] if hangs else None,
+        "timeout_s": hangs[0]["hang_timeout"] if hangs else None,
+        "sits_in": hangs[0]["sits_in"] if hangs else None,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--child", choices=("0", "1"))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--floor", type=float, default=5.0)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.child is not None:
+        child(args.child == "1", args.steps)
+        return 0
+    result = {
+        "overhead": overhead(args.rounds, args.steps),
+        "detection": detection(args.floor),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

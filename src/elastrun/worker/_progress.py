@@ -1,0 +1,346 @@
+"""Automatic progress, for the hang watchdog and the straggler report (stdlib only).
+
+Loaded by the worker runner (``_runner.py``) when the agent gives the worker a
+progress file (``ELASTRUN_HEARTBEAT_FILE``). With no change to the script it
+counts, through torch's process-wide hooks:
+
+* **optimizer steps**: ``torch.optim``'s global step post-hook (plain loops,
+  Lightning, accelerate and Hugging Face all step a ``torch.optim`` optimizer);
+* **batches**: each batch a ``torch.utils.data.DataLoader`` yields (so an
+  evaluation loop, which steps no optimizer, shows progress too);
+* **checkpoint phases**: ``torch.save`` and ``torch.load`` run inside a
+  ``checkpoint`` phase, as do elastrun.train's checkpoint helpers; a script
+  may mark its own long phases with :func:`elastrun.train.phase`;
+* explicit :func:`elastrun.train.heartbeat` calls.
+
+A hook only updates a few numbers (no I/O, no lock). A daemon thread writes
+the progress file, atomically, at most every ``ELASTRUN_HEARTBEAT_INTERVAL``
+seconds and only when something changed; the agent reads it when one of its
+timers fires. A worker stuck anywhere, even holding the GIL, writes nothing
+new: no false progress. One line of JSON (schema 1, the heartbeat's, with
+more fields)::
+
+    {"v": 1, "pid": 1234, "step": 42, "monotonic": 51234.1,
+     "steps": 40, "step_time": 0.051, "own_time": 0.02, "calib": 1.2,
+     "phase": null, "phase_since": null}
+
+``monotonic`` is the time of the last progress (CLOCK_MONOTONIC, machine
+wide); ``step_time`` the median of the recent optimizer step intervals;
+``own_time`` the same outside backward passes and collectives (what tells
+a straggler in DDP, where every rank's step lasts as long as the slowest's); ``calib`` this
+rank's own calibrated timeout: ``max(GAP_QUANTILE_MULT x the
+99th percentile of the recent gaps between two progress events,
+GAP_MAX_MULT x the longest gap seen)``. The time spent in a phase is never a
+gap: a checkpoint save does not teach the watchdog to wait longer for steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+SCHEMA = 1
+FILE_ENV = "ELASTRUN_HEARTBEAT_FILE"
+INTERVAL_ENV = "ELASTRUN_HEARTBEAT_INTERVAL"
+MAX_INTERVAL = 1.0
+GAPS_KEPT = 512  # recent gaps between two progress events
+STEPS_KEPT = 32  # recent optimizer step intervals (the step time)
+GAP_QUANTILE_MULT = 10.0
+GAP_MAX_MULT = 2.0
+MIN_GAPS = 8  # fewer gaps than this: no calibration yet (the floor holds)
+MAX_PHASE_NAME = 64
+OPTIMIZER_MODULE = "torch.optim.optimizer"
+DATALOADER_MODULE = "torch.utils.data.dataloader"
+
+
+class Progress:
+    """One worker's progress; hooks call :meth:`event`, a thread writes it."""
+
+    def __init__(self, path: str, interval: float, clock: Callable[[], float] = time.monotonic):
+        self.path = path
+        self.interval = max(0.01, min(MAX_INTERVAL, interval))
+        self.clock = clock
+        self.last: float | None = None  # the last progress
+        self.step: int | None = None  # the script's step (heartbeat) or the count
+        self.steps = 0  # optimizer steps
+        self.changes = 0
+        self.gaps: deque[float] = deque(maxlen=GAPS_KEPT)
+        self.max_gap = 0.0
+        self.step_times: deque[float] = deque(maxlen=STEPS_KEPT)
+        self.own_times: deque[float] = deque(maxlen=STEPS_KEPT)
+        self.waiting = 0.0  # s in backward passes and collectives since the last step
+        self.last_step_at: float | None = None
+        self.phase: str | None = None
+        self.phase_since: float | None = None
+        self.phase_depth = 0
+        self.explicit = False  # the script reports its own steps (heartbeat(step))
+        self._written = -1
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --------------------------------------------------------------- events
+    def event(self, step: int | None = None) -> None:
+        """Progress happened now (a batch, a heartbeat)."""
+        now = self.clock()
+        last = self.last
+        if last is not None and self.phase is None:
+            gap = now - last
+            self.gaps.append(gap)
+            self.max_gap = max(self.max_gap, gap)
+        self.last = now
+        if step is not None:
+            self.step = step
+        self.changes += 1
+
+    def optimizer_step(self, *_: Any) -> None:
+        now = self.clock()
+        self.steps += 1
+        if self.last_step_at is not None and self.phase is None:
+            interval = now - self.last_step_at
+            self.step_times.append(interval)
+            self.own_times.append(max(0.0, interval - self.waiting))
+        self.waiting = 0.0
+        self.last_step_at = now
+        self.event(None if self.explicit else self.steps)
+
+    def heartbeat(self, step: int | None) -> None:
+        if step is not None:
+            self.explicit = True
+        self.event(step)
+
+    @contextlib.contextmanager
+    def in_phase(self, name: str) -> Iterator[None]:
+        """A long phase (a checkpoint save): the watchdog allows it longer,
+        and its duration is not a gap between two steps."""
+        outer = self.phase_depth == 0
+        if outer:
+            self.phase = name[:MAX_PHASE_NAME]
+            self.phase_since = self.clock()
+            self.changes += 1
+        self.phase_depth += 1
+        try:
+            yield
+        finally:
+            self.phase_depth -= 1
+            if outer:
+                self.phase = self.phase_since = None
+                # Progress resumes from here: the phase is no gap, and the
+                # step in flight around it is no step time.
+                self.last = self.clock()
+                self.last_step_at = None
+                self.changes += 1
+
+    # ------------------------------------------------------------ numbers
+    def step_time(self) -> float | None:
+        return statistics.median(self.step_times) if self.step_times else None
+
+    def own_time(self) -> float | None:
+        """The median step time outside backward passes and collectives: in
+        DDP every rank's step lasts as long as the slowest's (the others wait
+        in the backward pass's all-reduce), so this is what tells the slow rank."""
+        return statistics.median(self.own_times) if self.own_times else None
+
+    def calibrated(self) -> float | None:
+        """This rank's own timeout, learned from its gaps (None: too few)."""
+        if len(self.gaps) < MIN_GAPS:
+            return None
+        ordered = sorted(self.gaps)
+        q99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        return max(GAP_QUANTILE_MULT * q99, GAP_MAX_MULT * self.max_gap)
+
+    def snapshot(self) -> dict[str, Any]:
+        st, own, calib = self.step_time(), self.own_time(), self.calibrated()
+        return {
+            "v": SCHEMA,
+            "pid": os.getpid(),
+            "step": self.step,
+            "monotonic": self.last,
+            "steps": self.steps,
+            "step_time": None if st is None else round(st, 6),
+            "own_time": None if own is None else round(own, 6),
+            "calib": None if calib is None else round(calib, 3),
+            "phase": self.phase,
+            "phase_since": self.phase_since,
+        }
+
+    # ------------------------------------------------------------- writing
+    def write(self) -> None:
+        """Write the file if anything changed (never raises)."""
+        changes = self.changes
+        if changes == self._written or (self.last is None and self.phase is None):
+            return
+        self._written = changes
+        try:
+            line = json.dumps(self.snapshot()) + "\n"
+        except RuntimeError:  # a hook changed the numbers meanwhile: next time
+            self._written = -1
+            return
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(line)
+            os.replace(tmp, self.path)
+        except OSError:
+            return  # a full disk must not kill training: the watchdog sees no progress
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="elastrun-progress", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.write()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+# ---------------------------------------------------------------- the hooks
+
+
+def hook_optimizer(progress: Progress, mod: Any) -> None:
+    register = getattr(mod, "register_optimizer_step_post_hook", None)
+    if register is not None:
+        register(progress.optimizer_step)
+
+
+def hook_dataloader(progress: Progress, mod: Any) -> None:
+    cls = getattr(mod, "_BaseDataLoaderIter", None)
+    real = getattr(cls, "__next__", None)
+    if cls is None or real is None or getattr(real, "_elastrun_progress", False):
+        return
+
+    @functools.wraps(real)
+    def __next__(self: Any) -> Any:
+        out = real(self)
+        progress.event()
+        return out
+
+    __next__._elastrun_progress = True  # type: ignore[attr-defined]
+    cls.__next__ = __next__
+
+
+def _in_phase(progress: Progress, name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+    if getattr(real, "_elastrun_progress", False):
+        return real
+
+    @functools.wraps(real)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with progress.in_phase(name):
+            return real(*args, **kwargs)
+
+    wrapper._elastrun_progress = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _timed(progress: Progress, real: Callable[..., Any]) -> Callable[..., Any]:
+    if getattr(real, "_elastrun_progress", False):
+        return real
+    clock = progress.clock
+
+    @functools.wraps(real)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = clock()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            progress.waiting += clock() - t0
+
+    timed._elastrun_progress = True  # type: ignore[attr-defined]
+    return timed
+
+
+def hook_backward(progress: Progress, autograd: Any) -> None:
+    """Time spent in ``torch.autograd.backward`` (``Tensor.backward`` calls it)."""
+    real = getattr(autograd, "backward", None)
+    if real is not None:
+        autograd.backward = _timed(progress, real)
+
+
+# Collectives a script (or Lightning, or accelerate) calls from Python: a
+# rank waits in them for the slowest.
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+)
+
+
+def hook_collectives(progress: Progress, dist: Any) -> None:
+    """Time spent in ``torch.distributed``'s collectives."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    for name in COLLECTIVES:
+        real = getattr(dist, name, None)
+        if real is None:
+            continue
+        timed = _timed(progress, real)
+        setattr(dist, name, timed)
+        if c10d is not None and getattr(c10d, name, None) is real:
+            setattr(c10d, name, timed)
+
+
+def hook_torch(progress: Progress, torch: Any) -> None:
+    """torch.save / torch.load run in a ``checkpoint`` phase; backward passes
+    are timed."""
+    autograd = sys.modules.get("torch.autograd")
+    if autograd is not None:
+        hook_backward(progress, autograd)
+    serialization = sys.modules.get("torch.serialization")
+    for name in ("save", "load"):
+        real = getattr(torch, name, None)
+        if real is None:
+            continue
+        wrapped = _in_phase(progress, "checkpoint", real)
+        setattr(torch, name, wrapped)
+        if serialization is not None and getattr(serialization, name, None) is real:
+            setattr(serialization, name, wrapped)
+
+
+_current: Progress | None = None
+
+
+def current() -> Progress | None:
+    """The worker's progress (None when the agent asked for none)."""
+    return _current
+
+
+def install(on_import: Callable[[str, Callable[[Any], None]], None]) -> Progress | None:
+    """Start recording progress if the agent gave a file. ``on_import(name,
+    callback)`` calls ``callback(module)`` once ``name`` is imported (at once
+    when it is already)."""
+    global _current
+    path = os.environ.get(FILE_ENV)
+    if not path:
+        return None
+    try:
+        interval = float(os.environ.get(INTERVAL_ENV) or MAX_INTERVAL)
+    except ValueError:
+        interval = MAX_INTERVAL
+    progress = Progress(path, interval)
+    on_import(OPTIMIZER_MODULE, functools.partial(hook_optimizer, progress))
+    on_import(DATALOADER_MODULE, functools.partial(hook_dataloader, progress))
+    on_import("torch", functools.partial(hook_torch, progress))
+    on_import("torch.distributed", functools.partial(hook_collectives, progress))
+    progress.start()
+    _current = progress
+    return progress
