@@ -7,7 +7,10 @@
    (``off``), alternating, ``--rounds`` times each. Each child times
    ``--steps`` steps after a warm-up and reports the median of its blocks'
    mean step time. The steps have no sleep: the hooks' cost is as large a
-   share of the step as it can be. Reported: the median ``on/off`` ratio.
+   share of the step as it can be. Reported: the median ``on/off`` ratio
+   (noisy: separate processes), and, measured in one process, what the
+   hooks add to one step (``hook_cost_s``) and its share of the unhooked
+   step and of a 50 ms step.
 2. **Detection.** ``tests/integration/scripts/hang_ddp.py stuck`` (3 ranks,
    about 50 ms steps, rank 1 stuck at step 30) under ``elastrun
    --hang-timeout auto:FLOOR``: ``idle_s`` of the ``hang_detected`` event
@@ -89,6 +92,34 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def hook_cost(n: int = 200_000) -> float:
+    """Seconds the hooks add to one training step, measured in this process:
+    what a DDP step triggers (a DataLoader batch, a timed backward pass, an
+    optimizer step) against the same calls unhooked."""
+    from elastrun.worker._progress import Progress, _timed
+
+    with tempfile.TemporaryDirectory() as d:
+        p = Progress(os.path.join(d, "hb.json"), 1.0)
+
+        def noop() -> None:
+            return None
+
+        timed = _timed(p, noop)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            noop()
+            noop()
+            noop()
+        base = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(n):
+            p.event()
+            timed()
+            p.optimizer_step()
+        hooked = time.perf_counter() - t0
+    return max(0.0, (hooked - base) / n)
+
+
 def overhead(rounds: int, steps: int) -> dict[str, object]:
     times: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(rounds):
@@ -111,7 +142,11 @@ def overhead(rounds: int, steps: int) -> dict[str, object]:
             ).stdout
             times[hooks].append(json.loads(out.strip().splitlines()[-1])["step_s"])
     ratios = [on / off for on, off in zip(times[True], times[False], strict=True)]
+    cost = hook_cost()
     return {
+        "hook_cost_s": cost,
+        "hook_share_of_step_off": cost / statistics.median(times[False]),
+        "hook_share_of_50ms_step": cost / 0.05,
         "step_s_off": times[False],
         "step_s_on": times[True],
         "ratio_median": statistics.median(ratios),
