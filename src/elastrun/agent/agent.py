@@ -52,6 +52,7 @@ from elastrun.errors import (
     RestartBudgetExhausted,
 )
 from elastrun.events import EventSink, JsonLinesSink, NullSink
+from elastrun.failure import FailureRecord
 from elastrun.names import check_run_id
 from elastrun.procs import say, signal_name
 from elastrun.rendezvous.api import Change, Rendezvous, RoundResult
@@ -497,17 +498,27 @@ class Agent:
         every = await self._first(hangs.gather(self.rendezvous, result, own))
         return hangs.summary(every, group.attempt_dir if self.spec.log_dir else None)
 
-    async def _on_failure(self, group: WorkerGroup, result: RoundResult) -> int | None:
-        await self._stop_group(signal.SIGTERM)
-        failures = classify(group.failures())
-        record = failure_record(failures, self.spec.host)
-        exhausted: RestartBudgetExhausted | None = None
+    async def _request_restart(self, record: FailureRecord) -> RestartBudgetExhausted | None:
         try:
             await self._first(self.rendezvous.request_restart(record))
         except RestartBudgetExhausted as e:
-            exhausted = e
-        # The other nodes learn of it now and share their ranks' stacks.
-        stacks = await self._hang_report(group, result)
+            return e
+        return None
+
+    async def _on_failure(self, group: WorkerGroup, result: RoundResult) -> int | None:
+        hung = group.hung()
+        stacks = ""
+        if hung:
+            # A hang: tell the other nodes before stopping the hung rank, so
+            # that theirs still wait for it when they dump their stacks.
+            exhausted = await self._request_restart(failure_record(classify(hung), self.spec.host))
+            stacks = await self._hang_report(group, result)
+        await self._stop_group(signal.SIGTERM)
+        failures = classify(group.failures())
+        record = failure_record(failures, self.spec.host)
+        if not hung:
+            exhausted = await self._request_restart(record)
+            stacks = await self._hang_report(group, result)  # (a hung rank that exited itself)
         if exhausted is not None:
             header = (
                 f"elastrun: job failed: workers failed and no restarts are left "

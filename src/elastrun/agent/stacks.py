@@ -241,12 +241,18 @@ def report(stacks: Sequence[RankStacks], full_dumps: str | None = None) -> str:
         return ""
 
     def order(s: RankStacks) -> tuple[int, int, int]:
-        return (1 if s.in_torch or not s.frames else 0, 0 if s.hung else 1, s.rank)
+        return (2 if not s.frames else 1 if s.in_torch else 0, 0 if s.hung else 1, s.rank)
 
     lines = ["Python stacks when the hang was declared (main thread, most recent call first):"]
     for s in sorted(stacks, key=order):
-        where = s.frames[0] if s.frames else "(no Python frame)"
-        role = "waiting in torch" if s.in_torch else "stuck in its own code"
+        where = s.frames[0] if s.frames else "(no Python frame: it was ending)"
+        role = (
+            "no stack"
+            if not s.frames
+            else "waiting in torch"
+            if s.in_torch
+            else "stuck in its own code"
+        )
         judged = ", judged hung by the watchdog" if s.hung else ""
         lines.append(f"  rank {s.rank} on {s.host or '?'} [{role}{judged}] sits in {where}")
         shown = s.frames if not s.in_torch else s.frames[:6]

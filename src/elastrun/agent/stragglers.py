@@ -101,6 +101,8 @@ async def publish_loop(
     while True:
         await asyncio.sleep(every)
         ranks = local_progress(group)
+        if not ranks:
+            continue  # no worker reports progress (yet, or ever: --no-python)
         notes = await rendezvous.gather_notes(names, 0.0)
         everyone = [
             float(r["own_time"])

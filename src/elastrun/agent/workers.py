@@ -661,39 +661,51 @@ class WorkerGroup:
             rc = w.returncode
             if w.popen is None or rc is None or (rc == 0 and w.hang is None):
                 continue
-            stdout_pump = w.pumps[0] if w.pumps else None
-            stderr_pump = w.pumps[1] if len(w.pumps) > 1 else None
-            error = read_error_file(w.error_file)
-            if w.hang is not None:
-                # The hang is the failure; a traceback written while it was stopped
-                # (e.g. by @record) shows where it was stuck.
-                error = ErrorFileInfo(
-                    message=w.hang,
-                    traceback=error.traceback if error is not None else None,
-                    timestamp=int(w.hang_wall) if w.hang_wall else None,
-                )
-            out.append(
-                WorkerFailure(
-                    rank=w.rank,
-                    local_rank=w.local_rank,
-                    host=self.spec.host,
-                    pid=w.pid,
-                    returncode=rc,
-                    exit_time=w.hang_wall or w.exit_wall or time.time(),
-                    exit_monotonic=w.hang_monotonic or w.exit_monotonic or self.clock.monotonic(),
-                    stopped_by_agent=w.stopped_by_agent and w.hang is None,
-                    error=error,
-                    stderr_tail=tuple(stderr_pump.tail) if stderr_pump else (),
-                    stdout_tail=tuple(stdout_pump.tail) if stdout_pump else (),
-                    stdout_log=w.routes[0].file_path,
-                    stderr_log=w.routes[1].file_path,
-                    error_file=w.error_file,
-                    attempt=self.attempt,
-                    restart_count=self.result.restart_count,
-                    hang=w.hang,
-                )
-            )
+            out.append(self._failure_of(w, rc))
         return out
+
+    def hung(self) -> list[WorkerFailure]:
+        """The ranks declared hung that still run, as the failures they will
+        be once the agent stops them (SIGTERM): what the agent reports to the
+        other nodes before it stops its own, so that theirs are still waiting
+        for the hung rank when they are asked for their stacks."""
+        return [
+            self._failure_of(w, -signal.SIGTERM)
+            for w in self.workers
+            if w.hang is not None and w.popen is not None and not w.done
+        ]
+
+    def _failure_of(self, w: Worker, rc: int) -> WorkerFailure:
+        stdout_pump = w.pumps[0] if w.pumps else None
+        stderr_pump = w.pumps[1] if len(w.pumps) > 1 else None
+        error = read_error_file(w.error_file)
+        if w.hang is not None:
+            # The hang is the failure; a traceback written while it was stopped
+            # (e.g. by @record) shows where it was stuck.
+            error = ErrorFileInfo(
+                message=w.hang,
+                traceback=error.traceback if error is not None else None,
+                timestamp=int(w.hang_wall) if w.hang_wall else None,
+            )
+        return WorkerFailure(
+            rank=w.rank,
+            local_rank=w.local_rank,
+            host=self.spec.host,
+            pid=w.pid,
+            returncode=rc,
+            exit_time=w.hang_wall or w.exit_wall or time.time(),
+            exit_monotonic=w.hang_monotonic or w.exit_monotonic or self.clock.monotonic(),
+            stopped_by_agent=w.stopped_by_agent and w.hang is None,
+            error=error,
+            stderr_tail=tuple(stderr_pump.tail) if stderr_pump else (),
+            stdout_tail=tuple(stdout_pump.tail) if stdout_pump else (),
+            stdout_log=w.routes[0].file_path,
+            stderr_log=w.routes[1].file_path,
+            error_file=w.error_file,
+            attempt=self.attempt,
+            restart_count=self.result.restart_count,
+            hang=w.hang,
+        )
 
 
 def round_env(
