@@ -18,7 +18,12 @@
    has no such detection: the others wait in gloo's all-reduce until its
    timeout (30 minutes by default).
 
-Usage: python -m bench.progress_overhead [--rounds 5] [--steps 2000] [--floor 5] [--out FILE]
+3. **False positives** (``--soak N``): the evaluation-and-checkpoint scenario
+   of the tests (``hang_ddp.py pauses``) N times under ``--hang-timeout
+   auto:4``; every declared hang is a false one.
+
+Usage: python -m bench.progress_overhead [--rounds 5] [--steps 2000] [--floor 5] [--soak N]
+       [--out FILE]
 """
 
 from __future__ import annotations
@@ -191,12 +196,54 @@ def detection(floor: float) -> dict[str, object]:
     }
 
 
+def soak(runs: int, floor: float) -> dict[str, object]:
+    """``hang_ddp.py pauses`` (an 8 s evaluation over a DataLoader, two 8 s
+    checkpoint saves, about 50 ms steps, 3 ranks) ``runs`` times under
+    ``--hang-timeout auto:FLOOR``: hangs declared (all false)."""
+    declared, suspected, failed = 0, 0, 0
+    for _ in range(runs):
+        with tempfile.TemporaryDirectory(prefix="hang-soak-") as d:
+            out, events = Path(d) / "out", Path(d) / "events.jsonl"
+            out.mkdir()
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "elastrun",
+                    "--nproc-per-node=3",
+                    f"--hang-timeout=auto:{floor:g}",
+                    f"--events-file={events}",
+                    str(HANG_SCRIPT),
+                    str(out),
+                    "pauses",
+                    "60",
+                ],
+                env={**os.environ, "EVAL_S": "8", "SAVE_S": "8"},
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
+            )
+            kinds = [json.loads(x)["kind"] for x in events.read_text().splitlines()]
+        declared += kinds.count("hang_detected")
+        suspected += kinds.count("hang_suspected")
+        failed += proc.returncode != 0
+    return {
+        "runs": runs,
+        "floor_s": floor,
+        "hangs_declared": declared,
+        "hangs_suspected": suspected,
+        "runs_failed": failed,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--child", choices=("0", "1"))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--floor", type=float, default=5.0)
+    ap.add_argument("--soak", type=int, default=0, help="runs of the pauses scenario (0: none)")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.child is not None:
@@ -206,6 +253,8 @@ def main() -> int:
         "overhead": overhead(args.rounds, args.steps),
         "detection": detection(args.floor),
     }
+    if args.soak:
+        result["soak"] = soak(args.soak, 4.0)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
