@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 HANG_SCRIPT = REPO / "tests" / "integration" / "scripts" / "hang_ddp.py"
@@ -159,7 +160,11 @@ def overhead(rounds: int, steps: int) -> dict[str, object]:
     }
 
 
-def detection(floor: float) -> dict[str, object]:
+def run_hang_script(
+    mode: str, steps: int, floor: float, *extra: str, **env: str
+) -> tuple[int, list[dict[str, Any]]]:
+    """``hang_ddp.py MODE STEPS`` on 3 ranks under ``--hang-timeout
+    auto:FLOOR``: elastrun's exit code and its events."""
     with tempfile.TemporaryDirectory(prefix="hang-bench-") as d:
         out, events = Path(d) / "out", Path(d) / "events.jsonl"
         out.mkdir()
@@ -169,27 +174,29 @@ def detection(floor: float) -> dict[str, object]:
                 "-m",
                 "elastrun",
                 "--nproc-per-node=3",
-                "--max-restarts=1",
+                *extra,
                 f"--hang-timeout=auto:{floor:g}",
                 f"--events-file={events}",
                 str(HANG_SCRIPT),
                 str(out),
-                "stuck",
-                "40",
+                mode,
+                str(steps),
             ],
+            env={**os.environ, **env},
             capture_output=True,
             text=True,
             timeout=300,
             check=False,
         )
-        hangs = [
-            e
-            for e in (json.loads(x) for x in events.read_text().splitlines())
-            if e["kind"] == "hang_detected"
-        ]
+        return proc.returncode, [json.loads(x) for x in events.read_text().splitlines()]
+
+
+def detection(floor: float) -> dict[str, object]:
+    code, events = run_hang_script("stuck", 40, floor, "--max-restarts=1")
+    hangs = [e for e in events if e["kind"] == "hang_detected"]
     return {
         "floor_s": floor,
-        "exit": proc.returncode,
+        "exit": code,
         "idle_s": hangs[0]["idle_s"] if hangs else None,
         "timeout_s": hangs[0]["hang_timeout"] if hangs else None,
         "sits_in": hangs[0]["sits_in"] if hangs else None,
@@ -202,32 +209,11 @@ def soak(runs: int, floor: float) -> dict[str, object]:
     ``--hang-timeout auto:FLOOR``: hangs declared (all false)."""
     declared, suspected, failed = 0, 0, 0
     for _ in range(runs):
-        with tempfile.TemporaryDirectory(prefix="hang-soak-") as d:
-            out, events = Path(d) / "out", Path(d) / "events.jsonl"
-            out.mkdir()
-            proc = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "elastrun",
-                    "--nproc-per-node=3",
-                    f"--hang-timeout=auto:{floor:g}",
-                    f"--events-file={events}",
-                    str(HANG_SCRIPT),
-                    str(out),
-                    "pauses",
-                    "60",
-                ],
-                env={**os.environ, "EVAL_S": "8", "SAVE_S": "8"},
-                capture_output=True,
-                text=True,
-                timeout=300,
-                check=False,
-            )
-            kinds = [json.loads(x)["kind"] for x in events.read_text().splitlines()]
+        code, events = run_hang_script("pauses", 60, floor, EVAL_S="8", SAVE_S="8")
+        kinds = [e["kind"] for e in events]
         declared += kinds.count("hang_detected")
         suspected += kinds.count("hang_suspected")
-        failed += proc.returncode != 0
+        failed += code != 0
     return {
         "runs": runs,
         "floor_s": floor,
