@@ -47,9 +47,10 @@ def test_crash_without_restarts_names_root_cause(tmp_path: Path) -> None:
         codes = (a.wait(BOUND), b.wait(BOUND))
         assert all(code != 0 for code in codes), codes
         out = a.output() + b.output()
-        assert "root cause" in out.lower()
-        summary = out[out.lower().index("root cause") :]
-        assert "rank 1" in summary.lower() or "rank: 1" in summary.lower(), summary[:2000]
+        # The crashed rank's node names it the root cause. (The other node's
+        # rank, whose all-reduce broke, may fail before its agent hears of
+        # the restart: that node then reports it as its own failure too.)
+        assert "[root cause] rank 1 " in out.lower(), out[-4000:]
         assert not any(pid_alive(s["pid"]) for s in j.steps())
 
 
