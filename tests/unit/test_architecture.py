@@ -14,7 +14,17 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "elastrun"
 
-FOUNDATION = {"errors", "clock", "events", "names", "endpoint", "procs", "failure"}
+FOUNDATION = {
+    "errors",
+    "clock",
+    "events",
+    "names",
+    "endpoint",
+    "procs",
+    "failure",
+    "safefs",
+    "untrusted",
+}
 # layer name -> the elastrun layers it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {
     "foundation": set(),

@@ -1,0 +1,81 @@
+"""Data from outside this process, made safe to parse and to print.
+
+Everything read from the store (another node's notes and records), from a
+shared folder or from a cache file may have been written by someone else:
+
+* :func:`loads` decodes JSON within bounds: at most ``max_bytes`` bytes and
+  ``max_depth`` levels of nesting (counted before decoding, so ``[`` repeated
+  100000 times is refused in linear time, never a ``RecursionError``).
+  Anything else is :class:`UntrustedData`, a ``ValueError`` naming the problem.
+* :func:`printable` makes a string safe for a terminal: control characters
+  (C0, DEL, C1), and the bidirectional overrides that reorder what a reader
+  sees, become visible escapes (``\\x1b``, ``\\u202e``); newlines and tabs are
+  kept only where the caller allows several lines.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from typing import Any
+
+__all__ = ["MAX_DEPTH", "UntrustedData", "depth", "loads", "printable"]
+
+MAX_DEPTH = 32
+
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKETS = re.compile(rb"[^\[\]{}]")
+_OPEN = {ord("["), ord("{")}
+# C0 controls but \t and \n, DEL, C1 controls, and the bidirectional
+# embeddings, overrides and isolates (they reorder text on screen).
+_BIDI = "\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
+_CONTROL_LINES = re.compile(f"[\x00-\x08\x0b-\x1f\x7f-\x9f{_BIDI}]")
+_CONTROL = re.compile(f"[\x00-\x1f\x7f-\x9f{_BIDI}]")
+
+
+class UntrustedData(ValueError):
+    """Data from outside that is malformed or over a bound."""
+
+
+def depth(data: bytes) -> int:
+    """The deepest nesting of ``[`` and ``{`` in the JSON text ``data``
+    (brackets inside strings not counted)."""
+    brackets = _NOT_BRACKETS.sub(b"", _STRINGS.sub(b"", data))
+    if not brackets:
+        return 0
+    steps = (1 if b in _OPEN else -1 for b in brackets)
+    return max(itertools.accumulate(steps))
+
+
+def loads(
+    data: bytes | str, *, max_bytes: int, max_depth: int = MAX_DEPTH, what: str = "data"
+) -> Any:
+    """``data`` decoded as JSON, refused (:class:`UntrustedData`) when larger
+    than ``max_bytes``, nested deeper than ``max_depth``, or not JSON."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    if len(raw) > max_bytes:
+        raise UntrustedData(f"{what} is {len(raw)} bytes (at most {max_bytes})")
+    if depth(raw) > max_depth:
+        raise UntrustedData(f"{what} is nested more than {max_depth} levels deep")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise UntrustedData(f"{what} is not valid JSON: {e}") from None
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(value: object, *, lines: bool = False, limit: int | None = None) -> str:
+    """``str(value)`` with every control character shown as an escape; with
+    ``lines``, newlines and tabs are kept. ``limit``: at most that many
+    characters (then ``...``)."""
+    text = value if isinstance(value, str) else str(value)
+    if limit is not None and len(text) > limit:
+        text = text[:limit] + "..."
+    return (_CONTROL_LINES if lines else _CONTROL).sub(_escape, text)

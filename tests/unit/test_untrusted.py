@@ -1,0 +1,41 @@
+"""elastrun.untrusted: bounded JSON decoding and terminal-safe text."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastrun.untrusted import UntrustedData, depth, loads, printable
+
+
+def test_deep_nesting_is_refused_without_recursion() -> None:
+    with pytest.raises(UntrustedData, match="nested more than 32"):
+        loads(b"[" * 100000, max_bytes=1 << 20)
+    with pytest.raises(UntrustedData, match="nested"):
+        loads('{"a":' * 40 + "1" + "}" * 40, max_bytes=1 << 20)
+
+
+def test_brackets_inside_strings_do_not_count() -> None:
+    text = '{"stack": "' + "[" * 1000 + '\\"{{"}'
+    assert depth(text.encode()) == 1
+    assert loads(text, max_bytes=1 << 20)["stack"].startswith("[[[")
+
+
+def test_size_and_syntax_are_checked() -> None:
+    with pytest.raises(UntrustedData, match="is 11 bytes"):
+        loads(b'"xxxxxxxxx"', max_bytes=10, what="a note")
+    with pytest.raises(UntrustedData, match="not valid JSON"):
+        loads(b"{nope", max_bytes=100)
+    assert loads(b'{"a": [1, {"b": 2}]}', max_bytes=100) == {"a": [1, {"b": 2}]}
+
+
+def test_printable_escapes_terminal_controls() -> None:
+    hostile = "\x1b]0;owned\x07\x1b[2J\x1b[31mALERT\r\u202egnp.exe"
+    shown = printable(hostile)
+    assert "\x1b" not in shown and "\x07" not in shown and "\r" not in shown
+    assert "\u202e" not in shown
+    assert shown.startswith("\\x1b]0;owned\\x07")
+    assert "\\u202e" in shown
+    assert printable("a\nb\tc") == "a\\x0ab\\x09c"
+    assert printable("a\nb\tc", lines=True) == "a\nb\tc"
+    assert printable("x" * 10, limit=4) == "xxxx..."
+    assert printable("héllo wörld") == "héllo wörld"
