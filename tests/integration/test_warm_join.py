@@ -78,7 +78,10 @@ def _join(
     base = {**env_without_pet(), "STEPS": str(steps)}
     env_a = {**base, "NODE": "a", "ELASTRUN_CACHE_DIR": str(tmp_path / "cache-a")}
     env_b = {**base, "NODE": "b", "ELASTRUN_CACHE_DIR": str(tmp_path / "cache-b")}
-    flags_a = ["--rdzv-conf=is_host=1,last_call_timeout=1"]
+    # A store with a token: only then does a node use the job's module note.
+    token = tmp_path / "token"
+    token.write_text("warm-join-token")
+    flags_a = [f"--rdzv-conf=is_host=1,last_call_timeout=1,token_file={token}"]
     if via_note:
         # Node a's worker imports slowmod and records it; node b, new to this
         # machine's cache, learns it from the job's note in the store.
@@ -110,7 +113,7 @@ def _join(
         procs.append(
             start(
                 env_b,
-                "--rdzv-conf=is_host=0,last_call_timeout=1",
+                f"--rdzv-conf=is_host=0,last_call_timeout=1,token_file={token}",
                 "--prewarm-modules=all",
                 f"--warm-join-timeout={warm_join_timeout}",
                 f"--events-file={events_b}",

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from elastrun.agent import WorkerSpec
-from elastrun.agent.modcache import ModuleCache, ModuleList, cache_key
+from elastrun.agent.modcache import ModuleCache, ModuleList, ModuleReport, cache_key
 from elastrun.agent.spares import SparePool
 from elastrun.agent.spawn import python_entry
 from elastrun.events import ListSink
@@ -222,7 +222,7 @@ def test_learned_modules_are_imported_and_kept_for_the_next_run(tmp_path):
         pool.keep(env)
         try:
             assert await pool.wait_ready(60)
-            pool.learn({"kind": "modules", "modules": names, "python": None, "torch": None})
+            assert pool.learn(ModuleReport(tuple(names)), "optimizer_step")
             assert not pool.ready  # importing the new ones
             assert await pool.wait_ready(60)
             got = await _fork_one(pool, env)
@@ -278,25 +278,42 @@ def test_a_module_that_fails_to_import_is_skipped_and_named(tmp_path):
     assert got is not None and got[0] == 0 and "BEFORE fine" in got[1]
 
 
+async def _preloaded(tmp_path: Path, **kw: Any) -> dict[str, Any]:
+    """The ``spare_ready`` event of a zygote (no cache) once its preload is done."""
+    pool, sink = _pool(tmp_path, cache=False, **kw)
+    pool.keep(_env())
+    try:
+        assert await pool.wait_ready(60)
+    finally:
+        await pool.close()
+    (ready,) = _kinds(sink, "spare_ready")
+    return ready
+
+
+def test_the_zygote_itself_refuses_entry_points_the_script_and_modules_that_act(tmp_path):
+    # The second line of defence: names handed to the warm interpreter without
+    # the agent's check. unittest.__main__ would run the tests named on its
+    # command line (the script, s.py); s is the script itself; this and
+    # __hello__ print when imported. Even with every module in scope.
+    ran = tmp_path / "RAN"
+    script = f"open({str(ran)!r}, 'a').write('ran\\n')\n"
+
+    preload = ("unittest.__main__", "this", "__hello__", "s", "s.x", "wave")
+    ready = asyncio.run(_preloaded(tmp_path, preload=preload, script_text=script, scope="all"))
+    assert ready["failed"] == ["unittest.__main__", "this", "__hello__", "s", "s.x"]
+    assert ready["loaded"] == 1
+    assert not ran.exists()
+
+
 def test_only_installed_modules_are_imported_unless_asked(tmp_path):
     # The script's own folder is on sys.path, but its modules (which may run
     # code at import) are not imported ahead of time by default.
     (tmp_path / "mine.py").write_text("open('IMPORTED', 'w').close()\n")
 
-    async def main() -> dict[str, Any]:
-        pool, sink = _pool(tmp_path, preload=("mine", "wave"), cache=False)
-        pool.keep(_env())
-        try:
-            assert await pool.wait_ready(60)
-        finally:
-            await pool.close()
-        (ready,) = _kinds(sink, "spare_ready")
-        return ready
-
     old = os.getcwd()
     os.chdir(tmp_path)
     try:
-        ready = asyncio.run(main())
+        ready = asyncio.run(_preloaded(tmp_path, preload=("mine", "wave")))
     finally:
         os.chdir(old)
     assert ready["failed"] == ["mine"] and ready["loaded"] == 1

@@ -426,3 +426,25 @@ def test_spares_only_for_python_commands(script, flags, prewarm):
 def test_no_python_programs_get_no_spare():
     plan, cmd = parse(["--standalone", "--max-restarts=2", "--no-python", "true", "-u", "x"])
     assert build_spec(plan, worker_argv(cmd), "hostA").prewarm is False
+
+
+@pytest.mark.parametrize(
+    ("flags", "authenticated"),
+    [
+        (["--rdzv-backend=c10d", "--rdzv-endpoint=h"], False),
+        (["--rdzv-backend=c10d", "--rdzv-endpoint=h", "--rdzv-conf=token=t"], True),
+        (["--rdzv-backend=etcd", "--rdzv-endpoint=h"], False),
+        (["--rdzv-backend=etcd", "--rdzv-endpoint=h", "--rdzv-conf=user=u,password=p"], True),
+        (["--rdzv-backend=etcd", "--rdzv-endpoint=h", "--rdzv-conf=cert=c.pem,key=k.pem"], True),
+        (["--rdzv-backend=etcd", "--rdzv-endpoint=h", "--rdzv-conf=cacert=ca.pem"], False),
+        (["--standalone"], False),
+        (["--nnodes=2", "--node-rank=0", "--master-addr=h", "--master-port=1"], False),
+    ],
+    ids=["c10d", "c10d-token", "etcd", "etcd-user", "etcd-cert", "etcd-tls-only", "standalone",
+         "static"],
+)  # fmt: skip
+def test_the_agent_is_told_whether_the_store_authenticates(script, flags, authenticated):
+    # Only then does a warm interpreter import what another node's note names.
+    plan, command = run_parse(*flags)
+    spec = build_spec(plan, worker_argv(command), "h")
+    assert spec.store_authenticated is authenticated

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 import types
+
+import pytest
 
 from elastrun.agent.modcache import (
     MAX_FILE_BYTES,
@@ -68,16 +71,82 @@ def test_save_and_load_round_trip_atomically(tmp_path):
 def test_damaged_or_hostile_files_are_ignored(tmp_path):
     cache = ModuleCache(str(tmp_path), "k")
     path = tmp_path / "modules-k.json"
-    for content in (b"not json", b"[1,2]", b'{"v": 99, "modules": ["os"]}', b"\x00\xff"):
+    for content in (b"not json", b"[1,2]", b"\x00\xff", b"[" * 100_000, b"{" * 40 + b"}" * 40):
         path.write_bytes(content)
         assert cache.load().modules == []
-    path.write_text(json.dumps({"v": 1, "modules": ["os", "../../etc", {"x": 1}]}))
-    assert cache.load().modules == ["os"]
+        assert cache.refused and cache.error and "ignored" in cache.error, content[:10]
+    path.write_text(json.dumps({"v": 1, "modules": ["os", "../../etc", {"x": 1}, "this"]}))
+    assert cache.load().modules == ["os"] and cache.error is None
+    path.write_bytes(b'{"v": 99, "modules": ["os"]}')  # another version's: replaced quietly
+    assert cache.load().modules == [] and cache.error is None
     path.write_bytes(b" " * (MAX_FILE_BYTES + 1))
-    assert cache.load().modules == []
+    assert cache.load().modules == [] and "larger than" in (cache.error or "")
     path.unlink()
     os.symlink("/etc/passwd", path)
-    assert cache.load().modules == []  # never follows a link
+    assert cache.load().modules == [] and "symbolic link" in (cache.error or "")
+    path.unlink()
+    os.mkfifo(path)  # opened without O_NONBLOCK, this would wait for a writer forever
+    assert cache.load().modules == [] and "FIFO" in (cache.error or "")
+    path.unlink()
+    path.write_text(json.dumps({"v": 1, "modules": ["os"]}))
+    os.chown(path, 65534, 65534)  # (the tests run as root)
+    assert cache.load().modules == [] and "owned by uid 65534" in (cache.error or "")
+
+
+def test_the_script_is_never_read_back_from_its_cache(tmp_path):
+    cache = ModuleCache(str(tmp_path), "k")
+    (tmp_path / "modules-k.json").write_text(json.dumps({"v": 1, "modules": ["train", "os"]}))
+    assert cache.load(script="train").modules == ["os"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "folder-link"])
+def test_a_save_replaces_what_was_planted_and_never_writes_through_it(tmp_path, kind):
+    target = tmp_path / "target"
+    target.mkdir()
+    folder = tmp_path / "c"
+    if kind == "folder-link":
+        os.symlink(target, folder)  # the folder itself a link: not used
+    else:
+        folder.mkdir(mode=0o700)
+    cache = ModuleCache(str(folder), "k")
+    if kind == "fifo":
+        os.mkfifo(cache.path)
+    elif kind == "symlink":
+        os.symlink(target / "victim", cache.path)
+    saved = cache.save(ModuleList(modules=["os"]))
+    assert list(target.iterdir()) == []
+    if kind == "folder-link":
+        assert not saved and cache.refused and "symbolic link" in (cache.error or "")
+        return
+    assert saved
+    info = os.lstat(cache.path)
+    assert stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600
+    assert cache.load().modules == ["os"]
+
+
+@pytest.mark.parametrize("problem", ["another-user", "writable-by-others"])
+def test_a_folder_another_user_controls_is_not_used(tmp_path, problem):
+    folder = tmp_path / "c"
+    folder.mkdir(mode=0o700)
+    planted = json.dumps({"v": 1, "modules": ["os"]})
+    (folder / "modules-k.json").write_text(planted)
+    if problem == "another-user":
+        os.chown(folder, 65534, 65534)  # (the tests run as root)
+    else:
+        os.chmod(folder, 0o777)
+    cache = ModuleCache(str(folder), "k")
+    assert cache.load().modules == []
+    assert cache.refused and cache.error and str(folder) in cache.error
+    assert "not used" in cache.error
+    assert not cache.save(ModuleList(modules=["json"]))
+    assert (folder / "modules-k.json").read_text() == planted
+
+
+def test_the_folder_is_created_private_with_its_missing_parents(tmp_path):
+    cache = ModuleCache(str(tmp_path / "home" / ".cache" / "elastrun"), "k")
+    assert cache.save(ModuleList(modules=["os"]))
+    for part in ("home", "home/.cache", "home/.cache/elastrun"):
+        assert stat.S_IMODE(os.stat(tmp_path / part).st_mode) == 0o700
 
 
 def test_a_folder_that_is_a_file_is_reported_not_raised(tmp_path):
@@ -106,5 +175,13 @@ def test_the_runner_names_installed_modules_but_never_the_script(tmp_path):
     assert _runner.select_modules(modules, "installed", roots) == ["json", "sys"]
     assert _runner.select_modules(modules, "all", roots) == ["json", "sys", "mine"]
     assert _runner.select_modules(modules, "all", roots, limit=1) == ["json"]
+    # Nor the script imported under its own name, an entry point, or a module
+    # that acts when imported, even with every module in scope.
+    acting = {n: types.ModuleType(n) for n in ("train", "pkg.__main__", "this", "__hello__")}
+    assert _runner.select_modules({**modules, **acting}, "all", roots, script="train") == [
+        "json",
+        "sys",
+        "mine",
+    ]
     assert not _runner.origin_installed(str(tmp_path / "x.py"), (), roots)
     assert _runner.origin_installed("built-in", (), roots)

@@ -38,7 +38,7 @@ from elastrun.agent.logs import (
     temp_dir,
     validate_template,
 )
-from elastrun.agent.modcache import ModuleCache, cache_key, default_cache_dir
+from elastrun.agent.modcache import ModuleCache, ModuleReport, cache_key, default_cache_dir
 from elastrun.agent.spares import SparePool
 from elastrun.agent.spawn import python_entry
 from elastrun.agent.spec import WorkerSpec
@@ -62,6 +62,7 @@ __all__ = ["Agent"]
 RDZV_SHUTDOWN_TIMEOUT = 30.0
 CANCEL_TIMEOUT = 5.0
 MODULES_NOTE = "modules"  # the job-wide list of modules the script imports
+WORKER_WHY = frozenset(("optimizer_step", "timer"))  # why a worker reported its modules
 NOTE_TIMEOUT = 5.0
 
 
@@ -453,17 +454,48 @@ class Agent:
         spares = self._spares
         if spares is None or self.spec.prewarm_modules == "torch":
             return
-        if spares.learn(message) and self._group is not None and self._group.result.group_rank == 0:
-            # One node (group rank 0) shares the list with the job.
-            task = asyncio.ensure_future(self.rendezvous.write_note(MODULES_NOTE, spares.note()))
+        if message.get("kind") != "modules":
+            return
+        report = ModuleReport.from_json(message, spares.script)
+        if report is None:
+            return
+        why = message.get("why")
+        learned = spares.learn(report, why if why in WORKER_WHY else "worker")
+        group = self._group
+        if learned and group is not None and group.result.group_rank == 0:
+            # One node (group rank 0) shares the list with the job; only over a
+            # store that authenticates its clients do the others use it.
+            if not self.spec.store_authenticated:
+                return
+            note = spares.note().to_json()
+            task = asyncio.ensure_future(self.rendezvous.write_note(MODULES_NOTE, note))
             self._note_writes.add(task)
             task.add_done_callback(self._note_writes.discard)
 
     async def _fetch_modules_note(self) -> None:
+        """What the job's other nodes recorded the script imports (the note
+        ``modules``): used only when the store authenticates its clients,
+        and then only its names that pass the same checks as a local worker's."""
+        spares = self._spares
+        note = None
         with contextlib.suppress(TimeoutError):
             note = await asyncio.wait_for(self.rendezvous.read_note(MODULES_NOTE), NOTE_TIMEOUT)
-            if note is not None and self._spares is not None:
-                self._spares.learn({**note, "kind": "modules", "why": "job"})
+        if note is None or spares is None:
+            return
+        if not self.spec.store_authenticated:
+            self.events.emit("modules_note_ignored", reason="unauthenticated")
+            spares.debug(
+                "the job's module note is not used: the rendezvous store does not "
+                "authenticate its clients (no token), so anyone who reaches it could "
+                "have written it"
+            )
+            return
+        report = ModuleReport.from_json(note, spares.script)
+        if report is None:
+            self.events.emit("modules_note_ignored", reason="invalid")
+            spares.debug("the job's module note is not a module list: not used")
+            return
+        spares.learn(report, "job", peer=True)
 
     def _may_restart(self, result: RoundResult) -> bool:
         """Whether these workers can still be started again (restarts left, or

@@ -16,31 +16,47 @@ unsafe to import ahead of time (they started a thread, initialised CUDA, or
 read a per-rank variable such as ``RANK`` when imported) are remembered as
 ``skip``, with their package's other modules, and never imported again.
 
-Bounds: a file holds at most ``MAX_MODULES`` names (valid dotted names of at
-most 200 characters) and is at most ``MAX_FILE_BYTES``; a bigger or damaged
-file is ignored (and replaced by the next recording). The folder is created
-private (0700); a folder owned by another user is not used. Writes are atomic
-(a temporary file, then rename).
+Where the names come from, and what is trusted: see ``worker/_modnames.py``
+for the rule every name passes (a dotted name, never a ``__main__``, the
+script itself or a module that acts when imported), whether it was reported
+by a local worker, read from the cache, or read from the job's note
+(:class:`ModuleReport`, written by another node). A name from another node is
+also kept only if it resolves to the standard library or an installed
+package here (:func:`installed_only`; unless ``--prewarm-modules all``), and
+only when the store authenticates its clients (the agent decides).
+
+Bounds: a file holds at most ``MAX_MODULES`` names (of at most ``MAX_NAME``
+characters) and is at most ``MAX_FILE_BYTES``, read without following a link
+and never blocked by a FIFO (``read_regular``), decoded within a depth
+bound (``untrusted.loads``). A file that is a link, a special file, another
+user's, too big, too deep or not a module list is ignored (``error`` says
+why; the next recording replaces it); it never fails a launch. The folder is
+created private (0700, ``safefs.private_dir``); one that is a link, another
+user's or writable by others is not used. Writes are atomic
+(``write_atomic``: a new file, then rename; mode 0600).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import re
-import stat
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from elastrun.safefs import UnsafePath, private_dir, read_regular, write_atomic
+from elastrun.untrusted import UntrustedData, loads
+from elastrun.worker import _modnames
 
 __all__ = [
     "CACHE_ENV",
     "ModuleCache",
     "ModuleList",
+    "ModuleReport",
     "cache_key",
     "default_cache_dir",
+    "installed_only",
     "merged",
     "skipped",
     "valid_names",
@@ -48,10 +64,12 @@ __all__ = [
 
 CACHE_ENV = "ELASTRUN_CACHE_DIR"
 VERSION = 1
-MAX_MODULES = 5000
-MAX_NAME = 200
+MAX_MODULES = _modnames.MAX_MODULES
+MAX_NAME = _modnames.MAX_NAME
 MAX_FILE_BYTES = 1 << 20
-NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
+NAME_RE = _modnames.NAME_RE
+# A Python or torch version as recorded ("3.11.7", "2.13.0+cpu").
+VERSION_RE = re.compile(r"[0-9A-Za-z.+_-]{1,64}\Z")
 
 
 def default_cache_dir(env: Mapping[str, str] | None = None) -> str:
@@ -82,20 +100,61 @@ def cache_key(kind: str, target: str, args: Sequence[str], interpreter: str, cwd
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
 
-def valid_names(names: object, limit: int = MAX_MODULES) -> list[str]:
-    """The valid, distinct module names in ``names`` (in order, at most ``limit``)."""
-    if not isinstance(names, list):
-        return []
-    out: list[str] = []
-    seen: set[str] = set()
+def valid_names(names: object, limit: int = MAX_MODULES, script: str | None = None) -> list[str]:
+    """The distinct names of the list ``names`` a warm interpreter may import
+    (``_modnames.refusal``; ``script``: the module name that would run the
+    script), in order, at most ``limit``."""
+    return _modnames.checked(names, script, limit)
+
+
+def _version(value: object) -> str | None:
+    return value if isinstance(value, str) and VERSION_RE.match(value) else None
+
+
+def installed_only(names: Iterable[str]) -> list[str]:
+    """The names whose top-level package resolves, in this interpreter, to
+    the standard library or an installed package (looked up, not imported)."""
+    roots = _modnames.installed_roots()
+    tops: dict[str, bool] = {}
+    out = []
     for name in names:
-        if len(out) >= limit:
-            break
-        ok = isinstance(name, str) and len(name) <= MAX_NAME and NAME_RE.match(name)
-        if ok and name not in seen:
-            seen.add(name)
+        top = name.split(".", 1)[0]
+        if top not in tops:
+            tops[top] = _modnames.top_installed(top, roots)
+        if tops[top]:
             out.append(name)
     return out
+
+
+@dataclass(frozen=True)
+class ModuleReport:
+    """The modules a script imported: what a worker reports over its channel
+    (``kind: modules``), and what the job's note ``modules`` holds (written by
+    group rank 0's agent for the others). Built from JSON only through
+    :meth:`from_json`, which keeps the names that pass the rule."""
+
+    modules: tuple[str, ...] = ()
+    python: str | None = None
+    torch: str | None = None
+    refused: int = 0  # names dropped by from_json
+
+    def to_json(self) -> dict[str, object]:
+        return {"modules": list(self.modules), "python": self.python, "torch": self.torch}
+
+    @classmethod
+    def from_json(cls, data: object, script: str | None = None) -> ModuleReport | None:
+        """The report in ``data`` (None: not a module list); names that fail
+        ``_modnames.refusal`` (or are over the bounds) are dropped and counted."""
+        if not isinstance(data, dict) or not isinstance(data.get("modules"), list):
+            return None
+        listed: list[object] = data["modules"]
+        names = valid_names(listed, script=script)
+        return cls(
+            modules=tuple(names),
+            python=_version(data.get("python")),
+            torch=_version(data.get("torch")),
+            refused=min(len(listed), MAX_MODULES) - len(names),
+        )
 
 
 @dataclass
@@ -117,91 +176,122 @@ class ModuleList:
         }
 
     @classmethod
-    def from_json(cls, data: object) -> ModuleList | None:
+    def from_json(cls, data: object, script: str | None = None) -> ModuleList | None:
         if not isinstance(data, dict) or data.get("v") != VERSION:
             return None
         skip = data.get("skip")
         skips = {
             k: str(v)[:200]
             for k, v in (skip.items() if isinstance(skip, dict) else ())
-            if isinstance(k, str) and NAME_RE.match(k)
+            if isinstance(k, str) and len(k) <= MAX_NAME and NAME_RE.match(k)
         }
-        python, torch = data.get("python"), data.get("torch")
+        names = valid_names(data.get("modules"), script=script)
         return cls(
-            modules=[m for m in valid_names(data.get("modules")) if not skipped(m, skips)],
+            modules=[m for m in names if not skipped(m, skips)],
             skip=dict(list(skips.items())[:MAX_MODULES]),
-            python=python if isinstance(python, str) else None,
-            torch=torch if isinstance(torch, str) else None,
+            python=_version(data.get("python")),
+            torch=_version(data.get("torch")),
         )
 
 
 class ModuleCache:
-    """One script's entry in the cache folder."""
+    """One script's entry in the cache folder.
+
+    ``error`` says why the last :meth:`load` or :meth:`save` could not use the
+    file (None: it could, or there was none yet); ``refused`` whether that was
+    a refusal (a link, a special file, a damaged file, a folder another user
+    controls: worth a line on the console) rather than a plain I/O failure."""
 
     def __init__(self, folder: str, key: str) -> None:
-        self.folder = folder
+        self.folder = os.path.abspath(folder)
         self.key = key
-        self.path = os.path.join(folder, f"modules-{key}.json")
+        self.path = os.path.join(self.folder, f"modules-{key}.json")
         self.error: str | None = None
+        self.refused = False
 
-    def load(self) -> ModuleList:
-        """The recorded list; empty when there is none or it cannot be used."""
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
+    def _fail(self, error: str, *, refused: bool) -> None:
+        self.error, self.refused = error, refused
+
+    def _ignored(self, problem: str) -> None:
+        self._fail(
+            f"{problem}; ignored (replaced once the script reports what it imports)",
+            refused=True,
+        )
+
+    def load(self, script: str | None = None) -> ModuleList:
+        """The recorded list (names checked as :func:`valid_names` does, with
+        ``script``); empty when there is none or it cannot be used."""
+        self.error, self.refused = None, False
+        if not self._folder_ok():
             return ModuleList()
         try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_FILE_BYTES:
-                return ModuleList()
-            if info.st_uid != os.getuid():
-                return ModuleList()
-            data = os.read(fd, MAX_FILE_BYTES + 1)
-        except OSError:
+            owner = os.lstat(self.path).st_uid
+            if owner != os.geteuid():
+                raise UnsafePath(self.path, f"is owned by uid {owner}, not by this process")
+            data = read_regular(self.path, MAX_FILE_BYTES)
+            value = loads(data, max_bytes=MAX_FILE_BYTES, what=self.path)
+        except FileNotFoundError:
             return ModuleList()
-        finally:
-            os.close(fd)
-        try:
-            parsed = ModuleList.from_json(json.loads(data))
-        except ValueError:
-            parsed = None
-        return parsed if parsed is not None else ModuleList()
+        except (UnsafePath, UntrustedData) as e:
+            self._ignored(str(e))
+            return ModuleList()
+        except OSError as e:
+            self._ignored(f"{self.path}: cannot be read: {e.strerror or e}")
+            return ModuleList()
+        parsed = ModuleList.from_json(value, script)
+        if parsed is None:
+            # Another version's list is replaced quietly; anything else is damaged.
+            version = value.get("v") if isinstance(value, dict) else None
+            if not isinstance(version, int) or version == VERSION:
+                self._ignored(f"{self.path}: is not a module list")
+            return ModuleList()
+        return parsed
 
     def save(self, entry: ModuleList) -> bool:
-        """Write ``entry`` atomically; False (and ``error``) if it cannot be."""
+        """Write ``entry`` atomically (mode 0600); False (and ``error``) if it cannot be."""
+        self.error, self.refused = None, False
         if not self._folder_ok():
             return False
         data = json.dumps(entry.to_json()).encode()
         if len(data) > MAX_FILE_BYTES:
-            self.error = f"module list of {len(data)} bytes is over the {MAX_FILE_BYTES} limit"
+            self._fail(
+                f"module list of {len(data)} bytes is over the {MAX_FILE_BYTES} limit",
+                refused=False,
+            )
             return False
         try:
-            fd, tmp = tempfile.mkstemp(prefix=".modules-", dir=self.folder)
-        except OSError as e:
-            self.error = f"cannot write in {self.folder}: {e.strerror or e}"
+            write_atomic(self.path, data, 0o600)
+        except UnsafePath as e:
+            self._fail(str(e), refused=True)
             return False
-        try:
-            with os.fdopen(fd, "wb") as fp:
-                fp.write(data)
-            os.replace(tmp, self.path)
         except OSError as e:
-            self.error = f"cannot write {self.path}: {e.strerror or e}"
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            self._fail(f"cannot write {self.path}: {e.strerror or e}", refused=False)
             return False
         return True
 
     def _folder_ok(self) -> bool:
+        """The folder, created private where missing (below its nearest
+        existing ancestor, which must not be open to others), refused when it
+        is a link, another user's or writable by others."""
         try:
-            os.makedirs(self.folder, mode=0o700, exist_ok=True)
-            info = os.lstat(self.folder)
-        except OSError as e:
-            self.error = f"cannot create {self.folder}: {e.strerror or e}"
-            return False
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-            self.error = f"{self.folder} is not a folder of this user: not used"
+            private_dir(self.folder, below=_nearest_existing(os.path.dirname(self.folder)))
+        except UnsafePath as e:
+            # A folder that cannot be created (a read-only or full disk) costs
+            # only warmth; one another user controls is worth saying.
+            refused = not e.problem.startswith("cannot ")
+            self._fail(f"{e}; the module cache is not used", refused=refused)
             return False
         return True
+
+
+def _nearest_existing(path: str) -> str:
+    """``path``, or its nearest ancestor that exists."""
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
 
 
 def skipped(name: str, skip: Mapping[str, str]) -> bool:

@@ -58,13 +58,23 @@ from typing import Any
 from elastrun.agent.children import ForkedProcess, Reaper
 from elastrun.agent.env import ROUND_ENV_VARS, stable_env
 from elastrun.agent.guard import OrphanGuard
-from elastrun.agent.modcache import ModuleCache, ModuleList, merged, skipped, valid_names
+from elastrun.agent.modcache import (
+    ModuleCache,
+    ModuleList,
+    ModuleReport,
+    installed_only,
+    merged,
+    skipped,
+    valid_names,
+)
 from elastrun.agent.spawn import RUNNER_SCRIPT, PythonEntry, entry_file, imports_any, preexec_for
 from elastrun.agent.spec import WorkerSpec, argv_for
 from elastrun.agent.stacks import STACKS_ENV
 from elastrun.agent.watchdog import HEARTBEAT_ENV, HEARTBEAT_INTERVAL_ENV, heartbeat_interval
 from elastrun.errors import WorkerError
 from elastrun.events import EventSink
+from elastrun.untrusted import printable
+from elastrun.worker._modnames import script_module
 
 __all__ = ["LOCAL_VARS", "ROUND_VARS", "SparePool", "compatible"]
 
@@ -163,7 +173,11 @@ class SparePool:
         self.budget = budget
         self.max_rss_mb = max_rss_mb
         self._say = say
-        self.recorded = cache.load() if cache is not None else ModuleList()
+        # The module name that would run the script: never imported ahead of time.
+        self.script = script_module(entry.kind, entry.target)
+        self._cache_said = False
+        self.recorded = cache.load(self.script) if cache is not None else ModuleList()
+        self._cache_problem()
         # A zygote still importing is a head start only for a worker that
         # imports the same: a script that never imports torch would wait for it.
         self.head_start = (
@@ -334,9 +348,9 @@ class SparePool:
             )
             for item in failed:
                 if isinstance(item, list) and len(item) == 2:
-                    self._debug(f"warm interpreter skipped module {item[0]}: {item[1]}")
+                    self.debug(f"warm interpreter skipped module {item[0]}: {item[1]}")
             if message.get("stopped"):
-                self._debug(f"warm interpreter stopped importing: {message['stopped']}")
+                self.debug(f"warm interpreter stopped importing: {message['stopped']}")
         elif "pids" in message:
             pids = message["pids"]
             if z.pending is not None and not z.pending.done() and isinstance(pids, list):
@@ -359,7 +373,7 @@ class SparePool:
         if not names:
             shown = "a module is"
         self._discard(z, f"{shown} not safe to import ahead of time: {why}")
-        self._debug(f"{shown} not imported ahead of time any more: {why}")
+        self.debug(f"{shown} not imported ahead of time any more: {why}")
         if self._z is not z:
             return
         self.refusals += 1
@@ -394,33 +408,40 @@ class SparePool:
         head = f"exit code {rc}" if rc is not None else "still running"
         return f"{head}: {lines[-1][:300]}" if lines else head
 
-    def _debug(self, line: str) -> None:
+    def debug(self, line: str) -> None:
+        """``line`` on the agent's console with ``ELASTRUN_DEBUG`` set."""
         if self._say is not None and os.environ.get("ELASTRUN_DEBUG"):
-            self._say(f"elastrun: debug: {line}")
+            self._say(f"elastrun: debug: {printable(line, limit=1000)}")
 
     # ------------------------------------------------------------ learning
-    def learn(self, message: Mapping[str, Any]) -> bool:
-        """A worker's report of the modules it imported (or the job's note of
-        them): remember them, and have the zygote import the new ones for the
-        next start. True when there were new ones."""
-        if message.get("kind") != "modules":
-            return False
-        names = valid_names(message.get("modules"))
+    def learn(self, report: ModuleReport, why: str, *, peer: bool = False) -> bool:
+        """The modules a script imported, as a local worker reported them or
+        (``peer``) as the job's note from another node says: remember them,
+        and have the zygote import the new ones for the next start. Every name
+        passes ``_modnames.refusal`` (again: ``report`` may have been built by
+        hand); a peer's names must also resolve to the standard library or an
+        installed package here, unless the scope is ``all``. True when there
+        were new ones."""
+        names = valid_names(list(report.modules), script=self.script)
+        if peer and self.scope != "all":
+            names = installed_only(names)
         known = set(self.preload) | set(self.recorded.modules)
         new = [n for n in names if n not in known and not skipped(n, self.recorded.skip)]
+        if report.refused or len(names) < len(report.modules):
+            dropped = report.refused + len(report.modules) - len(names)
+            self.debug(f"{dropped} module names {'of the job' if peer else 'reported'} refused")
         if not new:
             return False
         self.recorded.modules = merged(self.recorded.modules, new, self.recorded.skip)
-        python, torch = message.get("python"), message.get("torch")
-        self.recorded.python = python if isinstance(python, str) else None
-        self.recorded.torch = torch if isinstance(torch, str) else None
+        self.recorded.python = report.python
+        self.recorded.torch = report.torch
         self.head_start = True
         saved = self._save()
         self.events.emit(
             "modules_recorded",
             modules=len(self.recorded.modules),
             new=len(new),
-            why=message.get("why"),
+            why=why,
             cache=self.cache.path if self.cache is not None and saved else None,
         )
         z = self._z
@@ -431,18 +452,32 @@ class SparePool:
                 z.ready_event.clear()
         return True
 
-    def note(self) -> dict[str, Any]:
+    def note(self) -> ModuleReport:
         """What the other agents of the job may learn from this one."""
         r = self.recorded
-        return {"modules": r.modules, "python": r.python, "torch": r.torch}
+        return ModuleReport(tuple(r.modules), r.python, r.torch)
 
     def _save(self) -> bool:
         if self.cache is None:
             return False
         if self.cache.save(self.recorded):
             return True
-        self._debug(f"module cache not written: {self.cache.error}")
+        self._cache_problem()
         return False
+
+    def _cache_problem(self) -> None:
+        """Say why the cache could not be used: a refused file or folder once
+        on the console (it costs only warmth), a plain I/O failure in debug."""
+        cache = self.cache
+        if cache is None or cache.error is None:
+            return
+        line = f"module cache: {cache.error}"
+        if not cache.refused or self._cache_said:
+            self.debug(line)
+            return
+        self._cache_said = True
+        if self._say is not None:
+            self._say(f"elastrun: warning: {printable(line, limit=1000)}")
 
     # ------------------------------------------------------------ using
     async def wait_ready(self, timeout: float) -> bool:

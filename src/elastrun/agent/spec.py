@@ -91,6 +91,12 @@ class WorkerSpec:
     # Where the module lists are kept across runs (agent/modcache.py); None:
     # the default folder.
     prewarm_cache: str | None = None
+    # The rendezvous store admits only clients that prove who they are (the
+    # embedded store with a token; etcd with a user or a client certificate).
+    # Only then does the warm interpreter use the module list another node
+    # left in the store (the job's note ``modules``): without it, anyone who
+    # reaches the store could name modules for every node to import.
+    store_authenticated: bool = False
     # A node joining a running job waits up to this long for its warm
     # interpreter before it enters the round (0: it does not wait).
     warm_join_timeout: float = 60.0

@@ -58,6 +58,17 @@ class Plan:
         value = self.conf.get("is_host")
         return None if value is None else bool(value)
 
+    @property
+    def authenticated(self) -> bool:
+        """Whether the store admits only clients that prove who they are: the
+        embedded store with a token, etcd with a user (and password) or a
+        client certificate. The static backend keeps no store."""
+        if self.backend == "c10d":
+            return bool(self.token)
+        if self.backend == "etcd":
+            return bool(self.conf.get("user") or self.conf.get("cert"))
+        return False
+
     def rendezvous_timeouts(self) -> dict[str, float]:
         """The --rdzv-conf timeouts RendezvousSettings takes (only those given)."""
         out: dict[str, float] = {}

@@ -127,6 +127,7 @@ def build_spec(plan: Plan, argv: Sequence[str], host: str) -> WorkerSpec:
         prewarm_modules=cfg.prewarm_modules,
         prewarm_cache=cfg.prewarm_cache,
         warm_join_timeout=60.0 if cfg.warm_join_timeout is None else cfg.warm_join_timeout,
+        store_authenticated=plan.authenticated,
         require_logs=cfg.require_logs,
     )
 

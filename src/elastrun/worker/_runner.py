@@ -13,7 +13,8 @@ exit code), after setting up what elastrun observes from inside the worker:
   socket, so that the next warm interpreter imports them ahead of time
   (``agent/modcache.py``). Only modules of the standard library and of
   installed packages are named (``ELASTRUN_MODULE_SCOPE=all`` also names the
-  user's own modules); never the script itself.
+  user's own modules); never the script itself, a program's entry point
+  (``*.__main__``) nor a module that acts when imported (``_modnames.py``).
 
 * **progress** (``_progress.py``): optimizer steps, DataLoader batches and
   checkpoint phases, counted through torch's process-wide hooks and written
@@ -46,14 +47,11 @@ import importlib.machinery
 import importlib.util
 import json
 import os
-import re
-import site
 import sys
-import sysconfig
 import threading
 import time
 import types
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from importlib.machinery import SourceFileLoader
 from typing import Any
 
@@ -70,72 +68,55 @@ PRIVATE_ENV = (MODE_ENV, CHANNEL_ENV, SCOPE_ENV, AFTER_ENV, STACKS_ENV, *PROGRES
 # libraries they use (SLURM's SIGUSR1, Lightning's requeue) do not take it.
 STACK_SIGNAL_OFFSET = 5  # SIGRTMIN+5
 DEFAULT_AFTER = 30.0
-MAX_MODULES = 5000
-MAX_NAME = 200
 OPTIMIZER_MODULE = "torch.optim.optimizer"
 _SELF = os.path.abspath(__file__)
 _HERE = os.path.dirname(_SELF)
-NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
-# Never named: the script (elastrun's own runner modules, ``_elastrun_*``, neither).
-_NEVER = ("__main__", "__mp_main__")
 
 
 # --------------------------------------------------------------------------- modules
 
 
-def installed_roots() -> tuple[str, ...]:
-    """Folders whose modules count as the standard library or installed packages."""
-    paths = sysconfig.get_paths()
-    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    with contextlib.suppress(AttributeError):
-        roots.update(site.getsitepackages())
-    with contextlib.suppress(AttributeError):
-        roots.add(site.getusersitepackages())
-    return tuple(sorted({os.path.realpath(r) for r in roots if r}))
+def _load_sibling(name: str) -> types.ModuleType:
+    """``{name}.py`` from beside this file, as module ``_elastrun{name}`` (this
+    program runs as a script, so its folder is not a package here)."""
+    path = os.path.join(_HERE, f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_elastrun{name}", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def origin_installed(origin: str | None, locations: Iterable[str], roots: Sequence[str]) -> bool:
-    """Whether a module found at ``origin`` (or, for a namespace package, in
-    ``locations``) lives under one of ``roots``. Built-in and frozen modules
-    (no file) count as the standard library."""
-    files = [origin] if origin else list(locations)
-    if not files:
-        return True
-    for f in files:
-        if f in ("built-in", "frozen"):
-            continue
-        real = os.path.realpath(f)
-        if not any(real == r or real.startswith(r + os.sep) for r in roots):
-            return False
-    return True
-
-
-def _module_installed(mod: types.ModuleType, roots: Sequence[str]) -> bool:
-    spec = getattr(mod, "__spec__", None)
-    origin = getattr(mod, "__file__", None) or getattr(spec, "origin", None)
-    path = getattr(mod, "__path__", None)
-    locations = [p for p in path if isinstance(p, str)] if isinstance(path, list) else []
-    if not isinstance(origin, str) and not locations:
-        return False  # neither a file nor a package folder: not something to import
-    return origin_installed(origin if isinstance(origin, str) else None, locations, roots)
+# Which modules may be named and imported ahead of time (_modnames.py).
+_names = _load_sibling("_modnames")
+MAX_MODULES: int = _names.MAX_MODULES
+MAX_NAME: int = _names.MAX_NAME
+installed_roots = _names.installed_roots
+origin_installed = _names.origin_installed
 
 
 def select_modules(
-    modules: dict[str, Any], scope: str, roots: Sequence[str], limit: int = MAX_MODULES
+    modules: dict[str, Any],
+    scope: str,
+    roots: Sequence[str],
+    limit: int = MAX_MODULES,
+    script: str | None = None,
 ) -> list[str]:
     """The names of ``modules`` (``sys.modules``, in import order) a warm
-    interpreter may import ahead of time: real modules under their own name,
-    not the script, and (scope ``installed``) from ``roots`` only."""
+    interpreter may import ahead of time: real modules under their own name
+    that pass ``_modnames.refusal`` (never the script, ``script`` included),
+    and (scope ``installed``) from ``roots`` only."""
     out: list[str] = []
     for name, mod in list(modules.items()):
         if len(out) >= limit:
             break
-        if not isinstance(mod, types.ModuleType) or name in _NEVER or name.startswith("_elastrun"):
+        if not isinstance(mod, types.ModuleType) or getattr(mod, "__name__", "") != name:
             continue
-        if len(name) > MAX_NAME or not NAME_RE.match(name) or getattr(mod, "__name__", "") != name:
+        if _names.refusal(name, script) is not None:
             continue
         try:
-            if scope != "all" and not _module_installed(mod, roots):
+            if scope != "all" and not _names.module_installed(mod, roots):
                 continue
         except Exception:  # noqa: S112 - an exotic module object: not one to name
             continue
@@ -184,9 +165,12 @@ class _OnImport(importlib.abc.MetaPathFinder):
 class ModuleRecorder:
     """Sends the worker's imported modules to the agent once it trains."""
 
-    def __init__(self, channel: Channel, scope: str, after: float) -> None:
+    def __init__(
+        self, channel: Channel, scope: str, after: float, script: str | None = None
+    ) -> None:
         self.channel = channel
         self.scope = scope
+        self.script = script  # the module name that would run the script
         self.after = after
         self._sent = False
         self._lock = threading.Lock()
@@ -226,7 +210,7 @@ class ModuleRecorder:
             self._send(why)
 
     def _send(self, why: str) -> None:
-        names = select_modules(sys.modules, self.scope, installed_roots())
+        names = select_modules(sys.modules, self.scope, installed_roots(), script=self.script)
         torch = sys.modules.get("torch")
         self.channel.send(
             {
@@ -411,7 +395,7 @@ def run_worker(kind: str, target: str, args: list[str]) -> None:
     for name in PRIVATE_ENV:
         env.pop(name, None)
     if channel.fd is not None:
-        ModuleRecorder(channel, scope, after).install()
+        ModuleRecorder(channel, scope, after, _names.script_module(kind, target)).install()
     guard_teardown()
     # A script that succeeded has torch.distributed shut down before the
     # interpreter finalizes, so it cannot abort in its teardown (_settle.py).
@@ -430,18 +414,6 @@ def run_worker(kind: str, target: str, args: list[str]) -> None:
         sys.exit(1)
 
 
-def _load_sibling(name: str) -> types.ModuleType:
-    """``{name}.py`` from beside this file, as module ``_elastrun{name}`` (this
-    program runs as a script, so its folder is not a package here)."""
-    path = os.path.join(_HERE, f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"_elastrun{name}", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def main(argv: list[str]) -> None:
     # argv as the worker's own, after the interpreter: "script args" or "-m module args".
     if not argv or (argv[0] == "-m" and len(argv) < 2):
@@ -451,7 +423,7 @@ def main(argv: list[str]) -> None:
     if os.environ.get(MODE_ENV) == "zygote":
         # Imports resolve as they will for the worker: its sys.path[0].
         sys.path[0] = target_path(kind, target)
-        order = _load_sibling("_zygote").serve()
+        order = _load_sibling("_zygote").serve(_names.script_module(kind, target))
         if order is None:
             sys.exit(0)  # the agent closed the socket: not needed any more
         args = [str(a) for a in order["args"]]

@@ -37,9 +37,12 @@ it): an agent that dies or gives up before that leaves nothing running.
 
 Bounds: the preload stops after ``ELASTRUN_PRELOAD_BUDGET`` seconds or once
 the resident memory passes ``ELASTRUN_PRELOAD_MAX_RSS`` MiB; a module that
-fails to import is skipped and named in the next ``ready``; with the
-``installed`` scope a module is imported only if it is found in the standard
-library or in installed packages (never the script's own folder).
+fails to import is skipped and named in the next ``ready``; every name is
+checked again here as the agent checked it (``_modnames.refusal``: never a
+``__main__``, the script itself or a module that acts when imported), and a
+refused one is named in ``failed`` too; with the ``installed`` scope a module
+is imported only if it is found in the standard library or in installed
+packages (never the script's own folder).
 """
 
 from __future__ import annotations
@@ -47,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
-import importlib.util
 import json
 import os
 import select
@@ -184,8 +186,9 @@ class _Become(Exception):
 
 
 class Zygote:
-    def __init__(self) -> None:
+    def __init__(self, script: str | None = None) -> None:
         env = os.environ
+        self.script = script  # the module name that would run the script: never imported
         self.ctl = socket.socket(fileno=0)
         self.agent_pid = int(env.get(AGENT_ENV, "0") or 0)
         spec = _json(env.get(PRELOAD_ENV, ""))
@@ -199,6 +202,7 @@ class Zygote:
         self.queue: deque[str] = deque()
         self.queued: set[str] = set()
         self.checked: dict[str, bool] = {}  # top-level package -> installed
+        self.failed: list[list[str]] = []  # [name, why]: for the next "ready"
         self.expect_torch = spec.get("torch") if isinstance(spec.get("torch"), str) else None
         watch = spec.get("watch")
         self.watched = frozenset(str(k) for k in watch) if isinstance(watch, list) else frozenset()
@@ -213,7 +217,6 @@ class Zygote:
         base = spec.get("base")
         self.base = min(len(self.queue), base if isinstance(base, int) and base > 0 else 0)
         self.loaded = 0
-        self.failed: list[list[str]] = []
         self.stopped: str | None = None
         self.started = time.monotonic()
         self.idle = _can_return_from_idle()
@@ -222,18 +225,22 @@ class Zygote:
 
     # ------------------------------------------------------------ preload
     def _enqueue(self, names: object) -> None:
+        """Queue ``names`` (bounded): the agent checked them, and they are
+        checked again here (``_modnames.refusal``); a refused name is named
+        in the next ``ready`` and never imported."""
         if not isinstance(names, list):
             return
         for name in names:
-            if (
-                isinstance(name, str)
-                and _runner.NAME_RE.match(name)
-                and len(name) <= _runner.MAX_NAME
-                and name not in self.queued
-                and len(self.queued) < _runner.MAX_MODULES
-            ):
-                self.queued.add(name)
-                self.queue.append(name)
+            if len(self.queued) >= _runner.MAX_MODULES:
+                break
+            why = _runner._names.refusal(name, self.script)
+            if why is not None:
+                self._fail(str(name)[: _runner.MAX_NAME], f"refused: {why}")
+                continue
+            if name in self.queued:
+                continue
+            self.queued.add(name)
+            self.queue.append(name)
 
     def _fail(self, name: str, why: object) -> None:
         if len(self.failed) < MAX_FAILED:
@@ -289,19 +296,8 @@ class Zygote:
         directory). Looking a top-level name up imports nothing; its modules
         live in its folder."""
         if top not in self.checked:
-            mod = sys.modules.get(top)
-            try:
-                if mod is not None:
-                    ok = _runner._module_installed(mod, self.roots)
-                else:
-                    spec = importlib.util.find_spec(top)
-                    locations = list(spec.submodule_search_locations or ()) if spec else []
-                    ok = spec is not None and _runner.origin_installed(
-                        spec.origin, locations, self.roots
-                    )
-            except (Exception, SystemExit):
-                ok = False
-            self.checked[top] = ok
+            loaded = sys.modules.get(top)
+            self.checked[top] = _runner._names.top_installed(top, self.roots, loaded)
         return self.checked[top]
 
     def _unsafe(self, names: list[str], why: str) -> None:
@@ -542,5 +538,7 @@ def _float(text: str | None, default: float) -> float:
         return default
 
 
-def serve() -> dict[str, Any] | None:
-    return Zygote().serve()
+def serve(script: str | None = None) -> dict[str, Any] | None:
+    """Serve the agent; ``script``: the module name that would run the
+    worker's script (never imported here)."""
+    return Zygote(script).serve()
