@@ -178,17 +178,18 @@ async def publish_loop(
     while True:
         await asyncio.sleep(every)
         ranks = local_progress(group)
-        if not ranks:
+        if ranks:
+            note = N.ProgressNote(
+                result.round,
+                result.group_rank,
+                node_id,
+                host[: N.MAX_TEXT],
+                round(time.time(), 3),
+                tuple(ranks[: N.MAX_RANKS]),
+            )
+            await rendezvous.write_note(note.name, note.to_json(), lease=True)
+        elif aggregator is None:
             continue  # no worker reports progress (yet, or ever: --no-python)
-        note = N.ProgressNote(
-            result.round,
-            result.group_rank,
-            node_id,
-            host[: N.MAX_TEXT],
-            round(time.time(), 3),
-            tuple(ranks),
-        )
-        await rendezvous.write_note(note.name, note.to_json(), lease=True)
         verdict = await _verdict(rendezvous, result, aggregator)
         if verdict is None:
             continue
