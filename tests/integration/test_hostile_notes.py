@@ -43,6 +43,7 @@ from elastrun.store.client import TcpStore
 from elastrun.store.server import StoreServer
 from tests.helpers import free_port, stop_groups, wait_for
 from tests.integration.elastic_harness import ELASTRUN
+from tests.integration.test_hangs import stacks_block, two_node_hang
 
 SCRIPTS = Path(__file__).parent / "scripts"
 BOUND = 150.0  # a whole job on a loaded 2-core machine
@@ -313,42 +314,14 @@ class HostileWriter:
 
 def test_a_hostile_stacks_note_during_a_real_hang_kills_no_agent(tmp_path: Path) -> None:
     port, run_id = free_port(), "hostile-hang"
-    out = tmp_path / "out"
-    out.mkdir()
+    (tmp_path / "out").mkdir()
     writer = HostileWriter(port, run_id)
     procs: list[subprocess.Popen[str]] = []
     errs: dict[str, str] = {}
     try:
         for name in ("a", "b"):
-            procs.append(
-                subprocess.Popen(
-                    [
-                        *ELASTRUN,
-                        "--nnodes=2",
-                        "--nproc-per-node=1",
-                        "--rdzv-backend=c10d",
-                        f"--rdzv-endpoint=127.0.0.1:{port}",
-                        f"--rdzv-id={run_id}",
-                        # A crashed agent would leave the other waiting 600 s: past BOUND.
-                        f"--rdzv-conf=is_host={int(name == 'a')},join_timeout=600",
-                        f"--node-rank={0 if name == 'a' else 1}",
-                        "--max-restarts=1",
-                        "--hang-timeout=auto:3",
-                        "--shutdown-timeout=5",
-                        "--no-prewarm",
-                        str(SCRIPTS / "hang_ddp.py"),
-                        str(out),
-                        "stuck",
-                        "40",
-                    ],
-                    cwd=tmp_path,
-                    env={**os.environ, "STUCK_RANK": "1"},
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    start_new_session=True,
-                )
-            )
+            # A crashed agent would leave the other waiting 600 s: past BOUND.
+            procs.append(two_node_hang(name, port, run_id, tmp_path, 1, ",join_timeout=600"))
             if name == "a":
                 writer.thread.start()  # it waits for the store to listen
         for name, p in zip("ab", procs, strict=True):
@@ -364,9 +337,7 @@ def test_a_hostile_stacks_note_during_a_real_hang_kills_no_agent(tmp_path: Path)
     declared = [e for e in errs.values() if "Python stacks when the hang was declared" in e]
     assert declared, errs
     for err in declared:
-        start = err.index("Python stacks when the hang was declared")
-        block = err[start : err.index("=" * 72, start)]
-        ranks = [ln for ln in block.splitlines() if ln.startswith("  rank ")]
+        *ranks, block = stacks_block(err)
         # its own rank, and the other node's, or a line saying why there is none
         assert len(ranks) == 2 or (len(ranks) == 1 and "no stacks from:" in block), block
 

@@ -24,6 +24,7 @@ from elastrun.agent.stragglers import StragglerRule
 from elastrun.agent.watchdog import PHASE_FACTOR, Beat, HangPolicy, read_beat
 from elastrun.errors import ConfigError
 from elastrun.launcher.cli import parse
+from elastrun.rendezvous.notes import NoteInvalid
 from elastrun.status.summary import hang_stacks, rank_progress
 from elastrun.worker._progress import GAP_MAX_MULT, GAP_QUANTILE_MULT, MIN_GAPS, Progress
 
@@ -237,10 +238,13 @@ def test_rank_stacks_from_a_note_are_checked_and_bounded():
     assert RankStacks.from_json(good.to_json()) == good
     bad: list[object] = [None, [], {"rank": "1", "frames": []}, {"rank": 1}]
     bad.append({"rank": True, "frames": []})
+    bad.append({"rank": 1, "host": "h", "frames": ["x" * 10_000], "in_torch": False})
+    bad.append({"rank": 1, "host": "h", "frames": ["x"] * 1000, "in_torch": False})
     for raw in bad:
-        assert RankStacks.from_json(raw) is None
-    huge = RankStacks.from_json({"rank": 1, "frames": ["x" * 10_000] * 1000})
-    assert huge is not None and len(huge.frames) == 30 and len(huge.frames[0]) == 300
+        with pytest.raises(NoteInvalid):
+            RankStacks.from_json(raw)
+    long = RankStacks.of(1, "h" * 1000, _STUCK * 40, None, hung=False)
+    assert len(long.host) == 300 and len(long.frames) <= 30
 
 
 # -- stragglers ---------------------------------------------------------------------

@@ -45,16 +45,6 @@ def local_stacks(group: WorkerGroup, host: str) -> list[RankStacks]:
     ]
 
 
-def _typed(s: RankStacks) -> N.RankStack:
-    return N.RankStack(
-        rank=s.rank,
-        host=s.host[: N.MAX_TEXT],
-        frames=tuple(f[: N.MAX_TEXT] for f in s.frames[: N.MAX_FRAMES]),
-        in_torch=s.in_torch,
-        hung=s.hung,
-    )
-
-
 def _untyped(s: N.RankStack) -> RankStacks:
     return RankStacks(rank=s.rank, host=s.host, frames=s.frames, in_torch=s.in_torch, hung=s.hung)
 
@@ -65,7 +55,7 @@ def note_of(stacks: list[RankStacks], result: RoundResult) -> N.StacksNote:
     as many ranks as fit."""
     budget = N.stacks_budget(len(result.members))
     node_id = str(result.extra.get("node_id") or result.me.node_id)
-    ranks = [_typed(s) for s in stacks]
+    ranks: list[N.RankStack] = list(stacks)
 
     def make(rs: list[N.RankStack]) -> N.StacksNote:
         return N.StacksNote(result.round, result.group_rank, node_id, tuple(rs))

@@ -37,6 +37,7 @@ from elastrun.untrusted import UntrustedData, loads
 __all__ = [
     "MAX_FRAMES",
     "MAX_RANKS",
+    "MAX_TEXT",
     "NOTE_MAX_BYTES",
     "SLOW_RATIO",
     "STACKS_PREFIX",
