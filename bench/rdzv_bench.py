@@ -261,8 +261,10 @@ def main() -> int:
     return 0
 
 
-def _bench_embedded(sizes: list[int], args: argparse.Namespace) -> None:
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
+@contextmanager
+def embedded_store(env: dict[str, str]) -> Iterator[tuple[tuple[str, int], int]]:
+    """``elastrun store serve`` on loopback, in its own process: its address
+    and pid; terminated (then killed) on exit."""
     server = subprocess.Popen(
         [sys.executable, "-m", "elastrun", "store", "serve", "--host", "127.0.0.1", "--port", "0"],
         cwd=REPO,
@@ -278,8 +280,7 @@ def _bench_embedded(sizes: list[int], args: argparse.Namespace) -> None:
             raise RuntimeError("the store did not start")
         # Keep reading what the store prints (its log): a full pipe would stall it.
         threading.Thread(target=server.stdout.read, daemon=True).start()
-        addr = (m.group(1), int(m.group(2)))
-        _table("the embedded store", addr, sizes, args, "embedded")
+        yield (m.group(1), int(m.group(2))), server.pid
     finally:
         server.terminate()
         try:
@@ -287,6 +288,12 @@ def _bench_embedded(sizes: list[int], args: argparse.Namespace) -> None:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait(10)
+
+
+def _bench_embedded(sizes: list[int], args: argparse.Namespace) -> None:
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
+    with embedded_store(env) as (addr, _):
+        _table("the embedded store", addr, sizes, args, "embedded")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import os
 import signal
 import sys
 
+from elastrun.untrusted import printable
+
 __all__ = ["pid_alive", "say", "signal_name"]
 
 
@@ -51,7 +53,10 @@ def signal_name(signum: int) -> str:
 
 
 def say(msg: str) -> None:
-    """Write ``msg`` as one line to stderr and flush (errors ignored)."""
+    """Write ``msg`` as one line to stderr and flush (errors ignored). Control
+    characters but newlines and tabs are escaped (``\\x1b``): a line may carry
+    what another node or a worker wrote, and none of ours needs them."""
+    msg = printable(msg, lines=True)
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.write(msg if msg.endswith("\n") else msg + "\n")
         sys.stderr.flush()

@@ -187,6 +187,47 @@ def test_a_straggler_is_named_in_status(tmp_path):
     assert ev["rank"] == 2 and ev["own_time_s"] > 1.2 * ev["median_s"]
 
 
+def two_node_hang(
+    name: str, port: int, run_id: str, tmp_path: Path, stuck_rank: int, conf: str = ""
+) -> subprocess.Popen[str]:
+    """Node ``name`` (a: group rank 0, hosting the store; b: 1) of a two-node job of
+    one rank each, where rank ``stuck_rank`` gets stuck at step 30 of its first
+    attempt (hang_ddp.py stuck), under ``--hang-timeout auto:3``."""
+    return subprocess.Popen(
+        [
+            *ELASTRUN,
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id={run_id}",
+            f"--rdzv-conf=is_host={int(name == 'a')}{conf}",
+            f"--node-rank={0 if name == 'a' else 1}",
+            "--max-restarts=1",
+            "--hang-timeout=auto:3",
+            "--shutdown-timeout=5",
+            str(SCRIPT),
+            str(tmp_path / "out"),
+            "stuck",
+            "40",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "STUCK_RANK": str(stuck_rank)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def stacks_block(err: str) -> list[str]:
+    """The rank lines of the stacks section of a declaring node's summary, and
+    the section itself."""
+    start = err.index("Python stacks when the hang was declared")
+    block = err[start : err.index("=" * 72, start)]
+    return [ln for ln in block.splitlines() if ln.startswith("  rank ")] + [block]
+
+
 @pytest.mark.parametrize("stuck_rank", [1])
 def test_the_declaring_node_shows_the_other_node_s_stacks(tmp_path, stuck_rank):
     port = free_port()
@@ -196,33 +237,7 @@ def test_the_declaring_node_shows_the_other_node_s_stacks(tmp_path, stuck_rank):
     errs: dict[str, str] = {}
     try:
         for name in ("a", "b"):
-            procs.append(
-                subprocess.Popen(
-                    [
-                        *ELASTRUN,
-                        "--nnodes=2",
-                        "--nproc-per-node=1",
-                        "--rdzv-backend=c10d",
-                        f"--rdzv-endpoint=127.0.0.1:{port}",
-                        "--rdzv-id=hang-2nodes",
-                        f"--rdzv-conf=is_host={int(name == 'a')}",
-                        f"--node-rank={0 if name == 'a' else 1}",
-                        "--max-restarts=1",
-                        "--hang-timeout=auto:3",
-                        "--shutdown-timeout=5",
-                        str(SCRIPT),
-                        str(out),
-                        "stuck",
-                        "40",
-                    ],
-                    cwd=tmp_path,
-                    env={**os.environ, "STUCK_RANK": str(stuck_rank)},
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    start_new_session=True,
-                )
-            )
+            procs.append(two_node_hang(name, port, "hang-2nodes", tmp_path, stuck_rank))
             if name == "a":
                 time.sleep(1)  # the store host first
         for name, p in zip("ab", procs, strict=True):
@@ -233,9 +248,7 @@ def test_the_declaring_node_shows_the_other_node_s_stacks(tmp_path, stuck_rank):
     declared = [e for e in errs.values() if "Python stacks when the hang was declared" in e]
     assert declared, errs
     for err in declared:
-        start = err.index("Python stacks when the hang was declared")
-        block = err[start : err.index("=" * 72, start)]
-        ranks = [ln for ln in block.splitlines() if ln.startswith("  rank ")]
+        *ranks, block = stacks_block(err)
         assert len(ranks) == 2, block  # both nodes' ranks
         assert ranks[0].startswith(f"  rank {stuck_rank} ") and "stuck_in_my_function" in ranks[0]
         assert "[waiting in torch" in ranks[1]

@@ -24,6 +24,7 @@ from elastrun.agent.stragglers import StragglerRule
 from elastrun.agent.watchdog import PHASE_FACTOR, Beat, HangPolicy, read_beat
 from elastrun.errors import ConfigError
 from elastrun.launcher.cli import parse
+from elastrun.rendezvous.notes import NoteInvalid
 from elastrun.status.summary import hang_stacks, rank_progress
 from elastrun.worker._progress import GAP_MAX_MULT, GAP_QUANTILE_MULT, MIN_GAPS, Progress
 
@@ -237,10 +238,13 @@ def test_rank_stacks_from_a_note_are_checked_and_bounded():
     assert RankStacks.from_json(good.to_json()) == good
     bad: list[object] = [None, [], {"rank": "1", "frames": []}, {"rank": 1}]
     bad.append({"rank": True, "frames": []})
+    bad.append({"rank": 1, "host": "h", "frames": ["x" * 10_000], "in_torch": False})
+    bad.append({"rank": 1, "host": "h", "frames": ["x"] * 1000, "in_torch": False})
     for raw in bad:
-        assert RankStacks.from_json(raw) is None
-    huge = RankStacks.from_json({"rank": 1, "frames": ["x" * 10_000] * 1000})
-    assert huge is not None and len(huge.frames) == 30 and len(huge.frames[0]) == 300
+        with pytest.raises(NoteInvalid):
+            RankStacks.from_json(raw)
+    long = RankStacks.of(1, "h" * 1000, _STUCK * 40, None, hung=False)
+    assert len(long.host) == 300 and len(long.frames) <= 30
 
 
 # -- stragglers ---------------------------------------------------------------------
@@ -268,33 +272,43 @@ def test_a_single_slow_report_or_a_lone_rank_is_no_straggler():
 
 
 def test_status_shows_the_round_s_step_times_and_the_last_hang_s_stacks():
+    def ranks_of(*rows: dict[str, object]) -> list[dict[str, object]]:
+        return [{"step": 10, "step_time": 0.1, **r} for r in rows]
+
     notes = {
         "progress_0": {
             "round": 4,
+            "group_rank": 0,
+            "node_id": "a",
             "host": "a",
             "at": 1.0,
-            "ranks": [
-                {"rank": 1, "step": 10, "step_time": 0.1, "own_time": 0.1, "straggler": True},
-                {"rank": 0, "step": 10, "step_time": 0.1, "own_time": 0.05},
-                "junk",
-            ],
+            "ranks": ranks_of({"rank": 1, "own_time": 0.1}, {"rank": 0, "own_time": 0.05}),
         },
         "progress_1": {"round": 3, "host": "old", "ranks": [{"rank": 7}]},  # an older round
-        "stacks_2_0": {"round": 2, "ranks": [{"rank": 0, "frames": ["f (x.py:1)"]}]},
+        "stragglers": {
+            "round": 4,
+            "at": 1.0,
+            "median": 0.07,
+            "stragglers": [{"rank": 1, "own_time": 0.1}],
+        },
+        "stacks_2_0": {"round": 2, "group_rank": 0, "node_id": "a", "ranks": []},
         "stacks_3_0": {
             "round": 3,
+            "group_rank": 0,
+            "node_id": "a",
             "ranks": [
-                {"rank": 0, "frames": ["wait (t.py:1)"], "in_torch": True},
-                {"rank": 1, "frames": ["mine (m.py:2)"], "in_torch": False},
+                {"rank": 0, "host": "a", "frames": ["wait (t.py:1)"], "in_torch": True},
+                {"rank": 1, "host": "a", "frames": ["mine (m.py:2)"], "in_torch": False},
             ],
         },
     }
-    ranks = rank_progress(notes, {"round": 4})
+    members = [{"node_id": "a", "group_rank": 0, "nproc": 2}]
+    ranks = rank_progress(notes, {"round": 4, "members": members})
     assert [(r["rank"], r["straggler"], r["own_time_s"]) for r in ranks] == [
         (0, False, 0.05),
         (1, True, 0.1),
     ]
-    stacks = hang_stacks(notes)
+    stacks = hang_stacks(notes, {"round": 3, "members": members})
     assert stacks is not None and stacks["round"] == 3
     assert [r["rank"] for r in stacks["ranks"]] == [1, 0]
-    assert rank_progress({}, None) == [] and hang_stacks({}) is None
+    assert rank_progress({}, None) == [] and hang_stacks({}, None) is None

@@ -56,6 +56,7 @@ from elastrun.failure import FailureRecord
 from elastrun.names import check_run_id
 from elastrun.procs import say, signal_name
 from elastrun.rendezvous.api import Change, Rendezvous, RoundResult
+from elastrun.untrusted import printable
 
 __all__ = ["Agent"]
 
@@ -349,7 +350,7 @@ class Agent:
         return 0
 
     async def _on_change(self, change: Change, result: RoundResult) -> None:
-        say(self._change_line(change, result))
+        say(printable(self._change_line(change, result)))  # the detail is another node's
         group = self._group
         if change.hang and group is not None:
             # A hang declared on another node: our ranks' stacks, for its summary.

@@ -27,6 +27,7 @@ from typing import Any
 
 from elastrun.failure import FailedWorker, FailureRecord
 from elastrun.procs import signal_name
+from elastrun.untrusted import printable
 
 __all__ = [
     "ErrorFileInfo",
@@ -236,9 +237,15 @@ def _title(f: WorkerFailure) -> str:
     if f.hang is not None:
         how = f"hung, stopped by elastrun ({how})"
     return (
-        f"[{title}] rank {f.rank} (local rank {f.local_rank}) on {f.host or '?'}, "
+        f"[{title}] rank {f.rank} (local rank {f.local_rank}) on {printable(f.host or '?')}, "
         f"pid {f.pid}: {how} at {_fmt_time(f.exit_time)}"
     )
+
+
+def _block(text: str) -> list[str]:
+    """A multi-line text a worker wrote (a message, a traceback), one line
+    each, made safe for the terminal (tabs kept, control characters escaped)."""
+    return [printable(ln, lines=True) for ln in text.rstrip().splitlines()]
 
 
 def _root_cause_lines(f: WorkerFailure, tail_lines: int) -> list[str]:
@@ -246,17 +253,19 @@ def _root_cause_lines(f: WorkerFailure, tail_lines: int) -> list[str]:
     lines: list[str] = []
     if f.error is not None:
         if f.error.message:
-            lines.append(f"  error: {f.error.message}")
+            first, *more = _block(f.error.message) or [""]
+            lines.append(f"  error: {first}")
+            lines.extend("    " + ln for ln in more)
         if f.error.traceback:
             lines.append("  traceback (from the error file):")
-            lines.extend("    " + ln for ln in f.error.traceback.rstrip().splitlines())
+            lines.extend("    " + ln for ln in _block(f.error.traceback))
             return lines
     tail, stream = f.stderr_tail[-tail_lines:], "stderr"
     if not any(ln.strip() for ln in tail):
         tail, stream = f.stdout_tail[-tail_lines:], "stdout (nothing on stderr)"
     if any(ln.strip() for ln in tail):
         lines.append(f"  last {_count(len(tail), 'line')} of {stream}:")
-        lines.extend("    " + ln for ln in tail)
+        lines.extend("    " + printable(ln, lines=True) for ln in tail)
     else:
         lines.append("  (no error file, and nothing on stderr or stdout)")
     return lines
@@ -283,7 +292,10 @@ def _log_lines(failures: list[WorkerFailure]) -> list[str]:
 
 
 def format_summary(failures: list[WorkerFailure], header: str, tail_lines: int = 20) -> str:
-    """The human summary, root cause first (``failures`` as returned by classify)."""
+    """The human summary, root cause first (``failures`` as returned by classify).
+    What the workers wrote (error files, output lines) is escaped for the
+    terminal: control characters become visible escapes (``\\x1b``), each line
+    stays one line."""
     bar = "=" * 72
     lines = [bar, header, bar]
     if not failures:
@@ -295,7 +307,7 @@ def format_summary(failures: list[WorkerFailure], header: str, tail_lines: int =
             continue
         said = f.error.message if f.error is not None else f.last_words
         if said:
-            lines.append(f"  said: {said[:300]}")
+            lines.append(f"  said: {printable(said, limit=300)}")
     lines.extend(_log_lines(failures))
     lines.append(bar)
     return "\n".join(lines)

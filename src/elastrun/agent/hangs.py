@@ -4,29 +4,37 @@ The node whose watchdog declared the hang (agent/workers.py) has its local
 ranks' stacks. The others learn of the restart from the store (a round
 opened by a failure whose record says ``hang``) and, before they stop their
 workers, collect their ranks' stacks too. Each node leaves them as the job
-note ``stacks_{round}_{group rank}``; the declaring node waits (at most
-``GATHER_TIMEOUT``) for the other members' notes and prints all of them, the
-hung rank first. ``elastrun status`` reads the same notes.
+note ``stacks_{round}_{group rank}`` (:class:`~elastrun.rendezvous.notes.StacksNote`,
+at most its share of the hang's byte budget: the top frames only beyond it);
+the declaring node waits (at most ``GATHER_TIMEOUT``) for the other members'
+notes and prints all of them, the hung rank first. ``elastrun status`` reads
+the same notes.
+
+A note is another node's bytes, or anyone's who reaches the store: the
+declaring node takes only notes that decode within the note limits, match the
+schema, are about this round and come from the member at that group rank
+with that member's ranks. For a member whose note is missing or refused, the
+summary says so (and why) instead; every string is escaped for the terminal.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
 
 from elastrun.agent.stacks import RankStacks, report
 from elastrun.agent.workers import WorkerGroup
+from elastrun.rendezvous import notes as N
 from elastrun.rendezvous.api import Rendezvous, RoundResult
+from elastrun.untrusted import UntrustedData, printable
 
-__all__ = ["GATHER_TIMEOUT", "gather", "local_stacks", "note_name", "share"]
+__all__ = ["GATHER_TIMEOUT", "Gathered", "gather", "local_stacks", "note_name", "share", "summary"]
 
 GATHER_TIMEOUT = 4.0  # s the declaring node waits for the other nodes' stacks
-NOTE_BUDGET = 128 * 1024  # bytes of one node's stacks note (under the note limit)
 
 
 def note_name(round_: int, group_rank: int) -> str:
-    return f"stacks_{round_}_{group_rank}"
+    return N.stacks_name(round_, group_rank)
 
 
 def local_stacks(group: WorkerGroup, host: str) -> list[RankStacks]:
@@ -37,43 +45,85 @@ def local_stacks(group: WorkerGroup, host: str) -> list[RankStacks]:
     ]
 
 
-def _note(stacks: list[RankStacks], round_: int) -> dict[str, Any]:
-    ranks = [s.to_json() for s in stacks]
-    note: dict[str, Any] = {"round": round_, "ranks": ranks}
-    if len(json.dumps(note)) > NOTE_BUDGET:  # many ranks: the top frames only
-        cut = [replace(s, frames=s.frames[: 10 if s.hung else 1]) for s in stacks]
-        note["ranks"] = [s.to_json() for s in cut]
+def _untyped(s: N.RankStack) -> RankStacks:
+    return RankStacks(rank=s.rank, host=s.host, frames=s.frames, in_torch=s.in_torch, hung=s.hung)
+
+
+def note_of(stacks: list[RankStacks], result: RoundResult) -> N.StacksNote:
+    """This node's stacks note, within its share of the hang's byte budget:
+    the top frames only (10 of a hung rank, 1 of the others) beyond it, then
+    as many ranks as fit."""
+    budget = N.stacks_budget(len(result.members))
+    node_id = str(result.extra.get("node_id") or result.me.node_id)
+    ranks: list[N.RankStack] = list(stacks)
+
+    def make(rs: list[N.RankStack]) -> N.StacksNote:
+        return N.StacksNote(result.round, result.group_rank, node_id, tuple(rs))
+
+    def size(note: N.StacksNote) -> int:
+        return len(json.dumps(note.to_json()))
+
+    note = make(ranks)
+    if size(note) > budget:
+        note = make([replace(r, frames=r.frames[: 10 if r.hung else 1]) for r in ranks])
+    while note.ranks and size(note) > budget:
+        note = make(list(note.ranks[: len(note.ranks) // 2]))
     return note
 
 
 async def share(rendezvous: Rendezvous, result: RoundResult, stacks: list[RankStacks]) -> None:
     """Leave this node's stacks for the others (and for ``elastrun status``)."""
     if stacks:
-        await rendezvous.write_note(
-            note_name(result.round, result.group_rank), _note(stacks, result.round)
-        )
+        note = note_of(stacks, result)
+        await rendezvous.write_note(note.name, note.to_json())
 
 
-async def gather(
-    rendezvous: Rendezvous, result: RoundResult, own: list[RankStacks]
-) -> list[RankStacks]:
+@dataclass(frozen=True)
+class Gathered:
+    """Every rank's stacks found, and a line for each member without a usable note."""
+
+    stacks: list[RankStacks]
+    missing: list[str]
+
+
+async def gather(rendezvous: Rendezvous, result: RoundResult, own: list[RankStacks]) -> Gathered:
     """``own`` and the other members' stacks of this round (bounded wait)."""
-    names = [
-        note_name(result.round, m.group_rank)
-        for m in result.members
-        if m.group_rank != result.group_rank
-    ]
+    seats = N.seats((m.node_id, m.group_rank, m.nproc) for m in result.members)
+    others = [m for m in result.members if m.group_rank != result.group_rank]
+    names = [note_name(result.round, m.group_rank) for m in others]
     notes = await rendezvous.gather_notes(names, GATHER_TIMEOUT) if names else {}
-    out = list(own)
-    for note in notes.values():
-        for raw in note.get("ranks") or ():
-            s = RankStacks.from_json(raw)
-            if s is not None:
-                out.append(s)
-    return out
+    out, missing = list(own), []
+    for m in others:
+        who = f"{printable(m.host, limit=N.MAX_TEXT)} (group rank {m.group_rank})"
+        raw = notes.get(note_name(result.round, m.group_rank))
+        if raw is None:
+            missing.append(
+                f"  {who}: no readable stacks note within {GATHER_TIMEOUT:g} s "
+                "(absent, or not JSON within the note limits)"
+            )
+            continue
+        try:
+            note = N.StacksNote.from_json(raw).check(result.round, seats[m.group_rank])
+        except UntrustedData as exc:
+            missing.append(f"  {who}: its stacks note was refused: {printable(exc)}")
+            continue
+        out.extend(_untyped(s) for s in note.ranks)
+    return Gathered(out, missing)
 
 
-def summary(stacks: list[RankStacks], attempt_dir: str | None) -> str:
+def _escaped(s: RankStacks) -> RankStacks:
+    """``s`` with what another node wrote made safe for the terminal (one line each)."""
+    return replace(
+        s,
+        host=printable(s.host, limit=N.MAX_TEXT),
+        frames=tuple(printable(f, limit=N.MAX_TEXT) for f in s.frames),
+    )
+
+
+def summary(gathered: Gathered, attempt_dir: str | None) -> str:
     """The stacks section of the failure summary ("" when there are none)."""
     where = f"{attempt_dir}/<local_rank>/stacks.txt" if attempt_dir else None
-    return report(stacks, where)
+    text = report([_escaped(s) for s in gathered.stacks], where)
+    if gathered.missing and text:
+        text += "\nno stacks from:\n" + "\n".join(gathered.missing)
+    return text

@@ -28,6 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from elastrun.clock import SYSTEM_CLOCK, Clock
+from elastrun.rendezvous.notes import MAX_FRAMES as NOTE_MAX_FRAMES
+from elastrun.rendezvous.notes import MAX_TEXT, RankStack
 
 __all__ = [
     "MAX_STACK_BYTES",
@@ -182,54 +184,25 @@ def ordered(dumps: Mapping[int, tuple[str, int | None]], ranks: Sequence[int]) -
 
 # ------------------------------------------------------------ the report
 
-MAX_FRAMES = 30  # frames kept of one rank's main thread (most recent first)
-MAX_LINE = 300
+MAX_FRAMES = NOTE_MAX_FRAMES  # frames kept of one rank's main thread (most recent first)
+MAX_LINE = MAX_TEXT
 
 
 @dataclass(frozen=True)
-class RankStacks:
-    """One rank's main-thread stack, as reported (JSON-able for the job's
-    notes: a node shares its ranks' stacks with the others)."""
-
-    rank: int
-    host: str
-    frames: tuple[str, ...]  # "func (file:line)", most recent first
-    in_torch: bool
-    hung: bool = False
+class RankStacks(RankStack):
+    """One rank's main-thread stack, as reported; the job notes' schema
+    (:class:`~elastrun.rendezvous.notes.RankStack`: a node shares its ranks'
+    stacks with the others), made from a faulthandler dump."""
 
     @classmethod
     def of(cls, rank: int, host: str, dump: str, main: int | None, hung: bool) -> RankStacks:
         own = [f for f in frames(dump, main) if "/elastrun/worker/" not in f.file]
         return cls(
             rank=rank,
-            host=host,
+            host=host[:MAX_LINE],
             frames=tuple(str(f)[:MAX_LINE] for f in own[:MAX_FRAMES]),
             in_torch=in_torch(dump, main),
             hung=hung,
-        )
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "rank": self.rank,
-            "host": self.host,
-            "frames": list(self.frames),
-            "in_torch": self.in_torch,
-            "hung": self.hung,
-        }
-
-    @classmethod
-    def from_json(cls, raw: object) -> RankStacks | None:
-        if not isinstance(raw, dict):
-            return None
-        rank, frames_ = raw.get("rank"), raw.get("frames")
-        if not isinstance(rank, int) or isinstance(rank, bool) or not isinstance(frames_, list):
-            return None
-        return cls(
-            rank=rank,
-            host=str(raw.get("host") or "")[:MAX_LINE],
-            frames=tuple(str(f)[:MAX_LINE] for f in frames_[:MAX_FRAMES]),
-            in_torch=bool(raw.get("in_torch")),
-            hung=bool(raw.get("hung")),
         )
 
 

@@ -3,14 +3,31 @@
 While a group runs, every ``PUBLISH_EVERY`` seconds each agent reads its
 ranks' progress files (written by the worker runner: worker/_progress.py; the
 step time is the median of the rank's recent optimizer step intervals) and
-leaves them as the job note ``progress_{group rank}``. It reads the other
-members' notes of the same round and compares each of its ranks' *own time*
-(its step time outside backward passes: under DDP every rank's step lasts as
-long as the slowest's, the others waiting in the backward pass's all-reduce)
-with the median own time of all ranks: a rank more than ``SLOW_RATIO`` times the
-median for ``SUSTAIN`` reports in a row (``SUSTAIN * PUBLISH_EVERY`` seconds)
-is a straggler: flagged in its note (so ``elastrun status`` shows it) and
-announced once with a ``straggler`` event. Nothing is done about it.
+replaces its note ``progress_{group rank}``
+(:class:`~elastrun.rendezvous.notes.ProgressNote`), tied to its lease so that
+it vanishes with the node.
+
+The verdicts are made in one place: group rank 0's agent reads the round
+members' progress notes (the notes of this round from the member at that
+group rank, with that member's ranks; anything else is dropped), compares
+each rank's *own time* (its step time outside backward passes: under DDP
+every rank's step lasts as long as the slowest's, the others waiting in the
+backward pass's all-reduce) with the median own time of all ranks, and writes
+one bounded ``stragglers`` note
+(:class:`~elastrun.rendezvous.notes.StragglersNote`, on its lease). A rank
+more than ``SLOW_RATIO`` times the median for ``SUSTAIN`` reports in a row
+(``SUSTAIN * PUBLISH_EVERY`` seconds) is a straggler. Every other agent reads
+that one note and announces its own ranks once with a ``straggler`` event;
+``elastrun status`` shows them. Nothing is done about a straggler.
+
+Why one aggregator rather than every agent reading every note: with N nodes
+each reading N notes per interval, the job's reads grow with N squared (64
+nodes: 4096 note reads every 5 s); now each agent writes one note and reads
+one, and group rank 0 reads N: O(N) in all, and a constant amount for every
+agent but one. A store watch on the notes would deliver every node's note to
+every agent: the same N squared, pushed instead of pulled. Group rank 0 is
+the natural aggregator: every member knows it from the round's result (no
+election), it exists in every round, and when it leaves the round ends.
 
 The rule is pure (:class:`StragglerRule`), tested without I/O; the loop is
 its thin driver.
@@ -19,26 +36,36 @@ its thin driver.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from elastrun.agent.watchdog import read_beat
 from elastrun.agent.workers import WorkerGroup
 from elastrun.events import EventSink
+from elastrun.rendezvous import notes as N
 from elastrun.rendezvous.api import Rendezvous, RoundResult
+from elastrun.untrusted import UntrustedData
 
-__all__ = ["PUBLISH_EVERY", "SLOW_RATIO", "SUSTAIN", "StragglerRule", "note_name", "publish_loop"]
+__all__ = [
+    "PUBLISH_EVERY",
+    "SLOW_RATIO",
+    "SUSTAIN",
+    "StragglerRule",
+    "local_progress",
+    "note_name",
+    "publish_loop",
+]
 
 PUBLISH_EVERY = 5.0
-SLOW_RATIO = 1.2  # slower than the median by more than 20%
+SLOW_RATIO = N.SLOW_RATIO  # slower than the median by more than 20%
 SUSTAIN = 3  # reports in a row
 
 
 def note_name(group_rank: int) -> str:
-    return f"progress_{group_rank}"
+    return N.progress_name(group_rank)
 
 
 @dataclass
@@ -63,7 +90,7 @@ class StragglerRule:
         return {r for r, n in self.slow_for.items() if n >= self.sustain and r in mine}
 
 
-def local_progress(group: WorkerGroup) -> list[dict[str, Any]]:
+def local_progress(group: WorkerGroup) -> list[N.RankProgress]:
     """Each local rank's last progress, as the note carries it."""
     out = []
     now = time.monotonic()
@@ -72,17 +99,65 @@ def local_progress(group: WorkerGroup) -> list[dict[str, Any]]:
         if beat is None:
             continue
         out.append(
-            {
-                "rank": w.rank,
-                "step": beat.step,
-                "steps": beat.steps,
-                "step_time": beat.step_time,
-                "own_time": beat.own_time,
-                "idle_s": round(max(0.0, now - beat.monotonic), 3),
-                "phase": beat.phase,
-            }
+            N.RankProgress(
+                rank=w.rank,
+                step=beat.step,
+                steps=beat.steps,
+                step_time=beat.step_time,
+                own_time=beat.own_time,
+                idle_s=round(max(0.0, now - beat.monotonic), 3),
+                phase=beat.phase[: N.MAX_PHASE] if beat.phase else None,
+            )
         )
     return out
+
+
+def members_progress(notes: Mapping[str, object], result: RoundResult) -> list[N.ProgressNote]:
+    """The progress notes of ``result``'s round from its members (others dropped)."""
+    seats = N.seats((m.node_id, m.group_rank, m.nproc) for m in result.members)
+    out = []
+    for seat in seats.values():
+        raw = notes.get(note_name(seat.group_rank))
+        if raw is None:
+            continue
+        with contextlib.suppress(UntrustedData):
+            out.append(N.ProgressNote.from_json(raw).check(result.round, seat))
+    return out
+
+
+@dataclass
+class Aggregator:
+    """Group rank 0's part: every member's step times -> the stragglers note."""
+
+    rule: StragglerRule = field(default_factory=StragglerRule)
+
+    def judge(self, round_: int, notes: list[N.ProgressNote]) -> N.StragglersNote:
+        times = {r.rank: r.own_time for n in notes for r in n.ranks if r.own_time is not None}
+        slow = self.rule.observe(times, times.values())
+        positive = [t for t in times.values() if t > 0]
+        median = statistics.median(positive) if positive else None
+        found = tuple(N.Straggler(r, times[r]) for r in sorted(slow))
+        return N.StragglersNote(round_, round(time.time(), 3), median, found[: N.MAX_STRAGGLERS])
+
+
+async def _verdict(
+    rendezvous: Rendezvous, result: RoundResult, aggregator: Aggregator | None
+) -> N.StragglersNote | None:
+    """This interval's stragglers note: judged here (group rank 0), else read."""
+    if aggregator is not None:
+        names = [note_name(m.group_rank) for m in result.members]
+        notes = await rendezvous.gather_notes(names, 0.0)
+        verdict = aggregator.judge(result.round, members_progress(notes, result))
+        await rendezvous.write_note(N.STRAGGLERS, verdict.to_json(), lease=True)
+        return verdict
+    raw = await rendezvous.read_note(N.STRAGGLERS)
+    if raw is None:
+        return None
+    try:
+        verdict = N.StragglersNote.from_json(raw)
+    except UntrustedData:
+        return None
+    return verdict if verdict.round == result.round else None
 
 
 async def publish_loop(
@@ -94,43 +169,38 @@ async def publish_loop(
     *,
     every: float = PUBLISH_EVERY,
 ) -> None:
-    """Publish this node's step times until cancelled; flag stragglers."""
-    rule = StragglerRule()
+    """Publish this node's step times until cancelled; group rank 0 judges
+    the stragglers, every node announces its own."""
+    aggregator = Aggregator() if result.group_rank == 0 else None
+    node_id = str(result.extra.get("node_id") or result.me.node_id)
+    mine = range(result.rank_offset, result.rank_offset + result.me.nproc)
     announced: set[int] = set()
-    names = [note_name(m.group_rank) for m in result.members]
     while True:
         await asyncio.sleep(every)
         ranks = local_progress(group)
-        if not ranks:
-            continue  # no worker reports progress (yet, or ever: --no-python)
-        notes = await rendezvous.gather_notes(names, 0.0)
-        everyone = [
-            float(r["own_time"])
-            for name, note in notes.items()
-            if note.get("round") == result.round and name != note_name(result.group_rank)
-            for r in note.get("ranks") or ()
-            if isinstance(r, dict) and isinstance(r.get("own_time"), int | float)
-        ]
-        mine = {r["rank"]: float(r["own_time"]) for r in ranks if r["own_time"] is not None}
-        slow = rule.observe(mine, [*everyone, *mine.values()])
-        for r in ranks:
-            r["straggler"] = r["rank"] in slow
-        for rank in sorted(slow - announced):
-            announced.add(rank)
-            median = statistics.median([*everyone, *mine.values()])
-            events.emit(
-                "straggler",
-                rank=rank,
-                own_time_s=round(mine[rank], 4),
-                median_s=round(median, 4),
-                round=result.round,
+        if ranks:
+            note = N.ProgressNote(
+                result.round,
+                result.group_rank,
+                node_id,
+                host[: N.MAX_TEXT],
+                round(time.time(), 3),
+                tuple(ranks[: N.MAX_RANKS]),
             )
-        await rendezvous.write_note(
-            note_name(result.group_rank),
-            {
-                "round": result.round,
-                "host": host,
-                "at": round(time.time(), 3),
-                "ranks": ranks,
-            },
-        )
+            await rendezvous.write_note(note.name, note.to_json(), lease=True)
+        elif aggregator is None:
+            continue  # no worker reports progress (yet, or ever: --no-python)
+        verdict = await _verdict(rendezvous, result, aggregator)
+        if verdict is None:
+            continue
+        median = None if verdict.median is None else round(verdict.median, 4)
+        for s in verdict.stragglers:
+            if s.rank in mine and s.rank not in announced:
+                announced.add(s.rank)
+                events.emit(
+                    "straggler",
+                    rank=s.rank,
+                    own_time_s=round(s.own_time, 4),
+                    median_s=median,
+                    round=result.round,
+                )

@@ -23,6 +23,7 @@ from elastrun.errors import (
 )
 from elastrun.failure import describe_stored
 from elastrun.rendezvous import keys as K
+from elastrun.rendezvous import notes as N
 from elastrun.rendezvous import records as R
 from elastrun.rendezvous.api import Change, RoundResult
 from elastrun.rendezvous.protocol import Act, Action, Timer
@@ -221,6 +222,19 @@ class Executor:
         keys, store = self.node.keys, self.node.store
         return await store.compare_and_set(keys.round, kv.mod_revision, K.encode(new))
 
+    async def _open(self, kv: KeyValue, new: dict[str, Any], *, hang: bool) -> bool:
+        """Open the next round. A round that ended on a hang replaces the
+        stacks notes kept so far (the previous hang's, and any other note
+        under that prefix): its members' notes are written after it opens."""
+        if not hang:
+            return await self._cas_round(kv, new)
+        keys = self.node.keys
+        res = await self.node.store.txn(
+            [Compare.unchanged(keys.round, kv.mod_revision)],
+            [Put(keys.round, K.encode(new)), Delete(keys.note(N.STACKS_PREFIX), prefix=True)],
+        )
+        return res.succeeded
+
     async def _open_round(self, a: Action) -> None:
         found = self._closed_round_kv(a.round)
         if found is None:
@@ -236,7 +250,7 @@ class Executor:
             failure=self.failure,
             opened_at=time.time(),
         )
-        if await self._cas_round(kv, new):
+        if await self._open(kv, new, hang=R.hang_round(new) == a.round):
             events, me = self.node.events, self.node.node_id
             if a.reason == "member_lost":
                 events.emit("node_lost", round=a.round, detail=a.detail, by=me)

@@ -196,18 +196,23 @@ class Rendezvous(abc.ABC):
 
     async def read_note(self, name: str) -> dict[str, Any] | None:
         """The job-wide note ``name`` another agent left (a JSON object), or
-        None. Never raises."""
+        None: absent, or not decodable within the note limits (see
+        :mod:`elastrun.rendezvous.notes`; its schema is the caller's to check).
+        Never raises."""
         return None
 
-    async def write_note(self, name: str, value: dict[str, Any]) -> None:
+    async def write_note(self, name: str, value: dict[str, Any], *, lease: bool = False) -> None:
         """Leave the job-wide note ``name`` for the other agents (best effort,
-        bounded in size; never raises)."""
-        del name, value  # a rendezvous without a store keeps no notes
+        bounded in size; never raises). ``lease``: the note is tied to this
+        node's lease, so it vanishes when the node leaves or dies (not written
+        while the node holds no lease)."""
+        del name, value, lease  # a rendezvous without a store keeps no notes
 
     async def gather_notes(self, names: Sequence[str], timeout: float) -> dict[str, dict[str, Any]]:
         """The job-wide notes ``names`` (all sharing the first one's prefix up
         to its last ``_``), waiting up to ``timeout`` seconds for those not
-        written yet. Returns those found. Never raises."""
+        written yet. Returns those found that decode within the note limits
+        (as :meth:`read_note`). Never raises."""
         del names, timeout
         return {}
 

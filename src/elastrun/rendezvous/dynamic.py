@@ -39,6 +39,7 @@ from elastrun.errors import (
 from elastrun.events import EventSink, NullSink
 from elastrun.failure import FailureRecord
 from elastrun.rendezvous import keys as K
+from elastrun.rendezvous import notes as N
 from elastrun.rendezvous import records as R
 from elastrun.rendezvous.actions import Executor, Outcome
 from elastrun.rendezvous.api import (
@@ -66,13 +67,12 @@ from elastrun.rendezvous.rules import (
     WorkersSucceeded,
 )
 from elastrun.rendezvous.view import Node, Observer
-from elastrun.store.base import Compare, Delete, Get, KeyValue, Put, Store
+from elastrun.store.base import NO_LEASE, Compare, Delete, Get, KeyValue, Put, Store
 from elastrun.store.keepalive import LeaseKeeper
+from elastrun.untrusted import UntrustedData, printable
 
 __all__ = ["DynamicRendezvous", "create_dynamic_rendezvous"]
 
-NOTE_MAX_BYTES = 256 * 1024  # a job-wide note (see read_note)
-_NOTE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
 REGISTER_TRIES = 8  # reads of the job's records on a first registration (races)
 
 # A phase whose watches keep being compacted before they deliver anything is
@@ -148,25 +148,26 @@ class DynamicRendezvous(Rendezvous):
         return out.result
 
     async def read_note(self, name: str) -> dict[str, Any] | None:
-        if not _NOTE_NAME.match(name):
+        if not N.valid_name(name):
             return None
         try:
             kv = await self.store.get(self.keys.note(name))
-            if kv is None or len(kv.value) > NOTE_MAX_BYTES:
-                return None
-            return K.decode(kv.key, kv.value)
-        except (StoreError, RendezvousError):
+            return None if kv is None else N.decode(name, kv.value)
+        except (StoreError, RendezvousError, UntrustedData):
             return None
 
-    async def write_note(self, name: str, value: dict[str, Any]) -> None:
-        data = K.encode(value)
-        if not _NOTE_NAME.match(name) or len(data) > NOTE_MAX_BYTES:
+    async def write_note(self, name: str, value: dict[str, Any], *, lease: bool = False) -> None:
+        data = N.encode(value)
+        if not N.valid_name(name) or len(data) > N.NOTE_MAX_BYTES:
             return
+        held = self.keeper.lease if lease else NO_LEASE
+        if lease and held == NO_LEASE:
+            return  # no lease to tie it to: it would outlive this node
         with contextlib.suppress(StoreError):
-            await self.store.put(self.keys.note(name), data)
+            await self.store.put(self.keys.note(name), data, held)
 
     async def gather_notes(self, names: Sequence[str], timeout: float) -> dict[str, dict[str, Any]]:
-        want = {n for n in names if _NOTE_NAME.match(n)}
+        want = {n for n in names if N.valid_name(n)}
         if not want:
             return {}
         first = min(want)
@@ -175,9 +176,11 @@ class DynamicRendezvous(Rendezvous):
 
         def absorb(kv: KeyValue) -> None:
             name = kv.key[len(self.keys.note("")) :]
-            if name in want and len(kv.value) <= NOTE_MAX_BYTES:
-                with contextlib.suppress(ValueError, RendezvousError):
-                    got[name] = K.decode(kv.key, kv.value)
+            if name in want:
+                # Another node's (or anyone's) bytes: dropped unless they decode
+                # within the bounds.
+                with contextlib.suppress(UntrustedData):
+                    got[name] = N.decode(name, kv.value)
 
         deadline = self.clock.monotonic() + timeout
         with contextlib.suppress(StoreError, TimeoutError):
@@ -315,7 +318,7 @@ class DynamicRendezvous(Rendezvous):
             last_failure=rnd.get("last_failure"),
         )
         if self.notice is not None:
-            self.notice(line)
+            self.notice(printable(line))  # it quotes the records
 
     def _agree(self, job: dict[str, Any], mine: dict[str, Any]) -> None:
         mismatch = R.config_diff(self.settings.run_id, job, mine)

@@ -12,13 +12,17 @@ docs/rendezvous.md)::
                                 counts them after its own (O(1) bytes); only
                                 the barrier's watcher reads and watches them
     waiting/{node_id}           nodes waiting for the next round, on the lease
+    notes/{name}                job notes the agents share (typed, bounded and
+                                untrusted: see :mod:`elastrun.rendezvous.notes`)
 
 The exit barrier's "round R finished" record is ``round`` itself (``state``
 finished): the one key every member at the barrier watches, besides the
 barrier watcher's ``nodes/{node_id}`` (see :mod:`elastrun.rendezvous.rules`).
 
-Records are JSON objects with ``"v": 1``; a record that does not decode raises
-:class:`~elastrun.errors.ProtocolError` naming the key.
+Records are JSON objects with ``"v": 1``; a record that does not decode
+(not JSON, larger than ``RECORD_MAX_BYTES`` or nested deeper than
+:data:`~elastrun.untrusted.MAX_DEPTH` levels: anyone who reaches the store may
+have written it) raises :class:`~elastrun.errors.ProtocolError` naming the key.
 
 Keys are built only from checked parts: the job id must match the job-id
 grammar (:mod:`elastrun.names`; no ``/``, so no id names a part of another
@@ -33,10 +37,12 @@ from typing import Any
 
 from elastrun.errors import ProtocolError
 from elastrun.names import check_run_id
+from elastrun.untrusted import UntrustedData, loads
 
 __all__ = ["RECORD_VERSION", "Keys", "decode", "encode", "node_id_of"]
 
 RECORD_VERSION = 1
+RECORD_MAX_BYTES = 4 * 1024 * 1024  # above any value a store holds (the embedded one: 1.5 MiB)
 
 OPEN = "open"
 CLOSED = "closed"
@@ -111,9 +117,9 @@ def encode(record: dict[str, Any]) -> bytes:
 
 def decode(key: str, value: bytes) -> dict[str, Any]:
     try:
-        obj = json.loads(value)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"store key {key} does not hold JSON: {exc}") from None
+        obj = loads(value, max_bytes=RECORD_MAX_BYTES, what=f"store key {key}")
+    except UntrustedData as exc:  # not JSON, too large, or nested too deep
+        raise ProtocolError(str(exc)) from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"store key {key} does not hold a JSON object")
     version = obj.get("v")

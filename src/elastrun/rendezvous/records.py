@@ -21,6 +21,7 @@ __all__ = [
     "close_records",
     "config_diff",
     "first_round",
+    "hang_round",
     "next_round_record",
     "pick_master_port",
     "round_change",
@@ -163,7 +164,12 @@ def next_round_record(
     failure: Mapping[str, Any] | None,
     opened_at: float,
 ) -> Record:
-    """The record that opens round R+1 after closed round ``rnd`` (R)."""
+    """The record that opens round R+1 after closed round ``rnd`` (R).
+
+    ``hang_round``: the last round that ended on a declared hang (R when
+    ``failure`` is the hang watchdog's, else carried over): the one round
+    whose stacks notes the agents and ``elastrun status`` show."""
+    hung = counts and failure is not None and bool(failure.get("hang"))
     return {
         "round": int(rnd["round"]) + 1,
         "state": K.OPEN,
@@ -178,7 +184,14 @@ def next_round_record(
         "detail": detail,
         "counts": counts,
         "opened_at": opened_at,
+        "hang_round": int(rnd["round"]) if hung else hang_round(rnd),
     }
+
+
+def hang_round(rec: Mapping[str, Any] | None) -> int | None:
+    """The last round that ended on a declared hang, from a round record."""
+    value = None if rec is None else rec.get("hang_round")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def round_result(run_id: str, node_id: str, result: Record, max_restarts: int) -> RoundResult:

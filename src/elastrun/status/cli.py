@@ -37,6 +37,7 @@ from elastrun.rendezvous.keys import Keys
 from elastrun.status.summary import TERMINAL_STATES, read_summary
 from elastrun.store.base import Store, Watch, WatchEvent
 from elastrun.store.factory import DEFAULT_ETCD_PORT, DEFAULT_PORT
+from elastrun.untrusted import printable
 
 __all__ = ["Printer", "main", "render_table"]
 
@@ -45,6 +46,7 @@ DEBOUNCE = 0.05  # gather a burst of store changes into one refresh
 TICK = 1.0  # a live table on a terminal is refreshed this often
 STORE_CONF_KEYS = ("cacert", "cert", "key", "user", "password", "key_prefix", "protocol")
 KNOWN_CONF = frozenset((*STORE_CONF_KEYS, "token", "token_file"))
+MAX_FIELD = 500  # characters of one string of the summary shown in the table
 
 
 class _Failed(Exception):
@@ -213,8 +215,24 @@ def _failure_line(f: dict[str, Any]) -> str:
     return line
 
 
-def render_table(s: dict[str, Any], where: str) -> str:
-    """The summary as a human-readable block of text."""
+def _safe(value: Any) -> Any:
+    """``value`` with every string made safe for a terminal (one line each,
+    control characters escaped, at most ``MAX_FIELD`` characters): the
+    summary holds what other nodes, or anyone who reached the store, wrote."""
+    if isinstance(value, str):
+        return printable(value, limit=MAX_FIELD)
+    if isinstance(value, dict):
+        return {k: _safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_safe(v) for v in value]
+    return value
+
+
+def render_table(summary: dict[str, Any], where: str) -> str:
+    """The summary as a human-readable block of text (every string from the
+    store escaped for the terminal)."""
+    s = _safe(summary)
+    where = printable(where)
     out = [f"job {s['run_id']}  (store {where}, revision {s['revision']})"]
     rnd = "-" if s["round"] is None else str(s["round"])
     why = f" (opened: {s['round_reason']}" if s.get("round_reason") else ""
@@ -517,13 +535,13 @@ def main(argv: Sequence[str]) -> int:
     try:
         return asyncio.run(_main(args))
     except _Failed as exc:
-        print(f"elastrun status: error: {exc}", file=sys.stderr, flush=True)
+        print(f"elastrun status: error: {printable(exc)}", file=sys.stderr, flush=True)
         return exc.code
     except ConfigError as exc:
-        print(f"elastrun status: error: {exc}", file=sys.stderr, flush=True)
+        print(f"elastrun status: error: {printable(exc)}", file=sys.stderr, flush=True)
         return 2
     except (ElastrunError, StoreUnavailable) as exc:
-        print(f"elastrun status: error: {exc}", file=sys.stderr, flush=True)
+        print(f"elastrun status: error: {printable(exc)}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -11,23 +11,51 @@ records the rendezvous keeps anyway (see :mod:`elastrun.rendezvous.keys`)::
     nodes/...               presence (on each node's lease)
     waiting/...             nodes waiting for the next round
     notes/progress_{G}      step times of group rank G's workers (agent/stragglers.py)
+    notes/stragglers        group rank 0's straggler verdicts for the round
     notes/stacks_{R}_{G}    its workers' stacks when round R ended on a hang (agent/hangs.py)
 
-Everything is read in one transaction (one store revision), guarded by the
-``round`` record's revision so that the round and its result agree. The
-summary is a JSON object with stable keys (schema ``v``: ``SUMMARY_VERSION``),
-documented in docs/events.md.
+The records by key (config, round, the round results shown) are read in one
+transaction (one store revision), guarded by the ``round`` record's revision
+so that the round and its result agree. The per-node records (``nodes/``,
+``waiting/``, the round's joins and dones) are prefix reads, which the
+embedded store's client reads in pages under the store's answer limit.
+
+Notes are never read by prefix: each note shown is read by its own key, one
+at a time (``NOTE_READS`` in flight), and only the notes the records call
+for: ``progress_{G}`` of each member of the round shown, ``stragglers``, and
+``stacks_{H}_{G}`` of each member of round H, the last round the round
+record says ended on a hang (``hang_round``). So however many bytes of notes
+the store holds (an attacker's junk included), status reads at most one
+note per member and round shown, each within the note limit. Each is
+untrusted (:mod:`elastrun.rendezvous.notes`): decoded within the bounds,
+checked against its schema, and kept only when it is about that round and
+comes from the member at that group rank, with that member's ranks. A rank
+is flagged a straggler only when the ``stragglers`` note of the round shown
+names it and its own progress note agrees (its own time above
+``SLOW_RATIO`` times the median of the ranks shown). A bad record under a
+per-node prefix is left out; a bad ``config``, ``round`` or result record is
+a ProtocolError.
+
+The summary is a JSON object with stable keys (schema ``v``:
+``SUMMARY_VERSION``), documented in docs/events.md.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import statistics
 import time
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, TypeVar
 
 from elastrun.endpoint import Endpoint
 from elastrun.errors import ProtocolError, StoreError
 from elastrun.rendezvous import keys as K
+from elastrun.rendezvous import notes as N
+from elastrun.rendezvous.records import hang_round
 from elastrun.store.base import Compare, Get, KeyValue, Store
+from elastrun.untrusted import UntrustedData
 
 __all__ = ["JOB_STATES", "SUMMARY_VERSION", "TERMINAL_STATES", "read_summary", "summarize"]
 
@@ -35,8 +63,8 @@ SUMMARY_VERSION = 1
 JOB_STATES = ("joining", "running", "restarting", "finished", "failed")
 TERMINAL_STATES = frozenset({"finished", "failed"})
 MAX_TRIES = 20  # the round record changed between our two reads this often: give up
-MAX_NOTES = 1024  # progress and stacks notes read (one per node and round)
-MAX_NOTE_BYTES = 256 * 1024
+MAX_NOTES = 4096  # notes read by key (one per member of the rounds shown, and one)
+NOTE_READS = 16  # note reads in flight
 
 _FAILURE_FIELDS = (
     "rank",
@@ -55,20 +83,11 @@ _FAILURE_FIELDS = (
 
 
 def _records(kvs: list[KeyValue]) -> dict[str, dict[str, Any]]:
-    return {K.node_id_of(kv.key): K.decode(kv.key, kv.value) for kv in kvs}
-
-
-def _notes(kvs: list[KeyValue], prefix: str) -> dict[str, dict[str, Any]]:
+    """The per-node records under a prefix; one that does not decode is left out."""
     out = {}
-    for kv in kvs[:MAX_NOTES]:
-        if len(kv.value) > MAX_NOTE_BYTES:
-            continue
-        try:
-            value = K.decode(kv.key, kv.value)
-        except (ProtocolError, ValueError):
-            continue
-        if isinstance(value, dict):
-            out[kv.key[len(prefix) :]] = value
+    for kv in kvs:
+        with contextlib.suppress(ProtocolError):
+            out[K.node_id_of(kv.key)] = K.decode(kv.key, kv.value)
     return out
 
 
@@ -117,9 +136,11 @@ def summarize(
     revision: int,
     now: float | None = None,
     notes: dict[str, dict[str, Any]] | None = None,
+    hang_result: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Pure: the records of one job -> its summary (stable keys). ``now``
-    (wall clock; default: the current time) dates ``state_for_s``."""
+    (wall clock; default: the current time) dates ``state_for_s``;
+    ``hang_result``: the result record of the round's ``hang_round``."""
     settings = (config or {}).get("settings") or {}
     state = job_state(round_rec)
     rnd = int(round_rec["round"]) if round_rec is not None else None
@@ -199,105 +220,193 @@ def summarize(
         "restart_pending": bool(is_open and round_rec and round_rec.get("pending_failure")),
         "ranks": (ranks := rank_progress(notes or {}, shown)),
         "stragglers": [r["rank"] for r in ranks if r["straggler"]],
-        "hang_stacks": hang_stacks(notes or {}),
+        "hang_stacks": hang_stacks(notes or {}, hang_result),
         "revision": revision,
     }
 
 
-def _num(value: Any) -> float | None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    return float(value) if ok else None
+def _seats(result: dict[str, Any] | None) -> dict[int, N.Seat]:
+    """The members of a round, from its result record (none if malformed)."""
+    members = (result or {}).get("members")
+    if not isinstance(members, list):
+        return {}
+    try:
+        return N.seats((str(m["node_id"]), int(m["group_rank"]), int(m["nproc"])) for m in members)
+    except (TypeError, KeyError, ValueError):
+        return {}
+
+
+_Note = TypeVar("_Note", N.ProgressNote, N.StacksNote)
+
+
+def _member_note(
+    notes: dict[str, dict[str, Any]], name: str, kind: type[_Note], round_: int, seat: N.Seat
+) -> _Note | None:
+    """The note ``name`` when it is a ``kind`` of round ``round_`` from ``seat``;
+    None when absent or refused."""
+    raw = notes.get(name)
+    if raw is None:
+        return None
+    try:
+        return kind.from_json(raw).check(round_, seat)
+    except UntrustedData:
+        return None
+
+
+def _stragglers(notes: dict[str, dict[str, Any]], round_: int) -> set[int]:
+    """The ranks the ``stragglers`` note of round ``round_`` names."""
+    raw = notes.get(N.STRAGGLERS)
+    try:
+        verdict = None if raw is None else N.StragglersNote.from_json(raw)
+    except UntrustedData:
+        return set()
+    if verdict is None or verdict.round != round_:
+        return set()
+    return {s.rank for s in verdict.stragglers}
 
 
 def rank_progress(
     notes: dict[str, dict[str, Any]], shown: dict[str, Any] | None
 ) -> list[dict[str, Any]]:
-    """Per-rank step times of the round shown, from the agents' progress notes
-    (agent/stragglers.py), ordered by rank."""
-    if shown is None:
+    """Per-rank step times of the round shown, from its members' progress
+    notes (agent/stragglers.py), ordered by rank; stragglers flagged."""
+    if shown is None or not isinstance(shown.get("round"), int):
         return []
-    out = []
-    for name, note in notes.items():
-        if not name.startswith("progress_") or note.get("round") != shown.get("round"):
+    r = shown["round"]
+    out: list[dict[str, Any]] = []
+    for seat in _seats(shown).values():
+        note = _member_note(notes, N.progress_name(seat.group_rank), N.ProgressNote, r, seat)
+        if note is None:
             continue
-        for r in note.get("ranks") or ():
-            if not isinstance(r, dict) or not isinstance(r.get("rank"), int):
-                continue
+        for p in note.ranks:
             out.append(
                 {
-                    "rank": r["rank"],
-                    "host": str(note.get("host") or ""),
-                    "step": r.get("step") if isinstance(r.get("step"), int) else None,
-                    "step_time_s": _num(r.get("step_time")),
-                    "own_time_s": _num(r.get("own_time")),
-                    "idle_s": _num(r.get("idle_s")),
-                    "phase": r.get("phase") if isinstance(r.get("phase"), str) else None,
-                    "straggler": r.get("straggler") is True,
-                    "reported_at": _wall(note.get("at")),
+                    "rank": p.rank,
+                    "host": note.host,
+                    "step": p.step,
+                    "step_time_s": p.step_time,
+                    "own_time_s": p.own_time,
+                    "idle_s": p.idle_s,
+                    "phase": p.phase,
+                    "straggler": False,
+                    "reported_at": note.at,
                 }
             )
-    return sorted(out, key=lambda r: r["rank"])
+    out.sort(key=lambda row: row["rank"])
+    flag(out, _stragglers(notes, r))
+    return out
 
 
-def hang_stacks(notes: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """Every rank's stack at the job's last declared hang (agent/hangs.py)."""
-    rounds: dict[int, list[Any]] = {}
-    for name, note in notes.items():
-        r = note.get("round")
-        ranks = note.get("ranks")
-        if name.startswith("stacks_") and isinstance(r, int) and isinstance(ranks, list):
-            rounds.setdefault(r, []).extend(ranks)
-    if not rounds:
+def flag(rows: list[dict[str, Any]], named: set[int]) -> None:
+    """Flag the rows of the ranks ``named`` whose own time is above
+    ``SLOW_RATIO`` times the median own time of all rows (the stragglers
+    note's verdict, checked against the members' own notes)."""
+    times = [row["own_time_s"] for row in rows if row["own_time_s"]]
+    if len(times) < 2:
+        return
+    median = statistics.median(times)
+    for row in rows:
+        own = row["own_time_s"]
+        row["straggler"] = row["rank"] in named and own is not None and own > N.SLOW_RATIO * median
+
+
+def hang_stacks(
+    notes: dict[str, dict[str, Any]], hang_result: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """Every rank's stack when round ``hang_result`` ended on a hang (the round
+    record's ``hang_round``), from that round's members' notes (agent/hangs.py)."""
+    if hang_result is None or not isinstance(hang_result.get("round"), int):
         return None
-    last = max(rounds)
-    ranks = [x for x in rounds[last] if isinstance(x, dict) and isinstance(x.get("rank"), int)]
-    ranks.sort(key=lambda x: (bool(x.get("in_torch")), x["rank"]))
-    return {"round": last, "ranks": ranks}
+    h = hang_result["round"]
+    ranks: list[dict[str, Any]] = []
+    for seat in _seats(hang_result).values():
+        note = _member_note(notes, N.stacks_name(h, seat.group_rank), N.StacksNote, h, seat)
+        ranks += [s.to_json() for s in note.ranks] if note is not None else []
+    if not ranks:
+        return None
+    ranks.sort(key=lambda x: (bool(x["in_torch"]), x["rank"]))
+    return {"round": h, "ranks": ranks}
+
+
+def note_names(shown: dict[str, Any] | None, hang_result: dict[str, Any] | None) -> list[str]:
+    """The notes the summary shows: those the round records call for."""
+    names = [N.progress_name(g) for g in _seats(shown)] + [N.STRAGGLERS]
+    if hang_result is not None and isinstance(hang_result.get("round"), int):
+        names += [N.stacks_name(hang_result["round"], g) for g in _seats(hang_result)]
+    return names[:MAX_NOTES]
+
+
+async def read_notes(store: Store, keys: K.Keys, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """The notes ``names``, each read by its key (``NOTE_READS`` in flight);
+    those absent or not decodable within the note limits are left out."""
+    gate = asyncio.Semaphore(NOTE_READS)
+    out: dict[str, dict[str, Any]] = {}
+
+    async def one(name: str) -> None:
+        async with gate:
+            kv = await store.get(keys.note(name))
+        if kv is not None:
+            with contextlib.suppress(UntrustedData):
+                out[name] = N.decode(name, kv.value)
+
+    await asyncio.gather(*(one(n) for n in names))
+    return out
+
+
+async def _under(store: Store, prefix: str) -> list[KeyValue]:
+    kvs, _ = await store.get_prefix(prefix)
+    return kvs
 
 
 async def read_summary(store: Store, run_id: str) -> dict[str, Any] | None:
-    """The job's summary at one store revision, or None when the store holds
-    no job ``run_id``. Raises StoreError (ProtocolError for bad records)."""
+    """The job's summary, or None when the store holds no job ``run_id``.
+    Raises StoreError (ProtocolError for bad records)."""
     k = K.Keys(run_id)
     for _ in range(MAX_TRIES):
         round_kv = await store.get(k.round)
+        h = None
         if round_kv is None:
             guard = Compare.absent(k.round)
             r = None
         else:
             guard = Compare.unchanged(k.round, round_kv.mod_revision)
-            r = int(K.decode(round_kv.key, round_kv.value)["round"])
-        ops = [Get(k.config), Get(k.round), Get(k.nodes, True), Get(k.waiting_prefix, True)]
-        ops += [Get(k.note("progress_"), True), Get(k.note("stacks_"), True)]
+            rec = K.decode(round_kv.key, round_kv.value)
+            r, h = int(rec["round"]), hang_round(rec)
+        ops = [Get(k.config), Get(k.round)]
         if r is not None:
-            ops += [Get(k.result(r)), Get(k.result(r - 1)), Get(k.joins(r), True)]
-            ops += [Get(k.dones(r), True)]
+            ops += [Get(k.result(r)), Get(k.result(r - 1))]
+        if h is not None:
+            ops += [Get(k.result(h))]
         res = await store.txn([guard], ops)
         if not res.succeeded:
             continue  # the round moved on between the two reads: read again
-        config_kvs, round_kvs, node_kvs, waiting_kvs, progress_kvs, stacks_kvs = res.gets[:6]
+        config_kvs, round_kvs = res.gets[:2]
         if not config_kvs and not round_kvs:
             return None
-        result = prev = None
+        result = prev = hang_result = None
         joins: dict[str, dict[str, Any]] = {}
         dones: set[str] = set()
         if r is not None:
-            result_kvs, prev_kvs, join_kvs, done_kvs = res.gets[6:10]
-            result, prev = _one(result_kvs), _one(prev_kvs) if r > 0 else None
-            joins = _records(join_kvs)
-            dones = {K.node_id_of(kv.key) for kv in done_kvs}
+            result, prev = _one(res.gets[2]), _one(res.gets[3]) if r > 0 else None
+            hang_result = _one(res.gets[4]) if h is not None else None
+            joins = _records(await _under(store, k.joins(r)))
+            dones = {K.node_id_of(kv.key) for kv in await _under(store, k.dones(r))}
+        round_rec = _one(round_kvs)
+        is_open = round_rec is not None and round_rec.get("state") == K.OPEN
+        names = note_names(prev if is_open else result, hang_result)
         return summarize(
             run_id,
             config=_one(config_kvs),
-            round_rec=_one(round_kvs),
+            round_rec=round_rec,
             result=result,
             prev_result=prev,
             joins=joins,
             dones=dones,
-            nodes=_records(node_kvs),
-            waiting=_records(waiting_kvs),
+            nodes=_records(await _under(store, k.nodes)),
+            waiting=_records(await _under(store, k.waiting_prefix)),
             revision=res.revision,
-            notes=_notes([*progress_kvs, *stacks_kvs], k.note("")),
+            notes=await read_notes(store, k, names),
+            hang_result=hang_result,
         )
     raise StoreError(
         f"the round record of job {run_id!r} changed {MAX_TRIES} times while reading it; try again"

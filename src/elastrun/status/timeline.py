@@ -7,13 +7,18 @@ over time, worker failures (root causes) and restarts, over a time axis (ticks
 at round steps from the first event). Labels that would overlap (rounds opened
 milliseconds apart at a restart) are placed on further rows, or left to the
 tooltips.
+
+Event logs may hold what other nodes or workers wrote (host names, failure
+messages, round details): every string drawn is escaped for HTML and its
+control characters shown as escapes (``\\x1b``); a line that is not JSON
+within the bounds (``MAX_LINE_BYTES``, nesting depth) is skipped, and a field
+of the wrong type reads as absent.
 """
 
 from __future__ import annotations
 
 import argparse
 import html
-import json
 import math
 import sys
 import time
@@ -21,9 +26,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastrun.untrusted import UntrustedData, loads, printable
+
 __all__ = ["axis_ticks", "fmt_offset", "load_events", "main", "place_labels", "render_html"]
 
 WIDTH = 1100
+MAX_LINE_BYTES = 1024 * 1024  # one event (a failure record with its traceback is ~10 KiB)
+MAX_TEXT = 500  # characters of one string drawn
+MAX_TS = 1e11  # an event's time stamp (wall clock, s): beyond it, not an event of ours
 LEFT = 170
 RIGHT = 30
 LANE_H = 26
@@ -55,14 +65,33 @@ def load_events(paths: Sequence[str]) -> list[dict[str, Any]]:
                 if not line.strip():
                     continue
                 try:
-                    obj = json.loads(line)
-                except ValueError:
-                    print(f"elastrun timeline: skipping {path}:{n}: not JSON", file=sys.stderr)
+                    obj = loads(line, max_bytes=MAX_LINE_BYTES, what="the line")
+                except UntrustedData as exc:
+                    print(
+                        f"elastrun timeline: skipping {printable(path)}:{n}: {exc}",
+                        file=sys.stderr,
+                    )
                     continue
-                if isinstance(obj, dict) and isinstance(obj.get("ts"), (int, float)):
+                ts = _number(obj.get("ts")) if isinstance(obj, dict) else None
+                if ts is not None and 0 <= ts <= MAX_TS:
                     events.append(obj)
     events.sort(key=lambda e: float(e["ts"]))
     return events
+
+
+def _text(value: object) -> str:
+    """A string from an event, safe inside HTML (and on a terminal)."""
+    return html.escape(printable(value, limit=MAX_TEXT))
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _int(value: object, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
 def _count(n: int, noun: str) -> str:
@@ -153,15 +182,15 @@ class _History:
     def _spans(self, lane: _Lane, kind: Any, ts: float, e: dict[str, Any]) -> None:
         """Rounds, world size, and the lane's running spans."""
         if kind == "round_opened":
-            self.rounds.append((ts, int(e.get("round", -1)), str(e.get("reason", ""))))
-            if int(e.get("round", 0)) > 0:
+            self.rounds.append((ts, _int(e.get("round"), -1), str(e.get("reason", ""))))
+            if _int(e.get("round"), 0) > 0:
                 self.world.append((ts, 0))
         elif kind == "workers_started":
-            lane.started = (ts, int(e.get("round", -1)))
-            r = int(e.get("round", -1))
+            r = _int(e.get("round"), -1)
+            lane.started = (ts, r)
             if r not in self.seen_world:
                 self.seen_world.add(r)
-                self.world.append((ts, int(e.get("world_size", 0))))
+                self.world.append((ts, max(0, _int(e.get("world_size"), 0))))
         elif kind in ("restart", "workers_succeeded", "job_failed") and lane.started:
             lane.spans.append((lane.started[0], ts, lane.started[1]))
             lane.started = None
@@ -225,12 +254,12 @@ class _Svg:
                 f'<rect x="{x(ts):.1f}" y="{self.top - 4}" width="{w:.1f}" '
                 f'height="{self.axis_y - self.top + 4}" '
             )
-            tip = f"round {r}: {html.escape(reason)} at {_fmt(ts)}"
+            tip = f"round {r}: {_text(reason)} at {_fmt(ts)}"
             add(f'fill="{fill}"><title>{tip}</title></rect>')
             labels.append((x(ts) + 2, f"round {r}"))
         for lx, row, text in place_labels(labels, LABEL_ROWS, right=WIDTH - 2):
             ly = LABEL_TOP + (row + 1) * LABEL_ROW_H - 2
-            add(f'<text x="{lx:.1f}" y="{ly}">{html.escape(text)}</text>')
+            add(f'<text x="{lx:.1f}" y="{ly}">{_text(text)}</text>')
 
     def axis(self) -> None:
         """Ticks at round steps from the first event, with a grid."""
@@ -270,14 +299,14 @@ class _Svg:
             self.add(f'<line x1="{self.x(ts):.1f}" x2="{self.x(ts):.1f}" y1="{self.top}" ')
             self.add(f'y2="{self.axis_y}" ')
             self.add('stroke="#ff7f0e" stroke-dasharray="4 3">')
-            self.add(f"<title>{html.escape(label)}</title></line>")
+            self.add(f"<title>{_text(label)}</title></line>")
 
     def lanes(self) -> None:
         """One lane per node: worker spans and marks."""
         x, add = self.x, self.add
         for i, lane in enumerate(self.h.lanes.values()):
             y = self.lane_top + i * LANE_H
-            add(f'<text x="10" y="{y + 15}">{html.escape(lane.label)}</text>')
+            add(f'<text x="10" y="{y + 15}">{_text(lane.label)}</text>')
             for start, end, r in lane.spans:
                 w = max(x(end) - x(start), 1.0)
                 add(f'<rect x="{x(start):.1f}" y="{y + 4}" width="{w:.1f}" height="{LANE_H - 8}" ')
@@ -285,7 +314,7 @@ class _Svg:
                 add("</rect>")
             for ts, color, label in lane.marks:
                 add(f'<circle cx="{x(ts):.1f}" cy="{y + LANE_H / 2}" r="5" fill="{color}">')
-                add(f"<title>{html.escape(label)}</title></circle>")
+                add(f"<title>{_text(label)}</title></circle>")
 
 
 def _svg(h: _History) -> str:
@@ -320,8 +349,8 @@ def render_html(events: list[dict[str, Any]], title: str = "") -> str:
         "Purple: a node lost. Green: an agent finished. The axis: time from the first "
         "event. Hover for details.</p>"
     )
-    items = "".join(f"<li>{html.escape(f)}</li>" for f in failures) or "<li>none</li>"
-    name = html.escape(title or str(events[0].get("run_id", "")))
+    items = "".join(f"<li>{_text(f)}</li>" for f in failures) or "<li>none</li>"
+    name = _text(title or str(events[0].get("run_id", "")))
     return (
         f"<!doctype html><html><head><meta charset=utf-8><title>elastrun timeline {name}"
         f"</title></head><body><h2>job {name}: {_count(len(h.rounds), 'round')}, "

@@ -1,0 +1,434 @@
+"""Job notes: what the agents share beside the rendezvous records, typed and bounded.
+
+A note is a JSON object (``"v": 1``) at ``/elastrun/{run_id}/notes/{name}``
+(see docs/rendezvous.md). Anything that reaches the store can write one, so
+every note read is untrusted: it is decoded within the note limit and
+:data:`~elastrun.untrusted.MAX_DEPTH` levels (:func:`decode`), then checked
+against its schema here (types, lengths, counts: :class:`NoteInvalid` names
+the first problem), and finally matched against the round records: a note
+counts only when it is about a round the records name and comes from that
+round's member at its group rank (:class:`Seat`). The schemas:
+
+``progress_{G}``  :class:`ProgressNote`, group rank G's step times, replaced
+                  every few seconds, on the node's lease (agent/stragglers.py)
+``stragglers``    :class:`StragglersNote`, the verdicts of group rank 0's agent
+                  for the round, on its lease (agent/stragglers.py)
+``stacks_{R}_{G}``  :class:`StacksNote`, group rank G's ranks' stacks when round
+                  R ended on a hang (agent/hangs.py); all deleted when the next
+                  hang's round opens
+``modules``       the modules the script imports (agent/spares.py)
+
+Writers and readers (the agents and ``elastrun status``) use the same
+classes; ``from_json`` raises :class:`NoteInvalid` for anything a writer of
+this version would not have written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from elastrun.untrusted import UntrustedData, loads
+
+__all__ = [
+    "MAX_FRAMES",
+    "MAX_RANKS",
+    "MAX_TEXT",
+    "NOTE_MAX_BYTES",
+    "SLOW_RATIO",
+    "STACKS_PREFIX",
+    "STRAGGLERS",
+    "NoteInvalid",
+    "ProgressNote",
+    "RankProgress",
+    "RankStack",
+    "Seat",
+    "StacksNote",
+    "Straggler",
+    "StragglersNote",
+    "decode",
+    "encode",
+    "progress_name",
+    "seats",
+    "stacks_budget",
+    "stacks_name",
+    "valid_name",
+]
+
+NOTE_VERSION = 1
+NOTE_MAX_BYTES = 256 * 1024  # one note, as written and as read
+NAME = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
+NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}\Z")
+
+STRAGGLERS = "stragglers"
+STACKS_PREFIX = "stacks_"
+MAX_RANKS = 4096  # ranks of one node in a note
+MAX_FRAMES = 30  # frames of one rank's stack
+MAX_TEXT = 300  # a frame, a host name
+MAX_PHASE = 64
+MAX_STRAGGLERS = 256  # ranks named in the stragglers note
+MAX_COUNT = 2**53  # steps and ranks: what a JSON number holds exactly
+MAX_SECONDS = 1e12  # a duration or a wall-clock time
+# The stacks notes of one hang, all nodes together: each node's note gets an
+# equal share (within the per-node bounds), cut to the top frames beyond it.
+STACKS_TOTAL_BYTES = 1024 * 1024
+STACKS_NODE_MIN = 4 * 1024
+STACKS_NODE_MAX = 128 * 1024
+# A rank slower than the median of all ranks by more than this is slow (the
+# straggler rule's ratio: agent/stragglers.py; status checks a flag with it).
+SLOW_RATIO = 1.2
+
+
+class NoteInvalid(UntrustedData):
+    """A note that does not match its schema."""
+
+
+def valid_name(name: str) -> bool:
+    return NAME.match(name) is not None
+
+
+def progress_name(group_rank: int) -> str:
+    return f"progress_{group_rank}"
+
+
+def stacks_name(round_: int, group_rank: int) -> str:
+    return f"{STACKS_PREFIX}{round_}_{group_rank}"
+
+
+def stacks_budget(members: int) -> int:
+    """Bytes one node's stacks note may take when ``members`` nodes share a hang."""
+    share = STACKS_TOTAL_BYTES // max(1, members)
+    return max(STACKS_NODE_MIN, min(STACKS_NODE_MAX, share))
+
+
+def encode(value: Mapping[str, Any]) -> bytes:
+    return json.dumps({**value, "v": NOTE_VERSION}, sort_keys=True).encode()
+
+
+def decode(name: str, raw: bytes) -> dict[str, Any]:
+    """A note's JSON object, decoded within the bounds; raises UntrustedData
+    (NoteInvalid when it is not a note of this version)."""
+    obj = loads(raw, max_bytes=NOTE_MAX_BYTES, what=f"note {name}")
+    if not isinstance(obj, dict):
+        raise NoteInvalid(f"note {name} is not a JSON object")
+    if obj.get("v") != NOTE_VERSION:
+        raise NoteInvalid(f"note {name} has version {obj.get('v')!r} (not {NOTE_VERSION})")
+    return obj
+
+
+# -- field checks: each raises NoteInvalid naming the field ------------------------
+def _obj(raw: object, what: str) -> Mapping[str, Any]:
+    if not isinstance(raw, Mapping):
+        raise NoteInvalid(f"{what} is not a JSON object")
+    return raw
+
+
+def _int(raw: Mapping[str, Any], key: str, hi: int = MAX_COUNT) -> int:
+    value = raw.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= hi:
+        raise NoteInvalid(f"{key} is not an integer from 0 to {hi}")
+    return value
+
+
+def _opt_int(raw: Mapping[str, Any], key: str) -> int | None:
+    return None if raw.get(key) is None else _int(raw, key)
+
+
+def _num(raw: Mapping[str, Any], key: str) -> float:
+    value = raw.get(key)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value)
+        if math.isfinite(number) and 0 <= number <= MAX_SECONDS:
+            return number
+    raise NoteInvalid(f"{key} is not a number from 0 to {MAX_SECONDS:g}")
+
+
+def _opt_num(raw: Mapping[str, Any], key: str) -> float | None:
+    return None if raw.get(key) is None else _num(raw, key)
+
+
+def _text(raw: Mapping[str, Any], key: str, limit: int = MAX_TEXT) -> str:
+    value = raw.get(key)
+    if not isinstance(value, str) or len(value) > limit:
+        raise NoteInvalid(f"{key} is not a string of at most {limit} characters")
+    return value
+
+
+def _bool(raw: Mapping[str, Any], key: str) -> bool:
+    value = raw.get(key, False)
+    if not isinstance(value, bool):
+        raise NoteInvalid(f"{key} is not true or false")
+    return value
+
+
+def _list(raw: Mapping[str, Any], key: str, limit: int) -> list[Any]:
+    value = raw.get(key)
+    if not isinstance(value, list) or len(value) > limit:
+        raise NoteInvalid(f"{key} is not a list of at most {limit} items")
+    return value
+
+
+def _node_id(raw: Mapping[str, Any]) -> str:
+    value = raw.get("node_id")
+    if not isinstance(value, str) or not NODE_ID.match(value):
+        raise NoteInvalid("node_id is not a node id")
+    return value
+
+
+def _unique(ranks: Iterable[int]) -> None:
+    seen: set[int] = set()
+    for r in ranks:
+        if r in seen:
+            raise NoteInvalid(f"rank {r} is listed twice")
+        seen.add(r)
+
+
+# -- the round's members, as the records name them -------------------------------
+@dataclass(frozen=True)
+class Seat:
+    """A member of a round, from the round's result record: its node id,
+    group rank and global ranks (contiguous, in group rank order)."""
+
+    node_id: str
+    group_rank: int
+    first_rank: int
+    nproc: int
+
+    def holds(self, rank: int) -> bool:
+        return self.first_rank <= rank < self.first_rank + self.nproc
+
+
+def seats(members: Iterable[tuple[str, int, int]]) -> dict[int, Seat]:
+    """Group rank -> seat, from each member's (node id, group rank, nproc)."""
+    out: dict[int, Seat] = {}
+    first = 0
+    for node_id, group_rank, nproc in sorted(members, key=lambda m: m[1]):
+        out[group_rank] = Seat(node_id, group_rank, first, nproc)
+        first += nproc
+    return out
+
+
+def _check_seat(what: str, node_id: str, group_rank: int, ranks: Iterable[int], seat: Seat) -> None:
+    if group_rank != seat.group_rank or node_id != seat.node_id:
+        raise NoteInvalid(
+            f"{what} is from {node_id} at group rank {group_rank}, not from the round's "
+            f"member {seat.node_id} at group rank {seat.group_rank}"
+        )
+    for r in ranks:
+        if not seat.holds(r):
+            raise NoteInvalid(f"{what} names rank {r}, not one of that member's ranks")
+
+
+# -- stacks ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankStack:
+    """One rank's main-thread stack when a hang was declared."""
+
+    rank: int
+    host: str
+    frames: tuple[str, ...]  # "func (file:line)", most recent first
+    in_torch: bool
+    hung: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "host": self.host,
+            "frames": list(self.frames),
+            "in_torch": self.in_torch,
+            "hung": self.hung,
+        }
+
+    @classmethod
+    def from_json(cls, raw: object) -> RankStack:
+        obj = _obj(raw, "a rank's stack")
+        frames = _list(obj, "frames", MAX_FRAMES)
+        if not all(isinstance(f, str) and len(f) <= MAX_TEXT for f in frames):
+            raise NoteInvalid(f"a frame is not a string of at most {MAX_TEXT} characters")
+        return cls(
+            rank=_int(obj, "rank"),
+            host=_text(obj, "host"),
+            frames=tuple(frames),
+            in_torch=_bool(obj, "in_torch"),
+            hung=_bool(obj, "hung"),
+        )
+
+
+@dataclass(frozen=True)
+class StacksNote:
+    """``stacks_{round}_{group_rank}``: a node's ranks' stacks at a hang."""
+
+    round: int
+    group_rank: int
+    node_id: str
+    ranks: tuple[RankStack, ...]
+
+    @property
+    def name(self) -> str:
+        return stacks_name(self.round, self.group_rank)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "group_rank": self.group_rank,
+            "node_id": self.node_id,
+            "ranks": [r.to_json() for r in self.ranks],
+        }
+
+    @classmethod
+    def from_json(cls, raw: object) -> StacksNote:
+        obj = _obj(raw, "a stacks note")
+        ranks = tuple(RankStack.from_json(r) for r in _list(obj, "ranks", MAX_RANKS))
+        _unique(r.rank for r in ranks)
+        return cls(
+            round=_int(obj, "round"),
+            group_rank=_int(obj, "group_rank"),
+            node_id=_node_id(obj),
+            ranks=ranks,
+        )
+
+    def check(self, round_: int, seat: Seat) -> StacksNote:
+        """Itself, when it is about round ``round_`` and from ``seat``."""
+        if self.round != round_:
+            raise NoteInvalid(f"stacks note of round {self.round}, not of round {round_}")
+        _check_seat(
+            "stacks note", self.node_id, self.group_rank, (r.rank for r in self.ranks), seat
+        )
+        return self
+
+
+# -- progress -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankProgress:
+    """One rank's last progress (from its heartbeat file)."""
+
+    rank: int
+    step: int | None = None
+    steps: int | None = None
+    step_time: float | None = None  # median of its recent optimizer step intervals (s)
+    own_time: float | None = None  # the same outside backward passes (s)
+    idle_s: float | None = None  # since its last progress
+    phase: str | None = None  # a long phase it is in ("checkpoint")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "step": self.step,
+            "steps": self.steps,
+            "step_time": self.step_time,
+            "own_time": self.own_time,
+            "idle_s": self.idle_s,
+            "phase": self.phase,
+        }
+
+    @classmethod
+    def from_json(cls, raw: object) -> RankProgress:
+        obj = _obj(raw, "a rank's progress")
+        phase = obj.get("phase")
+        return cls(
+            rank=_int(obj, "rank"),
+            step=_opt_int(obj, "step"),
+            steps=_opt_int(obj, "steps"),
+            step_time=_opt_num(obj, "step_time"),
+            own_time=_opt_num(obj, "own_time"),
+            idle_s=_opt_num(obj, "idle_s"),
+            phase=None if phase is None else _text(obj, "phase", MAX_PHASE),
+        )
+
+
+@dataclass(frozen=True)
+class ProgressNote:
+    """``progress_{group_rank}``: a node's ranks' step times in a round."""
+
+    round: int
+    group_rank: int
+    node_id: str
+    host: str
+    at: float  # wall clock of the report
+    ranks: tuple[RankProgress, ...]
+
+    @property
+    def name(self) -> str:
+        return progress_name(self.group_rank)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "group_rank": self.group_rank,
+            "node_id": self.node_id,
+            "host": self.host,
+            "at": self.at,
+            "ranks": [r.to_json() for r in self.ranks],
+        }
+
+    @classmethod
+    def from_json(cls, raw: object) -> ProgressNote:
+        obj = _obj(raw, "a progress note")
+        ranks = tuple(RankProgress.from_json(r) for r in _list(obj, "ranks", MAX_RANKS))
+        _unique(r.rank for r in ranks)
+        return cls(
+            round=_int(obj, "round"),
+            group_rank=_int(obj, "group_rank"),
+            node_id=_node_id(obj),
+            host=_text(obj, "host"),
+            at=_num(obj, "at"),
+            ranks=ranks,
+        )
+
+    def check(self, round_: int, seat: Seat) -> ProgressNote:
+        """Itself, when it is about round ``round_`` and from ``seat``."""
+        if self.round != round_:
+            raise NoteInvalid(f"progress note of round {self.round}, not of round {round_}")
+        _check_seat(
+            "progress note", self.node_id, self.group_rank, (r.rank for r in self.ranks), seat
+        )
+        return self
+
+
+@dataclass(frozen=True)
+class Straggler:
+    rank: int
+    own_time: float  # its step time outside backward passes (s)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "own_time": self.own_time}
+
+    @classmethod
+    def from_json(cls, raw: object) -> Straggler:
+        obj = _obj(raw, "a straggler")
+        return cls(rank=_int(obj, "rank"), own_time=_num(obj, "own_time"))
+
+
+@dataclass(frozen=True)
+class StragglersNote:
+    """``stragglers``: the ranks of a round that group rank 0's agent judged
+    persistently slower than the median (at most ``MAX_STRAGGLERS``)."""
+
+    round: int
+    at: float
+    median: float | None  # the median own time of all ranks (s)
+    stragglers: tuple[Straggler, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "at": self.at,
+            "median": self.median,
+            "stragglers": [s.to_json() for s in self.stragglers[:MAX_STRAGGLERS]],
+        }
+
+    @classmethod
+    def from_json(cls, raw: object) -> StragglersNote:
+        obj = _obj(raw, "a stragglers note")
+        found = tuple(Straggler.from_json(s) for s in _list(obj, "stragglers", MAX_STRAGGLERS))
+        _unique(s.rank for s in found)
+        return cls(
+            round=_int(obj, "round"),
+            at=_num(obj, "at"),
+            median=_opt_num(obj, "median"),
+            stragglers=found,
+        )

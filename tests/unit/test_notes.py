@@ -1,0 +1,311 @@
+"""Job notes as an attacker writes them: the schemas, the membership checks,
+the byte budget of a hang's stacks, the straggler verdicts, and what reaches a
+terminal or a page (status table, failure summary, stacks, timeline).
+
+Pure parts only; the same inputs through real agents, a real store and the
+``elastrun status`` command are in tests/integration/test_hostile_notes.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+
+from elastrun.agent.failures import ErrorFileInfo, WorkerFailure, classify, format_summary
+from elastrun.agent.hangs import Gathered, note_of, summary
+from elastrun.agent.stacks import RankStacks
+from elastrun.agent.stragglers import Aggregator, StragglerRule
+from elastrun.rendezvous import notes as N
+from elastrun.rendezvous import records as R
+from elastrun.rendezvous.api import Member, RoundResult
+from elastrun.status.cli import render_table
+from elastrun.status.summary import hang_stacks, note_names, rank_progress, summarize
+from elastrun.status.timeline import render_html
+from elastrun.untrusted import UntrustedData
+
+ESCAPES = "\x1b]0;owned\x07\x1b[2J\x1b[31mALERT\u202e"
+RAW_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e]")
+
+
+def progress(g: int, node: str, round_: int = 4, ranks: tuple[int, ...] = (0,), **kw: Any):
+    raw = {
+        "round": round_,
+        "group_rank": g,
+        "node_id": node,
+        "host": f"h{g}",
+        "at": 1.0,
+        "ranks": [{"rank": r, "step": 10, "step_time": 0.1, "own_time": 0.05} for r in ranks],
+    }
+    raw.update(kw)
+    return raw
+
+
+def stacks(round_: int, g: int, node: str, numbers: tuple[int, ...], **kw: Any) -> dict[str, Any]:
+    raw = {
+        "round": round_,
+        "group_rank": g,
+        "node_id": node,
+        "ranks": [
+            {"rank": r, "host": f"h{g}", "frames": ["f (x.py:1)"], "in_torch": r != 1}
+            for r in numbers
+        ],
+    }
+    raw.update(kw)
+    return raw
+
+
+def result(round_: int, *members: tuple[str, int, int]) -> dict[str, Any]:
+    return {
+        "round": round_,
+        "members": [{"node_id": n, "group_rank": g, "nproc": p} for n, g, p in members],
+    }
+
+
+# -- decoding and the schemas ------------------------------------------------------
+
+
+def test_a_note_decodes_only_within_the_bounds() -> None:
+    for raw in (
+        b"[" * 100000,
+        b"{" * 10 + b"}" * 10,
+        b"x" * (N.NOTE_MAX_BYTES + 1),
+        b"not json",
+        b"[1, 2]",
+        b'{"v": 2}',
+        b'{"round": 1}',
+    ):
+        with pytest.raises(UntrustedData):
+            N.decode("stacks_0_1", raw)
+    note = N.ProgressNote.from_json(progress(0, "a"))
+    assert N.ProgressNote.from_json(N.decode(note.name, N.encode(note.to_json()))) == note
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"round": "4"},
+        {"round": True},
+        {"round": -1},
+        {"node_id": "a/../b"},
+        {"node_id": "x" * 200},
+        {"host": "h" * 301},
+        {"at": float("nan")},
+        {"at": 1e300},
+        {"ranks": [{"rank": 0}] * (N.MAX_RANKS + 1)},
+        {"ranks": [{"rank": 0}, {"rank": 0}]},
+        {"ranks": [{"rank": 0, "step_time": -1.0}]},
+        {"ranks": [{"rank": 0, "phase": "p" * 65}]},
+        {"ranks": [{"rank": 0, "step": [1]}]},
+        {"ranks": ["junk"]},
+        {"ranks": {"rank": 0}},
+    ],
+)
+def test_a_progress_note_of_the_wrong_shape_is_refused(change: dict[str, Any]) -> None:
+    with pytest.raises(N.NoteInvalid):
+        N.ProgressNote.from_json(progress(0, "a", **change))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"ranks": [{"rank": 0, "host": "h", "frames": ["f"] * 31, "in_torch": True}]},
+        {"ranks": [{"rank": 0, "host": "h", "frames": ["f" * 301], "in_torch": True}]},
+        {"ranks": [{"rank": 0, "host": "h", "frames": [["nested"]], "in_torch": True}]},
+        {"ranks": [{"rank": 0, "host": "h", "frames": [], "in_torch": "yes"}]},
+        {"ranks": [{"rank": 0, "host": 7, "frames": [], "in_torch": True}]},
+    ],
+)
+def test_a_stacks_note_of_the_wrong_shape_is_refused(change: dict[str, Any]) -> None:
+    with pytest.raises(N.NoteInvalid):
+        N.StacksNote.from_json(stacks(0, 0, "a", (0,), **change))
+
+
+def test_a_note_counts_only_from_the_round_s_member_with_its_ranks() -> None:
+    seats = N.seats([("b", 1, 2), ("a", 0, 3)])
+    assert [(s.first_rank, s.nproc) for s in seats.values()] == [(0, 3), (3, 2)]
+    good = N.ProgressNote.from_json(progress(1, "b", ranks=(3, 4)))
+    assert good.check(4, seats[1]) is good
+    for note, round_ in (
+        (good, 5),  # another round
+        (N.ProgressNote.from_json(progress(1, "a", ranks=(3,))), 4),  # another node
+        (N.ProgressNote.from_json(progress(0, "b", ranks=(3,))), 4),  # another group rank
+        (N.ProgressNote.from_json(progress(1, "b", ranks=(0,))), 4),  # not its rank
+    ):
+        with pytest.raises(N.NoteInvalid):
+            note.check(round_, seats[1])
+
+
+# -- the stacks of a hang: bounded per node and in all ------------------------------
+
+
+def _round(members: int, nproc: int, me: int = 0) -> RoundResult:
+    ms = tuple(Member(f"n{g}", f"h{g}", "127.0.0.1", g, nproc) for g in range(members))
+    return RoundResult("job", 3, ms, me, "127.0.0.1", 1, 0, 3, {"node_id": f"n{me}"})
+
+
+def test_a_big_job_s_stacks_notes_fit_the_hang_s_budget() -> None:
+    frames = tuple(f"function_{i} ({'/very/long/path' * 12}/module_{i}.py:{i})" for i in range(30))
+    ranks = [RankStacks(r, "host", frames, in_torch=r != 3, hung=r == 3) for r in range(8)]
+    result = _round(45, 8)  # the probe's job: one hang filled 2.7 MB
+    note = note_of(ranks, result)
+    size = len(json.dumps(note.to_json()))
+    assert size <= N.stacks_budget(45) and 45 * N.stacks_budget(45) <= 1.1 * 1024 * 1024
+    hung = next(r for r in note.ranks if r.hung)
+    assert len(hung.frames) == 10 and all(len(r.frames) >= 1 for r in note.ranks)
+    assert N.StacksNote.from_json(note.to_json()).check(3, N.seats([("n0", 0, 8)])[0])
+    small = note_of(ranks, _round(2, 8))  # a small job keeps every frame
+    assert all(len(r.frames) == 30 for r in small.ranks)
+
+
+def test_the_declaring_node_escapes_the_other_node_s_stacks_and_names_the_missing() -> None:
+    own = [RankStacks(0, "a", ("mine (m.py:1)",), in_torch=False, hung=True)]
+    theirs = RankStacks(1, "b" + ESCAPES, ("f (x.py:1)\n  rank 9 on fake" + ESCAPES,), True)
+    text = summary(
+        Gathered([*own, theirs], ["  c (group rank 2): its stacks note was refused"]), None
+    )
+    assert not RAW_CONTROL.search(text) and "\\x1b]0;owned\\x07" in text
+    assert [ln for ln in text.splitlines() if ln.startswith("  rank ")][1].startswith("  rank 1")
+    assert "rank 9 on fake" in text and "\n  rank 9" not in text  # no forged line
+    assert text.rstrip().endswith("its stacks note was refused")
+
+
+# -- stragglers: one aggregator's verdicts, checked by status ------------------------
+
+
+def test_the_aggregator_names_a_sustained_straggler_among_all_members() -> None:
+    agg = Aggregator(StragglerRule(sustain=2))
+    a = N.ProgressNote.from_json(progress(0, "a", ranks=(0, 1)))
+    slow = progress(1, "b", ranks=(2,))
+    slow["ranks"][0]["own_time"] = 0.09
+    b = N.ProgressNote.from_json(slow)
+    assert agg.judge(4, [a, b]).stragglers == ()
+    verdict = agg.judge(4, [a, b])
+    assert [(s.rank, s.own_time) for s in verdict.stragglers] == [(2, 0.09)]
+    assert verdict.median == 0.05 and verdict.round == 4
+    assert N.StragglersNote.from_json(verdict.to_json()) == verdict
+
+
+def test_status_shows_only_members_notes_and_confirmed_stragglers() -> None:
+    shown = result(4, ("a", 0, 2), ("b", 1, 1))
+    slow = progress(1, "b", ranks=(2,))
+    slow["ranks"][0]["own_time"] = 0.2
+    notes: dict[str, dict[str, Any]] = {
+        "progress_0": progress(0, "a", ranks=(0, 1)),
+        "progress_1": slow,
+        "progress_2": progress(2, "c", ranks=(5,)),  # not a member
+        "stragglers": {"round": 4, "at": 1.0, "median": 0.05, "stragglers": []},
+    }
+    rows = rank_progress(notes, shown)
+    assert [(r["rank"], r["straggler"]) for r in rows] == [(0, False), (1, False), (2, False)]
+    flagged = [{"rank": 0, "own_time": 0.05}, {"rank": 2, "own_time": 0.2}]
+    notes["stragglers"] = {"round": 4, "at": 1.0, "median": 0.05, "stragglers": flagged}
+    rows = rank_progress(notes, shown)
+    # rank 0 is named, but its own note says it is not slow: not flagged
+    assert [(r["rank"], r["straggler"]) for r in rows] == [(0, False), (1, False), (2, True)]
+    notes["stragglers"] = {**notes["stragglers"], "round": 3}  # another round's verdict
+    assert not any(r["straggler"] for r in rank_progress(notes, shown))
+    notes["progress_1"] = progress(1, "b", round_=3, ranks=(2,))  # an older round's note
+    assert [r["rank"] for r in rank_progress(notes, shown)] == [0, 1]
+
+
+def test_status_shows_stacks_only_of_the_round_that_ended_on_a_hang() -> None:
+    notes = {
+        "stacks_2_0": stacks(2, 0, "a", (0, 1)),
+        "stacks_2_1": stacks(2, 1, "b", (2,)),
+        "stacks_2_2": stacks(2, 2, "c", (3,)),  # not a member of round 2
+        "stacks_5_0": stacks(5, 0, "a", (0, 1)),  # a round that never hung
+    }
+    assert hang_stacks(notes, None) is None  # no round ended on a hang
+    got = hang_stacks(notes, result(2, ("a", 0, 2), ("b", 1, 1)))
+    assert got is not None and got["round"] == 2
+    assert [r["rank"] for r in got["ranks"]] == [1, 0, 2]  # stuck in its own code first
+    assert note_names(result(4, ("a", 0, 2)), result(2, ("a", 0, 2), ("b", 1, 1))) == [
+        "progress_0",
+        "stragglers",
+        "stacks_2_0",
+        "stacks_2_1",
+    ]
+
+
+def test_a_round_opened_by_a_hang_is_the_job_s_hang_round() -> None:
+    rnd, res = R.close_records(R.first_round(0.0), [_joiner("a")], 2, "t", 0.0)
+    hang = {"rank": 0, "hang": "rank 0 made no progress for 5s"}
+    opened = R.next_round_record(rnd, res, "r", "", counts=True, failure=hang, opened_at=0.0)
+    assert R.hang_round(opened) == 0
+    rnd, res = R.close_records(opened, [_joiner("a")], 2, "t", 0.0)
+    assert R.hang_round(rnd) == 0  # kept while the round runs
+    crash = {"rank": 0, "exitcode": 1, "hang": None}
+    later = R.next_round_record(rnd, res, "r", "", counts=True, failure=crash, opened_at=0.0)
+    assert R.hang_round(later) == 0  # carried over: still the last hang
+    assert R.hang_round({"hang_round": "0"}) is None and R.hang_round(None) is None
+
+
+def _joiner(node: str) -> dict[str, Any]:
+    return {"node_id": node, "host": node, "addr": "127.0.0.1", "nproc": 1, "port": 1}
+
+
+# -- what reaches a terminal or a page ------------------------------------------------
+
+
+def test_the_status_table_escapes_everything_from_the_store() -> None:
+    rnd = {"round": 1, "state": "closed", "restarts": 0, "reason": "x" + ESCAPES}
+    rnd["detail"] = "line one\nline two" + ESCAPES
+    rnd["last_failure"] = {"rank": 0, "host": "h" + ESCAPES, "message": "boom" + ESCAPES}
+    member = {"node_id": "a", "host": "h" + ESCAPES, "addr": ESCAPES, "nproc": 1, "group_rank": 0}
+    s = summarize(
+        "job",
+        config={"settings": {"min_nodes": 1, "max_nodes": 1}},
+        round_rec=rnd,
+        result={"round": 1, "members": [member]},
+        prev_result=None,
+        joins={},
+        dones=set(),
+        nodes={"a": {}},
+        waiting={"w" + ESCAPES: {"host": ESCAPES}},
+        revision=3,
+        now=0.0,
+        notes={"progress_0": progress(0, "a", round_=1, host="h" + ESCAPES, ranks=(0,))},
+    )
+    text = render_table(s, "store" + ESCAPES)
+    assert not RAW_CONTROL.search(text), text
+    assert "\\x1b]0;owned\\x07" in text and "line one\\x0aline two" in text
+    assert json.loads(json.dumps(s))["ranks"][0]["host"] == "h" + ESCAPES  # --json: escaped by JSON
+    assert "\x1b" not in json.dumps(s)
+
+
+def test_the_failure_summary_escapes_the_worker_s_error_file() -> None:
+    error = ErrorFileInfo(
+        message="boom" + ESCAPES + "\nsecond line",
+        traceback="Traceback:\n\tFile x" + ESCAPES + "\n" + ESCAPES,
+        timestamp=None,
+    )
+    f = WorkerFailure(0, 0, "h" + ESCAPES, 1, 1, 0.0, 0.0, error=error)
+    other = WorkerFailure(1, 1, "h", 2, 1, 0.0, 1.0, error=ErrorFileInfo(ESCAPES, None, None))
+    text = format_summary(classify([f, other]), "header")
+    assert not RAW_CONTROL.search(text), text
+    assert "  error: boom\\x1b]0;owned\\x07" in text and "\n    second line" in text
+    assert "\tFile x\\x1b" in text  # a tab of the traceback is kept
+    tail = WorkerFailure(0, 0, "h", 1, 1, 0.0, 0.0, stderr_tail=("oops" + ESCAPES,))
+    assert not RAW_CONTROL.search(format_summary(classify([tail]), "header"))
+
+
+def test_the_timeline_escapes_events_and_skips_hostile_lines(tmp_path: Any) -> None:
+    from elastrun.status.timeline import load_events
+
+    good = {"ts": 10.0, "kind": "round_opened", "round": 0, "reason": "<b>" + ESCAPES}
+    lane = {"ts": 11.0, "kind": "workers_started", "node_id": "n", "host": "<i>" + ESCAPES}
+    lane["round"] = "not a number"
+    crash = {"ts": 12.0, "kind": "worker_exited", "cause": "root_cause", "node_id": "n"}
+    crash["host"] = "</ul><script>" + ESCAPES
+    path = tmp_path / "events.jsonl"
+    lines = [json.dumps(e) for e in (good, lane, crash)]
+    lines += ["[" * 100000, json.dumps({"ts": 1e300}), json.dumps({"ts": True})]
+    path.write_text("\n".join(lines) + "\n")
+    events = load_events([str(path)])
+    assert len(events) == 3
+    page = render_html(events)
+    assert "<script>" not in page and "<b>" not in page and "&lt;script&gt;" in page
+    assert not RAW_CONTROL.search(page) and "\\x1b]0;owned\\x07" in page
