@@ -18,6 +18,7 @@ import contextlib
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -84,16 +85,51 @@ def big_frames_before_hello(
     """``n`` connections that each start a frame of ``size`` bytes before any
     hello and push as much of it as the store takes within 30 s. Returns the
     bytes the store accepted in all."""
-    body = b"{" + b" " * (size - 1)
+    data = memoryview(struct.pack(">I", size) + b"{" + b" " * (size - 1))
     pending: dict[socket.socket, memoryview] = {}
     for _ in range(n):
         with contextlib.suppress(OSError):
             sock = connect(host, port)
             sock.setblocking(False)
             held.append(sock)
-            pending[sock] = memoryview(struct.pack(">I", size) + body)
+            pending[sock] = data
+    return push(pending, 30.0)
+
+
+def half_frames_after_hello(
+    host: str,
+    port: int,
+    n: int,
+    held: list[socket.socket],
+    *,
+    token: str | None = None,
+    size: int = 4 * MiB,
+    short: int = 1,
+    within: float = 30.0,
+) -> int:
+    """``n`` connections that say hello (with ``token``), then announce a
+    frame of ``size`` bytes and send all of it but its last ``short`` bytes,
+    as much as the store takes within ``within`` seconds. Returns the bytes of
+    those frames the store accepted in all."""
+    hello = codec.encode_frame(codec.hello(token))
+    frame = memoryview(struct.pack(">I", size) + b"{" + b" " * (size - 1 - short))
+    pending: dict[socket.socket, memoryview] = {}
+    for _ in range(n):
+        with contextlib.suppress(OSError):
+            sock = connect(host, port)
+            held.append(sock)
+            sock.sendall(hello)
+            sock.setblocking(False)
+            pending[sock] = frame
+    return push(pending, within)
+
+
+def push(pending: dict[socket.socket, memoryview], within: float) -> int:
+    """Send each socket its bytes, round robin, without blocking, for at most
+    ``within`` seconds; a socket the store closed is dropped. Returns the
+    bytes sent in all."""
     sent = 0
-    deadline = time.monotonic() + 30.0
+    deadline = time.monotonic() + within
     while pending and time.monotonic() < deadline:
         progress = False
         for sock, data in list(pending.items()):
@@ -142,6 +178,30 @@ def never_reading_watchers(
         sock.sendall(hello + codec.encode_frame(watch))
 
 
+async def served_while(
+    store: TcpStore, flooding: threading.Event, prefix: str, *, at_least: int = 20
+) -> int:
+    """Puts, gets and a watch of a legitimate client, one round after the
+    other, until ``flooding`` is cleared and at least ``at_least`` rounds are
+    done: each put must be read back and seen by the watch, in order. Returns
+    the rounds done (bounded: 100 000)."""
+    watch = await store.watch(prefix, prefix=True)
+    rounds = 0
+    try:
+        while flooding.is_set() or rounds < at_least:
+            key = f"{prefix}{rounds}"
+            revision = await store.put(key, str(rounds).encode())
+            kv = await store.get(key)
+            assert kv is not None and kv.value == str(rounds).encode()
+            event = await asyncio.wait_for(watch.__anext__(), 10)
+            assert (event.kv.key, event.kv.mod_revision) == (key, revision)
+            rounds += 1
+            assert rounds < 100_000
+    finally:
+        await watch.close()
+    return rounds
+
+
 async def overwrite(store: TcpStore, key: str, size: int, times: int) -> int:
     """Put ``times`` values of ``size`` bytes under ``key``, then delete it;
     returns how many puts were accepted."""
@@ -163,6 +223,7 @@ def _measure(name: str, scenario: Callable[[str, int, int, str], str]) -> None:
 
     token_file = Path(f"/tmp/elastrun-abuse-token-{os.getpid()}")
     token_file.write_text("s3cret-token")
+    token_file.chmod(0o600)
     server = start_server_process("--token-file", str(token_file))
     try:
         pid = server.proc.pid
