@@ -56,6 +56,7 @@ def frame(message: dict[str, object]) -> bytes:
 def token_server(tmp_path: Path) -> Iterator[ServerProcess]:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
     server = start_server_process("--token-file", str(token_file), "--hello-timeout", "2")
     yield server
     stop_process(server.proc)
