@@ -97,3 +97,7 @@ class WorkerSpec:
     # Exit 1 when the workers succeeded but some of their output could not be
     # written to its log file (default: a warning and an event only).
     require_logs: bool = False
+    # Whether the job's store refuses strangers (launcher/plan.Plan.authenticated:
+    # the embedded store with a token, etcd with a user or client certificate):
+    # only then may what other nodes wrote in it be trusted to name modules.
+    store_authenticated: bool = False
