@@ -107,21 +107,36 @@ def half_frames_after_hello(
     short: int = 1,
     within: float = 30.0,
 ) -> int:
-    """``n`` connections that say hello (with ``token``), then announce a
-    frame of ``size`` bytes and send all of it but its last ``short`` bytes,
-    as much as the store takes within ``within`` seconds. Returns the bytes of
-    those frames the store accepted in all."""
-    hello = codec.encode_frame(codec.hello(token))
+    """``n`` connections that say hello (with ``token``) and get the store's
+    answer, then each announce a frame of ``size`` bytes and send all of it but
+    its last ``short`` bytes, as much as the store takes within ``within``
+    seconds. Returns the bytes of those frames the store accepted in all."""
     frame = memoryview(struct.pack(">I", size) + b"{" + b" " * (size - 1 - short))
     pending: dict[socket.socket, memoryview] = {}
     for _ in range(n):
         with contextlib.suppress(OSError):
             sock = connect(host, port)
             held.append(sock)
-            sock.sendall(hello)
+            say_hello(sock, token)
             sock.setblocking(False)
             pending[sock] = frame
     return push(pending, within)
+
+
+def say_hello(sock: socket.socket, token: str | None) -> None:
+    """Send a hello on ``sock`` and read the store's answer (OSError if it
+    is not a hello: refused, or no answer within the socket's timeout)."""
+    sock.sendall(codec.encode_frame(codec.hello(token)))
+    decoder = codec.FrameDecoder()
+    while True:
+        data = sock.recv(4096)
+        if not data:
+            raise ConnectionResetError("closed by the store before its hello")
+        frames = decoder.feed(data)
+        if frames:
+            if frames[0].get("t") != "hello":
+                raise ConnectionRefusedError(f"the store answered {frames[0]}")
+            return
 
 
 def push(pending: dict[socket.socket, memoryview], within: float) -> int:
@@ -166,40 +181,50 @@ def closed_by_server(sock: socket.socket) -> bool:
 
 
 def never_reading_watchers(
-    host: str, port: int, token: str | None, n: int, held: list[socket.socket]
+    host: str,
+    port: int,
+    token: str | None,
+    n: int,
+    held: list[socket.socket],
+    start_revision: int | None = 1,
 ) -> None:
     """``n`` authenticated connections, each watching everything from
-    revision 1, that never read a byte."""
-    hello = codec.encode_frame(codec.hello(token))
+    ``start_revision`` (None: from now on), that never read a byte after the
+    store's hello."""
     for i in range(n):
         sock = connect(host, port)
         held.append(sock)
-        watch = codec.encode_request(1, "watch", watch=i + 1, key="", prefix=True, start_revision=1)
-        sock.sendall(hello + codec.encode_frame(watch))
+        say_hello(sock, token)
+        watch = codec.encode_request(
+            1, "watch", watch=i + 1, key="", prefix=True, start_revision=start_revision
+        )
+        sock.sendall(codec.encode_frame(watch))
 
 
 async def served_while(
     store: TcpStore, flooding: threading.Event, prefix: str, *, at_least: int = 20
-) -> int:
+) -> tuple[int, float]:
     """Puts, gets and a watch of a legitimate client, one round after the
     other, until ``flooding`` is cleared and at least ``at_least`` rounds are
     done: each put must be read back and seen by the watch, in order. Returns
-    the rounds done (bounded: 100 000)."""
+    the rounds done (bounded: 100 000) and the slowest round's seconds."""
     watch = await store.watch(prefix, prefix=True)
-    rounds = 0
+    rounds, worst = 0, 0.0
     try:
         while flooding.is_set() or rounds < at_least:
+            start = time.monotonic()
             key = f"{prefix}{rounds}"
             revision = await store.put(key, str(rounds).encode())
             kv = await store.get(key)
             assert kv is not None and kv.value == str(rounds).encode()
             event = await asyncio.wait_for(watch.__anext__(), 10)
             assert (event.kv.key, event.kv.mod_revision) == (key, revision)
+            worst = max(worst, time.monotonic() - start)
             rounds += 1
             assert rounds < 100_000
     finally:
         await watch.close()
-    return rounds
+    return rounds, worst
 
 
 async def overwrite(store: TcpStore, key: str, size: int, times: int) -> int:

@@ -374,6 +374,23 @@ def encode_events(watch_id: int, events: list[WatchEvent]) -> Json:
     }
 
 
+def encode_events_body(events: list[WatchEvent]) -> bytes:
+    """The ``events`` array of an ``events`` frame, encoded once for every
+    watch it goes to (see :func:`events_frame`)."""
+    return json.dumps([encode_event(e) for e in events], separators=(",", ":")).encode()
+
+
+def events_frame(watch_id: int, body: bytes, partial: bool = False) -> bytes:
+    """The frame of :func:`encode_events` (with ``"partial": true`` when
+    ``partial``), from its array as :func:`encode_events_body` made it.
+    ProtocolError if it exceeds the frame limit."""
+    head = b'{"v":%d,"t":"events","watch":%d,"events":' % (PROTOCOL_VERSION, watch_id)
+    message = head + body + (b',"partial":true}' if partial else b"}")
+    if len(message) > MAX_FRAME:
+        raise ProtocolError(f"message of {len(message)} bytes exceeds the {MAX_FRAME}-byte limit")
+    return _HEADER.pack(len(message)) + message
+
+
 def encode_error(code: str, message: str) -> Json:
     return {"v": PROTOCOL_VERSION, "t": "error", "code": code, "message": message}
 

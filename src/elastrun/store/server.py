@@ -118,6 +118,16 @@ class ServerStats:
     closed_output: int  # closed to keep output_bytes within max_output_bytes
     slow_watches: int  # watches cancelled by slow_watch_bytes
 
+    def summary(self) -> str:
+        """One line: what the limits did since the server started."""
+        mib = 1024 * 1024
+        return (
+            f"refused {self.refused} connection(s); closed {self.closed_partial} for "
+            f"max_partial_bytes and {self.closed_output} for max_output_bytes; cancelled "
+            f"{self.slow_watches} slow watch(es); held at most {self.partial_peak / mib:.1f} "
+            f"MiB of incomplete frames and {self.output_peak / mib:.1f} MiB of unread output"
+        )
+
 
 class StoreServer:
     """``server = StoreServer("127.0.0.1", 0, token="s3cret")``;
@@ -258,6 +268,9 @@ class StoreServer:
             await self._reaper.stop()
             self._reaper = None
         self.abuse.flush()
+        stats = self.stats()
+        if stats.refused or stats.closed_partial or stats.closed_output or stats.slow_watches:
+            log.warning("elastrun store: stopped; %s", stats.summary())
 
     def disconnect_all(self) -> None:
         """Drop every client connection (clients reconnect and renew their

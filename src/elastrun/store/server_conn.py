@@ -34,6 +34,7 @@ import contextlib
 import hmac
 import logging
 import socket
+import struct
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,8 @@ __all__ = ["Connection"]
 
 log = logging.getLogger("elastrun.store.server")
 
+# SO_LINGER on, 0 s: close() resets the connection, dropping unsent bytes.
+_RESET = struct.pack("ii", 1, 0)
 # Seconds a closed connection may take to flush its last frames before it is dropped.
 CLOSE_LINGER = 5.0
 
@@ -363,6 +366,11 @@ class Connection(WatchStreams, asyncio.Protocol):
         self.aborted = True
         if reason != "server dropped the connection":
             self.server.abuse.warn(f"dropped connection {self.peer}: {reason}")
+            # A reset, so that the kernel drops what it still holds for the peer too.
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
         self.closing = True
         self.decoder.clear()
         self.server.input.forget(self)

@@ -164,15 +164,28 @@ class WatchStreams:
             self.send(codec.encode_cancel(watch_id, "slow", message, next_revision=next_revision))
 
 
+class _EncodedEvents:
+    """The last revision's events as encoded for a watch: the next watch sent
+    the same events (every watch of a key gets the same ones) reuses them
+    instead of encoding a value of up to 1.5 MiB once per watch."""
+
+    events: list[WatchEvent] = []
+    body = b""
+
+    @classmethod
+    def body_of(cls, events: list[WatchEvent]) -> bytes:
+        last = cls.events
+        if len(last) != len(events) or any(a is not b for a, b in zip(last, events, strict=True)):
+            cls.events, cls.body = list(events), codec.encode_events_body(events)
+        return cls.body
+
+
 def _event_frames(watch_id: int, events: list[WatchEvent], partial: bool = False) -> list[bytes]:
     """One revision's events as frames: one, unless they exceed the frame
     limit; then split, every frame but the revision's last marked ``partial``
     (``partial``: mark the last one too, it is not the revision's last)."""
-    message = codec.encode_events(watch_id, events)
-    if partial:
-        message["partial"] = True
     try:
-        return [codec.encode_frame(message)]
+        return [codec.events_frame(watch_id, _EncodedEvents.body_of(events), partial)]
     except ProtocolError:
         if len(events) == 1:  # cannot happen within the key and value limits
             raise
