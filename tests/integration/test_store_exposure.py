@@ -190,6 +190,14 @@ def test_without_a_token_beyond_loopback_the_agent_says_so(tmp_path: Path) -> No
         # Every interface, when asked: the endpoint is loopback but the port is not.
         every = agent("--rdzv-endpoint=127.0.0.1:29400", "--rdzv-conf=store_bind=0.0.0.0")
         assert "listening on 0.0.0.0:29400" in every and WARNING in every, every
+        # elastrun store serve says the same (it stops at SIGTERM, 2 s in).
+        serve = [*ELASTRUN, "store", "serve", f"--host={addr}", "--port=0"]
+        bounded = ["sh", "-c", 'timeout -s TERM 2 "$@" 2>&1; true', "sh"]
+        served = net.check_call_in("a", [*bounded, *serve], timeout=BOUND)
+        assert f"listening on {addr}:" in served and WARNING in served, served
+        assert "--token-file PATH or ELASTRUN_STORE_TOKEN" in served
+        env_token = ["env", f"{TOKEN_ENV}=s3cret"]
+        assert WARNING not in net.check_call_in("a", [*bounded, *env_token, *serve], timeout=BOUND)
     finally:
         net.close()
 

@@ -397,6 +397,8 @@ def test_tcp_watch_resuming_past_compacted_history_says_so() -> None:
         (["--history-bytes", "0"], "--history-bytes"),
         (["--max-value-bytes", "2M"], "--max-value-bytes"),
         (["--hello-timeout", "-1"], "--hello-timeout"),
+        (["--max-partial-bytes", "0"], "--max-partial-bytes"),
+        (["--slow-watch-bytes", "1.5M"], "--slow-watch-bytes"),
     ],
 )
 def test_serve_refuses_bad_limits(flags: list[str], message: str) -> None:

@@ -63,6 +63,9 @@ _LIMIT_FLAGS = [
     ("--max-data-bytes", "keys and values held, in bytes"),
     ("--max-value-bytes", "one value, in bytes (at most 1536K)"),
     ("--stall-timeout", "seconds a client may leave its output unread"),
+    ("--max-partial-bytes", "bytes in incomplete frames, all connections together"),
+    ("--max-output-bytes", "bytes queued unread for clients, all connections together"),
+    ("--slow-watch-bytes", "bytes a watch may hold back before it is cancelled"),
 ]
 _FIELDS = {"--max-value-bytes": "max_value"}
 _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
