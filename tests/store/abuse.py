@@ -18,6 +18,7 @@ import contextlib
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -84,16 +85,66 @@ def big_frames_before_hello(
     """``n`` connections that each start a frame of ``size`` bytes before any
     hello and push as much of it as the store takes within 30 s. Returns the
     bytes the store accepted in all."""
-    body = b"{" + b" " * (size - 1)
+    data = memoryview(struct.pack(">I", size) + b"{" + b" " * (size - 1))
     pending: dict[socket.socket, memoryview] = {}
     for _ in range(n):
         with contextlib.suppress(OSError):
             sock = connect(host, port)
             sock.setblocking(False)
             held.append(sock)
-            pending[sock] = memoryview(struct.pack(">I", size) + body)
+            pending[sock] = data
+    return push(pending, 30.0)
+
+
+def half_frames_after_hello(
+    host: str,
+    port: int,
+    n: int,
+    held: list[socket.socket],
+    *,
+    token: str | None = None,
+    size: int = 4 * MiB,
+    short: int = 1,
+    within: float = 30.0,
+) -> int:
+    """``n`` connections that say hello (with ``token``) and get the store's
+    answer, then each announce a frame of ``size`` bytes and send all of it but
+    its last ``short`` bytes, as much as the store takes within ``within``
+    seconds. Returns the bytes of those frames the store accepted in all."""
+    frame = memoryview(struct.pack(">I", size) + b"{" + b" " * (size - 1 - short))
+    pending: dict[socket.socket, memoryview] = {}
+    for _ in range(n):
+        with contextlib.suppress(OSError):
+            sock = connect(host, port)
+            held.append(sock)
+            say_hello(sock, token)
+            sock.setblocking(False)
+            pending[sock] = frame
+    return push(pending, within)
+
+
+def say_hello(sock: socket.socket, token: str | None) -> None:
+    """Send a hello on ``sock`` and read the store's answer (OSError if it
+    is not a hello: refused, or no answer within the socket's timeout)."""
+    sock.sendall(codec.encode_frame(codec.hello(token)))
+    decoder = codec.FrameDecoder()
+    while True:
+        data = sock.recv(4096)
+        if not data:
+            raise ConnectionResetError("closed by the store before its hello")
+        frames = decoder.feed(data)
+        if frames:
+            if frames[0].get("t") != "hello":
+                raise ConnectionRefusedError(f"the store answered {frames[0]}")
+            return
+
+
+def push(pending: dict[socket.socket, memoryview], within: float) -> int:
+    """Send each socket its bytes, round robin, without blocking, for at most
+    ``within`` seconds; a socket the store closed is dropped. Returns the
+    bytes sent in all."""
     sent = 0
-    deadline = time.monotonic() + 30.0
+    deadline = time.monotonic() + within
     while pending and time.monotonic() < deadline:
         progress = False
         for sock, data in list(pending.items()):
@@ -130,16 +181,50 @@ def closed_by_server(sock: socket.socket) -> bool:
 
 
 def never_reading_watchers(
-    host: str, port: int, token: str | None, n: int, held: list[socket.socket]
+    host: str,
+    port: int,
+    token: str | None,
+    n: int,
+    held: list[socket.socket],
+    start_revision: int | None = 1,
 ) -> None:
     """``n`` authenticated connections, each watching everything from
-    revision 1, that never read a byte."""
-    hello = codec.encode_frame(codec.hello(token))
+    ``start_revision`` (None: from now on), that never read a byte after the
+    store's hello."""
     for i in range(n):
         sock = connect(host, port)
         held.append(sock)
-        watch = codec.encode_request(1, "watch", watch=i + 1, key="", prefix=True, start_revision=1)
-        sock.sendall(hello + codec.encode_frame(watch))
+        say_hello(sock, token)
+        watch = codec.encode_request(
+            1, "watch", watch=i + 1, key="", prefix=True, start_revision=start_revision
+        )
+        sock.sendall(codec.encode_frame(watch))
+
+
+async def served_while(
+    store: TcpStore, flooding: threading.Event, prefix: str, *, at_least: int = 20
+) -> tuple[int, float]:
+    """Puts, gets and a watch of a legitimate client, one round after the
+    other, until ``flooding`` is cleared and at least ``at_least`` rounds are
+    done: each put must be read back and seen by the watch, in order. Returns
+    the rounds done (bounded: 100 000) and the slowest round's seconds."""
+    watch = await store.watch(prefix, prefix=True)
+    rounds, worst = 0, 0.0
+    try:
+        while flooding.is_set() or rounds < at_least:
+            start = time.monotonic()
+            key = f"{prefix}{rounds}"
+            revision = await store.put(key, str(rounds).encode())
+            kv = await store.get(key)
+            assert kv is not None and kv.value == str(rounds).encode()
+            event = await asyncio.wait_for(watch.__anext__(), 10)
+            assert (event.kv.key, event.kv.mod_revision) == (key, revision)
+            worst = max(worst, time.monotonic() - start)
+            rounds += 1
+            assert rounds < 100_000
+    finally:
+        await watch.close()
+    return rounds, worst
 
 
 async def overwrite(store: TcpStore, key: str, size: int, times: int) -> int:
@@ -163,6 +248,7 @@ def _measure(name: str, scenario: Callable[[str, int, int, str], str]) -> None:
 
     token_file = Path(f"/tmp/elastrun-abuse-token-{os.getpid()}")
     token_file.write_text("s3cret-token")
+    token_file.chmod(0o600)
     server = start_server_process("--token-file", str(token_file))
     try:
         pid = server.proc.pid

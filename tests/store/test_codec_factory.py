@@ -44,6 +44,22 @@ def test_values_round_trip_through_json_frames() -> None:
     assert codec.decode_txn_result(codec.encode_txn_result(result)) == result
 
 
+def test_an_events_frame_encoded_once_decodes_as_encoded_per_watch() -> None:
+    events = [
+        WatchEvent("put", KeyValue("/a", bytes(range(256)) * 9, 5, 7, 2, 0)),
+        WatchEvent("delete", KeyValue("/b\u00e9", b"", 3, 7, 0, 0)),
+    ]
+    body = codec.encode_events_body(events)
+    for watch_id, partial in ((1, False), (2**40, True)):
+        expected = codec.encode_events(watch_id, events)
+        if partial:
+            expected["partial"] = True
+        decoded = codec.FrameDecoder().feed(codec.events_frame(watch_id, body, partial))
+        assert decoded == [expected]
+    with pytest.raises(ProtocolError, match="exceeds"):
+        codec.events_frame(1, b'["' + b"x" * codec.MAX_FRAME + b'"]')
+
+
 @pytest.mark.parametrize(
     "frame",
     [

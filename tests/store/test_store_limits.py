@@ -56,6 +56,7 @@ def frame(message: dict[str, object]) -> bytes:
 def token_server(tmp_path: Path) -> Iterator[ServerProcess]:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
     server = start_server_process("--token-file", str(token_file), "--hello-timeout", "2")
     yield server
     stop_process(server.proc)
@@ -396,6 +397,8 @@ def test_tcp_watch_resuming_past_compacted_history_says_so() -> None:
         (["--history-bytes", "0"], "--history-bytes"),
         (["--max-value-bytes", "2M"], "--max-value-bytes"),
         (["--hello-timeout", "-1"], "--hello-timeout"),
+        (["--max-partial-bytes", "0"], "--max-partial-bytes"),
+        (["--slow-watch-bytes", "1.5M"], "--slow-watch-bytes"),
     ],
 )
 def test_serve_refuses_bad_limits(flags: list[str], message: str) -> None:

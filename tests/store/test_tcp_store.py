@@ -228,6 +228,7 @@ def read_frames(sock: socket.socket, timeout: float = 5.0) -> list[dict[str, Any
 def test_wrong_or_missing_token_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("correct horse\n")
+    token_file.chmod(0o600)
     server = start_server_process("--token-file", str(token_file))
     try:
 

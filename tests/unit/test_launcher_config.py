@@ -327,6 +327,7 @@ def test_parse_std_and_signals():
 def test_token_file_is_read(tmp_path, script):
     token = tmp_path / "tok"
     token.write_text("s3cret\n")
+    token.chmod(0o600)  # a token file others can read is refused
     plan, _ = run_parse(
         "--rdzv-backend=c10d", "--rdzv-endpoint=h", f"--rdzv-conf=token_file={token}"
     )

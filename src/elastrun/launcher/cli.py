@@ -301,8 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="rendezvous settings: join_timeout (600), last_call_timeout (30), close_timeout, "
         "read_timeout (store request timeout), timeout (= join_timeout), lease_ttl (10), "
         "exit_barrier_timeout (300), is_host=1|0 (this node hosts the c10d store; default: "
-        "when the endpoint is a local address and its port is free), token or token_file "
-        "(store auth); etcd: cacert, cert, key, user, password, key_prefix, protocol",
+        "when the endpoint is a local address and its port is free), store_bind (where the "
+        "hosted store listens: default the endpoint's addresses; 0.0.0.0, ::, * for every "
+        "interface), token or token_file (store auth; default: $ELASTRUN_STORE_TOKEN or "
+        "$ELASTRUN_STORE_TOKEN_FILE); etcd: cacert, cert, key, user, password, key_prefix, "
+        "protocol",
     )
     g.add_argument(
         "--standalone",

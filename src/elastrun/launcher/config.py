@@ -70,6 +70,7 @@ RDZV_CONF_KEYS: dict[str, str] = {
     "is_host": "bool",
     "token": "str",
     "token_file": "str",
+    "store_bind": "str",  # where the hosted c10d store listens (launcher/bind.py)
     # etcd
     "cacert": "str",
     "cert": "str",

@@ -2,8 +2,9 @@
 
 Applies torchrun's defaulting rules (``--standalone``; the default ``static``
 backend on a single node becomes a standalone embedded store; an empty run id
-becomes a generated one), reads token files, and checks cross-flag rules.
-Pure: no sockets, no processes.
+becomes a generated one), reads the store's token (``--rdzv-conf token`` or
+``token_file``, else the environment: :mod:`elastrun.store.token`), and checks
+cross-flag rules. No sockets, no processes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from elastrun.launcher.config import (
     LaunchConfig,
     parse_rdzv_conf,
 )
+from elastrun.store.token import store_token
 
 __all__ = ["BACKENDS", "Plan", "resolve"]
 
@@ -51,23 +53,25 @@ class Plan:
     # The run id was empty ("" asks for one, as torch's launcher) and was
     # generated here: other nodes cannot know it unless told.
     generated_run_id: bool = False
+    token_source: str = "none"  # noqa: S105 - where the token came from, for messages
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether a stranger who reaches the job's store is refused: the
+        embedded store with a token, or etcd with a user or a client
+        certificate (etcd's own authentication). The static backend has no
+        store (False)."""
+        if self.backend == "c10d":
+            return bool(self.token)
+        if self.backend == "etcd":
+            return bool(self.conf.get("user") or self.conf.get("cert"))
+        return False
 
     @property
     def is_host(self) -> bool | None:
         """--rdzv-conf is_host (None: decide by address)."""
         value = self.conf.get("is_host")
         return None if value is None else bool(value)
-
-    @property
-    def authenticated(self) -> bool:
-        """Whether the store admits only clients that prove who they are: the
-        embedded store with a token, etcd with a user (and password) or a
-        client certificate. The static backend keeps no store."""
-        if self.backend == "c10d":
-            return bool(self.token)
-        if self.backend == "etcd":
-            return bool(self.conf.get("user") or self.conf.get("cert"))
-        return False
 
     def rendezvous_timeouts(self) -> dict[str, float]:
         """The --rdzv-conf timeouts RendezvousSettings takes (only those given)."""
@@ -80,24 +84,6 @@ class Plan:
                 out[key] = float(self.conf[key])
         out["exit_barrier_timeout"] = self.exit_barrier_timeout
         return out
-
-
-def _read_token(conf: dict[str, Any]) -> str | None:
-    if "token" in conf:
-        return str(conf["token"])
-    path = conf.get("token_file")
-    if path is None:
-        return None
-    try:
-        with open(os.path.expanduser(str(path)), encoding="utf-8") as f:
-            token = f.read().strip()
-    except OSError as exc:
-        raise ConfigError(
-            f"--rdzv-conf: token_file {path!r} cannot be read: {exc.strerror}"
-        ) from None
-    if not token:
-        raise ConfigError(f"--rdzv-conf: token_file {path!r} is empty")
-    return token
 
 
 def check_writable_dir(flag: str, path: str) -> None:
@@ -142,6 +128,11 @@ def resolve(config: LaunchConfig) -> Plan:
                 f"--standalone: runs a single node, but --nnodes asks for "
                 f"{config.min_nodes}:{config.max_nodes}"
             )
+        if "store_bind" in conf:
+            raise ConfigError(
+                "--rdzv-conf store_bind: --standalone keeps the store on 127.0.0.1; "
+                "use --rdzv-backend=c10d with --rdzv-endpoint to serve other nodes"
+            )
         backend, endpoint, run_id = "c10d", "127.0.0.1:0", str(uuid.uuid4())
         conf["is_host"] = True
     exit_barrier = config.exit_barrier_timeout
@@ -160,12 +151,19 @@ def resolve(config: LaunchConfig) -> Plan:
         endpoints, https = parse_endpoint_list(endpoint, DEFAULT_ETCD_PORT, "--rdzv-endpoint")
         if https and "protocol" not in conf:
             conf["protocol"] = "https"
+    if "store_bind" in conf and backend != "c10d":
+        raise ConfigError(
+            f"--rdzv-conf store_bind: only for the c10d backend's embedded store, not {backend}"
+        )
     if backend != "static" and node_rank is not None and node_rank >= config.max_nodes:
         raise ConfigError(
             f"--node-rank: {node_rank} is out of range for --nnodes="
             f"{config.min_nodes}:{config.max_nodes} (expected 0..{config.max_nodes - 1})"
         )
-    token = _read_token(conf)
+    # The environment's token is the embedded store's (etcd has user/password).
+    token = store_token(
+        conf.get("token"), conf.get("token_file"), None if backend == "c10d" else {}
+    )
     if config.log_dir:
         check_writable_dir("--log-dir", config.log_dir)
     resolved = dataclasses.replace(
@@ -183,8 +181,9 @@ def resolve(config: LaunchConfig) -> Plan:
         standalone=standalone,
         node_rank=node_rank,
         exit_barrier_timeout=exit_barrier,
-        token=token,
+        token=token.token,
         generated_run_id=generated and not standalone,
+        token_source=token.source,
     )
 
 

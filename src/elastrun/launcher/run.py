@@ -5,7 +5,8 @@ Who hosts the embedded (c10d) store: ``is_host=1|0`` in
 host is an address of this machine (loopback counts) and the port is free. If
 the port is taken, another agent on this machine is assumed to host it and
 this one connects as a client. The hosting agent serves the store from its own
-event loop until its agent finishes (after the exit barrier).
+event loop until its agent finishes (after the exit barrier), listening on the
+addresses the endpoint names (:mod:`elastrun.launcher.bind`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import ipaddress
 import os
 import socket
@@ -24,10 +26,12 @@ from elastrun.clock import SYSTEM_CLOCK
 from elastrun.endpoint import Endpoint, format_endpoints
 from elastrun.errors import ConfigError, StoreUnavailable
 from elastrun.events import EventSink, JsonLinesSink
+from elastrun.launcher.bind import describe, listen_on
 from elastrun.launcher.plan import Plan
 from elastrun.names import check_run_id, path_component
 from elastrun.procs import say
 from elastrun.rendezvous.api import Rendezvous, RendezvousSettings
+from elastrun.store.token import TOKEN_ENV, no_token_warning
 
 if TYPE_CHECKING:
     from elastrun.store.base import Store
@@ -39,6 +43,8 @@ RESOLVE_TIMEOUT = 30.0
 DEFAULT_READ_TIMEOUT = 60.0  # --rdzv-conf read_timeout: each store request after the first
 WAITING_NOTICE_AFTER = 10.0
 SERVER_LINGER = 5.0  # how long a hosting agent keeps serving for peers still connected
+# How the launcher takes a token, for the warning of a store without one.
+TOKEN_HOW = f"{TOKEN_ENV}=..., or --rdzv-conf token_file=PATH"
 
 
 def _ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -162,10 +168,17 @@ async def _host_store(plan: Plan) -> tuple[StoreServer | None, Endpoint, str]:
     local = bool(await _in_thread(is_local_address, host))
     if explicit is None and not local:
         return None, endpoint, f"{host} is not an address of this machine"
-    # Bind the address the user named; a host name binds every interface, as a
-    # name may resolve differently here (e.g. 127.0.1.1) and on other nodes.
-    bind = host if _ip_literal(host) is not None or host == "localhost" else ""
-    server = StoreServer(bind, port, token=plan.token)
+    # Listen on the addresses the endpoint names (or --rdzv-conf store_bind).
+    listen = await _in_thread(
+        functools.partial(
+            listen_on,
+            store_bind=plan.conf.get("store_bind"),
+            multi_node=plan.config.max_nodes > 1,
+        ),
+        host,
+        port,
+    )
+    server = StoreServer(listen.hosts, port, token=plan.token)
     try:
         _, bound_port = await server.start()
     except ConfigError as exc:
@@ -177,10 +190,17 @@ async def _host_store(plan: Plan) -> tuple[StoreServer | None, Endpoint, str]:
                 "here hosts the store",
             )
         raise ConfigError(f"--rdzv-endpoint: this node cannot host the store: {exc}") from None
-    bound = Endpoint(host, bound_port)
     if not plan.standalone:
-        say(f"elastrun: this node hosts the rendezvous store on {bound}")
-    return server, bound, "this node hosts the store"
+        where = describe(server.addresses)
+        say(
+            f"elastrun: this node hosts the rendezvous store on {Endpoint(host, bound_port)}"
+            + ("" if where == str(Endpoint(host, bound_port)) else f" (listening on {where})")
+        )
+    for warning in listen.warnings:
+        say(f"elastrun: warning: {warning}")
+    if plan.token is None and not server.loopback_only():
+        say(f"elastrun: warning: {no_token_warning(TOKEN_HOW)}")
+    return server, Endpoint(listen.connect, bound_port), "this node hosts the store"
 
 
 async def _open_store(plan: Plan, endpoints: tuple[Endpoint, ...], me: str, note: str) -> Store:

@@ -37,6 +37,7 @@ from elastrun.rendezvous.keys import Keys
 from elastrun.status.summary import TERMINAL_STATES, read_summary
 from elastrun.store.base import Store, Watch, WatchEvent
 from elastrun.store.factory import DEFAULT_ETCD_PORT, DEFAULT_PORT
+from elastrun.store.token import store_token
 from elastrun.untrusted import printable
 
 __all__ = ["Printer", "main", "render_table"]
@@ -90,7 +91,8 @@ def _parser() -> argparse.ArgumentParser:
         dest="conf",
         default="",
         metavar="K=V,...",
-        help="store options: token, token_file; etcd: cacert, cert, key, user, "
+        help="store options: token, token_file (default: $ELASTRUN_STORE_TOKEN or "
+        "$ELASTRUN_STORE_TOKEN_FILE); etcd: cacert, cert, key, user, "
         "password, key_prefix, protocol (other launcher keys are ignored)",
     )
     p.add_argument("--json", action="store_true", help="print JSON (one object per line)")
@@ -109,8 +111,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _conf(text: str) -> tuple[str | None, dict[str, str]]:
+def _conf(text: str, backend: str = "c10d") -> tuple[str | None, dict[str, str]]:
+    """``--rdzv-conf`` -> (the store's token, etcd's options). The token, as
+    the launcher's: ``token`` or ``token_file``, else ELASTRUN_STORE_TOKEN or
+    ELASTRUN_STORE_TOKEN_FILE (the embedded store only)."""
     token: str | None = None
+    token_file: str | None = None
     conf: dict[str, str] = {}
     for item in (i.strip() for i in text.split(",")):
         if not item:
@@ -122,16 +128,13 @@ def _conf(text: str) -> tuple[str | None, dict[str, str]]:
         if key == "token":
             token = value
         elif key == "token_file":
-            try:
-                with open(value, encoding="utf-8") as f:
-                    token = f.read().strip()
-            except OSError as exc:
-                raise ConfigError(f"--rdzv-conf: token_file {value!r}: {exc.strerror}") from None
+            token_file = value
         elif key in STORE_CONF_KEYS:
             conf[key] = value
         # Any other launcher key (join_timeout, is_host, ...) is irrelevant here:
         # accepted so that a job's --rdzv-conf can be pasted as is.
-    return token, conf
+    environ: dict[str, str] | None = None if backend in ("c10d", "tcp") else {}
+    return store_token(token, token_file, environ).token, conf
 
 
 def _endpoints(backend: str, text: str) -> tuple[tuple[Endpoint, ...], bool]:
@@ -147,7 +150,7 @@ async def _open(
 ) -> Store:
     from elastrun.store.factory import open_store
 
-    token, conf = _conf(args.conf)
+    token, conf = _conf(args.conf, args.backend)
     if https:
         conf.setdefault("protocol", "https")
     try:

@@ -16,12 +16,12 @@ import re
 import signal
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from elastrun.endpoint import Endpoint
 from elastrun.errors import ConfigError, ElastrunError
-from elastrun.store.limits import DEFAULT_LIMITS, MAX_TOKEN, StoreLimits
+from elastrun.store.limits import DEFAULT_LIMITS, StoreLimits
 from elastrun.store.server import DEFAULT_PORT, StoreServer
+from elastrun.store.token import TOKEN_ENV, TOKEN_FILE_ENV, no_token_warning, store_token
 
 __all__ = ["main"]
 
@@ -43,8 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--token-file",
-        type=Path,
-        help="file holding the token clients must present (recommended off loopback)",
+        metavar="PATH",
+        help="file holding the token clients must present (recommended off loopback; "
+        f"default: ${TOKEN_ENV}, or the file ${TOKEN_FILE_ENV} names)",
     )
     for flag, what in _LIMIT_FLAGS:
         shown = _show(getattr(DEFAULT_LIMITS, _field(flag)), flag.endswith("-bytes"))
@@ -62,6 +63,9 @@ _LIMIT_FLAGS = [
     ("--max-data-bytes", "keys and values held, in bytes"),
     ("--max-value-bytes", "one value, in bytes (at most 1536K)"),
     ("--stall-timeout", "seconds a client may leave its output unread"),
+    ("--max-partial-bytes", "bytes in incomplete frames, all connections together"),
+    ("--max-output-bytes", "bytes queued unread for clients, all connections together"),
+    ("--slow-watch-bytes", "bytes a watch may hold back before it is cancelled"),
 ]
 _FIELDS = {"--max-value-bytes": "max_value"}
 _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
@@ -114,17 +118,8 @@ def main(argv: Sequence[str]) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     if not 0 <= args.port <= 65535:
         return _fail(f"--port {args.port} is not in 0-65535")
-    token: str | None = None
-    if args.token_file is not None:
-        try:
-            token = args.token_file.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            return _fail(f"cannot read --token-file {args.token_file}: {exc}")
-        if not token:
-            return _fail(f"--token-file {args.token_file} is empty")
-        if len(token.encode("utf-8", "surrogatepass")) > MAX_TOKEN:
-            return _fail(f"--token-file {args.token_file}: the token is over {MAX_TOKEN} bytes")
     try:
+        token = store_token(None, args.token_file, flag="--token-file").token
         limits = _limits(args)
     except ConfigError as exc:
         return _fail(str(exc))
@@ -144,6 +139,9 @@ async def _serve(host: str, port: int, token: str | None, limits: StoreLimits) -
     server = StoreServer(host, port, token=token, limits=limits)
     bound_host, bound_port = await server.start()
     print(f"elastrun store listening on {Endpoint(bound_host, bound_port)}", flush=True)
+    if token is None and not server.loopback_only():
+        warning = no_token_warning(f"--token-file PATH or {TOKEN_ENV}")
+        print(f"elastrun store: warning: {warning}", file=sys.stderr, flush=True)
     try:
         await stop.wait()
     finally:

@@ -38,6 +38,7 @@ from elastrun.errors import (
     StoreReset,
     StoreTimeout,
     StoreUnavailable,
+    WatchCancelled,
 )
 from elastrun.store import codec
 from elastrun.store.client_conn import (
@@ -345,4 +346,7 @@ def _error_of(error: Any, fallback: str) -> StoreError:
     if code == "compacted":
         revision = error.get("compact_revision")
         return RevisionCompacted(message, revision if type(revision) is int else 0)
+    if code == "slow":
+        revision = error.get("next_revision")
+        return WatchCancelled(message, revision if type(revision) is int else 0)
     return _ERRORS.get(code, StoreError)(message)

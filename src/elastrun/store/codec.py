@@ -17,8 +17,10 @@ Messages (every one carries ``"v": PROTOCOL_VERSION``):
 * server -> client: ``{"t": "events", "watch": int, "events": [...]}`` (a
   watch's events; one frame never splits a revision).
 * server -> client: ``{"t": "cancel", "watch": int, "code": str, "message":
-  str, "compact_revision": int}``: the server ended that watch (``compacted``:
-  it fell behind the compacted history).
+  str, "compact_revision": int, "next_revision": int}``: the server ended that
+  watch (``compacted``: it fell behind the compacted history; ``slow``: its
+  client left too many of its bytes unread, ``next_revision`` being the first
+  revision it was not sent).
 * server -> client: ``{"t": "error", "code": str, "message": str}``, then the
   server closes the connection (auth failure, protocol violation, too slow).
 
@@ -130,6 +132,10 @@ class FrameDecoder:
     def pending(self) -> int:
         """Bytes received that do not yet form a whole frame."""
         return len(self._buf)
+
+    def clear(self) -> None:
+        """Drop what is buffered (the connection is closing)."""
+        self._buf = bytearray()
 
     def push(self, data: bytes) -> None:
         """Buffer received bytes; take frames out with :meth:`pop`."""
@@ -345,7 +351,9 @@ def error_response(request_id: int, code: str, message: str, **extra: Any) -> Js
     }
 
 
-def encode_cancel(watch_id: int, code: str, message: str, compact_revision: int = 0) -> Json:
+def encode_cancel(
+    watch_id: int, code: str, message: str, compact_revision: int = 0, next_revision: int = 0
+) -> Json:
     return {
         "v": PROTOCOL_VERSION,
         "t": "cancel",
@@ -353,6 +361,7 @@ def encode_cancel(watch_id: int, code: str, message: str, compact_revision: int 
         "code": code,
         "message": message,
         "compact_revision": compact_revision,
+        "next_revision": next_revision,
     }
 
 
@@ -363,6 +372,23 @@ def encode_events(watch_id: int, events: list[WatchEvent]) -> Json:
         "watch": watch_id,
         "events": [encode_event(e) for e in events],
     }
+
+
+def encode_events_body(events: list[WatchEvent]) -> bytes:
+    """The ``events`` array of an ``events`` frame, encoded once for every
+    watch it goes to (see :func:`events_frame`)."""
+    return json.dumps([encode_event(e) for e in events], separators=(",", ":")).encode()
+
+
+def events_frame(watch_id: int, body: bytes, partial: bool = False) -> bytes:
+    """The frame of :func:`encode_events` (with ``"partial": true`` when
+    ``partial``), from its array as :func:`encode_events_body` made it.
+    ProtocolError if it exceeds the frame limit."""
+    head = b'{"v":%d,"t":"events","watch":%d,"events":' % (PROTOCOL_VERSION, watch_id)
+    message = head + body + (b',"partial":true}' if partial else b"}")
+    if len(message) > MAX_FRAME:
+        raise ProtocolError(f"message of {len(message)} bytes exceeds the {MAX_FRAME}-byte limit")
+    return _HEADER.pack(len(message)) + message
 
 
 def encode_error(code: str, message: str) -> Json:

@@ -385,6 +385,19 @@ class Engine:
         watcher.next_rev = self.revision + 1
         return True
 
+    def watch_backlog(self, watch_id: int) -> int:
+        """History bytes a watcher that is catching up has yet to be sent
+        (every event of those revisions counted; 0 when it is live)."""
+        watcher = self._watchers.get(watch_id)
+        if watcher is None or watcher.synced:
+            return 0
+        return self.history.bytes_since(watcher.next_rev)
+
+    def watch_next_revision(self, watch_id: int) -> int:
+        """The first revision not delivered to a watcher yet (0: unknown)."""
+        watcher = self._watchers.get(watch_id)
+        return 0 if watcher is None else watcher.next_rev
+
     def remove_watcher(self, watch_id: int) -> None:
         watcher = self._watchers.pop(watch_id, None)
         if watcher is None:

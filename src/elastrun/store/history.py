@@ -34,6 +34,9 @@ class History:
         # (revision, events, bytes), ascending; entries before ``_start`` are
         # dropped (and removed from the list in batches).
         self._entries: list[tuple[int, list[WatchEvent], int]] = []
+        # Bytes appended in all, through each entry (same index as _entries).
+        self._ends: list[int] = []
+        self._appended = 0
         self._start = 0
         self.bytes = 0
 
@@ -43,6 +46,8 @@ class History:
     def append(self, revision: int, events: list[WatchEvent]) -> None:
         size = sum(event_size(e) for e in events)
         self._entries.append((revision, events, size))
+        self._appended += size
+        self._ends.append(self._appended)
         self.bytes += size
         while len(self) > 1 and (self.bytes > self.max_bytes or len(self) > self.max_revisions):
             self._drop_oldest()
@@ -64,6 +69,15 @@ class History:
         for j in range(i, len(entries)):
             yield entries[j]
 
+    def bytes_since(self, revision: int) -> int:
+        """Bytes of the kept revisions from ``revision`` on (what a watch
+        that has delivered everything before ``revision`` has yet to send)."""
+        entries = self._entries
+        i = bisect.bisect_left(entries, revision, lo=self._start, key=_revision_of)
+        if i >= len(entries):
+            return 0
+        return self._appended - (self._ends[i] - entries[i][2])
+
     def _drop_oldest(self) -> None:
         revision, _, size = self._entries[self._start]
         self._entries[self._start] = (revision, [], 0)  # release the events now
@@ -74,6 +88,7 @@ class History:
     def _pack(self) -> None:
         if self._start > 1024 and self._start * 2 > len(self._entries):
             del self._entries[: self._start]
+            del self._ends[: self._start]
             self._start = 0
 
 

@@ -67,6 +67,10 @@ class StoreLimits:
     max_pending_hello_per_peer: int = 64
     hello_timeout: float = 10.0  # connect -> a complete, accepted hello
     frame_timeout: float = 60.0  # a frame begun must be complete within this
+    # Bytes received and not yet a whole frame (or not yet handled), all
+    # connections together: past it, the connection whose incomplete frame
+    # began first is closed. A frame larger than this cannot be received.
+    max_partial_bytes: int = 64 * MiB
     # -- output (server, per connection) --
     # Above this many queued bytes the connection's requests wait (not read)
     # and its watches fall back to catching up from history as it drains.
@@ -76,6 +80,18 @@ class StoreLimits:
     # A connection whose queued output does not drain below the low-water mark
     # (a quarter of the high one) for this long is closed (a peer not reading).
     stall_timeout: float = 60.0
+    # The kernel's send buffer of each connection (SO_SNDBUF; Linux doubles
+    # it): what a client that does not read makes the kernel hold for it,
+    # besides what the server queues (instead of up to 4 MiB, tcp_wmem's max).
+    socket_send_buffer: int = 128 * KiB
+    # -- output (server, all connections together) --
+    # Bytes queued for clients and not yet read by them: a write past it first
+    # closes the connections whose output has waited longest unread.
+    max_output_bytes: int = 64 * MiB
+    # A watch is cancelled (code "slow") once what it has not been sent, the
+    # output queued unread on its connection and the history it still has to
+    # catch up on, passes this many bytes.
+    slow_watch_bytes: int = 8 * MiB
     # -- data (engine) --
     max_value: int = MAX_VALUE
     max_key: int = MAX_KEY

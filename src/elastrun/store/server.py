@@ -20,8 +20,11 @@ Admission (:class:`StoreServer`) bounds what a stranger can make the server
 hold (:class:`~elastrun.store.limits.StoreLimits`): connections in all and per
 peer address; connections still waiting for their hello, in all and per peer
 (a new one past the bound evicts the oldest such one, so a flood cannot lock
-out a client that says hello at once); before the hello only one small frame.
-What one connection may do is in :mod:`elastrun.store.server_conn`. Abuse is
+out a client that says hello at once); before the hello only one small frame;
+the bytes held in incomplete frames and queued for clients that do not read,
+each within a budget for all connections together (:mod:`elastrun.store.budgets`).
+What one connection may do is in :mod:`elastrun.store.server_conn`;
+:meth:`StoreServer.stats` says what the server holds now. Abuse is
 logged in bounded volume (:class:`AbuseLog`): a few lines per interval and a
 count of the rest, never a traceback per connection.
 """
@@ -31,19 +34,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import ipaddress
 import logging
 import resource
 import socket
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from elastrun.endpoint import Endpoint
 from elastrun.errors import ConfigError, StoreError
+from elastrun.store.budgets import InputBudget, OutputBudget
 from elastrun.store.engine import Engine
 from elastrun.store.limits import DEFAULT_LIMITS, MAX_FRAME, MAX_TOKEN, StoreLimits
 from elastrun.store.memory import LeaseReaper
 from elastrun.store.server_conn import Connection
 
-__all__ = ["DEFAULT_PORT", "DISCONNECT_GRACE", "AbuseLog", "StoreServer"]
+__all__ = ["DEFAULT_PORT", "DISCONNECT_GRACE", "AbuseLog", "ServerStats", "StoreServer"]
 
 log = logging.getLogger(__name__)
 
@@ -95,13 +102,40 @@ class AbuseLog:
             self.suppressed = 0
 
 
+@dataclass(frozen=True)
+class ServerStats:
+    """What a :class:`StoreServer` holds now, and what it did to stay within
+    its limits since it started."""
+
+    connections: int
+    pending_hello: int
+    partial_bytes: int  # in incomplete frames (and frames waiting unhandled), all connections
+    partial_peak: int
+    output_bytes: int  # queued for clients, unread (as last measured)
+    output_peak: int
+    refused: int  # connections refused or evicted by admission
+    closed_partial: int  # closed to keep partial_bytes within max_partial_bytes
+    closed_output: int  # closed to keep output_bytes within max_output_bytes
+    slow_watches: int  # watches cancelled by slow_watch_bytes
+
+    def summary(self) -> str:
+        """One line: what the limits did since the server started."""
+        mib = 1024 * 1024
+        return (
+            f"refused {self.refused} connection(s); closed {self.closed_partial} for "
+            f"max_partial_bytes and {self.closed_output} for max_output_bytes; cancelled "
+            f"{self.slow_watches} slow watch(es); held at most {self.partial_peak / mib:.1f} "
+            f"MiB of incomplete frames and {self.output_peak / mib:.1f} MiB of unread output"
+        )
+
+
 class StoreServer:
     """``server = StoreServer("127.0.0.1", 0, token="s3cret")``;
     ``host, port = await server.start()``; ...; ``await server.stop()``."""
 
     def __init__(
         self,
-        host: str = "127.0.0.1",
+        host: str | Sequence[str] = "127.0.0.1",
         port: int = 0,
         token: str | None = None,
         engine: Engine | None = None,
@@ -137,7 +171,15 @@ class StoreServer:
         self._pending: dict[Connection, None] = {}
         self._pending_by_peer: dict[str, dict[Connection, None]] = {}
         self.refused = 0  # connections refused or evicted by admission
+        self.slow_watches = 0  # watches cancelled by slow_watch_bytes
+        self.input: InputBudget[Connection] = InputBudget(
+            self.limits.max_partial_bytes, lambda conn, why: conn.fail("busy", why)
+        )
+        self.output: OutputBudget[Connection] = OutputBudget(
+            self.limits.max_output_bytes, lambda conn, why: conn.abort(why)
+        )
         self.address: tuple[str, int] | None = None
+        self.addresses: list[tuple[str, int]] = []  # every address listened on
 
     @property
     def hello_timeout(self) -> float:
@@ -155,6 +197,20 @@ class StoreServer:
     def pending_count(self) -> int:
         return len(self._pending)
 
+    def stats(self) -> ServerStats:
+        return ServerStats(
+            connections=len(self._connections),
+            pending_hello=len(self._pending),
+            partial_bytes=self.input.total,
+            partial_peak=self.input.peak,
+            output_bytes=self.output.total,
+            output_peak=self.output.peak,
+            refused=self.refused,
+            closed_partial=self.input.evicted,
+            closed_output=self.output.evicted,
+            slow_watches=self.slow_watches,
+        )
+
     async def start(self) -> tuple[str, int]:
         """Listen; returns the (host, port) actually bound (port 0: a free one)."""
         if self._server is not None:
@@ -168,7 +224,8 @@ class StoreServer:
         except socket.gaierror as exc:
             raise ConfigError(f"cannot listen on {self.host!r}: {exc.strerror}") from None
         except OSError as exc:
-            where = Endpoint(self.host, self.port)
+            hosts = [self.host] if isinstance(self.host, str) else list(self.host)
+            where = ", ".join(str(Endpoint(h, self.port)) for h in hosts)
             if exc.errno == errno.EADDRINUSE:
                 raise ConfigError(
                     f"cannot listen on {where}: the port is already in use by another "
@@ -176,15 +233,22 @@ class StoreServer:
                 ) from None
             if exc.errno == errno.EADDRNOTAVAIL:
                 raise ConfigError(
-                    f"cannot listen on {where}: {self.host} is not an address of this machine"
+                    f"cannot listen on {where}: not an address of this machine"
                 ) from None
             raise StoreError(f"cannot listen on {where}: {exc.strerror or exc}") from None
-        sockname = self._server.sockets[0].getsockname()
-        self.address = (str(sockname[0]), int(sockname[1]))
+        self.addresses = [
+            (str(name[0]), int(name[1]))
+            for name in (sock.getsockname() for sock in self._server.sockets)
+        ]
+        self.address = self.addresses[0]
         self._reaper = LeaseReaper(self.engine)
         self._reaper.poke()  # an engine handed over from a previous server may hold leases
         log.info("elastrun store listening on %s", Endpoint(*self.address))
         return self.address
+
+    def loopback_only(self) -> bool:
+        """Whether every address listened on is a loopback address."""
+        return all(_is_loopback(host) for host, _ in self.addresses)
 
     async def stop(self) -> None:
         """Stop listening and drop every connection. The engine (keys, leases,
@@ -204,6 +268,9 @@ class StoreServer:
             await self._reaper.stop()
             self._reaper = None
         self.abuse.flush()
+        stats = self.stats()
+        if stats.refused or stats.closed_partial or stats.closed_output or stats.slow_watches:
+            log.warning("elastrun store: stopped; %s", stats.summary())
 
     def disconnect_all(self) -> None:
         """Drop every client connection (clients reconnect and renew their
@@ -271,6 +338,13 @@ class StoreServer:
     def poke_reaper(self) -> None:
         if self._reaper is not None:
             self._reaper.poke()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def _fit_fd_limit(wanted: int) -> int:

@@ -6,18 +6,25 @@ What a connection may make the server hold is bounded
 * Before its hello: one frame of at most ``PRE_HELLO_FRAME`` bytes, within
   ``hello_timeout``. A first frame that is not a valid hello, a wrong or
   missing token, bytes that are not frames: an error frame, then closed.
-* After: frames of at most ``MAX_FRAME``; a frame begun must be complete
-  within ``frame_timeout``.
+* After: frames of at most ``MAX_FRAME``; each frame begun must be complete
+  within ``frame_timeout``. The bytes of incomplete frames count against the
+  server's ``max_partial_bytes`` for all connections together
+  (:class:`~elastrun.store.budgets.InputBudget`).
 * Output: while more than ``output_high_water`` bytes are queued for it, its
   requests wait unread and its watches stop taking live events: they catch up
   from the engine's history as the queue drains (a watch that falls behind
   the compacted history is cancelled with a ``cancel`` frame, code
-  ``compacted``). A peer that does not read for ``stall_timeout`` is dropped.
+  ``compacted``). A watch whose unsent bytes (queued unread, plus the history
+  it has yet to catch up on) pass ``slow_watch_bytes`` is cancelled, code
+  ``slow``. A peer that does not read for ``stall_timeout`` is dropped. What is
+  queued counts against the server's ``max_output_bytes`` for all connections
+  together (:class:`~elastrun.store.budgets.OutputBudget`).
 * Answers: range answers come in pages of at most ``max_response`` bytes (for
   clients that ask for pages; others get an error past it), a txn whose
   answer could be larger is refused unapplied.
 
-Requests are executed by :mod:`elastrun.store.server_ops`.
+Requests are executed by :mod:`elastrun.store.server_ops`, watches streamed
+by :mod:`elastrun.store.server_watch`.
 """
 
 from __future__ import annotations
@@ -27,28 +34,31 @@ import contextlib
 import hmac
 import logging
 import socket
+import struct
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from elastrun.endpoint import Endpoint
-from elastrun.errors import ProtocolError, RevisionCompacted
+from elastrun.errors import ProtocolError
 from elastrun.store import codec
-from elastrun.store.base import WatchEvent
 from elastrun.store.limits import PRE_HELLO_FRAME
-from elastrun.store.server_ops import execute, failure_response
+from elastrun.store.server_ops import execute
+from elastrun.store.server_watch import SLOW_CHECK_INTERVAL, WatchStreams
 
 if TYPE_CHECKING:
     from elastrun.store.server import StoreServer
 
-__all__ = ["CATCH_UP_STEP", "Connection"]
+__all__ = ["Connection"]
 
 log = logging.getLogger("elastrun.store.server")
 
-# History bytes a catching-up watch is sent per step (then other work runs).
-CATCH_UP_STEP = 256 * 1024
+# SO_LINGER on, 0 s: close() resets the connection, dropping unsent bytes.
+_RESET = struct.pack("ii", 1, 0)
+# Seconds a closed connection may take to flush its last frames before it is dropped.
+CLOSE_LINGER = 5.0
 
 
-class Connection(asyncio.Protocol):
+class Connection(WatchStreams, asyncio.Protocol):
     def __init__(self, server: StoreServer) -> None:
         self.server = server
         self.engine = server.engine
@@ -59,6 +69,8 @@ class Connection(asyncio.Protocol):
         self.peer_ip = "?"
         self.authenticated = False
         self.closing = False
+        self.lost = False
+        self.aborted = False
         self.admitted = False
         self.watches: dict[int, int] = {}  # client's watch id -> engine watcher id
         # Watches catching up from history (client's id -> engine watcher id).
@@ -71,6 +83,7 @@ class Connection(asyncio.Protocol):
         self._hello_timer: asyncio.TimerHandle | None = None
         self._frame_timer: asyncio.TimerHandle | None = None
         self._stall_timer: asyncio.TimerHandle | None = None
+        self._slow_timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -92,12 +105,17 @@ class Connection(asyncio.Protocol):
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.socket_send_buffer)
         loop = asyncio.get_running_loop()
         self._hello_timer = loop.call_later(self.limits.hello_timeout, self._hello_expired)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
-        for timer in (self._hello_timer, self._frame_timer, self._stall_timer):
+        self.lost = True
+        self.decoder.clear()
+        self.server.input.forget(self)
+        self.server.output.forget(self)
+        for timer in (self._hello_timer, self._frame_timer, self._stall_timer, self._slow_timer):
             if timer is not None:
                 timer.cancel()
         for watcher in self.watches.values():
@@ -133,14 +151,17 @@ class Connection(asyncio.Protocol):
         if self._stall_timer is None and not self.closing:
             loop = asyncio.get_running_loop()
             self._stall_timer = loop.call_later(self.limits.stall_timeout, self._stalled)
+            self._slow_timer = loop.call_later(SLOW_CHECK_INTERVAL, self._slow_check)
 
     def resume_writing(self) -> None:
         self.write_paused = False
-        if self._stall_timer is not None:
-            self._stall_timer.cancel()
-            self._stall_timer = None
+        for timer in (self._stall_timer, self._slow_timer):
+            if timer is not None:
+                timer.cancel()
+        self._stall_timer = self._slow_timer = None
         if self.closing or self.transport is None:
             return
+        self.server.output.observe(self, self.transport.get_write_buffer_size())
         if self.reading_paused:
             self.reading_paused = False
             self.transport.resume_reading()
@@ -149,6 +170,12 @@ class Connection(asyncio.Protocol):
 
     # -- input -----------------------------------------------------------------
     def _handle_frames(self) -> None:
+        taken = self._take_frames()
+        self._after_input(taken)
+
+    def _take_frames(self) -> bool:
+        """Handle the whole frames received; True if any was taken."""
+        taken = False
         while self.transport is not None and not self.transport.is_closing():
             if self.write_paused:
                 # Backpressure: the rest waits (in the decoder) until the
@@ -156,14 +183,15 @@ class Connection(asyncio.Protocol):
                 if not self.reading_paused:
                     self.reading_paused = True
                     self.transport.pause_reading()
-                return
+                return taken
             try:
                 frame = self.decoder.pop()
             except ProtocolError as exc:
                 self.fail("protocol", str(exc))
-                return
+                return taken
             if frame is None:
-                break
+                return taken
+            taken = True
             try:
                 self._handle(frame)
             except Exception as exc:  # never let one connection take the server down
@@ -171,31 +199,36 @@ class Connection(asyncio.Protocol):
                     f"connection {self.peer}: internal error handling a frame: {exc!r}"
                 )
                 self.fail("internal", f"internal server error: {type(exc).__name__}")
-                return
-        self._watch_frame_time()
+                return taken
+        return taken
 
-    def _watch_frame_time(self) -> None:
-        """A partial frame must be completed within the frame timeout (before
-        the hello the hello timeout covers it)."""
+    def _after_input(self, taken: bool) -> None:
+        """Count what the decoder holds against the server's budget, and give
+        a frame begun the frame timeout (before the hello, the hello timeout
+        covers it). ``taken``: a frame was completed, so what is held now
+        belongs to a new one."""
         if self.closing:
             return
-        if not self.authenticated:
-            if self.decoder.pending > PRE_HELLO_FRAME:
-                self.fail("protocol", f"more than {PRE_HELLO_FRAME} bytes before the hello")
+        pending = self.decoder.pending
+        if not self.authenticated and pending > PRE_HELLO_FRAME:
+            self.fail("protocol", f"more than {PRE_HELLO_FRAME} bytes before the hello")
             return
-        if self.decoder.pending and self._frame_timer is None:
-            loop = asyncio.get_running_loop()
-            self._frame_timer = loop.call_later(self.limits.frame_timeout, self._frame_expired)
-        elif not self.decoder.pending and self._frame_timer is not None:
+        self.server.input.update(self, pending, taken)
+        if self.closing or not self.authenticated:
+            return
+        if self._frame_timer is not None and (taken or not pending):
             self._frame_timer.cancel()
             self._frame_timer = None
+        if pending and self._frame_timer is None:
+            loop = asyncio.get_running_loop()
+            self._frame_timer = loop.call_later(self.limits.frame_timeout, self._frame_expired)
 
     def _frame_expired(self) -> None:
         self._frame_timer = None
         if self.closing or not self.decoder.pending:
             return
         if self.reading_paused:  # our backpressure, not the client's fault
-            self._watch_frame_time()
+            self._after_input(True)
             return
         self.fail("protocol", f"a frame was not completed within {self.limits.frame_timeout:g} s")
 
@@ -273,73 +306,6 @@ class Connection(asyncio.Protocol):
             }
         )
 
-    # -- watches ---------------------------------------------------------------
-    def _watch(self, request: codec.Request) -> None:
-        args = request.args
-        watch_id: int = args["watch"]
-        if watch_id in self.watches:
-            self.send(
-                codec.error_response(
-                    request.id, "invalid", f"watch id {watch_id} is already in use"
-                )
-            )
-            return
-
-        def deliver(events: list[WatchEvent]) -> bool:
-            return self.send_events(watch_id, events)
-
-        start = args["start_revision"]
-        try:
-            watcher = self.engine.add_watcher(
-                args["key"], args["prefix"], start, deliver, catch_up=False
-            )
-        except RevisionCompacted as exc:
-            self.send(failure_response(request.id, exc))
-            return
-        self.watches[watch_id] = watcher
-        revision = self.engine.revision
-        if not self.engine.is_synced(watcher):
-            # Everything before ``start`` is "delivered"; history follows this answer.
-            revision = max(0, start - 1)
-            self.lagging[watch_id] = watcher
-        self.send(codec.encode_response(request.id, {"revision": revision}))
-        self._schedule_pump()
-
-    def _schedule_pump(self) -> None:
-        if self.lagging and not self._pump_scheduled and not self.closing:
-            self._pump_scheduled = True
-            asyncio.get_running_loop().call_soon(self._pump)
-
-    def _pump(self) -> None:
-        """One step of catching up for each lagging watch, while output drains."""
-        self._pump_scheduled = False
-        for watch_id, watcher in list(self.lagging.items()):
-            if self.closing or self.write_paused:
-                return  # resume_writing schedules the next step
-            try:
-                synced = self.engine.catch_up(watcher, CATCH_UP_STEP)
-            except RevisionCompacted as exc:
-                self.lagging.pop(watch_id, None)
-                self.watches.pop(watch_id, None)
-                frame = codec.encode_cancel(watch_id, "compacted", str(exc), exc.compact_revision)
-                self.send(frame)
-                continue
-            if synced:
-                self.lagging.pop(watch_id, None)
-        self._schedule_pump()
-
-    def send_events(self, watch_id: int, events: list[WatchEvent]) -> bool:
-        """The engine's callback for one revision of one watch: False (not
-        sent; the watch catches up later) while the output is backed up."""
-        if self.closing or self.transport is None or watch_id not in self.watches:
-            return True  # the watch is ending: nothing to send, nothing to catch up
-        if self.write_paused:
-            self.lagging[watch_id] = self.watches[watch_id]
-            return False
-        for data in _event_frames(watch_id, events):
-            self._write(data)
-        return True
-
     # -- output ----------------------------------------------------------------
     def send(self, message: Mapping[str, Any]) -> None:
         if self.closing or self.transport is None:
@@ -349,10 +315,20 @@ class Connection(asyncio.Protocol):
     def _write(self, data: bytes) -> None:
         if self.closing or self.transport is None:
             return
+        output = self.server.output
+        output.observe(self, self.transport.get_write_buffer_size())
+        output.make_room(self, len(data))
         self.transport.write(data)
         queued = self.transport.get_write_buffer_size()
+        output.observe(self, queued)
         if queued > self.limits.max_output_buffer:
             self.abort(f"client too slow: {queued} bytes queued for it")
+
+    def output_size(self) -> int:
+        """Bytes queued for this client, not yet taken by the kernel."""
+        if self.transport is None or self.lost:
+            return 0
+        return self.transport.get_write_buffer_size()
 
     # -- closing ---------------------------------------------------------------
     def fail(self, code: str, message: str) -> None:
@@ -374,15 +350,31 @@ class Connection(asyncio.Protocol):
         with contextlib.suppress(ProtocolError):
             self.transport.write(codec.encode_frame(codec.encode_error(code, message)))
         self.closing = True
+        self.decoder.clear()
+        self.server.input.forget(self)
         self.transport.close()
+        if self.transport.get_write_buffer_size():
+            # Flushing what is queued needs the peer to read: bounded.
+            loop = asyncio.get_running_loop()
+            loop.call_later(CLOSE_LINGER, self.abort, "did not read its last frames")
 
     def abort(self, reason: str) -> None:
-        """Close at once, discarding queued output."""
-        if self.transport is None or self.transport.is_closing():
+        """Close at once, discarding queued output (also a connection already
+        closing, whose peer does not read what it still had to flush)."""
+        if self.transport is None or self.lost or self.aborted:
             return
+        self.aborted = True
         if reason != "server dropped the connection":
             self.server.abuse.warn(f"dropped connection {self.peer}: {reason}")
+            # A reset, so that the kernel drops what it still holds for the peer too.
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
         self.closing = True
+        self.decoder.clear()
+        self.server.input.forget(self)
+        self.server.output.forget(self)
         self.transport.abort()
 
     def _hello_expired(self) -> None:
@@ -393,21 +385,3 @@ class Connection(asyncio.Protocol):
         self._stall_timer = None
         if self.write_paused:
             self.abort(f"not reading: output queued for {self.limits.stall_timeout:g} s")
-
-
-def _event_frames(watch_id: int, events: list[WatchEvent], partial: bool = False) -> list[bytes]:
-    """One revision's events as frames: one, unless they exceed the frame
-    limit; then split, every frame but the revision's last marked ``partial``
-    (``partial``: mark the last one too, it is not the revision's last)."""
-    message = codec.encode_events(watch_id, events)
-    if partial:
-        message["partial"] = True
-    try:
-        return [codec.encode_frame(message)]
-    except ProtocolError:
-        if len(events) == 1:  # cannot happen within the key and value limits
-            raise
-    half = len(events) // 2
-    return _event_frames(watch_id, events[:half], True) + _event_frames(
-        watch_id, events[half:], partial
-    )
