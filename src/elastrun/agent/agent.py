@@ -173,10 +173,7 @@ class Agent:
     # ------------------------------------------------------------ public
     async def run(self) -> int:
         """Run the job on this node; returns the exit code."""
-        if self.spec.log_dir is not None:
-            # A refused log folder stops this node before it joins the job
-            # (a ConfigError naming the folder).
-            self._ensure_base_dir()
+        self._claim_log_dir()
         self._install_signals()
         if not self._guard.start():
             say(
@@ -475,6 +472,19 @@ class Agent:
         a membership change, which is never counted)."""
         settings = self.rendezvous.settings
         return result.restart_count < result.max_restarts or settings.min_nodes < settings.max_nodes
+
+    def _claim_log_dir(self) -> None:
+        """With --log-dir: this node's folder, before it joins the job. A
+        refused folder (another user's, a link, shared) is a ConfigError
+        naming it, raised before anything started."""
+        if self.spec.log_dir is None:
+            return
+        try:
+            self._ensure_base_dir()
+        except ElastrunError:
+            if self._events_file is not None:
+                self._events_file.close()
+            raise
 
     def _ensure_base_dir(self) -> str:
         if self._base_dir is None:
