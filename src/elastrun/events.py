@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from elastrun.safefs import append_fd
+
 __all__ = ["EVENT_SCHEMA", "EventSink", "JsonLinesSink", "ListSink", "NullSink", "make_event"]
 
 EVENT_SCHEMA = 1
@@ -52,7 +54,11 @@ class ListSink:
 
 
 class JsonLinesSink:
-    """Appends one JSON object per line to a file, flushed per event."""
+    """Appends one JSON object per line to a file, flushed per event.
+
+    The file is opened without following a link, never a FIFO or a device,
+    and never another user's file (:func:`elastrun.safefs.append_fd`:
+    :class:`~elastrun.safefs.UnsafePath`); a missing folder is created."""
 
     def __init__(self, path: str | os.PathLike[str], **common: Any) -> None:
         self.path = os.fspath(path)
@@ -61,7 +67,8 @@ class JsonLinesSink:
             os.makedirs(parent, exist_ok=True)
         self._common = common
         self._lock = threading.Lock()
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - long-lived
+        fd = append_fd(self.path, 0o666)  # as open() would make it, less the umask
+        self._file = os.fdopen(fd, "a", encoding="utf-8")
 
     def emit(self, kind: str, **fields: Any) -> None:
         line = json.dumps(make_event(kind, **self._common, **fields), sort_keys=True)

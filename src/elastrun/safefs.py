@@ -36,6 +36,7 @@ __all__ = [
     "append_fd",
     "check_parent",
     "create_new",
+    "open_regular",
     "private_dir",
     "read_regular",
     "write_atomic",
@@ -48,10 +49,12 @@ _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
 class UnsafePath(OSError):
     """A path we refuse to use: a link, a special file, or a folder another
-    user controls. ``str()`` names the path and the problem."""
+    user controls. ``str()`` names the path and the problem. ``errno`` is
+    ``EPERM`` for a refusal; a folder that could not be created or read keeps
+    the system's error number (``ENOSPC`` on a full disk)."""
 
-    def __init__(self, path: str, problem: str) -> None:
-        super().__init__(errno.EPERM, problem, path)
+    def __init__(self, path: str, problem: str, code: int = errno.EPERM) -> None:
+        super().__init__(code, problem, path)
         self.path = path
         self.problem = problem
 
@@ -137,11 +140,13 @@ def private_dir(path: str, *, below: str | None = None) -> str:
         except FileExistsError:
             pass
         except OSError as e:
-            raise UnsafePath(current, f"cannot be created: {e.strerror or e}") from None
+            why = f"cannot be created: {e.strerror or e}"
+            raise UnsafePath(current, why, e.errno or errno.EPERM) from None
         try:
             st = os.lstat(current)
         except OSError as e:
-            raise UnsafePath(current, f"cannot be read: {e.strerror or e}") from None
+            why = f"cannot be read: {e.strerror or e}"
+            raise UnsafePath(current, why, e.errno or errno.EPERM) from None
         problem = _refuse_dir(current, st)
         if problem is not None:
             raise UnsafePath(current, problem)
@@ -154,6 +159,20 @@ def _check_regular(fd: int, path: str) -> None:
         raise UnsafePath(path, f"is {_kind(st.st_mode)}, not a regular file")
 
 
+def _planted(path: str) -> str | None:
+    """Why a create-or-open was denied, when it is a name another user
+    planted (a link, or their file, in a sticky folder); None otherwise."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not by this process"
+    return None
+
+
 def _open(path: str, flags: int, mode: int) -> int:
     """``os.open`` with no link followed and no blocking, then checked to be
     a regular file; the descriptor is made blocking again."""
@@ -164,6 +183,9 @@ def _open(path: str, flags: int, mode: int) -> int:
             raise UnsafePath(path, "is a symbolic link") from None
         if e.errno == errno.ENXIO:  # a FIFO with no reader, opened to write
             raise UnsafePath(path, "is a FIFO, not a regular file") from None
+        planted = _planted(path) if flags & os.O_CREAT and e.errno == errno.EACCES else None
+        if planted is not None:  # the kernel's protected_symlinks / protected_regular
+            raise UnsafePath(path, planted) from None
         raise
     try:
         _check_regular(fd, path)
@@ -195,11 +217,18 @@ def append_fd(path: str, mode: int = 0o600, *, truncate: bool = False) -> int:
     return fd
 
 
+def open_regular(path: str) -> int:
+    """``path`` open for reading: a regular file, no link followed, never
+    blocked by a FIFO (:class:`UnsafePath` otherwise). For files too large
+    for :func:`read_regular`; the caller bounds what it reads."""
+    return _open(path, os.O_RDONLY, 0)
+
+
 def read_regular(path: str, limit: int) -> bytes:
     """The bytes of the regular file ``path``: no link followed, never
     blocked by a FIFO, at most ``limit`` bytes (a larger file is refused with
     :class:`UnsafePath`). Other errors (a missing file) are ``OSError``."""
-    fd = _open(path, os.O_RDONLY, 0)
+    fd = open_regular(path)
     try:
         chunks: list[bytes] = []
         size = 0

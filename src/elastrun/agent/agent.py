@@ -34,6 +34,7 @@ from elastrun.agent.logs import (
     LogWriteErrors,
     claim_host_dir,
     needs_files,
+    open_event_log,
     release_host_dir,
     temp_dir,
     validate_template,
@@ -127,7 +128,7 @@ class Agent:
         self._events_file: JsonLinesSink | None = None
         sink: EventSink = events if events is not None else NullSink()
         if spec.events_file:
-            self._events_file = JsonLinesSink(spec.events_file, host=spec.host)
+            self._events_file = open_event_log(spec.events_file, "--events-file", host=spec.host)
             sink = _Tee(sink, self._events_file)
         self.events: EventSink = sink
         self._log_errors = LogWriteErrors(sink, say)
@@ -174,6 +175,7 @@ class Agent:
     # ------------------------------------------------------------ public
     async def run(self) -> int:
         """Run the job on this node; returns the exit code."""
+        self._claim_log_dir()
         self._install_signals()
         if not self._guard.start():
             say(
@@ -504,18 +506,30 @@ class Agent:
         settings = self.rendezvous.settings
         return result.restart_count < result.max_restarts or settings.min_nodes < settings.max_nodes
 
+    def _claim_log_dir(self) -> None:
+        """With --log-dir: this node's folder, before it joins the job. A
+        refused folder (another user's, a link, shared) is a ConfigError
+        naming it, raised before anything started."""
+        if self.spec.log_dir is None:
+            return
+        try:
+            self._ensure_base_dir()
+        except ElastrunError:
+            if self._events_file is not None:
+                self._events_file.close()
+            raise
+
     def _ensure_base_dir(self) -> str:
         if self._base_dir is None:
             if self.spec.log_dir is not None:
-                run_dir = os.path.join(self.spec.log_dir, check_run_id(self.spec.run_id, "run id"))
                 try:
                     self._base_dir, self._host_pidfile = claim_host_dir(
-                        run_dir, self.spec.host or socket.gethostname()
+                        self.spec.log_dir, self.spec.run_id, self.spec.host or socket.gethostname()
                     )
                 except OSError as e:  # a full or read-only disk: kept in a temporary folder
                     self._base_dir = temp_dir(self.spec.run_id)
                     fate = f"worker logs go to {self._base_dir} instead"
-                    self._log_errors.report(run_dir, e, fate=fate)
+                    self._log_errors.report(os.path.abspath(self.spec.log_dir), e, fate=fate)
             else:
                 self._base_dir = temp_dir(self.spec.run_id)
                 # Only error files live here unless redirects/tee asked for log files.

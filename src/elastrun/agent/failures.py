@@ -19,7 +19,6 @@ cascade: a peer's collective broke), are marked collateral.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -27,7 +26,8 @@ from typing import Any
 
 from elastrun.failure import FailedWorker, FailureRecord
 from elastrun.procs import signal_name
-from elastrun.untrusted import printable
+from elastrun.safefs import UnsafePath, read_regular
+from elastrun.untrusted import MAX_DEPTH, UntrustedData, depth, loads, printable
 
 __all__ = [
     "ErrorFileInfo",
@@ -39,7 +39,7 @@ __all__ = [
     "read_error_file",
 ]
 
-MAX_ERROR_FILE_BYTES = 1 << 20  # an error file larger than this is truncated when read
+MAX_ERROR_FILE_BYTES = 1 << 20  # an error file larger than this is not read (said so)
 # What a failure record keeps (it is written to the store and the event log).
 MAX_TRACEBACK_CHARS = 8000
 MAX_TAIL_LINES = 10
@@ -57,18 +57,22 @@ class ErrorFileInfo:
 
 
 def read_error_file(path: str | None) -> ErrorFileInfo | None:
-    """Parse an error file in torch's format; ``None`` if absent or unreadable."""
+    """Parse an error file in torch's format; ``None`` if absent. Read
+    without following a link, never blocked by a FIFO, at most
+    ``MAX_ERROR_FILE_BYTES``, nested at most ``MAX_DEPTH`` levels:
+    otherwise its message says the error file was unreadable, and why."""
     if not path:
         return None
+    raw = _error_file_bytes(path)
+    if not isinstance(raw, bytes):
+        return raw
+    text = raw.decode("utf-8", errors="replace")
     try:
-        with open(path, "rb") as fp:
-            raw = fp.read(MAX_ERROR_FILE_BYTES)
-    except OSError:
-        return None
-    try:
-        data = json.loads(raw.decode("utf-8", errors="replace"))
-    except ValueError:
-        text = raw.decode("utf-8", errors="replace").strip()
+        data = loads(text, max_bytes=4 * MAX_ERROR_FILE_BYTES, what="it")
+    except UntrustedData as e:
+        if depth(raw) > MAX_DEPTH:
+            return _unreadable(path, str(e))
+        text = text.strip()
         return ErrorFileInfo(message=text[:2000], traceback=None, timestamp=None) if text else None
     if not isinstance(data, dict) or "message" not in data:
         return None
@@ -87,6 +91,23 @@ def read_error_file(path: str | None) -> ErrorFileInfo | None:
         traceback=tb if isinstance(tb, str) and tb.strip() else None,
         timestamp=_int_or_none(extra.get("timestamp")),
         error_code=_int_or_none(msg.get("errorCode")),
+    )
+
+
+def _error_file_bytes(path: str) -> bytes | ErrorFileInfo | None:
+    """The bytes of the error file (None: absent), or why it is unreadable."""
+    try:
+        return read_regular(path, MAX_ERROR_FILE_BYTES)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        why = e.problem if isinstance(e, UnsafePath) else (e.strerror or str(e))
+        return _unreadable(path, why)
+
+
+def _unreadable(path: str, why: str) -> ErrorFileInfo:
+    return ErrorFileInfo(
+        message=f"the error file {path} was unreadable: {why}", traceback=None, timestamp=None
     )
 
 

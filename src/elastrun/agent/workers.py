@@ -41,7 +41,7 @@ from elastrun.agent import env as worker_env_mod
 from elastrun.agent.children import ForkedProcess, Reaper
 from elastrun.agent.failures import ErrorFileInfo, WorkerFailure, read_error_file
 from elastrun.agent.guard import OrphanGuard
-from elastrun.agent.logs import LinePump, LogWriteErrors, StreamRoute, routes_for
+from elastrun.agent.logs import LinePump, LogWriteErrors, StreamRoute, rank_dir, routes_for
 from elastrun.agent.spawn import preexec_for, python_entry, runner_argv
 from elastrun.agent.spec import WorkerSpec, argv_for
 from elastrun.agent.stacks import STACKS_ENV, collect, in_torch, main_thread, ordered, top_frame
@@ -239,9 +239,11 @@ class WorkerGroup:
                 sock.close()
 
     def _prepare(self, w: Worker) -> None:
-        """The worker's folder, without the files of an earlier run."""
+        """The worker's folder (private, see ``rank_dir``: a refused one is a
+        WorkerError before any worker starts), without the files of an
+        earlier run."""
         try:
-            os.makedirs(os.path.dirname(w.error_file), exist_ok=True)
+            rank_dir(self.attempt_dir, w.local_rank)
         except OSError as e:  # a full or read-only disk: the worker runs without one
             self.log_errors.report(
                 os.path.dirname(w.error_file),

@@ -168,6 +168,10 @@ def resolve(config: LaunchConfig) -> Plan:
         check_writable_dir("--log-dir", config.log_dir)
     resolved = dataclasses.replace(
         config,
+        # Absolute once, here: workers get paths under it (error file,
+        # heartbeat), and a script may change directory (as Hydra does).
+        log_dir=os.path.abspath(config.log_dir) if config.log_dir else config.log_dir,
+        events_file=os.path.abspath(config.events_file) if config.events_file else None,
         run_id=run_id,
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,

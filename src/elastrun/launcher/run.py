@@ -21,6 +21,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from elastrun.agent.logs import open_event_log, run_dir
 from elastrun.agent.spec import DEFAULT_LOG_TEMPLATE, WorkerSpec
 from elastrun.clock import SYSTEM_CLOCK
 from elastrun.endpoint import Endpoint, format_endpoints
@@ -28,7 +29,7 @@ from elastrun.errors import ConfigError, StoreUnavailable
 from elastrun.events import EventSink, JsonLinesSink
 from elastrun.launcher.bind import describe, listen_on
 from elastrun.launcher.plan import Plan
-from elastrun.names import check_run_id, path_component
+from elastrun.names import path_component
 from elastrun.procs import say
 from elastrun.rendezvous.api import Rendezvous, RendezvousSettings
 from elastrun.store.token import TOKEN_ENV, no_token_warning
@@ -252,13 +253,21 @@ async def _open_store(plan: Plan, endpoints: tuple[Endpoint, ...], me: str, note
 
 def events_path(plan: Plan, host: str) -> str | None:
     """The agent's event log: ``--events-file``, else
-    ``{log_dir}/{run_id}/events-{host}.jsonl`` with ``--log-dir``, else none."""
+    ``{log_dir}/{run_id}/events-{host}.jsonl`` with ``--log-dir`` (its run
+    folder made here, private: see :func:`elastrun.agent.logs.run_dir`; a
+    refused one is a ConfigError), else none."""
     cfg = plan.config
     if cfg.events_file:
         return cfg.events_file
     if cfg.log_dir:
         name = path_component(host, "unknown-host")
-        return os.path.join(cfg.log_dir, check_run_id(cfg.run_id, "run id"), f"events-{name}.jsonl")
+        try:
+            folder = run_dir(cfg.log_dir, cfg.run_id)
+        except OSError as e:
+            raise ConfigError(
+                f"cannot open the event log in {cfg.log_dir}: {e.strerror or e}"
+            ) from None
+        return os.path.join(folder, f"events-{name}.jsonl")
     return None
 
 
@@ -268,15 +277,12 @@ class _EventLog:
     node_id once known) and its ``source``. The caller's own sink (the Python
     API's) gets the same events, untouched."""
 
-    def __init__(self, path: str | None, user: EventSink | None, **common: Any) -> None:
+    def __init__(self, path: str | None, user: EventSink | None, flag: str, **common: Any) -> None:
         self.user = user
         self.common: dict[str, Any] = dict(common)
         self.file: JsonLinesSink | None = None
         if path:
-            try:
-                self.file = JsonLinesSink(path)
-            except OSError as exc:
-                raise ConfigError(f"cannot open the event log {path}: {exc.strerror}") from None
+            self.file = open_event_log(path, flag)
 
     def sink(self, source: str) -> EventSink | None:
         return self.user if self.file is None else _Tagged(self, source)
@@ -318,7 +324,8 @@ async def run_async(plan: Plan, argv: Sequence[str], *, events: EventSink | None
             f"{cfg.run_id}; other nodes can join it only if started with "
             f"--rdzv-id={cfg.run_id}"
         )
-    log = _EventLog(events_path(plan, hostname), events, run_id=cfg.run_id, host=hostname)
+    flag = "--events-file" if cfg.events_file else "--log-dir"
+    log = _EventLog(events_path(plan, hostname), events, flag, run_id=cfg.run_id, host=hostname)
     code = 1
     try:
         log.emit(

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from elastrun.errors import ConfigError
+from elastrun.safefs import UnsafePath, open_regular
 from elastrun.train.checkpoint_files import (
     CheckpointInfo,
     check,
@@ -128,7 +129,9 @@ def _first_line(e: BaseException) -> str:
 
 
 def _read(path: Path) -> bytearray:
-    with open(path, "rb") as f:
+    """The bytes of a checkpoint file. A link, a FIFO or another special file
+    named like one is UnsafePath (never followed, never waited on)."""
+    with os.fdopen(open_regular(str(path)), "rb") as f:
         size = os.fstat(f.fileno()).st_size
         data = bytearray(size)
         n = f.readinto(data) or 0
@@ -180,6 +183,9 @@ def _find_local(directory: str | os.PathLike[str], map_location: Any, log: Log) 
             data = _read(info.path)
         except FileNotFoundError:
             continue  # pruned or moved aside by another process meanwhile
+        except UnsafePath as e:  # a link, a FIFO, a folder: not a checkpoint
+            _set_aside(info, e.problem, log)
+            continue
         except PermissionError as e:
             raise ConfigError(f"checkpoint {info.path} cannot be read: {e.strerror or e}") from e
         except OSError as e:  # an I/O error: the medium is damaged

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from elastrun.procs import pid_alive
+from elastrun.safefs import UnsafePath, read_regular
 
 __all__ = [
     "CORRUPT_DIR",
@@ -175,9 +176,17 @@ def _hash_file(f: BinaryIO) -> tuple[str, int]:
     return sha.hexdigest(), size
 
 
+def _new_tmp(tmp: Path) -> BinaryIO:
+    """``tmp`` made anew: a leftover of an earlier process with this pid is
+    removed first; a link or a FIFO at the name is never opened."""
+    tmp.unlink(missing_ok=True)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.fdopen(os.open(tmp, flags, 0o666), "w+b")
+
+
 def _write_data(tmp: Path, write: Callable[[BinaryIO], object]) -> tuple[str, int]:
     """Write the data to ``tmp`` through ``write``, fsync; its SHA-256 and size."""
-    with open(tmp, "w+b") as f:
+    with _new_tmp(tmp) as f:
         hasher = _HashingWriter(f)
         try:
             write(hasher)  # type: ignore[arg-type]
@@ -198,7 +207,7 @@ def _write_small(final: Path, data: bytes) -> None:
     """Atomically replace ``final`` with ``data`` (temp file, fsync, rename)."""
     tmp = _tmp_for(final)
     try:
-        with open(tmp, "wb") as f:
+        with _new_tmp(tmp) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -277,12 +286,15 @@ class Record:
 
 def read_record(path: Path) -> Record | None:
     """The checksum record of the checkpoint at ``path``; None if it has none.
-    Raises RecordError when the record is unreadable or not about this file."""
+    Raises RecordError when the record is unreadable or not about this file
+    (a link, a FIFO or another special file there is unreadable: never
+    followed, never waited on)."""
     try:
-        with open(record_path(path), "rb") as f:
-            raw = f.read(MAX_RECORD_BYTES + 1)
+        raw = read_regular(str(record_path(path)), MAX_RECORD_BYTES + 1)
     except FileNotFoundError:
         return None
+    except UnsafePath as e:
+        raise RecordError(f"its checksum record {e.problem}") from e
     except OSError as e:
         raise RecordError(f"its checksum record cannot be read: {e.strerror or e}") from e
     if len(raw) > MAX_RECORD_BYTES:
@@ -345,7 +357,8 @@ def move_aside(info: CheckpointInfo) -> Path:
         os.rename(record_path(info.path), dest.with_name(dest.name + RECORD_SUFFIX))
     latest = info.path.parent / LATEST
     with contextlib.suppress(OSError):
-        if latest.read_text(encoding="utf-8", errors="replace").strip() == info.path.name:
+        pointer = read_regular(str(latest), MAX_RECORD_BYTES)  # never blocked by a FIFO
+        if pointer.decode("utf-8", errors="replace").strip() == info.path.name:
             newest = latest_checkpoint(info.path.parent)
             if newest is None:
                 latest.unlink()

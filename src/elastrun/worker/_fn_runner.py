@@ -15,6 +15,7 @@ import importlib
 import json
 import os
 import runpy
+import secrets
 import sys
 import traceback
 from typing import Any
@@ -44,8 +45,10 @@ def load_function(spec: dict[str, Any]) -> Any:
 def _write_result(results: str, payload: dict[str, Any]) -> None:
     local_rank = os.environ.get("LOCAL_RANK", "0")
     path = os.path.join(results, f"local_{local_rank}.json")
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    # A new file (no link followed, never an existing name), then renamed.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    with os.fdopen(os.open(tmp, flags, 0o600), "w", encoding="utf-8") as f:
         json.dump(payload, f)
     os.replace(tmp, path)
 

@@ -29,6 +29,8 @@ import traceback
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
+from elastrun.safefs import write_atomic
+
 __all__ = ["ERROR_FILE_ENV", "record", "write_error_file"]
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
@@ -50,14 +52,14 @@ def write_error_file(exc: BaseException, path: str | None = None) -> str | None:
             "extraInfo": {"py_callstack": tb, "timestamp": str(int(time.time()))},
         }
     }
-    tmp = f"{path}.tmp.{os.getpid()}"
     try:
         parent = os.path.dirname(path)
         if parent:
             os.makedirs(parent, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as fp:
-            json.dump(data, fp)
-        os.replace(tmp, path)  # the agent never sees half a file
+        # A new temporary file (O_EXCL, no link followed), renamed over the
+        # error file: the agent never sees half a file, and a link planted
+        # at either name is replaced, never written through.
+        write_atomic(path, json.dumps(data).encode("utf-8"), 0o666)
     except OSError as e:
         sys.stderr.write(f"elastrun.record: cannot write the error file {path}: {e}\n")
         return None
