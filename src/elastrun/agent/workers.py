@@ -42,7 +42,7 @@ from elastrun.agent.children import ForkedProcess, Reaper
 from elastrun.agent.failures import ErrorFileInfo, WorkerFailure, read_error_file
 from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.logs import LinePump, LogWriteErrors, StreamRoute, routes_for
-from elastrun.agent.spawn import preexec_for, python_entry, runner_argv
+from elastrun.agent.spawn import launcher_stdin, preexec_for, python_entry, runner_argv
 from elastrun.agent.spec import WorkerSpec, argv_for
 from elastrun.agent.stacks import STACKS_ENV, collect, in_torch, main_thread, ordered, top_frame
 from elastrun.agent.watchdog import (
@@ -266,10 +266,11 @@ class WorkerGroup:
             env = {**env, CHANNEL_ENV: str(channel.fileno())}
             fds = (channel.fileno(),)
         try:
+            stdin = launcher_stdin()
             popen = subprocess.Popen(
                 argv,
                 env=env,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL if stdin is None else stdin,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
