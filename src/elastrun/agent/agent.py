@@ -39,6 +39,7 @@ from elastrun.agent.logs import (
     validate_template,
 )
 from elastrun.agent.modcache import ModuleCache, cache_key, default_cache_dir
+from elastrun.agent.progress_faults import ProgressFaults
 from elastrun.agent.signals import SignalRouter
 from elastrun.agent.spares import SparePool
 from elastrun.agent.spawn import python_entry
@@ -130,6 +131,7 @@ class Agent:
             sink = _Tee(sink, self._events_file)
         self.events: EventSink = sink
         self._log_errors = LogWriteErrors(sink, say)
+        self._progress_faults = ProgressFaults(sink, say)
         self._signals: asyncio.Queue[int] = asyncio.Queue()
         self._signals_seen = 0
         self._pending_signal: int | None = None
@@ -418,6 +420,7 @@ class Agent:
             on_message=self._on_worker_message,
             module_scope="all" if self.spec.prewarm_modules == "all" else "installed",
             log_errors=self._log_errors,
+            progress_faults=self._progress_faults,
         )
         self._group = group
         return group
@@ -492,7 +495,8 @@ class Agent:
         own = hangs.local_stacks(group, self.spec.host)
         await hangs.share(self.rendezvous, result, own)
         every = await self._first(hangs.gather(self.rendezvous, result, own))
-        return hangs.summary(every, group.attempt_dir if self.spec.log_dir else None)
+        report = hangs.summary(every, group.attempt_dir if self.spec.log_dir else None)
+        return "\n".join(x for x in (report, group.skipped_stacks()) if x)
 
     async def _request_restart(self, record: FailureRecord) -> RestartBudgetExhausted | None:
         try:

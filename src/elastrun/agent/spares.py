@@ -68,7 +68,7 @@ from elastrun.agent.spawn import (
     preexec_for,
 )
 from elastrun.agent.spec import WorkerSpec, argv_for
-from elastrun.agent.stacks import STACKS_ENV
+from elastrun.agent.stacks import STACK_SIGNAL_ENV, STACKS_ENV
 from elastrun.agent.watchdog import HEARTBEAT_ENV, HEARTBEAT_INTERVAL_ENV, heartbeat_interval
 from elastrun.errors import WorkerError
 from elastrun.events import EventSink
@@ -90,7 +90,7 @@ STDERR_TAIL = 4096
 # Worker variables that change from round to round, and from local rank to
 # local rank; everything else in a worker's environment must be what the
 # zygote was started with.
-ROUND_VARS = frozenset((*ROUND_ENV_VARS, HEARTBEAT_ENV, STACKS_ENV))
+ROUND_VARS = frozenset((*ROUND_ENV_VARS, HEARTBEAT_ENV, STACKS_ENV, STACK_SIGNAL_ENV))
 LOCAL_VARS = frozenset(("LOCAL_RANK",))
 
 # What the runner and the zygote read (worker/_runner.py, worker/_zygote.py).
