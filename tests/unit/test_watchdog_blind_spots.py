@@ -21,6 +21,7 @@ import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,7 +39,8 @@ from elastrun.worker import _runner
 from elastrun.worker._progress import Progress
 
 TIMEOUT = 10.0
-hb_api = importlib.import_module("elastrun.train.heartbeat")  # the module, not the function
+# The module (elastrun.train's heartbeat is the function).
+hb_api: Any = importlib.import_module("elastrun.train.heartbeat")
 
 
 class Seen:
