@@ -157,6 +157,25 @@ def test_relayed_progress_then_a_closed_channel_is_progress_unknown(tmp_path: Pa
     assert "cannot be written and its channel to the agent is closed" in seen.unknown[0][1]
 
 
+def test_a_file_written_again_is_judged_after_its_channel_closed(tmp_path: Path) -> None:
+    """The runner relayed while its file failed, then wrote it again, then its
+    channel closed: the file is a source again, and a stop in it is a hang."""
+    hb, seen = tmp_path / "hb.json", Seen()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        dog = start(hb, seen, channel=True)
+        dog.relayed(0, Beat(step=1, monotonic=loop.time()))
+        await asyncio.sleep(1)
+        await healthy(hb, 15)  # the file is written again (the disk has room)
+        dog.channel_closed(0)
+        await asyncio.sleep(3 * TIMEOUT)
+        dog.close()
+
+    run_virtual(main())
+    assert len(seen.hangs) == 1 and not seen.unknown
+
+
 def test_a_stale_record_in_an_immutable_folder_is_progress_unknown(
     immutable: Path, tmp_path: Path
 ) -> None:

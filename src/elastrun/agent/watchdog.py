@@ -311,10 +311,12 @@ class HangWatchdog:
         loop = asyncio.get_running_loop()
         w.handle = loop.call_later(remaining(deadline, self.clock), self._check, w.key)
 
-    def _saw(self, w: _Watch, beat: Beat, now: float) -> None:
+    def _saw(self, w: _Watch, beat: Beat, now: float, from_file: bool = False) -> None:
         """A beat, from the file or the channel: the newer progress counts."""
         # A phase that began after the last progress restarts the clock.
         mark = max(beat.monotonic, beat.phase_since or 0.0)
+        if from_file and w.relayed and w.last_progress is not None and mark > w.last_progress:
+            w.relayed = False  # the file is written again: newer than anything relayed
         if w.last_progress is None or mark > w.last_progress:
             # A beat "from the future" (another clock) counts as progress now.
             w.last_progress = mark if mark <= now + CLOCK_SLACK else now
@@ -327,7 +329,7 @@ class HangWatchdog:
     def _look(self, w: _Watch, now: float) -> ProgressRead:
         read = read_progress(w.path)
         if read.beat is not None:
-            self._saw(w, read.beat, now)
+            self._saw(w, read.beat, now, from_file=True)
         return read
 
     def unknown(self, w: _Watch, read: ProgressRead) -> str | None:
