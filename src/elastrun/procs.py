@@ -45,11 +45,16 @@ def _exists(pid: int) -> bool:
 
 
 def signal_name(signum: int) -> str:
-    """``SIGKILL`` for 9; ``"64"`` for a number that names no signal."""
+    """``SIGKILL`` for 9, ``SIGRTMIN+5`` for a real-time signal; ``"99"``
+    for a number that names no signal."""
     try:
         return signal.Signals(signum).name
     except ValueError:
-        return str(signum)
+        pass
+    rtmin, rtmax = int(signal.SIGRTMIN), int(signal.SIGRTMAX)
+    if rtmin < signum < rtmax:
+        return f"SIGRTMIN+{signum - rtmin}"
+    return str(signum)
 
 
 def say(msg: str) -> None:

@@ -224,12 +224,17 @@ def open_regular(path: str) -> int:
     return _open(path, os.O_RDONLY, 0)
 
 
-def read_regular(path: str, limit: int) -> bytes:
+def read_regular(path: str, limit: int, *, offset: int = 0, partial: bool = False) -> bytes:
     """The bytes of the regular file ``path``: no link followed, never
     blocked by a FIFO, at most ``limit`` bytes (a larger file is refused with
-    :class:`UnsafePath`). Other errors (a missing file) are ``OSError``."""
+    :class:`UnsafePath`). Other errors (a missing file) are ``OSError``.
+
+    ``offset``: read from there on (``limit`` bounds what is read from it).
+    ``partial``: the first ``limit`` bytes of a larger file instead of a refusal."""
     fd = open_regular(path)
     try:
+        if offset > 0:
+            os.lseek(fd, offset, os.SEEK_SET)
         chunks: list[bytes] = []
         size = 0
         while size <= limit:
@@ -240,9 +245,12 @@ def read_regular(path: str, limit: int) -> bytes:
             size += len(chunk)
     finally:
         os.close(fd)
+    data = b"".join(chunks)
     if size > limit:
+        if partial:
+            return data[:limit]
         raise UnsafePath(path, f"is larger than {limit} bytes")
-    return b"".join(chunks)
+    return data
 
 
 def write_atomic(path: str, data: bytes, mode: int = 0o600, *, sync: bool = False) -> None:

@@ -32,7 +32,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def on_full_disk(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+def on_full_disk(
+    tmp_path: Path, *flags: str, worker: tuple[str, ...] = ()
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """A 2-rank job whose --log-dir is ``tmp_path/disk``, a 64 KiB tmpfs;
+    ``worker``: its command (default: a chatty worker that fills it)."""
     disk = tmp_path / "disk"
     disk.mkdir(exist_ok=True)
     events = tmp_path / f"events-{len(list(tmp_path.glob('events-*')))}.jsonl"
@@ -54,9 +58,7 @@ def on_full_disk(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProce
             f"--log-dir={disk}",
             f"--events-file={events}",
             *flags,
-            WORKER,
-            "chatty",
-            str(LINES),
+            *(worker or (WORKER, "chatty", str(LINES))),
         ],
         capture_output=True,
         text=True,

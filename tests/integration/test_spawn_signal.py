@@ -7,6 +7,11 @@
 * A number of workers the machine cannot hold (the open-file limit, lowered
   for the agent) is refused before anything starts: exit 2 naming
   ``--nproc-per-node`` and ``ulimit -n``.
+* What 1000 workers ending at once bring the agent, a SIGCHLD each while its
+  loop is busy, scaled down: workers that send it bursts of SIGCHLD. Nothing
+  is printed (it used to print "Exception ignored ... signal wakeup fd" once
+  its wakeup socket was full, and to lose the signals that did not fit), and
+  a SIGTERM in the middle of it still stops the job (agent/signals.py).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import resource
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -72,6 +78,7 @@ def test_sigterm_while_a_large_group_spawns(tmp_path: Path) -> None:
         print(f"SIGTERM with {started} of {NPROC} workers started: exit {code} in {took:.2f}s")
         assert code == 128 + signal.SIGTERM, stderr
         assert "received SIGTERM" in stderr and "Traceback" not in stderr
+        assert "Exception ignored" not in stderr
         assert took < STOP_BOUND, f"{took:.2f}s"
         assert started < NPROC  # the signal came during the spawn
         # Every worker gone: none alive, none a zombie (the agent reaped them).
@@ -82,6 +89,56 @@ def test_sigterm_while_a_large_group_spawns(tmp_path: Path) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         agent.wait(10)
+
+
+FLOODER = """
+import os, signal, sys, threading, time
+parent, marker = os.getppid(), sys.argv[1]
+
+def chatter():  # fills the agent's stdout, which the test does not read yet
+    line = "x" * 200
+    while True:
+        print(line, flush=True)
+
+threading.Thread(target=chatter, daemon=True).start()
+deadline = time.monotonic() + 60
+burst = 0
+while time.monotonic() < deadline and os.getppid() == parent:
+    for _ in range(2000):
+        os.kill(parent, signal.SIGCHLD)
+    burst += 1
+    if burst == 20:
+        open(marker, "w").close()
+"""
+
+
+def test_a_flood_of_sigchld_prints_nothing_and_sigterm_still_stops(tmp_path: Path) -> None:
+    """The agent's loop is held (its stdout is full: writing the workers'
+    lines blocks) while the workers send it SIGCHLD, as a group's exits do
+    while the loop is busy; then SIGTERM."""
+    script = tmp_path / "flood.py"
+    script.write_text(FLOODER)
+    err_path = tmp_path / "agent.err"
+    with open(err_path, "w") as err:
+        agent = subprocess.Popen(
+            [*ELASTRUN, "--standalone", "--nproc-per-node=2", str(script), str(tmp_path / "f")],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            start_new_session=True,
+        )
+    drain = threading.Thread(target=lambda: agent.stdout and agent.stdout.read(), daemon=True)
+    try:
+        wait_for((tmp_path / "f").exists, 60, "the workers flooding")
+        drain.start()  # the agent's loop goes on
+        agent.send_signal(signal.SIGTERM)
+        code = agent.wait(30)  # bounded: the SIGTERM was not lost
+    finally:
+        stop_groups(agent)
+    drain.join(10)
+    stderr = err_path.read_text(errors="replace")
+    assert "Exception ignored" not in stderr and "wakeup fd" not in stderr, stderr[-3000:]
+    assert code == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "received SIGTERM" in stderr
 
 
 def test_more_workers_than_the_machine_allows_is_refused(tmp_path: Path) -> None:

@@ -81,6 +81,7 @@ def _join(
     # A store with a token: only then does a node use the job's module note.
     token = tmp_path / "token"
     token.write_text("warm-join-token")
+    token.chmod(0o600)  # a token file others can read is refused
     flags_a = [f"--rdzv-conf=is_host=1,last_call_timeout=1,token_file={token}"]
     if via_note:
         # Node a's worker imports slowmod and records it; node b, new to this

@@ -189,15 +189,15 @@ def test_seconds_are_finite_ascii_decimals(script, text):
 RANGES = [
     ("--rdzv-conf=lease_ttl=1e9", "lease_ttl: must be >= 0.5 and <= 3600 seconds"),
     ("--rdzv-conf=lease_ttl=0.01", "lease_ttl: must be >= 0.5 and <= 3600 seconds"),
-    ("--rdzv-conf=join_timeout=0", "join_timeout: must be > 0 and <= 604800 seconds"),
-    ("--rdzv-conf=timeout=1e7", "timeout: must be > 0 and <= 604800 seconds"),
+    ("--rdzv-conf=join_timeout=0", "join_timeout: must be >= 1 and <= 604800 seconds"),
+    ("--rdzv-conf=timeout=1e7", "timeout: must be >= 1 and <= 604800 seconds"),
     ("--rdzv-conf=last_call_timeout=1e6", "last_call_timeout: must be >= 0 and <= 86400"),
     ("--rdzv-conf=close_timeout=-1", "close_timeout: must be >= 0 and <= 3600"),
-    ("--rdzv-conf=read_timeout=0", "read_timeout: must be > 0 and <= 86400"),
+    ("--rdzv-conf=read_timeout=0", "read_timeout: must be >= 1 and <= 86400"),
     ("--rdzv-conf=exit_barrier_timeout=1e9", "exit_barrier_timeout: must be >= 0"),
     ("--shutdown-timeout=1e5", "must be >= 0 and <= 3600 seconds"),
     ("--monitor-interval=0", "must be > 0 and <= 3600 seconds"),
-    ("--hang-timeout=1e9", "must be > 0 and <= 604800 seconds"),
+    ("--hang-timeout=1e9", "must be >= 1 and <= 604800 seconds"),
     ("--exit-barrier-timeout=-5", "must be >= 0 and <= 604800 seconds"),
     ("--nproc-per-node=100000", "must be in 1..1024"),
     ("--nproc-per-node=100000000000000000000", "must be in 1..1024"),
@@ -218,7 +218,7 @@ def test_ranges_are_checked_at_parse_time_and_said(script, flag, said):
 def test_rdzv_conf_limits_are_in_range_at_the_edges():
     conf = parse_rdzv_conf(
         "lease_ttl=0.5,join_timeout=604800,last_call_timeout=0,close_timeout=3600,"
-        "read_timeout=0.1,exit_barrier_timeout=0"
+        "read_timeout=1,exit_barrier_timeout=0"
     )
     assert conf["lease_ttl"] == 0.5 and conf["join_timeout"] == 604800
     assert parse_rdzv_conf({"lease_ttl": 3600, "timeout": 5})["lease_ttl"] == 3600.0

@@ -80,6 +80,7 @@ SPELLED = [
     ("log-template", "[{rank}]", lambda p, c: p.config.log_template == "[{rank}]"),
     ("events-file", "/tmp/ev.jsonl", lambda p, c: p.config.events_file == "/tmp/ev.jsonl"),
     ("hang-timeout", "12", lambda p, c: p.config.hang_timeout == 12),
+    ("stack-signal", "SIGUSR2", lambda p, c: p.config.stack_signal == signal.SIGUSR2),
     ("exit-barrier-timeout", "9", lambda p, c: p.exit_barrier_timeout == 9),
 ]
 
@@ -221,7 +222,7 @@ BAD = [
     (["--nproc-per-node=many"], "--nproc-per-node", "auto"),
     (["--rdzv-conf=join_timeout"], "--rdzv-conf", "key=value"),
     (["--rdzv-conf=join_timeout=soon"], "--rdzv-conf", "number of seconds"),
-    (["--rdzv-conf=timeout=-1"], "--rdzv-conf", "timeout: must be > 0 and <= 604800 seconds"),
+    (["--rdzv-conf=timeout=-1"], "--rdzv-conf", "timeout: must be >= 1 and <= 604800 seconds"),
     (["--rdzv-conf=is_host=maybe"], "--rdzv-conf", "is_host"),
     (["--rdzv-conf=bogus=1"], "--rdzv-conf", "known keys: cacert"),
     (["--rdzv-conf=token=a,token_file=b"], "--rdzv-conf", "not both"),
@@ -248,7 +249,14 @@ BAD = [
     (["--signals-to-handle=SIGNOPE"], "--signals-to-handle", "unknown signal"),
     (["--signals-to-handle=SIGKILL"], "--signals-to-handle", "cannot be handled"),
     (["--shutdown-timeout=-1"], "--shutdown-timeout", ">= 0"),
-    (["--hang-timeout=0"], "--hang-timeout", "> 0"),
+    (["--hang-timeout=0"], "--hang-timeout", ">= 1"),
+    (["--stack-signal=SIGTERM"], "--stack-signal", "SIGRTMIN+N"),
+    (["--stack-signal=SIGRTMIN+99"], "--stack-signal", "SIGRTMIN+N or SIGRTMAX-N"),
+    (
+        ["--stack-signal=SIGUSR1", "--signals-to-handle=SIGTERM,SIGUSR1"],
+        "--stack-signal",
+        "also in --signals-to-handle",
+    ),
     (["--hang-timeout=inf"], "--hang-timeout", "finite"),
     (["--exit-barrier-timeout=x"], "--exit-barrier-timeout", "number"),
     (["--log-template={nope}"], "--log-template", "fields"),
@@ -333,6 +341,58 @@ def test_token_file_is_read(tmp_path, script):
     )
     assert plan.token == "s3cret"
     assert plan.endpoints == (("h", 29400),)
+
+
+@pytest.mark.parametrize(
+    ("text", "expect"),
+    [
+        ("SIGRTMIN+5", signal.SIGRTMIN + 5),
+        ("rtmin+3", signal.SIGRTMIN + 3),
+        ("SIGRTMIN", signal.SIGRTMIN),
+        ("SIGRTMAX-2", signal.SIGRTMAX - 2),
+        ("usr2", signal.SIGUSR2),
+        ("none", None),
+        ("OFF", None),
+    ],
+)
+def test_stack_signal_forms(script, text, expect):
+    plan, _ = run_parse(f"--stack-signal={text}")
+    assert plan.config.stack_signal == (None if expect is None else int(expect))
+    spec = build_spec(plan, ["python", "-u", script], "h")
+    assert spec.stack_signal == plan.config.stack_signal
+
+
+def test_stack_signal_default_and_environment(script, monkeypatch):
+    plan, _ = run_parse()
+    assert plan.config.stack_signal == signal.SIGRTMIN + 5
+    monkeypatch.setenv("PET_STACK_SIGNAL", "SIGUSR1")
+    plan, _ = run_parse()
+    assert plan.config.stack_signal == signal.SIGUSR1
+    with pytest.raises(ConfigError, match="--stack-signal: SIGINT cannot be used"):
+        resolve(LaunchConfig(stack_signal=int(signal.SIGINT)))
+
+
+@pytest.mark.parametrize(
+    ("flag", "key"),
+    [
+        ("--rdzv-conf=read_timeout=0.001", "read_timeout"),
+        ("--rdzv-conf=join_timeout=0.001", "join_timeout"),
+        ("--rdzv-conf=timeout=0.5", "timeout"),
+        ("--hang-timeout=0.001", "--hang-timeout"),
+        ("--hang-timeout=auto:0.2", "--hang-timeout"),
+    ],
+)
+def test_timeouts_too_short_to_tell_healthy_from_lost_are_refused(script, flag, key):
+    """Accepted before, then the job failed blaming a healthy store (or rank)."""
+    with pytest.raises(ConfigError) as info:
+        run_parse(flag)
+    message = str(info.value)
+    assert key in message and "must be >= 1" in message, message
+    assert "cannot tell a healthy store or worker from a lost one" in message, message
+    plan, _ = run_parse(
+        flag.rsplit("=", 1)[0] + "=1" if "auto" not in flag else "--hang-timeout=auto:1"
+    )
+    assert plan is not None  # the minimum itself is fine
 
 
 def test_launch_config_validate_names_flags():

@@ -34,6 +34,8 @@ def test_a_zombie_is_dead_and_a_running_process_alive() -> None:
 def test_signal_names() -> None:
     assert signal_name(signal.SIGKILL) == "SIGKILL"
     assert signal_name(200) == "200"
+    assert signal_name(signal.SIGRTMIN + 5) == "SIGRTMIN+5"  # not "39"
+    assert signal_name(signal.SIGRTMIN) == "SIGRTMIN"
 
 
 def test_a_held_port_is_not_handed_out_again_but_a_server_can_listen_on_it() -> None:

@@ -105,6 +105,17 @@ def test_read_regular_refuses_fifo_link_and_oversize(tmp_path: Path) -> None:
         read_regular(str(tmp_path / "missing"), 10)
 
 
+def test_read_regular_from_an_offset_and_the_head_of_a_larger_file(tmp_path: Path) -> None:
+    f = tmp_path / "grows"
+    f.write_bytes(b"head\n" + b"y" * 50)
+    assert read_regular(str(f), 100, offset=5) == b"y" * 50
+    with pytest.raises(UnsafePath, match="larger than 10"):
+        read_regular(str(f), 10, offset=5)
+    assert read_regular(str(f), 10, offset=5, partial=True) == b"y" * 10
+    assert read_regular(str(f), 4, partial=True) == b"head"
+    assert read_regular(str(f), 100, offset=1000) == b""
+
+
 def test_write_atomic_replaces_a_planted_link(tmp_path: Path) -> None:
     victim = tmp_path / "victim"
     victim.write_text("precious")

@@ -39,6 +39,10 @@ def test_only_round_variables_may_differ():
     # One warm interpreter forks every local rank's worker.
     assert "LOCAL_RANK" in LOCAL_VARS and "LOCAL_RANK" not in ROUND_VARS
     assert compatible(base, {**base, "LOCAL_RANK": "3"}) is None
+    # The per-worker files and the stack signal a hang watchdog adds.
+    hang = {**base, "ELASTRUN_HEARTBEAT_FILE": "/l/0/heartbeat.json"}
+    hang |= {"ELASTRUN_STACKS_FILE": "/l/0/stacks.txt", "ELASTRUN_STACK_SIGNAL": "39"}
+    assert compatible(base, hang) is None
 
 
 def test_python_workers_run_through_the_runner():

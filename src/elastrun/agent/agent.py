@@ -40,6 +40,8 @@ from elastrun.agent.logs import (
     validate_template,
 )
 from elastrun.agent.modcache import ModuleCache, ModuleReport, cache_key, default_cache_dir
+from elastrun.agent.progress_faults import ProgressFaults
+from elastrun.agent.signals import SignalRouter
 from elastrun.agent.spares import SparePool
 from elastrun.agent.spawn import python_entry
 from elastrun.agent.spec import WorkerSpec
@@ -132,6 +134,7 @@ class Agent:
             sink = _Tee(sink, self._events_file)
         self.events: EventSink = sink
         self._log_errors = LogWriteErrors(sink, say)
+        self._progress_faults = ProgressFaults(sink, say)
         self._signals: asyncio.Queue[int] = asyncio.Queue()
         self._signals_seen = 0
         self._pending_signal: int | None = None
@@ -139,7 +142,7 @@ class Agent:
         self._attempt = -1
         self._base_dir: str | None = None
         self._temp_base = False
-        self._installed: list[tuple[int, Any]] = []
+        self._router: SignalRouter | None = None
         self._guard = OrphanGuard()
         self._reaper = Reaper()
         self._spares: SparePool | None = None
@@ -230,7 +233,7 @@ class Agent:
 
     # ------------------------------------------------------------ signals
     def _install_signals(self) -> None:
-        loop = asyncio.get_running_loop()
+        router = self._router = SignalRouter(asyncio.get_running_loop())
         stop_sigs = {
             signal.SIGINT,
             signal.SIGTERM,
@@ -238,33 +241,28 @@ class Agent:
             signal.SIGQUIT,
             *self.spec.signals_to_handle,
         }
-        for sig in stop_sigs:
-            self._add_handler(loop, sig, self._on_stop_signal)
-        for sig in self.spec.signals_to_forward:
-            if sig not in stop_sigs:
-                self._add_handler(loop, sig, self._on_forward_signal)
+        handlers: list[tuple[int, Any, bool]] = [
+            (s, self._on_stop_signal, False) for s in stop_sigs
+        ]
+        handlers += [
+            (s, self._on_forward_signal, False)
+            for s in self.spec.signals_to_forward
+            if s not in stop_sigs
+        ]
         # Orphans of workers come to the agent (a child subreaper): reap them.
-        self._add_handler(loop, signal.SIGCHLD, self._on_child)
-
-    def _add_handler(self, loop: asyncio.AbstractEventLoop, sig: int, cb: Any) -> None:
-        previous = signal.getsignal(sig)
-        try:
-            loop.add_signal_handler(sig, cb, sig)
-        except (ValueError, RuntimeError, NotImplementedError) as e:
-            # not the main thread, or not a catchable signal
-            say(f"elastrun: warning: cannot handle {signal_name(sig)}: {e}")
-            return
-        self._installed.append((sig, previous))
+        # One call for a burst of exits (agent/signals.py).
+        handlers.append((signal.SIGCHLD, self._on_child, True))
+        for sig, cb, coalesce in handlers:
+            try:
+                router.add(sig, cb, coalesce=coalesce)
+            except (ValueError, OSError) as e:
+                # not the main thread, or not a catchable signal
+                say(f"elastrun: warning: cannot handle {signal_name(sig)}: {e}")
 
     def _remove_signals(self) -> None:
-        with contextlib.suppress(RuntimeError):
-            loop = asyncio.get_running_loop()
-            for sig, previous in self._installed:
-                loop.remove_signal_handler(sig)
-                if previous is not None:  # give the embedding program its handler back
-                    with contextlib.suppress(ValueError, TypeError, OSError):
-                        signal.signal(sig, previous)
-        self._installed.clear()
+        if self._router is not None:
+            self._router.close()
+            self._router = None
 
     def _on_stop_signal(self, sig: int) -> None:
         self._signals.put_nowait(sig)
@@ -426,6 +424,7 @@ class Agent:
             on_message=self._on_worker_message,
             module_scope="all" if self.spec.prewarm_modules == "all" else "installed",
             log_errors=self._log_errors,
+            progress_faults=self._progress_faults,
         )
         self._group = group
         return group
@@ -543,7 +542,8 @@ class Agent:
         own = hangs.local_stacks(group, self.spec.host)
         await hangs.share(self.rendezvous, result, own)
         every = await self._first(hangs.gather(self.rendezvous, result, own))
-        return hangs.summary(every, group.attempt_dir if self.spec.log_dir else None)
+        report = hangs.summary(every, group.attempt_dir if self.spec.log_dir else None)
+        return "\n".join(x for x in (report, group.skipped_stacks()) if x)
 
     async def _request_restart(self, record: FailureRecord) -> RestartBudgetExhausted | None:
         try:

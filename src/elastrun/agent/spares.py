@@ -67,9 +67,16 @@ from elastrun.agent.modcache import (
     skipped,
     valid_names,
 )
-from elastrun.agent.spawn import RUNNER_SCRIPT, PythonEntry, entry_file, imports_any, preexec_for
+from elastrun.agent.spawn import (
+    RUNNER_SCRIPT,
+    PythonEntry,
+    entry_file,
+    imports_any,
+    launcher_stdin,
+    preexec_for,
+)
 from elastrun.agent.spec import WorkerSpec, argv_for
-from elastrun.agent.stacks import STACKS_ENV
+from elastrun.agent.stacks import STACK_SIGNAL_ENV, STACKS_ENV
 from elastrun.agent.watchdog import HEARTBEAT_ENV, HEARTBEAT_INTERVAL_ENV, heartbeat_interval
 from elastrun.errors import WorkerError
 from elastrun.events import EventSink
@@ -93,7 +100,7 @@ STDERR_TAIL = 4096
 # Worker variables that change from round to round, and from local rank to
 # local rank; everything else in a worker's environment must be what the
 # zygote was started with.
-ROUND_VARS = frozenset((*ROUND_ENV_VARS, HEARTBEAT_ENV, STACKS_ENV))
+ROUND_VARS = frozenset((*ROUND_ENV_VARS, HEARTBEAT_ENV, STACKS_ENV, STACK_SIGNAL_ENV))
 LOCAL_VARS = frozenset(("LOCAL_RANK",))
 
 # What the runner and the zygote read (worker/_runner.py, worker/_zygote.py).
@@ -559,13 +566,18 @@ class SparePool:
         """Ask the zygote for one fork per rank (with its output pipes, which
         are recorded in ``pipes``, and channel); the forks' pids, in order."""
         assert z.pending is not None
+        stdin = launcher_stdin()
         for i, lr in enumerate(ranks):
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
             pipes[lr] = (out_r, out_w, err_r, err_w)
             order = {"env": dict(envs[lr]), "args": argv_for(self.entry.args, lr)}
             message = json.dumps({"v": PROTOCOL, "fork": order, "index": i, "count": len(ranks)})
-            fds = array.array("i", [out_w, err_w, channels[lr]])
+            # The worker's stdin too (the agent's, as a cold worker's), with each
+            # order: the zygote, shared across rounds, never keeps it.
+            fds = array.array(
+                "i", [out_w, err_w, channels[lr], *([] if stdin is None else [stdin])]
+            )
             z.sock.setblocking(True)
             z.sock.settimeout(5.0)
             z.sock.sendmsg([message.encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])

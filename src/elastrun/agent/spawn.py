@@ -7,6 +7,10 @@ worker runs as ``python -u .../elastrun/worker/_runner.py script args``
 (:func:`runner_argv`): the runner runs the script exactly as ``python -u``
 would and reports what the worker imported (see ``worker/_runner.py``). Other
 commands (``--no-python``, ``--run-path``) run as given.
+
+Every worker's stdin is the agent's own (:func:`launcher_stdin`), as torchrun
+gives it: one open file shared by every worker (whoever reads first gets the
+data), or ``/dev/null`` when the agent has none.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ __all__ = [
     "PythonEntry",
     "entry_file",
     "imports_any",
+    "launcher_stdin",
     "preexec_for",
     "python_entry",
     "runner_argv",
@@ -47,6 +52,16 @@ def _load_prctl() -> Callable[..., int] | None:
 
 # Resolved once, in the parent: the child after fork only calls it.
 PRCTL = _load_prctl()
+
+
+def launcher_stdin() -> int | None:
+    """The agent's stdin (fd 0) for its workers, or None when it has none
+    (closed): the workers then get ``/dev/null``."""
+    try:
+        os.fstat(0)
+    except OSError:
+        return None
+    return 0
 
 
 def preexec_for(parent_pid: int) -> Callable[[], None]:

@@ -79,6 +79,9 @@ class WorkerSpec:
     # hang_auto the floor of each rank's calibrated one.
     hang_timeout: float | None = None
     hang_auto: bool = False
+    # The signal on which a worker writes its Python stacks when a hang is
+    # declared (agent/stacks.py, --stack-signal); None: no stacks.
+    stack_signal: int | None = int(signal.SIGRTMIN) + 5
     events_file: str | None = None
     # Fork workers from a warm interpreter (agent/spares.py). The launcher sets
     # it for the Python commands it builds (a script or -m module).

@@ -1,15 +1,29 @@
 """Every rank's Python stack when a hang is declared.
 
-The worker runner registers ``faulthandler`` on ``SIGRTMIN+5`` (the stack
-signal) with the worker's stacks file, and creates that file only once the
-handler is in place (worker/_runner.py): the agent signals a worker only when
-its file exists, since the signal's default action would end the process.
-faulthandler writes from inside the signal handler, without the GIL, so a
-worker stuck in a Python function, in a collective or in C code holding the
-GIL still answers (C code shows its last Python frame).
+The worker runner registers ``faulthandler`` on the stack signal
+(``--stack-signal``, default ``SIGRTMIN+5``; ``ELASTRUN_STACK_SIGNAL`` tells
+the runner its number) with the worker's stacks file, and creates that file
+only once the handler is in place (worker/_runner.py): the agent signals a
+worker only when its file exists, since the signal's default action would
+end the process. faulthandler writes from inside the signal handler, without
+the GIL, so a worker stuck in a Python function, in a collective or in C
+code holding the GIL still answers (C code shows its last Python frame).
+
+A script may change the signal's disposition afterwards (``SIG_DFL``, as a
+script that resets every real-time signal does, or ``SIG_IGN``). So before
+signalling a rank, :func:`collect` checks that the signal is still caught
+in that process (``SigCgt`` in ``/proc/PID/status``). If it is not, that
+rank's stacks are skipped with the reason (:class:`Collected`), and the
+signal is never sent: its default action would kill a healthy rank. A
+script that installs a handler of its own for the signal has it called; the
+remedy is another ``--stack-signal``. A rank that dies of the signal anyway
+(the disposition changed between the check and the signal) is the agent's
+doing, never a root cause (agent/workers.py).
 
 :func:`collect` signals each worker, waits (bounded) until its file stops
-growing and reads what was added. The rest is pure: :func:`top_frame` picks
+growing and reads what was added. The file is read with
+``elastrun.safefs.read_regular``: no link followed, never blocked by a
+FIFO, bounded. The rest is pure: :func:`top_frame` picks
 the frame where a rank sits (its main thread's most recent call; the runner
 writes the main thread's id at the head of the file), and :func:`in_torch`
 tells a rank blocked in torch (a collective, or a backward pass whose
@@ -24,16 +38,20 @@ import contextlib
 import os
 import re
 import signal
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import stat
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from elastrun.clock import SYSTEM_CLOCK, Clock
+from elastrun.procs import signal_name
 from elastrun.rendezvous.notes import MAX_FRAMES as NOTE_MAX_FRAMES
 from elastrun.rendezvous.notes import MAX_TEXT, RankStack
+from elastrun.safefs import read_regular
 
 __all__ = [
     "MAX_STACK_BYTES",
     "STACK_SIGNAL",
+    "Collected",
     "Frame",
     "RankStacks",
     "collect",
@@ -41,11 +59,13 @@ __all__ = [
     "main_thread",
     "ordered",
     "report",
+    "signal_caught",
     "top_frame",
 ]
 
-STACK_SIGNAL = signal.SIGRTMIN + 5  # same as worker/_runner.py STACK_SIGNAL_OFFSET
+STACK_SIGNAL = signal.SIGRTMIN + 5  # the default; same as worker/_runner.py STACK_SIGNAL_OFFSET
 STACKS_ENV = "ELASTRUN_STACKS_FILE"
+STACK_SIGNAL_ENV = "ELASTRUN_STACK_SIGNAL"  # its number, for the runner
 MAX_STACK_BYTES = 64 * 1024  # what is read of one rank's dump
 COLLECT_TIMEOUT = 2.0  # s to wait for every dump
 SETTLE = 0.1  # a dump is complete when its file did not grow for this long
@@ -109,49 +129,120 @@ def in_torch(dump: str, main: int | None = None) -> bool:
 def main_thread(path: str) -> int | None:
     """The main thread's id the runner wrote at the head of its stacks file."""
     try:
-        with open(path, "rb") as fp:
-            head = fp.readline(200).decode("ascii", errors="replace")
+        head = read_regular(path, 200, partial=True).split(b"\n", 1)[0]
     except OSError:
         return None
-    if not head.startswith(MAIN_HEADER):
+    text = head.decode("ascii", errors="replace")
+    if not text.startswith(MAIN_HEADER):
         return None
     try:
-        return int(head[len(MAIN_HEADER) :].strip(), 16)
+        return int(text[len(MAIN_HEADER) :].strip(), 16)
     except ValueError:
         return None
 
 
 def _size(path: str) -> int:
+    """The stacks file's size; -1 when it is missing or not a regular file
+    (a link or a FIFO planted there is never read, its rank never signalled)."""
     try:
-        return os.stat(path).st_size
+        st = os.lstat(path)
     except OSError:
         return -1
+    return st.st_size if stat.S_ISREG(st.st_mode) else -1
+
+
+def _not_regular(path: str) -> str | None:
+    """Why the stacks file at ``path`` is not one the runner made (None: it
+    is a regular file, or missing: the runner registered no handler)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if stat.S_ISREG(st.st_mode):
+        return None
+    kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file (a FIFO?)"
+    return f"its stacks file {path} is {kind}, so it was not signalled"
 
 
 def _read_from(path: str, offset: int) -> str:
     try:
-        with open(path, "rb") as fp:
-            fp.seek(max(0, offset))
-            data = fp.read(MAX_STACK_BYTES)
+        data = read_regular(path, MAX_STACK_BYTES, offset=max(0, offset), partial=True)
     except OSError:
         return ""
     return data.decode("utf-8", errors="replace")
+
+
+def signal_caught(pid: int, signum: int) -> bool | None:
+    """Whether process ``pid`` catches ``signum`` (a handler installed, not
+    the default action nor "ignore"): ``SigCgt`` in ``/proc/PID/status``.
+    None when that cannot be read (no such process, one that exited, not Linux)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as fp:
+            status = fp.read(16384)
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith(b"State:") and line.split()[1:2] in ([b"Z"], [b"X"]):
+            return None  # exited: it has no handlers any more
+        if line.startswith(b"SigCgt:"):
+            try:
+                mask = int(line.split(b":", 1)[1].strip(), 16)
+            except ValueError:
+                return None
+            return bool(mask >> (signum - 1) & 1)
+    return None
+
+
+@dataclass
+class Collected:
+    """What :func:`collect` got: ``key -> dump`` of the ranks that answered,
+    and ``key -> why`` of those it did not signal."""
+
+    dumps: dict[int, str] = field(default_factory=dict)
+    skipped: dict[int, str] = field(default_factory=dict)
+
+
+def _why_not(pid: int, signum: int) -> str | None:
+    caught = signal_caught(pid, signum)
+    if caught is None:
+        return "its process status cannot be read (it was ending)"
+    if not caught:
+        return (
+            f"the script changed the handler of {signal_name(signum)} (the signal is not "
+            "caught any more: its default action would end the process), so it was not "
+            "sent; choose another with --stack-signal"
+        )
+    return None
 
 
 async def collect(
     workers: Mapping[int, tuple[int, str]],
     timeout: float = COLLECT_TIMEOUT,
     clock: Clock = SYSTEM_CLOCK,
-) -> dict[int, str]:
-    """Ask each worker ``key -> (pid, stacks file)`` for its stacks; returns
-    ``key -> dump`` for those that answered within ``timeout``."""
+    signum: int = STACK_SIGNAL,
+    on_signal: Callable[[int], None] | None = None,
+) -> Collected:
+    """Ask each worker ``key -> (pid, stacks file)`` for its stacks with
+    ``signum``; the dumps of those that answered within ``timeout``, and why
+    the others were not asked. ``on_signal(key)`` is called just before a
+    worker is signalled."""
+    out = Collected()
     before: dict[int, int] = {}
     for key, (pid, path) in workers.items():
         size = _size(path)
-        if size < 0:
-            continue  # no handler registered: the signal would end it
+        if size < 0:  # no handler registered (the signal would end it), or not ours
+            problem = _not_regular(path)
+            if problem is not None:
+                out.skipped[key] = problem
+            continue
+        why = _why_not(pid, signum)
+        if why is not None:
+            out.skipped[key] = why
+            continue
+        if on_signal is not None:
+            on_signal(key)
         with contextlib.suppress(OSError):
-            os.kill(pid, STACK_SIGNAL)
+            os.kill(pid, signum)
             before[key] = size
     deadline = clock.monotonic() + timeout
     sizes = dict(before)
@@ -163,9 +254,11 @@ async def collect(
             if size > start and size == sizes[key]:
                 settled.add(key)  # grew, then stopped growing
             sizes[key] = size
-    return {
-        key: text for key in before if (text := _read_from(workers[key][1], before[key])).strip()
-    }
+    for key, start in before.items():
+        text = _read_from(workers[key][1], start)
+        if text.strip():
+            out.dumps[key] = text
+    return out
 
 
 def ordered(dumps: Mapping[int, tuple[str, int | None]], ranks: Sequence[int]) -> list[int]:

@@ -27,17 +27,56 @@ it waiting in torch for its peers while no local rank is stuck in code of its
 own, the culprit is elsewhere (a peer in a long phase, or stuck on another
 node, whose own watchdog judges it): the rank is judged again at
 ``PHASE_FACTOR`` times its timeout (:meth:`HangWatchdog.wait_longer`).
+
+**Progress it cannot see is never a hang.** A rank is declared hung only on
+evidence that it stopped: a record of its progress that the agent could read,
+or progress relayed over its runner's channel. When neither exists, the
+rank's progress is *unknown* and the rank is not judged. The design, argued:
+
+* Reading a stale record as "no progress" is what made a full log disk or a
+  read-only folder kill healthy jobs: the file stops changing because of the
+  disk, not the worker. A false hang costs a restart, and on a disk that
+  stays full every later round fails too. An unjudged rank costs only the
+  watchdog's protection, for as long as the fault lasts, and the agent says so.
+  So unknown means not judged.
+* The runner already has a channel to the agent (a socket, no disk). When its
+  file cannot be written, it relays each new record there, so the watchdog
+  keeps judging from what it can still see, through a disk fault. Progress
+  still goes to the file when it can: the agent reads the file only when a
+  timer fires. Relaying everything would wake the agent at every change of
+  every rank.
+* The file is read with ``elastrun.safefs.read_regular``: bounded, no link
+  followed, never blocked by a FIFO. What cannot be read is unknown, never
+  a wait.
+
+So the sources are the file and the relayed records (:meth:`HangWatchdog.relayed`);
+the newer of the two counts. When a rank's timeout expires, it is judged
+only if its runner relays its progress over a channel that is still open,
+or if its file could be read and its folder can still be written
+(``os.access``; ``statvfs``: no free block or inode, a read-only file
+system). Otherwise ``on_unknown(key, why)`` is called, and the rank is looked
+at again one timeout later. The cases: its file cannot be read (not a regular
+file, too large, no permission), it is gone after the rank showed progress
+(its worker removed it), its runner relayed progress over a channel that has
+since closed, or its folder cannot take a write. A file that cannot be read is
+reported before the first progress too. The group says so once (console, and
+a ``progress_unknown`` event). A worker without a runner (``--no-python``
+calling ``heartbeat()``) has no channel. When a write fails, its
+``heartbeat()`` removes the stale file, and the folder check covers a file it
+could not remove.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from elastrun.clock import SYSTEM_CLOCK, Clock, remaining
+from elastrun.safefs import UnsafePath, read_regular
+from elastrun.untrusted import UntrustedData, loads
 
 __all__ = [
     "DEFAULT_AUTO_FLOOR",
@@ -47,8 +86,12 @@ __all__ = [
     "Beat",
     "HangPolicy",
     "HangWatchdog",
+    "ProgressRead",
+    "folder_problem",
     "heartbeat_interval",
+    "parse_beat",
     "read_beat",
+    "read_progress",
 ]
 
 # Same names as elastrun.train.heartbeat (the agent does not import the train package).
@@ -97,14 +140,41 @@ class HangPolicy:
         return f"auto (floor {self.seconds:g} s)" if self.auto else f"{self.seconds:g} s"
 
 
-def read_beat(path: str) -> Beat | None:
-    """The last heartbeat in ``path``; None if absent or not a heartbeat."""
+@dataclass(frozen=True)
+class ProgressRead:
+    """One read of a rank's progress file: its beat (None: no valid record),
+    whether the file is missing, and why it could not be read."""
+
+    beat: Beat | None = None
+    missing: bool = False
+    error: str | None = None
+
+
+def read_progress(path: str) -> ProgressRead:
+    """Read ``path`` once (bounded, no link followed, never blocked)."""
     try:
-        with open(path, "rb") as fp:
-            raw = fp.read(MAX_BEAT_BYTES)
-        data = json.loads(raw.decode("utf-8", errors="replace"))
-    except (OSError, ValueError):
-        return None
+        raw = read_regular(path, MAX_BEAT_BYTES)
+    except FileNotFoundError:
+        return ProgressRead(missing=True)
+    except UnsafePath as e:
+        return ProgressRead(error=e.problem)
+    except OSError as e:
+        return ProgressRead(error=e.strerror or str(e))
+    try:
+        data = loads(raw, max_bytes=MAX_BEAT_BYTES, what="progress record")
+    except UntrustedData:
+        return ProgressRead()  # torn or foreign: no record (the next write replaces it)
+    return ProgressRead(beat=parse_beat(data))
+
+
+def read_beat(path: str) -> Beat | None:
+    """The last heartbeat in ``path``; None if absent, unreadable or not a heartbeat."""
+    return read_progress(path).beat
+
+
+def parse_beat(data: object) -> Beat | None:
+    """A progress record (the file's JSON, or a ``progress`` message's
+    ``beat``) as a Beat; None if it is not one."""
     if not isinstance(data, dict):
         return None
     mono = data.get("monotonic")
@@ -124,6 +194,23 @@ def read_beat(path: str) -> Beat | None:
     )
 
 
+def folder_problem(folder: str) -> str | None:
+    """Why a progress file in ``folder`` could not be written now (None:
+    nothing known prevents it): a read-only file system, no free block or
+    inode, no write permission (an immutable folder too)."""
+    try:
+        st = os.statvfs(folder)
+    except OSError as e:
+        return f"{folder} cannot be examined: {e.strerror or e}"
+    if st.f_flag & os.ST_RDONLY:
+        return f"{folder} is on a read-only file system"
+    if st.f_bavail == 0 or (st.f_files > 0 and st.f_favail == 0):
+        return f"{folder} is on a full file system"
+    if not os.access(folder, os.W_OK):
+        return f"{folder} is not writable"
+    return None
+
+
 def _int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -138,6 +225,8 @@ def _number(value: object) -> float | None:
 class _Watch:
     key: int
     path: str
+    channel: bool = False  # the runner has a channel to the agent, still open
+    relayed: bool = False  # its file cannot be written: its progress comes over the channel
     last_progress: float | None = None
     last_step: int | None = None
     beat: Beat | None = None
@@ -157,13 +246,19 @@ class Hang:
 
 
 HangCallback = Callable[[Hang], None]
+# (key, why its progress is unknown): the rank was not judged.
+UnknownCallback = Callable[[int, str], None]
 
 
 class HangWatchdog:
     """One timer per watched rank; ``on_hang`` is called at most once."""
 
     def __init__(
-        self, policy: HangPolicy | float, on_hang: HangCallback, clock: Clock = SYSTEM_CLOCK
+        self,
+        policy: HangPolicy | float,
+        on_hang: HangCallback,
+        clock: Clock = SYSTEM_CLOCK,
+        on_unknown: UnknownCallback | None = None,
     ) -> None:
         if not isinstance(policy, HangPolicy):
             policy = HangPolicy(policy)
@@ -173,15 +268,33 @@ class HangWatchdog:
         self.timeout = policy.seconds
         self.clock = clock
         self._on_hang = on_hang
+        self._on_unknown = on_unknown
         self._watches: dict[int, _Watch] = {}
         self._fired = False
         self._closed = False
 
-    def watch(self, key: int, path: str) -> None:
-        """Start watching ``path`` (the rank was just started)."""
-        w = _Watch(key, path)
+    def watch(self, key: int, path: str, channel: bool = False) -> None:
+        """Start watching ``path`` (the rank was just started; ``channel``:
+        its runner has a channel that can relay its progress)."""
+        w = _Watch(key, path, channel=channel)
         self._watches[key] = w
         self._arm(w, self.clock.monotonic() + self.timeout)
+
+    def relayed(self, key: int, beat: Beat | None) -> None:
+        """The rank's runner cannot write its file: its progress (``beat``,
+        if any) came over its channel."""
+        w = self._watches.get(key)
+        if w is None:
+            return
+        w.relayed = True
+        if beat is not None:
+            self._saw(w, beat, self.clock.monotonic())
+
+    def channel_closed(self, key: int) -> None:
+        """The rank's channel is gone: nothing more is relayed."""
+        w = self._watches.get(key)
+        if w is not None:
+            w.channel = False
 
     def forget(self, key: int) -> None:
         """The rank exited: stop judging it."""
@@ -198,22 +311,52 @@ class HangWatchdog:
         loop = asyncio.get_running_loop()
         w.handle = loop.call_later(remaining(deadline, self.clock), self._check, w.key)
 
+    def _saw(self, w: _Watch, beat: Beat, now: float, from_file: bool = False) -> None:
+        """A beat, from the file or the channel: the newer progress counts."""
+        # A phase that began after the last progress restarts the clock.
+        mark = max(beat.monotonic, beat.phase_since or 0.0)
+        if from_file and w.relayed and w.last_progress is not None and mark > w.last_progress:
+            w.relayed = False  # the file is written again: newer than anything relayed
+        if w.last_progress is None or mark > w.last_progress:
+            # A beat "from the future" (another clock) counts as progress now.
+            w.last_progress = mark if mark <= now + CLOCK_SLACK else now
+            w.last_step = beat.step
+            w.beat = beat
+            w.patient = False
+        elif w.beat is None:
+            w.beat = beat
+
+    def _look(self, w: _Watch, now: float) -> ProgressRead:
+        read = read_progress(w.path)
+        if read.beat is not None:
+            self._saw(w, read.beat, now, from_file=True)
+        return read
+
+    def unknown(self, w: _Watch, read: ProgressRead) -> str | None:
+        """Why rank ``w``'s progress cannot be judged now (None: it can)."""
+        if w.relayed and w.channel:
+            return None  # its runner relays every change: judged by that
+        if read.error is not None:
+            return f"its progress file {w.path} cannot be read: {read.error}"
+        if w.relayed:
+            return (
+                f"its progress file {w.path} cannot be written and its channel to the "
+                "agent is closed"
+            )
+        if read.missing:
+            return f"its progress file {w.path} is gone (its worker could not write it)"
+        problem = folder_problem(os.path.dirname(w.path))
+        return None if problem is None else f"its progress file cannot be written: {problem}"
+
     def _check(self, key: int) -> None:
         w = self._watches.get(key)
         if w is None or self._closed or self._fired:
             return
         now = self.clock.monotonic()
-        beat = read_beat(w.path)
-        if beat is not None:
-            w.beat = beat
-            # A phase that began after the last progress restarts the clock.
-            mark = max(beat.monotonic, beat.phase_since or 0.0)
-            if w.last_progress is None or mark > w.last_progress:
-                # A beat "from the future" (another clock) counts as progress now.
-                w.last_progress = mark if mark <= now + CLOCK_SLACK else now
-                w.last_step = beat.step
-                w.patient = False
+        read = self._look(w, now)
         if w.last_progress is None:  # never showed progress: not judged
+            if read.error is not None and self._on_unknown is not None:
+                self._on_unknown(key, f"its progress file {w.path} cannot be read: {read.error}")
             self._arm(w, now + self.timeout)
             return
         timeout = self.policy.timeout_for(w.beat)
@@ -223,9 +366,31 @@ class HangWatchdog:
         if now < deadline:
             self._arm(w, deadline)
             return
+        why = self.unknown(w, read)
+        if why is not None:  # no evidence that it stopped: not judged (see the docstring)
+            if self._on_unknown is not None:
+                self._on_unknown(key, why)
+            self._arm(w, now + timeout)
+            return
         self._fired = True
         phase = w.beat.phase if w.beat is not None else None
         self._on_hang(Hang(key, w.last_step, now - w.last_progress, timeout, phase))
+
+    def latest(self, key: int) -> tuple[Beat | None, float | None]:
+        """The rank's newest progress now (the file read again, and what its
+        channel relayed): (its last beat, seconds since its last progress);
+        the seconds are None when its progress is unknown, ``inf`` before
+        its first progress."""
+        w = self._watches.get(key)
+        if w is None:
+            return None, None
+        now = self.clock.monotonic()
+        read = self._look(w, now)
+        if w.last_progress is None:
+            return w.beat, math.inf
+        if self.unknown(w, read) is not None:
+            return w.beat, None
+        return w.beat, now - w.last_progress
 
     def wait_longer(self, key: int) -> None:
         """The rank waits in torch for a peer (its stack says so), which may be

@@ -19,14 +19,18 @@ Process hygiene (no worker outlives the agent):
   its timeout fails the group like a crash (agent/watchdog.py); before the
   group is stopped every local rank's Python stack is collected
   (agent/stacks.py), and the rank stuck in code of its own (not waiting in
-  torch) is named the hung one.
+  torch) is named the hung one. Progress relayed over a runner's channel
+  (its file could not be written) counts as the file's would; a rank whose
+  progress the agent cannot see is not judged (agent/progress_faults.py says so);
+* a worker that dies of the stack signal the agent sent it (its script
+  changed the handler after the agent's check) was killed by the agent: it
+  is never the root cause (:meth:`WorkerGroup._on_exit`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -41,25 +45,29 @@ from elastrun.agent import env as worker_env_mod
 from elastrun.agent.children import ForkedProcess, Reaper
 from elastrun.agent.failures import ErrorFileInfo, WorkerFailure, read_error_file
 from elastrun.agent.guard import OrphanGuard
+from elastrun.agent.hang_group import GroupHangs
 from elastrun.agent.logs import LinePump, LogWriteErrors, StreamRoute, rank_dir, routes_for
-from elastrun.agent.spawn import preexec_for, python_entry, runner_argv
+from elastrun.agent.progress_faults import ProgressFaults
+from elastrun.agent.spawn import launcher_stdin, preexec_for, python_entry, runner_argv
 from elastrun.agent.spec import WorkerSpec, argv_for
-from elastrun.agent.stacks import STACKS_ENV, collect, in_torch, main_thread, ordered, top_frame
+from elastrun.agent.stacks import (
+    STACK_SIGNAL_ENV,
+    STACKS_ENV,
+)
 from elastrun.agent.watchdog import (
     HEARTBEAT_ENV,
     HEARTBEAT_INTERVAL_ENV,
     Beat,
-    Hang,
     HangPolicy,
     HangWatchdog,
     heartbeat_interval,
-    read_beat,
 )
 from elastrun.clock import SYSTEM_CLOCK, Clock, remaining
 from elastrun.errors import WorkerError
 from elastrun.events import EventSink
 from elastrun.procs import signal_name
 from elastrun.rendezvous.api import RoundResult
+from elastrun.untrusted import UntrustedData, loads
 
 __all__ = ["Worker", "WorkerGroup", "preexec_for", "round_env"]
 
@@ -77,7 +85,10 @@ CHANNEL_ENV = "ELASTRUN_CHANNEL_FD"  # read by worker/_runner.py
 SCOPE_ENV = "ELASTRUN_MODULE_SCOPE"
 KILL_WAIT = 5.0  # after SIGKILL, how long to wait for the kernel to finish them
 DRAIN_TIMEOUT = 2.0  # after exit, how long to wait for the rest of a worker's output
-MAX_CHANNEL_BYTES = 1 << 20  # what one worker may send the agent over its channel, in all
+MAX_CHANNEL_BYTES = 1 << 20  # what one worker may send the agent over its channel at once
+# ... plus this much per second it has run (the progress it relays while its
+# file cannot be written: at most a record of a few hundred bytes per interval).
+CHANNEL_BYTES_PER_S = 4096
 
 
 def _killpg(pgid: int, sig: int) -> bool:
@@ -112,6 +123,9 @@ class Worker:
     heartbeat_file: str | None = None
     stacks_file: str | None = None
     stacks: str | None = None  # its Python stacks, collected when a hang was declared
+    stacks_skipped: str | None = None  # why its stacks were not asked for
+    stack_signalled: bool = False  # the agent sent it the stack signal
+    channel_opened: float = 0.0  # (monotonic) when its channel was watched
     main_thread: int | None = None
     hang: str | None = None  # "rank R made no progress for S s (last step N)"
     hang_monotonic: float | None = None
@@ -132,7 +146,7 @@ class Worker:
         return self.exited.result() if self.done and self.exited is not None else None
 
 
-class WorkerGroup:
+class WorkerGroup(GroupHangs):
     """The workers of one attempt on this node."""
 
     def __init__(
@@ -150,6 +164,7 @@ class WorkerGroup:
         on_message: OnMessage | None = None,
         module_scope: str = "installed",
         log_errors: LogWriteErrors | None = None,
+        progress_faults: ProgressFaults | None = None,
     ) -> None:
         self.spec = spec
         self.reaper = reaper
@@ -159,6 +174,8 @@ class WorkerGroup:
         self.runs_runner = python_entry(spec.argv) is not None
         # Log files that cannot be written: warned about once (the agent's, across rounds).
         self.log_errors = log_errors if log_errors is not None else LogWriteErrors(events)
+        # Progress the agent cannot see: said once (the agent's, across rounds).
+        self.progress_faults = progress_faults or ProgressFaults(events)
         self.result = result
         self.attempt = attempt
         self.attempt_dir = attempt_dir
@@ -174,7 +191,9 @@ class WorkerGroup:
         self._hang_task: asyncio.Task[None] | None = None
         if spec.hang_timeout is not None:
             policy = HangPolicy(spec.hang_timeout, spec.hang_auto)
-            self.watchdog = HangWatchdog(policy, self._on_hang, clock)
+            self.watchdog = HangWatchdog(
+                policy, self._on_hang, clock, on_unknown=self._progress_unknown
+            )
         for lr in range(spec.nproc):
             rank = result.rank_offset + lr
             routes = routes_for(
@@ -190,7 +209,7 @@ class WorkerGroup:
             # Progress: for the watchdog, and (from the runner) the step times.
             if self.watchdog is not None or self.runs_runner:
                 w.heartbeat_file = os.path.join(attempt_dir, str(lr), "heartbeat.json")
-            if self.watchdog is not None and self.runs_runner:
+            if self.watchdog is not None and self.runs_runner and spec.stack_signal is not None:
                 w.stacks_file = os.path.join(attempt_dir, str(lr), "stacks.txt")
             self.workers.append(w)
 
@@ -211,8 +230,9 @@ class WorkerGroup:
             envs[w.local_rank] = round_env(
                 self.spec, self.result, w.local_rank, w.error_file, w.heartbeat_file
             )
-            if w.stacks_file is not None:
+            if w.stacks_file is not None and self.spec.stack_signal is not None:
                 envs[w.local_rank][STACKS_ENV] = w.stacks_file
+                envs[w.local_rank][STACK_SIGNAL_ENV] = str(self.spec.stack_signal)
             if self.runs_runner:
                 envs[w.local_rank][SCOPE_ENV] = self.module_scope
                 w.channel, theirs[w.local_rank] = socket.socketpair()
@@ -268,10 +288,11 @@ class WorkerGroup:
             env = {**env, CHANNEL_ENV: str(channel.fileno())}
             fds = (channel.fileno(),)
         try:
+            stdin = launcher_stdin()
             popen = subprocess.Popen(
                 argv,
                 env=env,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL if stdin is None else stdin,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
@@ -298,11 +319,12 @@ class WorkerGroup:
         w.exited = loop.create_future()
         self._watch_exit(loop, w)
         if self.watchdog is not None and w.heartbeat_file is not None:
-            self.watchdog.watch(w.local_rank, w.heartbeat_file)
+            self.watchdog.watch(w.local_rank, w.heartbeat_file, channel=w.channel is not None)
         for pipe, route in zip((w.popen.stdout, w.popen.stderr), w.routes, strict=True):
             assert pipe is not None
             self._pump(loop, w, pipe, route)
         if w.channel is not None:
+            w.channel_opened = self.clock.monotonic()
             w.channel.setblocking(False)
             loop.add_reader(w.channel.fileno(), self._on_channel, w)
             if w.warm:
@@ -310,7 +332,8 @@ class WorkerGroup:
                     w.channel.send(b"go\n")  # registered: the forked worker may run
 
     def _on_channel(self, w: Worker) -> None:
-        """Read what the worker's runner sends (JSON lines, bounded)."""
+        """Read what the worker's runner sends (JSON lines, bounded: at most
+        MAX_CHANNEL_BYTES, plus CHANNEL_BYTES_PER_S for each second it ran)."""
         sock = w.channel
         if sock is None:
             return
@@ -321,7 +344,10 @@ class WorkerGroup:
         except OSError:
             data = b""
         w.channel_read += len(data)
-        if not data or w.channel_read > MAX_CHANNEL_BYTES:
+        budget = MAX_CHANNEL_BYTES + CHANNEL_BYTES_PER_S * (
+            self.clock.monotonic() - w.channel_opened
+        )
+        if not data or w.channel_read > budget:
             self._close_channel(w)
             return
         w.channel_buf += data
@@ -329,16 +355,22 @@ class WorkerGroup:
             line, _, rest = bytes(w.channel_buf).partition(b"\n")
             w.channel_buf = bytearray(rest)
             try:
-                message = json.loads(line)
-            except ValueError:
+                message = loads(line, max_bytes=MAX_CHANNEL_BYTES, what="a channel message")
+            except UntrustedData:
                 continue
-            if isinstance(message, dict) and self.on_message is not None:
+            if not isinstance(message, dict):
+                continue
+            if message.get("kind") in ("progress", "progress_failed"):
+                self._relayed(w, message)
+            elif self.on_message is not None:
                 self.on_message(w.local_rank, message)
 
     def _close_channel(self, w: Worker) -> None:
         sock, w.channel = w.channel, None
         if sock is None:
             return
+        if self.watchdog is not None:
+            self.watchdog.channel_closed(w.local_rank)
         with contextlib.suppress(RuntimeError, ValueError, OSError):
             asyncio.get_running_loop().remove_reader(sock.fileno())
         sock.close()
@@ -399,6 +431,10 @@ class WorkerGroup:
         w.exit_wall = time.time()
         if self.watchdog is not None:
             self.watchdog.forget(w.local_rank)
+        if w.stack_signalled and rc == -(self.spec.stack_signal or 0):
+            # Killed by the stack signal the agent sent (its script changed the
+            # handler after the agent's check): the agent's doing, never a root cause.
+            w.stopped_by_agent = True
         if w.hang is not None:
             cause = "root_cause" if w.hang_first else "collateral"
         elif rc == 0:
@@ -434,108 +470,6 @@ class WorkerGroup:
     @property
     def failed(self) -> bool:
         return any((w.done and w.returncode != 0) or w.hang is not None for w in self.workers)
-
-    def _on_hang(self, hang: Hang) -> None:
-        """The watchdog found a rank without progress: collect every local
-        rank's stacks first (bounded), then fail the group."""
-        if self._closed or self._hang_task is not None:
-            return
-        self._hang_task = asyncio.ensure_future(self._declare_hang(hang))
-
-    async def collect_stacks(self) -> dict[int, str]:
-        """Every live local rank's Python stacks (by local rank), also kept on
-        the workers for the failure summary. Bounded (agent/stacks.py)."""
-        live = {
-            w.local_rank: (w.pid, w.stacks_file)
-            for w in self.workers
-            if w.stacks_file is not None and w.popen is not None and not w.done
-        }
-        dumps = await collect(live, clock=self.clock) if live else {}
-        for lr, dump in dumps.items():
-            w = self.workers[lr]
-            w.stacks = dump
-            w.main_thread = main_thread(w.stacks_file) if w.stacks_file else None
-        return dumps
-
-    def _hung_one(self, hang: Hang) -> Worker:
-        """The hung rank: the one the watchdog judged, unless it waits in torch
-        (for a peer) while another rank, also without progress for half the
-        timeout, sits in code of its own: that one is the culprit."""
-        judged = self.workers[hang.key]
-        if judged.stacks is None or not in_torch(judged.stacks, judged.main_thread):
-            return judged
-        dumps = {
-            w.local_rank: (w.stacks, w.main_thread) for w in self.workers if w.stacks is not None
-        }
-        now = self.clock.monotonic()
-        for lr in ordered(dumps, range(len(self.workers))):
-            w, got = self.workers[lr], dumps.get(lr)
-            if got is None or in_torch(*got) or w.done or w.heartbeat_file is None:
-                continue
-            beat = read_beat(w.heartbeat_file)
-            if beat is None or now - beat.monotonic >= hang.timeout / 2:
-                return w
-        return judged
-
-    async def _declare_hang(self, hang: Hang) -> None:
-        await self.collect_stacks()
-        w = self._hung_one(hang)
-        if w.done or self._closed:
-            return
-        if (
-            self.spec.hang_auto
-            and self.watchdog is not None
-            and w.stacks is not None
-            and in_torch(w.stacks, w.main_thread)
-            and not self.watchdog.is_patient(w.local_rank)
-        ):
-            # Waiting for a peer: the culprit is elsewhere (see watchdog.py).
-            self.events.emit(
-                "hang_suspected",
-                rank=w.rank,
-                idle_s=round(hang.idle, 3),
-                sits_in=str(top_frame(w.stacks, w.main_thread)),
-                round=self.result.round,
-            )
-            self._hang_task = None
-            self.watchdog.wait_longer(w.local_rank)
-            return
-        beat = read_beat(w.heartbeat_file) if w.heartbeat_file is not None else None
-        last_step = beat.step if beat is not None else hang.last_step
-        step = "no step reported" if last_step is None else f"last step {last_step}"
-        if self.spec.hang_auto:
-            during = f", in phase {hang.phase}" if hang.phase else ""
-            idle = hang.idle if beat is None else self.clock.monotonic() - beat.monotonic
-            w.hang = (
-                f"rank {w.rank} made no progress for {idle:.0f} s "
-                f"(timeout auto: {hang.timeout:g} s; {step}{during})"
-            )
-        else:
-            w.hang = f"rank {w.rank} made no progress for {hang.timeout:g} s ({step})"
-        w.hang_monotonic = self.clock.monotonic()
-        w.hang_wall = time.time()
-        w.hang_first = not self._failed_seen
-        self._failed_seen = True  # later failures are collateral of this one
-        self.events.emit(
-            "hang_detected",
-            rank=w.rank,
-            local_rank=w.local_rank,
-            pid=w.pid,
-            last_step=last_step,
-            idle_s=round(hang.idle, 3),
-            hang_timeout=round(hang.timeout, 3),
-            auto=self.spec.hang_auto,
-            phase=hang.phase,
-            judged_rank=self.workers[hang.key].rank,
-            sits_in={
-                x.rank: str(top_frame(x.stacks, x.main_thread))
-                for x in self.workers
-                if x.stacks is not None
-            },
-            round=self.result.round,
-            attempt=self.attempt,
-        )
-        self._changed.set()
 
     def beats(self) -> dict[int, Beat]:
         """The last progress read of each local rank (the watchdog's)."""

@@ -60,6 +60,7 @@ _FIELD_OF_FLAG = {
     "--log-template": "log_template",
     "--events-file": "events_file",
     "--hang-timeout": "hang_timeout",
+    "--stack-signal": "stack_signal",
     "--exit-barrier-timeout": "exit_barrier_timeout",
     "--role": "role",
 }

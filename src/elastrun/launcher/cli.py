@@ -29,6 +29,7 @@ from elastrun.launcher.config import (
     parse_ranks_filter,
     parse_rdzv_conf,
     parse_signals,
+    parse_stack_signal,
     parse_std,
 )
 from elastrun.launcher.limits import (
@@ -480,6 +481,15 @@ def build_parser() -> argparse.ArgumentParser:
         "rank's Python stack is shown (default: off)",
     )
     f.add_argument(
+        *_both("--stack-signal"),
+        action=EnvDefault,
+        default="SIGRTMIN+5",
+        metavar="SIG|none",
+        help="the signal that makes a worker write its Python stacks when a hang is declared "
+        "(SIGRTMIN+N, SIGRTMAX-N, SIGUSR1, SIGUSR2, or none; default: SIGRTMIN+5). A rank "
+        "whose script no longer catches it is skipped, never signalled",
+    )
+    f.add_argument(
         "--prewarm",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -677,6 +687,7 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
         events_file=ns.events_file or None,
         hang_timeout=hang[0],
         hang_auto=hang[1],
+        stack_signal=parse_stack_signal(ns.stack_signal),
         exit_barrier_timeout=_float("--exit-barrier-timeout", ns.exit_barrier_timeout),
         # Spares run Python: not for --no-python programs or --run-path's -c.
         prewarm=ns.prewarm and not (ns.no_python or ns.run_path),

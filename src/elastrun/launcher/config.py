@@ -31,12 +31,14 @@ from elastrun.launcher.limits import (
     worker_cost,
 )
 from elastrun.names import check_run_id
+from elastrun.procs import signal_name
 
 __all__ = [
     "DEFAULT_C10D_PORT",
     "DEFAULT_ETCD_PORT",
     "DEFAULT_MASTER_PORT",
     "DEFAULT_SIGNALS",
+    "DEFAULT_STACK_SIGNAL",
     "RDZV_CONF_KEYS",
     "LaunchConfig",
     "count_gpus",
@@ -48,6 +50,7 @@ __all__ = [
     "parse_ranks_filter",
     "parse_rdzv_conf",
     "parse_signals",
+    "parse_stack_signal",
     "parse_std",
 ]
 
@@ -55,6 +58,8 @@ DEFAULT_C10D_PORT = 29400
 DEFAULT_ETCD_PORT = 2379
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+DEFAULT_STACK_SIGNAL = int(signal.SIGRTMIN) + 5
+_RT_SIGNAL = re.compile(r"SIGRT(MIN|MAX)(?:([+-])([0-9]{1,3}))?")
 
 # --rdzv-conf keys: name -> kind. "float": seconds in the key's range
 # (limits.CONF_SECONDS), "bool" accepts 1/0/true/false/yes/no, "str" anything
@@ -145,6 +150,9 @@ class LaunchConfig:
     # hang_timeout is the floor of each rank's own calibrated timeout
     # (``--hang-timeout auto[:FLOOR]``; see agent/watchdog.py).
     hang_auto: bool = False
+    # The signal that makes a worker write its Python stacks when a hang is
+    # declared (agent/stacks.py); None: no stacks are collected.
+    stack_signal: int | None = DEFAULT_STACK_SIGNAL
     exit_barrier_timeout: float | None = None  # None: --rdzv-conf or 300 s
     env: Mapping[str, str] = field(default_factory=dict)  # extra worker environment
     # Fork workers from a warm interpreter (agent/spares.py); only for Python
@@ -182,6 +190,7 @@ class LaunchConfig:
             if not 0 < self.master_port < 65536:
                 raise ConfigError(f"--master-port: must be in 1..65535, got {self.master_port}")
         self._check_timeouts()
+        check_stack_signal(self.stack_signal, self.signals_to_handle)
         if self.prewarm_modules not in ("installed", "all", "torch"):
             raise ConfigError(
                 f"--prewarm-modules: must be installed, all or torch, got {self.prewarm_modules!r}"
@@ -514,6 +523,48 @@ def parse_signals(text: str) -> tuple[signal.Signals, ...]:
         if sig not in out:
             out.append(sig)
     return tuple(out)
+
+
+def parse_stack_signal(text: str) -> int | None:
+    """``--stack-signal``: ``SIGRTMIN+N``, ``SIGRTMAX-N``, ``SIGUSR1``,
+    ``SIGUSR2`` (``SIG`` optional, any case) or ``none`` -> its number (None: off)."""
+    raw = text.strip().upper()
+    if raw in ("NONE", "OFF"):
+        return None
+    name = raw if raw.startswith("SIG") else "SIG" + raw
+    if name in ("SIGUSR1", "SIGUSR2"):
+        return int(signal.Signals[name])
+    lo, hi = int(signal.SIGRTMIN), int(signal.SIGRTMAX)
+    rt = _RT_SIGNAL.fullmatch(name)
+    if rt is not None:
+        offset = int(rt[3] or 0) * (-1 if rt[2] == "-" else 1)
+        signum = (lo if rt[1] == "MIN" else hi) + offset
+        if lo <= signum <= hi:
+            return signum
+    raise ConfigError(
+        f"--stack-signal: expected SIGRTMIN+N or SIGRTMAX-N (N in 0..{hi - lo}), SIGUSR1, "
+        f"SIGUSR2 or none, got {text.strip()!r}"
+    )
+
+
+def check_stack_signal(signum: object, handled: tuple[signal.Signals, ...]) -> None:
+    """The stack signal: a real-time signal, SIGUSR1 or SIGUSR2 that the
+    agent does not also forward to the workers (None: off)."""
+    if signum is None:
+        return
+    if isinstance(signum, bool) or not isinstance(signum, int):
+        raise ConfigError(f"--stack-signal: expected a signal number or None, got {signum!r}")
+    allowed = {int(signal.SIGUSR1), int(signal.SIGUSR2)}
+    if signum not in allowed and not int(signal.SIGRTMIN) <= signum <= int(signal.SIGRTMAX):
+        raise ConfigError(
+            f"--stack-signal: {signal_name(signum)} cannot be used: a real-time signal, "
+            "SIGUSR1 or SIGUSR2 only (the others stop, pause or matter to the worker)"
+        )
+    if signum in {int(s) for s in handled}:
+        raise ConfigError(
+            f"--stack-signal: {signal_name(signum)} is also in --signals-to-handle (forwarded "
+            "to the workers, where it would write stacks instead); choose another"
+        )
 
 
 _TEMPLATE_FIELDS = {

@@ -29,6 +29,7 @@ __all__ = [
     "MAX_NODES",
     "MAX_NPROC_PER_NODE",
     "MAX_RESTARTS",
+    "MIN_TIMEOUT",
     "Range",
     "check_int",
     "check_seconds",
@@ -77,13 +78,21 @@ class Range:
         return f"{low} and <= {self.hi:g}" + (f" {unit}" if unit else "")
 
 
+# The shortest timeout that can tell a healthy peer from a lost one: a store
+# request, the rendezvous' first round or a worker's progress can take a good
+# part of a second on a loaded machine. Below it a healthy job fails, blaming
+# a healthy store or rank; so shorter values are refused. Timeouts where 0
+# means "do not wait" (last_call_timeout, close_timeout, the exit barrier,
+# --shutdown-timeout, --warm-join-timeout) stay free.
+MIN_TIMEOUT = 1.0
+
 # --rdzv-conf keys that are durations (seconds) and their ranges.
 CONF_SECONDS: dict[str, Range] = {
-    "join_timeout": Range(0.0, WEEK, lo_open=True),
-    "timeout": Range(0.0, WEEK, lo_open=True),  # torch's spelling of join_timeout
+    "join_timeout": Range(MIN_TIMEOUT, WEEK),
+    "timeout": Range(MIN_TIMEOUT, WEEK),  # torch's spelling of join_timeout
     "last_call_timeout": Range(0.0, DAY),
     "close_timeout": Range(0.0, HOUR),
-    "read_timeout": Range(0.0, DAY, lo_open=True),
+    "read_timeout": Range(MIN_TIMEOUT, DAY),
     # The embedded store grants 0.05..3600 s, etcd whole seconds; below 0.5 s
     # a keepalive every TTL/3 is busy work, not faster detection.
     "lease_ttl": Range(0.5, HOUR),
@@ -94,7 +103,7 @@ CONF_SECONDS: dict[str, Range] = {
 FLAG_SECONDS: dict[str, Range] = {
     "--monitor-interval": Range(0.0, HOUR, lo_open=True),
     "--shutdown-timeout": Range(0.0, HOUR),
-    "--hang-timeout": Range(0.0, WEEK, lo_open=True),
+    "--hang-timeout": Range(MIN_TIMEOUT, WEEK),
     "--exit-barrier-timeout": Range(0.0, WEEK),
     "--warm-join-timeout": Range(0.0, HOUR),
 }
@@ -147,7 +156,13 @@ def check_seconds(name: str, value: object, rng: Range, shown: str | None = None
     number = float(value)
     what = repr(shown) if shown is not None else f"{value!r}"
     if not math.isfinite(number) or number not in rng:
-        raise ConfigError(f"{name}: must be {rng.text('seconds')}, got {what}")
+        why = ""
+        if math.isfinite(number) and 0 < number < rng.lo == MIN_TIMEOUT:
+            why = (
+                f" (a timeout under {MIN_TIMEOUT:g} s cannot tell a healthy store or worker "
+                "from a lost one on a loaded machine)"
+            )
+        raise ConfigError(f"{name}: must be {rng.text('seconds')}, got {what}{why}")
     return number
 
 

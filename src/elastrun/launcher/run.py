@@ -129,6 +129,7 @@ def build_spec(plan: Plan, argv: Sequence[str], host: str) -> WorkerSpec:
         start_method=cfg.start_method,
         hang_timeout=cfg.hang_timeout,
         hang_auto=cfg.hang_auto and cfg.hang_timeout is not None,
+        stack_signal=cfg.stack_signal,
         events_file=cfg.events_file,
         prewarm=cfg.prewarm,
         prewarm_modules=cfg.prewarm_modules,

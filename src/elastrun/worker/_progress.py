@@ -32,12 +32,23 @@ rank's own calibrated timeout: ``max(GAP_QUANTILE_MULT x the
 99th percentile of the recent gaps between two progress events,
 GAP_MAX_MULT x the longest gap seen)``. The time spent in a phase is never a
 gap: a checkpoint save does not teach the watchdog to wait longer for steps.
+
+The file is replaced through a new, randomly named file beside it
+(``O_EXCL``, no link followed: ``elastrun/safefs.py``). A write that fails
+(a full disk, a read-only or unwritable folder) never stops training, and
+never leaves the agent judging a stale record. The worker says so once on
+stderr and removes the stale file. If the runner has a channel to the agent,
+it sends a ``progress_failed`` message there once, then each changed
+snapshot as a ``progress`` message, at most one per interval, for as long as
+the file cannot be written. The file is tried again with backoff (the
+interval, doubling up to ``MAX_BACKOFF``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import json
 import os
 import statistics
@@ -57,16 +68,45 @@ STEPS_KEPT = 32  # recent optimizer step intervals (the step time)
 GAP_QUANTILE_MULT = 10.0
 GAP_MAX_MULT = 2.0
 MIN_GAPS = 8  # fewer gaps than this: no calibration yet (the floor holds)
+MAX_BACKOFF = 30.0  # s between two tries of a progress file that cannot be written
 MAX_PHASE_NAME = 64
 OPTIMIZER_MODULE = "torch.optim.optimizer"
 DATALOADER_MODULE = "torch.utils.data.dataloader"
 
 
-class Progress:
-    """One worker's progress; hooks call :meth:`event`, a thread writes it."""
+def safefs() -> Any:
+    """``elastrun/safefs.py`` (stdlib only), loaded by path as
+    ``_elastrun_safefs``: this file runs outside the package."""
+    name = "_elastrun_safefs"
+    mod = sys.modules.get(name)
+    if mod is None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        spec = importlib.util.spec_from_file_location(name, os.path.join(here, "..", "safefs.py"))
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        sys.modules[name] = mod
+    return mod
 
-    def __init__(self, path: str, interval: float, clock: Callable[[], float] = time.monotonic):
+
+Send = Callable[[dict[str, Any]], None]
+
+
+class Progress:
+    """One worker's progress; hooks call :meth:`event`, a thread writes it.
+
+    ``send``: the runner's channel to the agent (None: no channel), used
+    only while the file cannot be written."""
+
+    def __init__(
+        self,
+        path: str,
+        interval: float,
+        clock: Callable[[], float] = time.monotonic,
+        send: Send | None = None,
+    ) -> None:
         self.path = path
+        self.send = send
         self.interval = max(0.01, min(MAX_INTERVAL, interval))
         self.clock = clock
         self.last: float | None = None  # the last progress
@@ -84,6 +124,9 @@ class Progress:
         self.phase_depth = 0
         self.explicit = False  # the script reports its own steps (heartbeat(step))
         self._written = -1
+        self.failure: OSError | None = None  # the file's last write error (None: it works)
+        self._backoff = 0.0
+        self._retry_at = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -174,23 +217,57 @@ class Progress:
 
     # ------------------------------------------------------------- writing
     def write(self) -> None:
-        """Write the file if anything changed (never raises)."""
+        """Write the file if anything changed; while it cannot be written,
+        send the snapshot over the channel instead (never raises)."""
         changes = self.changes
         if changes == self._written or (self.last is None and self.phase is None):
             return
-        self._written = changes
         try:
-            line = json.dumps(self.snapshot()) + "\n"
+            snapshot = self.snapshot()
+            line = json.dumps(snapshot) + "\n"
         except RuntimeError:  # a hook changed the numbers meanwhile: next time
-            self._written = -1
             return
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(line)
-            os.replace(tmp, self.path)
-        except OSError:
-            return  # a full disk must not kill training: the watchdog sees no progress
+        self._written = changes
+        if self.failure is None or self.clock() >= self._retry_at:
+            try:
+                safefs().write_atomic(self.path, line.encode())
+            except OSError as e:
+                self._failed(e)
+            else:
+                self.failure, self._backoff = None, 0.0
+                return
+        self._send({"kind": "progress", "beat": snapshot, "error": str(self.failure)})
+
+    def _failed(self, error: OSError) -> None:
+        """The file could not be written: said once, the stale file removed,
+        the next try later."""
+        self._backoff = min(MAX_BACKOFF, max(self.interval, 2 * self._backoff))
+        self._retry_at = self.clock() + self._backoff
+        if self.failure is not None:
+            self.failure = error
+            return
+        self.failure = error
+        how = (
+            "its progress goes to the agent over the runner's channel meanwhile"
+            if self.send is not None
+            else "the hang watchdog cannot judge this worker meanwhile"
+        )
+        with contextlib.suppress(Exception):
+            print(
+                f"elastrun: worker pid {os.getpid()}: progress file {self.path} not "
+                f"recorded: {error}; retrying with backoff; {how}",
+                file=sys.stderr,
+                flush=True,
+            )
+        self._send({"kind": "progress_failed", "path": self.path, "error": str(error)})
+        # A stale record would look like a worker that stopped progressing.
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+    def _send(self, message: dict[str, Any]) -> None:
+        if self.send is not None:
+            with contextlib.suppress(Exception):
+                self.send(message)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="elastrun-progress", daemon=True)
@@ -324,10 +401,12 @@ def current() -> Progress | None:
     return _current
 
 
-def install(on_import: Callable[[str, Callable[[Any], None]], None]) -> Progress | None:
+def install(
+    on_import: Callable[[str, Callable[[Any], None]], None], send: Send | None = None
+) -> Progress | None:
     """Start recording progress if the agent gave a file. ``on_import(name,
     callback)`` calls ``callback(module)`` once ``name`` is imported (at once
-    when it is already)."""
+    when it is already); ``send``: the runner's channel to the agent."""
     global _current
     path = os.environ.get(FILE_ENV)
     if not path:
@@ -336,7 +415,7 @@ def install(on_import: Callable[[str, Callable[[Any], None]], None]) -> Progress
         interval = float(os.environ.get(INTERVAL_ENV) or MAX_INTERVAL)
     except ValueError:
         interval = MAX_INTERVAL
-    progress = Progress(path, interval)
+    progress = Progress(path, interval, send=send)
     on_import(OPTIMIZER_MODULE, functools.partial(hook_optimizer, progress))
     on_import(DATALOADER_MODULE, functools.partial(hook_dataloader, progress))
     on_import("torch", functools.partial(hook_torch, progress))

@@ -20,8 +20,9 @@ exit code), after setting up what elastrun observes from inside the worker:
   checkpoint phases, counted through torch's process-wide hooks and written
   to ``ELASTRUN_HEARTBEAT_FILE`` for the hang watchdog and the step times;
 * **stacks**: with ``ELASTRUN_STACKS_FILE``, ``faulthandler`` writes every
-  thread's Python stack there on ``SIGRTMIN+5`` (the agent sends it when it
-  declares a hang).
+  thread's Python stack there on the stack signal, ``ELASTRUN_STACK_SIGNAL``
+  (its number; default ``SIGRTMIN+5``), which the agent sends when it
+  declares a hang (``--stack-signal``).
 
 With ``ELASTRUN_RUNNER=zygote`` the program is the agent's warm interpreter
 instead (``_zygote.py``, loaded from beside this file): it imports modules
@@ -30,8 +31,11 @@ ahead of time, then forks the workers. A forked worker continues here, in
 
 The channel (fd ``ELASTRUN_CHANNEL_FD``, a stream socket to the agent):
 JSON lines, ``"v": 2``; worker -> agent ``{"v": 2, "kind": "modules",
-"modules": [...], "python": "3.11.7", "torch": "2.13.0"}``. Writes never
-block the worker: a message that does not fit is dropped.
+"modules": [...], "python": "3.11.7", "torch": "2.13.0"}``; while the
+progress file cannot be written (``_progress.py``), ``{"v": 2, "kind":
+"progress_failed", "path": ..., "error": ...}`` once, then ``{"v": 2,
+"kind": "progress", "beat": {...the file's record...}, "error": ...}``.
+Writes never block the worker: a message that does not fit is dropped.
 
 Variables this program reads are removed from ``os.environ`` before the
 script runs, so the script and its children do not see them.
@@ -60,11 +64,20 @@ MODE_ENV = "ELASTRUN_RUNNER"  # "zygote": serve forks (see _zygote.py)
 CHANNEL_ENV = "ELASTRUN_CHANNEL_FD"  # the channel socket's fd
 SCOPE_ENV = "ELASTRUN_MODULE_SCOPE"  # "installed" (default) or "all"
 AFTER_ENV = "ELASTRUN_MODULES_AFTER"  # s after start to record without an optimizer step
-STACKS_ENV = "ELASTRUN_STACKS_FILE"  # where faulthandler writes on STACK_SIGNAL
+STACKS_ENV = "ELASTRUN_STACKS_FILE"  # where faulthandler writes on the stack signal
+STACK_SIGNAL_ENV = "ELASTRUN_STACK_SIGNAL"  # its number (--stack-signal)
 PROGRESS_ENV = ("ELASTRUN_HEARTBEAT_FILE", "ELASTRUN_HEARTBEAT_INTERVAL")  # see _progress.py
-PRIVATE_ENV = (MODE_ENV, CHANNEL_ENV, SCOPE_ENV, AFTER_ENV, STACKS_ENV, *PROGRESS_ENV)
-# The signal on which a worker writes every thread's Python stack (the agent
-# sends it when it declares a hang). A real-time signal: scripts and the
+PRIVATE_ENV = (
+    MODE_ENV,
+    CHANNEL_ENV,
+    SCOPE_ENV,
+    AFTER_ENV,
+    STACKS_ENV,
+    STACK_SIGNAL_ENV,
+    *PROGRESS_ENV,
+)
+# The default signal on which a worker writes every thread's Python stack (the
+# agent sends it when it declares a hang). A real-time signal: scripts and the
 # libraries they use (SLURM's SIGUSR1, Lightning's requeue) do not take it.
 STACK_SIGNAL_OFFSET = 5  # SIGRTMIN+5
 DEFAULT_AFTER = 30.0
@@ -79,6 +92,9 @@ _HERE = os.path.dirname(_SELF)
 def _load_sibling(name: str) -> types.ModuleType:
     """``{name}.py`` from beside this file, as module ``_elastrun{name}`` (this
     program runs as a script, so its folder is not a package here)."""
+    loaded = sys.modules.get(f"_elastrun{name}")
+    if loaded is not None:
+        return loaded
     path = os.path.join(_HERE, f"{name}.py")
     spec = importlib.util.spec_from_file_location(f"_elastrun{name}", path)
     assert spec is not None and spec.loader is not None
@@ -273,27 +289,48 @@ def on_import(name: str, callback: Callable[[types.ModuleType], None]) -> None:
 _stacks_file: Any = None  # kept open: faulthandler writes to its fd
 
 
-def register_stacks(path: str) -> None:
-    """Dump every thread's stack into ``path`` on STACK_SIGNAL. ``path``
-    appears only once the handler is in place: the agent signals a worker
-    only when it exists (the signal's default action would end the process)."""
-    global _stacks_file
-    import faulthandler
+def stack_signal(text: str | None) -> int | None:
+    """The stack signal's number from ``ELASTRUN_STACK_SIGNAL`` (default
+    SIGRTMIN+5); None when it is not a signal this platform has."""
     import signal
 
-    tmp = f"{path}.{os.getpid()}.tmp"
+    if not text:
+        return int(signal.SIGRTMIN) + STACK_SIGNAL_OFFSET
     try:
-        f = open(tmp, "w", encoding="utf-8")  # noqa: SIM115 - kept open for faulthandler
+        signum = int(text)
+    except ValueError:
+        return None
+    return signum if 0 < signum < signal.NSIG else None
+
+
+def register_stacks(path: str, signum: int) -> None:
+    """Dump every thread's stack into ``path`` on ``signum``. ``path``
+    appears only once the handler is in place: the agent signals a worker
+    only when it exists (the signal's default action would end the process).
+    It is made as a new, randomly named file (``O_EXCL``, no link followed),
+    then renamed."""
+    global _stacks_file
+    import faulthandler
+    import secrets
+    import signal
+
+    fs = _load_sibling("_progress").safefs()
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        f = os.fdopen(fs.create_new(tmp), "w", encoding="utf-8")
+    except OSError:
+        return
+    try:
         # faulthandler names threads by id: say which one runs the script.
         f.write(f"# elastrun: main thread 0x{threading.get_ident():x}\n")
         f.flush()
-        signum = signal.SIGRTMIN + STACK_SIGNAL_OFFSET
         # faulthandler restores the previous disposition when the interpreter
         # finalizes: "ignore", so a late signal cannot end an exiting worker.
         signal.signal(signum, signal.SIG_IGN)
         faulthandler.register(signum, file=f, all_threads=True, chain=False)
         os.replace(tmp, path)
     except (OSError, ValueError, RuntimeError):
+        f.close()
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         return
@@ -314,20 +351,22 @@ class Channel:
 
     def __init__(self, fd: int | None) -> None:
         self.fd = fd
+        self._lock = threading.Lock()  # the script's thread and the progress thread
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.set_inheritable(fd, False)  # not for the script's own children
 
     def send(self, message: dict[str, Any]) -> None:
-        if self.fd is None:
-            return
         data = json.dumps({"v": PROTOCOL, **message}).encode() + b"\n"
-        with contextlib.suppress(OSError):
-            os.set_blocking(self.fd, False)
-            if os.write(self.fd, data) != len(data):
+        with self._lock, contextlib.suppress(OSError):
+            fd = self.fd  # another thread may have closed it meanwhile
+            if fd is None:
+                return
+            os.set_blocking(fd, False)
+            if os.write(fd, data) != len(data):
                 # A short write would leave half a line: this channel is done.
-                os.close(self.fd)
                 self.fd = None
+                os.close(fd)
 
 
 # --------------------------------------------------------------------------- running
@@ -389,9 +428,11 @@ def run_worker(kind: str, target: str, args: list[str]) -> None:
     except ValueError:
         after = DEFAULT_AFTER
     stacks = env.get(STACKS_ENV)
-    if stacks:
-        register_stacks(stacks)
-    _load_sibling("_progress").install(on_import)  # reads its own variables
+    signum = stack_signal(env.get(STACK_SIGNAL_ENV))
+    if stacks and signum is not None:
+        register_stacks(stacks, signum)
+    # Reads its own variables; the channel carries progress when its file fails.
+    _load_sibling("_progress").install(on_import, channel.send if channel.fd is not None else None)
     for name in PRIVATE_ENV:
         env.pop(name, None)
     if channel.fd is not None:

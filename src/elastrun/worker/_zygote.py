@@ -18,7 +18,8 @@ Protocol: one JSON object per message, ``"v": 2``::
                       "python": "3.11.7", "torch": "2.13.0" | null}
     agent -> zygote  {"preload": [name, ...]}          import these too
     agent -> zygote  {"fork": {"env": {...}, "args": [...]}, "index": i, "count": n}
-                     with 3 fds: the worker's stdout, stderr and channel socket
+                     with 4 fds: the worker's stdout, stderr, channel socket
+                     and stdin (the agent's own; 3 fds: stdin is /dev/null)
     zygote -> agent  {"pids": [pid | null, ...]}       once all n are forked
     zygote -> agent  {"unsafe": [name, ...], "why": ...}  then it exits: a module
                      started a Python thread or initialised CUDA (not fork-safe),
@@ -72,7 +73,7 @@ BUDGET_ENV = "ELASTRUN_PRELOAD_BUDGET"  # s
 RSS_ENV = "ELASTRUN_PRELOAD_MAX_RSS"  # MiB
 OWN_ENV = (PRELOAD_ENV, DELAY_ENV, AGENT_ENV, BUDGET_ENV, RSS_ENV)
 MAX_MESSAGE = 4 << 20
-FDS_PER_WORKER = 3
+FDS_PER_WORKER = 4  # stdout, stderr, channel, stdin
 MAX_FAILED = 50
 ADOPT_WAIT = 5.0  # s for the re-parenting to the agent
 GO_WAIT = 60.0  # s for the agent's go
@@ -341,7 +342,7 @@ class Zygote:
         """Act on one message; raises _Become in a forked worker."""
         if "preload" in message:
             self._enqueue(message["preload"])
-        if "fork" in message and isinstance(message["fork"], dict) and len(fds) == 3:
+        if "fork" in message and isinstance(message["fork"], dict) and len(fds) in (3, 4):
             self.batch.append((message["fork"], fds))
             fds = []
             if len(self.batch) >= int(message.get("count", 1)):
@@ -416,13 +417,16 @@ class Zygote:
         for fd in become.others:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        out, err, channel = become.fds
+        out, err, channel = become.fds[:3]
         if not _wait_go(channel, GO_WAIT):
             os._exit(71)
-        devnull = os.open(os.devnull, os.O_RDONLY)  # fd 0 is free: the socket is gone
-        if devnull != 0:
-            os.dup2(devnull, 0)  # the worker's stdin, as the agent gives cold workers
-            os.close(devnull)
+        # The worker's stdin, as the agent gives cold workers: the agent's own
+        # (the launcher's, as torchrun gives it), passed with this order only:
+        # the zygote holds it no longer than the fork. fd 0 is free: the socket is gone.
+        stdin = become.fds[3] if len(become.fds) > 3 else os.open(os.devnull, os.O_RDONLY)
+        if stdin != 0:
+            os.dup2(stdin, 0)
+            os.close(stdin)
         os.dup2(out, 1)
         os.dup2(err, 2)
         os.close(out)
