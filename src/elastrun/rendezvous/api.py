@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from elastrun.failure import FailureRecord
+from elastrun.store.base import RevokeSpec
 
 __all__ = [
     "Change",
@@ -30,6 +31,7 @@ __all__ = [
     "ProgressCallback",
     "Rendezvous",
     "RendezvousSettings",
+    "RevokeSpec",
     "RoundResult",
     "WaitingStatus",
 ]
@@ -145,8 +147,8 @@ class WaitingStatus:
 
 ProgressCallback = Callable[[WaitingStatus], None]
 # Told how another process could revoke this node's lease (the store's
-# ``revoke_spec``: JSON-able), or None when it holds none.
-LeaseListener = Callable[[dict[str, Any] | None], None]
+# ``revoke_spec``), or None when it holds none.
+LeaseListener = Callable[[RevokeSpec | None], None]
 
 
 class Rendezvous(abc.ABC):
