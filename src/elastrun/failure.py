@@ -23,6 +23,8 @@ for the fields known here; a missing or mistyped field reads as its default.
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -90,9 +92,28 @@ class FailureRecord:
     hang: str | None = None
     failures: tuple[FailedWorker, ...] = ()
 
-    def describe(self) -> str:
+    def describe(self, *, detailed: bool = False) -> str:
         """One line: ``rank 1 on host-a exited with code 1``, ``rank 1 on
-        host-a was killed by SIGKILL``, or the hang watchdog's message."""
+        host-a was killed by SIGKILL``, or the hang watchdog's message.
+
+        ``detailed`` (``elastrun status``) adds when (local time), a reason
+        other than ``worker_failed``, and the message: ``rank 1 on host-a
+        exited with code 1 at 2024-05-01 12:00:03: ValueError: bad batch``.
+        The record may come from another node: escape the line
+        (:func:`elastrun.untrusted.printable`) where it reaches a terminal."""
+        line = self._what()
+        if not detailed:
+            return line
+        when = _local_time(self.time)
+        if when:
+            line += f" at {when}"
+        if self.reason != "worker_failed":
+            line += f" ({self.reason})"
+        if self.message:
+            line += f": {self.message}"
+        return line
+
+    def _what(self) -> str:
         host = self.host or "?"
         if self.hang:
             return f"{self.hang} on {host}"
@@ -164,9 +185,20 @@ class FailureRecord:
 
 def describe_stored(raw: object) -> str:
     """:meth:`FailureRecord.describe` of a record as stored (the round's
-    ``last_failure``), or ``workers failed on another node`` when there is none."""
-    record = FailureRecord.from_json(raw)
+    ``last_failure``: its JSON, or the record read from it), or ``workers
+    failed on another node`` when there is none."""
+    record = raw if isinstance(raw, FailureRecord) else FailureRecord.from_json(raw)
     return record.describe() if record is not None else NO_RECORD
+
+
+def _local_time(ts: float | None) -> str:
+    """``2024-05-01 12:00:03``, or "" for no time (or one out of range)."""
+    if ts is None or not math.isfinite(ts):
+        return ""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    except (OverflowError, OSError, ValueError):
+        return ""
 
 
 def _int(value: object) -> int | None:

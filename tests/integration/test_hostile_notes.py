@@ -165,7 +165,7 @@ def test_hostile_notes_are_dropped_and_notes_keep_their_lifetime() -> None:
 
             # No round ended on a hang: status shows no stacks, whatever the notes say.
             summary = await read_summary(store, "notes-life")
-            assert summary is not None and summary["hang_stacks"] is None
+            assert summary is not None and summary.hang_stacks is None
 
             # A hang opens the next round: every stacks note so far is gone.
             hang = FailureRecord(host="h", rank=0, hang="rank 0 made no progress for 5s")
@@ -180,7 +180,7 @@ def test_hostile_notes_are_dropped_and_notes_keep_their_lifetime() -> None:
             await rdzv.write_note(note.name, note.to_json())
             await _write(port, "notes-life", {"stacks_0_1": NESTED})  # no such member
             summary = await read_summary(store, "notes-life")
-            assert summary is not None and summary["hang_stacks"] == {
+            assert summary is not None and summary.to_json()["hang_stacks"] == {
                 "round": 0,
                 "ranks": [{**own, "hung": False}],
             }

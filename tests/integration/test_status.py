@@ -331,7 +331,8 @@ def test_summary_follows_an_in_process_rendezvous() -> None:
 
     async def summary_where(store: MemoryStore, pred: Any) -> dict[str, Any]:
         for _ in range(400):
-            s = await read_summary(store, "j")
+            summary = await read_summary(store, "j")
+            s = None if summary is None else summary.to_json()  # as --json prints it
             if s is not None and pred(s):
                 return s
             await asyncio.sleep(0.025)

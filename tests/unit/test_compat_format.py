@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import io
 import json
 import time
@@ -20,16 +21,32 @@ from elastrun.agent.logs import LinePump, routes_for, shows_rank, torch_prefix
 from elastrun.agent.spec import Std, WorkerSpec, argv_for
 from elastrun.agent.waiting import describe
 from elastrun.errors import ConfigError
+from elastrun.failure import FailureRecord
 from elastrun.launcher.cli import Command, build_parser, parse, unknown_flags_message
 from elastrun.launcher.config import count_xpus, parse_nproc
 from elastrun.launcher.legacy import local_rank_flag, parse_legacy
 from elastrun.rendezvous.api import RendezvousSettings, WaitingStatus
 from elastrun.rendezvous.plan import View
 from elastrun.rendezvous.progress import waiting_status
+from elastrun.rendezvous.records import (
+    AgreedSettings,
+    ConfigRecord,
+    MemberRecord,
+    PrevMember,
+    ResultRecord,
+    RoundRecord,
+    RoundState,
+)
 from elastrun.rendezvous.rules import Context, Rules, State, Timer
 from elastrun.status.cli import Printer, render_table
-from elastrun.status.summary import summarize
-from elastrun.status.timeline import axis_ticks, fmt_offset, place_labels, render_html
+from elastrun.status.summary import Summary, summarize
+from elastrun.status.timeline import (
+    LoggedEvent,
+    axis_ticks,
+    fmt_offset,
+    place_labels,
+    render_html,
+)
 
 
 # ----------------------------------------------------------------- console prefixes
@@ -233,39 +250,46 @@ def test_waiting_line_plural() -> None:
 
 
 # ----------------------------------------------------------------- status
-ROUND = {"round": 2, "state": "closed", "restarts": 1, "last_failure": {"rank": 1, "exitcode": 5}}
+ROUND = RoundRecord(
+    2, RoundState.CLOSED, restarts=1, last_failure=FailureRecord(rank=1, exitcode=5)
+)
 
 
-def summary(round_rec: dict[str, object], **kw: object) -> dict[str, object]:
-    result = {
-        "round": 2,
-        "members": [{"node_id": "a", "group_rank": 0, "host": "h", "addr": "1.2.3.4", "nproc": 1}],
-        "master_addr": "1.2.3.4",
-        "master_port": 5,
-        "closed_at": 100.0,
-    }
-    args: dict[str, object] = {
-        "config": {"settings": {"min_nodes": 1, "max_nodes": 2, "max_restarts": 3}},
-        "round_rec": round_rec,
-        "result": result,
-        "prev_result": None,
-        "joins": {},
-        "dones": set(),
-        "nodes": {"a": {}},
-        "waiting": {},
-        "revision": 7,
-        "now": 110.0,
-    }
-    args.update(kw)
-    return summarize("job", **args)  # type: ignore[arg-type]
+def summary(round_rec: RoundRecord) -> Summary:
+    member = MemberRecord("a", "h", "1.2.3.4", 1, 0)
+    return summarize(
+        "job",
+        config=ConfigRecord(AgreedSettings(1, 2, 3, "default", 600.0, 30.0)),
+        round_rec=round_rec,
+        result=ResultRecord(2, (member,), "1.2.3.4", 5, closed_at=100.0),
+        prev_result=None,
+        joins={},
+        dones=set(),
+        nodes={"a"},
+        waiting={},
+        revision=7,
+        now=110.0,
+    )
 
 
 def test_closed_round_has_no_restart_pending() -> None:
-    pending = {"rank": 1, "exitcode": 5}
-    closed = summary({**ROUND, "pending_failure": pending})
-    assert closed["restart_pending"] is False and closed["restarts"] == 1
-    opened = summary({**ROUND, "state": "open", "pending_failure": pending, "prev": [{}]})
-    assert opened["restart_pending"] is True and opened["state"] == "restarting"
+    pending = FailureRecord(rank=1, exitcode=5)
+    closed = summary(dataclasses.replace(ROUND, pending_failure=pending))
+    assert closed.restart_pending is False and closed.restarts == 1
+    prev = (PrevMember("a", 0),)
+    opened = summary(
+        dataclasses.replace(ROUND, state=RoundState.OPEN, pending_failure=pending, prev=prev)
+    )
+    assert opened.restart_pending is True and opened.state == "restarting"
+
+
+def test_the_status_table_says_the_last_failure_as_every_node_does() -> None:
+    text = render_table(summary(ROUND), "h:1")
+    assert "\nlast failure: rank 1 on ? exited with code 5\n" in text + "\n"
+    failure = FailureRecord(rank=1, host="b", exitcode=5, time=0.0, message="ValueError: x")
+    text = render_table(summary(dataclasses.replace(ROUND, last_failure=failure)), "h:1")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(0.0))
+    assert f"last failure: {failure.describe()} at {when}: ValueError: x" in text
 
 
 def test_watch_on_a_file_prints_only_what_changed() -> None:
@@ -273,8 +297,8 @@ def test_watch_on_a_file_prints_only_what_changed() -> None:
     show = Printer(argparse.Namespace(json=False, watch=True), "h:1", out, tty=False)
     first = summary(ROUND)
     show(first)
-    show({**first, "revision": 9, "state_for_s": 30.0})  # nothing a reader cares about
-    show({**first, "revision": 11, "restarts": 2})
+    show(dataclasses.replace(first, revision=9, state_for_s=30.0))  # nothing a reader cares about
+    show(dataclasses.replace(first, revision=11, restarts=2))
     text = out.getvalue()
     assert text.startswith(render_table(first, "h:1"))
     changes = text[len(render_table(first, "h:1")) + 1 :].splitlines()
@@ -290,7 +314,7 @@ def test_watch_on_a_terminal_redraws_in_place() -> None:
     first = out.getvalue()
     rows = len(render_table(s, "h:1").splitlines())
     assert "\x1b[2J" not in first and "\x1b[F" not in first
-    show({**s, "restarts": 2})
+    show(dataclasses.replace(s, restarts=2))
     second = out.getvalue()[len(first) :]
     assert second.startswith(f"\x1b[{rows}F\x1b[2K") and second.endswith("\x1b[J")
     assert "restarts  2 of 3" in second
@@ -348,7 +372,8 @@ def test_timeline_has_an_axis_and_separate_labels_at_a_restart() -> None:
         {"ts": t + 20.1, "kind": "workers_started", "round": 2, "world_size": 2, "node_id": "n1"},
         {"ts": t + 40.0, "kind": "job_finished", "source": "agent", "node_id": "n1"},
     ]
-    page = render_html(ev)
+    events = [LoggedEvent.from_json(e) for e in ev]
+    page = render_html([e for e in events if e is not None])
     svg = ElementTree.fromstring(page[page.index("<svg") : page.index("</svg>") + 6])
     texts = [
         (float(e.get("x", 0)), float(e.get("y", 0)), e.text or "")

@@ -25,6 +25,7 @@ from elastrun.agent.watchdog import PHASE_FACTOR, Beat, HangPolicy, read_beat
 from elastrun.errors import ConfigError
 from elastrun.launcher.cli import parse
 from elastrun.rendezvous.notes import NoteInvalid
+from elastrun.rendezvous.records import MemberRecord, ResultRecord
 from elastrun.status.summary import hang_stacks, rank_progress
 from elastrun.worker._progress import GAP_MAX_MULT, GAP_QUANTILE_MULT, MIN_GAPS, Progress
 
@@ -302,13 +303,13 @@ def test_status_shows_the_round_s_step_times_and_the_last_hang_s_stacks():
             ],
         },
     }
-    members = [{"node_id": "a", "group_rank": 0, "nproc": 2}]
-    ranks = rank_progress(notes, {"round": 4, "members": members})
-    assert [(r["rank"], r["straggler"], r["own_time_s"]) for r in ranks] == [
+    members = (MemberRecord("a", "a", "127.0.0.1", 2, 0),)
+    ranks = rank_progress(notes, ResultRecord(4, members, "127.0.0.1", 29500))
+    assert [(r.rank, r.straggler, r.own_time_s) for r in ranks] == [
         (0, False, 0.05),
         (1, True, 0.1),
     ]
-    stacks = hang_stacks(notes, {"round": 3, "members": members})
-    assert stacks is not None and stacks["round"] == 3
-    assert [r["rank"] for r in stacks["ranks"]] == [1, 0]
-    assert rank_progress({}, None) == [] and hang_stacks({}, None) is None
+    stacks = hang_stacks(notes, ResultRecord(3, members, "127.0.0.1", 29500))
+    assert stacks is not None and stacks.round == 3
+    assert [r.rank for r in stacks.ranks] == [1, 0]
+    assert rank_progress({}, None) == () and hang_stacks({}, None) is None

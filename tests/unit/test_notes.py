@@ -18,9 +18,18 @@ from elastrun.agent.failures import ErrorFileInfo, WorkerFailure, classify, form
 from elastrun.agent.hangs import Gathered, note_of, summary
 from elastrun.agent.stacks import RankStacks
 from elastrun.agent.stragglers import Aggregator, StragglerRule
+from elastrun.failure import FailureRecord
 from elastrun.rendezvous import notes as N
-from elastrun.rendezvous import records as R
+from elastrun.rendezvous import rounds as R
 from elastrun.rendezvous.api import Member, RoundResult
+from elastrun.rendezvous.records import (
+    JoinRecord,
+    MemberRecord,
+    NodeInfo,
+    ResultRecord,
+    RoundRecord,
+    WaitingRecord,
+)
 from elastrun.status.cli import render_table
 from elastrun.status.summary import hang_stacks, note_names, rank_progress, summarize
 from elastrun.status.timeline import render_html
@@ -57,11 +66,9 @@ def stacks(round_: int, g: int, node: str, numbers: tuple[int, ...], **kw: Any) 
     return raw
 
 
-def result(round_: int, *members: tuple[str, int, int]) -> dict[str, Any]:
-    return {
-        "round": round_,
-        "members": [{"node_id": n, "group_rank": g, "nproc": p} for n, g, p in members],
-    }
+def result(round_: int, *members: tuple[str, int, int]) -> ResultRecord:
+    rows = tuple(MemberRecord(n, f"h{g}", "127.0.0.1", p, g) for n, g, p in members)
+    return ResultRecord(round_, rows, "127.0.0.1", 29500)
 
 
 # -- decoding and the schemas ------------------------------------------------------
@@ -143,7 +150,7 @@ def test_a_note_counts_only_from_the_round_s_member_with_its_ranks() -> None:
 
 def _round(members: int, nproc: int, me: int = 0) -> RoundResult:
     ms = tuple(Member(f"n{g}", f"h{g}", "127.0.0.1", g, nproc) for g in range(members))
-    return RoundResult("job", 3, ms, me, "127.0.0.1", 1, 0, 3, {"node_id": f"n{me}"})
+    return RoundResult("job", 3, ms, me, "127.0.0.1", 1, 0, 3)
 
 
 def test_a_big_job_s_stacks_notes_fit_the_hang_s_budget() -> None:
@@ -199,16 +206,16 @@ def test_status_shows_only_members_notes_and_confirmed_stragglers() -> None:
         "stragglers": {"round": 4, "at": 1.0, "median": 0.05, "stragglers": []},
     }
     rows = rank_progress(notes, shown)
-    assert [(r["rank"], r["straggler"]) for r in rows] == [(0, False), (1, False), (2, False)]
+    assert [(r.rank, r.straggler) for r in rows] == [(0, False), (1, False), (2, False)]
     flagged = [{"rank": 0, "own_time": 0.05}, {"rank": 2, "own_time": 0.2}]
     notes["stragglers"] = {"round": 4, "at": 1.0, "median": 0.05, "stragglers": flagged}
     rows = rank_progress(notes, shown)
     # rank 0 is named, but its own note says it is not slow: not flagged
-    assert [(r["rank"], r["straggler"]) for r in rows] == [(0, False), (1, False), (2, True)]
+    assert [(r.rank, r.straggler) for r in rows] == [(0, False), (1, False), (2, True)]
     notes["stragglers"] = {**notes["stragglers"], "round": 3}  # another round's verdict
-    assert not any(r["straggler"] for r in rank_progress(notes, shown))
+    assert not any(r.straggler for r in rank_progress(notes, shown))
     notes["progress_1"] = progress(1, "b", round_=3, ranks=(2,))  # an older round's note
-    assert [r["rank"] for r in rank_progress(notes, shown)] == [0, 1]
+    assert [r.rank for r in rank_progress(notes, shown)] == [0, 1]
 
 
 def test_status_shows_stacks_only_of_the_round_that_ended_on_a_hang() -> None:
@@ -220,8 +227,8 @@ def test_status_shows_stacks_only_of_the_round_that_ended_on_a_hang() -> None:
     }
     assert hang_stacks(notes, None) is None  # no round ended on a hang
     got = hang_stacks(notes, result(2, ("a", 0, 2), ("b", 1, 1)))
-    assert got is not None and got["round"] == 2
-    assert [r["rank"] for r in got["ranks"]] == [1, 0, 2]  # stuck in its own code first
+    assert got is not None and got.round == 2
+    assert [r.rank for r in got.ranks] == [1, 0, 2]  # stuck in its own code first
     assert note_names(result(4, ("a", 0, 2)), result(2, ("a", 0, 2), ("b", 1, 1))) == [
         "progress_0",
         "stragglers",
@@ -232,39 +239,44 @@ def test_status_shows_stacks_only_of_the_round_that_ended_on_a_hang() -> None:
 
 def test_a_round_opened_by_a_hang_is_the_job_s_hang_round() -> None:
     rnd, res = R.close_records(R.first_round(0.0), [_joiner("a")], 2, "t", 0.0)
-    hang = {"rank": 0, "hang": "rank 0 made no progress for 5s"}
+    hang = FailureRecord(rank=0, hang="rank 0 made no progress for 5s")
     opened = R.next_round_record(rnd, res, "r", "", counts=True, failure=hang, opened_at=0.0)
-    assert R.hang_round(opened) == 0
+    assert opened.hang_round == 0
     rnd, res = R.close_records(opened, [_joiner("a")], 2, "t", 0.0)
-    assert R.hang_round(rnd) == 0  # kept while the round runs
-    crash = {"rank": 0, "exitcode": 1, "hang": None}
+    assert rnd.hang_round == 0  # kept while the round runs
+    crash = FailureRecord(rank=0, exitcode=1)
     later = R.next_round_record(rnd, res, "r", "", counts=True, failure=crash, opened_at=0.0)
-    assert R.hang_round(later) == 0  # carried over: still the last hang
-    assert R.hang_round({"hang_round": "0"}) is None and R.hang_round(None) is None
+    assert later.hang_round == 0  # carried over: still the last hang
+    # A hang round that is not a round number names no round.
+    stored = {**later.to_json(), "hang_round": "0"}
+    assert RoundRecord.from_json(stored).hang_round is None
+    assert RoundRecord.from_json({**stored, "hang_round": -1}).hang_round is None
 
 
-def _joiner(node: str) -> dict[str, Any]:
-    return {"node_id": node, "host": node, "addr": "127.0.0.1", "nproc": 1, "port": 1}
+def _joiner(node: str) -> JoinRecord:
+    return JoinRecord(NodeInfo(node, node, "127.0.0.1", 1), port=1)
 
 
 # -- what reaches a terminal or a page ------------------------------------------------
 
 
 def test_the_status_table_escapes_everything_from_the_store() -> None:
+    # As read from the store: anyone who reaches it may have written these.
     rnd = {"round": 1, "state": "closed", "restarts": 0, "reason": "x" + ESCAPES}
     rnd["detail"] = "line one\nline two" + ESCAPES
     rnd["last_failure"] = {"rank": 0, "host": "h" + ESCAPES, "message": "boom" + ESCAPES}
     member = {"node_id": "a", "host": "h" + ESCAPES, "addr": ESCAPES, "nproc": 1, "group_rank": 0}
+    res = {"round": 1, "members": [member], "master_addr": ESCAPES, "master_port": 1}
     s = summarize(
         "job",
-        config={"settings": {"min_nodes": 1, "max_nodes": 1}},
-        round_rec=rnd,
-        result={"round": 1, "members": [member]},
+        config=None,
+        round_rec=RoundRecord.from_json(rnd),
+        result=ResultRecord.from_json(res),
         prev_result=None,
         joins={},
         dones=set(),
-        nodes={"a": {}},
-        waiting={"w" + ESCAPES: {"host": ESCAPES}},
+        nodes={"a"},
+        waiting={"w" + ESCAPES: WaitingRecord("w", ESCAPES, 1)},
         revision=3,
         now=0.0,
         notes={"progress_0": progress(0, "a", round_=1, host="h" + ESCAPES, ranks=(0,))},
@@ -272,8 +284,10 @@ def test_the_status_table_escapes_everything_from_the_store() -> None:
     text = render_table(s, "store" + ESCAPES)
     assert not RAW_CONTROL.search(text), text
     assert "\\x1b]0;owned\\x07" in text and "line one\\x0aline two" in text
-    assert json.loads(json.dumps(s))["ranks"][0]["host"] == "h" + ESCAPES  # --json: escaped by JSON
-    assert "\x1b" not in json.dumps(s)
+    assert "last failure: rank 0 on h\\x1b]0;owned\\x07" in text and ": boom\\x1b" in text
+    out = json.dumps(s.to_json())
+    assert json.loads(out)["ranks"][0]["host"] == "h" + ESCAPES  # --json: escaped by JSON
+    assert "\x1b" not in out
 
 
 def test_the_failure_summary_escapes_the_worker_s_error_file() -> None:

@@ -12,12 +12,13 @@ import asyncio
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from elastrun.clock import VirtualTimeLoop, run_virtual
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.api import RendezvousSettings
 from elastrun.rendezvous.dynamic import DynamicRendezvous
+from elastrun.rendezvous.records import DONE, RoundRecord, RoundState
 from elastrun.store.base import Compare, Get, Op, TxnResult, Watch
 from elastrun.store.memory import MemoryStore
 
@@ -91,10 +92,10 @@ async def form(store: MemoryStore, n: int) -> list[DynamicRendezvous]:
     return [h for _, h in ranked]
 
 
-async def round_record(h: DynamicRendezvous) -> dict[str, Any]:
+async def round_record(h: DynamicRendezvous) -> RoundRecord:
     kv = await h.store.get(h.keys.round)
     assert kv is not None
-    return K.decode(kv.key, kv.value)
+    return RoundRecord.decode(kv.key, kv.value)
 
 
 async def until(cond: Callable[[], Awaitable[bool]]) -> None:
@@ -124,7 +125,7 @@ async def close_all(handlers: list[DynamicRendezvous]) -> None:
 
 
 def test_several_members_complete_and_the_job_finishes() -> None:
-    async def scenario() -> dict[str, Any]:
+    async def scenario() -> RoundRecord:
         store = CountingStore()
         hs = await form(store, 8)
         # One at a time: each waits at the barrier until the last one.
@@ -141,7 +142,7 @@ def test_several_members_complete_and_the_job_finishes() -> None:
         return rec
 
     rec = run(scenario)
-    assert rec["state"] == K.FINISHED and rec["round"] == 0
+    assert rec.state is RoundState.FINISHED and rec.round == 0
 
 
 def test_the_barrier_reads_and_watches_the_prefixes_once_in_all() -> None:
@@ -151,7 +152,7 @@ def test_the_barrier_reads_and_watches_the_prefixes_once_in_all() -> None:
         store.prefix_reads.clear()
         store.watches.clear()
         await asyncio.wait_for(asyncio.gather(*(h.complete() for h in hs)), 10.0)
-        assert (await round_record(hs[0]))["state"] == K.FINISHED
+        assert (await round_record(hs[0])).state is RoundState.FINISHED
         await close_all(hs)
         return store, hs[0].keys
 
@@ -165,7 +166,7 @@ def test_the_barrier_reads_and_watches_the_prefixes_once_in_all() -> None:
 
 
 def test_the_watcher_dies_mid_barrier_and_the_next_member_takes_over() -> None:
-    async def scenario() -> dict[str, Any]:
+    async def scenario() -> RoundRecord:
         store = memory_store()
         hs = await form(store, 4)
         w, nxt, a, b = hs
@@ -182,7 +183,7 @@ def test_the_watcher_dies_mid_barrier_and_the_next_member_takes_over() -> None:
         # The last two die after their done keys, before they count them:
         # only the new watcher can finish the barrier now.
         for h in (a, b):
-            await store.put(h.keys.done(0, h.node_id), K.encode({}))
+            await store.put(h.keys.done(0, h.node_id), DONE)
             await die(h)
         await asyncio.wait_for(tn, 5.0)
         assert nxt.rules.state.name == "FINISHED"
@@ -190,11 +191,11 @@ def test_the_watcher_dies_mid_barrier_and_the_next_member_takes_over() -> None:
         await close_all(hs)
         return rec
 
-    assert run(scenario)["state"] == K.FINISHED
+    assert run(scenario).state is RoundState.FINISHED
 
 
 def test_a_member_lost_during_the_barrier_ends_it_for_everyone() -> None:
-    async def scenario() -> tuple[dict[str, Any], float]:
+    async def scenario() -> tuple[RoundRecord, float]:
         store = memory_store()
         hs = await form(store, 4)
         tasks = []
@@ -212,12 +213,12 @@ def test_a_member_lost_during_the_barrier_ends_it_for_everyone() -> None:
 
     rec, took = run(scenario)
     assert took < BARRIER / 10
-    assert rec["state"] == K.OPEN and rec["round"] == 1
-    assert rec["reason"] == "member_lost" and "n" in rec["detail"]
+    assert rec.state is RoundState.OPEN and rec.round == 1
+    assert rec.reason == "member_lost" and "n" in rec.detail
 
 
 def test_the_watcher_lost_while_running_ends_the_barrier() -> None:
-    async def scenario() -> dict[str, Any]:
+    async def scenario() -> RoundRecord:
         store = memory_store()
         hs = await form(store, 3)
         tasks = []
@@ -232,8 +233,8 @@ def test_the_watcher_lost_while_running_ends_the_barrier() -> None:
         return rec
 
     rec = run(scenario)
-    assert rec["state"] == K.OPEN and rec["reason"] == "member_lost"
-    assert "n" in rec["detail"] and "lost" in rec["detail"]
+    assert rec.state is RoundState.OPEN and rec.reason == "member_lost"
+    assert "n" in rec.detail and "lost" in rec.detail
 
 
 async def _is(value: object, expected: object) -> bool:

@@ -3,8 +3,6 @@ watcher, and what the store's state and watch events mean (no store, no I/O)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from elastrun.rendezvous import keys as K
@@ -20,31 +18,55 @@ from elastrun.rendezvous.protocol import (
     RoundOpen,
     State,
 )
+from elastrun.rendezvous.records import (
+    DONE,
+    JoinRecord,
+    MemberRecord,
+    NodeInfo,
+    PresenceRecord,
+    PrevMember,
+    ResultRecord,
+    RoundRecord,
+    RoundState,
+    WaitingRecord,
+)
 from elastrun.store.base import KeyValue, WatchEvent
 
 KEYS = K.Keys("job")
+OPEN, CLOSED = RoundState.OPEN, RoundState.CLOSED
 
 
-def kv(key: str, created: int, **record: Any) -> KeyValue:
-    return KeyValue(key, K.encode(record), created, created, 1)
+def kv(key: str, created: int, value: bytes) -> KeyValue:
+    return KeyValue(key, value, created, created, 1)
+
+
+def round_kv(record: RoundRecord, created: int = 5) -> KeyValue:
+    return kv(KEYS.round, created, record.encode())
 
 
 def join(node: str, created: int) -> KeyValue:
-    return kv(KEYS.join(0, node), created, host=f"h-{node}")
+    record = JoinRecord(NodeInfo(node, f"h-{node}", "a", 1), 29500)
+    return kv(KEYS.join(0, node), created, record.encode())
 
 
 def presence(node: str, created: int = 1) -> KeyValue:
-    return kv(KEYS.node(node), created, host=f"h-{node}")
+    return kv(
+        KEYS.node(node), created, PresenceRecord(NodeInfo(node, f"h-{node}", "a", 1)).encode()
+    )
 
 
-def members(*ids: str) -> list[dict[str, Any]]:
-    return [{"node_id": n, "host": f"h-{n}", "group_rank": i} for i, n in enumerate(ids)]
+def members(*ids: str) -> tuple[MemberRecord, ...]:
+    return tuple(MemberRecord(n, f"h-{n}", "a", 1, i) for i, n in enumerate(ids))
+
+
+def result(r: int, *ids: str) -> ResultRecord:
+    return ResultRecord(r, members(*ids), "a", 29500)
 
 
 def closed_view(*ids: str, r: int = 2) -> P.View:
     view = P.View()
-    view.set_round(kv(KEYS.round, 5, round=r, state=K.CLOSED))
-    view.results[r] = {"members": members(*ids)}
+    view.set_round(round_kv(RoundRecord(r, CLOSED)))
+    view.results[r] = result(r, *ids)
     return view
 
 
@@ -128,7 +150,7 @@ def test_the_watcher_is_the_first_member_in_rank_order_whose_presence_exists() -
 def test_a_member_before_the_watcher_that_is_gone_must_have_a_done_key() -> None:
     assert step({"a": False}, {}) == P.CheckDone("a")
     lost = step({"a": False}, {"a": False})
-    assert isinstance(lost, P.LostAtBarrier) and lost.member["node_id"] == "a"
+    assert isinstance(lost, P.LostAtBarrier) and lost.member.node_id == "a"
     assert P.lost_event(lost.member) == MemberLost("node h-a (a) lost: lease expired or revoked")
 
 
@@ -150,9 +172,9 @@ def test_the_others_re_pick_the_watcher_when_it_leaves_done() -> None:
 
 def test_the_watcher_ends_the_barrier_on_the_last_done_key() -> None:
     view = closed_view("a", "b")
-    first = put(kv(KEYS.done(2, "a"), 9))
+    first = put(kv(KEYS.done(2, "a"), 9, DONE))
     assert P.react(view, P.Watched.DONE, first, r=2, now=0.0, max_nodes=4) == []
-    last = put(kv(KEYS.done(2, "b"), 10))
+    last = put(kv(KEYS.done(2, "b"), 10, DONE))
     assert P.react(view, P.Watched.DONE, last, r=2, now=0.0, max_nodes=4) == [BarrierDone()]
     assert P.all_done(view, 2)
 
@@ -162,20 +184,20 @@ def test_the_round_record_means_one_event() -> None:
     view = P.View()
     assert P.round_event(view, "me", "h", 4) is None
     for state, event in (
-        (K.OPEN, RoundOpen(3)),
-        (K.FINISHED, RoundFinished(3)),
-        (K.FAILED, RoundFailed(3)),
+        (OPEN, RoundOpen(3)),
+        (RoundState.FINISHED, RoundFinished(3)),
+        (RoundState.FAILED, RoundFailed(3)),
     ):
-        view.set_round(kv(KEYS.round, 5, round=3, state=state))
+        view.set_round(round_kv(RoundRecord(3, state)))
         assert P.result_needed(view) is None
         assert P.round_event(view, "me", "h", 4) == event
 
 
 def test_a_closed_round_needs_its_result_then_says_who_is_in_it() -> None:
     view = P.View()
-    view.set_round(kv(KEYS.round, 5, round=2, state=K.CLOSED))
+    view.set_round(round_kv(RoundRecord(2, CLOSED)))
     assert P.result_needed(view) == 2
-    view.results[2] = {"members": members("a", "b")}
+    view.results[2] = result(2, "a", "b")
     assert P.result_needed(view) is None
     assert P.round_event(view, "c", "h-c", 2) == RoundClosed(
         2, member=False, room=False, lost="", detail="node h-c (c) waits to join"
@@ -189,7 +211,7 @@ def test_a_closed_round_needs_its_result_then_says_who_is_in_it() -> None:
 
 def test_joiners_event_counts_and_skips_the_last_call_when_all_rejoined() -> None:
     view = P.View(decider=True)
-    view.set_round(kv(KEYS.round, 5, round=1, state=K.OPEN, prev=[{"node_id": "a"}]))
+    view.set_round(round_kv(RoundRecord(1, OPEN, prev=(PrevMember("a", 0),))))
     view.joiners = {"a": join("a", 7)}
     view.nodes, view.nodes_loaded = {"a": presence("a"), "b": presence("b")}, True
     assert P.joiners_event(view, 9.0) == JoinersChanged(9.0, 1, decider=True, all_joined=False)
@@ -225,7 +247,7 @@ def test_the_decider_recounts_on_presence_changes() -> None:
 @pytest.mark.parametrize(("max_nodes", "room"), [(3, True), (2, False)])
 def test_a_waiting_node_is_news_to_members(max_nodes: int, room: bool) -> None:
     view = closed_view("a", "b")
-    waiting = kv(KEYS.waiting("w"), 12, host="h-w")
+    waiting = kv(KEYS.waiting("w"), 12, WaitingRecord("w", "h-w", 1).encode())
     ev = P.react(view, P.Watched.WAITING, put(waiting), r=2, now=0.0, max_nodes=max_nodes)
     assert ev == [NodeWaiting(room, "node h-w (w) waits to join")]
     gone = delete(KEYS.waiting("w"))
@@ -235,6 +257,6 @@ def test_a_waiting_node_is_news_to_members(max_nodes: int, room: bool) -> None:
 
 def test_the_round_record_changing_asks_for_its_event() -> None:
     view = P.View()
-    rec = kv(KEYS.round, 8, round=4, state=K.OPEN)
+    rec = round_kv(RoundRecord(4, OPEN), created=8)
     assert P.react(view, P.Watched.ROUND, put(rec), r=3, now=0.0, max_nodes=4) == P.RoundChanged()
-    assert view.round is not None and view.round["round"] == 4
+    assert view.round is not None and view.round.round == 4

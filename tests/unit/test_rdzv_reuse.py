@@ -20,31 +20,33 @@ import pytest
 from elastrun.errors import ConfigMismatch, RendezvousClosed, RestartBudgetExhausted
 from elastrun.events import EventSink
 from elastrun.failure import FailureRecord
-from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.api import RendezvousSettings
 from elastrun.rendezvous.dynamic import DynamicRendezvous
+from elastrun.rendezvous.records import AgreedSettings, ConfigRecord, RoundRecord, RoundState
 from elastrun.rendezvous.reuse import TABLE, Verdict, classify, describe_reset
 from elastrun.store.memory import MemoryStore
 
 T = TypeVar("T")
-CONFIG = {"settings": {"min_nodes": 1, "max_nodes": 1, "max_restarts": 1}}
-STATES = [None, K.OPEN, K.CLOSED, K.FINISHED, K.FAILED]
+CONFIG = ConfigRecord(AgreedSettings(1, 1, 1, "default", 600.0, 30.0))
+OPEN, CLOSED = RoundState.OPEN, RoundState.CLOSED
+FINISHED, FAILED = RoundState.FINISHED, RoundState.FAILED
+STATES = [None, OPEN, CLOSED, FINISHED, FAILED]
 
 # (config present, round state, live nodes) -> the verdict a user expects.
-EXPECTED: dict[tuple[bool, str | None, int], tuple[Verdict, str]] = {
+EXPECTED: dict[tuple[bool, RoundState | None, int], tuple[Verdict, str]] = {
     # Nothing under the id: a new job.
     (False, None, 0): (Verdict.NEW, ""),
     (False, None, 2): (Verdict.NEW, ""),
     # Round records without settings: a live job is joined, remains are cleared.
-    **{(False, s, 0): (Verdict.RESET, "leftover") for s in (K.OPEN, K.CLOSED)},
-    **{(False, s, 2): (Verdict.JOIN, "") for s in (K.OPEN, K.CLOSED)},
+    **{(False, s, 0): (Verdict.RESET, "leftover") for s in (OPEN, CLOSED)},
+    **{(False, s, 2): (Verdict.JOIN, "") for s in (OPEN, CLOSED)},
     # A finished job stays finished (a pod restarted after completion exits 0).
-    **{(c, K.FINISHED, n): (Verdict.FINISHED, "") for c in (False, True) for n in (0, 2)},
+    **{(c, FINISHED, n): (Verdict.FINISHED, "") for c in (False, True) for n in (0, 2)},
     # A failed job is over, even while its last nodes are still leaving.
-    **{(c, K.FAILED, n): (Verdict.RESET, "failed") for c in (False, True) for n in (0, 2)},
+    **{(c, FAILED, n): (Verdict.RESET, "failed") for c in (False, True) for n in (0, 2)},
     # Starting, open or running: joined while a node is alive, else abandoned.
-    **{(True, s, 2): (Verdict.JOIN, "") for s in (None, K.OPEN, K.CLOSED)},
-    **{(True, s, 0): (Verdict.RESET, "abandoned") for s in (None, K.OPEN, K.CLOSED)},
+    **{(True, s, 2): (Verdict.JOIN, "") for s in (None, OPEN, CLOSED)},
+    **{(True, s, 0): (Verdict.RESET, "abandoned") for s in (None, OPEN, CLOSED)},
 }
 
 
@@ -52,7 +54,7 @@ def test_every_combination_has_the_expected_verdict() -> None:
     combos = list(itertools.product([False, True], STATES, [0, 2]))
     assert set(combos) == set(EXPECTED)
     for has_config, state, live in combos:
-        rnd = None if state is None else {"round": 3, "state": state, "restarts": 1}
+        rnd = None if state is None else RoundRecord(3, state, restarts=1)
         found = classify(CONFIG if has_config else None, rnd, live)
         assert (found.verdict, found.why) == EXPECTED[(has_config, state, live)], (
             has_config,
@@ -64,26 +66,22 @@ def test_every_combination_has_the_expected_verdict() -> None:
 def test_the_table_rows_are_each_reachable() -> None:
     hit = set()
     for has_config, state, live in EXPECTED:
-        rnd = None if state is None else {"state": state}
+        rnd = None if state is None else RoundRecord(0, state)
         found = classify(CONFIG if has_config else None, rnd, live)
         hit.add((found.verdict, found.why))
     assert hit == {(row[3], row[4]) for row in TABLE}
 
 
 def test_reset_lines_say_what_was_left_and_what_happens() -> None:
-    failed = {
-        "round": 2,
-        "state": K.FAILED,
-        "restarts": 1,
-        "last_failure": {"rank": 1, "host": "h", "exitcode": 3},
-    }
+    failure = FailureRecord(rank=1, host="h", exitcode=3)
+    failed = RoundRecord(2, FAILED, restarts=1, last_failure=failure)
     line = describe_reset("J", "failed", CONFIG, failed)
     assert "job 'J'" in line and "failed (1 of 1 restarts used" in line
     assert "rank 1 on h exited with code 3" in line
     assert "restart count 0" in line
-    line = describe_reset("J", "abandoned", CONFIG, {"round": 4, "restarts": 1})
+    line = describe_reset("J", "abandoned", CONFIG, RoundRecord(4, OPEN, restarts=1))
     assert "no node left (round 4, 1 of 1 restarts used)" in line
-    assert "left in the store" in describe_reset("J", "leftover", None, {"round": 0})
+    assert "left in the store" in describe_reset("J", "leftover", None, RoundRecord(0, OPEN))
 
 
 # ---------------------------------------------- driven through real handlers
@@ -218,6 +216,6 @@ def test_a_finished_jobs_id_has_nothing_to_do() -> None:
             assert not said and "job_reset" not in [k for k, _ in events.seen]
             await again.shutdown()
         kv = await store.get("/elastrun/J/round")
-        assert kv is not None and K.decode(kv.key, kv.value)["state"] == K.FINISHED
+        assert kv is not None and RoundRecord.decode(kv.key, kv.value).state is FINISHED
 
     run(scenario)

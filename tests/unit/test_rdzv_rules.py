@@ -296,14 +296,16 @@ def test_docstring_lists_every_state() -> None:
 
 def test_close_timeout_is_per_node_not_agreed() -> None:
     from elastrun.rendezvous.api import RendezvousSettings
-    from elastrun.rendezvous.records import config_diff
+    from elastrun.rendezvous.records import ConfigRecord
+    from elastrun.rendezvous.rounds import config_diff
 
     a = RendezvousSettings(run_id="j", min_nodes=1, max_nodes=2, close_timeout=5.0)
     b = RendezvousSettings(run_id="j", min_nodes=1, max_nodes=2, close_timeout=50.0)
-    assert "close_timeout" not in a.agreed()
+    assert "close_timeout" not in a.agreed().to_json()
     assert config_diff("j", a.agreed(), b.agreed()) is None
     # A job record written with close_timeout in it (older nodes) still agrees.
-    assert config_diff("j", {**a.agreed(), "close_timeout": 60.0}, b.agreed()) is None
+    older = {"settings": {**a.agreed().to_json(), "close_timeout": 60.0}}
+    assert config_diff("j", ConfigRecord.from_json(older).settings, b.agreed()) is None
 
 
 @pytest.mark.parametrize(

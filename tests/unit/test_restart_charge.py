@@ -1,6 +1,6 @@
 """When is a worker failure charged against the job's restart budget?
 
-Pure tests of ``records.close_records`` / ``next_round_record``: the charge is
+Pure tests of ``rounds.close_records`` / ``next_round_record``: the charge is
 made when the round opened for the restart closes, and only if every member
 of the previous round is back (a node that vanished breaks its peers'
 collectives before its lease expires: their failures are collateral of a
@@ -9,24 +9,25 @@ membership change, which never counts).
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
 
-from elastrun.rendezvous import keys as K
-from elastrun.rendezvous import records as R
-
-
-def joiner(node: str) -> dict[str, Any]:
-    return {"node_id": node, "host": node, "addr": "127.0.0.1", "nproc": 1, "port": 29500}
+from elastrun.failure import FailureRecord
+from elastrun.rendezvous import rounds as R
+from elastrun.rendezvous.records import JoinRecord, NodeInfo, ResultRecord, RoundRecord, RoundState
 
 
-def closed_round(nodes: list[str], restarts: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
-    rnd = {**R.first_round(0.0), "restarts": restarts}
+def joiner(node: str) -> JoinRecord:
+    return JoinRecord(NodeInfo(node, node, "127.0.0.1", 1), port=29500)
+
+
+def closed_round(nodes: list[str], restarts: int = 0) -> tuple[RoundRecord, ResultRecord]:
+    rnd = dataclasses.replace(R.first_round(0.0), restarts=restarts)
     return R.close_records(rnd, [joiner(n) for n in nodes], 8, "test", 0.0)
 
 
-def reopened(nodes: list[str], restarts: int = 0, counts: bool = True) -> dict[str, Any]:
+def reopened(nodes: list[str], restarts: int = 0, counts: bool = True) -> RoundRecord:
     closed, result = closed_round(nodes, restarts)
-    failure = {"rank": 1, "host": "b", "exitcode": 1}
+    failure = FailureRecord(rank=1, host="b", exitcode=1)
     return R.next_round_record(
         closed, result, "restart_requested", "", counts=counts, failure=failure, opened_at=0.0
     )
@@ -34,26 +35,26 @@ def reopened(nodes: list[str], restarts: int = 0, counts: bool = True) -> dict[s
 
 def test_nothing_is_charged_when_the_round_opens() -> None:
     rec = reopened(["a", "b"])
-    assert rec["restarts"] == 0
-    assert rec["pending_failure"]["rank"] == 1
+    assert rec.restarts == 0
+    assert rec.pending_failure is not None and rec.pending_failure.rank == 1
 
 
 def test_failure_with_every_member_back_is_charged() -> None:
     closed, result = R.close_records(
         reopened(["a", "b"]), [joiner("a"), joiner("b")], 8, "", 0.0, max_restarts=3
     )
-    assert closed["state"] == K.CLOSED
-    assert result["restarts"] == closed["restarts"] == 1
-    assert result["charged"] is True
-    assert closed["last_failure"]["rank"] == 1
+    assert closed.state is RoundState.CLOSED
+    assert result.restarts == closed.restarts == 1
+    assert result.charged is True
+    assert closed.last_failure is not None and closed.last_failure.rank == 1
 
 
 def test_failure_when_a_member_vanished_is_excused() -> None:
     closed, result = R.close_records(
         reopened(["a", "b", "c"]), [joiner("a"), joiner("b")], 8, "", 0.0, max_restarts=0
     )
-    assert closed["state"] == K.CLOSED  # even with max_restarts=0: the job goes on
-    assert result["restarts"] == 0 and result["charged"] is False
+    assert closed.state is RoundState.CLOSED  # even with max_restarts=0: the job goes on
+    assert result.restarts == 0 and result.charged is False
 
 
 def test_a_new_node_does_not_excuse_a_failure() -> None:
@@ -61,18 +62,27 @@ def test_a_new_node_does_not_excuse_a_failure() -> None:
     _, result = R.close_records(
         rnd, [joiner("a"), joiner("b"), joiner("c")], 8, "", 0.0, max_restarts=3
     )
-    assert result["charged"] is True and result["restarts"] == 1
+    assert result.charged is True and result.restarts == 1
 
 
 def test_membership_changes_are_never_charged() -> None:
     rnd = reopened(["a", "b"], counts=False)
     closed, result = R.close_records(rnd, [joiner("a"), joiner("b")], 8, "", 0.0, max_restarts=0)
-    assert closed["state"] == K.CLOSED and result["restarts"] == 0
+    assert closed.state is RoundState.CLOSED and result.restarts == 0
 
 
 def test_overspending_the_budget_fails_the_job() -> None:
     rnd = reopened(["a", "b"], restarts=2)
     closed, _ = R.close_records(rnd, [joiner("a"), joiner("b")], 8, "", 0.0, max_restarts=2)
-    assert closed["state"] == K.FAILED
-    assert closed["restarts"] == 2  # the budget used, never more than the budget
-    assert closed["last_failure"]["rank"] == 1
+    assert closed.state is RoundState.FAILED
+    assert closed.restarts == 2  # the budget used, never more than the budget
+    assert closed.last_failure is not None and closed.last_failure.rank == 1
+
+
+def test_the_records_survive_the_store_as_they_were_built() -> None:
+    """What a node writes is what the next node reads: every record of a
+    restart, through its bytes, is equal to the one built."""
+    rnd = reopened(["a", "b"])
+    closed, result = R.close_records(rnd, [joiner("a"), joiner("b")], 8, "x", 5.0)
+    for record in (rnd, closed, result):
+        assert type(record).decode("/elastrun/j/round", record.encode()) == record

@@ -11,6 +11,7 @@ from elastrun.events import ListSink
 from elastrun.rendezvous.api import RendezvousSettings, WaitingStatus
 from elastrun.rendezvous.plan import View
 from elastrun.rendezvous.progress import ProgressReporter, waiting_status
+from elastrun.rendezvous.records import MemberRecord, ResultRecord, RoundRecord, RoundState
 from elastrun.rendezvous.rules import Context, Rules, State, Timer
 
 
@@ -55,8 +56,9 @@ def test_follower_estimates_the_last_call_and_its_count_is_not_live() -> None:
 
 
 def test_waiting_node_says_the_round_is_full() -> None:
-    view = View(round={"round": 4, "state": "closed"})
-    view.results[4] = {"members": [{"node_id": n} for n in "abc"]}
+    view = View(round=RoundRecord(4, RoundState.CLOSED))
+    members = tuple(MemberRecord(n, n, "a", 1, g) for g, n in enumerate("abc"))
+    view.results[4] = ResultRecord(4, members, "a", 29500)
     st = waiting_status(rules(State.WAITING, round=4), {Timer.JOIN: 160.0}, view, S, 100.0)
     assert st is not None
     assert (st.state, st.round, st.joined, st.deadline) == ("waiting", 4, 3, "join_timeout")

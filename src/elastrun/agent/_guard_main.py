@@ -4,7 +4,7 @@ It reads lines from stdin, whose write end only the agent holds::
 
     +<pgid>   a worker was started: it leads process group and session <pgid>
     -<pgid>   that worker is gone and its group was cleaned up
-    L<json>   the agent's rendezvous lease and how to revoke it (see revoke())
+    L<json>   the agent's rendezvous lease and how to revoke it (parse_spec)
     L         the agent holds no lease (any earlier one is forgotten)
 
 End of file means the agent is gone. The kernel closes the agent's descriptors
@@ -88,41 +88,94 @@ def _kill_once(pgids: set[int]) -> None:
 
 
 # -- revoking the lease ---------------------------------------------------------------
-def revoke(spec: dict[str, object], deadline: float) -> bool:
-    """Revoke the lease ``spec`` describes (a store's ``revoke_spec``); True
-    when a store said it is gone. Errors are swallowed: best effort."""
-    kind = spec.get("kind")
-    lease = spec.get("lease")
+# The agent writes its lease as the JSON of elastrun.store.base.RevokeSpec
+# (``RevokeSpec.to_json``); these two classes mirror its two kinds, parsed by
+# hand (parse_spec) to keep this process on the standard library alone.
+class EmbeddedLease:
+    """A lease of the embedded store (``kind``: ``"elastrun"``)."""
+
+    __slots__ = ("host", "lease", "port", "token")
+
+    def __init__(self, lease: int, host: str, port: int, token: str | None) -> None:
+        self.lease, self.host, self.port, self.token = lease, host, port, token
+
+
+class EtcdLease:
+    """A lease of etcd (``kind``: ``"etcd"``), revoked through its JSON gateway."""
+
+    __slots__ = ("cacert", "cert", "endpoints", "https", "key", "lease", "password", "user")
+
+    def __init__(
+        self, lease: int, endpoints: list[tuple[str, int]], raw: dict[str, object]
+    ) -> None:
+        self.lease, self.endpoints = lease, endpoints
+        self.https = raw.get("https") is True
+        self.cacert = _text(raw, "cacert")
+        self.cert = _text(raw, "cert")
+        self.key = _text(raw, "key")
+        self.user = _text(raw, "user")
+        self.password = _text(raw, "password")
+
+
+def _text(raw: dict[str, object], name: str) -> str | None:
+    value = raw.get(name)
+    return value if isinstance(value, str) else None
+
+
+def _port(value: object) -> int | None:
+    return value if type(value) is int and 0 < value < 65536 else None
+
+
+def parse_spec(raw: object) -> EmbeddedLease | EtcdLease | None:
+    """The lease the agent described, or None when ``raw`` is not a spec."""
+    if not isinstance(raw, dict):
+        return None
+    lease = raw.get("lease")
     if type(lease) is not int or lease <= 0:
-        return False
+        return None
+    if raw.get("kind") == "elastrun":
+        host, port = raw.get("host"), _port(raw.get("port"))
+        if not isinstance(host, str) or port is None:
+            return None
+        return EmbeddedLease(lease, host, port, _text(raw, "token"))
+    if raw.get("kind") == "etcd":
+        listed = raw.get("endpoints")
+        if not isinstance(listed, list):
+            return None
+        endpoints: list[tuple[str, int]] = []
+        for e in listed:
+            port = _port(e[1]) if isinstance(e, list) and len(e) == 2 else None
+            if port is None or not isinstance(e[0], str):
+                return None
+            endpoints.append((e[0], port))
+        return EtcdLease(lease, endpoints, raw)
+    return None
+
+
+def revoke(spec: EmbeddedLease | EtcdLease, deadline: float) -> bool:
+    """Revoke the lease ``spec`` describes; True when a store said it is
+    gone. Errors are swallowed: best effort."""
     try:
-        if kind == "etcd":
-            return _revoke_etcd(spec, lease, deadline)
-        if kind == "elastrun":
-            return _revoke_elastrun(spec, lease, deadline)
+        if isinstance(spec, EtcdLease):
+            return _revoke_etcd(spec, deadline)
+        return _revoke_elastrun(spec, deadline)
     except Exception:
         return False
-    return False
 
 
 def _left(deadline: float) -> float:
     return max(0.1, deadline - time.monotonic())
 
 
-def _revoke_etcd(spec: dict[str, object], lease: int, deadline: float) -> bool:
+def _revoke_etcd(spec: EtcdLease, deadline: float) -> bool:
     import http.client
     import ssl
 
     context = None
-    if spec.get("https"):
-        cacert = spec.get("cacert")
-        context = ssl.create_default_context(cafile=cacert if isinstance(cacert, str) else None)
-        cert, key = spec.get("cert"), spec.get("key")
-        if isinstance(cert, str):
-            context.load_cert_chain(cert, key if isinstance(key, str) else None)
-    endpoints = spec.get("endpoints")
-    if not isinstance(endpoints, list):
-        return False
+    if spec.https:
+        context = ssl.create_default_context(cafile=spec.cacert)
+        if spec.cert is not None:
+            context.load_cert_chain(spec.cert, spec.key)
 
     def post(
         conn: http.client.HTTPConnection, path: str, body: object, headers: dict[str, str]
@@ -132,10 +185,9 @@ def _revoke_etcd(spec: dict[str, object], lease: int, deadline: float) -> bool:
         return data if isinstance(data, dict) else {}
 
     for _ in range(3):  # a few rounds over the endpoints (one may be down)
-        for endpoint in endpoints:
+        for host, port in spec.endpoints:
             if time.monotonic() >= deadline:
                 return False
-            host, port = str(endpoint[0]), int(endpoint[1])
             conn: http.client.HTTPConnection
             if context is not None:
                 conn = http.client.HTTPSConnection(
@@ -145,14 +197,13 @@ def _revoke_etcd(spec: dict[str, object], lease: int, deadline: float) -> bool:
                 conn = http.client.HTTPConnection(host, port, timeout=_left(deadline))
             try:
                 headers = {"Content-Type": "application/json"}
-                user = spec.get("user")
-                if isinstance(user, str) and user:
-                    auth = {"name": user, "password": str(spec.get("password") or "")}
+                if spec.user:
+                    auth = {"name": spec.user, "password": spec.password or ""}
                     token = post(conn, "/v3/auth/authenticate", auth, headers).get("token")
                     if not isinstance(token, str):
                         continue
                     headers["Authorization"] = token
-                answer = post(conn, "/v3/lease/revoke", {"ID": str(lease)}, headers)
+                answer = post(conn, "/v3/lease/revoke", {"ID": str(spec.lease)}, headers)
                 if "error" not in answer or "not found" in str(answer.get("error")):
                     return True
             except (OSError, ValueError, http.client.HTTPException):
@@ -163,20 +214,18 @@ def _revoke_etcd(spec: dict[str, object], lease: int, deadline: float) -> bool:
     return False
 
 
-def _revoke_elastrun(spec: dict[str, object], lease: int, deadline: float) -> bool:
+def _revoke_elastrun(spec: EmbeddedLease, deadline: float) -> bool:
     """The embedded store's protocol: a hello, then one lease_revoke request
     (frames of a 4-byte big-endian length and UTF-8 JSON)."""
-    host, port, token = str(spec.get("host")), int(str(spec.get("port"))), spec.get("token")
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection((host, port), timeout=_left(deadline)) as sock:
+            with socket.create_connection((spec.host, spec.port), timeout=_left(deadline)) as sock:
                 sock.settimeout(_left(deadline))
-                _send_frame(sock, {"v": 1, "t": "hello", "token": token})
+                _send_frame(sock, {"v": 1, "t": "hello", "token": spec.token})
                 if _read_frame(sock).get("t") != "hello":
                     return False  # refused (wrong token?): nothing else to try
-                _send_frame(
-                    sock, {"v": 1, "t": "req", "id": 1, "op": "lease_revoke", "lease": lease}
-                )
+                request = {"v": 1, "t": "req", "id": 1, "op": "lease_revoke", "lease": spec.lease}
+                _send_frame(sock, request)
                 return _read_frame(sock).get("ok") is True
         except (OSError, ValueError):
             time.sleep(min(0.2, _left(deadline)))
@@ -211,7 +260,7 @@ def main() -> int:
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
     pgids: set[int] = set()
-    lease: dict[str, object] | None = None
+    lease: EmbeddedLease | EtcdLease | None = None
     buf = b""
     while True:
         try:
@@ -227,10 +276,9 @@ def main() -> int:
         for line in lines:
             if line[:1] == b"L":
                 try:
-                    spec = json.loads(line[1:]) if line[1:] else None
+                    lease = parse_spec(json.loads(line[1:])) if line[1:] else None
                 except ValueError:
                     continue
-                lease = spec if isinstance(spec, dict) else None
                 continue
             try:
                 pgid = int(line[1:])

@@ -30,10 +30,10 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any
 
 from elastrun.clock import SYSTEM_CLOCK
 from elastrun.errors import WorkerError
+from elastrun.rendezvous.api import RevokeSpec
 
 __all__ = ["OrphanGuard"]
 
@@ -80,10 +80,11 @@ class OrphanGuard:
         """That worker's group was cleaned up (it may be reused by others)."""
         self._send(f"-{pgid}\n")
 
-    def set_lease(self, spec: dict[str, Any] | None) -> None:
+    def set_lease(self, spec: RevokeSpec | None) -> None:
         """Revoke this lease if the agent dies (a store's ``revoke_spec``);
         None: there is none to revoke."""
-        self._send("L" + ("" if spec is None else json.dumps(spec, separators=(",", ":"))) + "\n")
+        line = "" if spec is None else json.dumps(spec.to_json(), separators=(",", ":"))
+        self._send("L" + line + "\n")
 
     def _send(self, line: str) -> None:
         if self._fd is None:

@@ -54,7 +54,7 @@ def note_of(stacks: list[RankStacks], result: RoundResult) -> N.StacksNote:
     the top frames only (10 of a hung rank, 1 of the others) beyond it, then
     as many ranks as fit."""
     budget = N.stacks_budget(len(result.members))
-    node_id = str(result.extra.get("node_id") or result.me.node_id)
+    node_id = result.me.node_id
     ranks: list[N.RankStack] = list(stacks)
 
     def make(rs: list[N.RankStack]) -> N.StacksNote:

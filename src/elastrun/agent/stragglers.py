@@ -172,7 +172,7 @@ async def publish_loop(
     """Publish this node's step times until cancelled; group rank 0 judges
     the stragglers, every node announces its own."""
     aggregator = Aggregator() if result.group_rank == 0 else None
-    node_id = str(result.extra.get("node_id") or result.me.node_id)
+    node_id = result.me.node_id
     mine = range(result.rank_offset, result.rank_offset + result.me.nproc)
     announced: set[int] = set()
     while True:

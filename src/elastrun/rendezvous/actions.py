@@ -9,11 +9,11 @@ call (``RETURN_*``, ``RAISE``) produce an :class:`Outcome`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 from elastrun.endpoint import Endpoint
 from elastrun.errors import (
@@ -21,15 +21,24 @@ from elastrun.errors import (
     RendezvousTimeout,
     RestartBudgetExhausted,
 )
-from elastrun.failure import describe_stored
-from elastrun.rendezvous import keys as K
+from elastrun.failure import FailureRecord, describe_stored
 from elastrun.rendezvous import notes as N
-from elastrun.rendezvous import records as R
+from elastrun.rendezvous import rounds
 from elastrun.rendezvous.api import Change, RoundResult
 from elastrun.rendezvous.protocol import Act, Action, Timer
+from elastrun.rendezvous.records import (
+    DONE,
+    JoinRecord,
+    NodeInfo,
+    PresenceRecord,
+    RoundRecord,
+    RoundState,
+    WaitingRecord,
+)
 from elastrun.rendezvous.view import Node, Observer
 from elastrun.store.base import Compare, Delete, KeyValue, Put
 from elastrun.store.keepalive import LeaseKeeper
+from elastrun.untrusted import printable
 
 __all__ = ["HANDLERS", "Executor", "Outcome"]
 
@@ -51,7 +60,7 @@ class Executor:
         self.observer = observer
         self.keeper = keeper
         self.timers = timers  # the driver's armed deadlines (absolute, monotonic)
-        self.failure: dict[str, Any] | None = None  # the last failure reported
+        self.failure: FailureRecord | None = None  # the last failure reported
         self.port = 0  # the master port this node offers (picked once)
 
     @property
@@ -82,8 +91,8 @@ class Executor:
 
     async def _wait(self, a: Action) -> None:
         node = self.node
-        rec = {"node_id": node.node_id, "host": node.host, "round": a.round}
-        await node.store.put(self._waiting_key, K.encode(rec), self.keeper.lease)
+        rec = WaitingRecord(node.node_id, node.host, a.round)
+        await node.store.put(self._waiting_key, rec.encode(), self.keeper.lease)
         node.events.emit(
             "node_waiting",
             round=a.round,
@@ -94,7 +103,7 @@ class Executor:
 
     async def _put_done(self, a: Action) -> None:
         node = self.node
-        await node.store.put(node.keys.done(a.round, node.node_id), K.encode({}))
+        await node.store.put(node.keys.done(a.round, node.node_id), DONE)
 
     async def _renew_lease(self, a: Action) -> None:
         await self.keeper.start()
@@ -122,7 +131,7 @@ class Executor:
         return Outcome(result=result)
 
     async def _return_change(self, a: Action) -> Outcome:
-        return Outcome(change=R.round_change(self.observer.view.round, a.reason, a.detail))
+        return Outcome(change=rounds.round_change(self.observer.view.round, a.reason, a.detail))
 
     async def _return(self, a: Action) -> Outcome:
         return Outcome()
@@ -130,19 +139,23 @@ class Executor:
     async def _raise(self, a: Action) -> Outcome:
         return Outcome(error=await self._error(a))
 
+    def _me(self) -> NodeInfo:
+        """This node, as its presence and join records describe it."""
+        node = self.node
+        return NodeInfo(
+            node_id=node.node_id,
+            host=node.host,
+            addr=node.addr,
+            nproc=node.settings.nproc,
+            rank_hint=node.settings.node_rank_hint,
+            pid=os.getpid(),
+        )
+
     def presence(self) -> Put:
         """This node's presence key, on its lease."""
-        node = self.node
-        record = {
-            "node_id": node.node_id,
-            "host": node.host,
-            "addr": node.addr,
-            "nproc": node.settings.nproc,
-            "rank_hint": node.settings.node_rank_hint,
-            "pid": os.getpid(),
-            "since": time.time(),
-        }
-        return Put(node.keys.node(node.node_id), K.encode(record), self.keeper.lease)
+        record = PresenceRecord(self._me(), since=time.time())
+        key = self.node.keys.node(self.node.node_id)
+        return Put(key, record.encode(), self.keeper.lease)
 
     async def put_presence(self) -> None:
         put = self.presence()
@@ -151,23 +164,15 @@ class Executor:
     async def _join(self, a: Action) -> None:
         node, view, r = self.node, self.observer.view, a.round
         kv = view.round_kv
-        if kv is None or view.round is None or view.round["round"] != r:
+        if kv is None or view.round is None or view.round.round != r:
             return
         if not self.port:
-            self.port = await asyncio.to_thread(R.pick_master_port, node.settings.addr)
-        rec = {
-            "node_id": node.node_id,
-            "host": node.host,
-            "addr": node.addr,
-            "nproc": node.settings.nproc,
-            "rank_hint": node.settings.node_rank_hint,
-            "port": self.port,
-            "pid": os.getpid(),
-        }
+            self.port = await asyncio.to_thread(rounds.pick_master_port, node.settings.addr)
+        rec = JoinRecord(self._me(), port=self.port)
         res = await node.store.txn(
             [Compare.unchanged(node.keys.round, kv.mod_revision)],
             [
-                Put(node.keys.join(r, node.node_id), K.encode(rec), self.keeper.lease),
+                Put(node.keys.join(r, node.node_id), rec.encode(), self.keeper.lease),
                 Delete(self._waiting_key),
             ],
         )
@@ -178,12 +183,12 @@ class Executor:
     async def _close_round(self, a: Action) -> None:
         node, view = self.node, self.observer.view
         kv, r = view.round_kv, a.round
-        if kv is None or view.round is None or view.round.get("state") != K.OPEN:
+        if kv is None or view.round is None or view.round.state is not RoundState.OPEN:
             return
         order = sorted(view.joiners.values(), key=lambda kv: kv.create_revision)
-        joiners = [K.decode(j.key, j.value) for j in order]
+        joiners = [JoinRecord.decode(j.key, j.value) for j in order]
         settings = node.settings
-        closed, result = R.close_records(
+        closed, result = rounds.close_records(
             view.round,
             joiners,
             settings.max_nodes,
@@ -191,38 +196,38 @@ class Executor:
             time.time(),
             max_restarts=settings.max_restarts,
         )
-        members = result["members"]
+        members = result.members
         res = await node.store.txn(
             [Compare.unchanged(node.keys.round, kv.mod_revision)],
             [
-                Put(node.keys.round, K.encode(closed)),
-                Put(node.keys.result(r), K.encode(result)),
+                Put(node.keys.round, closed.encode()),
+                Put(node.keys.result(r), result.encode()),
             ],
         )
-        if res.succeeded and closed["state"] == K.FAILED:
+        if res.succeeded and closed.state is RoundState.FAILED:
             node.events.emit("job_failed", round=r, reason="restart budget exhausted")
         elif res.succeeded:
-            view.results[r] = K.decode("result", K.encode(result))
+            view.results[r] = result
             node.events.emit(
                 "round_closed",
                 round=r,
                 reason=a.reason,
-                members=[m["host"] for m in members],
-                ranks={m["node_id"]: m["group_rank"] for m in members},
+                members=[m.host for m in members],
+                ranks={m.node_id: m.group_rank for m in members},
             )
 
-    def _closed_round_kv(self, r: int) -> tuple[KeyValue, dict[str, Any]] | None:
+    def _closed_round_kv(self, r: int) -> tuple[KeyValue, RoundRecord] | None:
         view = self.observer.view
         kv, rec = view.round_kv, view.round
-        if kv is None or rec is None or rec["round"] != r or rec["state"] != K.CLOSED:
+        if kv is None or rec is None or rec.round != r or rec.state is not RoundState.CLOSED:
             return None
         return kv, rec
 
-    async def _cas_round(self, kv: KeyValue, new: dict[str, Any]) -> bool:
+    async def _cas_round(self, kv: KeyValue, new: RoundRecord) -> bool:
         keys, store = self.node.keys, self.node.store
-        return await store.compare_and_set(keys.round, kv.mod_revision, K.encode(new))
+        return await store.compare_and_set(keys.round, kv.mod_revision, new.encode())
 
-    async def _open(self, kv: KeyValue, new: dict[str, Any], *, hang: bool) -> bool:
+    async def _open(self, kv: KeyValue, new: RoundRecord, *, hang: bool) -> bool:
         """Open the next round. A round that ended on a hang replaces the
         stacks notes kept so far (the previous hang's, and any other note
         under that prefix): its members' notes are written after it opens."""
@@ -231,7 +236,7 @@ class Executor:
         keys = self.node.keys
         res = await self.node.store.txn(
             [Compare.unchanged(keys.round, kv.mod_revision)],
-            [Put(keys.round, K.encode(new)), Delete(keys.note(N.STACKS_PREFIX), prefix=True)],
+            [Put(keys.round, new.encode()), Delete(keys.note(N.STACKS_PREFIX), prefix=True)],
         )
         return res.succeeded
 
@@ -241,7 +246,7 @@ class Executor:
             return
         kv, rec = found
         result = await self.observer.get_result(a.round)
-        new = R.next_round_record(
+        new = rounds.next_round_record(
             rec,
             result,
             a.reason,
@@ -250,7 +255,7 @@ class Executor:
             failure=self.failure,
             opened_at=time.time(),
         )
-        if await self._open(kv, new, hang=R.hang_round(new) == a.round):
+        if await self._open(kv, new, hang=new.hang_round == a.round):
             events, me = self.node.events, self.node.node_id
             if a.reason == "member_lost":
                 events.emit("node_lost", round=a.round, detail=a.detail, by=me)
@@ -262,7 +267,7 @@ class Executor:
         if found is None:
             return
         kv, rec = found
-        if await self._cas_round(kv, {**rec, "state": K.FINISHED}):
+        if await self._cas_round(kv, dataclasses.replace(rec, state=RoundState.FINISHED)):
             self.node.events.emit("job_finished", round=r)
 
     def _waiting_reason(self, r: int) -> str:
@@ -271,7 +276,7 @@ class Executor:
         max_nodes = self.node.settings.max_nodes
         if result is None:
             return f"round {r} closed without this node"
-        n = len(result["members"])
+        n = len(result.members)
         if n >= max_nodes:
             return f"round {r} is full ({n} of max {_nodes(max_nodes)}); waiting for a free place"
         return (
@@ -281,7 +286,7 @@ class Executor:
     async def _round_result(self, r: int) -> RoundResult:
         s = self.node.settings
         result = await self.observer.get_result(r)
-        return R.round_result(s.run_id, self.node.node_id, result, s.max_restarts)
+        return rounds.round_result(s.run_id, self.node.node_id, result, s.max_restarts)
 
     async def _error(self, a: Action) -> BaseException:
         s, obs = self.node.settings, self.observer
@@ -290,20 +295,23 @@ class Executor:
                 f"job {s.run_id!r} has finished: there will be no further rounds"
             )
         if a.error is RestartBudgetExhausted:
-            rec = obs.view.round or {}
+            rec = obs.view.round
+            # Another node's record: escaped, as the message reaches a terminal.
+            last = printable(describe_stored(rec.last_failure if rec is not None else None))
             return RestartBudgetExhausted(
                 f"job {s.run_id!r} used its restart budget ({s.max_restarts} "
                 f"restart{'' if s.max_restarts == 1 else 's'}, "
-                f"--max-restarts); last failure: {describe_stored(rec.get('last_failure'))}"
+                f"--max-restarts); last failure: {last}"
             )
         return await self._timeout_error(a.round)
 
     async def _timeout_error(self, r: int) -> RendezvousTimeout:
         s, obs = self.node.settings, self.observer
         await obs.note_joiners(r)
-        joins = sorted(h for (jr, _), h in obs.joiner_hosts.items() if jr == r)
+        # Other nodes' host names: escaped, as the message reaches a terminal.
+        joins = sorted(printable(h) for (jr, _), h in obs.joiner_hosts.items() if jr == r)
         rnd = obs.view.round
-        if obs.rules.ctx.round == r and rnd and rnd["state"] != K.OPEN:
+        if obs.rules.ctx.round == r and rnd is not None and rnd.state is not RoundState.OPEN:
             return RendezvousTimeout(
                 f"round {r} closed without this node and no new round opened before "
                 f"join_timeout={s.join_timeout:g}s (job is full: max {_nodes(s.max_nodes)})"

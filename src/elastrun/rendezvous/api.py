@@ -18,18 +18,22 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from elastrun.failure import FailureRecord
+from elastrun.rendezvous.records import AgreedSettings
+from elastrun.store.base import RevokeSpec
 
 __all__ = [
+    "AgreedSettings",
     "Change",
     "LeaseListener",
     "Member",
     "ProgressCallback",
     "Rendezvous",
     "RendezvousSettings",
+    "RevokeSpec",
     "RoundResult",
     "WaitingStatus",
 ]
@@ -37,8 +41,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class RendezvousSettings:
-    """Settings of one node's rendezvous. Fields in ``AGREED`` must be equal on
-    every node of a job (config agreement); the rest are per node."""
+    """Settings of one node's rendezvous. The fields of :meth:`agreed` must be
+    equal on every node of a job (config agreement); the rest are per node."""
 
     run_id: str
     min_nodes: int
@@ -58,18 +62,16 @@ class RendezvousSettings:
     addr: str = ""  # address other nodes and workers use to reach this node
     node_rank_hint: int | None = None
 
-    AGREED = (
-        "min_nodes",
-        "max_nodes",
-        "max_restarts",
-        "role",
-        "join_timeout",
-        "last_call_timeout",
-    )
-
-    def agreed(self) -> dict[str, Any]:
-        """The fields every node of the job must agree on, as JSON-able data."""
-        return {name: getattr(self, name) for name in self.AGREED}
+    def agreed(self) -> AgreedSettings:
+        """The fields every node of the job must agree on (the job's ``config``)."""
+        return AgreedSettings(
+            min_nodes=self.min_nodes,
+            max_nodes=self.max_nodes,
+            max_restarts=self.max_restarts,
+            role=self.role,
+            join_timeout=self.join_timeout,
+            last_call_timeout=self.last_call_timeout,
+        )
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ class RoundResult:
     master_port: int
     restart_count: int  # restarts of the job used so far (job-wide)
     max_restarts: int
-    extra: dict[str, Any] = field(default_factory=dict)
+    reason: str = ""  # why the round closed (dynamic: the decider's rule)
 
     @property
     def group_world_size(self) -> int:
@@ -145,8 +147,8 @@ class WaitingStatus:
 
 ProgressCallback = Callable[[WaitingStatus], None]
 # Told how another process could revoke this node's lease (the store's
-# ``revoke_spec``: JSON-able), or None when it holds none.
-LeaseListener = Callable[[dict[str, Any] | None], None]
+# ``revoke_spec``), or None when it holds none.
+LeaseListener = Callable[[RevokeSpec | None], None]
 
 
 class Rendezvous(abc.ABC):

@@ -40,7 +40,7 @@ from elastrun.events import EventSink, NullSink
 from elastrun.failure import FailureRecord
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import notes as N
-from elastrun.rendezvous import records as R
+from elastrun.rendezvous import rounds
 from elastrun.rendezvous.actions import Executor, Outcome
 from elastrun.rendezvous.api import (
     Change,
@@ -52,6 +52,7 @@ from elastrun.rendezvous.api import (
 from elastrun.rendezvous.phases import Inbox, LeaseGone, Message, OpenPhase, WatchFailed, WatchFired
 from elastrun.rendezvous.plan import PhasePlan, plan_phase
 from elastrun.rendezvous.progress import ProgressReporter, waiting_status
+from elastrun.rendezvous.records import AgreedSettings, ConfigRecord, RoundRecord, RoundState
 from elastrun.rendezvous.reuse import Verdict, classify, describe_reset
 from elastrun.rendezvous.rules import (
     TIMER_EVENTS,
@@ -88,7 +89,9 @@ def rereadable(exc: StoreError) -> bool:
 
 
 def _safe_id(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", text) or "node"
+    """A node id (:data:`.keys.NODE_ID`) made of ``text``: its last 128
+    characters (the random suffix kept), each outside the grammar a ``_``."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text[-128:]) or "node"
 
 
 class DynamicRendezvous(Rendezvous):
@@ -203,22 +206,22 @@ class DynamicRendezvous(Rendezvous):
     async def joining_running_job(self) -> bool:
         try:
             kv = await self.store.get(self.keys.round)
-            rec = None if kv is None else K.decode(kv.key, kv.value)
-        except (StoreError, RendezvousError, ValueError, KeyError):
+            rec = None if kv is None else RoundRecord.decode(kv.key, kv.value)
+        except (StoreError, RendezvousError):
             return False  # next_round() reads it again and reports what is wrong
-        if rec is None or rec.get("state") != K.CLOSED:
+        if rec is None or rec.state is not RoundState.CLOSED:
             return False
-        return self.node_id not in (rec.get("members") or ())
+        return self.node_id not in rec.members
 
     async def wait_for_change(self) -> Change:
         if self.rules.state is not State.MEMBER:
-            return R.round_change(self._observer.view.round, "")
+            return rounds.round_change(self._observer.view.round, "")
         out = await self._run(None)
         assert out.change is not None
         return out.change
 
     async def request_restart(self, failure: FailureRecord) -> None:
-        self._executor.failure = failure.to_json()
+        self._executor.failure = failure
         self.events.emit("restart_requested", node=self.node_id, failure=failure.to_json())
         # The new round's detail: what every member prints for this restart.
         detail = failure.describe()
@@ -268,8 +271,8 @@ class DynamicRendezvous(Rendezvous):
             res = await store.txn([], [Get(k.config), Get(k.round), Get(k.nodes, prefix=True)])
             config_kv = res.gets[0][0] if res.gets[0] else None
             round_kv = res.gets[1][0] if res.gets[1] else None
-            config = K.decode(k.config, config_kv.value) if config_kv else None
-            rnd = K.decode(k.round, round_kv.value) if round_kv else None
+            config = ConfigRecord.decode(k.config, config_kv.value) if config_kv else None
+            rnd = RoundRecord.decode(k.round, round_kv.value) if round_kv else None
             found = classify(config, rnd, len(res.gets[2]))
             config_rev = config_kv.mod_revision if config_kv else 0
             round_rev = round_kv.mod_revision if round_kv else 0
@@ -288,10 +291,10 @@ class DynamicRendezvous(Rendezvous):
                     self._announce_reset(found.why, config, rnd)
                 continue
             if config is not None:
-                self._agree(config.get("settings", {}), mine)
+                self._agree(config.settings, mine)
                 ops = [self._executor.presence()]
             else:
-                ops = [Put(k.config, K.encode({"settings": mine})), self._executor.presence()]
+                ops = [Put(k.config, ConfigRecord(mine).encode()), self._executor.presence()]
             compares = [Compare.unchanged(k.config, config_rev)]
             if found.verdict is Verdict.NEW:
                 compares.append(Compare.unchanged(k.round, round_rev))
@@ -303,25 +306,25 @@ class DynamicRendezvous(Rendezvous):
         )
 
     def _announce_reset(
-        self, why: str, config: dict[str, Any] | None, rnd: dict[str, Any] | None
+        self, why: str, config: ConfigRecord | None, rnd: RoundRecord | None
     ) -> None:
         line = describe_reset(self.settings.run_id, why, config, rnd)
-        rnd = rnd or {}
+        last = rnd.last_failure if rnd is not None else None
         self.events.emit(
             "job_reset",
             node=self.node_id,
             reason=why,
-            previous_round=rnd.get("round"),
-            previous_state=rnd.get("state"),
-            previous_restarts=rnd.get("restarts"),
-            previous_settings=(config or {}).get("settings"),
-            last_failure=rnd.get("last_failure"),
+            previous_round=rnd.round if rnd is not None else None,
+            previous_state=rnd.state.value if rnd is not None else None,
+            previous_restarts=rnd.restarts if rnd is not None else None,
+            previous_settings=config.settings.to_json() if config is not None else None,
+            last_failure=last.to_json() if last is not None else None,
         )
         if self.notice is not None:
             self.notice(printable(line))  # it quotes the records
 
-    def _agree(self, job: dict[str, Any], mine: dict[str, Any]) -> None:
-        mismatch = R.config_diff(self.settings.run_id, job, mine)
+    def _agree(self, job: AgreedSettings, mine: AgreedSettings) -> None:
+        mismatch = rounds.config_diff(self.settings.run_id, job, mine)
         if mismatch is not None:
             message, diffs = mismatch
             fields = [f"{k}: job has {a!r}, this node has {b!r}" for k, (a, b) in diffs.items()]
@@ -331,13 +334,14 @@ class DynamicRendezvous(Rendezvous):
     async def _check_config(self) -> None:
         mine = self.settings.agreed()
         key = self.keys.config
-        if await self.store.create(key, K.encode({"settings": mine})):
+        record = ConfigRecord(mine).encode()
+        if await self.store.create(key, record):
             return
         kv = await self.store.get(key)
         if kv is None:  # deleted in between: try again once
-            await self.store.create(key, K.encode({"settings": mine}))
+            await self.store.create(key, record)
             return
-        self._agree(K.decode(key, kv.value).get("settings", {}), mine)
+        self._agree(ConfigRecord.decode(key, kv.value).settings, mine)
 
     def _lease_changed(self, lease: int) -> None:
         listener = self.lease_listener

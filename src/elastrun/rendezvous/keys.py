@@ -19,35 +19,37 @@ The exit barrier's "round R finished" record is ``round`` itself (``state``
 finished): the one key every member at the barrier watches, besides the
 barrier watcher's ``nodes/{node_id}`` (see :mod:`elastrun.rendezvous.rules`).
 
-Records are JSON objects with ``"v": 1``; a record that does not decode
-(not JSON, larger than ``RECORD_MAX_BYTES`` or nested deeper than
+Records are JSON objects with ``"v": 1`` (:func:`encode`); a record that does
+not decode (not JSON, larger than ``RECORD_MAX_BYTES`` or nested deeper than
 :data:`~elastrun.untrusted.MAX_DEPTH` levels: anyone who reaches the store may
-have written it) raises :class:`~elastrun.errors.ProtocolError` naming the key.
+have written it) raises :class:`~elastrun.errors.ProtocolError` naming the key
+(:func:`decode`). What each record holds, typed and checked, is
+:mod:`elastrun.rendezvous.records`.
 
 Keys are built only from checked parts: the job id must match the job-id
 grammar (:mod:`elastrun.names`; no ``/``, so no id names a part of another
-job's key space) and node ids are the rendezvous' own (``[A-Za-z0-9._-]``).
+job's key space) and node ids are the rendezvous' own (``NODE_ID``:
+``[A-Za-z0-9._-]``, at most 128 characters).
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from elastrun.errors import ProtocolError
 from elastrun.names import check_run_id
 from elastrun.untrusted import UntrustedData, loads
 
-__all__ = ["RECORD_VERSION", "Keys", "decode", "encode", "node_id_of"]
+__all__ = ["NODE_ID", "RECORD_VERSION", "Keys", "decode", "encode", "node_id_of", "valid_node_id"]
 
 RECORD_VERSION = 1
 RECORD_MAX_BYTES = 4 * 1024 * 1024  # above any value a store holds (the embedded one: 1.5 MiB)
-
-OPEN = "open"
-CLOSED = "closed"
-FINISHED = "finished"
-FAILED = "failed"
+# A node id: what the rendezvous makes of a host name, a pid and a random
+# suffix; never a "/" (it is the last part of a per-node key).
+NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}\Z")
 
 
 @dataclass(frozen=True)
@@ -111,11 +113,18 @@ def node_id_of(key: str) -> str:
     return key.rsplit("/", 1)[-1]
 
 
-def encode(record: dict[str, Any]) -> bytes:
+def valid_node_id(text: str) -> bool:
+    return NODE_ID.match(text) is not None
+
+
+def encode(record: Mapping[str, object]) -> bytes:
+    """A record's JSON object (see :mod:`.records`) as stored, with ``"v"``."""
     return json.dumps({"v": RECORD_VERSION, **record}, sort_keys=True).encode()
 
 
-def decode(key: str, value: bytes) -> dict[str, Any]:
+def decode(key: str, value: bytes) -> dict[str, object]:
+    """The JSON object stored at ``key``, within the bounds and of this
+    record version; raises ProtocolError naming the key."""
     try:
         obj = loads(value, max_bytes=RECORD_MAX_BYTES, what=f"store key {key}")
     except UntrustedData as exc:  # not JSON, too large, or nested too deep

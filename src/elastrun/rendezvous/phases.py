@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from elastrun.errors import RendezvousError, StoreError
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import plan as P
-from elastrun.rendezvous import records as R
+from elastrun.rendezvous import rounds
 from elastrun.rendezvous.protocol import BarrierDone, Event
+from elastrun.rendezvous.records import RoundState
 from elastrun.rendezvous.view import Node, Observer, read
 from elastrun.store.base import Watch, WatchEvent
 
@@ -113,7 +114,7 @@ class OpenPhase:
 
     async def _create_first_round(self) -> None:
         node = self.node
-        if await node.store.create(node.keys.round, K.encode(R.first_round(time.time()))):
+        if await node.store.create(node.keys.round, rounds.first_round(time.time()).encode()):
             node.events.emit("round_opened", round=0, reason="job_started", node=node.node_id)
 
     async def _read_nodes(self) -> None:
@@ -179,14 +180,14 @@ class OpenPhase:
         if plan.joins:
             events.append(P.joiners_event(view, self.node.clock.monotonic()))
         # The rest concerns round r; a newer round record ends the phase anyway.
-        if view.round is not None and int(view.round["round"]) != r:
+        if view.round is not None and view.round.round != r:
             return events
         if plan.nodes:
             events.extend(await obs.lost_events())
         if plan.waiting:
             max_nodes = self.node.settings.max_nodes
             events.extend(P.waiting_event(view, r, n, max_nodes) for n in view.waiting)
-        if plan.barrier and (view.round or {}).get("state") == K.CLOSED:
+        if plan.barrier and view.round is not None and view.round.state is RoundState.CLOSED:
             events.extend(await self.open_barrier(r))
         return events
 

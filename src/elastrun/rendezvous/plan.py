@@ -36,7 +36,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.protocol import (
@@ -50,6 +49,13 @@ from elastrun.rendezvous.protocol import (
     RoundFinished,
     RoundOpen,
     State,
+)
+from elastrun.rendezvous.records import (
+    MemberRecord,
+    ResultRecord,
+    RoundRecord,
+    RoundState,
+    WaitingRecord,
 )
 from elastrun.store.base import KeyValue, WatchEvent
 
@@ -85,7 +91,6 @@ __all__ = [
     "waiting_event",
 ]
 
-Record = dict[str, Any]
 LOST_LEASE = "lease expired or revoked"
 
 
@@ -154,8 +159,8 @@ class View:
     updated by the phase's watch events (:func:`react`)."""
 
     round_kv: KeyValue | None = None
-    round: Record | None = None
-    results: dict[int, Record] = field(default_factory=dict)  # immutable once written
+    round: RoundRecord | None = None
+    results: dict[int, ResultRecord] = field(default_factory=dict)  # immutable once written
     joiners: dict[str, KeyValue] = field(default_factory=dict)
     nodes: dict[str, KeyValue] = field(default_factory=dict)
     nodes_loaded: bool = False
@@ -172,12 +177,12 @@ class View:
 
     def set_round(self, kv: KeyValue | None) -> None:
         self.round_kv = kv
-        self.round = None if kv is None else K.decode(kv.key, kv.value)
+        self.round = None if kv is None else RoundRecord.decode(kv.key, kv.value)
 
-    def members(self, r: int) -> list[Record]:
+    def members(self, r: int) -> tuple[MemberRecord, ...]:
         """The members of closed round ``r`` in rank order (as read)."""
         result = self.results.get(r)
-        return list(result["members"]) if result else []
+        return result.members if result else ()
 
 
 # -- the decider ----------------------------------------------------------------------
@@ -245,7 +250,7 @@ class WatchWatcher:
 class LostAtBarrier:
     """This member is gone without a done key: it is lost."""
 
-    member: Record
+    member: MemberRecord
 
 
 @dataclass(frozen=True)
@@ -258,7 +263,7 @@ BarrierStep = BarrierDone | CheckPresence | CheckDone | WatchWatcher | LostAtBar
 
 
 def barrier_step(
-    members: Sequence[Record],
+    members: Sequence[MemberRecord],
     me: str,
     done_count: int,
     present: Mapping[str, bool],
@@ -274,7 +279,7 @@ def barrier_step(
     if members and done_count >= len(members):
         return BarrierDone()
     for m in members:
-        nid = m["node_id"]
+        nid = m.node_id
         if nid == me:
             break
         if nid not in present:
@@ -290,17 +295,16 @@ def barrier_step(
 
 def all_done(view: View, r: int) -> bool:
     members = view.members(r)
-    return bool(members) and all(m["node_id"] in view.done for m in members)
+    return bool(members) and all(m.node_id in view.done for m in members)
 
 
 # -- store state -> events --------------------------------------------------------------
 def result_needed(view: View) -> int | None:
     """The round whose result :func:`round_event` needs and the view lacks."""
     rec = view.round
-    if rec is None or rec["state"] != K.CLOSED:
+    if rec is None or rec.state is not RoundState.CLOSED:
         return None
-    r = int(rec["round"])
-    return None if r in view.results else r
+    return None if rec.round in view.results else rec.round
 
 
 def round_event(view: View, me: str, host: str, max_nodes: int) -> Event | None:
@@ -309,14 +313,14 @@ def round_event(view: View, me: str, host: str, max_nodes: int) -> Event | None:
     rec = view.round
     if rec is None:
         return None
-    r, state = int(rec["round"]), rec["state"]
-    if state == K.OPEN:
+    r, state = rec.round, rec.state
+    if state is RoundState.OPEN:
         return RoundOpen(r)
-    if state == K.FINISHED:
+    if state is RoundState.FINISHED:
         return RoundFinished(r)
-    if state == K.FAILED:
+    if state is RoundState.FAILED:
         return RoundFailed(r)
-    members = [m["node_id"] for m in view.members(r)]
+    members = [m.node_id for m in view.members(r)]
     lost = ""
     if view.nodes_loaded:
         gone = [m for m in members if m not in view.nodes]
@@ -332,7 +336,7 @@ def round_event(view: View, me: str, host: str, max_nodes: int) -> Event | None:
 
 def joiners_event(view: View, now: float) -> JoinersChanged:
     """The joiners of the open round, as the decider (or a follower) sees them."""
-    prev = (view.round or {}).get("prev") or []
+    prev = view.round.prev if view.round is not None else ()
     all_joined = (
         bool(prev)
         and view.nodes_loaded
@@ -343,24 +347,22 @@ def joiners_event(view: View, now: float) -> JoinersChanged:
     return JoinersChanged(now, count, decider=view.decider, all_joined=all_joined)
 
 
-def absent_members(view: View, r: int) -> list[Record]:
+def absent_members(view: View, r: int) -> list[MemberRecord]:
     """Members of round ``r`` without a presence key nor a known done key:
     each is lost unless it put its done key (the driver checks)."""
     return [
-        m
-        for m in view.members(r)
-        if m["node_id"] not in view.nodes and m["node_id"] not in view.done
+        m for m in view.members(r) if m.node_id not in view.nodes and m.node_id not in view.done
     ]
 
 
-def lost_event(member: Record, how: str = LOST_LEASE) -> MemberLost:
-    return MemberLost(f"node {member['host']} ({member['node_id']}) lost: {how}")
+def lost_event(member: MemberRecord, how: str = LOST_LEASE) -> MemberLost:
+    return MemberLost(f"node {member.host} ({member.node_id}) lost: {how}")
 
 
 def waiting_event(view: View, r: int, node_id: str, max_nodes: int) -> NodeWaiting:
     room = len(view.members(r)) < max_nodes
     kv = view.waiting.get(node_id)
-    host = K.decode(kv.key, kv.value).get("host", node_id) if kv else node_id
+    host = WaitingRecord.decode(kv.key, kv.value).host if kv else node_id
     return NodeWaiting(room, f"node {host} ({node_id}) waits to join")
 
 
@@ -383,7 +385,7 @@ class GoneMember:
     key; if it did and ``resnap`` (it was the barrier's watcher), set the
     phase up again."""
 
-    member: Record
+    member: MemberRecord
     resnap: bool = False
 
 
@@ -428,8 +430,8 @@ def _apply(keys: dict[str, KeyValue], nid: str, wev: WatchEvent) -> None:
         keys.pop(nid, None)
 
 
-def _member(view: View, r: int, nid: str) -> Record | None:
-    return next((m for m in view.members(r) if m["node_id"] == nid), None)
+def _member(view: View, r: int, nid: str) -> MemberRecord | None:
+    return next((m for m in view.members(r) if m.node_id == nid), None)
 
 
 def _nodes_changed(view: View, nid: str, wev: WatchEvent, r: int, now: float) -> Reaction:

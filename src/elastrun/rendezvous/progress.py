@@ -22,9 +22,9 @@ import math
 from collections.abc import Callable, Mapping
 
 from elastrun.events import EventSink
-from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.api import RendezvousSettings, WaitingStatus
 from elastrun.rendezvous.plan import View
+from elastrun.rendezvous.records import RoundState
 from elastrun.rendezvous.rules import Rules, State, Timer
 
 __all__ = ["ProgressReporter", "waiting_status"]
@@ -64,14 +64,15 @@ def waiting_status(
             live=live,
         )
     if state is State.WAITING:
-        rec = view.round or {}
-        r = int(rec.get("round", ctx.round))
+        rec = view.round
+        r = rec.round if rec is not None else ctx.round
+        round_state = rec.state if rec is not None else RoundState.CLOSED
         result = view.results.get(r)
-        members = len(result["members"]) if result else 0
-        if rec.get("state") == K.CLOSED and members >= settings.max_nodes:
+        members = len(result.members) if result else 0
+        if round_state is RoundState.CLOSED and members >= settings.max_nodes:
             detail = f"round {r} is full ({members} of max {_nodes(settings.max_nodes)})"
         else:
-            detail = f"round {r} is {rec.get('state', 'closed')}"
+            detail = f"round {r} is {round_state.value}"
         return WaitingStatus(
             round=r,
             state="waiting",

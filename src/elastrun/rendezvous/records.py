@@ -1,229 +1,425 @@
-"""Building and reading the dynamic rendezvous' records (pure; no I/O).
+"""The dynamic rendezvous' records: one typed value per kind of key.
 
-The shapes of ``round`` and ``rounds/{R}/result`` (see :mod:`.keys` and
-docs/rendezvous.md), config agreement, and the master port a joiner offers.
+Each record is a frozen dataclass with ``to_json`` / ``from_json`` (its JSON
+object) and ``encode`` / ``decode`` (its bytes in the store, with ``"v": 1``:
+:func:`.keys.encode`, :func:`.keys.decode`). The key layout is
+:mod:`.keys`; how rounds are built from these records is :mod:`.rounds`::
+
+    config                      ConfigRecord   the agreed settings (AgreedSettings)
+    nodes/{node_id}             PresenceRecord (the node: NodeInfo)
+    round                       RoundRecord    (its previous members: PrevMember)
+    rounds/{R}/join/{node_id}   JoinRecord     (the node: NodeInfo)
+    rounds/{R}/result           ResultRecord   (its members: MemberRecord)
+    rounds/{R}/done/{node_id}   DONE           (an empty record)
+    waiting/{node_id}           WaitingRecord
+
+Every record read is untrusted: anyone who reaches the store may have written
+it. :meth:`decode` reads it within the bounds (:func:`.keys.decode`), then
+``from_json`` checks it, by these rules:
+
+* A field the protocol decides on (round numbers, the state, restarts,
+  members and their ranks, node ids, addresses, ports, process counts) must
+  hold its type and range, and a field every version wrote must be there;
+  else :class:`~elastrun.errors.ProtocolError` names the key and the field.
+  A result's members hold the group ranks 0..n-1 in order, each node once;
+  a per-node record names the node of its key.
+* A field kept for people (``reason``, ``detail``, the wall-clock times,
+  ``pid``, the failure records, ``hang_round``) that is absent, null or of
+  another type reads as absent (records of other elastrun versions).
+* Unknown fields are ignored (a version may add fields); a record this node
+  rewrites (the round record) keeps the fields known here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import random
-import socket
-from collections.abc import Mapping, Sequence
-from typing import Any
+import enum
+from dataclasses import dataclass
+from typing import Any, Self
 
-from elastrun.errors import RendezvousError
+from elastrun.errors import ProtocolError
+from elastrun.failure import FailureRecord
 from elastrun.rendezvous import keys as K
-from elastrun.rendezvous.api import Change, Member, RoundResult
-from elastrun.rendezvous.ranks import Candidate, assign_ranks
+from elastrun.rendezvous.fields import Fields
 
 __all__ = [
-    "close_records",
-    "config_diff",
-    "first_round",
-    "hang_round",
-    "next_round_record",
-    "pick_master_port",
-    "round_change",
-    "round_result",
+    "DONE",
+    "AgreedSettings",
+    "ConfigRecord",
+    "JoinRecord",
+    "MemberRecord",
+    "NodeInfo",
+    "PresenceRecord",
+    "PrevMember",
+    "ResultRecord",
+    "RoundRecord",
+    "RoundState",
+    "WaitingRecord",
 ]
 
-Record = dict[str, Any]
+# The exit barrier's done key: an empty record (its presence is what counts).
+DONE = K.encode({})
 
 
-def pick_master_port(addr: str = "") -> int:
-    """A TCP port free on this host, preferably outside the kernel's ephemeral
-    range (so outgoing connections cannot take it before the workers bind)."""
-    low = 32768
-    with (
-        contextlib.suppress(OSError, ValueError),
-        open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f,
-    ):
-        low = int(f.read().split()[0])
-    candidates = [random.randint(20000, low - 1) for _ in range(8)] if low > 20100 else []
-    for port in [*candidates, 0]:
-        for host in (addr, ""):
-            try:
-                family = socket.AF_INET6 if ":" in host else socket.AF_INET
-                with socket.socket(family, socket.SOCK_STREAM) as s:
-                    s.bind((host, port))
-                    return int(s.getsockname()[1])
-            except OSError:
-                continue
-    raise RendezvousError("could not find a free TCP port for MASTER_PORT on this host")
+class RoundState(enum.Enum):
+    """The job's ``round`` record's ``state``."""
+
+    OPEN = "open"  # round R is forming
+    CLOSED = "closed"  # round R's members run (its result is written)
+    FINISHED = "finished"  # the job succeeded
+    FAILED = "failed"  # the job's restart budget is spent
 
 
-def config_diff(
-    run_id: str, job: Mapping[str, Any], mine: Mapping[str, Any]
-) -> tuple[str, dict[str, tuple[object, object]]] | None:
-    """None when the node agrees with the job; else (message, field diffs).
-    ``min_nodes``/``max_nodes`` are reported together as ``nnodes``."""
-    diffs = {k: (job.get(k), v) for k, v in mine.items() if job.get(k) != v}
-    if not diffs:
-        return None
-    parts: list[str] = []
-    if "min_nodes" in diffs or "max_nodes" in diffs:
-        job_n = f"{job.get('min_nodes')}:{job.get('max_nodes')}"
-        my_n = f"{mine['min_nodes']}:{mine['max_nodes']}"
-        parts.append(f"nnodes: job has {job_n}, this node has {my_n}")
-    for name, (theirs, ours) in diffs.items():
-        if name not in ("min_nodes", "max_nodes"):
-            parts.append(f"{name}: job has {theirs!r}, this node has {ours!r}")
-    message = (
-        f"this node's settings differ from those of job {run_id!r}: "
-        + "; ".join(parts)
-        + ". Start every node of a job with the same settings (or use a new --rdzv-id)."
-    )
-    return message, diffs
+def _failure_json(record: FailureRecord | None) -> dict[str, Any] | None:
+    return None if record is None else record.to_json()
 
 
-def first_round(opened_at: float) -> Record:
-    """Round 0. ``opened_at`` (wall clock, every ``*_at``) is for people
-    reading the records (``elastrun status``); no decision uses it."""
-    return {
-        "round": 0,
-        "state": K.OPEN,
-        "restarts": 0,
-        "last_failure": None,
-        "prev": [],
-        "reason": "job_started",
-        "detail": "",
-        "counts": False,
-        "opened_at": opened_at,
-    }
+class _Record:
+    """What every record has: its JSON object, its bytes in the store."""
+
+    def to_json(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_json(cls, raw: object, where: str = "record") -> Self:
+        raise NotImplementedError
+
+    def encode(self) -> bytes:
+        return K.encode(self.to_json())
+
+    @classmethod
+    def decode(cls, key: str, value: bytes) -> Self:
+        """The record stored at ``key``; ProtocolError if it is not one."""
+        return cls.from_json(K.decode(key, value), f"store key {key}")
 
 
-def close_records(
-    rnd: Record,
-    joiners: Sequence[Record],
-    max_nodes: int,
-    reason: str,
-    closed_at: float,
-    *,
-    max_restarts: int | None = None,
-) -> tuple[Record, Record]:
-    """(closed round record, result record) for open round ``rnd`` and its
-    joiners in join order: the first ``max_nodes`` become members.
+class _NodeRecord(_Record):
+    """A per-node record: it names the node of its key."""
 
-    A restart is charged here, when the round it opened closes, not when a
-    node asks for it: a worker failure counts only if every member of the
-    previous round is back. If one is missing, the failure was collateral of
-    losing that node (its peers' collectives broke when it vanished, before
-    its lease expired), and a membership change is never counted against the
-    restart budget.
-    When the charge overspends ``max_restarts``, the record returned is the
-    job's FAILED record instead of a closed one."""
-    records = list(joiners[:max_nodes])
-    prev = {p["node_id"]: int(p["group_rank"]) for p in rnd.get("prev") or []}
-    ranks = assign_ranks([Candidate(j["node_id"], j.get("rank_hint")) for j in records], prev)
-    records.sort(key=lambda j: ranks[j["node_id"]])
-    members = [
-        {
-            "node_id": j["node_id"],
-            "host": j["host"],
-            "addr": j["addr"],
-            "nproc": int(j["nproc"]),
-            "group_rank": ranks[j["node_id"]],
+    def owner(self) -> str:
+        """The node the record names."""
+        raise NotImplementedError
+
+    @classmethod
+    def decode(cls, key: str, value: bytes) -> Self:
+        record = super().decode(key, value)
+        if record.owner() != K.node_id_of(key):
+            raise ProtocolError(f"store key {key}: node_id {record.owner()!r} is not its key's")
+        return record
+
+
+# -- config -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AgreedSettings:
+    """The settings every node of a job must share (config agreement); the
+    others are per node (see :class:`~.api.RendezvousSettings`)."""
+
+    min_nodes: int
+    max_nodes: int
+    max_restarts: int
+    role: str
+    join_timeout: float
+    last_call_timeout: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "min_nodes": self.min_nodes,
+            "max_nodes": self.max_nodes,
+            "max_restarts": self.max_restarts,
+            "role": self.role,
+            "join_timeout": self.join_timeout,
+            "last_call_timeout": self.last_call_timeout,
         }
-        for j in records
-    ]
-    master = records[0]
-    member_ids = {m["node_id"] for m in members}
-    charged = bool(rnd.get("counts")) and prev.keys() <= member_ids
-    restarts = int(rnd.get("restarts", 0)) + (1 if charged else 0)
-    result = {
-        "round": rnd["round"],
-        "members": members,
-        "master_addr": master["addr"],
-        "master_port": int(master["port"]),
-        "restarts": restarts,
-        "charged": charged,
-        "reason": reason,
-        "opened_at": rnd.get("opened_at"),
-        "closed_at": closed_at,
-    }
-    closed = {
-        **rnd,
-        "state": K.CLOSED,
-        "members": [m["node_id"] for m in members],
-        "restarts": restarts,
-        "last_failure": rnd.get("pending_failure") if charged else rnd.get("last_failure"),
-    }
-    if max_restarts is not None and restarts > max_restarts:
-        closed = {**closed, "state": K.FAILED, "restarts": restarts - 1}
-    return closed, result
 
-
-def next_round_record(
-    rnd: Record,
-    result: Record,
-    reason: str,
-    detail: str,
-    *,
-    counts: bool,
-    failure: Mapping[str, Any] | None,
-    opened_at: float,
-) -> Record:
-    """The record that opens round R+1 after closed round ``rnd`` (R).
-
-    ``hang_round``: the last round that ended on a declared hang (R when
-    ``failure`` is the hang watchdog's, else carried over): the one round
-    whose stacks notes the agents and ``elastrun status`` show."""
-    hung = counts and failure is not None and bool(failure.get("hang"))
-    return {
-        "round": int(rnd["round"]) + 1,
-        "state": K.OPEN,
-        # Charged when this round closes (see close_records), not now.
-        "restarts": int(rnd.get("restarts", 0)),
-        "last_failure": rnd.get("last_failure"),
-        "pending_failure": dict(failure or {}) if counts else None,
-        "prev": [
-            {"node_id": m["node_id"], "group_rank": m["group_rank"]} for m in result["members"]
-        ],
-        "reason": reason,
-        "detail": detail,
-        "counts": counts,
-        "opened_at": opened_at,
-        "hang_round": int(rnd["round"]) if hung else hang_round(rnd),
-    }
-
-
-def hang_round(rec: Mapping[str, Any] | None) -> int | None:
-    """The last round that ended on a declared hang, from a round record."""
-    value = None if rec is None else rec.get("hang_round")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
-
-
-def round_result(run_id: str, node_id: str, result: Record, max_restarts: int) -> RoundResult:
-    members = tuple(
-        Member(m["node_id"], m["host"], m["addr"], int(m["group_rank"]), int(m["nproc"]))
-        for m in result["members"]
-    )
-    me = next(m for m in members if m.node_id == node_id)
-    return RoundResult(
-        run_id=run_id,
-        round=int(result["round"]),
-        members=members,
-        group_rank=me.group_rank,
-        master_addr=result["master_addr"],
-        master_port=int(result["master_port"]),
-        restart_count=int(result.get("restarts", 0)),
-        max_restarts=max_restarts,
-        extra={"node_id": node_id, "reason": result.get("reason", "")},
-    )
-
-
-def round_change(rec: Record | None, reason: str = "", detail: str = "") -> Change:
-    """Why a running member's round ended, from the job's round record."""
-    if reason or rec is None:
-        return Change(reason or "new_round", detail)
-    r = rec.get("round")
-    if rec.get("state") == K.OPEN:
-        failure = rec.get("pending_failure")
-        return Change(
-            str(rec.get("reason") or "new_round"),
-            str(rec.get("detail") or f"round {r} opened"),
-            bool(rec.get("counts")),
-            hang=isinstance(failure, dict) and bool(failure.get("hang")),
+    @classmethod
+    def from_json(cls, raw: object, where: str = "settings") -> AgreedSettings:
+        f = Fields(raw, where)
+        return cls(
+            min_nodes=f.integer("min_nodes"),
+            max_nodes=f.integer("max_nodes"),
+            max_restarts=f.integer("max_restarts"),
+            role=f.text("role"),
+            join_timeout=f.number("join_timeout"),
+            last_call_timeout=f.number("last_call_timeout"),
         )
-    return Change("new_round", f"round {r} is {rec.get('state')} without this node")
+
+
+@dataclass(frozen=True)
+class ConfigRecord(_Record):
+    """``config``: the job's agreed settings (created by its first node)."""
+
+    settings: AgreedSettings
+
+    def to_json(self) -> dict[str, Any]:
+        return {"settings": self.settings.to_json()}
+
+    @classmethod
+    def from_json(cls, raw: object, where: str = "config") -> Self:
+        f = Fields(raw, where)
+        return cls(AgreedSettings.from_json(f.raw.get("settings"), f"{where}: settings"))
+
+
+# -- per-node records ---------------------------------------------------------------
+@dataclass(frozen=True)
+class NodeInfo:
+    """A node as it presents itself (its presence and join records)."""
+
+    node_id: str
+    host: str  # for people
+    addr: str  # where the other nodes and the workers reach it
+    nproc: int
+    rank_hint: int | None = None  # --node-rank
+    pid: int | None = None  # its agent's, for people
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "host": self.host,
+            "addr": self.addr,
+            "nproc": self.nproc,
+            "rank_hint": self.rank_hint,
+            "pid": self.pid,
+        }
+
+    @classmethod
+    def read(cls, f: Fields) -> NodeInfo:
+        return cls(
+            node_id=f.node_id(),
+            host=f.text("host"),
+            addr=f.text("addr"),
+            nproc=f.integer("nproc", low=1),
+            rank_hint=f.optional_integer("rank_hint"),
+            pid=f.maybe_count("pid"),
+        )
+
+
+@dataclass(frozen=True)
+class PresenceRecord(_NodeRecord):
+    """``nodes/{node_id}``: a node of the job is alive (on its lease)."""
+
+    node: NodeInfo
+    since: float | None = None  # wall clock of its registration, for people
+
+    def owner(self) -> str:
+        return self.node.node_id
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.node.to_json(), "since": self.since}
+
+    @classmethod
+    def from_json(cls, raw: object, where: str = "presence record") -> Self:
+        f = Fields(raw, where)
+        return cls(NodeInfo.read(f), since=f.wall("since"))
+
+
+@dataclass(frozen=True)
+class JoinRecord(_NodeRecord):
+    """``rounds/{R}/join/{node_id}``: a node joined open round R (on its lease)."""
+
+    node: NodeInfo
+    port: int  # a free port on its host: MASTER_PORT if it becomes group rank 0
+
+    def owner(self) -> str:
+        return self.node.node_id
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.node.to_json(), "port": self.port}
+
+    @classmethod
+    def from_json(cls, raw: object, where: str = "join record") -> Self:
+        f = Fields(raw, where)
+        return cls(NodeInfo.read(f), port=f.port("port"))
+
+
+@dataclass(frozen=True)
+class WaitingRecord(_NodeRecord):
+    """``waiting/{node_id}``: a node waits for the round after ``round`` (on its lease)."""
+
+    node_id: str
+    host: str
+    round: int
+
+    def owner(self) -> str:
+        return self.node_id
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "host": self.host, "round": self.round}
+
+    @classmethod
+    def from_json(cls, raw: object, where: str = "waiting record") -> Self:
+        f = Fields(raw, where)
+        return cls(node_id=f.node_id(), host=f.text("host"), round=f.integer("round"))
+
+
+# -- the round and its result ---------------------------------------------------------
+@dataclass(frozen=True)
+class PrevMember:
+    """A member of the previous closed round: who keeps which group rank."""
+
+    node_id: str
+    group_rank: int
+
+    @classmethod
+    def from_json(cls, raw: object, where: str) -> PrevMember:
+        f = Fields(raw, where)
+        return cls(f.node_id(), f.integer("group_rank"))
+
+
+@dataclass(frozen=True)
+class RoundRecord(_Record):
+    """``round``: the job's current round (every write a compare-and-set)."""
+
+    round: int
+    state: RoundState
+    restarts: int = 0  # restarts used, job-wide
+    last_failure: FailureRecord | None = None  # the last charged failure
+    # The failure that opened this round, charged when it closes (see
+    # rounds.close_records); None for a membership change.
+    pending_failure: FailureRecord | None = None
+    prev: tuple[PrevMember, ...] = ()  # the previous closed round's members
+    reason: str = ""  # why this round was opened
+    detail: str = ""  # the same, for people: the line every member prints
+    counts: bool = False  # it opened for a worker failure (charged at the close)
+    opened_at: float | None = None  # wall clock, for people
+    hang_round: int | None = None  # the last round that ended on a declared hang
+    members: tuple[str, ...] = ()  # closed and later: the members' node ids
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "round": self.round,
+            "state": self.state.value,
+            "restarts": self.restarts,
+            "last_failure": _failure_json(self.last_failure),
+            "pending_failure": _failure_json(self.pending_failure),
+            "prev": [{"node_id": p.node_id, "group_rank": p.group_rank} for p in self.prev],
+            "reason": self.reason,
+            "detail": self.detail,
+            "counts": self.counts,
+            "opened_at": self.opened_at,
+            "hang_round": self.hang_round,
+        }
+        if self.state is not RoundState.OPEN:
+            out["members"] = list(self.members)
+        return out
+
+    @classmethod
+    def from_json(cls, raw: object, where: str = "round record") -> Self:
+        f = Fields(raw, where)
+        prev = tuple(PrevMember.from_json(p, f"{where}: prev") for p in f.items("prev"))
+        members = tuple(_node_ids(f.items("members"), f))
+        return cls(
+            round=f.integer("round"),
+            state=f.choice("state", RoundState),
+            restarts=f.count("restarts", 0),
+            last_failure=f.failure("last_failure"),
+            pending_failure=f.failure("pending_failure"),
+            prev=prev,
+            reason=f.note("reason"),
+            detail=f.note("detail"),
+            counts=f.flag("counts"),
+            opened_at=f.wall("opened_at"),
+            hang_round=f.maybe_count("hang_round"),
+            members=members,
+        )
+
+    @property
+    def hung(self) -> bool:
+        """The failure that opened this round is a declared hang."""
+        return self.pending_failure is not None and bool(self.pending_failure.hang)
+
+
+def _node_ids(raw: list[object], f: Fields) -> list[str]:
+    out = []
+    for value in raw:
+        if not isinstance(value, str) or not K.valid_node_id(value):
+            raise f.bad("members", "not a list of node ids")
+        out.append(value)
+    return out
+
+
+@dataclass(frozen=True)
+class MemberRecord:
+    """A member of a closed round, as its result names it."""
+
+    node_id: str
+    host: str
+    addr: str
+    nproc: int
+    group_rank: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "host": self.host,
+            "addr": self.addr,
+            "nproc": self.nproc,
+            "group_rank": self.group_rank,
+        }
+
+    @classmethod
+    def from_json(cls, raw: object, where: str) -> MemberRecord:
+        f = Fields(raw, where)
+        return cls(
+            node_id=f.node_id(),
+            host=f.text("host"),
+            addr=f.text("addr"),
+            nproc=f.integer("nproc", low=1),
+            group_rank=f.integer("group_rank"),
+        )
+
+
+@dataclass(frozen=True)
+class ResultRecord(_Record):
+    """``rounds/{R}/result``: who is in round R, with which group rank
+    (written once, with the close)."""
+
+    round: int
+    members: tuple[MemberRecord, ...]  # in group-rank order: 0..n-1
+    master_addr: str
+    master_port: int
+    restarts: int = 0  # restarts used, job-wide, when R closed
+    charged: bool = False  # R's close charged the failure that opened it
+    reason: str = ""  # why R closed (the decider's rule)
+    opened_at: float | None = None  # wall clock, for people
+    closed_at: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "members": [m.to_json() for m in self.members],
+            "master_addr": self.master_addr,
+            "master_port": self.master_port,
+            "restarts": self.restarts,
+            "charged": self.charged,
+            "reason": self.reason,
+            "opened_at": self.opened_at,
+            "closed_at": self.closed_at,
+        }
+
+    @classmethod
+    def from_json(cls, raw: object, where: str = "result record") -> Self:
+        f = Fields(raw, where)
+        members = tuple(MemberRecord.from_json(m, f"{where}: members") for m in f.items("members"))
+        if not members:
+            raise f.bad("members", "empty")
+        if [m.group_rank for m in members] != list(range(len(members))):
+            raise f.bad("members", "not in group-rank order 0..n-1")
+        if len({m.node_id for m in members}) != len(members):
+            raise f.bad("members", "naming a node twice")
+        return cls(
+            round=f.integer("round"),
+            members=members,
+            master_addr=f.text("master_addr"),
+            master_port=f.port("master_port"),
+            restarts=f.count("restarts", 0),
+            charged=f.flag("charged"),
+            reason=f.note("reason"),
+            opened_at=f.wall("opened_at"),
+            closed_at=f.wall("closed_at"),
+        )
+
+    def member(self, node_id: str) -> MemberRecord | None:
+        return next((m for m in self.members if m.node_id == node_id), None)
+
+    @property
+    def world_size(self) -> int:
+        return sum(m.nproc for m in self.members)

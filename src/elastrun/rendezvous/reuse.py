@@ -42,12 +42,9 @@ embedded store, whose server cuts a dead connection's leases to a short grace;
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from elastrun.failure import describe_stored
-from elastrun.rendezvous import keys as K
+from elastrun.rendezvous.records import ConfigRecord, RoundRecord, RoundState
 
 __all__ = ["TABLE", "Found", "Verdict", "classify", "describe_reset"]
 
@@ -69,23 +66,21 @@ class Found:
 
 # The table above, row by row: (config present, round states, live nodes
 # present) -> (verdict, why); None matches anything. First match wins.
-Row = tuple[bool | None, frozenset[str | None] | None, bool | None, Verdict, str]
+Row = tuple[bool | None, frozenset[RoundState | None] | None, bool | None, Verdict, str]
 TABLE: tuple[Row, ...] = (
     (False, frozenset({None}), None, Verdict.NEW, ""),
-    (None, frozenset({K.FINISHED}), None, Verdict.FINISHED, ""),
-    (None, frozenset({K.FAILED}), None, Verdict.RESET, "failed"),
+    (None, frozenset({RoundState.FINISHED}), None, Verdict.FINISHED, ""),
+    (None, frozenset({RoundState.FAILED}), None, Verdict.RESET, "failed"),
     (None, None, True, Verdict.JOIN, ""),
     (True, None, False, Verdict.RESET, "abandoned"),
     (False, None, False, Verdict.RESET, "leftover"),
 )
 
 
-def classify(
-    config: Mapping[str, Any] | None, round_rec: Mapping[str, Any] | None, live_nodes: int
-) -> Found:
-    """The table above. ``config``/``round_rec``: the decoded records (None:
+def classify(config: ConfigRecord | None, round_rec: RoundRecord | None, live_nodes: int) -> Found:
+    """The table above. ``config``/``round_rec``: the records read (None:
     absent); ``live_nodes``: how many presence keys the job has."""
-    state = None if round_rec is None else str(round_rec.get("state"))
+    state = None if round_rec is None else round_rec.state
     for has_config, states, live, verdict, why in TABLE:
         if has_config is not None and has_config != (config is not None):
             continue
@@ -98,24 +93,22 @@ def classify(
 
 
 def describe_reset(
-    run_id: str, why: str, config: Mapping[str, Any] | None, round_rec: Mapping[str, Any] | None
+    run_id: str, why: str, config: ConfigRecord | None, round_rec: RoundRecord | None
 ) -> str:
     """The console line of a RESET, saying what is left behind and what happens."""
-    rnd = dict(round_rec or {})
-    settings = dict((config or {}).get("settings") or {})
-    restarts = rnd.get("restarts", 0)
-    budget = settings.get("max_restarts")
+    restarts = round_rec.restarts if round_rec is not None else 0
+    budget = config.settings.max_restarts if config is not None else None
     used = f"{restarts} of {budget} restarts used" if budget is not None else f"{restarts} restarts"
     if why == "failed":
         what = f"the previous job with this id failed ({used}"
-        failure = rnd.get("last_failure")
-        if isinstance(failure, Mapping) and failure:
-            what += f"; last failure: {describe_stored(failure)}"
+        failure = round_rec.last_failure if round_rec is not None else None
+        if failure is not None:
+            what += f"; last failure: {failure.describe()}"
         what += ")"
     elif why == "abandoned":
         what = (
             f"the previous job with this id stopped with no node left (round "
-            f"{rnd.get('round', 0)}, {used})"
+            f"{round_rec.round if round_rec is not None else 0}, {used})"
         )
     else:
         what = "records of an earlier job with this id are left in the store"

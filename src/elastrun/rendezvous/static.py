@@ -75,7 +75,7 @@ class StaticRendezvous(Rendezvous):
             master_port=self.master_port,
             restart_count=self.restart_count,
             max_restarts=self.settings.max_restarts,
-            extra={"backend": "static"},
+            reason="static",
         )
 
     async def wait_for_change(self) -> Change:

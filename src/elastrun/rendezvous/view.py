@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from elastrun.clock import Clock
 from elastrun.errors import RendezvousError, StoreError
@@ -31,6 +30,7 @@ from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import plan as P
 from elastrun.rendezvous.api import RendezvousSettings
 from elastrun.rendezvous.protocol import Event
+from elastrun.rendezvous.records import JoinRecord, ResultRecord
 from elastrun.rendezvous.rules import Rules
 from elastrun.store.base import Get, KeyValue, Store, WatchEvent
 
@@ -81,13 +81,13 @@ class Observer:
         return self.rules.ctx.round
 
     # -- the round record ----------------------------------------------------
-    async def get_result(self, r: int) -> dict[str, Any]:
+    async def get_result(self, r: int) -> ResultRecord:
         view = self.view
         if r not in view.results:
             kv = await self.node.store.get(self.node.keys.result(r))
             if kv is None:
                 raise RendezvousError(f"round {r} is closed but has no result record")
-            view.results[r] = K.decode(kv.key, kv.value)
+            view.results[r] = ResultRecord.decode(kv.key, kv.value)
         return view.results[r]
 
     async def round_event(self) -> Event | None:
@@ -100,7 +100,7 @@ class Observer:
     # -- joiners (for the join-timeout message) ---------------------------------
     def saw_joiners(self, r: int, kvs: Iterable[KeyValue]) -> None:
         for kv in kvs:
-            host = str(K.decode(kv.key, kv.value)["host"])
+            host = JoinRecord.decode(kv.key, kv.value).node.host
             self.joiner_hosts[(r, K.node_id_of(kv.key))] = host
 
     async def note_joiners(self, r: int) -> None:
@@ -123,7 +123,7 @@ class Observer:
 
     async def lost_events(self) -> list[Event]:
         absent = P.absent_members(self.view, self.round)
-        return [P.lost_event(m) for m in absent if not await self.finished(m["node_id"])]
+        return [P.lost_event(m) for m in absent if not await self.finished(m.node_id)]
 
     # -- watch events ------------------------------------------------------------
     async def translate(self, watched: P.Watched, wev: WatchEvent) -> list[Event]:
@@ -141,7 +141,7 @@ class Observer:
         if isinstance(reaction, P.Resnap):
             self.resnap = True
             return []
-        if not await self.finished(reaction.member["node_id"]):
+        if not await self.finished(reaction.member.node_id):
             return [P.lost_event(reaction.member)]
         if reaction.resnap:
             self.resnap = True  # the barrier's watcher left: pick it again

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import difflib
 import json
 import math
@@ -34,7 +35,8 @@ from elastrun.endpoint import Endpoint, format_endpoints, parse_endpoint_list
 from elastrun.errors import ConfigError, ElastrunError, StoreError, StoreUnavailable
 from elastrun.names import run_id_problem
 from elastrun.rendezvous.keys import Keys
-from elastrun.status.summary import TERMINAL_STATES, read_summary
+from elastrun.status.model import TERMINAL_STATES, HangStacks, RankRow, Summary
+from elastrun.status.summary import read_summary
 from elastrun.store.base import Store, Watch, WatchEvent
 from elastrun.store.factory import DEFAULT_ETCD_PORT, DEFAULT_PORT
 from elastrun.store.token import store_token
@@ -170,7 +172,7 @@ async def _open(
         raise _Failed(f"cannot reach the {args.backend} store at {where}: {msg}") from None
 
 
-async def _read(store: Store, args: argparse.Namespace, where: str) -> dict[str, Any]:
+async def _read(store: Store, args: argparse.Namespace, where: str) -> Summary:
     try:
         summary = await asyncio.wait_for(read_summary(store, args.run_id), args.timeout)
     except TimeoutError:
@@ -185,12 +187,6 @@ async def _read(store: Store, args: argparse.Namespace, where: str) -> dict[str,
 
 
 # ---------------------------------------------------------------- rendering
-def _fmt_time(ts: Any) -> str:
-    if not isinstance(ts, (int, float)):
-        return "?"
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
-
-
 def fmt_duration(seconds: float) -> str:
     """``12s``, ``3m04s``, ``2h05m``, ``3d04h``."""
     n = int(max(0.0, seconds))
@@ -203,80 +199,56 @@ def fmt_duration(seconds: float) -> str:
     return f"{n // 86400}d{n % 86400 // 3600:02d}h"
 
 
-def _failure_line(f: dict[str, Any]) -> str:
-    what = (
-        f"signal {f['signal']}"
-        if f.get("signal")
-        else (f"exit code {f['exitcode']}" if f.get("exitcode") is not None else "failed")
-    )
-    where = f"rank {f.get('rank')}" + (f" on {f['host']}" if f.get("host") else "")
-    line = f"{where}: {what} at {_fmt_time(f.get('time'))}"
-    if f.get("reason"):
-        line += f" ({f['reason']})"
-    if f.get("message"):
-        line += f": {f['message']}"
-    return line
+def _p(value: object) -> str:
+    """``value`` made safe for a terminal (one line, control characters
+    escaped, at most ``MAX_FIELD`` characters): the summary holds what other
+    nodes, or anyone who reached the store, wrote."""
+    return printable(value, limit=MAX_FIELD)
 
 
-def _safe(value: Any) -> Any:
-    """``value`` with every string made safe for a terminal (one line each,
-    control characters escaped, at most ``MAX_FIELD`` characters): the
-    summary holds what other nodes, or anyone who reached the store, wrote."""
-    if isinstance(value, str):
-        return printable(value, limit=MAX_FIELD)
-    if isinstance(value, dict):
-        return {k: _safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_safe(v) for v in value]
-    return value
+def _opt(value: object, none: str = "?") -> str:
+    return none if value is None else _p(value)
 
 
-def render_table(summary: dict[str, Any], where: str) -> str:
+def render_table(summary: Summary, where: str) -> str:
     """The summary as a human-readable block of text (every string from the
     store escaped for the terminal)."""
-    s = _safe(summary)
-    where = printable(where)
-    out = [f"job {s['run_id']}  (store {where}, revision {s['revision']})"]
-    rnd = "-" if s["round"] is None else str(s["round"])
-    why = f" (opened: {s['round_reason']}" if s.get("round_reason") else ""
+    s = summary
+    out = [f"job {_p(s.run_id)}  (store {printable(where)}, revision {s.revision})"]
+    rnd = _opt(s.round, "-")
+    why = f" (opened: {_p(s.round_reason)}" if s.round_reason else ""
     if why:
-        why += f": {s['round_detail']})" if s.get("round_detail") else ")"
-    since = s.get("state_for_s")
-    for_ = f" for {fmt_duration(since)}" if isinstance(since, (int, float)) else ""
-    out.append(f"state     {s['state']}{for_}, round {rnd}{why}")
-    budget = "?" if s["max_restarts"] is None else str(s["max_restarts"])
-    out.append(f"restarts  {s['restarts']} of {budget}")
+        why += f": {_p(s.round_detail)})" if s.round_detail else ")"
+    for_ = f" for {fmt_duration(s.state_for_s)}" if s.state_for_s is not None else ""
+    out.append(f"state     {s.state}{for_}, round {rnd}{why}")
+    out.append(f"restarts  {s.restarts} of {_opt(s.max_restarts)}")
     out.append(
-        f"nodes     {len(s['members'])} in the group (min {s['min_nodes']}, "
-        f"max {s['max_nodes']}), {s['nodes_present']} present; world size {s['world_size']}"
+        f"nodes     {len(s.members)} in the group (min {_opt(s.min_nodes, 'None')}, "
+        f"max {_opt(s.max_nodes, 'None')}), {s.nodes_present} present; "
+        f"world size {s.world_size}"
     )
-    if s["master"]:
-        out.append(f"master    {s['master']}")
-    if s["members"]:
-        label = "members" if s["members_round"] == s["round"] else "members of the last round"
-        out.append(f"\n{label} (round {s['members_round']}):")
+    if s.master:
+        out.append(f"master    {_p(s.master)}")
+    if s.members:
+        label = "members" if s.members_round == s.round else "members of the last round"
+        out.append(f"\n{label} (round {s.members_round}):")
         rows = [("GROUP_RANK", "HOST", "ADDR", "NPROC", "STATUS", "NODE")]
         rows += [
-            (
-                str(m["group_rank"]),
-                str(m["host"]),
-                str(m["addr"]),
-                str(m["nproc"]),
-                m["status"],
-                m["node_id"],
-            )
-            for m in s["members"]
+            (str(m.group_rank), _p(m.host), _p(m.addr), str(m.nproc), m.status, _p(m.node_id))
+            for m in s.members
         ]
         out.extend(_table(rows))
-    if s["joined"]:
-        joined = ", ".join(f"{j['host']} ({j['node_id']})" for j in s["joined"])
+    if s.joined:
+        joined = ", ".join(f"{_p(j.host)} ({_p(j.node_id)})" for j in s.joined)
         out.append(f"\njoined round {rnd}: {joined}")
-    if s["waiting"]:
-        out.append("waiting: " + ", ".join(f"{w['host']} ({w['node_id']})" for w in s["waiting"]))
-    out.extend(_ranks_block(s.get("ranks") or []))
-    failure = s["last_failure"]
-    out.append("\nlast failure: " + (_failure_line(failure) if failure else "none"))
-    out.extend(_stacks_block(s.get("hang_stacks")))
+    if s.waiting:
+        out.append("waiting: " + ", ".join(f"{_p(w.host)} ({_p(w.node_id)})" for w in s.waiting))
+    out.extend(_ranks_block(s.ranks))
+    failure = s.last_failure
+    # The one wording of a failure (FailureRecord.describe), with its time and message.
+    line = printable(failure.describe(detailed=True), limit=2 * MAX_FIELD) if failure else "none"
+    out.append("\nlast failure: " + line)
+    out.extend(_stacks_block(s.hang_stacks))
     return "\n".join(out)
 
 
@@ -285,22 +257,25 @@ def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
 
 
-def _ranks_block(ranks: list[dict[str, Any]]) -> list[str]:
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
+def _ranks_block(ranks: Sequence[RankRow]) -> list[str]:
     """Per-rank step times (reported every few seconds by each agent)."""
     if not ranks:
         return []
     rows = [("RANK", "HOST", "STEP", "STEP_TIME", "OWN_TIME", "IDLE", "")]
     for r in ranks:
-        st, own, idle = r.get("step_time_s"), r.get("own_time_s"), r.get("idle_s")
-        note = "STRAGGLER" if r.get("straggler") else (f"in {r['phase']}" if r.get("phase") else "")
+        note = "STRAGGLER" if r.straggler else (f"in {_p(r.phase)}" if r.phase else "")
         rows.append(
             (
-                str(r["rank"]),
-                str(r.get("host") or "?"),
-                "-" if r.get("step") is None else str(r["step"]),
-                "-" if st is None else f"{st * 1000:.1f} ms",
-                "-" if own is None else f"{own * 1000:.1f} ms",
-                "-" if idle is None else fmt_duration(idle),
+                str(r.rank),
+                _p(r.host or "?"),
+                _opt(r.step, "-"),
+                _ms(r.step_time_s),
+                _ms(r.own_time_s),
+                "-" if r.idle_s is None else fmt_duration(r.idle_s),
                 note,
             )
         )
@@ -311,16 +286,15 @@ def _ranks_block(ranks: list[dict[str, Any]]) -> list[str]:
     return [title, *_table(rows)]
 
 
-def _stacks_block(stacks: dict[str, Any] | None) -> list[str]:
+def _stacks_block(stacks: HangStacks | None) -> list[str]:
     """Where each rank sat when the last hang was declared."""
-    if not stacks or not stacks.get("ranks"):
+    if stacks is None or not stacks.ranks:
         return []
-    out = [f"\nstacks at the last hang (round {stacks['round']}), stuck ranks first:"]
-    for r in stacks["ranks"]:
-        frames = r.get("frames") or []
-        role = "waiting in torch" if r.get("in_torch") else "stuck in its own code"
-        where = frames[0] if frames else "(no Python frame)"
-        out.append(f"  rank {r['rank']} on {r.get('host') or '?'} [{role}] sits in {where}")
+    out = [f"\nstacks at the last hang (round {stacks.round}), stuck ranks first:"]
+    for r in stacks.ranks:
+        role = "waiting in torch" if r.in_torch else "stuck in its own code"
+        where = _p(r.frames[0]) if r.frames else "(no Python frame)"
+        out.append(f"  rank {r.rank} on {_p(r.host or '?')} [{role}] sits in {where}")
     return out
 
 
@@ -347,7 +321,7 @@ class Printer:
         self.tty = self.stream.isatty() if tty is None else tty
         self._drawn_rows = 0
         self._last_lines: list[str] | None = None
-        self._last: dict[str, Any] | None = None
+        self._last: Summary | None = None
         self._last_at = 0.0
 
     @property
@@ -355,10 +329,10 @@ class Printer:
         """Whether the display wants a refresh each second (a live table)."""
         return self.watch and self.tty and not self.json
 
-    def __call__(self, summary: dict[str, Any]) -> None:
+    def __call__(self, summary: Summary) -> None:
         self._last, self._last_at = summary, time.monotonic()
         if self.json:
-            self._write(json.dumps(summary, sort_keys=True) + "\n")
+            self._write(json.dumps(summary.to_json(), sort_keys=True) + "\n")
         elif not self.watch:
             self._write(render_table(summary, self.where) + "\n")
         elif self.tty:
@@ -370,9 +344,11 @@ class Printer:
         """Redraw the last summary with its durations advanced (terminal only)."""
         if not self.ticks or self._last is None:
             return
-        since = self._last.get("state_for_s")
-        if isinstance(since, (int, float)):
-            aged = {**self._last, "state_for_s": since + time.monotonic() - self._last_at}
+        since = self._last.state_for_s
+        if since is not None:
+            aged = dataclasses.replace(
+                self._last, state_for_s=since + time.monotonic() - self._last_at
+            )
             self._redraw(render_table(aged, self.where))
 
     def _redraw(self, text: str) -> None:
@@ -388,9 +364,9 @@ class Printer:
         self._drawn_rows = height
         self._write(out)
 
-    def _changes(self, summary: dict[str, Any]) -> None:
+    def _changes(self, summary: Summary) -> None:
         # Compared without what changes by itself (durations, the revision).
-        lines = render_table({**summary, "state_for_s": None, "revision": 0}, self.where)
+        lines = render_table(summary.quiet(), self.where)
         now = lines.splitlines()
         before, self._last_lines = self._last_lines, now
         if before is None:
@@ -404,7 +380,7 @@ class Printer:
         if not diff:
             return
         stamp = time.strftime("%H:%M:%S")
-        self._write(f"--- {stamp} (revision {summary['revision']})\n" + "\n".join(diff) + "\n")
+        self._write(f"--- {stamp} (revision {summary.revision})\n" + "\n".join(diff) + "\n")
 
     def _write(self, text: str) -> None:
         with contextlib.suppress(OSError, ValueError):
@@ -413,11 +389,6 @@ class Printer:
 
 
 # ---------------------------------------------------------------- watching
-def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    # state_for_s grows with the clock: not a change of the job.
-    return {**a, "revision": 0, "state_for_s": 0} == {**b, "revision": 0, "state_for_s": 0}
-
-
 async def _next_change(
     changes: asyncio.Queue[WatchEvent | BaseException],
     stopped: asyncio.Task[Any],
@@ -465,13 +436,11 @@ async def _watch(store: Store, args: argparse.Namespace, where: str, show: Print
     try:
         last = await _read(store, args, where)
         show(last)
-        if last["state"] in TERMINAL_STATES:
+        if last.state in TERMINAL_STATES:
             return 0
         try:
             watch = await asyncio.wait_for(
-                store.watch(
-                    Keys(args.run_id).root, prefix=True, start_revision=last["revision"] + 1
-                ),
+                store.watch(Keys(args.run_id).root, prefix=True, start_revision=last.revision + 1),
                 args.timeout,
             )
         except (TimeoutError, StoreError) as exc:
@@ -488,10 +457,11 @@ async def _watch(store: Store, args: argparse.Namespace, where: str, show: Print
                 if isinstance(item, BaseException):
                     raise _Failed(f"lost the store at {where} while watching: {item}")
                 summary = await _read(store, args, where)
-                if not _same(summary, last):
+                # state_for_s grows with the clock: not a change of the job.
+                if summary.quiet() != last.quiet():
                     show(summary)
                     last = summary
-                if last["state"] in TERMINAL_STATES:
+                if last.state in TERMINAL_STATES:
                     return 0
         finally:
             stopped.cancel()

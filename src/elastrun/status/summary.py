@@ -34,10 +34,11 @@ is flagged a straggler only when the ``stragglers`` note of the round shown
 names it and its own progress note agrees (its own time above
 ``SLOW_RATIO`` times the median of the ranks shown). A bad record under a
 per-node prefix is left out; a bad ``config``, ``round`` or result record is
-a ProtocolError.
+a ProtocolError (the records' checks: :mod:`elastrun.rendezvous.records`).
 
-The summary is a JSON object with stable keys (schema ``v``:
-``SUMMARY_VERSION``), documented in docs/events.md.
+The summary is a :class:`~.model.Summary`, which the table and ``--json``
+(a JSON object with stable keys, schema ``v``: ``SUMMARY_VERSION``,
+documented in docs/events.md) both print.
 """
 
 from __future__ import annotations
@@ -46,201 +47,186 @@ import asyncio
 import contextlib
 import statistics
 import time
-from collections.abc import Iterable
-from typing import Any, TypeVar
+from collections.abc import Collection, Iterable, Mapping
+from typing import TypeVar
 
 from elastrun.endpoint import Endpoint
 from elastrun.errors import ProtocolError, StoreError
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import notes as N
-from elastrun.rendezvous.records import hang_round
+from elastrun.rendezvous.records import (
+    ConfigRecord,
+    JoinRecord,
+    PresenceRecord,
+    ResultRecord,
+    RoundRecord,
+    RoundState,
+    WaitingRecord,
+)
+from elastrun.status.model import (
+    JOB_STATES,
+    SUMMARY_VERSION,
+    TERMINAL_STATES,
+    HangStacks,
+    JoinedNode,
+    MemberRow,
+    RankRow,
+    Summary,
+    WaitingNode,
+)
 from elastrun.store.base import Compare, Get, KeyValue, Store
 from elastrun.untrusted import UntrustedData
 
-__all__ = ["JOB_STATES", "SUMMARY_VERSION", "TERMINAL_STATES", "read_summary", "summarize"]
+__all__ = [
+    "JOB_STATES",
+    "SUMMARY_VERSION",
+    "TERMINAL_STATES",
+    "Summary",
+    "read_summary",
+    "summarize",
+]
 
-SUMMARY_VERSION = 1
-JOB_STATES = ("joining", "running", "restarting", "finished", "failed")
-TERMINAL_STATES = frozenset({"finished", "failed"})
 MAX_TRIES = 20  # the round record changed between our two reads this often: give up
 MAX_NOTES = 4096  # notes read by key (one per member of the rounds shown, and one)
 NOTE_READS = 16  # note reads in flight
 
-_FAILURE_FIELDS = (
-    "rank",
-    "local_rank",
-    "host",
-    "pid",
-    "exitcode",
-    "signal",
-    "time",
-    "reason",
-    "message",
-    "attempt",
-    "restart_count",
-    "stderr_log",
-)
+_Rec = TypeVar("_Rec", JoinRecord, PresenceRecord, WaitingRecord)
 
 
-def _records(kvs: list[KeyValue]) -> dict[str, dict[str, Any]]:
-    """The per-node records under a prefix; one that does not decode is left out."""
+def _records(kvs: list[KeyValue], kind: type[_Rec]) -> dict[str, _Rec]:
+    """The per-node records under a prefix; one that is not a ``kind`` is left out."""
     out = {}
     for kv in kvs:
         with contextlib.suppress(ProtocolError):
-            out[K.node_id_of(kv.key)] = K.decode(kv.key, kv.value)
+            out[K.node_id_of(kv.key)] = kind.decode(kv.key, kv.value)
     return out
 
 
-def _one(kvs: list[KeyValue]) -> dict[str, Any] | None:
-    return K.decode(kvs[0].key, kvs[0].value) if kvs else None
-
-
-def job_state(rec: dict[str, Any] | None) -> str:
+def job_state(rec: RoundRecord | None) -> str:
     """The job's state from its round record (one of ``JOB_STATES``)."""
     if rec is None:
         return "joining"
-    state = rec.get("state")
-    if state == K.OPEN:
-        return "restarting" if rec.get("prev") else "joining"
-    if state == K.CLOSED:
+    if rec.state is RoundState.OPEN:
+        return "restarting" if rec.prev else "joining"
+    if rec.state is RoundState.CLOSED:
         return "running"
-    if state == K.FINISHED:
-        return "finished"
-    if state == K.FAILED:
-        return "failed"
-    raise ProtocolError(f"the job's round record has an unknown state {state!r}")
+    return "finished" if rec.state is RoundState.FINISHED else "failed"
 
 
-def _wall(value: Any) -> float | None:
-    """A record's wall-clock time (absent in records of older nodes)."""
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _failure(raw: Any) -> dict[str, Any] | None:
-    if not isinstance(raw, dict):
-        return None
-    return {name: raw.get(name) for name in _FAILURE_FIELDS}
+def _members(
+    shown: ResultRecord | None, *, is_open: bool, state: str, dones: Collection[str],
+    nodes: Collection[str],
+) -> tuple[MemberRow, ...]:  # fmt: skip
+    rows = []
+    for m in shown.members if shown is not None else ():
+        if not is_open and m.node_id in dones:
+            status = "done"
+        elif m.node_id in nodes:
+            status = "alive"
+        else:
+            status = "lost" if state in ("running", "restarting") else "gone"
+        rows.append(MemberRow(m.group_rank, m.host, m.addr, m.nproc, m.node_id, status))
+    return tuple(sorted(rows, key=lambda m: m.group_rank))
 
 
 def summarize(
     run_id: str,
     *,
-    config: dict[str, Any] | None,
-    round_rec: dict[str, Any] | None,
-    result: dict[str, Any] | None,
-    prev_result: dict[str, Any] | None,
-    joins: dict[str, dict[str, Any]],
-    dones: set[str],
-    nodes: dict[str, dict[str, Any]],
-    waiting: dict[str, dict[str, Any]],
+    config: ConfigRecord | None,
+    round_rec: RoundRecord | None,
+    result: ResultRecord | None,
+    prev_result: ResultRecord | None,
+    joins: Mapping[str, JoinRecord],
+    dones: Collection[str],
+    nodes: Collection[str],
+    waiting: Mapping[str, WaitingRecord],
     revision: int,
     now: float | None = None,
-    notes: dict[str, dict[str, Any]] | None = None,
-    hang_result: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Pure: the records of one job -> its summary (stable keys). ``now``
-    (wall clock; default: the current time) dates ``state_for_s``;
-    ``hang_result``: the result record of the round's ``hang_round``."""
-    settings = (config or {}).get("settings") or {}
+    notes: Mapping[str, object] | None = None,
+    hang_result: ResultRecord | None = None,
+) -> Summary:
+    """Pure: the records of one job -> its summary. ``nodes``: the node ids
+    with a presence record; ``notes``: the notes read, by name, as decoded
+    JSON (each checked here); ``now`` (wall clock; default: the current time)
+    dates ``state_for_s``; ``hang_result``: the result record of the round's
+    ``hang_round``."""
     state = job_state(round_rec)
-    rnd = int(round_rec["round"]) if round_rec is not None else None
-    is_open = round_rec is not None and round_rec.get("state") == K.OPEN
-    opened_at = _wall(round_rec.get("opened_at")) if round_rec is not None else None
-    closed_at = _wall(result.get("closed_at")) if result is not None and not is_open else None
+    is_open = round_rec is not None and round_rec.state is RoundState.OPEN
+    opened_at = round_rec.opened_at if round_rec is not None else None
+    closed_at = result.closed_at if result is not None and not is_open else None
     since = {"joining": opened_at, "restarting": opened_at, "running": closed_at}.get(state)
     now = time.time() if now is None else now
     # The members shown: the current round's when it is closed, else the last
     # closed round's (the group that is being re-formed).
     shown = prev_result if is_open else result
-    members: list[dict[str, Any]] = []
-    for m in (shown or {}).get("members") or []:
-        nid = str(m["node_id"])
-        if not is_open and nid in dones:
-            status = "done"
-        elif nid in nodes:
-            status = "alive"
-        else:
-            status = "lost" if state in ("running", "restarting") else "gone"
-        members.append(
-            {
-                "group_rank": int(m["group_rank"]),
-                "host": m.get("host"),
-                "addr": m.get("addr"),
-                "nproc": int(m.get("nproc", 0)),
-                "node_id": nid,
-                "status": status,
-            }
-        )
-    members.sort(key=lambda m: m["group_rank"])
-    master = None
-    if shown is not None and shown.get("master_addr"):
-        addr, port = str(shown["master_addr"]), shown.get("master_port")
-        master = str(Endpoint(addr, port)) if isinstance(port, int) else addr
-    return {
-        "v": SUMMARY_VERSION,
-        "run_id": run_id,
-        "state": state,
-        "round": rnd,
-        "round_state": round_rec.get("state") if round_rec is not None else None,
-        "round_reason": round_rec.get("reason") if round_rec is not None else None,
-        "round_detail": (round_rec.get("detail") or None) if round_rec is not None else None,
-        "round_opened_at": opened_at,
-        "round_closed_at": closed_at,
-        "state_for_s": None if since is None else round(max(0.0, now - since), 3),
-        "members_round": int(shown["round"]) if shown is not None else None,
-        "members": members,
-        "world_size": sum(m["nproc"] for m in members),
-        "master": master,
-        "joined": sorted(
-            (
-                {"host": j.get("host"), "node_id": nid, "nproc": j.get("nproc")}
-                for nid, j in joins.items()
-            ),
-            key=lambda j: (str(j["host"]), j["node_id"]),
+    members = _members(shown, is_open=is_open, state=state, dones=dones, nodes=nodes)
+    settings = config.settings if config is not None else None
+    failure = None
+    if round_rec is not None:
+        # A failure awaiting its charge (decided when the round it opened
+        # closes: see rendezvous.rounds.close_records) is the newest one.
+        failure = round_rec.pending_failure or round_rec.last_failure
+    return Summary(
+        run_id=run_id,
+        state=state,
+        round=round_rec.round if round_rec is not None else None,
+        round_state=round_rec.state if round_rec is not None else None,
+        round_reason=round_rec.reason if round_rec is not None else None,
+        round_detail=(round_rec.detail or None) if round_rec is not None else None,
+        round_opened_at=opened_at,
+        round_closed_at=closed_at,
+        state_for_s=None if since is None else round(max(0.0, now - since), 3),
+        members_round=shown.round if shown is not None else None,
+        members=members,
+        master=_master(shown),
+        joined=tuple(
+            sorted(
+                (JoinedNode(j.node.host, nid, j.node.nproc) for nid, j in joins.items()),
+                key=lambda j: (j.host, j.node_id),
+            )
         )
         if is_open
-        else [],
-        "waiting": sorted(
-            ({"host": w.get("host"), "node_id": nid} for nid, w in waiting.items()),
-            key=lambda w: (str(w["host"]), w["node_id"]),
+        else (),
+        waiting=tuple(
+            sorted(
+                (WaitingNode(w.host, nid) for nid, w in waiting.items()),
+                key=lambda w: (w.host, w.node_id),
+            )
         ),
-        "nodes_present": len(nodes),
-        "min_nodes": settings.get("min_nodes"),
-        "max_nodes": settings.get("max_nodes"),
-        "restarts": int(round_rec.get("restarts", 0)) if round_rec is not None else 0,
-        "max_restarts": settings.get("max_restarts"),
-        # A failure awaiting its charge (decided when the round it opened
-        # closes: see rendezvous.records.close_records) is the newest one.
-        "last_failure": _failure(round_rec.get("pending_failure") or round_rec.get("last_failure"))
-        if round_rec
-        else None,
+        nodes_present=len(nodes),
+        min_nodes=settings.min_nodes if settings is not None else None,
+        max_nodes=settings.max_nodes if settings is not None else None,
+        restarts=round_rec.restarts if round_rec is not None else 0,
+        max_restarts=settings.max_restarts if settings is not None else None,
+        last_failure=failure,
         # Only an open round has a charge still to decide: a closed record
         # keeps the failure that opened it, already counted (or not, when a
         # node was lost) in "restarts".
-        "restart_pending": bool(is_open and round_rec and round_rec.get("pending_failure")),
-        "ranks": (ranks := rank_progress(notes or {}, shown)),
-        "stragglers": [r["rank"] for r in ranks if r["straggler"]],
-        "hang_stacks": hang_stacks(notes or {}, hang_result),
-        "revision": revision,
-    }
+        restart_pending=is_open and round_rec is not None and round_rec.pending_failure is not None,
+        ranks=rank_progress(notes or {}, shown),
+        hang_stacks=hang_stacks(notes or {}, hang_result),
+        revision=revision,
+    )
 
 
-def _seats(result: dict[str, Any] | None) -> dict[int, N.Seat]:
-    """The members of a round, from its result record (none if malformed)."""
-    members = (result or {}).get("members")
-    if not isinstance(members, list):
+def _master(shown: ResultRecord | None) -> str | None:
+    if shown is None or not shown.master_addr:
+        return None
+    return str(Endpoint(shown.master_addr, shown.master_port))
+
+
+def _seats(result: ResultRecord | None) -> dict[int, N.Seat]:
+    """The members of a round, from its result record."""
+    if result is None:
         return {}
-    try:
-        return N.seats((str(m["node_id"]), int(m["group_rank"]), int(m["nproc"])) for m in members)
-    except (TypeError, KeyError, ValueError):
-        return {}
+    return N.seats((m.node_id, m.group_rank, m.nproc) for m in result.members)
 
 
 _Note = TypeVar("_Note", N.ProgressNote, N.StacksNote)
 
 
 def _member_note(
-    notes: dict[str, dict[str, Any]], name: str, kind: type[_Note], round_: int, seat: N.Seat
+    notes: Mapping[str, object], name: str, kind: type[_Note], round_: int, seat: N.Seat
 ) -> _Note | None:
     """The note ``name`` when it is a ``kind`` of round ``round_`` from ``seat``;
     None when absent or refused."""
@@ -253,7 +239,7 @@ def _member_note(
         return None
 
 
-def _stragglers(notes: dict[str, dict[str, Any]], round_: int) -> set[int]:
+def _stragglers(notes: Mapping[str, object], round_: int) -> set[int]:
     """The ranks the ``stragglers`` note of round ``round_`` names."""
     raw = notes.get(N.STRAGGLERS)
     try:
@@ -265,82 +251,68 @@ def _stragglers(notes: dict[str, dict[str, Any]], round_: int) -> set[int]:
     return {s.rank for s in verdict.stragglers}
 
 
-def rank_progress(
-    notes: dict[str, dict[str, Any]], shown: dict[str, Any] | None
-) -> list[dict[str, Any]]:
+def rank_progress(notes: Mapping[str, object], shown: ResultRecord | None) -> tuple[RankRow, ...]:
     """Per-rank step times of the round shown, from its members' progress
     notes (agent/stragglers.py), ordered by rank; stragglers flagged."""
-    if shown is None or not isinstance(shown.get("round"), int):
-        return []
-    r = shown["round"]
-    out: list[dict[str, Any]] = []
+    if shown is None:
+        return ()
+    r = shown.round
+    rows: list[RankRow] = []
     for seat in _seats(shown).values():
         note = _member_note(notes, N.progress_name(seat.group_rank), N.ProgressNote, r, seat)
-        if note is None:
-            continue
-        for p in note.ranks:
-            out.append(
-                {
-                    "rank": p.rank,
-                    "host": note.host,
-                    "step": p.step,
-                    "step_time_s": p.step_time,
-                    "own_time_s": p.own_time,
-                    "idle_s": p.idle_s,
-                    "phase": p.phase,
-                    "straggler": False,
-                    "reported_at": note.at,
-                }
-            )
-    out.sort(key=lambda row: row["rank"])
-    flag(out, _stragglers(notes, r))
-    return out
+        if note is not None:
+            rows += [RankRow.of(p, note) for p in note.ranks]
+    rows.sort(key=lambda row: row.rank)
+    return flag(rows, _stragglers(notes, r))
 
 
-def flag(rows: list[dict[str, Any]], named: set[int]) -> None:
-    """Flag the rows of the ranks ``named`` whose own time is above
-    ``SLOW_RATIO`` times the median own time of all rows (the stragglers
-    note's verdict, checked against the members' own notes)."""
-    times = [row["own_time_s"] for row in rows if row["own_time_s"]]
+def flag(rows: list[RankRow], named: set[int]) -> tuple[RankRow, ...]:
+    """The rows, those of the ranks ``named`` whose own time is above
+    ``SLOW_RATIO`` times the median own time of all rows flagged (the
+    stragglers note's verdict, checked against the members' own notes)."""
+    times = [row.own_time_s for row in rows if row.own_time_s]
     if len(times) < 2:
-        return
+        return tuple(rows)
     median = statistics.median(times)
-    for row in rows:
-        own = row["own_time_s"]
-        row["straggler"] = row["rank"] in named and own is not None and own > N.SLOW_RATIO * median
+    return tuple(
+        row.flagged(
+            row.rank in named
+            and row.own_time_s is not None
+            and row.own_time_s > N.SLOW_RATIO * median
+        )
+        for row in rows
+    )
 
 
-def hang_stacks(
-    notes: dict[str, dict[str, Any]], hang_result: dict[str, Any] | None
-) -> dict[str, Any] | None:
+def hang_stacks(notes: Mapping[str, object], hang_result: ResultRecord | None) -> HangStacks | None:
     """Every rank's stack when round ``hang_result`` ended on a hang (the round
     record's ``hang_round``), from that round's members' notes (agent/hangs.py)."""
-    if hang_result is None or not isinstance(hang_result.get("round"), int):
+    if hang_result is None:
         return None
-    h = hang_result["round"]
-    ranks: list[dict[str, Any]] = []
+    h = hang_result.round
+    ranks: list[N.RankStack] = []
     for seat in _seats(hang_result).values():
         note = _member_note(notes, N.stacks_name(h, seat.group_rank), N.StacksNote, h, seat)
-        ranks += [s.to_json() for s in note.ranks] if note is not None else []
+        ranks += note.ranks if note is not None else ()
     if not ranks:
         return None
-    ranks.sort(key=lambda x: (bool(x["in_torch"]), x["rank"]))
-    return {"round": h, "ranks": ranks}
+    ranks.sort(key=lambda x: (x.in_torch, x.rank))
+    return HangStacks(h, tuple(ranks))
 
 
-def note_names(shown: dict[str, Any] | None, hang_result: dict[str, Any] | None) -> list[str]:
+def note_names(shown: ResultRecord | None, hang_result: ResultRecord | None) -> list[str]:
     """The notes the summary shows: those the round records call for."""
     names = [N.progress_name(g) for g in _seats(shown)] + [N.STRAGGLERS]
-    if hang_result is not None and isinstance(hang_result.get("round"), int):
-        names += [N.stacks_name(hang_result["round"], g) for g in _seats(hang_result)]
+    if hang_result is not None:
+        names += [N.stacks_name(hang_result.round, g) for g in _seats(hang_result)]
     return names[:MAX_NOTES]
 
 
-async def read_notes(store: Store, keys: K.Keys, names: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """The notes ``names``, each read by its key (``NOTE_READS`` in flight);
-    those absent or not decodable within the note limits are left out."""
+async def read_notes(store: Store, keys: K.Keys, names: Iterable[str]) -> dict[str, object]:
+    """The notes ``names``, each read by its key (``NOTE_READS`` in flight), as
+    decoded JSON; those absent or not decodable within the note limits are left out."""
     gate = asyncio.Semaphore(NOTE_READS)
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, object] = {}
 
     async def one(name: str) -> None:
         async with gate:
@@ -358,7 +330,14 @@ async def _under(store: Store, prefix: str) -> list[KeyValue]:
     return kvs
 
 
-async def read_summary(store: Store, run_id: str) -> dict[str, Any] | None:
+_Top = TypeVar("_Top", ConfigRecord, RoundRecord, ResultRecord)
+
+
+def _one(kind: type[_Top], kvs: list[KeyValue]) -> _Top | None:
+    return kind.decode(kvs[0].key, kvs[0].value) if kvs else None
+
+
+async def read_summary(store: Store, run_id: str) -> Summary | None:
     """The job's summary, or None when the store holds no job ``run_id``.
     Raises StoreError (ProtocolError for bad records)."""
     k = K.Keys(run_id)
@@ -370,8 +349,8 @@ async def read_summary(store: Store, run_id: str) -> dict[str, Any] | None:
             r = None
         else:
             guard = Compare.unchanged(k.round, round_kv.mod_revision)
-            rec = K.decode(round_kv.key, round_kv.value)
-            r, h = int(rec["round"]), hang_round(rec)
+            rec = RoundRecord.decode(round_kv.key, round_kv.value)
+            r, h = rec.round, rec.hang_round
         ops = [Get(k.config), Get(k.round)]
         if r is not None:
             ops += [Get(k.result(r)), Get(k.result(r - 1))]
@@ -384,26 +363,27 @@ async def read_summary(store: Store, run_id: str) -> dict[str, Any] | None:
         if not config_kvs and not round_kvs:
             return None
         result = prev = hang_result = None
-        joins: dict[str, dict[str, Any]] = {}
+        joins: dict[str, JoinRecord] = {}
         dones: set[str] = set()
         if r is not None:
-            result, prev = _one(res.gets[2]), _one(res.gets[3]) if r > 0 else None
-            hang_result = _one(res.gets[4]) if h is not None else None
-            joins = _records(await _under(store, k.joins(r)))
+            result = _one(ResultRecord, res.gets[2])
+            prev = _one(ResultRecord, res.gets[3]) if r > 0 else None
+            hang_result = _one(ResultRecord, res.gets[4]) if h is not None else None
+            joins = _records(await _under(store, k.joins(r)), JoinRecord)
             dones = {K.node_id_of(kv.key) for kv in await _under(store, k.dones(r))}
-        round_rec = _one(round_kvs)
-        is_open = round_rec is not None and round_rec.get("state") == K.OPEN
+        round_rec = _one(RoundRecord, round_kvs)
+        is_open = round_rec is not None and round_rec.state is RoundState.OPEN
         names = note_names(prev if is_open else result, hang_result)
         return summarize(
             run_id,
-            config=_one(config_kvs),
+            config=_one(ConfigRecord, config_kvs),
             round_rec=round_rec,
             result=result,
             prev_result=prev,
             joins=joins,
             dones=dones,
-            nodes=_records(await _under(store, k.nodes)),
-            waiting=_records(await _under(store, k.waiting_prefix)),
+            nodes=_records(await _under(store, k.nodes), PresenceRecord).keys(),
+            waiting=_records(await _under(store, k.waiting_prefix), WaitingRecord),
             revision=res.revision,
             notes=await read_notes(store, k, names),
             hang_result=hang_result,

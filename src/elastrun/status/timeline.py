@@ -22,13 +22,21 @@ import html
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from elastrun.failure import FailureRecord
 from elastrun.untrusted import UntrustedData, loads, printable
 
-__all__ = ["axis_ticks", "fmt_offset", "load_events", "main", "place_labels", "render_html"]
+__all__ = [
+    "LoggedEvent",
+    "axis_ticks",
+    "fmt_offset",
+    "load_events",
+    "main",
+    "place_labels",
+    "render_html",
+]
 
 WIDTH = 1100
 MAX_LINE_BYTES = 1024 * 1024  # one event (a failure record with its traceback is ~10 KiB)
@@ -55,10 +63,62 @@ class _Lane:
     marks: list[tuple[float, str, str]] = field(default_factory=list)  # ts, color, title
 
 
-def load_events(paths: Sequence[str]) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class LoggedEvent:
+    """One line of an agent's event log (docs/events.md): its kind, its
+    wall-clock time stamp, and its other fields as written. The fields may
+    hold anything (other nodes' and workers' words): read them through the
+    accessors, which read a field of the wrong type as absent."""
+
+    kind: str
+    ts: float
+    fields: Mapping[str, object] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, raw: object) -> LoggedEvent | None:
+        """The event in a decoded line; None when it is not one (not a JSON
+        object, or no time stamp from 0 to ``MAX_TS``)."""
+        if not isinstance(raw, Mapping):
+            return None
+        ts = _number(raw.get("ts"))
+        if ts is None or not 0 <= ts <= MAX_TS:
+            return None
+        kind = raw.get("kind")
+        return cls(kind if isinstance(kind, str) else "", ts, raw)
+
+    def text(self, name: str, default: str = "") -> str:
+        """A field as text (``default`` when absent or null)."""
+        value = self.fields.get(name)
+        return default if value is None else str(value)
+
+    def integer(self, name: str, default: int) -> int:
+        value = self.optional_integer(name)
+        return default if value is None else value
+
+    def optional_integer(self, name: str) -> int | None:
+        value = self.fields.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    def flag(self, name: str) -> bool:
+        return self.fields.get(name) is True
+
+    def failure_title(self) -> str:
+        """A ``worker_exited`` event as the one failure line of
+        :meth:`FailureRecord.describe` (``rank 1 on host-a exited with code 1``)."""
+        signal = self.fields.get("signal")
+        record = FailureRecord(
+            host=self.text("host", "?"),
+            rank=self.optional_integer("rank"),
+            exitcode=self.optional_integer("exitcode"),
+            signal=signal if isinstance(signal, str) else None,
+        )
+        return f"{_fmt(self.ts)} {record.describe()} (root cause)"
+
+
+def load_events(paths: Sequence[str]) -> list[LoggedEvent]:
     """Every event of the files, in time order (unreadable lines are skipped
     with a warning: an agent killed mid-write leaves a partial last line)."""
-    events: list[dict[str, Any]] = []
+    events: list[LoggedEvent] = []
     for path in paths:
         with open(path, encoding="utf-8", errors="replace") as f:
             for n, line in enumerate(f, 1):
@@ -72,10 +132,10 @@ def load_events(paths: Sequence[str]) -> list[dict[str, Any]]:
                         file=sys.stderr,
                     )
                     continue
-                ts = _number(obj.get("ts")) if isinstance(obj, dict) else None
-                if ts is not None and 0 <= ts <= MAX_TS:
-                    events.append(obj)
-    events.sort(key=lambda e: float(e["ts"]))
+                event = LoggedEvent.from_json(obj)
+                if event is not None:
+                    events.append(event)
+    events.sort(key=lambda e: e.ts)
     return events
 
 
@@ -88,10 +148,6 @@ def _number(value: object) -> float | None:
     if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
     return None
-
-
-def _int(value: object, default: int) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
 def _count(n: int, noun: str) -> str:
@@ -151,11 +207,6 @@ def _fmt(ts: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(ts))
 
 
-def _failure_title(e: dict[str, Any]) -> str:
-    how = f"signal {e['signal']}" if e.get("signal") else f"exit code {e.get('exitcode')}"
-    return f"{_fmt(e['ts'])} rank {e.get('rank')} on {e.get('host')}: {how} (root cause)"
-
-
 @dataclass
 class _History:
     """What the page draws, gathered from the events in one pass."""
@@ -168,48 +219,53 @@ class _History:
     restarts: list[tuple[float, str]] = field(default_factory=list)  # ts, title
     seen_world: set[int] = field(default_factory=set)  # rounds whose world is recorded
 
-    def add(self, e: dict[str, Any]) -> None:
-        kind, ts = e.get("kind"), float(e["ts"])
-        key = str(e.get("node_id") or "")
+    def add(self, e: LoggedEvent) -> None:
+        key = e.text("node_id")
         if not key:  # before the agent joined the rendezvous (agent_started): no lane
-            if kind not in {"round_opened", "workers_started"}:
+            if e.kind not in {"round_opened", "workers_started"}:
                 return
-            key = str(e.get("host") or "?")
-        lane = self.lanes.setdefault(key, _Lane(f"{e.get('host', '?')} {key[-6:]}"))
-        self._spans(lane, kind, ts, e)
-        self._marks(lane, kind, ts, e)
+            key = e.text("host") or "?"
+        lane = self.lanes.setdefault(key, _Lane(f"{e.text('host', '?')} {key[-6:]}"))
+        self._spans(lane, e)
+        self._marks(lane, e)
 
-    def _spans(self, lane: _Lane, kind: Any, ts: float, e: dict[str, Any]) -> None:
+    def _spans(self, lane: _Lane, e: LoggedEvent) -> None:
         """Rounds, world size, and the lane's running spans."""
+        kind, ts = e.kind, e.ts
         if kind == "round_opened":
-            self.rounds.append((ts, _int(e.get("round"), -1), str(e.get("reason", ""))))
-            if _int(e.get("round"), 0) > 0:
+            self.rounds.append((ts, e.integer("round", -1), e.text("reason")))
+            if e.integer("round", 0) > 0:
                 self.world.append((ts, 0))
         elif kind == "workers_started":
-            r = _int(e.get("round"), -1)
+            r = e.integer("round", -1)
             lane.started = (ts, r)
             if r not in self.seen_world:
                 self.seen_world.add(r)
-                self.world.append((ts, max(0, _int(e.get("world_size"), 0))))
+                self.world.append((ts, max(0, e.integer("world_size", 0))))
         elif kind in ("restart", "workers_succeeded", "job_failed") and lane.started:
             lane.spans.append((lane.started[0], ts, lane.started[1]))
             lane.started = None
 
-    def _marks(self, lane: _Lane, kind: Any, ts: float, e: dict[str, Any]) -> None:
+    def _marks(self, lane: _Lane, e: LoggedEvent) -> None:
         """Failures, counted restarts, lost nodes and finished agents."""
-        if kind == "worker_exited" and e.get("cause") == "root_cause":
-            lane.marks.append((ts, "#d62728", _failure_title(e)))
-        elif kind == "restart" and e.get("counted") and e.get("reason") == "worker_failed":
-            self.restarts.append((ts, f"{_fmt(ts)} restart {e.get('count')} (worker failed)"))
+        kind, ts = e.kind, e.ts
+        if _root_cause(e):
+            lane.marks.append((ts, "#d62728", e.failure_title()))
+        elif kind == "restart" and e.flag("counted") and e.text("reason") == "worker_failed":
+            self.restarts.append((ts, f"{_fmt(ts)} restart {e.text('count')} (worker failed)"))
         elif kind == "node_lost":
-            lane.marks.append((ts, "#9467bd", f"{_fmt(ts)} {e.get('detail', 'node lost')}"))
-        elif kind in ("job_finished", "job_failed") and e.get("source") == "agent":
+            lane.marks.append((ts, "#9467bd", f"{_fmt(ts)} {e.text('detail', 'node lost')}"))
+        elif kind in ("job_finished", "job_failed") and e.text("source") == "agent":
             color = "#2ca02c" if kind == "job_finished" else "#d62728"
-            lane.marks.append((ts, color, f"{_fmt(ts)} {kind} ({e.get('reason', '')})"))
+            lane.marks.append((ts, color, f"{_fmt(ts)} {kind} ({e.text('reason')})"))
 
 
-def _history(events: list[dict[str, Any]]) -> _History:
-    t0, t1 = float(events[0]["ts"]), float(events[-1]["ts"])
+def _root_cause(e: LoggedEvent) -> bool:
+    return e.kind == "worker_exited" and e.text("cause") == "root_cause"
+
+
+def _history(events: Sequence[LoggedEvent]) -> _History:
+    t0, t1 = events[0].ts, events[-1].ts
     h = _History(t0, t1, world=[(t0, 0)])
     for e in events:
         h.add(e)
@@ -333,16 +389,12 @@ def _svg(h: _History) -> str:
     return "".join(svg.out)
 
 
-def render_html(events: list[dict[str, Any]], title: str = "") -> str:
+def render_html(events: Sequence[LoggedEvent], title: str = "") -> str:
     """The timeline page for ``events`` (in time order)."""
     if not events:
         return "<!doctype html><meta charset=utf-8><title>elastrun timeline</title><p>no events"
     h = _history(events)
-    failures = [
-        _failure_title(e)
-        for e in events
-        if e.get("kind") == "worker_exited" and e.get("cause") == "root_cause"
-    ]
+    failures = [e.failure_title() for e in events if _root_cause(e)]
     legend = (
         "<p>Bands: rounds. Blue line: world size. Blue bars: a node's workers running. "
         "Red dot: a root-cause worker failure. Orange dashes: a counted restart. "
@@ -350,7 +402,7 @@ def render_html(events: list[dict[str, Any]], title: str = "") -> str:
         "event. Hover for details.</p>"
     )
     items = "".join(f"<li>{_text(f)}</li>" for f in failures) or "<li>none</li>"
-    name = _text(title or str(events[0].get("run_id", "")))
+    name = _text(title or events[0].text("run_id"))
     return (
         f"<!doctype html><html><head><meta charset=utf-8><title>elastrun timeline {name}"
         f"</title></head><body><h2>job {name}: {_count(len(h.rounds), 'round')}, "

@@ -31,18 +31,23 @@ Values are opaque bytes; structured data on top is versioned JSON (never pickle)
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal, TypeGuard
+
+from elastrun.endpoint import Endpoint
 
 __all__ = [
     "NO_LEASE",
     "Compare",
     "Delete",
+    "EmbeddedRevoke",
+    "EtcdRevoke",
     "Get",
     "KeyValue",
     "Op",
     "Put",
+    "RevokeSpec",
     "Store",
     "TxnResult",
     "Watch",
@@ -192,6 +197,128 @@ class Watch(abc.ABC):
         await self.close()
 
 
+@dataclass(frozen=True, slots=True)
+class RevokeSpec:
+    """How another process could revoke lease ``lease`` once its holder is
+    gone (the agent's orphan guard does, when the agent is killed): the
+    store's address and credentials (:meth:`Store.revoke_spec`).
+
+    Its JSON (:meth:`to_json`, one line on the guard's pipe; read by
+    ``agent/_guard_main.py``, which parses it by hand, standard library
+    only) is an object with ``kind`` (``"elastrun"``: :class:`EmbeddedRevoke`,
+    ``"etcd"``: :class:`EtcdRevoke`), ``lease`` and the kind's fields."""
+
+    lease: int
+
+    def to_json(self) -> dict[str, object]:
+        raise NotImplementedError
+
+    @staticmethod
+    def from_json(raw: object) -> RevokeSpec:
+        """The spec in ``raw`` (as :meth:`to_json` writes it); ValueError
+        naming the problem when it is not one."""
+        if not isinstance(raw, Mapping):
+            raise ValueError("a revoke spec is a JSON object")
+        lease = raw.get("lease")
+        if not _is_int(lease) or lease <= 0:
+            raise ValueError("a revoke spec's lease is a positive integer")
+        kind = raw.get("kind")
+        if kind == "elastrun":
+            return EmbeddedRevoke(
+                lease,
+                host=_str(raw, "host"),
+                port=_port(raw.get("port")),
+                token=_opt_str(raw, "token"),
+            )
+        if kind == "etcd":
+            endpoints = raw.get("endpoints")
+            if not isinstance(endpoints, list):
+                raise ValueError("an etcd revoke spec's endpoints is a list")
+            return EtcdRevoke(
+                lease,
+                endpoints=tuple(_endpoint(e) for e in endpoints),
+                https=raw.get("https") is True,
+                cacert=_opt_str(raw, "cacert"),
+                cert=_opt_str(raw, "cert"),
+                key=_opt_str(raw, "key"),
+                user=_opt_str(raw, "user"),
+                password=_opt_str(raw, "password"),
+            )
+        raise ValueError(f"a revoke spec's kind is 'elastrun' or 'etcd', not {kind!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddedRevoke(RevokeSpec):
+    """The embedded store's address and token: a ``lease_revoke`` request."""
+
+    host: str
+    port: int
+    token: str | None = field(default=None, repr=False)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "kind": "elastrun",
+            "lease": self.lease,
+            "host": self.host,
+            "port": self.port,
+            "token": self.token,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdRevoke(RevokeSpec):
+    """etcd's endpoints, TLS files and user: ``POST /v3/lease/revoke`` on its
+    JSON gateway."""
+
+    endpoints: tuple[Endpoint, ...]
+    https: bool = False
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "kind": "etcd",
+            "lease": self.lease,
+            "endpoints": [[e.host, e.port] for e in self.endpoints],
+            "https": self.https,
+            "cacert": self.cacert,
+            "cert": self.cert,
+            "key": self.key,
+            "user": self.user,
+            "password": self.password,
+        }
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _port(value: object) -> int:
+    if not _is_int(value) or not 0 < value < 65536:
+        raise ValueError("a revoke spec's port is an integer from 1 to 65535")
+    return value
+
+
+def _str(raw: Mapping[str, object], name: str) -> str:
+    value = raw.get(name)
+    if not isinstance(value, str):
+        raise ValueError(f"a revoke spec's {name} is a string")
+    return value
+
+
+def _opt_str(raw: Mapping[str, object], name: str) -> str | None:
+    return None if raw.get(name) is None else _str(raw, name)
+
+
+def _endpoint(value: object) -> Endpoint:
+    if not isinstance(value, list) or len(value) != 2 or not isinstance(value[0], str):
+        raise ValueError("an etcd revoke spec's endpoint is [host, port]")
+    return Endpoint(value[0], _port(value[1]))
+
+
 class Store(abc.ABC):
     """The interface every store implements. All methods may raise
     :class:`~elastrun.errors.StoreError` subclasses (and nothing else)."""
@@ -270,12 +397,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None: ...
 
-    def revoke_spec(self, lease: int) -> dict[str, Any] | None:
+    def revoke_spec(self, lease: int) -> RevokeSpec | None:
         """How another process could revoke ``lease`` once this one is gone
-        (the agent's orphan guard does, when the agent is killed): a JSON-able
-        description of the store's address and credentials and the lease
-        (``kind``: ``"elastrun"`` or ``"etcd"``; see agent/_guard_main.py), or
-        None where that is not possible (the in-memory store)."""
+        (the agent's orphan guard does, when the agent is killed): the
+        store's address and credentials and the lease (:class:`RevokeSpec`),
+        or None where that is not possible (the in-memory store)."""
         return None
 
     async def __aenter__(self) -> Store:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
-from typing import Any
 
 from elastrun.clock import remaining
 from elastrun.errors import (
@@ -45,8 +44,10 @@ from elastrun.store import codec
 from elastrun.store.base import (
     NO_LEASE,
     Compare,
+    EmbeddedRevoke,
     KeyValue,
     Op,
+    RevokeSpec,
     Store,
     TxnResult,
     Watch,
@@ -97,14 +98,8 @@ class TcpStore(TcpLink, Store):
         """For messages: which store (see :mod:`elastrun.store.keepalive`)."""
         return f"the elastrun store at {self.address}"
 
-    def revoke_spec(self, lease: int) -> dict[str, Any] | None:
-        return {
-            "kind": "elastrun",
-            "lease": lease,
-            "host": self.host,
-            "port": self.port,
-            "token": self.token,
-        }
+    def revoke_spec(self, lease: int) -> RevokeSpec | None:
+        return EmbeddedRevoke(lease, host=self.host, port=self.port, token=self.token)
 
     # -- Store -----------------------------------------------------------------
     async def get(self, key: str) -> KeyValue | None:

@@ -31,10 +31,12 @@ from elastrun.store.base import (
     NO_LEASE,
     Compare,
     Delete,
+    EtcdRevoke,
     Get,
     KeyValue,
     Op,
     Put,
+    RevokeSpec,
     Store,
     TxnResult,
     Watch,
@@ -297,21 +299,20 @@ class EtcdStore(Store):
         with contextlib.suppress(LeaseNotFound):
             await self._call("lease/revoke", {"ID": str(lease)})
 
-    def revoke_spec(self, lease: int) -> dict[str, Any] | None:
+    def revoke_spec(self, lease: int) -> RevokeSpec | None:
         """etcd's address, TLS files and user for a plain HTTP(S) revoke of
         ``lease`` through the JSON gateway (see :meth:`Store.revoke_spec`)."""
         s = self.conn.settings
-        return {
-            "kind": "etcd",
-            "lease": lease,
-            "endpoints": [[e.host, e.port] for e in s.endpoints],
-            "https": s.https,
-            "cacert": s.cacert,
-            "cert": s.cert,
-            "key": s.key,
-            "user": s.user,
-            "password": s.password,
-        }
+        return EtcdRevoke(
+            lease,
+            endpoints=s.endpoints,
+            https=s.https,
+            cacert=s.cacert,
+            cert=s.cert,
+            key=s.key,
+            user=s.user,
+            password=s.password,
+        )
 
     # -- compaction ------------------------------------------------------------
     async def compact(self, revision: int) -> None:

@@ -1,0 +1,216 @@
+"""Building the dynamic rendezvous' records from one another (pure; no I/O).
+
+How a round opens, closes and charges its restart, from the typed records of
+:mod:`.records`: the first round, the close (members, ranks, the charge),
+the next round after a close, the :class:`~.api.RoundResult` and
+:class:`~.api.Change` the agent sees; config agreement; and the master port a
+joiner offers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+import socket
+from collections.abc import Sequence
+
+from elastrun.errors import RendezvousError
+from elastrun.failure import FailureRecord
+from elastrun.rendezvous.api import Change, Member, RoundResult
+from elastrun.rendezvous.ranks import Candidate, assign_ranks
+from elastrun.rendezvous.records import (
+    AgreedSettings,
+    JoinRecord,
+    MemberRecord,
+    PrevMember,
+    ResultRecord,
+    RoundRecord,
+    RoundState,
+)
+
+__all__ = [
+    "close_records",
+    "config_diff",
+    "first_round",
+    "next_round_record",
+    "pick_master_port",
+    "round_change",
+    "round_result",
+]
+
+
+def pick_master_port(addr: str = "") -> int:
+    """A TCP port free on this host, preferably outside the kernel's ephemeral
+    range (so outgoing connections cannot take it before the workers bind)."""
+    low = 32768
+    with (
+        contextlib.suppress(OSError, ValueError),
+        open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f,
+    ):
+        low = int(f.read().split()[0])
+    candidates = [random.randint(20000, low - 1) for _ in range(8)] if low > 20100 else []
+    for port in [*candidates, 0]:
+        for host in (addr, ""):
+            try:
+                family = socket.AF_INET6 if ":" in host else socket.AF_INET
+                with socket.socket(family, socket.SOCK_STREAM) as s:
+                    s.bind((host, port))
+                    return int(s.getsockname()[1])
+            except OSError:
+                continue
+    raise RendezvousError("could not find a free TCP port for MASTER_PORT on this host")
+
+
+def config_diff(
+    run_id: str, job: AgreedSettings, mine: AgreedSettings
+) -> tuple[str, dict[str, tuple[object, object]]] | None:
+    """None when the node agrees with the job; else (message, field diffs).
+    ``min_nodes``/``max_nodes`` are reported together as ``nnodes``."""
+    diffs: dict[str, tuple[object, object]] = {}
+    for f in dataclasses.fields(AgreedSettings):
+        theirs, ours = getattr(job, f.name), getattr(mine, f.name)
+        if theirs != ours:
+            diffs[f.name] = (theirs, ours)
+    if not diffs:
+        return None
+    parts: list[str] = []
+    if "min_nodes" in diffs or "max_nodes" in diffs:
+        job_n = f"{job.min_nodes}:{job.max_nodes}"
+        my_n = f"{mine.min_nodes}:{mine.max_nodes}"
+        parts.append(f"nnodes: job has {job_n}, this node has {my_n}")
+    for name, (theirs, ours) in diffs.items():
+        if name not in ("min_nodes", "max_nodes"):
+            parts.append(f"{name}: job has {theirs!r}, this node has {ours!r}")
+    message = (
+        f"this node's settings differ from those of job {run_id!r}: "
+        + "; ".join(parts)
+        + ". Start every node of a job with the same settings (or use a new --rdzv-id)."
+    )
+    return message, diffs
+
+
+def first_round(opened_at: float) -> RoundRecord:
+    """Round 0. ``opened_at`` (wall clock, every ``*_at``) is for people
+    reading the records (``elastrun status``); no decision uses it."""
+    return RoundRecord(round=0, state=RoundState.OPEN, reason="job_started", opened_at=opened_at)
+
+
+def close_records(
+    rnd: RoundRecord,
+    joiners: Sequence[JoinRecord],
+    max_nodes: int,
+    reason: str,
+    closed_at: float,
+    *,
+    max_restarts: int | None = None,
+) -> tuple[RoundRecord, ResultRecord]:
+    """(closed round record, result record) for open round ``rnd`` and its
+    joiners in join order: the first ``max_nodes`` become members.
+
+    A restart is charged here, when the round it opened closes, not when a
+    node asks for it: a worker failure counts only if every member of the
+    previous round is back. If one is missing, the failure was collateral of
+    losing that node (its peers' collectives broke when it vanished, before
+    its lease expired), and a membership change is never counted against the
+    restart budget.
+    When the charge overspends ``max_restarts``, the record returned is the
+    job's FAILED record instead of a closed one."""
+    records = list(joiners[:max_nodes])
+    prev = {p.node_id: p.group_rank for p in rnd.prev}
+    ranks = assign_ranks([Candidate(j.node.node_id, j.node.rank_hint) for j in records], prev)
+    records.sort(key=lambda j: ranks[j.node.node_id])
+    nodes = [j.node for j in records]
+    members = tuple(
+        MemberRecord(n.node_id, n.host, n.addr, n.nproc, ranks[n.node_id]) for n in nodes
+    )
+    master = records[0]
+    member_ids = tuple(m.node_id for m in members)
+    charged = rnd.counts and prev.keys() <= set(member_ids)
+    restarts = rnd.restarts + (1 if charged else 0)
+    result = ResultRecord(
+        round=rnd.round,
+        members=members,
+        master_addr=master.node.addr,
+        master_port=master.port,
+        restarts=restarts,
+        charged=charged,
+        reason=reason,
+        opened_at=rnd.opened_at,
+        closed_at=closed_at,
+    )
+    closed = dataclasses.replace(
+        rnd,
+        state=RoundState.CLOSED,
+        members=member_ids,
+        restarts=restarts,
+        last_failure=rnd.pending_failure if charged else rnd.last_failure,
+    )
+    if max_restarts is not None and restarts > max_restarts:
+        closed = dataclasses.replace(closed, state=RoundState.FAILED, restarts=restarts - 1)
+    return closed, result
+
+
+def next_round_record(
+    rnd: RoundRecord,
+    result: ResultRecord,
+    reason: str,
+    detail: str,
+    *,
+    counts: bool,
+    failure: FailureRecord | None,
+    opened_at: float,
+) -> RoundRecord:
+    """The record that opens round R+1 after closed round ``rnd`` (R).
+
+    ``hang_round``: the last round that ended on a declared hang (R when
+    ``failure`` is the hang watchdog's, else carried over): the one round
+    whose stacks notes the agents and ``elastrun status`` show."""
+    hung = counts and failure is not None and bool(failure.hang)
+    return RoundRecord(
+        round=rnd.round + 1,
+        state=RoundState.OPEN,
+        # Charged when this round closes (see close_records), not now.
+        restarts=rnd.restarts,
+        last_failure=rnd.last_failure,
+        pending_failure=failure if counts else None,
+        prev=tuple(PrevMember(m.node_id, m.group_rank) for m in result.members),
+        reason=reason,
+        detail=detail,
+        counts=counts,
+        opened_at=opened_at,
+        hang_round=rnd.round if hung else rnd.hang_round,
+    )
+
+
+def round_result(run_id: str, node_id: str, result: ResultRecord, max_restarts: int) -> RoundResult:
+    """Round ``result`` as member ``node_id`` sees it."""
+    members = tuple(
+        Member(m.node_id, m.host, m.addr, m.group_rank, m.nproc) for m in result.members
+    )
+    me = next(m for m in members if m.node_id == node_id)
+    return RoundResult(
+        run_id=run_id,
+        round=result.round,
+        members=members,
+        group_rank=me.group_rank,
+        master_addr=result.master_addr,
+        master_port=result.master_port,
+        restart_count=result.restarts,
+        max_restarts=max_restarts,
+        reason=result.reason,
+    )
+
+
+def round_change(rec: RoundRecord | None, reason: str = "", detail: str = "") -> Change:
+    """Why a running member's round ended, from the job's round record."""
+    if reason or rec is None:
+        return Change(reason or "new_round", detail)
+    if rec.state is RoundState.OPEN:
+        return Change(
+            rec.reason or "new_round",
+            rec.detail or f"round {rec.round} opened",
+            rec.counts,
+            hang=rec.hung,
+        )
+    return Change("new_round", f"round {rec.round} is {rec.state.value} without this node")

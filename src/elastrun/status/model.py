@@ -1,0 +1,215 @@
+"""A job's summary as ``elastrun status`` shows it: typed, one shape for the
+table (:func:`elastrun.status.cli.render_table`) and ``--json``
+(:meth:`Summary.to_json`, schema ``v``: ``SUMMARY_VERSION``, keys documented
+in docs/events.md: keys may be added within a version, never removed or
+changed).
+
+Every string here may come from the store, which anyone who reaches it may
+have written: the table escapes each for the terminal; ``--json`` is JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from elastrun.failure import FailureRecord
+from elastrun.rendezvous import notes as N
+from elastrun.rendezvous.records import RoundState
+
+__all__ = [
+    "FAILURE_FIELDS",
+    "JOB_STATES",
+    "SUMMARY_VERSION",
+    "TERMINAL_STATES",
+    "HangStacks",
+    "JoinedNode",
+    "MemberRow",
+    "RankRow",
+    "Summary",
+    "WaitingNode",
+]
+
+SUMMARY_VERSION = 1
+JOB_STATES = ("joining", "running", "restarting", "finished", "failed")
+TERMINAL_STATES = frozenset({"finished", "failed"})
+# The fields of the last failure record that ``--json`` shows.
+FAILURE_FIELDS = (
+    "rank",
+    "local_rank",
+    "host",
+    "pid",
+    "exitcode",
+    "signal",
+    "time",
+    "reason",
+    "message",
+    "attempt",
+    "restart_count",
+    "stderr_log",
+)
+
+
+@dataclass(frozen=True)
+class MemberRow:
+    """A member of the round shown, and what became of it."""
+
+    group_rank: int
+    host: str
+    addr: str
+    nproc: int
+    node_id: str
+    status: str  # alive | done | lost | gone
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class JoinedNode:
+    """A node that joined the open round."""
+
+    host: str
+    node_id: str
+    nproc: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class WaitingNode:
+    """A node that waits for the next round."""
+
+    host: str
+    node_id: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class RankRow:
+    """One rank's last reported progress (from its node's progress note)."""
+
+    rank: int
+    host: str
+    step: int | None
+    step_time_s: float | None
+    own_time_s: float | None
+    idle_s: float | None
+    phase: str | None
+    straggler: bool
+    reported_at: float
+
+    @classmethod
+    def of(cls, p: N.RankProgress, note: N.ProgressNote) -> RankRow:
+        return cls(
+            rank=p.rank,
+            host=note.host,
+            step=p.step,
+            step_time_s=p.step_time,
+            own_time_s=p.own_time,
+            idle_s=p.idle_s,
+            phase=p.phase,
+            straggler=False,
+            reported_at=note.at,
+        )
+
+    def flagged(self, straggler: bool) -> RankRow:
+        return dataclasses.replace(self, straggler=straggler)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class HangStacks:
+    """Where every rank sat when round ``round`` ended on a hang, ranks
+    stuck in code of their own first."""
+
+    round: int
+    ranks: tuple[N.RankStack, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"round": self.round, "ranks": [r.to_json() for r in self.ranks]}
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The job, as read from its records and notes (docs/events.md has each
+    key of :meth:`to_json`)."""
+
+    run_id: str
+    state: str  # one of JOB_STATES
+    round: int | None
+    round_state: RoundState | None
+    round_reason: str | None
+    round_detail: str | None
+    round_opened_at: float | None
+    round_closed_at: float | None
+    state_for_s: float | None
+    members_round: int | None
+    members: tuple[MemberRow, ...]
+    master: str | None
+    joined: tuple[JoinedNode, ...]
+    waiting: tuple[WaitingNode, ...]
+    nodes_present: int
+    min_nodes: int | None
+    max_nodes: int | None
+    restarts: int
+    max_restarts: int | None
+    last_failure: FailureRecord | None
+    restart_pending: bool
+    ranks: tuple[RankRow, ...]
+    hang_stacks: HangStacks | None
+    revision: int
+
+    @property
+    def world_size(self) -> int:
+        return sum(m.nproc for m in self.members)
+
+    @property
+    def stragglers(self) -> list[int]:
+        return [r.rank for r in self.ranks if r.straggler]
+
+    def to_json(self) -> dict[str, Any]:
+        failure = None
+        if self.last_failure is not None:
+            record = self.last_failure.to_json()
+            failure = {name: record.get(name) for name in FAILURE_FIELDS}
+        return {
+            "v": SUMMARY_VERSION,
+            "run_id": self.run_id,
+            "state": self.state,
+            "round": self.round,
+            "round_state": self.round_state.value if self.round_state is not None else None,
+            "round_reason": self.round_reason,
+            "round_detail": self.round_detail,
+            "round_opened_at": self.round_opened_at,
+            "round_closed_at": self.round_closed_at,
+            "state_for_s": self.state_for_s,
+            "members_round": self.members_round,
+            "members": [m.to_json() for m in self.members],
+            "world_size": self.world_size,
+            "master": self.master,
+            "joined": [j.to_json() for j in self.joined],
+            "waiting": [w.to_json() for w in self.waiting],
+            "nodes_present": self.nodes_present,
+            "min_nodes": self.min_nodes,
+            "max_nodes": self.max_nodes,
+            "restarts": self.restarts,
+            "max_restarts": self.max_restarts,
+            "last_failure": failure,
+            "restart_pending": self.restart_pending,
+            "ranks": [r.to_json() for r in self.ranks],
+            "stragglers": self.stragglers,
+            "hang_stacks": self.hang_stacks.to_json() if self.hang_stacks is not None else None,
+            "revision": self.revision,
+        }
+
+    def quiet(self) -> Summary:
+        """Itself without what changes by itself (the duration, the revision):
+        two summaries that differ only there show the same job."""
+        return dataclasses.replace(self, state_for_s=None, revision=0)
