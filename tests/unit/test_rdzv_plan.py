@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from elastrun.names import RunId
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import plan as P
 from elastrun.rendezvous.protocol import (
@@ -22,7 +23,7 @@ from elastrun.rendezvous.protocol import (
 )
 from elastrun.store.base import KeyValue, WatchEvent
 
-KEYS = K.Keys("job")
+KEYS = K.Keys(RunId("job"))
 
 
 def kv(key: str, created: int, **record: Any) -> KeyValue:

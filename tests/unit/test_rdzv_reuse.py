@@ -20,6 +20,7 @@ import pytest
 from elastrun.errors import ConfigMismatch, RendezvousClosed, RestartBudgetExhausted
 from elastrun.events import EventSink
 from elastrun.failure import FailureRecord
+from elastrun.names import RunId
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.api import RendezvousSettings
 from elastrun.rendezvous.dynamic import DynamicRendezvous
@@ -109,7 +110,7 @@ def handler(
     h = DynamicRendezvous(
         store,
         RendezvousSettings(
-            run_id="J",
+            run_id=RunId("J"),
             min_nodes=1,
             max_nodes=max_nodes,
             max_restarts=max_restarts,

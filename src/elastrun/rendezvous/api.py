@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from elastrun.failure import FailureRecord
+from elastrun.names import RunId
 
 __all__ = [
     "Change",
@@ -40,7 +41,7 @@ class RendezvousSettings:
     """Settings of one node's rendezvous. Fields in ``AGREED`` must be equal on
     every node of a job (config agreement); the rest are per node."""
 
-    run_id: str
+    run_id: RunId
     min_nodes: int
     max_nodes: int
     max_restarts: int = 0

@@ -24,9 +24,10 @@ Records are JSON objects with ``"v": 1``; a record that does not decode
 :data:`~elastrun.untrusted.MAX_DEPTH` levels: anyone who reaches the store may
 have written it) raises :class:`~elastrun.errors.ProtocolError` naming the key.
 
-Keys are built only from checked parts: the job id must match the job-id
-grammar (:mod:`elastrun.names`; no ``/``, so no id names a part of another
-job's key space) and node ids are the rendezvous' own (``[A-Za-z0-9._-]``).
+Keys are built only from checked parts: the job id is a
+:class:`~elastrun.names.RunId` (parsed where it entered: it matches the job-id
+grammar, with no ``/``, so no id names a part of another job's key space) and
+node ids are the rendezvous' own (``[A-Za-z0-9._-]``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastrun.errors import ProtocolError
-from elastrun.names import check_run_id
+from elastrun.names import RunId
 from elastrun.untrusted import UntrustedData, loads
 
 __all__ = ["RECORD_VERSION", "Keys", "decode", "encode", "node_id_of"]
@@ -52,10 +53,7 @@ FAILED = "failed"
 
 @dataclass(frozen=True)
 class Keys:
-    run_id: str
-
-    def __post_init__(self) -> None:
-        check_run_id(self.run_id, "run id")
+    run_id: RunId
 
     @property
     def root(self) -> str:

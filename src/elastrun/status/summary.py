@@ -51,6 +51,7 @@ from typing import Any, TypeVar
 
 from elastrun.endpoint import Endpoint
 from elastrun.errors import ProtocolError, StoreError
+from elastrun.names import RunId
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import notes as N
 from elastrun.rendezvous.records import hang_round
@@ -358,7 +359,7 @@ async def _under(store: Store, prefix: str) -> list[KeyValue]:
     return kvs
 
 
-async def read_summary(store: Store, run_id: str) -> dict[str, Any] | None:
+async def read_summary(store: Store, run_id: RunId) -> dict[str, Any] | None:
     """The job's summary, or None when the store holds no job ``run_id``.
     Raises StoreError (ProtocolError for bad records)."""
     k = K.Keys(run_id)
