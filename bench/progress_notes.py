@@ -86,6 +86,7 @@ def _beats(folder: Path, node: int, ranks: int, slow: int) -> list[SimpleNamespa
 async def _run(host: str, port: int, args: argparse.Namespace, server_pid: int) -> dict[str, Any]:
     from elastrun.agent import stragglers
     from elastrun.events import ListSink
+    from elastrun.names import RunId
     from elastrun.rendezvous.api import RendezvousSettings
     from elastrun.rendezvous.dynamic import DynamicRendezvous
     from elastrun.store.client import TcpStore
@@ -99,7 +100,7 @@ async def _run(host: str, port: int, args: argparse.Namespace, server_pid: int) 
         DynamicRendezvous(
             stores[i],  # type: ignore[arg-type]
             RendezvousSettings(
-                run_id=f"progress-{os.getpid()}",
+                run_id=RunId(f"progress-{os.getpid()}"),
                 min_nodes=n,
                 max_nodes=n,
                 nproc=args.ranks,

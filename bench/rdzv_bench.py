@@ -42,6 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 async def _worker(host: str, port: int, spec: dict[str, object]) -> None:
+    from elastrun.names import RunId
     from elastrun.rendezvous.api import RendezvousSettings
     from elastrun.rendezvous.dynamic import DynamicRendezvous
     from elastrun.store.base import Store
@@ -65,7 +66,7 @@ async def _worker(host: str, port: int, spec: dict[str, object]) -> None:
         DynamicRendezvous(
             stores[i],
             RendezvousSettings(
-                run_id=str(spec["run_id"]),
+                run_id=RunId(str(spec["run_id"])),
                 min_nodes=n,
                 max_nodes=n,
                 lease_ttl=30.0,

@@ -2,8 +2,10 @@
 
 A job id (``--rdzv-id``, ``run_id``) is one component of every store key of
 its job (``/elastrun/{run_id}/...``) and of its log folders
-(``{log_dir}/{run_id}/...``), so it is checked against one grammar, the same
-everywhere (launcher, rendezvous keys, agent paths, ``elastrun status``)::
+(``{log_dir}/{run_id}/...``). It is parsed once, where it enters (the
+launcher's plan, ``elastrun status``), into a :class:`RunId`, and passed on
+typed: the rendezvous keys, the agent's folders and the event log take a
+``RunId``, never a bare string, so none of them checks it again. The grammar::
 
     [A-Za-z0-9][A-Za-z0-9._-]{0,127}
 
@@ -22,13 +24,14 @@ to refuse: :func:`path_component` turns any of them into a safe file name.
 from __future__ import annotations
 
 import re
+import uuid
 
 from elastrun.errors import ConfigError
 
 __all__ = [
     "RUN_ID_GRAMMAR",
     "RUN_ID_MAX_LEN",
-    "check_run_id",
+    "RunId",
     "path_component",
     "run_id_problem",
 ]
@@ -56,18 +59,36 @@ def run_id_problem(value: object) -> str | None:
     return None
 
 
-def check_run_id(value: object, name: str = "--rdzv-id") -> str:
-    """``value`` if it is a valid job id; else ConfigError naming ``name``
-    (the flag, or the Python parameter), the problem and the grammar."""
-    problem = run_id_problem(value)
-    if problem is not None:
-        raise ConfigError(
-            f"{name}: {value!r} is not a valid job id: it {problem}; a job id is 1 to "
-            f"{RUN_ID_MAX_LEN} ASCII letters, digits, '.', '_' or '-', starting with a "
-            "letter or digit"
-        )
-    assert isinstance(value, str)
-    return value
+class RunId(str):
+    """A job id that matches the grammar above: ``RunId.parse(text)`` (or
+    ``RunId(text)``, the same check) is the only way to make one, so a
+    ``RunId`` is always valid, and ``str()`` writes it. It is a ``str``: it
+    goes into keys, paths, messages and JSON as the text it is."""
+
+    __slots__ = ()
+
+    def __new__(cls, text: str) -> RunId:
+        return cls.parse(text, "run id")
+
+    @classmethod
+    def parse(cls, text: object, what: str = "--rdzv-id") -> RunId:
+        """``text`` as a job id; else ConfigError naming ``what`` (the flag,
+        or the Python parameter), the problem and the grammar."""
+        if isinstance(text, RunId):
+            return text
+        problem = run_id_problem(text)
+        if problem is not None or not isinstance(text, str):
+            raise ConfigError(
+                f"{what}: {text!r} is not a valid job id: it {problem}; a job id is 1 to "
+                f"{RUN_ID_MAX_LEN} ASCII letters, digits, '.', '_' or '-', starting with a "
+                "letter or digit"
+            )
+        return str.__new__(cls, text)
+
+    @classmethod
+    def generate(cls) -> RunId:
+        """A fresh random id (a UUID, as torch's launcher makes)."""
+        return str.__new__(cls, str(uuid.uuid4()))
 
 
 def path_component(text: str, fallback: str = "unknown") -> str:

@@ -21,6 +21,7 @@ import pytest
 
 from elastrun.agent import Agent, Std, WorkerSpec
 from elastrun.events import ListSink
+from elastrun.names import RunId
 from tests.conftest import PYTHON, REPO
 from tests.helpers import pid_alive, stop_groups
 from tests.integration.scripts.one_node import OneNodeRendezvous
@@ -327,7 +328,7 @@ def test_redirects_tee_and_rank_filter(tmp_path, capfd):
     spec = WorkerSpec(
         argv=(PYTHON, "-c", ECHO),
         nproc=3,
-        run_id="echo",
+        run_id=RunId("echo"),
         host="h1",
         log_dir=str(log_dir),
         redirects={1: Std.ALL, 2: Std.OUT},
@@ -356,7 +357,7 @@ def test_finished_job_exits_0_without_starting_workers(tmp_path):
 
 
 def test_unstartable_worker_fails_clearly(tmp_path, capfd):
-    spec = WorkerSpec(argv=(str(tmp_path / "no-such-program"),), nproc=2, run_id="x")
+    spec = WorkerSpec(argv=(str(tmp_path / "no-such-program"),), nproc=2, run_id=RunId("x"))
     code, _ = run_agent(spec, OneNodeRendezvous(nproc=2))
     assert code == 1
     assert "cannot start worker local rank 0" in capfd.readouterr().err

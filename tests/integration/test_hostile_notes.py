@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from elastrun.failure import FailureRecord
+from elastrun.names import RunId
 from elastrun.rendezvous import notes as N
 from elastrun.rendezvous.api import RendezvousSettings
 from elastrun.rendezvous.dynamic import DynamicRendezvous
@@ -98,7 +99,7 @@ def hostile_notes(round_: int, node_id: str) -> dict[str, bytes]:
 async def _write(port: int, run_id: str, notes: dict[str, bytes]) -> None:
     store = await TcpStore.connect("127.0.0.1", port, timeout=CLI_BOUND)
     try:
-        keys = Keys(run_id)
+        keys = Keys(RunId(run_id))
         for name, value in notes.items():
             await store.put(keys.note(name), value)
     finally:
@@ -108,7 +109,7 @@ async def _write(port: int, run_id: str, notes: dict[str, bytes]) -> None:
 async def _node_ids(port: int, run_id: str) -> list[str]:
     store = await TcpStore.connect("127.0.0.1", port, timeout=CLI_BOUND)
     try:
-        kvs, _ = await store.get_prefix(Keys(run_id).nodes)
+        kvs, _ = await store.get_prefix(Keys(RunId(run_id)).nodes)
         return [kv.key.rsplit("/", 1)[-1] for kv in kvs]
     finally:
         await store.close()
@@ -138,7 +139,7 @@ def test_hostile_notes_are_dropped_and_notes_keep_their_lifetime() -> None:
             host, port = server.address or ("127.0.0.1", 0)
             store = await TcpStore.connect(host, port)
             settings = RendezvousSettings(
-                run_id="notes-life",
+                run_id=RunId("notes-life"),
                 min_nodes=1,
                 max_nodes=1,
                 max_restarts=3,
@@ -164,7 +165,7 @@ def test_hostile_notes_are_dropped_and_notes_keep_their_lifetime() -> None:
             assert kv is not None and kv.lease == rdzv.keeper.lease != 0
 
             # No round ended on a hang: status shows no stacks, whatever the notes say.
-            summary = await read_summary(store, "notes-life")
+            summary = await read_summary(store, RunId("notes-life"))
             assert summary is not None and summary.hang_stacks is None
 
             # A hang opens the next round: every stacks note so far is gone.
@@ -179,7 +180,7 @@ def test_hostile_notes_are_dropped_and_notes_keep_their_lifetime() -> None:
             )
             await rdzv.write_note(note.name, note.to_json())
             await _write(port, "notes-life", {"stacks_0_1": NESTED})  # no such member
-            summary = await read_summary(store, "notes-life")
+            summary = await read_summary(store, RunId("notes-life"))
             assert summary is not None and summary.to_json()["hang_stacks"] == {
                 "round": 0,
                 "ranks": [{**own, "hung": False}],
@@ -299,7 +300,7 @@ class HostileWriter:
     async def _run(self) -> None:
         with contextlib.suppress(Exception):
             store = await TcpStore.connect("127.0.0.1", self.port, timeout=60.0)
-            keys = Keys(self.run_id)
+            keys = Keys(RunId(self.run_id))
             forged = _note(
                 round=0, group_rank=1, node_id="nobody", ranks=[{"rank": 0, "host": ESC}]
             )

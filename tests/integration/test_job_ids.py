@@ -253,4 +253,5 @@ def test_status_refuses_a_bad_id(tmp_path: Path) -> None:
     res = elastrun(
         "status", "--rdzv-endpoint=127.0.0.1:1", "--rdzv-id=A/waiting", cwd=tmp_path, timeout=30
     )
-    assert res.returncode == 2 and "--rdzv-id: 'A/waiting' contains '/'" in res.stderr
+    assert res.returncode == 2, res.stderr
+    assert "--rdzv-id: 'A/waiting' is not a valid job id: it contains '/'" in res.stderr

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 from elastrun.agent.modcache import MAX_FILE_BYTES, cache_key
+from elastrun.names import RunId
 from elastrun.rendezvous.keys import Keys
 from elastrun.store.client import TcpStore
 from tests.conftest import PYTHON
@@ -107,7 +108,7 @@ async def _write_note(port: int, token: str | None, run_id: str, names: list[str
     client = await TcpStore.connect("127.0.0.1", port, token=token, timeout=30)
     try:
         value = {"v": 1, "modules": names, "python": None, "torch": None}
-        await client.put(Keys(run_id).note("modules"), json.dumps(value).encode())
+        await client.put(Keys(RunId(run_id)).note("modules"), json.dumps(value).encode())
     finally:
         await client.close()
 

@@ -21,6 +21,7 @@ import itertools
 from elastrun.errors import RevisionCompacted
 from elastrun.events import ListSink
 from elastrun.failure import FailureRecord
+from elastrun.names import RunId
 from elastrun.rendezvous.api import RendezvousSettings
 from elastrun.rendezvous.dynamic import DynamicRendezvous
 from elastrun.store.base import Watch, WatchEvent
@@ -80,7 +81,7 @@ def test_rounds_form_although_watches_are_compacted_again_and_again() -> None:
             DynamicRendezvous(
                 stores[i],
                 RendezvousSettings(
-                    run_id="compacted",
+                    run_id=RunId("compacted"),
                     min_nodes=n,
                     max_nodes=n,
                     max_restarts=3,

@@ -26,6 +26,7 @@ from xml.etree import ElementTree
 import pytest
 
 from elastrun.failure import FailureRecord
+from elastrun.names import RunId
 from elastrun.store.memory import MemoryStore
 from tests.helpers import free_port, stop_groups, wait_for
 from tests.integration.elastic_harness import ELASTRUN, job
@@ -325,13 +326,13 @@ def test_summary_follows_an_in_process_rendezvous() -> None:
 
     def settings(host: str) -> RendezvousSettings:
         return RendezvousSettings(
-            run_id="j", min_nodes=2, max_nodes=2, max_restarts=1, nproc=2, host=host,
+            run_id=RunId("j"), min_nodes=2, max_nodes=2, max_restarts=1, nproc=2, host=host,
             addr=f"10.0.0.{ord(host[-1]) - 96}", join_timeout=30, last_call_timeout=0.1,
         )  # fmt: skip
 
     async def summary_where(store: MemoryStore, pred: Any) -> dict[str, Any]:
         for _ in range(400):
-            summary = await read_summary(store, "j")
+            summary = await read_summary(store, RunId("j"))
             s = None if summary is None else summary.to_json()  # as --json prints it
             if s is not None and pred(s):
                 return s
@@ -340,7 +341,7 @@ def test_summary_follows_an_in_process_rendezvous() -> None:
 
     async def scenario() -> None:
         store = MemoryStore()
-        assert await read_summary(store, "j") is None
+        assert await read_summary(store, RunId("j")) is None
         a = DynamicRendezvous(store, settings("ha"), node_id="a")
         b = DynamicRendezvous(store, settings("hb"), node_id="b")
         ta = asyncio.ensure_future(a.next_round())
@@ -388,7 +389,7 @@ def test_status_reads_a_job_on_etcd() -> None:
 
     def settings(host: str) -> RendezvousSettings:
         return RendezvousSettings(
-            run_id="j", min_nodes=2, max_nodes=2, nproc=1, host=host, addr="127.0.0.1",
+            run_id=RunId("j"), min_nodes=2, max_nodes=2, nproc=1, host=host, addr="127.0.0.1",
             join_timeout=30, last_call_timeout=0.1, lease_ttl=5,
         )  # fmt: skip
 

@@ -32,7 +32,8 @@ from typing import Any
 import pytest
 
 from elastrun.errors import ConfigError
-from elastrun.launcher.config import count_gpus, count_xpus, parse_nnodes
+from elastrun.launcher.devices import count_gpus, count_xpus
+from elastrun.launcher.flag_values import parse_nnodes
 from tests.conftest import REPO
 from tests.helpers import free_port, stop_groups
 from tests.integration.elastic_harness import ELASTRUN

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from elastrun.agent import Agent, WorkerSpec
 from elastrun.events import ListSink
+from elastrun.names import RunId
 from tests.conftest import PYTHON, REPO
 from tests.helpers import pid_alive, stop_groups
 from tests.integration.scripts.one_node import OneNodeRendezvous
@@ -167,7 +168,7 @@ def test_log_dir_has_a_folder_per_host_and_live_agent(tmp_path):
     spec = WorkerSpec(
         argv=(PYTHON, "-c", "print('hi')"),
         nproc=1,
-        run_id="lay",
+        run_id=RunId("lay"),
         host="node-a",
         log_dir=str(log_dir),
     )

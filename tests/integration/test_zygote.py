@@ -23,6 +23,7 @@ from elastrun.agent.modcache import ModuleCache, ModuleList, ModuleReport, cache
 from elastrun.agent.spares import SparePool
 from elastrun.agent.spawn import python_entry
 from elastrun.events import ListSink
+from elastrun.names import RunId
 from tests.conftest import PYTHON
 from tests.helpers import pid_alive
 
@@ -53,7 +54,7 @@ def _pool(
 ) -> tuple[SparePool, ListSink]:
     script = tmp_path / "s.py"
     script.write_text(script_text)
-    spec = WorkerSpec(argv=(PYTHON, "-u", str(script)), nproc=1, run_id="zygote-test")
+    spec = WorkerSpec(argv=(PYTHON, "-u", str(script)), nproc=1, run_id=RunId("zygote-test"))
     entry = python_entry(spec.argv)
     assert entry is not None
     sink = sink or ListSink()

@@ -22,9 +22,14 @@ from elastrun.agent.spec import Std, WorkerSpec, argv_for
 from elastrun.agent.waiting import describe
 from elastrun.errors import ConfigError
 from elastrun.failure import FailureRecord
-from elastrun.launcher.cli import Command, build_parser, parse, unknown_flags_message
-from elastrun.launcher.config import count_xpus, parse_nproc
+from elastrun.launcher.cli import parse
+from elastrun.launcher.command import Command
+from elastrun.launcher.devices import count_xpus
+from elastrun.launcher.flag_parser import unknown_flags_message
+from elastrun.launcher.flag_values import parse_nproc
+from elastrun.launcher.flags import LocalRankStyle, build_parser
 from elastrun.launcher.legacy import local_rank_flag, parse_legacy
+from elastrun.names import RunId
 from elastrun.rendezvous.api import RendezvousSettings, WaitingStatus
 from elastrun.rendezvous.plan import View
 from elastrun.rendezvous.progress import waiting_status
@@ -196,14 +201,14 @@ def test_parser_takes_no_abbreviation_but_the_redirect_spelling(tmp_path: Path) 
     with pytest.raises(ConfigError, match=r"^--local-rank: not an elastrun flag"):
         parse(["--local-rank=0", str(script)])
     plan, _ = parse(["--redirect=3", str(script)])
-    assert plan.config.redirects == {-1: 3}
+    assert plan.workers.redirects == {-1: Std.ALL}
     plan, _ = parse(["--logs_specs=default", str(script)])
     with pytest.raises(ConfigError, match=r"no torchrun\.logs_specs plugins"):
         parse(["--logs-specs=mine", str(script)])
 
 
 def test_local_rank_spelling_from_the_source(tmp_path: Path) -> None:
-    def flag(source: str, style: str = "auto") -> str:
+    def flag(source: str, style: LocalRankStyle = LocalRankStyle.AUTO) -> str:
         path = tmp_path / "s.py"
         path.write_text(source)
         return local_rank_flag(Command(script=str(path), args=()), style)
@@ -212,7 +217,7 @@ def test_local_rank_spelling_from_the_source(tmp_path: Path) -> None:
     assert flag('p.add_argument("--local-rank", type=int)') == "--local-rank"
     assert flag('p.add_argument("--local-rank", "--local_rank")') == "--local_rank"
     assert flag("import os") == "--local_rank"  # e.g. a dataclass field parser
-    assert flag('p.add_argument("--local_rank")', "dash") == "--local-rank"
+    assert flag('p.add_argument("--local_rank")', LocalRankStyle.DASH) == "--local-rank"
     assert local_rank_flag(Command(script="missing.py", args=())) == "--local_rank"
 
 
@@ -221,6 +226,8 @@ def test_legacy_parse_inserts_the_argument_after_the_script(tmp_path: Path) -> N
     script.write_text("")
     _, cmd, flag = parse_legacy(["--nproc_per_node=2", str(script), "--lr", "1"])
     assert flag == "--local_rank" and cmd.args == ("--local_rank=${local_rank}", "--lr", "1")
+    plan, _, _ = parse_legacy(["--local-rank-style=dash", str(script)])
+    assert plan.workers.argv[-1] == "--local-rank=${local_rank}"  # what each worker gets
     _, cmd, flag = parse_legacy(["--use_env", str(script), "--lr", "1"])
     assert flag is None and cmd.args == ("--lr", "1")
     with pytest.raises(ConfigError, match="--no-python: needs --use-env"):
@@ -228,7 +235,9 @@ def test_legacy_parse_inserts_the_argument_after_the_script(tmp_path: Path) -> N
 
 
 # ----------------------------------------------------------------- waiting line
-S = RendezvousSettings(run_id="j", min_nodes=1, max_nodes=2, join_timeout=600, last_call_timeout=1)
+S = RendezvousSettings(
+    run_id=RunId("j"), min_nodes=1, max_nodes=2, join_timeout=600, last_call_timeout=1
+)
 
 
 def test_a_closing_round_keeps_its_last_call_not_the_join_timeout() -> None:

@@ -10,8 +10,15 @@ from hypothesis import strategies as st
 
 from elastrun.endpoint import Endpoint, format_endpoints, parse_endpoint_list
 from elastrun.errors import ConfigError
-from elastrun.launcher.config import parse_endpoint as launcher_parse
+from elastrun.launcher.config import LaunchConfig
+from elastrun.launcher.plan import resolve
 from elastrun.store.factory import parse_endpoint as store_parse
+
+
+def launcher_parse(text: str) -> Endpoint:
+    """The embedded store's endpoint as the launcher reads --rdzv-endpoint."""
+    config = LaunchConfig(rdzv_backend="c10d", rdzv_endpoint=text)
+    return resolve(config).endpoints[0]
 
 
 @pytest.mark.parametrize(
@@ -59,10 +66,10 @@ def test_malformed_endpoints_name_the_flag_and_the_problem(text: str, problem: s
 def test_the_launcher_and_the_store_read_an_endpoint_alike() -> None:
     """They once had parsers of their own that disagreed (port 0, brackets)."""
     for text in ("h:0", "[::1]:0", "h", "[::1]"):
-        assert launcher_parse(text, 29400) == store_parse(text, 29400)
+        assert launcher_parse(text) == store_parse(text, 29400)
     for text in ("[x]:1", "h:65536", "a:b:c"):
         with pytest.raises(ConfigError):
-            launcher_parse(text, 29400)
+            launcher_parse(text)
         with pytest.raises(ConfigError):
             store_parse(text, 29400)
 

@@ -33,6 +33,7 @@ from elastrun.errors import ConfigError, WorkerError
 from elastrun.events import JsonLinesSink
 from elastrun.launcher.config import LaunchConfig
 from elastrun.launcher.plan import resolve
+from elastrun.names import RunId
 from elastrun.safefs import UnsafePath
 from elastrun.train.checkpoint_files import RecordError, read_record, record_path
 from elastrun.worker.record import write_error_file
@@ -78,7 +79,7 @@ def victim(tmp_path: Path) -> Path:
 
 def test_host_folders_are_private_and_absolute(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    folder, pidfile = claim_host_dir("logs", "run1", "node-a")
+    folder, pidfile = claim_host_dir("logs", RunId("run1"), "node-a")
     assert folder == str(tmp_path / "logs" / "run1" / "node-a")
     assert pidfile == os.path.join(folder, HOST_PID_FILE)
     for p in (tmp_path / "logs" / "run1", Path(folder)):
@@ -101,7 +102,9 @@ def test_a_planted_or_stale_pid_file_is_made_anew_never_written_through(
         os.mkfifo(pid)
     else:
         pid.write_text("999999999")  # no such process
-    folder, pidfile = bounded(lambda: claim_host_dir(str(tmp_path / "logs"), "run1", "node-a"), pid)
+    folder, pidfile = bounded(
+        lambda: claim_host_dir(str(tmp_path / "logs"), RunId("run1"), "node-a"), pid
+    )
     assert folder == str(host) and pidfile == str(pid)
     assert not pid.is_symlink() and pid.read_text() == str(os.getpid())
     assert victim.read_text() == "precious"
@@ -112,7 +115,7 @@ def test_a_run_folder_of_another_user_is_refused(tmp_path: Path) -> None:
     (tmp_path / "logs" / "run1").mkdir(parents=True)
     os.chown(tmp_path / "logs" / "run1", NOBODY, NOBODY)
     with pytest.raises(ConfigError) as e:
-        claim_host_dir(str(tmp_path / "logs"), "run1", "node-a")
+        claim_host_dir(str(tmp_path / "logs"), RunId("run1"), "node-a")
     msg = str(e.value)
     assert msg.startswith(f"--log-dir: refusing {tmp_path / 'logs' / 'run1'}: it is owned by uid")
     assert "remove it or choose another folder" in msg
@@ -124,7 +127,7 @@ def test_a_group_writable_host_folder_is_refused(tmp_path: Path) -> None:
     host.mkdir(parents=True)
     os.chmod(host, 0o770)
     with pytest.raises(ConfigError, match=r"refusing .*node-a: it is writable by its group"):
-        claim_host_dir(str(tmp_path / "logs"), "run1", "node-a")
+        claim_host_dir(str(tmp_path / "logs"), RunId("run1"), "node-a")
     assert list(host.iterdir()) == []
 
 
@@ -133,10 +136,10 @@ def test_a_log_dir_others_may_write_needs_the_sticky_bit(tmp_path: Path) -> None
     logs.mkdir()
     os.chmod(logs, 0o777)
     with pytest.raises(ConfigError, match=r"without the sticky bit"):
-        run_dir(str(logs), "run1")
+        run_dir(str(logs), RunId("run1"))
     assert list(logs.iterdir()) == []
     os.chmod(logs, 0o1777)
-    assert run_dir(str(logs), "run1") == str(logs / "run1")
+    assert run_dir(str(logs), RunId("run1")) == str(logs / "run1")
 
 
 def test_an_attempt_folder_planted_as_a_link_is_refused(tmp_path: Path) -> None:
@@ -157,18 +160,18 @@ def test_a_temporary_folder_others_could_rearrange_is_refused(tmp_path: Path, mo
     os.chmod(shared, 0o777)
     monkeypatch.setattr(tempfile, "tempdir", str(shared))
     with pytest.raises(WorkerError, match=r"set TMPDIR to a folder only you can write"):
-        temp_dir("run1")
+        temp_dir(RunId("run1"))
     assert list(shared.iterdir()) == []
     os.chmod(shared, 0o1777)
-    made = Path(temp_dir("run1"))
+    made = Path(temp_dir(RunId("run1")))
     assert made.parent == shared and (made.stat().st_mode & 0o777) == 0o700
 
 
 def test_a_relative_log_dir_and_events_file_are_made_absolute(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     plan = resolve(LaunchConfig(standalone=True, log_dir="logs", events_file="ev.jsonl"))
-    assert plan.config.log_dir == str(tmp_path / "logs")
-    assert plan.config.events_file == str(tmp_path / "ev.jsonl")
+    assert plan.workers.log_dir == str(tmp_path / "logs")
+    assert plan.workers.events_file == str(tmp_path / "ev.jsonl")
 
 
 # ------------------------------------------------------------ event log

@@ -370,15 +370,15 @@ def test_agent_command_line_parses_with_elastrun(
 
     assert plan.backend == "etcd"
     assert not plan.standalone
-    assert plan.config.local_addr == FIELD_VALUES["status.podIP"]
-    assert plan.config.max_restarts >= 1
-    assert plan.conf["key_prefix"] == f"/elastrun-k8s/{FIELD_VALUES['metadata.namespace']}"
-    assert plan.conf["lease_ttl"] > 0
+    assert plan.local_addr == FIELD_VALUES["status.podIP"]
+    assert plan.rendezvous.max_restarts >= 1
+    assert plan.conf.key_prefix == f"/elastrun-k8s/{FIELD_VALUES['metadata.namespace']}"
+    assert plan.rendezvous.lease_ttl > 0
     if name == "job.yaml":
         label = FIELD_VALUES["metadata.labels['batch.kubernetes.io/controller-uid']"]
-        assert plan.config.run_id.endswith(label), "the run id must be unique per Job"
+        assert plan.run_id.endswith(label), "the run id must be unique per Job"
     else:
-        assert plan.config.run_id not in ("", "none")
+        assert plan.run_id not in ("", "none")
 
     # N pods within the elastic range
     spec = workload["spec"]
@@ -387,8 +387,8 @@ def test_agent_command_line_parses_with_elastrun(
         "statefulset.yaml": lambda: spec["replicas"],
         "pytorchjob.yaml": lambda: spec["pytorchReplicaSpecs"]["Worker"]["replicas"],
     }[name]()
-    assert plan.config.min_nodes <= pods <= plan.config.max_nodes
-    assert plan.config.min_nodes < plan.config.max_nodes, "elastic: MIN < MAX"
+    assert plan.rendezvous.min_nodes <= pods <= plan.rendezvous.max_nodes
+    assert plan.rendezvous.min_nodes < plan.rendezvous.max_nodes, "elastic: MIN < MAX"
 
     # the etcd endpoints are the etcd StatefulSet's members, through its headless Service
     sts = etcd_statefulset()
@@ -400,7 +400,7 @@ def test_agent_command_line_parses_with_elastrun(
 
     # terminationGracePeriodSeconds outlasts the workers' SIGTERM -> SIGKILL grace
     grace = pod["terminationGracePeriodSeconds"]
-    assert grace > plan.config.shutdown_timeout + 10, (grace, plan.config.shutdown_timeout)
+    assert grace > plan.workers.shutdown_timeout + 10, (grace, plan.workers.shutdown_timeout)
 
     # the checkpoint dir is the emptyDir volume
     assert cmd.script == "examples/train.py"
@@ -480,9 +480,9 @@ def test_pytorchjob_rendezvous_comes_from_the_operators_pet_variables(
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(ROOT)
     plan, _ = parse(argv)
-    assert (plan.config.min_nodes, plan.config.max_nodes) == (2, 4)
-    assert plan.config.run_id == policy["rdzvId"]
-    assert plan.config.max_restarts == policy["maxRestarts"]
+    assert (plan.rendezvous.min_nodes, plan.rendezvous.max_nodes) == (2, 4)
+    assert plan.run_id == policy["rdzvId"]
+    assert plan.rendezvous.max_restarts == policy["maxRestarts"]
     assert plan.backend == "etcd"
     # Without the flag, PET_RDZV_ENDPOINT (rdzvHost:rdzvPort) is the endpoint.
     at = next(i for i, a in enumerate(argv) if a.startswith("--rdzv-endpoint="))

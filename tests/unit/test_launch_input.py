@@ -17,9 +17,10 @@ import pytest
 from elastrun.errors import ConfigError
 from elastrun.launcher import api, limits
 from elastrun.launcher.cli import parse
-from elastrun.launcher.config import LaunchConfig, parse_rdzv_conf
+from elastrun.launcher.config import LaunchConfig
 from elastrun.launcher.plan import resolve
-from elastrun.names import RUN_ID_MAX_LEN, check_run_id, path_component, run_id_problem
+from elastrun.launcher.rdzv_conf import RendezvousConf, parse_rdzv_conf
+from elastrun.names import RUN_ID_MAX_LEN, RunId, path_component, run_id_problem
 from elastrun.rendezvous.keys import Keys
 
 
@@ -76,7 +77,9 @@ BAD_IDS = [
 @pytest.mark.parametrize("run_id", GOOD_IDS)
 def test_good_job_ids(run_id):
     assert run_id_problem(run_id) is None
-    assert Keys(run_id).root == f"/elastrun/{run_id}/"
+    parsed = RunId.parse(run_id)
+    assert parsed == run_id and str(parsed) == run_id and RunId(parsed) is parsed
+    assert Keys(parsed).root == f"/elastrun/{run_id}/"
 
 
 @pytest.mark.parametrize(("run_id", "why"), BAD_IDS, ids=[repr(b[0])[:20] for b in BAD_IDS])
@@ -84,10 +87,11 @@ def test_bad_job_ids_are_refused_everywhere(run_id, why):
     problem = run_id_problem(run_id)
     assert problem is not None and why in problem
     with pytest.raises(ConfigError, match=r"^--rdzv-id: .*not a valid job id"):
-        check_run_id(run_id)
-    # The key layout itself refuses it: no key is ever built from it.
-    with pytest.raises(ConfigError, match="not a valid job id"):
-        Keys(run_id)
+        RunId.parse(run_id)
+    # No RunId holds it, and the key layout, the agent's folders and the event
+    # log take only a RunId: no key or path is ever built from it.
+    with pytest.raises(ConfigError, match=r"^run id: .*not a valid job id"):
+        RunId(run_id)
 
 
 @pytest.mark.parametrize("run_id", ["A/waiting", "../../x", "..", "a b"])
@@ -104,13 +108,13 @@ def test_bad_job_id_from_the_environment(script, monkeypatch):
 
 def test_empty_run_id_generates_one(script):
     plan, _ = parse(["--rdzv-backend=c10d", "--rdzv-id=", "train.py"])
-    assert plan.generated_run_id and run_id_problem(plan.config.run_id) is None
-    uuid.UUID(plan.config.run_id)
+    assert plan.generated_run_id and run_id_problem(plan.run_id) is None
+    uuid.UUID(plan.run_id)
     other, _ = parse(["--rdzv-backend=c10d", "--rdzv-id=", "train.py"])
-    assert other.config.run_id != plan.config.run_id
+    assert other.run_id != plan.run_id
     # torch's LaunchConfig default: run_id="" (an elastic 1:2 job, as upstream's tests)
     api_plan = resolve(LaunchConfig(min_nodes=1, max_nodes=2, run_id="", rdzv_backend="etcd"))
-    assert api_plan.generated_run_id and run_id_problem(api_plan.config.run_id) is None
+    assert api_plan.generated_run_id and run_id_problem(api_plan.run_id) is None
     # --standalone always generates its own: not reported as "generated from empty"
     assert not resolve(LaunchConfig(run_id="", standalone=True)).generated_run_id
 
@@ -220,8 +224,8 @@ def test_rdzv_conf_limits_are_in_range_at_the_edges():
         "lease_ttl=0.5,join_timeout=604800,last_call_timeout=0,close_timeout=3600,"
         "read_timeout=1,exit_barrier_timeout=0"
     )
-    assert conf["lease_ttl"] == 0.5 and conf["join_timeout"] == 604800
-    assert parse_rdzv_conf({"lease_ttl": 3600, "timeout": 5})["lease_ttl"] == 3600.0
+    assert conf.lease_ttl == 0.5 and conf.join_timeout == 604800
+    assert parse_rdzv_conf({"lease_ttl": 3600, "timeout": 5}).lease_ttl == 3600.0
     with pytest.raises(ConfigError, match="lease_ttl: expected a number"):
         parse_rdzv_conf({"lease_ttl": True})
 
@@ -232,19 +236,21 @@ def test_quoted_rdzv_conf_is_tolerated_as_torchrun_does(script):
     plan, _ = parse(
         ["--rdzv-conf='join_timeout=5,last_call_timeout=1,timeout=5'", "--nnodes=1", "train.py"]
     )
-    assert plan.conf["join_timeout"] == 5 and plan.conf["last_call_timeout"] == 1
-    assert plan.rendezvous_timeouts()["join_timeout"] == 5
+    assert plan.conf.join_timeout == 5 and plan.conf.last_call_timeout == 1
+    assert plan.rendezvous.join_timeout == 5 and plan.rendezvous.last_call_timeout == 1
     conf = parse_rdzv_conf("\"lease_ttl=3\" , 'token=s'")
-    assert conf == {"lease_ttl": 3.0, "token": "s"}
+    assert conf == RendezvousConf(lease_ttl=3.0, token="s")
     conf = parse_rdzv_conf("join_timeout='7',token=\"abc\"")
-    assert conf == {"join_timeout": 7.0, "token": "abc"}
+    assert conf == RendezvousConf(join_timeout=7.0, token="abc")
 
 
 def test_timeout_is_an_alias_of_join_timeout_which_wins(script):
     plan, _ = parse(["--rdzv-conf=timeout=9", "--nnodes=1", "train.py"])
-    assert plan.rendezvous_timeouts()["join_timeout"] == 9
+    assert plan.rendezvous.join_timeout == 9
     plan, _ = parse(["--rdzv-conf=timeout=9,join_timeout=4", "--nnodes=1", "train.py"])
-    assert plan.rendezvous_timeouts()["join_timeout"] == 4
+    assert plan.rendezvous.join_timeout == 4
+    plan, _ = parse(["--rdzv-conf=join_timeout=4,timeout=9", "--nnodes=1", "train.py"])
+    assert plan.rendezvous.join_timeout == 4
 
 
 def test_unknown_rdzv_conf_key_stays_an_error_listing_the_keys(script):

@@ -14,21 +14,17 @@ import sys
 
 import pytest
 
+from elastrun.agent.spec import DEFAULT_LOG_TEMPLATE, StartMethod, Std
 from elastrun.errors import ConfigError, RestartBudgetExhausted
 from elastrun.failure import FailureRecord
-from elastrun.launcher.cli import Command, parse, worker_argv
-from elastrun.launcher.config import (
-    LaunchConfig,
-    parse_endpoint,
-    parse_endpoints,
-    parse_nnodes,
-    parse_nproc,
-    parse_rdzv_conf,
-    parse_signals,
-    parse_std,
-)
+from elastrun.launcher.cli import parse
+from elastrun.launcher.command import Command, worker_argv
+from elastrun.launcher.config import LaunchConfig
+from elastrun.launcher.flag_values import parse_nnodes, parse_nproc, parse_signals, parse_std
 from elastrun.launcher.plan import resolve
-from elastrun.launcher.run import build_settings, build_spec, is_local_address
+from elastrun.launcher.rdzv_conf import RendezvousConf, parse_rdzv_conf
+from elastrun.launcher.run import is_local_address
+from elastrun.names import RunId
 from elastrun.rendezvous.api import RendezvousSettings
 from elastrun.rendezvous.static import StaticRendezvous
 
@@ -56,32 +52,34 @@ def run_parse(*flags: str, script: str = "train.py"):
 
 
 # --------------------------------------------------------------- both spellings
+# Each flag lands in the typed settings its reader receives: the agent's
+# (plan.workers), the rendezvous' (plan.rendezvous), or the plan's own.
 SPELLED = [
-    ("nproc-per-node", "3", lambda p, c: p.config.nproc_per_node == 3),
+    ("nproc-per-node", "3", lambda p, c: p.workers.nproc == p.rendezvous.nproc == 3),
     ("rdzv-backend", "c10d", lambda p, c: p.endpoints == (("localhost", 29400),)),
     ("rdzv-endpoint", "127.0.0.1:29999", lambda p, c: p.endpoints == (("127.0.0.1", 29999),)),
-    ("rdzv-id", "job7", lambda p, c: p.config.run_id == "job7"),
-    ("rdzv-conf", "join_timeout=5", lambda p, c: p.rendezvous_timeouts()["join_timeout"] == 5),
-    ("max-restarts", "4", lambda p, c: p.config.max_restarts == 4),
-    ("monitor-interval", "0.5", lambda p, c: p.config.monitor_interval == 0.5),
-    ("start-method", "fork", lambda p, c: p.config.start_method == "fork"),
-    ("node-rank", "1", lambda p, c: p.node_rank == 1),
-    ("master-addr", "10.1.2.3", lambda p, c: p.config.master_addr == "10.1.2.3"),
-    ("master-port", "29511", lambda p, c: p.config.master_port == 29511),
-    ("local-addr", "10.9.9.9", lambda p, c: p.config.local_addr == "10.9.9.9"),
-    ("log-dir", "/tmp/x", lambda p, c: p.config.log_dir == "/tmp/x"),
-    ("local-ranks-filter", "0,2", lambda p, c: p.config.local_ranks_filter == {0, 2}),
+    ("rdzv-id", "job7", lambda p, c: p.run_id == p.workers.run_id == "job7"),
+    ("rdzv-conf", "join_timeout=5", lambda p, c: p.rendezvous.join_timeout == 5),
+    ("max-restarts", "4", lambda p, c: p.rendezvous.max_restarts == 4),
+    ("monitor-interval", "0.5", lambda p, c: p.workers.monitor_interval == 0.5),
+    ("start-method", "fork", lambda p, c: p.workers.start_method is StartMethod.FORK),
+    ("node-rank", "1", lambda p, c: p.node_rank == p.rendezvous.node_rank_hint == 1),
+    ("master-addr", "10.1.2.3", lambda p, c: p.endpoints == (("10.1.2.3", 29500),)),
+    ("master-port", "29511", lambda p, c: p.endpoints == (("127.0.0.1", 29511),)),
+    ("local-addr", "10.9.9.9", lambda p, c: p.local_addr == "10.9.9.9"),
+    ("log-dir", "/tmp/x", lambda p, c: p.workers.log_dir == "/tmp/x"),
+    ("local-ranks-filter", "0,2", lambda p, c: p.workers.local_ranks_filter == {0, 2}),
     (
         "signals-to-handle",
         "SIGTERM,SIGUSR1",
-        lambda p, c: signal.SIGUSR1 in p.config.signals_to_handle,
+        lambda p, c: signal.SIGUSR1 in p.workers.signals_to_forward,
     ),
-    ("shutdown-timeout", "7", lambda p, c: p.config.shutdown_timeout == 7),
-    ("log-template", "[{rank}]", lambda p, c: p.config.log_template == "[{rank}]"),
-    ("events-file", "/tmp/ev.jsonl", lambda p, c: p.config.events_file == "/tmp/ev.jsonl"),
-    ("hang-timeout", "12", lambda p, c: p.config.hang_timeout == 12),
-    ("stack-signal", "SIGUSR2", lambda p, c: p.config.stack_signal == signal.SIGUSR2),
-    ("exit-barrier-timeout", "9", lambda p, c: p.exit_barrier_timeout == 9),
+    ("shutdown-timeout", "7", lambda p, c: p.workers.shutdown_timeout == 7),
+    ("log-template", "[{rank}]", lambda p, c: p.workers.log_template == "[{rank}]"),
+    ("events-file", "/tmp/ev.jsonl", lambda p, c: p.workers.events_file == "/tmp/ev.jsonl"),
+    ("hang-timeout", "12", lambda p, c: p.workers.hang_timeout == 12),
+    ("stack-signal", "SIGUSR2", lambda p, c: p.workers.stack_signal == signal.SIGUSR2),
+    ("exit-barrier-timeout", "9", lambda p, c: p.rendezvous.exit_barrier_timeout == 9),
 ]
 
 
@@ -121,30 +119,33 @@ def test_run_path_uses_runpy(script, flag):
 
 def test_flags_after_the_script_belong_to_the_script(script):
     plan, cmd = parse(["--nproc-per-node=2", script, "--nproc-per-node=5", "--lr", "0.1"])
-    assert plan.config.nproc_per_node == 2
+    assert plan.workers.nproc == 2
     assert cmd.args == ("--nproc-per-node=5", "--lr", "0.1")
     assert worker_argv(cmd) == (sys.executable, "-u", script, "--nproc-per-node=5", "--lr", "0.1")
+    assert plan.workers.argv == worker_argv(cmd)  # what the agent runs
 
 
 def test_redirects_and_tee_short_and_long(script):
     plan, _ = run_parse("-r", "3", "--tee=0:1,1:2")
-    assert plan.config.redirects == {-1: 3}
-    assert plan.config.tee == {0: 1, 1: 2}
+    assert plan.workers.redirects == {-1: Std.ALL}
+    assert plan.workers.tee == {0: Std.OUT, 1: Std.ERR}
     plan, _ = run_parse("--redirects", "0", "-t", "2")
-    assert plan.config.redirects == {} and plan.config.tee == {-1: 2}
+    assert plan.workers.redirects == {} and plan.workers.tee == {-1: Std.ERR}
 
 
 # --------------------------------------------------------------- defaults, PET_
 def test_defaults_follow_torchrun(script):
     plan, _ = run_parse()
-    cfg = plan.config
-    assert (cfg.min_nodes, cfg.max_nodes, cfg.nproc_per_node) == (1, 1, 1)
-    assert cfg.max_restarts == 0 and cfg.role == "default" and cfg.shutdown_timeout == 30
+    rdzv, spec = plan.rendezvous, plan.workers
+    assert (rdzv.min_nodes, rdzv.max_nodes, spec.nproc) == (1, 1, 1)
+    assert rdzv.max_restarts == 0 and spec.role == rdzv.role == "default"
+    assert spec.shutdown_timeout == 30
     # torchrun: a single-node static launch without a master port is standalone
     assert plan.standalone and plan.backend == "c10d" and plan.is_host is True
     assert plan.endpoints == (("127.0.0.1", 0),)
-    assert plan.exit_barrier_timeout == 300
-    assert [s.name for s in cfg.signals_to_handle] == ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"]
+    assert rdzv.exit_barrier_timeout == 300
+    assert [s.name for s in spec.signals_to_handle] == ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"]
+    assert spec.signals_to_forward == ()
 
 
 def test_standalone_generates_run_id_and_ignores_backend(script):
@@ -152,7 +153,8 @@ def test_standalone_generates_run_id_and_ignores_backend(script):
         "--standalone", "--rdzv-backend=etcd", "--rdzv-endpoint=x:1", "--rdzv-id=mine"
     )
     assert plan.backend == "c10d" and plan.endpoints == (("127.0.0.1", 0),)
-    assert plan.config.run_id != "mine" and len(plan.config.run_id) == 36
+    assert plan.run_id != "mine" and len(plan.run_id) == 36
+    assert plan.workers.run_id == plan.rendezvous.run_id == plan.run_id
 
 
 def test_pet_environment_defaults(script, monkeypatch):
@@ -163,13 +165,13 @@ def test_pet_environment_defaults(script, monkeypatch):
     monkeypatch.setenv("PET_MAX_RESTARTS", "2")
     monkeypatch.setenv("PET_TEE", "3")
     plan, _ = run_parse()
-    assert plan.config.nproc_per_node == 3
-    assert (plan.config.min_nodes, plan.config.max_nodes) == (1, 2)
+    assert plan.workers.nproc == 3
+    assert (plan.rendezvous.min_nodes, plan.rendezvous.max_nodes) == (1, 2)
     assert plan.endpoints == (("127.0.0.1", 29401),)
-    assert plan.config.max_restarts == 2 and plan.config.tee == {-1: 3}
+    assert plan.rendezvous.max_restarts == 2 and plan.workers.tee == {-1: Std.ALL}
     # the command line wins over the environment
     plan, _ = run_parse("--nproc_per_node=1", "--max-restarts=0")
-    assert plan.config.nproc_per_node == 1 and plan.config.max_restarts == 0
+    assert plan.workers.nproc == 1 and plan.rendezvous.max_restarts == 0
 
 
 def test_pet_boolean_flags(monkeypatch):
@@ -184,18 +186,21 @@ def test_pet_boolean_flags(monkeypatch):
 
 def test_torch_shutdown_timeout_env(script, monkeypatch):
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "4")
-    assert run_parse()[0].config.shutdown_timeout == 4
-    assert run_parse("--shutdown-timeout=2")[0].config.shutdown_timeout == 2
+    assert run_parse()[0].workers.shutdown_timeout == 4
+    assert run_parse("--shutdown-timeout=2")[0].workers.shutdown_timeout == 2
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "1e9")
+    with pytest.raises(ConfigError, match=r"^TORCH_ELASTIC_SHUTDOWN_TIMEOUT: must be"):
+        run_parse()
 
 
 def test_torch_log_prefix_template_env(script, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[${role_name}${rank}]:")
-    config = run_parse()[0].config
+    spec = run_parse()[0].workers
     # Kept as torch's template (printed as torchrun does), not turned into ours.
-    assert config.log_line_prefix_template == "[${role_name}${rank}]:"
-    assert config.log_template is None
-    config = run_parse("--log-template={host}")[0].config
-    assert config.log_template == "{host}"
+    assert spec.torch_log_template == "[${role_name}${rank}]:"
+    assert spec.log_template == DEFAULT_LOG_TEMPLATE
+    spec = run_parse("--log-template={host}")[0].workers
+    assert spec.log_template == "{host}" and spec.torch_log_template is None
 
 
 # --------------------------------------------------------------- static backend
@@ -304,13 +309,18 @@ def test_parse_nproc_cpu_auto_gpu(monkeypatch):
     assert parse_nproc(" 4 ") == 4
 
 
+def endpoints_of(backend: str, endpoint: str):
+    config = LaunchConfig(max_nodes=2, rdzv_backend=backend, rdzv_endpoint=endpoint)
+    return resolve(config).endpoints
+
+
 def test_parse_endpoint_forms():
-    assert parse_endpoint("node0", 29400) == ("node0", 29400)
-    assert parse_endpoint("node0:1", 29400) == ("node0", 1)
-    assert parse_endpoint("[::1]:5", 29400) == ("::1", 5)
-    assert parse_endpoint("[::1]", 29400) == ("::1", 29400)
-    assert parse_endpoint("fe80::1", 29400) == ("fe80::1", 29400)
-    assert parse_endpoints("http://a:1, https://b,c:3", 2379) == (
+    assert endpoints_of("c10d", "node0") == (("node0", 29400),)
+    assert endpoints_of("c10d", "node0:1") == (("node0", 1),)
+    assert endpoints_of("c10d", "[::1]:5") == (("::1", 5),)
+    assert endpoints_of("c10d", "[::1]") == (("::1", 29400),)
+    assert endpoints_of("c10d", "fe80::1") == (("fe80::1", 29400),)
+    assert endpoints_of("etcd", "http://a:1, https://b,c:3") == (
         ("a", 1),
         ("b", 2379),
         ("c", 3),
@@ -321,9 +331,10 @@ def test_parse_rdzv_conf_types_and_ignored_torch_keys():
     conf = parse_rdzv_conf(
         "join_timeout=5,last_call_timeout=0.5,is_host=true,token=t,use_libuv=1,key_prefix=/p"
     )
-    assert conf["join_timeout"] == 5.0 and conf["last_call_timeout"] == 0.5
-    assert conf["is_host"] is True and conf["token"] == "t" and conf["key_prefix"] == "/p"
-    assert parse_rdzv_conf({"is_host": 0, "timeout": 3})["is_host"] is False
+    assert conf == RendezvousConf(
+        join_timeout=5.0, last_call_timeout=0.5, is_host=True, token="t", key_prefix="/p"
+    )
+    assert parse_rdzv_conf({"is_host": 0, "timeout": 3}).is_host is False
 
 
 def test_parse_std_and_signals():
@@ -357,17 +368,15 @@ def test_token_file_is_read(tmp_path, script):
 )
 def test_stack_signal_forms(script, text, expect):
     plan, _ = run_parse(f"--stack-signal={text}")
-    assert plan.config.stack_signal == (None if expect is None else int(expect))
-    spec = build_spec(plan, ["python", "-u", script], "h")
-    assert spec.stack_signal == plan.config.stack_signal
+    assert plan.workers.stack_signal == (None if expect is None else int(expect))
 
 
 def test_stack_signal_default_and_environment(script, monkeypatch):
     plan, _ = run_parse()
-    assert plan.config.stack_signal == signal.SIGRTMIN + 5
+    assert plan.workers.stack_signal == signal.SIGRTMIN + 5
     monkeypatch.setenv("PET_STACK_SIGNAL", "SIGUSR1")
     plan, _ = run_parse()
-    assert plan.config.stack_signal == signal.SIGUSR1
+    assert plan.workers.stack_signal == signal.SIGUSR1
     with pytest.raises(ConfigError, match="--stack-signal: SIGINT cannot be used"):
         resolve(LaunchConfig(stack_signal=int(signal.SIGINT)))
 
@@ -417,15 +426,15 @@ def test_worker_spec_and_settings_from_flags(script):
         "--role=trainer",
         "--node-rank=2",
     )
-    spec = build_spec(plan, worker_argv(cmd), "hostA")
-    assert spec.nproc == 2 and spec.role == "trainer" and spec.host == "hostA"
+    spec = plan.workers
+    assert spec.nproc == 2 and spec.role == "trainer" and spec.argv == worker_argv(cmd)
     assert spec.signals_to_handle == (signal.SIGTERM,)
     assert spec.signals_to_forward == (signal.SIGUSR1,)
-    settings = build_settings(plan, "hostA", "10.0.0.1")
+    settings = plan.rendezvous
     assert (settings.min_nodes, settings.max_nodes, settings.nproc) == (1, 3, 2)
     assert (settings.join_timeout, settings.last_call_timeout, settings.close_timeout) == (7, 1, 2)
     assert settings.lease_ttl == 3 and settings.exit_barrier_timeout == 4
-    assert settings.node_rank_hint == 2 and settings.addr == "10.0.0.1"
+    assert settings.node_rank_hint == 2 and settings.role == "trainer"
 
 
 def test_is_local_address():
@@ -438,7 +447,13 @@ def test_is_local_address():
 # --------------------------------------------------------------- static rendezvous
 def test_static_rendezvous_fixed_world_and_local_restart_budget():
     settings = RendezvousSettings(
-        run_id="r", min_nodes=2, max_nodes=2, max_restarts=1, nproc=3, host="b", addr="10.0.0.2"
+        run_id=RunId("r"),
+        min_nodes=2,
+        max_nodes=2,
+        max_restarts=1,
+        nproc=3,
+        host="b",
+        addr="10.0.0.2",
     )
     rdzv = StaticRendezvous(settings, node_rank=1, master_addr="10.0.0.1", master_port=29500)
 
@@ -459,10 +474,10 @@ def test_static_rendezvous_fixed_world_and_local_restart_budget():
     asyncio.run(scenario())
 
 
-def test_static_rendezvous_rejects_bad_settings():
-    settings = RendezvousSettings(run_id="r", min_nodes=1, max_nodes=2)
-    with pytest.raises(ConfigError, match=r"^--nnodes"):
-        StaticRendezvous(settings, node_rank=0, master_addr="a", master_port=1)
+def test_the_static_backend_refuses_a_range_of_nodes():
+    config = LaunchConfig(min_nodes=1, max_nodes=2, rdzv_backend="static", node_rank=0)
+    with pytest.raises(ConfigError, match=r"^--nnodes: the static backend needs a fixed"):
+        resolve(config)
 
 
 def test_command_dataclass_defaults():
@@ -480,13 +495,13 @@ def test_command_dataclass_defaults():
     ],
 )
 def test_spares_only_for_python_commands(script, flags, prewarm):
-    plan, cmd = run_parse(*flags, script=script)
-    assert build_spec(plan, worker_argv(cmd), "hostA").prewarm is prewarm
+    plan, _ = run_parse(*flags, script=script)
+    assert plan.workers.prewarm is prewarm
 
 
 def test_no_python_programs_get_no_spare():
-    plan, cmd = parse(["--standalone", "--max-restarts=2", "--no-python", "true", "-u", "x"])
-    assert build_spec(plan, worker_argv(cmd), "hostA").prewarm is False
+    plan, _ = parse(["--standalone", "--max-restarts=2", "--no-python", "true", "-u", "x"])
+    assert plan.workers.prewarm is False
 
 
 @pytest.mark.parametrize(
@@ -506,6 +521,26 @@ def test_no_python_programs_get_no_spare():
 )  # fmt: skip
 def test_the_agent_is_told_whether_the_store_authenticates(script, flags, authenticated):
     # Only then does a warm interpreter import what another node's note names.
-    plan, command = run_parse(*flags)
-    spec = build_spec(plan, worker_argv(command), "h")
-    assert spec.store_authenticated is authenticated
+    plan, _ = run_parse(*flags)
+    assert plan.workers.store_authenticated is authenticated
+    assert plan.authenticated is authenticated
+
+
+@pytest.mark.parametrize(
+    ("name", "backend"),
+    [("tcp", "c10d"), (" C10D ", "c10d"), ("etcd-v2", "etcd"), ("etcd_v2", "etcd")],
+)
+def test_backend_aliases_are_one_backend(script, name, backend):
+    plan, _ = run_parse(f"--rdzv-backend={name}", "--rdzv-endpoint=h", "--nnodes=1:2")
+    assert plan.backend == backend and str(plan.backend) == backend
+
+
+@pytest.mark.parametrize(
+    ("env", "flag"),
+    [("PET_START_METHOD", "--start-method"), ("PET_PREWARM_MODULES", "--prewarm-modules")],
+)
+def test_choices_from_the_environment_are_checked_too(script, monkeypatch, env, flag):
+    # argparse checks the choices of a flag given, not of its PET_* default.
+    monkeypatch.setenv(env, "bogus")
+    with pytest.raises(ConfigError, match=f"^{flag}: must be .* got 'bogus'"):
+        run_parse()

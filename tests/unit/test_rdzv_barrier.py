@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from elastrun.clock import VirtualTimeLoop, run_virtual
+from elastrun.names import RunId
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.api import RendezvousSettings
 from elastrun.rendezvous.dynamic import DynamicRendezvous
@@ -73,7 +74,7 @@ async def form(store: MemoryStore, n: int) -> list[DynamicRendezvous]:
         DynamicRendezvous(
             store,
             RendezvousSettings(
-                run_id=run_id,
+                run_id=RunId(run_id),
                 min_nodes=n,
                 max_nodes=n,
                 lease_ttl=5.0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from elastrun.names import RunId
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import plan as P
 from elastrun.rendezvous.protocol import (
@@ -32,7 +33,7 @@ from elastrun.rendezvous.records import (
 )
 from elastrun.store.base import KeyValue, WatchEvent
 
-KEYS = K.Keys("job")
+KEYS = K.Keys(RunId("job"))
 OPEN, CLOSED = RoundState.OPEN, RoundState.CLOSED
 
 

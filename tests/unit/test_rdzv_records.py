@@ -15,6 +15,7 @@ import pytest
 
 from elastrun.errors import ProtocolError
 from elastrun.failure import FailureRecord
+from elastrun.names import RunId
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import rounds
 from elastrun.rendezvous.records import (
@@ -32,7 +33,7 @@ from elastrun.rendezvous.records import (
     WaitingRecord,
 )
 
-KEYS = K.Keys("job")
+KEYS = K.Keys(RunId("job"))
 FAILURE = FailureRecord(host="b", rank=1, exitcode=1, time=5.0, stderr_tail=("boom",))
 MEMBERS = (MemberRecord("a", "ha", "10.0.0.1", 2, 0), MemberRecord("b", "hb", "10.0.0.2", 1, 1))
 ROUND = RoundRecord(

@@ -20,6 +20,7 @@ import pytest
 from elastrun.errors import ConfigMismatch, RendezvousClosed, RestartBudgetExhausted
 from elastrun.events import EventSink
 from elastrun.failure import FailureRecord
+from elastrun.names import RunId
 from elastrun.rendezvous.api import RendezvousSettings
 from elastrun.rendezvous.dynamic import DynamicRendezvous
 from elastrun.rendezvous.records import AgreedSettings, ConfigRecord, RoundRecord, RoundState
@@ -107,7 +108,7 @@ def handler(
     h = DynamicRendezvous(
         store,
         RendezvousSettings(
-            run_id="J",
+            run_id=RunId("J"),
             min_nodes=1,
             max_nodes=max_nodes,
             max_restarts=max_restarts,

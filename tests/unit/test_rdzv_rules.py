@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from elastrun.errors import RendezvousClosed, RendezvousTimeout, RestartBudgetExhausted
+from elastrun.names import RunId
 from elastrun.rendezvous.rules import (
     EVENTS,
     RULES,
@@ -299,8 +300,8 @@ def test_close_timeout_is_per_node_not_agreed() -> None:
     from elastrun.rendezvous.records import ConfigRecord
     from elastrun.rendezvous.rounds import config_diff
 
-    a = RendezvousSettings(run_id="j", min_nodes=1, max_nodes=2, close_timeout=5.0)
-    b = RendezvousSettings(run_id="j", min_nodes=1, max_nodes=2, close_timeout=50.0)
+    a = RendezvousSettings(run_id=RunId("j"), min_nodes=1, max_nodes=2, close_timeout=5.0)
+    b = RendezvousSettings(run_id=RunId("j"), min_nodes=1, max_nodes=2, close_timeout=50.0)
     assert "close_timeout" not in a.agreed().to_json()
     assert config_diff("j", a.agreed(), b.agreed()) is None
     # A job record written with close_timeout in it (older nodes) still agrees.

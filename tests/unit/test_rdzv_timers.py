@@ -16,6 +16,7 @@ import pytest
 
 from elastrun.clock import Clock, VirtualTimeLoop, run_virtual
 from elastrun.errors import RendezvousTimeout
+from elastrun.names import RunId
 from elastrun.rendezvous.api import Change, RendezvousSettings, RoundResult
 from elastrun.rendezvous.dynamic import DynamicRendezvous
 from elastrun.store.memory import MemoryStore
@@ -37,7 +38,7 @@ def run(scenario: Callable[[], Awaitable[T]]) -> T:
 
 
 def handler(store: MemoryStore, run_id: str, name: str, **kw: Any) -> DynamicRendezvous:
-    settings = RendezvousSettings(run_id=run_id, host=f"h-{name}", addr="127.0.0.1", **kw)
+    settings = RendezvousSettings(run_id=RunId(run_id), host=f"h-{name}", addr="127.0.0.1", **kw)
     return DynamicRendezvous(store, settings, node_id=name, clock=clock())
 
 

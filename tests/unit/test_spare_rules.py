@@ -11,7 +11,7 @@ from elastrun.agent.spawn import (
     python_entry,
     runner_argv,
 )
-from elastrun.launcher.cli import RUN_PATH_CODE, Command, worker_argv
+from elastrun.launcher.command import RUN_PATH_CODE, Command, worker_argv
 
 
 def test_script_and_module_commands_split():

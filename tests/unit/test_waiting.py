@@ -8,6 +8,7 @@ import io
 from elastrun.agent.waiting import WaitingConsole, describe, format_duration
 from elastrun.clock import Clock, VirtualTimeLoop, run_virtual
 from elastrun.events import ListSink
+from elastrun.names import RunId
 from elastrun.rendezvous.api import RendezvousSettings, WaitingStatus
 from elastrun.rendezvous.plan import View
 from elastrun.rendezvous.progress import ProgressReporter, waiting_status
@@ -22,7 +23,9 @@ def loop_clock() -> Clock:
     return loop.clock
 
 
-S = RendezvousSettings(run_id="j", min_nodes=2, max_nodes=3, join_timeout=600, last_call_timeout=30)
+S = RendezvousSettings(
+    run_id=RunId("j"), min_nodes=2, max_nodes=3, join_timeout=600, last_call_timeout=30
+)
 
 
 def rules(state: State, **ctx: object) -> Rules:

@@ -37,7 +37,6 @@ from elastrun.agent.logs import (
     open_event_log,
     release_host_dir,
     temp_dir,
-    validate_template,
 )
 from elastrun.agent.modcache import ModuleCache, ModuleReport, cache_key, default_cache_dir
 from elastrun.agent.progress_faults import ProgressFaults
@@ -49,14 +48,12 @@ from elastrun.agent.waiting import WaitingConsole
 from elastrun.agent.workers import WorkerGroup
 from elastrun.clock import SYSTEM_CLOCK, Clock
 from elastrun.errors import (
-    ConfigError,
     ElastrunError,
     RendezvousClosed,
     RestartBudgetExhausted,
 )
 from elastrun.events import EventSink, JsonLinesSink, NullSink
 from elastrun.failure import FailureRecord
-from elastrun.names import check_run_id
 from elastrun.procs import say, signal_name
 from elastrun.rendezvous.api import Change, Rendezvous, RoundResult
 from elastrun.untrusted import printable
@@ -116,14 +113,7 @@ class Agent:
         events: EventSink | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
-        if spec.nproc < 1:
-            raise ConfigError(f"--nproc-per-node must be at least 1, got {spec.nproc}")
-        if not spec.argv:
-            raise ConfigError("nothing to run: the worker command line is empty")
-        if spec.shutdown_timeout < 0:
-            raise ConfigError(f"shutdown timeout must be >= 0, got {spec.shutdown_timeout}")
-        check_run_id(spec.run_id, "run id")  # a folder name under --log-dir
-        validate_template(spec.log_template)
+        # ``spec`` comes checked from the launcher's plan (launcher/plan.py).
         self.spec = spec
         self.rendezvous = rendezvous
         self.clock = clock

@@ -49,14 +49,14 @@ import re
 import string
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, TextIO, TypeGuard
 
 from elastrun.agent.spec import Std, WorkerSpec
 from elastrun.errors import ConfigError, WorkerError
 from elastrun.events import EventSink, JsonLinesSink
-from elastrun.names import check_run_id, path_component
+from elastrun.names import RunId, path_component
 from elastrun.procs import pid_alive, say
 from elastrun.safefs import (
     UnsafePath,
@@ -99,7 +99,7 @@ MAX_PID_FILE_BYTES = 64
 FILE_MODE = 0o666  # as open() makes files (less the umask); their folders are private
 
 
-def std_flags(mapping: dict[int, int], local_rank: int) -> int:
+def std_flags(mapping: Mapping[int, Std], local_rank: int) -> Std:
     """Std flags for one local rank (a key of -1 applies to every rank)."""
     if local_rank in mapping:
         return mapping[local_rank]
@@ -134,14 +134,19 @@ def format_prefix(template: str, **fields: object) -> str:
     return template.format(**fields)
 
 
+TEMPLATE_FIELDS = ("host", "rank", "local_rank", "role", "group_rank", "restart")
+
+
 def validate_template(template: str) -> None:
+    """``--log-template``: a template :func:`format_prefix` can fill (checked
+    by the launcher, once). Raises ConfigError naming the flag and the fields."""
     try:
         format_prefix(template, host="h", rank=0, local_rank=0, role="r", group_rank=0, restart=0)
     except (KeyError, IndexError, ValueError) as e:
         raise ConfigError(
-            f"bad log line prefix template {template!r}: {e!r}; fields are "
-            "{host} {rank} {local_rank} {role} {group_rank} {restart}"
-        ) from e
+            f"--log-template: {template!r} is not a valid template ({e}); fields: "
+            + ", ".join("{" + k + "}" for k in TEMPLATE_FIELDS)
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -450,14 +455,14 @@ def open_event_log(path: str, flag: str, **common: Any) -> JsonLinesSink:
         raise ConfigError(f"cannot open the event log {path}: {e.strerror or e}") from None
 
 
-def run_dir(log_dir: str, run_id: str) -> str:
+def run_dir(log_dir: str, run_id: RunId) -> str:
     """``{log_dir}/{run_id}`` (absolute), made private when missing.
     ``log_dir`` is created when missing (as given: its links are the user's
     choice) and must not be writable by others unless sticky. Raises
     ConfigError for a refused folder, OSError when it cannot be made."""
     log_dir = os.path.abspath(log_dir)
     os.makedirs(log_dir, exist_ok=True)
-    return _private(os.path.join(log_dir, check_run_id(run_id, "run id")), log_dir)
+    return _private(os.path.join(log_dir, run_id), log_dir)
 
 
 def rank_dir(attempt_dir: str, local_rank: int) -> str:
@@ -473,13 +478,13 @@ def rank_dir(attempt_dir: str, local_rank: int) -> str:
         raise
 
 
-def temp_dir(run_id: str) -> str:
+def temp_dir(run_id: RunId) -> str:
     """A fresh temporary folder for one agent's attempts (error files, logs):
     random, mode 0700, in a temporary folder others cannot rearrange."""
     parent = tempfile.gettempdir()
     try:
         check_parent(parent)
-        return tempfile.mkdtemp(prefix=f"elastrun-{check_run_id(run_id, 'run id')}-", dir=parent)
+        return tempfile.mkdtemp(prefix=f"elastrun-{run_id}-", dir=parent)
     except UnsafePath as e:
         raise WorkerError(
             f"cannot keep the workers' error files in {e.path}: it {e.problem}; "
@@ -491,7 +496,7 @@ def temp_dir(run_id: str) -> str:
         ) from None
 
 
-def claim_host_dir(log_dir: str, run_id: str, host: str) -> tuple[str, str | None]:
+def claim_host_dir(log_dir: str, run_id: RunId, host: str) -> tuple[str, str | None]:
     """``{log_dir}/{run_id}/{host}``: one folder per node, so nodes sharing a
     file system never write the same file. A second live agent of the same run
     on the same host (tests; one agent per GPU set) gets ``{host}.1``, ...

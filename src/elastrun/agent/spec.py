@@ -10,10 +10,21 @@ The agent never imports torch.
 
 from __future__ import annotations
 
+import enum
 import signal
 from dataclasses import dataclass, field
 
-__all__ = ["DEFAULT_LOG_TEMPLATE", "LOCAL_RANK_MACRO", "Std", "WorkerSpec", "argv_for"]
+from elastrun.names import RunId
+
+__all__ = [
+    "DEFAULT_LOG_TEMPLATE",
+    "LOCAL_RANK_MACRO",
+    "PrewarmModules",
+    "StartMethod",
+    "Std",
+    "WorkerSpec",
+    "argv_for",
+]
 
 # Console prefix of each worker line. Fields: host, rank (global), local_rank,
 # role, group_rank, restart (attempt number).
@@ -32,7 +43,7 @@ def argv_for(argv: tuple[str, ...] | list[str], local_rank: int) -> list[str]:
     return [a.replace(LOCAL_RANK_MACRO, str(local_rank)) for a in argv]
 
 
-class Std:
+class Std(enum.IntFlag):
     """Bit flags for --redirects / --tee, as torchrun: 0 none, 1 out, 2 err, 3 both."""
 
     NONE = 0
@@ -41,12 +52,30 @@ class Std:
     ALL = 3
 
 
+class StartMethod(enum.StrEnum):
+    """``--start-method``: accepted for compatibility; workers are always exec'd."""
+
+    SPAWN = "spawn"
+    FORK = "fork"
+    FORKSERVER = "forkserver"
+
+
+class PrewarmModules(enum.StrEnum):
+    """``--prewarm-modules``: what the warm interpreter imports ahead of time."""
+
+    # torch and the standard-library and installed-package modules the script
+    # imported when it last ran
+    INSTALLED = "installed"
+    ALL = "all"  # those and the script's own modules (never the script itself)
+    TORCH = "torch"  # torch alone, no cache
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     # What each worker runs: the full argv (e.g. [sys.executable, "-u", "train.py", ...]).
     argv: tuple[str, ...]
     nproc: int
-    run_id: str
+    run_id: RunId
     role: str = "default"
     host: str = ""
     # Extra environment for every worker (on top of os.environ and the
@@ -54,8 +83,8 @@ class WorkerSpec:
     env: dict[str, str] = field(default_factory=dict)
     log_dir: str | None = None  # one folder per attempt and per rank, kept
     # local_rank -> Std flags; a key of -1 applies to every local rank.
-    redirects: dict[int, int] = field(default_factory=dict)
-    tee: dict[int, int] = field(default_factory=dict)
+    redirects: dict[int, Std] = field(default_factory=dict)
+    tee: dict[int, Std] = field(default_factory=dict)
     local_ranks_filter: frozenset[int] | None = None  # None: show every local rank
     log_template: str = DEFAULT_LOG_TEMPLATE
     # torch's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (``${rank}``, ``${local_rank}``,
@@ -74,7 +103,7 @@ class WorkerSpec:
     # stopping anything (e.g. SIGUSR1 for a "checkpoint now" before preemption).
     signals_to_forward: tuple[signal.Signals, ...] = ()
     monitor_interval: float = 0.1  # accepted for compatibility; exits are event-driven
-    start_method: str = "spawn"  # accepted for compatibility; workers are always exec'd
+    start_method: StartMethod = StartMethod.SPAWN  # accepted for compatibility
     # Progress watchdog (agent/watchdog.py): a fixed timeout, or with
     # hang_auto the floor of each rank's calibrated one.
     hang_timeout: float | None = None
@@ -86,11 +115,8 @@ class WorkerSpec:
     # Fork workers from a warm interpreter (agent/spares.py). The launcher sets
     # it for the Python commands it builds (a script or -m module).
     prewarm: bool = False
-    # What the warm interpreter imports ahead of time: "installed" (torch and
-    # the standard-library and installed-package modules the script imported
-    # when it last ran), "all" (its own modules too, never the script) or
-    # "torch" (torch alone, no cache).
-    prewarm_modules: str = "installed"
+    # What the warm interpreter imports ahead of time.
+    prewarm_modules: PrewarmModules = PrewarmModules.INSTALLED
     # Where the module lists are kept across runs (agent/modcache.py); None:
     # the default folder.
     prewarm_cache: str | None = None

@@ -23,11 +23,13 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastrun.errors import ConfigError, WorkerError
 from elastrun.launcher.config import LaunchConfig
-from elastrun.launcher.plan import Plan, resolve
+
+if TYPE_CHECKING:  # imported when launching: ``import elastrun`` stays light
+    from elastrun.launcher.plan import Plan
 
 __all__ = ["LaunchConfig", "launch"]
 
@@ -63,13 +65,17 @@ _FIELD_OF_FLAG = {
     "--stack-signal": "stack_signal",
     "--exit-barrier-timeout": "exit_barrier_timeout",
     "--role": "role",
+    "--prewarm-modules": "prewarm_modules",
+    "--warm-join-timeout": "warm_join_timeout",
 }
 
 
-def _resolve(config: LaunchConfig) -> Plan:
+def _resolve(config: LaunchConfig, argv: Sequence[str]) -> Plan:
     """plan.resolve, with errors naming the LaunchConfig field, not the flag."""
+    from elastrun.launcher.plan import resolve
+
     try:
-        return resolve(config)
+        return resolve(config, argv)
     except ConfigError as exc:
         message = str(exc)
         flag, sep, rest = message.partition(": ")
@@ -154,7 +160,7 @@ def launch(
         argv = _command_argv(entrypoint, args)
         if not entrypoint.endswith(".py"):
             config = dataclasses.replace(config, prewarm=False)  # a program, not Python
-        return run_plan(_resolve(config), argv)
+        return run_plan(_resolve(config, argv))
     if not callable(entrypoint):
         raise ConfigError(f"launch(): entrypoint must be a str or a function, got {entrypoint!r}")
     import tempfile
@@ -175,10 +181,9 @@ def launch(
         with open(spec_path, "w", encoding="utf-8") as f:
             json.dump(spec, f)
         env = {**config.env, FN_WORKER_ENV: "1"}
-        plan = _resolve(dataclasses.replace(config, env=env))
         python = os.environ.get("PYTHON_EXEC", sys.executable)
         argv = [python, "-u", "-m", "elastrun.worker._fn_runner", spec_path]
-        code = run_plan(plan, argv)
+        code = run_plan(_resolve(dataclasses.replace(config, env=env), argv))
         if code != 0:
             raise WorkerError(
                 f"launch(): the workers of {spec['qualname']} failed (agent exit code {code}); "

@@ -22,7 +22,6 @@ declare both, and argument parsers built from a ``local_rank`` field).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -30,57 +29,15 @@ from collections.abc import Sequence
 
 from elastrun.agent.spec import LOCAL_RANK_MACRO
 from elastrun.errors import ConfigError
-from elastrun.launcher.cli import (
-    Command,
-    build_parser,
-    config_from_args,
-    execute,
-    parse_namespace,
-    usage_error,
-)
+from elastrun.launcher.cli import execute, usage_error
+from elastrun.launcher.command import Command, worker_argv
+from elastrun.launcher.flags import LEGACY_USAGE, LocalRankStyle, parse_flags
 from elastrun.launcher.plan import Plan, resolve
 
-__all__ = ["STYLES", "build_legacy_parser", "local_rank_flag", "main", "parse_legacy"]
+__all__ = ["STYLES", "local_rank_flag", "main", "parse_legacy"]
 
-USAGE = "python -m elastrun.launch [flags] script [script args...]"
-STYLES = {"underscore": "--local_rank", "dash": "--local-rank"}
+STYLES = {LocalRankStyle.UNDERSCORE: "--local_rank", LocalRankStyle.DASH: "--local-rank"}
 MAX_SOURCE_BYTES = 4 << 20  # a script larger than this is read only this far
-
-
-def build_legacy_parser() -> argparse.ArgumentParser:
-    """elastrun's parser, plus torch.distributed.launch's flags."""
-    p = build_parser()
-    p.prog = "python -m elastrun.launch"
-    p.usage = USAGE
-    p.description = (
-        "torch.distributed.launch's command line, run by elastrun: every elastrun (torchrun) "
-        "flag, and each worker gets its local rank as an argument (--local_rank=N or "
-        "--local-rank=N) unless --use-env is given. Scripts that read LOCAL_RANK from the "
-        "environment can use the 'elastrun' command instead (see docs/migration.md)."
-    )
-    p.epilog = (
-        "examples:\n"
-        "  python -m elastrun.launch --nproc_per_node=2 train.py --epochs 3\n"
-        "  python -m elastrun.launch --nnodes=2 --node_rank=0 --nproc_per_node=8 \\\n"
-        "      --master_addr=10.0.0.1 --master_port=29500 train.py"
-    )
-    g = p.add_argument_group("torch.distributed.launch")
-    g.add_argument(
-        "--use-env",
-        "--use_env",
-        action="store_true",
-        help="pass no local rank argument: workers read LOCAL_RANK (always set)",
-    )
-    g.add_argument(
-        "--local-rank-style",
-        "--local_rank_style",
-        choices=["auto", *STYLES],
-        default="auto",
-        help="the argument's spelling: underscore (--local_rank=N, torch 1.x), dash "
-        "(--local-rank=N, torch 2.x), or auto: dash when the script's source names "
-        "--local-rank and never --local_rank, else underscore (default: auto)",
-    )
-    return p
 
 
 def _source_file(cmd: Command) -> str | None:
@@ -97,47 +54,48 @@ def _source_file(cmd: Command) -> str | None:
     return None
 
 
-def local_rank_flag(cmd: Command, style: str = "auto") -> str:
+def local_rank_flag(cmd: Command, style: LocalRankStyle = LocalRankStyle.AUTO) -> str:
     """The local rank argument's name for ``cmd`` (see the module doc)."""
     if style in STYLES:
         return STYLES[style]
     path = _source_file(cmd)
     if path is None:
-        return STYLES["underscore"]
+        return STYLES[LocalRankStyle.UNDERSCORE]
     try:
         with open(path, "rb") as fp:
             source = fp.read(MAX_SOURCE_BYTES)
     except OSError:
-        return STYLES["underscore"]
+        return STYLES[LocalRankStyle.UNDERSCORE]
     if b"--local-rank" in source and b"--local_rank" not in source:
-        return STYLES["dash"]
-    return STYLES["underscore"]
+        return STYLES[LocalRankStyle.DASH]
+    return STYLES[LocalRankStyle.UNDERSCORE]
 
 
 def parse_legacy(argv: Sequence[str]) -> tuple[Plan, Command, str | None]:
     """Flags -> (Plan, Command with the local rank argument, its name or None
     with --use-env). Raises ConfigError naming the flag."""
-    ns = parse_namespace(build_legacy_parser(), argv)
-    config, cmd = config_from_args(ns)
+    flags = parse_flags(argv, legacy=True)
+    cmd, legacy = flags.command, flags.legacy
+    assert legacy is not None
     flag: str | None = None
-    if not ns.use_env:
-        if ns.no_python and not ns.run_path:
+    if not legacy.use_env:
+        if cmd.no_python and not cmd.run_path:
             raise ConfigError(
                 "--no-python: needs --use-env (as with torch.distributed.launch): a program "
                 "reads its local rank from LOCAL_RANK, not from a --local-rank argument"
             )
-        flag = local_rank_flag(cmd, ns.local_rank_style)
+        flag = local_rank_flag(cmd, legacy.local_rank_style)
         cmd = dataclasses.replace(cmd, args=(f"{flag}={LOCAL_RANK_MACRO}", *cmd.args))
-    return resolve(config), cmd, flag
+    return resolve(flags.config, worker_argv(cmd)), cmd, flag
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``python -m elastrun.launch [flags] script [args]``; returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        plan, cmd, flag = parse_legacy(args)
+        plan, _, flag = parse_legacy(args)
     except ConfigError as exc:
-        return usage_error(exc, USAGE)
+        return usage_error(exc, LEGACY_USAGE)
     except SystemExit as exc:  # --help, --version
         return exc.code if isinstance(exc.code, int) else 0
     if flag is not None:
@@ -147,4 +105,4 @@ def main(argv: Sequence[str] | None = None) -> int:
             "under 'elastrun' without it (see docs/migration.md)\n"
         )
         sys.stderr.flush()
-    return execute(plan, cmd)
+    return execute(plan)

@@ -2,12 +2,13 @@
 
 Every number a user gives (flags, ``PET_*`` variables, ``--rdzv-conf``
 values, :class:`~elastrun.launcher.config.LaunchConfig` fields) is checked
-here at parse time, before anything starts, against a range stated in the
-error: ``--rdzv-conf: lease_ttl: must be >= 0.5 and <= 3600 seconds, got
-'1e9'``. Numbers are ASCII only: Python's ``int()`` and ``float()`` accept
-any Unicode digit (fullwidth, Arabic-Indic, ...), ``'1_000'``, ``'nan'`` and
-``'inf'``; these parsers accept ``[+-]digits`` and decimal/exponent forms
-of ASCII digits, nothing else.
+against a range stated in the error, once, before anything starts
+(:meth:`LaunchConfig.check <elastrun.launcher.config.LaunchConfig.check>`,
+:mod:`elastrun.launcher.rdzv_conf`): ``--rdzv-conf: lease_ttl: must be >= 0.5
+and <= 3600 seconds, got '1e9'``. Numbers are ASCII only: Python's ``int()``
+and ``float()`` accept any Unicode digit (fullwidth, Arabic-Indic, ...),
+``'1_000'``, ``'nan'`` and ``'inf'``; these parsers accept ``[+-]digits`` and
+decimal/exponent forms of ASCII digits, nothing else.
 
 The number of workers per node is bounded twice: by a fixed limit
 (:data:`MAX_NPROC_PER_NODE`) and by what this machine lets one agent hold
@@ -35,7 +36,7 @@ __all__ = [
     "check_seconds",
     "machine_nproc_limit",
     "parse_ascii_int",
-    "parse_int",
+    "parse_decimal",
     "parse_seconds",
     "worker_cost",
 ]
@@ -118,12 +119,6 @@ def parse_ascii_int(name: str, text: str) -> int:
     return int(raw)
 
 
-def parse_int(name: str, text: str, lo: int, hi: int, why_hi: str = "") -> int:
-    """ASCII ``[+-]digits`` in ``lo..hi``; else ConfigError ``{name}: ...``
-    stating the range."""
-    return check_int(name, parse_ascii_int(name, text), lo, hi, why_hi)
-
-
 def check_int(name: str, value: object, lo: int, hi: int, why_hi: str = "") -> int:
     """An int (not a bool) in ``lo..hi``; else ConfigError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -136,9 +131,9 @@ def check_int(name: str, value: object, lo: int, hi: int, why_hi: str = "") -> i
     return value
 
 
-def parse_seconds(name: str, text: str, rng: Range) -> float:
-    """ASCII decimal seconds (``30``, ``2.5``, ``1e3``) in ``rng``; no
-    ``nan``/``inf``, no Unicode digits."""
+def parse_decimal(name: str, text: str) -> float:
+    """ASCII decimal seconds (``30``, ``2.5``, ``1e3``): the number's form
+    only (no ``nan``/``inf``, no Unicode digits); its range is checked apart."""
     raw = str(text).strip()
     if len(raw) > MAX_NUMBER_TEXT or _FLOAT.fullmatch(raw) is None:
         shown = raw if len(raw) <= MAX_NUMBER_TEXT else raw[:MAX_NUMBER_TEXT] + "..."
@@ -146,7 +141,12 @@ def parse_seconds(name: str, text: str, rng: Range) -> float:
             f"{name}: expected a finite number of seconds in ASCII digits (e.g. 30 or 2.5), "
             f"got {shown!r}"
         )
-    return check_seconds(name, float(raw), rng, shown=raw)
+    return float(raw)
+
+
+def parse_seconds(name: str, text: str, rng: Range) -> float:
+    """ASCII decimal seconds (:func:`parse_decimal`) in ``rng``."""
+    return check_seconds(name, parse_decimal(name, text), rng, shown=str(text).strip())
 
 
 def check_seconds(name: str, value: object, rng: Range, shown: str | None = None) -> float:
@@ -154,7 +154,7 @@ def check_seconds(name: str, value: object, rng: Range, shown: str | None = None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name}: expected a number of seconds, got {value!r}")
     number = float(value)
-    what = repr(shown) if shown is not None else f"{value!r}"
+    what = repr(shown) if shown is not None else f"{number:g}"
     if not math.isfinite(number) or number not in rng:
         why = ""
         if math.isfinite(number) and 0 < number < rng.lo == MIN_TIMEOUT:

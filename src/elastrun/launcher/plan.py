@@ -1,20 +1,29 @@
-"""From a LaunchConfig to a Plan: the backend, endpoints and settings to use.
+"""From a LaunchConfig to a Plan: every setting of this node's launch, typed.
 
-Applies torchrun's defaulting rules (``--standalone``; the default ``static``
-backend on a single node becomes a standalone embedded store; an empty run id
-becomes a generated one), reads the store's token (``--rdzv-conf token`` or
-``token_file``, else the environment: :mod:`elastrun.store.token`), and checks
-cross-flag rules. No sockets, no processes.
+:func:`resolve` is the one step between what a user gave (flags, or the
+Python API's :class:`~elastrun.launcher.config.LaunchConfig`) and what the
+parts receive: it checks each field once, parses the others into their value
+types, applies torchrun's defaulting rules (``--standalone``; the default
+``static`` backend on a single node becomes a standalone embedded store; an
+empty run id becomes a generated one), reads the store's token
+(``--rdzv-conf token`` or ``token_file``, else the environment:
+:mod:`elastrun.store.token`), checks the cross-flag rules, and builds the
+settings the agent (:class:`~elastrun.agent.spec.WorkerSpec`) and the
+rendezvous (:class:`~elastrun.rendezvous.api.RendezvousSettings`) receive.
+They are passed on whole: nothing downstream checks them again. Only what
+the run learns (this host's name, the address that routes to the store) is
+added by :mod:`elastrun.launcher.run`. No sockets, no processes.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import enum
 import os
-import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from elastrun.agent.logs import validate_template
+from elastrun.agent.spec import DEFAULT_LOG_TEMPLATE, PrewarmModules, StartMethod, Std, WorkerSpec
 from elastrun.endpoint import Endpoint, parse_endpoint_list
 from elastrun.errors import ConfigError
 from elastrun.launcher.config import (
@@ -22,34 +31,67 @@ from elastrun.launcher.config import (
     DEFAULT_ETCD_PORT,
     DEFAULT_MASTER_PORT,
     LaunchConfig,
-    parse_rdzv_conf,
+    parse_choice,
 )
+from elastrun.launcher.rdzv_conf import RendezvousConf, parse_rdzv_conf
+from elastrun.names import RunId
+from elastrun.rendezvous.api import RendezvousSettings
 from elastrun.store.token import store_token
 
-__all__ = ["BACKENDS", "Plan", "resolve"]
+__all__ = ["Backend", "Plan", "resolve"]
 
-# --rdzv-backend name -> our implementation
-BACKENDS = {
-    "c10d": "c10d",
-    "tcp": "c10d",
-    "etcd": "etcd",
-    "etcd-v2": "etcd",
-    "etcd_v2": "etcd",
-    "static": "static",
+DEFAULT_WARM_JOIN_TIMEOUT = 60.0
+# The signals that stop the workers; the others handled are forwarded to them.
+STOP_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"})
+
+
+class Backend(enum.StrEnum):
+    """``--rdzv-backend``: which rendezvous (and store) a job uses."""
+
+    C10D = "c10d"  # the embedded store (also "tcp")
+    ETCD = "etcd"  # etcd v3 (also "etcd-v2", served by the same backend)
+    STATIC = "static"  # a fixed world, no store
+
+    @classmethod
+    def parse(cls, name: object) -> Backend:
+        """A backend or its name, any case, torchrun's aliases included."""
+        if isinstance(name, Backend):
+            return name
+        backend = _BACKEND_NAMES.get(str(name).strip().lower())
+        if backend is None:
+            raise ConfigError(
+                f"--rdzv-backend: unknown backend {name!r}; choose one of "
+                "c10d (also tcp), etcd (also etcd-v2), static"
+            )
+        return backend
+
+
+_BACKEND_NAMES = {
+    "c10d": Backend.C10D,
+    "tcp": Backend.C10D,
+    "etcd": Backend.ETCD,
+    "etcd-v2": Backend.ETCD,
+    "etcd_v2": Backend.ETCD,
+    "static": Backend.STATIC,
 }
-DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
 
 
 @dataclass(frozen=True)
 class Plan:
-    config: LaunchConfig  # after defaulting (run_id, backend, endpoint filled in)
-    backend: str  # "c10d" | "etcd" | "static"
+    """This node's launch, resolved: what :mod:`elastrun.launcher.run` wires up."""
+
+    run_id: RunId
+    backend: Backend
     endpoints: tuple[Endpoint, ...]  # c10d: one; etcd: one or more; static: master
-    conf: dict[str, Any]  # typed --rdzv-conf
+    conf: RendezvousConf  # after defaulting (is_host, protocol)
     standalone: bool
     node_rank: int | None
-    exit_barrier_timeout: float
     token: str | None
+    # What the agent runs and how: complete but for this host's name (the run's).
+    workers: WorkerSpec
+    # The rendezvous' settings: complete but for this host's name and address.
+    rendezvous: RendezvousSettings
+    local_addr: str | None = None  # --local-addr
     # The run id was empty ("" asks for one, as torch's launcher) and was
     # generated here: other nodes cannot know it unless told.
     generated_run_id: bool = False
@@ -57,33 +99,26 @@ class Plan:
 
     @property
     def authenticated(self) -> bool:
-        """Whether a stranger who reaches the job's store is refused: the
-        embedded store with a token, or etcd with a user or a client
-        certificate (etcd's own authentication). The static backend has no
-        store (False)."""
-        if self.backend == "c10d":
-            return bool(self.token)
-        if self.backend == "etcd":
-            return bool(self.conf.get("user") or self.conf.get("cert"))
-        return False
+        """Whether a stranger who reaches the job's store is refused (see
+        :func:`refuses_strangers`); the agent has it as
+        ``WorkerSpec.store_authenticated``."""
+        return self.workers.store_authenticated
 
     @property
     def is_host(self) -> bool | None:
         """--rdzv-conf is_host (None: decide by address)."""
-        value = self.conf.get("is_host")
-        return None if value is None else bool(value)
+        return self.conf.is_host
 
-    def rendezvous_timeouts(self) -> dict[str, float]:
-        """The --rdzv-conf timeouts RendezvousSettings takes (only those given)."""
-        out: dict[str, float] = {}
-        join = self.conf.get("join_timeout", self.conf.get("timeout"))
-        if join is not None:
-            out["join_timeout"] = float(join)
-        for key in ("last_call_timeout", "close_timeout", "lease_ttl"):
-            if key in self.conf:
-                out[key] = float(self.conf[key])
-        out["exit_barrier_timeout"] = self.exit_barrier_timeout
-        return out
+
+def refuses_strangers(backend: Backend, token: str | None, conf: RendezvousConf) -> bool:
+    """Whether a stranger who reaches the job's store is refused: the
+    embedded store with a token, or etcd with a user or a client certificate
+    (etcd's own authentication). The static backend has no store (False)."""
+    if backend is Backend.C10D:
+        return bool(token)
+    if backend is Backend.ETCD:
+        return bool(conf.user or conf.cert)
+    return False
 
 
 def check_writable_dir(flag: str, path: str) -> None:
@@ -104,20 +139,60 @@ def check_writable_dir(flag: str, path: str) -> None:
         )
 
 
-def resolve(config: LaunchConfig) -> Plan:
-    """Validate ``config`` and work out the backend to use. Raises ConfigError."""
-    config.validate()
-    conf = parse_rdzv_conf(config.rdzv_configs)
-    backend = _backend(config.rdzv_backend)
+@dataclass(frozen=True)
+class _Where:
+    """Which backend, where, and this node's rank: resolved from the flags."""
+
+    backend: Backend
+    endpoints: tuple[Endpoint, ...]
+    conf: RendezvousConf
+    standalone: bool
+    node_rank: int | None
+
+
+def resolve(config: LaunchConfig, argv: Sequence[str] = ()) -> Plan:
+    """Check ``config`` and work out this node's launch of ``argv`` (each
+    worker's command line). Raises ConfigError naming the flag."""
+    config.check()
+    generated = config.run_id == ""
+    # As torch's launcher: an empty run id is a generated one. Only this
+    # node knows it, so other nodes can join only if started with it (the
+    # launcher says so when the job may have more than one node).
+    run_id = RunId.generate() if generated else RunId.parse(config.run_id, "--rdzv-id")
+    where = _where(config, parse_rdzv_conf(config.rdzv_configs))
+    if where.standalone:
+        run_id = RunId.generate()
+    # The environment's token is the embedded store's (etcd has user/password).
+    token = store_token(
+        where.conf.token,
+        where.conf.token_file,
+        None if where.backend is Backend.C10D else {},
+    )
+    if config.log_dir:
+        check_writable_dir("--log-dir", config.log_dir)
+    authenticated = refuses_strangers(where.backend, token.token, where.conf)
+    return Plan(
+        run_id=run_id,
+        backend=where.backend,
+        endpoints=where.endpoints,
+        conf=where.conf,
+        standalone=where.standalone,
+        node_rank=where.node_rank,
+        token=token.token,
+        workers=_worker_spec(config, run_id, argv, authenticated),
+        rendezvous=_rendezvous_settings(config, run_id, where),
+        local_addr=config.local_addr,
+        generated_run_id=generated and not where.standalone,
+        token_source=token.source,
+    )
+
+
+def _where(config: LaunchConfig, conf: RendezvousConf) -> _Where:
+    """The backend, its endpoints and this node's rank, by torchrun's rules."""
+    backend = Backend.parse(config.rdzv_backend)
     endpoint = config.rdzv_endpoint.strip()
-    run_id, generated = config.run_id, False
-    if not run_id:
-        # As torch's launcher: an empty run id is a generated one. Only this
-        # node knows it, so other nodes can join only if started with it
-        # (the launcher says so when the job may have more than one node).
-        run_id, generated = str(uuid.uuid4()), True
     standalone = config.standalone or (
-        backend == "static"
+        backend is Backend.STATIC
         and not endpoint
         and config.master_port is None
         and config.max_nodes == 1  # torchrun: a single-node static launch needs no master port
@@ -128,77 +203,44 @@ def resolve(config: LaunchConfig) -> Plan:
                 f"--standalone: runs a single node, but --nnodes asks for "
                 f"{config.min_nodes}:{config.max_nodes}"
             )
-        if "store_bind" in conf:
+        if conf.store_bind is not None:
             raise ConfigError(
                 "--rdzv-conf store_bind: --standalone keeps the store on 127.0.0.1; "
                 "use --rdzv-backend=c10d with --rdzv-endpoint to serve other nodes"
             )
-        backend, endpoint, run_id = "c10d", "127.0.0.1:0", str(uuid.uuid4())
-        conf["is_host"] = True
-    exit_barrier = config.exit_barrier_timeout
-    if exit_barrier is None:
-        exit_barrier = float(conf.get("exit_barrier_timeout", DEFAULT_EXIT_BARRIER_TIMEOUT))
+        backend, endpoint, conf = Backend.C10D, "127.0.0.1:0", conf.with_(is_host=True)
     node_rank = config.node_rank
     endpoints: tuple[Endpoint, ...]
-    if backend == "static":
+    if backend is Backend.STATIC:
         node_rank = _static_node_rank(config)
         endpoints = (_static_master(config, endpoint),)
-    elif backend == "c10d":
-        endpoint = endpoint or "localhost"  # torchrun's default: localhost:29400
-        endpoints = (_c10d_endpoint(config, endpoint, standalone, conf),)
-    else:  # etcd
-        endpoint = endpoint or "localhost"  # torchrun's default: localhost:2379
-        endpoints, https = parse_endpoint_list(endpoint, DEFAULT_ETCD_PORT, "--rdzv-endpoint")
-        if https and "protocol" not in conf:
-            conf["protocol"] = "https"
-    if "store_bind" in conf and backend != "c10d":
+    elif backend is Backend.C10D:
+        # torchrun's default: localhost:29400
+        store = Endpoint.parse(endpoint or "localhost", DEFAULT_C10D_PORT, "--rdzv-endpoint")
+        if store.port == 0 and not standalone:
+            if config.max_nodes != 1:
+                raise ConfigError(
+                    "--rdzv-endpoint: port 0 (pick a free port) only works on a single node; "
+                    "other nodes could not find the port"
+                )
+            conf = conf.with_(is_host=True)
+        endpoints = (store,)
+    else:  # etcd; torchrun's default: localhost:2379
+        endpoints, https = parse_endpoint_list(
+            endpoint or "localhost", DEFAULT_ETCD_PORT, "--rdzv-endpoint"
+        )
+        if https and conf.protocol is None:
+            conf = conf.with_(protocol="https")
+    if conf.store_bind is not None and backend is not Backend.C10D:
         raise ConfigError(
             f"--rdzv-conf store_bind: only for the c10d backend's embedded store, not {backend}"
         )
-    if backend != "static" and node_rank is not None and node_rank >= config.max_nodes:
+    if backend is not Backend.STATIC and node_rank is not None and node_rank >= config.max_nodes:
         raise ConfigError(
             f"--node-rank: {node_rank} is out of range for --nnodes="
             f"{config.min_nodes}:{config.max_nodes} (expected 0..{config.max_nodes - 1})"
         )
-    # The environment's token is the embedded store's (etcd has user/password).
-    token = store_token(
-        conf.get("token"), conf.get("token_file"), None if backend == "c10d" else {}
-    )
-    if config.log_dir:
-        check_writable_dir("--log-dir", config.log_dir)
-    resolved = dataclasses.replace(
-        config,
-        # Absolute once, here: workers get paths under it (error file,
-        # heartbeat), and a script may change directory (as Hydra does).
-        log_dir=os.path.abspath(config.log_dir) if config.log_dir else config.log_dir,
-        events_file=os.path.abspath(config.events_file) if config.events_file else None,
-        run_id=run_id,
-        rdzv_backend=backend,
-        rdzv_endpoint=endpoint,
-        standalone=standalone,
-    )
-    return Plan(
-        config=resolved,
-        backend=backend,
-        endpoints=endpoints,
-        conf=conf,
-        standalone=standalone,
-        node_rank=node_rank,
-        exit_barrier_timeout=exit_barrier,
-        token=token.token,
-        generated_run_id=generated and not standalone,
-        token_source=token.source,
-    )
-
-
-def _backend(name: str) -> str:
-    backend = BACKENDS.get(name.strip().lower())
-    if backend is None:
-        raise ConfigError(
-            f"--rdzv-backend: unknown backend {name!r}; choose one of "
-            "c10d (also tcp), etcd (also etcd-v2), static"
-        )
-    return backend
+    return _Where(backend, endpoints, conf, standalone, node_rank)
 
 
 def _static_node_rank(config: LaunchConfig) -> int:
@@ -236,16 +278,86 @@ def _static_master(config: LaunchConfig, endpoint: str) -> Endpoint:
     return master
 
 
-def _c10d_endpoint(
-    config: LaunchConfig, endpoint: str, standalone: bool, conf: dict[str, Any]
-) -> Endpoint:
-    """The embedded store's endpoint; port 0 (any free port) makes this node its host."""
-    store = Endpoint.parse(endpoint, DEFAULT_C10D_PORT, "--rdzv-endpoint")
-    if store.port == 0 and not standalone:
-        if config.max_nodes != 1:
-            raise ConfigError(
-                "--rdzv-endpoint: port 0 (pick a free port) only works on a single node; "
-                "other nodes could not find the port"
-            )
-        conf["is_host"] = True
-    return store
+def _std_map(flag: str, given: Mapping[int, int]) -> dict[int, Std]:
+    """--redirects / --tee: {local_rank (-1: all): Std bits}."""
+    out: dict[int, Std] = {}
+    for local_rank, bits in given.items():
+        if (
+            isinstance(local_rank, bool)
+            or not isinstance(local_rank, int)
+            or local_rank < -1
+            or bits not in (0, 1, 2, 3)
+        ):
+            raise ConfigError(f"{flag}: bad entry {local_rank}:{bits}")
+        out[local_rank] = Std(bits)
+    return out
+
+
+def _worker_spec(
+    config: LaunchConfig, run_id: RunId, argv: Sequence[str], authenticated: bool
+) -> WorkerSpec:
+    """What the agent receives: the LaunchConfig's worker settings, typed."""
+    if config.log_template is not None:
+        validate_template(config.log_template)
+    handled = config.signals_to_handle
+    return WorkerSpec(
+        argv=tuple(argv),
+        nproc=config.nproc_per_node,
+        run_id=run_id,
+        role=config.role,
+        env=dict(config.env),
+        # Absolute once, here: workers get paths under it (error file,
+        # heartbeat), and a script may change directory (as Hydra does).
+        log_dir=os.path.abspath(config.log_dir) if config.log_dir else None,
+        redirects=_std_map("--redirects", config.redirects),
+        tee=_std_map("--tee", config.tee),
+        local_ranks_filter=config.local_ranks_filter,
+        log_template=DEFAULT_LOG_TEMPLATE if config.log_template is None else config.log_template,
+        torch_log_template=config.log_line_prefix_template if config.log_template is None else None,
+        shutdown_timeout=float(config.shutdown_timeout),
+        signals_to_handle=tuple(s for s in handled if s.name in STOP_SIGNALS),
+        signals_to_forward=tuple(s for s in handled if s.name not in STOP_SIGNALS),
+        monitor_interval=float(config.monitor_interval),
+        start_method=parse_choice(StartMethod, config.start_method, "--start-method"),
+        hang_timeout=config.hang_timeout,
+        hang_auto=config.hang_auto and config.hang_timeout is not None,
+        stack_signal=config.stack_signal,
+        events_file=os.path.abspath(config.events_file) if config.events_file else None,
+        prewarm=config.prewarm,
+        prewarm_modules=parse_choice(PrewarmModules, config.prewarm_modules, "--prewarm-modules"),
+        prewarm_cache=config.prewarm_cache,
+        warm_join_timeout=(
+            DEFAULT_WARM_JOIN_TIMEOUT
+            if config.warm_join_timeout is None
+            else config.warm_join_timeout
+        ),
+        store_authenticated=authenticated,
+        require_logs=config.require_logs,
+    )
+
+
+def _rendezvous_settings(config: LaunchConfig, run_id: RunId, where: _Where) -> RendezvousSettings:
+    """What the rendezvous receives: the job's shape, this node's rank hint,
+    the --rdzv-conf timeouts (its own defaults for those not given)."""
+    conf, defaults = where.conf, RendezvousSettings
+    exit_barrier = config.exit_barrier_timeout
+    if exit_barrier is None:
+        exit_barrier = conf.exit_barrier_timeout
+    return RendezvousSettings(
+        run_id=run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        max_restarts=config.max_restarts,
+        role=config.role,
+        nproc=config.nproc_per_node,
+        node_rank_hint=where.node_rank,
+        join_timeout=_given(conf.join_timeout, defaults.join_timeout),
+        last_call_timeout=_given(conf.last_call_timeout, defaults.last_call_timeout),
+        close_timeout=_given(conf.close_timeout, defaults.close_timeout),
+        lease_ttl=_given(conf.lease_ttl, defaults.lease_ttl),
+        exit_barrier_timeout=_given(exit_barrier, defaults.exit_barrier_timeout),
+    )
+
+
+def _given(value: float | None, default: float) -> float:
+    return default if value is None else float(value)

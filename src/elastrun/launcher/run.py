@@ -1,4 +1,7 @@
-"""Wiring: a Plan and a worker command -> store, rendezvous, agent; run them.
+"""Wiring: a Plan -> store, rendezvous, agent; run them.
+
+The plan holds the agent's and the rendezvous' settings; the run adds what
+only it learns: this host's name and the address that routes to the store.
 
 Who hosts the embedded (c10d) store: ``is_host=1|0`` in
 ``--rdzv-conf`` decides; without it a node hosts the store when the endpoint's
@@ -18,20 +21,19 @@ import functools
 import ipaddress
 import os
 import socket
-from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from elastrun.agent.logs import open_event_log, run_dir
-from elastrun.agent.spec import DEFAULT_LOG_TEMPLATE, WorkerSpec
+from elastrun.agent.spec import WorkerSpec
 from elastrun.clock import SYSTEM_CLOCK
 from elastrun.endpoint import Endpoint, format_endpoints
 from elastrun.errors import ConfigError, StoreUnavailable
 from elastrun.events import EventSink, JsonLinesSink
 from elastrun.launcher.bind import describe, listen_on
-from elastrun.launcher.plan import Plan
+from elastrun.launcher.plan import Backend, Plan
 from elastrun.names import path_component
 from elastrun.procs import say
-from elastrun.rendezvous.api import Rendezvous, RendezvousSettings
+from elastrun.rendezvous.api import Rendezvous
 from elastrun.store.token import TOKEN_ENV, no_token_warning
 
 if TYPE_CHECKING:
@@ -104,58 +106,6 @@ async def _in_thread(fn: Any, *args: Any) -> Any:
         ) from None
 
 
-def build_spec(plan: Plan, argv: Sequence[str], host: str) -> WorkerSpec:
-    cfg = plan.config
-    stop = {"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"}
-    handle = tuple(s for s in cfg.signals_to_handle if s.name in stop)
-    forward = tuple(s for s in cfg.signals_to_handle if s.name not in stop)
-    return WorkerSpec(
-        argv=tuple(argv),
-        nproc=cfg.nproc_per_node,
-        run_id=cfg.run_id,
-        role=cfg.role,
-        host=host,
-        env=dict(cfg.env),
-        log_dir=cfg.log_dir,
-        redirects=dict(cfg.redirects),
-        tee=dict(cfg.tee),
-        local_ranks_filter=cfg.local_ranks_filter,
-        log_template=cfg.log_template if cfg.log_template is not None else DEFAULT_LOG_TEMPLATE,
-        torch_log_template=cfg.log_line_prefix_template if cfg.log_template is None else None,
-        shutdown_timeout=cfg.shutdown_timeout,
-        signals_to_handle=handle,
-        signals_to_forward=forward,
-        monitor_interval=cfg.monitor_interval,
-        start_method=cfg.start_method,
-        hang_timeout=cfg.hang_timeout,
-        hang_auto=cfg.hang_auto and cfg.hang_timeout is not None,
-        stack_signal=cfg.stack_signal,
-        events_file=cfg.events_file,
-        prewarm=cfg.prewarm,
-        prewarm_modules=cfg.prewarm_modules,
-        prewarm_cache=cfg.prewarm_cache,
-        warm_join_timeout=60.0 if cfg.warm_join_timeout is None else cfg.warm_join_timeout,
-        store_authenticated=plan.authenticated,
-        require_logs=cfg.require_logs,
-    )
-
-
-def build_settings(plan: Plan, host: str, addr: str) -> RendezvousSettings:
-    cfg = plan.config
-    return RendezvousSettings(
-        run_id=cfg.run_id,
-        min_nodes=cfg.min_nodes,
-        max_nodes=cfg.max_nodes,
-        max_restarts=cfg.max_restarts,
-        role=cfg.role,
-        nproc=cfg.nproc_per_node,
-        host=host,
-        addr=addr,
-        node_rank_hint=plan.node_rank,
-        **plan.rendezvous_timeouts(),
-    )
-
-
 async def _host_store(plan: Plan) -> tuple[StoreServer | None, Endpoint, str]:
     """Decide whether this agent hosts the c10d store; start it if so.
 
@@ -164,7 +114,7 @@ async def _host_store(plan: Plan) -> tuple[StoreServer | None, Endpoint, str]:
 
     endpoint = plan.endpoints[0]
     host, port = endpoint
-    explicit = plan.is_host
+    explicit = plan.conf.is_host
     if explicit is False:
         return None, endpoint, "is_host=0: another node hosts the store"
     local = bool(await _in_thread(is_local_address, host))
@@ -174,8 +124,8 @@ async def _host_store(plan: Plan) -> tuple[StoreServer | None, Endpoint, str]:
     listen = await _in_thread(
         functools.partial(
             listen_on,
-            store_bind=plan.conf.get("store_bind"),
-            multi_node=plan.config.max_nodes > 1,
+            store_bind=plan.conf.store_bind,
+            multi_node=plan.rendezvous.max_nodes > 1,
         ),
         host,
         port,
@@ -212,22 +162,15 @@ async def _open_store(plan: Plan, endpoints: tuple[Endpoint, ...], me: str, note
     # before the store's host); each later request is bounded by read_timeout
     # (never longer than join_timeout), so a store lost mid-job is reported
     # within it (and the lease TTL), not after join_timeout.
-    timeout = float(plan.conf.get("join_timeout", plan.conf.get("timeout", 600.0)))
-    read_timeout = float(plan.conf.get("read_timeout", DEFAULT_READ_TIMEOUT))
-    if read_timeout <= 0:
-        raise ConfigError(f"--rdzv-conf read_timeout must be > 0 seconds, got {read_timeout:g}")
-    read_timeout = min(read_timeout, timeout)
-    conf: Mapping[str, str] = {
-        k: str(v)
-        for k, v in plan.conf.items()
-        if k in ("cacert", "cert", "key", "user", "password", "key_prefix", "protocol")
-    }
+    timeout = plan.rendezvous.join_timeout
+    read_timeout = plan.conf.read_timeout
+    read_timeout = min(DEFAULT_READ_TIMEOUT if read_timeout is None else read_timeout, timeout)
     task = asyncio.ensure_future(
         open_store(
             plan.backend,
             endpoints,
             token=plan.token,
-            conf=conf,
+            conf=plan.conf.etcd_options(),
             timeout=timeout,
             request_timeout=read_timeout,
         )
@@ -257,16 +200,16 @@ def events_path(plan: Plan, host: str) -> str | None:
     ``{log_dir}/{run_id}/events-{host}.jsonl`` with ``--log-dir`` (its run
     folder made here, private: see :func:`elastrun.agent.logs.run_dir`; a
     refused one is a ConfigError), else none."""
-    cfg = plan.config
-    if cfg.events_file:
-        return cfg.events_file
-    if cfg.log_dir:
+    spec = plan.workers
+    if spec.events_file:
+        return spec.events_file
+    if spec.log_dir:
         name = path_component(host, "unknown-host")
         try:
-            folder = run_dir(cfg.log_dir, cfg.run_id)
+            folder = run_dir(spec.log_dir, plan.run_id)
         except OSError as e:
             raise ConfigError(
-                f"cannot open the event log in {cfg.log_dir}: {e.strerror or e}"
+                f"cannot open the event log in {spec.log_dir}: {e.strerror or e}"
             ) from None
         return os.path.join(folder, f"events-{name}.jsonl")
     return None
@@ -315,18 +258,18 @@ async def _run_agent(spec: WorkerSpec, rdzv: Rendezvous, events: EventSink | Non
     return await Agent(spec, rdzv, events).run()
 
 
-async def run_async(plan: Plan, argv: Sequence[str], *, events: EventSink | None = None) -> int:
+async def run_async(plan: Plan, *, events: EventSink | None = None) -> int:
     """Run this node's agent for ``plan``; returns the process exit code."""
-    cfg = plan.config
     hostname = socket.gethostname()
-    if plan.generated_run_id and cfg.max_nodes > 1:
+    settings = plan.rendezvous
+    if plan.generated_run_id and settings.max_nodes > 1:
         say(
             f"elastrun: warning: no --rdzv-id (run_id) was given: this job's id is "
-            f"{cfg.run_id}; other nodes can join it only if started with "
-            f"--rdzv-id={cfg.run_id}"
+            f"{plan.run_id}; other nodes can join it only if started with "
+            f"--rdzv-id={plan.run_id}"
         )
-    flag = "--events-file" if cfg.events_file else "--log-dir"
-    log = _EventLog(events_path(plan, hostname), events, flag, run_id=cfg.run_id, host=hostname)
+    flag = "--events-file" if plan.workers.events_file else "--log-dir"
+    log = _EventLog(events_path(plan, hostname), events, flag, run_id=plan.run_id, host=hostname)
     code = 1
     try:
         log.emit(
@@ -334,38 +277,37 @@ async def run_async(plan: Plan, argv: Sequence[str], *, events: EventSink | None
             "agent_started",
             pid=os.getpid(),
             backend=plan.backend,
-            endpoint=cfg.rdzv_endpoint,
-            min_nodes=cfg.min_nodes,
-            max_nodes=cfg.max_nodes,
-            nproc=cfg.nproc_per_node,
-            max_restarts=cfg.max_restarts,
+            endpoint=format_endpoints(plan.endpoints),
+            min_nodes=settings.min_nodes,
+            max_nodes=settings.max_nodes,
+            nproc=plan.workers.nproc,
+            max_restarts=settings.max_restarts,
             node_rank=plan.node_rank,
         )
-        code = await _run(plan, argv, hostname, log)
+        code = await _run(plan, hostname, log)
         return code
     finally:
         log.emit("launcher", "agent_exited", exit_code=code)
         log.close()
 
 
-async def _run(plan: Plan, argv: Sequence[str], hostname: str, log: _EventLog) -> int:
-    cfg = plan.config
-    spec = build_spec(plan, argv, hostname)
+async def _run(plan: Plan, hostname: str, log: _EventLog) -> int:
+    spec = dataclasses.replace(plan.workers, host=hostname)
     if log.file is not None:  # written here, with the rendezvous' events: not twice
         spec = dataclasses.replace(spec, events_file=None)
     events = log.sink("agent")
 
-    if plan.backend == "static":
+    if plan.backend is Backend.STATIC:
         from elastrun.rendezvous.static import StaticRendezvous
 
         master_addr, master_port = plan.endpoints[0]
         node_rank = plan.node_rank or 0
-        addr = cfg.local_addr or (
+        addr = plan.local_addr or (
             master_addr
             if node_rank == 0
             else await _in_thread(route_addr, master_addr, master_port)
         )
-        settings = build_settings(plan, hostname, addr)
+        settings = dataclasses.replace(plan.rendezvous, host=hostname, addr=addr)
         rdzv = StaticRendezvous(
             settings, node_rank=node_rank, master_addr=master_addr, master_port=master_port
         )
@@ -374,13 +316,13 @@ async def _run(plan: Plan, argv: Sequence[str], hostname: str, log: _EventLog) -
     server: StoreServer | None = None
     note = "etcd cluster"
     endpoints = plan.endpoints
-    if plan.backend == "c10d":
+    if plan.backend is Backend.C10D:
         server, store_at, note = await _host_store(plan)
         endpoints = (store_at,)
     try:
-        addr = cfg.local_addr or await _in_thread(route_addr, *endpoints[0]) or hostname
+        addr = plan.local_addr or await _in_thread(route_addr, *endpoints[0]) or hostname
         me = f"{hostname} ({addr})"
-        settings = build_settings(plan, hostname, addr)
+        settings = dataclasses.replace(plan.rendezvous, host=hostname, addr=addr)
         store = await _open_store(plan, endpoints, me, note)
         try:
             from elastrun.rendezvous.dynamic import DynamicRendezvous
@@ -400,6 +342,6 @@ async def _run(plan: Plan, argv: Sequence[str], hostname: str, log: _EventLog) -
             await server.stop()
 
 
-def run_plan(plan: Plan, argv: Sequence[str], *, events: EventSink | None = None) -> int:
+def run_plan(plan: Plan, *, events: EventSink | None = None) -> int:
     """Blocking: run the agent in a fresh event loop."""
-    return asyncio.run(run_async(plan, argv, events=events))
+    return asyncio.run(run_async(plan, events=events))

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from elastrun.failure import FailureRecord
+from elastrun.names import RunId
 from elastrun.rendezvous.records import AgreedSettings
 from elastrun.store.base import RevokeSpec
 
@@ -44,7 +45,7 @@ class RendezvousSettings:
     """Settings of one node's rendezvous. The fields of :meth:`agreed` must be
     equal on every node of a job (config agreement); the rest are per node."""
 
-    run_id: str
+    run_id: RunId
     min_nodes: int
     max_nodes: int
     max_restarts: int = 0

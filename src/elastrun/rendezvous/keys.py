@@ -26,10 +26,11 @@ have written it) raises :class:`~elastrun.errors.ProtocolError` naming the key
 (:func:`decode`). What each record holds, typed and checked, is
 :mod:`elastrun.rendezvous.records`.
 
-Keys are built only from checked parts: the job id must match the job-id
-grammar (:mod:`elastrun.names`; no ``/``, so no id names a part of another
-job's key space) and node ids are the rendezvous' own (``NODE_ID``:
-``[A-Za-z0-9._-]``, at most 128 characters).
+Keys are built only from checked parts: the job id is a
+:class:`~elastrun.names.RunId` (parsed where it entered: it matches the job-id
+grammar, with no ``/``, so no id names a part of another job's key space) and
+node ids are the rendezvous' own (``NODE_ID``: ``[A-Za-z0-9._-]``, at most 128
+characters).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from elastrun.errors import ProtocolError
-from elastrun.names import check_run_id
+from elastrun.names import RunId
 from elastrun.untrusted import UntrustedData, loads
 
 __all__ = ["NODE_ID", "RECORD_VERSION", "Keys", "decode", "encode", "node_id_of", "valid_node_id"]
@@ -54,10 +55,7 @@ NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}\Z")
 
 @dataclass(frozen=True)
 class Keys:
-    run_id: str
-
-    def __post_init__(self) -> None:
-        check_run_id(self.run_id, "run id")
+    run_id: RunId
 
     @property
     def root(self) -> str:

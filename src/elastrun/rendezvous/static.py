@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
-from elastrun.errors import ConfigError, RendezvousClosed, RestartBudgetExhausted
+from elastrun.errors import RendezvousClosed, RestartBudgetExhausted
 from elastrun.failure import FailureRecord
 from elastrun.rendezvous.api import Change, Member, Rendezvous, RendezvousSettings, RoundResult
 
@@ -30,17 +30,8 @@ class StaticRendezvous(Rendezvous):
         master_addr: str,
         master_port: int,
     ) -> None:
-        if settings.min_nodes != settings.max_nodes:
-            raise ConfigError(
-                f"--nnodes: the static backend needs a fixed number of nodes, got "
-                f"{settings.min_nodes}:{settings.max_nodes}"
-            )
-        if not 0 <= node_rank < settings.max_nodes:
-            raise ConfigError(
-                f"--node-rank: {node_rank} is out of range for --nnodes={settings.max_nodes}"
-            )
-        if not 0 < master_port < 65536:
-            raise ConfigError(f"--master-port: must be in 1..65535, got {master_port}")
+        # The launcher's plan checked the settings: a fixed number of nodes,
+        # node_rank in 0..nnodes-1, a master port in 1..65535.
         self.settings = settings
         self.node_rank = node_rank
         self.master_addr = master_addr

@@ -33,7 +33,7 @@ from typing import Any, TextIO
 
 from elastrun.endpoint import Endpoint, format_endpoints, parse_endpoint_list
 from elastrun.errors import ConfigError, ElastrunError, StoreError, StoreUnavailable
-from elastrun.names import run_id_problem
+from elastrun.names import RunId
 from elastrun.rendezvous.keys import Keys
 from elastrun.status.model import TERMINAL_STATES, HangStacks, RankRow, Summary
 from elastrun.status.summary import read_summary
@@ -501,9 +501,10 @@ def main(argv: Sequence[str]) -> int:
     if not args.timeout > 0:
         print("elastrun status: error: --timeout must be > 0", file=sys.stderr)
         return 2
-    problem = run_id_problem(args.run_id)
-    if problem is not None:  # the same job-id grammar as the launcher's
-        print(f"elastrun status: error: --rdzv-id: {args.run_id!r} {problem}", file=sys.stderr)
+    try:  # the same job-id grammar as the launcher's
+        args.run_id = RunId.parse(args.run_id, "--rdzv-id")
+    except ConfigError as exc:
+        print(f"elastrun status: error: {printable(exc)}", file=sys.stderr)
         return 2
     try:
         return asyncio.run(_main(args))

@@ -52,6 +52,7 @@ from typing import TypeVar
 
 from elastrun.endpoint import Endpoint
 from elastrun.errors import ProtocolError, StoreError
+from elastrun.names import RunId
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import notes as N
 from elastrun.rendezvous.records import (
@@ -337,7 +338,7 @@ def _one(kind: type[_Top], kvs: list[KeyValue]) -> _Top | None:
     return kind.decode(kvs[0].key, kvs[0].value) if kvs else None
 
 
-async def read_summary(store: Store, run_id: str) -> Summary | None:
+async def read_summary(store: Store, run_id: RunId) -> Summary | None:
     """The job's summary, or None when the store holds no job ``run_id``.
     Raises StoreError (ProtocolError for bad records)."""
     k = K.Keys(run_id)

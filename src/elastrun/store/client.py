@@ -222,7 +222,7 @@ class TcpStore(TcpLink, Store):
                     if remaining(deadline, self.clock) <= 0:
                         raise
         except BaseException:
-            self._forget(watch)
+            self.release_watch(watch)
             watch.closed = True
             raise
 
@@ -238,8 +238,7 @@ class TcpStore(TcpLink, Store):
             return
         self._closed = True
         for watch in list(self._watches.values()):
-            watch.closed = True
-            watch._queue.put_nowait(None)
+            watch.end()
         self._watches.clear()
         self._leases.clear()
         if self._resumer is not None:

@@ -333,8 +333,12 @@ class TcpLink:
         with contextlib.suppress(OSError, ProtocolError, RuntimeError):
             conn.writer.write(codec.encode_frame(codec.encode_request(next(self._ids), op, **args)))
 
-    def _forget(self, watch: TcpWatch) -> None:
+    # -- what a TcpWatch asks of its client (client_watch.WatchOwner) -------------
+    def release_watch(self, watch: TcpWatch) -> None:
         self._watches.pop(watch.watch_id, None)
+
+    def cancel_watch(self, conn: Conn, watch_id: int) -> None:
+        self._post(conn, "watch_cancel", watch=watch_id)
 
 
 def _error_of(error: Any, fallback: str) -> StoreError:

@@ -1,31 +1,43 @@
 """The watches of the embedded store's client (:mod:`elastrun.store.client`).
 
-A :class:`TcpWatch` is fed by its :class:`~elastrun.store.client.TcpStore`'s
-read loop (events routed by watch id) and survives reconnects: it tracks the
-first revision it has not delivered, including a revision delivered only in
-part (split frames), so that the store can re-establish it on a new
-connection from exactly there, with nothing missed or repeated.
+A :class:`TcpWatch` is fed by its client's read loop (events routed by watch
+id) and survives reconnects: it tracks the first revision it has not
+delivered, including a revision delivered only in part (split frames), so
+that the client can re-establish it on a new connection from exactly there,
+with nothing missed or repeated. What a watch asks of its client is the
+:class:`WatchOwner` protocol (the client, :mod:`elastrun.store.client_link`,
+imports this module, never the other way round).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from elastrun.store.base import Watch, WatchEvent
 
 if TYPE_CHECKING:
-    from elastrun.store.client import TcpStore
     from elastrun.store.client_conn import Conn
 
-__all__ = ["TcpWatch"]
+__all__ = ["TcpWatch", "WatchOwner"]
+
+
+class WatchOwner(Protocol):
+    """What a :class:`TcpWatch` needs of the client that feeds it."""
+
+    def release_watch(self, watch: TcpWatch) -> None:
+        """Route no more events to ``watch`` (it ended)."""
+
+    def cancel_watch(self, conn: Conn, watch_id: int) -> None:
+        """Ask the server to end watch ``watch_id`` on ``conn``, without
+        waiting for the answer."""
 
 
 class TcpWatch(Watch):
-    """A watch on a :class:`TcpStore`; survives reconnects (see module doc)."""
+    """A watch on the embedded store's client; survives reconnects (see module doc)."""
 
-    def __init__(self, store: TcpStore, watch_id: int, key: str, prefix: bool) -> None:
-        self._store = store
+    def __init__(self, owner: WatchOwner, watch_id: int, key: str, prefix: bool) -> None:
+        self._owner = owner
         self.watch_id = watch_id
         self.key = key
         self.prefix = prefix
@@ -74,8 +86,13 @@ class TcpWatch(Watch):
     def fail(self, exc: BaseException) -> None:
         if not self.closed:
             self.closed = True
-            self._store._forget(self)
+            self._owner.release_watch(self)
             self._queue.put_nowait(exc)
+
+    def end(self) -> None:
+        """End the iteration (the client is closing: it released every watch)."""
+        self.closed = True
+        self._queue.put_nowait(None)
 
     async def __anext__(self) -> WatchEvent:
         item = await self._queue.get()
@@ -90,11 +107,11 @@ class TcpWatch(Watch):
         if self.closed:
             return
         self.closed = True
-        self._store._forget(self)
+        self._owner.release_watch(self)
         self._queue.put_nowait(None)
         conn = self.conn
         if conn is not None and conn.alive:
             # Not waited for: events still in flight for this watch are dropped
             # here (it is no longer registered), and a lost connection ends
             # every watch of it on the server anyway.
-            self._store._post(conn, "watch_cancel", watch=self.watch_id)
+            self._owner.cancel_watch(conn, self.watch_id)

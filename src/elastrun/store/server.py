@@ -38,12 +38,12 @@ import ipaddress
 import logging
 import resource
 import socket
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from elastrun.endpoint import Endpoint
 from elastrun.errors import ConfigError, StoreError
+from elastrun.store.abuse_log import AbuseLog
 from elastrun.store.budgets import InputBudget, OutputBudget
 from elastrun.store.engine import Engine
 from elastrun.store.limits import DEFAULT_LIMITS, MAX_FRAME, MAX_TOKEN, StoreLimits
@@ -63,43 +63,6 @@ DEFAULT_PORT = 29400
 DISCONNECT_GRACE = 2.0
 # File descriptors kept free for everything else in the process.
 _FD_RESERVE = 64
-
-
-class AbuseLog:
-    """Warnings about misbehaving peers, at most ``burst`` lines per
-    ``interval`` seconds; the rest are counted and the count is reported with
-    the next line that gets through."""
-
-    def __init__(self, burst: int = 10, interval: float = 10.0) -> None:
-        self.burst = burst
-        self.interval = interval
-        self._window_start = -1e18
-        self._lines = 0
-        self.suppressed = 0
-        self.total = 0
-
-    def warn(self, message: str) -> None:
-        self.total += 1
-        now = time.monotonic()
-        if now - self._window_start >= self.interval:
-            self._window_start, self._lines = now, 0
-        if self._lines >= self.burst:
-            self.suppressed += 1
-            return
-        self._lines += 1
-        if self.suppressed:
-            message += f" ({self.suppressed} similar message(s) suppressed)"
-            self.suppressed = 0
-        log.warning("elastrun store: %s", message)
-
-    def flush(self) -> None:
-        """Report the count of suppressed messages, if any."""
-        if self.suppressed:
-            log.warning(
-                "elastrun store: %d more message(s) about misbehaving clients suppressed",
-                self.suppressed,
-            )
-            self.suppressed = 0
 
 
 @dataclass(frozen=True)
@@ -288,11 +251,14 @@ class StoreServer:
     # -- admission (used by connections) ----------------------------------------
     def admit(self, conn: Connection) -> str | None:
         """Count a new connection in; None, or why it is refused (then it is
-        not counted). May evict the oldest connections still without a hello."""
+        counted as refused, not as a connection). May evict the oldest
+        connections still without a hello."""
         limits, peer = self.limits, conn.peer_ip
         if len(self._connections) >= self.max_connections:
+            self.refused += 1
             return f"the store has {len(self._connections)} connections (max_connections)"
         if self._by_peer.get(peer, 0) >= limits.max_connections_per_peer:
+            self.refused += 1
             return (
                 f"{self._by_peer[peer]} connections from {peer} already (max_connections_per_peer)"
             )

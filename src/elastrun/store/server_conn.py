@@ -24,7 +24,10 @@ What a connection may make the server hold is bounded
   answer could be larger is refused unapplied.
 
 Requests are executed by :mod:`elastrun.store.server_ops`, watches streamed
-by :mod:`elastrun.store.server_watch`.
+by :mod:`elastrun.store.server_watch`. What a connection needs of its server
+(admission, the budgets, the token, the lease reaper) is
+:class:`ConnectionHost`: the server (:mod:`elastrun.store.server`) imports
+this module, never the other way round.
 """
 
 from __future__ import annotations
@@ -36,19 +39,19 @@ import logging
 import socket
 import struct
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from elastrun.endpoint import Endpoint
 from elastrun.errors import ProtocolError
 from elastrun.store import codec
-from elastrun.store.limits import PRE_HELLO_FRAME
+from elastrun.store.abuse_log import AbuseLog
+from elastrun.store.budgets import InputBudget, OutputBudget
+from elastrun.store.engine import Engine
+from elastrun.store.limits import PRE_HELLO_FRAME, StoreLimits
 from elastrun.store.server_ops import execute
 from elastrun.store.server_watch import SLOW_CHECK_INTERVAL, WatchStreams
 
-if TYPE_CHECKING:
-    from elastrun.store.server import StoreServer
-
-__all__ = ["Connection"]
+__all__ = ["Connection", "ConnectionHost"]
 
 log = logging.getLogger("elastrun.store.server")
 
@@ -58,8 +61,35 @@ _RESET = struct.pack("ii", 1, 0)
 CLOSE_LINGER = 5.0
 
 
+class ConnectionHost(Protocol):
+    """What a :class:`Connection` needs of its server
+    (:class:`~elastrun.store.server.StoreServer`)."""
+
+    engine: Engine
+    limits: StoreLimits
+    token: str | None
+    max_frame: int
+    disconnect_grace: float
+    abuse: AbuseLog
+    input: InputBudget[Connection]
+    output: OutputBudget[Connection]
+    slow_watches: int
+
+    def admit(self, conn: Connection) -> str | None:
+        """Count ``conn`` in; None, or why it is refused."""
+
+    def hello_done(self, conn: Connection) -> None:
+        """``conn`` said hello (it no longer counts as pending)."""
+
+    def gone(self, conn: Connection) -> None:
+        """``conn`` ended."""
+
+    def poke_reaper(self) -> None:
+        """A lease deadline may have moved."""
+
+
 class Connection(WatchStreams, asyncio.Protocol):
-    def __init__(self, server: StoreServer) -> None:
+    def __init__(self, server: ConnectionHost) -> None:
         self.server = server
         self.engine = server.engine
         self.limits = server.limits
@@ -97,7 +127,6 @@ class Connection(WatchStreams, asyncio.Protocol):
         transport.set_write_buffer_limits(high=high, low=high // 4)
         refused = self.server.admit(self)
         if refused is not None:
-            self.server.refused += 1
             self.refuse(f"refused: {refused}")
             return
         self.admitted = True
@@ -255,7 +284,14 @@ class Connection(WatchStreams, asyncio.Protocol):
                 self.engine.remove_watcher(watcher)
             self.send(codec.encode_response(request.id, {}))
             return
-        self.send_answer(request.id, execute(self, request))
+        answer = execute(
+            self.engine,
+            request,
+            owner=self,
+            max_response=self.limits.max_response,
+            leases_moved=self.server.poke_reaper,
+        )
+        self.send_answer(request.id, answer)
 
     def send_answer(self, request_id: int, message: Mapping[str, Any]) -> None:
         """Send a response; one too large for a frame becomes a ``limit`` error."""
@@ -323,6 +359,10 @@ class Connection(WatchStreams, asyncio.Protocol):
         output.observe(self, queued)
         if queued > self.limits.max_output_buffer:
             self.abort(f"client too slow: {queued} bytes queued for it")
+
+    def slow_watch_cancelled(self, watch_id: int, message: str) -> None:
+        self.server.slow_watches += 1
+        self.server.abuse.warn(f"cancelled slow watch {watch_id} of {self.peer}: {message}")
 
     def output_size(self) -> int:
         """Bytes queued for this client, not yet taken by the kernel."""

@@ -1,12 +1,15 @@
 """The embedded store's requests, executed on the engine (no I/O here):
-:func:`execute` turns one decoded request of a connection into its response
-frame (an answer, or an error with its code). Watches, which stream, are the
-connection's own (:mod:`elastrun.store.server_conn`)."""
+:func:`execute` turns one decoded request into its response frame (an
+answer, or an error with its code), given what a request needs: the engine,
+the owner of the leases it grants or keeps alive (the connection), the answer
+limit, and whom to tell when a lease deadline may have moved (the server's
+lease reaper). Watches, which stream, are the connection's own
+(:mod:`elastrun.store.server_watch`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from elastrun.errors import (
     LeaseNotFound,
@@ -16,10 +19,8 @@ from elastrun.errors import (
     StoreError,
 )
 from elastrun.store import codec
+from elastrun.store.engine import Engine
 from elastrun.store.limits import encoded_size
-
-if TYPE_CHECKING:
-    from elastrun.store.server_conn import Connection
 
 __all__ = ["execute", "failure_response"]
 
@@ -41,24 +42,39 @@ def failure_response(request_id: int, exc: Exception) -> dict[str, Any]:
     return codec.error_response(request_id, code, str(exc), **extra)
 
 
-def execute(conn: Connection, request: codec.Request) -> dict[str, Any]:
-    """The response to ``request`` (not a watch) on ``conn``."""
+def execute(
+    engine: Engine,
+    request: codec.Request,
+    *,
+    owner: object,
+    max_response: int,
+    leases_moved: Callable[[], None],
+) -> dict[str, Any]:
+    """The response to ``request`` (not a watch): leases granted or kept alive
+    are ``owner``'s; answers are at most ``max_response`` bytes;
+    ``leases_moved`` is called after a lease was granted, kept alive or
+    revoked."""
     try:
-        result = _execute(conn, request)
+        result = _execute(engine, request, owner, max_response, leases_moved)
     except (StoreError, ValueError, TypeError) as exc:
         return failure_response(request.id, exc)
     return codec.encode_response(request.id, result)
 
 
-def _execute(conn: Connection, request: codec.Request) -> Any:
-    engine, server = conn.engine, conn.server
+def _execute(
+    engine: Engine,
+    request: codec.Request,
+    owner: object,
+    max_response: int,
+    leases_moved: Callable[[], None],
+) -> Any:
     args = request.args
     op = request.op
     if op == "get":
         kv = engine.get(args["key"])
         return {"kv": None if kv is None else codec.encode_kv(kv), "revision": engine.revision}
     if op == "range":
-        return _range(conn, args)
+        return _range(engine, args, max_response)
     if op == "put":
         return {"revision": engine.put(args["key"], args["value"], args["lease"])}
     if op == "delete":
@@ -66,21 +82,21 @@ def _execute(conn: Connection, request: codec.Request) -> Any:
         return {"deleted": deleted, "revision": engine.revision}
     if op == "txn":
         result = engine.txn(
-            args["compares"], args["success"], args["failure"], max_answer=conn.limits.max_response
+            args["compares"], args["success"], args["failure"], max_answer=max_response
         )
         return codec.encode_txn_result(result)
     if op == "lease_grant":
-        lease = engine.lease_grant(args["ttl"], owner=conn)
-        server.poke_reaper()
+        lease = engine.lease_grant(args["ttl"], owner=owner)
+        leases_moved()
         return {"lease": lease, "ttl": args["ttl"]}
     if op == "lease_keepalive":
         engine.expire_leases()  # an expired lease must not be revived
-        ttl = engine.lease_keepalive(args["lease"], owner=conn)
-        server.poke_reaper()
+        ttl = engine.lease_keepalive(args["lease"], owner=owner)
+        leases_moved()
         return {"ttl": ttl}
     if op == "lease_revoke":
         engine.lease_revoke(args["lease"])
-        server.poke_reaper()
+        leases_moved()
         return {}
     if op == "compact":
         engine.compact(args["revision"])
@@ -88,8 +104,7 @@ def _execute(conn: Connection, request: codec.Request) -> Any:
     return {"revision": engine.revision}  # ping
 
 
-def _range(conn: Connection, args: Mapping[str, Any]) -> Any:
-    engine, max_response = conn.engine, conn.limits.max_response
+def _range(engine: Engine, args: Mapping[str, Any], max_response: int) -> Any:
     if "max_create" in args:
         kvs, count = engine.range_newest(args["key"], args["max_create"], args["limit"])
         if sum(encoded_size(kv) for kv in kvs) > max_response:

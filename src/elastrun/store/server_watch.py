@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from elastrun.errors import ProtocolError, RevisionCompacted
 from elastrun.store import codec
@@ -24,9 +24,6 @@ from elastrun.store.base import WatchEvent
 from elastrun.store.engine import Engine
 from elastrun.store.limits import StoreLimits
 from elastrun.store.server_ops import failure_response
-
-if TYPE_CHECKING:
-    from elastrun.store.server import StoreServer
 
 __all__ = ["CATCH_UP_STEP", "SLOW_CHECK_INTERVAL", "WatchStreams"]
 
@@ -39,7 +36,6 @@ SLOW_CHECK_INTERVAL = 1.0
 class WatchStreams:
     """A connection's watches: the ``watch`` request, catching up, slow watches."""
 
-    server: StoreServer
     engine: Engine
     limits: StoreLimits
     peer: str
@@ -58,6 +54,10 @@ class WatchStreams:
         raise NotImplementedError
 
     def output_size(self) -> int:
+        raise NotImplementedError
+
+    def slow_watch_cancelled(self, watch_id: int, message: str) -> None:
+        """Count and log watch ``watch_id``, cancelled as slow (its frame is sent here)."""
         raise NotImplementedError
 
     def _watch(self, request: codec.Request) -> None:
@@ -154,13 +154,12 @@ class WatchStreams:
             self.engine.remove_watcher(watcher)
             self.lagging.pop(watch_id, None)
             self.watches.pop(watch_id, None)
-            self.server.slow_watches += 1
             message = (
                 f"the store ended the watch: its client left {behind} bytes of it unread "
                 f"(more than slow_watch_bytes, {bound}); read the current state and watch "
                 f"again from revision {next_revision}"
             )
-            self.server.abuse.warn(f"cancelled slow watch {watch_id} of {self.peer}: {message}")
+            self.slow_watch_cancelled(watch_id, message)
             self.send(codec.encode_cancel(watch_id, "slow", message, next_revision=next_revision))
 
 

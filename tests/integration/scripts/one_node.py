@@ -8,6 +8,7 @@ from typing import Any
 
 from elastrun.errors import RendezvousClosed, RestartBudgetExhausted
 from elastrun.failure import FailureRecord
+from elastrun.names import RunId
 from elastrun.rendezvous.api import (
     Change,
     Member,
@@ -28,7 +29,7 @@ class OneNodeRendezvous(Rendezvous):
         closed: bool = False,
     ) -> None:
         self.settings = RendezvousSettings(
-            run_id=run_id,
+            run_id=RunId(run_id),
             min_nodes=1,
             max_nodes=1,
             max_restarts=max_restarts,

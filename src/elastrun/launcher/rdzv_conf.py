@@ -1,0 +1,179 @@
+"""``--rdzv-conf``: rendezvous and store settings, typed once.
+
+The command line gives them as ``k=v,k=v`` (:func:`split_rdzv_conf`, the
+text's grammar), Python as ``LaunchConfig.rdzv_configs`` (a mapping of text or
+values, as torch's launcher takes them); :func:`parse_rdzv_conf` turns either
+into one :class:`RendezvousConf`, each value checked against its range
+(:data:`~elastrun.launcher.limits.CONF_SECONDS`). Unknown keys are errors;
+torch's keys whose job is done otherwise are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from elastrun.errors import ConfigError
+from elastrun.launcher.limits import CONF_SECONDS, check_seconds, parse_seconds
+
+__all__ = [
+    "ETCD_OPTIONS",
+    "RDZV_CONF_IGNORED",
+    "RDZV_CONF_KEYS",
+    "RendezvousConf",
+    "parse_rdzv_conf",
+    "split_rdzv_conf",
+]
+
+# --rdzv-conf keys: name -> kind. "float": seconds in the key's range
+# (limits.CONF_SECONDS), "bool" accepts 1/0/true/false/yes/no, "str" anything
+# non-empty.
+RDZV_CONF_KEYS: dict[str, str] = {
+    "join_timeout": "float",
+    "last_call_timeout": "float",
+    "close_timeout": "float",
+    "read_timeout": "float",
+    "timeout": "float",  # torch's etcd/static spelling of the join timeout
+    "lease_ttl": "float",
+    "exit_barrier_timeout": "float",
+    "is_host": "bool",
+    "token": "str",
+    "token_file": "str",
+    "store_bind": "str",  # where the hosted c10d store listens (launcher/bind.py)
+    # etcd
+    "cacert": "str",
+    "cert": "str",
+    "key": "str",
+    "user": "str",
+    "password": "str",
+    "key_prefix": "str",
+    "protocol": "str",  # torch's etcd: http | https
+}
+# torch keys accepted for compatibility and ignored (their job is done otherwise).
+RDZV_CONF_IGNORED = {
+    "use_libuv": "the embedded store is always asyncio",
+    "keep_alive_interval": "liveness is a lease; set lease_ttl",
+    "keep_alive_max_attempt": "liveness is a lease; set lease_ttl",
+    "heartbeat": "liveness is a lease; set lease_ttl",
+    "store_type": "the store is chosen by --rdzv-backend",
+    "rank": "static mode uses --node-rank",
+}
+# What the etcd store takes (store/etcd.py), as text.
+ETCD_OPTIONS = ("cacert", "cert", "key", "user", "password", "key_prefix", "protocol")
+
+
+@dataclass(frozen=True)
+class RendezvousConf:
+    """The typed ``--rdzv-conf``; None: not given (the reader's default)."""
+
+    join_timeout: float | None = None  # join_timeout, else torch's timeout
+    last_call_timeout: float | None = None
+    close_timeout: float | None = None
+    read_timeout: float | None = None  # each store request after the first
+    lease_ttl: float | None = None
+    exit_barrier_timeout: float | None = None
+    is_host: bool | None = None  # this node hosts the c10d store (None: decide by address)
+    token: str | None = None
+    token_file: str | None = None
+    store_bind: str | None = None
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = None
+    key_prefix: str | None = None
+    protocol: str | None = None
+
+    def etcd_options(self) -> dict[str, str]:
+        """The etcd store's options given (TLS files, user, key prefix, protocol)."""
+        out: dict[str, str] = {}
+        for name in ETCD_OPTIONS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+    def with_(self, **changes: Any) -> RendezvousConf:
+        return dataclasses.replace(self, **changes)
+
+
+def _unquote(text: str) -> str:
+    """``'x'`` or ``"x"`` -> ``x`` (one level of matching quotes)."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1].strip()
+    return text
+
+
+def split_rdzv_conf(text: str) -> dict[str, str]:
+    """``k=v,k=v`` -> {key: value text} (the flag's grammar; the values are
+    typed by :func:`parse_rdzv_conf`).
+
+    Quotes that no shell removed are tolerated as torchrun tolerates them: one
+    level of matching quotes around the whole text (``'k=v,k=v'``, as
+    PyTorch's own launcher tests pass it), an item, a key or a value is
+    dropped. Values cannot hold commas, quoted or not (as in torchrun)."""
+    out: dict[str, str] = {}
+    body = _unquote(text.strip())
+    if not body:
+        return out
+    for item in body.split(","):
+        key, sep, value = _unquote(item.strip()).partition("=")
+        key, value = _unquote(key.strip()), _unquote(value.strip())
+        if not key or not sep:
+            raise ConfigError(
+                f"--rdzv-conf: {item.strip()!r} is not key=value "
+                "(expected <key1>=<value1>,<key2>=<value2>,...)"
+            )
+        if not value:
+            raise ConfigError(f"--rdzv-conf: {key} has an empty value")
+        out[key] = value
+    return out
+
+
+def parse_rdzv_conf(conf: str | Mapping[str, Any]) -> RendezvousConf:
+    """``k=v,k=v`` (or a mapping) -> :class:`RendezvousConf`; unknown keys are errors."""
+    pairs = split_rdzv_conf(conf) if isinstance(conf, str) else dict(conf)
+    known = sorted(RDZV_CONF_KEYS)
+    values: dict[str, Any] = {}
+    for key, value in pairs.items():
+        if key in RDZV_CONF_IGNORED:
+            continue
+        kind = RDZV_CONF_KEYS.get(key)
+        if kind is None:
+            raise ConfigError(f"--rdzv-conf: unknown key {key!r}; known keys: {', '.join(known)}")
+        values[key] = _conf_value(key, kind, value)
+    if "token" in values and "token_file" in values:
+        raise ConfigError("--rdzv-conf: give token or token_file, not both")
+    if values.get("protocol", "http") not in ("http", "https"):
+        raise ConfigError(
+            f"--rdzv-conf: protocol must be http or https, got {values['protocol']!r}"
+        )
+    timeout = values.pop("timeout", None)  # torch's spelling; join_timeout wins
+    if timeout is not None:
+        values.setdefault("join_timeout", timeout)
+    return RendezvousConf(**values)
+
+
+def _conf_value(key: str, kind: str, value: Any) -> Any:
+    if kind == "float":
+        name, rng = f"--rdzv-conf: {key}", CONF_SECONDS[key]
+        if isinstance(value, str):
+            return parse_seconds(name, value, rng)
+        return check_seconds(name, value, rng)
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"--rdzv-conf: {key} must be 1 or 0 (true/false), got {value!r}")
+    text = str(value)
+    if not text:
+        raise ConfigError(f"--rdzv-conf: {key} has an empty value")
+    if any(c in text for c in "\x00\n\r"):
+        raise ConfigError(f"--rdzv-conf: {key} contains a NUL or line break")
+    return text
