@@ -21,7 +21,7 @@ from elastrun.errors import ConfigMismatch, RendezvousClosed, RestartBudgetExhau
 from elastrun.events import EventSink
 from elastrun.failure import FailureRecord
 from elastrun.rendezvous import keys as K
-from elastrun.rendezvous.api import RendezvousSettings
+from elastrun.rendezvous.api import RendezvousHooks, RendezvousSettings
 from elastrun.rendezvous.dynamic import DynamicRendezvous
 from elastrun.rendezvous.reuse import TABLE, Verdict, classify, describe_reset
 from elastrun.store.memory import MemoryStore
@@ -122,7 +122,7 @@ def handler(
         node_id=node,
         events=events,
     )
-    h.notice = said.append
+    h.attach(RendezvousHooks(notice=said.append))
     return h, events, said
 
 

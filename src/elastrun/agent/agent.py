@@ -58,7 +58,7 @@ from elastrun.events import EventSink, JsonLinesSink, NullSink
 from elastrun.failure import FailureRecord
 from elastrun.names import check_run_id
 from elastrun.procs import say, signal_name
-from elastrun.rendezvous.api import Change, Rendezvous, RoundResult
+from elastrun.rendezvous.api import Change, Rendezvous, RendezvousHooks, RoundResult
 from elastrun.untrusted import printable
 
 __all__ = ["Agent"]
@@ -167,13 +167,15 @@ class Agent:
         self._note_writes: set[asyncio.Task[None]] = set()
         # What next_round() waits for, on the console (the rendezvous reports it).
         self._waiting = WaitingConsole(clock=clock)
-        if rendezvous.progress is None:
-            rendezvous.progress = self._waiting.update
-        if rendezvous.notice is None:
-            # Said at registration, before the waiting line is first drawn.
-            rendezvous.notice = say
-        if rendezvous.lease_listener is None:  # revoked by the guard if the agent is killed
-            rendezvous.lease_listener = self._guard.set_lease
+        rendezvous.attach(
+            RendezvousHooks(
+                progress=self._waiting.update,
+                # Said at registration, before the waiting line is first drawn.
+                notice=say,
+                # Revoked by the guard if the agent is killed.
+                lease_listener=self._guard.set_lease,
+            )
+        )
 
     # ------------------------------------------------------------ public
     async def run(self) -> int:

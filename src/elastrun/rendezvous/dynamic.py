@@ -44,8 +44,8 @@ from elastrun.rendezvous import records as R
 from elastrun.rendezvous.actions import Executor, Outcome
 from elastrun.rendezvous.api import (
     Change,
-    ProgressCallback,
     Rendezvous,
+    RendezvousHooks,
     RendezvousSettings,
     RoundResult,
 )
@@ -102,7 +102,6 @@ class DynamicRendezvous(Rendezvous):
         events: EventSink | None = None,
         clock: Clock = SYSTEM_CLOCK,
         node_id: str | None = None,
-        progress: ProgressCallback | None = None,
     ) -> None:
         self.store = store
         self.settings = settings
@@ -113,7 +112,6 @@ class DynamicRendezvous(Rendezvous):
         self.addr = settings.addr or host
         self.node_id = _safe_id(node_id or f"{host}-{os.getpid()}-{os.urandom(3).hex()}")
         self.keys = K.Keys(settings.run_id)
-        self.progress = progress
         self.rules = Rules(
             Context(
                 min_nodes=settings.min_nodes,
@@ -131,7 +129,7 @@ class DynamicRendezvous(Rendezvous):
         self._timers: dict[Timer, float] = {}
         self._observer = Observer(node, self.rules)
         self._executor = Executor(node, self._observer, self.keeper, self._timers)
-        self._reporter = ProgressReporter(self.events, self.node_id, lambda: self.progress)
+        self._reporter = ProgressReporter(self.events, self.node_id, lambda: self.hooks.progress)
         self._registered = False
         self._inbox: Inbox | None = None
         self._phase_id = 0
@@ -317,8 +315,8 @@ class DynamicRendezvous(Rendezvous):
             previous_settings=(config or {}).get("settings"),
             last_failure=rnd.get("last_failure"),
         )
-        if self.notice is not None:
-            self.notice(printable(line))  # it quotes the records
+        if self.hooks.notice is not None:
+            self.hooks.notice(printable(line))  # it quotes the records
 
     def _agree(self, job: dict[str, Any], mine: dict[str, Any]) -> None:
         mismatch = R.config_diff(self.settings.run_id, job, mine)
@@ -339,8 +337,13 @@ class DynamicRendezvous(Rendezvous):
             return
         self._agree(K.decode(key, kv.value).get("settings", {}), mine)
 
+    def attach(self, hooks: RendezvousHooks) -> None:
+        self.hooks = hooks
+        if self.keeper.alive:  # held already: said now, as it would have been
+            self._lease_changed(self.keeper.lease)
+
     def _lease_changed(self, lease: int) -> None:
-        listener = self.lease_listener
+        listener = self.hooks.lease_listener
         if listener is not None:
             listener(self.store.revoke_spec(lease) if lease else None)
 
@@ -481,9 +484,6 @@ def create_dynamic_rendezvous(
     events: EventSink | None = None,
     clock: Clock = SYSTEM_CLOCK,
     node_id: str | None = None,
-    progress: ProgressCallback | None = None,
 ) -> DynamicRendezvous:
     """Build a node's dynamic rendezvous handle (the launcher's entry point)."""
-    return DynamicRendezvous(
-        store, settings, events=events, clock=clock, node_id=node_id, progress=progress
-    )
+    return DynamicRendezvous(store, settings, events=events, clock=clock, node_id=node_id)
