@@ -48,7 +48,6 @@ class GroupHangs:
     progress_faults: ProgressFaults
     _changed: asyncio.Event
     _closed: bool
-    _failed_seen: bool
     _hang_task: asyncio.Task[None] | None
 
     def _relayed(self, w: Worker, message: dict[str, Any]) -> None:
@@ -98,8 +97,10 @@ class GroupHangs:
         if not live or self.spec.stack_signal is None:
             return {}
 
+        signum = self.spec.stack_signal
+
         def signalled(lr: int) -> None:  # before it can die of it
-            self.workers[lr].stack_signalled = True
+            self.workers[lr].agent_signals.add(signum)
 
         got = await collect(
             live, clock=self.clock, signum=self.spec.stack_signal, on_signal=signalled
@@ -190,8 +191,6 @@ class GroupHangs:
             w.hang = f"rank {w.rank} made no progress for {hang.timeout:g} s ({step})"
         w.hang_monotonic = self.clock.monotonic()
         w.hang_wall = time.time()
-        w.hang_first = not self._failed_seen
-        self._failed_seen = True  # later failures are collateral of this one
         self.events.emit(
             "hang_detected",
             rank=w.rank,

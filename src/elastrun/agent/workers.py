@@ -22,9 +22,10 @@ Process hygiene (no worker outlives the agent):
   torch) is named the hung one. Progress relayed over a runner's channel
   (its file could not be written) counts as the file's would; a rank whose
   progress the agent cannot see is not judged (agent/progress_faults.py says so);
-* a worker that dies of the stack signal the agent sent it (its script
+* the root cause is decided by one rule (agent/failures.py ``roles``): a
+  worker that dies of the stack signal the agent sent it (its script
   changed the handler after the agent's check) was killed by the agent: it
-  is never the root cause (:meth:`WorkerGroup._on_exit`).
+  is never the root cause.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from typing import Any
 
 from elastrun.agent import env as worker_env_mod
 from elastrun.agent.children import ForkedProcess, Reaper
-from elastrun.agent.failures import ErrorFileInfo, WorkerFailure, read_error_file
+from elastrun.agent.failures import Ending, ErrorFileInfo, WorkerFailure, read_error_file, roles
 from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.hang_group import GroupHangs
 from elastrun.agent.logs import LinePump, LogWriteErrors, StreamRoute, rank_dir, routes_for
@@ -124,13 +125,14 @@ class Worker:
     stacks_file: str | None = None
     stacks: str | None = None  # its Python stacks, collected when a hang was declared
     stacks_skipped: str | None = None  # why its stacks were not asked for
-    stack_signalled: bool = False  # the agent sent it the stack signal
+    # Signals the agent sent it besides a stop (the stack signal): dying of one
+    # is the agent's doing, never a root cause (failures.roles).
+    agent_signals: set[int] = field(default_factory=set)
     channel_opened: float = 0.0  # (monotonic) when its channel was watched
     main_thread: int | None = None
     hang: str | None = None  # "rank R made no progress for S s (last step N)"
     hang_monotonic: float | None = None
     hang_wall: float | None = None
-    hang_first: bool = False  # the group's first failure: the root cause
     warm: bool = False  # started from a warm spare
 
     @property
@@ -184,7 +186,6 @@ class WorkerGroup(GroupHangs):
         self.workers: list[Worker] = []
         self._changed = asyncio.Event()
         self._hurry = asyncio.Event()
-        self._failed_seen = False
         self._closed = False
         self.guard = guard
         self.watchdog: HangWatchdog | None = None
@@ -431,21 +432,8 @@ class WorkerGroup(GroupHangs):
         w.exit_wall = time.time()
         if self.watchdog is not None:
             self.watchdog.forget(w.local_rank)
-        if w.stack_signalled and rc == -(self.spec.stack_signal or 0):
-            # Killed by the stack signal the agent sent (its script changed the
-            # handler after the agent's check): the agent's doing, never a root cause.
-            w.stopped_by_agent = True
-        if w.hang is not None:
-            cause = "root_cause" if w.hang_first else "collateral"
-        elif rc == 0:
-            cause = "ok"
-        elif w.stopped_by_agent:
-            cause = "collateral"
-        elif not self._failed_seen:
-            cause = "root_cause"
-            self._failed_seen = True
-        else:
-            cause = "collateral"
+        w.exited.set_result(rc)
+        cause = self._role(w)
         exitcode, sig = (rc, None) if rc >= 0 else (None, signal_name(-rc))
         self.events.emit(
             "worker_exited",
@@ -455,12 +443,27 @@ class WorkerGroup(GroupHangs):
             exitcode=exitcode,
             signal=sig,
             cause=cause,
-            stopped_by_agent=w.stopped_by_agent,
+            stopped_by_agent=self._ending(w).by_agent,
             round=self.result.round,
             attempt=self.attempt,
         )
-        w.exited.set_result(rc)
         self._changed.set()
+
+    def _ending(self, w: Worker) -> Ending:
+        declared = w.hang is not None
+        at = w.hang_monotonic if declared else w.exit_monotonic
+        return Ending(
+            w.returncode,
+            self.clock.monotonic() if at is None else at,
+            stopped_by_agent=w.stopped_by_agent,
+            declared=declared,
+            agent_signals=frozenset(w.agent_signals),
+        )
+
+    def _role(self, w: Worker) -> str:
+        """``w``'s role among the failures so far (failures.roles: the one rule)."""
+        ended = [x for x in self.workers if x.done or x.hang is not None]
+        return roles([self._ending(x) for x in ended])[ended.index(w)]
 
     # ------------------------------------------------------------- watching
     @property
@@ -631,7 +634,7 @@ class WorkerGroup(GroupHangs):
             returncode=rc,
             exit_time=w.hang_wall or w.exit_wall or time.time(),
             exit_monotonic=w.hang_monotonic or w.exit_monotonic or self.clock.monotonic(),
-            stopped_by_agent=w.stopped_by_agent and w.hang is None,
+            stopped_by_agent=self._ending(w).by_agent,
             error=error,
             stderr_tail=tuple(stderr_pump.tail) if stderr_pump else (),
             stdout_tail=tuple(stdout_pump.tail) if stdout_pump else (),
