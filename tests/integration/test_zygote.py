@@ -18,10 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastrun.agent import WorkerSpec
+from elastrun.agent import PythonScript, WorkerSpec
 from elastrun.agent.modcache import ModuleCache, ModuleList, ModuleReport, cache_key
 from elastrun.agent.spares import SparePool
-from elastrun.agent.spawn import python_entry
 from elastrun.events import ListSink
 from tests.conftest import PYTHON
 from tests.helpers import pid_alive
@@ -53,15 +52,14 @@ def _pool(
 ) -> tuple[SparePool, ListSink]:
     script = tmp_path / "s.py"
     script.write_text(script_text)
-    spec = WorkerSpec(argv=(PYTHON, "-u", str(script)), nproc=1, run_id="zygote-test")
-    entry = python_entry(spec.argv)
-    assert entry is not None
+    command = PythonScript(str(script), python=PYTHON)
+    spec = WorkerSpec(command=command, nproc=1, run_id="zygote-test")
     sink = sink or ListSink()
     mc = None
     if cache:
-        key = cache_key(entry.kind, entry.target, entry.args, PYTHON, str(tmp_path))
+        key = cache_key(command, str(tmp_path))
         mc = ModuleCache(str(tmp_path / "cache"), key)
-    return SparePool(spec, entry, sink, preload=preload, cache=mc, **kw), sink
+    return SparePool(spec, command, sink, preload=preload, cache=mc, **kw), sink
 
 
 def _env(**extra: str) -> dict[str, str]:

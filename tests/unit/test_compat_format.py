@@ -15,9 +15,10 @@ from xml.etree import ElementTree
 
 import pytest
 
+from elastrun.agent.command import Executable, with_local_rank
 from elastrun.agent.failures import ROOT_CAUSE, WorkerFailure, format_summary
 from elastrun.agent.logs import LinePump, routes_for, shows_rank, torch_prefix
-from elastrun.agent.spec import Std, WorkerSpec, argv_for
+from elastrun.agent.spec import Std, WorkerSpec
 from elastrun.agent.waiting import describe
 from elastrun.errors import ConfigError
 from elastrun.launcher.cli import Command, build_parser, parse, unknown_flags_message
@@ -34,7 +35,8 @@ from elastrun.status.timeline import axis_ticks, fmt_offset, place_labels, rende
 
 # ----------------------------------------------------------------- console prefixes
 def spec(**kw: object) -> WorkerSpec:
-    return WorkerSpec(argv=("python",), nproc=2, run_id="r", host="vm", **kw)  # type: ignore[arg-type]
+    command = Executable(("python",))
+    return WorkerSpec(command=command, nproc=2, run_id="r", host="vm", **kw)  # type: ignore[arg-type]
 
 
 def pump_lines(route_index: int, data: bytes, capsys: pytest.CaptureFixture[str], **kw: object):
@@ -121,7 +123,7 @@ def test_summary_prefers_stderr_and_says_when_both_are_empty() -> None:
 # ----------------------------------------------------------------- arguments
 def test_local_rank_macro_only_replaces_itself() -> None:
     argv = ("python", "-u", "t.py", "--local_rank=${local_rank}", "a$$b", "$local_rank", "${x}")
-    assert argv_for(argv, 3) == [
+    assert with_local_rank(argv, 3) == (
         "python",
         "-u",
         "t.py",
@@ -129,7 +131,7 @@ def test_local_rank_macro_only_replaces_itself() -> None:
         "a$$b",
         "$local_rank",
         "${x}",
-    ]
+    )
 
 
 def fake_card(root: Path, name: str, vendor: str, driver: str) -> None:

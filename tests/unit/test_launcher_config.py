@@ -14,9 +14,10 @@ import sys
 
 import pytest
 
+from elastrun.agent.command import Executable, PythonModule, PythonScript
 from elastrun.errors import ConfigError, RestartBudgetExhausted
 from elastrun.failure import FailureRecord
-from elastrun.launcher.cli import Command, parse, worker_argv
+from elastrun.launcher.cli import Command, parse, worker_argv, worker_command
 from elastrun.launcher.config import (
     LaunchConfig,
     parse_endpoint,
@@ -103,12 +104,14 @@ def test_module_flag(flag):
     _plan, cmd = parse([flag, "json.tool", "--sort-keys"])
     assert cmd.module
     assert worker_argv(cmd)[-4:] == ("-u", "-m", "json.tool", "--sort-keys")
+    assert worker_command(cmd) == PythonModule("json.tool", ("--sort-keys",))
 
 
 @pytest.mark.parametrize("flag", ["--no-python", "--no_python"])
 def test_no_python_runs_the_program_directly(flag):
     _, cmd = parse([flag, "true", "a"])
     assert worker_argv(cmd) == ("true", "a")
+    assert worker_command(cmd) == Executable(("true", "a"))
 
 
 @pytest.mark.parametrize("flag", ["--run-path", "--run_path"])
@@ -117,6 +120,8 @@ def test_run_path_uses_runpy(script, flag):
     argv = worker_argv(cmd)
     assert argv[1:3] == ("-u", "-c") and "runpy.run_path" in argv[3]
     assert argv[4] == os.path.abspath(script) and argv[5] == "x"
+    # Not through the worker runner: a program run as given.
+    assert worker_command(cmd) == Executable(argv)
 
 
 def test_flags_after_the_script_belong_to_the_script(script):
@@ -124,6 +129,7 @@ def test_flags_after_the_script_belong_to_the_script(script):
     assert plan.config.nproc_per_node == 2
     assert cmd.args == ("--nproc-per-node=5", "--lr", "0.1")
     assert worker_argv(cmd) == (sys.executable, "-u", script, "--nproc-per-node=5", "--lr", "0.1")
+    assert worker_command(cmd) == PythonScript(script, ("--nproc-per-node=5", "--lr", "0.1"))
 
 
 def test_redirects_and_tee_short_and_long(script):
@@ -358,7 +364,7 @@ def test_token_file_is_read(tmp_path, script):
 def test_stack_signal_forms(script, text, expect):
     plan, _ = run_parse(f"--stack-signal={text}")
     assert plan.config.stack_signal == (None if expect is None else int(expect))
-    spec = build_spec(plan, ["python", "-u", script], "h")
+    spec = build_spec(plan, PythonScript(script, python="python"), "h")
     assert spec.stack_signal == plan.config.stack_signal
 
 
@@ -417,7 +423,7 @@ def test_worker_spec_and_settings_from_flags(script):
         "--role=trainer",
         "--node-rank=2",
     )
-    spec = build_spec(plan, worker_argv(cmd), "hostA")
+    spec = build_spec(plan, worker_command(cmd), "hostA")
     assert spec.nproc == 2 and spec.role == "trainer" and spec.host == "hostA"
     assert spec.signals_to_handle == (signal.SIGTERM,)
     assert spec.signals_to_forward == (signal.SIGUSR1,)
@@ -481,12 +487,12 @@ def test_command_dataclass_defaults():
 )
 def test_spares_only_for_python_commands(script, flags, prewarm):
     plan, cmd = run_parse(*flags, script=script)
-    assert build_spec(plan, worker_argv(cmd), "hostA").prewarm is prewarm
+    assert build_spec(plan, worker_command(cmd), "hostA").prewarm is prewarm
 
 
 def test_no_python_programs_get_no_spare():
     plan, cmd = parse(["--standalone", "--max-restarts=2", "--no-python", "true", "-u", "x"])
-    assert build_spec(plan, worker_argv(cmd), "hostA").prewarm is False
+    assert build_spec(plan, worker_command(cmd), "hostA").prewarm is False
 
 
 @pytest.mark.parametrize(
@@ -507,5 +513,5 @@ def test_no_python_programs_get_no_spare():
 def test_the_agent_is_told_whether_the_store_authenticates(script, flags, authenticated):
     # Only then does a warm interpreter import what another node's note names.
     plan, command = run_parse(*flags)
-    spec = build_spec(plan, worker_argv(command), "h")
+    spec = build_spec(plan, worker_command(command), "h")
     assert spec.store_authenticated is authenticated

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 from elastrun.agent import hangs, stragglers
 from elastrun.agent.children import Reaper
+from elastrun.agent.command import Executable
 from elastrun.agent.env import check_round
 from elastrun.agent.failures import ROOT_CAUSE, classify, failure_record, format_summary
 from elastrun.agent.guard import OrphanGuard
@@ -43,7 +44,6 @@ from elastrun.agent.modcache import ModuleCache, ModuleReport, cache_key, defaul
 from elastrun.agent.progress_faults import ProgressFaults
 from elastrun.agent.signals import SignalRouter
 from elastrun.agent.spares import SparePool
-from elastrun.agent.spawn import python_entry
 from elastrun.agent.spec import WorkerSpec
 from elastrun.agent.waiting import WaitingConsole
 from elastrun.agent.workers import WorkerGroup
@@ -118,7 +118,7 @@ class Agent:
     ) -> None:
         if spec.nproc < 1:
             raise ConfigError(f"--nproc-per-node must be at least 1, got {spec.nproc}")
-        if not spec.argv:
+        if isinstance(spec.command, Executable) and not spec.command.argv:
             raise ConfigError("nothing to run: the worker command line is empty")
         if spec.shutdown_timeout < 0:
             raise ConfigError(f"shutdown timeout must be >= 0, got {spec.shutdown_timeout}")
@@ -146,15 +146,15 @@ class Agent:
         self._guard = OrphanGuard()
         self._reaper = Reaper()
         self._spares: SparePool | None = None
-        entry = python_entry(spec.argv) if spec.prewarm else None
-        if entry is not None:
+        command = spec.command
+        if spec.prewarm and not isinstance(command, Executable):
             cache = None
             if spec.prewarm_modules != "torch":
-                key = cache_key(entry.kind, entry.target, entry.args, entry.prefix[0], os.getcwd())
+                key = cache_key(command, os.getcwd())
                 cache = ModuleCache(spec.prewarm_cache or default_cache_dir(), key)
             self._spares = SparePool(
                 spec,
-                entry,
+                command,
                 self.events,
                 self._guard,
                 self._reaper,

@@ -45,6 +45,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from elastrun.agent.command import PythonCommand, PythonModule
 from elastrun.safefs import UnsafePath, private_dir, read_regular, write_atomic
 from elastrun.untrusted import UntrustedData, loads
 from elastrun.worker import _modnames
@@ -87,15 +88,16 @@ def args_shape(args: Sequence[str]) -> list[str]:
     return [a.split("=", 1)[0] if a.startswith("-") else "_" for a in args]
 
 
-def cache_key(kind: str, target: str, args: Sequence[str], interpreter: str, cwd: str) -> str:
+def cache_key(command: PythonCommand, cwd: str) -> str:
     """The cache key of a worker command (hex, 32 characters)."""
-    where = os.path.realpath(os.path.join(cwd, target)) if kind == "script" else target
+    module = isinstance(command, PythonModule)
+    where = command.target if module else os.path.realpath(os.path.join(cwd, command.target))
     parts = [
-        kind,
+        command.kind,
         where,
-        os.path.realpath(cwd) if kind == "module" else "",
-        args_shape(args),
-        os.path.realpath(interpreter),
+        os.path.realpath(cwd) if module else "",
+        args_shape(command.args),
+        os.path.realpath(command.python),
     ]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastrun.agent.children import ForkedProcess, Reaper
+from elastrun.agent.command import PythonCommand, with_local_rank
 from elastrun.agent.env import ROUND_ENV_VARS, stable_env
 from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.modcache import (
@@ -67,15 +68,8 @@ from elastrun.agent.modcache import (
     skipped,
     valid_names,
 )
-from elastrun.agent.spawn import (
-    RUNNER_SCRIPT,
-    PythonEntry,
-    entry_file,
-    imports_any,
-    launcher_stdin,
-    preexec_for,
-)
-from elastrun.agent.spec import WorkerSpec, argv_for
+from elastrun.agent.spawn import entry_file, imports_any, launcher_stdin, preexec_for
+from elastrun.agent.spec import WorkerSpec
 from elastrun.agent.stacks import STACK_SIGNAL_ENV, STACKS_ENV
 from elastrun.agent.watchdog import HEARTBEAT_ENV, HEARTBEAT_INTERVAL_ENV, heartbeat_interval
 from elastrun.errors import WorkerError
@@ -157,7 +151,7 @@ class SparePool:
     def __init__(
         self,
         spec: WorkerSpec,
-        entry: PythonEntry,
+        command: PythonCommand,
         events: EventSink,
         guard: OrphanGuard | None = None,
         reaper: Reaper | None = None,
@@ -170,7 +164,7 @@ class SparePool:
         say: Any = None,
     ) -> None:
         self.spec = spec
-        self.entry = entry
+        self.command = command
         self.events = events
         self.guard = guard
         self.reaper = reaper if reaper is not None else Reaper()
@@ -181,7 +175,7 @@ class SparePool:
         self.max_rss_mb = max_rss_mb
         self._say = say
         # The module name that would run the script: never imported ahead of time.
-        self.script = script_module(entry.kind, entry.target)
+        self.script = script_module(command.kind, command.target)
         self._cache_said = False
         self.recorded = cache.load(self.script) if cache is not None else ModuleList()
         self._cache_problem()
@@ -190,7 +184,7 @@ class SparePool:
         self.head_start = (
             not self.preload
             or bool(self.recorded.modules)
-            or imports_any(entry_file(entry), self.preload)
+            or imports_any(entry_file(command), self.preload)
         )
         self._z: _Zygote | None = None
         self._dead: list[subprocess.Popen[bytes]] = []
@@ -245,8 +239,7 @@ class SparePool:
                 self.events.emit("spare_failed", reason=str(self.reaper.error))
             return None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        entry = self.entry
-        argv = [*entry.prefix, RUNNER_SCRIPT, *entry.command, *entry.args]
+        argv = self.command.worker_argv(None)  # the fork order brings each rank's arguments
         # Only what every worker shares: no rank, round or runner variable.
         z_env = {k: v for k, v in env.items() if k not in ROUND_VARS | LOCAL_VARS | RUNNER_VARS}
         skip = self.recorded.skip
@@ -571,7 +564,7 @@ class SparePool:
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
             pipes[lr] = (out_r, out_w, err_r, err_w)
-            order = {"env": dict(envs[lr]), "args": argv_for(self.entry.args, lr)}
+            order = {"env": dict(envs[lr]), "args": list(with_local_rank(self.command.args, lr))}
             message = json.dumps({"v": PROTOCOL, "fork": order, "index": i, "count": len(ranks)})
             # The worker's stdin too (the agent's, as a cold worker's), with each
             # order: the zygote, shared across rounds, never keeps it.

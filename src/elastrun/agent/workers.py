@@ -44,13 +44,14 @@ from typing import Any
 
 from elastrun.agent import env as worker_env_mod
 from elastrun.agent.children import ForkedProcess, Reaper
+from elastrun.agent.command import Executable
 from elastrun.agent.failures import Ending, ErrorFileInfo, WorkerFailure, read_error_file, roles
 from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.hang_group import GroupHangs
 from elastrun.agent.logs import LinePump, LogWriteErrors, StreamRoute, rank_dir, routes_for
 from elastrun.agent.progress_faults import ProgressFaults
-from elastrun.agent.spawn import launcher_stdin, preexec_for, python_entry, runner_argv
-from elastrun.agent.spec import WorkerSpec, argv_for
+from elastrun.agent.spawn import launcher_stdin, preexec_for
+from elastrun.agent.spec import WorkerSpec
 from elastrun.agent.stacks import (
     STACK_SIGNAL_ENV,
     STACKS_ENV,
@@ -173,7 +174,7 @@ class WorkerGroup(GroupHangs):
         self.on_message = on_message
         self.module_scope = module_scope
         # Python workers run through elastrun's runner (worker/_runner.py).
-        self.runs_runner = python_entry(spec.argv) is not None
+        self.runs_runner = not isinstance(spec.command, Executable)
         # Log files that cannot be written: warned about once (the agent's, across rounds).
         self.log_errors = log_errors if log_errors is not None else LogWriteErrors(events)
         # Progress the agent cannot see: said once (the agent's, across rounds).
@@ -283,7 +284,7 @@ class WorkerGroup(GroupHangs):
     def _spawn_cold(
         self, w: Worker, env: dict[str, str], channel: socket.socket | None
     ) -> subprocess.Popen[bytes]:
-        argv = list(runner_argv(argv_for(self.spec.argv, w.local_rank)))
+        argv = self.spec.command.worker_argv(w.local_rank)
         fds: tuple[int, ...] = ()
         if channel is not None:
             env = {**env, CHANNEL_ENV: str(channel.fileno())}
@@ -304,7 +305,7 @@ class WorkerGroup(GroupHangs):
         except OSError as e:
             raise WorkerError(
                 f"cannot start worker local rank {w.local_rank}: "
-                f"{self.spec.argv[0] if self.spec.argv else '<empty argv>'}: "
+                f"{self.spec.command.program}: "
                 f"{e.strerror or e}"
             ) from e
         if self.guard is not None:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from elastrun.agent.command import Executable, PythonModule, PythonScript, WorkerCommand
 from elastrun.agent.watchdog import DEFAULT_AUTO_FLOOR
 from elastrun.errors import ConfigError, ElastrunError
 from elastrun.launcher.config import (
@@ -51,6 +52,7 @@ __all__ = [
     "parse_namespace",
     "usage_error",
     "worker_argv",
+    "worker_command",
 ]
 
 USAGE = "elastrun [flags] script [script args...]"
@@ -613,17 +615,22 @@ class Command:
     run_path: bool = False
 
 
-def worker_argv(cmd: Command) -> tuple[str, ...]:
-    """The full argv of a worker, as torchrun builds it."""
+def worker_command(cmd: Command) -> WorkerCommand:
+    """What each worker runs, typed (agent/command.py), as torchrun builds it."""
     python = os.environ.get("PYTHON_EXEC", sys.executable)
     if cmd.run_path:
         script = os.path.abspath(cmd.script)
-        return (python, "-u", "-c", RUN_PATH_CODE, script, *cmd.args)
+        return Executable((python, "-u", "-c", RUN_PATH_CODE, script, *cmd.args))
     if cmd.no_python:
-        return (cmd.script, *cmd.args)
+        return Executable((cmd.script, *cmd.args))
     if cmd.module:
-        return (python, "-u", "-m", cmd.script, *cmd.args)
-    return (python, "-u", cmd.script, *cmd.args)
+        return PythonModule(cmd.script, cmd.args, python=python)
+    return PythonScript(cmd.script, cmd.args, python=python)
+
+
+def worker_argv(cmd: Command) -> tuple[str, ...]:
+    """The full argv of a worker, as torchrun builds it."""
+    return worker_command(cmd).command_line()
 
 
 def _check_command(cmd: Command) -> None:
@@ -746,7 +753,7 @@ def execute(plan: Plan, cmd: Command) -> int:
     from elastrun.launcher.run import run_plan
 
     try:
-        return run_plan(plan, worker_argv(cmd))
+        return run_plan(plan, worker_command(cmd))
     except ConfigError as exc:
         sys.stderr.write(f"elastrun: error: {exc}\n")
         return 2

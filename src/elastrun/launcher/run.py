@@ -18,9 +18,10 @@ import functools
 import ipaddress
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from elastrun.agent.command import WorkerCommand
 from elastrun.agent.logs import open_event_log, run_dir
 from elastrun.agent.spec import DEFAULT_LOG_TEMPLATE, WorkerSpec
 from elastrun.clock import SYSTEM_CLOCK
@@ -104,13 +105,13 @@ async def _in_thread(fn: Any, *args: Any) -> Any:
         ) from None
 
 
-def build_spec(plan: Plan, argv: Sequence[str], host: str) -> WorkerSpec:
+def build_spec(plan: Plan, command: WorkerCommand, host: str) -> WorkerSpec:
     cfg = plan.config
     stop = {"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"}
     handle = tuple(s for s in cfg.signals_to_handle if s.name in stop)
     forward = tuple(s for s in cfg.signals_to_handle if s.name not in stop)
     return WorkerSpec(
-        argv=tuple(argv),
+        command=command,
         nproc=cfg.nproc_per_node,
         run_id=cfg.run_id,
         role=cfg.role,
@@ -315,7 +316,7 @@ async def _run_agent(spec: WorkerSpec, rdzv: Rendezvous, events: EventSink | Non
     return await Agent(spec, rdzv, events).run()
 
 
-async def run_async(plan: Plan, argv: Sequence[str], *, events: EventSink | None = None) -> int:
+async def run_async(plan: Plan, command: WorkerCommand, *, events: EventSink | None = None) -> int:
     """Run this node's agent for ``plan``; returns the process exit code."""
     cfg = plan.config
     hostname = socket.gethostname()
@@ -341,16 +342,16 @@ async def run_async(plan: Plan, argv: Sequence[str], *, events: EventSink | None
             max_restarts=cfg.max_restarts,
             node_rank=plan.node_rank,
         )
-        code = await _run(plan, argv, hostname, log)
+        code = await _run(plan, command, hostname, log)
         return code
     finally:
         log.emit("launcher", "agent_exited", exit_code=code)
         log.close()
 
 
-async def _run(plan: Plan, argv: Sequence[str], hostname: str, log: _EventLog) -> int:
+async def _run(plan: Plan, command: WorkerCommand, hostname: str, log: _EventLog) -> int:
     cfg = plan.config
-    spec = build_spec(plan, argv, hostname)
+    spec = build_spec(plan, command, hostname)
     if log.file is not None:  # written here, with the rendezvous' events: not twice
         spec = dataclasses.replace(spec, events_file=None)
     events = log.sink("agent")
@@ -400,6 +401,6 @@ async def _run(plan: Plan, argv: Sequence[str], hostname: str, log: _EventLog) -
             await server.stop()
 
 
-def run_plan(plan: Plan, argv: Sequence[str], *, events: EventSink | None = None) -> int:
+def run_plan(plan: Plan, command: WorkerCommand, *, events: EventSink | None = None) -> int:
     """Blocking: run the agent in a fresh event loop."""
-    return asyncio.run(run_async(plan, argv, events=events))
+    return asyncio.run(run_async(plan, command, events=events))
