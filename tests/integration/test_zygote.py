@@ -22,8 +22,11 @@ from elastrun.agent import PythonScript, WorkerSpec
 from elastrun.agent.modcache import ModuleCache, ModuleList, ModuleReport, cache_key
 from elastrun.agent.spares import SparePool
 from elastrun.events import ListSink
+from elastrun.worker._messages import Go, encode_line
 from tests.conftest import PYTHON
 from tests.helpers import pid_alive
+
+GO = encode_line(Go())  # what the agent sends a forked worker it registered
 
 # Prints which of the modules named in PROBE_MODULES were loaded before the
 # script itself imported anything, then imports them (as a script would).
@@ -79,7 +82,7 @@ async def _fork_one(pool: SparePool, env: dict[str, str]) -> tuple[int, str] | N
         ours.close()
         return None
     proc = forked[0]
-    ours.send(b"go\n")
+    ours.send(GO)
     assert proc.stdout is not None
     loop = asyncio.get_running_loop()
     out = await loop.run_in_executor(None, proc.stdout.read)
@@ -104,7 +107,7 @@ async def _fork_many(pool: SparePool, envs: dict[int, dict[str, str]]) -> dict[i
     loop = asyncio.get_running_loop()
     out = {}
     for lr, proc in forked.items():
-        pairs[lr][0].send(b"go\n")
+        pairs[lr][0].send(GO)
         assert proc.stdout is not None
         out[lr] = (await loop.run_in_executor(None, proc.stdout.read)).decode()
         assert await loop.run_in_executor(None, proc.wait, 60) == 0

@@ -60,6 +60,7 @@ from elastrun.names import check_run_id
 from elastrun.procs import say, signal_name
 from elastrun.rendezvous.api import Change, Rendezvous, RendezvousHooks, RoundResult
 from elastrun.untrusted import printable
+from elastrun.worker._messages import Message, Modules
 
 __all__ = ["Agent"]
 
@@ -454,16 +455,14 @@ class Agent:
             master=f"{result.master_addr}:{result.master_port}",
         )
 
-    def _on_worker_message(self, _local_rank: int, message: dict[str, Any]) -> None:
+    def _on_worker_message(self, _local_rank: int, message: Message) -> None:
         spares = self._spares
         if spares is None or self.spec.prewarm_modules == "torch":
             return
-        if message.get("kind") != "modules":
+        if not isinstance(message, Modules):
             return
-        report = ModuleReport.from_json(message, spares.script)
-        if report is None:
-            return
-        why = message.get("why")
+        report = ModuleReport.reported(message, spares.script)
+        why = message.why
         learned = spares.learn(report, why if why in WORKER_WHY else "worker")
         group = self._group
         if learned and group is not None and group.result.group_rank == 0:

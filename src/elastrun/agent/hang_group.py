@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from elastrun.agent.progress_faults import ProgressFaults
 from elastrun.agent.spec import WorkerSpec
@@ -28,6 +28,7 @@ from elastrun.clock import Clock
 from elastrun.events import EventSink
 from elastrun.procs import say, signal_name
 from elastrun.rendezvous.api import RoundResult
+from elastrun.worker._messages import Progress, ProgressFailed
 
 if TYPE_CHECKING:
     from elastrun.agent.workers import Worker
@@ -50,10 +51,10 @@ class GroupHangs:
     _closed: bool
     _hang_task: asyncio.Task[None] | None
 
-    def _relayed(self, w: Worker, message: dict[str, Any]) -> None:
+    def _relayed(self, w: Worker, message: Progress | ProgressFailed) -> None:
         """The runner cannot write the progress file: it says so, then sends
         each new record here (worker/_progress.py)."""
-        beat = parse_beat(message.get("beat")) if message.get("kind") == "progress" else None
+        beat = parse_beat(message.beat) if isinstance(message, Progress) else None
         if self.watchdog is not None:
             self.watchdog.relayed(w.local_rank, beat)
         self.progress_faults.write_failed(
@@ -62,8 +63,8 @@ class GroupHangs:
             attempt=self.attempt,
             round_=self.result.round,
             path=w.heartbeat_file,
-            error=message.get("error", "?"),
-            relayed=w.channel is not None,
+            error=message.error,
+            relayed=w.channel is not None and w.channel.open,
             watched=self.watchdog is not None,
         )
 

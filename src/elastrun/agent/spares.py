@@ -55,6 +55,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastrun.agent.channel import decode
 from elastrun.agent.children import ForkedProcess, Reaper
 from elastrun.agent.command import PythonCommand, with_local_rank
 from elastrun.agent.env import ROUND_ENV_VARS, stable_env
@@ -75,11 +76,11 @@ from elastrun.agent.watchdog import HEARTBEAT_ENV, HEARTBEAT_INTERVAL_ENV, heart
 from elastrun.errors import WorkerError
 from elastrun.events import EventSink
 from elastrun.untrusted import printable
+from elastrun.worker._messages import Fork, Forked, Preload, PreloadPlan, Ready, Unsafe, encode
 from elastrun.worker._modnames import script_module
 
 __all__ = ["LOCAL_VARS", "ROUND_VARS", "SparePool", "compatible"]
 
-PROTOCOL = 2
 PRELOAD = ("torch",)
 UNPRIVILEGED_DELAY = 3.0  # s: without idle priority, let cold workers import first
 PRELOAD_BUDGET = 120.0  # s a zygote may spend importing
@@ -137,7 +138,6 @@ class _Zygote:
     ready_event: asyncio.Event = field(default_factory=asyncio.Event)
     pending: asyncio.Future[list[int | None]] | None = None
     stderr: bytearray = field(default_factory=bytearray)
-    stats: dict[str, Any] = field(default_factory=dict)
     gone: str | None = None  # why it cannot be used any more
 
     @property
@@ -244,20 +244,20 @@ class SparePool:
         z_env = {k: v for k, v in env.items() if k not in ROUND_VARS | LOCAL_VARS | RUNNER_VARS}
         skip = self.recorded.skip
         modules = [m for m in (*self.preload, *self.recorded.modules) if not skipped(m, skip)]
-        preload = {
-            "modules": modules,
-            "python": self.recorded.python,
-            "torch": self.recorded.torch,
+        preload = PreloadPlan(
+            modules=tuple(modules),
+            python=self.recorded.python,
+            torch=self.recorded.torch,
             # What a module must not read while the zygote imports it.
-            "watch": sorted(ROUND_VARS | LOCAL_VARS),
+            watch=tuple(sorted(ROUND_VARS | LOCAL_VARS)),
             # Imported before any fork: every worker forked has torch.
-            "base": sum(1 for m in self.preload if not skipped(m, skip)),
-        }
+            base=sum(1 for m in self.preload if not skipped(m, skip)),
+        )
         spawn_env = {
             **z_env,
             MODE_ENV: "zygote",
             SCOPE_ENV: self.scope,
-            PRELOAD_ENV: json.dumps(preload),
+            PRELOAD_ENV: json.dumps(preload.to_json()),
             DELAY_ENV: repr(UNPRIVILEGED_DELAY),
             AGENT_ENV: str(os.getpid()),
             BUDGET_ENV: repr(self.budget),
@@ -324,45 +324,38 @@ class SparePool:
             if not data:
                 self._lost(z)
                 return
-            try:
-                message = json.loads(data)
-            except ValueError:
-                continue
-            if isinstance(message, dict) and message.get("v") == PROTOCOL:
-                self._dispatch(z, message)
+            message = decode(data, max_bytes=MAX_MESSAGE, what="a warm interpreter's message")
+            match message:
+                case Ready():
+                    self._ready(z, message)
+                case Forked(pids=pids):
+                    if z.pending is not None and not z.pending.done():
+                        z.pending.set_result(list(pids))
+                case Unsafe():
+                    self._refused(z, message.modules, message.why)
 
-    def _dispatch(self, z: _Zygote, message: dict[str, Any]) -> None:
-        if message.get("ready") is True:
-            z.ready = True
-            z.ready_event.set()
-            z.stats = message
-            failed = message.get("failed") or []
-            self.events.emit(
-                "spare_ready",
-                pid=z.pid,
-                preload_s=round(time.monotonic() - z.started, 3),
-                loaded=message.get("loaded"),
-                failed=[f[0] for f in failed if isinstance(f, list) and f],
-                rss_mb=round(int(message.get("rss_kb") or 0) / 1024, 1),
-                stopped=message.get("stopped"),
-            )
-            for item in failed:
-                if isinstance(item, list) and len(item) == 2:
-                    self.debug(f"warm interpreter skipped module {item[0]}: {item[1]}")
-            if message.get("stopped"):
-                self.debug(f"warm interpreter stopped importing: {message['stopped']}")
-        elif "pids" in message:
-            pids = message["pids"]
-            if z.pending is not None and not z.pending.done() and isinstance(pids, list):
-                z.pending.set_result([p if isinstance(p, int) and p > 0 else None for p in pids])
-        elif "unsafe" in message:
-            self._refused(z, message.get("unsafe"), str(message.get("why")))
+    def _ready(self, z: _Zygote, message: Ready) -> None:
+        z.ready = True
+        z.ready_event.set()
+        self.events.emit(
+            "spare_ready",
+            pid=z.pid,
+            preload_s=round(time.monotonic() - z.started, 3),
+            loaded=message.loaded,
+            failed=[name for name, _ in message.failed],
+            rss_mb=round(message.rss_kb / 1024, 1),
+            stopped=message.stopped,
+        )
+        for name, why in message.failed:
+            self.debug(f"warm interpreter skipped module {name}: {why}")
+        if message.stopped:
+            self.debug(f"warm interpreter stopped importing: {message.stopped}")
 
-    def _refused(self, z: _Zygote, unsafe: object, why: str) -> None:
+    def _refused(self, z: _Zygote, unsafe: Sequence[str], why: str) -> None:
         """The zygote found a module unsafe to import ahead of time and quit:
         remember it (with its package) and start another without it, a bounded
         number of times."""
-        names = valid_names(unsafe if isinstance(unsafe, list) else [unsafe])
+        names = valid_names(list(unsafe))
         for name in names:
             self.recorded.skip[name] = why
         self.recorded.modules = [
@@ -447,7 +440,7 @@ class SparePool:
         z = self._z
         if z is not None and z.gone is None:
             with contextlib.suppress(OSError):
-                z.sock.send(json.dumps({"v": PROTOCOL, "preload": new}).encode())
+                z.sock.send(encode(Preload(tuple(new))))
                 z.ready = False
                 z.ready_event.clear()
         return True
@@ -564,8 +557,8 @@ class SparePool:
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
             pipes[lr] = (out_r, out_w, err_r, err_w)
-            order = {"env": dict(envs[lr]), "args": list(with_local_rank(self.command.args, lr))}
-            message = json.dumps({"v": PROTOCOL, "fork": order, "index": i, "count": len(ranks)})
+            args = with_local_rank(self.command.args, lr)
+            order = Fork(env=dict(envs[lr]), args=args, index=i, count=len(ranks))
             # The worker's stdin too (the agent's, as a cold worker's), with each
             # order: the zygote, shared across rounds, never keeps it.
             fds = array.array(
@@ -573,7 +566,7 @@ class SparePool:
             )
             z.sock.setblocking(True)
             z.sock.settimeout(5.0)
-            z.sock.sendmsg([message.encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+            z.sock.sendmsg([encode(order)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
         z.sock.setblocking(False)
         return await asyncio.wait_for(z.pending, FORK_TIMEOUT)
 

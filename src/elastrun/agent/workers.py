@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastrun.agent import env as worker_env_mod
+from elastrun.agent.channel import CHANNEL_ENV, RunnerChannel
 from elastrun.agent.children import ForkedProcess, Reaper
 from elastrun.agent.command import Executable
 from elastrun.agent.failures import Ending, ErrorFileInfo, WorkerFailure, read_error_file, roles
@@ -69,7 +70,7 @@ from elastrun.errors import WorkerError
 from elastrun.events import EventSink
 from elastrun.procs import signal_name
 from elastrun.rendezvous.api import RoundResult
-from elastrun.untrusted import UntrustedData, loads
+from elastrun.worker._messages import Message, Progress, ProgressFailed
 
 __all__ = ["Worker", "WorkerGroup", "preexec_for", "round_env"]
 
@@ -79,18 +80,13 @@ Fork = Callable[
     [Mapping[int, Mapping[str, str]], Mapping[int, int]], Awaitable[dict[int, ForkedProcess]]
 ]
 # (local rank, a message the worker's runner sent) -> None
-OnMessage = Callable[[int, dict[str, Any]], None]
+OnMessage = Callable[[int, Message], None]
 # The process handle of a worker: started cold, or forked and adopted.
 Process = subprocess.Popen[bytes] | ForkedProcess
 
-CHANNEL_ENV = "ELASTRUN_CHANNEL_FD"  # read by worker/_runner.py
 SCOPE_ENV = "ELASTRUN_MODULE_SCOPE"
 KILL_WAIT = 5.0  # after SIGKILL, how long to wait for the kernel to finish them
 DRAIN_TIMEOUT = 2.0  # after exit, how long to wait for the rest of a worker's output
-MAX_CHANNEL_BYTES = 1 << 20  # what one worker may send the agent over its channel at once
-# ... plus this much per second it has run (the progress it relays while its
-# file cannot be written: at most a record of a few hundred bytes per interval).
-CHANNEL_BYTES_PER_S = 4096
 
 
 def _killpg(pgid: int, sig: int) -> bool:
@@ -111,9 +107,7 @@ class Worker:
     error_file: str
     routes: tuple[StreamRoute, StreamRoute]
     popen: Process | None = None
-    channel: socket.socket | None = None  # the agent's end of the runner's channel
-    channel_buf: bytearray = field(default_factory=bytearray)
-    channel_read: int = 0
+    channel: RunnerChannel | None = None  # the agent's end of the runner's channel
     exited: asyncio.Future[int] | None = None
     exit_monotonic: float | None = None
     exit_wall: float | None = None
@@ -129,7 +123,6 @@ class Worker:
     # Signals the agent sent it besides a stop (the stack signal): dying of one
     # is the agent's doing, never a root cause (failures.roles).
     agent_signals: set[int] = field(default_factory=set)
-    channel_opened: float = 0.0  # (monotonic) when its channel was watched
     main_thread: int | None = None
     hang: str | None = None  # "rank R made no progress for S s (last step N)"
     hang_monotonic: float | None = None
@@ -237,7 +230,8 @@ class WorkerGroup(GroupHangs):
                 envs[w.local_rank][STACK_SIGNAL_ENV] = str(self.spec.stack_signal)
             if self.runs_runner:
                 envs[w.local_rank][SCOPE_ENV] = self.module_scope
-                w.channel, theirs[w.local_rank] = socket.socketpair()
+                ours, theirs[w.local_rank] = socket.socketpair()
+                w.channel = RunnerChannel(ours)
         try:
             forked: dict[int, ForkedProcess] = {}
             if fork is not None and self.runs_runner:
@@ -326,56 +320,24 @@ class WorkerGroup(GroupHangs):
             assert pipe is not None
             self._pump(loop, w, pipe, route)
         if w.channel is not None:
-            w.channel_opened = self.clock.monotonic()
-            w.channel.setblocking(False)
-            loop.add_reader(w.channel.fileno(), self._on_channel, w)
+            w.channel.watch(
+                self.clock.monotonic,
+                lambda message: self._on_message(w, message),
+                lambda: self._channel_closed(w),
+            )
             if w.warm:
-                with contextlib.suppress(OSError):
-                    w.channel.send(b"go\n")  # registered: the forked worker may run
+                w.channel.go()  # registered: the forked worker may run
 
-    def _on_channel(self, w: Worker) -> None:
-        """Read what the worker's runner sends (JSON lines, bounded: at most
-        MAX_CHANNEL_BYTES, plus CHANNEL_BYTES_PER_S for each second it ran)."""
-        sock = w.channel
-        if sock is None:
-            return
-        try:
-            data = sock.recv(65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        w.channel_read += len(data)
-        budget = MAX_CHANNEL_BYTES + CHANNEL_BYTES_PER_S * (
-            self.clock.monotonic() - w.channel_opened
-        )
-        if not data or w.channel_read > budget:
-            self._close_channel(w)
-            return
-        w.channel_buf += data
-        while b"\n" in w.channel_buf:
-            line, _, rest = bytes(w.channel_buf).partition(b"\n")
-            w.channel_buf = bytearray(rest)
-            try:
-                message = loads(line, max_bytes=MAX_CHANNEL_BYTES, what="a channel message")
-            except UntrustedData:
-                continue
-            if not isinstance(message, dict):
-                continue
-            if message.get("kind") in ("progress", "progress_failed"):
-                self._relayed(w, message)
-            elif self.on_message is not None:
-                self.on_message(w.local_rank, message)
+    def _on_message(self, w: Worker, message: Message) -> None:
+        """What the worker's runner sent (agent/channel.py: bounded, typed)."""
+        if isinstance(message, Progress | ProgressFailed):
+            self._relayed(w, message)
+        elif self.on_message is not None:
+            self.on_message(w.local_rank, message)
 
-    def _close_channel(self, w: Worker) -> None:
-        sock, w.channel = w.channel, None
-        if sock is None:
-            return
+    def _channel_closed(self, w: Worker) -> None:
         if self.watchdog is not None:
             self.watchdog.channel_closed(w.local_rank)
-        with contextlib.suppress(RuntimeError, ValueError, OSError):
-            asyncio.get_running_loop().remove_reader(sock.fileno())
-        sock.close()
 
     def envs(self) -> dict[int, dict[str, str]]:
         """Each local rank's environment in this round (what spares start with)."""
@@ -576,7 +538,8 @@ class WorkerGroup(GroupHangs):
     def _release(self, w: Worker) -> None:
         """Close what the agent holds of worker ``w``: its channel, output
         pipes and pumps, its pidfd."""
-        self._close_channel(w)
+        if w.channel is not None:
+            w.channel.close()
         for tr in w.transports:
             tr.close()
         for p in w.pumps:
