@@ -32,6 +32,7 @@ from typing import Any
 
 from elastrun.failure import FailedWorker, FailureRecord
 from elastrun.procs import signal_name
+from elastrun.rendezvous.api import Change, RoundResult
 from elastrun.safefs import UnsafePath, read_regular
 from elastrun.untrusted import MAX_DEPTH, UntrustedData, depth, loads, printable
 
@@ -42,12 +43,16 @@ __all__ = [
     "Ending",
     "ErrorFileInfo",
     "WorkerFailure",
+    "change_line",
     "classify",
     "describe_exit",
     "failure_record",
     "format_summary",
     "read_error_file",
+    "restart_line",
     "roles",
+    "summary_title",
+    "with_report",
 ]
 
 MAX_ERROR_FILE_BYTES = 1 << 20  # an error file larger than this is not read (said so)
@@ -396,3 +401,54 @@ def format_summary(failures: list[WorkerFailure], header: str, tail_lines: int =
     lines.extend(_log_lines(failures))
     lines.append(bar)
     return "\n".join(lines)
+
+
+# ------------------------------------------------------- the lines about a round's end
+
+
+def summary_title(result: RoundResult) -> str:
+    """The failure summary's title when a restart may be left."""
+    if result.restart_count < result.max_restarts:
+        return (
+            f"elastrun: workers failed; restarting them "
+            f"(restart {result.restart_count + 1} of {result.max_restarts})"
+        )
+    spent = f"no restarts are left (max restarts {result.max_restarts})"
+    if len(result.members) <= 1:
+        # No other node in the group: none can have been lost.
+        return f"elastrun: workers failed and {spent}: the job fails"
+    return (
+        f"elastrun: workers failed and {spent}; the job goes on only if another "
+        "node of the group was lost (this failure is then not counted)"
+    )
+
+
+def restart_line(result: RoundResult, failures: list[WorkerFailure], record: FailureRecord) -> str:
+    """The one console line that says why the workers restart."""
+    root = any(f.role == ROOT_CAUSE for f in failures)
+    return (
+        f"elastrun: restarting workers (restart {result.restart_count + 1}/"
+        f"{result.max_restarts}): " + (record.describe() if root else "workers failed on this node")
+    )
+
+
+def change_line(change: Change, result: RoundResult) -> str:
+    """The one console line that says why this round ends."""
+    why = change.detail or change.reason.replace("_", " ")
+    if change.counts_as_restart:
+        if not change.detail:
+            why = f"workers failed on another node ({change.reason})"
+        return (
+            f"elastrun: restarting workers (restart {result.restart_count + 1}/"
+            f"{result.max_restarts}): {why}"
+        )
+    return f"elastrun: re-forming: {why}; not counted as a restart"
+
+
+def with_report(summary: str, report: str) -> str:
+    """The failure summary with the features' report (the stacks) before its
+    closing bar."""
+    if not report:
+        return summary
+    head, _, bar = summary.rpartition("\n")
+    return f"{head}\n{report}\n{bar}"
