@@ -48,6 +48,9 @@ class RunnerChannel:
         self._buf = bytearray()
         self._read = 0
         self._opened = 0.0
+        self._now: Callable[[], float] = lambda: 0.0
+        self._on_message: Callable[[Message], None] = lambda _m: None
+        self._on_close: Callable[[], None] = lambda: None
 
     @property
     def open(self) -> bool:
@@ -62,11 +65,10 @@ class RunnerChannel:
         sock = self.sock
         if sock is None:
             return
+        self._now, self._on_message, self._on_close = now, on_message, on_close
         self._opened = now()
         sock.setblocking(False)
-        asyncio.get_running_loop().add_reader(
-            sock.fileno(), self._readable, now, on_message, on_close
-        )
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._readable)
 
     def go(self) -> None:
         """A forked worker is registered: it may run its script."""
@@ -74,12 +76,7 @@ class RunnerChannel:
             with contextlib.suppress(OSError):
                 self.sock.send(encode_line(Go()))
 
-    def _readable(
-        self,
-        now: Callable[[], float],
-        on_message: Callable[[Message], None],
-        on_close: Callable[[], None],
-    ) -> None:
+    def _readable(self) -> None:
         sock = self.sock
         if sock is None:
             return
@@ -90,10 +87,10 @@ class RunnerChannel:
         except OSError:
             data = b""
         self._read += len(data)
-        budget = MAX_CHANNEL_BYTES + CHANNEL_BYTES_PER_S * (now() - self._opened)
+        budget = MAX_CHANNEL_BYTES + CHANNEL_BYTES_PER_S * (self._now() - self._opened)
         if not data or self._read > budget:
             self.close()
-            on_close()
+            self._on_close()
             return
         self._buf += data
         while b"\n" in self._buf:
@@ -101,7 +98,7 @@ class RunnerChannel:
             self._buf = bytearray(rest)
             message = decode(line, max_bytes=MAX_CHANNEL_BYTES, what="a channel message")
             if message is not None:
-                on_message(message)
+                self._on_message(message)
 
     def close(self) -> None:
         sock, self.sock = self.sock, None

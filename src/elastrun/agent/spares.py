@@ -86,7 +86,7 @@ from elastrun.errors import WorkerError
 from elastrun.events import EventSink
 from elastrun.rendezvous.api import RoundResult
 from elastrun.untrusted import printable
-from elastrun.worker._messages import Fork, PreloadPlan, Ready, Unsafe
+from elastrun.worker._messages import PreloadPlan, Ready, Unsafe
 from elastrun.worker._modnames import script_module
 
 __all__ = ["LOCAL_VARS", "ROUND_VARS", "SparePool", "WarmStarts", "compatible", "features"]
@@ -108,9 +108,6 @@ LOCAL_VARS = frozenset(("LOCAL_RANK",))
 
 # Set per worker by the agent for the runner, which removes them.
 RUNNER_VARS = frozenset((SCOPE_ENV, CHANNEL_ENV))
-
-# The pipes of one forked worker: stdout's read and write ends, stderr's.
-Pipes = tuple[int, int, int, int]
 
 
 def usable_cpus() -> int:
@@ -427,19 +424,28 @@ class SparePool:
             if len(envs) > usable_cpus() and not await self.wait_ready(READY_WAIT):
                 return {}  # gone, or too slow: start cold (a slow one is kept)
         waited = time.monotonic() - waited
-        ranks = sorted(envs)
-        pipes: dict[int, Pipes] = {}
-        pids: list[int | None] = []
+        orders = {
+            lr: (envs[lr], with_local_rank(self.command.args, lr), channels[lr]) for lr in envs
+        }
         try:
-            pids = await z.fork(self._orders(ranks, envs, channels, pipes))
+            forked = await z.fork_workers(orders, launcher_stdin())
         except (OSError, TimeoutError) as e:
             self._discard(z, f"cannot fork workers: {e!r}")
             self._z = None
-        finally:
-            for _, out_w, _, err_w in pipes.values():
-                os.close(out_w)
-                os.close(err_w)
-        return self._adopt(z, ranks, pipes, pids, waited)
+            return {}
+        for lr, proc in forked.items():
+            self.reaper.watch_session(proc.pid)
+            if self.guard is not None:
+                self.guard.add(proc.pid)
+            self.events.emit(
+                "spare_used",
+                local_rank=lr,
+                pid=proc.pid,
+                zygote=z.pid,
+                warm_s=round(time.monotonic() - z.started, 3),
+                waited_s=round(waited, 3),
+            )
+        return forked
 
     def _usable(self, envs: Mapping[int, Mapping[str, str]]) -> Zygote | None:
         """The zygote, if workers with ``envs`` can be forked from it (an
@@ -458,63 +464,6 @@ class SparePool:
                 self._z = None
                 return None
         return z
-
-    def _orders(
-        self,
-        ranks: list[int],
-        envs: Mapping[int, Mapping[str, str]],
-        channels: Mapping[int, int],
-        pipes: dict[int, Pipes],
-    ) -> list[tuple[Fork, list[int]]]:
-        """One fork order per rank, with its fds: its output pipes (made
-        here, recorded in ``pipes``), its channel and the worker's stdin (the
-        agent's, as a cold worker's: with each order, the zygote, shared
-        across rounds, never keeps it)."""
-        stdin = launcher_stdin()
-        orders = []
-        for i, lr in enumerate(ranks):
-            out_r, out_w = os.pipe()
-            err_r, err_w = os.pipe()
-            pipes[lr] = (out_r, out_w, err_r, err_w)
-            args = with_local_rank(self.command.args, lr)
-            order = Fork(env=dict(envs[lr]), args=args, index=i, count=len(ranks))
-            orders.append(
-                (order, [out_w, err_w, channels[lr], *([] if stdin is None else [stdin])])
-            )
-        return orders
-
-    def _adopt(
-        self,
-        z: Zygote,
-        ranks: list[int],
-        pipes: dict[int, Pipes],
-        pids: list[int | None],
-        waited: float,
-    ) -> dict[int, ForkedProcess]:
-        """The forked workers, by local rank (the read ends of the pipes of
-        ranks that got no process are closed)."""
-        out: dict[int, ForkedProcess] = {}
-        for i, lr in enumerate(ranks):
-            out_r, _, err_r, _ = pipes.get(lr, (-1, -1, -1, -1))
-            pid = pids[i] if i < len(pids) else None
-            if pid is None:
-                for fd in (out_r, err_r):
-                    if fd >= 0:
-                        os.close(fd)
-                continue
-            out[lr] = ForkedProcess(pid, os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
-            self.reaper.watch_session(pid)
-            if self.guard is not None:
-                self.guard.add(pid)
-            self.events.emit(
-                "spare_used",
-                local_rank=lr,
-                pid=pid,
-                zygote=z.pid,
-                warm_s=round(time.monotonic() - z.started, 3),
-                waited_s=round(waited, 3),
-            )
-        return out
 
     # ------------------------------------------------------------ ending
     def _discard(self, z: Zygote, reason: str) -> None:

@@ -20,10 +20,11 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from elastrun.agent.channel import decode
+from elastrun.agent.children import ForkedProcess
 from elastrun.agent.spawn import preexec_for
 from elastrun.worker._messages import Fork, Forked, Preload, PreloadPlan, Ready, Unsafe, encode
 
@@ -191,10 +192,46 @@ class Zygote:
             self.ready = False
             self.ready_event.clear()
 
-    async def fork(self, orders: Sequence[tuple[Fork, Sequence[int]]]) -> list[int | None]:
-        """Fork one worker per order (with its fds: stdout, stderr, channel
+    async def fork_workers(
+        self, orders: Mapping[int, tuple[Mapping[str, str], Sequence[str], int]], stdin: int | None
+    ) -> dict[int, ForkedProcess]:
+        """Workers forked, by local rank: ``orders[lr]`` is each one's
+        environment, arguments and channel socket fd; ``stdin`` the fd every
+        one reads (None: /dev/null), passed with each order (the zygote,
+        shared across rounds, never keeps it). Those it could not fork are
+        missing. Raises OSError or TimeoutError (nothing forked then)."""
+        ranks = sorted(orders)
+        pipes: dict[int, tuple[int, int, int, int]] = {}  # stdout's read, write; stderr's
+        pids: list[int | None] = []
+        try:
+            batch = []
+            for i, lr in enumerate(ranks):
+                env, args, channel = orders[lr]
+                out_r, out_w = os.pipe()
+                err_r, err_w = os.pipe()
+                pipes[lr] = (out_r, out_w, err_r, err_w)
+                fds = [out_w, err_w, channel, *([] if stdin is None else [stdin])]
+                batch.append((Fork(dict(env), tuple(args), index=i, count=len(ranks)), fds))
+            pids = await self._fork(batch)
+        finally:
+            for _, out_w, _, err_w in pipes.values():
+                os.close(out_w)
+                os.close(err_w)
+            # The read ends of the ranks that got no process.
+            for i, lr in enumerate(ranks):
+                if lr in pipes and (i >= len(pids) or pids[i] is None):
+                    os.close(pipes[lr][0])
+                    os.close(pipes[lr][2])
+        return {
+            lr: ForkedProcess(pid, os.fdopen(pipes[lr][0], "rb"), os.fdopen(pipes[lr][2], "rb"))
+            for i, lr in enumerate(ranks)
+            if i < len(pids) and (pid := pids[i]) is not None
+        }
+
+    async def _fork(self, orders: Sequence[tuple[Fork, Sequence[int]]]) -> list[int | None]:
+        """Hand the zygote every order (with its fds: stdout, stderr, channel
         and, if any, stdin), forked together once all came; their pids in
-        order (None: not forked). Raises OSError or TimeoutError."""
+        order (None: not forked)."""
         self.pending = asyncio.get_running_loop().create_future()
         try:
             for order, fds in orders:
