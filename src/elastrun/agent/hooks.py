@@ -10,8 +10,9 @@ hooks, every one a no-op unless a feature overrides it:
   (per-round state lives there, and goes with the round).
 
 A feature gets what it may use of the agent as a :class:`Core` when it is
-made. The hooks run in the order the features were made, each to the end
-(an awaited hook is raced with the terminating signals by the core).
+made. The hooks run in the order the features were made. ``before_round``
+and ``failed`` are raced with the terminating signals (a signal cancels
+them); the others run to their end, and must be bounded.
 """
 
 from __future__ import annotations
