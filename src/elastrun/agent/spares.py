@@ -75,7 +75,7 @@ from elastrun.agent.modcache import (
     skipped,
     valid_names,
 )
-from elastrun.agent.modlearn import ModuleLearning
+from elastrun.agent.modlearn import NOTE_TIMEOUT, ModuleLearning
 from elastrun.agent.spawn import entry_file, imports_any, launcher_stdin
 from elastrun.agent.spec import WorkerSpec
 from elastrun.agent.stacks import STACK_SIGNAL_ENV, STACKS_ENV
@@ -98,7 +98,6 @@ PRELOAD_MAX_RSS = 4096  # MiB a zygote may grow to while importing
 READY_WAIT = 60.0  # s a start of more workers than CPUs waits for a zygote importing
 MAX_REFUSALS = 8  # zygotes quitting on an unsafe module before the list is dropped
 REAP_WAIT = 2.0
-NOTE_TIMEOUT = 5.0  # s a joining node waits for the job's module list first
 
 # Worker variables that change from round to round, and from local rank to
 # local rank; everything else in a worker's environment must be what the
