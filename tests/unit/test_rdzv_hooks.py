@@ -86,7 +86,8 @@ def test_a_static_rendezvous_keeps_its_hooks_and_calls_none() -> None:
     settings = RendezvousSettings(run_id="J", min_nodes=1, max_nodes=1, host="h")
     h = StaticRendezvous(settings, node_rank=0, master_addr="127.0.0.1", master_port=1234)
     said: list[str] = []
-    hooks = RendezvousHooks(notice=said.append, lease_listener=said.append)
+    leases: list[Any] = []
+    hooks = RendezvousHooks(notice=said.append, lease_listener=leases.append)
     h.attach(hooks)
     _run(h.next_round())
-    assert h.hooks is hooks and said == []
+    assert h.hooks is hooks and said == [] and leases == []
