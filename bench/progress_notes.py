@@ -141,7 +141,7 @@ async def _run(host: str, port: int, args: argparse.Namespace, server_pid: int) 
             asyncio.ensure_future(
                 stragglers.publish_loop(
                     handlers[i],
-                    groups[i],  # type: ignore[arg-type]  # the workers' rank and heartbeat file
+                    [(w.rank, w.heartbeat_file) for w in groups[i].workers],
                     results[i],
                     f"node{i}",
                     sink,

@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from elastrun.failure import FailureRecord
-from elastrun.rendezvous.api import RendezvousSettings
+from elastrun.rendezvous.api import RendezvousHooks, RendezvousSettings, WaitingStatus
 from elastrun.rendezvous.dynamic import DynamicRendezvous
 from elastrun.store.client import TcpStore
 
@@ -46,17 +46,21 @@ async def handler(store: TcpStore, spec: dict[str, Any], index: int) -> None:
     )
     rdzv = DynamicRendezvous(store, settings, node_id=node)
     if spec.get("progress"):
-        rdzv.progress = lambda st: out(
-            node=node,
-            step="progress",
-            ok=True,
-            round=st.round,
-            state=st.state,
-            joined=st.joined,
-            deadline=st.deadline,
-            left=st.seconds_left,
-            detail=st.detail,
-        )
+
+        def progress(st: WaitingStatus) -> None:
+            out(
+                node=node,
+                step="progress",
+                ok=True,
+                round=st.round,
+                state=st.state,
+                joined=st.joined,
+                deadline=st.deadline,
+                left=st.seconds_left,
+                detail=st.detail,
+            )
+
+        rdzv.attach(RendezvousHooks(progress=progress))
     try:
         for step in spec["script"]:
             t0 = time.monotonic()

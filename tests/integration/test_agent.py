@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from elastrun.agent import Agent, Std, WorkerSpec
+from elastrun.agent import Agent, Executable, Std, WorkerSpec
 from elastrun.events import ListSink
 from elastrun.names import RunId
 from tests.conftest import PYTHON, REPO
@@ -48,7 +48,8 @@ def run_agent(spec: WorkerSpec, rdzv: OneNodeRendezvous, side=None) -> tuple[int
 def spec_for(script: str, *args: str, nproc: int = 2, **kw) -> WorkerSpec:
     kw.setdefault("host", "testhost")
     kw.setdefault("run_id", "agent-test")
-    return WorkerSpec(argv=(PYTHON, str(SCRIPTS / script), *args), nproc=nproc, **kw)
+    command = Executable((PYTHON, str(SCRIPTS / script), *args))
+    return WorkerSpec(command=command, nproc=nproc, **kw)
 
 
 def records(outdir: Path) -> list[dict[str, Any]]:
@@ -326,7 +327,7 @@ ECHO = (
 def test_redirects_tee_and_rank_filter(tmp_path, capfd):
     log_dir = tmp_path / "logs"
     spec = WorkerSpec(
-        argv=(PYTHON, "-c", ECHO),
+        command=Executable((PYTHON, "-c", ECHO)),
         nproc=3,
         run_id=RunId("echo"),
         host="h1",
@@ -357,7 +358,9 @@ def test_finished_job_exits_0_without_starting_workers(tmp_path):
 
 
 def test_unstartable_worker_fails_clearly(tmp_path, capfd):
-    spec = WorkerSpec(argv=(str(tmp_path / "no-such-program"),), nproc=2, run_id=RunId("x"))
+    spec = WorkerSpec(
+        command=Executable((str(tmp_path / "no-such-program"),)), nproc=2, run_id=RunId("x")
+    )
     code, _ = run_agent(spec, OneNodeRendezvous(nproc=2))
     assert code == 1
     assert "cannot start worker local rank 0" in capfd.readouterr().err

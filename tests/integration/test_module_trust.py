@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from elastrun.agent.command import PythonScript
 from elastrun.agent.modcache import MAX_FILE_BYTES, cache_key
 from elastrun.names import RunId
 from elastrun.rendezvous.keys import Keys
@@ -189,7 +190,7 @@ def test_a_modules_note_from_the_store_never_runs_the_script_again(tmp_path, sto
 
 
 def _cache_file(tmp_path: Path, cache_dir: Path) -> Path:
-    key = cache_key("script", "train.py", (), PYTHON, str(tmp_path))
+    key = cache_key(PythonScript("train.py", python=PYTHON), str(tmp_path))
     return cache_dir / f"modules-{key}.json"
 
 

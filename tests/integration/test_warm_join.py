@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from elastrun.agent.command import PythonScript
 from elastrun.agent.modcache import ModuleCache, ModuleList, cache_key
 from tests.conftest import PYTHON
 from tests.helpers import free_port, stop_groups, wait_for
@@ -56,7 +57,7 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 
 def _plant(cache_dir: Path, cwd: Path, modules: list[str]) -> None:
     """A module list for trainer.py as if an earlier run had recorded it."""
-    key = cache_key("script", "trainer.py", (), PYTHON, str(cwd))
+    key = cache_key(PythonScript("trainer.py", python=PYTHON), str(cwd))
     assert ModuleCache(str(cache_dir), key).save(ModuleList(modules=modules))
 
 

@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from elastrun.agent import Agent, WorkerSpec
+from elastrun.agent import Agent, Executable, WorkerSpec
 from elastrun.events import ListSink
 from elastrun.names import RunId
 from tests.conftest import PYTHON, REPO
@@ -32,7 +32,7 @@ def hb_spec(tmp_path: Path, mode: str, nproc: int, **kw) -> tuple[WorkerSpec, Pa
     kw.setdefault("host", "testhost")
     kw.setdefault("run_id", "wd-test")
     spec = WorkerSpec(
-        argv=(PYTHON, str(SCRIPTS / "heartbeat_worker.py"), str(out), mode),
+        command=Executable((PYTHON, str(SCRIPTS / "heartbeat_worker.py"), str(out), mode)),
         nproc=nproc,
         hang_timeout=HANG,
         shutdown_timeout=5,
@@ -166,7 +166,7 @@ def test_sigkill_of_agent_kills_the_workers_whole_trees(tmp_path):
 def test_log_dir_has_a_folder_per_host_and_live_agent(tmp_path):
     log_dir = tmp_path / "logs"
     spec = WorkerSpec(
-        argv=(PYTHON, "-c", "print('hi')"),
+        command=Executable((PYTHON, "-c", "print('hi')")),
         nproc=1,
         run_id=RunId("lay"),
         host="node-a",

@@ -18,14 +18,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastrun.agent import WorkerSpec
+from elastrun.agent import PythonScript, WorkerSpec
 from elastrun.agent.modcache import ModuleCache, ModuleList, ModuleReport, cache_key
 from elastrun.agent.spares import SparePool
-from elastrun.agent.spawn import python_entry
 from elastrun.events import ListSink
 from elastrun.names import RunId
+from elastrun.worker._messages import Go, encode_line
 from tests.conftest import PYTHON
 from tests.helpers import pid_alive
+
+GO = encode_line(Go())  # what the agent sends a forked worker it registered
 
 # Prints which of the modules named in PROBE_MODULES were loaded before the
 # script itself imported anything, then imports them (as a script would).
@@ -54,15 +56,14 @@ def _pool(
 ) -> tuple[SparePool, ListSink]:
     script = tmp_path / "s.py"
     script.write_text(script_text)
-    spec = WorkerSpec(argv=(PYTHON, "-u", str(script)), nproc=1, run_id=RunId("zygote-test"))
-    entry = python_entry(spec.argv)
-    assert entry is not None
+    command = PythonScript(str(script), python=PYTHON)
+    spec = WorkerSpec(command=command, nproc=1, run_id=RunId("zygote-test"))
     sink = sink or ListSink()
     mc = None
     if cache:
-        key = cache_key(entry.kind, entry.target, entry.args, PYTHON, str(tmp_path))
+        key = cache_key(command, str(tmp_path))
         mc = ModuleCache(str(tmp_path / "cache"), key)
-    return SparePool(spec, entry, sink, preload=preload, cache=mc, **kw), sink
+    return SparePool(spec, command, sink, preload=preload, cache=mc, **kw), sink
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -82,7 +83,7 @@ async def _fork_one(pool: SparePool, env: dict[str, str]) -> tuple[int, str] | N
         ours.close()
         return None
     proc = forked[0]
-    ours.send(b"go\n")
+    ours.send(GO)
     assert proc.stdout is not None
     loop = asyncio.get_running_loop()
     out = await loop.run_in_executor(None, proc.stdout.read)
@@ -107,7 +108,7 @@ async def _fork_many(pool: SparePool, envs: dict[int, dict[str, str]]) -> dict[i
     loop = asyncio.get_running_loop()
     out = {}
     for lr, proc in forked.items():
-        pairs[lr][0].send(b"go\n")
+        pairs[lr][0].send(GO)
         assert proc.stdout is not None
         out[lr] = (await loop.run_in_executor(None, proc.stdout.read)).decode()
         assert await loop.run_in_executor(None, proc.wait, 60) == 0

@@ -16,9 +16,10 @@ from xml.etree import ElementTree
 
 import pytest
 
+from elastrun.agent.command import Executable, with_local_rank
 from elastrun.agent.failures import ROOT_CAUSE, WorkerFailure, format_summary
 from elastrun.agent.logs import LinePump, routes_for, shows_rank, torch_prefix
-from elastrun.agent.spec import Std, WorkerSpec, argv_for
+from elastrun.agent.spec import Std, WorkerSpec
 from elastrun.agent.waiting import describe
 from elastrun.errors import ConfigError
 from elastrun.failure import FailureRecord
@@ -56,7 +57,8 @@ from elastrun.status.timeline import (
 
 # ----------------------------------------------------------------- console prefixes
 def spec(**kw: object) -> WorkerSpec:
-    return WorkerSpec(argv=("python",), nproc=2, run_id="r", host="vm", **kw)  # type: ignore[arg-type]
+    command = Executable(("python",))
+    return WorkerSpec(command=command, nproc=2, run_id="r", host="vm", **kw)  # type: ignore[arg-type]
 
 
 def pump_lines(route_index: int, data: bytes, capsys: pytest.CaptureFixture[str], **kw: object):
@@ -143,7 +145,7 @@ def test_summary_prefers_stderr_and_says_when_both_are_empty() -> None:
 # ----------------------------------------------------------------- arguments
 def test_local_rank_macro_only_replaces_itself() -> None:
     argv = ("python", "-u", "t.py", "--local_rank=${local_rank}", "a$$b", "$local_rank", "${x}")
-    assert argv_for(argv, 3) == [
+    assert with_local_rank(argv, 3) == (
         "python",
         "-u",
         "t.py",
@@ -151,7 +153,7 @@ def test_local_rank_macro_only_replaces_itself() -> None:
         "a$$b",
         "$local_rank",
         "${x}",
-    ]
+    )
 
 
 def fake_card(root: Path, name: str, vendor: str, driver: str) -> None:
@@ -227,7 +229,9 @@ def test_legacy_parse_inserts_the_argument_after_the_script(tmp_path: Path) -> N
     _, cmd, flag = parse_legacy(["--nproc_per_node=2", str(script), "--lr", "1"])
     assert flag == "--local_rank" and cmd.args == ("--local_rank=${local_rank}", "--lr", "1")
     plan, _, _ = parse_legacy(["--local-rank-style=dash", str(script)])
-    assert plan.workers.argv[-1] == "--local-rank=${local_rank}"  # what each worker gets
+    assert (
+        plan.workers.command.command_line()[-1] == "--local-rank=${local_rank}"
+    )  # what each worker gets
     _, cmd, flag = parse_legacy(["--use_env", str(script), "--lr", "1"])
     assert flag is None and cmd.args == ("--lr", "1")
     with pytest.raises(ConfigError, match="--no-python: needs --use-env"):

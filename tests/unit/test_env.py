@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from elastrun.agent.command import Executable
 from elastrun.agent.env import WORKER_ENV_VARS, check_round, worker_env
 from elastrun.agent.spec import WorkerSpec
 from elastrun.errors import WorkerError
@@ -32,7 +33,9 @@ def _round(group_rank: int = 1, restart_count: int = 2) -> RoundResult:
 
 
 def _spec(**kw) -> WorkerSpec:
-    return WorkerSpec(argv=("python", "x.py"), nproc=3, run_id=RunId("job7"), role="trainer", **kw)
+    return WorkerSpec(
+        command=Executable(("python", "x.py")), nproc=3, run_id=RunId("job7"), role="trainer", **kw
+    )
 
 
 def test_every_variable_for_a_middle_node():

@@ -10,12 +10,15 @@ import pytest
 from elastrun import record
 from elastrun.agent.failures import (
     COLLATERAL,
+    OK,
     ROOT_CAUSE,
+    Ending,
     WorkerFailure,
     classify,
     describe_exit,
     format_summary,
     read_error_file,
+    roles,
 )
 
 
@@ -114,6 +117,58 @@ def test_root_cause_is_the_earliest_own_failure():
         (2, COLLATERAL),
         (0, COLLATERAL),
     ]
+
+
+STACK = int(signal.SIGRTMIN) + 5
+
+
+def test_a_rank_killed_by_the_agent_s_stack_signal_is_never_the_root_cause():
+    # Its script changed the handler after the agent's check: the agent's doing.
+    killed = Ending(-STACK, 1.0, agent_signals=frozenset({STACK}))
+    crashed = Ending(1, 2.0)
+    assert killed.by_agent and roles([killed, crashed]) == [COLLATERAL, ROOT_CAUSE]
+    # Alone, it leaves no root cause on this node.
+    assert roles([killed]) == [COLLATERAL]
+    # The same signal the agent never sent (or another one): the rank's own failure.
+    assert roles([Ending(-STACK, 1.0), crashed]) == [ROOT_CAUSE, COLLATERAL]
+    other = Ending(-signal.SIGSEGV, 1.0, agent_signals=frozenset({STACK}))
+    assert roles([other, crashed]) == [ROOT_CAUSE, COLLATERAL]
+    # It exited by itself after the agent signalled it: its own failure.
+    assert roles([Ending(1, 1.0, agent_signals=frozenset({STACK}))]) == [ROOT_CAUSE]
+
+
+def test_a_hang_fails_at_its_declaration():
+    # Declared at 3.0 while it ran (it exits later, stopped): the root cause
+    # unless a rank failed by itself before.
+    hung = Ending(-signal.SIGTERM, 3.0, stopped_by_agent=True, declared=True)
+    later = Ending(1, 4.0)
+    earlier = Ending(1, 2.0)
+    assert roles([later, hung]) == [COLLATERAL, ROOT_CAUSE]
+    assert roles([hung, earlier]) == [COLLATERAL, ROOT_CAUSE]
+    # Still running when declared: the failure it will be.
+    assert roles([Ending(None, 3.0, declared=True), later]) == [ROOT_CAUSE, COLLATERAL]
+
+
+def test_roles_of_ranks_that_succeeded_were_stopped_or_tie():
+    ok = Ending(0, 0.5)
+    stopped = Ending(-signal.SIGTERM, 1.0, stopped_by_agent=True)
+    assert roles([ok, stopped]) == [OK, COLLATERAL]  # no root cause here
+    assert roles([Ending(1, 2.0), Ending(1, 2.0)]) == [ROOT_CAUSE, COLLATERAL]
+    assert roles([]) == []
+
+
+def test_the_event_s_cause_and_the_summary_agree():
+    # classify marks a failure list by the same rule as each exit's event.
+    failures = [
+        _f(0, 5.0, rc=-signal.SIGTERM, stopped=True),
+        _f(3, 2.0),
+        _f(1, 1.0),
+        _f(2, 0.5, stopped=True),
+        _f(4, 3.0, hang="rank 4 made no progress for 10 s"),
+    ]
+    expected = roles([f.ending() for f in failures])
+    by_rank = {f.rank: f.role for f in classify(failures)}
+    assert [by_rank[f.rank] for f in failures] == expected
 
 
 def test_summary_without_decorator_shows_stderr_tail_and_log_path():

@@ -14,11 +14,12 @@ import sys
 
 import pytest
 
+from elastrun.agent.command import Executable, PythonModule, PythonScript
 from elastrun.agent.spec import DEFAULT_LOG_TEMPLATE, StartMethod, Std
 from elastrun.errors import ConfigError, RestartBudgetExhausted
 from elastrun.failure import FailureRecord
 from elastrun.launcher.cli import parse
-from elastrun.launcher.command import Command, worker_argv
+from elastrun.launcher.command import Command, worker_argv, worker_command
 from elastrun.launcher.config import LaunchConfig
 from elastrun.launcher.flag_values import parse_nnodes, parse_nproc, parse_signals, parse_std
 from elastrun.launcher.plan import resolve
@@ -101,12 +102,14 @@ def test_module_flag(flag):
     _plan, cmd = parse([flag, "json.tool", "--sort-keys"])
     assert cmd.module
     assert worker_argv(cmd)[-4:] == ("-u", "-m", "json.tool", "--sort-keys")
+    assert worker_command(cmd) == PythonModule("json.tool", ("--sort-keys",))
 
 
 @pytest.mark.parametrize("flag", ["--no-python", "--no_python"])
 def test_no_python_runs_the_program_directly(flag):
     _, cmd = parse([flag, "true", "a"])
     assert worker_argv(cmd) == ("true", "a")
+    assert worker_command(cmd) == Executable(("true", "a"))
 
 
 @pytest.mark.parametrize("flag", ["--run-path", "--run_path"])
@@ -115,6 +118,8 @@ def test_run_path_uses_runpy(script, flag):
     argv = worker_argv(cmd)
     assert argv[1:3] == ("-u", "-c") and "runpy.run_path" in argv[3]
     assert argv[4] == os.path.abspath(script) and argv[5] == "x"
+    # Not through the worker runner: a program run as given.
+    assert worker_command(cmd) == Executable(argv)
 
 
 def test_flags_after_the_script_belong_to_the_script(script):
@@ -122,7 +127,8 @@ def test_flags_after_the_script_belong_to_the_script(script):
     assert plan.workers.nproc == 2
     assert cmd.args == ("--nproc-per-node=5", "--lr", "0.1")
     assert worker_argv(cmd) == (sys.executable, "-u", script, "--nproc-per-node=5", "--lr", "0.1")
-    assert plan.workers.argv == worker_argv(cmd)  # what the agent runs
+    assert plan.workers.command == worker_command(cmd)  # what the agent runs
+    assert worker_command(cmd) == PythonScript(script, ("--nproc-per-node=5", "--lr", "0.1"))
 
 
 def test_redirects_and_tee_short_and_long(script):
@@ -427,7 +433,7 @@ def test_worker_spec_and_settings_from_flags(script):
         "--node-rank=2",
     )
     spec = plan.workers
-    assert spec.nproc == 2 and spec.role == "trainer" and spec.argv == worker_argv(cmd)
+    assert spec.nproc == 2 and spec.role == "trainer" and spec.command == worker_command(cmd)
     assert spec.signals_to_handle == (signal.SIGTERM,)
     assert spec.signals_to_forward == (signal.SIGUSR1,)
     settings = plan.rendezvous

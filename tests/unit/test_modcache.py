@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -11,6 +12,7 @@ import types
 
 import pytest
 
+from elastrun.agent.command import PythonModule, PythonScript
 from elastrun.agent.modcache import (
     MAX_FILE_BYTES,
     MAX_MODULES,
@@ -26,22 +28,21 @@ from elastrun.worker import _runner
 
 
 def test_the_key_follows_the_script_its_flags_and_the_interpreter(tmp_path):
-    k = cache_key("script", "train.py", ("--lr=0.1", "data"), "/usr/bin/python3", str(tmp_path))
+    py = "/usr/bin/python3"
+    cwd = str(tmp_path)
+    k = cache_key(PythonScript("train.py", ("--lr=0.1", "data"), python=py), cwd)
     # Values of arguments do not change the key; flags do.
-    assert k == cache_key(
-        "script", "train.py", ("--lr=3", "other"), "/usr/bin/python3", str(tmp_path)
-    )
-    assert k != cache_key(
-        "script", "train.py", ("--epochs=3", "data"), "/usr/bin/python3", str(tmp_path)
-    )
-    assert k != cache_key(
-        "script", "eval.py", ("--lr=0.1", "data"), "/usr/bin/python3", str(tmp_path)
-    )
-    assert k != cache_key(
-        "module", "train", ("--lr=0.1", "data"), "/usr/bin/python3", str(tmp_path)
-    )
+    assert k == cache_key(PythonScript("train.py", ("--lr=3", "other"), python=py), cwd)
+    assert k != cache_key(PythonScript("train.py", ("--epochs=3", "data"), python=py), cwd)
+    assert k != cache_key(PythonScript("eval.py", ("--lr=0.1", "data"), python=py), cwd)
+    assert k != cache_key(PythonModule("train", ("--lr=0.1", "data"), python=py), cwd)
+    assert k != cache_key(PythonScript("train.py", ("--lr=0.1", "data"), python="/bin/py"), cwd)
     assert args_shape(["--lr", "0.1", "-v", "--x=y"]) == ["--lr", "_", "-v", "--x"]
     assert len(k) == 32 and all(c in "0123456789abcdef" for c in k)
+    # The same file names as before the command was typed: caches written
+    # by earlier versions are found.
+    parts = ["script", str(tmp_path / "train.py"), "", ["--lr", "_"], os.path.realpath(py)]
+    assert k == hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
 
 def test_the_default_folder():

@@ -21,7 +21,7 @@ from elastrun.errors import ConfigMismatch, RendezvousClosed, RestartBudgetExhau
 from elastrun.events import EventSink
 from elastrun.failure import FailureRecord
 from elastrun.names import RunId
-from elastrun.rendezvous.api import RendezvousSettings
+from elastrun.rendezvous.api import RendezvousHooks, RendezvousSettings
 from elastrun.rendezvous.dynamic import DynamicRendezvous
 from elastrun.rendezvous.records import AgreedSettings, ConfigRecord, RoundRecord, RoundState
 from elastrun.rendezvous.reuse import TABLE, Verdict, classify, describe_reset
@@ -121,7 +121,7 @@ def handler(
         node_id=node,
         events=events,
     )
-    h.notice = said.append
+    h.attach(RendezvousHooks(notice=said.append))
     return h, events, said
 
 

@@ -2,30 +2,36 @@
 
 from __future__ import annotations
 
-from elastrun.agent.spares import LOCAL_VARS, ROUND_VARS, compatible
-from elastrun.agent.spawn import (
+import sys
+
+from elastrun.agent.command import (
     RUNNER_SCRIPT,
-    PythonEntry,
-    entry_file,
-    imports_any,
-    python_entry,
-    runner_argv,
+    Executable,
+    PythonModule,
+    PythonScript,
 )
-from elastrun.launcher.command import RUN_PATH_CODE, Command, worker_argv
+from elastrun.agent.spares import LOCAL_VARS, ROUND_VARS, compatible
+from elastrun.agent.spawn import entry_file, imports_any
+from elastrun.launcher.command import RUN_PATH_CODE, Command, worker_argv, worker_command
 
 
-def test_script_and_module_commands_split():
-    argv = worker_argv(Command(script="train.py", args=("--lr", "1")))
-    assert python_entry(argv) == PythonEntry((argv[0], "-u"), "script", "train.py", ("--lr", "1"))
-    argv = worker_argv(Command(script="pkg.train", args=("x",), module=True))
-    assert python_entry(argv) == PythonEntry((argv[0], "-u"), "module", "pkg.train", ("x",))
+def test_the_launcher_types_script_and_module_commands():
+    cmd = Command(script="train.py", args=("--lr", "1"))
+    assert worker_command(cmd) == PythonScript("train.py", ("--lr", "1"), python=sys.executable)
+    assert worker_argv(cmd) == (sys.executable, "-u", "train.py", "--lr", "1")
+    cmd = Command(script="pkg.train", args=("x",), module=True)
+    assert worker_command(cmd) == PythonModule("pkg.train", ("x",), python=sys.executable)
+    assert worker_argv(cmd) == (sys.executable, "-u", "-m", "pkg.train", "x")
 
 
-def test_run_path_and_odd_shapes_get_no_spare():
-    assert python_entry(("python", "-u", "-c", RUN_PATH_CODE, "t.py")) is None
-    assert python_entry(("python", "-u", "-m")) is None
-    assert python_entry(("python", "t.py")) is None
-    assert python_entry(("./prog",)) is None
+def test_run_path_and_programs_are_run_as_given():
+    # No warm interpreter, no runner: what they run is not a script elastrun knows.
+    run_path = worker_command(Command(script="t.py", args=(), run_path=True))
+    assert isinstance(run_path, Executable) and RUN_PATH_CODE in run_path.argv
+    assert run_path.worker_argv(0) == run_path.argv
+    program = worker_command(Command(script="./prog", args=("a",), no_python=True))
+    assert program == Executable(("./prog", "a"))
+    assert program.worker_argv(3) == ("./prog", "a")
 
 
 def test_only_round_variables_may_differ():
@@ -46,13 +52,14 @@ def test_only_round_variables_may_differ():
 
 
 def test_python_workers_run_through_the_runner():
-    argv = worker_argv(Command(script="train.py", args=("--lr", "1")))
-    assert runner_argv(argv) == (argv[0], "-u", RUNNER_SCRIPT, "train.py", "--lr", "1")
-    argv = worker_argv(Command(script="pkg.train", args=("x",), module=True))
-    assert runner_argv(argv) == (argv[0], "-u", RUNNER_SCRIPT, "-m", "pkg.train", "x")
-    assert runner_argv(("./prog", "a")) == ("./prog", "a")
-    run_path = worker_argv(Command(script="t.py", args=(), run_path=True))
-    assert runner_argv(run_path) == run_path
+    script = PythonScript("train.py", ("--lr", "1", "--rank=${local_rank}"), python="py")
+    assert script.worker_argv(2) == ("py", "-u", RUNNER_SCRIPT, "train.py", "--lr", "1", "--rank=2")
+    # What a warm interpreter starts with: the arguments as given (each fork
+    # order brings its rank's).
+    assert script.worker_argv(None)[-1] == "--rank=${local_rank}"
+    module = PythonModule("pkg.train", ("x",), python="py")
+    assert module.worker_argv(0) == ("py", "-u", RUNNER_SCRIPT, "-m", "pkg.train", "x")
+    assert Executable(("./prog", "--r=${local_rank}")).worker_argv(1) == ("./prog", "--r=1")
 
 
 def test_whether_the_worker_imports_the_preloaded_modules(tmp_path):
@@ -76,11 +83,7 @@ def test_the_file_a_module_entry_runs(tmp_path, monkeypatch):
     (tmp_path / "pkg" / "app").mkdir(parents=True)
     (tmp_path / "pkg" / "train.py").write_text("")
     (tmp_path / "pkg" / "app" / "__main__.py").write_text("")
-    assert entry_file(PythonEntry(("py", "-u"), "module", "pkg.train", ())) == str(
-        tmp_path / "pkg" / "train.py"
-    )
-    assert entry_file(PythonEntry(("py", "-u"), "module", "pkg.app", ())) == str(
-        tmp_path / "pkg" / "app" / "__main__.py"
-    )
-    assert entry_file(PythonEntry(("py", "-u"), "module", "json.tool", ())) is None
-    assert entry_file(PythonEntry(("py", "-u"), "script", "t.py", ())) == "t.py"
+    assert entry_file(PythonModule("pkg.train")) == str(tmp_path / "pkg" / "train.py")
+    assert entry_file(PythonModule("pkg.app")) == str(tmp_path / "pkg" / "app" / "__main__.py")
+    assert entry_file(PythonModule("json.tool")) is None
+    assert entry_file(PythonScript("t.py")) == "t.py"

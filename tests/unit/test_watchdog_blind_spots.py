@@ -244,7 +244,7 @@ def test_the_runner_relays_progress_once_its_file_cannot_be_written(
     """worker/_progress.py: said once on stderr and on the channel, then every
     change goes over the channel; the file is tried again with backoff."""
     subprocess.run(["chattr", "-i", str(immutable)], check=True)
-    sent: list[dict[str, object]] = []
+    sent: list[Any] = []  # worker/_messages.py's messages, as the runner loads it
     now = [100.0]
     progress = Progress(str(immutable / "hb.json"), 0.5, lambda: now[0], send=sent.append)
     progress.heartbeat(1)
@@ -255,10 +255,10 @@ def test_the_runner_relays_progress_once_its_file_cannot_be_written(
         now[0] += 0.5
         progress.heartbeat(step)
         progress.write()
-    kinds = [m["kind"] for m in sent]
+    kinds = [m.KIND for m in sent]
     assert kinds == ["progress_failed", "progress", "progress", "progress", "progress"], kinds
-    assert "Operation not permitted" in str(sent[0]["error"])
-    last = sent[-1]["beat"]
+    assert "Operation not permitted" in sent[0].error and sent[0].path.endswith("hb.json")
+    last = sent[-1].beat
     assert isinstance(last, dict) and last["step"] == 5 and last["monotonic"] == now[0]
     err = capsys.readouterr().err
     assert err.count("not recorded") == 1 and "over the runner's channel" in err

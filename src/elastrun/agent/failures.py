@@ -12,31 +12,47 @@ Without a decorator there is no file, so the agent always keeps the last lines
 of each rank's stderr and shows them instead (or, when a rank wrote nothing
 to stderr, the last lines of its stdout: some scripts print their errors).
 
-The root cause is the earliest failure that the agent did not cause itself;
-ranks stopped by the agent, and ranks that failed after the root cause (a
-cascade: a peer's collective broke), are marked collateral.
+The root cause is decided by one rule, :func:`roles` (pure): the earliest
+failure that the agent did not cause itself. Ranks the agent ended (it was
+stopping them, or they died of a signal it sent them for another purpose:
+the stack signal, whose handler their script changed), and ranks that failed
+after the root cause (a cascade: a peer's collective broke), are collateral.
+A rank a feature declared failed while it ran (a hang) fails at the moment
+of the declaration. The ``worker_exited`` event's ``cause`` and the failure
+summary both come from this rule.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from elastrun.failure import FailedWorker, FailureRecord
 from elastrun.procs import signal_name
+from elastrun.rendezvous.api import Change, RoundResult
 from elastrun.safefs import UnsafePath, read_regular
 from elastrun.untrusted import MAX_DEPTH, UntrustedData, depth, loads, printable
 
 __all__ = [
+    "COLLATERAL",
+    "OK",
+    "ROOT_CAUSE",
+    "Ending",
     "ErrorFileInfo",
     "WorkerFailure",
+    "change_line",
     "classify",
     "describe_exit",
     "failure_record",
     "format_summary",
     "read_error_file",
+    "restart_line",
+    "roles",
+    "summary_title",
+    "with_report",
 ]
 
 MAX_ERROR_FILE_BYTES = 1 << 20  # an error file larger than this is not read (said so)
@@ -46,6 +62,52 @@ MAX_TAIL_LINES = 10
 MAX_TAIL_LINE_CHARS = 300
 ROOT_CAUSE = "root_cause"
 COLLATERAL = "collateral"
+OK = "ok"  # exited 0: no failure
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How one worker ended, as the root-cause rule sees it.
+
+    ``returncode``: its exit status (Popen's: a negative signal number), or
+    None while it still runs (then only a ``declared`` failure counts);
+    ``at``: when it failed (monotonic): its exit, or the declaration;
+    ``stopped_by_agent``: the agent was stopping it when it exited;
+    ``declared``: a feature declared it failed while it ran (a hang);
+    ``agent_signals``: signals the agent sent it for another purpose than
+    stopping it (the stack signal): dying of one is the agent's doing."""
+
+    returncode: int | None
+    at: float
+    stopped_by_agent: bool = False
+    declared: bool = False
+    agent_signals: frozenset[int] = frozenset()
+
+    @property
+    def failed(self) -> bool:
+        return self.declared or self.returncode not in (None, 0)
+
+    @property
+    def by_agent(self) -> bool:
+        """Whether the agent ended it (never for a declared failure)."""
+        if self.declared:
+            return False
+        rc = self.returncode
+        killed_by_ours = rc is not None and rc < 0 and -rc in self.agent_signals
+        return self.stopped_by_agent or killed_by_ours
+
+
+def roles(endings: Sequence[Ending]) -> list[str]:
+    """The one root-cause rule: the role of each of ``endings``, in order.
+    ``ROOT_CAUSE``: the earliest failure the agent did not cause (the first
+    given among equal times); ``COLLATERAL``: every other failure; ``OK``:
+    the rest. No root cause when the agent caused every failure (the trigger
+    was elsewhere: a signal, a membership change, another node)."""
+    own = [i for i, e in enumerate(endings) if e.failed and not e.by_agent]
+    root = min(own, key=lambda i: (endings[i].at, i)) if own else None
+    return [
+        ROOT_CAUSE if i == root else COLLATERAL if e.failed else OK for i, e in enumerate(endings)
+    ]
 
 
 @dataclass(frozen=True)
@@ -189,6 +251,16 @@ class WorkerFailure:
         """JSON-able (the event log's and the store's record of it)."""
         return self.record().to_json()
 
+    def ending(self) -> Ending:
+        """As the root-cause rule sees it (``stopped_by_agent`` already
+        says whether the agent ended it)."""
+        return Ending(
+            self.returncode,
+            self.exit_monotonic,
+            stopped_by_agent=self.stopped_by_agent,
+            declared=self.hang is not None,
+        )
+
     def brief(self) -> FailedWorker:
         return FailedWorker(
             rank=self.rank,
@@ -222,19 +294,16 @@ def _last_line(lines: tuple[str, ...]) -> str:
 
 
 def classify(failures: list[WorkerFailure]) -> list[WorkerFailure]:
-    """Order failures root cause first, then the rest by time, each marked.
-
-    The root cause is the earliest failure the agent did not cause; if every
-    failed worker was stopped by the agent, there is no root cause here (the
-    trigger was elsewhere: a signal, a membership change, another node).
-    """
-    own = sorted((f for f in failures if not f.stopped_by_agent), key=lambda f: f.exit_monotonic)
-    stopped = sorted((f for f in failures if f.stopped_by_agent), key=lambda f: f.exit_monotonic)
-    out: list[WorkerFailure] = []
-    for i, f in enumerate(own):
-        out.append(replace(f, role=ROOT_CAUSE if i == 0 else COLLATERAL))
-    out.extend(replace(f, role=COLLATERAL) for f in stopped)
-    return out
+    """``failures`` marked by :func:`roles`, in the summary's order: the root
+    cause, the other failures the agent did not cause, then those it caused,
+    each by time."""
+    endings = [f.ending() for f in failures]
+    marked = [replace(f, role=r) for f, r in zip(failures, roles(endings), strict=True)]
+    order = sorted(
+        range(len(marked)),
+        key=lambda i: (marked[i].role != ROOT_CAUSE, endings[i].by_agent, endings[i].at, i),
+    )
+    return [marked[i] for i in order]
 
 
 def _count(n: int, noun: str) -> str:
@@ -332,3 +401,54 @@ def format_summary(failures: list[WorkerFailure], header: str, tail_lines: int =
     lines.extend(_log_lines(failures))
     lines.append(bar)
     return "\n".join(lines)
+
+
+# ------------------------------------------------------- the lines about a round's end
+
+
+def summary_title(result: RoundResult) -> str:
+    """The failure summary's title when a restart may be left."""
+    if result.restart_count < result.max_restarts:
+        return (
+            f"elastrun: workers failed; restarting them "
+            f"(restart {result.restart_count + 1} of {result.max_restarts})"
+        )
+    spent = f"no restarts are left (max restarts {result.max_restarts})"
+    if len(result.members) <= 1:
+        # No other node in the group: none can have been lost.
+        return f"elastrun: workers failed and {spent}: the job fails"
+    return (
+        f"elastrun: workers failed and {spent}; the job goes on only if another "
+        "node of the group was lost (this failure is then not counted)"
+    )
+
+
+def restart_line(result: RoundResult, failures: list[WorkerFailure], record: FailureRecord) -> str:
+    """The one console line that says why the workers restart."""
+    root = any(f.role == ROOT_CAUSE for f in failures)
+    return (
+        f"elastrun: restarting workers (restart {result.restart_count + 1}/"
+        f"{result.max_restarts}): " + (record.describe() if root else "workers failed on this node")
+    )
+
+
+def change_line(change: Change, result: RoundResult) -> str:
+    """The one console line that says why this round ends."""
+    why = change.detail or change.reason.replace("_", " ")
+    if change.counts_as_restart:
+        if not change.detail:
+            why = f"workers failed on another node ({change.reason})"
+        return (
+            f"elastrun: restarting workers (restart {result.restart_count + 1}/"
+            f"{result.max_restarts}): {why}"
+        )
+    return f"elastrun: re-forming: {why}; not counted as a restart"
+
+
+def with_report(summary: str, report: str) -> str:
+    """The failure summary with the features' report (the stacks) before its
+    closing bar."""
+    if not report:
+        return summary
+    head, _, bar = summary.rpartition("\n")
+    return f"{head}\n{report}\n{bar}"

@@ -1,152 +1,298 @@
-"""A hang on this node's worker group: the stacks, the hung rank, the
-progress relayed over the runners' channels.
+"""Hang diagnosis, a feature of the agent: progress, the hang watchdog, the
+stacks of hung ranks, the stragglers.
 
-The part of :class:`~elastrun.agent.workers.WorkerGroup` that the hang
-watchdog (agent/watchdog.py) drives:
+What it does in each round (:class:`RoundHangs`, the feature's hooks):
 
-* progress a runner relays over its channel, because it cannot write its
+* gives every worker a progress file (``ELASTRUN_HEARTBEAT_FILE``; the runner
+  records progress there, worker/_progress.py) and, with a watchdog and the
+  runner, a stacks file and the stack signal (agent/stacks.py);
+* with ``--hang-timeout``, watches each rank's progress (agent/watchdog.py).
+  Progress a runner relays over its channel, because it cannot write its
   file, goes to the watchdog; a rank the watchdog cannot judge is reported
   once (agent/progress_faults.py);
-* when the watchdog fires, every live local rank's Python stack is collected
-  (agent/stacks.py). A rank whose script no longer catches the stack signal
-  is skipped, never signalled. The rank stuck in code of its own is named the
-  hung one, and the hang fails the group as its root cause.
+* when the watchdog fires, collects every live local rank's Python stack (a
+  rank whose script no longer catches the stack signal is skipped, never
+  signalled), names the rank stuck in code of its own the hung one, and
+  declares it failed (``WorkerGroup.declare``): the hang is the group's
+  failure, and the root cause unless a rank failed by itself before;
+* shares the stacks with the other nodes as job notes, and prints every
+  node's in the failure summary (agent/hangs.py); on another node's hang
+  (a change with ``hang``), shares this node's;
+* publishes the ranks' step times and names stragglers (agent/stragglers.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
-import time
-from typing import TYPE_CHECKING, Any
+import os
+from dataclasses import dataclass
 
+from elastrun.agent import hangs, stragglers
+from elastrun.agent.hooks import Core, Feature, RoundHooks
 from elastrun.agent.progress_faults import ProgressFaults
-from elastrun.agent.spec import WorkerSpec
-from elastrun.agent.stacks import collect, in_torch, main_thread, ordered, top_frame
-from elastrun.agent.watchdog import Hang, HangWatchdog, parse_beat
-from elastrun.clock import Clock
-from elastrun.events import EventSink
-from elastrun.procs import say, signal_name
-from elastrun.rendezvous.api import RoundResult
+from elastrun.agent.stacks import (
+    STACK_SIGNAL_ENV,
+    STACKS_ENV,
+    RankStacks,
+    collect,
+    in_torch,
+    main_thread,
+    ordered,
+    top_frame,
+)
+from elastrun.agent.watchdog import (
+    HEARTBEAT_ENV,
+    HEARTBEAT_INTERVAL_ENV,
+    Hang,
+    HangPolicy,
+    HangWatchdog,
+    heartbeat_interval,
+    parse_beat,
+)
+from elastrun.agent.workers import Worker, WorkerGroup
+from elastrun.procs import signal_name
+from elastrun.rendezvous.api import Change
+from elastrun.worker._messages import Message, Progress, ProgressFailed
 
-if TYPE_CHECKING:
-    from elastrun.agent.workers import Worker
+__all__ = ["HangDiagnosis", "RoundHangs", "features"]
 
-__all__ = ["GroupHangs"]
+HANG_TASK_WAIT = 5.0  # s a round's end waits for a hang being declared (its stacks)
 
 
-class GroupHangs:
-    """Mixed into WorkerGroup: its hang declaration and relayed progress."""
+def features(core: Core) -> list[Feature]:
+    return [HangDiagnosis(core)]
 
-    spec: WorkerSpec
-    result: RoundResult
-    attempt: int
-    events: EventSink
-    clock: Clock
-    workers: list[Worker]
-    watchdog: HangWatchdog | None
-    progress_faults: ProgressFaults
-    _changed: asyncio.Event
-    _closed: bool
-    _failed_seen: bool
-    _hang_task: asyncio.Task[None] | None
 
-    def _relayed(self, w: Worker, message: dict[str, Any]) -> None:
+class HangDiagnosis(Feature):
+    """Hang diagnosis across the agent's rounds."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        # Progress the agent cannot see: said once (across rounds).
+        self.faults = ProgressFaults(core.events, core.say)
+
+    def round(self, group: WorkerGroup) -> RoundHangs:
+        return RoundHangs(self.core, group, self.faults)
+
+
+@dataclass
+class _Rank:
+    """What the feature keeps of one local rank in a round."""
+
+    heartbeat_file: str | None = None
+    stacks_file: str | None = None
+    stacks: str | None = None  # its Python stacks, once collected
+    stacks_skipped: str | None = None  # why its stacks were not asked for
+    main_thread: int | None = None
+
+
+class RoundHangs(RoundHooks):
+    """One round's progress files, watchdog, stacks and step times."""
+
+    def __init__(self, core: Core, group: WorkerGroup, faults: ProgressFaults) -> None:
+        self.core = core
+        self.spec = core.spec
+        self.group = group
+        self.faults = faults
+        self.watchdog: HangWatchdog | None = None
+        if self.spec.hang_timeout is not None:
+            policy = HangPolicy(self.spec.hang_timeout, self.spec.hang_auto)
+            self.watchdog = HangWatchdog(
+                policy, self._on_hang, core.clock, on_unknown=self._progress_unknown
+            )
+        self.ranks = {w.local_rank: _Rank() for w in group.workers}
+        self._hang_task: asyncio.Task[None] | None = None
+        self._publish: asyncio.Task[None] | None = None
+        self._over = False  # the round ended: a hang is no longer declared
+
+    # ---------------------------------------------------------------- hooks
+    def worker_env(self, worker: Worker) -> dict[str, str]:
+        r, spec, env = self.ranks[worker.local_rank], self.spec, {}
+        # Progress: for the watchdog, and (from the runner) the step times.
+        if self.watchdog is not None or self.group.runs_runner:
+            r.heartbeat_file = env[HEARTBEAT_ENV] = os.path.join(worker.folder, "heartbeat.json")
+            if spec.hang_timeout is not None:
+                env[HEARTBEAT_INTERVAL_ENV] = repr(heartbeat_interval(spec.hang_timeout))
+        if self.watchdog is not None and self.group.runs_runner and spec.stack_signal is not None:
+            r.stacks_file = env[STACKS_ENV] = os.path.join(worker.folder, "stacks.txt")
+            env[STACK_SIGNAL_ENV] = str(spec.stack_signal)
+        for stale in (r.heartbeat_file, r.stacks_file):  # of an earlier run with this run id
+            if stale is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(stale)
+        return env
+
+    def started(self) -> None:
+        files = [
+            (w.rank, path)
+            for w in self.group.workers
+            if (path := self.ranks[w.local_rank].heartbeat_file) is not None
+        ]
+        if self.watchdog is not None:
+            for w in self.group.workers:
+                path = self.ranks[w.local_rank].heartbeat_file
+                if path is not None and w.popen is not None and not w.done:
+                    open_channel = w.channel is not None and w.channel.open
+                    self.watchdog.watch(w.local_rank, path, channel=open_channel)
+        self._publish = asyncio.ensure_future(
+            stragglers.publish_loop(
+                self.core.rendezvous, files, self.group.result, self.spec.host, self.core.events
+            )
+        )
+
+    def on_message(self, worker: Worker, message: Message) -> None:
+        if isinstance(message, Progress | ProgressFailed):
+            self._relayed(worker, message)
+
+    def channel_closed(self, worker: Worker) -> None:
+        if self.watchdog is not None:
+            self.watchdog.channel_closed(worker.local_rank)
+
+    def exited(self, worker: Worker) -> None:
+        if self.watchdog is not None:
+            self.watchdog.forget(worker.local_rank)
+
+    async def ended(self) -> None:
+        if self._publish is not None:
+            self._publish.cancel()
+        if self.watchdog is not None:
+            self.watchdog.close()  # nobody is judged any more
+        if self._hang_task is not None and not self._hang_task.done():
+            await asyncio.wait({self._hang_task}, timeout=HANG_TASK_WAIT)
+        self._over = True
+
+    async def failed(self) -> str:
+        """Every rank's stacks when this node declared a hang ("" otherwise)."""
+        if not any(w.declared is not None for w in self.group.workers):
+            return ""
+        result, rendezvous = self.group.result, self.core.rendezvous
+        own = self.local_stacks()
+        await hangs.share(rendezvous, result, own)
+        every = await hangs.gather(rendezvous, result, own)
+        report = hangs.summary(every, self.group.attempt_dir if self.spec.log_dir else None)
+        return "\n".join(x for x in (report, self.skipped_stacks()) if x)
+
+    async def changed(self, change: Change) -> None:
+        if change.hang:
+            # A hang declared on another node: our ranks' stacks, for its summary.
+            await self.collect_stacks()
+            await hangs.share(self.core.rendezvous, self.group.result, self.local_stacks())
+
+    # ------------------------------------------------------------- progress
+    def _relayed(self, w: Worker, message: Progress | ProgressFailed) -> None:
         """The runner cannot write the progress file: it says so, then sends
         each new record here (worker/_progress.py)."""
-        beat = parse_beat(message.get("beat")) if message.get("kind") == "progress" else None
+        beat = parse_beat(message.beat) if isinstance(message, Progress) else None
         if self.watchdog is not None:
             self.watchdog.relayed(w.local_rank, beat)
-        self.progress_faults.write_failed(
+        self.faults.write_failed(
             rank=w.rank,
             local_rank=w.local_rank,
-            attempt=self.attempt,
-            round_=self.result.round,
-            path=w.heartbeat_file,
-            error=message.get("error", "?"),
-            relayed=w.channel is not None,
+            attempt=self.group.attempt,
+            round_=self.group.result.round,
+            path=self.ranks[w.local_rank].heartbeat_file,
+            error=message.error,
+            relayed=w.channel is not None and w.channel.open,
             watched=self.watchdog is not None,
         )
 
     def _progress_unknown(self, local_rank: int, why: str) -> None:
-        w = self.workers[local_rank]
-        self.progress_faults.unknown(
+        w = self.group.workers[local_rank]
+        self.faults.unknown(
             rank=w.rank,
             local_rank=local_rank,
-            attempt=self.attempt,
-            round_=self.result.round,
+            attempt=self.group.attempt,
+            round_=self.group.result.round,
             why=why,
         )
 
-    def _on_hang(self, hang: Hang) -> None:
-        """The watchdog found a rank without progress: collect every local
-        rank's stacks first (bounded), then fail the group."""
-        if self._closed or self._hang_task is not None:
-            return
-        self._hang_task = asyncio.ensure_future(self._declare_hang(hang))
-
+    # --------------------------------------------------------------- stacks
     async def collect_stacks(self) -> dict[int, str]:
-        """Every live local rank's Python stacks (by local rank), also kept on
-        the workers for the failure summary. Bounded (agent/stacks.py). A rank
-        whose script no longer catches the stack signal is skipped (why: its
+        """Every live local rank's Python stacks (by local rank), also kept
+        for the failure summary. Bounded (agent/stacks.py). A rank whose
+        script no longer catches the stack signal is skipped (why: its
         ``stacks_skipped``), never signalled."""
+        signum = self.spec.stack_signal
         live = {
-            w.local_rank: (w.pid, w.stacks_file)
-            for w in self.workers
-            if w.stacks_file is not None and w.popen is not None and not w.done
+            w.local_rank: (w.pid, r.stacks_file)
+            for w in self.group.workers
+            if (r := self.ranks[w.local_rank]).stacks_file is not None
+            and w.popen is not None
+            and not w.done
         }
-        if not live or self.spec.stack_signal is None:
+        if not live or signum is None:
             return {}
 
-        def signalled(lr: int) -> None:  # before it can die of it
-            self.workers[lr].stack_signalled = True
+        def signalled(lr: int) -> None:  # before it can die of it: the agent's doing
+            self.group.workers[lr].agent_signals.add(signum)
 
-        got = await collect(
-            live, clock=self.clock, signum=self.spec.stack_signal, on_signal=signalled
-        )
+        got = await collect(live, clock=self.core.clock, signum=signum, on_signal=signalled)
         for lr, why in got.skipped.items():
-            w = self.workers[lr]
-            if w.stacks_skipped is not None:
+            w, r = self.group.workers[lr], self.ranks[lr]
+            if r.stacks_skipped is not None:
                 continue  # said at an earlier collection
-            w.stacks_skipped = why
-            say(f"elastrun: rank {w.rank}: Python stacks not collected: {why}")
-            self.events.emit(
+            r.stacks_skipped = why
+            self.core.say(f"elastrun: rank {w.rank}: Python stacks not collected: {why}")
+            self.core.events.emit(
                 "stacks_skipped",
                 rank=w.rank,
                 local_rank=lr,
-                signal=signal_name(self.spec.stack_signal),
+                signal=signal_name(signum),
                 why=why,
-                round=self.result.round,
-                attempt=self.attempt,
+                round=self.group.result.round,
+                attempt=self.group.attempt,
             )
         for lr, dump in got.dumps.items():
-            w = self.workers[lr]
-            w.stacks = dump
-            w.main_thread = main_thread(w.stacks_file) if w.stacks_file else None
+            r = self.ranks[lr]
+            r.stacks = dump
+            r.main_thread = main_thread(r.stacks_file) if r.stacks_file else None
         return got.dumps
+
+    def local_stacks(self) -> list[RankStacks]:
+        """This node's ranks' stacks, as the notes carry them."""
+        host = self.spec.host
+        return [
+            RankStacks.of(w.rank, host, r.stacks, r.main_thread, hung=w.declared is not None)
+            for w in self.group.workers
+            if (r := self.ranks[w.local_rank]).stacks is not None
+        ]
 
     def skipped_stacks(self) -> str:
         """Lines for the failure summary: the local ranks whose stacks were
         not collected, and why ("" when none)."""
         return "\n".join(
-            f"rank {w.rank} on {self.spec.host or '?'}: no stacks: {w.stacks_skipped}"
-            for w in self.workers
-            if w.stacks_skipped is not None
+            f"rank {w.rank} on {self.spec.host or '?'}: no stacks: {r.stacks_skipped}"
+            for w in self.group.workers
+            if (r := self.ranks[w.local_rank]).stacks_skipped is not None
         )
+
+    # ----------------------------------------------------------------- hang
+    def _on_hang(self, hang: Hang) -> None:
+        """The watchdog found a rank without progress: collect every local
+        rank's stacks first (bounded), then declare the hang."""
+        if self._over or self._hang_task is not None:
+            return
+        self._hang_task = asyncio.ensure_future(self._declare_hang(hang))
+
+    def _in_torch(self, lr: int) -> bool:
+        r = self.ranks[lr]
+        return r.stacks is not None and in_torch(r.stacks, r.main_thread)
 
     def _hung_one(self, hang: Hang) -> Worker:
         """The hung rank: the one the watchdog judged, unless it waits in torch
         (for a peer) while another rank, also without progress for half the
         timeout, sits in code of its own: that one is the culprit."""
-        judged = self.workers[hang.key]
-        if judged.stacks is None or not in_torch(judged.stacks, judged.main_thread):
+        judged = self.group.workers[hang.key]
+        if not self._in_torch(judged.local_rank):
             return judged
         dumps = {
-            w.local_rank: (w.stacks, w.main_thread) for w in self.workers if w.stacks is not None
+            lr: (r.stacks, r.main_thread) for lr, r in self.ranks.items() if r.stacks is not None
         }
-        for lr in ordered(dumps, range(len(self.workers))):
-            w, got = self.workers[lr], dumps.get(lr)
-            if got is None or in_torch(*got) or w.done or self.watchdog is None:
+        for lr in ordered(dumps, range(len(self.group.workers))):
+            w = self.group.workers[lr]
+            if lr not in dumps or self._in_torch(lr) or w.done or self.watchdog is None:
                 continue
             _, idle = self.watchdog.latest(lr)  # None: its progress is unknown
             if idle is not None and idle >= hang.timeout / 2:
@@ -156,43 +302,36 @@ class GroupHangs:
     async def _declare_hang(self, hang: Hang) -> None:
         await self.collect_stacks()
         w = self._hung_one(hang)
-        if w.done or self._closed:
+        if w.done or self._over or self.watchdog is None:
             return
-        if (
-            self.spec.hang_auto
-            and self.watchdog is not None
-            and w.stacks is not None
-            and in_torch(w.stacks, w.main_thread)
-            and not self.watchdog.is_patient(w.local_rank)
-        ):
+        r = self.ranks[w.local_rank]
+        waits = self.spec.hang_auto and self._in_torch(w.local_rank)
+        if waits and not self.watchdog.is_patient(w.local_rank):
             # Waiting for a peer: the culprit is elsewhere (see watchdog.py).
-            self.events.emit(
+            self.core.events.emit(
                 "hang_suspected",
                 rank=w.rank,
                 idle_s=round(hang.idle, 3),
-                sits_in=str(top_frame(w.stacks, w.main_thread)),
-                round=self.result.round,
+                sits_in=str(top_frame(r.stacks or "", r.main_thread)),
+                round=self.group.result.round,
             )
             self._hang_task = None
             self.watchdog.wait_longer(w.local_rank)
             return
-        beat, since = self.watchdog.latest(w.local_rank) if self.watchdog else (None, None)
+        beat, since = self.watchdog.latest(w.local_rank)
         last_step = beat.step if beat is not None else hang.last_step
         step = "no step reported" if last_step is None else f"last step {last_step}"
         if self.spec.hang_auto:
             during = f", in phase {hang.phase}" if hang.phase else ""
             idle = since if since is not None and math.isfinite(since) else hang.idle
-            w.hang = (
+            why = (
                 f"rank {w.rank} made no progress for {idle:.0f} s "
                 f"(timeout auto: {hang.timeout:g} s; {step}{during})"
             )
         else:
-            w.hang = f"rank {w.rank} made no progress for {hang.timeout:g} s ({step})"
-        w.hang_monotonic = self.clock.monotonic()
-        w.hang_wall = time.time()
-        w.hang_first = not self._failed_seen
-        self._failed_seen = True  # later failures are collateral of this one
-        self.events.emit(
+            why = f"rank {w.rank} made no progress for {hang.timeout:g} s ({step})"
+        self.group.declare(w, why)
+        self.core.events.emit(
             "hang_detected",
             rank=w.rank,
             local_rank=w.local_rank,
@@ -202,13 +341,12 @@ class GroupHangs:
             hang_timeout=round(hang.timeout, 3),
             auto=self.spec.hang_auto,
             phase=hang.phase,
-            judged_rank=self.workers[hang.key].rank,
+            judged_rank=self.group.workers[hang.key].rank,
             sits_in={
-                x.rank: str(top_frame(x.stacks, x.main_thread))
-                for x in self.workers
-                if x.stacks is not None
+                self.group.workers[lr].rank: str(top_frame(r.stacks, r.main_thread))
+                for lr, r in self.ranks.items()
+                if r.stacks is not None
             },
-            round=self.result.round,
-            attempt=self.attempt,
+            round=self.group.result.round,
+            attempt=self.group.attempt,
         )
-        self._changed.set()

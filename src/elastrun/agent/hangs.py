@@ -1,7 +1,7 @@
 """A declared hang, across nodes: every rank's stack in one failure summary.
 
-The node whose watchdog declared the hang (agent/workers.py) has its local
-ranks' stacks. The others learn of the restart from the store (a round
+The node whose watchdog declared the hang (agent/hang_group.py) has its
+local ranks' stacks. The others learn of the restart from the store (a round
 opened by a failure whose record says ``hang``) and, before they stop their
 workers, collect their ranks' stacks too. Each node leaves them as the job
 note ``stacks_{round}_{group rank}`` (:class:`~elastrun.rendezvous.notes.StacksNote`,
@@ -23,26 +23,17 @@ import json
 from dataclasses import dataclass, replace
 
 from elastrun.agent.stacks import RankStacks, report
-from elastrun.agent.workers import WorkerGroup
 from elastrun.rendezvous import notes as N
 from elastrun.rendezvous.api import Rendezvous, RoundResult
 from elastrun.untrusted import UntrustedData, printable
 
-__all__ = ["GATHER_TIMEOUT", "Gathered", "gather", "local_stacks", "note_name", "share", "summary"]
+__all__ = ["GATHER_TIMEOUT", "Gathered", "gather", "note_name", "share", "summary"]
 
 GATHER_TIMEOUT = 4.0  # s the declaring node waits for the other nodes' stacks
 
 
 def note_name(round_: int, group_rank: int) -> str:
     return N.stacks_name(round_, group_rank)
-
-
-def local_stacks(group: WorkerGroup, host: str) -> list[RankStacks]:
-    return [
-        RankStacks.of(w.rank, host, w.stacks, w.main_thread, hung=w.hang is not None)
-        for w in group.workers
-        if w.stacks is not None
-    ]
 
 
 def _untyped(s: N.RankStack) -> RankStacks:

@@ -45,9 +45,11 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from elastrun.agent.command import PythonCommand, PythonModule
 from elastrun.safefs import UnsafePath, private_dir, read_regular, write_atomic
 from elastrun.untrusted import UntrustedData, loads
 from elastrun.worker import _modnames
+from elastrun.worker._messages import Modules
 
 __all__ = [
     "CACHE_ENV",
@@ -87,15 +89,16 @@ def args_shape(args: Sequence[str]) -> list[str]:
     return [a.split("=", 1)[0] if a.startswith("-") else "_" for a in args]
 
 
-def cache_key(kind: str, target: str, args: Sequence[str], interpreter: str, cwd: str) -> str:
+def cache_key(command: PythonCommand, cwd: str) -> str:
     """The cache key of a worker command (hex, 32 characters)."""
-    where = os.path.realpath(os.path.join(cwd, target)) if kind == "script" else target
+    module = isinstance(command, PythonModule)
+    where = command.target if module else os.path.realpath(os.path.join(cwd, command.target))
     parts = [
-        kind,
+        command.kind,
         where,
-        os.path.realpath(cwd) if kind == "module" else "",
-        args_shape(args),
-        os.path.realpath(interpreter),
+        os.path.realpath(cwd) if module else "",
+        args_shape(command.args),
+        os.path.realpath(command.python),
     ]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
@@ -129,9 +132,9 @@ def installed_only(names: Iterable[str]) -> list[str]:
 @dataclass(frozen=True)
 class ModuleReport:
     """The modules a script imported: what a worker reports over its channel
-    (``kind: modules``), and what the job's note ``modules`` holds (written by
-    group rank 0's agent for the others). Built from JSON only through
-    :meth:`from_json`, which keeps the names that pass the rule."""
+    (a ``Modules`` message: :meth:`reported`), and what the job's note
+    ``modules`` holds (written by group rank 0's agent for the others:
+    :meth:`from_json`). Both keep only the names that pass the rule."""
 
     modules: tuple[str, ...] = ()
     python: str | None = None
@@ -147,12 +150,22 @@ class ModuleReport:
         ``_modnames.refusal`` (or are over the bounds) are dropped and counted."""
         if not isinstance(data, dict) or not isinstance(data.get("modules"), list):
             return None
-        listed: list[object] = data["modules"]
+        return cls._checked(data["modules"], data.get("python"), data.get("torch"), script)
+
+    @classmethod
+    def reported(cls, message: Modules, script: str | None = None) -> ModuleReport:
+        """What a worker's runner reported (checked as :meth:`from_json` does)."""
+        return cls._checked(list(message.modules), message.python, message.torch, script)
+
+    @classmethod
+    def _checked(
+        cls, listed: list[object], python: object, torch: object, script: str | None
+    ) -> ModuleReport:
         names = valid_names(listed, script=script)
         return cls(
             modules=tuple(names),
-            python=_version(data.get("python")),
-            torch=_version(data.get("torch")),
+            python=_version(python),
+            torch=_version(torch),
             refused=min(len(listed), MAX_MODULES) - len(names),
         )
 

@@ -17,6 +17,12 @@ cannot overflow, and hand the callback to the loop with
 ``call_soon_threadsafe``. A burst of one signal between two handler runs is
 one call. With ``coalesce`` (SIGCHLD), the burst stays one call until the
 callback has run.
+
+:class:`StopSignals` is what the agent's loop does with the terminating
+signals: their handlers only queue them; every wait of the loop is raced with
+them (:meth:`StopSignals.first`), and a stop of the workers runs to its end
+while they are counted (:meth:`StopSignals.during`: the second cuts its
+grace short).
 """
 
 from __future__ import annotations
@@ -25,13 +31,15 @@ import asyncio
 import contextlib
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["SignalRouter"]
+__all__ = ["SignalRouter", "Signalled", "StopSignals"]
 
 SignalCallback = Callable[[int], None]
+CANCEL_TIMEOUT = 5.0  # s for the losers of a race to end once cancelled
+T = TypeVar("T")
 
 
 class SignalRouter:
@@ -111,3 +119,77 @@ class SignalRouter:
         callback = self._callbacks.get(signum)
         if callback is not None:
             callback(signum)
+
+
+class Signalled(Exception):
+    """A terminating signal came first."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class StopSignals:
+    """The terminating signals, queued by their handlers (:meth:`put`) for
+    the agent's loop to act on."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[int] = asyncio.Queue()
+        self.seen = 0  # terminating signals received
+        self.pending: int | None = None  # the first one, once acted on
+
+    def put(self, sig: int) -> None:
+        self._queue.put_nowait(sig)
+
+    def raise_pending(self) -> None:
+        """Raise Signalled if a terminating signal came."""
+        if self.pending is not None:
+            raise Signalled(self.pending)
+
+    async def first(self, *racers: Awaitable[T]) -> T:
+        """The result of the first of ``racers`` to finish (the earlier one
+        given when several finish together), or Signalled when a terminating
+        signal comes first. The others are cancelled (bounded)."""
+        if self.pending is not None:
+            for aw in racers:
+                if asyncio.iscoroutine(aw):
+                    aw.close()
+            raise Signalled(self.pending)
+        tasks = [asyncio.ensure_future(aw) for aw in racers]
+        sig_task = asyncio.ensure_future(self._queue.get())
+        every: list[asyncio.Future[Any]] = [*tasks, sig_task]
+        try:
+            done, _ = await asyncio.wait(every, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            pending = [t for t in every if not t.done()]
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=CANCEL_TIMEOUT)
+        if sig_task in done:
+            self.seen += 1
+            self.pending = sig_task.result()
+            raise Signalled(self.pending)
+        return next(t for t in tasks if t in done).result()
+
+    async def during(self, work: Awaitable[T], hurry: Callable[[], None]) -> T:
+        """``work`` (a stop of the workers, itself bounded) to its end; a
+        terminating signal meanwhile is remembered, and from the second one
+        on ``hurry()`` is called (SIGKILL at once)."""
+        if self.seen >= 2:
+            hurry()
+        task = asyncio.ensure_future(work)
+        while not task.done():
+            sig_task = asyncio.ensure_future(self._queue.get())
+            done, _ = await asyncio.wait({task, sig_task}, return_when="FIRST_COMPLETED")
+            if sig_task in done:
+                self.seen += 1
+                if self.pending is None:
+                    self.pending = sig_task.result()
+                if self.seen >= 2:
+                    hurry()
+            else:
+                sig_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sig_task
+        return task.result()

@@ -36,66 +36,68 @@ own start. It is the agent's child like a worker: own session,
 ends or no start will need it. Workers are forked through an intermediate
 process so that they are the agent's children (``agent/children.py``).
 
-Only Python commands built by the launcher (a script or ``-m`` module, not
-``--no-python`` or ``--run-path``) get a zygote (``WorkerSpec.prewarm``).
+Only a Python command (a script or ``-m`` module, not ``--no-python`` or
+``--run-path``) gets a zygote (``WorkerSpec.prewarm``).
+
+As a feature of the agent (:class:`WarmStarts`, made by :func:`features`):
+it starts the zygote when the agent starts (it imports while the rendezvous
+runs), forks each round's workers from it (the ``fork`` hook), keeps one for
+the next start or kills it when no start will need it (``started``), makes
+a node joining a running job wait (bounded) for it before it enters the
+round (``before_round``), reaps the zygotes let go (``on_child``). The zygote
+process itself: agent/zygote.py. What it imports is learnt from the workers
+and the job (agent/modlearn.py).
 """
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
-import json
 import os
-import signal
-import socket
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
+from elastrun.agent.channel import CHANNEL_ENV
 from elastrun.agent.children import ForkedProcess, Reaper
+from elastrun.agent.command import Executable, PythonCommand, with_local_rank
 from elastrun.agent.env import ROUND_ENV_VARS, stable_env
 from elastrun.agent.guard import OrphanGuard
+from elastrun.agent.hooks import Core, Feature, RoundHooks
 from elastrun.agent.modcache import (
     ModuleCache,
     ModuleList,
     ModuleReport,
+    cache_key,
+    default_cache_dir,
     installed_only,
     merged,
     skipped,
     valid_names,
 )
-from elastrun.agent.spawn import (
-    RUNNER_SCRIPT,
-    PythonEntry,
-    entry_file,
-    imports_any,
-    launcher_stdin,
-    preexec_for,
-)
-from elastrun.agent.spec import WorkerSpec, argv_for
+from elastrun.agent.modlearn import NOTE_TIMEOUT, ModuleLearning
+from elastrun.agent.spawn import entry_file, imports_any, launcher_stdin
+from elastrun.agent.spec import WorkerSpec
 from elastrun.agent.stacks import STACK_SIGNAL_ENV, STACKS_ENV
 from elastrun.agent.watchdog import HEARTBEAT_ENV, HEARTBEAT_INTERVAL_ENV, heartbeat_interval
+from elastrun.agent.workers import WorkerGroup
+from elastrun.agent.zygote import SCOPE_ENV, Bounds, Zygote, promote
 from elastrun.errors import WorkerError
 from elastrun.events import EventSink
+from elastrun.rendezvous.api import RoundResult
 from elastrun.untrusted import printable
+from elastrun.worker._messages import PreloadPlan, Ready, Unsafe
 from elastrun.worker._modnames import script_module
 
-__all__ = ["LOCAL_VARS", "ROUND_VARS", "SparePool", "compatible"]
+__all__ = ["LOCAL_VARS", "ROUND_VARS", "SparePool", "WarmStarts", "compatible", "features"]
 
-PROTOCOL = 2
 PRELOAD = ("torch",)
 UNPRIVILEGED_DELAY = 3.0  # s: without idle priority, let cold workers import first
 PRELOAD_BUDGET = 120.0  # s a zygote may spend importing
 PRELOAD_MAX_RSS = 4096  # MiB a zygote may grow to while importing
 READY_WAIT = 60.0  # s a start of more workers than CPUs waits for a zygote importing
 MAX_REFUSALS = 8  # zygotes quitting on an unsafe module before the list is dropped
-FORK_TIMEOUT = 30.0  # s for a zygote to answer a fork order
 REAP_WAIT = 2.0
-MAX_MESSAGE = 1 << 20
-STDERR_TAIL = 4096
 
 # Worker variables that change from round to round, and from local rank to
 # local rank; everything else in a worker's environment must be what the
@@ -103,16 +105,8 @@ STDERR_TAIL = 4096
 ROUND_VARS = frozenset((*ROUND_ENV_VARS, HEARTBEAT_ENV, STACKS_ENV, STACK_SIGNAL_ENV))
 LOCAL_VARS = frozenset(("LOCAL_RANK",))
 
-# What the runner and the zygote read (worker/_runner.py, worker/_zygote.py).
-MODE_ENV = "ELASTRUN_RUNNER"
-SCOPE_ENV = "ELASTRUN_MODULE_SCOPE"
-PRELOAD_ENV = "ELASTRUN_PRELOAD"
-DELAY_ENV = "ELASTRUN_SPARE_DELAY"
-AGENT_ENV = "ELASTRUN_AGENT_PID"
-BUDGET_ENV = "ELASTRUN_PRELOAD_BUDGET"
-RSS_ENV = "ELASTRUN_PRELOAD_MAX_RSS"
 # Set per worker by the agent for the runner, which removes them.
-RUNNER_VARS = frozenset((SCOPE_ENV, "ELASTRUN_CHANNEL_FD"))
+RUNNER_VARS = frozenset((SCOPE_ENV, CHANNEL_ENV))
 
 
 def usable_cpus() -> int:
@@ -133,22 +127,30 @@ def compatible(started: Mapping[str, str], wanted: Mapping[str, str]) -> str | N
     return None
 
 
-@dataclass
-class _Zygote:
-    popen: subprocess.Popen[bytes]
-    sock: socket.socket
-    env: dict[str, str]
-    started: float
-    ready: bool = False
-    ready_event: asyncio.Event = field(default_factory=asyncio.Event)
-    pending: asyncio.Future[list[int | None]] | None = None
-    stderr: bytearray = field(default_factory=bytearray)
-    stats: dict[str, Any] = field(default_factory=dict)
-    gone: str | None = None  # why it cannot be used any more
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
+def features(core: Core) -> list[Feature]:
+    """Warm starts, and the module learning that feeds them: none for a
+    program run as given, or with ``--no-prewarm``."""
+    spec, command = core.spec, core.spec.command
+    if not spec.prewarm or isinstance(command, Executable):
+        return []
+    cache = None
+    if spec.prewarm_modules != "torch":
+        key = cache_key(command, os.getcwd())
+        cache = ModuleCache(spec.prewarm_cache or default_cache_dir(), key)
+    pool = SparePool(
+        spec,
+        command,
+        core.events,
+        core.guard,
+        core.reaper,
+        cache=cache,
+        scope="all" if spec.prewarm_modules == "all" else "installed",
+        say=core.say,
+    )
+    if spec.prewarm_modules == "torch":  # torch alone: nothing to learn
+        return [WarmStarts(core, pool)]
+    learning = ModuleLearning(core, pool)
+    return [learning, WarmStarts(core, pool, learning)]
 
 
 class SparePool:
@@ -157,7 +159,7 @@ class SparePool:
     def __init__(
         self,
         spec: WorkerSpec,
-        entry: PythonEntry,
+        command: PythonCommand,
         events: EventSink,
         guard: OrphanGuard | None = None,
         reaper: Reaper | None = None,
@@ -167,10 +169,10 @@ class SparePool:
         scope: str = "installed",
         budget: float = PRELOAD_BUDGET,
         max_rss_mb: float = PRELOAD_MAX_RSS,
-        say: Any = None,
+        say: Callable[[str], None] | None = None,
     ) -> None:
         self.spec = spec
-        self.entry = entry
+        self.command = command
         self.events = events
         self.guard = guard
         self.reaper = reaper if reaper is not None else Reaper()
@@ -181,7 +183,7 @@ class SparePool:
         self.max_rss_mb = max_rss_mb
         self._say = say
         # The module name that would run the script: never imported ahead of time.
-        self.script = script_module(entry.kind, entry.target)
+        self.script = script_module(command.kind, command.target)
         self._cache_said = False
         self.recorded = cache.load(self.script) if cache is not None else ModuleList()
         self._cache_problem()
@@ -190,9 +192,9 @@ class SparePool:
         self.head_start = (
             not self.preload
             or bool(self.recorded.modules)
-            or imports_any(entry_file(entry), self.preload)
+            or imports_any(entry_file(command), self.preload)
         )
-        self._z: _Zygote | None = None
+        self._z: Zygote | None = None
         self._dead: list[subprocess.Popen[bytes]] = []
         self._closed = False
         self.error: WorkerError | None = None
@@ -238,138 +240,62 @@ class SparePool:
             self._discard(z, f"started with a different {why}")
         self._z = self._spawn(env)
 
-    def _spawn(self, env: Mapping[str, str]) -> _Zygote | None:
+    def _spawn(self, env: Mapping[str, str]) -> Zygote | None:
         if not self.reaper.enable():
             if self.error is None:
                 self.error = self.reaper.error
                 self.events.emit("spare_failed", reason=str(self.reaper.error))
             return None
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        entry = self.entry
-        argv = [*entry.prefix, RUNNER_SCRIPT, *entry.command, *entry.args]
+        argv = self.command.worker_argv(None)  # the fork order brings each rank's arguments
         # Only what every worker shares: no rank, round or runner variable.
         z_env = {k: v for k, v in env.items() if k not in ROUND_VARS | LOCAL_VARS | RUNNER_VARS}
         skip = self.recorded.skip
         modules = [m for m in (*self.preload, *self.recorded.modules) if not skipped(m, skip)]
-        preload = {
-            "modules": modules,
-            "python": self.recorded.python,
-            "torch": self.recorded.torch,
+        preload = PreloadPlan(
+            modules=tuple(modules),
+            python=self.recorded.python,
+            torch=self.recorded.torch,
             # What a module must not read while the zygote imports it.
-            "watch": sorted(ROUND_VARS | LOCAL_VARS),
+            watch=tuple(sorted(ROUND_VARS | LOCAL_VARS)),
             # Imported before any fork: every worker forked has torch.
-            "base": sum(1 for m in self.preload if not skipped(m, skip)),
-        }
-        spawn_env = {
-            **z_env,
-            MODE_ENV: "zygote",
-            SCOPE_ENV: self.scope,
-            PRELOAD_ENV: json.dumps(preload),
-            DELAY_ENV: repr(UNPRIVILEGED_DELAY),
-            AGENT_ENV: str(os.getpid()),
-            BUDGET_ENV: repr(self.budget),
-            RSS_ENV: repr(self.max_rss_mb),
-        }
+            base=sum(1 for m in self.preload if not skipped(m, skip)),
+        )
+        bounds = Bounds(UNPRIVILEGED_DELAY, self.budget, self.max_rss_mb)
         try:
-            popen = subprocess.Popen(
-                argv,
-                env=spawn_env,
-                stdin=theirs.fileno(),
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-                preexec_fn=preexec_for(os.getpid()),  # noqa: PLW1509 - a pre-resolved prctl
-                close_fds=True,
-            )
+            z = Zygote.start(argv, z_env, preload, self.scope, bounds)
         except OSError as e:
-            ours.close()
             self.events.emit("spare_failed", reason=str(e))
             return None
-        finally:
-            theirs.close()
-        ours.setblocking(False)
         if self.guard is not None:
-            self.guard.add(popen.pid)
+            self.guard.add(z.pid)
         # Whatever an import starts in the zygote's session comes to the agent
         # if the zygote is killed first: reaped like a worker's orphans.
-        self.reaper.watch_session(popen.pid)
-        z = _Zygote(popen, ours, z_env, started=time.monotonic())
-        self.events.emit("spare_started", pid=popen.pid, modules=len(modules))
-        self._watch(z)
+        self.reaper.watch_session(z.pid)
+        self.events.emit("spare_started", pid=z.pid, modules=len(modules))
+        z.watch(self._ready, self._refused)
         return z
 
-    # ------------------------------------------------------------ messages
-    def _watch(self, z: _Zygote) -> None:
-        loop = asyncio.get_running_loop()
-        loop.add_reader(z.sock.fileno(), self._on_message, z)
-        if z.popen.stderr is not None:
-            fd = z.popen.stderr.fileno()
-            os.set_blocking(fd, False)
-            loop.add_reader(fd, self._on_stderr, z, fd)
+    # ------------------------------------------------------------ its messages
+    def _ready(self, z: Zygote, message: Ready) -> None:
+        self.events.emit(
+            "spare_ready",
+            pid=z.pid,
+            preload_s=round(time.monotonic() - z.started, 3),
+            loaded=message.loaded,
+            failed=[name for name, _ in message.failed],
+            rss_mb=round(message.rss_kb / 1024, 1),
+            stopped=message.stopped,
+        )
+        for name, why in message.failed:
+            self.debug(f"warm interpreter skipped module {name}: {why}")
+        if message.stopped:
+            self.debug(f"warm interpreter stopped importing: {message.stopped}")
 
-    def _on_stderr(self, z: _Zygote, fd: int) -> None:
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            asyncio.get_running_loop().remove_reader(fd)
-            return
-        z.stderr += data
-        del z.stderr[:-STDERR_TAIL]
-
-    def _on_message(self, z: _Zygote) -> None:
-        while True:
-            try:
-                data = z.sock.recv(MAX_MESSAGE)
-            except BlockingIOError:
-                return
-            except OSError:
-                data = b""
-            if not data:
-                self._lost(z)
-                return
-            try:
-                message = json.loads(data)
-            except ValueError:
-                continue
-            if isinstance(message, dict) and message.get("v") == PROTOCOL:
-                self._dispatch(z, message)
-
-    def _dispatch(self, z: _Zygote, message: dict[str, Any]) -> None:
-        if message.get("ready") is True:
-            z.ready = True
-            z.ready_event.set()
-            z.stats = message
-            failed = message.get("failed") or []
-            self.events.emit(
-                "spare_ready",
-                pid=z.pid,
-                preload_s=round(time.monotonic() - z.started, 3),
-                loaded=message.get("loaded"),
-                failed=[f[0] for f in failed if isinstance(f, list) and f],
-                rss_mb=round(int(message.get("rss_kb") or 0) / 1024, 1),
-                stopped=message.get("stopped"),
-            )
-            for item in failed:
-                if isinstance(item, list) and len(item) == 2:
-                    self.debug(f"warm interpreter skipped module {item[0]}: {item[1]}")
-            if message.get("stopped"):
-                self.debug(f"warm interpreter stopped importing: {message['stopped']}")
-        elif "pids" in message:
-            pids = message["pids"]
-            if z.pending is not None and not z.pending.done() and isinstance(pids, list):
-                z.pending.set_result([p if isinstance(p, int) and p > 0 else None for p in pids])
-        elif "unsafe" in message:
-            self._refused(z, message.get("unsafe"), str(message.get("why")))
-
-    def _refused(self, z: _Zygote, unsafe: object, why: str) -> None:
+    def _refused(self, z: Zygote, message: Unsafe) -> None:
         """The zygote found a module unsafe to import ahead of time and quit:
         remember it (with its package) and start another without it, a bounded
         number of times."""
-        names = valid_names(unsafe if isinstance(unsafe, list) else [unsafe])
+        names, why = valid_names(list(message.modules)), message.why
         for name in names:
             self.recorded.skip[name] = why
         self.recorded.modules = [
@@ -393,27 +319,6 @@ class SparePool:
             self.gave_up = True
             self.recorded = ModuleList(skip=self.recorded.skip)
         self._z = self._spawn(z.env)
-
-    def _lost(self, z: _Zygote) -> None:
-        self._unwatch(z)
-        if z.gone is None:
-            z.gone = f"exited before it was needed: {self._tail(z)}"
-        if z.pending is not None and not z.pending.done():
-            z.pending.set_result([])
-        z.ready_event.set()  # nobody waits for a zygote that is gone
-
-    def _unwatch(self, z: _Zygote) -> None:
-        with contextlib.suppress(RuntimeError, ValueError, OSError):
-            loop = asyncio.get_running_loop()
-            loop.remove_reader(z.sock.fileno())
-            if z.popen.stderr is not None:
-                loop.remove_reader(z.popen.stderr.fileno())
-
-    def _tail(self, z: _Zygote) -> str:
-        lines = z.stderr.decode(errors="replace").strip().splitlines()
-        rc = z.popen.poll()
-        head = f"exit code {rc}" if rc is not None else "still running"
-        return f"{head}: {lines[-1][:300]}" if lines else head
 
     def debug(self, line: str) -> None:
         """``line`` on the agent's console with ``ELASTRUN_DEBUG`` set."""
@@ -453,10 +358,7 @@ class SparePool:
         )
         z = self._z
         if z is not None and z.gone is None:
-            with contextlib.suppress(OSError):
-                z.sock.send(json.dumps({"v": PROTOCOL, "preload": new}).encode())
-                z.ready = False
-                z.ready_event.clear()
+            z.preload(new)
         return True
 
     def note(self) -> ModuleReport:
@@ -513,7 +415,7 @@ class SparePool:
             # import is a head start (and one import, not one per worker).
             if not (self.head_start and use_unready):
                 return {}
-            _promote(z.pid)
+            promote(z.pid)
             # More workers than CPUs: one import beats N fighting for the
             # cores, so wait for all of it. Otherwise fork now: the zygote
             # forks once it has torch, between two imports, and the workers
@@ -521,30 +423,37 @@ class SparePool:
             if len(envs) > usable_cpus() and not await self.wait_ready(READY_WAIT):
                 return {}  # gone, or too slow: start cold (a slow one is kept)
         waited = time.monotonic() - waited
-        ranks = sorted(envs)
-        pipes: dict[int, tuple[int, int, int, int]] = {}
-        z.pending = asyncio.get_running_loop().create_future()
-        pids: list[int | None] = []
+        orders = {
+            lr: (envs[lr], with_local_rank(self.command.args, lr), channels[lr]) for lr in envs
+        }
         try:
-            pids = await self._order_forks(z, ranks, envs, channels, pipes)
+            forked = await z.fork_workers(orders, launcher_stdin())
         except (OSError, TimeoutError) as e:
             self._discard(z, f"cannot fork workers: {e!r}")
             self._z = None
-        finally:
-            z.pending = None
-            for _, out_w, _, err_w in pipes.values():
-                os.close(out_w)
-                os.close(err_w)
-        return self._adopt(z, ranks, pipes, pids, waited)
+            return {}
+        for lr, proc in forked.items():
+            self.reaper.watch_session(proc.pid)
+            if self.guard is not None:
+                self.guard.add(proc.pid)
+            self.events.emit(
+                "spare_used",
+                local_rank=lr,
+                pid=proc.pid,
+                zygote=z.pid,
+                warm_s=round(time.monotonic() - z.started, 3),
+                waited_s=round(waited, 3),
+            )
+        return forked
 
-    def _usable(self, envs: Mapping[int, Mapping[str, str]]) -> _Zygote | None:
+    def _usable(self, envs: Mapping[int, Mapping[str, str]]) -> Zygote | None:
         """The zygote, if workers with ``envs`` can be forked from it (an
         exited or incompatible one is discarded)."""
         z = self._z
         if z is None or not envs:
             return None
         if z.gone is not None or z.popen.poll() is not None:
-            self._discard(z, z.gone or f"exited before it was needed: {self._tail(z)}")
+            self._discard(z, z.gone or f"exited before it was needed: {z.tail()}")
             self._z = None
             return None
         for env in envs.values():
@@ -555,79 +464,11 @@ class SparePool:
                 return None
         return z
 
-    async def _order_forks(
-        self,
-        z: _Zygote,
-        ranks: list[int],
-        envs: Mapping[int, Mapping[str, str]],
-        channels: Mapping[int, int],
-        pipes: dict[int, tuple[int, int, int, int]],
-    ) -> list[int | None]:
-        """Ask the zygote for one fork per rank (with its output pipes, which
-        are recorded in ``pipes``, and channel); the forks' pids, in order."""
-        assert z.pending is not None
-        stdin = launcher_stdin()
-        for i, lr in enumerate(ranks):
-            out_r, out_w = os.pipe()
-            err_r, err_w = os.pipe()
-            pipes[lr] = (out_r, out_w, err_r, err_w)
-            order = {"env": dict(envs[lr]), "args": argv_for(self.entry.args, lr)}
-            message = json.dumps({"v": PROTOCOL, "fork": order, "index": i, "count": len(ranks)})
-            # The worker's stdin too (the agent's, as a cold worker's), with each
-            # order: the zygote, shared across rounds, never keeps it.
-            fds = array.array(
-                "i", [out_w, err_w, channels[lr], *([] if stdin is None else [stdin])]
-            )
-            z.sock.setblocking(True)
-            z.sock.settimeout(5.0)
-            z.sock.sendmsg([message.encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
-        z.sock.setblocking(False)
-        return await asyncio.wait_for(z.pending, FORK_TIMEOUT)
-
-    def _adopt(
-        self,
-        z: _Zygote,
-        ranks: list[int],
-        pipes: dict[int, tuple[int, int, int, int]],
-        pids: list[int | None],
-        waited: float,
-    ) -> dict[int, ForkedProcess]:
-        """The forked workers, by local rank (the read ends of the pipes of
-        ranks that got no process are closed)."""
-        out: dict[int, ForkedProcess] = {}
-        for i, lr in enumerate(ranks):
-            out_r, _, err_r, _ = pipes.get(lr, (-1, -1, -1, -1))
-            pid = pids[i] if i < len(pids) else None
-            if pid is None:
-                for fd in (out_r, err_r):
-                    if fd >= 0:
-                        os.close(fd)
-                continue
-            out[lr] = ForkedProcess(pid, os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
-            self.reaper.watch_session(pid)
-            if self.guard is not None:
-                self.guard.add(pid)
-            self.events.emit(
-                "spare_used",
-                local_rank=lr,
-                pid=pid,
-                zygote=z.pid,
-                warm_s=round(time.monotonic() - z.started, 3),
-                waited_s=round(waited, 3),
-            )
-        return out
-
     # ------------------------------------------------------------ ending
-    def _discard(self, z: _Zygote, reason: str) -> None:
+    def _discard(self, z: Zygote, reason: str) -> None:
         if z.gone is None or not z.gone.startswith("discarded"):
             self.events.emit("spare_discarded", pid=z.pid, reason=reason)
-        z.gone = f"discarded: {reason}"
-        self._unwatch(z)
-        with contextlib.suppress(OSError):
-            z.sock.close()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(z.pid, signal.SIGKILL)
-        z.ready_event.set()
+        z.kill(f"discarded: {reason}")
         self._dead.append(z.popen)
 
     def reap(self) -> None:
@@ -656,13 +497,7 @@ class SparePool:
         self._closed = True
         z = self._z
         if z is not None:
-            if z.gone is None:
-                z.gone = "closed"
-            self._unwatch(z)
-            with contextlib.suppress(OSError):
-                z.sock.close()
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(z.pid, signal.SIGKILL)
+            z.kill(z.gone or "closed")
             self._dead.append(z.popen)
         self._z = None
         deadline = time.monotonic() + REAP_WAIT
@@ -672,14 +507,72 @@ class SparePool:
                 await asyncio.sleep(0.01)
 
 
-def _promote(pid: int) -> None:
-    """Every thread of a zygote importing at idle priority back to normal
-    (it went idle only because it may come back; best effort)."""
-    if not hasattr(os, "SCHED_IDLE"):
-        return
-    with contextlib.suppress(OSError):
-        if os.sched_getscheduler(pid) != os.SCHED_IDLE:
+class WarmStarts(Feature):
+    """The warm interpreter as a feature of the agent (see the module doc)."""
+
+    def __init__(self, core: Core, pool: SparePool, learning: ModuleLearning | None = None) -> None:
+        self.core = core
+        self.pool = pool
+        self.learning = learning
+
+    def start(self) -> None:
+        # It starts (and imports torch) while the rendezvous runs; the
+        # round's variables come when it closes.
+        self.pool.keep(self.pool.first_env(self.core.rendezvous.settings.max_restarts))
+
+    async def before_round(self) -> None:
+        """Before joining a job that trains without this node: wait (bounded)
+        for the warm interpreter, so the others pause only for the restart,
+        not for this node's imports."""
+        pool, timeout = self.pool, self.core.spec.warm_join_timeout
+        if timeout <= 0 or not pool.pids:
             return
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError):
-                os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+        if self.learning is not None:
+            await self.learning.fetched(NOTE_TIMEOUT)  # what the job imports, first
+        if pool.ready or not await self.core.rendezvous.joining_running_job():
+            return
+        say, clock = self.core.say, self.core.clock
+        say(
+            f"elastrun: joining a running job: waiting up to {timeout:g}s for the warm "
+            "interpreter first, so the others pause only for the restart"
+        )
+        t0 = clock.monotonic()
+        ready = await pool.wait_ready(timeout)
+        waited = clock.monotonic() - t0
+        self.core.events.emit("warm_join", waited_s=round(waited, 3), ready=ready, timeout=timeout)
+        if not ready:
+            pool.use_unready = False  # too slow to wait for at the start too
+            say(f"elastrun: the warm interpreter is not ready after {waited:.0f}s; joining anyway")
+
+    def round(self, group: WorkerGroup) -> RoundHooks:
+        return _WarmRound(self, group)
+
+    def on_child(self) -> None:
+        self.pool.reap()
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    def may_restart(self, result: RoundResult) -> bool:
+        """Whether these workers can still be started again (restarts left, or
+        a membership change, which is never counted)."""
+        settings = self.core.rendezvous.settings
+        return result.restart_count < result.max_restarts or settings.min_nodes < settings.max_nodes
+
+
+class _WarmRound(RoundHooks):
+    def __init__(self, warm: WarmStarts, group: WorkerGroup) -> None:
+        self.warm = warm
+        self.group = group
+
+    async def fork(
+        self, envs: Mapping[int, Mapping[str, str]], channels: Mapping[int, int]
+    ) -> dict[int, ForkedProcess]:
+        return await self.warm.pool.fork(envs, channels)
+
+    def started(self) -> None:
+        pool = self.warm.pool
+        if self.warm.may_restart(self.group.result):
+            pool.keep(self.group.envs[0])  # for the next start
+        else:
+            pool.drop()

@@ -1,12 +1,7 @@
-"""How a worker command is started: the parent-death signal, and the Python
-commands that run through elastrun's worker runner.
+"""How a worker starts: the parent-death signal, its stdin, and what the
+agent can tell of a Python command's source without importing it.
 
-The launcher builds a Python worker's argv as ``python -u script args`` or
-``python -u -m module args`` (:func:`python_entry` recognises both). Such a
-worker runs as ``python -u .../elastrun/worker/_runner.py script args``
-(:func:`runner_argv`): the runner runs the script exactly as ``python -u``
-would and reports what the worker imported (see ``worker/_runner.py``). Other
-commands (``--no-python``, ``--run-path``) run as given.
+What the agent runs for each kind of command: agent/command.py.
 
 Every worker's stdin is the agent's own (:func:`launcher_stdin`), as torchrun
 gives it: one open file shared by every worker (whoever reads first gets the
@@ -20,22 +15,11 @@ import ctypes
 import os
 import signal
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-__all__ = [
-    "RUNNER_SCRIPT",
-    "PythonEntry",
-    "entry_file",
-    "imports_any",
-    "launcher_stdin",
-    "preexec_for",
-    "python_entry",
-    "runner_argv",
-]
+from elastrun.agent.command import PythonCommand, PythonScript
 
-RUNNER_SCRIPT = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "worker", "_runner.py"
-)
+__all__ = ["entry_file", "imports_any", "launcher_stdin", "preexec_for"]
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -78,51 +62,13 @@ def preexec_for(parent_pid: int) -> Callable[[], None]:
     return child
 
 
-@dataclass(frozen=True)
-class PythonEntry:
-    """A worker argv split as ``prefix + [target] + args`` (script) or
-    ``prefix + ["-m", target] + args`` (module)."""
-
-    prefix: tuple[str, ...]
-    kind: str  # "script" | "module"
-    target: str
-    args: tuple[str, ...]
-
-    @property
-    def command(self) -> list[str]:
-        """What follows the interpreter and its flags: ``[-m] target``."""
-        return ["-m", self.target] if self.kind == "module" else [self.target]
-
-
-def python_entry(argv: Sequence[str]) -> PythonEntry | None:
-    """The launcher's Python argv shapes: ``python -u [-m] target args``."""
-    if len(argv) < 3 or argv[1] != "-u":
-        return None
-    if argv[2] == "-m":
-        if len(argv) < 4:
-            return None
-        return PythonEntry(tuple(argv[:2]), "module", argv[3], tuple(argv[4:]))
-    if argv[2].startswith("-"):
-        return None
-    return PythonEntry(tuple(argv[:2]), "script", argv[2], tuple(argv[3:]))
-
-
-def runner_argv(argv: Sequence[str]) -> tuple[str, ...]:
-    """``argv`` with the worker runner in front, for the Python shapes; as
-    given otherwise."""
-    entry = python_entry(argv)
-    if entry is None:
-        return tuple(argv)
-    return (*entry.prefix, RUNNER_SCRIPT, *entry.command, *entry.args)
-
-
-def entry_file(entry: PythonEntry) -> str | None:
+def entry_file(command: PythonCommand) -> str | None:
     """The source file the worker runs first: the script, or for ``-m`` the
     module's file under the working directory (None when not found there; the
     agent never imports user code to find it)."""
-    if entry.kind == "script":
-        return entry.target
-    base = os.path.join(os.getcwd(), *entry.target.split("."))
+    if isinstance(command, PythonScript):
+        return command.path
+    base = os.path.join(os.getcwd(), *command.name.split("."))
     for path in (base + ".py", os.path.join(base, "__main__.py")):
         if os.path.isfile(path):
             return path

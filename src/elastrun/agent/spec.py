@@ -14,6 +14,7 @@ import enum
 import signal
 from dataclasses import dataclass, field
 
+from elastrun.agent.command import LOCAL_RANK_MACRO, WorkerCommand
 from elastrun.names import RunId
 
 __all__ = [
@@ -23,24 +24,11 @@ __all__ = [
     "StartMethod",
     "Std",
     "WorkerSpec",
-    "argv_for",
 ]
 
 # Console prefix of each worker line. Fields: host, rank (global), local_rank,
 # role, group_rank, restart (attempt number).
 DEFAULT_LOG_TEMPLATE = "[{host}:{rank}]"
-
-
-# In a worker's arguments, replaced by that worker's local rank (torchrun's
-# macro; ``python -m elastrun.launch`` passes ``--local_rank=${local_rank}``).
-LOCAL_RANK_MACRO = "${local_rank}"
-
-
-def argv_for(argv: tuple[str, ...] | list[str], local_rank: int) -> list[str]:
-    """``argv`` of local rank ``local_rank``: each ``${local_rank}`` replaced.
-    Only that exact text is replaced (torch's string.Template would also turn
-    ``$$`` into ``$`` and replace ``$local_rank``)."""
-    return [a.replace(LOCAL_RANK_MACRO, str(local_rank)) for a in argv]
 
 
 class Std(enum.IntFlag):
@@ -72,8 +60,9 @@ class PrewarmModules(enum.StrEnum):
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    # What each worker runs: the full argv (e.g. [sys.executable, "-u", "train.py", ...]).
-    argv: tuple[str, ...]
+    # What each worker runs (agent/command.py): a Python script or module
+    # (through the worker runner), or a program run as given.
+    command: WorkerCommand
     nproc: int
     run_id: RunId
     role: str = "default"
@@ -112,8 +101,8 @@ class WorkerSpec:
     # declared (agent/stacks.py, --stack-signal); None: no stacks.
     stack_signal: int | None = int(signal.SIGRTMIN) + 5
     events_file: str | None = None
-    # Fork workers from a warm interpreter (agent/spares.py). The launcher sets
-    # it for the Python commands it builds (a script or -m module).
+    # Fork workers from a warm interpreter (agent/spares.py); only a Python
+    # command (a script or -m module) can be.
     prewarm: bool = False
     # What the warm interpreter imports ahead of time.
     prewarm_modules: PrewarmModules = PrewarmModules.INSTALLED

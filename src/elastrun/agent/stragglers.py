@@ -39,11 +39,10 @@ import asyncio
 import contextlib
 import statistics
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from elastrun.agent.watchdog import read_beat
-from elastrun.agent.workers import WorkerGroup
 from elastrun.events import EventSink
 from elastrun.rendezvous import notes as N
 from elastrun.rendezvous.api import Rendezvous, RoundResult
@@ -90,17 +89,18 @@ class StragglerRule:
         return {r for r, n in self.slow_for.items() if n >= self.sustain and r in mine}
 
 
-def local_progress(group: WorkerGroup) -> list[N.RankProgress]:
-    """Each local rank's last progress, as the note carries it."""
+def local_progress(files: Sequence[tuple[int, str]]) -> list[N.RankProgress]:
+    """Each local rank's last progress (``files``: its rank and progress
+    file), as the note carries it."""
     out = []
     now = time.monotonic()
-    for w in group.workers:
-        beat = read_beat(w.heartbeat_file) if w.heartbeat_file else None
+    for rank, path in files:
+        beat = read_beat(path)
         if beat is None:
             continue
         out.append(
             N.RankProgress(
-                rank=w.rank,
+                rank=rank,
                 step=beat.step,
                 steps=beat.steps,
                 step_time=beat.step_time,
@@ -162,22 +162,23 @@ async def _verdict(
 
 async def publish_loop(
     rendezvous: Rendezvous,
-    group: WorkerGroup,
+    files: Sequence[tuple[int, str]],
     result: RoundResult,
     host: str,
     events: EventSink,
     *,
     every: float = PUBLISH_EVERY,
 ) -> None:
-    """Publish this node's step times until cancelled; group rank 0 judges
-    the stragglers, every node announces its own."""
+    """Publish this node's step times (``files``: each local rank's rank and
+    progress file) until cancelled; group rank 0 judges the stragglers,
+    every node announces its own."""
     aggregator = Aggregator() if result.group_rank == 0 else None
     node_id = result.me.node_id
     mine = range(result.rank_offset, result.rank_offset + result.me.nproc)
     announced: set[int] = set()
     while True:
         await asyncio.sleep(every)
-        ranks = local_progress(group)
+        ranks = local_progress(files)
         if ranks:
             note = N.ProgressNote(
                 result.round,

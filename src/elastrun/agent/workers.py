@@ -1,4 +1,4 @@
-"""One worker group: spawn, watch, signal, stop and reap the workers of a round.
+"""One round's workers: spawn, watch, signal, stop and reap them.
 
 Process hygiene (no worker outlives the agent):
 
@@ -14,17 +14,15 @@ Process hygiene (no worker outlives the agent):
 * stopping is bounded: signal each process group, wait the grace, SIGKILL
   the groups, wait a bounded time, reap; pids that would not die are reported;
 * the workers' own children die with a SIGKILLed agent too: every worker's
-  process group is registered with the agent's orphan guard (agent/guard.py);
-* with ``hang_timeout``, a rank that showed progress and then made none for
-  its timeout fails the group like a crash (agent/watchdog.py); before the
-  group is stopped every local rank's Python stack is collected
-  (agent/stacks.py), and the rank stuck in code of its own (not waiting in
-  torch) is named the hung one. Progress relayed over a runner's channel
-  (its file could not be written) counts as the file's would; a rank whose
-  progress the agent cannot see is not judged (agent/progress_faults.py says so);
-* a worker that dies of the stack signal the agent sent it (its script
-  changed the handler after the agent's check) was killed by the agent: it
-  is never the root cause (:meth:`WorkerGroup._on_exit`).
+  process group is registered with the agent's orphan guard (agent/guard.py).
+
+A Python command runs through the worker runner, with a channel socket to
+the agent (agent/channel.py: typed messages, bounded). What else a round
+does comes from the features' :class:`~elastrun.agent.hooks.RoundHooks`: more
+environment, workers forked rather than spawned, the runner's messages, a
+rank declared failed while it runs (:meth:`WorkerGroup.declare`: a hang).
+The root cause among the failures is decided by one rule, agent/failures.py
+``roles``.
 """
 
 from __future__ import annotations
@@ -35,118 +33,38 @@ import os
 import signal
 import socket
 import subprocess
-import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from elastrun.agent import env as worker_env_mod
+from elastrun.agent.channel import CHANNEL_ENV, RunnerChannel
 from elastrun.agent.children import ForkedProcess, Reaper
-from elastrun.agent.failures import ErrorFileInfo, WorkerFailure, read_error_file
+from elastrun.agent.command import Executable
+from elastrun.agent.env import worker_env
+from elastrun.agent.failures import WorkerFailure, roles
 from elastrun.agent.guard import OrphanGuard
-from elastrun.agent.hang_group import GroupHangs
-from elastrun.agent.logs import LinePump, LogWriteErrors, StreamRoute, rank_dir, routes_for
-from elastrun.agent.progress_faults import ProgressFaults
-from elastrun.agent.spawn import launcher_stdin, preexec_for, python_entry, runner_argv
-from elastrun.agent.spec import WorkerSpec, argv_for
-from elastrun.agent.stacks import (
-    STACK_SIGNAL_ENV,
-    STACKS_ENV,
-)
-from elastrun.agent.watchdog import (
-    HEARTBEAT_ENV,
-    HEARTBEAT_INTERVAL_ENV,
-    Beat,
-    HangPolicy,
-    HangWatchdog,
-    heartbeat_interval,
-)
+from elastrun.agent.hooks import RoundHooks
+from elastrun.agent.logs import LogWriteErrors, rank_dir, routes_for
+from elastrun.agent.process import Declared, Worker, killpg
+from elastrun.agent.spawn import launcher_stdin, preexec_for
+from elastrun.agent.spec import WorkerSpec
 from elastrun.clock import SYSTEM_CLOCK, Clock, remaining
 from elastrun.errors import WorkerError
 from elastrun.events import EventSink
 from elastrun.procs import signal_name
-from elastrun.rendezvous.api import RoundResult
-from elastrun.untrusted import UntrustedData, loads
+from elastrun.rendezvous.api import Change, RoundResult
+from elastrun.worker._messages import Message
 
-__all__ = ["Worker", "WorkerGroup", "preexec_for", "round_env"]
+if TYPE_CHECKING:
+    from elastrun.agent.hooks import Feature
 
-# ({local rank: environment}, {local rank: channel fd}) -> workers forked from
-# the warm interpreter, by local rank (see agent/spares.py); the rest start cold.
-Fork = Callable[
-    [Mapping[int, Mapping[str, str]], Mapping[int, int]], Awaitable[dict[int, ForkedProcess]]
-]
-# (local rank, a message the worker's runner sent) -> None
-OnMessage = Callable[[int, dict[str, Any]], None]
-# The process handle of a worker: started cold, or forked and adopted.
-Process = subprocess.Popen[bytes] | ForkedProcess
+__all__ = ["Worker", "WorkerGroup"]
 
-CHANNEL_ENV = "ELASTRUN_CHANNEL_FD"  # read by worker/_runner.py
-SCOPE_ENV = "ELASTRUN_MODULE_SCOPE"
 KILL_WAIT = 5.0  # after SIGKILL, how long to wait for the kernel to finish them
 DRAIN_TIMEOUT = 2.0  # after exit, how long to wait for the rest of a worker's output
-MAX_CHANNEL_BYTES = 1 << 20  # what one worker may send the agent over its channel at once
-# ... plus this much per second it has run (the progress it relays while its
-# file cannot be written: at most a record of a few hundred bytes per interval).
-CHANNEL_BYTES_PER_S = 4096
 
 
-def _killpg(pgid: int, sig: int) -> bool:
-    """Signal a worker's process group; False when nothing is left in it."""
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return False
-    return True
-
-
-@dataclass
-class Worker:
-    local_rank: int
-    rank: int
-    error_file: str
-    routes: tuple[StreamRoute, StreamRoute]
-    popen: Process | None = None
-    channel: socket.socket | None = None  # the agent's end of the runner's channel
-    channel_buf: bytearray = field(default_factory=bytearray)
-    channel_read: int = 0
-    exited: asyncio.Future[int] | None = None
-    exit_monotonic: float | None = None
-    exit_wall: float | None = None
-    stopped_by_agent: bool = False
-    pumps: list[LinePump] = field(default_factory=list)
-    pump_tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    transports: list[asyncio.BaseTransport] = field(default_factory=list)
-    pidfd: int | None = None
-    heartbeat_file: str | None = None
-    stacks_file: str | None = None
-    stacks: str | None = None  # its Python stacks, collected when a hang was declared
-    stacks_skipped: str | None = None  # why its stacks were not asked for
-    stack_signalled: bool = False  # the agent sent it the stack signal
-    channel_opened: float = 0.0  # (monotonic) when its channel was watched
-    main_thread: int | None = None
-    hang: str | None = None  # "rank R made no progress for S s (last step N)"
-    hang_monotonic: float | None = None
-    hang_wall: float | None = None
-    hang_first: bool = False  # the group's first failure: the root cause
-    warm: bool = False  # started from a warm spare
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid if self.popen is not None else -1
-
-    @property
-    def done(self) -> bool:
-        return self.exited is not None and self.exited.done()
-
-    @property
-    def returncode(self) -> int | None:
-        return self.exited.result() if self.done and self.exited is not None else None
-
-
-class WorkerGroup(GroupHangs):
+class WorkerGroup:
     """The workers of one attempt on this node."""
 
     def __init__(
@@ -161,39 +79,27 @@ class WorkerGroup(GroupHangs):
         clock: Clock = SYSTEM_CLOCK,
         guard: OrphanGuard | None = None,
         reaper: Reaper | None = None,
-        on_message: OnMessage | None = None,
-        module_scope: str = "installed",
         log_errors: LogWriteErrors | None = None,
-        progress_faults: ProgressFaults | None = None,
+        features: Sequence[Feature] = (),
     ) -> None:
         self.spec = spec
-        self.reaper = reaper
-        self.on_message = on_message
-        self.module_scope = module_scope
-        # Python workers run through elastrun's runner (worker/_runner.py).
-        self.runs_runner = python_entry(spec.argv) is not None
-        # Log files that cannot be written: warned about once (the agent's, across rounds).
-        self.log_errors = log_errors if log_errors is not None else LogWriteErrors(events)
-        # Progress the agent cannot see: said once (the agent's, across rounds).
-        self.progress_faults = progress_faults or ProgressFaults(events)
         self.result = result
         self.attempt = attempt
         self.attempt_dir = attempt_dir
         self.events = events
         self.clock = clock
+        self.guard = guard
+        self.reaper = reaper
+        # Log files that cannot be written: warned about once (the agent's, across rounds).
+        self.log_errors = log_errors if log_errors is not None else LogWriteErrors(events)
+        # Python commands run through elastrun's runner, with a channel to the agent.
+        self.runs_runner = not isinstance(spec.command, Executable)
         self.workers: list[Worker] = []
+        self.envs: dict[int, dict[str, str]] = {}  # each local rank's, once started
         self._changed = asyncio.Event()
         self._hurry = asyncio.Event()
-        self._failed_seen = False
+        self._ended = False
         self._closed = False
-        self.guard = guard
-        self.watchdog: HangWatchdog | None = None
-        self._hang_task: asyncio.Task[None] | None = None
-        if spec.hang_timeout is not None:
-            policy = HangPolicy(spec.hang_timeout, spec.hang_auto)
-            self.watchdog = HangWatchdog(
-                policy, self._on_hang, clock, on_unknown=self._progress_unknown
-            )
         for lr in range(spec.nproc):
             rank = result.rank_offset + lr
             routes = routes_for(
@@ -204,69 +110,58 @@ class WorkerGroup(GroupHangs):
                 group_rank=result.group_rank,
                 restart=result.restart_count,
             )
-            err = os.path.join(attempt_dir, str(lr), "error.json")
-            w = Worker(lr, rank, err, routes)
-            # Progress: for the watchdog, and (from the runner) the step times.
-            if self.watchdog is not None or self.runs_runner:
-                w.heartbeat_file = os.path.join(attempt_dir, str(lr), "heartbeat.json")
-            if self.watchdog is not None and self.runs_runner and spec.stack_signal is not None:
-                w.stacks_file = os.path.join(attempt_dir, str(lr), "stacks.txt")
-            self.workers.append(w)
+            folder = os.path.join(attempt_dir, str(lr))
+            self.workers.append(
+                Worker(lr, rank, folder, os.path.join(folder, "error.json"), routes)
+            )
+        self.hooks: list[RoundHooks] = [h for f in features if (h := f.round(self)) is not None]
 
     # ---------------------------------------------------------------- start
-    async def start(
-        self, fork: Fork | None = None, should_stop: Callable[[], bool] | None = None
-    ) -> bool:
-        """Spawn every worker: ``fork`` may fork some from the warm interpreter
-        (see agent/spares.py), the rest start cold, one at a time, yielding to
-        the event loop after each so that a signal is handled while a large
-        group spawns. Returns False as soon as ``should_stop()`` is true, True
-        once every worker started. Raises WorkerError if one cannot be
-        started. Either way the caller stops the ones already started."""
-        envs: dict[int, dict[str, str]] = {}
+    async def start(self) -> None:
+        """Start every worker: the features' ``fork`` hooks may fork some, the
+        rest are spawned one at a time, yielding to the event loop after each
+        so that a signal is handled while a large group spawns. Raises
+        WorkerError if one cannot be started (the caller stops the others)."""
         theirs: dict[int, socket.socket] = {}
         for w in self.workers:
             self._prepare(w)
-            envs[w.local_rank] = round_env(
-                self.spec, self.result, w.local_rank, w.error_file, w.heartbeat_file
-            )
-            if w.stacks_file is not None and self.spec.stack_signal is not None:
-                envs[w.local_rank][STACKS_ENV] = w.stacks_file
-                envs[w.local_rank][STACK_SIGNAL_ENV] = str(self.spec.stack_signal)
+            env = worker_env(self.spec, self.result, w.local_rank, w.error_file)
+            for h in self.hooks:
+                env.update(h.worker_env(w))
+            self.envs[w.local_rank] = env
             if self.runs_runner:
-                envs[w.local_rank][SCOPE_ENV] = self.module_scope
-                w.channel, theirs[w.local_rank] = socket.socketpair()
+                ours, theirs[w.local_rank] = socket.socketpair()
+                w.channel = RunnerChannel(ours)
         try:
             forked: dict[int, ForkedProcess] = {}
-            if fork is not None and self.runs_runner:
-                channels = {lr: sock.fileno() for lr, sock in theirs.items()}
-                forked = await fork(envs, channels)
+            for h in self.hooks if self.runs_runner else ():
+                rest = {lr: env for lr, env in self.envs.items() if lr not in forked}
+                channels = {lr: theirs[lr].fileno() for lr in rest}
+                forked.update(await h.fork(rest, channels) if rest else {})
             for w in self.workers:  # the forked ones exist already: registered first
                 if w.local_rank in forked:
                     w.popen, w.warm = forked[w.local_rank], True
                     self._watch(w)
             for w in self.workers:
-                if w.popen is not None:
-                    continue
-                if should_stop is not None and should_stop():
-                    return False
-                w.popen = self._spawn_cold(w, envs[w.local_rank], theirs.get(w.local_rank))
-                self._watch(w)
-                await asyncio.sleep(0)
-            return True
+                if w.popen is None:
+                    w.popen = self._spawn(w, self.envs[w.local_rank], theirs.get(w.local_rank))
+                    self._watch(w)
+                    await asyncio.sleep(0)
         finally:
             for sock in theirs.values():
                 sock.close()
+        for h in self.hooks:
+            h.started()
 
     def _prepare(self, w: Worker) -> None:
         """The worker's folder (private, see ``rank_dir``: a refused one is a
-        WorkerError before any worker starts), without the files of an
+        WorkerError before any worker starts), without the error file of an
         earlier run."""
         try:
             rank_dir(self.attempt_dir, w.local_rank)
         except OSError as e:  # a full or read-only disk: the worker runs without one
             self.log_errors.report(
-                os.path.dirname(w.error_file),
+                w.folder,
                 e,
                 rank=w.rank,
                 local_rank=w.local_rank,
@@ -274,15 +169,11 @@ class WorkerGroup(GroupHangs):
             )
         with contextlib.suppress(OSError):
             os.unlink(w.error_file)  # a stale file from an earlier run with this run id
-        for stale in (w.heartbeat_file, w.stacks_file):
-            if stale is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(stale)
 
-    def _spawn_cold(
+    def _spawn(
         self, w: Worker, env: dict[str, str], channel: socket.socket | None
     ) -> subprocess.Popen[bytes]:
-        argv = list(runner_argv(argv_for(self.spec.argv, w.local_rank)))
+        argv = self.spec.command.worker_argv(w.local_rank)
         fds: tuple[int, ...] = ()
         if channel is not None:
             env = {**env, CHANNEL_ENV: str(channel.fileno())}
@@ -303,8 +194,7 @@ class WorkerGroup(GroupHangs):
         except OSError as e:
             raise WorkerError(
                 f"cannot start worker local rank {w.local_rank}: "
-                f"{self.spec.argv[0] if self.spec.argv else '<empty argv>'}: "
-                f"{e.strerror or e}"
+                f"{self.spec.command.program}: {e.strerror or e}"
             ) from e
         if self.guard is not None:
             self.guard.add(popen.pid)
@@ -312,168 +202,62 @@ class WorkerGroup(GroupHangs):
             self.reaper.watch_session(popen.pid)
         return popen
 
+    # ------------------------------------------------------------- watching
     def _watch(self, w: Worker) -> None:
         """Watch a started worker: its exit, its output, its channel."""
         loop = asyncio.get_running_loop()
-        assert w.popen is not None
-        w.exited = loop.create_future()
-        self._watch_exit(loop, w)
-        if self.watchdog is not None and w.heartbeat_file is not None:
-            self.watchdog.watch(w.local_rank, w.heartbeat_file, channel=w.channel is not None)
-        for pipe, route in zip((w.popen.stdout, w.popen.stderr), w.routes, strict=True):
-            assert pipe is not None
-            self._pump(loop, w, pipe, route)
+        w.watch_exit(loop, lambda: self._on_exit(loop, w))
+        w.pump(loop, self.log_errors)
         if w.channel is not None:
-            w.channel_opened = self.clock.monotonic()
-            w.channel.setblocking(False)
-            loop.add_reader(w.channel.fileno(), self._on_channel, w)
-            if w.warm:
-                with contextlib.suppress(OSError):
-                    w.channel.send(b"go\n")  # registered: the forked worker may run
-
-    def _on_channel(self, w: Worker) -> None:
-        """Read what the worker's runner sends (JSON lines, bounded: at most
-        MAX_CHANNEL_BYTES, plus CHANNEL_BYTES_PER_S for each second it ran)."""
-        sock = w.channel
-        if sock is None:
-            return
-        try:
-            data = sock.recv(65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        w.channel_read += len(data)
-        budget = MAX_CHANNEL_BYTES + CHANNEL_BYTES_PER_S * (
-            self.clock.monotonic() - w.channel_opened
-        )
-        if not data or w.channel_read > budget:
-            self._close_channel(w)
-            return
-        w.channel_buf += data
-        while b"\n" in w.channel_buf:
-            line, _, rest = bytes(w.channel_buf).partition(b"\n")
-            w.channel_buf = bytearray(rest)
-            try:
-                message = loads(line, max_bytes=MAX_CHANNEL_BYTES, what="a channel message")
-            except UntrustedData:
-                continue
-            if not isinstance(message, dict):
-                continue
-            if message.get("kind") in ("progress", "progress_failed"):
-                self._relayed(w, message)
-            elif self.on_message is not None:
-                self.on_message(w.local_rank, message)
-
-    def _close_channel(self, w: Worker) -> None:
-        sock, w.channel = w.channel, None
-        if sock is None:
-            return
-        if self.watchdog is not None:
-            self.watchdog.channel_closed(w.local_rank)
-        with contextlib.suppress(RuntimeError, ValueError, OSError):
-            asyncio.get_running_loop().remove_reader(sock.fileno())
-        sock.close()
-
-    def envs(self) -> dict[int, dict[str, str]]:
-        """Each local rank's environment in this round (what spares start with)."""
-        return {
-            w.local_rank: round_env(
-                self.spec, self.result, w.local_rank, w.error_file, w.heartbeat_file
+            w.channel.watch(
+                self.clock.monotonic,
+                lambda message: self._on_message(w, message),
+                lambda: self._channel_closed(w),
             )
-            for w in self.workers
-        }
+            if w.warm:
+                w.channel.go()  # registered: the forked worker may run
 
-    def _pump(
-        self, loop: asyncio.AbstractEventLoop, w: Worker, pipe: Any, route: StreamRoute
-    ) -> None:
-        reader = asyncio.StreamReader(limit=1 << 20)
-        protocol = asyncio.StreamReaderProtocol(reader)
-        pump = LinePump(reader, route, self.log_errors, w.rank, w.local_rank)
-        w.pumps.append(pump)
+    def _on_message(self, w: Worker, message: Message) -> None:
+        for h in self.hooks:
+            h.on_message(w, message)
 
-        async def run() -> None:
-            transport, _ = await loop.connect_read_pipe(lambda: protocol, pipe)
-            w.transports.append(transport)
-            await pump.run()
-
-        w.pump_tasks.append(loop.create_task(run()))
-
-    def _watch_exit(self, loop: asyncio.AbstractEventLoop, w: Worker) -> None:
-        assert w.popen is not None
-        try:
-            w.pidfd = os.pidfd_open(w.popen.pid)
-        except (OSError, AttributeError):
-            w.pidfd = None
-        if w.pidfd is not None:
-            loop.add_reader(w.pidfd, self._on_exit, loop, w)
-            return
-        popen = w.popen
-
-        def wait_thread() -> None:  # fallback: kernels without pidfd
-            with contextlib.suppress(ChildProcessError, OSError):
-                os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOWAIT)
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._on_exit, loop, w)
-
-        threading.Thread(target=wait_thread, name=f"wait-{popen.pid}", daemon=True).start()
+    def _channel_closed(self, w: Worker) -> None:
+        for h in self.hooks:
+            h.channel_closed(w)
 
     def _on_exit(self, loop: asyncio.AbstractEventLoop, w: Worker) -> None:
-        assert w.popen is not None and w.exited is not None
-        rc = w.popen.poll()  # reaps (WNOHANG)
-        if rc is None or w.exited.done():
+        rc = w.reap(loop, self.clock.monotonic())
+        if rc is None:
             return
-        if w.pidfd is not None:
-            loop.remove_reader(w.pidfd)
-            os.close(w.pidfd)
-            w.pidfd = None
-        w.exit_monotonic = self.clock.monotonic()
-        w.exit_wall = time.time()
-        if self.watchdog is not None:
-            self.watchdog.forget(w.local_rank)
-        if w.stack_signalled and rc == -(self.spec.stack_signal or 0):
-            # Killed by the stack signal the agent sent (its script changed the
-            # handler after the agent's check): the agent's doing, never a root cause.
-            w.stopped_by_agent = True
-        if w.hang is not None:
-            cause = "root_cause" if w.hang_first else "collateral"
-        elif rc == 0:
-            cause = "ok"
-        elif w.stopped_by_agent:
-            cause = "collateral"
-        elif not self._failed_seen:
-            cause = "root_cause"
-            self._failed_seen = True
-        else:
-            cause = "collateral"
+        for h in self.hooks:
+            h.exited(w)
+        # Its role among the failures so far, by the one rule.
+        ended = [x for x in self.workers if x.done or x.declared is not None]
+        now = self.clock.monotonic()
+        endings = [x.ending(now) for x in ended]
+        mine = ended.index(w)
         exitcode, sig = (rc, None) if rc >= 0 else (None, signal_name(-rc))
         self.events.emit(
             "worker_exited",
             rank=w.rank,
             local_rank=w.local_rank,
-            pid=w.popen.pid,
+            pid=w.pid,
             exitcode=exitcode,
             signal=sig,
-            cause=cause,
-            stopped_by_agent=w.stopped_by_agent,
+            cause=roles(endings)[mine],
+            stopped_by_agent=endings[mine].by_agent,
             round=self.result.round,
             attempt=self.attempt,
         )
-        w.exited.set_result(rc)
         self._changed.set()
 
-    # ------------------------------------------------------------- watching
     @property
     def pids(self) -> list[int]:
         return [w.pid for w in self.workers if w.popen is not None]
 
     @property
     def failed(self) -> bool:
-        return any((w.done and w.returncode != 0) or w.hang is not None for w in self.workers)
-
-    def beats(self) -> dict[int, Beat]:
-        """The last progress read of each local rank (the watchdog's)."""
-        return self.watchdog.beats() if self.watchdog is not None else {}
+        return any((w.done and w.returncode != 0) or w.declared is not None for w in self.workers)
 
     @property
     def succeeded(self) -> bool:
@@ -489,12 +273,37 @@ class WorkerGroup(GroupHangs):
             self._changed.clear()
             await self._changed.wait()
 
+    def declare(self, w: Worker, why: str) -> None:
+        """A feature found ``w`` failed while it runs (a hang): the group has
+        failed, ``w`` at this moment, for ``why``."""
+        if w.declared is None and not w.done:
+            w.declared = Declared(why, self.clock.monotonic(), time.time())
+            self._changed.set()
+
+    # ------------------------------------------------------------- the end
+    async def end(self) -> None:
+        """The round is over: the features' ``ended`` hooks, once."""
+        if self._ended:
+            return
+        self._ended = True
+        for h in self.hooks:
+            await h.ended()
+
+    async def report(self) -> str:
+        """The features' lines for the failure summary ("" when none)."""
+        lines = [await h.failed() for h in self.hooks]
+        return "\n".join(x for x in lines if x)
+
+    async def changed(self, change: Change) -> None:
+        for h in self.hooks:
+            await h.changed(change)
+
     # ------------------------------------------------------------- stopping
     def send_signal(self, sig: int) -> None:
         """Forward a signal to every live worker's process group."""
         for w in self.workers:
             if w.popen is not None and not w.done:
-                _killpg(w.pid, sig)
+                killpg(w.pid, sig)
 
     def hurry(self) -> None:
         """Cut the current grace short: SIGKILL now."""
@@ -520,14 +329,11 @@ class WorkerGroup(GroupHangs):
         (default: the spec's shutdown timeout), SIGKILL, wait, reap. Returns the
         pids that would not die."""
         grace = self.spec.shutdown_timeout if grace is None else grace
-        if self.watchdog is not None:
-            self.watchdog.close()  # nobody is judged while stopping
-        if self._hang_task is not None and not self._hang_task.done():
-            await asyncio.wait({self._hang_task}, timeout=5.0)
+        await self.end()  # nobody is judged while stopping
         live = [w for w in self.workers if w.popen is not None and not w.done]
         for w in live:
             w.stopped_by_agent = True
-            _killpg(w.pid, sig)
+            killpg(w.pid, sig)
         if live:
             self.events.emit(
                 "workers_stopping", signal=signal_name(sig), pids=[w.pid for w in live], grace=grace
@@ -537,7 +343,7 @@ class WorkerGroup(GroupHangs):
         if stubborn:
             self.events.emit("workers_killed", pids=[w.pid for w in stubborn], after_grace=grace)
             for w in stubborn:
-                _killpg(w.pid, signal.SIGKILL)
+                killpg(w.pid, signal.SIGKILL)
             self._hurry.clear()
             await self._wait_exits(self.clock.monotonic() + KILL_WAIT)
         unkillable = [w.pid for w in self.workers if w.popen is not None and not w.done]
@@ -552,11 +358,10 @@ class WorkerGroup(GroupHangs):
         if self._closed:
             return
         self._closed = True
-        if self.watchdog is not None:
-            self.watchdog.close()
+        await self.end()
         for w in self.workers:
             if w.popen is not None:
-                _killpg(w.pid, signal.SIGKILL)
+                killpg(w.pid, signal.SIGKILL)
                 if self.guard is not None and w.done:
                     self.guard.remove(w.pid)
         tasks = [t for w in self.workers for t in w.pump_tasks]
@@ -567,94 +372,36 @@ class WorkerGroup(GroupHangs):
             if pending:
                 await asyncio.wait(pending, timeout=1.0)
         for w in self.workers:
-            self._release(w)
-
-    def _release(self, w: Worker) -> None:
-        """Close what the agent holds of worker ``w``: its channel, output
-        pipes and pumps, its pidfd."""
-        self._close_channel(w)
-        for tr in w.transports:
-            tr.close()
-        for p in w.pumps:
-            p.close()
-        if w.pidfd is not None:
-            with contextlib.suppress(OSError, ValueError):
-                asyncio.get_running_loop().remove_reader(w.pidfd)
-            with contextlib.suppress(OSError):
-                os.close(w.pidfd)
-            w.pidfd = None
-        if w.popen is not None:
-            for pipe in (w.popen.stdout, w.popen.stderr):
-                if pipe is not None:
-                    with contextlib.suppress(OSError):
-                        pipe.close()
+            w.release()
 
     # ------------------------------------------------------------- failures
     def failures(self) -> list[WorkerFailure]:
-        """Every worker that ended with a non-zero code or a signal (unclassified)."""
-        out: list[WorkerFailure] = []
-        for w in self.workers:
-            rc = w.returncode
-            if w.popen is None or rc is None or (rc == 0 and w.hang is None):
-                continue
-            out.append(self._failure_of(w, rc))
-        return out
+        """Every worker that ended with a non-zero code or a signal, or was
+        declared failed (unclassified)."""
+        return [
+            self._failure_of(w, w.returncode)
+            for w in self.workers
+            if w.popen is not None
+            and w.returncode is not None
+            and (w.returncode != 0 or w.declared is not None)
+        ]
 
-    def hung(self) -> list[WorkerFailure]:
-        """The ranks declared hung that still run, as the failures they will
+    def declared_alive(self) -> list[WorkerFailure]:
+        """The ranks declared failed that still run, as the failures they will
         be once the agent stops them (SIGTERM): what the agent reports to the
-        other nodes before it stops its own, so that theirs are still waiting
-        for the hung rank when they are asked for their stacks."""
+        other nodes before it stops its own, so that theirs still wait for
+        the declared rank while their features look at them (its stacks)."""
         return [
             self._failure_of(w, -signal.SIGTERM)
             for w in self.workers
-            if w.hang is not None and w.popen is not None and not w.done
+            if w.declared is not None and w.popen is not None and not w.done
         ]
 
     def _failure_of(self, w: Worker, rc: int) -> WorkerFailure:
-        stdout_pump = w.pumps[0] if w.pumps else None
-        stderr_pump = w.pumps[1] if len(w.pumps) > 1 else None
-        error = read_error_file(w.error_file)
-        if w.hang is not None:
-            # The hang is the failure; a traceback written while it was stopped
-            # (e.g. by @record) shows where it was stuck.
-            error = ErrorFileInfo(
-                message=w.hang,
-                traceback=error.traceback if error is not None else None,
-                timestamp=int(w.hang_wall) if w.hang_wall else None,
-            )
-        return WorkerFailure(
-            rank=w.rank,
-            local_rank=w.local_rank,
+        return w.failure(
+            rc,
             host=self.spec.host,
-            pid=w.pid,
-            returncode=rc,
-            exit_time=w.hang_wall or w.exit_wall or time.time(),
-            exit_monotonic=w.hang_monotonic or w.exit_monotonic or self.clock.monotonic(),
-            stopped_by_agent=w.stopped_by_agent and w.hang is None,
-            error=error,
-            stderr_tail=tuple(stderr_pump.tail) if stderr_pump else (),
-            stdout_tail=tuple(stdout_pump.tail) if stdout_pump else (),
-            stdout_log=w.routes[0].file_path,
-            stderr_log=w.routes[1].file_path,
-            error_file=w.error_file,
             attempt=self.attempt,
             restart_count=self.result.restart_count,
-            hang=w.hang,
+            now=self.clock.monotonic(),
         )
-
-
-def round_env(
-    spec: WorkerSpec,
-    result: RoundResult,
-    local_rank: int,
-    error_file: str,
-    heartbeat_file: str | None,
-) -> dict[str, str]:
-    """The full environment of one worker in ``result``'s round."""
-    env = worker_env_mod.worker_env(spec, result, local_rank, error_file)
-    if heartbeat_file is not None:
-        env[HEARTBEAT_ENV] = heartbeat_file
-        if spec.hang_timeout is not None:
-            env[HEARTBEAT_INTERVAL_ENV] = repr(heartbeat_interval(spec.hang_timeout))
-    return env

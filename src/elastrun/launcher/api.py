@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from elastrun.agent.command import Executable, PythonModule, PythonScript, WorkerCommand
 from elastrun.errors import ConfigError, WorkerError
 from elastrun.launcher.config import LaunchConfig
 
@@ -35,6 +36,7 @@ __all__ = ["LaunchConfig", "launch"]
 
 FN_SPEC_VERSION = 1
 FN_WORKER_ENV = "ELASTRUN_FN_WORKER"
+FN_RUNNER = "elastrun.worker._fn_runner"  # the module each function worker runs
 
 # The checks are shared with the command line, whose messages start with the
 # flag; from Python they name the LaunchConfig field instead.
@@ -70,12 +72,12 @@ _FIELD_OF_FLAG = {
 }
 
 
-def _resolve(config: LaunchConfig, argv: Sequence[str]) -> Plan:
+def _resolve(config: LaunchConfig, command: WorkerCommand) -> Plan:
     """plan.resolve, with errors naming the LaunchConfig field, not the flag."""
     from elastrun.launcher.plan import resolve
 
     try:
-        return resolve(config, argv)
+        return resolve(config, command)
     except ConfigError as exc:
         message = str(exc)
         flag, sep, rest = message.partition(": ")
@@ -128,15 +130,16 @@ def _json_args(args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         raise ConfigError(f"launch(): keyword arguments are not JSON-serializable: {exc}") from None
 
 
-def _command_argv(entrypoint: str, args: Sequence[Any]) -> list[str]:
+def _command(entrypoint: str, args: Sequence[Any]) -> WorkerCommand:
     if not entrypoint:
         raise ConfigError("launch(): empty entrypoint")
-    str_args = [str(a) for a in args]
+    str_args = tuple(str(a) for a in args)
     if entrypoint.endswith(".py"):
         if not os.path.isfile(entrypoint):
             raise ConfigError(f"launch(): script {entrypoint!r} not found")
-        return [os.environ.get("PYTHON_EXEC", sys.executable), "-u", entrypoint, *str_args]
-    return [entrypoint, *str_args]
+        python = os.environ.get("PYTHON_EXEC", sys.executable)
+        return PythonScript(entrypoint, str_args, python=python)
+    return Executable((entrypoint, *str_args))
 
 
 def launch(
@@ -157,10 +160,10 @@ def launch(
     if isinstance(entrypoint, str):
         if kwargs:
             raise ConfigError("launch(): keyword arguments need a function entrypoint")
-        argv = _command_argv(entrypoint, args)
-        if not entrypoint.endswith(".py"):
+        command = _command(entrypoint, args)
+        if isinstance(command, Executable):
             config = dataclasses.replace(config, prewarm=False)  # a program, not Python
-        return run_plan(_resolve(config, argv))
+        return run_plan(_resolve(config, command))
     if not callable(entrypoint):
         raise ConfigError(f"launch(): entrypoint must be a str or a function, got {entrypoint!r}")
     import tempfile
@@ -182,8 +185,11 @@ def launch(
             json.dump(spec, f)
         env = {**config.env, FN_WORKER_ENV: "1"}
         python = os.environ.get("PYTHON_EXEC", sys.executable)
-        argv = [python, "-u", "-m", "elastrun.worker._fn_runner", spec_path]
-        code = run_plan(_resolve(dataclasses.replace(config, env=env), argv))
+        plan = _resolve(
+            dataclasses.replace(config, env=env),
+            PythonModule(FN_RUNNER, (spec_path,), python=python),
+        )
+        code = run_plan(plan)
         if code != 0:
             raise WorkerError(
                 f"launch(): the workers of {spec['qualname']} failed (agent exit code {code}); "

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from elastrun.errors import ConfigError, ElastrunError
-from elastrun.launcher.command import Command, worker_argv
+from elastrun.launcher.command import Command, worker_command
 from elastrun.launcher.flags import parse_flags
 from elastrun.launcher.plan import Plan, resolve
 
@@ -26,7 +26,7 @@ USAGE = "elastrun [flags] script [script args...]"
 def parse(argv: Sequence[str]) -> tuple[Plan, Command]:
     """Flags -> (Plan, Command). Raises ConfigError naming the flag."""
     flags = parse_flags(argv)
-    return resolve(flags.config, worker_argv(flags.command)), flags.command
+    return resolve(flags.config, worker_command(flags.command)), flags.command
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """What each worker runs: the script, module or program of the command line
-(:class:`Command`) and the argv a worker starts with (:func:`worker_argv`),
-as torchrun builds it."""
+(:class:`Command`) and, typed, what the agent runs for it
+(:func:`worker_command`: an :mod:`elastrun.agent.command` value), as torchrun
+builds it."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import shutil
 import sys
 from dataclasses import dataclass
 
+from elastrun.agent.command import Executable, PythonModule, PythonScript, WorkerCommand
 from elastrun.errors import ConfigError
 from elastrun.worker import _settle
 
-__all__ = ["RUN_PATH_CODE", "Command", "check_command", "worker_argv"]
+__all__ = ["RUN_PATH_CODE", "Command", "check_command", "worker_argv", "worker_command"]
 
 # --run-path: run the script with runpy in a fresh interpreter (torchrun's run_script_path),
 # inside worker/_settle.py's after_success (loaded by path: any Python 3 interpreter), which
@@ -45,17 +47,22 @@ class Command:
     run_path: bool = False
 
 
-def worker_argv(cmd: Command) -> tuple[str, ...]:
-    """The full argv of a worker, as torchrun builds it."""
+def worker_command(cmd: Command) -> WorkerCommand:
+    """What each worker runs, typed, as torchrun builds it."""
     python = os.environ.get("PYTHON_EXEC", sys.executable)
     if cmd.run_path:
         script = os.path.abspath(cmd.script)
-        return (python, "-u", "-c", RUN_PATH_CODE, script, *cmd.args)
+        return Executable((python, "-u", "-c", RUN_PATH_CODE, script, *cmd.args))
     if cmd.no_python:
-        return (cmd.script, *cmd.args)
+        return Executable((cmd.script, *cmd.args))
     if cmd.module:
-        return (python, "-u", "-m", cmd.script, *cmd.args)
-    return (python, "-u", cmd.script, *cmd.args)
+        return PythonModule(cmd.script, cmd.args, python=python)
+    return PythonScript(cmd.script, cmd.args, python=python)
+
+
+def worker_argv(cmd: Command) -> tuple[str, ...]:
+    """The full argv of a worker, as torchrun builds it."""
+    return worker_command(cmd).command_line()
 
 
 def check_command(cmd: Command) -> None:

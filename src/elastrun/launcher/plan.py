@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from elastrun.agent.command import Executable, WorkerCommand
 from elastrun.agent.logs import validate_template
 from elastrun.agent.spec import DEFAULT_LOG_TEMPLATE, PrewarmModules, StartMethod, Std, WorkerSpec
 from elastrun.endpoint import Endpoint, parse_endpoint_list
@@ -150,9 +151,13 @@ class _Where:
     node_rank: int | None
 
 
-def resolve(config: LaunchConfig, argv: Sequence[str] = ()) -> Plan:
-    """Check ``config`` and work out this node's launch of ``argv`` (each
-    worker's command line). Raises ConfigError naming the flag."""
+# What a plan runs when none is given (a plan made to check a config).
+EMPTY_COMMAND = Executable(())
+
+
+def resolve(config: LaunchConfig, command: WorkerCommand = EMPTY_COMMAND) -> Plan:
+    """Check ``config`` and work out this node's launch of ``command`` (what
+    each worker runs). Raises ConfigError naming the flag."""
     config.check()
     generated = config.run_id == ""
     # As torch's launcher: an empty run id is a generated one. Only this
@@ -179,7 +184,7 @@ def resolve(config: LaunchConfig, argv: Sequence[str] = ()) -> Plan:
         standalone=where.standalone,
         node_rank=where.node_rank,
         token=token.token,
-        workers=_worker_spec(config, run_id, argv, authenticated),
+        workers=_worker_spec(config, run_id, command, authenticated),
         rendezvous=_rendezvous_settings(config, run_id, where),
         local_addr=config.local_addr,
         generated_run_id=generated and not where.standalone,
@@ -294,14 +299,14 @@ def _std_map(flag: str, given: Mapping[int, int]) -> dict[int, Std]:
 
 
 def _worker_spec(
-    config: LaunchConfig, run_id: RunId, argv: Sequence[str], authenticated: bool
+    config: LaunchConfig, run_id: RunId, command: WorkerCommand, authenticated: bool
 ) -> WorkerSpec:
     """What the agent receives: the LaunchConfig's worker settings, typed."""
     if config.log_template is not None:
         validate_template(config.log_template)
     handled = config.signals_to_handle
     return WorkerSpec(
-        argv=tuple(argv),
+        command=command,
         nproc=config.nproc_per_node,
         run_id=run_id,
         role=config.role,

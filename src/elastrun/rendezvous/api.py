@@ -12,6 +12,10 @@ The agent's loop, in terms of this interface::
                             (raises RestartBudgetExhausted when the job's budget is spent)
         change signalled -> stop workers (membership change: not counted)
     finally: await rdzv.shutdown()            # leave (never closes the job for others)
+
+Before its first ``next_round()`` the agent gives the rendezvous what to call
+back, in one explicit call: ``rdzv.attach(RendezvousHooks(progress=...,
+notice=..., lease_listener=...))``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ __all__ = [
     "Member",
     "ProgressCallback",
     "Rendezvous",
+    "RendezvousHooks",
     "RendezvousSettings",
     "RevokeSpec",
     "RoundResult",
@@ -152,20 +157,33 @@ ProgressCallback = Callable[[WaitingStatus], None]
 LeaseListener = Callable[[RevokeSpec | None], None]
 
 
+@dataclass(frozen=True)
+class RendezvousHooks:
+    """What a rendezvous calls back (each optional), given by :meth:`Rendezvous.attach`."""
+
+    #: Called with what next_round() waits for, on each change.
+    progress: ProgressCallback | None = None
+    #: Called with a line for the operator, e.g. that this node started a new
+    #: job under the id of a job that is over.
+    notice: Callable[[str], None] | None = None
+    #: Called whenever this node's lease changes, with how another process
+    #: could revoke it (None: no lease): the agent's orphan guard revokes it
+    #: if the agent is killed, so the others see the node gone at once rather
+    #: than at the lease TTL.
+    lease_listener: LeaseListener | None = None
+
+
 class Rendezvous(abc.ABC):
     """One node's handle on the job's rendezvous."""
 
     settings: RendezvousSettings
-    #: Called (if set) with what next_round() waits for, on each change.
-    progress: ProgressCallback | None = None
-    #: Called (if set) with a line for the operator, e.g. that this node
-    #: started a new job under the id of a job that is over.
-    notice: Callable[[str], None] | None = None
-    #: Called (if set) whenever this node's lease changes, with how another
-    #: process could revoke it (None: no lease): the agent's orphan guard
-    #: revokes it if the agent is killed, so the others see the node gone at
-    #: once rather than at the lease TTL.
-    lease_listener: LeaseListener | None = None
+    #: The callbacks given by :meth:`attach` (none until then).
+    hooks: RendezvousHooks = RendezvousHooks()
+
+    @abc.abstractmethod
+    def attach(self, hooks: RendezvousHooks) -> None:
+        """Call ``hooks`` from now on (replacing those given before). Given
+        before ``next_round()``; a lease already held is reported at once."""
 
     @abc.abstractmethod
     async def next_round(self) -> RoundResult:

@@ -44,8 +44,8 @@ from elastrun.rendezvous import rounds
 from elastrun.rendezvous.actions import Executor, Outcome
 from elastrun.rendezvous.api import (
     Change,
-    ProgressCallback,
     Rendezvous,
+    RendezvousHooks,
     RendezvousSettings,
     RoundResult,
 )
@@ -105,7 +105,6 @@ class DynamicRendezvous(Rendezvous):
         events: EventSink | None = None,
         clock: Clock = SYSTEM_CLOCK,
         node_id: str | None = None,
-        progress: ProgressCallback | None = None,
     ) -> None:
         self.store = store
         self.settings = settings
@@ -116,7 +115,6 @@ class DynamicRendezvous(Rendezvous):
         self.addr = settings.addr or host
         self.node_id = _safe_id(node_id or f"{host}-{os.getpid()}-{os.urandom(3).hex()}")
         self.keys = K.Keys(settings.run_id)
-        self.progress = progress
         self.rules = Rules(
             Context(
                 min_nodes=settings.min_nodes,
@@ -134,7 +132,7 @@ class DynamicRendezvous(Rendezvous):
         self._timers: dict[Timer, float] = {}
         self._observer = Observer(node, self.rules)
         self._executor = Executor(node, self._observer, self.keeper, self._timers)
-        self._reporter = ProgressReporter(self.events, self.node_id, lambda: self.progress)
+        self._reporter = ProgressReporter(self.events, self.node_id, lambda: self.hooks.progress)
         self._registered = False
         self._inbox: Inbox | None = None
         self._phase_id = 0
@@ -320,8 +318,8 @@ class DynamicRendezvous(Rendezvous):
             previous_settings=config.settings.to_json() if config is not None else None,
             last_failure=last.to_json() if last is not None else None,
         )
-        if self.notice is not None:
-            self.notice(printable(line))  # it quotes the records
+        if self.hooks.notice is not None:
+            self.hooks.notice(printable(line))  # it quotes the records
 
     def _agree(self, job: AgreedSettings, mine: AgreedSettings) -> None:
         mismatch = rounds.config_diff(self.settings.run_id, job, mine)
@@ -343,8 +341,13 @@ class DynamicRendezvous(Rendezvous):
             return
         self._agree(ConfigRecord.decode(key, kv.value).settings, mine)
 
+    def attach(self, hooks: RendezvousHooks) -> None:
+        self.hooks = hooks
+        if self.keeper.alive:  # held already: said now, as it would have been
+            self._lease_changed(self.keeper.lease)
+
     def _lease_changed(self, lease: int) -> None:
-        listener = self.lease_listener
+        listener = self.hooks.lease_listener
         if listener is not None:
             listener(self.store.revoke_spec(lease) if lease else None)
 
@@ -485,9 +488,6 @@ def create_dynamic_rendezvous(
     events: EventSink | None = None,
     clock: Clock = SYSTEM_CLOCK,
     node_id: str | None = None,
-    progress: ProgressCallback | None = None,
 ) -> DynamicRendezvous:
     """Build a node's dynamic rendezvous handle (the launcher's entry point)."""
-    return DynamicRendezvous(
-        store, settings, events=events, clock=clock, node_id=node_id, progress=progress
-    )
+    return DynamicRendezvous(store, settings, events=events, clock=clock, node_id=node_id)

@@ -16,7 +16,14 @@ import asyncio
 
 from elastrun.errors import RendezvousClosed, RestartBudgetExhausted
 from elastrun.failure import FailureRecord
-from elastrun.rendezvous.api import Change, Member, Rendezvous, RendezvousSettings, RoundResult
+from elastrun.rendezvous.api import (
+    Change,
+    Member,
+    Rendezvous,
+    RendezvousHooks,
+    RendezvousSettings,
+    RoundResult,
+)
 
 __all__ = ["StaticRendezvous"]
 
@@ -39,6 +46,11 @@ class StaticRendezvous(Rendezvous):
         self.restart_count = 0
         self.last_failure: FailureRecord | None = None
         self._closed = False
+
+    def attach(self, hooks: RendezvousHooks) -> None:
+        # Kept, never called: a fixed world waits for no one, holds no lease
+        # and has nothing to tell the operator.
+        self.hooks = hooks
 
     def _member(self, rank: int) -> Member:
         me = rank == self.node_rank

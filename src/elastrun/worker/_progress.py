@@ -38,9 +38,9 @@ The file is replaced through a new, randomly named file beside it
 (a full disk, a read-only or unwritable folder) never stops training, and
 never leaves the agent judging a stale record. The worker says so once on
 stderr and removes the stale file. If the runner has a channel to the agent,
-it sends a ``progress_failed`` message there once, then each changed
-snapshot as a ``progress`` message, at most one per interval, for as long as
-the file cannot be written. The file is tried again with backoff (the
+it sends a ``ProgressFailed`` message there once, then each changed
+snapshot as a ``Progress`` message (``_messages.py``), at most one per
+interval, for as long as the file cannot be written. The file is tried again with backoff (the
 interval, doubling up to ``MAX_BACKOFF``).
 """
 
@@ -74,22 +74,32 @@ OPTIMIZER_MODULE = "torch.optim.optimizer"
 DATALOADER_MODULE = "torch.utils.data.dataloader"
 
 
-def safefs() -> Any:
-    """``elastrun/safefs.py`` (stdlib only), loaded by path as
-    ``_elastrun_safefs``: this file runs outside the package."""
-    name = "_elastrun_safefs"
+def _by_path(name: str, path: str) -> Any:
+    """The stdlib-only file ``path`` (relative to this one's folder), loaded
+    once as module ``name``: this file runs outside the package."""
     mod = sys.modules.get(name)
     if mod is None:
         here = os.path.dirname(os.path.abspath(__file__))
-        spec = importlib.util.spec_from_file_location(name, os.path.join(here, "..", "safefs.py"))
+        spec = importlib.util.spec_from_file_location(name, os.path.join(here, path))
         assert spec is not None and spec.loader is not None
         mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod  # before it runs: its dataclasses look their module up
         spec.loader.exec_module(mod)
-        sys.modules[name] = mod
     return mod
 
 
-Send = Callable[[dict[str, Any]], None]
+def safefs() -> Any:
+    """``elastrun/safefs.py``, as ``_elastrun_safefs``."""
+    return _by_path("_elastrun_safefs", os.path.join("..", "safefs.py"))
+
+
+def messages() -> Any:
+    """``_messages.py``, as ``_elastrun_messages`` (as the runner loads it)."""
+    return _by_path("_elastrun_messages", "_messages.py")
+
+
+# Sends one of _messages.py's messages to the agent (the runner's channel).
+Send = Callable[[Any], None]
 
 
 class Progress:
@@ -236,7 +246,7 @@ class Progress:
             else:
                 self.failure, self._backoff = None, 0.0
                 return
-        self._send({"kind": "progress", "beat": snapshot, "error": str(self.failure)})
+        self._send(messages().Progress(snapshot, str(self.failure)))
 
     def _failed(self, error: OSError) -> None:
         """The file could not be written: said once, the stale file removed,
@@ -259,12 +269,12 @@ class Progress:
                 file=sys.stderr,
                 flush=True,
             )
-        self._send({"kind": "progress_failed", "path": self.path, "error": str(error)})
+        self._send(messages().ProgressFailed(self.path, str(error)))
         # A stale record would look like a worker that stopped progressing.
         with contextlib.suppress(OSError):
             os.unlink(self.path)
 
-    def _send(self, message: dict[str, Any]) -> None:
+    def _send(self, message: Any) -> None:
         if self.send is not None:
             with contextlib.suppress(Exception):
                 self.send(message)

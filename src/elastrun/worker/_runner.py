@@ -29,13 +29,12 @@ instead (``_zygote.py``, loaded from beside this file): it imports modules
 ahead of time, then forks the workers. A forked worker continues here, in
 :func:`main`, as a worker.
 
-The channel (fd ``ELASTRUN_CHANNEL_FD``, a stream socket to the agent):
-JSON lines, ``"v": 2``; worker -> agent ``{"v": 2, "kind": "modules",
-"modules": [...], "python": "3.11.7", "torch": "2.13.0"}``; while the
-progress file cannot be written (``_progress.py``), ``{"v": 2, "kind":
-"progress_failed", "path": ..., "error": ...}`` once, then ``{"v": 2,
-"kind": "progress", "beat": {...the file's record...}, "error": ...}``.
-Writes never block the worker: a message that does not fit is dropped.
+The channel (fd ``ELASTRUN_CHANNEL_FD``, a stream socket to the agent)
+carries the typed messages of ``_messages.py`` (loaded from beside this
+file), one JSON line each: ``Modules`` once the worker trains; while the
+progress file cannot be written (``_progress.py``), ``ProgressFailed`` once,
+then ``Progress`` for each new record. Writes never block the worker: a
+message that does not fit is dropped.
 
 Variables this program reads are removed from ``os.environ`` before the
 script runs, so the script and its children do not see them.
@@ -49,7 +48,6 @@ import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import json
 import os
 import sys
 import threading
@@ -59,7 +57,6 @@ from collections.abc import Callable, Sequence
 from importlib.machinery import SourceFileLoader
 from typing import Any
 
-PROTOCOL = 2
 MODE_ENV = "ELASTRUN_RUNNER"  # "zygote": serve forks (see _zygote.py)
 CHANNEL_ENV = "ELASTRUN_CHANNEL_FD"  # the channel socket's fd
 SCOPE_ENV = "ELASTRUN_MODULE_SCOPE"  # "installed" (default) or "all"
@@ -106,6 +103,8 @@ def _load_sibling(name: str) -> types.ModuleType:
 
 # Which modules may be named and imported ahead of time (_modnames.py).
 _names = _load_sibling("_modnames")
+# The messages to and from the agent (_messages.py).
+M = _load_sibling("_messages")
 MAX_MODULES: int = _names.MAX_MODULES
 MAX_NAME: int = _names.MAX_NAME
 installed_roots = _names.installed_roots
@@ -229,13 +228,12 @@ class ModuleRecorder:
         names = select_modules(sys.modules, self.scope, installed_roots(), script=self.script)
         torch = sys.modules.get("torch")
         self.channel.send(
-            {
-                "kind": "modules",
-                "why": why,
-                "modules": names,
-                "python": ".".join(map(str, sys.version_info[:3])),
-                "torch": getattr(torch, "__version__", None) if torch is not None else None,
-            }
+            M.Modules(
+                why=why,
+                modules=tuple(names),
+                python=".".join(map(str, sys.version_info[:3])),
+                torch=getattr(torch, "__version__", None) if torch is not None else None,
+            )
         )
 
 
@@ -356,8 +354,9 @@ class Channel:
             with contextlib.suppress(OSError):
                 os.set_inheritable(fd, False)  # not for the script's own children
 
-    def send(self, message: dict[str, Any]) -> None:
-        data = json.dumps({"v": PROTOCOL, **message}).encode() + b"\n"
+    def send(self, message: Any) -> None:
+        """Send one of _messages.py's messages (never raises, never blocks)."""
+        data = M.encode_line(message)
         with self._lock, contextlib.suppress(OSError):
             fd = self.fd  # another thread may have closed it meanwhile
             if fd is None:
@@ -467,7 +466,7 @@ def main(argv: list[str]) -> None:
         order = _load_sibling("_zygote").serve(_names.script_module(kind, target))
         if order is None:
             sys.exit(0)  # the agent closed the socket: not needed any more
-        args = [str(a) for a in order["args"]]
+        args = list(order.args)
     run_worker(kind, target, args)
 
 

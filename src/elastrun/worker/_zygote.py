@@ -11,21 +11,15 @@ forks workers when told to. Once the first ``base`` modules (torch) are
 imported, it reads the agent's orders between two imports, so a fork waits
 for torch but never for the rest of the list.
 
-Protocol: one JSON object per message, ``"v": 2``::
-
-    zygote -> agent  {"ready": true, "loaded": N, "failed": [[name, why], ...],
-                      "rss_kb": N, "preload_s": S, "stopped": why | null,
-                      "python": "3.11.7", "torch": "2.13.0" | null}
-    agent -> zygote  {"preload": [name, ...]}          import these too
-    agent -> zygote  {"fork": {"env": {...}, "args": [...]}, "index": i, "count": n}
-                     with 4 fds: the worker's stdout, stderr, channel socket
-                     and stdin (the agent's own; 3 fds: stdin is /dev/null)
-    zygote -> agent  {"pids": [pid | null, ...]}       once all n are forked
-    zygote -> agent  {"unsafe": [name, ...], "why": ...}  then it exits: a module
-                     started a Python thread or initialised CUDA (not fork-safe),
-                     or read a per-rank variable (RANK, ...) when imported
-
-End of file from the agent: exit 0.
+Protocol: the typed messages of ``_messages.py`` (loaded from beside this
+file), one per packet: the agent sends ``Preload`` (import these too) and
+``Fork`` (one worker of a batch, with its stdout, stderr, channel socket and
+stdin fds); the zygote answers ``Ready`` once its imports are done,
+``Forked`` (the pids) once a whole batch is forked, and ``Unsafe`` before
+it exits when a module started a Python thread or initialised CUDA (not
+fork-safe), or read a per-rank variable (RANK, ...) when imported. A message
+it cannot read is ignored (its fds closed). End of file from the agent:
+exit 0.
 
 Each worker is forked twice (zygote -> intermediate -> worker) and the
 intermediate exits at once, so the worker is re-parented to the agent (a
@@ -33,7 +27,7 @@ child subreaper): the agent waits for it as for any child. The worker starts
 a session of its own at once (before the zygote answers: a signal to the
 zygote's process group must not reach it), and once it is the agent's child
 sets its parent-death signal (tied to its parent at the time) and waits for
-the agent's ``go`` on the channel socket (sent once the agent has registered
+the agent's ``Go`` on the channel socket (sent once the agent has registered
 it): an agent that dies or gives up before that leaves nothing running.
 
 Bounds: the preload stops after ``ELASTRUN_PRELOAD_BUDGET`` seconds or once
@@ -64,9 +58,9 @@ from typing import Any
 
 # _runner.py is the program's __main__; its helpers are shared.
 _runner = sys.modules["__main__"]
+M = _runner._load_sibling("_messages")  # the messages (stdlib only)
 
-PROTOCOL = 2
-PRELOAD_ENV = "ELASTRUN_PRELOAD"  # JSON {"modules": [...], "python": ..., "torch": ...}
+PRELOAD_ENV = "ELASTRUN_PRELOAD"  # _messages.PreloadPlan, as JSON
 DELAY_ENV = "ELASTRUN_SPARE_DELAY"
 AGENT_ENV = "ELASTRUN_AGENT_PID"
 BUDGET_ENV = "ELASTRUN_PRELOAD_BUDGET"  # s
@@ -77,6 +71,7 @@ FDS_PER_WORKER = 4  # stdout, stderr, channel, stdin
 MAX_FAILED = 50
 ADOPT_WAIT = 5.0  # s for the re-parenting to the agent
 GO_WAIT = 60.0  # s for the agent's go
+MAX_GO = 4096  # bytes of the go line
 PR_SET_PDEATHSIG = 1
 
 
@@ -179,7 +174,7 @@ _PLUMBING = frozenset(
 class _Become(Exception):
     """Raised in a freshly forked worker: unwinds the zygote's loop."""
 
-    def __init__(self, order: dict[str, Any], fds: list[int], others: list[int]) -> None:
+    def __init__(self, order: Any, fds: list[int], others: list[int]) -> None:
         super().__init__()
         self.order = order
         self.fds = fds
@@ -192,7 +187,7 @@ class Zygote:
         self.script = script  # the module name that would run the script: never imported
         self.ctl = socket.socket(fileno=0)
         self.agent_pid = int(env.get(AGENT_ENV, "0") or 0)
-        spec = _json(env.get(PRELOAD_ENV, ""))
+        plan = M.PreloadPlan.from_text(env.get(PRELOAD_ENV, ""))
         self.scope = env.get(_runner.SCOPE_ENV, "installed")
         self.delay = _float(env.get(DELAY_ENV), 0.0)
         self.budget = _float(env.get(BUDGET_ENV), 120.0)
@@ -203,34 +198,29 @@ class Zygote:
         self.queue: deque[str] = deque()
         self.queued: set[str] = set()
         self.checked: dict[str, bool] = {}  # top-level package -> installed
-        self.failed: list[list[str]] = []  # [name, why]: for the next "ready"
-        self.expect_torch = spec.get("torch") if isinstance(spec.get("torch"), str) else None
-        watch = spec.get("watch")
-        self.watched = frozenset(str(k) for k in watch) if isinstance(watch, list) else frozenset()
+        self.failed: list[tuple[str, str]] = []  # (name, why): for the next Ready
+        self.expect_torch: str | None = plan.torch
+        self.watched = frozenset(plan.watch)
         python = ".".join(map(str, sys.version_info[:3]))
-        listed = spec.get("modules")
-        modules: list[Any] = listed if isinstance(listed, list) else []
-        if spec.get("python") not in (None, python):
+        modules = list(plan.modules)
+        if plan.python not in (None, python):
             modules = [m for m in modules if m == "torch"]  # recorded by another Python
         self._enqueue(modules)
         # The first ``base`` names (torch) are imported before any order is
         # read: a fork never comes before them.
-        base = spec.get("base")
-        self.base = min(len(self.queue), base if isinstance(base, int) and base > 0 else 0)
+        self.base = min(len(self.queue), plan.base)
         self.loaded = 0
         self.stopped: str | None = None
         self.started = time.monotonic()
         self.idle = _can_return_from_idle()
         self.prctl = _load_prctl()
-        self.batch: list[tuple[dict[str, Any], list[int]]] = []
+        self.batch: list[tuple[Any, list[int]]] = []  # (Fork, its fds)
 
     # ------------------------------------------------------------ preload
-    def _enqueue(self, names: object) -> None:
+    def _enqueue(self, names: list[str]) -> None:
         """Queue ``names`` (bounded): the agent checked them, and they are
         checked again here (``_modnames.refusal``); a refused name is named
-        in the next ``ready`` and never imported."""
-        if not isinstance(names, list):
-            return
+        in the next ``Ready`` and never imported."""
         for name in names:
             if len(self.queued) >= _runner.MAX_MODULES:
                 break
@@ -245,7 +235,7 @@ class Zygote:
 
     def _fail(self, name: str, why: object) -> None:
         if len(self.failed) < MAX_FAILED:
-            self.failed.append([name, str(why)[:200] or type(why).__name__])
+            self.failed.append((name, str(why)[:200] or type(why).__name__))
 
     def _import_next(self) -> None:
         name = self.queue.popleft()
@@ -302,55 +292,64 @@ class Zygote:
         return self.checked[top]
 
     def _unsafe(self, names: list[str], why: str) -> None:
-        self._send({"unsafe": names, "why": why})
+        self._send(M.Unsafe(tuple(names), why))
         os._exit(4)
 
     def _report(self) -> None:
         self._send(
-            {
-                "ready": True,
-                "loaded": self.loaded,
-                "failed": self.failed,
-                "rss_kb": _rss_kb(),
-                "preload_s": round(time.monotonic() - self.started, 3),
-                "stopped": self.stopped,
-                "python": ".".join(map(str, sys.version_info[:3])),
-                "torch": _version("torch"),
-            }
+            M.Ready(
+                loaded=self.loaded,
+                failed=tuple(self.failed),
+                rss_kb=_rss_kb(),
+                preload_s=round(time.monotonic() - self.started, 3),
+                stopped=self.stopped,
+                python=".".join(map(str, sys.version_info[:3])),
+                torch=_version("torch"),
+            )
         )
         self.failed = []
 
     # ------------------------------------------------------------ messages
-    def _send(self, message: dict[str, Any]) -> None:
+    def _send(self, message: Any) -> None:
         with contextlib.suppress(OSError):
-            self.ctl.send(json.dumps({"v": PROTOCOL, **message}).encode())
+            self.ctl.send(M.encode(message))
 
-    def _recv(self) -> tuple[dict[str, Any] | None, list[int]]:
-        """One message and its fds; (None, []) at end of file."""
+    def _recv(self) -> tuple[Any, list[int]] | None:
+        """One message (None: unreadable) and its fds; None at end of file."""
         try:
             data, fds, flags, _ = socket.recv_fds(self.ctl, MAX_MESSAGE, FDS_PER_WORKER)
         except OSError:
-            return None, []
+            return None
         if not data and not fds:
-            return None, []
-        message = _json(data.decode(errors="replace")) if not flags & socket.MSG_TRUNC else {}
-        if message.get("v") != PROTOCOL:
-            message = {}
-        return message, fds
+            return None
+        if flags & socket.MSG_TRUNC:
+            return None, fds
+        try:
+            return M.from_json(json.loads(data)), fds
+        except ValueError:  # not JSON, or M.BadMessage
+            return None, fds
 
-    def _handle(self, message: dict[str, Any], fds: list[int]) -> None:
+    def _handle(self, message: Any, fds: list[int]) -> None:
         """Act on one message; raises _Become in a forked worker."""
-        if "preload" in message:
-            self._enqueue(message["preload"])
-        if "fork" in message and isinstance(message["fork"], dict) and len(fds) in (3, 4):
-            self.batch.append((message["fork"], fds))
+        if isinstance(message, M.Preload):
+            self._enqueue(list(message.modules))
+        if isinstance(message, M.Fork) and len(fds) in (3, 4):
+            self.batch.append((message, fds))
             fds = []
-            if len(self.batch) >= int(message.get("count", 1)):
+            if len(self.batch) >= message.count:
                 batch, self.batch = self.batch, []
                 self._fork_batch(batch)
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+    def _next(self) -> bool:
+        """Read and act on the next message; False at end of file."""
+        got = self._recv()
+        if got is None:
+            return False
+        self._handle(*got)
+        return True
 
     def _readable(self, timeout: float) -> bool:
         with contextlib.suppress(OSError, ValueError):
@@ -358,7 +357,7 @@ class Zygote:
         return False
 
     # ------------------------------------------------------------ forking
-    def _fork_batch(self, batch: list[tuple[dict[str, Any], list[int]]]) -> None:
+    def _fork_batch(self, batch: list[tuple[Any, list[int]]]) -> None:
         if self.idle:
             _set_policy(os.SCHED_OTHER)  # the workers inherit it
         every_fd = [fd for _, fds in batch for fd in fds]
@@ -396,11 +395,11 @@ class Zygote:
         for fd in every_fd:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self._send({"pids": pids})
+        self._send(M.Forked(tuple(pids)))
         if self.idle and self.queue:
             _set_policy(os.SCHED_IDLE)
 
-    def adopted(self, become: _Become) -> dict[str, Any]:
+    def adopted(self, become: _Become) -> Any:
         """In the worker: wait to be the agent's child, then become its worker."""
         deadline = time.monotonic() + ADOPT_WAIT
         while os.getppid() != self.agent_pid:
@@ -431,16 +430,15 @@ class Zygote:
         os.dup2(err, 2)
         os.close(out)
         os.close(err)
-        env = become.order.get("env")
         os.environ.clear()
-        os.environ.update({str(k): str(v) for k, v in (env or {}).items()})
+        os.environ.update(become.order.env)
         os.environ[_runner.CHANNEL_ENV] = str(channel)
         return become.order
 
     # ------------------------------------------------------------ the loop
-    def serve(self) -> dict[str, Any] | None:
+    def serve(self) -> Any:
         """Preload and fork until the agent closes the socket (None), or, in a
-        forked worker, return its order."""
+        forked worker, return its order (a ``Fork``)."""
         try:
             self._loop()
         except _Become as become:
@@ -457,30 +455,24 @@ class Zygote:
             if self.queue:
                 reported = False
                 if self.base == 0 and self._readable(0):
-                    message, fds = self._recv()
-                    if message is None:
+                    if not self._next():
                         return
-                    self._handle(message, fds)
                 else:
                     self._import_next()
                 continue
             if not reported and self._readable(0):
                 # Orders that came while it imported its base (more modules,
                 # perhaps) are read before it says it is ready.
-                message, fds = self._recv()
-                if message is None:
+                if not self._next():
                     return
-                self._handle(message, fds)
                 continue
             if not reported:
                 if self.idle:
                     _set_policy(os.SCHED_OTHER)
                 self._report()
                 reported = True
-            message, fds = self._recv()
-            if message is None:
+            if not self._next():
                 return
-            self._handle(message, fds)
             if self.queue and self.idle:
                 _set_policy(os.SCHED_IDLE)
 
@@ -510,29 +502,26 @@ def _read_all(fd: int) -> str:
 
 
 def _wait_go(fd: int, timeout: float) -> bool:
+    """Whether the agent's ``Go`` came on the channel ``fd`` within ``timeout``."""
     deadline = time.monotonic() + timeout
     buf = b""
     while not buf.endswith(b"\n"):
         left = deadline - time.monotonic()
-        if left <= 0:
+        if left <= 0 or len(buf) > MAX_GO:
             return False
         try:
             ready = select.select([fd], [], [], left)[0]
-            chunk = os.read(fd, 16) if ready else b""
+            # One byte at a time: never past the line (what follows is the runner's).
+            chunk = os.read(fd, 1) if ready else b""
         except OSError:
             return False
         if ready and not chunk:
             return False  # the agent closed it: not wanted
         buf += chunk
-    return buf.strip() == b"go"
-
-
-def _json(text: str) -> dict[str, Any]:
     try:
-        value = json.loads(text) if text else {}
+        return isinstance(M.from_json(json.loads(buf)), M.Go)
     except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
+        return False
 
 
 def _float(text: str | None, default: float) -> float:
@@ -542,7 +531,7 @@ def _float(text: str | None, default: float) -> float:
         return default
 
 
-def serve(script: str | None = None) -> dict[str, Any] | None:
+def serve(script: str | None = None) -> Any:
     """Serve the agent; ``script``: the module name that would run the
     worker's script (never imported here)."""
     return Zygote(script).serve()

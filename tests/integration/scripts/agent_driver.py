@@ -15,14 +15,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from elastrun.agent import Agent, WorkerSpec
+from elastrun.agent import Agent, Executable, WorkerSpec
 from tests.integration.scripts.one_node import OneNodeRendezvous
 
 
 def main() -> int:
     cfg = json.loads(sys.argv[1])
     spec = WorkerSpec(
-        argv=tuple(cfg["argv"]),
+        command=Executable(tuple(cfg["argv"])),
         nproc=cfg["nproc"],
         run_id=cfg.get("run_id", "drv"),
         host="testhost",

@@ -13,6 +13,7 @@ from elastrun.rendezvous.api import (
     Change,
     Member,
     Rendezvous,
+    RendezvousHooks,
     RendezvousSettings,
     RoundResult,
 )
@@ -45,6 +46,9 @@ class OneNodeRendezvous(Rendezvous):
         self.closed = closed
         self.change = asyncio.Event()
         self.change_value = Change(reason="node_waiting", detail="a test node waits")
+
+    def attach(self, hooks: RendezvousHooks) -> None:
+        self.hooks = hooks
 
     async def next_round(self) -> RoundResult:
         if self.closed:

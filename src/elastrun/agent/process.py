@@ -1,0 +1,219 @@
+"""One worker process, as the agent holds it: its handle, its output pumped
+to the console and its log files, its exit watched, its channel, and what it
+ended as (for the root-cause rule and the failure summary).
+
+The group of a round's workers, and when each thing happens: agent/workers.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO
+
+from elastrun.agent.channel import RunnerChannel
+from elastrun.agent.children import ForkedProcess
+from elastrun.agent.failures import Ending, ErrorFileInfo, WorkerFailure, read_error_file
+from elastrun.agent.logs import LinePump, LogWriteErrors, StreamRoute
+
+__all__ = ["Declared", "Process", "Worker", "killpg"]
+
+# The process handle of a worker: started cold, or forked and adopted.
+Process = subprocess.Popen[bytes] | ForkedProcess
+
+
+def killpg(pgid: int, sig: int) -> bool:
+    """Signal a worker's process group; False when nothing is left in it."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Declared:
+    """A rank a feature declared failed while it ran: why (one line), when."""
+
+    why: str
+    monotonic: float
+    wall: float
+
+
+@dataclass
+class Worker:
+    """The worker of one local rank in one round."""
+
+    local_rank: int
+    rank: int
+    folder: str  # its own folder of the attempt (private)
+    error_file: str
+    routes: tuple[StreamRoute, StreamRoute]  # where its stdout and stderr go
+    popen: Process | None = None
+    channel: RunnerChannel | None = None  # the agent's end of the runner's channel
+    exited: asyncio.Future[int] | None = None
+    exit_monotonic: float | None = None
+    exit_wall: float | None = None
+    stopped_by_agent: bool = False
+    # Signals the agent sent it besides a stop (the stack signal): dying of one
+    # is the agent's doing, never a root cause (failures.roles).
+    agent_signals: set[int] = field(default_factory=set)
+    declared: Declared | None = None
+    warm: bool = False  # forked by a feature (a warm start), not spawned
+    pumps: list[LinePump] = field(default_factory=list)
+    pump_tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    transports: list[asyncio.BaseTransport] = field(default_factory=list)
+    pidfd: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid if self.popen is not None else -1
+
+    @property
+    def done(self) -> bool:
+        return self.exited is not None and self.exited.done()
+
+    @property
+    def returncode(self) -> int | None:
+        return self.exited.result() if self.done and self.exited is not None else None
+
+    # ------------------------------------------------------------ watching
+    def pump(self, loop: asyncio.AbstractEventLoop, log_errors: LogWriteErrors) -> None:
+        """Read its stdout and stderr, line by line, to where they go."""
+        assert self.popen is not None
+        for pipe, route in zip((self.popen.stdout, self.popen.stderr), self.routes, strict=True):
+            assert pipe is not None
+            self._pump(loop, pipe, route, log_errors)
+
+    def _pump(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        pipe: IO[bytes],
+        route: StreamRoute,
+        log_errors: LogWriteErrors,
+    ) -> None:
+        reader = asyncio.StreamReader(limit=1 << 20)
+        protocol = asyncio.StreamReaderProtocol(reader)
+        pump = LinePump(reader, route, log_errors, self.rank, self.local_rank)
+        self.pumps.append(pump)
+
+        async def run() -> None:
+            transport, _ = await loop.connect_read_pipe(lambda: protocol, pipe)
+            self.transports.append(transport)
+            await pump.run()
+
+        self.pump_tasks.append(loop.create_task(run()))
+
+    def watch_exit(self, loop: asyncio.AbstractEventLoop, on_exit: Callable[[], None]) -> None:
+        """Call ``on_exit`` in ``loop`` when it may have exited: its pidfd
+        readable (a waiting thread where pidfds are unavailable)."""
+        assert self.popen is not None
+        self.exited = loop.create_future()
+        try:
+            self.pidfd = os.pidfd_open(self.popen.pid)
+        except (OSError, AttributeError):
+            self.pidfd = None
+        if self.pidfd is not None:
+            loop.add_reader(self.pidfd, on_exit)
+            return
+        pid = self.popen.pid
+
+        def wait_thread() -> None:  # fallback: kernels without pidfd
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(on_exit)
+
+        threading.Thread(target=wait_thread, name=f"wait-{pid}", daemon=True).start()
+
+    def reap(self, loop: asyncio.AbstractEventLoop, now: float) -> int | None:
+        """Its exit status, the first time it is found exited (reaped, its
+        pidfd released, ``exited`` set); None otherwise."""
+        assert self.popen is not None and self.exited is not None
+        rc = self.popen.poll()  # reaps (WNOHANG)
+        if rc is None or self.exited.done():
+            return None
+        if self.pidfd is not None:
+            loop.remove_reader(self.pidfd)
+            os.close(self.pidfd)
+            self.pidfd = None
+        self.exit_monotonic = now
+        self.exit_wall = time.time()
+        self.exited.set_result(rc)
+        return rc
+
+    def release(self) -> None:
+        """Close what the agent holds of it: its channel, output pipes and
+        pumps, its pidfd."""
+        if self.channel is not None:
+            self.channel.close()
+        for tr in self.transports:
+            tr.close()
+        for p in self.pumps:
+            p.close()
+        if self.pidfd is not None:
+            with contextlib.suppress(OSError, ValueError, RuntimeError):
+                asyncio.get_running_loop().remove_reader(self.pidfd)
+            with contextlib.suppress(OSError):
+                os.close(self.pidfd)
+            self.pidfd = None
+        if self.popen is not None:
+            for pipe in (self.popen.stdout, self.popen.stderr):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
+
+    # ------------------------------------------------------------ its end
+    def ending(self, now: float) -> Ending:
+        """As the root-cause rule sees it."""
+        declared = self.declared
+        at = declared.monotonic if declared is not None else self.exit_monotonic
+        return Ending(
+            self.returncode,
+            now if at is None else at,
+            stopped_by_agent=self.stopped_by_agent,
+            declared=declared is not None,
+            agent_signals=frozenset(self.agent_signals),
+        )
+
+    def failure(
+        self, rc: int, *, host: str, attempt: int, restart_count: int, now: float
+    ) -> WorkerFailure:
+        """What it failed as, with exit status ``rc`` (unclassified)."""
+        stdout_pump = self.pumps[0] if self.pumps else None
+        stderr_pump = self.pumps[1] if len(self.pumps) > 1 else None
+        error = read_error_file(self.error_file)
+        declared = self.declared
+        if declared is not None:
+            # The declaration is the failure; a traceback written while it was
+            # stopped (e.g. by @record) shows where it was stuck.
+            error = ErrorFileInfo(
+                message=declared.why,
+                traceback=error.traceback if error is not None else None,
+                timestamp=int(declared.wall),
+            )
+        return WorkerFailure(
+            rank=self.rank,
+            local_rank=self.local_rank,
+            host=host,
+            pid=self.pid,
+            returncode=rc,
+            exit_time=declared.wall if declared else self.exit_wall or time.time(),
+            exit_monotonic=declared.monotonic if declared else self.exit_monotonic or now,
+            stopped_by_agent=self.ending(now).by_agent,
+            error=error,
+            stderr_tail=tuple(stderr_pump.tail) if stderr_pump else (),
+            stdout_tail=tuple(stdout_pump.tail) if stdout_pump else (),
+            stdout_log=self.routes[0].file_path,
+            stderr_log=self.routes[1].file_path,
+            error_file=self.error_file,
+            attempt=attempt,
+            restart_count=restart_count,
+            hang=declared.why if declared else None,
+        )

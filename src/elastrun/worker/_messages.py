@@ -1,0 +1,393 @@
+"""Every message between the agent and the processes it starts (stdlib only).
+
+The worker runner (``_runner.py``), the warm interpreter (``_zygote.py``) and
+the progress recorder (``_progress.py``) run by path in the worker's
+interpreter and load this file beside them (as ``_elastrun_messages``); the
+agent imports it as ``elastrun.worker._messages``. One schema, both sides.
+
+Each message is a JSON object ``{"v": PROTOCOL, "kind": KIND, ...fields}``,
+one class per kind, written by ``to_json`` and read by :func:`from_json`,
+which checks the version, the kind and every field's type and raises
+:class:`BadMessage` otherwise. The agent decodes what a worker sends within
+bounds of size and depth first (``elastrun.untrusted``, agent/channel.py): a
+worker runs the user's code.
+
+**The runner's channel** (a stream socket per worker, ``ELASTRUN_CHANNEL_FD``;
+JSON lines, :func:`encode_line`)::
+
+    runner -> agent   Modules         the modules it imported, once it trains
+                      ProgressFailed  its progress file cannot be written (once)
+                      Progress        then each new progress record, relayed
+    agent -> runner   Go              (a forked worker) registered: run the script
+
+**The warm interpreter's control socket** (``SOCK_SEQPACKET``, fd 0 of the
+zygote; one message per packet, :func:`encode`)::
+
+    agent -> zygote   Preload         import these too
+                      Fork            fork one worker of a batch; with its fds:
+                                      stdout, stderr, channel socket and stdin
+                                      (3 fds: stdin is /dev/null)
+    zygote -> agent   Ready           its imports are done (or stopped: why)
+                      Forked          the batch's pids, once all are forked
+                      Unsafe          a module is not safe to import ahead of
+                                      time; the zygote then exits
+
+What the zygote imports first comes in its environment (``ELASTRUN_PRELOAD``):
+:class:`PreloadPlan`, the same JSON without ``v`` and ``kind``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+PROTOCOL = 3
+
+__all__ = [
+    "PROTOCOL",
+    "BadMessage",
+    "Fork",
+    "Forked",
+    "Go",
+    "Message",
+    "Modules",
+    "Preload",
+    "PreloadPlan",
+    "Progress",
+    "ProgressFailed",
+    "Ready",
+    "Unsafe",
+    "encode",
+    "encode_line",
+    "from_json",
+]
+
+
+class BadMessage(ValueError):
+    """Not a message of this protocol: wrong version, kind or field."""
+
+
+# ------------------------------------------------------------------ fields
+
+
+def _get(data: Mapping[str, Any], key: str, types: tuple[type, ...], what: str) -> Any:
+    value = data.get(key)
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise BadMessage(f"{key}: not {what}")
+    return value
+
+
+def _str(data: Mapping[str, Any], key: str) -> str:
+    return str(_get(data, key, (str,), "a string"))
+
+
+def _opt_str(data: Mapping[str, Any], key: str) -> str | None:
+    value = data.get(key)
+    return None if value is None else _str(data, key)
+
+
+def _int(data: Mapping[str, Any], key: str) -> int:
+    return int(_get(data, key, (int,), "an integer"))
+
+
+def _number(data: Mapping[str, Any], key: str) -> float:
+    return float(_get(data, key, (int, float), "a number"))
+
+
+def _strs(data: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    items = _get(data, key, (list,), "a list")
+    if not all(isinstance(x, str) for x in items):
+        raise BadMessage(f"{key}: not a list of strings")
+    return tuple(items)
+
+
+# ------------------------------------------------------------------ messages
+
+
+class _Message:
+    KIND: ClassVar[str]
+
+    def fields(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def to_json(self) -> dict[str, Any]:
+        return {"v": PROTOCOL, "kind": self.KIND, **self.fields()}
+
+
+@dataclass(frozen=True)
+class Modules(_Message):
+    """The modules a worker imported by the time it trains (``why``:
+    ``optimizer_step``, or ``timer`` when it had not stepped an optimizer
+    after ``ELASTRUN_MODULES_AFTER`` seconds), with its Python and torch."""
+
+    KIND: ClassVar[str] = "modules"
+    why: str
+    modules: tuple[str, ...]
+    python: str | None = None
+    torch: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        return {"why": self.why, "modules": list(self.modules)} | {
+            "python": self.python,
+            "torch": self.torch,
+        }
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any]) -> Modules:
+        return cls(
+            _str(data, "why"),
+            _strs(data, "modules"),
+            _opt_str(data, "python"),
+            _opt_str(data, "torch"),
+        )
+
+
+@dataclass(frozen=True)
+class ProgressFailed(_Message):
+    """The runner cannot write its progress file ``path`` (``error``)."""
+
+    KIND: ClassVar[str] = "progress_failed"
+    path: str
+    error: str
+
+    def fields(self) -> dict[str, Any]:
+        return {"path": self.path, "error": self.error}
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any]) -> ProgressFailed:
+        return cls(_str(data, "path"), _str(data, "error"))
+
+
+@dataclass(frozen=True)
+class Progress(_Message):
+    """A progress record relayed while the file cannot be written (``beat``:
+    the file's record, ``_progress.py``'s schema, read by the agent's
+    ``watchdog.parse_beat``), and the file's last write error."""
+
+    KIND: ClassVar[str] = "progress"
+    beat: Mapping[str, Any] | None
+    error: str
+
+    def fields(self) -> dict[str, Any]:
+        return {"beat": None if self.beat is None else dict(self.beat), "error": self.error}
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any]) -> Progress:
+        beat = data.get("beat")
+        if beat is not None and not isinstance(beat, dict):
+            raise BadMessage("beat: not an object")
+        return cls(beat, _str(data, "error"))
+
+
+@dataclass(frozen=True)
+class Go(_Message):
+    """To a forked worker: the agent registered it, it may run the script."""
+
+    KIND: ClassVar[str] = "go"
+
+    def fields(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any]) -> Go:
+        del data
+        return cls()
+
+
+@dataclass(frozen=True)
+class Preload(_Message):
+    """To the zygote: import these modules too (they are checked again there)."""
+
+    KIND: ClassVar[str] = "preload"
+    modules: tuple[str, ...]
+
+    def fields(self) -> dict[str, Any]:
+        return {"modules": list(self.modules)}
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any]) -> Preload:
+        return cls(_strs(data, "modules"))
+
+
+@dataclass(frozen=True)
+class Fork(_Message):
+    """To the zygote: fork worker ``index`` of a batch of ``count`` (forked
+    together once all orders came), with its environment and arguments."""
+
+    KIND: ClassVar[str] = "fork"
+    env: Mapping[str, str]
+    args: tuple[str, ...]
+    index: int = 0
+    count: int = 1
+
+    def fields(self) -> dict[str, Any]:
+        return {"env": dict(self.env), "args": list(self.args)} | {
+            "index": self.index,
+            "count": self.count,
+        }
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any]) -> Fork:
+        env = _get(data, "env", (dict,), "an object")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise BadMessage("env: not an object of strings")
+        return cls(env, _strs(data, "args"), _int(data, "index"), _int(data, "count"))
+
+
+@dataclass(frozen=True)
+class Ready(_Message):
+    """From the zygote: its imports are done (``stopped``: why it stopped
+    early, at a budget); ``failed``: (module, why) of those it skipped."""
+
+    KIND: ClassVar[str] = "ready"
+    loaded: int
+    failed: tuple[tuple[str, str], ...] = ()
+    rss_kb: int = 0
+    preload_s: float = 0.0
+    stopped: str | None = None
+    python: str | None = None
+    torch: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "loaded": self.loaded,
+            "failed": [list(f) for f in self.failed],
+            "rss_kb": self.rss_kb,
+            "preload_s": self.preload_s,
+            "stopped": self.stopped,
+            "python": self.python,
+            "torch": self.torch,
+        }
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any]) -> Ready:
+        failed = _get(data, "failed", (list,), "a list")
+        pairs = [f for f in failed if isinstance(f, list) and len(f) == 2]
+        if len(pairs) != len(failed) or not all(isinstance(x, str) for f in pairs for x in f):
+            raise BadMessage("failed: not a list of [module, why]")
+        return cls(
+            _int(data, "loaded"),
+            tuple((f[0], f[1]) for f in pairs),
+            _int(data, "rss_kb"),
+            _number(data, "preload_s"),
+            _opt_str(data, "stopped"),
+            _opt_str(data, "python"),
+            _opt_str(data, "torch"),
+        )
+
+
+@dataclass(frozen=True)
+class Forked(_Message):
+    """From the zygote: the pid of each fork of the batch, in order (None:
+    that one could not be forked)."""
+
+    KIND: ClassVar[str] = "forked"
+    pids: tuple[int | None, ...]
+
+    def fields(self) -> dict[str, Any]:
+        return {"pids": list(self.pids)}
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any]) -> Forked:
+        pids = _get(data, "pids", (list,), "a list")
+        ok = all(p is None or (isinstance(p, int) and not isinstance(p, bool)) for p in pids)
+        if not ok:
+            raise BadMessage("pids: not a list of pids")
+        return cls(tuple(p if p is None or p > 0 else None for p in pids))
+
+
+@dataclass(frozen=True)
+class Unsafe(_Message):
+    """From the zygote: ``modules`` are not safe to import ahead of time
+    (they started a thread, initialised CUDA, or read a per-rank variable
+    when imported): it exits."""
+
+    KIND: ClassVar[str] = "unsafe"
+    modules: tuple[str, ...]
+    why: str
+
+    def fields(self) -> dict[str, Any]:
+        return {"modules": list(self.modules), "why": self.why}
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any]) -> Unsafe:
+        return cls(_strs(data, "modules"), _str(data, "why"))
+
+
+Message = Modules | ProgressFailed | Progress | Go | Preload | Fork | Ready | Forked | Unsafe
+KINDS: dict[str, Any] = {
+    cls.KIND: cls
+    for cls in (Modules, ProgressFailed, Progress, Go, Preload, Fork, Ready, Forked, Unsafe)
+}
+
+
+def from_json(data: object) -> Message:
+    """The message ``data`` holds (decoded JSON); BadMessage if it is none."""
+    if not isinstance(data, dict):
+        raise BadMessage("not a JSON object")
+    if data.get("v") != PROTOCOL:
+        raise BadMessage(f"not of protocol version {PROTOCOL}")
+    cls = KINDS.get(data.get("kind"))  # type: ignore[arg-type]
+    if cls is None:
+        raise BadMessage("unknown kind")
+    message: Message = cls.parse(data)
+    return message
+
+
+def encode(message: Message) -> bytes:
+    """One packet (the zygote's socket)."""
+    return json.dumps(message.to_json()).encode()
+
+
+def encode_line(message: Message) -> bytes:
+    """One line (the runner's channel)."""
+    return encode(message) + b"\n"
+
+
+# ------------------------------------------------------------------ the zygote's start
+
+
+@dataclass(frozen=True)
+class PreloadPlan:
+    """What a zygote imports before it reads any order (``ELASTRUN_PRELOAD``):
+    ``modules`` in order, the first ``base`` of them (torch) before any fork;
+    the Python and torch the list was recorded with (another Python: torch
+    only; another torch: nothing after torch); ``watch``: the per-round and
+    per-rank variables a module must not read while it is imported."""
+
+    modules: tuple[str, ...] = ()
+    python: str | None = None
+    torch: str | None = None
+    watch: tuple[str, ...] = ()
+    base: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "modules": list(self.modules),
+            "python": self.python,
+            "torch": self.torch,
+            "watch": list(self.watch),
+            "base": self.base,
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> PreloadPlan:
+        if not isinstance(data, dict):
+            raise BadMessage("not a JSON object")
+        return cls(
+            _strs(data, "modules"),
+            _opt_str(data, "python"),
+            _opt_str(data, "torch"),
+            _strs(data, "watch"),
+            max(0, _int(data, "base")),
+        )
+
+    @classmethod
+    def from_text(cls, text: str) -> PreloadPlan:
+        """From the variable's text; an empty plan when it holds none."""
+        try:
+            return cls.from_json(json.loads(text))
+        except ValueError:  # BadMessage too
+            return cls()
