@@ -112,10 +112,9 @@ def test_every_scenario_has_an_estimate_and_the_report_shows_wall_time() -> None
 
 def test_wait_reports_a_run_without_worker_events_as_stuck(tmp_path: Path) -> None:
     run = Run(tmp_path / "run", {})
-    t0 = time.monotonic()
+    # The stall bound (0.3 s) ends the wait, not its timeout (an hour)
     with pytest.raises(BenchFailure, match=r"stuck: no worker event for 0s \(bound\)"):
-        run.wait("nothing", lambda _log: False, timeout=30.0, stall=0.3)
-    assert time.monotonic() - t0 < 5
+        run.wait("nothing", lambda _log: False, timeout=3600.0, stall=0.3)
     with pytest.raises(BenchFailure, match="timed out after 0s"):
         run.wait("nothing", lambda _log: False, timeout=0.2)
     run.cleanup()
