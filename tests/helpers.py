@@ -11,6 +11,12 @@ connection, while a server that binds it with ``SO_REUSEADDR`` (asyncio
 servers, so elastrun's store; etcd; torch's TCPStore) still can. Nothing
 connecting to it gets an answer until such a server listens.
 
+Environment. The agents a test starts get the suite's defaults
+(:data:`SUITE_ENV`, set by tests/conftest.py): no warm interpreter
+(``PET_PREWARM=0``) unless the test is about warm starts and asks for one
+(``--prewarm``). :func:`without_pet` drops the torchrun ``PET_*`` defaults a
+user's shell may hold, keeping the suite's own.
+
 The etcd helpers (a real cluster, auth, TLS files) are in
 :mod:`tests.store.etcd_fixture`.
 """
@@ -24,18 +30,46 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from elastrun.procs import pid_alive
 
-__all__ = ["free_port", "free_ports", "kill_group", "pid_alive", "stop_groups", "wait_for"]
+__all__ = [
+    "SUITE_ENV",
+    "WARM_ENV",
+    "free_port",
+    "free_ports",
+    "kill_group",
+    "pid_alive",
+    "stop_groups",
+    "wait_for",
+    "without_pet",
+]
 
 T = TypeVar("T")
 
 _held: list[socket.socket] = []  # bound for the session: see the module docstring
 _held_lock = threading.Lock()
 MAX_HELD = 4096  # a session that asks for more has a leak
+
+
+# The suite's defaults for the agents tests start (tests/conftest.py sets each
+# one that the environment does not already set).
+SUITE_ENV = {"PET_PREWARM": "0"}
+# For the agents of tests about warm starts (a flag on the command line still wins).
+WARM_ENV = {"PET_PREWARM": "1"}
+
+
+def without_pet(env: Mapping[str, str] | None = None, *drop: str) -> dict[str, str]:
+    """``env`` (default: the environment) without the ``PET_*`` flag defaults
+    (and the variables starting with any of ``drop``), but with the suite's
+    own (:data:`SUITE_ENV`, as the environment holds them)."""
+    source = os.environ if env is None else env
+    out = {k: v for k, v in source.items() if not k.startswith(("PET_", *drop))}
+    for name, default in SUITE_ENV.items():
+        out[name] = os.environ.get(name, default)
+    return out
 
 
 def free_port(host: str = "127.0.0.1") -> int:

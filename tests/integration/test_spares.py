@@ -19,7 +19,7 @@ from typing import Any
 
 from elastrun.agent.spares import ROUND_VARS
 from tests.conftest import PYTHON
-from tests.helpers import free_port, pid_alive, stop_groups, wait_for
+from tests.helpers import WARM_ENV, free_port, pid_alive, stop_groups, wait_for
 from tests.integration.test_cli import ELASTRUN, RUN_TIMEOUT, elastrun, env_without_pet
 
 # Records what a worker sees, all-reduces over gloo, and fails once (rank 1 of
@@ -56,7 +56,7 @@ def _setup(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     out = tmp_path / "out"
     out.mkdir()
     (tmp_path / "probe.py").write_text(PROBE)
-    env = env_without_pet()
+    env = {**env_without_pet(), **WARM_ENV}  # (a cold run says --no-prewarm)
     env["PROBE_OUT"] = str(out)
     return out, env
 
@@ -292,7 +292,7 @@ SLEEPER = textwrap.dedent(
 def test_the_zygote_and_forked_workers_die_with_a_killed_agent(tmp_path):
     (tmp_path / "sleeper.py").write_text(SLEEPER)
     events = tmp_path / "events.jsonl"
-    env = {**env_without_pet(), "OUT": str(tmp_path)}
+    env = {**env_without_pet(), **WARM_ENV, "OUT": str(tmp_path)}
     agent = subprocess.Popen(
         [
             ELASTRUN,

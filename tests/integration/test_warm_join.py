@@ -17,7 +17,7 @@ from typing import Any
 
 from elastrun.agent.modcache import ModuleCache, ModuleList, cache_key
 from tests.conftest import PYTHON
-from tests.helpers import free_port, stop_groups, wait_for
+from tests.helpers import WARM_ENV, free_port, stop_groups, wait_for
 from tests.integration.test_cli import ELASTRUN, RUN_TIMEOUT, env_without_pet
 
 # Steps every 0.1 s at whatever world size the round has, logging each step;
@@ -75,7 +75,7 @@ def _join(
         "--rdzv-id=warm-join",
         "--max-restarts=0",
     ]
-    base = {**env_without_pet(), "STEPS": str(steps)}
+    base = {**env_without_pet(), **WARM_ENV, "STEPS": str(steps)}
     env_a = {**base, "NODE": "a", "ELASTRUN_CACHE_DIR": str(tmp_path / "cache-a")}
     env_b = {**base, "NODE": "b", "ELASTRUN_CACHE_DIR": str(tmp_path / "cache-b")}
     # A store with a token: only then does a node use the job's module note.
