@@ -201,6 +201,7 @@ def test_the_module_list_survives_the_run_and_the_next_first_start_is_warm(tmp_p
     (tmp_path / "rec.py").write_text(RECORDER)
     env = {
         **env_without_pet(),
+        **WARM_ENV,
         "OUT": str(tmp_path),
         "ELASTRUN_CACHE_DIR": str(tmp_path / "cache"),
     }
