@@ -9,17 +9,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.helpers import SUITE_ENV
 from tests.store.etcd_fixture import etcd_with_auth  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 # Workers started by tests run with the same interpreter and see the package.
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
-# Agents start no warm interpreter (PET_PREWARM=0) unless a test of warm
-# starts asks for one (--prewarm): see tests/helpers.py.
-for _name, _default in SUITE_ENV.items():
-    os.environ.setdefault(_name, _default)
 # The warm interpreter's module lists (agent/modcache.py): one private folder
 # for this test session, so a test never starts warmer because of an earlier
 # session, and nothing is written to the user's cache.

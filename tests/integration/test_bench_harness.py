@@ -20,7 +20,7 @@ from bench.scenarios import GROUPS, catalogue, estimate, select
 from bench.simulated import parse_simulated
 
 from tests.conftest import REPO
-from tests.helpers import SUITE_ENV
+from tests.helpers import SUITE_KNOBS
 
 TABLE_HEADER = "| scenario | metric | launcher | ok/runs | median | min | max | elastrun/torchrun |"
 
@@ -190,7 +190,7 @@ def test_quick_bench_runs_both_launchers_side_by_side(tmp_path: Path) -> None:
         timeout=240,
         start_new_session=True,
         # the launchers exactly as configured (not with the suite's defaults)
-        env={k: v for k, v in os.environ.items() if k not in SUITE_ENV},
+        env={k: v for k, v in os.environ.items() if k not in SUITE_KNOBS},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((out / "results.json").read_text())
