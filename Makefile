@@ -58,9 +58,12 @@ test-fast: setup etcd check
 
 # What `make test` runs short, at full length (10-15 minutes on 2 cores): the
 # clean-exit series 30 runs each instead of 10 (tests/integration/test_clean_exit.py)
-# and the churn soak 10 minutes instead of 20 s (tests/faults, ELASTRUN_SOAK_SECONDS).
+# and the churn soak 10 minutes instead of 20 s (tests/faults/test_faults.py).
+SERIES_RUNS ?= 30
+SOAK_SECONDS ?= 600
 soak: setup etcd
-	ELASTRUN_SERIES_RUNS=30 ELASTRUN_SOAK_SECONDS=600 $(PYTEST) -m slow $(PYTEST_ARGS)
+	ELASTRUN_SERIES_RUNS=$(SERIES_RUNS) ELASTRUN_SOAK_SECONDS=$(SOAK_SECONDS) \
+		$(PYTEST) -m slow $(PYTEST_ARGS)
 
 demo: setup-demo
 	$(PY) examples/demo.py $(DEMO_ARGS)
