@@ -3,6 +3,7 @@
 #               worker killed partway: elastrun restarts it and training resumes (examples/demo.py)
 #   make test   set up everything (venv, torch, dev tools, etcd), run the checks and the tests
 #   make test-fast  the checks and the fast tests (unit, stores) for daily work
+#   make soak   the long series and soaks that `make test` runs short (see below)
 #   make check  ruff + strict mypy
 #   make bench  benchmarks against torchrun (see docs/benchmarks.md)
 SHELL := /bin/bash
@@ -15,7 +16,13 @@ TORCH_PIN := torch==2.13.0
 DEMO_STAMP := $(VENV)/.demo-installed
 DEV_STAMP := $(VENV)/.dev-installed
 
-.PHONY: setup setup-demo etcd check test test-fast demo bench bench-quick clean
+# Test processes in parallel (pytest-xdist): most tests wait on the processes
+# they start, not on the CPU, so more processes than cores pay off. PYTEST_JOBS=0
+# runs the tests in this process, one after the other.
+PYTEST_JOBS ?= 4
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_JOBS)
+
+.PHONY: setup setup-demo etcd check test test-fast soak demo bench bench-quick clean
 
 setup: $(DEV_STAMP)
 setup-demo: $(DEMO_STAMP)
@@ -43,11 +50,20 @@ check: setup
 	$(PY) -m mypy
 
 test: setup etcd check
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
 
-# The fast subset for daily work (about 2 minutes): pure logic and the stores.
+# The fast subset for daily work (about a minute): pure logic and the stores.
 test-fast: setup etcd check
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests/unit tests/store $(PYTEST_ARGS)
+	$(PYTEST) -m "not slow" tests/unit tests/store $(PYTEST_ARGS)
+
+# What `make test` runs short, at full length (10-15 minutes on 2 cores): the
+# clean-exit series 30 runs each instead of 10 (tests/integration/test_clean_exit.py)
+# and the churn soak 10 minutes instead of 20 s (tests/faults/test_faults.py).
+SERIES_RUNS ?= 30
+SOAK_SECONDS ?= 600
+soak: setup etcd
+	ELASTRUN_SERIES_RUNS=$(SERIES_RUNS) ELASTRUN_SOAK_SECONDS=$(SOAK_SECONDS) \
+		$(PYTEST) -m slow $(PYTEST_ARGS)
 
 demo: setup-demo
 	$(PY) examples/demo.py $(DEMO_ARGS)

@@ -11,6 +11,16 @@ connection, while a server that binds it with ``SO_REUSEADDR`` (asyncio
 servers, so elastrun's store; etcd; torch's TCPStore) still can. Nothing
 connecting to it gets an answer until such a server listens.
 
+Environment. :func:`without_pet` drops the torchrun ``PET_*`` defaults a
+user's shell may hold from the environment of the agents a test starts, but
+keeps the suite's knobs (:data:`SUITE_KNOBS`): ``PET_PREWARM=0 make test``
+runs every agent without a warm interpreter, except in the tests of warm
+starts, which ask for one (``--prewarm`` or :data:`WARM_ENV`). By default the
+agents run as elastrun does, warm, which is also faster: on 2 cores (4 test
+processes) the suite took 384 s and 644 s of CPU warm, 433 s and 745 s cold.
+An agent's warm interpreter imports torch once for all its workers, and most
+test workers import torch.
+
 The etcd helpers (a real cluster, auth, TLS files) are in
 :mod:`tests.store.etcd_fixture`.
 """
@@ -24,18 +34,44 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from elastrun.procs import pid_alive
 
-__all__ = ["free_port", "free_ports", "kill_group", "pid_alive", "stop_groups", "wait_for"]
+__all__ = [
+    "SUITE_KNOBS",
+    "WARM_ENV",
+    "free_port",
+    "free_ports",
+    "kill_group",
+    "pid_alive",
+    "stop_groups",
+    "wait_for",
+    "without_pet",
+]
 
 T = TypeVar("T")
 
 _held: list[socket.socket] = []  # bound for the session: see the module docstring
 _held_lock = threading.Lock()
 MAX_HELD = 4096  # a session that asks for more has a leak
+
+
+# Environment settings for all the agents of a test session (see the module docstring).
+SUITE_KNOBS = ("PET_PREWARM",)
+# For the agents of tests about warm starts (a flag on the command line still wins).
+WARM_ENV = {"PET_PREWARM": "1"}
+
+
+def without_pet(env: Mapping[str, str] | None = None, *drop: str) -> dict[str, str]:
+    """``env`` (default: the environment) without the ``PET_*`` flag defaults
+    (and the variables starting with any of ``drop``), but with the suite's
+    knobs the environment sets (:data:`SUITE_KNOBS`)."""
+    source = os.environ if env is None else env
+    out = {k: v for k, v in source.items() if not k.startswith(("PET_", *drop))}
+    out.update({k: os.environ[k] for k in SUITE_KNOBS if k in os.environ})
+    return out
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -250,7 +250,7 @@ def test_sigkill_of_agent_leaves_no_live_worker(tmp_path):
         pids = [p for group in wait_pids(piddir, 2) for p in group]
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
-        assert wait_dead(pids, 2.0) == [], "workers outlived a SIGKILLed agent"
+        assert wait_dead(pids, 10.0) == [], "workers outlived a SIGKILLed agent"
     finally:
         cleanup(proc, pids)
 
@@ -260,16 +260,16 @@ def test_sigterm_of_agent_stops_workers_and_exits_143(tmp_path):
     pids: list[int] = []
     try:
         pids = [p for group in wait_pids(piddir, 2) for p in group]
-        t0 = time.monotonic()
         os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=30) == 143
-        assert time.monotonic() - t0 < 15  # workers left on SIGTERM, no grace wasted
-        assert wait_dead(pids, 2.0) == []
-        # the workers got the SIGTERM (their handler ran), they were not just killed
+        assert proc.wait(timeout=60) == 143
+        assert wait_dead(pids, 10.0) == []
+        # the workers got the SIGTERM (their handler ran) and left on it: none
+        # was killed after the grace (20 s, never waited out)
         assert sorted(p.name for p in piddir.glob("*.term")) == ["0.term", "1.term"]
         assert proc.stderr is not None
         assert "received SIGTERM" in proc.stderr.read().decode()
         kinds = [e["kind"] for e in events_of(tmp_path)]
+        assert "workers_stopping" in kinds
         assert "workers_killed" not in kinds and kinds[-1] == "job_failed"
     finally:
         cleanup(proc, pids)
@@ -284,15 +284,18 @@ def test_worker_ignoring_sigterm_is_killed_after_the_grace(tmp_path):
     try:
         (worker_pids,) = wait_pids(piddir, 1)
         pids = worker_pids  # the worker and its child (same process group)
-        t0 = time.monotonic()
         os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=30) == 143
-        took = time.monotonic() - t0
-        assert grace * 0.9 <= took < grace + 10
-        assert wait_dead(pids, 2.0) == [], "worker or its child survived the teardown"
+        assert proc.wait(timeout=60) == 143
+        assert wait_dead(pids, 10.0) == [], "worker or its child survived the teardown"
         events = events_of(tmp_path)
-        killed = [e for e in events if e["kind"] == "workers_killed"]
-        assert killed and killed[0]["pids"] == [worker_pids[0]]
+        # SIGTERM first, SIGKILL only once the grace ran out (the event log's
+        # times: a slow machine can only make the gap longer)
+        (stopping,) = [e for e in events if e["kind"] == "workers_stopping"]
+        (killed,) = [e for e in events if e["kind"] == "workers_killed"]
+        assert stopping["signal"] == "SIGTERM" and stopping["grace"] == grace
+        assert killed["pids"] == [worker_pids[0]] and killed["after_grace"] == grace
+        assert events.index(stopping) < events.index(killed)
+        assert killed["ts"] - stopping["ts"] >= grace * 0.9
         exited = [e for e in events if e["kind"] == "worker_exited"]
         assert exited[0]["signal"] == "SIGKILL" and exited[0]["cause"] == "collateral"
     finally:
@@ -314,7 +317,7 @@ def test_forwarded_signal_reaches_workers_without_stopping_them(tmp_path):
         assert all(pid_alive(p) for p in pids) and proc.poll() is None
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=30) == 143
-        assert wait_dead(pids, 2.0) == []
+        assert wait_dead(pids, 10.0) == []
     finally:
         cleanup(proc, pids)
 

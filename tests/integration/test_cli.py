@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.helpers import free_port
+from tests.helpers import free_port, without_pet
 
 ELASTRUN = str(Path(sys.executable).with_name("elastrun"))
 BAD_TIMEOUT = 30
@@ -41,7 +41,7 @@ ALL_REDUCE = textwrap.dedent(
 
 
 def env_without_pet() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
+    env = without_pet()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
 

@@ -187,13 +187,10 @@ def test_quorum_loss_stops_workers_and_fails(tmp_path: Path, etcd3: EtcdCluster)
 
 def fails_cleanly(tmp_path: Path, flags: list[str], bound: float = 45.0) -> str:
     with job(tmp_path) as j:
-        t = time.monotonic()
         agent = j.start_agent("a", flags)
-        code = agent.wait(bound)
-        elapsed = time.monotonic() - t
+        code = agent.wait(bound)  # bounded: fails the test if it does not exit
         out = agent.output()
         assert code != 0, out[-3000:]
-        assert elapsed < bound
         assert j.steps() == [], "a worker was started"
         assert not agent_traceback(out), out[-3000:]
         return out

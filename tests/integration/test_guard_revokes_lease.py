@@ -8,12 +8,13 @@ the embedded store: address and token).
 * The guard alone, against real stores (the embedded store with a token;
   etcd with TLS client certificates, and with a user and password): a lease
   held by a live client
-  (nothing else would end it before its 60 s TTL) is revoked when the
+  (nothing else would end it before its TTL, an hour) is revoked when the
   guard's pipe closes without a word, as it does when the agent dies; a lease
   the agent said it no longer holds is left alone.
-* End to end on etcd: two agents, ``lease_ttl=60``; one is SIGKILLed with its
-  workers (not its guard, which lives in a session of its own); the survivor
-  re-forms at world 1 within seconds.
+* End to end on etcd: two agents, ``lease_ttl`` an hour; one is SIGKILLed
+  with its workers (not its guard, which lives in a session of its own); the
+  survivor re-forms at world 1 while the test waits (bounded), so long before
+  the lease would have expired.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from elastrun.store.base import Store
 from elastrun.store.client import TcpStore
 from elastrun.store.etcd import open_etcd_store
 from elastrun.store.server import StoreServer
-from tests.helpers import wait_for
+from tests.helpers import pid_alive, wait_for
 from tests.integration.elastic_harness import BOUND, job, steps_after
 from tests.integration.test_node_loss_disconnect import QUIET_WORKER
 from tests.store.etcd_fixture import (
@@ -42,30 +43,36 @@ from tests.store.etcd_fixture import (
     unique_prefix,
 )
 
-LEASE_TTL = 60
-WELL_BEFORE_TTL = 20.0
+LEASE_TTL = 3600  # an hour: nothing but a revoke ends a lease while a test runs
+GONE_BOUND = 30.0  # a bounded wait for the key to go
 
 
-async def revoked_by_guard(store: Store, *, tell_none: bool = False) -> float | None:
+async def revoked_by_guard(store: Store, *, tell_none: bool = False) -> bool:
     """Hold a key on a lease of LEASE_TTL through ``store``, give the lease to
     a real guard process and end the guard's pipe as a dying agent does.
-    Returns how long the key outlived that (None: still there after 10 s)."""
+    Returns whether the key went: waited for (bounded) while the guard
+    lives; once it has exited, nothing can revoke the lease any more."""
     lease = await store.lease_grant(LEASE_TTL)
     key = f"guarded-{secrets.token_hex(3)}"
     await store.put(key, b"alive", lease)
     guard = OrphanGuard()
     assert guard.start(), guard.error
+    pid = guard.pid
+    assert pid is not None
     guard.set_lease(store.revoke_spec(lease))
     if tell_none:  # the agent revoked it itself and said so
         guard.set_lease(None)
-    t = time.monotonic()
     await guard.close()  # end of file on the guard's stdin: "the agent is gone"
-    while time.monotonic() - t < 10.0:
+    deadline = time.monotonic() + GONE_BOUND
+    while pid_alive(pid) and time.monotonic() < deadline:
         if await store.get(key) is None:
-            return time.monotonic() - t
+            return True
         await asyncio.sleep(0.05)
+    assert not pid_alive(pid), f"the guard did not exit within {GONE_BOUND:.0f} s"
+    if await store.get(key) is None:
+        return True
     await store.lease_revoke(lease)
-    return None
+    return False
 
 
 def test_guard_revokes_the_lease_on_the_embedded_store() -> None:
@@ -73,10 +80,8 @@ def test_guard_revokes_the_lease_on_the_embedded_store() -> None:
         async with StoreServer("127.0.0.1", 0, token="s3cret") as server:
             host, port = server.address or ("", 0)
             store = await TcpStore.connect(host, port, token="s3cret", timeout=5)
-            took = await revoked_by_guard(store)
-            assert took is not None and took < 5.0, took
-            print(f"embedded store: lease revoked {took:.2f} s after the agent's pipe closed")
-            assert await revoked_by_guard(store, tell_none=True) is None
+            assert await revoked_by_guard(store)
+            assert not await revoked_by_guard(store, tell_none=True)
             await store.close()
 
     asyncio.run(body())
@@ -100,10 +105,8 @@ def test_guard_revokes_the_lease_on_etcd_with_the_agents_settings(security: str)
 
         async def body() -> None:
             store = await open_etcd_store(cluster.endpoints, conf=conf, timeout=10)
-            took = await revoked_by_guard(store)
-            assert took is not None and took < 5.0, took
-            print(f"etcd ({security}): lease revoked {took:.2f} s after the agent's pipe closed")
-            assert await revoked_by_guard(store, tell_none=True) is None
+            assert await revoked_by_guard(store)
+            assert not await revoked_by_guard(store, tell_none=True)
             await store.close()
 
         asyncio.run(body())
@@ -122,7 +125,7 @@ def etcd1() -> Iterator[EtcdCluster]:
 
 @requires_etcd
 @pytest.mark.etcd
-def test_a_sigkilled_agent_is_dropped_on_etcd_well_before_its_lease_ttl(
+def test_a_sigkilled_agent_is_dropped_on_etcd_before_its_lease_ttl(
     tmp_path: Path, etcd1: EtcdCluster
 ) -> None:
     worker = tmp_path / "quiet_worker.py"
@@ -144,15 +147,12 @@ def test_a_sigkilled_agent_is_dropped_on_etcd_well_before_its_lease_ttl(
         b = j.start_agent("b", flags, script=str(worker))
         wait_for(lambda: any(s["world"] == 2 for s in j.steps()), BOUND, "training at world 2")
         mark = len(j.steps())
-        t = time.monotonic()
         b.kill_group()  # the agent and its workers; its guard is in its own session
         wait_for(
             lambda: steps_after(j, mark, lambda s: s["world"] == 1),
-            WELL_BEFORE_TTL,
-            f"world 1 well before the lease TTL ({LEASE_TTL} s)",
+            BOUND,
+            f"world 1 (bounded; the lease TTL is {LEASE_TTL} s)",
         )
-        took = time.monotonic() - t
-        print(f"etcd node loss (lease_ttl={LEASE_TTL}): world 1 after {took:.1f} s")
         assert max(s["restart"] for s in j.steps()) == 0  # a membership change
         j.touch("finish")
         assert a.wait(BOUND) == 0, a.output()[-3000:]

@@ -155,9 +155,10 @@ def test_hostile_notes_are_dropped_and_notes_keep_their_lifetime() -> None:
             assert await rdzv.read_note("stacks_0_1") is None
             assert await rdzv.read_note("progress_3") is None
             assert await rdzv.read_note("stacks_0_3") is None  # over the note limit
-            t0 = time.monotonic()
-            got = await rdzv.gather_notes(["stacks_0_1", "stacks_0_3"], 1.0)
-            assert got == {} and time.monotonic() - t0 < CLI_BOUND
+            got = await asyncio.wait_for(
+                rdzv.gather_notes(["stacks_0_1", "stacks_0_3"], 1.0), CLI_BOUND
+            )
+            assert got == {}
 
             # A progress note is on the node's lease.
             await rdzv.write_note("progress_0", {"round": 0}, lease=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port, stop_groups, wait_for
+from tests.helpers import free_port, stop_groups, wait_for, without_pet
 from tests.integration.elastic_harness import ELASTRUN, SCRIPTS
 from tests.store.etcd_fixture import ETCD, start_cluster
 
@@ -92,7 +91,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
 def run(
     flags: list[str], *args: str, cwd: Path, timeout: float = RUN
 ) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
+    env = without_pet()
     return subprocess.run(
         [*ELASTRUN, *flags, WORKER, *args],
         cwd=cwd,
@@ -142,7 +141,7 @@ def test_an_abandoned_jobs_restart_count_is_not_inherited(backend: Backend, tmp_
     old_dir = tmp_path / "old"
     old_dir.mkdir()
     log = tmp_path / "old.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
+    env = without_pet()
     with open(log, "wb") as out:
         flags = backend.flags("dropped", "--max-restarts=1")
         agent = subprocess.Popen(

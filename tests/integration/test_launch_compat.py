@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO
-from tests.helpers import free_port, stop_groups
+from tests.helpers import free_port, stop_groups, without_pet
 
 TIMEOUT = 240
 LAUNCH = [sys.executable, "-m", "elastrun.launch"]
@@ -82,7 +82,7 @@ ARGS = textwrap.dedent(
 
 
 def env() -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
+    out = without_pet()
     out["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO)]))
     return out
 
@@ -285,6 +285,7 @@ def test_local_rank_macro_cold_and_from_warm_spares(tmp_path: Path) -> None:
             *ELASTRUN,
             "--standalone",
             "--nproc-per-node=2",
+            "--prewarm",
             "--max-restarts=1",
             f"--events-file={events}",
             "m.py",

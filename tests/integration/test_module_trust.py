@@ -34,7 +34,7 @@ from elastrun.names import RunId
 from elastrun.rendezvous.keys import Keys
 from elastrun.store.client import TcpStore
 from tests.conftest import PYTHON
-from tests.helpers import free_port, stop_groups, wait_for
+from tests.helpers import WARM_ENV, free_port, stop_groups, wait_for
 from tests.integration.test_cli import ELASTRUN, RUN_TIMEOUT, elastrun, env_without_pet
 
 # Each run of the script leaves one line (before anything can fail), then
@@ -126,6 +126,7 @@ def test_a_modules_note_from_the_store_never_runs_the_script_again(tmp_path, sto
     conf = "is_host=0" + (f",token_file={tmp_path / 'token'}" if token else "")
     env = {
         **env_without_pet(),
+        **WARM_ENV,
         **site_env,
         "RUNS": str(runs),
         "ELASTRUN_CACHE_DIR": str(cache_dir),
@@ -211,7 +212,7 @@ def test_a_hostile_cache_file_never_stops_a_launch(tmp_path, kind):
         path.write_text("[" * 100_000)
     else:
         path.write_bytes(b" " * (MAX_FILE_BYTES + 1))
-    env = {**env_without_pet(), "RUNS": str(tmp_path / "runs.txt")}
+    env = {**env_without_pet(), **WARM_ENV, "RUNS": str(tmp_path / "runs.txt")}
     env["ELASTRUN_CACHE_DIR"] = str(cache_dir)
     proc = elastrun("--standalone", "--nproc-per-node=1", "train.py", cwd=tmp_path, env=env)
     out, err = proc.stdout, proc.stderr

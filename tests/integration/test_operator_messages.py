@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 from tests.conftest import REPO
-from tests.helpers import free_port, stop_groups
+from tests.helpers import free_port, stop_groups, without_pet
 
 ELASTRUN = [sys.executable, "-m", "elastrun"]
 TIMEOUT = 180
@@ -41,7 +41,7 @@ RAISES_IN_GROUP = textwrap.dedent(
 
 
 def env(**extra: str) -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
+    out = without_pet()
     out.pop("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", None)
     out["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO)]))
     out.update(extra)

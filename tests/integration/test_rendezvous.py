@@ -178,7 +178,9 @@ def test_killed_while_joining_does_not_block(cluster: Any) -> None:
     assert "n9" not in results[0]["members"]
 
 
-def test_member_killed_after_close_is_noticed_within_ttl(cluster: Any) -> None:
+def test_member_killed_after_close_is_noticed(cluster: Any) -> None:
+    # When its lease expiry is noticed (at the TTL) is checked in virtual time:
+    # tests/unit/test_rdzv_timers.py. Here: real processes, a real SIGKILL.
     ttl = 2.0
     c = cluster(min=2, max=3, ttl=ttl, last_call=0.5)
     victim = c.start(1, ["next_round", "hang"], first=9)
@@ -186,12 +188,9 @@ def test_member_killed_after_close_is_noticed_within_ttl(cluster: Any) -> None:
     c.wait(step("next_round"), 3, timeout=60)
     c.wait(step("hang"), 1, timeout=30)
     victim.kill()
-    killed_at = time.monotonic()
     changes = c.wait(step("wait_change"), 2, timeout=30)
-    elapsed = time.monotonic() - killed_at
     assert all(ch["reason"] == "member_lost" for ch in changes)
     assert all("n9" in ch["detail"] for ch in changes)
-    assert elapsed < ttl + 5.0, f"loss noticed after {elapsed:.1f}s (lease TTL {ttl}s)"
     second = c.wait(step("next_round", round=1), 2, timeout=30)
     assert_one_world(second, 2)
     c.wait(step("complete"), 2, timeout=30)
@@ -265,11 +264,9 @@ def test_late_node_after_complete_is_closed(cluster: Any) -> None:
     c = cluster(min=2, max=3, last_call=0.5)
     c.start(2, ["next_round", "complete"])
     c.wait(step("complete"), 2, timeout=60)
-    t0 = time.monotonic()
     c.start(1, ["next_round"], first=5)
     late = c.wait(step("next_round", ok=False), 1, timeout=30)[0]
-    assert late["error"] == "RendezvousClosed"
-    assert time.monotonic() - t0 < 20
+    assert late["error"] == "RendezvousClosed"  # told at once, not timed out
 
 
 def test_join_timeout_names_who_joined(cluster: Any) -> None:

@@ -1,6 +1,9 @@
 """The exit barrier with real processes and a real embedded TCP store: it
 waits for every member, then finishes the job; it survives its watcher (group
 rank 0) being killed mid-barrier; a member killed during it ends it at once.
+The barrier's timeout is an hour: a barrier that ends while a test waits was
+ended by its members, never by the timeout. When it ends (at once, to the
+virtual millisecond) is checked in tests/unit/test_rdzv_barrier.py.
 Fixtures and helpers: tests/integration/test_rendezvous.py."""
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from tests.integration.test_rendezvous import assert_one_world, step
 store = base.store  # the fixtures
 cluster = base.cluster
 
-BARRIER = 30.0  # rdzv_node's exit_barrier_timeout: every test returns well before it
+BARRIER = 3600.0  # rdzv_node's exit_barrier_timeout: far beyond every wait here
 
 
 def done_keys(c: Any) -> set[str]:
@@ -55,9 +58,16 @@ def test_the_barrier_waits_for_every_member_then_finishes(cluster: Any) -> None:
     for i, pause in enumerate([0.0, 0.5, 1.0, 2.5]):
         c.start(1, ["next_round", f"sleep:{pause}", "complete"], first=i)
     assert_one_world(c.wait(step("next_round"), 4, timeout=60), 4)
-    done = {d["node"]: d["t"] for d in c.wait(step("complete"), 4, timeout=30)}
-    # The first to finish waited for the last (2.5 s later), not for the timeout.
-    assert done["n0"] > 1.5 and max(done.values()) < 10
+    wait_at_barrier(c, {"n0", "n1", "n2"})
+    # Nobody got past the barrier while the last member was still running:
+    # the lines are read before the done keys, so a last member not at the
+    # barrier yet means none of those lines may exist.
+    early = c.lines(step("complete"))
+    if "n3" not in done_keys(c):
+        assert not early, "the barrier ended before every member finished"
+    # Then it ends for everyone, by the last member (never by the timeout).
+    done = c.wait(step("complete"), 4, timeout=30)
+    assert {d["node"] for d in done} == {"n0", "n1", "n2", "n3"} and all(d["ok"] for d in done)
     assert_job_finished(c)
 
 
@@ -75,9 +85,8 @@ def test_the_watcher_killed_mid_barrier_does_not_stall_the_others(cluster: Any) 
     wait_at_barrier(c, {"n0", "n1"})
     assert not c.lines(step("complete")), "the barrier ended before every member finished"
     victim.kill()  # at the barrier, its done key written
-    done = c.wait(step("complete"), 2, timeout=30)
+    done = c.wait(step("complete"), 2, timeout=30)  # not the barrier's timeout: an hour
     assert {d["node"] for d in done} == {"n1", "n2"}
-    assert all(d["t"] < 15 for d in done)
     assert_job_finished(c)
 
 
@@ -91,7 +100,5 @@ def test_a_member_killed_during_the_barrier_ends_it(cluster: Any) -> None:
     wait_at_barrier(c, {"n0", "n1"})  # the others wait at the barrier
     assert not c.lines(step("complete"))
     victim.kill()  # its workers were running: no done key
-    killed_at = time.monotonic()
-    done = c.wait(step("complete"), 2, timeout=30)
-    assert time.monotonic() - killed_at < ttl + 5.0
+    done = c.wait(step("complete"), 2, timeout=30)  # ended by the loss, at the lease TTL
     assert all(d["ok"] for d in done)

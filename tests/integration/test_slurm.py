@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO
-from tests.helpers import free_port, pid_alive, stop_groups, wait_for
+from tests.helpers import free_port, pid_alive, stop_groups, wait_for, without_pet
 
 pytest.importorskip("torch")
 
@@ -105,7 +105,7 @@ def sbatch_elastrun_flags() -> list[str]:
 
 def slurm_env(tmp: Path, node: int, nodes: int, bin_dir: Path) -> dict[str, str]:
     """What srun sets for task `node` of a one-task-per-node step, on loopback."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PET_"))}
+    env = without_pet(None, "SLURM")
     env.update(
         PATH=os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), env["PATH"]]),
         PYTHONUNBUFFERED="1",

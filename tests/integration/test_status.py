@@ -288,27 +288,24 @@ def test_status_of_unknown_job_says_so(tmp_path: Path) -> None:
             "the store to listen",
         )
         endpoint = line.rsplit(" ", 1)[-1]
-        for extra in ([], ["--json"], ["--watch"]):
-            t = time.monotonic()
+        for extra in ([], ["--json"], ["--watch"]):  # each bounded: status() has a timeout
             proc = status("--rdzv-endpoint", endpoint, "--rdzv-id", "nope", *extra)
             assert proc.returncode == 1, (extra, proc.stdout, proc.stderr)
             assert f"no job 'nope' in the store at {endpoint}" in proc.stderr, proc.stderr
             assert proc.stdout == ""
-            assert time.monotonic() - t < CLI_BOUND
         assert server.poll() is None
 
 
 def test_status_of_unreachable_endpoint_is_bounded(tmp_path: Path) -> None:
     port = free_port()  # nothing listens there
-    t = time.monotonic()
+    # It gives up on its own, naming the endpoint (status() fails the test
+    # after CLI_BOUND if it did not).
     proc = status(
         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "x", "--timeout", "2", "--json"
     )
-    elapsed = time.monotonic() - t
     assert proc.returncode == 1, (proc.stdout, proc.stderr)
     assert f"127.0.0.1:{port}" in proc.stderr and "cannot reach" in proc.stderr, proc.stderr
     assert proc.stdout == ""
-    assert elapsed < CLI_BOUND
 
 
 def test_status_bad_arguments_exit_2() -> None:

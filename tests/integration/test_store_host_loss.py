@@ -4,14 +4,15 @@ Two agents on loopback: ``a`` hosts the store, ``b`` connects to it. ``a`` is
 SIGKILLed with its workers. Nothing listens on the store's port any more, so
 every reconnection of ``b`` is refused: that is not a blip, the store is gone.
 ``b`` stops its workers and exits non-zero with an error naming the store's
-address within about 10 s (it used to retry for ``read_timeout``, 60 s),
-whether its workers noticed first (gloo: the dead peer's reset fails them at
-once) or not (workers that do not talk to each other: only the store tells).
+address within about 10 s (it used to retry for ``read_timeout``, 60 s by
+default), whether its workers noticed first (gloo: the dead peer's reset
+fails them at once) or not (workers that do not talk to each other: only the
+store tells). Here ``read_timeout`` is an hour: ``b`` exiting at all within
+the test's bounded wait shows it did not wait for it.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from tests.helpers import free_port, pid_alive, wait_for
 from tests.integration.elastic_harness import BOUND, job
 from tests.integration.test_node_loss_disconnect import QUIET_WORKER
 
-REPORT_BOUND = 15.0  # the refusal window (5 s) plus stopping workers, on a loaded machine
+READ_TIMEOUT = 3600  # far beyond the test's bounded wait (BOUND)
 
 
 def flags(port: int, *, host: bool) -> list[str]:
@@ -31,13 +32,14 @@ def flags(port: int, *, host: bool) -> list[str]:
         f"--rdzv-endpoint=127.0.0.1:{port}",
         "--rdzv-id=hostloss",
         "--max-restarts=3",
-        f"--rdzv-conf=last_call_timeout=1,lease_ttl=10,join_timeout=60,is_host={int(host)}",
+        "--rdzv-conf=last_call_timeout=1,lease_ttl=10,join_timeout=60,"
+        f"read_timeout={READ_TIMEOUT},is_host={int(host)}",
         "--shutdown-timeout=5",
     ]
 
 
 @pytest.mark.parametrize("workers", ["gloo", "quiet"])
-def test_the_other_node_reports_a_killed_store_host_within_seconds(
+def test_the_other_node_reports_a_killed_store_host_before_its_read_timeout(
     tmp_path: Path, workers: str
 ) -> None:
     port = free_port()
@@ -51,15 +53,10 @@ def test_the_other_node_reports_a_killed_store_host_within_seconds(
         b = j.start_agent("b", flags(port, host=False), script=script)
         wait_for(lambda: sum(s["world"] == 2 for s in j.steps()) >= 4, BOUND, "training at world 2")
         b_pids = {s["pid"] for s in j.steps() if s["world"] == 2 and s["group_rank"] == 1}
-        t = time.monotonic()
         a.kill_group()
-        code = b.wait(BOUND)
-        took = time.monotonic() - t
+        code = b.wait(BOUND)  # bounded, and BOUND < READ_TIMEOUT
         out = b.output()
-        print(f"store host killed ({workers} workers): the other agent exited {code} "
-              f"after {took:.1f} s")  # fmt: skip
         assert code != 0, out[-3000:]
-        assert took < REPORT_BOUND, f"took {took:.1f} s:\n{out[-3000:]}"
         assert f"127.0.0.1:{port}" in out, f"the error does not name the store:\n{out[-3000:]}"
         assert "connection refused" in out, out[-3000:]
         own = [line for line in out.splitlines() if not line.startswith("[")]  # not workers'

@@ -35,7 +35,7 @@ from elastrun.errors import ConfigError
 from elastrun.launcher.devices import count_gpus, count_xpus
 from elastrun.launcher.flag_values import parse_nnodes
 from tests.conftest import REPO
-from tests.helpers import free_port, stop_groups
+from tests.helpers import free_port, stop_groups, without_pet
 from tests.integration.elastic_harness import ELASTRUN
 from tests.store.etcd_fixture import requires_etcd, start_cluster
 
@@ -48,7 +48,7 @@ RUN_TIMEOUT = 240
 def env(**extra: str) -> dict[str, str]:
     """The launcher's environment: no PET_* leftovers, the sentinel upstream
     sets in the parent (the workers must see it), our sources first."""
-    out = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
+    out = without_pet()
     out["TEST_SENTINEL_PARENT"] = "FOOBAR"
     out["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO)]))
     out.update(extra)
@@ -524,6 +524,10 @@ def etcd_config(endpoint: str, min_nodes: int, max_nodes: int, nproc: int, **kw:
 
 
 RUN_IDS = [pytest.param("", id="upstream_empty_run_id"), "conformance"]
+# One node of min 1, max 2 starts once the last call ends (upstream: its
+# default, 30 s, waited out). A second here: when the last call ends is the
+# rendezvous' timer, checked in virtual time (tests/unit/test_rdzv_timers.py).
+SHORT_LAST_CALL = {"last_call_timeout": 1}
 
 
 @requires_etcd
@@ -579,9 +583,10 @@ def test_api_launch_dist_sum_with_static_rdzv(rid: str) -> None:
 @pytest.mark.etcd
 @pytest.mark.parametrize("rid", RUN_IDS)
 def test_api_launch_elastic(etcd_endpoint: str, tmp_path: Path, rid: str) -> None:
-    # min 1, max 2, one node: it starts after the last call (30 s, as torch)
+    # min 1, max 2, one node: it starts after the last call
     rid = rid and f"{rid}-{uuid.uuid4().hex[:8]}"
-    got = launch_case("script", etcd_config(etcd_endpoint, 1, 2, 4, run_id=rid), tmp_path)
+    cfg = etcd_config(etcd_endpoint, 1, 2, 4, run_id=rid, rdzv_configs=SHORT_LAST_CALL)
+    got = launch_case("script", cfg, tmp_path)
     assert got.get("result") == 0, got
     assert ranks_touched(tmp_path) == {"0", "1", "2", "3"}
 
@@ -593,7 +598,8 @@ def test_api_launch_elastic_worker_raise_exception(etcd_endpoint: str, rid: str)
     # upstream: elastic_launch raises ChildFailedError; launch() with a command
     # returns the agent's exit code instead (docs/cli.md), with the summary.
     rid = rid and f"{rid}-{uuid.uuid4().hex[:8]}"
-    got = launch_case("fail", etcd_config(etcd_endpoint, 1, 2, 4, run_id=rid))
+    cfg = etcd_config(etcd_endpoint, 1, 2, 4, run_id=rid, rdzv_configs=SHORT_LAST_CALL)
+    got = launch_case("fail", cfg)
     assert got.get("result") == 1, got
     assert "failing on purpose (--fail)" in got["stderr"]
 

@@ -18,7 +18,7 @@ from typing import Any
 from elastrun.agent.command import PythonScript
 from elastrun.agent.modcache import ModuleCache, ModuleList, cache_key
 from tests.conftest import PYTHON
-from tests.helpers import free_port, stop_groups, wait_for
+from tests.helpers import WARM_ENV, free_port, stop_groups, wait_for
 from tests.integration.test_cli import ELASTRUN, RUN_TIMEOUT, env_without_pet
 
 # Steps every 0.1 s at whatever world size the round has, logging each step;
@@ -76,7 +76,7 @@ def _join(
         "--rdzv-id=warm-join",
         "--max-restarts=0",
     ]
-    base = {**env_without_pet(), "STEPS": str(steps)}
+    base = {**env_without_pet(), **WARM_ENV, "STEPS": str(steps)}
     env_a = {**base, "NODE": "a", "ELASTRUN_CACHE_DIR": str(tmp_path / "cache-a")}
     env_b = {**base, "NODE": "b", "ELASTRUN_CACHE_DIR": str(tmp_path / "cache-b")}
     # A store with a token: only then does a node use the job's module note.
@@ -141,7 +141,6 @@ def _join(
         "warm_join": [e for e in evs if e["kind"] == "warm_join"],
         "started": [e for e in evs if e["kind"] == "workers_started"],
         "last_world1_a": max(s["t"] for s in lines if s["world"] == 1 and s["node"] == "a"),
-        "first_world2": min(s["t"] for s in lines if s["world"] == 2),
         "stderr_b": b_err,
     }
 
@@ -169,11 +168,16 @@ def test_a_node_new_to_the_job_learns_what_to_import_from_the_job(tmp_path):
 def test_a_joining_node_whose_warm_interpreter_is_slow_joins_after_the_bound(tmp_path):
     got = _join(tmp_path, slow_s=120, warm_join_timeout=2)
     (wj,) = got["warm_join"]
-    assert wj["ready"] is False and 1.5 <= wj["waited_s"] < 15
+    assert wj["ready"] is False and wj["waited_s"] >= 1.5  # it waited (its own measure)
     assert "not ready after 2s; joining anyway" in got["stderr_b"]
-    # It joined without waiting for the slow import, its worker started cold.
-    assert got["first_world2"] - got["t_b"] < 60
+    # It joined without waiting for the slow import: its worker started cold,
+    # while its warm interpreter was still importing (neither ready nor
+    # discarded before the start).
     assert got["started"][0]["warm"] == [False]
+    kinds = [e["kind"] for e in got["events_b"]]
+    before = kinds[: kinds.index("workers_started")]
+    assert "spare_started" in before
+    assert "spare_ready" not in before and "spare_discarded" not in before
 
 
 RECORDER = textwrap.dedent(
@@ -198,6 +202,7 @@ def test_the_module_list_survives_the_run_and_the_next_first_start_is_warm(tmp_p
     (tmp_path / "rec.py").write_text(RECORDER)
     env = {
         **env_without_pet(),
+        **WARM_ENV,
         "OUT": str(tmp_path),
         "ELASTRUN_CACHE_DIR": str(tmp_path / "cache"),
     }

@@ -72,6 +72,7 @@ def test_warm_workers_get_the_launcher_s_stdin_and_the_zygote_keeps_none(
             *ELASTRUN,
             "--standalone",
             "--nproc-per-node=2",
+            "--prewarm",
             "--max-restarts=1",  # the warm interpreter is kept for a restart
             f"--events-file={events}",
             str(SCRIPTS / "stdin_worker.py"),

@@ -143,10 +143,10 @@ def test_lease_expiry_deletes_keys_and_notifies_watchers(make_store: StoreHarnes
         await owner.put(p + "l/b", b"2", lease)
         await owner.put(p + "l/keep", b"3")
         watch = await observer.watch(p + "l/", prefix=True)
-        start = time.monotonic()
-        got = await events(watch, 2, timeout=8.0)
+        # The deletes arrive (a bounded wait, not a speed claim: when they are
+        # due is tested in virtual time, tests/unit/test_store_timers.py).
+        got = await events(watch, 2, timeout=30.0)
         assert sorted(got) == [("delete", p + "l/a", b""), ("delete", p + "l/b", b"")]
-        assert time.monotonic() - start < 6.0
         assert [kv.key for kv in (await observer.get_prefix(p + "l/"))[0]] == [p + "l/keep"]
         with pytest.raises(LeaseNotFound):
             await owner.lease_keepalive(lease)
@@ -267,10 +267,10 @@ def test_waiting_on_a_watch_is_bounded_and_cancel_safe(make_store: StoreHarness)
     async def body(new: ClientFactory) -> None:
         s: Store = await new()
         watch = await s.watch(p + "quiet")
-        start = time.monotonic()
+        # The wait ends with TimeoutError (a wait that hung would end the
+        # body's own bound instead, failing the test).
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(watch.__anext__(), 0.3)
-        assert time.monotonic() - start < 3.0
         # the cancelled wait lost nothing: the next event still arrives
         await s.put(p + "quiet", b"now")
         assert await events(watch, 1) == [("put", p + "quiet", b"now")]

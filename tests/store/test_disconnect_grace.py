@@ -27,11 +27,13 @@ from elastrun.store.server import DISCONNECT_GRACE, StoreServer
 from tests.conftest import PYTHON, REPO
 from tests.store.conftest import ServerProcess, read_line, stop_process
 
-LONG_TTL = 60.0
-VANISH_BOUND = 15.0  # "well before the TTL", with room for a loaded machine
+# An hour (the longest TTL a lease may have): keys that vanish while a test
+# runs vanished by the grace, never by their TTL, however slow the machine.
+LONG_TTL = 3600.0
+VANISH_BOUND = 45.0  # a bounded wait, far below LONG_TTL
 
 
-def run(body: Callable[[], Awaitable[None]], timeout: float = 60.0) -> None:
+def run(body: Callable[[], Awaitable[None]], timeout: float = 120.0) -> None:
     async def main() -> None:
         async with asyncio.timeout(timeout):
             await body()
@@ -189,15 +191,14 @@ def test_closed_connection_without_reconnect_loses_its_keys_within_the_grace() -
             lease = await raw.lease_grant(LONG_TTL)
             await raw.put("/grace/raw", b"", lease)
             await raw.close()  # closing does not revoke: the grace does it
-            took = await vanished(watcher, "/grace/raw", VANISH_BOUND)
-            assert took < VANISH_BOUND
+            await vanished(watcher, "/grace/raw", VANISH_BOUND)
 
     run(body)
 
 
 def test_dropped_connection_reconnects_and_keeps_its_lease() -> None:
     """The server drops the connection of a live client in another process (it
-    renews only every TTL/4 = 15 s): the client reconnects and renews at once,
+    renews only every TTL/4 = 15 minutes): the client reconnects and renews at once,
     so its keys outlive the grace."""
 
     async def body() -> None:
@@ -235,8 +236,7 @@ def test_dropped_connection_reconnects_and_keeps_its_lease() -> None:
                     os.killpg(proc.pid, signal.SIGKILL)
                 await proc.wait()
             # and once it is gone for good, its keys follow within the grace
-            took = await vanished(observer, prefix + "a", VANISH_BOUND)
-            assert took < VANISH_BOUND
+            await vanished(observer, prefix + "a", VANISH_BOUND)
 
     run(body)
 

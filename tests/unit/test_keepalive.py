@@ -161,8 +161,9 @@ def test_stop_is_bounded_when_the_store_is_gone() -> None:
         keeper, _ = keeper_with_future(h)
         await keeper.start()
         await h.kill()
-        t0 = h.clock.monotonic()
-        await keeper.stop(revoke=True, timeout=0.2)
-        assert h.clock.monotonic() - t0 < 1.0
+        # It returns although nothing answers (a bounded wait: a stop that
+        # hung on the dead connection would end it with TimeoutError).
+        await asyncio.wait_for(keeper.stop(revoke=True, timeout=0.2), 20.0)
+        assert not keeper.alive
 
     run("tcp", body)

@@ -45,10 +45,12 @@ def refused(*flags: str) -> str:
 
 
 # ------------------------------------------------------------------ job ids
+# (Fixed, not drawn: parallel test workers must collect the same test ids.)
+_UUID = uuid.UUID("f47ac10b-58cc-4372-a567-0e02b2c3d479")  # a version 4 UUID
 GOOD_IDS = [
     "none",  # torchrun's default
-    str(uuid.uuid4()),
-    str(uuid.uuid4().int),  # torch's generated ids
+    str(_UUID),
+    str(_UUID.int),  # torch's generated ids
     "123456",  # a SLURM job id
     "trainer-7.v2_a",  # a Kubernetes name
     "a" * RUN_ID_MAX_LEN,

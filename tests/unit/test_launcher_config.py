@@ -190,6 +190,18 @@ def test_pet_boolean_flags(monkeypatch):
         parse(["json.tool"])
 
 
+def test_pet_prewarm_sets_the_default_and_the_command_line_wins(script, monkeypatch):
+    assert run_parse("--standalone")[0].config.prewarm is True  # unset: on
+    monkeypatch.setenv("PET_PREWARM", "0")
+    assert run_parse("--standalone")[0].config.prewarm is False
+    assert run_parse("--standalone", "--prewarm")[0].config.prewarm is True
+    monkeypatch.setenv("PET_PREWARM", "1")
+    assert run_parse("--standalone", "--no-prewarm")[0].config.prewarm is False
+    monkeypatch.setenv("PET_PREWARM", "off")
+    with pytest.raises(ConfigError, match="PET_PREWARM: expected 0 or 1"):
+        run_parse("--standalone")
+
+
 def test_torch_shutdown_timeout_env(script, monkeypatch):
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "4")
     assert run_parse()[0].workers.shutdown_timeout == 4

@@ -104,6 +104,34 @@ def test_a_stuck_rank_with_a_readable_record_is_declared_hung(tmp_path: Path) ->
     assert len(seen.hangs) == 1 and seen.hangs[0].last_step == 4 and not seen.unknown
 
 
+def test_a_hang_is_declared_exactly_the_timeout_after_the_last_progress(tmp_path: Path) -> None:
+    """The timer (what tests/integration/test_watchdog.py checks end to end
+    without a clock): never before the timeout, and not later either."""
+    hb, seen = tmp_path / "hb.json", Seen()
+    declared: list[float] = []
+
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        assert isinstance(loop, VirtualTimeLoop)
+        t0 = loop.time()
+
+        def on_hang(hang: Hang) -> None:
+            seen.hangs.append(hang)
+            declared.append(loop.time())
+
+        dog = HangWatchdog(TIMEOUT, on_hang, loop.clock)
+        dog.watch(0, str(hb))
+        await healthy(hb, 5)  # a record every second, the last one at t0 + 4
+        await asyncio.sleep(3 * TIMEOUT)
+        dog.close()
+        return t0
+
+    t0 = run_virtual(main())
+    assert declared == [t0 + 4 + TIMEOUT]
+    (hang,) = seen.hangs
+    assert (hang.last_step, hang.idle, hang.timeout) == (4, TIMEOUT, TIMEOUT)
+
+
 def test_relayed_progress_keeps_a_rank_whose_file_is_gone_alive(tmp_path: Path) -> None:
     hb, seen = tmp_path / "hb.json", Seen()
 

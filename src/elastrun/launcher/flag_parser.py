@@ -20,6 +20,7 @@ from elastrun.errors import ConfigError
 __all__ = [
     "EnvDefault",
     "EnvFlag",
+    "EnvSwitch",
     "LogsSpecs",
     "Parser",
     "Unsupported",
@@ -108,15 +109,22 @@ class EnvDefault(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def _env_bool(dest: str, default: bool) -> bool:
+    """``PET_<DEST>`` as 0 or 1 (unset or empty: ``default``)."""
+    env = os.environ.get(_env_name(dest), "").strip()
+    if not env:
+        return default
+    try:
+        return bool(int(env))
+    except ValueError:
+        raise ConfigError(f"{_env_name(dest)}: expected 0 or 1, got {env!r}") from None
+
+
 class EnvFlag(argparse.Action):
     """A boolean flag that ``PET_<DEST>=1`` turns on (torchrun's ``check_env``)."""
 
     def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
-        env = os.environ.get(_env_name(dest), "0").strip() or "0"
-        try:
-            default = bool(int(env))
-        except ValueError:
-            raise ConfigError(f"{_env_name(dest)}: expected 0 or 1, got {env!r}") from None
+        default = _env_bool(dest, False)
         kwargs.pop("default", None)
         super().__init__(option_strings, dest, nargs=0, const=True, default=default, **kwargs)
 
@@ -128,6 +136,15 @@ class EnvFlag(argparse.Action):
         option_string: str | None = None,
     ) -> None:
         setattr(namespace, self.dest, True)
+
+
+class EnvSwitch(argparse.BooleanOptionalAction):
+    """A ``--flag`` / ``--no-flag`` pair whose default ``PET_<DEST>`` (0 or 1)
+    sets; the command line wins."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        kwargs["default"] = _env_bool(dest, bool(kwargs.get("default")))
+        super().__init__(option_strings, dest, **kwargs)
 
 
 class LogsSpecs(argparse.Action):

@@ -28,6 +28,7 @@ from elastrun.launcher.config import DEFAULT_SIGNALS, LaunchConfig, parse_choice
 from elastrun.launcher.flag_parser import (
     EnvDefault,
     EnvFlag,
+    EnvSwitch,
     LogsSpecs,
     Parser,
     Unsupported,
@@ -354,11 +355,11 @@ def build_parser(*, legacy: bool = False) -> argparse.ArgumentParser:
     )
     f.add_argument(
         "--prewarm",
-        action=argparse.BooleanOptionalAction,
+        action=EnvSwitch,
         default=True,
         help="fork workers from a warm interpreter that imported torch and what the script "
         "imported when it last ran, so starts and restarts skip Python start and those "
-        "imports (default: on)",
+        "imports (default: on; PET_PREWARM=0 turns it off)",
     )
     f.add_argument(
         *both("--prewarm-modules"),
