@@ -58,7 +58,7 @@ class Settings:
     loss_stall_tuned: float = 30.0  # stuck after a node loss, tuned settings
     partition_timeout: float = 30.0  # link cut -> survivors at world 2
     exit_timeout: float = 60.0
-    spare_timeout: float = 30.0  # memory: wait for warm spares to finish preloading
+    warm_timeout: float = 30.0  # memory: wait for warm interpreters to finish preloading
 
     def worker_env(self) -> dict[str, str]:
         """Environment for the workers of every run. Scenarios that stop the
@@ -76,7 +76,7 @@ class Settings:
             f"or a join, {self.loss_stall_default:.0f}s (default) / "
             f"{self.loss_stall_tuned:.0f}s (tuned) after a node loss; "
             f"partition -> resumed {self.partition_timeout:.0f}s; exit {self.exit_timeout:.0f}s; "
-            f"warm spares preloaded {self.spare_timeout:.0f}s; "
+            f"warm interpreters preloaded {self.warm_timeout:.0f}s; "
             f"{self.warm_steps} steps before a join or a node loss, {self.crash_steps} before "
             f"a worker kill, a step every {self.step_interval}s"
         )

@@ -30,8 +30,8 @@ from bench.paths import REPO, WORKER, BenchFailure
 POLL_S = 0.02
 # elastrun's warm interpreter (the zygote workers are forked from) runs
 # this script; their command line also names the worker script.
-SPARE_MARK = "elastrun/worker/_runner.py"
-SPARE_SETTLED_S = 1.0  # a spare whose peak RSS has not grown for this long is done
+WARM_MARK = "elastrun/worker/_runner.py"
+WARM_SETTLED_S = 1.0  # a warm interpreter whose peak RSS has not grown for this long is done
 
 Event = dict[str, Any]
 
@@ -207,8 +207,8 @@ class Run:
             **worker_env,
         }
         self.mem_pids: dict[int, int] = {}  # agent + helpers: pid -> highest VmHWM (KiB)
-        self.spare_pids: dict[int, int] = {}  # warm spares: pid -> highest VmHWM (KiB)
-        self._spare_grew: dict[int, float] = {}  # pid -> when its VmHWM last grew
+        self.warm_pids: dict[int, int] = {}  # warm interpreters: pid -> highest VmHWM (KiB)
+        self._warm_grew: dict[int, float] = {}  # pid -> when its VmHWM last grew
         self.mem_root: Agent | None = None
         self._mem_next = 0.0
 
@@ -332,42 +332,42 @@ class Run:
 
     def _sample_memory(self) -> None:
         """Peak RSS of the tracked agent and its non-worker descendants;
-        warm spares (the agent's children with ``SPARE_MARK`` in the command
-        line, not yet a worker) are kept apart in ``spare_pids``."""
+        warm interpreters (the agent's children with ``WARM_MARK`` in the command
+        line, not yet a worker) are kept apart in ``warm_pids``."""
         agent = self.mem_root
         if agent is None or agent.t_exit is not None or time.monotonic() < self._mem_next:
             return
         now = time.monotonic()
         self._mem_next = now + 0.1
         workers = {int(e["pid"]) for e in self.log.events if e.get("ev") == "start"}
-        for pid in workers & self.spare_pids.keys():  # a spare that became a worker
-            del self.spare_pids[pid]
-            self._spare_grew.pop(pid, None)
+        for pid in workers & self.warm_pids.keys():  # a warm interpreter that became a worker
+            del self.warm_pids[pid]
+            self._warm_grew.pop(pid, None)
         table = _proc_table()
         for pid in [agent.pid, *descendants(agent.pid, table)]:
             if pid in workers:
                 continue
             cmdline = _cmdline(pid) if pid != agent.pid else ""
-            if SPARE_MARK in cmdline:
+            if WARM_MARK in cmdline:
                 if table.get(pid, (0, 0))[0] != agent.pid:
-                    continue  # a worker's child, or a zygote's short-lived fork: not a spare
+                    continue  # a worker's child, or a zygote's short-lived fork
                 hwm = read_status_kib(pid, "VmHWM")
-                if hwm is not None and hwm > self.spare_pids.get(pid, -1):
-                    self.spare_pids[pid] = hwm
-                    self._spare_grew[pid] = now
+                if hwm is not None and hwm > self.warm_pids.get(pid, -1):
+                    self.warm_pids[pid] = hwm
+                    self._warm_grew[pid] = now
             elif str(WORKER) not in cmdline:
                 hwm = read_status_kib(pid, "VmHWM")
                 if hwm is not None:
                     self.mem_pids[pid] = max(hwm, self.mem_pids.get(pid, 0))
 
-    def spares_settled(self) -> bool:
-        """True when every live spare seen has torch loaded and its peak RSS
-        has stopped growing (vacuously true without spares)."""
+    def warm_settled(self) -> bool:
+        """True when every live warm interpreter seen has torch loaded and its peak RSS
+        has stopped growing (vacuously true without any)."""
         now = time.monotonic()
-        for pid in self.spare_pids:
+        for pid in self.warm_pids:
             if not Path(f"/proc/{pid}").exists():
                 continue  # gone (discarded or reaped): its peak is final
-            if now - self._spare_grew.get(pid, now) < SPARE_SETTLED_S:
+            if now - self._warm_grew.get(pid, now) < WARM_SETTLED_S:
                 return False
             if not _maps_have(pid, b"libtorch"):
                 return False

@@ -16,7 +16,7 @@ from bench.configs import LauncherConfig, counterpart
 
 # Metrics a successful run may leave out (nothing to measure there): such a
 # run is not counted for them rather than counted as failed.
-OPTIONAL_METRICS = frozenset({"spare_rss"})
+OPTIONAL_METRICS = frozenset({"warm_rss"})
 
 
 @dataclass

@@ -165,8 +165,8 @@ MEMORY_STEPS = 10
 
 def memory(nproc: int) -> Callable[[Context], None]:
     """Peak RSS of the launcher and its helpers while it trains an elastic
-    job (restarts allowed, so a launcher that keeps warm spares has them);
-    spares are reported apart, once they have finished preloading."""
+    job (restarts allowed, so a launcher that keeps warm interpreters has them);
+    warm interpreters are reported apart, once they have finished preloading."""
 
     def fn(ctx: Context) -> None:
         run, cfg, s = ctx.run, ctx.cfg, ctx.settings
@@ -181,23 +181,23 @@ def memory(nproc: int) -> Callable[[Context], None]:
         )
         try:
             run.wait(
-                "warm spares preloaded",
-                lambda _log: run.spares_settled(),
-                s.spare_timeout,
+                "warm interpreters preloaded",
+                lambda _log: run.warm_settled(),
+                s.warm_timeout,
                 alive=[agent],
             )
         except BenchFailure as exc:
             if agent.t_exit is not None:
                 raise
-            ctx.notes.append(f"spare_rss is what the spares had reached: {exc}")
+            ctx.notes.append(f"warm_rss is what the warm interpreters had reached: {exc}")
         own = run.mem_pids.get(agent.pid)
         if not own:
             raise BenchFailure("could not read the launcher's VmHWM")
         ctx.out["agent_rss"] = own / 1024
         ctx.out["agent_tree_rss"] = sum(run.mem_pids.values()) / 1024
-        ctx.out["spare_rss"] = sum(run.spare_pids.values()) / 1024
+        ctx.out["warm_rss"] = sum(run.warm_pids.values()) / 1024
         ctx.info["agent_helper_pids"] = len(run.mem_pids) - 1
-        ctx.info["spare_pids"] = len(run.spare_pids)
+        ctx.info["warm_pids"] = len(run.warm_pids)
         run.stop()
         run.wait_exit([agent], s.exit_timeout)
 
@@ -261,9 +261,9 @@ _MEM = (
     ("agent_rss", "MiB", "peak RSS (VmHWM) of the launcher process"),
     ("agent_tree_rss", "MiB", "launcher + its non-worker helper processes, peak RSS summed"),
     (
-        "spare_rss",
+        "warm_rss",
         "MiB",
-        "warm spare workers (idle interpreters with torch imported), peak RSS summed; 0: none",
+        "warm interpreters (idle, with torch imported), peak RSS summed; 0: none",
     ),
 )
 
@@ -388,7 +388,7 @@ def catalogue(quick: bool) -> list[Scenario]:
             _MEM,
             memory(2),
             worker_env=UNTIL_STOPPED,
-            est_s=_est(5.5, 6.0, 5.6, 5.7),  # elastrun: + its warm spares preloading
+            est_s=_est(5.5, 6.0, 5.6, 5.7),  # elastrun: + its warm interpreters preloading
         )
     )
     return out

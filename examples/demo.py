@@ -169,7 +169,7 @@ def story(events: list[dict[str, Any]], output: str, code: int) -> tuple[list[st
 
     def pids(e: dict[str, Any]) -> str:
         flags = e.get("warm") or []
-        warm = " (warm spares: Python and torch already loaded)" if flags and all(flags) else ""
+        warm = " (warm: Python and torch already loaded)" if flags and all(flags) else ""
         return f"ranks {e['ranks']} as pids {e['pids']}{warm}"
 
     if started:

@@ -13,9 +13,9 @@ connecting to it gets an answer until such a server listens.
 
 Environment. :func:`without_pet` drops the torchrun ``PET_*`` defaults a
 user's shell may hold from the environment of the agents a test starts, but
-keeps the suite's knobs (:data:`SUITE_KNOBS`): ``PET_PREWARM=0 make test``
+keeps the suite's knobs (:data:`SUITE_KNOBS`): ``PET_WARM=0 make test``
 runs every agent without a warm interpreter, except in the tests of warm
-starts, which ask for one (``--prewarm`` or :data:`WARM_ENV`). By default the
+starts, which ask for one (``--warm`` or :data:`WARM_ENV`). By default the
 agents run as elastrun does, warm, which is also faster: on 2 cores (4 test
 processes) the suite took 384 s and 644 s of CPU warm, 433 s and 745 s cold.
 An agent's warm interpreter imports torch once for all its workers, and most
@@ -59,9 +59,9 @@ MAX_HELD = 4096  # a session that asks for more has a leak
 
 
 # Environment settings for all the agents of a test session (see the module docstring).
-SUITE_KNOBS = ("PET_PREWARM",)
+SUITE_KNOBS = ("PET_WARM",)
 # For the agents of tests about warm starts (a flag on the command line still wins).
-WARM_ENV = {"PET_PREWARM": "1"}
+WARM_ENV = {"PET_WARM": "1"}
 
 
 def without_pet(env: Mapping[str, str] | None = None, *drop: str) -> dict[str, str]:

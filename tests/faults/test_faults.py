@@ -165,8 +165,8 @@ def descendants(pid: int) -> set[int]:
 
 def workers_of(agent: Agent) -> set[int]:
     """The agent's live worker processes (not its other helpers: its orphan
-    guard, or a warm spare still waiting, whose stdin is the agent's socket;
-    a spare that became a worker has /dev/null there, as every worker)."""
+    guard, or a warm interpreter still waiting, whose stdin is the agent's socket;
+    a warm interpreter that became a worker has /dev/null there, as every worker)."""
     out = set()
     for pid in descendants(agent.proc.pid):
         with contextlib.suppress(OSError):

@@ -123,7 +123,7 @@ def _run(tmp_path: Path, rec: Recorder) -> tuple[int, ListSink, dict[int, dict[s
         run_id=RunId("hooks"),
         host="testhost",
         shutdown_timeout=5.0,
-        prewarm=True,  # asked for, but no warm-start feature is given
+        warm=True,  # asked for, but no warm-start feature is given
         env={"OUT": str(out), "GO_FILE": str(rec.go), "ELASTRUN_MODULES_AFTER": "0.1"},
     )
     sink = ListSink()
@@ -153,7 +153,7 @@ def test_the_hooks_run_in_order_with_typed_messages(tmp_path: Path) -> None:
     assert not any(k.startswith(("ELASTRUN_HEARTBEAT", "ELASTRUN_STACK")) for k in envs[0])
     started = [e for e in sink.events if e["kind"] == "workers_started"]
     assert started[0]["warm"] == [False, False]
-    assert not [e for e in sink.events if e["kind"].startswith("spare_")]
+    assert not [e for e in sink.events if e["kind"].startswith("warm_")]
 
 
 def test_a_rank_a_feature_declares_failed_is_the_root_cause(tmp_path: Path, capfd: Any) -> None:

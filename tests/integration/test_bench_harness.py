@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from bench.configs import DEFAULT_CONFIGS
-from bench.harness import SPARE_MARK, EventLog, Run, all_ranks_time
+from bench.harness import WARM_MARK, EventLog, Run, all_ranks_time
 from bench.paths import WORKER, BenchFailure
 from bench.report import RunResult, markdown, summarize, wall_time
 from bench.scenarios import GROUPS, catalogue, estimate, select
@@ -121,14 +121,14 @@ def test_wait_reports_a_run_without_worker_events_as_stuck(tmp_path: Path) -> No
     run.cleanup()
 
 
-def test_memory_keeps_warm_spares_apart(tmp_path: Path) -> None:
-    """A spare (its command line names elastrun's _runner.py and the worker
-    script) is summed into spare_rss, a helper into the agent tree, a worker
+def test_memory_keeps_warm_interpreters_apart(tmp_path: Path) -> None:
+    """A warm interpreter (its command line names elastrun's _runner.py and the worker
+    script) is summed into warm_rss, a helper into the agent tree, a worker
     in neither."""
     sleeper = "import time; time.sleep(60)"
     script = (
         "import subprocess, sys, time\n"
-        f"spare = [sys.executable, '-c', {sleeper!r}, '/x/{SPARE_MARK}', {str(WORKER)!r}]\n"
+        f"spare = [sys.executable, '-c', {sleeper!r}, '/x/{WARM_MARK}', {str(WORKER)!r}]\n"
         f"helper = [sys.executable, '-c', {sleeper!r}, 'helper']\n"
         "procs = [subprocess.Popen(spare), subprocess.Popen(helper)]\n"
         "print(' '.join(str(p.pid) for p in procs), flush=True)\n"
@@ -143,11 +143,11 @@ def test_memory_keeps_warm_spares_apart(tmp_path: Path) -> None:
             time.sleep(0.05)
         spare, helper = (int(p) for p in agent.log_tail(1).split())
         run.wait("both children sampled", lambda _log: helper in run.mem_pids, 20.0)
-        run.wait("the spare sampled", lambda _log: spare in run.spare_pids, 20.0)
+        run.wait("the spare sampled", lambda _log: spare in run.warm_pids, 20.0)
         assert agent.pid in run.mem_pids
         assert spare not in run.mem_pids
-        assert run.spare_pids[spare] > 0
-        assert not run.spares_settled()  # no torch mapped: still preloading
+        assert run.warm_pids[spare] > 0
+        assert not run.warm_settled()  # no torch mapped: still preloading
     finally:
         run.cleanup()
 

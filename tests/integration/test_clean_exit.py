@@ -242,7 +242,7 @@ def test_a_ddp_script_ending_with_destroy_never_hangs_warm(tmp_path: Path) -> No
         "BENCH_TARGET_STEP": "10",
         "BENCH_STEP_INTERVAL": "0.02",
     }
-    cmd = [PYTHON, "-m", "elastrun", "--standalone", "--nproc-per-node=2", "--prewarm"]
+    cmd = [PYTHON, "-m", "elastrun", "--standalone", "--nproc-per-node=2", "--warm"]
     cmd.append(str(BENCH_WORKER))
 
     def finished(_out: str) -> bool:

@@ -110,7 +110,7 @@ def run_agent(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=127.0.0.1:0",
         f"--rdzv-id={RUN_ID}",
-        "--no-prewarm",
+        "--no-warm",
         *args,
     ]
     proc = subprocess.Popen(

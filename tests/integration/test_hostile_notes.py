@@ -222,7 +222,7 @@ def test_status_shows_no_fake_hang_straggler_or_escape_and_reads_10_mb_of_notes(
         f"--rdzv-endpoint=127.0.0.1:{port}",
         f"--rdzv-id={run_id}",
         "--rdzv-conf=is_host=1",
-        "--no-prewarm",
+        "--no-warm",
     ]
     with agent(*flags, str(SCRIPTS / "sleeper.py"), str(tmp_path)):
 
@@ -353,7 +353,7 @@ def test_the_failure_summary_escapes_a_worker_s_error_file(tmp_path: Path) -> No
             *ELASTRUN,
             "--nproc-per-node=1",
             "--max-restarts=0",
-            "--no-prewarm",
+            "--no-warm",
             str(SCRIPTS / "escape_error.py"),
         ],
         cwd=tmp_path,

@@ -43,7 +43,7 @@ class Backend:
             "--rdzv-conf=last_call_timeout=0.5,lease_ttl=2,join_timeout=60"
             + (",is_host=0" if self.name == "c10d" else ""),
             "--shutdown-timeout=5",
-            "--no-prewarm",
+            "--no-warm",
             *extra,
         ]
 

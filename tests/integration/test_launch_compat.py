@@ -6,7 +6,7 @@ or ``--local-rank=N`` for a script that declares only that spelling) unless
 ``--use-env``/``--use_env`` is given. ``elastrun`` itself refuses
 ``--local-rank`` (it is a script argument) instead of taking it for a prefix
 of ``--local-ranks-filter``, and never abbreviates a flag. ``${local_rank}`` in
-script arguments becomes each worker's local rank, cold or from a warm spare.
+script arguments becomes each worker's local rank, cold or from a warm interpreter.
 """
 
 from __future__ import annotations
@@ -262,15 +262,15 @@ def test_local_rank_after_the_script_is_the_scripts(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------- ${local_rank}
-def test_local_rank_macro_cold_and_from_warm_spares(tmp_path: Path) -> None:
+def test_local_rank_macro_cold_and_from_warm_interpreters(tmp_path: Path) -> None:
     """``${local_rank}`` in a script argument is each worker's local rank, for
-    cold workers and for warm spares (a restart of a script importing torch
+    cold workers and for warm interpreters (a restart of a script importing torch
     takes them). The first attempt fails on rank 1, the second succeeds."""
     (tmp_path / "m.py").write_text(
         textwrap.dedent(
             """
             import json, os, sys
-            import torch  # so that a restart takes the warm spares
+            import torch  # so that a restart takes the warm interpreters
             attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
             seen = {"argv": sys.argv[1:], "LOCAL_RANK": os.environ["LOCAL_RANK"]}
             print("ARGS " + json.dumps({**seen, "attempt": attempt}), flush=True)
@@ -285,7 +285,7 @@ def test_local_rank_macro_cold_and_from_warm_spares(tmp_path: Path) -> None:
             *ELASTRUN,
             "--standalone",
             "--nproc-per-node=2",
-            "--prewarm",
+            "--warm",
             "--max-restarts=1",
             f"--events-file={events}",
             "m.py",

@@ -95,7 +95,7 @@ class Agents:
     def start(self, name: str, flags: list[str], environ: dict[str, str]) -> subprocess.Popen[Any]:
         with open(self.tmp / f"{name}.log", "wb") as log:
             proc = subprocess.Popen(
-                [*ELASTRUN, "--no-prewarm", *flags, str(self.tmp / "w.py"), str(self.tmp / "go")],
+                [*ELASTRUN, "--no-warm", *flags, str(self.tmp / "w.py"), str(self.tmp / "go")],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=environ,
@@ -172,7 +172,7 @@ def test_without_a_token_beyond_loopback_the_agent_says_so(tmp_path: Path) -> No
         (tmp_path / "w.py").write_text("print('worker up', flush=True)\n")
         (tmp_path / "token").write_text("s3cret")
         (tmp_path / "token").chmod(0o600)
-        base = [*ELASTRUN, "--no-prewarm", "--nnodes=1", "--rdzv-backend=c10d", "--rdzv-id=x"]
+        base = [*ELASTRUN, "--no-warm", "--nnodes=1", "--rdzv-backend=c10d", "--rdzv-id=x"]
         script = str(tmp_path / "w.py")
         addr = net["a"].addr
 

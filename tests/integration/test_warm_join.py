@@ -89,7 +89,7 @@ def _join(
         # machine's cache, learns it from the job's note in the store.
         for env in (env_a, env_b):
             env.update(IMPORT_SLOW="1", ELASTRUN_MODULES_AFTER="1")
-        flags_a.append("--prewarm-modules=all")
+        flags_a.append("--warm-modules=all")
     else:
         # Node b's warm interpreter has a slow import to do before it is ready.
         _plant(tmp_path / "cache-b", tmp_path, ["torch", "slowmod"])
@@ -116,7 +116,7 @@ def _join(
             start(
                 env_b,
                 f"--rdzv-conf=is_host=0,last_call_timeout=1,token_file={token}",
-                "--prewarm-modules=all",
+                "--warm-modules=all",
                 f"--warm-join-timeout={warm_join_timeout}",
                 f"--events-file={events_b}",
             )
@@ -176,8 +176,8 @@ def test_a_joining_node_whose_warm_interpreter_is_slow_joins_after_the_bound(tmp
     assert got["started"][0]["warm"] == [False]
     kinds = [e["kind"] for e in got["events_b"]]
     before = kinds[: kinds.index("workers_started")]
-    assert "spare_started" in before
-    assert "spare_ready" not in before and "spare_discarded" not in before
+    assert "warm_started" in before
+    assert "warm_ready" not in before and "warm_discarded" not in before
 
 
 RECORDER = textwrap.dedent(

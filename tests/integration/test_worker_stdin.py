@@ -72,7 +72,7 @@ def test_warm_workers_get_the_launcher_s_stdin_and_the_zygote_keeps_none(
             *ELASTRUN,
             "--standalone",
             "--nproc-per-node=2",
-            "--prewarm",
+            "--warm",
             "--max-restarts=1",  # the warm interpreter is kept for a restart
             f"--events-file={events}",
             str(SCRIPTS / "stdin_worker.py"),
@@ -92,7 +92,7 @@ def test_warm_workers_get_the_launcher_s_stdin_and_the_zygote_keeps_none(
         evs = [json.loads(x) for x in events.read_text().splitlines()]
         (started,) = [e for e in evs if e["kind"] == "workers_started"]
         assert started["warm"] == [True, True], started
-        zygotes = [e["pid"] for e in evs if e["kind"] == "spare_started"]
+        zygotes = [e["pid"] for e in evs if e["kind"] == "warm_started"]
         pipe = os.readlink(f"/proc/{agent.pid}/fd/0")
         assert pipe.startswith("pipe:")
         for pid in zygotes:  # the zygote lives on across rounds: no copy of the pipe

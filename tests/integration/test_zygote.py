@@ -1,9 +1,9 @@
-"""The warm interpreter on its own (agent/spares.py, worker/_zygote.py): what it
+"""The warm interpreter on its own (agent/warm.py, worker/_zygote.py): what it
 imports ahead of time, what it refuses, how it is bounded, and the module
 cache that survives the run (agent/modcache.py).
 
 Real zygote processes, real forks, real files; no agent (the agent-level
-behaviour is in test_spares.py and test_warm_join.py).
+behaviour is in test_warm_starts.py and test_warm_join.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from elastrun.agent import PythonScript, WorkerSpec
 from elastrun.agent.modcache import ModuleCache, ModuleList, ModuleReport, cache_key
-from elastrun.agent.spares import SparePool
+from elastrun.agent.warm_pool import WarmPool
 from elastrun.events import ListSink
 from elastrun.names import RunId
 from elastrun.worker._messages import Go, encode_line
@@ -52,7 +52,7 @@ def _pool(
     cache: bool = True,
     sink: ListSink | None = None,
     **kw: Any,
-) -> tuple[SparePool, ListSink]:
+) -> tuple[WarmPool, ListSink]:
     script = tmp_path / "s.py"
     script.write_text(script_text)
     command = PythonScript(str(script), python=PYTHON)
@@ -62,7 +62,7 @@ def _pool(
     if cache:
         key = cache_key(command, str(tmp_path))
         mc = ModuleCache(str(tmp_path / "cache"), key)
-    return SparePool(spec, command, sink, preload=preload, cache=mc, **kw), sink
+    return WarmPool(spec, command, sink, preload=preload, cache=mc, **kw), sink
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -71,7 +71,7 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-async def _fork_one(pool: SparePool, env: dict[str, str]) -> tuple[int, str] | None:
+async def _fork_one(pool: WarmPool, env: dict[str, str]) -> tuple[int, str] | None:
     """Fork one worker with ``env``; its exit code and output (None: not forked)."""
     ours, theirs = socket.socketpair()
     try:
@@ -95,7 +95,7 @@ def _kinds(sink: ListSink, kind: str) -> list[dict[str, Any]]:
     return [e for e in sink.events if e["kind"] == kind]
 
 
-async def _fork_many(pool: SparePool, envs: dict[int, dict[str, str]]) -> dict[int, str]:
+async def _fork_many(pool: WarmPool, envs: dict[int, dict[str, str]]) -> dict[int, str]:
     """Fork one worker per entry of ``envs``; each one's output (they must all be forked)."""
     pairs = {lr: socket.socketpair() for lr in envs}
     try:
@@ -189,7 +189,7 @@ def test_a_zygote_importing_is_kept_for_a_script_that_does_not_need_it(tmp_path)
         finally:
             await pool.close()
         assert not pid_alive(pid)
-        assert not _kinds(sink, "spare_used") and not _kinds(sink, "spare_discarded")
+        assert not _kinds(sink, "warm_used") and not _kinds(sink, "warm_discarded")
 
     asyncio.run(main())
 
@@ -204,7 +204,7 @@ def test_a_zygote_started_with_another_environment_is_not_used(tmp_path):
             assert await _fork_one(pool, {**env, "OMP_NUM_THREADS": "8"}) is None
         finally:
             await pool.close()
-        (gone,) = _kinds(sink, "spare_discarded")
+        (gone,) = _kinds(sink, "warm_discarded")
         assert gone["reason"] == "started with a different OMP_NUM_THREADS"
         assert not pid_alive(pid)
 
@@ -231,7 +231,7 @@ def test_learned_modules_are_imported_and_kept_for_the_next_run(tmp_path):
             await pool.close()
         (recorded,) = _kinds(sink, "modules_recorded")
         assert recorded["new"] == 3 and recorded["cache"]
-        assert _kinds(sink, "spare_ready")[-1]["loaded"] == 3
+        assert _kinds(sink, "warm_ready")[-1]["loaded"] == 3
         assert got is not None and got[0] == 0
         return got[1]
 
@@ -249,9 +249,9 @@ def test_learned_modules_are_imported_and_kept_for_the_next_run(tmp_path):
             assert await pool.wait_ready(60)
         finally:
             await pool.close()
-        (started,) = _kinds(sink, "spare_started")
+        (started,) = _kinds(sink, "warm_started")
         assert started["modules"] == 3
-        assert _kinds(sink, "spare_ready")[0]["loaded"] == 3
+        assert _kinds(sink, "warm_ready")[0]["loaded"] == 3
 
     asyncio.run(second())
 
@@ -268,7 +268,7 @@ def test_a_module_that_fails_to_import_is_skipped_and_named(tmp_path):
         pool.keep(env)
         try:
             assert await pool.wait_ready(60)
-            (ready,) = _kinds(sink, "spare_ready")
+            (ready,) = _kinds(sink, "warm_ready")
             assert ready["failed"] == ["boom", "no_such_module_xyz"]
             assert ready["loaded"] == 1
             return await _fork_one(pool, env)
@@ -280,14 +280,14 @@ def test_a_module_that_fails_to_import_is_skipped_and_named(tmp_path):
 
 
 async def _preloaded(tmp_path: Path, **kw: Any) -> dict[str, Any]:
-    """The ``spare_ready`` event of a zygote (no cache) once its preload is done."""
+    """The ``warm_ready`` event of a zygote (no cache) once its preload is done."""
     pool, sink = _pool(tmp_path, cache=False, **kw)
     pool.keep(_env())
     try:
         assert await pool.wait_ready(60)
     finally:
         await pool.close()
-    (ready,) = _kinds(sink, "spare_ready")
+    (ready,) = _kinds(sink, "warm_ready")
     return ready
 
 
@@ -336,11 +336,11 @@ def test_a_module_that_starts_a_thread_is_dropped_and_remembered(tmp_path):
         pool.keep(env)
         try:
             for _ in range(200):  # the first zygote refuses threader and a second starts
-                if len(_kinds(sink, "spare_started")) == 2:
+                if len(_kinds(sink, "warm_started")) == 2:
                     break
                 await asyncio.sleep(0.05)
             assert await pool.wait_ready(60)
-            (gone,) = _kinds(sink, "spare_discarded")
+            (gone,) = _kinds(sink, "warm_discarded")
             assert "threader" in gone["reason"] and "thread" in gone["reason"]
             return await _fork_one(pool, env)
         finally:
@@ -369,7 +369,7 @@ def test_the_preload_is_bounded_in_time(tmp_path):
             assert await pool.wait_ready(60)
         finally:
             await pool.close()
-        return _kinds(sink, "spare_ready")[0]
+        return _kinds(sink, "warm_ready")[0]
 
     ready = asyncio.run(main())
     assert ready["stopped"] == "time budget of 1.5 s spent"
@@ -427,11 +427,11 @@ def test_a_module_that_reads_a_per_rank_variable_when_imported_is_not_preloaded(
         pool.keep(_env())
         try:
             for _ in range(200):
-                if len(_kinds(sink, "spare_started")) == 2:
+                if len(_kinds(sink, "warm_started")) == 2:
                     break
                 await asyncio.sleep(0.05)
             assert await pool.wait_ready(60)
-            (gone,) = _kinds(sink, "spare_discarded")
+            (gone,) = _kinds(sink, "warm_discarded")
             assert "rankpkg.reader reads RANK when it is imported" in gone["reason"]
             return await _fork_one(pool, _env(RANK="7"))
         finally:
@@ -460,11 +460,11 @@ def test_a_module_that_initialises_cuda_is_not_preloaded(tmp_path):
         pool.keep(env)
         try:
             for _ in range(400):
-                if len(_kinds(sink, "spare_started")) == 2:
+                if len(_kinds(sink, "warm_started")) == 2:
                     break
                 await asyncio.sleep(0.05)
             assert await pool.wait_ready(120)
-            (gone,) = _kinds(sink, "spare_discarded")
+            (gone,) = _kinds(sink, "warm_discarded")
             assert "cudainit" in gone["reason"] and "CUDA" in gone["reason"]
             return await _fork_one(pool, env)
         finally:

@@ -21,7 +21,7 @@ from typing import TypeVar
 import pytest
 
 from elastrun.agent.failures import MAX_ERROR_FILE_BYTES, read_error_file
-from elastrun.agent.logs import (
+from elastrun.agent.log_dirs import (
     HOST_PID_FILE,
     claim_host_dir,
     rank_dir,

@@ -271,7 +271,7 @@ def test_nproc_beyond_what_the_machine_allows_names_the_limit(script, monkeypatc
         return real(which)
 
     monkeypatch.setattr(resource, "getrlimit", small_nofile)
-    procs, fds = limits.worker_cost(files=True, prewarm=True)
+    procs, fds = limits.worker_cost(files=True, warm=True)
     allowed = (256 - limits.FD_RESERVE) // fds
     assert limits.machine_nproc_limit(procs, fds) is not None
     parse([f"--nproc-per-node={allowed}", "--log-dir=logs", "train.py"])

@@ -190,16 +190,28 @@ def test_pet_boolean_flags(monkeypatch):
         parse(["json.tool"])
 
 
-def test_pet_prewarm_sets_the_default_and_the_command_line_wins(script, monkeypatch):
-    assert run_parse("--standalone")[0].config.prewarm is True  # unset: on
-    monkeypatch.setenv("PET_PREWARM", "0")
-    assert run_parse("--standalone")[0].config.prewarm is False
-    assert run_parse("--standalone", "--prewarm")[0].config.prewarm is True
-    monkeypatch.setenv("PET_PREWARM", "1")
-    assert run_parse("--standalone", "--no-prewarm")[0].config.prewarm is False
-    monkeypatch.setenv("PET_PREWARM", "off")
-    with pytest.raises(ConfigError, match="PET_PREWARM: expected 0 or 1"):
+def test_pet_warm_sets_the_default_and_the_command_line_wins(script, monkeypatch):
+    assert run_parse("--standalone")[0].workers.warm is True  # unset: on
+    monkeypatch.setenv("PET_WARM", "0")
+    assert run_parse("--standalone")[0].workers.warm is False
+    assert run_parse("--standalone", "--warm")[0].workers.warm is True
+    monkeypatch.setenv("PET_WARM", "1")
+    assert run_parse("--standalone", "--no-warm")[0].workers.warm is False
+    monkeypatch.setenv("PET_WARM", "off")
+    with pytest.raises(ConfigError, match="PET_WARM: expected 0 or 1"):
         run_parse("--standalone")
+
+
+def test_the_old_prewarm_spellings_still_work(script, monkeypatch):
+    """--warm* was first spelled --prewarm*: the old flags and variables are aliases."""
+    assert run_parse("--standalone", "--no-prewarm")[0].workers.warm is False
+    assert run_parse("--standalone", "--prewarm")[0].workers.warm is True
+    workers = run_parse("--prewarm-modules=all", "--prewarm_cache=/tmp/c")[0].workers
+    assert workers.warm_modules == "all" and workers.warm_cache == "/tmp/c"
+    monkeypatch.setenv("PET_PREWARM_MODULES", "torch")
+    assert run_parse()[0].workers.warm_modules == "torch"
+    monkeypatch.setenv("PET_WARM_MODULES", "all")  # the new name wins
+    assert run_parse()[0].workers.warm_modules == "all"
 
 
 def test_torch_shutdown_timeout_env(script, monkeypatch):
@@ -503,23 +515,23 @@ def test_command_dataclass_defaults():
 
 
 @pytest.mark.parametrize(
-    ("flags", "prewarm"),
+    ("flags", "warm"),
     [
         (["--standalone", "--max-restarts=2"], True),
-        (["--standalone"], True),  # the first workers start from spares too
+        (["--standalone"], True),  # the first workers start warm too
         (["--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400"], True),
-        (["--standalone", "--max-restarts=2", "--no-prewarm"], False),
+        (["--standalone", "--max-restarts=2", "--no-warm"], False),
         (["--standalone", "--max-restarts=2", "--run-path"], False),
     ],
 )
-def test_spares_only_for_python_commands(script, flags, prewarm):
+def test_warm_starts_only_for_python_commands(script, flags, warm):
     plan, _ = run_parse(*flags, script=script)
-    assert plan.workers.prewarm is prewarm
+    assert plan.workers.warm is warm
 
 
-def test_no_python_programs_get_no_spare():
+def test_no_python_programs_get_no_warm_interpreter():
     plan, _ = parse(["--standalone", "--max-restarts=2", "--no-python", "true", "-u", "x"])
-    assert plan.workers.prewarm is False
+    assert plan.workers.warm is False
 
 
 @pytest.mark.parametrize(
@@ -555,7 +567,7 @@ def test_backend_aliases_are_one_backend(script, name, backend):
 
 @pytest.mark.parametrize(
     ("env", "flag"),
-    [("PET_START_METHOD", "--start-method"), ("PET_PREWARM_MODULES", "--prewarm-modules")],
+    [("PET_START_METHOD", "--start-method"), ("PET_WARM_MODULES", "--warm-modules")],
 )
 def test_choices_from_the_environment_are_checked_too(script, monkeypatch, env, flag):
     # argparse checks the choices of a flag given, not of its PET_* default.

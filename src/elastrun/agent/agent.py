@@ -17,7 +17,7 @@ the log folder) and one round's workers (agent/workers.py: spawned, watched,
 stopped, reaped). Everything else the agent does is a *feature* that plugs
 into the core's hooks (agent/hooks.py), listed in :data:`FEATURES`:
 
-* warm starts (agent/spares.py, agent/zygote.py) and the module learning
+* warm starts (agent/warm.py, agent/zygote.py) and the module learning
   that feeds them (agent/modlearn.py);
 * hang diagnosis: the watchdog, the stacks, the stragglers
   (agent/hang_group.py, with watchdog.py, stacks.py, hangs.py,
@@ -54,7 +54,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from elastrun.agent import hang_group, spares
+from elastrun.agent import hang_group, warm
 from elastrun.agent.children import Reaper
 from elastrun.agent.env import check_round
 from elastrun.agent.failures import (
@@ -68,14 +68,8 @@ from elastrun.agent.failures import (
 )
 from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.hooks import Core, Feature
-from elastrun.agent.logs import (
-    LogWriteErrors,
-    claim_host_dir,
-    needs_files,
-    open_event_log,
-    release_host_dir,
-    temp_dir,
-)
+from elastrun.agent.log_dirs import claim_host_dir, open_event_log, release_host_dir, temp_dir
+from elastrun.agent.logs import LogWriteErrors, needs_files
 from elastrun.agent.signals import Signalled, SignalRouter, StopSignals
 from elastrun.agent.spec import WorkerSpec
 from elastrun.agent.waiting import WaitingConsole
@@ -93,7 +87,7 @@ __all__ = ["FEATURES", "Agent"]
 RDZV_SHUTDOWN_TIMEOUT = 30.0
 
 # The agent's features, each module's own factory; their hooks run in this order.
-FEATURES: tuple[Callable[[Core], list[Feature]], ...] = (spares.features, hang_group.features)
+FEATURES: tuple[Callable[[Core], list[Feature]], ...] = (warm.features, hang_group.features)
 
 
 @dataclass(frozen=True)
@@ -331,7 +325,7 @@ class Agent:
             guard=self._guard,
             reaper=self._reaper,
             log_errors=self._log_errors,
-            features=self.features,
+            round_hooks=lambda g: [f.round(g) for f in self.features],
         )
         self._group = group
         return group

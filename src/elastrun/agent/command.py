@@ -14,7 +14,7 @@ A Python command (script or module) runs through elastrun's worker runner
 (``worker/_runner.py``): ``python -u .../_runner.py path args`` (or ``-m name
 args``), which runs the target exactly as ``python -u`` would and observes it
 from inside (the modules it imported, its progress, its stacks); only a
-Python command may be forked from a warm interpreter (agent/spares.py). An
+Python command may be forked from a warm interpreter (agent/warm.py). An
 ``Executable`` runs as given.
 
 In a worker's arguments, ``${local_rank}`` is replaced by that worker's local

@@ -73,7 +73,7 @@ def stable_env(
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The part of a worker's environment that is the same in every round
-    (what a warm spare starts with, see agent/spares.py)."""
+    (what a warm interpreter starts with, see agent/warm.py)."""
     env = dict(os.environ if base is None else base)
     env.update(spec.env)
     env.update(

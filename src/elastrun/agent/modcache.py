@@ -22,7 +22,7 @@ script itself or a module that acts when imported), whether it was reported
 by a local worker, read from the cache, or read from the job's note
 (:class:`ModuleReport`, written by another node). A name from another node is
 also kept only if it resolves to the standard library or an installed
-package here (:func:`installed_only`; unless ``--prewarm-modules all``), and
+package here (:func:`installed_only`; unless ``--warm-modules all``), and
 only when the store authenticates its clients (the agent decides).
 
 Bounds: a file holds at most ``MAX_MODULES`` names (of at most ``MAX_NAME``

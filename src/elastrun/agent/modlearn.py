@@ -5,7 +5,7 @@ worker/_modnames.py):
 
 * a local worker: its runner reports the modules it imported once it trains
   (a ``Modules`` message on its channel, worker/_runner.py), which the warm
-  interpreter's pool (agent/spares.py) records in the module cache and
+  interpreter's pool (agent/warm_pool.py) records in the module cache and
   imports for the next start;
 * the job: group rank 0's agent shares what it learnt as the job's note
   ``modules``; another node reads it once when it starts, and uses it only
@@ -14,7 +14,7 @@ worker/_modnames.py):
   names that resolve to the standard library or an installed package here.
 
 The runners are told which modules they may name (``ELASTRUN_MODULE_SCOPE``:
-``installed``, or ``all`` with ``--prewarm-modules all``).
+``installed``, or ``all`` with ``--warm-modules all``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from elastrun.agent.zygote import SCOPE_ENV
 from elastrun.worker._messages import Message, Modules
 
 if TYPE_CHECKING:
-    from elastrun.agent.spares import SparePool
+    from elastrun.agent.warm_pool import WarmPool
 
 __all__ = ["MODULES_NOTE", "ModuleLearning"]
 
@@ -42,10 +42,10 @@ NOTE_TIMEOUT = 5.0  # s to read the job's note
 class ModuleLearning(Feature):
     """Learns what the script imports, for the warm interpreter's ``pool``."""
 
-    def __init__(self, core: Core, pool: SparePool) -> None:
+    def __init__(self, core: Core, pool: WarmPool) -> None:
         self.core = core
         self.pool = pool
-        self.scope = "all" if core.spec.prewarm_modules == "all" else "installed"
+        self.scope = "all" if core.spec.warm_modules == "all" else "installed"
         self._fetch: asyncio.Task[None] | None = None
         self._writes: set[asyncio.Task[None]] = set()
 

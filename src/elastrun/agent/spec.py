@@ -20,9 +20,9 @@ from elastrun.names import RunId
 __all__ = [
     "DEFAULT_LOG_TEMPLATE",
     "LOCAL_RANK_MACRO",
-    "PrewarmModules",
     "StartMethod",
     "Std",
+    "WarmModules",
     "WorkerSpec",
 ]
 
@@ -48,8 +48,8 @@ class StartMethod(enum.StrEnum):
     FORKSERVER = "forkserver"
 
 
-class PrewarmModules(enum.StrEnum):
-    """``--prewarm-modules``: what the warm interpreter imports ahead of time."""
+class WarmModules(enum.StrEnum):
+    """``--warm-modules``: what the warm interpreter imports ahead of time."""
 
     # torch and the standard-library and installed-package modules the script
     # imported when it last ran
@@ -101,14 +101,14 @@ class WorkerSpec:
     # declared (agent/stacks.py, --stack-signal); None: no stacks.
     stack_signal: int | None = int(signal.SIGRTMIN) + 5
     events_file: str | None = None
-    # Fork workers from a warm interpreter (agent/spares.py); only a Python
+    # Fork workers from a warm interpreter (agent/warm.py); only a Python
     # command (a script or -m module) can be.
-    prewarm: bool = False
+    warm: bool = False
     # What the warm interpreter imports ahead of time.
-    prewarm_modules: PrewarmModules = PrewarmModules.INSTALLED
+    warm_modules: WarmModules = WarmModules.INSTALLED
     # Where the module lists are kept across runs (agent/modcache.py); None:
     # the default folder.
-    prewarm_cache: str | None = None
+    warm_cache: str | None = None
     # The rendezvous store admits only clients that prove who they are (the
     # embedded store with a token; etcd with a user or a client certificate).
     # Only then does the warm interpreter use the module list another node

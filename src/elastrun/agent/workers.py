@@ -34,8 +34,8 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from elastrun.agent.channel import CHANNEL_ENV, RunnerChannel
 from elastrun.agent.children import ForkedProcess, Reaper
@@ -43,9 +43,10 @@ from elastrun.agent.command import Executable
 from elastrun.agent.env import worker_env
 from elastrun.agent.failures import WorkerFailure, roles
 from elastrun.agent.guard import OrphanGuard
-from elastrun.agent.hooks import RoundHooks
-from elastrun.agent.logs import LogWriteErrors, rank_dir, routes_for
+from elastrun.agent.log_dirs import rank_dir
+from elastrun.agent.logs import LogWriteErrors, routes_for
 from elastrun.agent.process import Declared, Worker, killpg
+from elastrun.agent.round_hooks import RoundHooks
 from elastrun.agent.spawn import launcher_stdin, preexec_for
 from elastrun.agent.spec import WorkerSpec
 from elastrun.clock import SYSTEM_CLOCK, Clock, remaining
@@ -54,9 +55,6 @@ from elastrun.events import EventSink
 from elastrun.procs import signal_name
 from elastrun.rendezvous.api import Change, RoundResult
 from elastrun.worker._messages import Message
-
-if TYPE_CHECKING:
-    from elastrun.agent.hooks import Feature
 
 __all__ = ["Worker", "WorkerGroup"]
 
@@ -80,7 +78,7 @@ class WorkerGroup:
         guard: OrphanGuard | None = None,
         reaper: Reaper | None = None,
         log_errors: LogWriteErrors | None = None,
-        features: Sequence[Feature] = (),
+        round_hooks: Callable[[WorkerGroup], Iterable[RoundHooks | None]] = lambda _g: (),
     ) -> None:
         self.spec = spec
         self.result = result
@@ -114,7 +112,8 @@ class WorkerGroup:
             self.workers.append(
                 Worker(lr, rank, folder, os.path.join(folder, "error.json"), routes)
             )
-        self.hooks: list[RoundHooks] = [h for f in features if (h := f.round(self)) is not None]
+        # The features' hooks for this round (agent/hooks.py), made before its workers start.
+        self.hooks: list[RoundHooks] = [h for h in round_hooks(self) if h is not None]
 
     # ---------------------------------------------------------------- start
     async def start(self) -> None:

@@ -6,7 +6,7 @@ fd 0 a ``SOCK_SEQPACKET`` socket to the agent), reads what it sends (typed
 messages of worker/_messages.py, decoded within bounds: agent/channel.py)
 and the tail of its stderr, tells it to import more (``Preload``) or to fork
 a batch of workers (``Fork``, with each worker's fds), and kills it. When it
-is started, used and let go is agent/spares.py's to decide.
+is started, used and let go is agent/warm.py's to decide.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ SEND_TIMEOUT = 5.0  # s to hand the zygote one order
 MODE_ENV = "ELASTRUN_RUNNER"
 SCOPE_ENV = "ELASTRUN_MODULE_SCOPE"
 PRELOAD_ENV = "ELASTRUN_PRELOAD"
-DELAY_ENV = "ELASTRUN_SPARE_DELAY"
+DELAY_ENV = "ELASTRUN_WARM_DELAY"
 AGENT_ENV = "ELASTRUN_AGENT_PID"
 BUDGET_ENV = "ELASTRUN_PRELOAD_BUDGET"
 RSS_ENV = "ELASTRUN_PRELOAD_MAX_RSS"

@@ -67,7 +67,7 @@ _FIELD_OF_FLAG = {
     "--stack-signal": "stack_signal",
     "--exit-barrier-timeout": "exit_barrier_timeout",
     "--role": "role",
-    "--prewarm-modules": "prewarm_modules",
+    "--warm-modules": "warm_modules",
     "--warm-join-timeout": "warm_join_timeout",
 }
 
@@ -162,7 +162,7 @@ def launch(
             raise ConfigError("launch(): keyword arguments need a function entrypoint")
         command = _command(entrypoint, args)
         if isinstance(command, Executable):
-            config = dataclasses.replace(config, prewarm=False)  # a program, not Python
+            config = dataclasses.replace(config, warm=False)  # a program, not Python
         return run_plan(_resolve(config, command))
     if not callable(entrypoint):
         raise ConfigError(f"launch(): entrypoint must be a str or a function, got {entrypoint!r}")

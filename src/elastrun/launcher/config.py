@@ -7,7 +7,7 @@ Python API takes it from the caller. Either way it is checked once, by
 numbers against their documented ranges (:mod:`elastrun.launcher.limits`),
 the role, the addresses and the stack signal; ``resolve`` parses the other
 fields into their value types (``RunId``, ``Backend``, endpoints, the typed
-``--rdzv-conf``, ``StartMethod``, ``PrewarmModules``, ``Std``). Nothing
+``--rdzv-conf``, ``StartMethod``, ``WarmModules``, ``Std``). Nothing
 touches the network or starts a process. Every error is a
 :class:`~elastrun.errors.ConfigError` whose message starts with the flag it
 is about, e.g. ``--nnodes: minimum 3 is larger than maximum 1``.
@@ -109,12 +109,12 @@ class LaunchConfig:
     stack_signal: int | None = DEFAULT_STACK_SIGNAL
     exit_barrier_timeout: float | None = None  # None: --rdzv-conf or 300 s
     env: Mapping[str, str] = field(default_factory=dict)  # extra worker environment
-    # Fork workers from a warm interpreter (agent/spares.py); only for Python
+    # Fork workers from a warm interpreter (agent/warm.py); only for Python
     # commands the launcher builds (a script or -m module).
-    prewarm: bool = True
-    # An agent.spec.PrewarmModules, or its name: "installed" | "all" | "torch".
-    prewarm_modules: str = "installed"
-    prewarm_cache: str | None = None  # None: $ELASTRUN_CACHE_DIR or ~/.cache/elastrun
+    warm: bool = True
+    # An agent.spec.WarmModules, or its name: "installed" | "all" | "torch".
+    warm_modules: str = "installed"
+    warm_cache: str | None = None  # None: $ELASTRUN_CACHE_DIR or ~/.cache/elastrun
     warm_join_timeout: float | None = None  # None: 60 s
     # --require-logs: lost worker output fails a job whose workers succeeded.
     require_logs: bool = False
@@ -157,7 +157,7 @@ class LaunchConfig:
     def check_machine_nproc(self) -> None:
         """``nproc_per_node`` against what this machine lets one agent hold."""
         files = self.log_dir is not None or any(self.redirects.values()) or any(self.tee.values())
-        procs, fds = worker_cost(files, self.prewarm)
+        procs, fds = worker_cost(files, self.warm)
         limit = machine_nproc_limit(procs, fds)
         if limit is not None and self.nproc_per_node > limit[0]:
             raise ConfigError(

@@ -93,10 +93,16 @@ def _env_name(dest: str) -> str:
 class EnvDefault(argparse.Action):
     """A value flag whose default comes from ``PET_<DEST>`` (torchrun's ``env``)."""
 
-    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
-        env = os.environ.get(_env_name(dest))
-        if env is not None and env != "":
-            kwargs["default"] = env
+    def __init__(
+        self, option_strings: list[str], dest: str, legacy_env: str | None = None, **kwargs: Any
+    ) -> None:
+        # ``legacy_env``: the variable of the flag's old spelling, read when
+        # ``PET_<DEST>`` is unset.
+        for name in (_env_name(dest), legacy_env):
+            env = os.environ.get(name) if name else None
+            if env is not None and env != "":
+                kwargs["default"] = env
+                break
         super().__init__(option_strings, dest, **kwargs)
 
     def __call__(

@@ -20,7 +20,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from elastrun.agent.spec import PrewarmModules, StartMethod
+from elastrun.agent.spec import StartMethod, WarmModules
 from elastrun.agent.watchdog import DEFAULT_AUTO_FLOOR
 from elastrun.errors import ConfigError
 from elastrun.launcher.command import Command, check_command
@@ -353,27 +353,33 @@ def build_parser(*, legacy: bool = False) -> argparse.ArgumentParser:
         "(SIGRTMIN+N, SIGRTMAX-N, SIGUSR1, SIGUSR2, or none; default: SIGRTMIN+5). A rank "
         "whose script no longer catches it is skipped, never signalled",
     )
+    # The warm interpreter's flags were first spelled --prewarm*: kept as aliases.
     f.add_argument(
+        "--warm",
         "--prewarm",
         action=EnvSwitch,
         default=True,
         help="fork workers from a warm interpreter that imported torch and what the script "
         "imported when it last ran, so starts and restarts skip Python start and those "
-        "imports (default: on; PET_PREWARM=0 turns it off)",
+        "imports (default: on; PET_WARM=0 turns it off)",
     )
     f.add_argument(
+        *both("--warm-modules"),
         *both("--prewarm-modules"),
         action=EnvDefault,
+        legacy_env="PET_PREWARM_MODULES",
         default="installed",
-        choices=[m.value for m in PrewarmModules],
+        choices=[m.value for m in WarmModules],
         help="what the warm interpreter imports ahead of time: 'installed' (torch and the "
         "standard-library and installed-package modules the script imported last time), "
         "'all' (the script's own modules too, never the script itself), 'torch' (torch "
         "only, no cache) (default: installed)",
     )
     f.add_argument(
+        *both("--warm-cache"),
         *both("--prewarm-cache"),
         action=EnvDefault,
+        legacy_env="PET_PREWARM_CACHE",
         default=None,
         metavar="DIR",
         help="where the lists of modules scripts imported are kept across runs (default: "
@@ -501,7 +507,7 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
         standalone=ns.standalone,
         max_restarts=0 if max_restarts is None else max_restarts,
         monitor_interval=0.1 if monitor is None else monitor,
-        # PET_START_METHOD and PET_PREWARM_MODULES pass no argparse choices
+        # PET_START_METHOD and PET_WARM_MODULES pass no argparse choices
         start_method=parse_choice(StartMethod, ns.start_method, "--start-method"),
         node_rank=parse_integer("--node-rank", ns.node_rank),
         master_addr=ns.master_addr,
@@ -520,10 +526,10 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
         hang_auto=hang_auto,
         stack_signal=parse_stack_signal(ns.stack_signal),
         exit_barrier_timeout=parse_seconds_text("--exit-barrier-timeout", ns.exit_barrier_timeout),
-        # Spares run Python: not for --no-python programs or --run-path's -c.
-        prewarm=ns.prewarm and not (ns.no_python or ns.run_path),
-        prewarm_modules=parse_choice(PrewarmModules, ns.prewarm_modules, "--prewarm-modules"),
-        prewarm_cache=ns.prewarm_cache or None,
+        # Warm interpreters run Python: not for --no-python programs or --run-path's -c.
+        warm=ns.warm and not (ns.no_python or ns.run_path),
+        warm_modules=parse_choice(WarmModules, ns.warm_modules, "--warm-modules"),
+        warm_cache=ns.warm_cache or None,
         warm_join_timeout=parse_seconds_text("--warm-join-timeout", ns.warm_join_timeout),
         require_logs=ns.require_logs,
     )

@@ -55,7 +55,7 @@ MAX_NUMBER_TEXT = 64  # characters: longer "numbers" are refused unread
 # number of workers it forks.
 FDS_PER_WORKER = 4
 FDS_PER_WORKER_FILES = 2
-FD_RESERVE = 64  # the agent's own: store connection, event loop, logs, spares' slack
+FD_RESERVE = 64  # the agent's own: store connection, event loop, logs, the warm interpreter's slack
 PROC_RESERVE = 16
 
 _INT = re.compile(r"[+-]?[0-9]+")
@@ -166,10 +166,10 @@ def check_seconds(name: str, value: object, rng: Range, shown: str | None = None
     return number
 
 
-def worker_cost(files: bool, prewarm: bool) -> tuple[int, int]:
-    """(processes, open files) the agent needs per worker (``prewarm``: one
+def worker_cost(files: bool, warm: bool) -> tuple[int, int]:
+    """(processes, open files) the agent needs per worker (``warm``: one
     warm interpreter per agent, counted in the reserve, not per worker)."""
-    del prewarm
+    del warm
     return 1, FDS_PER_WORKER + (FDS_PER_WORKER_FILES if files else 0)
 
 

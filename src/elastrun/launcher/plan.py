@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from elastrun.agent.command import Executable, WorkerCommand
 from elastrun.agent.logs import validate_template
-from elastrun.agent.spec import DEFAULT_LOG_TEMPLATE, PrewarmModules, StartMethod, Std, WorkerSpec
+from elastrun.agent.spec import DEFAULT_LOG_TEMPLATE, StartMethod, Std, WarmModules, WorkerSpec
 from elastrun.endpoint import Endpoint, parse_endpoint_list
 from elastrun.errors import ConfigError
 from elastrun.launcher.config import (
@@ -328,9 +328,9 @@ def _worker_spec(
         hang_auto=config.hang_auto and config.hang_timeout is not None,
         stack_signal=config.stack_signal,
         events_file=os.path.abspath(config.events_file) if config.events_file else None,
-        prewarm=config.prewarm,
-        prewarm_modules=parse_choice(PrewarmModules, config.prewarm_modules, "--prewarm-modules"),
-        prewarm_cache=config.prewarm_cache,
+        warm=config.warm,
+        warm_modules=parse_choice(WarmModules, config.warm_modules, "--warm-modules"),
+        warm_cache=config.warm_cache,
         warm_join_timeout=(
             DEFAULT_WARM_JOIN_TIMEOUT
             if config.warm_join_timeout is None

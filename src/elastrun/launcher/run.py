@@ -23,7 +23,7 @@ import os
 import socket
 from typing import TYPE_CHECKING, Any
 
-from elastrun.agent.logs import open_event_log, run_dir
+from elastrun.agent.log_dirs import open_event_log, run_dir
 from elastrun.agent.spec import WorkerSpec
 from elastrun.clock import SYSTEM_CLOCK
 from elastrun.endpoint import Endpoint, format_endpoints
@@ -198,7 +198,7 @@ async def _open_store(plan: Plan, endpoints: tuple[Endpoint, ...], me: str, note
 def events_path(plan: Plan, host: str) -> str | None:
     """The agent's event log: ``--events-file``, else
     ``{log_dir}/{run_id}/events-{host}.jsonl`` with ``--log-dir`` (its run
-    folder made here, private: see :func:`elastrun.agent.logs.run_dir`; a
+    folder made here, private: see :func:`elastrun.agent.log_dirs.run_dir`; a
     refused one is a ConfigError), else none."""
     spec = plan.workers
     if spec.events_file:

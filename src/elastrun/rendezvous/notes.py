@@ -16,7 +16,7 @@ round's member at its group rank (:class:`Seat`). The schemas:
 ``stacks_{R}_{G}``  :class:`StacksNote`, group rank G's ranks' stacks when round
                   R ended on a hang (agent/hangs.py); all deleted when the next
                   hang's round opens
-``modules``       the modules the script imports (agent/spares.py)
+``modules``       the modules the script imports (agent/warm.py)
 
 Writers and readers (the agents and ``elastrun status``) use the same
 classes; ``from_json`` raises :class:`NoteInvalid` for anything a writer of

@@ -6,7 +6,7 @@ per node with the worker's interpreter, flags, command line and environment
 to the agent. It imports modules ahead of time (torch, then what the script
 imported when it last ran: ``ELASTRUN_PRELOAD``), one at a time, at idle CPU
 priority where it may return to normal priority afterwards (root or
-``CAP_SYS_NICE``; otherwise after ``ELASTRUN_SPARE_DELAY`` seconds), and
+``CAP_SYS_NICE``; otherwise after ``ELASTRUN_WARM_DELAY`` seconds), and
 forks workers when told to. Once the first ``base`` modules (torch) are
 imported, it reads the agent's orders between two imports, so a fork waits
 for torch but never for the rest of the list.
@@ -61,7 +61,7 @@ _runner = sys.modules["__main__"]
 M = _runner._load_sibling("_messages")  # the messages (stdlib only)
 
 PRELOAD_ENV = "ELASTRUN_PRELOAD"  # _messages.PreloadPlan, as JSON
-DELAY_ENV = "ELASTRUN_SPARE_DELAY"
+DELAY_ENV = "ELASTRUN_WARM_DELAY"
 AGENT_ENV = "ELASTRUN_AGENT_PID"
 BUDGET_ENV = "ELASTRUN_PRELOAD_BUDGET"  # s
 RSS_ENV = "ELASTRUN_PRELOAD_MAX_RSS"  # MiB

@@ -1,4 +1,4 @@
-"""Warm starts (agent/spares.py): workers forked from a warm interpreter that
+"""Warm starts (agent/warm.py): workers forked from a warm interpreter that
 already imported torch (and what the script imported last time), which the
 training script cannot tell from a cold start, except that its imports are
 instant.
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastrun.agent.spares import ROUND_VARS
+from elastrun.agent.warm_pool import ROUND_VARS
 from tests.conftest import PYTHON
 from tests.helpers import WARM_ENV, free_port, pid_alive, stop_groups, wait_for
 from tests.integration.test_cli import ELASTRUN, RUN_TIMEOUT, elastrun, env_without_pet
@@ -56,7 +56,7 @@ def _setup(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     out = tmp_path / "out"
     out.mkdir()
     (tmp_path / "probe.py").write_text(PROBE)
-    env = {**env_without_pet(), **WARM_ENV}  # (a cold run says --no-prewarm)
+    env = {**env_without_pet(), **WARM_ENV}  # (a cold run says --no-warm)
     env["PROBE_OUT"] = str(out)
     return out, env
 
@@ -128,9 +128,9 @@ def test_warm_workers_see_what_cold_workers_see(tmp_path):
     for d in (plain_dir, cold_dir, warm_dir):
         d.mkdir()
     plain = _plain_run(plain_dir)
-    cold_recs, cold_events, _ = _probe_run(cold_dir, "--no-prewarm")
+    cold_recs, cold_events, _ = _probe_run(cold_dir, "--no-warm")
     warm_recs, events, _ = _probe_run(warm_dir)
-    assert not [e for e in cold_events if e["kind"].startswith("spare_")]
+    assert not [e for e in cold_events if e["kind"].startswith("warm_")]
     for name, cold in cold_recs.items():
         warm = warm_recs[name]
         assert cold["warm"] is False, name
@@ -161,15 +161,15 @@ def test_warm_workers_see_what_cold_workers_see(tmp_path):
         # (--standalone draws a new run id for every run, as torchrun does.)
         assert changed <= ROUND_VARS | {"TORCHELASTIC_RUN_ID"}, changed - ROUND_VARS
     assert warm_recs["r1-1"]["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
-    used = {e["pid"] for e in events if e["kind"] == "spare_used"}
+    used = {e["pid"] for e in events if e["kind"] == "warm_used"}
     assert used == {r["pid"] for r in warm_recs.values()}
     # One warm interpreter serves every start; a forked worker is the agent's child.
-    (zygote,) = [e["pid"] for e in events if e["kind"] == "spare_started"]
-    assert {e["zygote"] for e in events if e["kind"] == "spare_used"} == {zygote}
+    (zygote,) = [e["pid"] for e in events if e["kind"] == "warm_started"]
+    assert {e["zygote"] for e in events if e["kind"] == "warm_used"} == {zygote}
     agent_pid = warm_recs["r1-0"]["ppid"]
     assert all(r["ppid"] == agent_pid for r in warm_recs.values())
     # After the restart none is left: the zygote is let go, and dies with the agent.
-    gone = [e["reason"] for e in events if e["kind"] == "spare_discarded"]
+    gone = [e["reason"] for e in events if e["kind"] == "warm_discarded"]
     assert gone == ["no restart is possible"]
     assert not pid_alive(zygote), "the warm interpreter outlived the agent"
 
@@ -186,7 +186,7 @@ def test_the_first_workers_are_forked_from_a_zygote_ready_during_the_rendezvous(
         "--max-restarts=1",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{port}",
-        "--rdzv-id=spares-first",
+        "--rdzv-id=warm-first",
     ]
     conf = "--rdzv-conf=join_timeout=90,last_call_timeout=1,is_host="
 
@@ -205,9 +205,7 @@ def test_the_first_workers_are_forked_from_a_zygote_ready_during_the_rendezvous(
     procs = [a]
     try:
         wait_for(
-            lambda: (
-                events_a.exists() and any(e["kind"] == "spare_ready" for e in _events(events_a))
-            ),
+            lambda: events_a.exists() and any(e["kind"] == "warm_ready" for e in _events(events_a)),
             90,
             "agent A's warm interpreter ready",
         )
@@ -220,8 +218,8 @@ def test_the_first_workers_are_forked_from_a_zygote_ready_during_the_rendezvous(
     evs = _events(events_a)
     first = next(e for e in evs if e["kind"] == "workers_started")
     assert first["warm"] == [True]
-    ready = next(e for e in evs if e["kind"] == "spare_ready")
-    used = next(e for e in evs if e["kind"] == "spare_used")
+    ready = next(e for e in evs if e["kind"] == "warm_ready")
+    used = next(e for e in evs if e["kind"] == "warm_used")
     # It was ready before the start used it: the start did not wait for it.
     assert used["zygote"] == ready["pid"] and evs.index(ready) < evs.index(used)
     (rec,) = [r for r in _records(out).values() if r["pid"] == first["pids"][0]]
@@ -315,11 +313,11 @@ def test_the_zygote_and_forked_workers_die_with_a_killed_agent(tmp_path):
                 return []
             return [e["pid"] for e in _events(events) if e["kind"] == kind]
 
-        wait_for(lambda: started("spare_ready"), 90, "the warm interpreter ready")
+        wait_for(lambda: started("warm_ready"), 90, "the warm interpreter ready")
         wait_for(lambda: len(list(tmp_path.glob("*.pid"))) == 2, 90, "two workers running")
         workers = [int(p.stem.split("-")[1]) for p in tmp_path.glob("*.pid")]
         orphans = [int(p.read_text().split()[1]) for p in tmp_path.glob("*.pid")]
-        pids = [*started("spare_started"), *workers, *orphans]
+        pids = [*started("warm_started"), *workers, *orphans]
         assert all(pid_alive(p) for p in pids)
         os.kill(agent.pid, signal.SIGKILL)
         agent.wait(timeout=10)

@@ -1,52 +1,8 @@
-"""Warm starts: workers forked from an interpreter that already imported
-what they need.
-
-A worker start costs an interpreter, ``import torch`` and whatever the script
-imports next (``torch.optim`` alone pulls in some 800 modules: seconds on a
-fast disk, far more on a shared filesystem); every restart pays it again, and
-N workers starting at once pay it N times over on the node's cores. The agent
-keeps one warm interpreter instead, the *zygote* (``worker/_zygote.py``): it
-is started with the worker's interpreter, flags, working directory, command
-line and environment (less the per-round and per-rank variables), imports
-torch and the modules the script imported when it last ran on this machine
-(``agent/modcache.py``), and forks the workers when a round starts. A forked
-worker has every one of those modules loaded (shared copy-on-write with the
-zygote), and runs the script as ``python -u script`` would.
-
-When the zygote is used:
-
-* ready (its imports done): always;
-* still importing: for a script that imports the preloaded modules itself
-  (its source says so, or its module list was recorded), it is a head start
-  (raised to normal priority): with more workers than usable CPUs the start
-  waits for it (at most ``READY_WAIT``: one import beats N fighting for the
-  cores); otherwise the workers are forked as soon as it has torch, between
-  two of its imports, and import the rest themselves, in parallel;
-* never for a script that does not import them: its workers start cold at
-  once, and the zygote is kept for a later start.
-
-A zygote that has died, or was started with an environment that differs from
-a worker's in anything but the per-round and per-rank variables
-(``ROUND_VARS``, ``LOCAL_VARS``), is discarded and the workers start cold: a
-warm start can only save time, never change what runs. The zygote imports at
-idle CPU priority where it may return to normal priority afterwards (root or
-``CAP_SYS_NICE``), otherwise after a delay, so it does not slow the workers'
-own start. It is the agent's child like a worker: own session,
-``PR_SET_PDEATHSIG``, registered with the orphan guard, killed when the agent
-ends or no start will need it. Workers are forked through an intermediate
-process so that they are the agent's children (``agent/children.py``).
-
-Only a Python command (a script or ``-m`` module, not ``--no-python`` or
-``--run-path``) gets a zygote (``WorkerSpec.prewarm``).
-
-As a feature of the agent (:class:`WarmStarts`, made by :func:`features`):
-it starts the zygote when the agent starts (it imports while the rendezvous
-runs), forks each round's workers from it (the ``fork`` hook), keeps one for
-the next start or kills it when no start will need it (``started``), makes
-a node joining a running job wait (bounded) for it before it enters the
-round (``before_round``), reaps the zygotes let go (``on_child``). The zygote
-process itself: agent/zygote.py. What it imports is learnt from the workers
-and the job (agent/modlearn.py).
+"""The warm interpreter of a node, across rounds (agent/warm.py says when
+and why it is used): it starts the zygote (agent/zygote.py) with the stable
+part of a worker's environment, forks workers from it, learns what it should
+import (``learn``, fed by agent/modlearn.py), keeps it compatible with the
+workers it will fork, and discards and reaps it.
 """
 
 from __future__ import annotations
@@ -60,36 +16,30 @@ from collections.abc import Callable, Mapping, Sequence
 
 from elastrun.agent.channel import CHANNEL_ENV
 from elastrun.agent.children import ForkedProcess, Reaper
-from elastrun.agent.command import Executable, PythonCommand, with_local_rank
+from elastrun.agent.command import PythonCommand, with_local_rank
 from elastrun.agent.env import ROUND_ENV_VARS, stable_env
 from elastrun.agent.guard import OrphanGuard
-from elastrun.agent.hooks import Core, Feature, RoundHooks
 from elastrun.agent.modcache import (
     ModuleCache,
     ModuleList,
     ModuleReport,
-    cache_key,
-    default_cache_dir,
     installed_only,
     merged,
     skipped,
     valid_names,
 )
-from elastrun.agent.modlearn import NOTE_TIMEOUT, ModuleLearning
 from elastrun.agent.spawn import entry_file, imports_any, launcher_stdin
 from elastrun.agent.spec import WorkerSpec
 from elastrun.agent.stacks import STACK_SIGNAL_ENV, STACKS_ENV
 from elastrun.agent.watchdog import HEARTBEAT_ENV, HEARTBEAT_INTERVAL_ENV, heartbeat_interval
-from elastrun.agent.workers import WorkerGroup
 from elastrun.agent.zygote import SCOPE_ENV, Bounds, Zygote, promote
 from elastrun.errors import WorkerError
 from elastrun.events import EventSink
-from elastrun.rendezvous.api import RoundResult
 from elastrun.untrusted import printable
 from elastrun.worker._messages import PreloadPlan, Ready, Unsafe
 from elastrun.worker._modnames import script_module
 
-__all__ = ["LOCAL_VARS", "ROUND_VARS", "SparePool", "WarmStarts", "compatible", "features"]
+__all__ = ["LOCAL_VARS", "ROUND_VARS", "WarmPool", "compatible", "usable_cpus"]
 
 PRELOAD = ("torch",)
 UNPRIVILEGED_DELAY = 3.0  # s: without idle priority, let cold workers import first
@@ -127,33 +77,7 @@ def compatible(started: Mapping[str, str], wanted: Mapping[str, str]) -> str | N
     return None
 
 
-def features(core: Core) -> list[Feature]:
-    """Warm starts, and the module learning that feeds them: none for a
-    program run as given, or with ``--no-prewarm``."""
-    spec, command = core.spec, core.spec.command
-    if not spec.prewarm or isinstance(command, Executable):
-        return []
-    cache = None
-    if spec.prewarm_modules != "torch":
-        key = cache_key(command, os.getcwd())
-        cache = ModuleCache(spec.prewarm_cache or default_cache_dir(), key)
-    pool = SparePool(
-        spec,
-        command,
-        core.events,
-        core.guard,
-        core.reaper,
-        cache=cache,
-        scope="all" if spec.prewarm_modules == "all" else "installed",
-        say=core.say,
-    )
-    if spec.prewarm_modules == "torch":  # torch alone: nothing to learn
-        return [WarmStarts(core, pool)]
-    learning = ModuleLearning(core, pool)
-    return [learning, WarmStarts(core, pool, learning)]
-
-
-class SparePool:
+class WarmPool:
     """The node's warm interpreter, across rounds."""
 
     def __init__(
@@ -244,7 +168,7 @@ class SparePool:
         if not self.reaper.enable():
             if self.error is None:
                 self.error = self.reaper.error
-                self.events.emit("spare_failed", reason=str(self.reaper.error))
+                self.events.emit("warm_failed", reason=str(self.reaper.error))
             return None
         argv = self.command.worker_argv(None)  # the fork order brings each rank's arguments
         # Only what every worker shares: no rank, round or runner variable.
@@ -264,21 +188,21 @@ class SparePool:
         try:
             z = Zygote.start(argv, z_env, preload, self.scope, bounds)
         except OSError as e:
-            self.events.emit("spare_failed", reason=str(e))
+            self.events.emit("warm_failed", reason=str(e))
             return None
         if self.guard is not None:
             self.guard.add(z.pid)
         # Whatever an import starts in the zygote's session comes to the agent
         # if the zygote is killed first: reaped like a worker's orphans.
         self.reaper.watch_session(z.pid)
-        self.events.emit("spare_started", pid=z.pid, modules=len(modules))
+        self.events.emit("warm_started", pid=z.pid, modules=len(modules))
         z.watch(self._ready, self._refused)
         return z
 
     # ------------------------------------------------------------ its messages
     def _ready(self, z: Zygote, message: Ready) -> None:
         self.events.emit(
-            "spare_ready",
+            "warm_ready",
             pid=z.pid,
             preload_s=round(time.monotonic() - z.started, 3),
             loaded=message.loaded,
@@ -437,7 +361,7 @@ class SparePool:
             if self.guard is not None:
                 self.guard.add(proc.pid)
             self.events.emit(
-                "spare_used",
+                "warm_used",
                 local_rank=lr,
                 pid=proc.pid,
                 zygote=z.pid,
@@ -467,7 +391,7 @@ class SparePool:
     # ------------------------------------------------------------ ending
     def _discard(self, z: Zygote, reason: str) -> None:
         if z.gone is None or not z.gone.startswith("discarded"):
-            self.events.emit("spare_discarded", pid=z.pid, reason=reason)
+            self.events.emit("warm_discarded", pid=z.pid, reason=reason)
         z.kill(f"discarded: {reason}")
         self._dead.append(z.popen)
 
@@ -505,74 +429,3 @@ class SparePool:
             self.reap()
             if self._dead:
                 await asyncio.sleep(0.01)
-
-
-class WarmStarts(Feature):
-    """The warm interpreter as a feature of the agent (see the module doc)."""
-
-    def __init__(self, core: Core, pool: SparePool, learning: ModuleLearning | None = None) -> None:
-        self.core = core
-        self.pool = pool
-        self.learning = learning
-
-    def start(self) -> None:
-        # It starts (and imports torch) while the rendezvous runs; the
-        # round's variables come when it closes.
-        self.pool.keep(self.pool.first_env(self.core.rendezvous.settings.max_restarts))
-
-    async def before_round(self) -> None:
-        """Before joining a job that trains without this node: wait (bounded)
-        for the warm interpreter, so the others pause only for the restart,
-        not for this node's imports."""
-        pool, timeout = self.pool, self.core.spec.warm_join_timeout
-        if timeout <= 0 or not pool.pids:
-            return
-        if self.learning is not None:
-            await self.learning.fetched(NOTE_TIMEOUT)  # what the job imports, first
-        if pool.ready or not await self.core.rendezvous.joining_running_job():
-            return
-        say, clock = self.core.say, self.core.clock
-        say(
-            f"elastrun: joining a running job: waiting up to {timeout:g}s for the warm "
-            "interpreter first, so the others pause only for the restart"
-        )
-        t0 = clock.monotonic()
-        ready = await pool.wait_ready(timeout)
-        waited = clock.monotonic() - t0
-        self.core.events.emit("warm_join", waited_s=round(waited, 3), ready=ready, timeout=timeout)
-        if not ready:
-            pool.use_unready = False  # too slow to wait for at the start too
-            say(f"elastrun: the warm interpreter is not ready after {waited:.0f}s; joining anyway")
-
-    def round(self, group: WorkerGroup) -> RoundHooks:
-        return _WarmRound(self, group)
-
-    def on_child(self) -> None:
-        self.pool.reap()
-
-    async def close(self) -> None:
-        await self.pool.close()
-
-    def may_restart(self, result: RoundResult) -> bool:
-        """Whether these workers can still be started again (restarts left, or
-        a membership change, which is never counted)."""
-        settings = self.core.rendezvous.settings
-        return result.restart_count < result.max_restarts or settings.min_nodes < settings.max_nodes
-
-
-class _WarmRound(RoundHooks):
-    def __init__(self, warm: WarmStarts, group: WorkerGroup) -> None:
-        self.warm = warm
-        self.group = group
-
-    async def fork(
-        self, envs: Mapping[int, Mapping[str, str]], channels: Mapping[int, int]
-    ) -> dict[int, ForkedProcess]:
-        return await self.warm.pool.fork(envs, channels)
-
-    def started(self) -> None:
-        pool = self.warm.pool
-        if self.warm.may_restart(self.group.result):
-            pool.keep(self.group.envs[0])  # for the next start
-        else:
-            pool.drop()

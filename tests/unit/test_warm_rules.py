@@ -1,4 +1,4 @@
-"""Which worker commands get warm spares, and when a spare may become a worker."""
+"""Which worker commands get warm interpreters, and when a warm interpreter may fork a worker."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from elastrun.agent.command import (
     PythonModule,
     PythonScript,
 )
-from elastrun.agent.spares import LOCAL_VARS, ROUND_VARS, compatible
 from elastrun.agent.spawn import entry_file, imports_any
+from elastrun.agent.warm_pool import LOCAL_VARS, ROUND_VARS, compatible
 from elastrun.launcher.command import RUN_PATH_CODE, Command, worker_argv, worker_command
 
 
