@@ -62,7 +62,7 @@ WORKER = textwrap.dedent(
     """
 )
 
-# Trains (real torch: the runner records optimizer steps) for 3 hang
+# Trains (real torch: the runner records optimizer steps) for 2 hang
 # timeouts after changing directory, as Hydra does, then fails under @record.
 CHDIR_WORKER = textwrap.dedent(
     """
@@ -331,8 +331,10 @@ def test_a_relative_log_dir_survives_a_script_that_changes_directory(tmp_path: P
     script.write_text(CHDIR_WORKER)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    hang = 3
-    steps = 3 * hang * 10  # 0.1 s each: three hang timeouts after the chdir
+    # A timeout well above a step on a loaded machine; the run lasts two of
+    # them after the chdir, so relative paths would be declared hung.
+    hang = 5
+    steps = 2 * hang * 10  # 0.1 s each
 
     res = run_agent(
         "--log-dir=logs",

@@ -42,6 +42,7 @@ WORKER = textwrap.dedent(
     """
     import os, pathlib, sys, time
     print("worker up", os.environ["RANK"], os.environ["WORLD_SIZE"], flush=True)
+    print("worker token:", os.environ.get("ELASTRUN_STORE_TOKEN", "none"), flush=True)
     go = pathlib.Path(sys.argv[1])
     deadline = time.monotonic() + 60
     while not go.exists() and time.monotonic() < deadline:
@@ -216,6 +217,9 @@ def test_a_token_from_the_environment_or_a_file_never_shows_in_ps(
     wait_for(lambda: all("worker up" in agents.output(n) for n in "ab"), BOUND, "both workers up")
     for proc in (host, other):
         assert secret.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+    # The token is the agent's: its workers do not inherit it.
+    assert "worker token: none" in agents.output("a")
+    assert secret not in agents.output("a") + agents.output("b")
 
     def status(**extra: str) -> subprocess.CompletedProcess[str]:
         argv = [*ELASTRUN, "status", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=exposure"]

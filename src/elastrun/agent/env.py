@@ -74,7 +74,8 @@ def stable_env(
 ) -> dict[str, str]:
     """The part of a worker's environment that is the same in every round
     (what a warm interpreter starts with, see agent/warm.py)."""
-    env = dict(os.environ if base is None else base)
+    inherited = os.environ if base is None else base
+    env = {k: v for k, v in inherited.items() if k not in spec.hidden_env}
     env.update(spec.env)
     env.update(
         {

@@ -70,6 +70,9 @@ class WorkerSpec:
     # Extra environment for every worker (on top of os.environ and the
     # torchrun variables the agent computes per rank: RANK, WORLD_SIZE, ...).
     env: dict[str, str] = field(default_factory=dict)
+    # Variables of the agent's own environment that workers do not inherit
+    # (secrets meant for the agent: the store token); ``env`` may still set them.
+    hidden_env: frozenset[str] = frozenset()
     log_dir: str | None = None  # one folder per attempt and per rank, kept
     # local_rank -> Std flags; a key of -1 applies to every local rank.
     redirects: dict[int, Std] = field(default_factory=dict)

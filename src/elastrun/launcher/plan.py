@@ -37,7 +37,7 @@ from elastrun.launcher.config import (
 from elastrun.launcher.rdzv_conf import RendezvousConf, parse_rdzv_conf
 from elastrun.names import RunId
 from elastrun.rendezvous.api import RendezvousSettings
-from elastrun.store.token import store_token
+from elastrun.store.token import TOKEN_ENV, store_token
 
 __all__ = ["Backend", "Plan", "resolve"]
 
@@ -337,6 +337,8 @@ def _worker_spec(
             else config.warm_join_timeout
         ),
         store_authenticated=authenticated,
+        # The token proves the agent to the store; a worker needs no store.
+        hidden_env=frozenset((TOKEN_ENV,)),
         require_logs=config.require_logs,
     )
 
