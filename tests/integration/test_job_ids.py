@@ -64,12 +64,14 @@ def start_agent(j: Job, name: str, flags: list[str], *script_args: str) -> Agent
 
 
 async def store_keys(port: int) -> list[str]:
+    """The store's keys, but job A's notes."""
     from elastrun.store.factory import open_store
 
     store = await open_store("c10d", f"127.0.0.1:{port}", timeout=10.0)
     try:
         kvs, _ = await store.get_prefix("/elastrun/")
-        return [kv.key for kv in kvs]
+        # The job's own notes (progress, stragglers) come and go as it trains.
+        return [kv.key for kv in kvs if not kv.key.startswith("/elastrun/A/notes/")]
     finally:
         await store.close()
 

@@ -132,6 +132,41 @@ def test_a_hang_is_declared_exactly_the_timeout_after_the_last_progress(tmp_path
     assert (hang.last_step, hang.idle, hang.timeout) == (4, TIMEOUT, TIMEOUT)
 
 
+def test_the_script_s_end_is_an_exit_phase_judged_from_its_start(tmp_path: Path) -> None:
+    """A rank whose script returned or raised tears down (torch.distributed's
+    shutdown, atexit handlers): judged from the end of the script, not from
+    its last step, and named as in its exit when it hangs there."""
+    hb, seen = tmp_path / "hb.json", Seen()
+    declared: list[float] = []
+
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        assert isinstance(loop, VirtualTimeLoop)
+        t0 = loop.time()
+
+        def on_hang(hang: Hang) -> None:
+            seen.hangs.append(hang)
+            declared.append(loop.time())
+
+        dog = HangWatchdog(TIMEOUT, on_hang, loop.clock)
+        dog.watch(0, str(hb))
+        progress = Progress(str(hb), 0.5, loop.time)
+        for step in range(5):  # the last step at t0 + 4
+            progress.event(step)
+            progress.write()
+            await asyncio.sleep(1)
+        await asyncio.sleep(TIMEOUT - 2)  # t0 + 13: the script ends, its step is not written
+        progress.exiting()
+        await asyncio.sleep(3 * TIMEOUT)
+        dog.close()
+        return t0
+
+    t0 = run_virtual(main())
+    assert declared == [t0 + 13 + TIMEOUT]
+    (hang,) = seen.hangs
+    assert hang.phase == "exit" and hang.last_step == 4
+
+
 def test_relayed_progress_keeps_a_rank_whose_file_is_gone_alive(tmp_path: Path) -> None:
     hb, seen = tmp_path / "hb.json", Seen()
 

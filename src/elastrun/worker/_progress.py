@@ -70,6 +70,7 @@ GAP_MAX_MULT = 2.0
 MIN_GAPS = 8  # fewer gaps than this: no calibration yet (the floor holds)
 MAX_BACKOFF = 30.0  # s between two tries of a progress file that cannot be written
 MAX_PHASE_NAME = 64
+EXIT_JOIN = 1.0  # s the script's end waits for the writer thread
 OPTIMIZER_MODULE = "torch.optim.optimizer"
 DATALOADER_MODULE = "torch.utils.data.dataloader"
 
@@ -289,6 +290,24 @@ class Progress:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def exiting(self) -> None:
+        """The script returned or raised: what follows (torch.distributed's
+        shutdown, atexit handlers, the interpreter's teardown) is an ``exit``
+        phase, judged from its start, as a checkpoint save is. Written at
+        once, by this thread once the writer's has stopped (bounded)."""
+        self.stop()
+        if self.last is None:
+            return  # no progress yet: nothing the watchdog judges
+        thread = self._thread
+        if thread is not None:
+            thread.join(EXIT_JOIN)
+            if thread.is_alive():
+                return  # stuck writing: never two writers of one file
+        self.phase, self.phase_since = "exit", self.clock()
+        self.phase_depth += 1
+        self.changes += 1
+        self.write()
 
 
 # ---------------------------------------------------------------- the hooks

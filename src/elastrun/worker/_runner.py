@@ -431,7 +431,9 @@ def run_worker(kind: str, target: str, args: list[str]) -> None:
     if stacks and signum is not None:
         register_stacks(stacks, signum)
     # Reads its own variables; the channel carries progress when its file fails.
-    _load_sibling("_progress").install(on_import, channel.send if channel.fd is not None else None)
+    progress = _load_sibling("_progress").install(
+        on_import, channel.send if channel.fd is not None else None
+    )
     for name in PRIVATE_ENV:
         env.pop(name, None)
     if channel.fd is not None:
@@ -442,10 +444,14 @@ def run_worker(kind: str, target: str, args: list[str]) -> None:
     settle = _load_sibling("_settle")
     try:
         with settle.after_success():
-            if kind == "module":
-                _run_module(target, args)
-            else:
-                _run_script(target, args)
+            try:
+                if kind == "module":
+                    _run_module(target, args)
+                else:
+                    _run_script(target, args)
+            finally:
+                if progress is not None:
+                    progress.exiting()  # the teardown is no hang of the training
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:
