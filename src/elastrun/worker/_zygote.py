@@ -270,7 +270,7 @@ class Zygote:
             # package whose import brought it in).
             key, reader = watch.seen
             packages = sorted({name.split(".")[0], (reader or name).split(".")[0]})
-            self._unsafe(packages, f"{reader or name} reads {key} when it is imported")
+            self._unsafe(packages, f"{reader or name} reads {key} when it is imported", key)
         self.loaded += 1
         if name == "torch" and self.expect_torch not in (None, _version("torch")):
             self.queue.clear()  # recorded with another torch: only torch itself is sure
@@ -291,8 +291,8 @@ class Zygote:
             self.checked[top] = _runner._names.top_installed(top, self.roots, loaded)
         return self.checked[top]
 
-    def _unsafe(self, names: list[str], why: str) -> None:
-        self._send(M.Unsafe(tuple(names), why))
+    def _unsafe(self, names: list[str], why: str, variable: str | None = None) -> None:
+        self._send(M.Unsafe(tuple(names), why, variable))
         os._exit(4)
 
     def _report(self) -> None:
