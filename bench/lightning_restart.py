@@ -62,6 +62,34 @@ def _wait(what: str, predicate: Any, bound: float, proc: subprocess.Popen[bytes]
     raise RuntimeError(f"timed out after {bound:.0f}s waiting for {what}")
 
 
+def _smaps(pid: int) -> dict[str, float] | None:
+    """Resident, proportional and private memory of ``pid`` (MiB)."""
+    fields: dict[str, float] = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as fp:
+            for line in fp:
+                name, _, rest = line.partition(":")
+                if rest.strip().endswith("kB"):
+                    fields[name] = int(rest.split()[0]) / 1024
+    except (OSError, ValueError):
+        return None
+    private = fields.get("Private_Clean", 0.0) + fields.get("Private_Dirty", 0.0)
+    return {
+        "rss": round(fields.get("Rss", 0.0), 1),
+        "pss": round(fields.get("Pss", 0.0), 1),
+        "private": round(private, 1),
+    }
+
+
+def _zygote_memory(agent_log: Path) -> dict[str, dict[str, float]]:
+    """The memory of every warm interpreter still running, by role."""
+    out = {}
+    for e in _lines(agent_log):
+        if e["kind"] == "warm_started" and (mem := _smaps(int(e["pid"]))) is not None:
+            out["shared" if e["local_rank"] is None else f"rank {e['local_rank']}"] = mem
+    return out
+
+
 def _argv(launcher: str, nproc: int, folder: Path) -> tuple[list[str], dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
     env |= {"BENCH_DIR": str(folder), "PYTHONUNBUFFERED": "1"}
@@ -110,6 +138,8 @@ def one_run(launcher: str, nproc: int, train: float, folder: Path) -> dict[str, 
         result["kill_to_first_step_s"] = round(
             _wait("the first step after the kill", resumed, RESTART_BOUND, proc) - t_kill, 3
         )
+        if launcher == "elastrun":
+            result["warm_memory_mb"] = _zygote_memory(folder / "agent.jsonl")
         (folder / "stop").touch()
         _wait("the launcher's exit", lambda: proc.poll() is not None, EXIT_BOUND, proc)
         result["exit_code"] = proc.returncode
