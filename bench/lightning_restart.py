@@ -62,6 +62,15 @@ def _wait(what: str, predicate: Any, bound: float, proc: subprocess.Popen[bytes]
     raise RuntimeError(f"timed out after {bound:.0f}s waiting for {what}")
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fp:
+            return fp.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _smaps(pid: int) -> dict[str, float] | None:
     """Resident, proportional and private memory of ``pid`` (MiB)."""
     fields: dict[str, float] = {}
@@ -125,19 +134,27 @@ def one_run(launcher: str, nproc: int, train: float, folder: Path) -> dict[str, 
 
         last = _wait(f"{train:g}s of training on {nproc} ranks", trained, START_BOUND, proc)
         victim = last[1]["pid"]
+        survivors = [e["pid"] for rank, e in last.items() if rank != 1]
         t_kill = time.time()
         os.kill(victim, signal.SIGKILL)
+        stopped: list[float] = []
 
         def resumed() -> float | None:
+            if not stopped and not any(_alive(p) for p in survivors):
+                stopped.append(time.time())
             again: dict[int, float] = {}
             for e in _lines(events):
                 if e["kind"] == "step" and e["restart"] == 1:
                     again.setdefault(e["rank"], e["t"])
             return max(again.values()) if len(again) == nproc else None
 
-        result["kill_to_first_step_s"] = round(
-            _wait("the first step after the kill", resumed, RESTART_BOUND, proc) - t_kill, 3
-        )
+        first = _wait("the first step after the kill", resumed, RESTART_BOUND, proc)
+        result["kill_to_first_step_s"] = round(first - t_kill, 3)
+        if stopped:
+            # The survivors' own exit (Lightning's SIGTERM handler: a broadcast
+            # to the dead rank), then the launcher's part.
+            result["survivors_stopped_s"] = round(stopped[0] - t_kill, 3)
+            result["stopped_to_first_step_s"] = round(first - stopped[0], 3)
         if launcher == "elastrun":
             result["warm_memory_mb"] = _zygote_memory(folder / "agent.jsonl")
         (folder / "stop").touch()
@@ -203,6 +220,15 @@ def main() -> int:
             "median_s": statistics.median(times) if times else None,
             "all_s": times,
         }
+    for launcher in ("torchrun", "elastrun"):
+        part = [
+            r["stopped_to_first_step_s"]
+            for r in runs
+            if r["launcher"] == launcher and "stopped_to_first_step_s" in r
+        ]
+        summary[launcher]["stopped_to_first_step_median_s"] = (
+            statistics.median(part) if part else None
+        )
     t, e = summary["torchrun"]["median_s"], summary["elastrun"]["median_s"]
     summary["ratio"] = round(e / t, 3) if t and e else None
     print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=1))

@@ -544,3 +544,83 @@ def test_a_module_that_initialises_cuda_is_not_preloaded(tmp_path):
     finally:
         os.chdir(old)
     assert got is not None and got[0] == 0 and "BEFORE email.mime.text" in got[1], got
+
+
+def test_the_zygote_leaves_cuda_to_the_workers(tmp_path):
+    # torch imported ahead of time: the forked worker finds CUDA not
+    # initialised and the driver not loaded (the zygote's state at the fork),
+    # and may ask torch about CUDA itself, as a script on a GPU machine does.
+    script = (
+        "import sys\n"
+        "before = 'torch' in sys.modules\n"
+        "import torch\n"
+        "initialised = torch.cuda.is_initialized()\n"
+        "driver = b'/libcuda.so' in open('/proc/self/maps', 'rb').read()\n"
+        "available = torch.cuda.is_available()\n"
+        "print('BEFORE', before, 'INITIALISED', initialised, 'DRIVER', driver, 'AVAILABLE',"
+        " available == (torch.cuda.device_count() > 0), flush=True)\n"
+    )
+
+    async def main() -> tuple[int, str] | None:
+        pool, sink = _pool(tmp_path, preload=("torch", "torch.cuda"), script_text=script)
+        pool.keep(_env())
+        try:
+            assert await pool.wait_ready(120)
+            assert not _kinds(sink, "warm_discarded")
+            return await _fork_one(pool, _env())
+        finally:
+            await pool.close()
+
+    got = asyncio.run(main())
+    assert got is not None and got[0] == 0, got
+    assert "BEFORE True INITIALISED False DRIVER False AVAILABLE True" in got[1], got
+
+
+def test_a_module_that_loads_the_cuda_driver_is_not_preloaded(tmp_path):
+    # torch.cuda.is_available() at import loads the driver without marking
+    # torch's CUDA initialised, and a worker forked after it cannot use the
+    # GPU. This machine has no driver: the module maps a copy of a library
+    # under the driver's name, which is what the zygote looks for.
+    lib = next(
+        p for p in ("/lib/x86_64-linux-gnu/libm.so.6", "/usr/lib64/libm.so.6") if os.path.exists(p)
+    )
+    fake = tmp_path / "libcuda.so.1"
+    fake.write_bytes(Path(lib).read_bytes())
+    (tmp_path / "driverinit.py").write_text(f"import ctypes\nctypes.CDLL({str(fake)!r})\n")
+    (tmp_path / "nvmlcheck.py").write_text(
+        "import os\nSEEN = os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK')\n"
+    )
+    env = _env()
+    # The variable was set while the zygote imported, and is not the worker's.
+    script = (
+        "import os, sys\n"
+        "before = 'nvmlcheck' in sys.modules\n"
+        "import nvmlcheck\n"
+        "print('BEFORE', before, 'SEEN', nvmlcheck.SEEN,"
+        " 'NOW', os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK'), flush=True)\n"
+    )
+
+    async def main() -> tuple[int, str] | None:
+        pool, sink = _pool(
+            tmp_path,
+            preload=("nvmlcheck", "driverinit", "email.mime.text"),
+            scope="all",
+            script_text=script,
+        )
+        pool.keep(env)
+        try:
+            await _events_until(sink, "warm_started", 2)
+            assert await pool.wait_ready(60)
+            (gone,) = _kinds(sink, "warm_discarded")
+            assert "driverinit" in gone["reason"] and "CUDA driver" in gone["reason"]
+            return await _fork_one(pool, env)
+        finally:
+            await pool.close()
+
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        got = asyncio.run(main())
+    finally:
+        os.chdir(old)
+    assert got is not None and got[0] == 0 and "BEFORE True SEEN 1 NOW None" in got[1], got

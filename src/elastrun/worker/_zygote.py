@@ -16,8 +16,10 @@ file), one per packet: the agent sends ``Preload`` (import these too) and
 ``Fork`` (one worker of a batch, with its stdout, stderr, channel socket and
 stdin fds); the zygote answers ``Ready`` once its imports are done,
 ``Forked`` (the pids) once a whole batch is forked, and ``Unsafe`` before
-it exits when a module started a Python thread or initialised CUDA (not
-fork-safe), or read a per-rank variable (RANK, ...) when imported. A message
+it exits when a module started a Python thread, initialised CUDA or loaded
+the CUDA driver (not fork-safe), or read a per-rank variable (RANK, ...) when
+imported. While it imports, ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (unless set):
+``torch.cuda.is_available()`` asks NVML, not the driver. A message
 it cannot read is ignored (its fds closed). End of file from the agent:
 exit 0.
 
@@ -73,6 +75,8 @@ ADOPT_WAIT = 5.0  # s for the re-parenting to the agent
 GO_WAIT = 60.0  # s for the agent's go
 MAX_GO = 4096  # bytes of the go line
 PR_SET_PDEATHSIG = 1
+NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+DRIVER = b"/libcuda.so"  # the CUDA driver library, as it appears in /proc/self/maps
 
 
 def _load_prctl() -> Any:
@@ -120,6 +124,16 @@ def _rss_kb() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     return 0
+
+
+def _driver_loaded() -> bool:
+    """Whether the CUDA driver library is mapped into this process (it is
+    loaded by the first CUDA call, never by ``import torch``)."""
+    try:
+        with open("/proc/self/maps", "rb") as fp:
+            return DRIVER in fp.read()
+    except OSError:
+        return False
 
 
 def _version(name: str) -> str | None:
@@ -257,6 +271,11 @@ class Zygote:
         real = os.environ
         watch = _EnvWatch(real, self.watched)
         os.environ = watch  # noqa: B003 - swapped for this import only, same variables
+        nvml = real.get(NVML_CHECK_ENV)
+        if nvml is None:
+            # torch.cuda.is_available() called by an import asks NVML, not the
+            # driver (which would leave the GPU unusable after a fork).
+            real[NVML_CHECK_ENV] = "1"
         try:
             importlib.import_module(name)
         except (Exception, SystemExit) as e:
@@ -264,6 +283,8 @@ class Zygote:
             return
         finally:
             os.environ = real  # noqa: B003
+            if nvml is None:
+                real.pop(NVML_CHECK_ENV, None)
         if watch.seen is not None:
             # Its state now holds what a worker of another rank would not see:
             # not safe ahead of time (nor anything of its package, nor of the
@@ -280,6 +301,11 @@ class Zygote:
         cuda = sys.modules.get("torch.cuda")
         if cuda is not None and getattr(cuda, "is_initialized", lambda: False)():
             self._unsafe([name], "it initialised CUDA (the device must stay free)")
+        if _driver_loaded():
+            # torch.cuda.is_available() and friends initialise the driver
+            # without marking torch's CUDA initialised: a forked worker would
+            # then fail its first CUDA call.
+            self._unsafe([name], "it loaded the CUDA driver (a forked worker could not use it)")
 
     def _installed(self, top: str) -> bool:
         """Whether top-level package ``top`` is found in the standard library or
