@@ -6,15 +6,18 @@ elastrun and torchrun side by side in one run.
 Each repetition runs torchrun, then elastrun, on the same Lightning worker
 (bench/lightning_worker.py: an MLP under DDP, SGD, a DataLoader, ``last.ckpt``
 every 10 steps and a resume from it): ``--standalone --nproc-per-node=N
---max-restarts=1 --monitor-interval=0.1`` (torchrun also with
+--max-restarts=2 --monitor-interval=0.1`` (torchrun also with
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, without which its restarts hang or
 fail at torch 2.13, docs/benchmarks.md). After ``--train`` seconds of
 training (a first run of the script on this machine: elastrun's module cache
 starts empty), rank 1 is SIGKILLed; measured is the time from the kill to the
-first step of the restarted attempt on every rank (the slowest rank). For
-elastrun, whether the restarted workers came from the per-rank warm
-interpreters (``warm_used`` events with ``per_rank``), and their resident
-memory (``warm_ready``), are reported too.
+first step of the restarted attempt on every rank (the slowest rank), split
+into the survivors' own exit (Lightning's SIGTERM handler, the same under
+both launchers) and the rest (the launcher's restart, the new workers' start
+up to their first step). For elastrun, whether the restarted workers came
+from the per-rank warm interpreters (``warm_used`` events with ``per_rank``),
+and the warm interpreters' memory (resident, proportional and private, from
+``/proc/PID/smaps_rollup`` after the restart) are reported too.
 
 Every wait is bounded; a launcher that does not get there is counted failed
 with its reason; every process started is killed at the end of its run.
@@ -102,7 +105,8 @@ def _zygote_memory(agent_log: Path) -> dict[str, dict[str, float]]:
 def _argv(launcher: str, nproc: int, folder: Path) -> tuple[list[str], dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
     env |= {"BENCH_DIR": str(folder), "PYTHONUNBUFFERED": "1"}
-    flags = ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=1"]
+    # Two restarts allowed: after the one measured, the warm interpreters are kept (and measured).
+    flags = ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=2"]
     flags.append("--monitor-interval=0.1")
     if launcher == "torchrun":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
