@@ -6,8 +6,8 @@ SGD, a ``DataLoader`` over a synthetic data set, a ``ModelCheckpoint`` saving
 a rank-zero-only banner before the Trainer (its rank is the one Lightning read
 when imported). Each step sleeps to ``BENCH_STEP_INTERVAL`` (default 0.15 s)
 and appends ``{"kind": "step", "rank", "pid", "restart", "step", "t"}`` to
-``BENCH_DIR/events.jsonl``; the fit ends when ``BENCH_DIR/stop`` exists (or
-after 100000 steps).
+``BENCH_DIR/events.jsonl``; the fit ends, on every rank at the same step, once
+``BENCH_DIR/stop`` exists on any (or after 100000 steps).
 """
 
 from __future__ import annotations
@@ -74,7 +74,10 @@ class Model(pl.LightningModule):
         if left > 0:
             time.sleep(left)
         self.last = time.monotonic()
-        if (OUT / "stop").exists():
+        # Every rank stops at the same step (one rank stopping alone would
+        # leave the other waiting in its next all-reduce).
+        stop = self.trainer.strategy.reduce_boolean_decision((OUT / "stop").exists(), all=False)
+        if stop:
             self.trainer.should_stop = True
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
