@@ -624,3 +624,31 @@ def test_a_module_that_loads_the_cuda_driver_is_not_preloaded(tmp_path):
     finally:
         os.chdir(old)
     assert got is not None and got[0] == 0 and "BEFORE True SEEN 1 NOW None" in got[1], got
+
+
+def test_a_forked_worker_never_walks_the_zygotes_objects(tmp_path):
+    # The zygote freezes what it holds before it forks: the worker's cyclic
+    # collections (and the one at its exit) leave those objects alone, so
+    # the pages it shares with the zygote stay shared. Its own objects are
+    # collected as usual.
+    script = (
+        "import gc\n"
+        "frozen = gc.get_freeze_count()\n"
+        "class Cycle: pass\n"
+        "a = Cycle(); a.me = a; del a\n"
+        "print('FROZEN', frozen > 1000, 'ENABLED', gc.isenabled(),"
+        " 'COLLECTED', gc.collect() >= 1, flush=True)\n"
+    )
+
+    async def main() -> tuple[int, str] | None:
+        pool, _ = _pool(tmp_path, preload=("email.mime.text", "json"), script_text=script)
+        pool.keep(_env())
+        try:
+            assert await pool.wait_ready(60)
+            return await _fork_one(pool, _env())
+        finally:
+            await pool.close()
+
+    got = asyncio.run(main())
+    assert got is not None and got[0] == 0, got
+    assert "FROZEN True ENABLED True COLLECTED True" in got[1], got
