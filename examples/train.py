@@ -1,11 +1,15 @@
-"""Elastic data-parallel training of a small CNN on handwritten digits (CPU, gloo).
+"""Elastic data-parallel training of a small CNN on handwritten digits (CPU and gloo, or GPUs
+and NCCL).
 
 Run it the way you would run any torchrun script::
 
     torchrun --standalone --nproc-per-node=2 examples/train.py --epochs 10
     elastrun --standalone --nproc-per-node=2 examples/train.py --epochs 10
 
-or alone (``python examples/train.py``: one process, world size 1).
+or alone (``python examples/train.py``: one process, world size 1). On GPUs,
+one worker per GPU, each on the GPU of its local rank, over NCCL::
+
+    elastrun --standalone --nproc-per-node=gpu examples/train.py --device cuda
 
 The data set (UCI handwritten digits, 1797 8x8 images, vendored in
 examples/data/) is split into 1437 training and 360 held-out test images.
@@ -75,7 +79,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--keep", type=int, default=3, help="checkpoints to keep (default 3)")
     p.add_argument("--log-every", type=int, default=20, help="print every N steps (default 20)")
-    p.add_argument("--backend", default="gloo", help="process-group backend (default gloo)")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the model and the data live (default cpu); cuda: the GPU of this worker's "
+        "local rank (run one worker per GPU: --nproc-per-node=gpu)",
+    )
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="process-group backend (default: nccl with --device cuda, gloo otherwise)",
+    )
     p.add_argument("--data", default=str(DATA), help="digits.csv.gz path")
     p.add_argument(
         "--step-delay",
@@ -135,6 +150,28 @@ def accuracy(model: nn.Module, ds: TensorDataset) -> float:
     return float((pred == y).float().mean())
 
 
+def select_device(name: str, local_rank: int) -> torch.device:
+    """The device this worker trains on: the CPU, or the GPU of its local rank
+    (made current, so that NCCL and torch.cuda calls use it). Exits with a
+    message naming the problem when there is no such GPU."""
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit(
+            "train.py: --device cuda, but torch sees no GPU (torch.cuda.is_available() is False: "
+            f"a CPU build of torch {torch.__version__}, no driver, or CUDA_VISIBLE_DEVICES empty)"
+        )
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise SystemExit(
+            f"train.py: --device cuda: local rank {local_rank} has no GPU of its own ({count} "
+            "visible); start one worker per GPU (--nproc-per-node=gpu)"
+        )
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
 def init_distributed(backend: str, launched: bool) -> None:
     if launched:
         dist.init_process_group(backend, init_method="env://", timeout=timedelta(minutes=5))
@@ -154,7 +191,9 @@ def inject_failure(how: str, rank: int, step: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ctx = context()
-    init_distributed(args.backend, ctx.launched)
+    device = select_device(args.device, ctx.local_rank)
+    backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
+    init_distributed(backend, ctx.launched)
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def say(msg: str) -> None:
@@ -163,15 +202,16 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     train_ds, test_ds = load_digits(args.data)
+    test_ds = TensorDataset(*(t.to(device) for t in test_ds.tensors))
     n = len(train_ds)
-    model = make_model()
+    model = make_model().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sampler = ElasticSampler(n, seed=args.seed, rank=rank, world_size=world)
     global_step = 0
 
     say(
         f"=> start: world {world} restarts {ctx.restart_count}/{ctx.max_restarts} "
-        f"run_id {ctx.run_id} train {n} test {len(test_ds)}"
+        f"run_id {ctx.run_id} train {n} test {len(test_ds)} device {device} backend {backend}"
     )
     state = load_checkpoint(args.checkpoint_dir, keep=args.keep)
     fresh = state is None and ctx.restart_count == 0
@@ -186,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             f"=> resumed: epoch={sampler.epoch} offset={sampler.offset}/{n} "
             f"global_step={global_step} (world {world}, restart {ctx.restart_count})"
         )
-    ddp = DDP(model)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     def checkpoint() -> None:
         if ctx.local_rank == 0:  # one copy per node; no shared filesystem needed
@@ -206,10 +246,14 @@ def main(argv: list[str] | None = None) -> int:
     for epoch in range(sampler.epoch, args.epochs):
         if sampler.epoch != epoch:
             sampler.set_epoch(epoch)
-        loader = DataLoader(train_ds, batch_size=args.batch_size, sampler=sampler)
+        loader = DataLoader(
+            train_ds, batch_size=args.batch_size, sampler=sampler, pin_memory=device.type == "cuda"
+        )
         start_offset, t0 = sampler.offset, time.perf_counter()
         loss_sum, batches = 0.0, 0
-        for x, y in loader:
+        for x_cpu, y_cpu in loader:
+            x = x_cpu.to(device, non_blocking=True)
+            y = y_cpu.to(device, non_blocking=True)
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(ddp(x), y)
             loss.backward()  # type: ignore[no-untyped-call]

@@ -77,6 +77,9 @@ class _Round(RoundHooks):
         self.rec = rec
         self.group = group
 
+    async def before_start(self) -> None:
+        self.rec.calls.append("before_start")
+
     def worker_env(self, worker: Worker) -> dict[str, str]:
         self.rec.calls.append(f"worker_env {worker.local_rank}")
         return {"FROM_FEATURE": f"rank {worker.rank}"}
@@ -140,7 +143,8 @@ def test_the_hooks_run_in_order_with_typed_messages(tmp_path: Path) -> None:
     code, sink, envs = _run(tmp_path, rec)
     assert code == 0
     calls = rec.calls
-    head = ["start", "before_round", "round", "worker_env 0", "worker_env 1", "fork [0, 1]"]
+    head = ["start", "before_round", "round", "before_start", "worker_env 0", "worker_env 1"]
+    head.append("fork [0, 1]")
     assert calls[: len(head) + 1] == [*head, "started"]
     assert sorted(calls[len(head) + 1 : -2]) == ["exited 0", "exited 1"]
     assert calls[-2:] == ["ended", "close"]

@@ -26,6 +26,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -236,3 +237,41 @@ def test_example_survives_worker_kill_and_join_with_the_same_result(tmp_path: Pa
         for p in e["pids"]
     ]
     assert not any(pid_alive(p) for p in stray), "a worker outlived its agent"
+
+
+def test_device_cuda_without_a_gpu_is_refused_with_a_message(tmp_path: Path) -> None:
+    # The GPU path cannot run on this machine: asking for it must say why, and
+    # fail before any training, rather than train on the CPU or fail in NCCL.
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: --device cuda runs")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, str(TRAIN), "--device", "cuda", "--epochs", "1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "--device cuda, but torch sees no GPU" in proc.stderr, proc.stderr[-2000:]
+    assert "epoch" not in proc.stdout and not (tmp_path / "runs").exists()
+
+
+def test_the_default_device_is_the_cpu_and_gloo(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, str(TRAIN), "--epochs", "1", "--log-every", "0"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "device cpu backend gloo" in proc.stdout
+    assert FINAL.search(proc.stdout), proc.stdout[-2000:]

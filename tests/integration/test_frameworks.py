@@ -358,3 +358,64 @@ def test_lightning_resumes_from_last_checkpoint_after_a_worker_is_killed(tmp_pat
             f"killed at step {killed_at}, resumed from step {start_step} (epoch {start_epoch}); "
             f"workers warm per attempt: {warm}"
         )
+
+
+def test_lightning_restarts_from_per_rank_warm_interpreters_with_rank_zero_logging_right(
+    tmp_path: Path,
+) -> None:
+    # Lightning reads RANK when it is imported: the shared warm interpreter
+    # leaves it to per-rank ones, started with each local rank's variables
+    # once the job taught the agent what the script imports. The restart after
+    # a SIGKILL forks each rank's worker from its rank's interpreter, and the
+    # script's rank-zero-only function (called before any Trainer resets the
+    # rank) logs on rank 0 alone, in both attempts.
+    with jobs(tmp_path) as j:
+        flags = [
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=1",
+            "--warm",
+            f"--warm-cache={tmp_path / 'cache'}",
+        ]
+        args = ["--root", str(j.dir / "root"), "--devices", "2", "--steps", "3"]
+        agent = j.start("a", flags, "lightning_ranks.py", args)
+        log = j.events_file("a")
+
+        def per_rank_ready() -> bool:
+            ready = {
+                e["local_rank"]
+                for e in events(log)
+                if e["kind"] == "warm_ready" and e.get("local_rank") is not None
+            }
+            return ready >= {0, 1} or agent.proc.poll() is not None
+
+        wait_for(per_rank_ready, 2 * BOUND, "a per-rank warm interpreter for each local rank", 0.2)
+        assert agent.proc.poll() is None, agent.output()[-3000:]
+        first = [s for s in j.steps() if s["restart"] == 0 and s["rank"] == 1]
+        assert first, "the first attempt trains until it is killed"
+        victim = first[-1]["pid"]
+        assert victim in started_pids(log) and pid_alive(victim)
+        os.kill(victim, signal.SIGKILL)
+
+        assert agent.wait(BOUND) == 0, agent.output()[-3000:]
+        evs = events(log)
+        assert [e["count"] for e in evs if e["kind"] == "restart"] == [1]
+        # The restarted workers came from the per-rank interpreters, each its own rank's.
+        per_rank = {
+            e["pid"]: e["local_rank"]
+            for e in evs
+            if e["kind"] == "warm_started" and e.get("local_rank") is not None
+        }
+        again = started_pids(log, restart=1)
+        used = [e for e in evs if e["kind"] == "warm_used" and e["pid"] in again]
+        assert sorted(e["pid"] for e in used if e["per_rank"]) == again, used
+        assert all(per_rank[e["zygote"]] == e["local_rank"] for e in used), (used, per_rank)
+        # Lightning's rank, read at import, is the worker's own in both attempts.
+        fits = j.records("fit-*-a1.json")
+        assert {k: (f["import_rank"], f["global_rank"]) for k, f in fits.items()} == {
+            "fit-r0-a1": (0, 0),
+            "fit-r1-a1": (1, 1),
+        }
+        zero = events(j.out / "rank-zero.jsonl")
+        assert [(z["restart"], z["rank"]) for z in zero] == [(0, "0"), (1, "0")], zero
+        assert zero[1]["pid"] == fits["fit-r0-a1"]["pid"]

@@ -291,3 +291,5 @@ def test_batch_script_requeues_on_sigusr1_and_exits_with_srun(tmp_path: Path) ->
     spec.loader.exec_module(module)
     ns = module.parse_args(args[script_at + 1 :])
     assert ns.checkpoint_dir == str(ckpt)
+    # One worker per GPU, each on its own GPU: the script runs on CUDA, not 8 CPU workers.
+    assert "--nproc-per-node=gpu" in args[4:script_at] and ns.device == "cuda"

@@ -402,38 +402,63 @@ def test_a_forked_worker_runs_only_after_the_go(tmp_path):
     assert not marker.exists()
 
 
-def test_a_module_that_reads_a_per_rank_variable_when_imported_is_not_preloaded(tmp_path):
-    # The zygote has no RANK; a module that reads it when imported would keep
-    # the zygote's answer in every worker. It is refused (with its package),
-    # remembered, and the workers import it themselves, each seeing its rank.
+def _rank_package(tmp_path: Path, reads: str) -> str:
+    """A package whose module reads ``reads`` when imported; the script that
+    prints whether it was loaded before the script ran, and what it read."""
     pkg = tmp_path / "rankpkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "reader.py").write_text("import os\nRANK_AT_IMPORT = os.environ.get('RANK')\n")
-    script = (
-        "import sys\n"
+    (pkg / "reader.py").write_text(f"import os\nAT_IMPORT = os.environ.get({reads!r})\n")
+    return (
+        "import os, sys\n"
         "before = 'rankpkg.reader' in sys.modules\n"
         "import rankpkg.reader\n"
-        "print('BEFORE', before, 'RANK', rankpkg.reader.RANK_AT_IMPORT, flush=True)\n"
+        "print('BEFORE', before, 'READ', rankpkg.reader.AT_IMPORT,"
+        f" 'NOW', os.environ.get({reads!r}), flush=True)\n"
     )
 
-    async def main() -> tuple[int, str] | None:
+
+async def _events_until(sink: ListSink, kind: str, count: int, bound: float = 60.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + bound
+    while len(_kinds(sink, kind)) < count and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    assert len(_kinds(sink, kind)) >= count, sink.events
+
+
+def test_a_module_that_reads_a_rank_variable_is_imported_per_rank(tmp_path):
+    # The shared zygote has no RANK; a module that reads it when imported
+    # would keep the zygote's answer in every worker. It is refused there (with
+    # its package), remembered as per-rank, and a worker forked from the shared
+    # zygote imports it itself. Once a start gave local rank 0 RANK=7, a
+    # per-rank zygote started with RANK=7 imports it: a restart with RANK=7
+    # forks from it (imported, with 7); one with RANK=3 discards it and forks
+    # from the shared zygote (the module imported by the worker, with 3).
+    script = _rank_package(tmp_path, "RANK")
+
+    async def main() -> list[tuple[int, str] | None]:
         pool, sink = _pool(
-            tmp_path,
-            preload=("rankpkg.reader", "email.mime.text"),
-            scope="all",
-            script_text=script,
+            tmp_path, preload=("rankpkg.reader", "email.mime.text"), scope="all", script_text=script
         )
         pool.keep(_env())
         try:
-            for _ in range(200):
-                if len(_kinds(sink, "warm_started")) == 2:
-                    break
-                await asyncio.sleep(0.05)
+            await _events_until(sink, "warm_started", 2)
             assert await pool.wait_ready(60)
             (gone,) = _kinds(sink, "warm_discarded")
             assert "rankpkg.reader reads RANK when it is imported" in gone["reason"]
-            return await _fork_one(pool, _env(RANK="7"))
+            assert "per-rank" in gone["reason"]
+            got = [await _fork_one(pool, _env(RANK="7"))]
+            pool.keep_ranks({0: _env(RANK="7")})
+            await _events_until(sink, "warm_ready", 2)
+            (ranked,) = [e for e in _kinds(sink, "warm_ready") if e["local_rank"] == 0]
+            assert ranked["failed"] == [] and ranked["loaded"] >= 2
+            got.append(await _fork_one(pool, _env(RANK="7", MASTER_PORT="1234")))
+            got.append(await _fork_one(pool, _env(RANK="3")))
+            used = _kinds(sink, "warm_used")
+            assert [u["per_rank"] for u in used] == [False, True, False]
+            (changed,) = [e for e in _kinds(sink, "warm_discarded") if e["local_rank"] == 0]
+            assert changed["reason"] == "started with a different RANK"
+            return got
         finally:
             await pool.close()
 
@@ -443,9 +468,51 @@ def test_a_module_that_reads_a_per_rank_variable_when_imported_is_not_preloaded(
         got = asyncio.run(main())
     finally:
         os.chdir(old)
-    assert got is not None and got[0] == 0 and "BEFORE False RANK 7" in got[1], got
+    outs = [g[1] for g in got if g is not None and g[0] == 0]
+    assert len(outs) == 3, got
+    assert "BEFORE False READ 7 NOW 7" in outs[0]
+    assert "BEFORE True READ 7 NOW 7" in outs[1]  # per rank: imported ahead, with its rank
+    assert "BEFORE False READ 3 NOW 3" in outs[2]
     (cached,) = (tmp_path / "cache").glob("modules-*.json")
-    assert "rankpkg" in json.loads(cached.read_text())["skip"]
+    saved = json.loads(cached.read_text())
+    assert "rankpkg" in saved["ranked"] and "rankpkg" not in saved["skip"]
+
+
+def test_a_module_that_reads_a_round_variable_is_not_preloaded_even_per_rank(tmp_path):
+    # The module reads RANK, then MASTER_PORT, which changes every round: no
+    # per-rank zygote can hold what it read. Left to the per-rank zygotes by
+    # the shared one, refused by the per-rank one too, and skipped from then
+    # on: the worker imports it, with its port.
+    script = _rank_package(tmp_path, "MASTER_PORT")
+    reader = tmp_path / "rankpkg" / "reader.py"
+    reader.write_text("import os\nRANK = os.environ.get('RANK')\n" + reader.read_text())
+
+    async def main() -> tuple[int, str] | None:
+        pool, sink = _pool(
+            tmp_path, preload=("rankpkg.reader", "email.mime.text"), scope="all", script_text=script
+        )
+        pool.keep(_env())
+        try:
+            await _events_until(sink, "warm_started", 2)
+            assert await pool.wait_ready(60)
+            assert pool.recorded.ranked.keys() == {"rankpkg"}
+            pool.keep_ranks({0: _env(RANK="0", MASTER_PORT="1")})
+            await _events_until(sink, "warm_discarded", 2)
+            (refused,) = [e for e in _kinds(sink, "warm_discarded") if e["local_rank"] == 0]
+            assert "reads MASTER_PORT when it is imported" in refused["reason"]
+            assert pool.recorded.skip.keys() == {"rankpkg"} and not pool.recorded.ranked
+            assert not pool.ranks.by_rank  # nothing needs a rank's variables any more
+            return await _fork_one(pool, _env(MASTER_PORT="2"))
+        finally:
+            await pool.close()
+
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        got = asyncio.run(main())
+    finally:
+        os.chdir(old)
+    assert got is not None and got[0] == 0 and "BEFORE False READ 2 NOW 2" in got[1], got
 
 
 def test_a_module_that_initialises_cuda_is_not_preloaded(tmp_path):
@@ -477,3 +544,111 @@ def test_a_module_that_initialises_cuda_is_not_preloaded(tmp_path):
     finally:
         os.chdir(old)
     assert got is not None and got[0] == 0 and "BEFORE email.mime.text" in got[1], got
+
+
+def test_the_zygote_leaves_cuda_to_the_workers(tmp_path):
+    # torch imported ahead of time: the forked worker finds CUDA not
+    # initialised and the driver not loaded (the zygote's state at the fork),
+    # and may ask torch about CUDA itself, as a script on a GPU machine does.
+    script = (
+        "import sys\n"
+        "before = 'torch' in sys.modules\n"
+        "import torch\n"
+        "initialised = torch.cuda.is_initialized()\n"
+        "driver = b'/libcuda.so' in open('/proc/self/maps', 'rb').read()\n"
+        "available = torch.cuda.is_available()\n"
+        "print('BEFORE', before, 'INITIALISED', initialised, 'DRIVER', driver, 'AVAILABLE',"
+        " available == (torch.cuda.device_count() > 0), flush=True)\n"
+    )
+
+    async def main() -> tuple[int, str] | None:
+        pool, sink = _pool(tmp_path, preload=("torch", "torch.cuda"), script_text=script)
+        pool.keep(_env())
+        try:
+            assert await pool.wait_ready(120)
+            assert not _kinds(sink, "warm_discarded")
+            return await _fork_one(pool, _env())
+        finally:
+            await pool.close()
+
+    got = asyncio.run(main())
+    assert got is not None and got[0] == 0, got
+    assert "BEFORE True INITIALISED False DRIVER False AVAILABLE True" in got[1], got
+
+
+def test_a_module_that_loads_the_cuda_driver_is_not_preloaded(tmp_path):
+    # torch.cuda.is_available() at import loads the driver without marking
+    # torch's CUDA initialised, and a worker forked after it cannot use the
+    # GPU. This machine has no driver: the module maps a copy of a library
+    # under the driver's name, which is what the zygote looks for.
+    lib = next(
+        p for p in ("/lib/x86_64-linux-gnu/libm.so.6", "/usr/lib64/libm.so.6") if os.path.exists(p)
+    )
+    fake = tmp_path / "libcuda.so.1"
+    fake.write_bytes(Path(lib).read_bytes())
+    (tmp_path / "driverinit.py").write_text(f"import ctypes\nctypes.CDLL({str(fake)!r})\n")
+    (tmp_path / "nvmlcheck.py").write_text(
+        "import os\nSEEN = os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK')\n"
+    )
+    env = _env()
+    # The variable was set while the zygote imported, and is not the worker's.
+    script = (
+        "import os, sys\n"
+        "before = 'nvmlcheck' in sys.modules\n"
+        "import nvmlcheck\n"
+        "print('BEFORE', before, 'SEEN', nvmlcheck.SEEN,"
+        " 'NOW', os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK'), flush=True)\n"
+    )
+
+    async def main() -> tuple[int, str] | None:
+        pool, sink = _pool(
+            tmp_path,
+            preload=("nvmlcheck", "driverinit", "email.mime.text"),
+            scope="all",
+            script_text=script,
+        )
+        pool.keep(env)
+        try:
+            await _events_until(sink, "warm_started", 2)
+            assert await pool.wait_ready(60)
+            (gone,) = _kinds(sink, "warm_discarded")
+            assert "driverinit" in gone["reason"] and "CUDA driver" in gone["reason"]
+            return await _fork_one(pool, env)
+        finally:
+            await pool.close()
+
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        got = asyncio.run(main())
+    finally:
+        os.chdir(old)
+    assert got is not None and got[0] == 0 and "BEFORE True SEEN 1 NOW None" in got[1], got
+
+
+def test_a_forked_worker_never_walks_the_zygotes_objects(tmp_path):
+    # The zygote freezes what it holds before it forks: the worker's cyclic
+    # collections (and the one at its exit) leave those objects alone, so
+    # the pages it shares with the zygote stay shared. Its own objects are
+    # collected as usual.
+    script = (
+        "import gc\n"
+        "frozen = gc.get_freeze_count()\n"
+        "class Cycle: pass\n"
+        "a = Cycle(); a.me = a; del a\n"
+        "print('FROZEN', frozen > 1000, 'ENABLED', gc.isenabled(),"
+        " 'COLLECTED', gc.collect() >= 1, flush=True)\n"
+    )
+
+    async def main() -> tuple[int, str] | None:
+        pool, _ = _pool(tmp_path, preload=("email.mime.text", "json"), script_text=script)
+        pool.keep(_env())
+        try:
+            assert await pool.wait_ready(60)
+            return await _fork_one(pool, _env())
+        finally:
+            await pool.close()
+
+    got = asyncio.run(main())
+    assert got is not None and got[0] == 0, got
+    assert "FROZEN True ENABLED True COLLECTED True" in got[1], got

@@ -30,7 +30,8 @@ from elastrun.launcher.cli import parse
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "kubernetes"
 MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
-AGENT_MANIFESTS = ["job.yaml", "statefulset.yaml", "pytorchjob.yaml"]
+AGENT_MANIFESTS = ["job.yaml", "job-gpu.yaml", "statefulset.yaml", "pytorchjob.yaml"]
+GPUS_PER_POD = 8  # what job-gpu.yaml asks for; this machine has none
 OLDEST_K8S = (1, 27)  # docs/kubernetes.md: "Needs Kubernetes 1.27 or newer"
 
 # Values the downward API would give, for the $(VAR) expansion.
@@ -146,9 +147,15 @@ def agent_argv(c: dict[str, Any], added: list[dict[str, Any]] | None = None) -> 
     return words[1:]
 
 
-WORKLOADS = {"job.yaml": "Job", "statefulset.yaml": "StatefulSet", "pytorchjob.yaml": "PyTorchJob"}
+WORKLOADS = {
+    "job.yaml": "Job",
+    "job-gpu.yaml": "Job",
+    "statefulset.yaml": "StatefulSet",
+    "pytorchjob.yaml": "PyTorchJob",
+}
 AGENT_CONTAINER = {
     "job.yaml": "elastrun",
+    "job-gpu.yaml": "elastrun",
     "statefulset.yaml": "elastrun",
     "pytorchjob.yaml": "pytorch",
 }
@@ -363,6 +370,8 @@ def test_agent_command_line_parses_with_elastrun(
     argv, pet = agent_setup(name)
     for key, value in pet.items():
         monkeypatch.setenv(key, value)
+    # --nproc-per-node=gpu counts the GPUs the pod is given: as a GPU pod would see them.
+    monkeypatch.setattr("elastrun.launcher.flag_values.count_gpus", lambda: GPUS_PER_POD)
     # The image's WORKDIR holds examples/ as the repository root does: resolve the script there.
     assert c["workingDir"] == "/app"
     monkeypatch.chdir(ROOT)
@@ -374,7 +383,7 @@ def test_agent_command_line_parses_with_elastrun(
     assert plan.rendezvous.max_restarts >= 1
     assert plan.conf.key_prefix == f"/elastrun-k8s/{FIELD_VALUES['metadata.namespace']}"
     assert plan.rendezvous.lease_ttl > 0
-    if name == "job.yaml":
+    if name in ("job.yaml", "job-gpu.yaml"):
         label = FIELD_VALUES["metadata.labels['batch.kubernetes.io/controller-uid']"]
         assert plan.run_id.endswith(label), "the run id must be unique per Job"
     else:
@@ -384,6 +393,7 @@ def test_agent_command_line_parses_with_elastrun(
     spec = workload["spec"]
     pods = {
         "job.yaml": lambda: spec["parallelism"],
+        "job-gpu.yaml": lambda: spec["parallelism"],
         "statefulset.yaml": lambda: spec["replicas"],
         "pytorchjob.yaml": lambda: spec["pytorchReplicaSpecs"]["Worker"]["replicas"],
     }[name]()
@@ -423,6 +433,33 @@ def test_script_arguments_parse_with_the_example(name: str, clean_env: None) -> 
     spec.loader.exec_module(module)
     ns = module.parse_args(argv[script_at + 1 :])
     assert ns.checkpoint_dir == "/ckpt"
+
+
+def test_the_gpu_job_runs_one_worker_per_gpu_on_its_gpu_over_nccl(
+    clean_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, pod = agent_pod_spec("job-gpu.yaml")
+    c = agent_container("job-gpu.yaml")
+    limits, requests = c["resources"]["limits"], c["resources"]["requests"]
+    assert limits["nvidia.com/gpu"] == requests["nvidia.com/gpu"] == GPUS_PER_POD
+    argv, _ = agent_setup("job-gpu.yaml")
+    monkeypatch.setattr("elastrun.launcher.flag_values.count_gpus", lambda: GPUS_PER_POD)
+    monkeypatch.chdir(ROOT)
+    plan, cmd = parse(argv)
+    assert plan.workers.nproc == GPUS_PER_POD  # one worker per GPU the pod is given
+    assert "--device=cuda" in cmd.args  # each on its local rank's GPU, NCCL by default
+    env = container_env(c)
+    assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "eth0"
+    # Shared memory for NCCL: a memory-backed /dev/shm well above the 64 MiB default.
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    shm = {v["name"]: v for v in pod["volumes"]}[mounts["/dev/shm"]]["emptyDir"]
+    assert shm["medium"] == "Memory" and shm["sizeLimit"].endswith("Gi")
+    assert int(shm["sizeLimit"][:-2]) >= 8
+    assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+    # The same job as job.yaml otherwise: the same rendezvous flags, the same training.
+    cpu_args = agent_container("job.yaml")["args"]
+    gpu_args = [a for a in c["args"] if a not in ("--nproc-per-node=gpu", "--device=cuda")]
+    assert gpu_args == [a for a in cpu_args if a != "--nproc-per-node=2"]
 
 
 # ----------------------------------------------------------------- the PyTorchJob
@@ -542,7 +579,7 @@ def test_dockerfile_matches_the_project() -> None:
 
 def test_docs_name_files_that_exist_and_commands_that_parse(clean_env: None) -> None:
     text = (ROOT / "docs" / "kubernetes.md").read_text(encoding="utf-8")
-    for rel in set(re.findall(r"deploy/kubernetes/[\w.]+", text)):
+    for rel in set(re.findall(r"deploy/kubernetes/[\w.-]+", text)):
         assert (ROOT / rel).exists(), rel
     assert "docs/kubernetes.md" in (ROOT / "README.md").read_text(encoding="utf-8")
     # every `elastrun status` shown uses the job's etcd endpoints and key prefix

@@ -31,7 +31,8 @@ EVERY = [
     M.Ready(5, (("bad", "ImportError: no"),), 1024, 1.5, None, "3.11.7", "2.13.0"),
     M.Ready(0, stopped="time budget of 120 s spent"),
     M.Forked((1234, None, 1236)),
-    M.Unsafe(("pkg",), "pkg reads RANK when it is imported"),
+    M.Unsafe(("pkg",), "pkg started a thread"),
+    M.Unsafe(("pkg",), "pkg reads RANK when it is imported", "RANK"),
 ]
 
 

@@ -69,6 +69,21 @@ def test_save_and_load_round_trip_atomically(tmp_path):
     assert [p.name for p in (tmp_path / "c").iterdir()] == ["modules-k.json"]  # no temporaries
 
 
+def test_packages_that_read_a_rank_are_kept_for_the_per_rank_interpreters(tmp_path):
+    cache = ModuleCache(str(tmp_path / "c"), "k")
+    why = "lightning reads RANK when it is imported"
+    entry = ModuleList(modules=["os", "lightning", "lightning.pytorch"], ranked={"lightning": why})
+    assert cache.save(entry)
+    loaded = cache.load()
+    assert loaded.modules == ["os", "lightning", "lightning.pytorch"]
+    assert loaded.ranked == {"lightning": why}
+    assert loaded.shared() == ["os"]  # the shared warm interpreter never imports them
+    # A package skipped altogether is not per-rank; a bad name is dropped.
+    raw = {"v": 1, "modules": ["os", "a.b"], "skip": {"a": "x"}, "ranked": {"a": "y", "-": "z"}}
+    parsed = ModuleList.from_json(raw)
+    assert parsed is not None and parsed.ranked == {} and parsed.modules == ["os"]
+
+
 def test_damaged_or_hostile_files_are_ignored(tmp_path):
     cache = ModuleCache(str(tmp_path), "k")
     path = tmp_path / "modules-k.json"

@@ -12,6 +12,7 @@ from elastrun.agent.command import (
 )
 from elastrun.agent.spawn import entry_file, imports_any
 from elastrun.agent.warm_pool import LOCAL_VARS, ROUND_VARS, compatible
+from elastrun.agent.warm_ranks import RANK_VARS, rank_part, same_ranks
 from elastrun.launcher.command import RUN_PATH_CODE, Command, worker_argv, worker_command
 
 
@@ -49,6 +50,23 @@ def test_only_round_variables_may_differ():
     hang = {**base, "ELASTRUN_HEARTBEAT_FILE": "/l/0/heartbeat.json"}
     hang |= {"ELASTRUN_STACKS_FILE": "/l/0/stacks.txt", "ELASTRUN_STACK_SIGNAL": "39"}
     assert compatible(base, hang) is None
+
+
+def test_a_per_rank_interpreter_needs_the_same_ranks_and_nothing_of_the_round():
+    started = {"PATH": "/bin", "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}
+    started |= {"GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "ROLE_RANK": "3"}
+    started |= {"ROLE_WORLD_SIZE": "4"}
+    # Another round of the same job: new port, restart count, error file.
+    again = {**started, "MASTER_PORT": "2", "TORCHELASTIC_RESTART_COUNT": "1"}
+    assert same_ranks(started, again) is None and compatible(started, again) is None
+    # The membership changed: another rank, or the same rank in a bigger world.
+    assert same_ranks(started, {**started, "RANK": "1"}) == "RANK"
+    assert same_ranks(started, {**started, "WORLD_SIZE": "6"}) == "WORLD_SIZE"
+    assert same_ranks(started, {**started, "GROUP_RANK": "0"}) == "GROUP_RANK"
+    # What it is started with: the ranks only, never the round's address or port.
+    assert rank_part({**again, "MASTER_ADDR": "h"}) == {k: started[k] for k in RANK_VARS}
+    assert not RANK_VARS & {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"}
+    assert RANK_VARS <= ROUND_VARS | LOCAL_VARS
 
 
 def test_python_workers_run_through_the_runner():

@@ -14,7 +14,11 @@ the list was recorded with are kept in the file; the warm interpreter uses
 only ``torch`` from a list recorded with other versions. Modules that proved
 unsafe to import ahead of time (they started a thread, initialised CUDA, or
 read a per-rank variable such as ``RANK`` when imported) are remembered as
-``skip``, with their package's other modules, and never imported again.
+``skip``, with their package's other modules, and never imported again;
+those that only read a rank variable (``RANK``, ``LOCAL_RANK``, ...) are
+remembered as ``ranked`` instead: the node's shared warm interpreter leaves
+them out, and the per-rank ones (agent/warm_ranks.py), started with a rank's
+variables, import them.
 
 Where the names come from, and what is trusted: see ``worker/_modnames.py``
 for the rule every name passes (a dotted name, never a ``__main__``, the
@@ -178,12 +182,21 @@ class ModuleList:
     skip: dict[str, str] = field(default_factory=dict)  # name -> why
     python: str | None = None
     torch: str | None = None
+    # Packages that read a rank variable when imported: name -> why. Kept in
+    # ``modules`` (a per-rank warm interpreter imports them), never imported
+    # by the shared one.
+    ranked: dict[str, str] = field(default_factory=dict)
+
+    def shared(self) -> list[str]:
+        """The modules the node's shared warm interpreter may import."""
+        return [m for m in self.modules if not skipped(m, self.ranked)]
 
     def to_json(self) -> dict[str, object]:
         return {
             "v": VERSION,
             "modules": self.modules,
             "skip": self.skip,
+            "ranked": self.ranked,
             "python": self.python,
             "torch": self.torch,
         }
@@ -192,19 +205,25 @@ class ModuleList:
     def from_json(cls, data: object, script: str | None = None) -> ModuleList | None:
         if not isinstance(data, dict) or data.get("v") != VERSION:
             return None
-        skip = data.get("skip")
-        skips = {
-            k: str(v)[:200]
-            for k, v in (skip.items() if isinstance(skip, dict) else ())
-            if isinstance(k, str) and len(k) <= MAX_NAME and NAME_RE.match(k)
-        }
+        skips = _reasons(data.get("skip"))
         names = valid_names(data.get("modules"), script=script)
         return cls(
             modules=[m for m in names if not skipped(m, skips)],
-            skip=dict(list(skips.items())[:MAX_MODULES]),
+            skip=skips,
             python=_version(data.get("python")),
             torch=_version(data.get("torch")),
+            ranked={k: v for k, v in _reasons(data.get("ranked")).items() if k not in skips},
         )
+
+
+def _reasons(value: object) -> dict[str, str]:
+    """A cache file's ``name -> why`` table, checked and bounded."""
+    table = {
+        k: str(v)[:200]
+        for k, v in (value.items() if isinstance(value, dict) else ())
+        if isinstance(k, str) and len(k) <= MAX_NAME and NAME_RE.match(k)
+    }
+    return dict(list(table.items())[:MAX_MODULES])
 
 
 class ModuleCache:

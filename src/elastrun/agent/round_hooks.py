@@ -25,6 +25,10 @@ class RoundHooks:
         del worker
         return {}
 
+    async def before_start(self) -> None:
+        """Before any worker of the round starts (raced with the terminating
+        signals; must be bounded)."""
+
     async def fork(
         self, envs: Mapping[int, Mapping[str, str]], channels: Mapping[int, int]
     ) -> dict[int, ForkedProcess]:

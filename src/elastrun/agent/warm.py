@@ -159,5 +159,6 @@ class _WarmRound(RoundHooks):
         pool = self.warm.pool
         if self.warm.may_restart(self.group.result):
             pool.keep(self.group.envs[0])  # for the next start
+            pool.keep_ranks(self.group.envs)
         else:
             pool.drop()

@@ -2,7 +2,10 @@
 and why it is used): it starts the zygote (agent/zygote.py) with the stable
 part of a worker's environment, forks workers from it, learns what it should
 import (``learn``, fed by agent/modlearn.py), keeps it compatible with the
-workers it will fork, and discards and reaps it.
+workers it will fork, and discards and reaps it. For packages that read a
+rank variable when imported it also keeps one per local rank
+(agent/warm_ranks.py), and forks a rank's worker from it when the rank's
+variables are the same.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from elastrun.agent.modcache import (
 from elastrun.agent.spawn import entry_file, imports_any, launcher_stdin
 from elastrun.agent.spec import WorkerSpec
 from elastrun.agent.stacks import STACK_SIGNAL_ENV, STACKS_ENV
+from elastrun.agent.warm_ranks import RANK_VARS, RankZygotes, rank_part
 from elastrun.agent.watchdog import HEARTBEAT_ENV, HEARTBEAT_INTERVAL_ENV, heartbeat_interval
 from elastrun.agent.zygote import SCOPE_ENV, Bounds, Zygote, promote
 from elastrun.errors import WorkerError
@@ -127,6 +131,7 @@ class WarmPool:
         self.use_unready = True
         self.refusals = 0  # zygotes that quit on an unsafe module
         self.gave_up = False  # the recorded list was dropped once already
+        self.ranks = RankZygotes(self._spawn, self._discard, compatible)
 
     # ------------------------------------------------------------ state
     @property
@@ -164,38 +169,51 @@ class WarmPool:
             self._discard(z, f"started with a different {why}")
         self._z = self._spawn(env)
 
-    def _spawn(self, env: Mapping[str, str]) -> Zygote | None:
+    def keep_ranks(self, envs: Mapping[int, Mapping[str, str]]) -> None:
+        """After a start (``envs``: its workers'): per-rank zygotes for the
+        same ranks, when a recorded package reads a rank variable at import."""
+        if not self._closed:
+            self.ranks.keep(envs, wanted=bool(self.recorded.ranked))
+
+    def _spawn(self, env: Mapping[str, str], local_rank: int | None = None) -> Zygote | None:
         if not self.reaper.enable():
             if self.error is None:
                 self.error = self.reaper.error
                 self.events.emit("warm_failed", reason=str(self.reaper.error))
             return None
         argv = self.command.worker_argv(None)  # the fork order brings each rank's arguments
-        # Only what every worker shares: no rank, round or runner variable.
+        # Only what every worker shares: no rank, round or runner variable
+        # (a per-rank one: its rank's variables too).
         z_env = {k: v for k, v in env.items() if k not in ROUND_VARS | LOCAL_VARS | RUNNER_VARS}
-        skip = self.recorded.skip
+        watch = ROUND_VARS | LOCAL_VARS
+        skip = dict(self.recorded.skip)
+        if local_rank is None:
+            skip.update(self.recorded.ranked)
+        else:
+            z_env.update(rank_part(env))
+            watch = watch - RANK_VARS
         modules = [m for m in (*self.preload, *self.recorded.modules) if not skipped(m, skip)]
         preload = PreloadPlan(
             modules=tuple(modules),
             python=self.recorded.python,
             torch=self.recorded.torch,
             # What a module must not read while the zygote imports it.
-            watch=tuple(sorted(ROUND_VARS | LOCAL_VARS)),
+            watch=tuple(sorted(watch)),
             # Imported before any fork: every worker forked has torch.
             base=sum(1 for m in self.preload if not skipped(m, skip)),
         )
         bounds = Bounds(UNPRIVILEGED_DELAY, self.budget, self.max_rss_mb)
         try:
-            z = Zygote.start(argv, z_env, preload, self.scope, bounds)
+            z = Zygote.start(argv, z_env, preload, self.scope, bounds, local_rank=local_rank)
         except OSError as e:
-            self.events.emit("warm_failed", reason=str(e))
+            self.events.emit("warm_failed", reason=str(e), local_rank=local_rank)
             return None
         if self.guard is not None:
             self.guard.add(z.pid)
         # Whatever an import starts in the zygote's session comes to the agent
         # if the zygote is killed first: reaped like a worker's orphans.
         self.reaper.watch_session(z.pid)
-        self.events.emit("warm_started", pid=z.pid, modules=len(modules))
+        self.events.emit("warm_started", pid=z.pid, modules=len(modules), local_rank=local_rank)
         z.watch(self._ready, self._refused)
         return z
 
@@ -204,6 +222,7 @@ class WarmPool:
         self.events.emit(
             "warm_ready",
             pid=z.pid,
+            local_rank=z.local_rank,
             preload_s=round(time.monotonic() - z.started, 3),
             loaded=message.loaded,
             failed=[name for name, _ in message.failed],
@@ -218,10 +237,16 @@ class WarmPool:
     def _refused(self, z: Zygote, message: Unsafe) -> None:
         """The zygote found a module unsafe to import ahead of time and quit:
         remember it (with its package) and start another without it, a bounded
-        number of times."""
+        number of times. A package that read a rank variable is left to the
+        per-rank zygotes (agent/warm_ranks.py) instead."""
         names, why = valid_names(list(message.modules)), message.why
+        ranked = z.local_rank is None and message.variable in RANK_VARS and bool(names)
         for name in names:
-            self.recorded.skip[name] = why
+            if ranked:
+                self.recorded.ranked[name] = why
+            else:
+                self.recorded.skip[name] = why
+                self.recorded.ranked.pop(name, None)
         self.recorded.modules = [
             m for m in self.recorded.modules if not skipped(m, self.recorded.skip)
         ]
@@ -229,11 +254,21 @@ class WarmPool:
         shown = f"modules {', '.join(names)} are" if len(names) > 1 else f"module {names[0]} is"
         if not names:
             shown = "a module is"
-        self._discard(z, f"{shown} not safe to import ahead of time: {why}")
-        self.debug(f"{shown} not imported ahead of time any more: {why}")
+        where = "imported ahead of time by the per-rank warm interpreters only"
+        self._discard(
+            z, f"{shown} {where if ranked else 'not safe to import ahead of time'}: {why}"
+        )
+        self.debug(f"{shown} {'only per rank' if ranked else 'not'} imported ahead of time: {why}")
+        self.refusals += 1
+        if z.local_rank is not None:
+            self.ranks.forget(z)
+            self.ranks.given_up = self.refusals > MAX_REFUSALS
+            self.keep_ranks(self.ranks.envs)
+            return
+        if ranked:
+            self.keep_ranks(self.ranks.envs)  # the ranks of the round running, if any
         if self._z is not z:
             return
-        self.refusals += 1
         if not names or self.refusals > MAX_REFUSALS:
             # Something keeps refusing that the skip list does not catch:
             # torch alone from now on, and after that, no zygote at all.
@@ -281,8 +316,12 @@ class WarmPool:
             cache=self.cache.path if self.cache is not None and saved else None,
         )
         z = self._z
-        if z is not None and z.gone is None:
-            z.preload(new)
+        shared = [n for n in new if not skipped(n, self.recorded.ranked)]
+        if z is not None and z.gone is None and shared:
+            z.preload(shared)
+        for rz in self.ranks.zygotes():
+            if rz.gone is None:
+                rz.preload(new)
         return True
 
     def note(self) -> ModuleReport:
@@ -325,10 +364,22 @@ class WarmPool:
     async def fork(
         self, envs: Mapping[int, Mapping[str, str]], channels: Mapping[int, int]
     ) -> dict[int, ForkedProcess]:
-        """Workers forked from the zygote, by local rank: each with its
+        """Workers forked from the zygotes, by local rank: each with its
         environment ``envs[lr]`` and its channel socket fd ``channels[lr]``
-        (see worker/_runner.py). Empty (start them cold) when the zygote cannot
-        be used now; a zygote still importing is kept for later then."""
+        (see worker/_runner.py); from its rank's zygote where one is ready for
+        the same ranks, otherwise from the shared one. Those missing start cold
+        (the zygote cannot be used now; one still importing is kept for later)."""
+        forked: dict[int, ForkedProcess] = {}
+        for lr, z in self.ranks.take(envs).items():
+            forked.update(await self._fork_from(z, {lr: envs[lr]}, channels, 0.0))
+        rest = {lr: env for lr, env in envs.items() if lr not in forked}
+        if rest:
+            forked.update(await self._fork_shared(rest, channels))
+        return forked
+
+    async def _fork_shared(
+        self, envs: Mapping[int, Mapping[str, str]], channels: Mapping[int, int]
+    ) -> dict[int, ForkedProcess]:
         z = self._usable(envs)
         if z is None:
             return {}
@@ -346,7 +397,15 @@ class WarmPool:
             # import the rest in parallel.
             if len(envs) > usable_cpus() and not await self.wait_ready(READY_WAIT):
                 return {}  # gone, or too slow: start cold (a slow one is kept)
-        waited = time.monotonic() - waited
+        return await self._fork_from(z, envs, channels, time.monotonic() - waited)
+
+    async def _fork_from(
+        self,
+        z: Zygote,
+        envs: Mapping[int, Mapping[str, str]],
+        channels: Mapping[int, int],
+        waited: float,
+    ) -> dict[int, ForkedProcess]:
         orders = {
             lr: (envs[lr], with_local_rank(self.command.args, lr), channels[lr]) for lr in envs
         }
@@ -354,7 +413,9 @@ class WarmPool:
             forked = await z.fork_workers(orders, launcher_stdin())
         except (OSError, TimeoutError) as e:
             self._discard(z, f"cannot fork workers: {e!r}")
-            self._z = None
+            self.ranks.forget(z)
+            if self._z is z:
+                self._z = None
             return {}
         for lr, proc in forked.items():
             self.reaper.watch_session(proc.pid)
@@ -365,6 +426,7 @@ class WarmPool:
                 local_rank=lr,
                 pid=proc.pid,
                 zygote=z.pid,
+                per_rank=z.local_rank is not None,
                 warm_s=round(time.monotonic() - z.started, 3),
                 waited_s=round(waited, 3),
             )
@@ -391,7 +453,7 @@ class WarmPool:
     # ------------------------------------------------------------ ending
     def _discard(self, z: Zygote, reason: str) -> None:
         if z.gone is None or not z.gone.startswith("discarded"):
-            self.events.emit("warm_discarded", pid=z.pid, reason=reason)
+            self.events.emit("warm_discarded", pid=z.pid, reason=reason, local_rank=z.local_rank)
         z.kill(f"discarded: {reason}")
         self._dead.append(z.popen)
 
@@ -410,20 +472,22 @@ class WarmPool:
         self._dead = alive
 
     def drop(self) -> None:
-        """Kill the zygote (no start will need it)."""
+        """Kill the zygotes (no start will need them)."""
         z = self._z
         if z is not None and z.gone is None:
             self._discard(z, "no restart is possible")
         self._z = None
+        self.ranks.drop("no restart is possible")
 
     async def close(self) -> None:
         """Kill the zygote and reap it (bounded)."""
         self._closed = True
-        z = self._z
-        if z is not None:
-            z.kill(z.gone or "closed")
-            self._dead.append(z.popen)
+        for z in [self._z, *self.ranks.zygotes()]:
+            if z is not None:
+                z.kill(z.gone or "closed")
+                self._dead.append(z.popen)
         self._z = None
+        self.ranks.by_rank.clear()
         deadline = time.monotonic() + REAP_WAIT
         while self._dead and time.monotonic() < deadline:
             self.reap()

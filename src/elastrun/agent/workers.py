@@ -121,6 +121,8 @@ class WorkerGroup:
         rest are spawned one at a time, yielding to the event loop after each
         so that a signal is handled while a large group spawns. Raises
         WorkerError if one cannot be started (the caller stops the others)."""
+        for h in self.hooks:
+            await h.before_start()
         theirs: dict[int, socket.socket] = {}
         for w in self.workers:
             self._prepare(w)

@@ -59,7 +59,8 @@ class Bounds:
 @dataclass
 class Zygote:
     """A started warm interpreter; ``env``: the workers' environment it was
-    started with (less the per-round and per-rank variables)."""
+    started with (less the per-round and per-rank variables; a per-rank one's,
+    ``local_rank`` set, has its rank's variables: agent/warm_ranks.py)."""
 
     popen: subprocess.Popen[bytes]
     sock: socket.socket
@@ -70,6 +71,7 @@ class Zygote:
     pending: asyncio.Future[list[int | None]] | None = None
     stderr: bytearray = field(default_factory=bytearray)
     gone: str | None = None  # why it cannot be used any more
+    local_rank: int | None = None  # a per-rank one's local rank
 
     @property
     def pid(self) -> int:
@@ -77,7 +79,14 @@ class Zygote:
 
     @classmethod
     def start(
-        cls, argv: Sequence[str], env: dict[str, str], plan: PreloadPlan, scope: str, bounds: Bounds
+        cls,
+        argv: Sequence[str],
+        env: dict[str, str],
+        plan: PreloadPlan,
+        scope: str,
+        bounds: Bounds,
+        *,
+        local_rank: int | None = None,
     ) -> Zygote:
         """Start one with ``env``, importing ``plan`` (``scope``: whether the
         script's own modules may be imported, ``all``, or only installed
@@ -110,7 +119,7 @@ class Zygote:
         finally:
             theirs.close()
         ours.setblocking(False)
-        return cls(popen, ours, env)
+        return cls(popen, ours, env, local_rank=local_rank)
 
     # ------------------------------------------------------------ reading
     def watch(

@@ -302,18 +302,20 @@ class Forked(_Message):
 class Unsafe(_Message):
     """From the zygote: ``modules`` are not safe to import ahead of time
     (they started a thread, initialised CUDA, or read a per-rank variable
-    when imported): it exits."""
+    when imported): it exits. ``variable``: the per-rank variable read, if
+    that was the reason."""
 
     KIND: ClassVar[str] = "unsafe"
     modules: tuple[str, ...]
     why: str
+    variable: str | None = None
 
     def fields(self) -> dict[str, Any]:
-        return {"modules": list(self.modules), "why": self.why}
+        return {"modules": list(self.modules), "why": self.why, "variable": self.variable}
 
     @classmethod
     def parse(cls, data: Mapping[str, Any]) -> Unsafe:
-        return cls(_strs(data, "modules"), _str(data, "why"))
+        return cls(_strs(data, "modules"), _str(data, "why"), _opt_str(data, "variable"))
 
 
 Message = Modules | ProgressFailed | Progress | Go | Preload | Fork | Ready | Forked | Unsafe

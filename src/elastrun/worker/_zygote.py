@@ -16,8 +16,10 @@ file), one per packet: the agent sends ``Preload`` (import these too) and
 ``Fork`` (one worker of a batch, with its stdout, stderr, channel socket and
 stdin fds); the zygote answers ``Ready`` once its imports are done,
 ``Forked`` (the pids) once a whole batch is forked, and ``Unsafe`` before
-it exits when a module started a Python thread or initialised CUDA (not
-fork-safe), or read a per-rank variable (RANK, ...) when imported. A message
+it exits when a module started a Python thread, initialised CUDA or loaded
+the CUDA driver (not fork-safe), or read a per-rank variable (RANK, ...) when
+imported. While it imports, ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (unless set):
+``torch.cuda.is_available()`` asks NVML, not the driver. A message
 it cannot read is ignored (its fds closed). End of file from the agent:
 exit 0.
 
@@ -29,6 +31,10 @@ zygote's process group must not reach it), and once it is the agent's child
 sets its parent-death signal (tied to its parent at the time) and waits for
 the agent's ``Go`` on the channel socket (sent once the agent has registered
 it): an agent that dies or gives up before that leaves nothing running.
+
+Before it forks, every object it holds is frozen (``gc.freeze``): the
+workers' cyclic collections never walk them, so the pages they share with
+the zygote are not copied by a collection nor at a worker's exit.
 
 Bounds: the preload stops after ``ELASTRUN_PRELOAD_BUDGET`` seconds or once
 the resident memory passes ``ELASTRUN_PRELOAD_MAX_RSS`` MiB; a module that
@@ -44,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -73,6 +80,8 @@ ADOPT_WAIT = 5.0  # s for the re-parenting to the agent
 GO_WAIT = 60.0  # s for the agent's go
 MAX_GO = 4096  # bytes of the go line
 PR_SET_PDEATHSIG = 1
+NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+DRIVER = b"/libcuda.so"  # the CUDA driver library, as it appears in /proc/self/maps
 
 
 def _load_prctl() -> Any:
@@ -120,6 +129,16 @@ def _rss_kb() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     return 0
+
+
+def _driver_loaded() -> bool:
+    """Whether the CUDA driver library is mapped into this process (it is
+    loaded by the first CUDA call, never by ``import torch``)."""
+    try:
+        with open("/proc/self/maps", "rb") as fp:
+            return DRIVER in fp.read()
+    except OSError:
+        return False
 
 
 def _version(name: str) -> str | None:
@@ -257,6 +276,11 @@ class Zygote:
         real = os.environ
         watch = _EnvWatch(real, self.watched)
         os.environ = watch  # noqa: B003 - swapped for this import only, same variables
+        nvml = real.get(NVML_CHECK_ENV)
+        if nvml is None:
+            # torch.cuda.is_available() called by an import asks NVML, not the
+            # driver (which would leave the GPU unusable after a fork).
+            real[NVML_CHECK_ENV] = "1"
         try:
             importlib.import_module(name)
         except (Exception, SystemExit) as e:
@@ -264,13 +288,15 @@ class Zygote:
             return
         finally:
             os.environ = real  # noqa: B003
+            if nvml is None:
+                real.pop(NVML_CHECK_ENV, None)
         if watch.seen is not None:
             # Its state now holds what a worker of another rank would not see:
             # not safe ahead of time (nor anything of its package, nor of the
             # package whose import brought it in).
             key, reader = watch.seen
             packages = sorted({name.split(".")[0], (reader or name).split(".")[0]})
-            self._unsafe(packages, f"{reader or name} reads {key} when it is imported")
+            self._unsafe(packages, f"{reader or name} reads {key} when it is imported", key)
         self.loaded += 1
         if name == "torch" and self.expect_torch not in (None, _version("torch")):
             self.queue.clear()  # recorded with another torch: only torch itself is sure
@@ -280,6 +306,11 @@ class Zygote:
         cuda = sys.modules.get("torch.cuda")
         if cuda is not None and getattr(cuda, "is_initialized", lambda: False)():
             self._unsafe([name], "it initialised CUDA (the device must stay free)")
+        if _driver_loaded():
+            # torch.cuda.is_available() and friends initialise the driver
+            # without marking torch's CUDA initialised: a forked worker would
+            # then fail its first CUDA call.
+            self._unsafe([name], "it loaded the CUDA driver (a forked worker could not use it)")
 
     def _installed(self, top: str) -> bool:
         """Whether top-level package ``top`` is found in the standard library or
@@ -291,11 +322,15 @@ class Zygote:
             self.checked[top] = _runner._names.top_installed(top, self.roots, loaded)
         return self.checked[top]
 
-    def _unsafe(self, names: list[str], why: str) -> None:
-        self._send(M.Unsafe(tuple(names), why))
+    def _unsafe(self, names: list[str], why: str, variable: str | None = None) -> None:
+        self._send(M.Unsafe(tuple(names), why, variable))
         os._exit(4)
 
     def _report(self) -> None:
+        # Its imports done, while nothing waits: collect once, then freeze
+        # what is left (see _fork_batch).
+        gc.collect()
+        gc.freeze()
         self._send(
             M.Ready(
                 loaded=self.loaded,
@@ -360,6 +395,12 @@ class Zygote:
     def _fork_batch(self, batch: list[tuple[Any, list[int]]]) -> None:
         if self.idle:
             _set_policy(os.SCHED_OTHER)  # the workers inherit it
+        # Every object so far out of the cyclic collector's reach: a worker's
+        # collections (and its exit's) never walk them, so they never copy
+        # the pages it shares with the zygote. A forked worker's exit took
+        # 1-2 s of copy-on-write faults with torch and Lightning loaded,
+        # 0.25-0.35 s frozen (2 cores, loaded): the restart waits for it.
+        gc.freeze()
         every_fd = [fd for _, fds in batch for fd in fds]
         kids: list[tuple[int, int] | None] = []
         for order, fds in batch:
