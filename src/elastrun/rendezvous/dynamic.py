@@ -117,8 +117,11 @@ class DynamicRendezvous(Rendezvous):
         self.keys = K.Keys(settings.run_id)
         self.rules = Rules(
             Context(
-                min_nodes=settings.min_nodes,
-                max_nodes=settings.max_nodes,
+                # The decider's bounds are the smallest and largest allowed
+                # world sizes (--node-unit); a round closes at the largest
+                # allowed size its joiners reach (rounds.close_records).
+                min_nodes=settings.sizes().smallest or settings.min_nodes,
+                max_nodes=settings.sizes().largest or settings.max_nodes,
                 max_restarts=settings.max_restarts,
                 join_timeout=settings.join_timeout,
                 last_call_timeout=settings.last_call_timeout,
