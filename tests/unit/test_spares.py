@@ -294,7 +294,7 @@ def test_below_the_smallest_allowed_size_the_survivor_waits_then_names_why() -> 
         raise AssertionError("the survivor formed a world of 1")
 
     error = run(scenario)
-    assert "1 of min 2 nodes" in str(error) and "node unit 2" in str(error)
+    assert "1 of min 2 nodes (--nnodes=1:2 --node-unit=2 allows world sizes 2)" in str(error)
     assert "join_timeout=60s" in str(error)
 
 
@@ -360,3 +360,8 @@ def test_bad_node_unit_flags_are_refused_naming_the_flags(
     with pytest.raises(ConfigError) as err:
         parse([*flags, "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400", script])
     assert all(w in str(err.value) for w in words), err.value
+
+
+def test_the_policy_in_words() -> None:
+    assert WorldSizes(2, 5, 2).describe() == "--nnodes=2:5 --node-unit=2 allows world sizes 2, 4"
+    assert WorldSizes(2, 3).describe() == "--nnodes=2:3"

@@ -348,7 +348,7 @@ class Executor:
                 f"join_timeout={s.join_timeout:g}s (job is full: max {_nodes(s.max_nodes)})"
             )
         least = s.sizes().smallest or s.min_nodes
-        unit = f" (--nnodes={s.sizes().describe()})" if s.node_unit > 1 else ""
+        unit = f" ({s.sizes().describe()})" if s.node_unit > 1 else ""
         return RendezvousTimeout(
             f"{len(joins)} of min {_nodes(least)}{unit} joined before "
             f"join_timeout={s.join_timeout:g}s: {', '.join(joins) or 'none'}"

@@ -78,13 +78,14 @@ class WorldSizes:
         return None
 
     def describe(self) -> str:
-        """``2:3, node unit 2 (allowed world sizes: 2)``; ``2:3`` for unit 1."""
-        text = f"{self.min_nodes}:{self.max_nodes}"
+        """``--nnodes=2:5 --node-unit=2 allows world sizes 2, 4``;
+        ``--nnodes=2:3`` for unit 1."""
+        text = f"--nnodes={self.min_nodes}:{self.max_nodes}"
         if self.unit == 1:
             return text
-        sizes = range(self.smallest, self.largest + 1, self.unit) if self.smallest else ()
-        shown = ", ".join(str(s) for s in list(sizes)[:8]) + (", ..." if len(sizes) > 8 else "")
-        return f"{text}, node unit {self.unit} (allowed world sizes: {shown or 'none'})"
+        sizes = range(self.smallest, self.largest + 1, self.unit) if self.smallest else range(0)
+        shown = ", ".join(str(s) for s in sizes[:8]) + (", ..." if len(sizes) > 8 else "")
+        return f"{text} --node-unit={self.unit} allows world sizes {shown or 'none'}"
 
 
 def choose_members(

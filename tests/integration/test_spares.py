@@ -1,0 +1,75 @@
+"""Hot spares end to end: real agents, real gloo workers, the embedded store.
+
+Three nodes with ``--nnodes=2:3 --node-unit=2``: two train, the third waits as
+a spare (joined, its warm interpreter up, no worker). A training node's agent
+is SIGKILLed: the spare takes its place at world 2 with the lost node's group
+rank, the survivor keeps its own, training goes on from the checkpoint, and
+the event logs record the promotion.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from tests.helpers import free_port, pid_alive, wait_for
+from tests.integration.elastic_harness import BOUND, Job, check_finished, job, steps_after
+
+
+def spare_flags(port: int, name: str, j: Job, *, host: bool) -> list[str]:
+    return [
+        "--nnodes=2:3",
+        "--node-unit=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=spares",
+        "--max-restarts=3",
+        f"--rdzv-conf=last_call_timeout=1,lease_ttl=2,join_timeout=60,is_host={int(host)}",
+        "--shutdown-timeout=5",
+        f"--events-file={j.dir / f'events-{name}.jsonl'}",
+    ]
+
+
+def kinds(j: Job, name: str, kind: str) -> list[dict[str, object]]:
+    return [e for e in j.events(name) if e["kind"] == kind]
+
+
+def test_a_killed_training_node_is_replaced_by_the_spare_with_its_rank(tmp_path: Path) -> None:
+    port = free_port()
+    with job(tmp_path) as j:
+        a = j.start_agent("a", spare_flags(port, "a", j, host=True))  # hosts the store
+        b = j.start_agent("b", spare_flags(port, "b", j, host=False))
+        wait_for(lambda: any(s["world"] == 2 for s in j.steps()), BOUND, "training at world 2")
+        s = j.start_agent("s", spare_flags(port, "s", j, host=False))
+        wait_for(lambda: kinds(j, "s", "node_waiting"), BOUND, "the third node waits")
+        waiting = kinds(j, "s", "node_waiting")[-1]
+        assert waiting["spare"] is True and "spare" in str(waiting["reason"]), waiting
+        wait_for(lambda: kinds(j, "s", "warm_ready"), BOUND, "the spare's warm interpreter")
+        assert not any(st["node"] == "s" for st in j.steps()), "the spare trained"
+        assert not kinds(j, "s", "workers_started")
+
+        ranks = {st["node"]: st["group_rank"] for st in j.steps()}
+        assert sorted(ranks) == ["a", "b"] and sorted(ranks.values()) == [0, 1]
+        b_id = kinds(j, "b", "round_joined")[-1]["node_id"]
+        b_pids = {st["pid"] for st in j.steps() if st["node"] == "b"}
+        mark = len(j.steps())
+        os.kill(b.proc.pid, signal.SIGKILL)  # the agent alone: its guard does the rest
+        wait_for(
+            lambda: steps_after(j, mark, lambda st: st["node"] == "s" and st["world"] == 2),
+            BOUND,
+            "the spare training at world 2",
+        )
+        assert b.wait(BOUND) == -signal.SIGKILL
+        wait_for(lambda: not any(pid_alive(p) for p in b_pids), BOUND, "the lost node's workers")
+
+        after = steps_after(j, mark, lambda st: st["world"] == 2 and st["node"] in ("a", "s"))
+        by_node = {st["node"]: st["group_rank"] for st in after}
+        assert by_node == {"a": ranks["a"], "s": ranks["b"]}, by_node
+        promoted = kinds(j, "s", "spare_promoted")
+        assert len(promoted) == 1, promoted
+        assert promoted[0]["group_rank"] == ranks["b"] and promoted[0]["replaces"] == b_id
+        joined_a = kinds(j, "a", "round_joined")[-1]
+        assert joined_a["group_rank"] == joined_a["previous_group_rank"] == ranks["a"]
+        check_finished(j, tmp_path, a, s)
