@@ -73,3 +73,29 @@ def test_a_killed_training_node_is_replaced_by_the_spare_with_its_rank(tmp_path:
         joined_a = kinds(j, "a", "round_joined")[-1]
         assert joined_a["group_rank"] == joined_a["previous_group_rank"] == ranks["a"]
         check_finished(j, tmp_path, a, s)
+
+
+def test_a_node_with_another_node_unit_gets_the_config_mismatch(tmp_path: Path) -> None:
+    port = free_port()
+    with job(tmp_path) as j:
+        a = j.start_agent("a", spare_flags(port, "a", j, host=True))
+        wait_for(lambda: kinds(j, "a", "node_joined"), BOUND, "the first node joined")
+        flags = [f for f in spare_flags(port, "b", j, host=False) if f != "--node-unit=2"]
+        b = j.start_agent("b", flags)
+        assert b.wait(BOUND) != 0
+        assert "node_unit: job has 2, this node has 1" in b.output(), b.output()[-3000:]
+        mismatch = kinds(j, "b", "config_mismatch")
+        assert mismatch and "node_unit: job has 2, this node has 1" in str(mismatch[0]["fields"])
+        assert a.proc.poll() is None  # the job goes on waiting for a second node
+        assert not j.steps()
+
+
+def test_an_impossible_policy_is_refused_before_joining(tmp_path: Path) -> None:
+    port = free_port()
+    with job(tmp_path) as j:
+        flags = [f for f in spare_flags(port, "a", j, host=True) if f != "--node-unit=2"]
+        a = j.start_agent("a", [*flags, "--node-unit=4"])
+        assert a.wait(BOUND) != 0
+        out = a.output()
+        assert "--node-unit=4 is larger than the most nodes --nnodes=2:3 allows" in out, out
+        assert not j.events("a") or not kinds(j, "a", "node_joined")
