@@ -9,12 +9,22 @@ the event logs record the promotion.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 from pathlib import Path
+from typing import Any
 
 from tests.helpers import free_port, pid_alive, wait_for
-from tests.integration.elastic_harness import BOUND, Job, check_finished, job, steps_after
+from tests.integration.elastic_harness import (
+    BOUND,
+    ELASTRUN,
+    Job,
+    check_finished,
+    job,
+    steps_after,
+)
 
 
 def spare_flags(port: int, name: str, j: Job, *, host: bool) -> list[str]:
@@ -32,8 +42,30 @@ def spare_flags(port: int, name: str, j: Job, *, host: bool) -> list[str]:
     ]
 
 
-def kinds(j: Job, name: str, kind: str) -> list[dict[str, object]]:
+def kinds(j: Job, name: str, kind: str) -> list[dict[str, Any]]:
     return [e for e in j.events(name) if e["kind"] == kind]
+
+
+def joined_id(j: Job, name: str) -> str:
+    return str(kinds(j, name, "round_joined")[-1]["node_id"])
+
+
+def status(port: int, *flags: str) -> str:
+    """``elastrun status`` of the job, as an operator runs it."""
+    proc = subprocess.run(
+        [*ELASTRUN, "status", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=spares", *flags],
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def status_json(port: int) -> dict[str, Any]:
+    summary: dict[str, Any] = json.loads(status(port, "--json"))
+    return summary
 
 
 def test_a_killed_training_node_is_replaced_by_the_spare_with_its_rank(tmp_path: Path) -> None:
@@ -53,6 +85,14 @@ def test_a_killed_training_node_is_replaced_by_the_spare_with_its_rank(tmp_path:
         ranks = {st["node"]: st["group_rank"] for st in j.steps()}
         assert sorted(ranks) == ["a", "b"] and sorted(ranks.values()) == [0, 1]
         b_id = kinds(j, "b", "round_joined")[-1]["node_id"]
+        s_id = kinds(j, "s", "node_waiting")[-1]["node_id"]
+        before = status_json(port)
+        assert before["state"] == "running" and before["node_unit"] == 2
+        assert [w["node_id"] for w in before["spares"]] == [s_id], before
+        assert len(before["members"]) == 2 and before["nodes_present"] == 3
+        table = status(port)
+        assert any(ln.startswith("spares: ") and s_id in ln for ln in table.splitlines()), table
+        assert "node unit 2" in table and "1 spare;" in table, table
         b_pids = {st["pid"] for st in j.steps() if st["node"] == "b"}
         mark = len(j.steps())
         os.kill(b.proc.pid, signal.SIGKILL)  # the agent alone: its guard does the rest
@@ -70,6 +110,14 @@ def test_a_killed_training_node_is_replaced_by_the_spare_with_its_rank(tmp_path:
         promoted = kinds(j, "s", "spare_promoted")
         assert len(promoted) == 1, promoted
         assert promoted[0]["group_rank"] == ranks["b"] and promoted[0]["replaces"] == b_id
+        after_status = wait_for(
+            lambda: (st := status_json(port))["state"] == "running" and st["round"] > 0 and st,
+            BOUND,
+            "status after the promotion",
+        )
+        assert after_status["spares"] == [], after_status
+        members = {m["node_id"]: m["group_rank"] for m in after_status["members"]}
+        assert members == {s_id: ranks["b"], joined_id(j, "a"): ranks["a"]}, after_status
         joined_a = kinds(j, "a", "round_joined")[-1]
         assert joined_a["group_rank"] == joined_a["previous_group_rank"] == ranks["a"]
         check_finished(j, tmp_path, a, s)

@@ -26,6 +26,8 @@ from elastrun.rendezvous import rounds as R
 from elastrun.rendezvous.api import RoundResult
 from elastrun.rendezvous.protocol import RoundClosed
 from elastrun.rendezvous.records import (
+    AgreedSettings,
+    ConfigRecord,
     JoinRecord,
     MemberRecord,
     NodeInfo,
@@ -36,6 +38,9 @@ from elastrun.rendezvous.records import (
     WaitingRecord,
 )
 from elastrun.rendezvous.sizes import WorldSizes, choose_members, promotions
+from elastrun.status.cli import render_table
+from elastrun.status.model import Summary
+from elastrun.status.summary import summarize
 from elastrun.store.base import KeyValue
 from elastrun.store.memory import MemoryStore
 from tests.unit.test_rdzv_timers import clock, handler, run
@@ -365,3 +370,34 @@ def test_bad_node_unit_flags_are_refused_naming_the_flags(
 def test_the_policy_in_words() -> None:
     assert WorldSizes(2, 5, 2).describe() == "--nnodes=2:5 --node-unit=2 allows world sizes 2, 4"
     assert WorldSizes(2, 3).describe() == "--nnodes=2:3"
+
+
+# -- status --------------------------------------------------------------------------------
+def _summary(unit: int, waiting: list[str]) -> Summary:
+    members = tuple(MemberRecord(n, f"h-{n}", "10.0.0.1", 1, i) for i, n in enumerate("ab"))
+    return summarize(
+        "job",
+        config=ConfigRecord(AgreedSettings(2, 4, 3, "default", 600.0, 30.0, node_unit=unit)),
+        round_rec=RoundRecord(0, RoundState.CLOSED, members=("a", "b")),
+        result=ResultRecord(0, members, "10.0.0.1", 5, closed_at=100.0),
+        prev_result=None,
+        joins={},
+        dones=set(),
+        nodes={"a", "b", *waiting},
+        waiting={n: WaitingRecord(n, f"h-{n}", 0) for n in waiting},
+        revision=7,
+        now=110.0,
+    )
+
+
+def test_status_shows_the_spares_beside_a_running_world() -> None:
+    one = _summary(2, ["s"])
+    assert [w.node_id for w in one.spares] == ["s"] and one.to_json()["node_unit"] == 2
+    text = render_table(one, "h:1")
+    assert "max 4, node unit 2), 3 present, 1 spare;" in text
+    assert "\nspares: h-s (s)" in text
+    # Two waiting nodes make a world of 4: they are about to join, not spares.
+    assert _summary(2, ["s", "t"]).spares == ()
+    # Unit 1 below max: a waiting node joins the next round.
+    assert _summary(1, ["s"]).spares == ()
+    assert "waiting: h-s (s)" in render_table(_summary(1, ["s"]), "h:1")
