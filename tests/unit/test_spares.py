@@ -401,3 +401,63 @@ def test_status_shows_the_spares_beside_a_running_world() -> None:
     # Unit 1 below max: a waiting node joins the next round.
     assert _summary(1, ["s"]).spares == ()
     assert "waiting: h-s (s)" in render_table(_summary(1, ["s"]), "h:1")
+
+
+# -- a survivor never loses its place to a spare -------------------------------------------
+def test_max_joined_waits_for_a_present_member_of_the_previous_round() -> None:
+    from elastrun.rendezvous.protocol import Act, Context, JoinersChanged, State
+    from elastrun.rendezvous.rules import Rules
+
+    m = Rules(Context(min_nodes=2, max_nodes=2, last_call_timeout=30.0, round=4), State.DECIDING)
+    acts = m.handle(JoinersChanged(now=1.0, count=2, decider=True, members_pending=True))
+    assert [a.type for a in acts] == [Act.ARM] and acts[0].deadline == 31.0
+    acts = m.handle(JoinersChanged(now=2.0, count=3, decider=True))
+    assert [a.reason for a in acts if a.type is Act.CLOSE_ROUND] == ["max_nodes"]
+
+
+def test_the_planner_sees_a_present_member_yet_to_join() -> None:
+    keys = K.Keys(RunId("j"))
+    view = P.View(decider=True, nodes_loaded=True)
+    rnd = RoundRecord(round=3, state=RoundState.OPEN, prev=(PrevMember("a", 0), PrevMember("b", 1)))
+    view.set_round(KeyValue(keys.round, rnd.encode(), 1, 1, 1))
+    for n in ("a", "s", "t"):
+        view.nodes[n] = KeyValue(keys.node(n), b"{}", 2, 2, 1)
+    for n in ("s", "t"):
+        view.joiners[n] = KeyValue(keys.join(3, n), b"{}", 3, 3, 1)
+    assert P.joiners_event(view, 0.0).members_pending  # a is present, not joined
+    del view.nodes["a"]
+    assert not P.joiners_event(view, 0.0).members_pending  # a is gone
+    view.nodes["a"] = KeyValue(keys.node("a"), b"{}", 2, 2, 1)
+    view.joiners["a"] = KeyValue(keys.join(3, "a"), b"{}", 4, 4, 1)
+    assert not P.joiners_event(view, 0.0).members_pending
+
+
+def test_a_slow_survivor_keeps_its_rank_though_two_spares_joined_first() -> None:
+    async def scenario() -> tuple[dict[str, int], dict[str, int], bool]:
+        store, run_id = MemoryStore(clock=clock()), f"j-{uuid.uuid4().hex[:6]}"
+        common = {**SPARES, "last_call_timeout": 30.0}
+        hs = {n: handler(store, run_id, n, **common) for n in ("a", "b", "s", "t")}
+        first = _by_node(list(await asyncio.gather(hs["a"].next_round(), hs["b"].next_round())))
+        spares = {n: asyncio.create_task(hs[n].next_round()) for n in ("s", "t")}
+        changes = {n: asyncio.create_task(hs[n].wait_for_change()) for n in ("a", "b")}
+        await clock().sleep_until(clock().monotonic() + 3 * TTL)
+        await hs["b"].keeper.stop(revoke=False)
+        changes["b"].cancel()
+        await changes["a"]
+        # The survivor stops its workers for 5 s; both spares join at once.
+        await clock().sleep_until(clock().monotonic() + 5.0)
+        mine = await hs["a"].next_round()
+        done, pending = await asyncio.wait(spares.values(), timeout=3 * TTL)
+        promoted = [t.result() for t in done]
+        after = _by_node([mine, *promoted])
+        left_waiting = len(pending) == 1
+        for t in pending:
+            t.cancel()
+        for n in ("a", "s", "t"):
+            await hs[n].shutdown()
+        return first, after, left_waiting
+
+    first, after, left_waiting = run(scenario)
+    assert after["a"] == first["a"] and len(after) == 2 and left_waiting
+    (spare,) = set(after) - {"a"}
+    assert after[spare] == first["b"]

@@ -346,8 +346,13 @@ def joiners_event(view: View, now: float) -> JoinersChanged:
         and all(nid in view.joiners for nid in view.nodes)
         and not view.waiting
     )
+    pending = view.nodes_loaded and any(
+        p.node_id in view.nodes and p.node_id not in view.joiners for p in prev
+    )
     count = len(view.joiners) if view.joined_count is None else view.joined_count
-    return JoinersChanged(now, count, decider=view.decider, all_joined=all_joined)
+    return JoinersChanged(
+        now, count, decider=view.decider, all_joined=all_joined, members_pending=pending
+    )
 
 
 def absent_members(view: View, r: int) -> list[MemberRecord]:

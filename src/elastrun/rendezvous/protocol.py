@@ -119,6 +119,10 @@ class JoinersChanged(Event):
     count: int  # live joiners of the round
     decider: bool = False  # this node is the round's decider
     all_joined: bool = False  # a re-formed round, and every present node joined
+    # A re-formed round, and a member of the previous round is present but has
+    # not joined yet: max joined does not close it (the survivor would lose its
+    # place to a spare); its joining, its leaving or the last call does.
+    members_pending: bool = False
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,10 @@ One node's life::
                                  (--MemberLost--> opens R+1, FINISHED)
     any --Shutdown--> LEFT
 
-Only the decider closes a round: at once when ``max`` nodes joined; when at
-least ``min`` joined, after ``last_call_timeout`` counted on its own monotonic
+Only the decider closes a round: at once when ``max`` nodes joined (in a
+re-formed round, once every present member of the previous round joined
+too, so that a survivor never loses its place to a spare); when at least
+``min`` joined, after ``last_call_timeout`` counted on its own monotonic
 clock from when it saw ``min`` reached -- or at once when this is a re-formed
 round (there was a previous round) and every node present in the job has
 joined (nobody is left to wait for, so recovery pays no last call).
@@ -81,7 +83,8 @@ DECIDING     RoundOpen        as in JOINING (staying DECIDING where JOINING stay
 DECIDING     RoundClosed      as in JOINING (staying DECIDING where JOINING stays)
 DECIDING     RoundFinished    as in JOINING (staying DECIDING where JOINING stays)
 DECIDING     RoundFailed      as in JOINING (staying DECIDING where JOINING stays)
-DECIDING     JoinersChanged   DECIDING: CLOSE_ROUND *max joined, or *a re-formed round that every
+DECIDING     JoinersChanged   DECIDING: CLOSE_ROUND *max joined and no present member of the
+                              previous round is yet to join, or *a re-formed round that every
                               present node joined, or *min joined and its last call (counted from
                               when min was reached) passed; else ARM(last_call) *min joined, else
                               CANCEL(last_call)
@@ -262,10 +265,10 @@ def _renew(ctx: Context, ev: LeaseLost) -> Outcome:
 
 
 def _decide(ctx: Context, ev: JoinersChanged) -> Outcome:
-    """DECIDING: CLOSE_ROUND *max joined, or *a re-formed round that every
-    present node joined, or *min joined and its last call (counted from when
-    min was reached) passed; else ARM(last_call) *min joined, else
-    CANCEL(last_call)"""
+    """DECIDING: CLOSE_ROUND *max joined and no present member of the
+    previous round is yet to join, or *a re-formed round that every present
+    node joined, or *min joined and its last call (counted from when min was
+    reached) passed; else ARM(last_call) *min joined, else CANCEL(last_call)"""
     count = ev.count
     if count < ctx.min_nodes:
         ctx = replace(ctx, min_reached_at=None, count=count)
@@ -273,7 +276,7 @@ def _decide(ctx: Context, ev: JoinersChanged) -> Outcome:
     reached = ctx.min_reached_at if ctx.min_reached_at is not None else ev.now
     ctx = replace(ctx, min_reached_at=reached, count=count)
     deadline = reached + ctx.last_call_timeout
-    if count >= ctx.max_nodes:
+    if count >= ctx.max_nodes and not ev.members_pending:
         why = "max_nodes"
     elif ev.all_joined:
         why = "all_rejoined"
