@@ -461,3 +461,32 @@ def test_a_slow_survivor_keeps_its_rank_though_two_spares_joined_first() -> None
     assert after["a"] == first["a"] and len(after) == 2 and left_waiting
     (spare,) = set(after) - {"a"}
     assert after[spare] == first["b"]
+
+
+# -- how long a spare waits -------------------------------------------------------------------
+def test_a_spare_waits_as_long_as_the_job_runs_then_its_join_timeout_counts_again() -> None:
+    async def scenario() -> tuple[bool, float, BaseException | None]:
+        store, run_id = MemoryStore(clock=clock()), f"j-{uuid.uuid4().hex[:6]}"
+        common = {**SPARES, "join_timeout": 60.0}
+        hs = {n: handler(store, run_id, n, **common) for n in ("a", "b", "s")}
+        await asyncio.gather(hs["a"].next_round(), hs["b"].next_round())
+        spare = asyncio.create_task(hs["s"].next_round())
+        # Ten join timeouts: the world trains, the spare waits on.
+        await clock().sleep_until(clock().monotonic() + 600.0)
+        waited = not spare.done()
+        for n in ("a", "b"):  # both training nodes are lost: the spare alone re-forms
+            await hs[n].keeper.stop(revoke=False)
+        lost_at = clock().monotonic()
+        error = None
+        try:
+            await spare
+        except RendezvousTimeout as e:
+            error = e
+        took = clock().monotonic() - lost_at
+        await hs["s"].shutdown()
+        return waited, took, error
+
+    waited, took, error = run(scenario)
+    assert waited, "the spare gave up while the job ran"
+    assert isinstance(error, RendezvousTimeout) and "1 of min 2 nodes" in str(error)
+    assert took == pytest.approx(60.0 + TTL, abs=1.0)  # the lease, then one join timeout

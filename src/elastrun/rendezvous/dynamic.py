@@ -126,6 +126,7 @@ class DynamicRendezvous(Rendezvous):
                 join_timeout=settings.join_timeout,
                 last_call_timeout=settings.last_call_timeout,
                 exit_barrier_timeout=settings.exit_barrier_timeout,
+                spares_wait=settings.node_unit > 1,
             )
         )
         self.keeper = LeaseKeeper(store, settings.lease_ttl, clock=clock, on_lost=self._lease_lost)

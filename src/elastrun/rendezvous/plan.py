@@ -308,7 +308,9 @@ def result_needed(view: View) -> int | None:
     return None if rec.round in view.results else rec.round
 
 
-def round_event(view: View, me: str, host: str, max_nodes: int, *, unit: int = 1) -> Event | None:
+def round_event(
+    view: View, me: str, host: str, max_nodes: int, *, unit: int = 1, now: float = 0.0
+) -> Event | None:
     """The event of the round record (a closed round's result must be in the
     view: :func:`result_needed`). A node outside a closed round has room when
     it makes a larger allowed world with the members (``--node-unit``
@@ -318,7 +320,7 @@ def round_event(view: View, me: str, host: str, max_nodes: int, *, unit: int = 1
         return None
     r, state = rec.round, rec.state
     if state is RoundState.OPEN:
-        return RoundOpen(r)
+        return RoundOpen(r, now)
     if state is RoundState.FINISHED:
         return RoundFinished(r)
     if state is RoundState.FAILED:

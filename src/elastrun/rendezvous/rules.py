@@ -64,17 +64,19 @@ IDLE         NextRound        SEEKING: CANCEL(last_call), ARM(join), READ_ROUND 
                               JOINING, DECIDING, WAITING, MEMBER)
 IDLE         WorkersFailed    IDLE (the round already moved on: not counted twice)
 any but LEFT Shutdown         LEFT: CANCEL(every timer), REVOKE
-SEEKING      RoundOpen        JOINING: JOIN(R) (also from WAITING)
+SEEKING      RoundOpen        JOINING: JOIN(R) (+ ARM(join) *it waited as a spare) (also from
+                              WAITING)
 SEEKING      RoundClosed      *me: SEEKING: OPEN_ROUND(member_rejoined); *not me: WAITING: WAIT (+
                               OPEN_ROUND(member_lost) *a member is gone, or
-                              OPEN_ROUND(node_waiting) *room)
+                              OPEN_ROUND(node_waiting) *room, or CANCEL(join) *a spare: a node
+                              unit, no room)
 SEEKING      RoundFinished    FINISHED: RAISE(RendezvousClosed)
 SEEKING      RoundFailed      FAILED: RAISE(RestartBudgetExhausted)
 SEEKING      JoinTimeout      IDLE: RAISE(RendezvousTimeout)
 SEEKING      LeaseLost        SEEKING: RENEW_LEASE, READ_ROUND (also from JOINING, WAITING)
 JOINING      RoundOpen        *newer R: JOINING: JOIN(R); else JOINING
 JOINING      RoundClosed      *me: MEMBER: CANCEL(join), RETURN_RESULT; *not me: WAITING: WAIT (+
-                              OPEN_ROUND *a member is gone or *room)
+                              OPEN_ROUND *a member is gone or *room, or CANCEL(join) *a spare)
 JOINING      RoundFinished    FINISHED: RAISE(RendezvousClosed)
 JOINING      RoundFailed      FAILED: RAISE(RestartBudgetExhausted)
 JOINING      JoinersChanged   *decider: as DECIDING; else JOINING (notes when min was reached)
@@ -91,7 +93,8 @@ DECIDING     JoinersChanged   DECIDING: CLOSE_ROUND *max joined and no present m
 DECIDING     LastCallExpired  DECIDING: CLOSE_ROUND(last_call) *min joined
 DECIDING     JoinTimeout      as in JOINING (staying DECIDING where JOINING stays)
 DECIDING     LeaseLost        as in JOINING (staying DECIDING where JOINING stays)
-WAITING      RoundClosed      *newer R, not me: WAITING: WAIT (+ OPEN_ROUND); else WAITING
+WAITING      RoundClosed      *newer R, not me: WAITING: WAIT (+ OPEN_ROUND, or CANCEL(join) *a
+                              spare); else WAITING
 WAITING      RoundFinished    FINISHED: RAISE(RendezvousClosed)
 WAITING      RoundFailed      FAILED: RAISE(RestartBudgetExhausted)
 WAITING      MemberLost       WAITING: OPEN_ROUND(member_lost)
@@ -223,7 +226,7 @@ def _next_round(ctx: Context, ev: NextRound) -> Outcome:
     deadline = ev.now + ctx.join_timeout
     return (
         S.SEEKING,
-        replace(ctx, min_reached_at=None, count=0),
+        replace(ctx, min_reached_at=None, count=0, spare=False),
         [
             Action(Act.CANCEL, timer=Timer.LAST_CALL),
             Action(Act.ARM, timer=Timer.JOIN, deadline=deadline),
@@ -233,24 +236,33 @@ def _next_round(ctx: Context, ev: NextRound) -> Outcome:
 
 
 def _join(ctx: Context, ev: RoundOpen, pre: list[Action] | None = None) -> Outcome:
-    """JOINING: JOIN(R)"""
-    fresh = replace(ctx, round=ev.round, min_reached_at=None, count=0)
-    return S.JOINING, fresh, [*(pre or []), Action(Act.JOIN, round=ev.round)]
+    """JOINING: JOIN(R) (+ ARM(join) *it waited as a spare)"""
+    fresh = replace(ctx, round=ev.round, min_reached_at=None, count=0, spare=False)
+    acts = [*(pre or [])]
+    if ctx.spare:
+        acts.append(Action(Act.ARM, timer=Timer.JOIN, deadline=ev.now + ctx.join_timeout))
+    return S.JOINING, fresh, [*acts, Action(Act.JOIN, round=ev.round)]
 
 
 def _wait(ctx: Context, ev: RoundClosed, pre: list[Action] | None = None) -> Outcome:
     acts = [*(pre or []), Action(Act.WAIT, round=ev.round)]
+    spare = False
     if ev.lost:
         acts.append(Action(Act.OPEN_ROUND, round=ev.round, reason="member_lost", detail=ev.lost))
     elif ev.room:
         acts.append(Action(Act.OPEN_ROUND, round=ev.round, reason="node_waiting", detail=ev.detail))
-    return S.WAITING, replace(ctx, round=ev.round, min_reached_at=None, count=0), acts
+    elif ctx.spares_wait:
+        # A hot spare waits as long as the job runs: no join timeout.
+        acts.append(Action(Act.CANCEL, timer=Timer.JOIN))
+        spare = True
+    waiting = replace(ctx, round=ev.round, min_reached_at=None, count=0, spare=spare)
+    return S.WAITING, waiting, acts
 
 
 def _seeking_closed(ctx: Context, ev: RoundClosed) -> Outcome:
     """*me: SEEKING: OPEN_ROUND(member_rejoined); *not me: WAITING: WAIT
     (+ OPEN_ROUND(member_lost) *a member is gone, or OPEN_ROUND(node_waiting)
-    *room)"""
+    *room, or CANCEL(join) *a spare: a node unit, no room)"""
     if ev.member:
         # Asked for a new round while a member of the current one (the agent
         # lost its workers without a restart): open the next one.
@@ -320,7 +332,7 @@ def _cancel_last_call(ctx: Context) -> list[Action]:
 
 def _joining_closed(ctx: Context, ev: RoundClosed) -> Outcome:
     """*me: MEMBER: CANCEL(join), RETURN_RESULT; *not me: WAITING: WAIT
-    (+ OPEN_ROUND *a member is gone or *room)"""
+    (+ OPEN_ROUND *a member is gone or *room, or CANCEL(join) *a spare)"""
     pre = _cancel_last_call(ctx)
     if ev.member:
         return (
@@ -345,7 +357,8 @@ def _join_timeout(ctx: Context, ev: JoinTimeout) -> Outcome:
 
 
 def _waiting_closed(ctx: Context, ev: RoundClosed) -> Outcome:
-    """*newer R, not me: WAITING: WAIT (+ OPEN_ROUND); else WAITING"""
+    """*newer R, not me: WAITING: WAIT (+ OPEN_ROUND, or CANCEL(join) *a
+    spare); else WAITING"""
     if ev.round > ctx.round and not ev.member:
         return _wait(ctx, ev)
     return S.WAITING, ctx, []

@@ -96,7 +96,14 @@ class Observer:
             await self.get_result(needed)
         node = self.node
         s = node.settings
-        return P.round_event(self.view, node.node_id, node.host, s.max_nodes, unit=s.node_unit)
+        return P.round_event(
+            self.view,
+            node.node_id,
+            node.host,
+            s.max_nodes,
+            unit=s.node_unit,
+            now=node.clock.monotonic(),
+        )
 
     # -- joiners (for the join-timeout message) ---------------------------------
     def saw_joiners(self, r: int, kvs: Iterable[KeyValue]) -> None:
