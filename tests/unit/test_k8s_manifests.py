@@ -30,7 +30,7 @@ from elastrun.launcher.cli import parse
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "kubernetes"
 MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
-AGENT_MANIFESTS = ["job.yaml", "statefulset.yaml", "pytorchjob.yaml"]
+AGENT_MANIFESTS = ["job.yaml", "job-spares.yaml", "statefulset.yaml", "pytorchjob.yaml"]
 OLDEST_K8S = (1, 27)  # docs/kubernetes.md: "Needs Kubernetes 1.27 or newer"
 
 # Values the downward API would give, for the $(VAR) expansion.
@@ -146,9 +146,15 @@ def agent_argv(c: dict[str, Any], added: list[dict[str, Any]] | None = None) -> 
     return words[1:]
 
 
-WORKLOADS = {"job.yaml": "Job", "statefulset.yaml": "StatefulSet", "pytorchjob.yaml": "PyTorchJob"}
+WORKLOADS = {
+    "job.yaml": "Job",
+    "job-spares.yaml": "Job",
+    "statefulset.yaml": "StatefulSet",
+    "pytorchjob.yaml": "PyTorchJob",
+}
 AGENT_CONTAINER = {
     "job.yaml": "elastrun",
+    "job-spares.yaml": "elastrun",
     "statefulset.yaml": "elastrun",
     "pytorchjob.yaml": "pytorch",
 }
@@ -229,7 +235,13 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_manifests_exist() -> None:
     names = {p.name for p in MANIFESTS}
-    assert {"etcd.yaml", "job.yaml", "statefulset.yaml", "pytorchjob.yaml"} <= names
+    assert {
+        "etcd.yaml",
+        "job.yaml",
+        "job-spares.yaml",
+        "statefulset.yaml",
+        "pytorchjob.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
@@ -374,7 +386,7 @@ def test_agent_command_line_parses_with_elastrun(
     assert plan.rendezvous.max_restarts >= 1
     assert plan.conf.key_prefix == f"/elastrun-k8s/{FIELD_VALUES['metadata.namespace']}"
     assert plan.rendezvous.lease_ttl > 0
-    if name == "job.yaml":
+    if name in ("job.yaml", "job-spares.yaml"):
         label = FIELD_VALUES["metadata.labels['batch.kubernetes.io/controller-uid']"]
         assert plan.run_id.endswith(label), "the run id must be unique per Job"
     else:
@@ -384,11 +396,15 @@ def test_agent_command_line_parses_with_elastrun(
     spec = workload["spec"]
     pods = {
         "job.yaml": lambda: spec["parallelism"],
+        "job-spares.yaml": lambda: spec["parallelism"],
         "statefulset.yaml": lambda: spec["replicas"],
         "pytorchjob.yaml": lambda: spec["pytorchReplicaSpecs"]["Worker"]["replicas"],
     }[name]()
     assert plan.rendezvous.min_nodes <= pods <= plan.rendezvous.max_nodes
     assert plan.rendezvous.min_nodes < plan.rendezvous.max_nodes, "elastic: MIN < MAX"
+    if name == "job-spares.yaml":  # N+S pods: at least one waits as a hot spare
+        assert plan.rendezvous.node_unit > 1
+        assert pods > plan.rendezvous.sizes().fit(pods - 1) == plan.rendezvous.sizes().largest
 
     # the etcd endpoints are the etcd StatefulSet's members, through its headless Service
     sts = etcd_statefulset()
@@ -542,7 +558,7 @@ def test_dockerfile_matches_the_project() -> None:
 
 def test_docs_name_files_that_exist_and_commands_that_parse(clean_env: None) -> None:
     text = (ROOT / "docs" / "kubernetes.md").read_text(encoding="utf-8")
-    for rel in set(re.findall(r"deploy/kubernetes/[\w.]+", text)):
+    for rel in set(re.findall(r"deploy/kubernetes/[\w.-]+", text)):
         assert (ROOT / rel).exists(), rel
     assert "docs/kubernetes.md" in (ROOT / "README.md").read_text(encoding="utf-8")
     # every `elastrun status` shown uses the job's etcd endpoints and key prefix
