@@ -64,6 +64,7 @@ class Executor:
         self.timers = timers  # the driver's armed deadlines (absolute, monotonic)
         self.failure: FailureRecord | None = None  # the last failure reported
         self.port = 0  # the master port this node offers (picked once)
+        self.notice: Callable[[str], None] | None = None  # a line for the operator
 
     @property
     def _waiting_key(self) -> str:
@@ -134,13 +135,25 @@ class Executor:
             master=str(Endpoint(result.master_addr, result.master_port)),
             restart_count=result.restart_count,
         )
-        stored = self.observer.view.results.get(a.round)
-        for nid, rank, lost in _promotions(rec, stored.members if stored else ()):
-            if nid == node.node_id:
-                node.events.emit(
-                    "spare_promoted", round=a.round, node=nid, group_rank=rank, replaces=lost
-                )
+        self._report_promotion(a.round, rec)
         return Outcome(result=result)
+
+    def _report_promotion(self, r: int, rec: RoundRecord | None) -> None:
+        """This node was not a member of the round before ``r``: say whose
+        place it took (the event log; the console when it replaces a lost node)."""
+        node, stored = self.node, self.observer.view.results.get(r)
+        if rec is None or rec.round != r or stored is None:
+            return
+        for nid, rank, lost in _promotions(rec, stored.members):
+            if nid != node.node_id:
+                continue
+            node.events.emit("spare_promoted", round=r, node=nid, group_rank=rank, replaces=lost)
+            if lost is not None and self.notice is not None:
+                # Node ids are checked ([A-Za-z0-9._-]): nothing to escape.
+                self.notice(
+                    f"elastrun: round {r}: this node trains as group rank {rank}, "
+                    f"in place of lost node {lost}"
+                )
 
     async def _return_change(self, a: Action) -> Outcome:
         return Outcome(change=rounds.round_change(self.observer.view.round, a.reason, a.detail))

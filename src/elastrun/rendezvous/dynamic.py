@@ -347,6 +347,7 @@ class DynamicRendezvous(Rendezvous):
 
     def attach(self, hooks: RendezvousHooks) -> None:
         self.hooks = hooks
+        self._executor.notice = hooks.notice
         if self.keeper.alive:  # held already: said now, as it would have been
             self._lease_changed(self.keeper.lease)
 
