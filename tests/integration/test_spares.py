@@ -110,7 +110,7 @@ def test_a_killed_training_node_is_replaced_by_the_spare_with_its_rank(tmp_path:
         promoted = kinds(j, "s", "spare_promoted")
         assert len(promoted) == 1, promoted
         assert promoted[0]["group_rank"] == ranks["b"] and promoted[0]["replaces"] == b_id
-        said = f"this node trains as group rank {ranks['b']}, in place of lost node {b_id}"
+        said = f"this spare trains now, as group rank {ranks['b']}, in place of node {b_id},"
         assert said in s.output(), s.output()[-3000:]
         after_status = wait_for(
             lambda: (st := status_json(port))["state"] == "running" and st["round"] > 0 and st,

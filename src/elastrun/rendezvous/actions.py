@@ -65,6 +65,7 @@ class Executor:
         self.failure: FailureRecord | None = None  # the last failure reported
         self.port = 0  # the master port this node offers (picked once)
         self.notice: Callable[[str], None] | None = None  # a line for the operator
+        self.waited_as_spare = False  # this node's last wait was as a spare
 
     @property
     def _waiting_key(self) -> str:
@@ -96,6 +97,7 @@ class Executor:
         node = self.node
         rec = WaitingRecord(node.node_id, node.host, a.round)
         await node.store.put(self._waiting_key, rec.encode(), self.keeper.lease)
+        self.waited_as_spare = self._spare(a.round)
         node.events.emit(
             "node_waiting",
             round=a.round,
@@ -136,11 +138,13 @@ class Executor:
             restart_count=result.restart_count,
         )
         self._report_promotion(a.round, rec)
+        self.waited_as_spare = False
         return Outcome(result=result)
 
     def _report_promotion(self, r: int, rec: RoundRecord | None) -> None:
         """This node was not a member of the round before ``r``: say whose
-        place it took (the event log; the console when it replaces a lost node)."""
+        place it took (the event log; the console too when it waited as a
+        spare and took the rank of a member that left the group)."""
         node, stored = self.node, self.observer.view.results.get(r)
         if rec is None or rec.round != r or stored is None:
             return
@@ -148,11 +152,11 @@ class Executor:
             if nid != node.node_id:
                 continue
             node.events.emit("spare_promoted", round=r, node=nid, group_rank=rank, replaces=lost)
-            if lost is not None and self.notice is not None:
+            if lost is not None and self.waited_as_spare and self.notice is not None:
                 # Node ids are checked ([A-Za-z0-9._-]): nothing to escape.
                 self.notice(
-                    f"elastrun: round {r}: this node trains as group rank {rank}, "
-                    f"in place of lost node {lost}"
+                    f"elastrun: round {r}: this spare trains now, as group rank {rank}, "
+                    f"in place of node {lost}, which left the group"
                 )
 
     async def _return_change(self, a: Action) -> Outcome:
