@@ -490,3 +490,16 @@ def test_a_spare_waits_as_long_as_the_job_runs_then_its_join_timeout_counts_agai
     assert waited, "the spare gave up while the job ran"
     assert isinstance(error, RendezvousTimeout) and "1 of min 2 nodes" in str(error)
     assert took == pytest.approx(60.0 + TTL, abs=1.0)  # the lease, then one join timeout
+
+
+def test_the_timeline_marks_a_promotion() -> None:
+    from elastrun.status.timeline import LoggedEvent, render_html
+
+    base = {"v": 1, "run_id": "j", "host": "h-s", "node_id": "s", "source": "rendezvous"}
+    raw = [
+        {**base, "ts": 1.0, "kind": "round_opened", "round": 1, "reason": "member_lost"},
+        {**base, "ts": 2.0, "kind": "spare_promoted", "round": 1, "group_rank": 1, "replaces": "b"},
+        {**base, "ts": 3.0, "kind": "workers_started", "round": 1, "world_size": 2},
+    ]
+    events = [e for e in (LoggedEvent.from_json(r) for r in raw) if e is not None]
+    assert "promoted: group rank 1, in place of b" in render_html(events)
