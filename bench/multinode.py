@@ -1,8 +1,10 @@
 """Scenarios with several agents on a c10d rendezvous: scale-up and node loss
-(3+4), partition (5), rendezvous scale (6). See docs/benchmarks.md."""
+(3+4), partition (5), rendezvous scale (6), a node lost beside a hot spare
+(7). See docs/benchmarks.md."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from bench.base import Context, count_steps, launcher_env, pause, steps_after
@@ -195,3 +197,164 @@ def rdzv_scale(n: int) -> Callable[[Context], None]:
         ctx.out["all_exited"] = t_exit - t0
 
     return fn
+
+
+# --------------------------------------------------------------------------- 7. hot spares
+
+
+SPARE_LINE = "waiting as a spare"
+
+
+def spare_loss(ctx: Context) -> None:
+    """Three agents for a world of 2: elastrun with ``--nnodes=2:3
+    --node-unit=2`` (two train, the third waits as a hot spare); torchrun with
+    the same nodes and ``--nnodes=2:3`` (it has no node unit: the third joins
+    and the world becomes 3). A training node (not the store's host) is then
+    SIGKILLed with all its processes: time until every rank steps at world 2
+    again, and whether the ranks of the nodes that keep training stayed."""
+    run, cfg, s = ctx.run, ctx.cfg, ctx.settings
+    port = free_port()
+    endpoint, run_id = f"127.0.0.1:{port}", f"bench{port}"
+    ctx.info["rdzv_endpoint"] = endpoint
+    unit = ("--node-unit=2",) if cfg.launcher == "elastrun" else ()
+
+    def start(name: str, is_host: bool = False) -> Agent:
+        argv = agent_argv(cfg, "2:3", endpoint, is_host, run_id, *unit)
+        return run.start_agent(name, argv, {**launcher_env(cfg), "BENCH_NODE": name})
+
+    a, b = start("agent-a", is_host=True), start("agent-b")
+    run.wait(
+        f"{s.warm_steps} steps at world 2",
+        lambda log: count_steps(log, 2) >= 2 * s.warm_steps,
+        s.start_timeout,
+        alive=[a, b],
+        stall=s.restart_stall,
+    )
+    c = start("agent-c")
+    if unit:
+        run.wait(
+            "the 3rd agent waiting as a spare",
+            lambda log: SPARE_LINE in c.log_path.read_text(errors="replace"),
+            s.phase_timeout,
+            alive=[a, b, c],
+        )
+        t_settled = time.monotonic()
+        run.wait(
+            f"{s.warm_steps} more steps at world 2 beside the spare",
+            lambda log: count_steps(log, 2, after=t_settled) >= 2 * s.warm_steps,
+            s.phase_timeout,
+            alive=[a, b, c],
+            stall=s.restart_stall,
+        )
+    else:
+        t3 = run.wait(
+            "training at world 3",
+            lambda log: steps_after(log, c.t_launch, 3),
+            s.phase_timeout,
+            alive=[a, b, c],
+            stall=s.restart_stall,
+        )
+        run.wait(
+            f"{s.warm_steps} steps at world 3",
+            lambda log: count_steps(log, 3, after=t3) >= 3 * s.warm_steps,
+            s.phase_timeout,
+            alive=[a, b, c],
+            stall=s.restart_stall,
+        )
+    before = {e["node"]: e["group_rank"] for e in run.log.select("step")}
+    ctx.info["world_with_3_nodes"] = max(int(e["world"]) for e in run.log.select("step"))
+    t_kill = run.kill_node(b)
+    t_back = run.wait(
+        "training at world 2 after the loss",
+        lambda log: steps_after(log, t_kill, 2),
+        s.phase_timeout,
+        alive=[a, c],
+        stall=s.loss_stall(cfg),
+    )
+    ctx.out["spare_loss"] = t_back - t_kill
+    after = {
+        e["node"]: e["group_rank"]
+        for e in run.log.select("step", after=t_kill)
+        if int(e["world"]) == 2
+    }
+    ctx.info["ranks_after"] = after
+    ctx.info["survivor_kept_rank"] = after.get("agent-a") == before.get("agent-a")
+    ctx.info["third_took_lost_rank"] = after.get("agent-c") == before.get("agent-b")
+    gap = pause(
+        run.log,
+        t_kill,
+        lambda e: e.get("node") == "agent-a",
+        lambda e: int(e["world"]) == 2 and e["t"] > t_kill,
+    )
+    if gap is not None:
+        ctx.out["pause_spare_loss"] = gap
+    run.stop()
+    try:
+        run.wait_exit([a, c], s.exit_timeout)
+    except BenchFailure as exc:
+        ctx.notes.append(f"after the measurement: {exc}")
+
+
+def spare_partition(ctx: Context) -> None:
+    """As :func:`spare_loss`, each agent in a network namespace of its own,
+    and the training node's link is cut instead (packets dropped, no resets):
+    elastrun replaces it once its lease lapses (``lease_ttl``)."""
+    with NetnsLab(3) as lab:
+        try:
+            _spare_partition(ctx, lab)
+        finally:
+            ctx.run.cleanup()  # before the namespaces go
+
+
+def _spare_partition(ctx: Context, lab: NetnsLab) -> None:
+    run, cfg, s = ctx.run, ctx.cfg, ctx.settings
+    port = free_port()
+    endpoint = f"{lab.addr(0)}:{port}"
+    ctx.info["rdzv_endpoint"] = endpoint
+    unit = ("--node-unit=2",) if cfg.launcher == "elastrun" else ()
+
+    def start(i: int) -> Agent:
+        argv = agent_argv(
+            cfg, "2:3", endpoint, i == 0, f"bench{port}", f"--local-addr={lab.addr(i)}", *unit
+        )
+        env = {**launcher_env(cfg), "GLOO_SOCKET_IFNAME": "eth0", "BENCH_NODE": f"agent-{i}"}
+        return run.start_agent(f"agent-{i}", [*lab.exec_prefix(i), *argv], env)
+
+    a, b = start(0), start(1)
+    run.wait(
+        f"{s.warm_steps} steps at world 2",
+        lambda log: count_steps(log, 2) >= 2 * s.warm_steps,
+        s.start_timeout,
+        alive=[a, b],
+        stall=s.restart_stall,
+    )
+    c = start(2)
+    world = 2 if unit else 3
+    if unit:
+        run.wait(
+            "the 3rd agent waiting as a spare",
+            lambda log: SPARE_LINE in c.log_path.read_text(errors="replace"),
+            s.phase_timeout,
+            alive=[a, b, c],
+        )
+    t_settled = time.monotonic()
+    run.wait(
+        f"{s.warm_steps} steps at world {world} with the 3rd agent",
+        lambda log: count_steps(log, world, after=t_settled) >= world * s.warm_steps,
+        s.phase_timeout,
+        alive=[a, b, c],
+        stall=s.restart_stall,
+    )
+    t_cut = lab.partition(1)
+    t_back = run.wait(
+        "training at world 2 after the partition",
+        lambda log: steps_after(log, t_cut, 2),
+        s.partition_timeout,
+        alive=[a, c],
+    )
+    ctx.out["spare_partition"] = t_back - t_cut
+    run.stop()
+    try:
+        run.wait_exit([a, c], s.exit_timeout)
+    except BenchFailure as exc:
+        ctx.notes.append(f"after the measurement: {exc}")

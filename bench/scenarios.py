@@ -249,6 +249,27 @@ _LOSS = (
         "training pause of the survivors: last step before the kill -> first at world 2",
     ),
 )
+_SPARE = (
+    (
+        "spare_loss",
+        "s",
+        "3 agents for a world of 2 (elastrun: --node-unit=2, one spare; torchrun: world 3); "
+        "a training node SIGKILLed -> every rank steps at world 2",
+    ),
+    (
+        "pause_spare_loss",
+        "s",
+        "training pause of the surviving node: last step before the kill -> first at world 2",
+    ),
+)
+_SPARE_PART = (
+    (
+        "spare_partition",
+        "s",
+        "as spare_loss, one network namespace per agent; a training node's link cut "
+        "(packets dropped) -> every rank steps at world 2",
+    ),
+)
 _PART = (
     ("world3_first_step", "s", "launch of 3 agents (one network namespace each) -> world 3"),
     ("partition", "s", "3rd node's link cut (packets dropped) -> survivors step at world 2"),
@@ -363,6 +384,29 @@ def catalogue(quick: bool) -> list[Scenario]:
             est_s=_est(37.0, 20.2, 37.5, 12.4),
         )
     )
+    out.append(
+        Scenario(
+            "spare_loss_2to3",
+            "spares",
+            "Hot spare, c10d --nnodes=2:3 (elastrun --node-unit=2): SIGKILL a training node",
+            _SPARE,
+            multinode.spare_loss,
+            worker_env=UNTIL_STOPPED,
+            est_s=_EST_MEMBERSHIP[True],
+        )
+    )
+    out.append(
+        Scenario(
+            "spare_partition_2to3",
+            "spares_partition",
+            "Hot spare in network namespaces, c10d --nnodes=2:3 (elastrun --node-unit=2): "
+            "cut a training node's link",
+            _SPARE_PART,
+            multinode.spare_partition,
+            worker_env=UNTIL_STOPPED,
+            est_s=_est(37.0, 20.2, 37.5, 12.4),
+        )
+    )
     rdzv_est = {
         4: _est(5.1, 0.7, 5.7, 0.8),
         8: _est(9.4, 1.5, 9.7, 1.5),
@@ -405,15 +449,22 @@ GROUPS = (
     "memory",
 )
 # Selected only by name (--scenarios): the same phases at --nnodes=1:3, and the
-# worker crash with the trivial floor worker.
-EXTRA_GROUPS = ("scale_up_1to3", "node_loss_1to3", "worker_crash_floor")
+# worker crash with the trivial floor worker, and the hot spare (docs/spares.md).
+EXTRA_GROUPS = (
+    "scale_up_1to3",
+    "node_loss_1to3",
+    "worker_crash_floor",
+    "spares",
+    "spares_partition",
+)
 QUICK_GROUPS = ("cold_start", "worker_crash")
 
 
 def select(groups: Sequence[str], quick: bool) -> list[Scenario]:
     scenarios = [sc for sc in catalogue(quick) if sc.group in groups]
-    if "partition" in groups and partition_status() is not None:
-        scenarios = [sc for sc in scenarios if sc.group != "partition"]
+    netns_groups = {"partition", "spares_partition"}
+    if netns_groups & set(groups) and partition_status() is not None:
+        scenarios = [sc for sc in scenarios if sc.group not in netns_groups]
     # node_loss runs include the scale-up phase; no need to run it twice.
     for loss, join in (("node_loss", "scale_up"), ("node_loss_1to3", "scale_up_1to3")):
         if loss in groups:

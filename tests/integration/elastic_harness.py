@@ -50,7 +50,9 @@ class Job:
 
     def start_agent(self, name: str, flags: list[str], script: str = "elastic_worker.py") -> Agent:
         log_path = self.dir / f"agent-{name}.log"
-        env = dict(os.environ, ELASTIC_TEST_DIR=str(self.dir), PYTHONUNBUFFERED="1")
+        env = dict(
+            os.environ, ELASTIC_TEST_DIR=str(self.dir), ELASTIC_TEST_NODE=name, PYTHONUNBUFFERED="1"
+        )
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 [*ELASTRUN, *flags, str(SCRIPTS / script)],
@@ -71,6 +73,17 @@ class Job:
         for line in path.read_text().splitlines():
             with contextlib.suppress(json.JSONDecodeError):
                 out.append(json.loads(line))
+        return out
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        """Agent ``name``'s event log, where its flags put it
+        (``--events-file={dir}/events-{name}.jsonl``); a torn last line is skipped."""
+        path = self.dir / f"events-{name}.jsonl"
+        out = []
+        if path.exists():
+            for line in path.read_text().splitlines():
+                with contextlib.suppress(json.JSONDecodeError):
+                    out.append(json.loads(line))
         return out
 
     def touch(self, name: str) -> None:

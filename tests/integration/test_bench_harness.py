@@ -85,6 +85,8 @@ def test_full_catalogue_covers_every_group() -> None:
         "scale_up_1to3",
         "node_loss_1to3",
         "worker_crash_floor",
+        "spares",
+        "spares_partition",
     }
     names = [sc.name for sc in catalogue(quick=False)]
     assert len(names) == len(set(names))
@@ -94,6 +96,8 @@ def test_full_catalogue_covers_every_group() -> None:
     assert "node_loss_2to3" in full
     assert not [n for n in full if n.startswith("scale_up") or n.endswith("1to3")]
     assert [sc.name for sc in select(["node_loss_1to3"], quick=False)] == ["node_loss_1to3"]
+    assert not [n for n in full if n.startswith("spare")]
+    assert [sc.name for sc in select(["spares"], quick=False)] == ["spare_loss_2to3"]
 
 
 def test_every_scenario_has_an_estimate_and_the_report_shows_wall_time() -> None:

@@ -293,3 +293,67 @@ def test_batch_script_requeues_on_sigusr1_and_exits_with_srun(tmp_path: Path) ->
     assert ns.checkpoint_dir == str(ckpt)
     # One worker per GPU, each on its own GPU: the script runs on CUDA, not 8 CPU workers.
     assert "--nproc-per-node=gpu" in args[4:script_at] and ns.device == "cuda"
+
+
+@pytest.mark.timeout(240)
+def test_the_recipe_with_a_hot_spare_replaces_a_lost_node(tmp_path: Path) -> None:
+    """Three SLURM nodes with ELASTRUN_NNODES=2:3 ELASTRUN_NODE_UNIT=2: two train, one
+    waits as a spare; a training node's agent SIGKILLed, the spare trains in its place."""
+    bin_dir = fake_bin(tmp_path, srun=False)
+    port = free_port()
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    def events(node: int) -> list[dict[str, Any]]:
+        return read_jsonl(tmp_path / f"events-node{node}.jsonl")
+
+    def steps() -> list[dict[str, Any]]:
+        return read_jsonl(tmp_path / "steps.jsonl")
+
+    try:
+        for node in range(3):
+            env = slurm_env(tmp_path, node, 3, bin_dir)
+            env.update(ELASTRUN_PORT=str(port), ELASTRUN_NNODES="2:3", ELASTRUN_NODE_UNIT="2")
+            argv = [
+                str(NODE_SCRIPT),
+                *sbatch_elastrun_flags(),
+                "--nproc-per-node=1",
+                f"--events-file={tmp_path / f'events-node{node}.jsonl'}",
+                str(WORKER),
+            ]
+            with open(tmp_path / f"node{node}.log", "wb") as out:
+                procs[node] = subprocess.Popen(
+                    argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )  # fmt: skip
+            if node == 1:
+                wait_for(lambda: any(s["world"] == 2 for s in steps()), BOUND, "world 2")
+        wait_for(
+            lambda: any(e["kind"] == "node_waiting" and e["spare"] for e in events(2)),
+            BOUND,
+            "the third node waiting as a spare",
+        )
+        by_node = {s["slurm_node"]: s["group_rank"] for s in steps()}
+        assert sorted(by_node) == ["0", "1"], by_node
+        mark = len(steps())
+        os.kill(procs[1].pid, signal.SIGKILL)  # the agent: its guard takes its workers
+        wait_for(
+            lambda: any(s["slurm_node"] == "2" and s["world"] == 2 for s in steps()[mark:]),
+            BOUND,
+            "the spare training at world 2",
+        )
+        after = {s["slurm_node"]: s["group_rank"] for s in steps()[mark:] if s["world"] == 2}
+        assert after == {"0": by_node["0"], "2": by_node["1"]}, after
+        (tmp_path / "finish").write_text("")
+        for node in (0, 2):
+            assert procs[node].wait(BOUND) == 0, (tmp_path / f"node{node}.log").read_text()[-3000:]
+    finally:
+        stop_groups(*procs.values())
+        for s in read_jsonl(tmp_path / "steps.jsonl"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(s["pid"]), signal.SIGKILL)
+    started = next(e for e in events(2) if e["kind"] == "agent_started")
+    assert (started["min_nodes"], started["max_nodes"], started["node_unit"]) == (2, 3, 2)
+    assert [e["replaces"] for e in events(2) if e["kind"] == "spare_promoted"] == [
+        next(e for e in events(1) if e["kind"] == "round_joined")["node_id"]
+    ]
+    wait_for(lambda: not any(pid_alive(int(s["pid"])) for s in steps()), BOUND, "workers gone")

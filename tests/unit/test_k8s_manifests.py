@@ -30,7 +30,13 @@ from elastrun.launcher.cli import parse
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "kubernetes"
 MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
-AGENT_MANIFESTS = ["job.yaml", "job-gpu.yaml", "statefulset.yaml", "pytorchjob.yaml"]
+AGENT_MANIFESTS = [
+    "job.yaml",
+    "job-gpu.yaml",
+    "job-spares.yaml",
+    "statefulset.yaml",
+    "pytorchjob.yaml",
+]
 GPUS_PER_POD = 8  # what job-gpu.yaml asks for; this machine has none
 OLDEST_K8S = (1, 27)  # docs/kubernetes.md: "Needs Kubernetes 1.27 or newer"
 
@@ -150,12 +156,14 @@ def agent_argv(c: dict[str, Any], added: list[dict[str, Any]] | None = None) -> 
 WORKLOADS = {
     "job.yaml": "Job",
     "job-gpu.yaml": "Job",
+    "job-spares.yaml": "Job",
     "statefulset.yaml": "StatefulSet",
     "pytorchjob.yaml": "PyTorchJob",
 }
 AGENT_CONTAINER = {
     "job.yaml": "elastrun",
     "job-gpu.yaml": "elastrun",
+    "job-spares.yaml": "elastrun",
     "statefulset.yaml": "elastrun",
     "pytorchjob.yaml": "pytorch",
 }
@@ -236,7 +244,14 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_manifests_exist() -> None:
     names = {p.name for p in MANIFESTS}
-    assert {"etcd.yaml", "job.yaml", "statefulset.yaml", "pytorchjob.yaml"} <= names
+    assert {
+        "etcd.yaml",
+        "job.yaml",
+        "job-gpu.yaml",
+        "job-spares.yaml",
+        "statefulset.yaml",
+        "pytorchjob.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
@@ -383,7 +398,7 @@ def test_agent_command_line_parses_with_elastrun(
     assert plan.rendezvous.max_restarts >= 1
     assert plan.conf.key_prefix == f"/elastrun-k8s/{FIELD_VALUES['metadata.namespace']}"
     assert plan.rendezvous.lease_ttl > 0
-    if name in ("job.yaml", "job-gpu.yaml"):
+    if name in ("job.yaml", "job-gpu.yaml", "job-spares.yaml"):
         label = FIELD_VALUES["metadata.labels['batch.kubernetes.io/controller-uid']"]
         assert plan.run_id.endswith(label), "the run id must be unique per Job"
     else:
@@ -394,11 +409,15 @@ def test_agent_command_line_parses_with_elastrun(
     pods = {
         "job.yaml": lambda: spec["parallelism"],
         "job-gpu.yaml": lambda: spec["parallelism"],
+        "job-spares.yaml": lambda: spec["parallelism"],
         "statefulset.yaml": lambda: spec["replicas"],
         "pytorchjob.yaml": lambda: spec["pytorchReplicaSpecs"]["Worker"]["replicas"],
     }[name]()
     assert plan.rendezvous.min_nodes <= pods <= plan.rendezvous.max_nodes
     assert plan.rendezvous.min_nodes < plan.rendezvous.max_nodes, "elastic: MIN < MAX"
+    if name == "job-spares.yaml":  # N+S pods: at least one waits as a hot spare
+        assert plan.rendezvous.node_unit > 1
+        assert pods > plan.rendezvous.sizes().fit(pods - 1) == plan.rendezvous.sizes().largest
 
     # the etcd endpoints are the etcd StatefulSet's members, through its headless Service
     sts = etcd_statefulset()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import math
 
 from elastrun.agent.waiting import WaitingConsole, describe, format_duration
 from elastrun.clock import Clock, VirtualTimeLoop, run_virtual
@@ -145,3 +146,26 @@ def test_console_on_a_terminal_redraws_in_place_and_clears() -> None:
     text = run_virtual(main())
     assert text.startswith("\r\x1b[K") and "\n" not in text
     assert text.endswith("\r\x1b[K")
+
+
+SPARE_LINE = "round 1 trains 2 nodes; waiting as a spare"
+
+
+def test_a_spare_prints_one_line_with_no_deadline_not_one_every_interval() -> None:
+    async def main() -> str:
+        clock = loop_clock()
+        at = clock.monotonic()
+        out = io.StringIO()
+        con = WaitingConsole(out, tty=False, clock=clock, quiet=0.1, every=10.0)
+        con.start()
+        con.update(
+            WaitingStatus(1, "waiting", 2, 2, 3, "join_timeout", math.inf, detail=SPARE_LINE)
+        )
+        await clock.sleep_until(at + 3600.0)  # an hour as a spare
+        con.stop()
+        return out.getvalue()
+
+    lines = run_virtual(main()).splitlines()
+    assert lines == [
+        "elastrun: waiting for the next round: round 1 trains 2 nodes; waiting as a spare"
+    ]

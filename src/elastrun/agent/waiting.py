@@ -50,6 +50,8 @@ def describe(status: WaitingStatus, left: float) -> str:
     when = f"{what} in {format_duration(left)}"
     if st.state == "waiting":
         why = st.detail or f"round {st.round} is closed"
+        if math.isinf(left):  # a hot spare: nothing counts down while the job runs
+            return f"elastrun: waiting for the next round: {why}"
         return f"elastrun: waiting for the next round: {why}; {when}"
     seen = "" if st.live else " (as of this node's join)"
     if st.joined < st.min_nodes:
@@ -150,9 +152,12 @@ class WaitingConsole:
                     frac = left - math.floor(left) if not math.isinf(left) else 1.0
                     next_at = now + (frac if frac > 0.01 else 1.0)
                 else:
-                    if self._changed or now >= last_print + self.every:
+                    # Nothing counting down (a hot spare waits as long as the job
+                    # runs): a line on each change only, not one every 10 s.
+                    periodic = not math.isinf(left)
+                    if self._changed or (periodic and now >= last_print + self.every):
                         self._write(line + "\n")
                         last_print = now
-                    next_at = last_print + self.every
+                    next_at = last_print + self.every if periodic else math.inf
                 self._changed = False
             await self._sleep_until(next_at)

@@ -49,6 +49,7 @@ _FIELD_OF_FLAG = {
     "--rdzv-conf": "rdzv_configs",
     "--standalone": "standalone",
     "--max-restarts": "max_restarts",
+    "--node-unit": "node_unit",
     "--monitor-interval": "monitor_interval",
     "--start-method": "start_method",
     "--node-rank": "node_rank",

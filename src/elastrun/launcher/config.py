@@ -33,6 +33,7 @@ from elastrun.launcher.limits import (
     worker_cost,
 )
 from elastrun.procs import signal_name
+from elastrun.rendezvous.sizes import WorldSizes
 
 __all__ = [
     "DEFAULT_C10D_PORT",
@@ -76,6 +77,9 @@ class LaunchConfig:
     rdzv_configs: Mapping[str, Any] = field(default_factory=dict)
     standalone: bool = False
     max_restarts: int = 0
+    # --node-unit: world sizes are multiples of it (DLRover's name); the nodes
+    # beyond the largest allowed size wait as hot spares.
+    node_unit: int = 1
     monitor_interval: float = 0.1
     start_method: str = "spawn"  # an agent.spec.StartMethod, or its name
     node_rank: int | None = None
@@ -127,6 +131,7 @@ class LaunchConfig:
         check_nproc(self.nproc_per_node)
         self.check_machine_nproc()
         check_int("--max-restarts", self.max_restarts, 0, MAX_RESTARTS)
+        check_node_unit(self.min_nodes, self.max_nodes, self.node_unit)
         if self.node_rank is not None:
             check_int("--node-rank", self.node_rank, 0, MAX_NODES - 1)
         if self.master_port is not None:
@@ -175,6 +180,14 @@ def check_nnodes(lo: object, hi: object) -> None:
     assert isinstance(lo, int) and isinstance(hi, int)
     if lo > hi:
         raise ConfigError(f"--nnodes: minimum {lo} is larger than maximum {hi}")
+
+
+def check_node_unit(lo: int, hi: int, unit: object) -> None:
+    """``--node-unit``: at least 1, and a policy that can be met: some
+    multiple of it lies in ``--nnodes`` MIN..MAX."""
+    problem = WorldSizes(lo, hi, check_int("--node-unit", unit, 1, MAX_NODES)).problem()
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def check_nproc(n: object) -> None:

@@ -134,6 +134,15 @@ def build_parser(*, legacy: bool = False) -> argparse.ArgumentParser:
         help="number of nodes, or the elastic range MIN:MAX (default: 1:1)",
     )
     g.add_argument(
+        *both("--node-unit"),
+        action=EnvDefault,
+        default=None,
+        metavar="K",
+        help="only world sizes that are multiples of K nodes (between MIN and MAX) are "
+        "formed; nodes beyond the largest allowed size wait as hot spares and replace a "
+        "lost node (default: 1)",
+    )
+    g.add_argument(
         *both("--rdzv-backend"),
         action=EnvDefault,
         default="static",
@@ -494,6 +503,7 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
     monitor = parse_seconds_text("--monitor-interval", ns.monitor_interval)
     hang_timeout, hang_auto = parse_hang_timeout(ns.hang_timeout)
     max_restarts = parse_integer("--max-restarts", ns.max_restarts)
+    node_unit = parse_integer("--node-unit", ns.node_unit)
     config = LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -506,6 +516,7 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
         rdzv_configs=split_rdzv_conf(ns.rdzv_conf),
         standalone=ns.standalone,
         max_restarts=0 if max_restarts is None else max_restarts,
+        node_unit=1 if node_unit is None else node_unit,
         monitor_interval=0.1 if monitor is None else monitor,
         # PET_START_METHOD and PET_WARM_MODULES pass no argparse choices
         start_method=parse_choice(StartMethod, ns.start_method, "--start-method"),

@@ -355,6 +355,7 @@ def _rendezvous_settings(config: LaunchConfig, run_id: RunId, where: _Where) -> 
         min_nodes=config.min_nodes,
         max_nodes=config.max_nodes,
         max_restarts=config.max_restarts,
+        node_unit=config.node_unit,
         role=config.role,
         nproc=config.nproc_per_node,
         node_rank_hint=where.node_rank,

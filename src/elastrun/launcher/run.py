@@ -280,6 +280,7 @@ async def run_async(plan: Plan, *, events: EventSink | None = None) -> int:
             endpoint=format_endpoints(plan.endpoints),
             min_nodes=settings.min_nodes,
             max_nodes=settings.max_nodes,
+            node_unit=settings.node_unit,
             nproc=plan.workers.nproc,
             max_restarts=settings.max_restarts,
             node_rank=plan.node_rank,

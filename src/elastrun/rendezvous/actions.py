@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from elastrun.endpoint import Endpoint
@@ -29,12 +29,14 @@ from elastrun.rendezvous.protocol import Act, Action, Timer
 from elastrun.rendezvous.records import (
     DONE,
     JoinRecord,
+    MemberRecord,
     NodeInfo,
     PresenceRecord,
     RoundRecord,
     RoundState,
     WaitingRecord,
 )
+from elastrun.rendezvous.sizes import promotions
 from elastrun.rendezvous.view import Node, Observer
 from elastrun.store.base import Compare, Delete, KeyValue, Put
 from elastrun.store.keepalive import LeaseKeeper
@@ -62,6 +64,8 @@ class Executor:
         self.timers = timers  # the driver's armed deadlines (absolute, monotonic)
         self.failure: FailureRecord | None = None  # the last failure reported
         self.port = 0  # the master port this node offers (picked once)
+        self.notice: Callable[[str], None] | None = None  # a line for the operator
+        self.waited_as_spare = False  # this node's last wait was as a spare
 
     @property
     def _waiting_key(self) -> str:
@@ -93,12 +97,14 @@ class Executor:
         node = self.node
         rec = WaitingRecord(node.node_id, node.host, a.round)
         await node.store.put(self._waiting_key, rec.encode(), self.keeper.lease)
+        self.waited_as_spare = self._spare(a.round)
         node.events.emit(
             "node_waiting",
             round=a.round,
             node=node.node_id,
             host=node.host,
             reason=self._waiting_reason(a.round),
+            spare=self._spare(a.round),
         )
 
     async def _put_done(self, a: Action) -> None:
@@ -117,18 +123,41 @@ class Executor:
     async def _return_result(self, a: Action) -> Outcome:
         node = self.node
         result = await self._round_result(a.round)
+        rec = self.observer.view.round
+        prev = {p.node_id: p.group_rank for p in rec.prev} if rec and rec.round == a.round else {}
         node.events.emit(
             "round_joined",
             round=result.round,
             node=node.node_id,
             group_rank=result.group_rank,
+            previous_group_rank=prev.get(node.node_id),
             group_world_size=result.group_world_size,
             world_size=result.world_size,
             members=len(result.members),
             master=str(Endpoint(result.master_addr, result.master_port)),
             restart_count=result.restart_count,
         )
+        self._report_promotion(a.round, rec)
+        self.waited_as_spare = False
         return Outcome(result=result)
+
+    def _report_promotion(self, r: int, rec: RoundRecord | None) -> None:
+        """This node was not a member of the round before ``r``: say whose
+        place it took (the event log; the console too when it waited as a
+        spare and took the rank of a member that left the group)."""
+        node, stored = self.node, self.observer.view.results.get(r)
+        if rec is None or rec.round != r or stored is None:
+            return
+        for nid, rank, lost in _promotions(rec, stored.members):
+            if nid != node.node_id:
+                continue
+            node.events.emit("spare_promoted", round=r, node=nid, group_rank=rank, replaces=lost)
+            if lost is not None and self.waited_as_spare and self.notice is not None:
+                # Node ids are checked ([A-Za-z0-9._-]): nothing to escape.
+                self.notice(
+                    f"elastrun: round {r}: this spare trains now, as group rank {rank}, "
+                    f"in place of node {lost}, which left the group"
+                )
 
     async def _return_change(self, a: Action) -> Outcome:
         return Outcome(change=rounds.round_change(self.observer.view.round, a.reason, a.detail))
@@ -195,6 +224,7 @@ class Executor:
             a.reason,
             time.time(),
             max_restarts=settings.max_restarts,
+            unit=settings.node_unit,
         )
         members = result.members
         res = await node.store.txn(
@@ -214,6 +244,11 @@ class Executor:
                 reason=a.reason,
                 members=[m.host for m in members],
                 ranks={m.node_id: m.group_rank for m in members},
+                promoted=[
+                    {"node": nid, "group_rank": rank, "replaces": lost}
+                    for nid, rank, lost in _promotions(view.round, members)
+                ],
+                spares=[j.node.node_id for j in joiners if j.node.node_id not in closed.members],
             )
 
     def _closed_round_kv(self, r: int) -> tuple[KeyValue, RoundRecord] | None:
@@ -270,13 +305,26 @@ class Executor:
         if await self._cas_round(kv, dataclasses.replace(rec, state=RoundState.FINISHED)):
             self.node.events.emit("job_finished", round=r)
 
+    def _spare(self, r: int) -> bool:
+        """Whether this node waits as a spare beside round ``r``: the round
+        is at a size this node cannot enlarge by joining."""
+        result = self.observer.view.results.get(r)
+        sizes = self.node.settings.sizes()
+        return result is not None and not sizes.room(len(result.members), 1)
+
     def _waiting_reason(self, r: int) -> str:
         """Why this node waits after round ``r`` closed without it."""
         result = self.observer.view.results.get(r)
-        max_nodes = self.node.settings.max_nodes
+        s = self.node.settings
+        max_nodes = s.max_nodes
         if result is None:
             return f"round {r} closed without this node"
         n = len(result.members)
+        if s.node_unit > 1 and self._spare(r):
+            return (
+                f"round {r} has {_nodes(n)} ({s.sizes().describe()}); waiting as a spare "
+                "to replace a lost node"
+            )
         if n >= max_nodes:
             return f"round {r} is full ({n} of max {_nodes(max_nodes)}); waiting for a free place"
         return (
@@ -316,8 +364,10 @@ class Executor:
                 f"round {r} closed without this node and no new round opened before "
                 f"join_timeout={s.join_timeout:g}s (job is full: max {_nodes(s.max_nodes)})"
             )
+        least = s.sizes().smallest or s.min_nodes
+        unit = f" ({s.sizes().describe()})" if s.node_unit > 1 else ""
         return RendezvousTimeout(
-            f"{len(joins)} of min {_nodes(s.min_nodes)} joined before "
+            f"{len(joins)} of min {_nodes(least)}{unit} joined before "
             f"join_timeout={s.join_timeout:g}s: {', '.join(joins) or 'none'}"
         )
 
@@ -346,3 +396,14 @@ HANDLERS: dict[Act, Callable[[Executor, Action], Awaitable[Outcome | None]]] = {
 def _nodes(n: int) -> str:
     """``1 node``, ``2 nodes``."""
     return f"{n} node" if n == 1 else f"{n} nodes"
+
+
+def _promotions(
+    rnd: RoundRecord | None, members: Sequence[MemberRecord]
+) -> list[tuple[str, int, str | None]]:
+    """The members of closed round ``rnd`` that were not members of the round
+    before it: (node id, group rank, the lost member whose rank it took)."""
+    if rnd is None:
+        return []
+    prev = {p.node_id: p.group_rank for p in rnd.prev}
+    return promotions(prev, {m.node_id: m.group_rank for m in members})

@@ -28,6 +28,7 @@ from typing import Any
 from elastrun.failure import FailureRecord
 from elastrun.names import RunId
 from elastrun.rendezvous.records import AgreedSettings
+from elastrun.rendezvous.sizes import WorldSizes
 from elastrun.store.base import RevokeSpec
 
 __all__ = [
@@ -62,6 +63,9 @@ class RendezvousSettings:
     close_timeout: float = 30.0
     lease_ttl: float = 10.0
     exit_barrier_timeout: float = 300.0
+    # --node-unit: only world sizes that are multiples of it (nodes beyond the
+    # largest allowed size wait as spares); agreed by every node.
+    node_unit: int = 1
     # per node:
     nproc: int = 1
     host: str = ""  # human-readable host name
@@ -77,7 +81,12 @@ class RendezvousSettings:
             role=self.role,
             join_timeout=self.join_timeout,
             last_call_timeout=self.last_call_timeout,
+            node_unit=self.node_unit,
         )
+
+    def sizes(self) -> WorldSizes:
+        """The world sizes this job may form (``--nnodes``, ``--node-unit``)."""
+        return WorldSizes(self.min_nodes, self.max_nodes, self.node_unit)
 
 
 @dataclass(frozen=True)

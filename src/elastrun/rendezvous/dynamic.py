@@ -117,12 +117,16 @@ class DynamicRendezvous(Rendezvous):
         self.keys = K.Keys(settings.run_id)
         self.rules = Rules(
             Context(
-                min_nodes=settings.min_nodes,
-                max_nodes=settings.max_nodes,
+                # The decider's bounds are the smallest and largest allowed
+                # world sizes (--node-unit); a round closes at the largest
+                # allowed size its joiners reach (rounds.close_records).
+                min_nodes=settings.sizes().smallest or settings.min_nodes,
+                max_nodes=settings.sizes().largest or settings.max_nodes,
                 max_restarts=settings.max_restarts,
                 join_timeout=settings.join_timeout,
                 last_call_timeout=settings.last_call_timeout,
                 exit_barrier_timeout=settings.exit_barrier_timeout,
+                spares_wait=settings.node_unit > 1,
             )
         )
         self.keeper = LeaseKeeper(store, settings.lease_ttl, clock=clock, on_lost=self._lease_lost)
@@ -343,6 +347,7 @@ class DynamicRendezvous(Rendezvous):
 
     def attach(self, hooks: RendezvousHooks) -> None:
         self.hooks = hooks
+        self._executor.notice = hooks.notice
         if self.keeper.alive:  # held already: said now, as it would have been
             self._lease_changed(self.keeper.lease)
 

@@ -185,8 +185,10 @@ class OpenPhase:
         if plan.nodes:
             events.extend(await obs.lost_events())
         if plan.waiting:
-            max_nodes = self.node.settings.max_nodes
-            events.extend(P.waiting_event(view, r, n, max_nodes) for n in view.waiting)
+            s = self.node.settings
+            events.extend(
+                P.waiting_event(view, r, n, s.max_nodes, unit=s.node_unit) for n in view.waiting
+            )
         if plan.barrier and view.round is not None and view.round.state is RoundState.CLOSED:
             events.extend(await self.open_barrier(r))
         return events

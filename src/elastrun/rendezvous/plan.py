@@ -57,6 +57,7 @@ from elastrun.rendezvous.records import (
     RoundState,
     WaitingRecord,
 )
+from elastrun.rendezvous.sizes import WorldSizes
 from elastrun.store.base import KeyValue, WatchEvent
 
 __all__ = [
@@ -307,15 +308,19 @@ def result_needed(view: View) -> int | None:
     return None if rec.round in view.results else rec.round
 
 
-def round_event(view: View, me: str, host: str, max_nodes: int) -> Event | None:
+def round_event(
+    view: View, me: str, host: str, max_nodes: int, *, unit: int = 1, now: float = 0.0
+) -> Event | None:
     """The event of the round record (a closed round's result must be in the
-    view: :func:`result_needed`)."""
+    view: :func:`result_needed`). A node outside a closed round has room when
+    it makes a larger allowed world with the members (``--node-unit``
+    ``unit``: :class:`.sizes.WorldSizes`)."""
     rec = view.round
     if rec is None:
         return None
     r, state = rec.round, rec.state
     if state is RoundState.OPEN:
-        return RoundOpen(r)
+        return RoundOpen(r, now)
     if state is RoundState.FINISHED:
         return RoundFinished(r)
     if state is RoundState.FAILED:
@@ -328,7 +333,7 @@ def round_event(view: View, me: str, host: str, max_nodes: int) -> Event | None:
     return RoundClosed(
         r,
         member=me in members,
-        room=len(members) < max_nodes,
+        room=WorldSizes(1, max_nodes, unit).room(len(members), 1),
         lost=lost,
         detail=f"node {host} ({me}) waits to join",
     )
@@ -343,8 +348,13 @@ def joiners_event(view: View, now: float) -> JoinersChanged:
         and all(nid in view.joiners for nid in view.nodes)
         and not view.waiting
     )
+    pending = view.nodes_loaded and any(
+        p.node_id in view.nodes and p.node_id not in view.joiners for p in prev
+    )
     count = len(view.joiners) if view.joined_count is None else view.joined_count
-    return JoinersChanged(now, count, decider=view.decider, all_joined=all_joined)
+    return JoinersChanged(
+        now, count, decider=view.decider, all_joined=all_joined, members_pending=pending
+    )
 
 
 def absent_members(view: View, r: int) -> list[MemberRecord]:
@@ -359,8 +369,14 @@ def lost_event(member: MemberRecord, how: str = LOST_LEASE) -> MemberLost:
     return MemberLost(f"node {member.host} ({member.node_id}) lost: {how}")
 
 
-def waiting_event(view: View, r: int, node_id: str, max_nodes: int) -> NodeWaiting:
-    room = len(view.members(r)) < max_nodes
+def waiting_event(
+    view: View, r: int, node_id: str, max_nodes: int, *, unit: int = 1
+) -> NodeWaiting:
+    """A node waits beside round ``r``: room when the waiting nodes (this one
+    among them) make a larger allowed world with the members; spares below
+    the next multiple of ``unit`` wait on."""
+    waiting = max(1, len(view.waiting))
+    room = WorldSizes(1, max_nodes, unit).room(len(view.members(r)), waiting)
     kv = view.waiting.get(node_id)
     host = WaitingRecord.decode(kv.key, kv.value).host if kv else node_id
     return NodeWaiting(room, f"node {host} ({node_id}) waits to join")
@@ -393,10 +409,18 @@ Reaction = list[Event] | Resnap | RoundChanged | GoneMember
 
 
 def react(
-    view: View, watched: Watched, wev: WatchEvent, *, r: int, now: float, max_nodes: int
+    view: View,
+    watched: Watched,
+    wev: WatchEvent,
+    *,
+    r: int,
+    now: float,
+    max_nodes: int,
+    unit: int = 1,
 ) -> Reaction:
     """Apply one watch event of the phase in round ``r`` to the view; what
-    it means (``now``: this node's clock; ``max_nodes``: the job's max)."""
+    it means (``now``: this node's clock; ``max_nodes``, ``unit``: the job's
+    max and node unit)."""
     nid, put = K.node_id_of(wev.kv.key), wev.type == "put"
     if watched is Watched.ROUND:
         view.set_round(wev.kv if put else None)
@@ -420,7 +444,7 @@ def react(
             return []
         return GoneMember(member, resnap=True)
     _apply(view.waiting, nid, wev)  # Watched.WAITING
-    return [waiting_event(view, r, nid, max_nodes)] if put else []
+    return [waiting_event(view, r, nid, max_nodes, unit=unit)] if put else []
 
 
 def _apply(keys: dict[str, KeyValue], nid: str, wev: WatchEvent) -> None:

@@ -69,7 +69,9 @@ def waiting_status(
         round_state = rec.state if rec is not None else RoundState.CLOSED
         result = view.results.get(r)
         members = len(result.members) if result else 0
-        if round_state is RoundState.CLOSED and members >= settings.max_nodes:
+        if ctx.spare:
+            detail = f"round {r} trains {_nodes(members)}; waiting as a spare"
+        elif round_state is RoundState.CLOSED and members >= settings.max_nodes:
             detail = f"round {r} is full ({members} of max {_nodes(settings.max_nodes)})"
         else:
             detail = f"round {r} is {round_state.value}"

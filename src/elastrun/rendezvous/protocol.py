@@ -84,6 +84,7 @@ class RoundOpen(Event):
     """The job's ``round`` record: round ``round`` is open."""
 
     round: int
+    now: float = 0.0  # this node's clock when it read the record
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,10 @@ class JoinersChanged(Event):
     count: int  # live joiners of the round
     decider: bool = False  # this node is the round's decider
     all_joined: bool = False  # a re-formed round, and every present node joined
+    # A re-formed round, and a member of the previous round is present but has
+    # not joined yet: max joined does not close it (the survivor would lose its
+    # place to a spare); its joining, its leaving or the last call does.
+    members_pending: bool = False
 
 
 @dataclass(frozen=True)
@@ -263,3 +268,9 @@ class Context:
     round: int = -1  # the round this node is in (or waits after)
     min_reached_at: float | None = None  # when this node saw >= min joiners of `round`
     count: int = 0  # live joiners last seen
+    # --node-unit > 1: a node waiting beside a round it cannot enlarge is a
+    # hot spare and waits as long as the job runs (no join timeout);
+    # ``spare``: this node waits so now (its join timer is cancelled, and
+    # armed again when a round opens).
+    spares_wait: bool = False
+    spare: bool = False

@@ -119,6 +119,8 @@ class AgreedSettings:
     role: str
     join_timeout: float
     last_call_timeout: float
+    # --node-unit; 1 in records of elastrun versions without it.
+    node_unit: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -128,6 +130,7 @@ class AgreedSettings:
             "role": self.role,
             "join_timeout": self.join_timeout,
             "last_call_timeout": self.last_call_timeout,
+            "node_unit": self.node_unit,
         }
 
     @classmethod
@@ -140,6 +143,7 @@ class AgreedSettings:
             role=f.text("role"),
             join_timeout=f.number("join_timeout"),
             last_call_timeout=f.number("last_call_timeout"),
+            node_unit=f.count("node_unit", 1),
         )
 
 

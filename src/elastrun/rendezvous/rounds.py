@@ -28,6 +28,7 @@ from elastrun.rendezvous.records import (
     RoundRecord,
     RoundState,
 )
+from elastrun.rendezvous.sizes import WorldSizes, choose_members
 
 __all__ = [
     "close_records",
@@ -104,9 +105,15 @@ def close_records(
     closed_at: float,
     *,
     max_restarts: int | None = None,
+    unit: int = 1,
 ) -> tuple[RoundRecord, ResultRecord]:
     """(closed round record, result record) for open round ``rnd`` and its
-    joiners in join order: the first ``max_nodes`` become members.
+    joiners in join order. The members are as many as the largest allowed
+    world size (a multiple of ``unit``, at most ``max_nodes``) the joiners
+    reach, chosen by :func:`.sizes.choose_members` (the previous round's
+    members first); the others wait as spares. Ranks are sticky
+    (:mod:`.ranks`): a survivor keeps its group rank, a spare that replaces a
+    lost member takes that member's rank.
 
     A restart is charged here, when the round it opened closes, not when a
     node asks for it: a worker failure counts only if every member of the
@@ -116,8 +123,12 @@ def close_records(
     restart budget.
     When the charge overspends ``max_restarts``, the record returned is the
     job's FAILED record instead of a closed one."""
-    records = list(joiners[:max_nodes])
     prev = {p.node_id: p.group_rank for p in rnd.prev}
+    # The decider closes only once the smallest allowed size joined; the
+    # fallback (no allowed size) keeps a round closable whatever it is given.
+    size = WorldSizes(1, max_nodes, unit).fit(len(joiners)) or min(len(joiners), max_nodes)
+    ids = {i: j.node.node_id for i, j in enumerate(joiners)}
+    records = choose_members(joiners, ids, prev, size)
     ranks = assign_ranks([Candidate(j.node.node_id, j.node.rank_hint) for j in records], prev)
     records.sort(key=lambda j: ranks[j.node.node_id])
     nodes = [j.node for j in records]

@@ -25,8 +25,10 @@ One node's life::
                                  (--MemberLost--> opens R+1, FINISHED)
     any --Shutdown--> LEFT
 
-Only the decider closes a round: at once when ``max`` nodes joined; when at
-least ``min`` joined, after ``last_call_timeout`` counted on its own monotonic
+Only the decider closes a round: at once when ``max`` nodes joined (in a
+re-formed round, once every present member of the previous round joined
+too, so that a survivor never loses its place to a spare); when at least
+``min`` joined, after ``last_call_timeout`` counted on its own monotonic
 clock from when it saw ``min`` reached -- or at once when this is a re-formed
 round (there was a previous round) and every node present in the job has
 joined (nobody is left to wait for, so recovery pays no last call).
@@ -62,17 +64,19 @@ IDLE         NextRound        SEEKING: CANCEL(last_call), ARM(join), READ_ROUND 
                               JOINING, DECIDING, WAITING, MEMBER)
 IDLE         WorkersFailed    IDLE (the round already moved on: not counted twice)
 any but LEFT Shutdown         LEFT: CANCEL(every timer), REVOKE
-SEEKING      RoundOpen        JOINING: JOIN(R) (also from WAITING)
+SEEKING      RoundOpen        JOINING: JOIN(R) (+ ARM(join) *it waited as a spare) (also from
+                              WAITING)
 SEEKING      RoundClosed      *me: SEEKING: OPEN_ROUND(member_rejoined); *not me: WAITING: WAIT (+
                               OPEN_ROUND(member_lost) *a member is gone, or
-                              OPEN_ROUND(node_waiting) *room)
+                              OPEN_ROUND(node_waiting) *room, or CANCEL(join) *a spare: a node
+                              unit, no room)
 SEEKING      RoundFinished    FINISHED: RAISE(RendezvousClosed)
 SEEKING      RoundFailed      FAILED: RAISE(RestartBudgetExhausted)
 SEEKING      JoinTimeout      IDLE: RAISE(RendezvousTimeout)
 SEEKING      LeaseLost        SEEKING: RENEW_LEASE, READ_ROUND (also from JOINING, WAITING)
 JOINING      RoundOpen        *newer R: JOINING: JOIN(R); else JOINING
 JOINING      RoundClosed      *me: MEMBER: CANCEL(join), RETURN_RESULT; *not me: WAITING: WAIT (+
-                              OPEN_ROUND *a member is gone or *room)
+                              OPEN_ROUND *a member is gone or *room, or CANCEL(join) *a spare)
 JOINING      RoundFinished    FINISHED: RAISE(RendezvousClosed)
 JOINING      RoundFailed      FAILED: RAISE(RestartBudgetExhausted)
 JOINING      JoinersChanged   *decider: as DECIDING; else JOINING (notes when min was reached)
@@ -81,14 +85,16 @@ DECIDING     RoundOpen        as in JOINING (staying DECIDING where JOINING stay
 DECIDING     RoundClosed      as in JOINING (staying DECIDING where JOINING stays)
 DECIDING     RoundFinished    as in JOINING (staying DECIDING where JOINING stays)
 DECIDING     RoundFailed      as in JOINING (staying DECIDING where JOINING stays)
-DECIDING     JoinersChanged   DECIDING: CLOSE_ROUND *max joined, or *a re-formed round that every
+DECIDING     JoinersChanged   DECIDING: CLOSE_ROUND *max joined and no present member of the
+                              previous round is yet to join, or *a re-formed round that every
                               present node joined, or *min joined and its last call (counted from
                               when min was reached) passed; else ARM(last_call) *min joined, else
                               CANCEL(last_call)
 DECIDING     LastCallExpired  DECIDING: CLOSE_ROUND(last_call) *min joined
 DECIDING     JoinTimeout      as in JOINING (staying DECIDING where JOINING stays)
 DECIDING     LeaseLost        as in JOINING (staying DECIDING where JOINING stays)
-WAITING      RoundClosed      *newer R, not me: WAITING: WAIT (+ OPEN_ROUND); else WAITING
+WAITING      RoundClosed      *newer R, not me: WAITING: WAIT (+ OPEN_ROUND, or CANCEL(join) *a
+                              spare); else WAITING
 WAITING      RoundFinished    FINISHED: RAISE(RendezvousClosed)
 WAITING      RoundFailed      FAILED: RAISE(RestartBudgetExhausted)
 WAITING      MemberLost       WAITING: OPEN_ROUND(member_lost)
@@ -220,7 +226,7 @@ def _next_round(ctx: Context, ev: NextRound) -> Outcome:
     deadline = ev.now + ctx.join_timeout
     return (
         S.SEEKING,
-        replace(ctx, min_reached_at=None, count=0),
+        replace(ctx, min_reached_at=None, count=0, spare=False),
         [
             Action(Act.CANCEL, timer=Timer.LAST_CALL),
             Action(Act.ARM, timer=Timer.JOIN, deadline=deadline),
@@ -230,24 +236,33 @@ def _next_round(ctx: Context, ev: NextRound) -> Outcome:
 
 
 def _join(ctx: Context, ev: RoundOpen, pre: list[Action] | None = None) -> Outcome:
-    """JOINING: JOIN(R)"""
-    fresh = replace(ctx, round=ev.round, min_reached_at=None, count=0)
-    return S.JOINING, fresh, [*(pre or []), Action(Act.JOIN, round=ev.round)]
+    """JOINING: JOIN(R) (+ ARM(join) *it waited as a spare)"""
+    fresh = replace(ctx, round=ev.round, min_reached_at=None, count=0, spare=False)
+    acts = [*(pre or [])]
+    if ctx.spare:
+        acts.append(Action(Act.ARM, timer=Timer.JOIN, deadline=ev.now + ctx.join_timeout))
+    return S.JOINING, fresh, [*acts, Action(Act.JOIN, round=ev.round)]
 
 
 def _wait(ctx: Context, ev: RoundClosed, pre: list[Action] | None = None) -> Outcome:
     acts = [*(pre or []), Action(Act.WAIT, round=ev.round)]
+    spare = False
     if ev.lost:
         acts.append(Action(Act.OPEN_ROUND, round=ev.round, reason="member_lost", detail=ev.lost))
     elif ev.room:
         acts.append(Action(Act.OPEN_ROUND, round=ev.round, reason="node_waiting", detail=ev.detail))
-    return S.WAITING, replace(ctx, round=ev.round, min_reached_at=None, count=0), acts
+    elif ctx.spares_wait:
+        # A hot spare waits as long as the job runs: no join timeout.
+        acts.append(Action(Act.CANCEL, timer=Timer.JOIN))
+        spare = True
+    waiting = replace(ctx, round=ev.round, min_reached_at=None, count=0, spare=spare)
+    return S.WAITING, waiting, acts
 
 
 def _seeking_closed(ctx: Context, ev: RoundClosed) -> Outcome:
     """*me: SEEKING: OPEN_ROUND(member_rejoined); *not me: WAITING: WAIT
     (+ OPEN_ROUND(member_lost) *a member is gone, or OPEN_ROUND(node_waiting)
-    *room)"""
+    *room, or CANCEL(join) *a spare: a node unit, no room)"""
     if ev.member:
         # Asked for a new round while a member of the current one (the agent
         # lost its workers without a restart): open the next one.
@@ -262,10 +277,10 @@ def _renew(ctx: Context, ev: LeaseLost) -> Outcome:
 
 
 def _decide(ctx: Context, ev: JoinersChanged) -> Outcome:
-    """DECIDING: CLOSE_ROUND *max joined, or *a re-formed round that every
-    present node joined, or *min joined and its last call (counted from when
-    min was reached) passed; else ARM(last_call) *min joined, else
-    CANCEL(last_call)"""
+    """DECIDING: CLOSE_ROUND *max joined and no present member of the
+    previous round is yet to join, or *a re-formed round that every present
+    node joined, or *min joined and its last call (counted from when min was
+    reached) passed; else ARM(last_call) *min joined, else CANCEL(last_call)"""
     count = ev.count
     if count < ctx.min_nodes:
         ctx = replace(ctx, min_reached_at=None, count=count)
@@ -273,7 +288,7 @@ def _decide(ctx: Context, ev: JoinersChanged) -> Outcome:
     reached = ctx.min_reached_at if ctx.min_reached_at is not None else ev.now
     ctx = replace(ctx, min_reached_at=reached, count=count)
     deadline = reached + ctx.last_call_timeout
-    if count >= ctx.max_nodes:
+    if count >= ctx.max_nodes and not ev.members_pending:
         why = "max_nodes"
     elif ev.all_joined:
         why = "all_rejoined"
@@ -317,7 +332,7 @@ def _cancel_last_call(ctx: Context) -> list[Action]:
 
 def _joining_closed(ctx: Context, ev: RoundClosed) -> Outcome:
     """*me: MEMBER: CANCEL(join), RETURN_RESULT; *not me: WAITING: WAIT
-    (+ OPEN_ROUND *a member is gone or *room)"""
+    (+ OPEN_ROUND *a member is gone or *room, or CANCEL(join) *a spare)"""
     pre = _cancel_last_call(ctx)
     if ev.member:
         return (
@@ -342,7 +357,8 @@ def _join_timeout(ctx: Context, ev: JoinTimeout) -> Outcome:
 
 
 def _waiting_closed(ctx: Context, ev: RoundClosed) -> Outcome:
-    """*newer R, not me: WAITING: WAIT (+ OPEN_ROUND); else WAITING"""
+    """*newer R, not me: WAITING: WAIT (+ OPEN_ROUND, or CANCEL(join) *a
+    spare); else WAITING"""
     if ev.round > ctx.round and not ev.member:
         return _wait(ctx, ev)
     return S.WAITING, ctx, []

@@ -95,7 +95,15 @@ class Observer:
         if needed is not None:
             await self.get_result(needed)
         node = self.node
-        return P.round_event(self.view, node.node_id, node.host, node.settings.max_nodes)
+        s = node.settings
+        return P.round_event(
+            self.view,
+            node.node_id,
+            node.host,
+            s.max_nodes,
+            unit=s.node_unit,
+            now=node.clock.monotonic(),
+        )
 
     # -- joiners (for the join-timeout message) ---------------------------------
     def saw_joiners(self, r: int, kvs: Iterable[KeyValue]) -> None:
@@ -129,8 +137,10 @@ class Observer:
     async def translate(self, watched: P.Watched, wev: WatchEvent) -> list[Event]:
         """Rule events for one event of the phase's watch on ``watched``."""
         r, now = self.round, self.node.clock.monotonic()
-        max_nodes = self.node.settings.max_nodes
-        reaction = P.react(self.view, watched, wev, r=r, now=now, max_nodes=max_nodes)
+        s = self.node.settings
+        reaction = P.react(
+            self.view, watched, wev, r=r, now=now, max_nodes=s.max_nodes, unit=s.node_unit
+        )
         if watched is P.Watched.JOINS and wev.type == "put":
             self.saw_joiners(r, [wev.kv])
         if isinstance(reaction, list):

@@ -222,9 +222,11 @@ def render_table(summary: Summary, where: str) -> str:
     for_ = f" for {fmt_duration(s.state_for_s)}" if s.state_for_s is not None else ""
     out.append(f"state     {s.state}{for_}, round {rnd}{why}")
     out.append(f"restarts  {s.restarts} of {_opt(s.max_restarts)}")
+    unit = f", node unit {s.node_unit}" if s.node_unit > 1 else ""
+    spares = f", {len(s.spares)} spare{'' if len(s.spares) == 1 else 's'}" if s.spares else ""
     out.append(
         f"nodes     {len(s.members)} in the group (min {_opt(s.min_nodes, 'None')}, "
-        f"max {_opt(s.max_nodes, 'None')}), {s.nodes_present} present; "
+        f"max {_opt(s.max_nodes, 'None')}{unit}), {s.nodes_present} present{spares}; "
         f"world size {s.world_size}"
     )
     if s.master:
@@ -241,7 +243,9 @@ def render_table(summary: Summary, where: str) -> str:
     if s.joined:
         joined = ", ".join(f"{_p(j.host)} ({_p(j.node_id)})" for j in s.joined)
         out.append(f"\njoined round {rnd}: {joined}")
-    if s.waiting:
+    if s.spares:
+        out.append("spares: " + ", ".join(f"{_p(w.host)} ({_p(w.node_id)})" for w in s.spares))
+    elif s.waiting:
         out.append("waiting: " + ", ".join(f"{_p(w.host)} ({_p(w.node_id)})" for w in s.waiting))
     out.extend(_ranks_block(s.ranks))
     failure = s.last_failure

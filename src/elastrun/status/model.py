@@ -158,6 +158,10 @@ class Summary:
     nodes_present: int
     min_nodes: int | None
     max_nodes: int | None
+    # --node-unit (1 when the job has none); spares: the waiting nodes that
+    # cannot enlarge the running world (they replace a lost member).
+    node_unit: int
+    spares: tuple[WaitingNode, ...]
     restarts: int
     max_restarts: int | None
     last_failure: FailureRecord | None
@@ -199,6 +203,8 @@ class Summary:
             "nodes_present": self.nodes_present,
             "min_nodes": self.min_nodes,
             "max_nodes": self.max_nodes,
+            "node_unit": self.node_unit,
+            "spares": [w.to_json() for w in self.spares],
             "restarts": self.restarts,
             "max_restarts": self.max_restarts,
             "last_failure": failure,

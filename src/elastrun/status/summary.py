@@ -56,6 +56,7 @@ from elastrun.names import RunId
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import notes as N
 from elastrun.rendezvous.records import (
+    AgreedSettings,
     ConfigRecord,
     JoinRecord,
     PresenceRecord,
@@ -64,6 +65,7 @@ from elastrun.rendezvous.records import (
     RoundState,
     WaitingRecord,
 )
+from elastrun.rendezvous.sizes import WorldSizes
 from elastrun.status.model import (
     JOB_STATES,
     SUMMARY_VERSION,
@@ -162,6 +164,12 @@ def summarize(
     shown = prev_result if is_open else result
     members = _members(shown, is_open=is_open, state=state, dones=dones, nodes=nodes)
     settings = config.settings if config is not None else None
+    waiters = tuple(
+        sorted(
+            (WaitingNode(w.host, nid) for nid, w in waiting.items()),
+            key=lambda w: (w.host, w.node_id),
+        )
+    )
     failure = None
     if round_rec is not None:
         # A failure awaiting its charge (decided when the round it opened
@@ -188,15 +196,12 @@ def summarize(
         )
         if is_open
         else (),
-        waiting=tuple(
-            sorted(
-                (WaitingNode(w.host, nid) for nid, w in waiting.items()),
-                key=lambda w: (w.host, w.node_id),
-            )
-        ),
+        waiting=waiters,
         nodes_present=len(nodes),
         min_nodes=settings.min_nodes if settings is not None else None,
         max_nodes=settings.max_nodes if settings is not None else None,
+        node_unit=settings.node_unit if settings is not None else 1,
+        spares=_spares(waiters, settings, result if state == "running" else None),
         restarts=round_rec.restarts if round_rec is not None else 0,
         max_restarts=settings.max_restarts if settings is not None else None,
         last_failure=failure,
@@ -208,6 +213,17 @@ def summarize(
         hang_stacks=hang_stacks(notes or {}, hang_result),
         revision=revision,
     )
+
+
+def _spares(
+    waiters: tuple[WaitingNode, ...], settings: AgreedSettings | None, running: ResultRecord | None
+) -> tuple[WaitingNode, ...]:
+    """The waiting nodes that are spares: beside a running round they cannot
+    enlarge (``--nnodes``, ``--node-unit``: :class:`WorldSizes`)."""
+    if settings is None or running is None or not waiters:
+        return ()
+    sizes = WorldSizes(settings.min_nodes, settings.max_nodes, settings.node_unit)
+    return () if sizes.room(len(running.members), len(waiters)) else waiters
 
 
 def _master(shown: ResultRecord | None) -> str | None:

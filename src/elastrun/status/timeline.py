@@ -247,7 +247,7 @@ class _History:
             lane.started = None
 
     def _marks(self, lane: _Lane, e: LoggedEvent) -> None:
-        """Failures, counted restarts, lost nodes and finished agents."""
+        """Failures, counted restarts, lost nodes, promoted spares and finished agents."""
         kind, ts = e.kind, e.ts
         if _root_cause(e):
             lane.marks.append((ts, "#d62728", e.failure_title()))
@@ -255,6 +255,10 @@ class _History:
             self.restarts.append((ts, f"{_fmt(ts)} restart {e.text('count')} (worker failed)"))
         elif kind == "node_lost":
             lane.marks.append((ts, "#9467bd", f"{_fmt(ts)} {e.text('detail', 'node lost')}"))
+        elif kind == "spare_promoted":
+            took = e.text("replaces") or "a new rank"
+            what = f"promoted: group rank {e.text('group_rank')}, in place of {took}"
+            lane.marks.append((ts, "#17becf", f"{_fmt(ts)} {what}"))
         elif kind in ("job_finished", "job_failed") and e.text("source") == "agent":
             color = "#2ca02c" if kind == "job_finished" else "#d62728"
             lane.marks.append((ts, color, f"{_fmt(ts)} {kind} ({e.text('reason')})"))

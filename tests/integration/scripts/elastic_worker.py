@@ -84,6 +84,7 @@ def main() -> None:
                 "restart": restart,
                 "group_rank": group_rank,
                 "pid": os.getpid(),
+                "node": os.environ.get("ELASTIC_TEST_NODE", ""),
             }
         )
         time.sleep(STEP_SLEEP)
