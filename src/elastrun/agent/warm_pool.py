@@ -38,6 +38,7 @@ from elastrun.events import EventSink
 from elastrun.untrusted import printable
 from elastrun.worker._messages import PreloadPlan, Ready, Unsafe
 from elastrun.worker._modnames import script_module
+from elastrun.worker.snapshot import ENV as MEMORY_CHECKPOINT_ENV
 
 __all__ = ["LOCAL_VARS", "ROUND_VARS", "WarmPool", "compatible", "usable_cpus"]
 
@@ -53,7 +54,7 @@ REAP_WAIT = 2.0
 # local rank; everything else in a worker's environment must be what the
 # zygote was started with.
 ROUND_VARS = frozenset((*ROUND_ENV_VARS, HEARTBEAT_ENV, STACKS_ENV, STACK_SIGNAL_ENV))
-LOCAL_VARS = frozenset(("LOCAL_RANK",))
+LOCAL_VARS = frozenset(("LOCAL_RANK", MEMORY_CHECKPOINT_ENV))
 
 # Set per worker by the agent for the runner, which removes them.
 RUNNER_VARS = frozenset((SCOPE_ENV, CHANNEL_ENV))

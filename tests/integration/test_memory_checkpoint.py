@@ -1,0 +1,130 @@
+"""Memory checkpoints with real agents and real torch workers (gloo on CPU).
+
+A worker SIGKILLed after step N resumes from step N, taken from its agent's
+shared memory (the workers have no checkpoint folder at all: nothing on disk
+to read); with a folder, the agent writes every 5th step to disk in the
+background, and those files load with ``load_checkpoint``; a worker
+SIGKILLed in the middle of copying a large state leaves the previous
+snapshots intact, and the ranks agree on the step before
+(tests/integration/scripts/mem_worker.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastrun.train import load_checkpoint
+from elastrun.train.checkpoint_files import check, list_checkpoints
+from tests.helpers import stop_groups
+from tests.integration.elastic_harness import SCRIPTS
+
+torch = pytest.importorskip("torch")
+
+BOUND = 120.0
+
+
+def replay(steps: int, world: int = 2) -> float:
+    w = 0.0
+    c = sum(r + 1 for r in range(world))
+    for s in range(1, steps + 1):
+        w = w * 0.5 + c + s
+    return w
+
+
+def run_job(tmp_path: Path, env: dict[str, str]) -> tuple[str, list[dict[str, Any]]]:
+    events = tmp_path / "events.jsonl"
+    argv = [
+        sys.executable,
+        "-m",
+        "elastrun",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        f"--events-file={events}",
+        str(SCRIPTS / "mem_worker.py"),
+    ]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **env},
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=BOUND)
+    finally:
+        stop_groups(proc)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-4000:]
+    return text, [json.loads(line) for line in events.read_text().splitlines()]
+
+
+def result(text: str) -> dict[str, Any]:
+    (line,) = [ln for ln in text.splitlines() if "RESULT " in ln]
+    return json.loads(line.split("RESULT ", 1)[1])  # type: ignore[no-any-return]
+
+
+def loaded(text: str) -> list[dict[str, Any]]:
+    """The workers' LOADED lines (not their repetition in a failure summary)."""
+    lines = [ln for ln in text.splitlines() if re.match(r"^\[[^\]]+:\d+\]: LOADED ", ln)]
+    return [json.loads(ln.split("LOADED ", 1)[1]) for ln in lines]
+
+
+def test_a_killed_worker_resumes_from_its_agents_memory_without_a_disk_read(
+    tmp_path: Path,
+) -> None:
+    text, events = run_job(tmp_path, {"MEM_STEPS": "20", "MEM_CRASH_AT": "13"})
+    assert "SIGKILLs itself after step 13" in text
+    res = result(text)
+    # No checkpoint folder exists: step 13 can only have come from memory.
+    assert res["restarts"] == 1 and res["resumed_from"] == 13, text[-3000:]
+    assert res["step"] == 20 and res["w"] == replay(20)
+    assert sorted((d["rank"], d["step"]) for d in loaded(text)) == [
+        (0, 0),
+        (0, 13),
+        (1, 0),
+        (1, 13),
+    ]
+    assert "=> using memory checkpoint: step 13" in text
+    assert [e for e in events if e["kind"] == "restart"]
+    assert not [e for e in events if e["kind"].startswith("memory_checkpoint_persist")]
+
+
+def test_the_agent_writes_marked_steps_to_disk_in_the_background(tmp_path: Path) -> None:
+    d = tmp_path / "ckpt"
+    env = {"MEM_STEPS": "23", "MEM_CRASH_AT": "13", "MEM_PERSIST": "5", "MEM_DIR": str(d)}
+    text, events = run_job(tmp_path, env)
+    res = result(text)
+    assert res["resumed_from"] == 13 and res["w"] == replay(23), text[-3000:]  # not disk's 10
+    persisted = [e for e in events if e["kind"] == "memory_checkpoint_persisted"]
+    # Marked steps are written newest first: one marked while another is
+    # written waits, and a newer one takes its place (the steps here take ms).
+    written = [e["step"] for e in persisted]
+    assert written == sorted(set(written)) and written[-1] == 20, written
+    assert all(s % 5 == 0 for s in written) and all(e["local_rank"] == 0 for e in persisted)
+    kept = [c.step for c in list_checkpoints(d)]
+    assert kept == written[-3:]  # keep=3, pruned by the agent
+    for info in list_checkpoints(d):
+        assert check(info, info.path.read_bytes()).status == "verified"
+    state = load_checkpoint(d, log=None)
+    assert state is not None and state["step"] == 20 and float(state["w"][0]) == replay(20)
+    assert (d / "latest").read_text().strip() == "ckpt-000000000020.pt"
+
+
+def test_a_worker_killed_mid_copy_leaves_the_previous_snapshot_intact(tmp_path: Path) -> None:
+    env = {"MEM_STEPS": "16", "MEM_CRASH_AT": "11", "MEM_KILL_MID_COPY": "256"}
+    text, _ = run_job(tmp_path, env)
+    assert "SIGKILL mid-copy at step 12" in text, text[-3000:]
+    res = result(text)
+    assert res["resumed_from"] == 11 and res["w"] == replay(16), text[-3000:]
+    restarted = [d for d in loaded(text) if d["step"] > 0]
+    assert sorted(d["rank"] for d in restarted) == [0, 1]
+    assert all(d["step"] == 11 for d in restarted)
