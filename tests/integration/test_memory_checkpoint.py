@@ -128,3 +128,40 @@ def test_a_worker_killed_mid_copy_leaves_the_previous_snapshot_intact(tmp_path: 
     restarted = [d for d in loaded(text) if d["step"] > 0]
     assert sorted(d["rank"] for d in restarted) == [0, 1]
     assert all(d["step"] == 11 for d in restarted)
+
+
+def test_the_example_resumes_from_the_step_before_the_kill(tmp_path: Path) -> None:
+    """examples/train.py --memory-checkpoint: rank 1 SIGKILLs itself at step
+    37 before saving it; the job resumes from step 36 (memory), not from the
+    epoch-end disk checkpoint of step 23, and the agent wrote the disk ones."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "train.py"
+    d = tmp_path / "ckpt"
+    argv = [
+        sys.executable,
+        "-m",
+        "elastrun",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        str(example),
+        "--epochs=3",
+        "--memory-checkpoint",
+        "--crash-at-step=37",
+        "--crash-how=sigkill",
+        f"--checkpoint-dir={d}",
+    ]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=BOUND)
+    finally:
+        stop_groups(proc)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-4000:]
+    assert "=> using memory checkpoint: step 36" in text, text[-3000:]
+    assert "=> resumed: epoch=1 offset=832/1437 global_step=36 (world 2, restart 1)" in text
+    assert "final: epoch=3" in text
+    infos = list_checkpoints(d)
+    assert [i.step for i in infos] == [23, 46, 69]  # the epoch ends, written by the agent
+    assert all(check(i, i.path.read_bytes()).status == "verified" for i in infos)
