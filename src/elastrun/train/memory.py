@@ -40,12 +40,14 @@ warning line that says why.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import errno
 import fcntl
 import mmap
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -200,6 +202,38 @@ class _Slots:
         self.fds.clear()
 
 
+class _Committer:
+    """The thread that hashes and commits each save, so that ``save``
+    returns once the copy is made (no thread is started per save). At the
+    interpreter's exit, the save in progress is committed first."""
+
+    def __init__(self, commit: Callable[[int, SnapshotHeader, int], None]) -> None:
+        self.idle = threading.Event()
+        self.idle.set()
+        self._commit = commit
+        self._jobs: queue.SimpleQueue[tuple[int, SnapshotHeader, int] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="elastrun-memory-checkpoint")
+        self._thread.daemon = True
+        self._thread.start()
+        atexit.register(self.idle.wait)
+
+    def put(self, i: int, header: SnapshotHeader, start: int) -> None:
+        self.idle.clear()
+        self._jobs.put((i, header, start))
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._commit(*job)
+            finally:
+                self.idle.set()
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+        atexit.unregister(self.idle.wait)
+
+
 class MemoryCheckpoint:
     """In-memory checkpoints held by elastrun's agent (see the module doc).
 
@@ -234,7 +268,7 @@ class MemoryCheckpoint:
         self.last_blocked_s = 0.0  # how long the last save kept the caller waiting
         self._slots: _Slots | None = None
         self._slot_count = slots
-        self._pending: threading.Thread | None = None
+        self._thread: _Committer | None = None
         self._error: BaseException | None = None
         self._fallback: str | None = None
         self._warned = False
@@ -299,10 +333,7 @@ class MemoryCheckpoint:
             self._slots.release(i)
             raise
         flat.tensors.clear()  # the caller's tensors are not held any longer
-        self._pending = threading.Thread(
-            target=self._commit, args=(i, header, start), name="elastrun-memory-checkpoint"
-        )
-        self._pending.start()
+        self._committer().put(i, header, start)
 
     def _commit(self, i: int, header: SnapshotHeader, start: int) -> None:
         slots = self._slots
@@ -319,11 +350,15 @@ class MemoryCheckpoint:
             self._error = e
             slots.release(i)
 
+    def _committer(self) -> _Committer:
+        if self._thread is None:
+            self._thread = _Committer(self._commit)
+        return self._thread
+
     def wait(self) -> None:
         """Wait until the last save is committed (its error, if any, raised)."""
-        if self._pending is not None:
-            self._pending.join()
-            self._pending = None
+        if self._thread is not None:
+            self._thread.idle.wait()
         if self._error is not None:
             e, self._error = self._error, None
             raise ConfigError(f"memory checkpoint: the last save failed: {e}") from e
@@ -354,6 +389,9 @@ class MemoryCheckpoint:
         try:
             self.wait()
         finally:
+            if self._thread is not None:
+                self._thread.stop()
+                self._thread = None
             if self._slots is not None:
                 self._slots.close()
                 self._slots = None

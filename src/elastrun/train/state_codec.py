@@ -111,15 +111,28 @@ def flatten(state: Any, root: str = "state") -> Flat:
 
 def copy_into(flat: Flat, buffer: Any, start: int) -> None:
     """Copy ``flat``'s tensors into ``buffer`` (writable, e.g. an mmap) at
-    ``start`` + each entry's offset."""
+    ``start`` + each entry's offset. A CPU tensor's bytes are copied in this
+    thread (a plain memory copy: torch's own copy spreads small copies over
+    its thread pool, which on a busy machine costs more than it saves); a
+    GPU tensor is copied to the host by torch."""
     import torch
 
-    for (_key, t), e in zip(flat.tensors, flat.entries, strict=True):
-        if e.nbytes == 0:
-            continue
-        dst = torch.frombuffer(buffer, dtype=t.dtype, count=t.numel(), offset=start + e.offset)
-        dst.view(t.shape).copy_(t.detach())
-        del dst
+    view = memoryview(buffer)
+    try:
+        for (_key, t), e in zip(flat.tensors, flat.entries, strict=True):
+            if e.nbytes == 0:
+                continue
+            at = start + e.offset
+            if t.device.type == "cpu":
+                raw = t.detach().reshape(-1).contiguous().view(torch.uint8)
+                view[at : at + e.nbytes] = memoryview(raw.numpy())
+                del raw
+            else:
+                dst = torch.frombuffer(buffer, dtype=t.dtype, count=t.numel(), offset=at)
+                dst.view(t.shape).copy_(t.detach())
+                del dst
+    finally:
+        view.release()
 
 
 def _tensor(entry: TensorEntry, data: Any, map_location: Any) -> Any:
