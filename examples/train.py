@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         f"run_id {ctx.run_id} train {n} test {len(test_ds)}"
     )
     mem = MemoryCheckpoint(args.checkpoint_dir, keep=args.keep) if args.memory_checkpoint else None
-    state = mem.load() if mem else load_checkpoint(args.checkpoint_dir, keep=args.keep)
+    state = mem.load(shared=True) if mem else load_checkpoint(args.checkpoint_dir, keep=args.keep)
     fresh = state is None and ctx.restart_count == 0
     if state is not None:
         model.load_state_dict(state["model"])

@@ -98,6 +98,15 @@ def test_a_killed_worker_resumes_from_its_agents_memory_without_a_disk_read(
     assert not [e for e in events if e["kind"].startswith("memory_checkpoint_persist")]
 
 
+def test_a_state_saved_by_rank_0_only_reaches_every_rank_from_memory(tmp_path: Path) -> None:
+    text, _ = run_job(tmp_path, {"MEM_STEPS": "18", "MEM_CRASH_AT": "9", "MEM_SHARED": "1"})
+    res = result(text)
+    assert res["resumed_from"] == 9 and res["w"] == replay(18), text[-3000:]
+    assert "=> using memory checkpoint: step 9 from rank 0's agent, sent to 1 rank(s)" in text
+    restarted = sorted((d["rank"], d["step"]) for d in loaded(text) if d["step"] > 0)
+    assert restarted == [(0, 9), (1, 9)]
+
+
 def test_the_agent_writes_marked_steps_to_disk_in_the_background(tmp_path: Path) -> None:
     d = tmp_path / "ckpt"
     env = {"MEM_STEPS": "23", "MEM_CRASH_AT": "13", "MEM_PERSIST": "5", "MEM_DIR": str(d)}
@@ -132,8 +141,10 @@ def test_a_worker_killed_mid_copy_leaves_the_previous_snapshot_intact(tmp_path: 
 
 def test_the_example_resumes_from_the_step_before_the_kill(tmp_path: Path) -> None:
     """examples/train.py --memory-checkpoint: rank 1 SIGKILLs itself at step
-    37 before saving it; the job resumes from step 36 (memory), not from the
-    epoch-end disk checkpoint of step 23, and the agent wrote the disk ones."""
+    37 before saving it; the job resumes from step 37 (rank 0's copy, sent to
+    rank 1: the state is the same on both; 36 if rank 0 was stopped before
+    its commit of 37), not from the epoch-end disk checkpoint of step 23, and
+    the agent wrote the disk ones."""
     example = Path(__file__).resolve().parents[2] / "examples" / "train.py"
     d = tmp_path / "ckpt"
     argv = [
@@ -159,8 +170,13 @@ def test_the_example_resumes_from_the_step_before_the_kill(tmp_path: Path) -> No
         stop_groups(proc)
     text = out.decode(errors="replace")
     assert proc.returncode == 0, text[-4000:]
-    assert "=> using memory checkpoint: step 36" in text, text[-3000:]
-    assert "=> resumed: epoch=1 offset=832/1437 global_step=36 (world 2, restart 1)" in text
+    m = re.search(r"=> using memory checkpoint: step (\d+)", text)
+    assert m is not None and int(m.group(1)) in (36, 37), text[-3000:]
+    step = int(m.group(1))
+    offset = (step - 23) * 64  # 23 steps per epoch, 2 ranks x 32 samples per step
+    assert (
+        f"=> resumed: epoch=1 offset={offset}/1437 global_step={step} (world 2, restart 1)" in text
+    )
     assert "final: epoch=3" in text
     infos = list_checkpoints(d)
     assert [i.step for i in infos] == [23, 46, 69]  # the epoch ends, written by the agent

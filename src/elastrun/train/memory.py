@@ -25,7 +25,9 @@ files (atomically, with checksum records), in the background.
 :meth:`MemoryCheckpoint.load` is called by every rank at start: each rank
 lists the steps its own slots hold intact (checked against their SHA-256),
 the ranks all-gather them and take the highest step that every rank holds;
-each rank then loads its own copy (no disk read). When no step is common
+each rank then loads its own copy (no disk read). For a state that is the
+same on every rank (``shared=True``), the highest step any rank holds, sent
+by its holder to the ranks without it (:mod:`elastrun.train.memory_load`). When no step is common
 (a rank is new, or shared memory was lost with its node), every rank falls
 back to :func:`~elastrun.train.load_checkpoint` on ``directory`` (the
 newest intact disk checkpoint the ranks agree on). So the ranks always
@@ -57,7 +59,8 @@ from typing import Any
 from elastrun.errors import ConfigError
 from elastrun.train.checkpoint import load_checkpoint, save_checkpoint
 from elastrun.train.heartbeat import phase
-from elastrun.train.state_codec import Flat, copy_into, decode, flatten
+from elastrun.train.memory_load import restore
+from elastrun.train.state_codec import Flat, copy_into, flatten
 from elastrun.worker.snapshot import (
     ENV,
     MAGIC,
@@ -397,31 +400,25 @@ class MemoryCheckpoint:
                 self._slots = None
 
     # ------------------------------------------------------------ loading
-    def load(self, *, group: Any = None, map_location: Any = "cpu") -> dict[str, Any] | None:
+    def load(
+        self, *, group: Any = None, map_location: Any = "cpu", shared: bool = False
+    ) -> dict[str, Any] | None:
         """Agree with the other ranks on one step and return its state (every
-        rank must call it; see the module doc). None: nothing anywhere."""
+        rank must call it; see the module doc and :mod:`elastrun.train.memory_load`).
+        ``shared``: the state is the same on every rank (data parallel), so a
+        rank without the agreed step gets it from one that has it. None:
+        nothing anywhere."""
         with phase("checkpoint"):
             views = self._intact() if self.folder is not None else []
             try:
-                step = _agree([v.header.step for v in views], group)
-                if step is not None:
-                    view = max(
-                        (v for v in views if v.header.step == step),
-                        key=lambda v: v.header.generation,
-                    )
-                    state = decode(view.header, view.data, map_location)
-                    if _rank_world()[0] == 0:
-                        _say(
-                            self.log,
-                            f"=> using memory checkpoint: step {step} (each rank's copy held "
-                            "by its agent; no disk read)",
-                        )
-                    return state if isinstance(state, dict) else {"state": state}
+                state = restore(
+                    views, shared=shared, group=group, map_location=map_location, log=self.log
+                )
             finally:
                 for v in views:
                     v.close()
-            if self.directory is None:
-                return None
+            if state is not None or self.directory is None:
+                return state
             return load_checkpoint(
                 self.directory, group=group, map_location=map_location, keep=self.keep, log=self.log
             )
@@ -453,24 +450,3 @@ def _rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
-
-
-def _agree(steps: list[int], group: Any) -> int | None:
-    """The highest step every rank of ``group`` holds (None: none common)."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return max(steps) if steps else None
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    mine = sorted(set(steps), reverse=True)[:MAX_SLOTS]
-    row = torch.full((MAX_SLOTS,), -1, dtype=torch.int64, device=device)
-    if mine:
-        row[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
-    rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(rows, row, group=group)
-    held = [{int(s) for s in r.cpu().tolist() if s >= 0} for r in rows]
-    common = set.intersection(*held) if held else set()
-    return max(common) if common else None

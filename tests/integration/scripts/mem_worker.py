@@ -5,7 +5,9 @@ then ``w = w * 0.5 + c + s`` (float64, exact to replay), and every rank saves
 ``{"step", "w", "rank"}`` with ``MemoryCheckpoint.save`` (to disk every
 ``MEM_PERSIST`` steps, from local rank 0 only, into ``MEM_DIR``; no disk at
 all without ``MEM_DIR``). On start every rank calls ``MemoryCheckpoint.load``
-and resumes from what it returns.
+and resumes from what it returns. With ``MEM_SHARED=1`` only rank 0 saves
+(the state is the same on every rank) and the ranks load with
+``shared=True``.
 
 In the first attempt only, at step ``MEM_CRASH_AT``, once every rank has
 committed that step, the last local rank SIGKILLs itself. With
@@ -65,8 +67,9 @@ def main() -> None:
     every = int(os.environ.get("MEM_PERSIST", "0"))
     last_local = ctx.local_rank == ctx.local_world_size - 1
 
+    shared = os.environ.get("MEM_SHARED") == "1"  # only rank 0 saves, as Lightning does
     mem = MemoryCheckpoint(directory, persist_every=every if ctx.local_rank == 0 else 0)
-    state = mem.load()
+    state = mem.load(shared=shared)
     step = 0 if state is None else int(state["step"])
     print(f"LOADED {json.dumps({'rank': rank, 'step': step})}", flush=True)
     w = torch.zeros(256, dtype=torch.float64) if state is None else state["w"]
@@ -76,7 +79,8 @@ def main() -> None:
         c = torch.full((256,), float(rank + 1), dtype=torch.float64)
         dist.all_reduce(c)
         w = w * 0.5 + c + step
-        mem.save({"step": step, "w": w, "rank": rank}, step=step)
+        if rank == 0 or not shared:
+            mem.save({"step": step, "w": w, "rank": rank}, step=step)
         if ctx.restart_count == 0 and step == crash_at:
             mem.wait()
             dist.barrier()  # every rank committed this step
