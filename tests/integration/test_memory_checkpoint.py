@@ -181,3 +181,40 @@ def test_the_example_resumes_from_the_step_before_the_kill(tmp_path: Path) -> No
     infos = list_checkpoints(d)
     assert [i.step for i in infos] == [23, 46, 69]  # the epoch ends, written by the agent
     assert all(check(i, i.path.read_bytes()).status == "verified" for i in infos)
+
+
+def test_lightning_resumes_from_rank_0s_memory_copy(tmp_path: Path) -> None:
+    """MemoryCheckpointIO: a checkpoint every step (rank 0's memory copy);
+    rank 1 SIGKILLed when step 12 starts; both ranks resume at step 12 (11
+    if rank 0's last commit was cut short) from memory, not from the disk
+    copy of step 10, and the fit ends at max_steps."""
+    pytest.importorskip("lightning")
+    argv = [
+        sys.executable,
+        "-m",
+        "elastrun",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        str(SCRIPTS / "lightning_memory.py"),
+        str(tmp_path),
+        "--kill-at=12",
+        "--max-steps=20",
+    ]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=BOUND)
+    finally:
+        stop_groups(proc)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-4000:]
+    assert "SIGKILLs itself at step 12" in text
+    fits = [json.loads(ln) for ln in (tmp_path / "fits.jsonl").read_text().splitlines()]
+    assert sorted(f["rank"] for f in fits) == [0, 1] and all(f["restart"] == 1 for f in fits)
+    starts = {f["start_step"] for f in fits}
+    assert len(starts) == 1 and starts <= {11, 12}, fits
+    assert all(f["end_step"] == 20 for f in fits)
+    assert "from rank 0's agent, sent to 1 rank(s)" in text
+    assert [c.step for c in list_checkpoints(tmp_path / "ckpt")][-1] in (10, 20)
