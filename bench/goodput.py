@@ -105,9 +105,10 @@ def run_one(
             time.sleep(0.1)
         t_first = time.monotonic()
         next_kill = t_first + kill_every if kill_every > 0 else float("inf")
-        while time.monotonic() < t_first + duration:
+        end = t_first + duration
+        while time.monotonic() < end:
             time.sleep(0.05)
-            if time.monotonic() >= next_kill:
+            if next_kill <= time.monotonic() < end - 1.0:  # none in the run's last second
                 evs = _events(events)
                 pid = _victim(evs)
                 newest = max((e["step"] for e in evs if e["ev"] == "step"), default=0)
