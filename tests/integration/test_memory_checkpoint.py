@@ -11,6 +11,7 @@ snapshots intact, and the ranks agree on the step before
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,7 +24,7 @@ import pytest
 
 from elastrun.train import load_checkpoint
 from elastrun.train.checkpoint_files import check, list_checkpoints
-from tests.helpers import stop_groups
+from tests.helpers import free_port, kill_group, stop_groups, wait_for
 from tests.integration.elastic_harness import SCRIPTS
 
 torch = pytest.importorskip("torch")
@@ -218,3 +219,74 @@ def test_lightning_resumes_from_rank_0s_memory_copy(tmp_path: Path) -> None:
     assert all(f["end_step"] == 20 for f in fits)
     assert "from rank 0's agent, sent to 1 rank(s)" in text
     assert [c.step for c in list_checkpoints(tmp_path / "ckpt")][-1] in (10, 20)
+
+
+def test_after_a_node_loss_survivors_and_a_replacement_resume_from_memory(
+    tmp_path: Path,
+) -> None:
+    """Two agents of one worker each train a state that is the same on every
+    rank (every rank saves; load(shared=True)); agent b is SIGKILLed with its
+    worker: a's worker resumes at world 1 from its own memory copy; agent c
+    then joins with nothing: it receives a's copy (no disk anywhere)."""
+    port = free_port()
+    progress = tmp_path / "progress.jsonl"
+    env = {
+        **os.environ,
+        "MEM_STEPS": "400",
+        "MEM_SHARED": "all",
+        "MEM_STEP_DELAY": "0.05",
+        "MEM_PROGRESS": str(progress),
+    }
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    logs: dict[str, Path] = {}
+
+    def start(name: str, host: bool) -> None:
+        logs[name] = tmp_path / f"agent-{name}.log"
+        argv = [
+            sys.executable,
+            "-m",
+            "elastrun",
+            "--nnodes=1:3",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=memloss",
+            "--max-restarts=2",
+            f"--rdzv-conf=last_call_timeout=1,lease_ttl=2,join_timeout=60,is_host={int(host)}",
+            str(SCRIPTS / "mem_worker.py"),
+        ]
+        with open(logs[name], "wb") as log:
+            procs[name] = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def records() -> list[dict[str, Any]]:
+        if not progress.exists():
+            return []
+        out = []
+        for line in progress.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                out.append(json.loads(line))
+        return out
+
+    try:
+        start("a", True)
+        start("b", False)
+        wait_for(lambda: any(r["world"] == 2 and r["step"] >= 10 for r in records()), BOUND, "w2")
+        killed_at = max(r["step"] for r in records())
+        kill_group(procs["b"].pid)
+        wait_for(lambda: any(r["world"] == 1 for r in records()), BOUND, "world 1")
+        mark = len(records())
+        start("c", False)  # a join is not counted as a restart
+        wait_for(lambda: any(r["world"] == 2 for r in records()[mark:]), BOUND, "world 2 again")
+        assert procs["a"].wait(BOUND) == 0 and procs["c"].wait(BOUND) == 0
+    finally:
+        stop_groups(*procs.values())
+    text_a, text_c = logs["a"].read_text(), logs["c"].read_text()
+    loads_a, loads_c = loaded(text_a), loaded(text_c)
+    # a: world 2 from scratch, world 1 from its own memory, world 2 again with c
+    assert [d["world"] for d in loads_a] == [2, 1, 2], loads_a
+    assert loads_a[0]["step"] == 0 and loads_a[1]["step"] >= killed_at - 1, (killed_at, loads_a)
+    assert loads_c and loads_c[0]["step"] == loads_a[2]["step"] > loads_a[1]["step"]
+    assert "sent to 1 rank(s) without it" in text_a
+    assert result(text_a)["step"] == 400

@@ -6,8 +6,9 @@ then ``w = w * 0.5 + c + s`` (float64, exact to replay), and every rank saves
 ``MEM_PERSIST`` steps, from local rank 0 only, into ``MEM_DIR``; no disk at
 all without ``MEM_DIR``). On start every rank calls ``MemoryCheckpoint.load``
 and resumes from what it returns. With ``MEM_SHARED=1`` only rank 0 saves
-(the state is the same on every rank) and the ranks load with
-``shared=True``.
+(the state is the same on every rank), with ``MEM_SHARED=all`` every rank
+does; both load with ``shared=True``. ``MEM_STEP_DELAY``: seconds of sleep
+per step; ``MEM_PROGRESS``: a file each rank appends its steps to.
 
 In the first attempt only, at step ``MEM_CRASH_AT``, once every rank has
 committed that step, the last local rank SIGKILLs itself. With
@@ -67,11 +68,17 @@ def main() -> None:
     every = int(os.environ.get("MEM_PERSIST", "0"))
     last_local = ctx.local_rank == ctx.local_world_size - 1
 
-    shared = os.environ.get("MEM_SHARED") == "1"  # only rank 0 saves, as Lightning does
+    # "1": only rank 0 saves, as Lightning does; "all": every rank saves; both load shared
+    shared = os.environ.get("MEM_SHARED") in ("1", "all")
+    only_rank0 = os.environ.get("MEM_SHARED") == "1"
+    delay = float(os.environ.get("MEM_STEP_DELAY", "0"))
+    progress = os.environ.get("MEM_PROGRESS")
     mem = MemoryCheckpoint(directory, persist_every=every if ctx.local_rank == 0 else 0)
     state = mem.load(shared=shared)
     step = 0 if state is None else int(state["step"])
-    print(f"LOADED {json.dumps({'rank': rank, 'step': step})}", flush=True)
+    world = dist.get_world_size()
+    loaded = {"rank": rank, "step": step, "world": world, "restart": ctx.restart_count}
+    print(f"LOADED {json.dumps(loaded)}", flush=True)
     w = torch.zeros(256, dtype=torch.float64) if state is None else state["w"]
     resumed_from = step
     while step < steps:
@@ -79,8 +86,12 @@ def main() -> None:
         c = torch.full((256,), float(rank + 1), dtype=torch.float64)
         dist.all_reduce(c)
         w = w * 0.5 + c + step
-        if rank == 0 or not shared:
-            mem.save({"step": step, "w": w, "rank": rank}, step=step)
+        if rank == 0 or not only_rank0:
+            mem.save({"step": step, "w": w}, step=step)
+        if progress:
+            with open(progress, "a") as f:
+                f.write(json.dumps({**loaded, "step": step}) + "\n")
+        time.sleep(delay)
         if ctx.restart_count == 0 and step == crash_at:
             mem.wait()
             dist.barrier()  # every rank committed this step
