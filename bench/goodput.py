@@ -20,7 +20,9 @@ in the last two, local rank 1 is SIGKILLed every ``--kill-every`` seconds
 * steps redone per failure: the newest step before the kill minus the step
   resumed from;
 * training blocked per checkpoint: the mean time a checkpoint call kept the
-  step waiting, also as a share of a step's compute time.
+  step waiting, as a share of a step (the median time from one step's end to
+  the next's: ``GP_INTERVAL`` when the compute is shorter) and of a step's
+  compute alone.
 
 ``--blocked-mib`` (default 1024): one process saves a state of that size
 (one float32 tensor) four times with ``MemoryCheckpoint.save`` into a
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -134,6 +137,8 @@ def summarize(events: list[dict[str, Any]], kills: list[tuple[float, int]]) -> d
             redone.append(max(0, newest - int(after[0]["step"])))
     saved = [e for e in steps if e.get("saved")]
     compute = statistics.median(e["compute"] for e in steps) if steps else 0.0
+    gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(steps) if b["step"] == a["step"] + 1]
+    interval = statistics.median(gaps) if gaps else 0.0
     blocked = statistics.mean(e["blocked"] for e in saved) if saved else 0.0
     return {
         "final_step": max((e["step"] for e in steps), default=0),
@@ -143,6 +148,7 @@ def summarize(events: list[dict[str, Any]], kills: list[tuple[float, int]]) -> d
         "checkpoints": len(saved),
         "blocked_s": blocked,
         "step_compute_s": compute,
+        "step_s": interval,
     }
 
 
@@ -199,7 +205,7 @@ def report(
         f"{runs['reference']['final_step']} steps.",
         "",
         "| launcher | checkpoint | failures | effective training time ratio | steps redone "
-        "per failure (each) | blocked per checkpoint | share of a step's compute |",
+        "per failure (each) | blocked per checkpoint | share of a step (of its compute) |",
         "|---|---|---|---|---|---|---|",
     ]
     what = {"torchrun": "torch.save every 50 steps", "elastrun": "memory, every step"}
@@ -207,10 +213,11 @@ def report(
         r = runs[name]
         redone = r["steps_redone"]
         mean = f"{statistics.mean(redone):.1f} ({', '.join(map(str, redone))})" if redone else "-"
-        share = r["blocked_s"] / r["step_compute_s"] if r["step_compute_s"] else 0.0
+        share = r["blocked_s"] / r["step_s"] if r["step_s"] else 0.0
+        of_compute = r["blocked_s"] / r["step_compute_s"] if r["step_compute_s"] else 0.0
         lines.append(
             f"| {name} | {what[name]} | {r['failures']} | {r['final_step'] / ref:.3f} | {mean} | "
-            f"{r['blocked_s'] * 1e3:.2f} ms | {share:.1%} |"
+            f"{r['blocked_s'] * 1e3:.2f} ms | {share:.1%} ({of_compute:.1%}) |"
         )
     if blocked is not None:
         lines += [

@@ -129,9 +129,12 @@ class MemoryCheckpoints(Feature):
             self._remove_dead(run)
             self.base = private_dir(os.path.join(run, str(os.getpid())), below=self.root)
         except (UnsafePath, OSError) as e:
-            self.core.say(
-                f"elastrun: warning: memory checkpoints are off on this node: {e}; "
-                "workers save to disk only"
+            # Said by each worker that uses memory checkpoints (it gets no folder).
+            self.core.events.emit(
+                "memory_checkpoint_persist_failed",
+                local_rank=-1,
+                step=-1,
+                reason=f"no shared memory folder: {e}",
             )
             return
         self._task = asyncio.get_running_loop().create_task(self._watch())

@@ -276,7 +276,10 @@ class MemoryCheckpoint:
         self._fallback: str | None = None
         self._warned = False
         if self.folder is None:
-            self._fallback = "no elastrun agent holds memory checkpoints here"
+            self._fallback = (
+                "no elastrun agent holds memory checkpoints here (or its shared memory folder "
+                "could not be made: see its event log)"
+            )
 
     # ------------------------------------------------------------ saving
     @property
