@@ -274,7 +274,11 @@ def test_after_a_node_loss_survivors_and_a_replacement_resume_from_memory(
         start("b", False)
         wait_for(lambda: any(r["world"] == 2 and r["step"] >= 10 for r in records()), BOUND, "w2")
         killed_at = max(r["step"] for r in records())
+        b_copies = Path("/dev/shm", f"elastrun-{os.geteuid()}", "memloss", str(procs["b"].pid))
+        assert (b_copies / "local-0").is_dir()
         kill_group(procs["b"].pid)
+        # b's orphan guard frees b's shared memory
+        wait_for(lambda: not b_copies.exists(), BOUND, "b's copies removed")
         wait_for(lambda: any(r["world"] == 1 for r in records()), BOUND, "world 1")
         mark = len(records())
         start("c", False)  # a join is not counted as a restart

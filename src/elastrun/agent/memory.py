@@ -21,8 +21,9 @@ training never waits for the disk. Events: ``memory_checkpoint_persisted``,
 ``memory_checkpoint_persist_failed`` (and one console line for the first
 failure).
 
-The folders go when the agent ends; folders that agents of this run left on
-this host when they were killed (their pid is gone) are removed at start.
+The folders go when the agent ends; when it is killed, its orphan guard
+removes them (agent/guard.py), and should that fail too, the next agent of
+the run on this host removes the folders of agents whose pid is gone.
 The agent never imports torch: it copies bytes.
 """
 
@@ -137,6 +138,7 @@ class MemoryCheckpoints(Feature):
                 reason=f"no shared memory folder: {e}",
             )
             return
+        self.core.guard.remove_when_gone(self.base)  # a killed agent's copies go too
         self._task = asyncio.get_running_loop().create_task(self._watch())
 
     @staticmethod
@@ -246,6 +248,8 @@ class MemoryCheckpoints(Feature):
                 self._failed(-1, -1, f"the agent ended before its disk writes ({CLOSE_WAIT:.0f}s)")
         if self.base is not None:
             shutil.rmtree(self.base, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the run's folder, once no agent uses it
+                os.rmdir(os.path.dirname(self.base))
             self.base = None
 
 
