@@ -129,6 +129,27 @@ def test_the_agent_writes_marked_steps_to_disk_in_the_background(tmp_path: Path)
     assert (d / "latest").read_text().strip() == "ckpt-000000000020.pt"
 
 
+def test_a_disk_write_that_fails_is_said_once_and_training_goes_on(tmp_path: Path) -> None:
+    full = tmp_path / "full"
+    full.mkdir()
+    if os.system(f"mount -t tmpfs -o size=4k tmpfs {full} 2>/dev/null") != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        with contextlib.suppress(OSError), open(full / "filler", "wb") as f:
+            f.write(bytes(1 << 16))  # the disk is full
+        env = {"MEM_STEPS": "12", "MEM_PERSIST": "3", "MEM_DIR": str(full)}
+        text, events = run_job(tmp_path, env)
+    finally:
+        os.system(f"umount {full}")
+    assert result(text)["step"] == 12
+    failed = [e for e in events if e["kind"] == "memory_checkpoint_persist_failed"]
+    assert failed and all(e["local_rank"] == 0 and e["step"] % 3 == 0 for e in failed), failed
+    assert "No space left on device" in failed[0]["reason"]
+    lines = [ln for ln in text.splitlines() if "could not be written to disk" in ln]
+    assert len(lines) == 1 and "local rank 0" in lines[0], text[-2000:]
+    assert not [e for e in events if e["kind"] == "memory_checkpoint_persisted"]
+
+
 def test_a_worker_killed_mid_copy_leaves_the_previous_snapshot_intact(tmp_path: Path) -> None:
     env = {"MEM_STEPS": "16", "MEM_CRASH_AT": "11", "MEM_KILL_MID_COPY": "256"}
     text, _ = run_job(tmp_path, env)
