@@ -53,8 +53,11 @@ REAP_WAIT = 2.0
 # Worker variables that change from round to round, and from local rank to
 # local rank; everything else in a worker's environment must be what the
 # zygote was started with.
-ROUND_VARS = frozenset((*ROUND_ENV_VARS, HEARTBEAT_ENV, STACKS_ENV, STACK_SIGNAL_ENV))
-LOCAL_VARS = frozenset(("LOCAL_RANK", MEMORY_CHECKPOINT_ENV))
+# (The memory checkpoint folder is per agent and local rank: a round's part too.)
+ROUND_VARS = frozenset(
+    (*ROUND_ENV_VARS, HEARTBEAT_ENV, STACKS_ENV, STACK_SIGNAL_ENV, MEMORY_CHECKPOINT_ENV)
+)
+LOCAL_VARS = frozenset(("LOCAL_RANK",))
 
 # Set per worker by the agent for the runner, which removes them.
 RUNNER_VARS = frozenset((SCOPE_ENV, CHANNEL_ENV))
