@@ -70,6 +70,7 @@ demo: setup-demo
 
 bench: setup etcd
 	$(PY) -m bench $(BENCH_ARGS)
+	$(PY) -m bench.goodput
 
 bench-quick: setup etcd
 	$(PY) -m bench --quick $(BENCH_ARGS)

@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from elastrun.train import (
     ElasticSampler,
+    MemoryCheckpoint,
     context,
     global_order,
     heartbeat,
@@ -78,6 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also checkpoint every N global steps mid-epoch (default 0: epoch ends only)",
     )
     p.add_argument("--keep", type=int, default=3, help="checkpoints to keep (default 3)")
+    p.add_argument(
+        "--memory-checkpoint",
+        action="store_true",
+        help="checkpoint every step into memory held by elastrun's agent (a restarted worker "
+        "resumes from it); disk checkpoints as without it, written by the agent",
+    )
     p.add_argument("--log-every", type=int, default=20, help="print every N steps (default 20)")
     p.add_argument(
         "--device",
@@ -213,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         f"=> start: world {world} restarts {ctx.restart_count}/{ctx.max_restarts} "
         f"run_id {ctx.run_id} train {n} test {len(test_ds)} device {device} backend {backend}"
     )
-    state = load_checkpoint(args.checkpoint_dir, keep=args.keep)
+    mem = MemoryCheckpoint(args.checkpoint_dir, keep=args.keep) if args.memory_checkpoint else None
+    state = mem.load(shared=True) if mem else load_checkpoint(args.checkpoint_dir, keep=args.keep)
     fresh = state is None and ctx.restart_count == 0
     if state is not None:
         model.load_state_dict(state["model"])
@@ -228,19 +236,18 @@ def main(argv: list[str] | None = None) -> int:
         )
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
-    def checkpoint() -> None:
-        if ctx.local_rank == 0:  # one copy per node; no shared filesystem needed
-            save_checkpoint(
-                {
-                    "model": model.state_dict(),
-                    "optimizer": opt.state_dict(),
-                    "sampler": sampler.state_dict(),
-                    "global_step": global_step,
-                },
-                args.checkpoint_dir,
-                step=global_step,
-                keep=args.keep,
-            )
+    def checkpoint(disk: bool = True) -> None:
+        snap = {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "sampler": sampler.state_dict(),
+            "global_step": global_step,
+        }
+        # One disk copy per node; no shared filesystem needed.
+        if mem is not None:  # every rank, every step; the agent writes the disk copy
+            mem.save(snap, step=global_step, persist=disk and ctx.local_rank == 0)
+        elif ctx.local_rank == 0 and disk:
+            save_checkpoint(snap, args.checkpoint_dir, step=global_step, keep=args.keep)
 
     acc = accuracy(model, test_ds)
     for epoch in range(sampler.epoch, args.epochs):
@@ -275,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             every = args.checkpoint_every
             if every > 0 and global_step % every == 0 and sampler.offset < n:
                 checkpoint()
+            elif mem is not None:
+                checkpoint(disk=False)
         elapsed = time.perf_counter() - t0
         sampler.set_epoch(epoch + 1)
         acc = accuracy(model, test_ds)
@@ -286,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
             f"world {world} restarts {ctx.restart_count}"
         )
     say(f"final: epoch={args.epochs} test_acc={acc:.4f} world={world} restarts={ctx.restart_count}")
+    if mem is not None:
+        mem.close()
     dist.destroy_process_group()
     return 0
 

@@ -36,7 +36,17 @@ ALLOWED: dict[str, set[str]] = {
     "status": {"foundation", "store", "rendezvous"},
     "worker": {"foundation"},
     "train": {"foundation", "worker"},
-    "package": {"foundation", "store", "rendezvous", "agent", "launcher", "worker", "train"},
+    "integrations": {"foundation", "worker", "train"},
+    "package": {
+        "foundation",
+        "store",
+        "rendezvous",
+        "agent",
+        "launcher",
+        "worker",
+        "train",
+        "integrations",
+    },
 }
 
 

@@ -6,13 +6,16 @@ It reads lines from stdin, whose write end only the agent holds::
     -<pgid>   that worker is gone and its group was cleaned up
     L<json>   the agent's rendezvous lease and how to revoke it (parse_spec)
     L         the agent holds no lease (any earlier one is forgotten)
+    R<json>   a folder (a JSON string: its path) to remove once the agent is gone
 
 End of file means the agent is gone. The kernel closes the agent's descriptors
 however it dies, SIGKILL included, so this runs exactly when nobody else can
 clean up: every process group still listed is SIGKILLed, and so is every
 process still in one of those sessions (children that moved to a process
 group of their own). Only descendants that started a new session (daemons)
-escape. Then the lease, if one is held, is revoked, so that the other nodes
+escape. Then the folders it was given are removed (the agent's memory
+checkpoints in shared memory: memory nobody would free otherwise; no link is
+followed). Then the lease, if one is held, is revoked, so that the other nodes
 see this one gone now rather than at its lease's TTL: on etcd through its
 JSON gateway (``POST /v3/lease/revoke``, with the agent's endpoints, TLS files
 and user), on the embedded store through its own protocol. Then the guard
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -31,6 +35,7 @@ import time
 
 KILL_FOR = 3.0  # keep killing (new forks) for at most this long
 REVOKE_FOR = 5.0  # try to revoke the lease for at most this long
+MAX_FOLDERS = 16  # folders to remove: the agent gives one
 
 
 def _sessions_members(sids: set[int]) -> list[int]:
@@ -256,11 +261,37 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes:
     return out
 
 
+class Orders:
+    """What the agent told the guard: process groups, the lease, folders."""
+
+    def __init__(self) -> None:
+        self.pgids: set[int] = set()
+        self.lease: EmbeddedLease | EtcdLease | None = None
+        self.folders: list[str] = []
+
+    def take(self, line: bytes) -> None:
+        kind, rest = line[:1], line[1:]
+        try:
+            if kind == b"R":
+                path = json.loads(rest)
+                room = len(self.folders) < MAX_FOLDERS
+                if isinstance(path, str) and os.path.isabs(path) and room:
+                    self.folders.append(path)
+            elif kind == b"L":
+                self.lease = parse_spec(json.loads(rest)) if rest else None
+            elif kind in (b"+", b"-") and (pgid := int(rest)) > 1:
+                if kind == b"+":
+                    self.pgids.add(pgid)
+                else:
+                    self.pgids.discard(pgid)
+        except ValueError:
+            return
+
+
 def main() -> int:
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
-    pgids: set[int] = set()
-    lease: EmbeddedLease | EtcdLease | None = None
+    orders = Orders()
     buf = b""
     while True:
         try:
@@ -274,28 +305,15 @@ def main() -> int:
         buf += data
         *lines, buf = buf.split(b"\n")
         for line in lines:
-            if line[:1] == b"L":
-                try:
-                    lease = parse_spec(json.loads(line[1:])) if line[1:] else None
-                except ValueError:
-                    continue
-                continue
-            try:
-                pgid = int(line[1:])
-            except ValueError:
-                continue
-            if pgid <= 1:
-                continue
-            if line[:1] == b"+":
-                pgids.add(pgid)
-            elif line[:1] == b"-":
-                pgids.discard(pgid)
-    # The agent is gone. Its workers first (one pass at once), then its lease,
-    # then the workers again until none is left.
-    _kill_once(pgids)
-    if lease is not None:
-        revoke(lease, time.monotonic() + REVOKE_FOR)
-    kill_all(pgids)
+            orders.take(line)
+    # The agent is gone. Its workers first (one pass at once), its folders,
+    # then its lease, then the workers again until none is left.
+    _kill_once(orders.pgids)
+    for folder in orders.folders:
+        shutil.rmtree(folder, ignore_errors=True)  # never follows a link inside
+    if orders.lease is not None:
+        revoke(orders.lease, time.monotonic() + REVOKE_FOR)
+    kill_all(orders.pgids)
     return 0
 
 

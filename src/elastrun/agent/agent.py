@@ -23,7 +23,9 @@ into the core's hooks (agent/hooks.py), listed in :data:`FEATURES`:
   (agent/hang_group.py, with watchdog.py, stacks.py, hangs.py,
   stragglers.py, progress_faults.py);
 * the wait, before a restart, for the stopped workers' GPU memory
-  (agent/gpu_release.py).
+  (agent/gpu_release.py);
+* memory checkpoints: the workers' snapshots in shared memory, kept across
+  worker restarts and written to disk in the background (agent/memory.py).
 
 Why hooks rather than a richer core: each feature is several kinds of code
 (a process of its own, per-round state, job notes, its events and console
@@ -56,7 +58,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from elastrun.agent import gpu_release, hang_group, warm
+from elastrun.agent import gpu_release, hang_group, memory, warm
 from elastrun.agent.children import Reaper
 from elastrun.agent.env import check_round
 from elastrun.agent.failures import (
@@ -93,6 +95,7 @@ FEATURES: tuple[Callable[[Core], list[Feature]], ...] = (
     warm.features,
     hang_group.features,
     gpu_release.features,
+    memory.features,
 )
 
 

@@ -18,6 +18,10 @@ this node gone at once instead of at the lease TTL (etcd ties leases to no
 connection; the embedded store would wait its disconnect grace). On a normal
 exit the agent has revoked it itself and told the guard so.
 
+The agent may also name folders to remove when it dies
+(:meth:`OrphanGuard.remove_when_gone`: its memory checkpoints in shared
+memory, which nobody would free otherwise).
+
 Worker start costs one small write to the pipe. If the guard cannot be
 started, the agent warns and goes on (workers still have PDEATHSIG).
 """
@@ -85,6 +89,11 @@ class OrphanGuard:
         None: there is none to revoke."""
         line = "" if spec is None else json.dumps(spec.to_json(), separators=(",", ":"))
         self._send("L" + line + "\n")
+
+    def remove_when_gone(self, path: str) -> None:
+        """Remove the folder ``path`` (absolute) if the agent dies without
+        doing so: the agent's memory checkpoints, in shared memory."""
+        self._send("R" + json.dumps(path) + "\n")  # JSON: ASCII, whatever the path
 
     def _send(self, line: str) -> None:
         if self._fd is None:

@@ -42,6 +42,7 @@ from elastrun.events import EventSink
 from elastrun.untrusted import printable
 from elastrun.worker._messages import PreloadPlan, Ready, Unsafe
 from elastrun.worker._modnames import script_module
+from elastrun.worker.snapshot import ENV as MEMORY_CHECKPOINT_ENV
 
 __all__ = ["LOCAL_VARS", "ROUND_VARS", "WarmPool", "compatible", "usable_cpus"]
 
@@ -56,7 +57,10 @@ REAP_WAIT = 2.0
 # Worker variables that change from round to round, and from local rank to
 # local rank; everything else in a worker's environment must be what the
 # zygote was started with.
-ROUND_VARS = frozenset((*ROUND_ENV_VARS, HEARTBEAT_ENV, STACKS_ENV, STACK_SIGNAL_ENV))
+# (The memory checkpoint folder is per agent and local rank: a round's part too.)
+ROUND_VARS = frozenset(
+    (*ROUND_ENV_VARS, HEARTBEAT_ENV, STACKS_ENV, STACK_SIGNAL_ENV, MEMORY_CHECKPOINT_ENV)
+)
 LOCAL_VARS = frozenset(("LOCAL_RANK",))
 
 # Set per worker by the agent for the runner, which removes them.

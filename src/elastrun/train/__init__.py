@@ -10,6 +10,9 @@
 - :func:`save_checkpoint` / :func:`load_checkpoint`: atomic, checksummed
   checkpoints; at start, damaged ones are moved aside, ranks agree on the
   newest intact one and the holder broadcasts it.
+- :class:`MemoryCheckpoint`: a checkpoint every step, copied into shared
+  memory that elastrun's agent holds across worker restarts and writes to
+  disk in the background.
 
 Importing this package does not import torch (the checkpoint functions import
 it when called), so ``import elastrun.train`` is cheap.
@@ -26,11 +29,13 @@ from elastrun.train.checkpoint import (
 )
 from elastrun.train.context import WorkerContext, context
 from elastrun.train.heartbeat import heartbeat, phase
+from elastrun.train.memory import MemoryCheckpoint
 from elastrun.train.sampler import ElasticSampler, global_order
 
 __all__ = [
     "CheckpointInfo",
     "ElasticSampler",
+    "MemoryCheckpoint",
     "WorkerContext",
     "context",
     "global_order",

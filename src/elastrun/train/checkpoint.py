@@ -34,7 +34,9 @@ from typing import Any
 
 from elastrun.errors import ConfigError
 from elastrun.safefs import UnsafePath, open_regular
-from elastrun.train.checkpoint_files import (
+from elastrun.train.heartbeat import phase
+from elastrun.train.state_codec import decode
+from elastrun.worker.checkpoint_files import (
     CheckpointInfo,
     check,
     checkpoint_path,
@@ -44,7 +46,7 @@ from elastrun.train.checkpoint_files import (
     publish,
     write_checkpoint,
 )
-from elastrun.train.heartbeat import phase
+from elastrun.worker.snapshot import header_of
 
 __all__ = [
     "CheckpointInfo",
@@ -141,8 +143,21 @@ def _read(path: Path) -> bytearray:
 
 
 def _torch_load(data: bytes | bytearray, map_location: Any) -> dict[str, Any]:
+    """The state in a checkpoint file's bytes: a ``torch.save`` file, or a
+    memory checkpoint's snapshot that the agent wrote to disk."""
     import torch
 
+    snap = header_of(data)
+    if snap is not None:
+        header, start = snap
+        view = memoryview(data)[start : start + header.data_size]
+        try:
+            state = decode(header, view, map_location)
+        finally:
+            view.release()
+        if not isinstance(state, dict):
+            raise ValueError(f"it holds a {type(state).__name__}, expected a dict")
+        return state
     state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     if not isinstance(state, dict):
         raise ValueError(f"it holds a {type(state).__name__}, expected a dict")

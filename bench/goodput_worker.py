@@ -1,0 +1,127 @@
+"""The goodput benchmark's worker (bench/goodput.py): realistic training that
+checkpoints the way its launcher's users do.
+
+The model of bench's realistic worker under DDP (an MLP, 83 k parameters),
+SGD with momentum, a shuffled data loader over a sharded data set, one step
+every ``GP_INTERVAL`` seconds at most. ``GP_MODE``:
+
+* ``torchsave``: rank 0 ``torch.save``\\s model, optimizer and step every
+  ``GP_EVERY`` steps (atomically: a temporary file, then a rename), every
+  rank loads it at start: what a torchrun script does today;
+* ``memory``: every rank ``MemoryCheckpoint.save``\\s every step (written to
+  disk by the agent every ``GP_EVERY`` steps), and loads with
+  ``MemoryCheckpoint.load``;
+* ``none``: no checkpoint (the failure-free reference).
+
+Events (JSON lines in ``GP_EVENTS``): ``resume`` (the step resumed from),
+``step`` (its number, when it ended, the seconds of compute, and the
+seconds the checkpoint call kept training waiting).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from elastrun.train import MemoryCheckpoint, context
+
+MODE = os.environ.get("GP_MODE", "none")
+DIR = Path(os.environ.get("GP_DIR", "."))
+EVERY = int(os.environ.get("GP_EVERY", "50"))
+INTERVAL = float(os.environ.get("GP_INTERVAL", "0.05"))
+EVENTS = os.environ.get("GP_EVENTS", str(DIR / "events.jsonl"))
+
+
+def emit(**fields: object) -> None:
+    fd = os.open(EVENTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps({"t": time.time(), **fields}) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def main() -> None:
+    ctx = context()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    features = torch.randn(8192, 64)
+    labels = (features[:, :8].sum(dim=1) > 0).long()
+    data = TensorDataset(features, labels)
+    sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(
+        data, num_replicas=world, rank=rank, shuffle=True, seed=0
+    )
+    loader = DataLoader(data, batch_size=32, sampler=sampler)
+    model = DistributedDataParallel(
+        nn.Sequential(
+            nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 2)
+        )
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+
+    ckpt = DIR / "ckpt.pt"
+    mem = None
+    state = None
+    if MODE == "memory":
+        mem = MemoryCheckpoint(DIR / "disk", persist_every=EVERY if ctx.local_rank == 0 else 0)
+        state = mem.load()
+    elif MODE == "torchsave" and ckpt.exists():
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    step = 0
+    if state is not None:
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        step = int(state["step"])
+    emit(ev="resume", step=step, rank=rank, restart=ctx.restart_count, pid=os.getpid())
+
+    epoch = step * 32 * world // len(data)
+    sampler.set_epoch(epoch)
+    batches = iter(loader)
+    while True:
+        t0 = time.monotonic()
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            epoch += 1
+            sampler.set_epoch(epoch)
+            batches = iter(loader)
+            x, y = next(batches)
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        opt.step()
+        step += 1
+        t1 = time.monotonic()
+        snap = None
+        if mem is not None or (MODE == "torchsave" and rank == 0 and step % EVERY == 0):
+            snap = {"model": model.module.state_dict(), "optimizer": opt.state_dict(), "step": step}
+        if mem is not None:
+            mem.save(snap or {}, step=step)
+        elif snap is not None:
+            tmp = DIR / f"ckpt.pt.tmp{os.getpid()}"
+            torch.save(snap, tmp)
+            os.replace(tmp, ckpt)
+        t2 = time.monotonic()
+        emit(
+            ev="step",
+            step=step,
+            rank=rank,
+            compute=t1 - t0,
+            blocked=t2 - t1,
+            saved=snap is not None,
+        )
+        left = INTERVAL - (time.monotonic() - t0)
+        if left > 0:
+            time.sleep(left)
+
+
+if __name__ == "__main__":
+    main()

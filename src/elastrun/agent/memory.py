@@ -1,0 +1,266 @@
+"""Memory checkpoints held by the agent: the workers' snapshots in shared
+memory, kept across worker restarts and written to disk in the background.
+
+The agent makes a private folder (0700) per local rank,
+``/dev/shm/elastrun-<uid>/<run id>/<agent pid>/local-<N>``, and names it in
+the worker's environment (``ELASTRUN_MEMORY_CHECKPOINT_DIR``). What a worker
+puts there (:mod:`elastrun.train.memory`; the format:
+:mod:`elastrun.worker.snapshot`) outlives the worker: a restarted worker of
+the same local rank finds it and resumes from it, without a disk read.
+
+In the background the agent watches each folder's commit note (every
+``POLL`` seconds, one small file per rank). A snapshot the worker marked
+``persist`` is written to its checkpoint folder as ``ckpt-<step>.pt`` (the
+snapshot's bytes, checked against its SHA-256 while they are written; the
+usual checksum record; the ``latest`` pointer; old ones pruned: see
+:mod:`elastrun.worker.checkpoint_files`), in a thread, one at a time: when
+several are marked meanwhile, the newest of each rank is written next (the
+others are skipped, never queued without bound). It reads the slot under a
+shared lock, which the worker's writes go around (it has more slots), so
+training never waits for the disk. Events: ``memory_checkpoint_persisted``,
+``memory_checkpoint_persist_failed`` (and one console line for the first
+failure).
+
+The folders go when the agent ends; when it is killed, its orphan guard
+removes them (agent/guard.py), and should that fail too, the next agent of
+the run on this host removes the folders of agents whose pid is gone.
+The agent never imports torch: it copies bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from elastrun.agent.hooks import Core, Feature, RoundHooks
+from elastrun.agent.process import Worker
+from elastrun.agent.workers import WorkerGroup
+from elastrun.procs import pid_alive
+from elastrun.safefs import UnsafePath, private_dir
+from elastrun.worker.checkpoint_files import publish, write_checkpoint
+from elastrun.worker.snapshot import (
+    ENV,
+    HASH_CHUNK,
+    CommitNote,
+    Marked,
+    SlotView,
+    SnapshotError,
+    open_slot,
+    write_persisted,
+)
+
+__all__ = ["ENV", "MemoryCheckpoints", "features", "persist_snapshot"]
+
+ROOT_ENV = "ELASTRUN_MEMORY_CHECKPOINT_ROOT"  # where the folders go (default /dev/shm)
+DEFAULT_ROOT = "/dev/shm"
+POLL = 0.2  # s between looks at the commit notes
+CLOSE_WAIT = 60.0  # s the agent's end waits for a disk write in progress
+
+
+def features(core: Core) -> list[Feature]:
+    return [MemoryCheckpoints(core)]
+
+
+@dataclass(frozen=True)
+class Persisted:
+    """A snapshot written to disk: where, its step, size and SHA-256."""
+
+    path: str
+    step: int
+    size: int
+    sha256: str
+
+
+def persist_snapshot(view: SlotView) -> Persisted:
+    """Write the snapshot ``view`` holds to its checkpoint folder (its header
+    names it), checking its data against the header's SHA-256 as it goes:
+    a mismatch leaves nothing behind (SnapshotError)."""
+    import hashlib
+
+    header = view.header
+    target = header.persist
+    if target is None:
+        raise SnapshotError("it is not marked to be written to disk")
+    d = Path(target.directory)
+    d.mkdir(parents=True, exist_ok=True)
+    whole = view.whole
+
+    def write(f: IO[bytes]) -> None:
+        data_sha = hashlib.sha256()
+        f.write(whole[: view.start])
+        for i in range(view.start, view.size, HASH_CHUNK):
+            chunk = whole[i : min(i + HASH_CHUNK, view.size)]
+            data_sha.update(chunk)
+            f.write(chunk)
+        if data_sha.hexdigest() != header.sha256:
+            raise SnapshotError("its data does not match its SHA-256 (changed while read?)")
+
+    try:
+        final, digest = write_checkpoint(d, header.step, write)
+        publish(d, final, target.keep)
+    finally:
+        whole.release()
+    return Persisted(str(final), header.step, view.size, digest)
+
+
+class MemoryCheckpoints(Feature):
+    """The agent's part of memory checkpoints (see the module doc)."""
+
+    def __init__(self, core: Core, root: str | None = None, poll: float = POLL) -> None:
+        self.core = core
+        self.root = root or os.environ.get(ROOT_ENV) or DEFAULT_ROOT
+        self.poll = poll
+        self.base: str | None = None
+        self.folders: dict[int, str] = {}  # local rank -> its folder
+        self._seen: dict[int, int] = {}  # local rank -> newest generation looked at
+        self._task: asyncio.Task[None] | None = None
+        self._closing = asyncio.Event()
+        self._warned = False
+
+    def start(self) -> None:
+        spec = self.core.spec
+        run = os.path.join(self.root, f"elastrun-{os.geteuid()}", spec.run_id)
+        try:
+            private_dir(run, below=self.root)
+            self._remove_dead(run)
+            self.base = private_dir(os.path.join(run, str(os.getpid())), below=self.root)
+        except (UnsafePath, OSError) as e:
+            # Said by each worker that uses memory checkpoints (it gets no folder).
+            self.core.events.emit(
+                "memory_checkpoint_persist_failed",
+                local_rank=-1,
+                step=-1,
+                reason=f"no shared memory folder: {e}",
+            )
+            return
+        self.core.guard.remove_when_gone(self.base)  # a killed agent's copies go too
+        self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    @staticmethod
+    def _remove_dead(run: str) -> None:
+        """Folders of this run's agents on this host that were killed."""
+        with contextlib.suppress(OSError):
+            for name in os.listdir(run):
+                if name.isdigit() and int(name) != os.getpid() and not pid_alive(int(name)):
+                    shutil.rmtree(os.path.join(run, name), ignore_errors=True)
+
+    def folder(self, local_rank: int) -> str | None:
+        if self.base is None:
+            return None
+        if local_rank not in self.folders:
+            path = os.path.join(self.base, f"local-{local_rank}")
+            self.folders[local_rank] = private_dir(path, below=self.base)
+        return self.folders[local_rank]
+
+    def round(self, group: WorkerGroup) -> RoundHooks | None:
+        return _MemoryRound(self) if self.base is not None else None
+
+    # ------------------------------------------------------------ persisting
+    async def _watch(self) -> None:
+        closing = self._closing
+        while True:
+            last = closing.is_set()  # one more look once the agent ends
+            for lr, folder in list(self.folders.items()):
+                marked = self._new_marked(lr, folder)
+                if marked is not None:
+                    await asyncio.to_thread(self._persist, lr, folder, marked)
+            if last:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(closing.wait(), self.poll)
+
+    def _new_marked(self, lr: int, folder: str) -> Marked | None:
+        """The newest snapshot marked for the disk that is not written yet."""
+        try:
+            note = CommitNote.read(folder)
+        except SnapshotError as e:
+            if self._seen.get(lr) != -2:  # said once, until a good note comes
+                self._failed(lr, -1, f"commit note: {e}")
+            self._seen[lr] = -2
+            return None
+        m = None if note is None else note.marked
+        if m is None or m.generation <= self._seen.get(lr, -1):
+            return None
+        self._seen[lr] = m.generation
+        return m
+
+    def _persist(self, lr: int, folder: str, marked: Marked) -> None:
+        try:
+            self._write(lr, folder, marked)
+        finally:
+            with contextlib.suppress(OSError):  # the worker may write into that slot again
+                write_persisted(folder, marked.generation)
+
+    def _write(self, lr: int, folder: str, marked: Marked) -> None:
+        clock = self.core.clock
+        t0 = clock.monotonic()
+        try:
+            view = open_slot(os.path.join(folder, f"slot-{marked.slot}"))
+        except (SnapshotError, OSError) as e:
+            self._failed(lr, marked.step, str(e))
+            return
+        if view is None or view.header.generation != marked.generation:
+            if view is not None:
+                view.close()
+            return  # a newer save marked since took its place (a newer note comes)
+        try:
+            done = persist_snapshot(view)
+        except (SnapshotError, OSError) as e:
+            self._failed(lr, marked.step, str(e))
+            return
+        finally:
+            view.close()
+        self.core.events.emit(
+            "memory_checkpoint_persisted",
+            local_rank=lr,
+            rank=view.header.rank,
+            step=done.step,
+            path=done.path,
+            bytes=done.size,
+            seconds=round(clock.monotonic() - t0, 3),
+        )
+
+    def _failed(self, lr: int, step: int, why: str) -> None:
+        self.core.events.emit(
+            "memory_checkpoint_persist_failed", local_rank=lr, step=step, reason=why
+        )
+        if not self._warned:
+            self._warned = True
+            self.core.say(
+                f"elastrun: warning: a memory checkpoint (local rank {lr}, step {step}) could "
+                f"not be written to disk: {why} (further failures: the event log only)"
+            )
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            # The disk write in progress, and the newest snapshot marked for
+            # the disk since, are written first (bounded).
+            self._closing.set()
+            try:
+                await asyncio.wait_for(task, CLOSE_WAIT)
+            except TimeoutError:
+                self._failed(-1, -1, f"the agent ended before its disk writes ({CLOSE_WAIT:.0f}s)")
+        if self.base is not None:
+            shutil.rmtree(self.base, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the run's folder, once no agent uses it
+                os.rmdir(os.path.dirname(self.base))
+            self.base = None
+
+
+class _MemoryRound(RoundHooks):
+    def __init__(self, feature: MemoryCheckpoints) -> None:
+        self.feature = feature
+
+    def worker_env(self, worker: Worker) -> dict[str, str]:
+        try:
+            folder = self.feature.folder(worker.local_rank)
+        except (UnsafePath, OSError) as e:
+            self.feature.core.say(f"elastrun: warning: memory checkpoints: {e}")
+            return {}
+        return {ENV: folder} if folder is not None else {}

@@ -1,0 +1,2 @@
+"""Integrations of elastrun's training helpers with training frameworks
+(imported only when used: each imports its framework)."""

@@ -1,0 +1,509 @@
+"""Memory checkpoints without torch: the snapshot format and the slot files.
+
+A worker's memory checkpoint (:mod:`elastrun.train.memory`) lives in shared
+memory, in a private folder that the agent made for the worker's local rank
+and named in ``ELASTRUN_MEMORY_CHECKPOINT_DIR``. The folder holds up to
+``slots`` *slot files* (``slot-0``, ``slot-1``, ...), each one snapshot::
+
+    offset 0    magic b"ELMCKPT1"      written last: no magic, no snapshot
+    offset 8    header length H        8 bytes, little endian, at most MAX_HEADER
+    offset 16   the header             JSON (UTF-8), H bytes
+    DATA        the tensors' bytes     DATA = 16 + H rounded up to 64; each tensor
+                                       at DATA + its offset (64-byte aligned)
+
+The header (:class:`SnapshotHeader`, version 1) names the step, the saving
+rank, the world size, a generation (nanoseconds since the epoch at the save:
+the newest snapshot has the highest), the data's size and SHA-256, each
+tensor (its key in the state, dtype, shape, offset, size), the rest of the
+state as a JSON tree with the tensors' places in it, and whether (and where)
+the agent should write it to disk.
+
+**Writing** (the worker): take an exclusive ``flock`` on a slot that is not
+the newest and nobody reads, zero its magic, copy the tensors, hash them,
+write the header, then the magic, release the lock; then replace the
+folder's ``committed`` note (:class:`CommitNote`, a small JSON file, renamed
+into place), which is what the agent watches. The newest snapshot marked for
+the disk is kept out of the rotation until the agent's ``persisted`` note
+names its generation, so that fast saves never overwrite it before the
+agent has read it. A worker killed at any
+moment leaves a slot without its magic (never read) and the previous
+snapshots intact. **Reading** (the agent, or a restarted worker): a shared
+``flock`` taken without waiting (a slot being written is skipped), the header
+checked within bounds (:func:`parse_header`), the data checked against its
+SHA-256. A disk copy of a snapshot is the same bytes (``ckpt-<step>.pt``,
+with the usual checksum record: :mod:`elastrun.worker.checkpoint_files`).
+
+Standard library only (with the foundation): the agent reads and persists
+snapshots without importing torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import mmap
+import os
+import re
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from elastrun.safefs import read_regular, write_atomic
+from elastrun.untrusted import UntrustedData, loads
+
+__all__ = [
+    "DTYPE_SIZES",
+    "ENV",
+    "MAGIC",
+    "MAX_HEADER",
+    "MAX_SLOTS",
+    "NOTE",
+    "CommitNote",
+    "Marked",
+    "Persist",
+    "SlotView",
+    "SnapshotError",
+    "SnapshotHeader",
+    "TensorEntry",
+    "data_offset",
+    "header_of",
+    "open_slot",
+    "parse_header",
+    "read_persisted",
+    "slot_names",
+    "snapshots",
+    "write_persisted",
+]
+
+ENV = "ELASTRUN_MEMORY_CHECKPOINT_DIR"
+MAGIC = b"ELMCKPT1"
+PREFIX = 16  # the magic and the header's length
+ALIGN = 64
+VERSION = 1
+MAX_HEADER = 64 << 20  # a header lists every tensor: ~150 bytes each, so ~400k tensors
+MAX_DEPTH = 64  # the state's nesting (dicts and lists), plus the header's own
+MAX_DIMS = 64
+MAX_SLOTS = 8
+MAX_PATH = 4096
+NOTE = "committed"
+PERSISTED = "persisted"
+MAX_NOTE = 4096
+HASH_CHUNK = 8 << 20
+_SLOT = re.compile(r"^slot-(\d)$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+# The dtypes a snapshot may hold (torch's names), and their sizes in bytes.
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "complex128": 16,
+    "complex64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+
+
+class SnapshotError(Exception):
+    """A snapshot that cannot be used; the message says why."""
+
+
+def data_offset(header_len: int) -> int:
+    """Where the tensor data starts after a header of ``header_len`` bytes."""
+    return -(-(PREFIX + header_len) // ALIGN) * ALIGN
+
+
+def aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _int(obj: dict[str, Any], name: str, low: int = 0) -> int:
+    v = obj.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or v < low:
+        raise SnapshotError(f"its header has no valid {name!r}")
+    return v
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One tensor of a snapshot: its key in the state (for messages), dtype
+    (torch's name), shape, and bytes at ``offset`` in the data."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any, data_size: int) -> TensorEntry:
+        if not isinstance(obj, dict):
+            raise SnapshotError("its header lists a tensor that is not an object")
+        key, dtype, shape = obj.get("key"), obj.get("dtype"), obj.get("shape")
+        if not isinstance(key, str) or not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+            raise SnapshotError(f"its header lists a tensor with no valid key or dtype ({dtype!r})")
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+            raise SnapshotError(f"tensor {key}: no valid shape")
+        dims = []
+        for d in shape:
+            if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+                raise SnapshotError(f"tensor {key}: no valid shape")
+            dims.append(d)
+        offset, nbytes = _int(obj, "offset"), _int(obj, "nbytes")
+        numel = 1
+        for d in dims:
+            numel *= d
+        if nbytes != numel * DTYPE_SIZES[dtype]:
+            raise SnapshotError(f"tensor {key}: {nbytes} bytes do not fit its shape and dtype")
+        if offset % ALIGN or offset + nbytes > data_size:
+            raise SnapshotError(f"tensor {key}: its bytes lie outside the data")
+        return cls(key, dtype, tuple(dims), offset, nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Persist:
+    """Where the agent writes a snapshot to disk: a checkpoint folder
+    (absolute) and how many checkpoints it keeps there (0: all)."""
+
+    directory: str
+    keep: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dir": self.directory, "keep": self.keep}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Persist | None:
+        if obj is None:
+            return None
+        if not isinstance(obj, dict):
+            raise SnapshotError("its header has no valid 'persist'")
+        d, keep = obj.get("dir"), obj.get("keep")
+        if not isinstance(d, str) or not os.path.isabs(d) or "\0" in d or len(d) > MAX_PATH:
+            raise SnapshotError("its header's persist folder is not an absolute path")
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
+            raise SnapshotError("its header's persist 'keep' is not a number >= 0")
+        return cls(d, keep)
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotHeader:
+    """What a snapshot holds (see the module doc)."""
+
+    step: int
+    rank: int
+    world_size: int
+    generation: int
+    data_size: int
+    sha256: str
+    tensors: tuple[TensorEntry, ...]
+    tree: Any
+    persist: Persist | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "v": VERSION,
+            "step": self.step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "generation": self.generation,
+            "data_size": self.data_size,
+            "sha256": self.sha256,
+            "persist": None if self.persist is None else self.persist.to_json(),
+            "tensors": [t.to_json() for t in self.tensors],
+            "tree": self.tree,
+        }
+
+    def encode(self) -> bytes:
+        import json
+
+        return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_json(cls, obj: Any) -> SnapshotHeader:
+        if not isinstance(obj, dict) or obj.get("v") != VERSION:
+            raise SnapshotError(f"its header is not a version-{VERSION} snapshot header")
+        data_size = _int(obj, "data_size")
+        sha = obj.get("sha256")
+        if not isinstance(sha, str) or not _SHA256.match(sha):
+            raise SnapshotError("its header has no valid sha256")
+        tensors = obj.get("tensors")
+        if not isinstance(tensors, list):
+            raise SnapshotError("its header has no tensor list")
+        return cls(
+            step=_int(obj, "step"),
+            rank=_int(obj, "rank"),
+            world_size=_int(obj, "world_size", 1),
+            generation=_int(obj, "generation"),
+            data_size=data_size,
+            sha256=sha,
+            tensors=tuple(TensorEntry.from_json(t, data_size) for t in tensors),
+            tree=obj.get("tree"),
+            persist=Persist.from_json(obj.get("persist")),
+        )
+
+
+def parse_header(buf: Any, size: int) -> tuple[SnapshotHeader, int]:
+    """The header of the snapshot in ``buf`` (a bytes-like object, or an mmap,
+    of ``size`` bytes) and where its data starts. SnapshotError says why it
+    is not a snapshot (no magic: being written, torn, or another file)."""
+    if size < PREFIX or bytes(buf[0:8]) != MAGIC:
+        raise SnapshotError("it holds no complete snapshot (no magic)")
+    hlen = int.from_bytes(bytes(buf[8:16]), "little")
+    if hlen > MAX_HEADER or PREFIX + hlen > size:
+        raise SnapshotError(f"its header length {hlen} is over a bound or past the end")
+    try:
+        obj = loads(bytes(buf[PREFIX : PREFIX + hlen]), max_bytes=MAX_HEADER, max_depth=MAX_DEPTH)
+    except UntrustedData as e:
+        raise SnapshotError(f"its header: {e}") from None
+    header = SnapshotHeader.from_json(obj)
+    start = data_offset(hlen)
+    if start + header.data_size > size:
+        raise SnapshotError(
+            f"its data ({header.data_size} bytes) runs past the end of the file ({size} bytes)"
+        )
+    return header, start
+
+
+def header_of(data: bytes | bytearray | memoryview) -> tuple[SnapshotHeader, int] | None:
+    """The header of a snapshot held in memory (a disk copy's bytes), or None
+    when ``data`` does not start with the magic (a ``torch.save`` file)."""
+    if bytes(data[0:8]) != MAGIC:
+        return None
+    return parse_header(data, len(data))
+
+
+def sha256_of(view: memoryview) -> str:
+    h = hashlib.sha256()
+    for i in range(0, len(view), HASH_CHUNK):
+        h.update(view[i : i + HASH_CHUNK])  # hashlib lets other threads run meanwhile
+    return h.hexdigest()
+
+
+def _write_note(folder: str, name: str, obj: dict[str, Any]) -> None:
+    import json
+
+    write_atomic(os.path.join(folder, name), json.dumps(obj).encode())
+
+
+def _read_note(folder: str, name: str) -> Any:
+    """A note's JSON; None when there is none. SnapshotError: unusable."""
+    try:
+        raw = read_regular(os.path.join(folder, name), MAX_NOTE)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise SnapshotError(f"its note {name!r} cannot be read: {e}") from None
+    try:
+        obj = loads(raw, max_bytes=MAX_NOTE, what=f"note {name!r}")
+    except UntrustedData as e:
+        raise SnapshotError(str(e)) from None
+    if not isinstance(obj, dict) or obj.get("v") != VERSION:
+        raise SnapshotError(f"its note {name!r} is not a version-{VERSION} note")
+    return obj
+
+
+@dataclass(frozen=True, slots=True)
+class Marked:
+    """A snapshot marked for the disk: its slot, generation and step."""
+
+    slot: int
+    generation: int
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class CommitNote:
+    """What the worker committed last (the ``committed`` note): the newest
+    snapshot's slot, generation and step, and the newest one marked for the
+    disk (``marked``), which the worker keeps until the agent has written it
+    (the ``persisted`` note says so)."""
+
+    slot: int
+    generation: int
+    step: int
+    marked: Marked | None = None
+
+    def write(self, folder: str) -> None:
+        m = self.marked
+        _write_note(
+            folder,
+            NOTE,
+            {
+                "v": VERSION,
+                "slot": self.slot,
+                "generation": self.generation,
+                "step": self.step,
+                "marked": None if m is None else [m.slot, m.generation, m.step],
+            },
+        )
+
+    @classmethod
+    def read(cls, folder: str) -> CommitNote | None:
+        obj = _read_note(folder, NOTE)
+        if obj is None:
+            return None
+        slot, m = _int(obj, "slot"), obj.get("marked")
+        marked = None
+        if m is not None:
+            ok = isinstance(m, list) and len(m) == 3
+            if not ok or not all(type(v) is int and v >= 0 for v in m) or m[0] >= MAX_SLOTS:
+                raise SnapshotError("its commit note has no valid 'marked'")
+            marked = Marked(m[0], m[1], m[2])
+        if slot >= MAX_SLOTS:
+            raise SnapshotError("its commit note has no valid slot")
+        return cls(slot, _int(obj, "generation"), _int(obj, "step"), marked)
+
+
+def write_persisted(folder: str, generation: int) -> None:
+    """The agent's answer: the marked snapshot of ``generation`` is done with
+    (written to disk, or given up on: the event log says which)."""
+    _write_note(folder, PERSISTED, {"v": VERSION, "generation": generation})
+
+
+def read_persisted(folder: str) -> int:
+    """The generation the agent is done with (-1: none, or an unusable note)."""
+    try:
+        obj = _read_note(folder, PERSISTED)
+    except SnapshotError:
+        return -1
+    if obj is None:
+        return -1
+    g = obj.get("generation")
+    return g if type(g) is int else -1
+
+
+# ------------------------------------------------------------------ slots
+
+
+def slot_names(folder: str) -> list[str]:
+    """The slot files in ``folder`` (missing folder: none)."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if _SLOT.match(n))
+
+
+def open_fd(path: str, flags: int) -> int:
+    """``path`` opened with no link followed and never blocked; a regular file
+    of this user (another's, a link, a FIFO: SnapshotError)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO):
+            raise SnapshotError(f"{path} is a link or a special file") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise SnapshotError(f"{path} is not a regular file of this user")
+    os.set_blocking(fd, True)
+    return fd
+
+
+class SlotView:
+    """One slot opened to read, under a shared lock (no writer meanwhile):
+    its header, its data (``data``: a memoryview of the mapping), ``close``."""
+
+    def __init__(self, path: str, fd: int, mm: mmap.mmap, header: SnapshotHeader, start: int):
+        self.path = path
+        self.header = header
+        self.start = start
+        self._fd = fd
+        self._mm = mm
+        self.data = memoryview(mm)[start : start + header.data_size]
+        self.size = start + header.data_size  # the snapshot's bytes in the file
+
+    @property
+    def whole(self) -> memoryview:
+        """The snapshot's bytes, from the magic to the end of its data."""
+        return memoryview(self._mm)[: self.size]
+
+    def verify(self) -> None:
+        """SnapshotError unless the data matches the header's SHA-256."""
+        got = sha256_of(self.data)
+        if got != self.header.sha256:
+            raise SnapshotError(
+                f"its data's SHA-256 {got[:16]}... is not the header's {self.header.sha256[:16]}..."
+            )
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError, ValueError):
+            self.data.release()
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+        with contextlib.suppress(OSError):
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+
+    def __enter__(self) -> SlotView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_slot(path: str) -> SlotView | None:
+    """The snapshot in slot ``path``, locked for reading; None when it is
+    being written (locked) or missing. SnapshotError: no complete snapshot."""
+    try:
+        fd = open_fd(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        size = os.fstat(fd).st_size
+        if size < PREFIX:
+            raise SnapshotError("it holds no complete snapshot (empty)")
+        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+    try:
+        header, start = parse_header(mm, size)
+    except BaseException:
+        mm.close()
+        os.close(fd)
+        raise
+    return SlotView(path, fd, mm, header, start)
+
+
+def snapshots(folder: str) -> Iterator[SlotView | SnapshotError]:
+    """Each slot of ``folder`` that holds a snapshot, opened and locked
+    (close them), or the reason one cannot be read; slots being written are
+    left out."""
+    for name in slot_names(folder):
+        try:
+            view = open_slot(os.path.join(folder, name))
+        except (SnapshotError, OSError) as e:
+            yield SnapshotError(f"{name}: {e}")
+            continue
+        if view is not None:
+            yield view
