@@ -67,6 +67,8 @@ class RendezvousSettings:
     host: str = ""  # human-readable host name
     addr: str = ""  # address other nodes and workers use to reach this node
     node_rank_hint: int | None = None
+    # The store's candidate hosts, as given (agreed: every node the same list).
+    candidates: str = ""
 
     def agreed(self) -> AgreedSettings:
         """The fields every node of the job must agree on (the job's ``config``)."""
@@ -77,6 +79,7 @@ class RendezvousSettings:
             role=self.role,
             join_timeout=self.join_timeout,
             last_call_timeout=self.last_call_timeout,
+            candidates=self.candidates,
         )
 
 

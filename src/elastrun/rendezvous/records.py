@@ -119,9 +119,11 @@ class AgreedSettings:
     role: str
     join_timeout: float
     last_call_timeout: float
+    # The store's candidate hosts (a c10d endpoint list), "" for one endpoint.
+    candidates: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "min_nodes": self.min_nodes,
             "max_nodes": self.max_nodes,
             "max_restarts": self.max_restarts,
@@ -129,6 +131,9 @@ class AgreedSettings:
             "join_timeout": self.join_timeout,
             "last_call_timeout": self.last_call_timeout,
         }
+        if self.candidates:
+            out["candidates"] = self.candidates
+        return out
 
     @classmethod
     def from_json(cls, raw: object, where: str = "settings") -> AgreedSettings:
@@ -140,6 +145,7 @@ class AgreedSettings:
             role=f.text("role"),
             join_timeout=f.number("join_timeout"),
             last_call_timeout=f.number("last_call_timeout"),
+            candidates=f.text("candidates", 4096) if "candidates" in f.raw else "",
         )
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import random
 import socket
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from elastrun.errors import RendezvousError
 from elastrun.failure import FailureRecord
@@ -30,6 +31,7 @@ from elastrun.rendezvous.records import (
 )
 
 __all__ = [
+    "Carry",
     "close_records",
     "config_diff",
     "first_round",
@@ -37,6 +39,7 @@ __all__ = [
     "pick_master_port",
     "round_change",
     "round_result",
+    "takeover_round",
 ]
 
 
@@ -180,6 +183,41 @@ def next_round_record(
         counts=counts,
         opened_at=opened_at,
         hang_round=rnd.round if hung else rnd.hang_round,
+    )
+
+
+@dataclass(frozen=True)
+class Carry:
+    """What a node carries into the store of a new host after a takeover
+    (docs/failover.md): its last closed round, the job's restarts used then,
+    and that round's members with their group ranks (sticky ranks)."""
+
+    round: int
+    restarts: int
+    prev: tuple[PrevMember, ...]
+
+    @classmethod
+    def of(cls, result: RoundResult) -> Carry:
+        prev = tuple(PrevMember(m.node_id, m.group_rank) for m in result.members)
+        return cls(result.round, result.restart_count, prev)
+
+
+def takeover_round(
+    carry: Carry, found: RoundRecord | None, detail: str, opened_at: float
+) -> RoundRecord:
+    """The round a node opens in a new host's store: after its last round,
+    never before what the store holds, with the restarts carried (the most
+    of the two). A membership change: not charged."""
+    restarts = max(carry.restarts, found.restarts if found is not None else 0)
+    return RoundRecord(
+        round=max(carry.round, found.round if found is not None else -1) + 1,
+        state=RoundState.OPEN,
+        restarts=restarts,
+        last_failure=found.last_failure if found is not None else None,
+        prev=carry.prev,
+        reason="store_failover",
+        detail=detail,
+        opened_at=opened_at,
     )
 
 

@@ -87,6 +87,19 @@ class ConnectionHost(Protocol):
     def poke_reaper(self) -> None:
         """A lease deadline may have moved."""
 
+    def term_hello(self, frame: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
+        """A hello's term fields, and why it is refused (None: it is not)."""
+
+    def term_vote(self, frame: Mapping[str, Any]) -> dict[str, Any]:
+        """The answer to a candidate's vote."""
+
+    def serving(self) -> bool:
+        """Whether requests are served (a candidate host of a failover store
+        stands by or stepped down otherwise)."""
+
+    def heard(self, candidate: int) -> None:
+        """A candidate's connection sent something."""
+
 
 class Connection(WatchStreams, asyncio.Protocol):
     def __init__(self, server: ConnectionHost) -> None:
@@ -102,6 +115,7 @@ class Connection(WatchStreams, asyncio.Protocol):
         self.lost = False
         self.aborted = False
         self.admitted = False
+        self.candidate: int | None = None  # a candidate host's connection (failover)
         self.watches: dict[int, int] = {}  # client's watch id -> engine watcher id
         # Watches catching up from history (client's id -> engine watcher id).
         self.lagging: dict[int, int] = {}
@@ -169,6 +183,8 @@ class Connection(WatchStreams, asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing:
             return
+        if self.candidate is not None:
+            self.server.heard(self.candidate)
         self.decoder.push(data)
         self._handle_frames()
 
@@ -265,6 +281,12 @@ class Connection(WatchStreams, asyncio.Protocol):
         if not self.authenticated:
             self._handle_hello(frame)
             return
+        if not self.server.serving():
+            if self.closing:  # it stepped down just now: every connection was dropped
+                return
+            fields, refused = self.server.term_hello({})
+            self._close_with("not_host", refused or "not the store's host", fields)
+            return
         try:
             request = codec.decode_request(frame)
         except ProtocolError as exc:
@@ -304,7 +326,7 @@ class Connection(WatchStreams, asyncio.Protocol):
         self._write(data)
 
     def _handle_hello(self, frame: Mapping[str, Any]) -> None:
-        if frame.get("t") != "hello":
+        if frame.get("t") not in ("hello", "vote"):
             self.fail("protocol", "the first frame must be a hello")
             return
         token = frame.get("token")
@@ -327,6 +349,17 @@ class Connection(WatchStreams, asyncio.Protocol):
                     "give every node the same token",
                 )
                 return
+        if frame.get("t") == "vote":  # a candidate's vote: answered, then closed
+            self._close_with_answer(self.server.term_vote(frame))
+            return
+        fields, refused = self.server.term_hello(frame)
+        if refused is not None:
+            self._close_with("not_host", refused, fields)
+            return
+        candidate = frame.get("candidate")
+        if type(candidate) is int and fields:
+            self.candidate = candidate
+            self.server.heard(candidate)
         self.authenticated = True
         self.decoder.max_frame = self.server.max_frame
         self.server.hello_done(self)
@@ -339,6 +372,7 @@ class Connection(WatchStreams, asyncio.Protocol):
                 "t": "hello",
                 "server_id": self.engine.uid,
                 "revision": self.engine.revision,
+                **fields,
             }
         )
 
@@ -385,10 +419,13 @@ class Connection(WatchStreams, asyncio.Protocol):
         self.server.abuse.warn(f"connection {self.peer} {message}")
         self._close_with("busy", message)
 
-    def _close_with(self, code: str, message: str) -> None:
+    def _close_with(self, code: str, message: str, extra: Mapping[str, Any] | None = None) -> None:
+        self._close_with_answer({**codec.encode_error(code, message), **(extra or {})})
+
+    def _close_with_answer(self, answer: Mapping[str, Any]) -> None:
         assert self.transport is not None
         with contextlib.suppress(ProtocolError):
-            self.transport.write(codec.encode_frame(codec.encode_error(code, message)))
+            self.transport.write(codec.encode_frame(answer))
         self.closing = True
         self.decoder.clear()
         self.server.input.forget(self)
