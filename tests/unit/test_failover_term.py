@@ -160,3 +160,24 @@ def test_the_round_after_a_takeover_never_goes_backwards() -> None:
     older = RoundRecord(round=3, state=RoundState.OPEN, restarts=3)
     again = takeover_round(carry, older, "lost", 0.0)
     assert (again.round, again.restarts) == (5, 3)
+
+
+def test_the_host_holds_requests_while_a_majority_is_silent_and_before_it_fences() -> None:
+    clock = FakeClock()
+    state = host(3, clock)
+    state.heard_from(1)
+    state.heard_from(2)
+    assert state.check_fence() is None and not state.suspect()
+    clock.advance(TIMING.suspect + 0.1)
+    assert state.suspect()  # requests wait from here ...
+    state.heard_from(2)
+    assert not state.suspect()  # ... and are served again once a majority is heard
+    clock.advance(TIMING.fence + 0.1)
+    assert state.suspect() and state.check_fence() is not None
+
+
+def test_candidate_hosts_need_a_lease_ttl_that_outlasts_the_hold() -> None:
+    with pytest.raises(ConfigError) as err:
+        launch("a:1,b:1,c:1", "--rdzv-conf=lease_ttl=2")
+    assert "lease_ttl" in str(err.value) and "at least 3" in str(err.value)
+    assert 2 * TIMING.suspect <= 3.0

@@ -37,7 +37,7 @@ from elastrun.launcher.config import (
 from elastrun.launcher.rdzv_conf import RendezvousConf, parse_rdzv_conf
 from elastrun.names import RunId
 from elastrun.rendezvous.api import RendezvousSettings
-from elastrun.store.term import MAX_CANDIDATES
+from elastrun.store.term import MAX_CANDIDATES, MIN_FAILOVER_LEASE_TTL
 from elastrun.store.token import store_token
 
 __all__ = ["Backend", "Plan", "resolve"]
@@ -396,9 +396,22 @@ def _worker_spec(
     )
 
 
+def _check_failover(where: _Where) -> None:
+    """With candidate hosts, the lease TTL must outlast the time after which
+    the host holds requests (a minority's writes are never served before it
+    steps down: docs/failover.md)."""
+    ttl = where.conf.lease_ttl
+    if where.failover and ttl is not None and ttl < MIN_FAILOVER_LEASE_TTL:
+        raise ConfigError(
+            f"--rdzv-conf lease_ttl: {ttl:g} s is too short with candidate hosts in "
+            f"--rdzv-endpoint; at least {MIN_FAILOVER_LEASE_TTL:g} s"
+        )
+
+
 def _rendezvous_settings(config: LaunchConfig, run_id: RunId, where: _Where) -> RendezvousSettings:
     """What the rendezvous receives: the job's shape, this node's rank hint,
     the --rdzv-conf timeouts (its own defaults for those not given)."""
+    _check_failover(where)
     conf, defaults = where.conf, RendezvousSettings
     exit_barrier = config.exit_barrier_timeout
     if exit_barrier is None:

@@ -136,6 +136,9 @@ class Change:
     detail: str = ""  # human-readable, e.g. "node host-b (10.0.0.2) lost: lease expired"
     counts_as_restart: bool = False
     hang: bool = False  # a hang was declared elsewhere: collect the stacks before stopping
+    # Kill the workers at once, no grace: this node gave up its store's host
+    # without proof that it is dead, and another group may form (docs/failover.md).
+    stop_now: bool = False
 
 
 @dataclass(frozen=True)

@@ -158,7 +158,11 @@ class FailoverRendezvous(Rendezvous):
         out = await self._guarded(self.inner.wait_for_change())
         if isinstance(out, Lost):
             where = self.client.address(self.client.host)
-            return Change("store_host_lost", f"the store's host {where} was lost: {out.cause}")
+            return Change(
+                "store_host_lost",
+                f"the store's host {where} was lost: {out.cause}",
+                stop_now=out.kill_workers,
+            )
         return out
 
     async def request_restart(self, failure: FailureRecord) -> None:

@@ -43,6 +43,7 @@ from elastrun.rendezvous.fields import Fields
 
 __all__ = [
     "DONE",
+    "TAKEOVER_REASON",
     "AgreedSettings",
     "ConfigRecord",
     "JoinRecord",
@@ -268,6 +269,12 @@ class PrevMember:
     def from_json(cls, raw: object, where: str) -> PrevMember:
         f = Fields(raw, where)
         return cls(f.node_id(), f.integer("group_rank"))
+
+
+# The reason of a round opened in a new host's store after a takeover
+# (docs/failover.md): it closes at once only when all but one of the previous
+# round's members joined (the lost host's node), else at min and last call.
+TAKEOVER_REASON = "store_failover"
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from elastrun.failure import FailureRecord
 from elastrun.rendezvous.api import Change, Member, RoundResult
 from elastrun.rendezvous.ranks import Candidate, assign_ranks
 from elastrun.rendezvous.records import (
+    TAKEOVER_REASON,
     AgreedSettings,
     JoinRecord,
     MemberRecord,
@@ -215,7 +216,7 @@ def takeover_round(
         restarts=restarts,
         last_failure=found.last_failure if found is not None else None,
         prev=carry.prev,
-        reason="store_failover",
+        reason=TAKEOVER_REASON,
         detail=detail,
         opened_at=opened_at,
     )

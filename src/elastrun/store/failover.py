@@ -101,6 +101,14 @@ class Lost:
 
     cause: str
     proof: bool
+    fenced: bool = False  # the host said it stepped down (it was cut off, not dead)
+
+    @property
+    def kill_workers(self) -> bool:
+        """Whether this node's workers must die at once: unless the host is
+        proven dead (its address refuses), the host may have been cut off
+        with a minority, and a new group forms within the voters' wait."""
+        return self.fenced or not self.proof
 
 
 async def probe(candidates: Candidates, index: int, token: str | None) -> Probe:
@@ -243,7 +251,8 @@ class FailoverClient:
             if self.host is not None:
                 seen = await probe(self.candidates, self.host, self.token)
                 if seen.proof:
-                    return Lost(f"its host {self.address(self.host)}: {seen.detail}", True)
+                    fenced = seen.answer is Answer.FENCED
+                    return Lost(f"its host {self.address(self.host)}: {seen.detail}", True, fenced)
                 if seen.answer is Answer.HOST and seen.term > self.term:
                     return Lost(f"a newer term ({seen.term}) serves there", True)
             if now - store.last_heard >= timing.silence:

@@ -63,6 +63,8 @@ DEFAULT_PORT = 29400
 # renew; short enough that a killed node is seen gone in about 2 s rather than
 # after its lease TTL (10 s by default). See docs/store-protocol.md.
 DISCONNECT_GRACE = 2.0
+# How often a candidate host checks whether it must hold requests or step down.
+FENCE_CHECK = 0.1
 # File descriptors kept free for everything else in the process.
 _FD_RESERVE = 64
 
@@ -155,6 +157,7 @@ class StoreServer:
         self.candidates = tuple(candidates)
         self.on_term = on_term
         self._fence_task: asyncio.Task[None] | None = None
+        self._held: set[Connection] = set()  # connections whose requests wait
 
     @property
     def hello_timeout(self) -> float:
@@ -339,6 +342,22 @@ class StoreServer:
         if self.failover is not None:
             self.failover.heard_from(candidate)
 
+    def holding(self, conn: Connection) -> bool:
+        """Requests wait while the host is suspect (it has not heard from a
+        majority of the candidates for a moment): no write of a minority is
+        served before it steps down. Released when the majority is heard
+        again (at the next check); dropped when it steps down."""
+        state = self.failover
+        if state is None or not state.suspect():
+            return False
+        self._held.add(conn)
+        return True
+
+    def _release(self) -> None:
+        held, self._held = self._held, set()
+        for conn in held:
+            conn.release()
+
     def term_hello(self, frame: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
         """The term fields of a hello's answer, and why it is refused: this
         candidate does not serve, or the client knows a newer term."""
@@ -389,11 +408,13 @@ class StoreServer:
             self.on_term("store_stepped_down", why)
 
     async def _fence_timer(self, state: TermState) -> None:
-        """Check the fence a few times per fence period, requests or not."""
+        """Check the fence often, requests or not; release held requests
+        once the majority is heard again."""
         while state.role is not Role.FENCED:
-            await asyncio.sleep(state.timing.fence / 8)
-            if state.role is Role.HOST:
-                self.serving()
+            await asyncio.sleep(FENCE_CHECK)
+            if state.role is Role.HOST and self.serving() and self._held and not state.suspect():
+                self._release()
+        self._held.clear()
 
 
 def _is_loopback(host: str) -> bool:

@@ -100,6 +100,10 @@ class ConnectionHost(Protocol):
     def heard(self, candidate: int) -> None:
         """A candidate's connection sent something."""
 
+    def holding(self, conn: Connection) -> bool:
+        """Whether ``conn``'s requests wait (the host does not hear from a
+        majority of the candidates right now); it is then released later."""
+
 
 class Connection(WatchStreams, asyncio.Protocol):
     def __init__(self, server: ConnectionHost) -> None:
@@ -214,6 +218,11 @@ class Connection(WatchStreams, asyncio.Protocol):
         self._schedule_pump()
 
     # -- input -----------------------------------------------------------------
+    def release(self) -> None:
+        """Handle the frames held while the server was holding requests."""
+        if not self.closing:
+            self._handle_frames()
+
     def _handle_frames(self) -> None:
         taken = self._take_frames()
         self._after_input(taken)
@@ -229,6 +238,8 @@ class Connection(WatchStreams, asyncio.Protocol):
                     self.reading_paused = True
                     self.transport.pause_reading()
                 return taken
+            if self.authenticated and self.server.holding(self):
+                return taken  # the rest waits (in the decoder) until it is released
             try:
                 frame = self.decoder.pop()
             except ProtocolError as exc:

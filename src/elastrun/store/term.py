@@ -33,10 +33,21 @@ from dataclasses import dataclass, field
 
 from elastrun.clock import SYSTEM_CLOCK, Clock
 
-__all__ = ["MAX_CANDIDATES", "Ballot", "FailoverTiming", "Role", "TermState"]
+__all__ = [
+    "MAX_CANDIDATES",
+    "MIN_FAILOVER_LEASE_TTL",
+    "Ballot",
+    "FailoverTiming",
+    "Role",
+    "TermState",
+]
 
 # At most this many candidate hosts (a majority of them must stay up).
 MAX_CANDIDATES = 7
+# The shortest lease TTL with candidate hosts: twice the time after which the
+# host holds requests (FailoverTiming.suspect), so that a lease of a node cut
+# off with the majority expires at the host only after it holds requests.
+MIN_FAILOVER_LEASE_TTL = 3.0
 
 
 class Role(enum.Enum):
@@ -53,6 +64,7 @@ class FailoverTiming:
 
     heartbeat: float = 1.0  # every node pings the host this often
     silence: float = 2.5  # no answer for this long: the host is lost to this node
+    suspect: float = 1.5  # the host holds requests after hearing from < a majority this long
     fence: float = 3.0  # the host steps down after hearing from < a majority this long
     drift: float = 0.01  # clock rate difference allowed between two nodes
     margin: float = 1.0  # frames in flight, timer delays
@@ -121,10 +133,19 @@ class TermState:
         if self.role is Role.HOST and 0 <= candidate < self.count:
             self.heard[candidate] = self.clock.monotonic()
 
-    def live(self) -> set[int]:
-        """The candidates heard from within the fence time, this one included."""
-        now, fence = self.clock.monotonic(), self.timing.fence
-        return {self.index} | {c for c, t in self.heard.items() if now - t <= fence}
+    def live(self, within: float | None = None) -> set[int]:
+        """The candidates heard from within ``within`` seconds (default: the
+        fence time), this one included."""
+        now = self.clock.monotonic()
+        window = self.timing.fence if within is None else within
+        return {self.index} | {c for c, t in self.heard.items() if now - t <= window}
+
+    def suspect(self) -> bool:
+        """As an armed host: fewer than a majority heard within the suspect
+        time (requests wait, see the server's ``holding``)."""
+        if self.role is not Role.HOST or not self.armed or self.count == 1:
+            return False
+        return len(self.live(self.timing.suspect)) < self.majority
 
     def check_fence(self) -> str | None:
         """As host: step down when fewer than a majority were heard lately
