@@ -16,11 +16,12 @@ test's bounded wait, they did by the failover.
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
 from tests.helpers import free_port, pid_alive, wait_for
-from tests.integration.elastic_harness import BOUND, Job, job, steps_after
+from tests.integration.elastic_harness import BOUND, ELASTRUN, Job, job, steps_after
 
 HOUR = 3600
 
@@ -39,6 +40,21 @@ def flags(port: int, me: int, events: Path, *, nnodes: str = "2:3", timeout: int
         "--shutdown-timeout=5",
         f"--events-file={events}",
     ]
+
+
+def status(port: int) -> dict[str, Any]:
+    """``elastrun status --json`` with the candidate list, as an operator runs it."""
+    endpoint = f"127.0.0.1:{port},127.0.0.2:{port},127.0.0.3:{port}"
+    proc = subprocess.run(
+        [*ELASTRUN, "status", "--rdzv-endpoint", endpoint, "--rdzv-id", "failover-job", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result: dict[str, Any] = json.loads(proc.stdout)
+    return result
 
 
 def events(path: Path) -> list[dict[str, Any]]:
@@ -71,6 +87,10 @@ def test_survivors_train_at_world_2_after_the_store_host_is_killed(tmp_path: Pat
             "training at world 3 after the crash",
         )
         host_pids = {s["pid"] for s in j.steps() if s["group_rank"] == 0 and s["restart"] == 1}
+        before = status(port)
+        assert before["store_hosts"]["host"] == f"127.0.0.1:{port}"
+        assert before["store_hosts"]["term"] == 1
+        assert len(before["store_hosts"]["standbys"]) == 2
         step_before = max(s["step"] for s in j.steps())
 
         mark = len(j.steps())
@@ -94,6 +114,11 @@ def test_survivors_train_at_world_2_after_the_store_host_is_killed(tmp_path: Pat
         assert took and took[-1]["term"] == 2, took
         run_ids = {e["run_id"] for n in (2, 3) for e in events(tmp_path / f"ev{n}.jsonl")}
         assert run_ids == {"failover-job"}
+        after_ = status(port)  # the same command finds the job at its new host
+        assert after_["store_hosts"]["host"] == f"127.0.0.2:{port}"
+        assert after_["store_hosts"]["term"] == 2
+        assert after_["store_hosts"]["others"] == [f"127.0.0.1:{port} (refused)"]
+        assert after_["restarts"] == 1 and after_["world_size"] == 2
 
         j.touch("finish")
         for agent in (b, c):

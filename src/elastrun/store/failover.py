@@ -250,11 +250,16 @@ class FailoverClient:
             now = self.clock.monotonic()
             if self.host is not None:
                 seen = await probe(self.candidates, self.host, self.token)
+                where = f"its host {self.address(self.host)}"
                 if seen.proof:
                     fenced = seen.answer is Answer.FENCED
-                    return Lost(f"its host {self.address(self.host)}: {seen.detail}", True, fenced)
-                if seen.answer is Answer.HOST and seen.term > self.term:
-                    return Lost(f"a newer term ({seen.term}) serves there", True)
+                    return Lost(f"{where}: {seen.detail}", True, fenced)
+                # Only one process listens there: a standby, or a host of
+                # another term, proves that the host of this term is gone.
+                if seen.answer is Answer.STANDBY or (
+                    seen.answer is Answer.HOST and seen.term != self.term
+                ):
+                    return Lost(f"{where} no longer hosts term {self.term}", True)
             if now - store.last_heard >= timing.silence:
                 return Lost(
                     f"its host {self.address(self.host)} has not answered for "
