@@ -31,8 +31,17 @@ __all__ = ["netns"]  # the fixture, used by name
 LEASE_TTL = 3  # the shortest with candidate hosts
 
 
-def failover_flags(net: Network, node: str, *, nnodes: str, failover_timeout: int) -> list[str]:
-    endpoint = ",".join(f"{n.addr}:{STORE_PORT}" for n in net.nodes.values())
+def failover_flags(
+    net: Network,
+    node: str,
+    *,
+    nnodes: str,
+    failover_timeout: int,
+    candidates: tuple[str, ...] | None = None,
+) -> list[str]:
+    """An agent's flags; the candidate hosts: ``candidates`` (default every node)."""
+    names = list(net.nodes) if candidates is None else candidates
+    endpoint = ",".join(f"{net[n].addr}:{STORE_PORT}" for n in names)
     return [
         f"--nnodes={nnodes}",
         "--nproc-per-node=1",

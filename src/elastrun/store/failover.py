@@ -285,6 +285,10 @@ class FailoverClient:
         while self.clock.monotonic() < deadline:
             seen = await self.look()
             newer = [p for p in seen if p.answer is Answer.HOST and p.term > old_term]
+            if not lost.proof and not any(t > old_term for t in self.ballot.cast):
+                # Given up on silence but voted for no newer term: the old
+                # host, still serving its term (this node was cut off), will do.
+                newer += [p for p in seen if p.index == old_host and p.answer is Answer.HOST]
             for best in sorted(newer, key=lambda p: -p.term):
                 with contextlib.suppress(StoreUnavailable, AuthenticationError, ProtocolError):
                     store = await self._open(best.index, best.term)
