@@ -180,14 +180,17 @@ class FailoverRendezvous(Rendezvous):
         if self._lost is None:
             await self.inner.shutdown()
 
+    # While the host is lost (until the next round finds the new one) the
+    # notes and the job's state are not asked of the old store: it is gone.
     async def read_note(self, name: str) -> dict[str, Any] | None:
-        return await self.inner.read_note(name)
+        return None if self._lost is not None else await self.inner.read_note(name)
 
     async def write_note(self, name: str, value: dict[str, Any], *, lease: bool = False) -> None:
-        await self.inner.write_note(name, value, lease=lease)
+        if self._lost is None:
+            await self.inner.write_note(name, value, lease=lease)
 
     async def gather_notes(self, names: Sequence[str], timeout: float) -> dict[str, dict[str, Any]]:
-        return await self.inner.gather_notes(names, timeout)
+        return {} if self._lost is not None else await self.inner.gather_notes(names, timeout)
 
     async def joining_running_job(self) -> bool:
-        return await self.inner.joining_running_job()
+        return False if self._lost is not None else await self.inner.joining_running_job()

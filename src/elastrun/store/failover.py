@@ -40,7 +40,6 @@ from elastrun.errors import (
     HostLost,
     NotHost,
     ProtocolError,
-    StoreError,
     StoreUnavailable,
 )
 from elastrun.events import EventSink, NullSink
@@ -242,10 +241,8 @@ class FailoverClient:
             # kernel resets it), else the host is pinged every heartbeat.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(store.dropped.wait(), timing.heartbeat)
-            if not store.dropped.is_set():
-                with contextlib.suppress(StoreError):
-                    await store.ping(timeout=timing.heartbeat)
-                    continue
+            if not store.dropped.is_set() and await _pinged(store, timing.heartbeat):
+                continue
             store.dropped.clear()
             now = self.clock.monotonic()
             if self.host is not None:
@@ -336,6 +333,22 @@ class FailoverClient:
             f"({self.candidates.majority} of {len(self.candidates.endpoints)}) of the "
             f"candidate hosts: {answers}"
         )
+
+
+async def _pinged(store: TcpStore, timeout: float) -> bool:
+    """Whether the store answered a ping within ``timeout``; False at once
+    when the connection drops meanwhile (the ping would retry until then)."""
+    ping = asyncio.ensure_future(store.ping(timeout=timeout))
+    dropped = asyncio.ensure_future(store.dropped.wait())
+    try:
+        await asyncio.wait({ping, dropped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (ping, dropped):
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+    return ping.done() and not ping.cancelled() and ping.exception() is None
 
 
 def _line(client: FailoverClient, p: Probe) -> str:
