@@ -8,6 +8,7 @@ stops it: these tests assert that no step is ever taken at world 1.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from tests.faults.test_faults import (
     assert_namespaces_empty,
     assert_no_workers,
     diag,
+    event_timeline,
     netns,
     start_in,
     wait_exit,
@@ -76,8 +78,13 @@ def test_a_cut_off_host_steps_down_the_others_train_on_and_it_rejoins_on_heal(
         assert "hosts the store (term 1)" in agents["n1"].output(), diag(j)
 
         mark = len(j.steps())
+        cut_at = time.time()
         net.cut("n1")
-        wait_steps(j, lambda s: s["world"] == 2, "the others training at world 2", after=mark)
+        took = wait_steps(
+            j, lambda s: s["world"] == 2, "the others training at world 2", after=mark
+        )
+        print(f"host cut -> the others step at world 2: {took:.1f}s")
+        print(event_timeline(j, cut_at, limit=40))
         out = agents["n1"].output()
         assert "stepped down as the store's host (term 1)" in out, diag(j)
         for name in ("n2", "n3"):
@@ -86,7 +93,8 @@ def test_a_cut_off_host_steps_down_the_others_train_on_and_it_rejoins_on_heal(
 
         mark = len(j.steps())
         net.heal("n1")
-        wait_steps(j, lambda s: s["world"] == 3, "n1 back: world 3", after=mark, count=3)
+        took = wait_steps(j, lambda s: s["world"] == 3, "n1 back: world 3", after=mark, count=3)
+        print(f"heal -> world 3 again: {took:.1f}s")
         never_alone(j)
 
         j.touch("finish")

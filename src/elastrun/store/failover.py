@@ -51,7 +51,7 @@ from elastrun.store.term import Ballot, FailoverTiming
 
 __all__ = ["Answer", "Candidates", "FailoverClient", "Lost", "Probe", "probe", "send_vote"]
 
-PROBE_TIMEOUT = 1.0  # one candidate's answer to a probe or a vote
+PROBE_TIMEOUT = 0.5  # one candidate's answer to a probe or a vote (looked at again after)
 POLL = 0.2  # between two looks at the candidates while no host serves
 UNREACHABLE_NOTICE = 10.0  # a candidate silent this long at start is reported
 
@@ -110,12 +110,14 @@ class Lost:
         return self.fenced or not self.proof
 
 
-async def probe(candidates: Candidates, index: int, token: str | None) -> Probe:
+async def probe(
+    candidates: Candidates, index: int, token: str | None, timeout: float = PROBE_TIMEOUT
+) -> Probe:
     """Say hello to candidate ``index`` (not counted as hearing from it) and
-    close: what it answered."""
+    close: what it answered within ``timeout``."""
     host, port = candidates.endpoints[index]
     try:
-        conn, _ = await open_conn(host, port, token, PROBE_TIMEOUT, {"term": 0})
+        conn, _ = await open_conn(host, port, token, timeout, {"term": 0})
     except NotHost as exc:
         answer = Answer.FENCED if exc.role == "fenced" else Answer.STANDBY
         return Probe(index, answer, exc.term, str(exc))
@@ -232,37 +234,44 @@ class FailoverClient:
 
     # -- watching it -------------------------------------------------------------
     async def watch(self) -> Lost:
-        """Ping the host every ``heartbeat``; return why it is lost."""
+        """Ping the host every ``heartbeat``; return why it is lost: at once
+        on proof, else once it has not answered for ``silence``."""
         store = self.store
         assert store is not None
         timing = self.timing
+        answered = True
         while True:
-            # A dropped connection is looked at at once (a killed host's
-            # kernel resets it), else the host is pinged every heartbeat.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(store.dropped.wait(), timing.heartbeat)
-            if not store.dropped.is_set() and await _pinged(store, timing.heartbeat):
+            if answered:
+                # A dropped connection is looked at at once (a killed host's
+                # kernel resets it), else the host is pinged every heartbeat.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(store.dropped.wait(), timing.heartbeat)
+            answered = not store.dropped.is_set() and await _pinged(store, timing.heartbeat)
+            if answered:
                 continue
             store.dropped.clear()
-            now = self.clock.monotonic()
-            if self.host is not None:
-                seen = await probe(self.candidates, self.host, self.token)
-                where = f"its host {self.address(self.host)}"
-                if seen.proof:
-                    fenced = seen.answer is Answer.FENCED
-                    return Lost(f"{where}: {seen.detail}", True, fenced)
-                # Only one process listens there: a standby, or a host of
-                # another term, proves that the host of this term is gone.
-                if seen.answer is Answer.STANDBY or (
-                    seen.answer is Answer.HOST and seen.term != self.term
-                ):
-                    return Lost(f"{where} no longer hosts term {self.term}", True)
-            if now - store.last_heard >= timing.silence:
-                return Lost(
-                    f"its host {self.address(self.host)} has not answered for "
-                    f"{now - store.last_heard:.1f} s",
-                    False,
-                )
+            left = store.last_heard + timing.silence - self.clock.monotonic()
+            lost = await self._probe_host(max(0.05, min(PROBE_TIMEOUT, left)))
+            if lost is not None:
+                return lost
+            silent = self.clock.monotonic() - store.last_heard
+            if silent >= timing.silence:
+                where = self.address(self.host)
+                return Lost(f"its host {where} has not answered for {silent:.1f} s", False)
+
+    async def _probe_host(self, timeout: float) -> Lost | None:
+        """Proof that the host of this term is gone, from its address."""
+        if self.host is None:
+            return None
+        seen = await probe(self.candidates, self.host, self.token, timeout)
+        where = f"its host {self.address(self.host)}"
+        if seen.proof:
+            return Lost(f"{where}: {seen.detail}", True, seen.answer is Answer.FENCED)
+        # Only one process listens there: a standby, or a host of another
+        # term, proves that the host of this term is gone.
+        if seen.answer is Answer.STANDBY or (seen.answer is Answer.HOST and seen.term != self.term):
+            return Lost(f"{where} no longer hosts term {self.term}", True)
+        return None
 
     # -- replacing it ------------------------------------------------------------
     async def replace(self, lost: Lost) -> TcpStore:
@@ -303,7 +312,7 @@ class FailoverClient:
             if voting and await self._vote(seen, term, old_host):
                 vote_at = now + self.timing.vote_after
                 term += 1
-            await asyncio.sleep(POLL)
+            await asyncio.sleep(min(POLL, max(0.0, vote_at - self.clock.monotonic())))
         raise HostLost(self._why_lost(lost, seen, old_host))
 
     async def _vote(self, seen: list[Probe], term: int, old_host: int | None) -> bool:
