@@ -63,9 +63,12 @@ def my_candidate(endpoints: tuple[Endpoint, ...], local_addr: str | None) -> int
     """Which entry this node is: its ``--local-addr`` (by address), else the
     first entry whose host is an address of this machine (blocking: resolves)."""
     if local_addr:
+        for i, endpoint in enumerate(endpoints):
+            if endpoint.host == local_addr:  # as given: no name resolved
+                return i
         mine = _addresses(local_addr) | {local_addr}
         for i, endpoint in enumerate(endpoints):
-            if endpoint.host == local_addr or _addresses(endpoint.host) & mine:
+            if _addresses(endpoint.host) & mine:
                 return i
         return None
     for i, endpoint in enumerate(endpoints):
