@@ -124,3 +124,41 @@ def test_survivors_train_at_world_2_after_the_store_host_is_killed(tmp_path: Pat
         for agent in (b, c):
             assert agent.wait(BOUND) == 0, agent.output()[-3000:]
         assert not any(pid_alive(s["pid"]) for s in j.steps())
+
+
+def test_a_node_with_another_candidate_list_is_refused_naming_it(tmp_path: Path) -> None:
+    port = free_port()
+    with job(tmp_path) as j:
+        a = j.start_agent("n1", flags(port, 1, tmp_path / "ev1.jsonl", nnodes="2:3"))
+        wait_for(lambda: "hosts the store (term 1)" in a.output(), BOUND, "n1 hosting the store")
+        other = flags(port, 2, tmp_path / "ev2.jsonl", nnodes="2:3")
+        reordered = f"--rdzv-endpoint=127.0.0.1:{port},127.0.0.3:{port},127.0.0.2:{port}"
+        other = [reordered if f.startswith("--rdzv-endpoint=") else f for f in other]
+        b = j.start_agent("n2", other)
+        assert b.wait(BOUND) != 0
+        out = b.output()
+        assert "candidates: job has" in out, out[-3000:]
+        assert "Traceback" not in out
+
+
+def test_a_candidate_that_never_answers_at_start_is_reported_and_not_waited_for_forever(
+    tmp_path: Path,
+) -> None:
+    """Nothing listens at the first candidate (whose agent never starts) and the second
+    stands by: the node reports which candidate answered what, and gives up at the join
+    timeout (here 12 s) naming them."""
+    port = free_port()
+    with job(tmp_path) as j:
+        argv = flags(port, 2, tmp_path / "ev2.jsonl", nnodes="2:3")
+        argv = [
+            f.replace("join_timeout=120", "join_timeout=12") if f.startswith("--rdzv-conf=") else f
+            for f in argv
+        ]
+        b = j.start_agent("n2", argv)
+        assert b.wait(BOUND) != 0
+        out = b.output()
+        assert "waiting for the store's host among" in out, out[-3000:]
+        assert f"127.0.0.1:{port} refused" in out, out[-3000:]
+        assert f"127.0.0.2:{port} stands by" in out, out[-3000:]
+        assert "no candidate host of the store serves term 1" in out, out[-3000:]
+        assert "Traceback" not in out

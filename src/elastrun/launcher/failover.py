@@ -89,8 +89,10 @@ async def _serve(
         return None
     count = len(candidates.endpoints)
     client = FailoverClient(candidates, token=plan.token)
-    hosted = [p for p in await client.look() if p.answer is Answer.HOST]
-    first = me == 0 and not hosted
+    # A candidate that knows a term (a host, or a standby that followed one)
+    # means the job runs already: a restarted first candidate stands by.
+    known = [p for p in await client.look() if p.answer is not Answer.REFUSED and p.term > 0]
+    first = me == 0 and not known
     state = TermState(
         me, count, role=Role.HOST if first else Role.STANDBY, term=1 if first else 0, timing=timing
     )

@@ -121,6 +121,8 @@ async def probe(
     except NotHost as exc:
         answer = Answer.FENCED if exc.role == "fenced" else Answer.STANDBY
         return Probe(index, answer, exc.term, str(exc))
+    except (AuthenticationError, ProtocolError) as exc:  # a wrong token, or not a store of ours
+        return Probe(index, Answer.SILENT, detail=str(exc)[:200])
     except ConnectionRefusedError:
         return Probe(index, Answer.REFUSED, detail="connection refused")
     except (OSError, TimeoutError, StoreUnavailable) as exc:
