@@ -23,7 +23,6 @@ import math
 import os
 import re
 import socket
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,6 +67,7 @@ from elastrun.rendezvous.rules import (
     WorkersFailed,
     WorkersSucceeded,
 )
+from elastrun.rendezvous.takeover import register_after_takeover
 from elastrun.rendezvous.view import Node, Observer
 from elastrun.store.base import NO_LEASE, Compare, Delete, Get, KeyValue, Put, Store
 from elastrun.store.keepalive import LeaseKeeper
@@ -263,7 +263,9 @@ class DynamicRendezvous(Rendezvous):
             return
         await self.keeper.start()
         if self.carry is not None:
-            await self._register_after_takeover(self.carry)
+            await register_after_takeover(
+                self.store, self.settings, self.carry, self._executor.presence, self._agree
+            )
         else:
             await self._first_register()
         self._registered = True
@@ -309,37 +311,6 @@ class DynamicRendezvous(Rendezvous):
         raise RendezvousError(
             f"job {self.settings.run_id!r}: its records changed {REGISTER_TRIES} times while "
             "this node registered (nodes starting and leaving at once?); try again"
-        )
-
-    async def _register_after_takeover(self, carry: rounds.Carry) -> None:
-        """Register in a new host's store: the job's settings (created if
-        absent, else agreed), this node's presence, and the round after this
-        node's last one, unless the store already holds a later round (every
-        survivor carries its own; the first one writes, the others join)."""
-        k, store, mine = self.keys, self.store, self.settings.agreed()
-        detail = f"the store's host was lost; re-forming after round {carry.round}"
-        for _ in range(REGISTER_TRIES):
-            res = await store.txn([], [Get(k.config), Get(k.round)])
-            config_kv = res.gets[0][0] if res.gets[0] else None
-            round_kv = res.gets[1][0] if res.gets[1] else None
-            found = RoundRecord.decode(k.round, round_kv.value) if round_kv else None
-            ops: list[Put] = [self._executor.presence()]
-            if config_kv is not None:
-                self._agree(ConfigRecord.decode(k.config, config_kv.value).settings, mine)
-            else:
-                ops.append(Put(k.config, ConfigRecord(mine).encode()))
-            if found is None or found.round <= carry.round:
-                opened = rounds.takeover_round(carry, found, detail, time.time())
-                ops.append(Put(k.round, opened.encode()))
-            compares = [
-                Compare.unchanged(k.config, config_kv.mod_revision if config_kv else 0),
-                Compare.unchanged(k.round, round_kv.mod_revision if round_kv else 0),
-            ]
-            if (await store.txn(compares, ops)).succeeded:
-                return
-        raise RendezvousError(
-            f"job {self.settings.run_id!r}: the new store host's records changed "
-            f"{REGISTER_TRIES} times while this node registered; try again"
         )
 
     def _announce_reset(

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,13 +169,12 @@ class FailoverClient:
     request_timeout: float = 60.0
     failover_timeout: float = 60.0
     events: EventSink = field(default_factory=NullSink)
-    say: Any = None  # one line on the console (procs.say), or None
+    say: Callable[[str], None] | None = None  # one line on the console (procs.say)
     clock: Clock = SYSTEM_CLOCK
     term: int = 0  # the term of the host this node follows
     host: int | None = None  # that host's index
     store: TcpStore | None = None
     ballot: Ballot = field(default_factory=Ballot)
-    takeovers: int = 0
 
     # -- finding the host ------------------------------------------------------
     def address(self, index: int | None) -> str:
@@ -300,7 +300,6 @@ class FailoverClient:
             for best in sorted(newer, key=lambda p: -p.term):
                 with contextlib.suppress(StoreUnavailable, AuthenticationError, ProtocolError):
                     store = await self._open(best.index, best.term)
-                    self.takeovers += 1
                     self.events.emit(
                         "store_host_found",
                         term=store.term,

@@ -5,7 +5,10 @@ What a connection may make the server hold is bounded
 
 * Before its hello: one frame of at most ``PRE_HELLO_FRAME`` bytes, within
   ``hello_timeout``. A first frame that is not a valid hello, a wrong or
-  missing token, bytes that are not frames: an error frame, then closed.
+  missing token, bytes that are not frames: an error frame, then closed. A
+  candidate host's store (docs/failover.md) also takes a ``vote`` as first
+  frame (answered, then closed), refuses a hello with ``not_host`` while it
+  does not serve, and holds requests while its server says so.
 * After: frames of at most ``MAX_FRAME``; each frame begun must be complete
   within ``frame_timeout``. The bytes of incomplete frames count against the
   server's ``max_partial_bytes`` for all connections together
