@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +54,11 @@ from elastrun.store.term import Ballot, FailoverTiming
 __all__ = ["Answer", "Candidates", "FailoverClient", "Lost", "Probe", "probe", "send_vote"]
 
 PROBE_TIMEOUT = 0.5  # one candidate's answer to a probe or a vote (looked at again after)
-POLL = 0.2  # between two looks at the candidates while no host serves
+# Between two looks at the candidates while no host serves: from POLL, half
+# as long again each time up to MAX_POLL, with jitter (many nodes looking at
+# once spread out).
+POLL = 0.2
+MAX_POLL = 1.0
 UNREACHABLE_NOTICE = 10.0  # a candidate silent this long at start is reported
 
 
@@ -194,6 +199,7 @@ class FailoverClient:
         deadline = self.clock.monotonic() + timeout
         noticed = self.clock.monotonic() + UNREACHABLE_NOTICE
         seen: list[Probe] = []
+        poll = _Poll()
         while True:
             seen = await self.look()
             hosts = [p for p in seen if p.answer is Answer.HOST and p.term >= min_term]
@@ -212,7 +218,7 @@ class FailoverClient:
                     f"no candidate host of the store serves term {min_term} or later "
                     f"after {timeout:.0f} s: " + "; ".join(_line(self, p) for p in seen)
                 )
-            await asyncio.sleep(POLL)
+            await asyncio.sleep(poll.next())
 
     async def _open(self, index: int, term: int) -> TcpStore:
         host, port = self.candidates.endpoints[index]
@@ -290,6 +296,7 @@ class FailoverClient:
         vote_at = now if lost.proof else now + self.timing.vote_after
         term = old_term + 1
         seen: list[Probe] = []
+        poll = _Poll()
         while self.clock.monotonic() < deadline:
             seen = await self.look()
             newer = [p for p in seen if p.answer is Answer.HOST and p.term > old_term]
@@ -313,7 +320,8 @@ class FailoverClient:
             if voting and await self._vote(seen, term, old_host):
                 vote_at = now + self.timing.vote_after
                 term += 1
-            await asyncio.sleep(min(POLL, max(0.0, vote_at - self.clock.monotonic())))
+                poll = _Poll()  # a host is expected soon: look often again
+            await asyncio.sleep(min(poll.next(), max(0.0, vote_at - self.clock.monotonic())))
         raise HostLost(self._why_lost(lost, seen, old_host))
 
     async def _vote(self, seen: list[Probe], term: int, old_host: int | None) -> bool:
@@ -343,6 +351,18 @@ class FailoverClient:
             f"({self.candidates.majority} of {len(self.candidates.endpoints)}) of the "
             f"candidate hosts: {answers}"
         )
+
+
+class _Poll:
+    """The waits between looks (see POLL)."""
+
+    def __init__(self) -> None:
+        self.delay = POLL
+
+    def next(self) -> float:
+        wait = self.delay * random.uniform(0.75, 1.25)
+        self.delay = min(MAX_POLL, self.delay * 1.5)
+        return wait
 
 
 async def _pinged(store: TcpStore, timeout: float) -> bool:
