@@ -60,6 +60,7 @@ PROBE_TIMEOUT = 0.5  # one candidate's answer to a probe or a vote (looked at ag
 POLL = 0.2
 MAX_POLL = 1.0
 UNREACHABLE_NOTICE = 10.0  # a candidate silent this long at start is reported
+RECHECK = 0.2  # after an unanswered ping or a probe without proof: the next look
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,11 @@ class FailoverClient:
                 # kernel resets it), else the host is pinged every heartbeat.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(store.dropped.wait(), timing.heartbeat)
-            answered = not store.dropped.is_set() and await _pinged(store, timing.heartbeat)
+            # Right after a failure the host is looked at again soon: a host
+            # killed a moment ago may still hold its listening socket, and a
+            # probe then is reset rather than refused.
+            wait = timing.heartbeat if answered else RECHECK
+            answered = not store.dropped.is_set() and await _pinged(store, wait)
             if answered:
                 continue
             store.dropped.clear()
