@@ -1,6 +1,6 @@
 """Scenarios with several agents on a c10d rendezvous: scale-up and node loss
-(3+4), partition (5), rendezvous scale (6), a node lost beside a hot spare
-(7). See docs/benchmarks.md."""
+(3+4), the store's host lost (4b), partition (5), rendezvous scale (6), a node
+lost beside a hot spare (7). See docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -111,6 +111,81 @@ def membership(nnodes: str, node_loss: bool) -> Callable[[Context], None]:
             ctx.notes.append(f"after the measurement: {exc}")
 
     return fn
+
+
+# --------------------------------------------------------------------------- 4b. store host loss
+
+CANDIDATES = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
+
+
+def store_host_loss(ctx: Context) -> None:
+    """Three agents train, told apart by loopback addresses; the agent hosting
+    the store is SIGKILLed with all its processes. elastrun gets the three as
+    candidate hosts (docs/failover.md); torchrun has one store endpoint, the
+    first node's (its c10d backend takes no list): it loses the job, and the
+    run fails with the survivors' exit."""
+    run, cfg, s = ctx.run, ctx.cfg, ctx.settings
+    port = free_port()
+    elastrun = cfg.launcher == "elastrun"
+    endpoint = ",".join(f"{h}:{port}" for h in CANDIDATES) if elastrun else f"127.0.0.1:{port}"
+    ctx.info["rdzv_endpoint"] = endpoint
+    agents = []
+    for i, addr in enumerate(CANDIDATES):
+        conf = {"lease_ttl": "3"} if elastrun and cfg.tuned else {}
+        if not elastrun:
+            conf["is_host"] = "1" if i == 0 else "0"
+        argv = cfg.argv(
+            [
+                "--nnodes=2:3",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={endpoint}",
+                f"--rdzv-id=bench{port}",
+                f"--local-addr={addr}",
+                "--max-restarts=3",
+            ],
+            conf,
+        )
+        name = f"agent-{i}"
+        agents.append(run.start_agent(name, argv, {**launcher_env(cfg), "BENCH_NODE": name}))
+    host, survivors = agents[0], agents[1:]
+    t3 = run.wait(
+        "training at world 3",
+        lambda log: steps_after(log, 0.0, 3),
+        s.start_timeout,
+        alive=agents,
+    )
+    ctx.out["world3_first_step"] = t3 - host.t_launch
+    run.wait(
+        f"{s.warm_steps} steps at world 3",
+        lambda log: count_steps(log, 3, after=t3) >= 3 * s.warm_steps,
+        s.phase_timeout,
+        alive=agents,
+        stall=s.restart_stall,
+    )
+    t_kill = run.kill_node(host)
+    t_back = run.wait(
+        "survivors training at world 2 after the store's host was killed",
+        lambda log: steps_after(log, t_kill, 2),
+        s.phase_timeout,
+        alive=survivors,
+        stall=s.loss_stall(cfg),
+    )
+    ctx.out["store_host_loss"] = t_back - t_kill
+    names = {a.name for a in survivors}
+    gap = pause(
+        run.log,
+        t_kill,
+        lambda e: e.get("node") in names,
+        lambda e: int(e["world"]) == 2 and e["t"] > t_kill,
+    )
+    if gap is not None:
+        ctx.out["pause_store_host_loss"] = gap
+    run.stop()
+    try:
+        run.wait_exit(survivors, s.exit_timeout)
+    except BenchFailure as exc:
+        ctx.notes.append(f"after the measurement: {exc}")
 
 
 # --------------------------------------------------------------------------- 5. partition

@@ -270,6 +270,19 @@ _SPARE_PART = (
         "(packets dropped) -> every rank steps at world 2",
     ),
 )
+_HOST_LOSS = (
+    ("world3_first_step", "s", "launch of 3 agents -> first step at world 3"),
+    (
+        "store_host_loss",
+        "s",
+        "the store's host SIGKILLed (all its processes) -> survivors step at world 2",
+    ),
+    (
+        "pause_store_host_loss",
+        "s",
+        "training pause of the survivors: last step before the kill -> first at world 2",
+    ),
+)
 _PART = (
     ("world3_first_step", "s", "launch of 3 agents (one network namespace each) -> world 3"),
     ("partition", "s", "3rd node's link cut (packets dropped) -> survivors step at world 2"),
@@ -375,6 +388,18 @@ def catalogue(quick: bool) -> list[Scenario]:
         )
     out.append(
         Scenario(
+            "store_host_loss_2to3",
+            "store_host_loss",
+            "The store's host lost, c10d --nnodes=2:3 on 127.0.0.1/.2/.3: SIGKILL of the "
+            "host's agent (elastrun: 3 candidate hosts; torchrun: its one endpoint)",
+            _HOST_LOSS,
+            multinode.store_host_loss,
+            worker_env=UNTIL_STOPPED,
+            est_s=_est(25.0, 20.0, 20.0, 15.0),
+        )
+    )
+    out.append(
+        Scenario(
             "partition_2to3",
             "partition",
             "Partition, c10d --nnodes=2:3 in network namespaces: cut the 3rd node's link",
@@ -444,6 +469,7 @@ GROUPS = (
     "worker_crash",
     "scale_up",
     "node_loss",
+    "store_host_loss",
     "partition",
     "rdzv_scale",
     "memory",

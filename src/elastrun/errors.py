@@ -8,7 +8,9 @@ this tree at the boundary where they happen, so callers catch one family::
     ├── ConfigError                  bad flags or settings (names the flag)
     ├── StoreError                   the coordination store
     │   ├── StoreUnavailable         cannot reach it / connection lost (names addr:port)
-    │   │   └── StoreTimeout         a request got no answer before its deadline
+    │   │   ├── StoreTimeout         a request got no answer before its deadline
+    │   │   ├── NotHost              a candidate host that does not serve the store (now)
+    │   │   └── HostLost             the store's host is gone and no candidate took over
     │   ├── AuthenticationError      wrong or missing token / credentials
     │   ├── ProtocolError            malformed frame, unknown version, oversized frame
     │   ├── LeaseNotFound            the lease expired or was revoked
@@ -34,8 +36,10 @@ __all__ = [
     "ConfigError",
     "ConfigMismatch",
     "ElastrunError",
+    "HostLost",
     "LeaseNotFound",
     "LimitExceeded",
+    "NotHost",
     "ProtocolError",
     "RendezvousClosed",
     "RendezvousError",
@@ -69,6 +73,22 @@ class StoreUnavailable(StoreError):
 
 class StoreTimeout(StoreUnavailable):
     """A store request got no answer before its deadline."""
+
+
+class NotHost(StoreUnavailable):
+    """A candidate host of the embedded store answered that it does not serve
+    the store: it stands by (``role`` "standby") or stepped down ("fenced").
+    ``term`` is the newest term it knows, ``host`` the host it knows of ("")."""
+
+    def __init__(self, message: str, role: str = "standby", term: int = 0, host: str = "") -> None:
+        super().__init__(message)
+        self.role = role
+        self.term = term
+        self.host = host
+
+
+class HostLost(StoreUnavailable):
+    """The embedded store's host was lost and no candidate took over in time."""
 
 
 class AuthenticationError(StoreError):

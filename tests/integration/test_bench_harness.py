@@ -79,6 +79,7 @@ def test_full_catalogue_covers_every_group() -> None:
         "worker_crash",
         "scale_up",
         "node_loss",
+        "store_host_loss",
         "partition",
         "rdzv_scale",
         "memory",

@@ -611,6 +611,42 @@ def test_docs_name_files_that_exist_and_commands_that_parse(clean_env: None) -> 
             continue
         words = shlex.split(line.split("elastrun status", 1)[1].rstrip("\\ '\""))
         flags = dict(w.split("=", 1) for w in words if w.startswith("--") and "=" in w)
+        if "--rdzv-backend" not in flags:  # c10d: the c10d StatefulSet's candidate list
+            assert flags["--rdzv-endpoint"] == "$RDZV_ENDPOINT", line
+            continue
         assert flags["--rdzv-backend"] == "etcd", line
         endpoint = flags["--rdzv-endpoint"]
         assert endpoint in (env["RDZV_ENDPOINT"], "127.0.0.1:2379", "$RDZV_ENDPOINT"), line
+
+
+# ----------------------------------------------------------------- the c10d StatefulSet
+
+
+def test_the_c10d_statefulset_names_its_first_three_pods_as_candidate_hosts(
+    clean_env: None,
+) -> None:
+    """Without etcd: every pod gives the same list (pods 0-2 by their names in the headless
+    Service, which publishes them before they are ready) and its own name as --local-addr, so
+    that pods 0-2 are candidates 0-2 and a 4th pod is none."""
+    from elastrun.launcher.failover import my_candidate
+
+    docs = manifest("statefulset-c10d.yaml")
+    sts, service = one(docs, "StatefulSet"), one(docs, "Service")
+    assert sts["spec"]["serviceName"] == service["metadata"]["name"] == "train-c10d"
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
+    assert sts["spec"]["replicas"] >= 3
+    c = container(pod_template(sts)["spec"], "elastrun")
+    names = [item["name"] for item in c["env"]]
+    assert "ELASTRUN_STORE_TOKEN" in names  # from a Secret: never on a command line
+    lists = set()
+    for pod in range(4):
+        env = {item["name"]: item.get("value", "") for item in c["env"]}
+        env["POD_NAME"] = f"train-c10d-{pod}"
+        words = [expand(str(w), env) for w in c["args"]]
+        plan, _ = parse(words)
+        assert plan.failover and plan.rendezvous.lease_ttl >= 3
+        lists.add(plan.endpoints)
+        expected = pod if pod < 3 else None
+        assert my_candidate(plan.endpoints, plan.local_addr) == expected
+    assert len(lists) == 1  # the same list on every pod
+    assert [e.host for e in lists.pop()] == [f"train-c10d-{i}.train-c10d" for i in range(3)]

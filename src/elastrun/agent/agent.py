@@ -372,7 +372,7 @@ class Agent:
     async def _on_change(self, group: WorkerGroup, change: Change, result: RoundResult) -> None:
         say(printable(change_line(change, result)))  # the detail is another node's
         await group.changed(change)
-        await self._stop_group(signal.SIGTERM)
+        await self._stop_group(signal.SIGKILL if change.stop_now else signal.SIGTERM)
         self._stops.raise_pending()
         self.events.emit(
             "restart",

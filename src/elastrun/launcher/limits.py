@@ -98,6 +98,7 @@ CONF_SECONDS: dict[str, Range] = {
     # a keepalive every TTL/3 is busy work, not faster detection.
     "lease_ttl": Range(0.5, HOUR),
     "exit_barrier_timeout": Range(0.0, WEEK),
+    "failover_timeout": Range(MIN_TIMEOUT, DAY),
 }
 
 # Duration flags and their ranges.

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from elastrun.agent.command import Executable, WorkerCommand
 from elastrun.agent.logs import validate_template
 from elastrun.agent.spec import DEFAULT_LOG_TEMPLATE, StartMethod, Std, WarmModules, WorkerSpec
-from elastrun.endpoint import Endpoint, parse_endpoint_list
+from elastrun.endpoint import Endpoint, format_endpoints, parse_endpoint_list
 from elastrun.errors import ConfigError
 from elastrun.launcher.config import (
     DEFAULT_C10D_PORT,
@@ -37,6 +37,7 @@ from elastrun.launcher.config import (
 from elastrun.launcher.rdzv_conf import RendezvousConf, parse_rdzv_conf
 from elastrun.names import RunId
 from elastrun.rendezvous.api import RendezvousSettings
+from elastrun.store.term import MAX_CANDIDATES, MIN_FAILOVER_LEASE_TTL
 from elastrun.store.token import TOKEN_ENV, store_token
 
 __all__ = ["Backend", "Plan", "resolve"]
@@ -83,7 +84,8 @@ class Plan:
 
     run_id: RunId
     backend: Backend
-    endpoints: tuple[Endpoint, ...]  # c10d: one; etcd: one or more; static: master
+    # c10d: one, or the store's candidate hosts (failover); etcd: one or more; static: master
+    endpoints: tuple[Endpoint, ...]
     conf: RendezvousConf  # after defaulting (is_host, protocol)
     standalone: bool
     node_rank: int | None
@@ -97,6 +99,11 @@ class Plan:
     # generated here: other nodes cannot know it unless told.
     generated_run_id: bool = False
     token_source: str = "none"  # noqa: S105 - where the token came from, for messages
+
+    @property
+    def failover(self) -> bool:
+        """The c10d store with candidate hosts (docs/failover.md)."""
+        return self.backend is Backend.C10D and len(self.endpoints) > 1
 
     @property
     def authenticated(self) -> bool:
@@ -149,6 +156,11 @@ class _Where:
     conf: RendezvousConf
     standalone: bool
     node_rank: int | None
+
+    @property
+    def failover(self) -> bool:
+        """The c10d store with candidate hosts (docs/failover.md)."""
+        return self.backend is Backend.C10D and len(self.endpoints) > 1
 
 
 # What a plan runs when none is given (a plan made to check a config).
@@ -220,16 +232,19 @@ def _where(config: LaunchConfig, conf: RendezvousConf) -> _Where:
         node_rank = _static_node_rank(config)
         endpoints = (_static_master(config, endpoint),)
     elif backend is Backend.C10D:
-        # torchrun's default: localhost:29400
-        store = Endpoint.parse(endpoint or "localhost", DEFAULT_C10D_PORT, "--rdzv-endpoint")
-        if store.port == 0 and not standalone:
-            if config.max_nodes != 1:
-                raise ConfigError(
-                    "--rdzv-endpoint: port 0 (pick a free port) only works on a single node; "
-                    "other nodes could not find the port"
-                )
-            conf = conf.with_(is_host=True)
-        endpoints = (store,)
+        # torchrun's default: localhost:29400; a list: the store's candidate hosts
+        if "," in endpoint and not standalone:
+            endpoints = _candidates(endpoint, conf)
+        else:
+            store = Endpoint.parse(endpoint or "localhost", DEFAULT_C10D_PORT, "--rdzv-endpoint")
+            if store.port == 0 and not standalone:
+                if config.max_nodes != 1:
+                    raise ConfigError(
+                        "--rdzv-endpoint: port 0 (pick a free port) only works on a single "
+                        "node; other nodes could not find the port"
+                    )
+                conf = conf.with_(is_host=True)
+            endpoints = (store,)
     else:  # etcd; torchrun's default: localhost:2379
         endpoints, https = parse_endpoint_list(
             endpoint or "localhost", DEFAULT_ETCD_PORT, "--rdzv-endpoint"
@@ -246,6 +261,46 @@ def _where(config: LaunchConfig, conf: RendezvousConf) -> _Where:
             f"{config.min_nodes}:{config.max_nodes} (expected 0..{config.max_nodes - 1})"
         )
     return _Where(backend, endpoints, conf, standalone, node_rank)
+
+
+def _candidates(text: str, conf: RendezvousConf) -> tuple[Endpoint, ...]:
+    """The c10d backend's candidate hosts for its store (``a:p,b:p,c:p``):
+    at most :data:`MAX_CANDIDATES`, each once, each with a fixed port."""
+    endpoints = tuple(
+        Endpoint.parse(item.strip(), DEFAULT_C10D_PORT, "--rdzv-endpoint")
+        if item.strip()
+        else _empty_entry(text)
+        for item in text.split(",")
+    )
+    if len(endpoints) > MAX_CANDIDATES:
+        raise ConfigError(
+            f"--rdzv-endpoint: {len(endpoints)} candidate hosts for the store; at most "
+            f"{MAX_CANDIDATES} (a majority of them must stay up: 3 or 5 is usual)"
+        )
+    seen: set[Endpoint] = set()
+    for endpoint in endpoints:
+        if endpoint in seen:
+            raise ConfigError(f"--rdzv-endpoint: {endpoint} is listed twice in {text!r}")
+        if endpoint.port == 0:
+            raise ConfigError(
+                f"--rdzv-endpoint: {endpoint}: a candidate host needs a fixed port, not 0"
+            )
+        seen.add(endpoint)
+    if conf.is_host is not None:
+        raise ConfigError(
+            "--rdzv-conf is_host: not with a list of candidate hosts in --rdzv-endpoint "
+            "(the first live candidate hosts the store)"
+        )
+    if conf.store_bind is not None:
+        raise ConfigError(
+            "--rdzv-conf store_bind: not with a list of candidate hosts in --rdzv-endpoint "
+            "(each candidate listens on its own entry)"
+        )
+    return endpoints
+
+
+def _empty_entry(text: str) -> Endpoint:
+    raise ConfigError(f"--rdzv-endpoint: empty entry in {text!r}")
 
 
 def _static_node_rank(config: LaunchConfig) -> int:
@@ -343,9 +398,22 @@ def _worker_spec(
     )
 
 
+def _check_failover(where: _Where) -> None:
+    """With candidate hosts, the lease TTL must outlast the time after which
+    the host holds requests (a minority's writes are never served before it
+    steps down: docs/failover.md)."""
+    ttl = where.conf.lease_ttl
+    if where.failover and ttl is not None and ttl < MIN_FAILOVER_LEASE_TTL:
+        raise ConfigError(
+            f"--rdzv-conf lease_ttl: {ttl:g} s is too short with candidate hosts in "
+            f"--rdzv-endpoint; at least {MIN_FAILOVER_LEASE_TTL:g} s"
+        )
+
+
 def _rendezvous_settings(config: LaunchConfig, run_id: RunId, where: _Where) -> RendezvousSettings:
     """What the rendezvous receives: the job's shape, this node's rank hint,
     the --rdzv-conf timeouts (its own defaults for those not given)."""
+    _check_failover(where)
     conf, defaults = where.conf, RendezvousSettings
     exit_barrier = config.exit_barrier_timeout
     if exit_barrier is None:
@@ -364,6 +432,7 @@ def _rendezvous_settings(config: LaunchConfig, run_id: RunId, where: _Where) -> 
         close_timeout=_given(conf.close_timeout, defaults.close_timeout),
         lease_ttl=_given(conf.lease_ttl, defaults.lease_ttl),
         exit_barrier_timeout=_given(exit_barrier, defaults.exit_barrier_timeout),
+        candidates=format_endpoints(where.endpoints) if where.failover else "",
     )
 
 

@@ -42,6 +42,7 @@ RDZV_CONF_KEYS: dict[str, str] = {
     "token": "str",
     "token_file": "str",
     "store_bind": "str",  # where the hosted c10d store listens (launcher/bind.py)
+    "failover_timeout": "float",  # candidate hosts: how long to find a new host
     # etcd
     "cacert": "str",
     "cert": "str",
@@ -78,6 +79,7 @@ class RendezvousConf:
     token: str | None = None
     token_file: str | None = None
     store_bind: str | None = None
+    failover_timeout: float | None = None  # candidate hosts (docs/failover.md)
     cacert: str | None = None
     cert: str | None = None
     key: str | None = None

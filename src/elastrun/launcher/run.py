@@ -95,7 +95,7 @@ def route_addr(host: str, port: int) -> str | None:
     return None
 
 
-async def _in_thread(fn: Any, *args: Any) -> Any:
+async def in_thread(fn: Any, *args: Any) -> Any:
     """Run a blocking resolver call, bounded (DNS can hang)."""
     loop = asyncio.get_running_loop()
     try:
@@ -117,11 +117,11 @@ async def _host_store(plan: Plan) -> tuple[StoreServer | None, Endpoint, str]:
     explicit = plan.conf.is_host
     if explicit is False:
         return None, endpoint, "is_host=0: another node hosts the store"
-    local = bool(await _in_thread(is_local_address, host))
+    local = bool(await in_thread(is_local_address, host))
     if explicit is None and not local:
         return None, endpoint, f"{host} is not an address of this machine"
     # Listen on the addresses the endpoint names (or --rdzv-conf store_bind).
-    listen = await _in_thread(
+    listen = await in_thread(
         functools.partial(
             listen_on,
             store_bind=plan.conf.store_bind,
@@ -215,7 +215,7 @@ def events_path(plan: Plan, host: str) -> str | None:
     return None
 
 
-class _EventLog:
+class EventLog:
     """One agent's event file (docs/events.md): the rendezvous' and the agent's
     events in one JSON-lines file, each with the common fields (run_id, host,
     node_id once known) and its ``source``. The caller's own sink (the Python
@@ -243,7 +243,7 @@ class _EventLog:
 
 
 class _Tagged:
-    def __init__(self, log: _EventLog, source: str) -> None:
+    def __init__(self, log: EventLog, source: str) -> None:
         self.log, self.source = log, source
 
     def emit(self, kind: str, **fields: Any) -> None:
@@ -252,7 +252,7 @@ class _Tagged:
         self.log.emit(self.source, kind, **fields)
 
 
-async def _run_agent(spec: WorkerSpec, rdzv: Rendezvous, events: EventSink | None) -> int:
+async def run_agent(spec: WorkerSpec, rdzv: Rendezvous, events: EventSink | None) -> int:
     from elastrun.agent.agent import Agent
 
     return await Agent(spec, rdzv, events).run()
@@ -269,7 +269,7 @@ async def run_async(plan: Plan, *, events: EventSink | None = None) -> int:
             f"--rdzv-id={plan.run_id}"
         )
     flag = "--events-file" if plan.workers.events_file else "--log-dir"
-    log = _EventLog(events_path(plan, hostname), events, flag, run_id=plan.run_id, host=hostname)
+    log = EventLog(events_path(plan, hostname), events, flag, run_id=plan.run_id, host=hostname)
     code = 1
     try:
         log.emit(
@@ -292,7 +292,7 @@ async def run_async(plan: Plan, *, events: EventSink | None = None) -> int:
         log.close()
 
 
-async def _run(plan: Plan, hostname: str, log: _EventLog) -> int:
+async def _run(plan: Plan, hostname: str, log: EventLog) -> int:
     spec = dataclasses.replace(plan.workers, host=hostname)
     if log.file is not None:  # written here, with the rendezvous' events: not twice
         spec = dataclasses.replace(spec, events_file=None)
@@ -304,15 +304,18 @@ async def _run(plan: Plan, hostname: str, log: _EventLog) -> int:
         master_addr, master_port = plan.endpoints[0]
         node_rank = plan.node_rank or 0
         addr = plan.local_addr or (
-            master_addr
-            if node_rank == 0
-            else await _in_thread(route_addr, master_addr, master_port)
+            master_addr if node_rank == 0 else await in_thread(route_addr, master_addr, master_port)
         )
         settings = dataclasses.replace(plan.rendezvous, host=hostname, addr=addr)
         rdzv = StaticRendezvous(
             settings, node_rank=node_rank, master_addr=master_addr, master_port=master_port
         )
-        return await _run_agent(spec, rdzv, events)
+        return await run_agent(spec, rdzv, events)
+
+    if plan.failover:
+        from elastrun.launcher.failover import run_with_candidates
+
+        return await run_with_candidates(plan, spec, hostname, log, events)
 
     server: StoreServer | None = None
     note = "etcd cluster"
@@ -321,7 +324,7 @@ async def _run(plan: Plan, hostname: str, log: _EventLog) -> int:
         server, store_at, note = await _host_store(plan)
         endpoints = (store_at,)
     try:
-        addr = plan.local_addr or await _in_thread(route_addr, *endpoints[0]) or hostname
+        addr = plan.local_addr or await in_thread(route_addr, *endpoints[0]) or hostname
         me = f"{hostname} ({addr})"
         settings = dataclasses.replace(plan.rendezvous, host=hostname, addr=addr)
         store = await _open_store(plan, endpoints, me, note)
@@ -330,7 +333,7 @@ async def _run(plan: Plan, hostname: str, log: _EventLog) -> int:
 
             dynamic = DynamicRendezvous(store, settings, events=log.sink("rendezvous"))
             log.common["node_id"] = dynamic.node_id
-            return await _run_agent(spec, dynamic, events)
+            return await run_agent(spec, dynamic, events)
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(store.close(), 5.0)

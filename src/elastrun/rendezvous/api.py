@@ -71,6 +71,8 @@ class RendezvousSettings:
     host: str = ""  # human-readable host name
     addr: str = ""  # address other nodes and workers use to reach this node
     node_rank_hint: int | None = None
+    # The store's candidate hosts, as given (agreed: every node the same list).
+    candidates: str = ""
 
     def agreed(self) -> AgreedSettings:
         """The fields every node of the job must agree on (the job's ``config``)."""
@@ -82,6 +84,7 @@ class RendezvousSettings:
             join_timeout=self.join_timeout,
             last_call_timeout=self.last_call_timeout,
             node_unit=self.node_unit,
+            candidates=self.candidates,
         )
 
     def sizes(self) -> WorldSizes:
@@ -142,6 +145,9 @@ class Change:
     detail: str = ""  # human-readable, e.g. "node host-b (10.0.0.2) lost: lease expired"
     counts_as_restart: bool = False
     hang: bool = False  # a hang was declared elsewhere: collect the stacks before stopping
+    # Kill the workers at once, no grace: this node gave up its store's host
+    # without proof that it is dead, and another group may form (docs/failover.md).
+    stop_now: bool = False
 
 
 @dataclass(frozen=True)

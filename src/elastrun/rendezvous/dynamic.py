@@ -67,6 +67,7 @@ from elastrun.rendezvous.rules import (
     WorkersFailed,
     WorkersSucceeded,
 )
+from elastrun.rendezvous.takeover import register_after_takeover
 from elastrun.rendezvous.view import Node, Observer
 from elastrun.store.base import NO_LEASE, Compare, Delete, Get, KeyValue, Put, Store
 from elastrun.store.keepalive import LeaseKeeper
@@ -105,8 +106,12 @@ class DynamicRendezvous(Rendezvous):
         events: EventSink | None = None,
         clock: Clock = SYSTEM_CLOCK,
         node_id: str | None = None,
+        carry: rounds.Carry | None = None,
     ) -> None:
         self.store = store
+        # After a takeover of the store's host: this node's last round, which
+        # it carries into the new host's store (docs/failover.md).
+        self.carry = carry
         self.settings = settings
         self.events: EventSink = events if events is not None else NullSink()
         self.clock = clock
@@ -261,7 +266,12 @@ class DynamicRendezvous(Rendezvous):
             await self._executor.put_presence()
             return
         await self.keeper.start()
-        await self._first_register()
+        if self.carry is not None:
+            await register_after_takeover(
+                self.store, self.settings, self.carry, self._executor.presence, self._agree
+            )
+        else:
+            await self._first_register()
         self._registered = True
 
     async def _first_register(self) -> None:

@@ -51,6 +51,7 @@ from elastrun.rendezvous.protocol import (
     State,
 )
 from elastrun.rendezvous.records import (
+    TAKEOVER_REASON,
     MemberRecord,
     ResultRecord,
     RoundRecord,
@@ -352,6 +353,9 @@ def joiners_event(view: View, now: float) -> JoinersChanged:
         p.node_id in view.nodes and p.node_id not in view.joiners for p in prev
     )
     count = len(view.joiners) if view.joined_count is None else view.joined_count
+    if view.round is not None and view.round.reason == TAKEOVER_REASON:
+        # A new host's store: the others may not have registered yet.
+        all_joined = all_joined and count >= len(prev) - 1
     return JoinersChanged(
         now, count, decider=view.decider, all_joined=all_joined, members_pending=pending
     )

@@ -43,6 +43,7 @@ from elastrun.rendezvous.fields import Fields
 
 __all__ = [
     "DONE",
+    "TAKEOVER_REASON",
     "AgreedSettings",
     "ConfigRecord",
     "JoinRecord",
@@ -121,9 +122,11 @@ class AgreedSettings:
     last_call_timeout: float
     # --node-unit; 1 in records of elastrun versions without it.
     node_unit: int = 1
+    # The store's candidate hosts (a c10d endpoint list), "" for one endpoint.
+    candidates: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "min_nodes": self.min_nodes,
             "max_nodes": self.max_nodes,
             "max_restarts": self.max_restarts,
@@ -132,6 +135,9 @@ class AgreedSettings:
             "last_call_timeout": self.last_call_timeout,
             "node_unit": self.node_unit,
         }
+        if self.candidates:
+            out["candidates"] = self.candidates
+        return out
 
     @classmethod
     def from_json(cls, raw: object, where: str = "settings") -> AgreedSettings:
@@ -144,6 +150,7 @@ class AgreedSettings:
             join_timeout=f.number("join_timeout"),
             last_call_timeout=f.number("last_call_timeout"),
             node_unit=f.count("node_unit", 1),
+            candidates=f.text("candidates", 4096) if "candidates" in f.raw else "",
         )
 
 
@@ -266,6 +273,12 @@ class PrevMember:
     def from_json(cls, raw: object, where: str) -> PrevMember:
         f = Fields(raw, where)
         return cls(f.node_id(), f.integer("group_rank"))
+
+
+# The reason of a round opened in a new host's store after a takeover
+# (docs/failover.md): it closes at once only when all but one of the previous
+# round's members joined (the lost host's node), else at min and last call.
+TAKEOVER_REASON = "store_failover"
 
 
 @dataclass(frozen=True)

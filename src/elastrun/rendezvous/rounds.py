@@ -14,12 +14,14 @@ import dataclasses
 import random
 import socket
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from elastrun.errors import RendezvousError
 from elastrun.failure import FailureRecord
 from elastrun.rendezvous.api import Change, Member, RoundResult
 from elastrun.rendezvous.ranks import Candidate, assign_ranks
 from elastrun.rendezvous.records import (
+    TAKEOVER_REASON,
     AgreedSettings,
     JoinRecord,
     MemberRecord,
@@ -31,6 +33,7 @@ from elastrun.rendezvous.records import (
 from elastrun.rendezvous.sizes import WorldSizes, choose_members
 
 __all__ = [
+    "Carry",
     "close_records",
     "config_diff",
     "first_round",
@@ -38,6 +41,7 @@ __all__ = [
     "pick_master_port",
     "round_change",
     "round_result",
+    "takeover_round",
 ]
 
 
@@ -191,6 +195,41 @@ def next_round_record(
         counts=counts,
         opened_at=opened_at,
         hang_round=rnd.round if hung else rnd.hang_round,
+    )
+
+
+@dataclass(frozen=True)
+class Carry:
+    """What a node carries into the store of a new host after a takeover
+    (docs/failover.md): its last closed round, the job's restarts used then,
+    and that round's members with their group ranks (sticky ranks)."""
+
+    round: int
+    restarts: int
+    prev: tuple[PrevMember, ...]
+
+    @classmethod
+    def of(cls, result: RoundResult) -> Carry:
+        prev = tuple(PrevMember(m.node_id, m.group_rank) for m in result.members)
+        return cls(result.round, result.restart_count, prev)
+
+
+def takeover_round(
+    carry: Carry, found: RoundRecord | None, detail: str, opened_at: float
+) -> RoundRecord:
+    """The round a node opens in a new host's store: after its last round,
+    never before what the store holds, with the restarts carried (the most
+    of the two). A membership change: not charged."""
+    restarts = max(carry.restarts, found.restarts if found is not None else 0)
+    return RoundRecord(
+        round=max(carry.round, found.round if found is not None else -1) + 1,
+        state=RoundState.OPEN,
+        restarts=restarts,
+        last_failure=found.last_failure if found is not None else None,
+        prev=carry.prev,
+        reason=TAKEOVER_REASON,
+        detail=detail,
+        opened_at=opened_at,
     )
 
 

@@ -35,7 +35,8 @@ from elastrun.endpoint import Endpoint, format_endpoints, parse_endpoint_list
 from elastrun.errors import ConfigError, ElastrunError, StoreError, StoreUnavailable
 from elastrun.names import RunId
 from elastrun.rendezvous.keys import Keys
-from elastrun.status.model import TERMINAL_STATES, HangStacks, RankRow, Summary
+from elastrun.status.hosts import open_candidates
+from elastrun.status.model import TERMINAL_STATES, HangStacks, RankRow, StoreHosts, Summary
 from elastrun.status.summary import read_summary
 from elastrun.store.base import Store, Watch, WatchEvent
 from elastrun.store.factory import DEFAULT_ETCD_PORT, DEFAULT_PORT
@@ -144,6 +145,8 @@ def _endpoints(backend: str, text: str) -> tuple[tuple[Endpoint, ...], bool]:
     members (and whether one of them said ``https://``)."""
     if backend in ("etcd", "etcd-v2"):
         return parse_endpoint_list(text, DEFAULT_ETCD_PORT, "--rdzv-endpoint")
+    if "," in text:  # the store's candidate hosts
+        return parse_endpoint_list(text, DEFAULT_PORT, "--rdzv-endpoint")[0], False
     return (Endpoint.parse(text, DEFAULT_PORT, "--rdzv-endpoint"),), False
 
 
@@ -183,7 +186,17 @@ async def _read(store: Store, args: argparse.Namespace, where: str) -> Summary:
         raise _Failed(f"reading job {args.run_id!r} from the store at {where}: {exc}") from None
     if summary is None:
         raise _Failed(f"no job {args.run_id!r} in the store at {where}")
-    return summary
+    hosts: StoreHosts | None = getattr(args, "store_hosts", None)
+    return summary if hosts is None else dataclasses.replace(summary, store_hosts=hosts)
+
+
+async def _open_candidates(args: argparse.Namespace, endpoints: tuple[Endpoint, ...]) -> Store:
+    token, _ = _conf(args.conf, args.backend)
+    try:
+        store, args.store_hosts = await open_candidates(endpoints, token, args.timeout)
+    except StoreError as exc:
+        raise _Failed(str(exc)) from None
+    return store
 
 
 # ---------------------------------------------------------------- rendering
@@ -222,6 +235,8 @@ def render_table(summary: Summary, where: str) -> str:
     for_ = f" for {fmt_duration(s.state_for_s)}" if s.state_for_s is not None else ""
     out.append(f"state     {s.state}{for_}, round {rnd}{why}")
     out.append(f"restarts  {s.restarts} of {_opt(s.max_restarts)}")
+    if s.store_hosts is not None:
+        out.append(printable(f"store     {s.store_hosts.describe()}"))
     unit = f", node unit {s.node_unit}" if s.node_unit > 1 else ""
     spares = f", {len(s.spares)} spare{'' if len(s.spares) == 1 else 's'}" if s.spares else ""
     out.append(
@@ -484,7 +499,10 @@ async def _main(args: argparse.Namespace) -> int:
         raise ConfigError("--rdzv-backend static keeps no store: there is no job state to show")
     endpoints, https = _endpoints(args.backend.strip().lower(), args.endpoint)
     where = format_endpoints(endpoints)
-    store = await _open(args, endpoints, https, where)
+    if len(endpoints) > 1 and args.backend.strip().lower() in ("c10d", "tcp"):
+        store = await _open_candidates(args, endpoints)
+    else:
+        store = await _open(args, endpoints, https, where)
     try:
         show = Printer(args, where)
         if args.watch:

@@ -137,6 +137,30 @@ class HangStacks:
 
 
 @dataclass(frozen=True)
+class StoreHosts:
+    """A store with candidate hosts (docs/failover.md): who hosts it, in
+    which term, who stands by, and what the others answered."""
+
+    term: int
+    host: str
+    standbys: tuple[str, ...]
+    others: tuple[str, ...]  # "ADDR (fenced|refused|silent)"
+
+    def describe(self) -> str:
+        line = f"hosted by {self.host} (term {self.term}); standing by: "
+        line += ", ".join(self.standbys) or "none"
+        return line + "".join(f"; {other}" for other in self.others)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "term": self.term,
+            "host": self.host,
+            "standbys": list(self.standbys),
+            "others": list(self.others),
+        }
+
+
+@dataclass(frozen=True)
 class Summary:
     """The job, as read from its records and notes (docs/events.md has each
     key of :meth:`to_json`)."""
@@ -169,6 +193,7 @@ class Summary:
     ranks: tuple[RankRow, ...]
     hang_stacks: HangStacks | None
     revision: int
+    store_hosts: StoreHosts | None = None  # candidate hosts only
 
     @property
     def world_size(self) -> int:
@@ -213,6 +238,7 @@ class Summary:
             "stragglers": self.stragglers,
             "hang_stacks": self.hang_stacks.to_json() if self.hang_stacks is not None else None,
             "revision": self.revision,
+            "store_hosts": self.store_hosts.to_json() if self.store_hosts is not None else None,
         }
 
     def quiet(self) -> Summary:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
+from typing import Any
 
 from elastrun.clock import remaining
 from elastrun.errors import (
@@ -77,6 +78,7 @@ class TcpStore(TcpLink, Store):
         *,
         request_timeout: float = 10.0,
         refused_timeout: float = REFUSED_TIMEOUT,
+        hello: dict[str, Any] | None = None,
     ) -> TcpStore:
         """Connect, retrying a refused connection until ``timeout`` (the store
         may still be starting). Raises StoreUnavailable naming host:port, or
@@ -90,6 +92,7 @@ class TcpStore(TcpLink, Store):
             request_timeout=request_timeout,
             connect_timeout=timeout,
             refused_timeout=refused_timeout,
+            hello=hello,
         )
         await store._connected(store.clock.monotonic() + timeout)
         return store
@@ -229,9 +232,10 @@ class TcpStore(TcpLink, Store):
     async def compact(self, revision: int) -> None:
         await self._request("compact", revision=revision)
 
-    async def ping(self) -> int:
-        """Round trip to the store; returns its revision."""
-        return codec.expect_int(await self._request("ping"), "revision")
+    async def ping(self, timeout: float | None = None) -> int:
+        """Round trip to the store (within ``timeout``, default the request
+        timeout); returns its revision."""
+        return codec.expect_int(await self._request("ping", timeout=timeout), "revision")
 
     async def close(self) -> None:
         if self._closed:

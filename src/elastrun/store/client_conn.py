@@ -7,13 +7,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections.abc import Mapping
 from typing import Any
 
 from elastrun.endpoint import Endpoint
-from elastrun.errors import AuthenticationError, ProtocolError, StoreUnavailable
+from elastrun.errors import AuthenticationError, NotHost, ProtocolError, StoreUnavailable
 from elastrun.store import codec
+from elastrun.untrusted import printable
 
-__all__ = ["Conn", "close_writer", "describe_error", "open_conn"]
+__all__ = ["Conn", "close_writer", "describe_error", "not_host", "open_conn"]
 
 
 def describe_error(exc: BaseException) -> str:
@@ -51,18 +53,27 @@ class Conn:
         self.task: asyncio.Task[None] | None = None
         self.alive = True
         self.reason = "connection closed by the store"
+        self.term = 0  # a failover store's term (its hello's)
 
 
-async def open_conn(host: str, port: int, token: str | None, timeout: float) -> tuple[Conn, str]:
+async def open_conn(
+    host: str,
+    port: int,
+    token: str | None,
+    timeout: float,
+    hello: Mapping[str, Any] | None = None,
+) -> tuple[Conn, str]:
     """Connect and say hello within ``timeout``; returns the connection and the
-    store's server id. Raises OSError, TimeoutError or StoreUnavailable (retry),
+    store's server id. ``hello``: more fields of the hello (a failover store's
+    ``term`` and ``candidate``). Raises OSError, TimeoutError or
+    StoreUnavailable (retry; NotHost: a candidate host that does not serve),
     AuthenticationError or ProtocolError (do not)."""
     address = str(Endpoint(host, port))
     async with asyncio.timeout(timeout):
         reader, writer = await asyncio.open_connection(host, port)
         conn = Conn(reader, writer)
         try:
-            writer.write(codec.encode_frame(codec.hello(token)))
+            writer.write(codec.encode_frame({**codec.hello(token), **(hello or {})}))
             await writer.drain()
             while (reply := conn.decoder.pop()) is None:
                 data = await reader.read(65536)
@@ -80,9 +91,24 @@ async def open_conn(host: str, port: int, token: str | None, timeout: float) -> 
             raise AuthenticationError(f"the elastrun store at {address}: {message}")
         if code == "busy":  # too many connections for now: retried
             raise StoreUnavailable(f"the elastrun store at {address} is busy: {message}")
+        if code == "not_host":
+            raise not_host(address, message, reply)
         raise ProtocolError(f"the elastrun store at {address} refused us: {message}")
     server_id = reply.get("server_id")
     if reply.get("t") != "hello" or not isinstance(server_id, str):
         close_writer(writer)
         raise ProtocolError(f"{address} did not answer like an elastrun store")
+    term = reply.get("term")
+    conn.term = term if type(term) is int and term >= 0 else 0
     return conn, server_id  # the read loop takes over conn.decoder, with any bytes it holds
+
+
+def not_host(address: str, message: str, reply: Mapping[str, Any]) -> NotHost:
+    """A candidate host's refusal (untrusted: bounded, typed)."""
+    role, term, host = reply.get("role"), reply.get("term"), reply.get("host")
+    return NotHost(
+        f"the elastrun store at {address}: {message:.300}",
+        role=role if role in ("standby", "fenced", "host") else "standby",
+        term=term if type(term) is int and term >= 0 else 0,
+        host=printable(host[:300]) if isinstance(host, str) else "",
+    )

@@ -24,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import socket
+import struct
 from typing import Any
 
 from elastrun.clock import SYSTEM_CLOCK, Clock, remaining
@@ -32,6 +34,7 @@ from elastrun.errors import (
     AuthenticationError,
     LeaseNotFound,
     LimitExceeded,
+    NotHost,
     ProtocolError,
     RevisionCompacted,
     StoreError,
@@ -80,6 +83,7 @@ class TcpLink:
         connect_timeout: float = 30.0,
         refused_timeout: float = REFUSED_TIMEOUT,
         clock: Clock = SYSTEM_CLOCK,
+        hello: dict[str, Any] | None = None,
     ) -> None:
         self.host = host
         self.port = port
@@ -98,6 +102,12 @@ class TcpLink:
         self._resumer: asyncio.Task[None] | None = None
         self._refused_since: float | None = None
         self._closed = False
+        # A failover store (docs/failover.md): the hello's ``term`` (an older
+        # term's host is refused) and ``candidate`` (this node's index).
+        self.hello = dict(hello or {})
+        self.term = 0
+        self.last_heard = clock.monotonic()  # the last bytes from the store
+        self.dropped = asyncio.Event()  # set when a connection is lost
 
     # -- connection ------------------------------------------------------------
     async def _connected(self, deadline: float) -> Conn:
@@ -124,7 +134,7 @@ class TcpLink:
                 try:
                     conn = await self._open(deadline)
                     break
-                except (AuthenticationError, ProtocolError):
+                except (AuthenticationError, ProtocolError, NotHost):
                     raise
                 except (OSError, StoreUnavailable) as exc:
                     self._check_gone(exc)
@@ -164,7 +174,15 @@ class TcpLink:
         left = remaining(deadline, self.clock)
         if left <= 0:
             raise TimeoutError
-        conn, server_id = await open_conn(self.host, self.port, self.token, left)
+        conn, server_id = await open_conn(self.host, self.port, self.token, left, self.hello)
+        if conn.term < self.term or conn.term < self.hello.get("term", 0):
+            close_writer(conn.writer)
+            raise NotHost(
+                f"the elastrun store at {self.address} answered for term {conn.term}, "
+                f"older than term {max(self.term, self.hello.get('term', 0))}",
+                term=conn.term,
+            )
+        self.term = conn.term
         if self.server_id is not None and server_id != self.server_id:
             lost = StoreReset(
                 f"the elastrun store at {self.address} restarted without its data "
@@ -184,6 +202,7 @@ class TcpLink:
                 data = await conn.reader.read(65536)
                 if not data:
                     break
+                self.last_heard = self.clock.monotonic()
                 decoder.push(data)
         except ProtocolError as exc:
             conn.reason = f"protocol error: {exc}"
@@ -217,6 +236,7 @@ class TcpLink:
         if not conn.alive:
             return
         conn.alive = False
+        self.dropped.set()
         close_writer(conn.writer)
         if self._conn is conn:
             self._conn = None
@@ -332,6 +352,23 @@ class TcpLink:
         """Send a request whose answer nobody waits for (it is ignored)."""
         with contextlib.suppress(OSError, ProtocolError, RuntimeError):
             conn.writer.write(codec.encode_frame(codec.encode_request(next(self._ids), op, **args)))
+
+    def abort(self) -> None:
+        """Drop the connection at once, with a reset: nothing queued for the
+        store is sent any more (a node that gave the store's host up). The
+        client is closed: its requests and watches fail."""
+        self._closed = True
+        conn = self._conn
+        if conn is not None:
+            sock = conn.writer.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.reason = "this node gave the store's host up"
+            conn.writer.transport.abort()
+            self._lost(conn)
+        for watch in list(self._watches.values()):
+            watch.fail(StoreUnavailable(f"gave up the elastrun store at {self.address}"))
 
     # -- what a TcpWatch asks of its client (client_watch.WatchOwner) -------------
     def release_watch(self, watch: TcpWatch) -> None:

@@ -38,8 +38,9 @@ import ipaddress
 import logging
 import resource
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from elastrun.endpoint import Endpoint
 from elastrun.errors import ConfigError, StoreError
@@ -49,6 +50,7 @@ from elastrun.store.engine import Engine
 from elastrun.store.limits import DEFAULT_LIMITS, MAX_FRAME, MAX_TOKEN, StoreLimits
 from elastrun.store.memory import LeaseReaper
 from elastrun.store.server_conn import Connection
+from elastrun.store.term import Role, TermState
 
 __all__ = ["DEFAULT_PORT", "DISCONNECT_GRACE", "AbuseLog", "ServerStats", "StoreServer"]
 
@@ -61,6 +63,8 @@ DEFAULT_PORT = 29400
 # renew; short enough that a killed node is seen gone in about 2 s rather than
 # after its lease TTL (10 s by default). See docs/store-protocol.md.
 DISCONNECT_GRACE = 2.0
+# How often a candidate host checks whether it must hold requests or step down.
+FENCE_CHECK = 0.1
 # File descriptors kept free for everything else in the process.
 _FD_RESERVE = 64
 
@@ -108,6 +112,9 @@ class StoreServer:
         max_output_buffer: int | None = None,
         max_frame: int = MAX_FRAME,
         disconnect_grace: float = DISCONNECT_GRACE,
+        failover: TermState | None = None,
+        candidates: Sequence[str] = (),
+        on_term: Callable[[str, str], None] | None = None,
     ) -> None:
         if token is not None and len(token.encode("utf-8", "surrogatepass")) > MAX_TOKEN:
             raise ConfigError(f"the store's token is longer than {MAX_TOKEN} bytes")
@@ -143,6 +150,14 @@ class StoreServer:
         )
         self.address: tuple[str, int] | None = None
         self.addresses: list[tuple[str, int]] = []  # every address listened on
+        # One of several candidate hosts (docs/failover.md): its role and term,
+        # the candidates' addresses (for messages), told of a takeover or a
+        # step-down as on_term(event kind, detail).
+        self.failover = failover
+        self.candidates = tuple(candidates)
+        self.on_term = on_term
+        self._fence_task: asyncio.Task[None] | None = None
+        self._held: set[Connection] = set()  # connections whose requests wait
 
     @property
     def hello_timeout(self) -> float:
@@ -207,6 +222,8 @@ class StoreServer:
         self._reaper = LeaseReaper(self.engine)
         self._reaper.poke()  # an engine handed over from a previous server may hold leases
         log.info("elastrun store listening on %s", Endpoint(*self.address))
+        if self.failover is not None and self.failover.count > 1:
+            self._fence_task = loop.create_task(self._fence_timer(self.failover))
         return self.address
 
     def loopback_only(self) -> bool:
@@ -218,6 +235,9 @@ class StoreServer:
         history) stays intact: a new server on the same engine continues it.
         Its leases keep their deadlines (no grace: the clients did not go
         away) and lose their owners (this server's connections)."""
+        if self._fence_task is not None:
+            self._fence_task.cancel()
+            self._fence_task = None
         if self._server is not None:
             self._server.close()
         for conn in self._connections:
@@ -304,6 +324,97 @@ class StoreServer:
     def poke_reaper(self) -> None:
         if self._reaper is not None:
             self._reaper.poke()
+
+    # -- failover (used by connections; docs/failover.md) ----------------------
+    def serving(self) -> bool:
+        """Whether requests are served: always, but for a candidate host that
+        stands by or stepped down (checked now: a host that stopped hearing
+        from a majority of the candidates steps down before it answers)."""
+        state = self.failover
+        if state is None:
+            return True
+        why = state.check_fence()
+        if why is not None:
+            self._stepped_down(why)
+        return state.role is Role.HOST
+
+    def heard(self, candidate: int) -> None:
+        if self.failover is not None:
+            self.failover.heard_from(candidate)
+
+    def holding(self, conn: Connection) -> bool:
+        """Requests wait while the host is suspect (it has not heard from a
+        majority of the candidates for a moment): no write of a minority is
+        served before it steps down. Released when the majority is heard
+        again (at the next check); dropped when it steps down."""
+        state = self.failover
+        if state is None or not state.suspect():
+            return False
+        self._held.add(conn)
+        return True
+
+    def _release(self) -> None:
+        held, self._held = self._held, set()
+        for conn in held:
+            conn.release()
+
+    def term_hello(self, frame: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
+        """The term fields of a hello's answer, and why it is refused: this
+        candidate does not serve, or the client knows a newer term."""
+        state = self.failover
+        if state is None:
+            return {}, None
+        host = self._candidate(state.host)
+        fields: dict[str, Any] = {"term": state.term, "role": state.role.value, "host": host}
+        if not self.serving():
+            return fields, state.refusal(host)
+        known = frame.get("term")
+        if type(known) is int and known > state.term:
+            return fields, f"this host's term {state.term} is older than the client's ({known})"
+        return fields, None
+
+    def term_vote(self, frame: Mapping[str, Any]) -> dict[str, Any]:
+        """Count a candidate's vote for this one (``term``, ``voter``)."""
+        state = self.failover
+        term, voter = frame.get("term"), frame.get("voter")
+        won = False
+        if state is not None and type(term) is int and type(voter) is int:
+            won = state.receive_vote(term, voter)
+        answer: dict[str, Any] = {"v": 1, "t": "vote", "won": won}
+        if state is not None:
+            answer |= {"term": state.term, "role": state.role.value}
+        if won and state is not None and self.on_term is not None:
+            self.on_term(
+                "store_takeover",
+                f"{self._candidate(state.index)} hosts the store from term {state.term}, "
+                f"elected by {state.majority} of {state.count} candidate hosts",
+            )
+        return answer
+
+    def elect_self(self, term: int) -> bool:
+        """This candidate's own agent votes for it (as :meth:`term_vote`)."""
+        assert self.failover is not None
+        return bool(self.term_vote({"term": term, "voter": self.failover.index})["won"])
+
+    def _candidate(self, index: int | None) -> str:
+        if index is None or not 0 <= index < len(self.candidates):
+            return ""
+        return self.candidates[index]
+
+    def _stepped_down(self, why: str) -> None:
+        log.warning("elastrun store: %s", why)
+        self.disconnect_all()
+        if self.on_term is not None:
+            self.on_term("store_stepped_down", why)
+
+    async def _fence_timer(self, state: TermState) -> None:
+        """Check the fence often, requests or not; release held requests
+        once the majority is heard again."""
+        while state.role is not Role.FENCED:
+            await asyncio.sleep(FENCE_CHECK)
+            if state.role is Role.HOST and self.serving() and self._held and not state.suspect():
+                self._release()
+        self._held.clear()
 
 
 def _is_loopback(host: str) -> bool:

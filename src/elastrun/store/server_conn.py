@@ -5,7 +5,10 @@ What a connection may make the server hold is bounded
 
 * Before its hello: one frame of at most ``PRE_HELLO_FRAME`` bytes, within
   ``hello_timeout``. A first frame that is not a valid hello, a wrong or
-  missing token, bytes that are not frames: an error frame, then closed.
+  missing token, bytes that are not frames: an error frame, then closed. A
+  candidate host's store (docs/failover.md) also takes a ``vote`` as first
+  frame (answered, then closed), refuses a hello with ``not_host`` while it
+  does not serve, and holds requests while its server says so.
 * After: frames of at most ``MAX_FRAME``; each frame begun must be complete
   within ``frame_timeout``. The bytes of incomplete frames count against the
   server's ``max_partial_bytes`` for all connections together
@@ -87,6 +90,23 @@ class ConnectionHost(Protocol):
     def poke_reaper(self) -> None:
         """A lease deadline may have moved."""
 
+    def term_hello(self, frame: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
+        """A hello's term fields, and why it is refused (None: it is not)."""
+
+    def term_vote(self, frame: Mapping[str, Any]) -> dict[str, Any]:
+        """The answer to a candidate's vote."""
+
+    def serving(self) -> bool:
+        """Whether requests are served (a candidate host of a failover store
+        stands by or stepped down otherwise)."""
+
+    def heard(self, candidate: int) -> None:
+        """A candidate's connection sent something."""
+
+    def holding(self, conn: Connection) -> bool:
+        """Whether ``conn``'s requests wait (the host does not hear from a
+        majority of the candidates right now); it is then released later."""
+
 
 class Connection(WatchStreams, asyncio.Protocol):
     def __init__(self, server: ConnectionHost) -> None:
@@ -102,6 +122,7 @@ class Connection(WatchStreams, asyncio.Protocol):
         self.lost = False
         self.aborted = False
         self.admitted = False
+        self.candidate: int | None = None  # a candidate host's connection (failover)
         self.watches: dict[int, int] = {}  # client's watch id -> engine watcher id
         # Watches catching up from history (client's id -> engine watcher id).
         self.lagging: dict[int, int] = {}
@@ -169,6 +190,8 @@ class Connection(WatchStreams, asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing:
             return
+        if self.candidate is not None:
+            self.server.heard(self.candidate)
         self.decoder.push(data)
         self._handle_frames()
 
@@ -198,6 +221,11 @@ class Connection(WatchStreams, asyncio.Protocol):
         self._schedule_pump()
 
     # -- input -----------------------------------------------------------------
+    def release(self) -> None:
+        """Handle the frames held while the server was holding requests."""
+        if not self.closing:
+            self._handle_frames()
+
     def _handle_frames(self) -> None:
         taken = self._take_frames()
         self._after_input(taken)
@@ -213,6 +241,8 @@ class Connection(WatchStreams, asyncio.Protocol):
                     self.reading_paused = True
                     self.transport.pause_reading()
                 return taken
+            if self.authenticated and self.server.holding(self):
+                return taken  # the rest waits (in the decoder) until it is released
             try:
                 frame = self.decoder.pop()
             except ProtocolError as exc:
@@ -265,6 +295,12 @@ class Connection(WatchStreams, asyncio.Protocol):
         if not self.authenticated:
             self._handle_hello(frame)
             return
+        if not self.server.serving():
+            if self.closing:  # it stepped down just now: every connection was dropped
+                return
+            fields, refused = self.server.term_hello({})
+            self._close_with("not_host", refused or "not the store's host", fields)
+            return
         try:
             request = codec.decode_request(frame)
         except ProtocolError as exc:
@@ -304,7 +340,7 @@ class Connection(WatchStreams, asyncio.Protocol):
         self._write(data)
 
     def _handle_hello(self, frame: Mapping[str, Any]) -> None:
-        if frame.get("t") != "hello":
+        if frame.get("t") not in ("hello", "vote"):
             self.fail("protocol", "the first frame must be a hello")
             return
         token = frame.get("token")
@@ -327,6 +363,17 @@ class Connection(WatchStreams, asyncio.Protocol):
                     "give every node the same token",
                 )
                 return
+        if frame.get("t") == "vote":  # a candidate's vote: answered, then closed
+            self._close_with_answer(self.server.term_vote(frame))
+            return
+        fields, refused = self.server.term_hello(frame)
+        if refused is not None:
+            self._close_with("not_host", refused, fields)
+            return
+        candidate = frame.get("candidate")
+        if type(candidate) is int and fields:
+            self.candidate = candidate
+            self.server.heard(candidate)
         self.authenticated = True
         self.decoder.max_frame = self.server.max_frame
         self.server.hello_done(self)
@@ -339,6 +386,7 @@ class Connection(WatchStreams, asyncio.Protocol):
                 "t": "hello",
                 "server_id": self.engine.uid,
                 "revision": self.engine.revision,
+                **fields,
             }
         )
 
@@ -385,10 +433,13 @@ class Connection(WatchStreams, asyncio.Protocol):
         self.server.abuse.warn(f"connection {self.peer} {message}")
         self._close_with("busy", message)
 
-    def _close_with(self, code: str, message: str) -> None:
+    def _close_with(self, code: str, message: str, extra: Mapping[str, Any] | None = None) -> None:
+        self._close_with_answer({**codec.encode_error(code, message), **(extra or {})})
+
+    def _close_with_answer(self, answer: Mapping[str, Any]) -> None:
         assert self.transport is not None
         with contextlib.suppress(ProtocolError):
-            self.transport.write(codec.encode_frame(codec.encode_error(code, message)))
+            self.transport.write(codec.encode_frame(answer))
         self.closing = True
         self.decoder.clear()
         self.server.input.forget(self)

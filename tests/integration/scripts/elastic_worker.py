@@ -3,7 +3,7 @@
 Each step: a gloo all-reduce across the world, then rank 0 checkpoints the
 step number atomically. Every step appends one JSON line to
 ``$ELASTIC_TEST_DIR/steps.jsonl`` (rank, world size, step, restart count,
-group rank). Control files in that directory:
+group rank, pid, wall-clock time). Control files in that directory:
   crash_rank_<R>  worker with global rank R exits 1 at its next step (file removed);
                   if the file holds "exception" it raises instead, if it holds a
                   signal name ("SIGSEGV", "SIGKILL"...) it sends itself that signal
@@ -85,6 +85,7 @@ def main() -> None:
                 "group_rank": group_rank,
                 "pid": os.getpid(),
                 "node": os.environ.get("ELASTIC_TEST_NODE", ""),
+                "t": time.time(),  # wall clock: one machine (namespaces share it)
             }
         )
         time.sleep(STEP_SLEEP)

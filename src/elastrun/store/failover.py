@@ -1,0 +1,395 @@
+"""A node's side of the embedded store's failover among candidate hosts:
+find the host, watch it, and when it is lost, vote and find the next one.
+
+The candidates are the c10d ``--rdzv-endpoint`` list, the same on every node
+(docs/failover.md has the design and its safety argument). A node that is a
+candidate runs a store server on its entry (:class:`~.server.StoreServer` with
+a :class:`~.term.TermState`): the first candidate hosts term 1, the others
+stand by. :class:`FailoverClient` is what every node runs:
+
+* :meth:`FailoverClient.connect` finds the host of the highest term among the
+  candidates (retried until a deadline; a candidate that does not answer is
+  reported once, not waited on forever) and connects to it. Every hello
+  carries the newest term this node knows (a host of an older term is
+  refused) and, from a candidate's agent, its index (the host counts whom it
+  hears from: fencing).
+* :meth:`FailoverClient.watch` pings the host every ``heartbeat`` and returns
+  why it is lost: its address refuses connections or it says it stepped down
+  (proof that it serves nobody), or it has not answered for ``silence``.
+* :meth:`FailoverClient.replace` gives the lost host up (the connection is
+  reset: nothing more is sent to it), votes if this node is a candidate (for
+  the first candidate in list order that answers, the lost host excepted: at
+  once on proof, else :attr:`~.term.FailoverTiming.vote_after` after giving
+  the host up; again for the next term after as long without a winner), and
+  connects to the host of a newer term as soon as one serves, within
+  ``failover_timeout``; else :class:`~elastrun.errors.HostLost` names why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastrun.clock import SYSTEM_CLOCK, Clock
+from elastrun.endpoint import Endpoint, format_endpoints
+from elastrun.errors import (
+    AuthenticationError,
+    HostLost,
+    NotHost,
+    ProtocolError,
+    StoreUnavailable,
+)
+from elastrun.events import EventSink, NullSink
+from elastrun.store import codec
+from elastrun.store.client import TcpStore
+from elastrun.store.client_conn import close_writer, open_conn
+from elastrun.store.server import StoreServer
+from elastrun.store.term import Ballot, FailoverTiming
+
+__all__ = ["Answer", "Candidates", "FailoverClient", "Lost", "Probe", "probe", "send_vote"]
+
+PROBE_TIMEOUT = 0.5  # one candidate's answer to a probe or a vote (looked at again after)
+# Between two looks at the candidates while no host serves: from POLL, half
+# as long again each time up to MAX_POLL, with jitter (many nodes looking at
+# once spread out).
+POLL = 0.2
+MAX_POLL = 1.0
+UNREACHABLE_NOTICE = 10.0  # a candidate silent this long at start is reported
+RECHECK = 0.2  # after an unanswered ping or a probe without proof: the next look
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """The store's candidate hosts, and which of them this node is (None: none)."""
+
+    endpoints: tuple[Endpoint, ...]
+    me: int | None = None
+
+    def __str__(self) -> str:
+        return format_endpoints(self.endpoints)
+
+    @property
+    def majority(self) -> int:
+        return len(self.endpoints) // 2 + 1
+
+
+class Answer(enum.Enum):
+    HOST = "host"  # serves the store
+    STANDBY = "standby"
+    FENCED = "fenced"  # stepped down
+    REFUSED = "refused"  # nothing listens there: no store is served there
+    SILENT = "silent"  # no answer in time (down, cut off, or still starting)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One candidate's answer: what it is and the newest term it knows."""
+
+    index: int
+    answer: Answer
+    term: int = 0
+    detail: str = ""
+
+    @property
+    def proof(self) -> bool:
+        """Whether it proves that this candidate serves no term any more."""
+        return self.answer in (Answer.REFUSED, Answer.FENCED)
+
+
+@dataclass(frozen=True)
+class Lost:
+    """Why this node gave its host up; ``proof``: the host serves nobody."""
+
+    cause: str
+    proof: bool
+    fenced: bool = False  # the host said it stepped down (it was cut off, not dead)
+
+    @property
+    def kill_workers(self) -> bool:
+        """Whether this node's workers must die at once: unless the host is
+        proven dead (its address refuses), the host may have been cut off
+        with a minority, and a new group forms within the voters' wait."""
+        return self.fenced or not self.proof
+
+
+async def probe(
+    candidates: Candidates, index: int, token: str | None, timeout: float = PROBE_TIMEOUT
+) -> Probe:
+    """Say hello to candidate ``index`` (not counted as hearing from it) and
+    close: what it answered within ``timeout``."""
+    host, port = candidates.endpoints[index]
+    try:
+        conn, _ = await open_conn(host, port, token, timeout, {"term": 0})
+    except NotHost as exc:
+        answer = Answer.FENCED if exc.role == "fenced" else Answer.STANDBY
+        return Probe(index, answer, exc.term, str(exc))
+    except (AuthenticationError, ProtocolError) as exc:  # a wrong token, or not a store of ours
+        return Probe(index, Answer.SILENT, detail=str(exc)[:200])
+    except ConnectionRefusedError:
+        return Probe(index, Answer.REFUSED, detail="connection refused")
+    except (OSError, TimeoutError, StoreUnavailable) as exc:
+        return Probe(index, Answer.SILENT, detail=f"{type(exc).__name__}: {exc}"[:200])
+    close_writer(conn.writer)
+    return Probe(index, Answer.HOST, conn.term)
+
+
+async def send_vote(
+    candidates: Candidates, target: int, term: int, voter: int, token: str | None
+) -> bool:
+    """Vote for candidate ``target`` in ``term``; whether it was counted
+    (False: not reached, or it did not take the vote)."""
+    host, port = candidates.endpoints[target]
+    try:
+        async with asyncio.timeout(PROBE_TIMEOUT):
+            reader, writer = await asyncio.open_connection(host, port)
+            try:
+                frame = {"v": 1, "t": "vote", "token": token, "term": term, "voter": voter}
+                writer.write(codec.encode_frame(frame))
+                await writer.drain()
+                decoder = codec.FrameDecoder(4096)
+                while (reply := decoder.pop()) is None:
+                    data = await reader.read(4096)
+                    if not data:
+                        return False
+                    decoder.push(data)
+            finally:
+                close_writer(writer)
+    except (OSError, TimeoutError, ProtocolError):
+        return False
+    return reply.get("t") == "vote"
+
+
+@dataclass
+class FailoverClient:
+    """One node's view of the store's candidate hosts (see module doc)."""
+
+    candidates: Candidates
+    token: str | None = None
+    server: StoreServer | None = None  # this node's candidate server, if it is one
+    timing: FailoverTiming = field(default_factory=FailoverTiming)
+    request_timeout: float = 60.0
+    failover_timeout: float = 60.0
+    events: EventSink = field(default_factory=NullSink)
+    say: Callable[[str], None] | None = None  # one line on the console (procs.say)
+    clock: Clock = SYSTEM_CLOCK
+    term: int = 0  # the term of the host this node follows
+    host: int | None = None  # that host's index
+    store: TcpStore | None = None
+    ballot: Ballot = field(default_factory=Ballot)
+
+    # -- finding the host ------------------------------------------------------
+    def address(self, index: int | None) -> str:
+        return "" if index is None else str(self.candidates.endpoints[index])
+
+    async def look(self) -> list[Probe]:
+        """Every candidate's answer (asked at once)."""
+        count = len(self.candidates.endpoints)
+        return list(
+            await asyncio.gather(*(probe(self.candidates, i, self.token) for i in range(count)))
+        )
+
+    async def connect(self, timeout: float, min_term: int = 1) -> TcpStore:
+        """Connect to the host of the highest term (at least ``min_term``),
+        looking until ``timeout``; candidates that stay silent are reported
+        once. Raises HostLost when none serves in time."""
+        deadline = self.clock.monotonic() + timeout
+        noticed = self.clock.monotonic() + UNREACHABLE_NOTICE
+        seen: list[Probe] = []
+        poll = _Poll()
+        while True:
+            seen = await self.look()
+            hosts = [p for p in seen if p.answer is Answer.HOST and p.term >= min_term]
+            for best in sorted(hosts, key=lambda p: -p.term):
+                with contextlib.suppress(StoreUnavailable):
+                    return await self._open(best.index, best.term)
+            now = self.clock.monotonic()
+            if now >= noticed and self.say is not None:
+                noticed = deadline
+                self.say(
+                    f"elastrun: waiting for the store's host among {self.candidates}: "
+                    + "; ".join(_line(self, p) for p in seen)
+                )
+            if now >= deadline:
+                raise HostLost(
+                    f"no candidate host of the store serves term {min_term} or later "
+                    f"after {timeout:.0f} s: " + "; ".join(_line(self, p) for p in seen)
+                )
+            await asyncio.sleep(poll.next())
+
+    async def _open(self, index: int, term: int) -> TcpStore:
+        host, port = self.candidates.endpoints[index]
+        hello: dict[str, Any] = {"term": term}
+        if self.candidates.me is not None:
+            hello["candidate"] = self.candidates.me
+        store = await TcpStore.connect(
+            host,
+            port,
+            token=self.token,
+            timeout=PROBE_TIMEOUT,
+            request_timeout=self.request_timeout,
+            refused_timeout=self.timing.heartbeat,
+            hello=hello,
+        )
+        store.connect_timeout = self.request_timeout
+        self.store, self.term, self.host = store, store.term, index
+        if self.server is not None and self.server.failover is not None:
+            self.server.failover.learn(store.term, index)
+        return store
+
+    # -- watching it -------------------------------------------------------------
+    async def watch(self) -> Lost:
+        """Ping the host every ``heartbeat``; return why it is lost: at once
+        on proof, else once it has not answered for ``silence``."""
+        store = self.store
+        assert store is not None
+        timing = self.timing
+        answered = True
+        while True:
+            if answered:
+                # A dropped connection is looked at at once (a killed host's
+                # kernel resets it), else the host is pinged every heartbeat.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(store.dropped.wait(), timing.heartbeat)
+            # Right after a failure the host is looked at again soon: a host
+            # killed a moment ago may still hold its listening socket, and a
+            # probe then is reset rather than refused.
+            wait = timing.heartbeat if answered else RECHECK
+            answered = not store.dropped.is_set() and await _pinged(store, wait)
+            if answered:
+                continue
+            store.dropped.clear()
+            left = store.last_heard + timing.silence - self.clock.monotonic()
+            lost = await self._probe_host(max(0.05, min(PROBE_TIMEOUT, left)))
+            if lost is not None:
+                return lost
+            silent = self.clock.monotonic() - store.last_heard
+            if silent >= timing.silence:
+                where = self.address(self.host)
+                return Lost(f"its host {where} has not answered for {silent:.1f} s", False)
+
+    async def _probe_host(self, timeout: float) -> Lost | None:
+        """Proof that the host of this term is gone, from its address."""
+        if self.host is None:
+            return None
+        seen = await probe(self.candidates, self.host, self.token, timeout)
+        where = f"its host {self.address(self.host)}"
+        if seen.proof:
+            return Lost(f"{where}: {seen.detail}", True, seen.answer is Answer.FENCED)
+        # Only one process listens there: a standby, or a host of another
+        # term, proves that the host of this term is gone.
+        if seen.answer is Answer.STANDBY or (seen.answer is Answer.HOST and seen.term != self.term):
+            return Lost(f"{where} no longer hosts term {self.term}", True)
+        return None
+
+    # -- replacing it ------------------------------------------------------------
+    async def replace(self, lost: Lost) -> TcpStore:
+        """Give the lost host up, vote (a candidate), and connect to the host
+        of a newer term (see module doc). Raises HostLost naming why."""
+        old_term, old_host = self.term, self.host
+        if self.store is not None:
+            self.store.abort()  # nothing more is sent to the old host
+        self.events.emit(
+            "store_host_lost", term=old_term, host=self.address(old_host), cause=lost.cause
+        )
+        now = self.clock.monotonic()
+        deadline = now + self.failover_timeout
+        vote_at = now if lost.proof else now + self.timing.vote_after
+        term = old_term + 1
+        seen: list[Probe] = []
+        poll = _Poll()
+        while self.clock.monotonic() < deadline:
+            seen = await self.look()
+            newer = [p for p in seen if p.answer is Answer.HOST and p.term > old_term]
+            if not lost.proof and not any(t > old_term for t in self.ballot.cast):
+                # Given up on silence but voted for no newer term: the old
+                # host, still serving its term (this node was cut off), will do.
+                newer += [p for p in seen if p.index == old_host and p.answer is Answer.HOST]
+            for best in sorted(newer, key=lambda p: -p.term):
+                with contextlib.suppress(StoreUnavailable, AuthenticationError, ProtocolError):
+                    store = await self._open(best.index, best.term)
+                    self.events.emit(
+                        "store_host_found",
+                        term=store.term,
+                        host=self.address(best.index),
+                        previous_term=old_term,
+                        previous_host=self.address(old_host),
+                    )
+                    return store
+            now = self.clock.monotonic()
+            voting = self.candidates.me is not None and now >= vote_at
+            if voting and await self._vote(seen, term, old_host):
+                vote_at = now + self.timing.vote_after
+                term += 1
+                poll = _Poll()  # a host is expected soon: look often again
+            await asyncio.sleep(min(poll.next(), max(0.0, vote_at - self.clock.monotonic())))
+        raise HostLost(self._why_lost(lost, seen, old_host))
+
+    async def _vote(self, seen: list[Probe], term: int, old_host: int | None) -> bool:
+        """Vote in ``term`` for the first candidate that answers as a
+        standby, the old host excepted; whether a vote was cast."""
+        me = self.candidates.me
+        assert me is not None
+        for p in seen:
+            if p.index == old_host or p.answer is not Answer.STANDBY:
+                continue
+            if not self.ballot.vote(term, p.index):
+                return False
+            self.events.emit("store_vote", term=term, candidate=self.address(p.index))
+            if p.index == me and self.server is not None:
+                self.server.elect_self(term)
+            else:
+                await send_vote(self.candidates, p.index, term, me, self.token)
+            return True
+        return False
+
+    def _why_lost(self, lost: Lost, seen: list[Probe], old_host: int | None) -> str:
+        answers = "; ".join(_line(self, p) for p in seen)
+        return (
+            f"lost the store's host {self.address(old_host)} (term {self.term}: "
+            f"{lost.cause}) and no candidate took over within {self.failover_timeout:.0f} s "
+            f"(--rdzv-conf failover_timeout); a new host needs the votes of a majority "
+            f"({self.candidates.majority} of {len(self.candidates.endpoints)}) of the "
+            f"candidate hosts: {answers}"
+        )
+
+
+class _Poll:
+    """The waits between looks (see POLL)."""
+
+    def __init__(self) -> None:
+        self.delay = POLL
+
+    def next(self) -> float:
+        wait = self.delay * random.uniform(0.75, 1.25)
+        self.delay = min(MAX_POLL, self.delay * 1.5)
+        return wait
+
+
+async def _pinged(store: TcpStore, timeout: float) -> bool:
+    """Whether the store answered a ping within ``timeout``; False at once
+    when the connection drops meanwhile (the ping would retry until then)."""
+    ping = asyncio.ensure_future(store.ping(timeout=timeout))
+    dropped = asyncio.ensure_future(store.dropped.wait())
+    try:
+        await asyncio.wait({ping, dropped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (ping, dropped):
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+    return ping.done() and not ping.cancelled() and ping.exception() is None
+
+
+def _line(client: FailoverClient, p: Probe) -> str:
+    where = client.address(p.index)
+    if p.answer is Answer.HOST:
+        return f"{where} hosts term {p.term}"
+    if p.answer is Answer.STANDBY:
+        return f"{where} stands by (term {p.term})"
+    return f"{where} {p.answer.value}" + (f" ({p.detail})" if p.detail else "")

@@ -1,0 +1,236 @@
+"""A seeded, bounded random series of faults against a job whose store has
+three candidate hosts (docs/failover.md), checked from the agents' event logs.
+
+Four nodes in network namespaces: n1, n2, n3 are the candidates, n4 is not;
+``--nnodes=1:4``, so one node alone could train (only the fencing keeps a
+cut-off host from doing so). Each fault picks, with the seeded generator, a
+kind (SIGKILL of the agent's process group, or a cut healed a few seconds
+later) and a target by role (the current host, a standby, the node that is
+no candidate); after each the job must train again, and a killed node is
+started again, so that a majority of the candidates is up for the next one.
+So the series holds kills and cuts of the host, of a standby, and of both in
+sequence, and heals.
+
+The checker reads every node's event log (which workers each round started,
+with what restart count) and the workers' step log (each step's rank, pid
+and wall-clock time; the namespaces share one clock) and asserts:
+
+* at most one training generation at any moment: the steps of two
+  generations (a round's workers, told apart by round and master) never
+  interleave in time;
+* restart counts and checkpoint steps never go backwards;
+* no worker is left behind, nothing left in the namespaces;
+* every agent not killed by the test exits 0, or 1 with a line naming why
+  (never a traceback).
+
+``ELASTRUN_FAILOVER_SEED`` replays a series; ``ELASTRUN_FAILOVER_FAULTS``
+sets its length (default 4).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.faults.netns import Network
+from tests.faults.test_failover_faults import failover_flags
+from tests.faults.test_faults import (
+    agent_traceback,
+    assert_namespaces_empty,
+    assert_no_workers,
+    check_progress,
+    diag,
+    netns,
+    start_in,
+    wait_exit,
+    wait_steps,
+)
+from tests.integration.elastic_harness import Agent, Job, job
+
+__all__ = ["netns"]  # the fixture, used by name
+
+CANDIDATES = ("n1", "n2", "n3")
+NODES = (*CANDIDATES, "n4")
+FAILOVER_TIMEOUT = 60
+RECOVERY = 90.0  # training again after one fault (a takeover, a restart, torch in gloo)
+STEPS = 3  # steps that show the job trains again
+
+
+@dataclass(frozen=True)
+class Generation:
+    round: int
+    master: str
+    restart_count: int
+    first: float  # wall-clock time of its first and last step
+    last: float
+
+
+def read_events(j: Job) -> list[dict[str, Any]]:
+    out = []
+    for path in sorted(j.dir.glob("events-*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                event = json.loads(line)
+                event["file"] = path.stem.removeprefix("events-")
+                out.append(event)
+    return out
+
+
+def current_host(j: Job) -> str | None:
+    """The node whose store took over last (the highest term)."""
+    took = [e for e in read_events(j) if e["kind"] == "store_takeover"]
+    return str(max(took, key=lambda e: e["term"])["file"]) if took else None
+
+
+def generations(j: Job) -> list[Generation]:
+    """Every round's workers that stepped, from the events and the step log."""
+    started = {}
+    for e in read_events(j):
+        if e["kind"] == "workers_started":
+            for pid in e["pids"]:
+                started[pid] = (e["round"], e["master"], e["restart_count"])
+    spans: dict[tuple[int, str, int], list[float]] = {}
+    for step in j.steps():
+        key = started.get(step["pid"])
+        assert key is not None, f"a step of a worker no agent started: {step}"
+        spans.setdefault(key, []).append(step["t"])
+    gens = [Generation(r, m, c, min(ts), max(ts)) for (r, m, c), ts in spans.items()]
+    return sorted(gens, key=lambda g: g.first)
+
+
+def check_invariants(j: Job, killed: set[int]) -> None:
+    gens = generations(j)
+    for before, after in itertools.pairwise(gens):
+        assert after.first > before.last, (
+            f"two generations trained at once: {before} and {after}\n{diag(j)}"
+        )
+        assert after.restart_count >= before.restart_count, (before, after)
+        assert after.round >= before.round, (before, after)  # never backwards
+    check_progress(j, min_steps=1)
+    assert_no_workers(j, bound=15.0)
+    for agent in j.agents:
+        if agent.proc.pid in killed:
+            continue
+        code = agent.proc.poll()
+        out = agent.output()
+        assert agent_traceback(agent) is None, out[-3000:]
+        assert code == 0 or (code == 1 and "elastrun: error:" in out), (
+            f"agent {agent.name} exited {code} without saying why:\n{out[-3000:]}"
+        )
+
+
+class Series:
+    """The job, its nodes, and the faults done to them."""
+
+    def __init__(self, j: Job, net: Network, rng: random.Random) -> None:
+        self.j, self.net, self.rng = j, net, rng
+        self.agents: dict[str, Agent] = {}
+        self.killed: set[int] = set()  # pids of the agents the test killed
+        self.log: list[str] = []
+
+    def start(self, node: str) -> None:
+        flags = failover_flags(
+            self.net, node, nnodes="1:4", failover_timeout=FAILOVER_TIMEOUT, candidates=CANDIDATES
+        )
+        self.agents[node] = start_in(self.j, self.net, node, node, flags)
+
+    def trains(self, what: str, world: int | None = None) -> None:
+        mark = len(self.j.steps())
+
+        def ok(s: dict[str, Any]) -> bool:
+            return world is None or s["world"] == world
+
+        wait_steps(self.j, ok, what, after=mark, count=STEPS)
+
+    def fault(self, number: int) -> None:
+        host = current_host(self.j)
+        roles = {"host": host, "standby": None, "other": "n4"}
+        standbys = [n for n in CANDIDATES if n != host]
+        roles["standby"] = self.rng.choice(standbys)
+        role = self.rng.choice(sorted(roles))
+        node = roles[role]
+        assert node is not None
+        kind = self.rng.choice(["kill", "cut"])
+        self.log.append(f"{number}: {kind} {role} {node}")
+        print(self.log[-1], flush=True)
+        agent = self.agents[node]
+        if kind == "kill":
+            agent.kill_group(signal.SIGKILL)
+            self.killed.add(agent.proc.pid)
+            agent.proc.wait(30)
+            self.trains(f"training after fault {self.log[-1]}")
+            self.start(node)  # back, as a restarted pod would be
+            self.trains(f"{node} back after {self.log[-1]}", world=len(NODES))
+        else:
+            self.net.cut(node)
+            self.trains(f"training after fault {self.log[-1]}")
+            time.sleep(self.rng.uniform(0.0, 3.0))  # how long it stays cut: random
+            self.net.heal(node)
+            self.trains(f"{node} back after heal of {self.log[-1]}", world=len(NODES))
+
+
+def test_random_kills_and_cuts_of_hosts_and_standbys(
+    tmp_path: Path, netns: Callable[[list[str]], Network]
+) -> None:
+    seed = int(os.environ.get("ELASTRUN_FAILOVER_SEED", str(random.randrange(1 << 30))))
+    count = int(os.environ.get("ELASTRUN_FAILOVER_FAULTS", "4"))
+    print(f"failover series: seed {seed}, {count} faults (ELASTRUN_FAILOVER_SEED={seed})")
+    net = netns(list(NODES))
+    with job(tmp_path) as j:
+        series = Series(j, net, random.Random(seed))
+        for node in NODES:
+            series.start(node)
+        wait_steps(j, lambda s: s["world"] == len(NODES), "training at world 4", count=4)
+        try:
+            for number in range(1, count + 1):
+                series.fault(number)
+        except AssertionError as exc:
+            raise AssertionError(f"seed {seed}, faults {series.log}: {exc}") from None
+        j.touch("finish")
+        for agent in series.agents.values():
+            assert wait_exit(j, agent) == 0, f"seed {seed}: {series.log}\n{diag(j)}"
+        check_invariants(j, series.killed)
+    assert_namespaces_empty(net)
+
+
+def test_the_checker_sees_two_generations_training_at_once(tmp_path: Path) -> None:
+    """The checker itself, on logs where a cut-off host's group (round 3,
+    master n1) still steps while the new host's group (round 3, master n2)
+    does: it must fail. Then the same logs in order must pass."""
+    j = Job(tmp_path)
+    gone = 2**22 + 12345  # pids of no process
+    started = [
+        {"kind": "workers_started", "round": 2, "master": "n1:1", "restart_count": 0,
+         "pids": [gone]},
+        {"kind": "workers_started", "round": 3, "master": "n1:1", "restart_count": 0,
+         "pids": [gone + 1]},
+        {"kind": "workers_started", "round": 3, "master": "n2:1", "restart_count": 0,
+         "pids": [gone + 2]},
+    ]  # fmt: skip
+    (tmp_path / "events-n1.jsonl").write_text("".join(json.dumps(e) + "\n" for e in started))
+
+    def steps(times: list[tuple[int, int, float]]) -> None:
+        lines = [
+            {"rank": 0, "world": 1, "step": step, "restart": 0, "group_rank": 0, "pid": pid, "t": t}
+            for pid, step, t in times
+        ]
+        (tmp_path / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in lines))
+        (tmp_path / "ckpt.json").write_text(json.dumps({"step": times[-1][1]}))
+
+    steps([(gone, 1, 1.0), (gone + 1, 2, 2.0), (gone + 2, 3, 2.5), (gone + 1, 4, 3.0)])
+    try:
+        check_invariants(j, set())
+    except AssertionError as exc:
+        assert "two generations trained at once" in str(exc)
+    else:
+        raise AssertionError("the checker missed two generations training at once")
+    steps([(gone, 1, 1.0), (gone + 1, 2, 2.0), (gone + 2, 3, 2.5), (gone + 2, 4, 3.0)])
+    check_invariants(j, set())

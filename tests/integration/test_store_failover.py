@@ -1,0 +1,164 @@
+"""The job outlives its store's host: three candidate hosts, the host's agent
+SIGKILLed, the survivors train again (docs/failover.md).
+
+Three agents on one machine, told apart by loopback addresses
+(``--local-addr`` 127.0.0.1/.2/.3), each a candidate host of
+``--rdzv-endpoint 127.0.0.1:P,127.0.0.2:P,127.0.0.3:P``. The first hosts the
+store (term 1). A worker crash first spends one restart (so the count has
+something to carry). Then the host's agent is SIGKILLed with its workers:
+the two others vote, the second candidate takes over (term 2), and they
+train again at world 2 under the same run id, with the restart count carried
+(not reset, and the node loss not charged), from the checkpoint. The lease
+TTL and ``read_timeout`` are an hour: whatever the survivors did within the
+test's bounded wait, they did by the failover.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from tests.helpers import free_port, pid_alive, wait_for
+from tests.integration.elastic_harness import BOUND, ELASTRUN, Job, job, steps_after
+
+HOUR = 3600
+
+
+def flags(port: int, me: int, events: Path, *, nnodes: str = "2:3", timeout: int = 60) -> list[str]:
+    return [
+        f"--nnodes={nnodes}",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port},127.0.0.2:{port},127.0.0.3:{port}",
+        f"--local-addr=127.0.0.{me}",
+        "--rdzv-id=failover-job",
+        "--max-restarts=3",
+        f"--rdzv-conf=last_call_timeout=1,lease_ttl={HOUR},join_timeout=120,"
+        f"read_timeout={HOUR},failover_timeout={timeout}",
+        "--shutdown-timeout=5",
+        f"--events-file={events}",
+    ]
+
+
+def status(port: int) -> dict[str, Any]:
+    """``elastrun status --json`` with the candidate list, as an operator runs it."""
+    endpoint = f"127.0.0.1:{port},127.0.0.2:{port},127.0.0.3:{port}"
+    proc = subprocess.run(
+        [*ELASTRUN, "status", "--rdzv-endpoint", endpoint, "--rdzv-id", "failover-job", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result: dict[str, Any] = json.loads(proc.stdout)
+    return result
+
+
+def events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def start_three(j: Job, tmp_path: Path, port: int) -> list[Any]:
+    agents = []
+    for me in (1, 2, 3):
+        agents.append(j.start_agent(f"n{me}", flags(port, me, tmp_path / f"ev{me}.jsonl")))
+    wait_for(lambda: any(s["world"] == 3 for s in j.steps()), BOUND, "training at world 3")
+    return agents
+
+
+def test_survivors_train_at_world_2_after_the_store_host_is_killed(tmp_path: Path) -> None:
+    port = free_port()
+    with job(tmp_path) as j:
+        a, b, c = start_three(j, tmp_path, port)
+        assert "hosts the store (term 1)" in a.output(), a.output()[-3000:]
+        assert "stands by" in b.output() and "stands by" in c.output()
+
+        # One restart spent before the loss: the count the survivors carry.
+        mark = len(j.steps())
+        j.touch("crash_rank_1")
+        wait_for(
+            lambda: steps_after(j, mark, lambda s: s["restart"] == 1 and s["world"] == 3),
+            BOUND,
+            "training at world 3 after the crash",
+        )
+        host_pids = {s["pid"] for s in j.steps() if s["group_rank"] == 0 and s["restart"] == 1}
+        before = status(port)
+        assert before["store_hosts"]["host"] == f"127.0.0.1:{port}"
+        assert before["store_hosts"]["term"] == 1
+        assert len(before["store_hosts"]["standbys"]) == 2
+        step_before = max(s["step"] for s in j.steps())
+
+        mark = len(j.steps())
+        a.kill_group()
+        wait_for(
+            lambda: steps_after(j, mark, lambda s: s["world"] == 2),
+            BOUND,
+            "training at world 2 after the store's host was killed",
+        )
+        after = steps_after(j, mark, lambda s: s["world"] == 2)
+        # Same job, restart count carried: not reset to 0, the loss not charged.
+        assert {s["restart"] for s in after} == {1}, after
+        # Resumed from the checkpoint: no step before the one the job had reached.
+        assert min(s["step"] for s in after) >= step_before - 1
+        assert not any(pid_alive(p) for p in host_pids), "the killed host's workers survived"
+        for agent in (b, c):
+            out = agent.output()
+            assert "lost the store's host 127.0.0.1" in out, out[-3000:]
+            assert "the store's host is now 127.0.0.2" in out, out[-3000:]
+        took = [e for e in events(tmp_path / "ev2.jsonl") if e["kind"] == "store_takeover"]
+        assert took and took[-1]["term"] == 2, took
+        run_ids = {e["run_id"] for n in (2, 3) for e in events(tmp_path / f"ev{n}.jsonl")}
+        assert run_ids == {"failover-job"}
+        after_ = status(port)  # the same command finds the job at its new host
+        assert after_["store_hosts"]["host"] == f"127.0.0.2:{port}"
+        assert after_["store_hosts"]["term"] == 2
+        assert after_["store_hosts"]["others"] == [f"127.0.0.1:{port} (refused)"]
+        assert after_["restarts"] == 1 and after_["world_size"] == 2
+
+        j.touch("finish")
+        for agent in (b, c):
+            assert agent.wait(BOUND) == 0, agent.output()[-3000:]
+        assert not any(pid_alive(s["pid"]) for s in j.steps())
+
+
+def test_a_node_with_another_candidate_list_is_refused_naming_it(tmp_path: Path) -> None:
+    port = free_port()
+    with job(tmp_path) as j:
+        a = j.start_agent("n1", flags(port, 1, tmp_path / "ev1.jsonl", nnodes="2:3"))
+        wait_for(lambda: "hosts the store (term 1)" in a.output(), BOUND, "n1 hosting the store")
+        other = flags(port, 2, tmp_path / "ev2.jsonl", nnodes="2:3")
+        reordered = f"--rdzv-endpoint=127.0.0.1:{port},127.0.0.3:{port},127.0.0.2:{port}"
+        other = [reordered if f.startswith("--rdzv-endpoint=") else f for f in other]
+        b = j.start_agent("n2", other)
+        assert b.wait(BOUND) != 0
+        out = b.output()
+        assert "candidates: job has" in out, out[-3000:]
+        assert "Traceback" not in out
+
+
+def test_a_candidate_that_never_answers_at_start_is_reported_and_not_waited_for_forever(
+    tmp_path: Path,
+) -> None:
+    """Nothing listens at the first candidate (whose agent never starts) and the second
+    stands by: the node reports which candidate answered what, and gives up at the join
+    timeout (here 12 s) naming them."""
+    port = free_port()
+    with job(tmp_path) as j:
+        argv = flags(port, 2, tmp_path / "ev2.jsonl", nnodes="2:3")
+        argv = [
+            f.replace("join_timeout=120", "join_timeout=12") if f.startswith("--rdzv-conf=") else f
+            for f in argv
+        ]
+        b = j.start_agent("n2", argv)
+        assert b.wait(BOUND) != 0
+        out = b.output()
+        assert "waiting for the store's host among" in out, out[-3000:]
+        assert f"127.0.0.1:{port} refused" in out, out[-3000:]
+        assert f"127.0.0.2:{port} stands by" in out, out[-3000:]
+        assert "no candidate host of the store serves term 1" in out, out[-3000:]
+        assert "Traceback" not in out
