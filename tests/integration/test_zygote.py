@@ -66,7 +66,13 @@ def _pool(
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTRUN_")}
+    # Lightning sets PYTORCH_NVML_BASED_CUDA_CHECK in the process that imports
+    # it (another test, in this test process): not a worker's.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("ELASTRUN_") and k != "PYTORCH_NVML_BASED_CUDA_CHECK"
+    }
     env.update({"RANK": "0", **extra})
     return env
 
