@@ -58,8 +58,11 @@ from elastrun.agent import hang_group, warm
 from elastrun.agent.children import Reaper
 from elastrun.agent.env import check_round
 from elastrun.agent.failures import (
+    ROOT_CAUSE,
+    SETTLE_TIMEOUT,
     change_line,
     classify,
+    elsewhere,
     failure_record,
     format_summary,
     restart_line,
@@ -300,7 +303,9 @@ class Agent:
                     if code is not None:
                         return code
                 case Change():
-                    await self._on_change(group, ended, result)
+                    code = await self._on_change(group, ended, result)
+                    if code is not None:
+                        return code
 
     async def _next_round(self) -> RoundResult:
         for feature in self.features:
@@ -360,10 +365,20 @@ class Agent:
         self.events.emit("job_finished", exit_code=0, reason="workers_succeeded")
         return 0
 
-    async def _on_change(self, group: WorkerGroup, change: Change, result: RoundResult) -> None:
-        say(printable(change_line(change, result)))  # the detail is another node's
+    async def _on_change(
+        self, group: WorkerGroup, change: Change, result: RoundResult
+    ) -> int | None:
+        own = group.failed  # this node's ranks failed too (a race with another node's)
+        if not own:
+            say(printable(change_line(change, result)))  # the detail is another node's
         await group.changed(change)
         await self._stop_group(signal.SIGTERM)
+        if own and change.counts_as_restart:
+            # Reported as this node's failure: the job's root cause is the
+            # first of the failures the nodes report (its own, or another's).
+            return await self._report(group, result, None)
+        if own:
+            say(printable(change_line(change, result)))
         self._stops.raise_pending()
         self.events.emit(
             "restart",
@@ -373,6 +388,7 @@ class Agent:
             counted=change.counts_as_restart,
             round=result.round,
         )
+        return None
 
     async def _request_restart(self, record: FailureRecord) -> RestartBudgetExhausted | None:
         try:
@@ -381,10 +397,26 @@ class Agent:
             return e
         return None
 
+    async def _job_failure(self, result: RoundResult, record: FailureRecord) -> FailureRecord:
+        """The job's root cause, once the other members reported theirs:
+        another node's failure may have come first (its crash broke these
+        ranks' collective), and the first is the job's root cause."""
+        job = await self._stops.first(self.rendezvous.job_failure(record, SETTLE_TIMEOUT))
+        if job is not record:
+            self.events.emit(
+                "root_cause_elsewhere",
+                round=result.round,
+                attempt=self._attempt,
+                failure=job.to_json(),
+                node_failure=record.to_json(),
+            )
+        return job
+
     async def _on_failure(self, group: WorkerGroup, result: RoundResult) -> int | None:
         declared = group.declared_alive()
         host = self.spec.host
         report = ""
+        exhausted: RestartBudgetExhausted | None = None
         if declared:
             # A rank declared failed while it runs (a hang): tell the other
             # nodes before stopping it, so that theirs still wait for it while
@@ -392,11 +424,29 @@ class Agent:
             exhausted = await self._request_restart(failure_record(classify(declared), host))
             report = await self._stops.first(group.report())
         await self._stop_group(signal.SIGTERM)
+        return await self._report(group, result, (exhausted, report) if declared else None)
+
+    async def _report(
+        self,
+        group: WorkerGroup,
+        result: RoundResult,
+        reported: tuple[RestartBudgetExhausted | None, str] | None,
+    ) -> int | None:
+        """Once this node's workers stopped: report their failure (unless
+        ``reported``: what requesting the restart gave, and the features'
+        report), print the summary. Returns the agent's exit code when the
+        job failed."""
         failures = classify(group.failures())
-        record = failure_record(failures, host)
-        if not declared:
+        record = failure_record(failures, self.spec.host)
+        if reported is None:
             exhausted = await self._request_restart(record)
             report = await self._stops.first(group.report())
+        else:
+            exhausted, report = reported
+        job = record if exhausted is not None else await self._job_failure(result, record)
+        peer = None if job is record else job
+        if peer is not None:
+            failures = elsewhere(failures)
         if exhausted is not None:
             header = (
                 f"elastrun: job failed: workers failed and no restarts are left "
@@ -407,13 +457,15 @@ class Agent:
                 "job_failed", exit_code=1, reason="restarts_exhausted", failure=record.to_json()
             )
             return 1
-        say(with_report(format_summary(failures, summary_title(result)), report))
+        summary = format_summary(failures, summary_title(result), peer=peer)
+        say(with_report(summary, report))
         # With no restarts left, the rendezvous decides when the next round
         # closes: the job fails unless a node was lost (then this failure is
         # collateral, not counted).
         spent = result.restart_count >= result.max_restarts
         if not spent:
-            say(restart_line(result, failures, record))
+            known = peer is not None or any(f.role == ROOT_CAUSE for f in failures)
+            say(restart_line(result, job if known else None))
         self._stops.raise_pending()
         if spent:
             return None
@@ -423,7 +475,7 @@ class Agent:
             reason="worker_failed",
             counted=True,
             round=result.round,
-            failure=record.to_json(),
+            failure=job.to_json(),
         )
         return None
 

@@ -65,6 +65,10 @@ class Worker:
     # is the agent's doing, never a root cause (failures.roles).
     agent_signals: set[int] = field(default_factory=set)
     declared: Declared | None = None
+    # When its runner said the script failed (an uncaught exception, a
+    # non-zero exit: the Failing message), by the agent's clocks: its failure
+    # time, as its exit may come a while later (the interpreter's teardown).
+    failing: tuple[float, float] | None = None  # monotonic, wall
     warm: bool = False  # forked by a feature (a warm start), not spawned
     pumps: list[LinePump] = field(default_factory=list)
     pump_tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -170,10 +174,19 @@ class Worker:
                         pipe.close()
 
     # ------------------------------------------------------------ its end
+    def failed_at(self) -> tuple[float | None, float | None]:
+        """When it failed (monotonic, wall): declared, else when its runner
+        said so (for a non-zero exit), else its exit."""
+        if self.declared is not None:
+            return self.declared.monotonic, self.declared.wall
+        if self.failing is not None and self.returncode not in (None, 0):
+            return self.failing
+        return self.exit_monotonic, self.exit_wall
+
     def ending(self, now: float) -> Ending:
         """As the root-cause rule sees it."""
         declared = self.declared
-        at = declared.monotonic if declared is not None else self.exit_monotonic
+        at = self.failed_at()[0]
         return Ending(
             self.returncode,
             now if at is None else at,
@@ -198,14 +211,15 @@ class Worker:
                 traceback=error.traceback if error is not None else None,
                 timestamp=int(declared.wall),
             )
+        at, wall = self.failed_at()
         return WorkerFailure(
             rank=self.rank,
             local_rank=self.local_rank,
             host=host,
             pid=self.pid,
             returncode=rc,
-            exit_time=declared.wall if declared else self.exit_wall or time.time(),
-            exit_monotonic=declared.monotonic if declared else self.exit_monotonic or now,
+            exit_time=wall or time.time(),
+            exit_monotonic=now if at is None else at,
             stopped_by_agent=self.ending(now).by_agent,
             error=error,
             stderr_tail=tuple(stderr_pump.tail) if stderr_pump else (),

@@ -54,7 +54,7 @@ from elastrun.errors import WorkerError
 from elastrun.events import EventSink
 from elastrun.procs import signal_name
 from elastrun.rendezvous.api import Change, RoundResult
-from elastrun.worker._messages import Message
+from elastrun.worker._messages import Failing, Message
 
 __all__ = ["Worker", "WorkerGroup"]
 
@@ -217,6 +217,11 @@ class WorkerGroup:
                 w.channel.go()  # registered: the forked worker may run
 
     def _on_message(self, w: Worker, message: Message) -> None:
+        if isinstance(message, Failing):
+            if w.failing is None and not w.done:
+                w.failing = (self.clock.monotonic(), time.time())
+                self._changed.set()  # the group has failed
+            return
         for h in self.hooks:
             h.on_message(w, message)
 
@@ -256,7 +261,10 @@ class WorkerGroup:
 
     @property
     def failed(self) -> bool:
-        return any((w.done and w.returncode != 0) or w.declared is not None for w in self.workers)
+        return any(
+            (w.done and w.returncode != 0) or w.declared is not None or w.failing is not None
+            for w in self.workers
+        )
 
     @property
     def succeeded(self) -> bool:
@@ -331,6 +339,8 @@ class WorkerGroup:
         await self.end()  # nobody is judged while stopping
         live = [w for w in self.workers if w.popen is not None and not w.done]
         for w in live:
+            if w.failing is not None and w.declared is None:
+                continue  # ending by itself (its teardown): SIGKILL only after the grace
             w.stopped_by_agent = True
             killpg(w.pid, sig)
         if live:

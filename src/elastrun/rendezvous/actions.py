@@ -254,6 +254,7 @@ class Executor:
             counts=a.counts,
             failure=self.failure,
             opened_at=time.time(),
+            reporter=self.node.node_id,
         )
         if await self._open(kv, new, hang=new.hang_round == a.round):
             events, me = self.node.events, self.node.node_id

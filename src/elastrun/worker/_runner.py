@@ -446,9 +446,16 @@ def run_worker(kind: str, target: str, args: list[str]) -> None:
                 _run_module(target, args)
             else:
                 _run_script(target, args)
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            channel.send(M.Failing())
+        raise
+    except KeyboardInterrupt:
+        channel.send(M.Failing())
         raise
     except BaseException as e:
+        # First: the agent times the failure now, not after the teardown.
+        channel.send(M.Failing())
         _strip_own_frames(e)  # the traceback reads as the script's own
         sys.excepthook(type(e), e, e.__traceback__)
         sys.exit(1)
