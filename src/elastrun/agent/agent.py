@@ -71,7 +71,13 @@ from elastrun.agent.failures import (
 )
 from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.hooks import Core, Feature
-from elastrun.agent.log_dirs import claim_host_dir, open_event_log, release_host_dir, temp_dir
+from elastrun.agent.log_dirs import (
+    claim_host_dir,
+    error_files,
+    open_event_log,
+    release_host_dir,
+    temp_dir,
+)
 from elastrun.agent.logs import LogWriteErrors, needs_files
 from elastrun.agent.signals import Signalled, SignalRouter, StopSignals
 from elastrun.agent.spec import WorkerSpec
@@ -215,7 +221,11 @@ class Agent:
         if self._host_pidfile is not None:
             release_host_dir(self._host_pidfile)
         if self._temp_base and self._base_dir is not None:
-            shutil.rmtree(self._base_dir, ignore_errors=True)
+            kept = error_files(self._base_dir)
+            if kept:  # as torchrun: the workers' error files outlive the launch
+                say(f"elastrun: the workers' error files are kept: {', '.join(kept)}")
+            else:
+                shutil.rmtree(self._base_dir, ignore_errors=True)
         if self._events_file is not None:
             self._events_file.close()
 

@@ -363,6 +363,8 @@ def _root_cause_lines(f: WorkerFailure, tail_lines: int) -> list[str]:
             first, *more = _block(f.error.message) or [""]
             lines.append(f"  error: {first}")
             lines.extend("    " + ln for ln in more)
+        if f.error_file and os.path.isfile(f.error_file):
+            lines.append(f"  error file: {f.error_file}")
         if f.error.traceback:
             lines.append("  traceback (from the error file):")
             lines.extend("    " + ln for ln in _block(f.error.traceback))

@@ -44,7 +44,7 @@ from elastrun.agent.env import worker_env
 from elastrun.agent.failures import WorkerFailure, roles
 from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.log_dirs import rank_dir
-from elastrun.agent.logs import LogWriteErrors, routes_for
+from elastrun.agent.logs import FilteredCopy, LogWriteErrors, routes_for
 from elastrun.agent.process import Declared, Worker, killpg
 from elastrun.agent.round_hooks import RoundHooks
 from elastrun.agent.spawn import launcher_stdin, preexec_for
@@ -98,6 +98,16 @@ class WorkerGroup:
         self._hurry = asyncio.Event()
         self._ended = False
         self._closed = False
+        self.copies = {
+            name: FilteredCopy(
+                os.path.join(attempt_dir, f"filtered_{name}.log"), filters, self.log_errors
+            )
+            for name, filters in (
+                ("stdout", spec.duplicate_stdout_filters),
+                ("stderr", spec.duplicate_stderr_filters),
+            )
+            if filters and keep_files
+        }
         for lr in range(spec.nproc):
             rank = result.rank_offset + lr
             routes = routes_for(
@@ -107,6 +117,7 @@ class WorkerGroup:
                 rank=rank,
                 group_rank=result.group_rank,
                 restart=result.restart_count,
+                copies=self.copies,
             )
             folder = os.path.join(attempt_dir, str(lr))
             self.workers.append(
@@ -173,6 +184,9 @@ class WorkerGroup:
         self, w: Worker, env: dict[str, str], channel: socket.socket | None
     ) -> subprocess.Popen[bytes]:
         argv = self.spec.command.worker_argv(w.local_rank)
+        cpus = self.spec.cpu_binding.get(w.local_rank)
+        if cpus:  # --numa-binding, as torchrun
+            argv = ("numactl", f"--physcpubind={cpus}", *argv)
         fds: tuple[int, ...] = ()
         if channel is not None:
             env = {**env, CHANNEL_ENV: str(channel.fileno())}
@@ -382,6 +396,8 @@ class WorkerGroup:
                 await asyncio.wait(pending, timeout=1.0)
         for w in self.workers:
             w.release()
+        for copy in self.copies.values():
+            copy.close()
 
     # ------------------------------------------------------------- failures
     def failures(self) -> list[WorkerFailure]:

@@ -29,9 +29,7 @@ from elastrun.launcher.flag_parser import (
     EnvDefault,
     EnvFlag,
     EnvSwitch,
-    LogsSpecs,
     Parser,
-    Unsupported,
     both,
     unknown_flags_message,
     version,
@@ -47,6 +45,7 @@ from elastrun.launcher.flag_values import (
     parse_stack_signal,
     parse_std,
 )
+from elastrun.launcher.flags_torchrun import add_torchrun_flags, torchrun_settings
 from elastrun.launcher.limits import FLAG_SECONDS, parse_seconds
 from elastrun.launcher.plan import Backend
 from elastrun.launcher.rdzv_conf import split_rdzv_conf
@@ -403,39 +402,7 @@ def build_parser(*, legacy: bool = False) -> argparse.ArgumentParser:
         "(default: 300; same as --rdzv-conf exit_barrier_timeout)",
     )
 
-    c = p.add_argument_group(
-        "torchrun compatibility",
-        "--numa-binding, --duplicate-stdout-filters, --duplicate-stderr-filters and "
-        "--virtual-local-rank are refused with an explanation",
-    )
-    c.add_argument(
-        *both("--event-log-handler"),
-        action=EnvDefault,
-        default="null",
-        metavar="NAME",
-        help="accepted and ignored: use --events-file",
-    )
-    c.add_argument(
-        *both("--logs-specs"),
-        action=LogsSpecs,
-        default=None,
-        metavar="NAME",
-        help="accepted: 'default' (torch's default logs, which these flags are); plugins are "
-        "not loaded",
-    )
-    for flag, reason in (
-        ("--numa-binding", "bind workers with numactl via --no-python instead"),
-        ("--duplicate-stdout-filters", "use --tee and grep the log files"),
-        ("--duplicate-stderr-filters", "use --tee and grep the log files"),
-    ):
-        c.add_argument(*both(flag), action=Unsupported, reason=reason, help=argparse.SUPPRESS)
-    c.add_argument(
-        *both("--virtual-local-rank"),
-        action=Unsupported,
-        nargs=0,
-        reason="set CUDA_VISIBLE_DEVICES from LOCAL_RANK in the script",
-        help=argparse.SUPPRESS,
-    )
+    add_torchrun_flags(p)
 
     if legacy:
         _add_legacy_flags(p)
@@ -532,6 +499,7 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
         warm_cache=ns.warm_cache or None,
         warm_join_timeout=parse_seconds_text("--warm-join-timeout", ns.warm_join_timeout),
         require_logs=ns.require_logs,
+        **torchrun_settings(ns),
     )
     cmd = Command(
         script=ns.script,

@@ -343,5 +343,11 @@ async def _run(plan: Plan, hostname: str, log: _EventLog) -> int:
 
 
 def run_plan(plan: Plan, *, events: EventSink | None = None) -> int:
-    """Blocking: run the agent in a fresh event loop."""
+    """Blocking: run the agent in a fresh event loop. As torch's launcher,
+    the launching process' environment says which signals it handles
+    (``TORCHELASTIC_SIGNALS_TO_HANDLE``: code that starts processes with
+    torch's own machinery in this process reads it)."""
+    spec = plan.workers
+    handled = (*spec.signals_to_handle, *spec.signals_to_forward)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(s.name for s in handled)
     return asyncio.run(run_async(plan, events=events))
