@@ -8,6 +8,7 @@ process, and error files kept (and named) without --log-dir."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -20,6 +21,8 @@ import pytest
 
 from elastrun.launcher.devices import count_gpus
 from tests.conftest import REPO
+from tests.helpers import free_port, stop_groups, wait_for
+from tests.integration.elastic_harness import ELASTRUN
 from tests.integration.test_torchrun_conformance import BIN, env, launch_case, torchrun
 
 SHOW = str(BIN / "show_env.py")
@@ -190,3 +193,96 @@ def test_error_files_are_kept_and_named_without_log_dir(tmp_path: Path) -> None:
     assert theirs.returncode == 1
     kept = re.findall(r"error_file: (\S+error\.json)", theirs.stderr)
     assert kept and os.path.isfile(kept[0]), theirs.stderr[-3000:]
+
+
+TIMED = """
+import os, sys, time
+import torch.distributed as dist
+from torch.distributed.elastic import timer
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+open(os.path.join(sys.argv[1], f"pid{rank}"), "w").write(str(os.getpid()))
+timer.configure(timer.FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"]))
+with timer.expires(after=0.5, scope="quick step"):
+    pass  # released in time
+dist.barrier()
+if rank == 1:
+    with timer.expires(after=1, scope="stuck step"):
+        time.sleep(600)
+dist.barrier()  # rank 0 waits here for rank 1
+"""
+
+
+@pytest.mark.parametrize("how", ["enable", "timer_file"])
+def test_file_timer_stops_the_overrunning_worker_and_names_it(tmp_path: Path, how: str) -> None:
+    script = tmp_path / "timed.py"
+    script.write_text(TIMED)
+    extra = (
+        {"TORCHELASTIC_ENABLE_FILE_TIMER": "1"}
+        if how == "enable"
+        else {"TORCHELASTIC_TIMER_FILE": str(tmp_path / "timers.fifo")}
+    )
+    proc = torchrun(
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=0",
+        str(script),
+        str(tmp_path),
+        extra_env=extra,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "[ROOT CAUSE] rank 1" in proc.stderr, proc.stderr[-3000:]
+    assert "timer 'stuck step' expired" in proc.stderr
+    assert "quick step" not in proc.stderr
+    # no orphans: both workers are gone when the launcher returns
+    for rank in (0, 1):
+        pid = int((tmp_path / f"pid{rank}").read_text())
+        assert (
+            not Path(f"/proc/{pid}").exists()
+            or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+        ), rank
+    assert not (tmp_path / "timers.fifo").exists()  # removed at exit
+
+
+def test_health_check_port_answers_while_the_agent_runs(tmp_path: Path) -> None:
+    port = free_port()
+    script = tmp_path / "wait.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "for _ in range(2400):\n"
+        "    if os.path.exists(sys.argv[1]):\n"
+        "        break\n"
+        "    time.sleep(0.05)\n"
+    )
+    done = tmp_path / "done"
+    agent = subprocess.Popen(
+        [*ELASTRUN, "--standalone", str(script), str(done)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env(TORCHELASTIC_HEALTH_CHECK_PORT=str(port)),
+        cwd=REPO,
+        start_new_session=True,
+    )
+    try:
+
+        def probe() -> dict[str, Any] | None:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            try:
+                conn.request("GET", "/")
+                reply = conn.getresponse()
+                return {"status": reply.status, **json.loads(reply.read())}
+            except OSError:
+                return None
+            finally:
+                conn.close()
+
+        got = wait_for(probe, 120, "the health check's answer")
+        assert got["status"] == 200 and got["alive"] is True and got["timeout"] == 60
+        done.touch()
+        _, err = agent.communicate(timeout=RUN_TIMEOUT)
+        assert agent.returncode == 0, err[-3000:]
+        assert probe() is None  # closed with the agent
+    finally:
+        stop_groups(agent)

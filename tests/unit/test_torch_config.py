@@ -1,7 +1,8 @@
 """torchrun's remaining flags and torch's LaunchConfig types, as pure logic:
 torch's field types mapped onto elastrun's (``launcher/torch_config``), the
 filter lists, the NUMA binding read from a machine's sysfs (a fake one), the
-virtual local rank's environment, the error files kept at exit."""
+virtual local rank's environment, the error files kept at exit, torch's
+file-timer requests."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from elastrun.agent.env import virtual_local_rank
+from elastrun.agent.file_timers import TimerRequest, TimerTable, parse_request
 from elastrun.agent.log_dirs import error_files
 from elastrun.errors import ConfigError, WorkerError
 from elastrun.launcher.config import LaunchConfig
@@ -185,3 +187,34 @@ def test_error_files_found_under_the_attempts(tmp_path: Path) -> None:
         str(tmp_path / "attempt_1/1/error.json"),
         str(tmp_path / "attempt_2/0/error.json"),
     ]
+
+
+def test_timer_requests_are_read_within_bounds() -> None:
+    line = b'{"version": 1, "pid": 42, "scope_id": "s", "expiration_time": 5.5, "signal": 9}'
+    assert parse_request(line) == TimerRequest(42, "s", 5.5, 9)
+    for bad in (
+        b"not json",
+        b'{"version": 2, "pid": 42, "scope_id": "s", "expiration_time": 5, "signal": 9}',
+        b'{"version": 1, "pid": -1, "scope_id": "s", "expiration_time": 5, "signal": 9}',
+        b'{"version": 1, "pid": 42, "scope_id": 7, "expiration_time": 5, "signal": 9}',
+        b'{"version": 1, "pid": 42, "scope_id": "s", "expiration_time": "x", "signal": 9}',
+        b'{"version": 1, "pid": 42, "scope_id": "s", "expiration_time": 5, "signal": 99}',
+        b'{"version": 1, "pid": true, "scope_id": "s", "expiration_time": 5, "signal": 9}',
+        b"[" * 5000,
+    ):
+        assert parse_request(bad) is None, bad
+
+
+def test_timer_table_as_torchs_server() -> None:
+    table = TimerTable(limit=3)
+    table.register(TimerRequest(1, "a", 10.0, 9))
+    table.register(TimerRequest(1, "b", 5.0, 0))  # no signal: expires unreaped
+    table.register(TimerRequest(2, "c", 20.0, 15))
+    table.register(TimerRequest(3, "d", 1.0, 9))  # past the limit
+    assert table.refused == 1
+    assert table.next_expiry() == 5.0
+    assert table.expired(12.0) == {1: TimerRequest(1, "a", 10.0, 9)}
+    table.register(TimerRequest(1, "a", -1, 0))  # released
+    assert table.expired(12.0) == {}
+    table.clear({1})
+    assert list(table.timers) == [(2, "c")]

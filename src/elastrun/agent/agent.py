@@ -21,7 +21,10 @@ into the core's hooks (agent/hooks.py), listed in :data:`FEATURES`:
   that feeds them (agent/modlearn.py);
 * hang diagnosis: the watchdog, the stacks, the stragglers
   (agent/hang_group.py, with watchdog.py, stacks.py, hangs.py,
-  stragglers.py, progress_faults.py).
+  stragglers.py, progress_faults.py);
+* torch's file timers (agent/file_timers.py): the server of
+  ``TORCHELASTIC_TIMER_FILE``; the health check of
+  ``TORCHELASTIC_HEALTH_CHECK_PORT`` (agent/health_check.py).
 
 Why hooks rather than a richer core: each feature is several kinds of code
 (a process of its own, per-round state, job notes, its events and console
@@ -54,7 +57,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from elastrun.agent import hang_group, warm
+from elastrun.agent import file_timers, hang_group, health_check, warm
 from elastrun.agent.children import Reaper
 from elastrun.agent.env import check_round
 from elastrun.agent.failures import (
@@ -96,7 +99,12 @@ __all__ = ["FEATURES", "Agent"]
 RDZV_SHUTDOWN_TIMEOUT = 30.0
 
 # The agent's features, each module's own factory; their hooks run in this order.
-FEATURES: tuple[Callable[[Core], list[Feature]], ...] = (warm.features, hang_group.features)
+FEATURES: tuple[Callable[[Core], list[Feature]], ...] = (
+    warm.features,
+    hang_group.features,
+    file_timers.features,
+    health_check.features,
+)
 
 
 @dataclass(frozen=True)
