@@ -189,3 +189,22 @@ def test_summary_names_the_other_nodes_rank_as_the_root_cause() -> None:
     assert "full log on host1: /logs/2/stderr.log" in text
     assert "[collateral (failed after the root cause)] rank 0" in text
     assert text.index("[ROOT CAUSE]") < text.index("[collateral")
+
+
+def test_summary_shows_the_ranks_last_output_not_stale_stderr() -> None:
+    f = WorkerFailure(
+        rank=1,
+        local_rank=1,
+        host="h",
+        pid=7,
+        returncode=3,
+        exit_time=1.0,
+        exit_monotonic=1.0,
+        stderr_tail=("warming up",),
+        stdout_tail=("step 1", "step 2 loss nan"),
+        output_tail=("warming up", "step 1", "step 2 loss nan"),
+    )
+    text = format_summary(classify([f]), "header")
+    block = text.split("[ROOT CAUSE]", 1)[1]
+    assert "last 3 lines of its output (stdout and stderr, in order):" in block
+    assert block.index("warming up") < block.index("step 2 loss nan")

@@ -68,7 +68,6 @@ from elastrun.agent.failures import (
     elsewhere,
     failure_record,
     format_summary,
-    restart_line,
     summary_title,
     with_report,
 )
@@ -475,15 +474,14 @@ class Agent:
                 "job_failed", exit_code=1, reason="restarts_exhausted", failure=record.to_json()
             )
             return 1
-        summary = format_summary(failures, summary_title(result), peer=peer)
-        say(with_report(summary, report))
+        # The title announces the restart, once (with the job's root cause).
+        known = peer is not None or any(f.role == ROOT_CAUSE for f in failures)
+        title = summary_title(result, job if known else None)
+        say(with_report(format_summary(failures, title, peer=peer), report))
         # With no restarts left, the rendezvous decides when the next round
         # closes: the job fails unless a node was lost (then this failure is
         # collateral, not counted).
         spent = result.restart_count >= result.max_restarts
-        if not spent:
-            known = peer is not None or any(f.role == ROOT_CAUSE for f in failures)
-            say(restart_line(result, job if known else None))
         self._stops.raise_pending()
         if spent:
             return None

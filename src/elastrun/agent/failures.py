@@ -214,6 +214,8 @@ class WorkerFailure:
     error: ErrorFileInfo | None = None
     stderr_tail: tuple[str, ...] = ()
     stdout_tail: tuple[str, ...] = ()
+    # The last lines of both streams, in the order they came (its last output).
+    output_tail: tuple[str, ...] = ()
     stdout_log: str | None = None
     stderr_log: str | None = None
     error_file: str | None = None
@@ -372,6 +374,9 @@ def _root_cause_lines(f: WorkerFailure, tail_lines: int) -> list[str]:
     tail, stream = f.stderr_tail[-tail_lines:], "stderr"
     if not any(ln.strip() for ln in tail):
         tail, stream = f.stdout_tail[-tail_lines:], "stdout (nothing on stderr)"
+    elif any(ln.strip() for ln in f.stdout_tail) and f.output_tail:
+        # Both streams: its last output, whichever stream it went to.
+        tail, stream = f.output_tail[-tail_lines:], "its output (stdout and stderr, in order)"
     if any(ln.strip() for ln in tail):
         lines.append(f"  last {_count(len(tail), 'line')} of {stream}:")
         lines.extend("    " + printable(ln, lines=True) for ln in tail)
@@ -454,13 +459,12 @@ def format_summary(
 # ------------------------------------------------------- the lines about a round's end
 
 
-def summary_title(result: RoundResult) -> str:
-    """The failure summary's title when a restart may be left."""
+def summary_title(result: RoundResult, root: FailureRecord | None = None) -> str:
+    """The failure summary's title. With a restart left it is the one line
+    that announces the restart (:func:`restart_line`: the job's root cause,
+    ``root``), as every other node prints it."""
     if result.restart_count < result.max_restarts:
-        return (
-            f"elastrun: workers failed; restarting them "
-            f"(restart {result.restart_count + 1} of {result.max_restarts})"
-        )
+        return restart_line(result, root)
     spent = f"no restarts are left (max restarts {result.max_restarts})"
     if len(result.members) <= 1:
         # No other node in the group: none can have been lost.

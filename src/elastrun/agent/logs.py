@@ -43,11 +43,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import os
 import re
 import string
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import BinaryIO, TextIO
 
@@ -351,10 +352,16 @@ class LinePump:
         errors: LogWriteErrors | None = None,
         rank: int | None = None,
         local_rank: int | None = None,
+        *,
+        order: Iterator[int] | None = None,
     ) -> None:
         self.reader = reader
         self.route = route
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        # Each tail line's place among the worker's lines of both streams
+        # (``order``: shared by its two pumps), for the summary's last output.
+        self._order = order if order is not None else itertools.count()
+        self.tail_order: collections.deque[int] = collections.deque(maxlen=TAIL_LINES)
         self._partial = b""
         self._file: BinaryIO | None = None
         self._errors = errors if errors is not None else LogWriteErrors()
@@ -440,6 +447,7 @@ class LinePump:
         bare = text[len(tag) :] if tag and text.startswith(tag) else text
         if self.route.keep_tail:
             self.tail.append(bare.rstrip("\r\n")[:MAX_TAIL_LINE])
+            self.tail_order.append(next(self._order))
         if self.route.copy is not None:
             self.route.copy.line(text if text.endswith("\n") else text + "\n", self.route.prefix)
         if self.route.console:

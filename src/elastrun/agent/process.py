@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO
 
 from elastrun.agent.channel import RunnerChannel
 from elastrun.agent.children import ForkedProcess
 from elastrun.agent.failures import Ending, ErrorFileInfo, WorkerFailure, read_error_file
-from elastrun.agent.logs import LinePump, LogWriteErrors, StreamRoute
+from elastrun.agent.logs import TAIL_LINES, LinePump, LogWriteErrors, StreamRoute
 
 __all__ = ["Declared", "Process", "Worker", "killpg"]
 
@@ -74,6 +75,8 @@ class Worker:
     pump_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     transports: list[asyncio.BaseTransport] = field(default_factory=list)
     pidfd: int | None = None
+    # The order of its output lines across stdout and stderr (its pumps share it).
+    lines: Iterator[int] = field(default_factory=itertools.count)
 
     @property
     def pid(self) -> int:
@@ -104,7 +107,7 @@ class Worker:
     ) -> None:
         reader = asyncio.StreamReader(limit=1 << 20)
         protocol = asyncio.StreamReaderProtocol(reader)
-        pump = LinePump(reader, route, log_errors, self.rank, self.local_rank)
+        pump = LinePump(reader, route, log_errors, self.rank, self.local_rank, order=self.lines)
         self.pumps.append(pump)
 
         async def run() -> None:
@@ -224,6 +227,7 @@ class Worker:
             error=error,
             stderr_tail=tuple(stderr_pump.tail) if stderr_pump else (),
             stdout_tail=tuple(stdout_pump.tail) if stdout_pump else (),
+            output_tail=last_output(stdout_pump, stderr_pump),
             stdout_log=self.routes[0].file_path,
             stderr_log=self.routes[1].file_path,
             error_file=self.error_file,
@@ -231,3 +235,15 @@ class Worker:
             restart_count=restart_count,
             hang=declared.why if declared else None,
         )
+
+
+def last_output(*pumps: LinePump | None) -> tuple[str, ...]:
+    """The last lines a worker wrote, stdout and stderr together, in the
+    order they reached the agent."""
+    lines = [
+        (n, line)
+        for pump in pumps
+        if pump is not None
+        for n, line in zip(pump.tail_order, pump.tail, strict=False)
+    ]
+    return tuple(line for _, line in sorted(lines)[-TAIL_LINES:])

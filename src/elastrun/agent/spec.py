@@ -41,7 +41,8 @@ class Std(enum.IntFlag):
 
 
 class StartMethod(enum.StrEnum):
-    """``--start-method``: accepted for compatibility; workers are always exec'd."""
+    """``--start-method``: accepted for compatibility, not used (Python workers
+    are forked from the warm interpreter, others exec'd)."""
 
     SPAWN = "spawn"
     FORK = "fork"

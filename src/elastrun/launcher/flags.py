@@ -162,8 +162,9 @@ def build_parser(*, legacy: bool = False) -> argparse.ArgumentParser:
         action=EnvDefault,
         default="",
         metavar="K=V,...",
-        help="rendezvous settings: join_timeout (600), last_call_timeout (30), close_timeout, "
-        "read_timeout (store request timeout), timeout (= join_timeout), lease_ttl (10), "
+        help="rendezvous settings: join_timeout (600), last_call_timeout (30), close_timeout "
+        "(30: how long leaving may take), read_timeout (60, at most the join timeout: each "
+        "store request), timeout (= join_timeout), lease_ttl (10), "
         "exit_barrier_timeout (300), is_host=1|0 (this node hosts the c10d store; default: "
         "when the endpoint is a local address and its port is free), store_bind (where the "
         "hosted store listens: default the endpoint's addresses; 0.0.0.0, ::, * for every "
@@ -211,7 +212,12 @@ def build_parser(*, legacy: bool = False) -> argparse.ArgumentParser:
         help="workers on this node: a number, gpu (one per visible NVIDIA GPU), xpu (one per "
         "visible Intel GPU), cpu (one per CPU), or auto (gpu, else xpu, else cpu). Default: 1",
     )
-    w.add_argument("--role", action=EnvDefault, default="default", help="role name of the workers")
+    w.add_argument(
+        "--role",
+        action=EnvDefault,
+        default="default",
+        help="role name of the workers (ROLE_NAME; default: default)",
+    )
     w.add_argument(
         "-m",
         "--module",
@@ -241,7 +247,9 @@ def build_parser(*, legacy: bool = False) -> argparse.ArgumentParser:
         action=EnvDefault,
         default="spawn",
         choices=[m.value for m in StartMethod],
-        help="accepted for compatibility: workers are always started as fresh processes",
+        help="accepted for compatibility: Python workers are forked from elastrun's warm "
+        "interpreter (--warm, a fresh process of its own that imported torch; never from the "
+        "launcher), other commands and --no-warm start as fresh processes (default: spawn)",
     )
     w.add_argument(
         *both("--monitor-interval"),
@@ -257,7 +265,8 @@ def build_parser(*, legacy: bool = False) -> argparse.ArgumentParser:
         action=EnvDefault,
         default=None,
         metavar="DIR",
-        help="base folder for worker logs (one sub-folder per job, attempt and rank)",
+        help="base folder for worker logs (one sub-folder per job, attempt and rank; default: "
+        "none: no log files unless --redirects/--tee ask for them, then in a temporary folder)",
     )
     lg.add_argument(
         "-r",
@@ -275,14 +284,15 @@ def build_parser(*, legacy: bool = False) -> argparse.ArgumentParser:
         action=EnvDefault,
         default="0",
         metavar="STD",
-        help="copy worker output to log files and the console (format as --redirects)",
+        help="copy worker output to log files and the console (format as --redirects; default: 0)",
     )
     lg.add_argument(
         *both("--local-ranks-filter"),
         action=EnvDefault,
         default="",
         metavar="R,...",
-        help="show only these local ranks' output on the console, e.g. 0 or 0,1",
+        help="show only these local ranks' output on the console, e.g. 0 or 0,1 (default: "
+        "every rank)",
     )
     lg.add_argument(
         *both("--log-template"),

@@ -207,9 +207,14 @@ def _where(config: LaunchConfig, conf: RendezvousConf) -> _Where:
     )
     if standalone:
         if config.max_nodes != 1 or config.min_nodes != 1:
+            given = (
+                str(config.max_nodes)
+                if config.min_nodes == config.max_nodes
+                else f"{config.min_nodes}:{config.max_nodes}"
+            )
             raise ConfigError(
-                f"--standalone: runs a single node, but --nnodes asks for "
-                f"{config.min_nodes}:{config.max_nodes}"
+                f"--standalone: runs a single node, but --nnodes={given} asks for more; "
+                "use --rdzv-backend=c10d with --rdzv-endpoint for several nodes"
             )
         if conf.store_bind is not None:
             raise ConfigError(

@@ -148,6 +148,12 @@ async def _host_store(plan: Plan) -> tuple[StoreServer | None, Endpoint, str]:
             f"elastrun: this node hosts the rendezvous store on {Endpoint(host, bound_port)}"
             + ("" if where == str(Endpoint(host, bound_port)) else f" (listening on {where})")
         )
+    else:  # its port and id are generated: say them, so that status can find the job
+        store = Endpoint(listen.connect, bound_port)
+        say(
+            f"elastrun: standalone job {plan.run_id}, store on {store} (elastrun status "
+            f"--rdzv-endpoint={store} --rdzv-id={plan.run_id})"
+        )
     for warning in listen.warnings:
         say(f"elastrun: warning: {warning}")
     if plan.token is None and not server.loopback_only():
