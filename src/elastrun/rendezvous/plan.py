@@ -357,11 +357,14 @@ def absent_members(view: View, r: int) -> list[MemberRecord]:
     ]
 
 
-def lost_event(member: MemberRecord, how: str = LOST_LEASE) -> MemberLost:
-    return MemberLost(f"node {member.host} ({member.node_id}) lost: {how}")
+def lost_event(member: MemberRecord, how: str = LOST_LEASE, *, left: bool = False) -> MemberLost:
+    """A member gone: lost (``how``), or ``left`` the job on purpose (its
+    agent stopped and said so before it revoked its lease)."""
+    who = f"node {member.host} ({member.node_id})"
+    return MemberLost(f"{who} left the job (its agent stopped)" if left else f"{who} lost: {how}")
 
 
-_LOST = re.compile(r"node .* \(([A-Za-z0-9._-]{1,128})\) lost: ")
+_LOST = re.compile(r"node .* \(([A-Za-z0-9._-]{1,128})\) (?:lost: |left the job)")
 
 
 def lost_node(detail: str) -> str | None:
