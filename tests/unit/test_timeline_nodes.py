@@ -124,3 +124,16 @@ def test_a_node_whose_ranks_failed_after_another_nodes_is_not_the_root_cause() -
     assert on_lane(orange[1], y["h1"])
     failures = html.split("<h3>failures</h3>", 1)[1]
     assert "rank 1 on h2" in failures and "rank 0 on h1" not in failures
+
+
+def test_a_restart_reported_by_every_failing_node_is_one_restart() -> None:
+    restart = {"kind": "restart", "reason": "worker_failed", "counted": True, "count": 1}
+    raw = [
+        *two_nodes(),
+        {"ts": T + 10.0, "round": 0, "node_id": "n1", "host": "h1"} | restart,
+        {"ts": T + 10.1, "round": 0, "node_id": "n2", "host": "h2"} | restart,
+        {"ts": T + 12.0, "kind": "job_finished", "source": "agent", "node_id": "n1"},
+    ]
+    html, svg = page(raw)
+    assert "1 restart," in html
+    assert sum(1 for e in svg.iter() if e.get("stroke-dasharray")) == 1

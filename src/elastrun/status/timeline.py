@@ -222,6 +222,7 @@ class _History:
     # (node id, round) whose failures came after another node's root cause
     # (root_cause_elsewhere): their own "root cause" ranks are not the job's.
     elsewhere: set[tuple[str, int]] = field(default_factory=set)
+    restarted: set[int] = field(default_factory=set)  # rounds that ended in a counted restart
 
     def add(self, e: LoggedEvent) -> None:
         key = e.text("node_id")
@@ -259,7 +260,11 @@ class _History:
             title = e.failure_title().replace("(root cause)", "(after another node's failure)")
             lane.marks.append((ts, ORANGE, title))
         elif kind == "restart" and e.flag("counted") and e.text("reason") == "worker_failed":
-            self.restarts.append((ts, f"{_fmt(ts)} restart {e.text('count')} (worker failed)"))
+            # Every node whose ranks failed says so: one restart per round.
+            r = e.integer("round", -1)
+            if r not in self.restarted:
+                self.restarted.add(r)
+                self.restarts.append((ts, f"{_fmt(ts)} restart {e.text('count')} (worker failed)"))
         elif kind == "node_lost":
             self._lost(lane, e)
         elif kind in ("job_finished", "job_failed") and e.text("source") == "agent":
