@@ -25,16 +25,19 @@ def add_torchrun_flags(p: argparse.ArgumentParser) -> None:
         action=EnvDefault,
         default=None,
         choices=NUMA_MODES,
-        help="bind each worker to the CPUs near its GPU (the GPU of its local rank) with "
-        "numactl, as torchrun: node (the GPU's NUMA node), socket (its socket's nodes), "
-        "exclusive or core-complex (a share of the node's cores, no two workers sharing "
-        "one). Needs NVIDIA GPUs and numactl: refused, saying which is missing, without",
+        metavar="MODE",
+        help="as torchrun: run each worker under numactl, bound to the CPUs near the GPU of "
+        "its local rank: node (the GPU's NUMA node), socket (its socket), exclusive (an equal "
+        "share of the node's cores for each of its GPUs' workers), core-complex (a group of "
+        "CPUs sharing the last-level cache). Needs NVIDIA GPUs and numactl: refused, saying "
+        "which is missing, without them (default: off)",
     )
     c.add_argument(
         *both("--virtual-local-rank"),
         action=EnvFlag,
         help="every worker gets LOCAL_RANK=0 and, as CUDA_VISIBLE_DEVICES, only its own GPU "
-        "(the local rank's entry of CUDA_VISIBLE_DEVICES, else the local rank), as torchrun",
+        "(the local rank's entry of CUDA_VISIBLE_DEVICES, else the local rank), as torchrun "
+        "(default: off)",
     )
     for stream in ("stdout", "stderr"):
         c.add_argument(
