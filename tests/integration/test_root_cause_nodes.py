@@ -154,3 +154,34 @@ def test_both_nodes_name_the_first_failure_across_nodes(tmp_path: Path) -> None:
     assert elsewhere[0]["node_failure"]["rank"] == 0
     ev1 = events(tmp_path / "events-1.jsonl")
     assert not [e for e in ev1 if e["kind"] == "root_cause_elsewhere"]
+
+
+TEARDOWN_HANGS = textwrap.dedent(
+    """
+    import threading, time
+    threading.Thread(target=time.sleep, args=(3600,)).start()  # the interpreter waits for it
+    raise ValueError("failed, then stuck in the teardown")
+    """
+)
+
+
+def test_a_rank_stuck_in_its_teardown_after_failing_is_stopped_and_stays_the_root_cause(
+    tmp_path: Path,
+) -> None:
+    """The runner says the script failed; the rank is given a few seconds
+    to end by itself, then stopped, long before --shutdown-timeout (an hour:
+    only that short grace lets the launch end within the test's bound)."""
+    (tmp_path / "w.py").write_text(TEARDOWN_HANGS)
+    proc = subprocess.run(
+        [*ELASTRUN, "--standalone", "--nproc-per-node=2", "--shutdown-timeout=3600", "w.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env(),
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    roots = [ln for ln in proc.stderr.splitlines() if ln.startswith("[ROOT CAUSE]")]
+    assert len(roots) == 1 and "signal SIGTERM" in roots[0], proc.stderr[-3000:]
+    assert "ValueError: failed, then stuck in the teardown" in proc.stderr

@@ -56,7 +56,11 @@ from elastrun.procs import signal_name
 from elastrun.rendezvous.api import Change, RoundResult
 from elastrun.worker._messages import Failing, Message
 
-__all__ = ["Worker", "WorkerGroup"]
+__all__ = ["FAILING_GRACE", "Worker", "WorkerGroup"]
+
+# How long a rank whose script failed may take to end by itself (its
+# interpreter's teardown) before it is stopped like the others.
+FAILING_GRACE = 5.0
 
 KILL_WAIT = 5.0  # after SIGKILL, how long to wait for the kernel to finish them
 DRAIN_TIMEOUT = 2.0  # after exit, how long to wait for the rest of a worker's output
@@ -352,16 +356,25 @@ class WorkerGroup:
         grace = self.spec.shutdown_timeout if grace is None else grace
         await self.end()  # nobody is judged while stopping
         live = [w for w in self.workers if w.popen is not None and not w.done]
+        # A rank whose script failed is ending by itself (its interpreter's
+        # teardown): it keeps its own exit status unless that takes longer
+        # than FAILING_GRACE; it stays its own failure either way.
+        ending = [w for w in live if w.failing is not None and w.declared is None]
         for w in live:
-            if w.failing is not None and w.declared is None:
-                continue  # ending by itself (its teardown): SIGKILL only after the grace
-            w.stopped_by_agent = True
-            killpg(w.pid, sig)
+            if w not in ending:
+                w.stopped_by_agent = True
+                killpg(w.pid, sig)
         if live:
             self.events.emit(
                 "workers_stopping", signal=signal_name(sig), pids=[w.pid for w in live], grace=grace
             )
-            await self._wait_exits(self.clock.monotonic() + grace)
+            start = self.clock.monotonic()
+            if ending:
+                await self._wait_exits(start + min(grace, FAILING_GRACE))
+                for w in ending:
+                    if not w.done:
+                        killpg(w.pid, sig)
+            await self._wait_exits(start + grace)
         stubborn = [w for w in self.workers if w.popen is not None and not w.done]
         if stubborn:
             self.events.emit("workers_killed", pids=[w.pid for w in stubborn], after_grace=grace)
