@@ -8,6 +8,7 @@ ranks failed after another node's."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from elastrun.agent.failures import (
     COLLATERAL,
@@ -17,7 +18,6 @@ from elastrun.agent.failures import (
     elsewhere,
     format_summary,
 )
-from elastrun.clock import SYSTEM_CLOCK
 from elastrun.failure import FailureRecord, first_failure
 from elastrun.names import RunId
 from elastrun.rendezvous import keys as K
@@ -95,7 +95,7 @@ def test_a_later_report_of_an_earlier_failure_becomes_the_jobs() -> None:
         assert rec.detail == first.describe()
         # A second report changes nothing; a later failure does not replace it.
         assert await report(store, KEYS, "n1", 0, crash("host1", 2, 1.0)) == first
-        found = await settle(store, KEYS, "n0", 0, timeout=5.0, clock=SYSTEM_CLOCK)
+        found = await settle(store, KEYS, "n0", 0, timeout=5.0)
         assert found.failure == first and found.awaited == ()
 
     asyncio.run(run())
@@ -117,9 +117,7 @@ def test_settle_waits_for_a_member_that_has_not_reported() -> None:
         store = MemoryStore()
         late, first = crash("host0", 0, 10.5), crash("host1", 2, 10.0)
         await _reopened(store, "n0", late)
-        waiting = asyncio.create_task(
-            settle(store, KEYS, "n0", 0, timeout=60.0, clock=SYSTEM_CLOCK)
-        )
+        waiting = asyncio.create_task(settle(store, KEYS, "n0", 0, timeout=60.0))
         await asyncio.sleep(0)
         assert not waiting.done()
         await report(store, KEYS, "n1", 0, first)
@@ -134,11 +132,11 @@ def test_settle_gives_up_at_its_timeout_and_names_who_did_not_report() -> None:
         store = MemoryStore()
         late = crash("host0", 0, 10.5)
         await _reopened(store, "n0", late)
-        found = await settle(store, KEYS, "n0", 0, timeout=0.0, clock=SYSTEM_CLOCK)
+        found = await settle(store, KEYS, "n0", 0, timeout=0.0)
         assert found.failure == late and found.awaited == ("n1",)
         # A member that is gone (no presence key) is not waited for.
         await store.delete(KEYS.node("n1"))
-        found = await settle(store, KEYS, "n0", 0, timeout=60.0, clock=SYSTEM_CLOCK)
+        found = await settle(store, KEYS, "n0", 0, timeout=60.0)
         assert found.awaited == ()
 
     asyncio.run(run())
@@ -208,3 +206,18 @@ def test_summary_shows_the_ranks_last_output_not_stale_stderr() -> None:
     block = text.split("[ROOT CAUSE]", 1)[1]
     assert "last 3 lines of its output (stdout and stderr, in order):" in block
     assert block.index("warming up") < block.index("step 2 loss nan")
+
+
+class StuckStore(MemoryStore):
+    """A store that stopped answering (etcd without quorum): reads never return."""
+
+    async def txn(self, compares: Any, success: Any, failure: Any = ()) -> Any:
+        await asyncio.Event().wait()
+
+
+def test_settle_is_bounded_when_the_store_stops_answering() -> None:
+    async def run() -> None:
+        found = await asyncio.wait_for(settle(StuckStore(), KEYS, "n0", 0, timeout=0.1), 30.0)
+        assert found.failure is None
+
+    asyncio.run(run())

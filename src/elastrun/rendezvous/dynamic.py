@@ -236,8 +236,9 @@ class DynamicRendezvous(Rendezvous):
         # Whoever opened the next round, this node's failure joins the
         # others' reports there: the round keeps the first (root_cause.py).
         self._failed_round = member_round
-        with contextlib.suppress(StoreError, RendezvousError):
-            await root_cause.report(self.store, self.keys, self.node_id, member_round, failure)
+        with contextlib.suppress(StoreError, RendezvousError, TimeoutError):
+            async with asyncio.timeout(root_cause.REPORT_TIMEOUT):
+                await root_cause.report(self.store, self.keys, self.node_id, member_round, failure)
 
     async def job_failure(self, failure: FailureRecord, timeout: float) -> FailureRecord:
         if self._failed_round is None:
@@ -248,7 +249,6 @@ class DynamicRendezvous(Rendezvous):
             self.node_id,
             self._failed_round,
             timeout=timeout,
-            clock=self.clock,
         )
         return first_failure(failure, found.failure) or failure
 

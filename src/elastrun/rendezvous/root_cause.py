@@ -27,16 +27,16 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass
 
-from elastrun.clock import Clock
 from elastrun.errors import RendezvousError, StoreError
 from elastrun.failure import FailureRecord, first_failure
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.records import RoundRecord, RoundState
 from elastrun.store.base import Get, Store
 
-__all__ = ["REPORT_TRIES", "Settled", "report", "settle"]
+__all__ = ["REPORT_TIMEOUT", "REPORT_TRIES", "Settled", "report", "settle"]
 
 REPORT_TRIES = 8  # compare-and-set attempts (others write the round record too)
+REPORT_TIMEOUT = 5.0  # s: a report that takes longer (a store not answering) is dropped
 
 
 def _opened_by_failure(rec: RoundRecord, node_id: str, member_round: int) -> bool:
@@ -92,39 +92,43 @@ async def settle(
     member_round: int,
     *,
     timeout: float,
-    clock: Clock,
 ) -> Settled:
     """Wait, at most ``timeout`` seconds, until every other member of round
     ``member_round`` reported its failure, joined the next round or is gone;
     return the root cause the round record keeps. Never raises: a store
-    error returns what is known."""
-    deadline = clock.monotonic() + timeout
-    found = Settled(None)
+    error returns what is known. Every request is inside the bound: a store
+    that stopped answering (etcd without quorum) costs this wait at most."""
+    seen: list[Settled] = [Settled(None)]  # the latest reading, kept on a timeout
     with contextlib.suppress(StoreError, RendezvousError, TimeoutError):
-        while True:
-            reads = [
-                Get(keys.round),
-                Get(keys.joins(member_round + 1), prefix=True),
-                Get(keys.nodes, prefix=True),
-            ]
-            res = await store.txn([], reads)
-            rounds, joins, present = res.gets
-            if not rounds:
-                return found
-            rec = RoundRecord.decode(rounds[0].key, rounds[0].value)
-            if not _opened_by_failure(rec, node_id, member_round):
-                return found
-            done = {node_id, *rec.reporters, *(K.node_id_of(kv.key) for kv in joins)}
-            alive = {K.node_id_of(kv.key) for kv in present}
-            awaited = [p.node_id for p in rec.prev if p.node_id not in done and p.node_id in alive]
-            found = Settled(rec.pending_failure, tuple(awaited))
-            left = deadline - clock.monotonic()
-            if not awaited or left <= 0:
-                return found
-            async with (
-                asyncio.timeout(left),
-                await store.watch(keys.root, prefix=True, start_revision=res.revision + 1) as watch,
-            ):
-                async for _event in watch:
-                    break
-    return found
+        async with asyncio.timeout(max(0.0, timeout)):
+            await _settle(store, keys, node_id, member_round, seen)
+    return seen[-1]
+
+
+async def _settle(
+    store: Store, keys: K.Keys, node_id: str, member_round: int, seen: list[Settled]
+) -> None:
+    """Read until nobody is awaited, appending each reading to ``seen``."""
+    while True:
+        reads = [
+            Get(keys.round),
+            Get(keys.joins(member_round + 1), prefix=True),
+            Get(keys.nodes, prefix=True),
+        ]
+        res = await store.txn([], reads)
+        rounds, joins, present = res.gets
+        if not rounds:
+            return
+        rec = RoundRecord.decode(rounds[0].key, rounds[0].value)
+        if not _opened_by_failure(rec, node_id, member_round):
+            return
+        done = {node_id, *rec.reporters, *(K.node_id_of(kv.key) for kv in joins)}
+        alive = {K.node_id_of(kv.key) for kv in present}
+        awaited = [p.node_id for p in rec.prev if p.node_id not in done and p.node_id in alive]
+        seen.append(Settled(rec.pending_failure, tuple(awaited)))
+        if not awaited:
+            return
+        watch = await store.watch(keys.root, prefix=True, start_revision=res.revision + 1)
+        async with watch:
+            async for _event in watch:
+                break
