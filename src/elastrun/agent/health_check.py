@@ -52,9 +52,10 @@ class HealthCheck(Feature):
         self.port = port
         self.server: asyncio.Server | None = None
         self.clients = 0
+        self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        asyncio.get_running_loop().create_task(self._serve())
+        self._task = asyncio.get_running_loop().create_task(self._serve())
 
     async def _serve(self) -> None:
         try:
@@ -89,6 +90,8 @@ class HealthCheck(Feature):
             writer.close()
 
     async def close(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
         if self.server is not None:
             self.server.close()
             with contextlib.suppress(TimeoutError):
