@@ -29,7 +29,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FAILURE_RECORD_VERSION", "FailedWorker", "FailureRecord", "describe_stored"]
+__all__ = [
+    "FAILURE_RECORD_VERSION",
+    "FailedWorker",
+    "FailureRecord",
+    "describe_stored",
+    "first_failure",
+]
 
 FAILURE_RECORD_VERSION = 1
 NO_RECORD = "workers failed on another node"
@@ -181,6 +187,31 @@ class FailureRecord:
             if isinstance(failures, list)
             else (),
         )
+
+
+def _order(record: FailureRecord) -> tuple[int, float]:
+    """A record's place in the job's order of failures: a node's own root
+    cause (a rank that failed by itself) before a failure its agent caused,
+    then by time (a record without one last)."""
+    when = record.time if record.time is not None and math.isfinite(record.time) else math.inf
+    return (0 if record.role == "root_cause" else 1, when)
+
+
+def first_failure(
+    current: FailureRecord | None, other: FailureRecord | None
+) -> FailureRecord | None:
+    """The job's root cause of two nodes' failures: the one that came first
+    (see :func:`_order`; ``current`` on a tie, and when ``other`` is None).
+
+    Ranks that fail because a peer's crash broke their collective exit
+    after that crash (cause precedes effect: the peer's process ended, its
+    sockets closed, the rank noticed, raised and its interpreter shut down),
+    so the earliest failure across nodes is the one that started the cascade,
+    as long as the nodes' clocks agree better than that delay (NTP keeps
+    them within milliseconds; the cascade takes tens of milliseconds or more)."""
+    if current is None or other is None:
+        return current or other
+    return other if _order(other) < _order(current) else current
 
 
 def describe_stored(raw: object) -> str:

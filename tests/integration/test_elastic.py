@@ -47,16 +47,19 @@ def test_crash_without_restarts_names_root_cause(tmp_path: Path) -> None:
         codes = (a.wait(BOUND), b.wait(BOUND))
         assert all(code != 0 for code in codes), codes
         out = a.output() + b.output()
-        # The crashed rank's node names it the root cause. (The other node's
-        # rank, whose all-reduce broke, may fail before its agent hears of
-        # the restart: that node then reports it as its own failure too.)
-        assert "[root cause] rank 1 " in out.lower(), out[-4000:]
+        # The crashed rank's node names it the root cause; the other node's
+        # rank, whose all-reduce broke, is never named the root cause, even
+        # when it failed before its agent heard of the restart.
+        assert "[ROOT CAUSE] rank 1 " in out, out[-4000:]
+        assert "[ROOT CAUSE] rank 0 " not in out, out[-4000:]
         assert not any(pid_alive(s["pid"]) for s in j.steps())
 
 
 def test_every_node_prints_what_failed_when_workers_restart(tmp_path: Path) -> None:
-    """A worker crashes on one node: the other node's agent, whose workers were
-    fine, prints the same one-line reason (rank, host, exit code)."""
+    """A worker crashes on one node: the other node's agent prints the same
+    one-line reason (rank, host, exit code), whether its own rank was fine or
+    failed when its all-reduce broke (then in a summary that names the other
+    node's rank as the root cause)."""
     port = free_port()
     with job(tmp_path) as j:
         a = j.start_agent("a", c10d_flags(port, host=True, nnodes="2"))
@@ -68,9 +71,10 @@ def test_every_node_prints_what_failed_when_workers_restart(tmp_path: Path) -> N
         j.touch("finish")
         assert a.wait(BOUND) == 0, a.output()[-3000:]
         assert b.wait(BOUND) == 0, b.output()[-3000:]
-    crashed = [x for x in (a, b) if "workers failed; restarting them" in x.output()]
+    crashed = [x for x in (a, b) if "[ROOT CAUSE] rank 1 " in x.output()]
     assert len(crashed) == 1, [x.output()[-2000:] for x in (a, b)]
     other = b if crashed[0] is a else a
+    assert "[ROOT CAUSE] rank 0 " not in other.output(), other.output()[-3000:]
     line = (
         f"elastrun: restarting workers (restart 1/3): rank 1 on {socket.gethostname()} "
         "exited with code 1"

@@ -269,12 +269,17 @@ def test_local_rank_macro_cold_and_from_warm_interpreters(tmp_path: Path) -> Non
     (tmp_path / "m.py").write_text(
         textwrap.dedent(
             """
-            import json, os, sys
+            import json, os, sys, time
             import torch  # so that a restart takes the warm interpreters
             attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
             seen = {"argv": sys.argv[1:], "LOCAL_RANK": os.environ["LOCAL_RANK"]}
             print("ARGS " + json.dumps({**seen, "attempt": attempt}), flush=True)
+            open(f"printed-{os.environ['LOCAL_RANK']}-{attempt}", "w").close()
             if attempt == "0" and os.environ["LOCAL_RANK"] == "1":
+                for _ in range(1200):  # rank 0 printed before the group fails
+                    if os.path.exists("printed-0-0"):
+                        break
+                    time.sleep(0.05)
                 sys.exit(3)
             """
         )

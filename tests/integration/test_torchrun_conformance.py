@@ -14,9 +14,9 @@ check ``--local_rank``, form a process group with a given init method, report
 Upstream cases not here test torch's internals through mocks (an agent or
 rendezvous handler patched to raise, ``_get_entrypoint_name``, the event
 recorder) or devices this machine lacks (``--nproc-per-node=gpu|xpu`` with
-torch's device counts patched, ``--virtual-local-rank`` on 2 GPUs); the
-deliberate differences are listed in docs/cli.md ("Conformance with
-torchrun's tests").
+torch's device counts patched); the deliberate differences are listed in
+docs/cli.md ("Conformance with torchrun's tests"). torchrun's remaining flags
+and LaunchConfig fields are in test_torchrun_flags.py.
 """
 
 from __future__ import annotations
@@ -385,12 +385,6 @@ def test_capture_logs_using_default_logs_specs(tmp_path: Path) -> None:
     for i in range(4):
         assert f"[rank{i}]: creating " in proc.stdout, proc.stdout
     assert ": : " not in proc.stdout  # the template, exactly, once
-
-
-def test_virtual_local_rank_is_refused_with_a_reason() -> None:
-    proc = torchrun("--virtual-local-rank", "--no-python", "true")
-    assert proc.returncode == 2
-    assert "--virtual-local-rank" in proc.stderr and "CUDA_VISIBLE_DEVICES" in proc.stderr
 
 
 # ------------------------------------------------------------ launch_test.py

@@ -295,8 +295,7 @@ BAD = [
     (["--hang-timeout=inf"], "--hang-timeout", "finite"),
     (["--exit-barrier-timeout=x"], "--exit-barrier-timeout", "number"),
     (["--log-template={nope}"], "--log-template", "fields"),
-    (["--numa-binding=node"], "--numa-binding", "not supported"),
-    (["--virtual-local-rank"], "--virtual-local-rank", "not supported"),
+    (["--numa-binding=nodes"], "--numa-binding", "invalid choice"),
     (["--role="], "--role", "empty"),
 ]
 

@@ -240,3 +240,21 @@ def test_the_watcher_lost_while_running_ends_the_barrier() -> None:
 
 async def _is(value: object, expected: object) -> bool:
     return value is expected
+
+
+def test_a_member_that_leaves_on_purpose_is_said_to_have_left_not_lost() -> None:
+    async def scenario(graceful: bool) -> str:
+        store = memory_store()
+        hs = await form(store, 2)
+        change = asyncio.create_task(hs[0].wait_for_change())
+        await vloop().all_tasks_blocked()
+        if graceful:
+            await hs[1].shutdown()  # its agent stops: it says so, then revokes
+        else:
+            await die(hs[1])
+        detail = (await asyncio.wait_for(change, 10.0)).detail
+        await close_all(hs)
+        return detail
+
+    assert run(lambda: scenario(True)) == "node h1 (n1) left the job (its agent stopped)"
+    assert run(lambda: scenario(False)) == "node h1 (n1) lost: lease expired or revoked"

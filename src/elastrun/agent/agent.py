@@ -25,7 +25,10 @@ into the core's hooks (agent/hooks.py), listed in :data:`FEATURES`:
 * the wait, before a restart, for the stopped workers' GPU memory
   (agent/gpu_release.py);
 * memory checkpoints: the workers' snapshots in shared memory, kept across
-  worker restarts and written to disk in the background (agent/memory.py).
+  worker restarts and written to disk in the background (agent/memory.py);
+* torch's file timers (agent/file_timers.py): the server of
+  ``TORCHELASTIC_TIMER_FILE``; the health check of
+  ``TORCHELASTIC_HEALTH_CHECK_PORT`` (agent/health_check.py).
 
 Why hooks rather than a richer core: each feature is several kinds of code
 (a process of its own, per-round state, job notes, its events and console
@@ -58,21 +61,29 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from elastrun.agent import gpu_release, hang_group, memory, warm
+from elastrun.agent import file_timers, gpu_release, hang_group, health_check, memory, warm
 from elastrun.agent.children import Reaper
 from elastrun.agent.env import check_round
 from elastrun.agent.failures import (
+    ROOT_CAUSE,
+    SETTLE_TIMEOUT,
     change_line,
     classify,
+    elsewhere,
     failure_record,
     format_summary,
-    restart_line,
     summary_title,
     with_report,
 )
 from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.hooks import Core, Feature
-from elastrun.agent.log_dirs import claim_host_dir, open_event_log, release_host_dir, temp_dir
+from elastrun.agent.log_dirs import (
+    claim_host_dir,
+    error_files,
+    open_event_log,
+    release_host_dir,
+    temp_dir,
+)
 from elastrun.agent.logs import LogWriteErrors, needs_files
 from elastrun.agent.signals import Signalled, SignalRouter, StopSignals
 from elastrun.agent.spec import WorkerSpec
@@ -96,6 +107,8 @@ FEATURES: tuple[Callable[[Core], list[Feature]], ...] = (
     hang_group.features,
     gpu_release.features,
     memory.features,
+    file_timers.features,
+    health_check.features,
 )
 
 
@@ -221,7 +234,11 @@ class Agent:
         if self._host_pidfile is not None:
             release_host_dir(self._host_pidfile)
         if self._temp_base and self._base_dir is not None:
-            shutil.rmtree(self._base_dir, ignore_errors=True)
+            kept = error_files(self._base_dir)
+            if kept:  # as torchrun: the workers' error files outlive the launch
+                say(f"elastrun: the workers' error files are kept: {', '.join(kept)}")
+            else:
+                shutil.rmtree(self._base_dir, ignore_errors=True)
         if self._events_file is not None:
             self._events_file.close()
 
@@ -309,7 +326,9 @@ class Agent:
                     if code is not None:
                         return code
                 case Change():
-                    await self._on_change(group, ended, result)
+                    code = await self._on_change(group, ended, result)
+                    if code is not None:
+                        return code
 
     async def _next_round(self) -> RoundResult:
         for feature in self.features:
@@ -369,10 +388,20 @@ class Agent:
         self.events.emit("job_finished", exit_code=0, reason="workers_succeeded")
         return 0
 
-    async def _on_change(self, group: WorkerGroup, change: Change, result: RoundResult) -> None:
-        say(printable(change_line(change, result)))  # the detail is another node's
+    async def _on_change(
+        self, group: WorkerGroup, change: Change, result: RoundResult
+    ) -> int | None:
+        own = group.failed  # this node's ranks failed too (a race with another node's)
+        if not own:
+            say(printable(change_line(change, result)))  # the detail is another node's
         await group.changed(change)
         await self._stop_group(signal.SIGKILL if change.stop_now else signal.SIGTERM)
+        if own and change.counts_as_restart:
+            # Reported as this node's failure: the job's root cause is the
+            # first of the failures the nodes report (its own, or another's).
+            return await self._report(group, result, None)
+        if own:
+            say(printable(change_line(change, result)))
         self._stops.raise_pending()
         self.events.emit(
             "restart",
@@ -382,6 +411,7 @@ class Agent:
             counted=change.counts_as_restart,
             round=result.round,
         )
+        return None
 
     async def _request_restart(self, record: FailureRecord) -> RestartBudgetExhausted | None:
         try:
@@ -390,10 +420,26 @@ class Agent:
             return e
         return None
 
+    async def _job_failure(self, result: RoundResult, record: FailureRecord) -> FailureRecord:
+        """The job's root cause, once the other members reported theirs:
+        another node's failure may have come first (its crash broke these
+        ranks' collective), and the first is the job's root cause."""
+        job = await self._stops.first(self.rendezvous.job_failure(record, SETTLE_TIMEOUT))
+        if job is not record:
+            self.events.emit(
+                "root_cause_elsewhere",
+                round=result.round,
+                attempt=self._attempt,
+                failure=job.to_json(),
+                node_failure=record.to_json(),
+            )
+        return job
+
     async def _on_failure(self, group: WorkerGroup, result: RoundResult) -> int | None:
         declared = group.declared_alive()
         host = self.spec.host
         report = ""
+        exhausted: RestartBudgetExhausted | None = None
         if declared:
             # A rank declared failed while it runs (a hang): tell the other
             # nodes before stopping it, so that theirs still wait for it while
@@ -401,11 +447,29 @@ class Agent:
             exhausted = await self._request_restart(failure_record(classify(declared), host))
             report = await self._stops.first(group.report())
         await self._stop_group(signal.SIGTERM)
+        return await self._report(group, result, (exhausted, report) if declared else None)
+
+    async def _report(
+        self,
+        group: WorkerGroup,
+        result: RoundResult,
+        reported: tuple[RestartBudgetExhausted | None, str] | None,
+    ) -> int | None:
+        """Once this node's workers stopped: report their failure (unless
+        ``reported``: what requesting the restart gave, and the features'
+        report), print the summary. Returns the agent's exit code when the
+        job failed."""
         failures = classify(group.failures())
-        record = failure_record(failures, host)
-        if not declared:
+        record = failure_record(failures, self.spec.host)
+        if reported is None:
             exhausted = await self._request_restart(record)
             report = await self._stops.first(group.report())
+        else:
+            exhausted, report = reported
+        job = record if exhausted is not None else await self._job_failure(result, record)
+        peer = None if job is record else job
+        if peer is not None:
+            failures = elsewhere(failures)
         if exhausted is not None:
             header = (
                 f"elastrun: job failed: workers failed and no restarts are left "
@@ -416,13 +480,14 @@ class Agent:
                 "job_failed", exit_code=1, reason="restarts_exhausted", failure=record.to_json()
             )
             return 1
-        say(with_report(format_summary(failures, summary_title(result)), report))
+        # The title announces the restart, once (with the job's root cause).
+        known = peer is not None or any(f.role == ROOT_CAUSE for f in failures)
+        title = summary_title(result, job if known else None)
+        say(with_report(format_summary(failures, title, peer=peer), report))
         # With no restarts left, the rendezvous decides when the next round
         # closes: the job fails unless a node was lost (then this failure is
         # collateral, not counted).
         spent = result.restart_count >= result.max_restarts
-        if not spent:
-            say(restart_line(result, failures, record))
         self._stops.raise_pending()
         if spent:
             return None
@@ -432,7 +497,7 @@ class Agent:
             reason="worker_failed",
             counted=True,
             round=result.round,
-            failure=record.to_json(),
+            failure=job.to_json(),
         )
         return None
 

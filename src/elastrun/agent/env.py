@@ -16,7 +16,14 @@ from elastrun.agent.spec import WorkerSpec
 from elastrun.errors import WorkerError
 from elastrun.rendezvous.api import RoundResult
 
-__all__ = ["ROUND_ENV_VARS", "WORKER_ENV_VARS", "check_round", "stable_env", "worker_env"]
+__all__ = [
+    "ROUND_ENV_VARS",
+    "WORKER_ENV_VARS",
+    "check_round",
+    "stable_env",
+    "virtual_local_rank",
+    "worker_env",
+]
 
 # The variables that change from round to round; the rest of a worker's
 # environment is the same in every round (stable_env).
@@ -102,7 +109,25 @@ def stable_env(
     )
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    if spec.virtual_local_rank:
+        env.update(virtual_local_rank(local_rank, os.environ.get("CUDA_VISIBLE_DEVICES")))
     return env
+
+
+def virtual_local_rank(local_rank: int, visible: str | None) -> dict[str, str]:
+    """torchrun's --virtual-local-rank: every worker is local rank 0 of its
+    own device (the local rank's entry of ``CUDA_VISIBLE_DEVICES``, else the
+    local rank). Raises WorkerError when the list is shorter."""
+    device = str(local_rank)
+    if visible is not None:
+        devices = [d.strip() for d in visible.split(",")]
+        if local_rank >= len(devices):
+            raise WorkerError(
+                f"--virtual-local-rank: local rank {local_rank} has no device in "
+                f"CUDA_VISIBLE_DEVICES={visible!r}"
+            )
+        device = devices[local_rank]
+    return {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": device}
 
 
 def worker_env(

@@ -20,6 +20,12 @@ after the root cause (a cascade: a peer's collective broke), are collateral.
 A rank a feature declared failed while it ran (a hang) fails at the moment
 of the declaration. The ``worker_exited`` event's ``cause`` and the failure
 summary both come from this rule.
+
+Across nodes, the job's root cause is the first failure any node reported
+(:mod:`elastrun.rendezvous.root_cause`): a node whose ranks failed after
+another node's (a peer's crash broke their collective) learns it before it
+prints its summary (:func:`elsewhere`), and names the other node's rank as
+the root cause (``peer`` in :func:`format_summary`).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ __all__ = [
     "change_line",
     "classify",
     "describe_exit",
+    "elsewhere",
     "failure_record",
     "format_summary",
     "read_error_file",
@@ -57,6 +64,10 @@ __all__ = [
 
 MAX_ERROR_FILE_BYTES = 1 << 20  # an error file larger than this is not read (said so)
 # What a failure record keeps (it is written to the store and the event log).
+# How long a node whose workers failed waits for the other members of the
+# round to report theirs (or rejoin) before it prints its summary: the job's
+# root cause may be another node's earlier failure.
+SETTLE_TIMEOUT = 5.0
 MAX_TRACEBACK_CHARS = 8000
 MAX_TAIL_LINES = 10
 MAX_TAIL_LINE_CHARS = 300
@@ -203,6 +214,8 @@ class WorkerFailure:
     error: ErrorFileInfo | None = None
     stderr_tail: tuple[str, ...] = ()
     stdout_tail: tuple[str, ...] = ()
+    # The last lines of both streams, in the order they came (its last output).
+    output_tail: tuple[str, ...] = ()
     stdout_log: str | None = None
     stderr_log: str | None = None
     error_file: str | None = None
@@ -306,6 +319,12 @@ def classify(failures: list[WorkerFailure]) -> list[WorkerFailure]:
     return [marked[i] for i in order]
 
 
+def elsewhere(failures: list[WorkerFailure]) -> list[WorkerFailure]:
+    """``failures`` when another node's failure came first: each of them
+    collateral (its rank failed after the job's root cause)."""
+    return [f if f.role != ROOT_CAUSE else replace(f, role=COLLATERAL) for f in failures]
+
+
 def _count(n: int, noun: str) -> str:
     """``1 line``, ``3 lines``."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
@@ -346,6 +365,8 @@ def _root_cause_lines(f: WorkerFailure, tail_lines: int) -> list[str]:
             first, *more = _block(f.error.message) or [""]
             lines.append(f"  error: {first}")
             lines.extend("    " + ln for ln in more)
+        if f.error_file and os.path.isfile(f.error_file):
+            lines.append(f"  error file: {f.error_file}")
         if f.error.traceback:
             lines.append("  traceback (from the error file):")
             lines.extend("    " + ln for ln in _block(f.error.traceback))
@@ -353,6 +374,9 @@ def _root_cause_lines(f: WorkerFailure, tail_lines: int) -> list[str]:
     tail, stream = f.stderr_tail[-tail_lines:], "stderr"
     if not any(ln.strip() for ln in tail):
         tail, stream = f.stdout_tail[-tail_lines:], "stdout (nothing on stderr)"
+    elif any(ln.strip() for ln in f.stdout_tail) and f.output_tail:
+        # Both streams: its last output, whichever stream it went to.
+        tail, stream = f.output_tail[-tail_lines:], "its output (stdout and stderr, in order)"
     if any(ln.strip() for ln in tail):
         lines.append(f"  last {_count(len(tail), 'line')} of {stream}:")
         lines.extend("    " + printable(ln, lines=True) for ln in tail)
@@ -381,13 +405,42 @@ def _log_lines(failures: list[WorkerFailure]) -> list[str]:
     return lines
 
 
-def format_summary(failures: list[WorkerFailure], header: str, tail_lines: int = 20) -> str:
-    """The human summary, root cause first (``failures`` as returned by classify).
-    What the workers wrote (error files, output lines) is escaped for the
-    terminal: control characters become visible escapes (``\\x1b``), each line
-    stays one line."""
+def _peer_lines(peer: FailureRecord, tail_lines: int) -> list[str]:
+    """The job's root cause on another node, from the record it reported."""
+    when = f" at {_fmt_time(peer.time)}" if peer.time is not None else ""
+    lines = [f"[ROOT CAUSE] on another node: {printable(peer.describe())}{when}"]
+    if peer.message:
+        first, *more = _block(peer.message) or [""]
+        lines.append(f"  error: {first}")
+        lines.extend("    " + ln for ln in more)
+    if peer.traceback:
+        lines.append("  traceback (from its error file):")
+        lines.extend("    " + ln for ln in _block(peer.traceback))
+    elif any(ln.strip() for ln in peer.stderr_tail):
+        tail = peer.stderr_tail[-tail_lines:]
+        lines.append(f"  last {_count(len(tail), 'line')} of its stderr:")
+        lines.extend("    " + printable(ln, lines=True) for ln in tail)
+    if peer.stderr_log:
+        lines.append(f"  full log on {printable(peer.host or '?')}: {printable(peer.stderr_log)}")
+    return lines
+
+
+def format_summary(
+    failures: list[WorkerFailure],
+    header: str,
+    tail_lines: int = 20,
+    *,
+    peer: FailureRecord | None = None,
+) -> str:
+    """The human summary, root cause first (``failures`` as returned by
+    classify; ``peer``: the job's root cause when it is another node's, whose
+    record is shown first). What the workers wrote (error files, output
+    lines, another node's record) is escaped for the terminal: control
+    characters become visible escapes (``\\x1b``), each line stays one line."""
     bar = "=" * 72
     lines = [bar, header, bar]
+    if peer is not None:
+        lines.extend(_peer_lines(peer, tail_lines))
     if not failures:
         lines.append("(no worker failed on this node)")
     for f in failures:
@@ -406,13 +459,12 @@ def format_summary(failures: list[WorkerFailure], header: str, tail_lines: int =
 # ------------------------------------------------------- the lines about a round's end
 
 
-def summary_title(result: RoundResult) -> str:
-    """The failure summary's title when a restart may be left."""
+def summary_title(result: RoundResult, root: FailureRecord | None = None) -> str:
+    """The failure summary's title. With a restart left it is the one line
+    that announces the restart (:func:`restart_line`: the job's root cause,
+    ``root``), as every other node prints it."""
     if result.restart_count < result.max_restarts:
-        return (
-            f"elastrun: workers failed; restarting them "
-            f"(restart {result.restart_count + 1} of {result.max_restarts})"
-        )
+        return restart_line(result, root)
     spent = f"no restarts are left (max restarts {result.max_restarts})"
     if len(result.members) <= 1:
         # No other node in the group: none can have been lost.
@@ -423,12 +475,13 @@ def summary_title(result: RoundResult) -> str:
     )
 
 
-def restart_line(result: RoundResult, failures: list[WorkerFailure], record: FailureRecord) -> str:
-    """The one console line that says why the workers restart."""
-    root = any(f.role == ROOT_CAUSE for f in failures)
+def restart_line(result: RoundResult, root: FailureRecord | None) -> str:
+    """The one console line that says why the workers restart (``root``: the
+    job's root cause; None: the agent stopped every failed rank itself)."""
+    why = printable(root.describe()) if root is not None else "workers failed on this node"
     return (
         f"elastrun: restarting workers (restart {result.restart_count + 1}/"
-        f"{result.max_restarts}): " + (record.describe() if root else "workers failed on this node")
+        f"{result.max_restarts}): {why}"
     )
 
 

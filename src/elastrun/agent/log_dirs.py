@@ -24,6 +24,7 @@ from elastrun.safefs import UnsafePath, check_parent, create_new, private_dir, r
 __all__ = [
     "HOST_PID_FILE",
     "claim_host_dir",
+    "error_files",
     "open_event_log",
     "rank_dir",
     "refusal",
@@ -179,3 +180,28 @@ def _read_pid(path: str) -> int | None:
         return int(read_regular(path, MAX_PID_FILE_BYTES).decode("ascii", "replace").strip())
     except (OSError, ValueError):
         return None
+
+
+MAX_LISTED_ERROR_FILES = 64  # error files named at exit (attempts x local ranks)
+
+
+def error_files(base: str) -> list[str]:
+    """The workers' error files under an agent's folder of attempts
+    (``attempt_N/LOCAL_RANK/error.json``), at most ``MAX_LISTED_ERROR_FILES``,
+    oldest attempt first; links and other files are not followed."""
+    found: list[str] = []
+    try:
+        attempts = sorted(
+            (e for e in os.scandir(base) if e.is_dir(follow_symlinks=False)),
+            key=lambda e: (len(e.name), e.name),
+        )
+        for attempt in attempts:
+            for rank in sorted(os.scandir(attempt.path), key=lambda e: (len(e.name), e.name)):
+                path = os.path.join(rank.path, "error.json")
+                if rank.is_dir(follow_symlinks=False) and os.path.isfile(path):
+                    found.append(path)
+                    if len(found) >= MAX_LISTED_ERROR_FILES:
+                        return found
+    except OSError:
+        pass
+    return found

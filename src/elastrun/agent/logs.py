@@ -19,7 +19,12 @@ console lines appear when the worker writes them. Per local rank and stream:
   ``[rank{R}]: `` once the process group exists; where our prefix already
   shows the rank, that copy is dropped on the console (files keep every byte);
 * tails: the last lines of every rank's stderr and stdout are always kept in
-  memory for the failure summary, whatever the redirects.
+  memory for the failure summary, whatever the redirects;
+* duplicated lines (``--duplicate-stdout-filters`` / ``--duplicate-stderr-filters``,
+  as torchrun): the lines of ``--tee``'d streams that contain one of the
+  texts are also appended, with their console prefix, to
+  ``filtered_stdout.log`` / ``filtered_stderr.log`` in the attempt's folder
+  (:class:`FilteredCopy`, one per stream and attempt).
 
 Folders are made private and without following links by agent/log_dirs.py.
 Log files are opened to append with no link followed and never a FIFO
@@ -38,11 +43,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import os
 import re
 import string
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import BinaryIO, TextIO
 
@@ -55,6 +61,7 @@ from elastrun.safefs import (
 )
 
 __all__ = [
+    "FilteredCopy",
     "LinePump",
     "LogWriteErrors",
     "StreamRoute",
@@ -125,6 +132,47 @@ def validate_template(template: str) -> None:
         ) from None
 
 
+class FilteredCopy:
+    """``filtered_{stream}.log`` of one attempt: the lines that contain one
+    of ``filters``. Opened at the first such line (the attempt's folder
+    exists by then), without following a link, never a FIFO; a file that
+    cannot be written is reported once, as any log file."""
+
+    def __init__(
+        self, path: str, filters: tuple[str, ...], errors: LogWriteErrors | None = None
+    ) -> None:
+        self.path = path
+        self.filters = filters
+        self._errors = errors if errors is not None else LogWriteErrors()
+        self._file: BinaryIO | None = None
+        self._failed = False
+
+    def line(self, text: str, prefix: str) -> None:
+        if not any(f in text for f in self.filters):
+            return
+        data = (prefix + text).encode("utf-8", errors="replace")
+        if self._file is None and not self._failed:
+            try:
+                self._file = os.fdopen(append_fd(self.path, FILE_MODE), "ab", buffering=0)
+            except OSError as e:
+                self._failed = True
+                self._errors.report(self.path, e, console=True)
+        if self._file is None:
+            self._errors.count_lost(self.path, len(data))
+            return
+        try:
+            self._file.write(data)
+        except OSError as e:
+            self._errors.report(self.path, e, console=True)
+            self._errors.count_lost(self.path, len(data))
+
+    def close(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+
+
 @dataclass(frozen=True)
 class StreamRoute:
     """Where one stream of one worker goes."""
@@ -138,6 +186,8 @@ class StreamRoute:
     # lines, and of console lines when ``prefix`` already names the rank.
     rank_tag: str = ""
     console_drops_tag: bool = False
+    # Lines that contain a --duplicate-*-filters text are also copied here.
+    copy: FilteredCopy | None = None
 
 
 def routes_for(
@@ -148,9 +198,11 @@ def routes_for(
     rank: int,
     group_rank: int = 0,
     restart: int = 0,
+    copies: Mapping[str, FilteredCopy] | None = None,
 ) -> tuple[StreamRoute, StreamRoute]:
     """(stdout, stderr) routes of one worker (global rank ``rank``).
-    ``attempt_dir`` is None when no files are kept at all for this attempt."""
+    ``attempt_dir`` is None when no files are kept at all for this attempt;
+    ``copies``: the attempt's filtered copy of each stream, for its tee'd ranks."""
     redirect = std_flags(spec.redirects, local_rank)
     tee = std_flags(spec.tee, local_rank)
     shown = spec.local_ranks_filter is None or local_rank in spec.local_ranks_filter
@@ -183,9 +235,16 @@ def routes_for(
         # console as the worker wrote them.
         prefix = ours if not torch_style or tee & bit else ""
         drops = bool(prefix) and shows_rank(template)
+        copy = (copies or {}).get(name) if tee & bit else None
         out.append(
             StreamRoute(
-                name, path, console, prefix, rank_tag=torch_rank_tag(rank), console_drops_tag=drops
+                name,
+                path,
+                console,
+                prefix,
+                rank_tag=torch_rank_tag(rank),
+                console_drops_tag=drops,
+                copy=copy,
             )
         )
     return out[0], out[1]
@@ -293,10 +352,16 @@ class LinePump:
         errors: LogWriteErrors | None = None,
         rank: int | None = None,
         local_rank: int | None = None,
+        *,
+        order: Iterator[int] | None = None,
     ) -> None:
         self.reader = reader
         self.route = route
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        # Each tail line's place among the worker's lines of both streams
+        # (``order``: shared by its two pumps), for the summary's last output.
+        self._order = order if order is not None else itertools.count()
+        self.tail_order: collections.deque[int] = collections.deque(maxlen=TAIL_LINES)
         self._partial = b""
         self._file: BinaryIO | None = None
         self._errors = errors if errors is not None else LogWriteErrors()
@@ -382,6 +447,9 @@ class LinePump:
         bare = text[len(tag) :] if tag and text.startswith(tag) else text
         if self.route.keep_tail:
             self.tail.append(bare.rstrip("\r\n")[:MAX_TAIL_LINE])
+            self.tail_order.append(next(self._order))
+        if self.route.copy is not None:
+            self.route.copy.line(text if text.endswith("\n") else text + "\n", self.route.prefix)
         if self.route.console:
             if self.route.console_drops_tag:
                 text = bare

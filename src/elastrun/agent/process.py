@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO
 
 from elastrun.agent.channel import RunnerChannel
 from elastrun.agent.children import ForkedProcess
 from elastrun.agent.failures import Ending, ErrorFileInfo, WorkerFailure, read_error_file
-from elastrun.agent.logs import LinePump, LogWriteErrors, StreamRoute
+from elastrun.agent.logs import TAIL_LINES, LinePump, LogWriteErrors, StreamRoute
 
 __all__ = ["Declared", "Process", "Worker", "killpg"]
 
@@ -65,11 +66,17 @@ class Worker:
     # is the agent's doing, never a root cause (failures.roles).
     agent_signals: set[int] = field(default_factory=set)
     declared: Declared | None = None
+    # When its runner said the script failed (an uncaught exception, a
+    # non-zero exit: the Failing message), by the agent's clocks: its failure
+    # time, as its exit may come a while later (the interpreter's teardown).
+    failing: tuple[float, float] | None = None  # monotonic, wall
     warm: bool = False  # forked by a feature (a warm start), not spawned
     pumps: list[LinePump] = field(default_factory=list)
     pump_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     transports: list[asyncio.BaseTransport] = field(default_factory=list)
     pidfd: int | None = None
+    # The order of its output lines across stdout and stderr (its pumps share it).
+    lines: Iterator[int] = field(default_factory=itertools.count)
 
     @property
     def pid(self) -> int:
@@ -100,7 +107,7 @@ class Worker:
     ) -> None:
         reader = asyncio.StreamReader(limit=1 << 20)
         protocol = asyncio.StreamReaderProtocol(reader)
-        pump = LinePump(reader, route, log_errors, self.rank, self.local_rank)
+        pump = LinePump(reader, route, log_errors, self.rank, self.local_rank, order=self.lines)
         self.pumps.append(pump)
 
         async def run() -> None:
@@ -170,10 +177,19 @@ class Worker:
                         pipe.close()
 
     # ------------------------------------------------------------ its end
+    def failed_at(self) -> tuple[float | None, float | None]:
+        """When it failed (monotonic, wall): declared, else when its runner
+        said so (for a non-zero exit), else its exit."""
+        if self.declared is not None:
+            return self.declared.monotonic, self.declared.wall
+        if self.failing is not None and self.returncode not in (None, 0):
+            return self.failing
+        return self.exit_monotonic, self.exit_wall
+
     def ending(self, now: float) -> Ending:
         """As the root-cause rule sees it."""
         declared = self.declared
-        at = declared.monotonic if declared is not None else self.exit_monotonic
+        at = self.failed_at()[0]
         return Ending(
             self.returncode,
             now if at is None else at,
@@ -198,18 +214,20 @@ class Worker:
                 traceback=error.traceback if error is not None else None,
                 timestamp=int(declared.wall),
             )
+        at, wall = self.failed_at()
         return WorkerFailure(
             rank=self.rank,
             local_rank=self.local_rank,
             host=host,
             pid=self.pid,
             returncode=rc,
-            exit_time=declared.wall if declared else self.exit_wall or time.time(),
-            exit_monotonic=declared.monotonic if declared else self.exit_monotonic or now,
+            exit_time=wall or time.time(),
+            exit_monotonic=now if at is None else at,
             stopped_by_agent=self.ending(now).by_agent,
             error=error,
             stderr_tail=tuple(stderr_pump.tail) if stderr_pump else (),
             stdout_tail=tuple(stdout_pump.tail) if stdout_pump else (),
+            output_tail=last_output(stdout_pump, stderr_pump),
             stdout_log=self.routes[0].file_path,
             stderr_log=self.routes[1].file_path,
             error_file=self.error_file,
@@ -217,3 +235,15 @@ class Worker:
             restart_count=restart_count,
             hang=declared.why if declared else None,
         )
+
+
+def last_output(*pumps: LinePump | None) -> tuple[str, ...]:
+    """The last lines a worker wrote, stdout and stderr together, in the
+    order they reached the agent."""
+    lines = [
+        (n, line)
+        for pump in pumps
+        if pump is not None
+        for n, line in zip(pump.tail_order, pump.tail, strict=False)
+    ]
+    return tuple(line for _, line in sorted(lines)[-TAIL_LINES:])

@@ -41,7 +41,8 @@ class Std(enum.IntFlag):
 
 
 class StartMethod(enum.StrEnum):
-    """``--start-method``: accepted for compatibility; workers are always exec'd."""
+    """``--start-method``: accepted for compatibility, not used (Python workers
+    are forked from the warm interpreter, others exec'd)."""
 
     SPAWN = "spawn"
     FORK = "fork"
@@ -124,3 +125,14 @@ class WorkerSpec:
     # Exit 1 when the workers succeeded but some of their output could not be
     # written to its log file (default: a warning and an event only).
     require_logs: bool = False
+    # torchrun's --duplicate-stdout-filters / --duplicate-stderr-filters: lines
+    # of --tee'd streams holding one of these texts are also written to the
+    # attempt's filtered_stdout.log / filtered_stderr.log.
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    # torchrun's --virtual-local-rank: LOCAL_RANK=0, CUDA_VISIBLE_DEVICES the
+    # local rank's own device.
+    virtual_local_rank: bool = False
+    # --numa-binding: each local rank's CPUs ("0-15,32-47"), run under
+    # numactl --physcpubind (the launcher found them: launcher/numa.py).
+    cpu_binding: dict[int, str] = field(default_factory=dict)

@@ -44,7 +44,7 @@ from elastrun.agent.env import worker_env
 from elastrun.agent.failures import WorkerFailure, roles
 from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.log_dirs import rank_dir
-from elastrun.agent.logs import LogWriteErrors, routes_for
+from elastrun.agent.logs import FilteredCopy, LogWriteErrors, routes_for
 from elastrun.agent.process import Declared, Worker, killpg
 from elastrun.agent.round_hooks import RoundHooks
 from elastrun.agent.spawn import launcher_stdin, preexec_for
@@ -54,9 +54,13 @@ from elastrun.errors import WorkerError
 from elastrun.events import EventSink
 from elastrun.procs import signal_name
 from elastrun.rendezvous.api import Change, RoundResult
-from elastrun.worker._messages import Message
+from elastrun.worker._messages import Failing, Message
 
-__all__ = ["Worker", "WorkerGroup"]
+__all__ = ["FAILING_GRACE", "Worker", "WorkerGroup"]
+
+# How long a rank whose script failed may take to end by itself (its
+# interpreter's teardown) before it is stopped like the others.
+FAILING_GRACE = 5.0
 
 KILL_WAIT = 5.0  # after SIGKILL, how long to wait for the kernel to finish them
 DRAIN_TIMEOUT = 2.0  # after exit, how long to wait for the rest of a worker's output
@@ -98,6 +102,16 @@ class WorkerGroup:
         self._hurry = asyncio.Event()
         self._ended = False
         self._closed = False
+        self.copies = {
+            name: FilteredCopy(
+                os.path.join(attempt_dir, f"filtered_{name}.log"), filters, self.log_errors
+            )
+            for name, filters in (
+                ("stdout", spec.duplicate_stdout_filters),
+                ("stderr", spec.duplicate_stderr_filters),
+            )
+            if filters and keep_files
+        }
         for lr in range(spec.nproc):
             rank = result.rank_offset + lr
             routes = routes_for(
@@ -107,6 +121,7 @@ class WorkerGroup:
                 rank=rank,
                 group_rank=result.group_rank,
                 restart=result.restart_count,
+                copies=self.copies,
             )
             folder = os.path.join(attempt_dir, str(lr))
             self.workers.append(
@@ -175,6 +190,9 @@ class WorkerGroup:
         self, w: Worker, env: dict[str, str], channel: socket.socket | None
     ) -> subprocess.Popen[bytes]:
         argv = self.spec.command.worker_argv(w.local_rank)
+        cpus = self.spec.cpu_binding.get(w.local_rank)
+        if cpus:  # --numa-binding, as torchrun
+            argv = ("numactl", f"--physcpubind={cpus}", *argv)
         fds: tuple[int, ...] = ()
         if channel is not None:
             env = {**env, CHANNEL_ENV: str(channel.fileno())}
@@ -219,6 +237,11 @@ class WorkerGroup:
                 w.channel.go()  # registered: the forked worker may run
 
     def _on_message(self, w: Worker, message: Message) -> None:
+        if isinstance(message, Failing):
+            if w.failing is None and not w.done:
+                w.failing = (self.clock.monotonic(), time.time())
+                self._changed.set()  # the group has failed
+            return
         for h in self.hooks:
             h.on_message(w, message)
 
@@ -258,7 +281,10 @@ class WorkerGroup:
 
     @property
     def failed(self) -> bool:
-        return any((w.done and w.returncode != 0) or w.declared is not None for w in self.workers)
+        return any(
+            (w.done and w.returncode != 0) or w.declared is not None or w.failing is not None
+            for w in self.workers
+        )
 
     @property
     def succeeded(self) -> bool:
@@ -332,14 +358,25 @@ class WorkerGroup:
         grace = self.spec.shutdown_timeout if grace is None else grace
         await self.end()  # nobody is judged while stopping
         live = [w for w in self.workers if w.popen is not None and not w.done]
+        # A rank whose script failed is ending by itself (its interpreter's
+        # teardown): it keeps its own exit status unless that takes longer
+        # than FAILING_GRACE; it stays its own failure either way.
+        ending = [w for w in live if w.failing is not None and w.declared is None]
         for w in live:
-            w.stopped_by_agent = True
-            killpg(w.pid, sig)
+            if w not in ending:
+                w.stopped_by_agent = True
+                killpg(w.pid, sig)
         if live:
             self.events.emit(
                 "workers_stopping", signal=signal_name(sig), pids=[w.pid for w in live], grace=grace
             )
-            await self._wait_exits(self.clock.monotonic() + grace)
+            start = self.clock.monotonic()
+            if ending:
+                await self._wait_exits(start + min(grace, FAILING_GRACE))
+                for w in ending:
+                    if not w.done:
+                        killpg(w.pid, sig)
+            await self._wait_exits(start + grace)
         stubborn = [w for w in self.workers if w.popen is not None and not w.done]
         if stubborn:
             self.events.emit("workers_killed", pids=[w.pid for w in stubborn], after_grace=grace)
@@ -374,6 +411,8 @@ class WorkerGroup:
                 await asyncio.wait(pending, timeout=1.0)
         for w in self.workers:
             w.release()
+        for copy in self.copies.values():
+            copy.close()
 
     # ------------------------------------------------------------- failures
     def failures(self) -> list[WorkerFailure]:

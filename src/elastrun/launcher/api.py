@@ -70,6 +70,11 @@ _FIELD_OF_FLAG = {
     "--role": "role",
     "--warm-modules": "warm_modules",
     "--warm-join-timeout": "warm_join_timeout",
+    "--numa-binding": "numa_options",
+    "--virtual-local-rank": "virtual_local_rank",
+    "--duplicate-stdout-filters": "duplicate_stdout_filters",
+    "--duplicate-stderr-filters": "duplicate_stderr_filters",
+    "--logs-specs": "logs_specs",
 }
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import signal
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -32,6 +32,7 @@ from elastrun.launcher.limits import (
     machine_nproc_limit,
     worker_cost,
 )
+from elastrun.launcher.torch_config import signal_tuple
 from elastrun.procs import signal_name
 from elastrun.rendezvous.sizes import WorldSizes
 
@@ -91,13 +92,15 @@ class LaunchConfig:
     redirects: Mapping[int, int] = field(default_factory=dict)
     tee: Mapping[int, int] = field(default_factory=dict)
     local_ranks_filter: frozenset[int] | None = None
-    signals_to_handle: tuple[signal.Signals, ...] = (
+    # Signals, or torch's type: one string, "SIGTERM,SIGUSR1".
+    signals_to_handle: tuple[signal.Signals, ...] | str = (
         signal.SIGTERM,
         signal.SIGINT,
         signal.SIGHUP,
         signal.SIGQUIT,
     )
-    shutdown_timeout: float = 30.0
+    # None (torch's default): TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30.
+    shutdown_timeout: float | None = 30.0
     log_template: str | None = None  # None: the agent's default "[{host}:{rank}]"
     # torch's LaunchConfig field: a TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE
     # (${rank}, ${local_rank}, ${role_name}); lines then look as under torchrun.
@@ -122,6 +125,22 @@ class LaunchConfig:
     warm_join_timeout: float | None = None  # None: 60 s
     # --require-logs: lost worker output fails a job whose workers succeeded.
     require_logs: bool = False
+    # torch's fields (launcher/torch_config.py reads them as torch does).
+    logs_specs: Any = None  # torch's DefaultLogsSpecs: log_dir, redirects, tee, filter
+    rdzv_timeout: int = -1  # the join timeout (torch's legacy field), unless -1
+    metrics_cfg: Mapping[str, str] = field(default_factory=dict)  # accepted, not used
+    event_log_handler: str = "null"  # accepted, not used: events go to events_file
+    numa_options: Any = None  # torch's NumaOptions: its affinity_mode
+    # --duplicate-stdout-filters / --duplicate-stderr-filters: lines of --tee'd
+    # ranks that hold one of these are also written to filtered_stdout.log /
+    # filtered_stderr.log in the attempt's log folder.
+    duplicate_stdout_filters: Sequence[str] | None = None
+    duplicate_stderr_filters: Sequence[str] | None = None
+    # --virtual-local-rank: LOCAL_RANK=0 in every worker, CUDA_VISIBLE_DEVICES
+    # its own device.
+    virtual_local_rank: bool = False
+    # --numa-binding: node | socket | exclusive | core-complex (None: off).
+    numa_binding: str | None = None
 
     def check(self) -> None:
         """Check the fields that stay plain numbers and text against their
@@ -140,7 +159,7 @@ class LaunchConfig:
             if not 0 < self.master_port < 65536:
                 raise ConfigError(f"--master-port: must be in 1..65535, got {self.master_port}")
         self._check_seconds()
-        check_stack_signal(self.stack_signal, self.signals_to_handle)
+        check_stack_signal(self.stack_signal, signal_tuple(self.signals_to_handle))
         check_role(self.role)
         if self.local_addr is not None:
             check_address("--local-addr", self.local_addr)

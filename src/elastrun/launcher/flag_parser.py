@@ -1,10 +1,10 @@
 """How the launcher's command line is read, whatever the flag: both
 spellings of a flag (:func:`both`), torchrun's ``PET_<FLAG>`` environment
-defaults (:class:`EnvDefault`, :class:`EnvFlag`), torchrun flags refused with
-a reason (:class:`Unsupported`) or accepted as the no-op they are
-(:class:`LogsSpecs`), and the message for arguments that are no flag
-(:func:`unknown_flags_message`: flags are never abbreviated). The flags
-themselves are declared in :mod:`elastrun.launcher.flags`.
+defaults (:class:`EnvDefault`, :class:`EnvFlag`), torchrun's
+``--logs-specs`` accepted as the no-op it is (:class:`LogsSpecs`), and the
+message for arguments that are no flag (:func:`unknown_flags_message`: flags
+are never abbreviated). The flags themselves are declared in
+:mod:`elastrun.launcher.flags` and :mod:`elastrun.launcher.flags_torchrun`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ __all__ = [
     "EnvSwitch",
     "LogsSpecs",
     "Parser",
-    "Unsupported",
     "both",
     "unknown_flags_message",
     "version",
@@ -172,23 +171,6 @@ class LogsSpecs(argparse.Action):
                 "do) is accepted"
             )
         setattr(namespace, self.dest, "default")
-
-
-class Unsupported(argparse.Action):
-    """A torchrun flag elastrun does not offer: a clear error instead of 'unrecognized'."""
-
-    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
-        self.reason = kwargs.pop("reason")
-        super().__init__(option_strings, dest, **kwargs)
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        raise ConfigError(f"{option_string}: not supported by elastrun ({self.reason})")
 
 
 def both(name: str) -> list[str]:

@@ -29,9 +29,7 @@ from elastrun.launcher.flag_parser import (
     EnvDefault,
     EnvFlag,
     EnvSwitch,
-    LogsSpecs,
     Parser,
-    Unsupported,
     both,
     unknown_flags_message,
     version,
@@ -47,6 +45,7 @@ from elastrun.launcher.flag_values import (
     parse_stack_signal,
     parse_std,
 )
+from elastrun.launcher.flags_torchrun import add_torchrun_flags, torchrun_settings
 from elastrun.launcher.limits import FLAG_SECONDS, parse_seconds
 from elastrun.launcher.plan import Backend
 from elastrun.launcher.rdzv_conf import split_rdzv_conf
@@ -172,8 +171,9 @@ def build_parser(*, legacy: bool = False) -> argparse.ArgumentParser:
         action=EnvDefault,
         default="",
         metavar="K=V,...",
-        help="rendezvous settings: join_timeout (600), last_call_timeout (30), close_timeout, "
-        "read_timeout (store request timeout), timeout (= join_timeout), lease_ttl (10), "
+        help="rendezvous settings: join_timeout (600), last_call_timeout (30), close_timeout "
+        "(30: how long leaving may take), read_timeout (60, at most the join timeout: each "
+        "store request), timeout (= join_timeout), lease_ttl (10), "
         "exit_barrier_timeout (300), is_host=1|0 (this node hosts the c10d store; default: "
         "when the endpoint is a local address and its port is free), store_bind (where the "
         "hosted store listens: default the endpoint's addresses; 0.0.0.0, ::, * for every "
@@ -221,7 +221,12 @@ def build_parser(*, legacy: bool = False) -> argparse.ArgumentParser:
         help="workers on this node: a number, gpu (one per visible NVIDIA GPU), xpu (one per "
         "visible Intel GPU), cpu (one per CPU), or auto (gpu, else xpu, else cpu). Default: 1",
     )
-    w.add_argument("--role", action=EnvDefault, default="default", help="role name of the workers")
+    w.add_argument(
+        "--role",
+        action=EnvDefault,
+        default="default",
+        help="role name of the workers (ROLE_NAME; default: default)",
+    )
     w.add_argument(
         "-m",
         "--module",
@@ -251,7 +256,9 @@ def build_parser(*, legacy: bool = False) -> argparse.ArgumentParser:
         action=EnvDefault,
         default="spawn",
         choices=[m.value for m in StartMethod],
-        help="accepted for compatibility: workers are always started as fresh processes",
+        help="accepted for compatibility: Python workers are forked from elastrun's warm "
+        "interpreter (--warm, a fresh process of its own that imported torch; never from the "
+        "launcher), other commands and --no-warm start as fresh processes (default: spawn)",
     )
     w.add_argument(
         *both("--monitor-interval"),
@@ -267,7 +274,8 @@ def build_parser(*, legacy: bool = False) -> argparse.ArgumentParser:
         action=EnvDefault,
         default=None,
         metavar="DIR",
-        help="base folder for worker logs (one sub-folder per job, attempt and rank)",
+        help="base folder for worker logs (one sub-folder per job, attempt and rank; default: "
+        "none: no log files unless --redirects/--tee ask for them, then in a temporary folder)",
     )
     lg.add_argument(
         "-r",
@@ -285,14 +293,15 @@ def build_parser(*, legacy: bool = False) -> argparse.ArgumentParser:
         action=EnvDefault,
         default="0",
         metavar="STD",
-        help="copy worker output to log files and the console (format as --redirects)",
+        help="copy worker output to log files and the console (format as --redirects; default: 0)",
     )
     lg.add_argument(
         *both("--local-ranks-filter"),
         action=EnvDefault,
         default="",
         metavar="R,...",
-        help="show only these local ranks' output on the console, e.g. 0 or 0,1",
+        help="show only these local ranks' output on the console, e.g. 0 or 0,1 (default: "
+        "every rank)",
     )
     lg.add_argument(
         *both("--log-template"),
@@ -412,39 +421,7 @@ def build_parser(*, legacy: bool = False) -> argparse.ArgumentParser:
         "(default: 300; same as --rdzv-conf exit_barrier_timeout)",
     )
 
-    c = p.add_argument_group(
-        "torchrun compatibility",
-        "--numa-binding, --duplicate-stdout-filters, --duplicate-stderr-filters and "
-        "--virtual-local-rank are refused with an explanation",
-    )
-    c.add_argument(
-        *both("--event-log-handler"),
-        action=EnvDefault,
-        default="null",
-        metavar="NAME",
-        help="accepted and ignored: use --events-file",
-    )
-    c.add_argument(
-        *both("--logs-specs"),
-        action=LogsSpecs,
-        default=None,
-        metavar="NAME",
-        help="accepted: 'default' (torch's default logs, which these flags are); plugins are "
-        "not loaded",
-    )
-    for flag, reason in (
-        ("--numa-binding", "bind workers with numactl via --no-python instead"),
-        ("--duplicate-stdout-filters", "use --tee and grep the log files"),
-        ("--duplicate-stderr-filters", "use --tee and grep the log files"),
-    ):
-        c.add_argument(*both(flag), action=Unsupported, reason=reason, help=argparse.SUPPRESS)
-    c.add_argument(
-        *both("--virtual-local-rank"),
-        action=Unsupported,
-        nargs=0,
-        reason="set CUDA_VISIBLE_DEVICES from LOCAL_RANK in the script",
-        help=argparse.SUPPRESS,
-    )
+    add_torchrun_flags(p)
 
     if legacy:
         _add_legacy_flags(p)
@@ -543,6 +520,7 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
         warm_cache=ns.warm_cache or None,
         warm_join_timeout=parse_seconds_text("--warm-join-timeout", ns.warm_join_timeout),
         require_logs=ns.require_logs,
+        **torchrun_settings(ns),
     )
     cmd = Command(
         script=ns.script,

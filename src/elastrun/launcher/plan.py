@@ -34,7 +34,9 @@ from elastrun.launcher.config import (
     LaunchConfig,
     parse_choice,
 )
+from elastrun.launcher.numa import numa_cpus
 from elastrun.launcher.rdzv_conf import RendezvousConf, parse_rdzv_conf
+from elastrun.launcher.torch_config import signal_tuple, torch_fields
 from elastrun.names import RunId
 from elastrun.rendezvous.api import RendezvousSettings
 from elastrun.store.term import MAX_CANDIDATES, MIN_FAILOVER_LEASE_TTL
@@ -170,6 +172,7 @@ EMPTY_COMMAND = Executable(())
 def resolve(config: LaunchConfig, command: WorkerCommand = EMPTY_COMMAND) -> Plan:
     """Check ``config`` and work out this node's launch of ``command`` (what
     each worker runs). Raises ConfigError naming the flag."""
+    config = torch_fields(config)  # torch's LaunchConfig types, read as torch does
     config.check()
     generated = config.run_id == ""
     # As torch's launcher: an empty run id is a generated one. Only this
@@ -216,9 +219,14 @@ def _where(config: LaunchConfig, conf: RendezvousConf) -> _Where:
     )
     if standalone:
         if config.max_nodes != 1 or config.min_nodes != 1:
+            given = (
+                str(config.max_nodes)
+                if config.min_nodes == config.max_nodes
+                else f"{config.min_nodes}:{config.max_nodes}"
+            )
             raise ConfigError(
-                f"--standalone: runs a single node, but --nnodes asks for "
-                f"{config.min_nodes}:{config.max_nodes}"
+                f"--standalone: runs a single node, but --nnodes={given} asks for more; "
+                "use --rdzv-backend=c10d with --rdzv-endpoint for several nodes"
             )
         if conf.store_bind is not None:
             raise ConfigError(
@@ -359,7 +367,7 @@ def _worker_spec(
     """What the agent receives: the LaunchConfig's worker settings, typed."""
     if config.log_template is not None:
         validate_template(config.log_template)
-    handled = config.signals_to_handle
+    handled = signal_tuple(config.signals_to_handle)
     return WorkerSpec(
         command=command,
         nproc=config.nproc_per_node,
@@ -374,7 +382,7 @@ def _worker_spec(
         local_ranks_filter=config.local_ranks_filter,
         log_template=DEFAULT_LOG_TEMPLATE if config.log_template is None else config.log_template,
         torch_log_template=config.log_line_prefix_template if config.log_template is None else None,
-        shutdown_timeout=float(config.shutdown_timeout),
+        shutdown_timeout=float(config.shutdown_timeout or 0.0),
         signals_to_handle=tuple(s for s in handled if s.name in STOP_SIGNALS),
         signals_to_forward=tuple(s for s in handled if s.name not in STOP_SIGNALS),
         monitor_interval=float(config.monitor_interval),
@@ -383,7 +391,8 @@ def _worker_spec(
         hang_auto=config.hang_auto and config.hang_timeout is not None,
         stack_signal=config.stack_signal,
         events_file=os.path.abspath(config.events_file) if config.events_file else None,
-        warm=config.warm,
+        # numactl runs each worker (--numa-binding): not forked from a warm interpreter.
+        warm=config.warm and config.numa_binding is None,
         warm_modules=parse_choice(WarmModules, config.warm_modules, "--warm-modules"),
         warm_cache=config.warm_cache,
         warm_join_timeout=(
@@ -395,6 +404,10 @@ def _worker_spec(
         # The token proves the agent to the store; a worker needs no store.
         hidden_env=frozenset((TOKEN_ENV,)),
         require_logs=config.require_logs,
+        duplicate_stdout_filters=tuple(config.duplicate_stdout_filters or ()),
+        duplicate_stderr_filters=tuple(config.duplicate_stderr_filters or ()),
+        virtual_local_rank=config.virtual_local_rank,
+        cpu_binding=numa_cpus(config.numa_binding, config.nproc_per_node),
     )
 
 

@@ -148,6 +148,12 @@ async def _host_store(plan: Plan) -> tuple[StoreServer | None, Endpoint, str]:
             f"elastrun: this node hosts the rendezvous store on {Endpoint(host, bound_port)}"
             + ("" if where == str(Endpoint(host, bound_port)) else f" (listening on {where})")
         )
+    else:  # its port and id are generated: say them, so that status can find the job
+        store = Endpoint(listen.connect, bound_port)
+        say(
+            f"elastrun: standalone job {plan.run_id}, store on {store} (elastrun status "
+            f"--rdzv-endpoint={store} --rdzv-id={plan.run_id})"
+        )
     for warning in listen.warnings:
         say(f"elastrun: warning: {warning}")
     if plan.token is None and not server.loopback_only():
@@ -347,5 +353,11 @@ async def _run(plan: Plan, hostname: str, log: EventLog) -> int:
 
 
 def run_plan(plan: Plan, *, events: EventSink | None = None) -> int:
-    """Blocking: run the agent in a fresh event loop."""
+    """Blocking: run the agent in a fresh event loop. As torch's launcher,
+    the launching process' environment says which signals it handles
+    (``TORCHELASTIC_SIGNALS_TO_HANDLE``: code that starts processes with
+    torch's own machinery in this process reads it)."""
+    spec = plan.workers
+    handled = (*spec.signals_to_handle, *spec.signals_to_forward)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(s.name for s in handled)
     return asyncio.run(run_async(plan, events=events))

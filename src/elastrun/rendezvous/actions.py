@@ -9,6 +9,7 @@ call (``RETURN_*``, ``RAISE``) produce an :class:`Outcome`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import time
@@ -20,6 +21,7 @@ from elastrun.errors import (
     RendezvousClosed,
     RendezvousTimeout,
     RestartBudgetExhausted,
+    StoreError,
 )
 from elastrun.failure import FailureRecord, describe_stored
 from elastrun.rendezvous import notes as N
@@ -117,8 +119,14 @@ class Executor:
 
     async def _revoke(self, a: Action) -> None:
         # Leaving: bounded by close_timeout; past it the lease expires by
-        # itself within lease_ttl and the others see the leave then.
-        await self.keeper.stop(revoke=True, timeout=self.node.settings.close_timeout)
+        # itself within lease_ttl and the others see the leave then. First
+        # the left key (no lease: it outlives the presence key), so that the
+        # others say this node left, not that it was lost (best effort).
+        node, timeout = self.node, self.node.settings.close_timeout
+        if self.keeper.alive:
+            with contextlib.suppress(StoreError, TimeoutError):
+                await asyncio.wait_for(node.store.put(node.keys.left(node.node_id), b"1"), timeout)
+        await self.keeper.stop(revoke=True, timeout=timeout)
 
     async def _return_result(self, a: Action) -> Outcome:
         node = self.node
@@ -289,6 +297,7 @@ class Executor:
             counts=a.counts,
             failure=self.failure,
             opened_at=time.time(),
+            reporter=self.node.node_id,
         )
         if await self._open(kv, new, hang=new.hang_round == a.round):
             events, me = self.node.events, self.node.node_id

@@ -224,6 +224,16 @@ class Rendezvous(abc.ABC):
         becomes the job's last failure when charged, and its one-line
         description the new round's detail."""
 
+    async def job_failure(self, failure: FailureRecord, timeout: float) -> FailureRecord:
+        """The job's root cause for the restart this node asked for with
+        ``failure``: the first failure any member of the round reported (see
+        :mod:`elastrun.rendezvous.root_cause`), waiting up to ``timeout``
+        seconds for the other members to report or rejoin. ``failure`` when
+        no other node's came first (a rendezvous without a store: always).
+        Never raises."""
+        del timeout
+        return failure
+
     @abc.abstractmethod
     async def complete(self) -> None:
         """This node's workers all succeeded: the exit barrier. Returns when

@@ -37,10 +37,10 @@ from elastrun.errors import (
     WatchCancelled,
 )
 from elastrun.events import EventSink, NullSink
-from elastrun.failure import FailureRecord
+from elastrun.failure import FailureRecord, first_failure
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import notes as N
-from elastrun.rendezvous import rounds
+from elastrun.rendezvous import root_cause, rounds
 from elastrun.rendezvous.actions import Executor, Outcome
 from elastrun.rendezvous.api import (
     Change,
@@ -143,6 +143,7 @@ class DynamicRendezvous(Rendezvous):
         self._executor = Executor(node, self._observer, self.keeper, self._timers)
         self._reporter = ProgressReporter(self.events, self.node_id, lambda: self.hooks.progress)
         self._registered = False
+        self._failed_round: int | None = None  # the round whose failure this node reported
         self._inbox: Inbox | None = None
         self._phase_id = 0
         self._rereads = 0  # phases re-read in a row after a compacted watch
@@ -232,13 +233,33 @@ class DynamicRendezvous(Rendezvous):
         self.events.emit("restart_requested", node=self.node_id, failure=failure.to_json())
         # The new round's detail: what every member prints for this restart.
         detail = failure.describe()
-
+        member_round = self.rules.ctx.round
         if self.rules.state is State.MEMBER:
             # Fed once the member phase read the round record (which opening
             # the next round compares against).
             await self._run(None, WorkersFailed(detail))
         elif self.rules.state in (State.IDLE, State.FAILED):
             await self._feed(WorkersFailed(detail))
+        else:
+            return
+        # Whoever opened the next round, this node's failure joins the
+        # others' reports there: the round keeps the first (root_cause.py).
+        self._failed_round = member_round
+        with contextlib.suppress(StoreError, RendezvousError, TimeoutError):
+            async with asyncio.timeout(root_cause.REPORT_TIMEOUT):
+                await root_cause.report(self.store, self.keys, self.node_id, member_round, failure)
+
+    async def job_failure(self, failure: FailureRecord, timeout: float) -> FailureRecord:
+        if self._failed_round is None:
+            return failure
+        found = await root_cause.settle(
+            self.store,
+            self.keys,
+            self.node_id,
+            self._failed_round,
+            timeout=timeout,
+        )
+        return first_failure(failure, found.failure) or failure
 
     async def complete(self) -> None:
         if self.rules.state is not State.MEMBER:

@@ -83,6 +83,12 @@ class Keys:
     def waiting(self, node_id: str) -> str:
         return self.waiting_prefix + node_id
 
+    def left(self, node_id: str) -> str:
+        """Put by a node that leaves the job on purpose (its agent stops),
+        just before it revokes its lease: the others then say it left, not
+        that it was lost."""
+        return self.root + "left/" + node_id
+
     def round_prefix(self, r: int) -> str:
         return f"{self.root}rounds/{r}/"
 

@@ -218,7 +218,7 @@ class OpenPhase:
                 await self._watch(P.Watched.WATCHER, k.node(step.node_id), False, rev)
                 return []
             elif isinstance(step, P.LostAtBarrier):
-                return [P.lost_event(step.member)]
+                return [await obs.lost_event(step.member)]
             elif isinstance(step, BarrierDone):
                 return [step]
             else:

@@ -34,6 +34,7 @@ per round in all).
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -86,6 +87,7 @@ __all__ = [
     "join_role",
     "joiners_event",
     "lost_event",
+    "lost_node",
     "plan_phase",
     "react",
     "result_needed",
@@ -369,8 +371,21 @@ def absent_members(view: View, r: int) -> list[MemberRecord]:
     ]
 
 
-def lost_event(member: MemberRecord, how: str = LOST_LEASE) -> MemberLost:
-    return MemberLost(f"node {member.host} ({member.node_id}) lost: {how}")
+def lost_event(member: MemberRecord, how: str = LOST_LEASE, *, left: bool = False) -> MemberLost:
+    """A member gone: lost (``how``), or ``left`` the job on purpose (its
+    agent stopped and said so before it revoked its lease)."""
+    who = f"node {member.host} ({member.node_id})"
+    return MemberLost(f"{who} left the job (its agent stopped)" if left else f"{who} lost: {how}")
+
+
+_LOST = re.compile(r"node .* \(([A-Za-z0-9._-]{1,128})\) (?:lost: |left the job)")
+
+
+def lost_node(detail: str) -> str | None:
+    """The node id in a :func:`lost_event`'s line (the ``node_lost`` event's
+    ``detail``), or None when the line is not one."""
+    m = _LOST.match(detail)
+    return m.group(1) if m else None
 
 
 def waiting_event(

@@ -299,6 +299,10 @@ class RoundRecord(_Record):
     opened_at: float | None = None  # wall clock, for people
     hang_round: int | None = None  # the last round that ended on a declared hang
     members: tuple[str, ...] = ()  # closed and later: the members' node ids
+    # The members of the previous round that reported a worker failure for
+    # this round: pending_failure is the first of their failures (see
+    # rendezvous/root_cause.py).
+    reporters: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -316,13 +320,16 @@ class RoundRecord(_Record):
         }
         if self.state is not RoundState.OPEN:
             out["members"] = list(self.members)
+        if self.reporters:
+            out["reporters"] = list(self.reporters)
         return out
 
     @classmethod
     def from_json(cls, raw: object, where: str = "round record") -> Self:
         f = Fields(raw, where)
         prev = tuple(PrevMember.from_json(p, f"{where}: prev") for p in f.items("prev"))
-        members = tuple(_node_ids(f.items("members"), f))
+        members = tuple(_node_ids(f.items("members"), f, "members"))
+        reporters = tuple(_node_ids(f.items("reporters"), f, "reporters"))
         return cls(
             round=f.integer("round"),
             state=f.choice("state", RoundState),
@@ -336,6 +343,7 @@ class RoundRecord(_Record):
             opened_at=f.wall("opened_at"),
             hang_round=f.maybe_count("hang_round"),
             members=members,
+            reporters=reporters,
         )
 
     @property
@@ -344,11 +352,11 @@ class RoundRecord(_Record):
         return self.pending_failure is not None and bool(self.pending_failure.hang)
 
 
-def _node_ids(raw: list[object], f: Fields) -> list[str]:
+def _node_ids(raw: list[object], f: Fields, name: str) -> list[str]:
     out = []
     for value in raw:
         if not isinstance(value, str) or not K.valid_node_id(value):
-            raise f.bad("members", "not a list of node ids")
+            raise f.bad(name, "not a list of node ids")
         out.append(value)
     return out
 

@@ -175,12 +175,15 @@ def next_round_record(
     counts: bool,
     failure: FailureRecord | None,
     opened_at: float,
+    reporter: str | None = None,
 ) -> RoundRecord:
     """The record that opens round R+1 after closed round ``rnd`` (R).
 
     ``hang_round``: the last round that ended on a declared hang (R when
     ``failure`` is the hang watchdog's, else carried over): the one round
-    whose stacks notes the agents and ``elastrun status`` show."""
+    whose stacks notes the agents and ``elastrun status`` show.
+    ``reporter``: the node whose ``failure`` this is (the first of the
+    round's reporters)."""
     hung = counts and failure is not None and bool(failure.hang)
     return RoundRecord(
         round=rnd.round + 1,
@@ -195,6 +198,7 @@ def next_round_record(
         counts=counts,
         opened_at=opened_at,
         hang_round=rnd.round if hung else rnd.hang_round,
+        reporters=(reporter,) if counts and failure is not None and reporter else (),
     )
 
 

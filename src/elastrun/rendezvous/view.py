@@ -30,7 +30,7 @@ from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import plan as P
 from elastrun.rendezvous.api import RendezvousSettings
 from elastrun.rendezvous.protocol import Event
-from elastrun.rendezvous.records import JoinRecord, ResultRecord
+from elastrun.rendezvous.records import JoinRecord, MemberRecord, ResultRecord
 from elastrun.rendezvous.rules import Rules
 from elastrun.store.base import Get, KeyValue, Store, WatchEvent
 
@@ -129,9 +129,15 @@ class Observer:
             return True
         return False
 
+    async def lost_event(self, member: MemberRecord) -> Event:
+        """``member`` is gone: lost, or it left the job on purpose (its
+        ``left`` key: its agent stopped)."""
+        left = await self.node.store.get(self.node.keys.left(member.node_id)) is not None
+        return P.lost_event(member, left=left)
+
     async def lost_events(self) -> list[Event]:
         absent = P.absent_members(self.view, self.round)
-        return [P.lost_event(m) for m in absent if not await self.finished(m.node_id)]
+        return [await self.lost_event(m) for m in absent if not await self.finished(m.node_id)]
 
     # -- watch events ------------------------------------------------------------
     async def translate(self, watched: P.Watched, wev: WatchEvent) -> list[Event]:
@@ -152,7 +158,7 @@ class Observer:
             self.resnap = True
             return []
         if not await self.finished(reaction.member.node_id):
-            return [P.lost_event(reaction.member)]
+            return [await self.lost_event(reaction.member)]
         if reaction.resnap:
             self.resnap = True  # the barrier's watcher left: pick it again
         return []

@@ -46,6 +46,7 @@ from elastrun.untrusted import printable
 __all__ = ["Printer", "main", "render_table"]
 
 DEFAULT_TIMEOUT = 10.0
+PROBE_TIMEOUT = 2.0  # one TCP connection to each endpoint before the store's own retries
 DEBOUNCE = 0.05  # gather a burst of store changes into one refresh
 TICK = 1.0  # a live table on a terminal is refreshed this often
 STORE_CONF_KEYS = ("cacert", "cert", "key", "user", "password", "key_prefix", "protocol")
@@ -158,6 +159,13 @@ async def _open(
     token, conf = _conf(args.conf, args.backend)
     if https:
         conf.setdefault("protocol", "https")
+    if await _all_refuse(endpoints, min(args.timeout, PROBE_TIMEOUT)):
+        # Nothing listens: a store that is gone (its job over), or a wrong
+        # endpoint. Said at once, not after --timeout of retries.
+        raise _Failed(
+            f"nothing listens at {where} (connection refused): the job's store is gone (the "
+            "job ended, or the node that hosted it), or the endpoint is wrong"
+        )
     try:
         return await asyncio.wait_for(
             open_store(args.backend, endpoints, token=token, conf=conf, timeout=args.timeout),
@@ -173,6 +181,22 @@ async def _open(
         if where in msg:  # the store's own message already names the endpoint
             raise _Failed(f"{msg} (--rdzv-backend {args.backend})") from None
         raise _Failed(f"cannot reach the {args.backend} store at {where}: {msg}") from None
+
+
+async def _all_refuse(endpoints: tuple[Endpoint, ...], timeout: float) -> bool:
+    """Whether every endpoint refuses a TCP connection (within ``timeout``
+    each; an endpoint that does not answer at all is not a refusal)."""
+    for e in endpoints:
+        try:
+            async with asyncio.timeout(timeout):
+                _, writer = await asyncio.open_connection(e.host, e.port)
+        except ConnectionRefusedError:
+            continue
+        except (OSError, TimeoutError):
+            return False
+        writer.close()
+        return False
+    return bool(endpoints)
 
 
 async def _read(store: Store, args: argparse.Namespace, where: str) -> Summary:

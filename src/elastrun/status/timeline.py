@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from elastrun.failure import FailureRecord
+from elastrun.rendezvous.plan import lost_node
 from elastrun.untrusted import UntrustedData, loads, printable
 
 __all__ = [
@@ -218,6 +219,10 @@ class _History:
     world: list[tuple[float, int]] = field(default_factory=list)  # ts, world size
     restarts: list[tuple[float, str]] = field(default_factory=list)  # ts, title
     seen_world: set[int] = field(default_factory=set)  # rounds whose world is recorded
+    # (node id, round) whose failures came after another node's root cause
+    # (root_cause_elsewhere): their own "root cause" ranks are not the job's.
+    elsewhere: set[tuple[str, int]] = field(default_factory=set)
+    restarted: set[int] = field(default_factory=set)  # rounds that ended in a counted restart
 
     def add(self, e: LoggedEvent) -> None:
         key = e.text("node_id")
@@ -249,28 +254,73 @@ class _History:
     def _marks(self, lane: _Lane, e: LoggedEvent) -> None:
         """Failures, counted restarts, lost nodes, promoted spares and finished agents."""
         kind, ts = e.kind, e.ts
-        if _root_cause(e):
-            lane.marks.append((ts, "#d62728", e.failure_title()))
+        if _root_cause(e, self.elsewhere):
+            lane.marks.append((ts, RED, e.failure_title()))
+        elif _root_cause(e, set()):  # this node's, after another node's root cause
+            title = e.failure_title().replace("(root cause)", "(after another node's failure)")
+            lane.marks.append((ts, ORANGE, title))
         elif kind == "restart" and e.flag("counted") and e.text("reason") == "worker_failed":
-            self.restarts.append((ts, f"{_fmt(ts)} restart {e.text('count')} (worker failed)"))
+            # Every node whose ranks failed says so: one restart per round.
+            r = e.integer("round", -1)
+            if r not in self.restarted:
+                self.restarted.add(r)
+                self.restarts.append((ts, f"{_fmt(ts)} restart {e.text('count')} (worker failed)"))
         elif kind == "node_lost":
-            lane.marks.append((ts, "#9467bd", f"{_fmt(ts)} {e.text('detail', 'node lost')}"))
+            self._lost(lane, e)
         elif kind == "spare_promoted":
             took = e.text("replaces") or "a new rank"
             what = f"promoted: group rank {e.text('group_rank')}, in place of {took}"
             lane.marks.append((ts, "#17becf", f"{_fmt(ts)} {what}"))
         elif kind in ("job_finished", "job_failed") and e.text("source") == "agent":
-            color = "#2ca02c" if kind == "job_finished" else "#d62728"
-            lane.marks.append((ts, color, f"{_fmt(ts)} {kind} ({e.text('reason')})"))
+            lane.marks.append(_agent_end(e))
+
+    def _lost(self, lane: _Lane, e: LoggedEvent) -> None:
+        """A node lost, drawn on the lost node's lane (the event is the
+        survivor's), whose workers' bar ends there."""
+        detail = e.text("detail", "node lost")
+        lost = self.lanes.get(lost_node(detail) or "")
+        target = lost if lost is not None else lane
+        target.marks.append((e.ts, PURPLE, f"{_fmt(e.ts)} {detail}"))
+        if lost is not None and lost.started:
+            lost.spans.append((lost.started[0], e.ts, lost.started[1]))
+            lost.started = None
 
 
-def _root_cause(e: LoggedEvent) -> bool:
-    return e.kind == "worker_exited" and e.text("cause") == "root_cause"
+RED, ORANGE, PURPLE, GREEN, GREY = "#d62728", "#ff7f0e", "#9467bd", "#2ca02c", "#7f7f7f"
+
+
+def _agent_end(e: LoggedEvent) -> tuple[float, str, str]:
+    """An agent's end: green when it finished; grey when stopped by a signal
+    (the operator's doing, not a failure); red when the job failed."""
+    reason = e.text("reason")
+    if e.kind == "job_finished":
+        color = GREEN
+    elif reason.startswith("signal"):
+        color = GREY
+    else:
+        color = RED
+    return e.ts, color, f"{_fmt(e.ts)} {e.kind} ({reason})"
+
+
+def _root_cause(e: LoggedEvent, elsewhere: set[tuple[str, int]]) -> bool:
+    """A worker that was the job's root cause (not one of a node whose
+    failure came after another node's, in ``elsewhere``)."""
+    if e.kind != "worker_exited" or e.text("cause") != "root_cause":
+        return False
+    return (e.text("node_id"), e.integer("round", -1)) not in elsewhere
+
+
+def _elsewhere(events: Sequence[LoggedEvent]) -> set[tuple[str, int]]:
+    return {
+        (e.text("node_id"), e.integer("round", -1))
+        for e in events
+        if e.kind == "root_cause_elsewhere"
+    }
 
 
 def _history(events: Sequence[LoggedEvent]) -> _History:
     t0, t1 = events[0].ts, events[-1].ts
-    h = _History(t0, t1, world=[(t0, 0)])
+    h = _History(t0, t1, world=[(t0, 0)], elsewhere=_elsewhere(events))
     for e in events:
         h.add(e)
     h.world.append((t1, 0))
@@ -398,12 +448,13 @@ def render_html(events: Sequence[LoggedEvent], title: str = "") -> str:
     if not events:
         return "<!doctype html><meta charset=utf-8><title>elastrun timeline</title><p>no events"
     h = _history(events)
-    failures = [e.failure_title() for e in events if _root_cause(e)]
+    failures = [e.failure_title() for e in events if _root_cause(e, h.elsewhere)]
     legend = (
         "<p>Bands: rounds. Blue line: world size. Blue bars: a node's workers running. "
-        "Red dot: a root-cause worker failure. Orange dashes: a counted restart. "
-        "Purple: a node lost. Green: an agent finished. The axis: time from the first "
-        "event. Hover for details.</p>"
+        "Red dot: a root-cause worker failure (orange: a node's ranks that failed after "
+        "another node's). Orange dashes: a counted restart. Purple: a node lost, on its own "
+        "lane. Green: an agent finished; grey: stopped by a signal; red: its job failed. "
+        "The axis: time from the first event. Hover for details.</p>"
     )
     items = "".join(f"<li>{_text(f)}</li>" for f in failures) or "<li>none</li>"
     name = _text(title or events[0].text("run_id"))

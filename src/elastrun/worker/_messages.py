@@ -18,6 +18,10 @@ JSON lines, :func:`encode_line`)::
     runner -> agent   Modules         the modules it imported, once it trains
                       ProgressFailed  its progress file cannot be written (once)
                       Progress        then each new progress record, relayed
+                      Failing         the script ended by an uncaught exception
+                                      or a non-zero exit (sent as it ends: the
+                                      agent takes the time it arrives as the
+                                      failure's, before the process' teardown)
     agent -> runner   Go              (a forked worker) registered: run the script
 
 **The warm interpreter's control socket** (``SOCK_SEQPACKET``, fd 0 of the
@@ -48,6 +52,7 @@ PROTOCOL = 3
 __all__ = [
     "PROTOCOL",
     "BadMessage",
+    "Failing",
     "Fork",
     "Forked",
     "Go",
@@ -179,6 +184,23 @@ class Progress(_Message):
         if beat is not None and not isinstance(beat, dict):
             raise BadMessage("beat: not an object")
         return cls(beat, _str(data, "error"))
+
+
+@dataclass(frozen=True)
+class Failing(_Message):
+    """The script failed (an uncaught exception, or a non-zero exit): the
+    process ends once its interpreter has torn down, which may take a while
+    (a live process group's threads); its peers' collectives break sooner."""
+
+    KIND: ClassVar[str] = "failing"
+
+    def fields(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any]) -> Failing:
+        del data
+        return cls()
 
 
 @dataclass(frozen=True)
@@ -318,10 +340,23 @@ class Unsafe(_Message):
         return cls(_strs(data, "modules"), _str(data, "why"), _opt_str(data, "variable"))
 
 
-Message = Modules | ProgressFailed | Progress | Go | Preload | Fork | Ready | Forked | Unsafe
+Message = (
+    Modules | ProgressFailed | Progress | Failing | Go | Preload | Fork | Ready | Forked | Unsafe
+)
 KINDS: dict[str, Any] = {
     cls.KIND: cls
-    for cls in (Modules, ProgressFailed, Progress, Go, Preload, Fork, Ready, Forked, Unsafe)
+    for cls in (
+        Modules,
+        ProgressFailed,
+        Progress,
+        Failing,
+        Go,
+        Preload,
+        Fork,
+        Ready,
+        Forked,
+        Unsafe,
+    )
 }
 
 

@@ -452,9 +452,16 @@ def run_worker(kind: str, target: str, args: list[str]) -> None:
             finally:
                 if progress is not None:
                     progress.exiting()  # the teardown is no hang of the training
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            channel.send(M.Failing())
+        raise
+    except KeyboardInterrupt:
+        channel.send(M.Failing())
         raise
     except BaseException as e:
+        # First: the agent times the failure now, not after the teardown.
+        channel.send(M.Failing())
         _strip_own_frames(e)  # the traceback reads as the script's own
         sys.excepthook(type(e), e, e.__traceback__)
         sys.exit(1)

@@ -10,6 +10,7 @@ CONFIG_JSON holds LaunchConfig fields. Prints one JSON line ``{"result": ...}``
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,18 +33,41 @@ def run(case: str, config: elastrun.LaunchConfig, folder: str) -> Any:
         return elastrun.launch(config, rank_plus_ten)
     if case == "rank_sum":
         return elastrun.launch(config, rank_sum)
+    if case == "env":  # folder: the variables to show, comma-separated
+        script = str(HERE / "show_env.py")
+        return elastrun.launch(
+            config, sys.executable, "-u", script, *folder.split(","), "--say", "apple pie"
+        )
     raise SystemExit(f"unknown case {case!r}")
+
+
+def torch_objects(fields: dict[str, Any]) -> dict[str, Any]:
+    """torch's own types for the fields that take them: ``logs_specs`` as
+    DefaultLogsSpecs(log_dir, redirects, tee), ``numa_options`` as NumaOptions."""
+    if "logs_specs" in fields:
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+        raw = fields["logs_specs"]
+        fields["logs_specs"] = DefaultLogsSpecs(
+            log_dir=raw["log_dir"], redirects=Std(raw["redirects"]), tee=Std(raw["tee"])
+        )
+    if "numa_options" in fields:
+        from torch.numa.binding import AffinityMode, NumaOptions
+
+        fields["numa_options"] = NumaOptions(affinity_mode=AffinityMode(fields["numa_options"]))
+    return fields
 
 
 def main() -> int:
     case, raw = sys.argv[1], sys.argv[2]
     folder = sys.argv[3] if len(sys.argv) > 3 else ""
     try:
-        result = run(case, elastrun.LaunchConfig(**json.loads(raw)), folder)
+        result = run(case, elastrun.LaunchConfig(**torch_objects(json.loads(raw))), folder)
     except elastrun.ElastrunError as exc:
         print(json.dumps({"error": type(exc).__name__, "message": str(exc)}), flush=True)
         return 3
-    print(json.dumps({"result": result}), flush=True)
+    signals = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    print(json.dumps({"result": result, "signals_to_handle": signals}), flush=True)
     return 0
 
 

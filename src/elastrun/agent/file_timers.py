@@ -1,0 +1,335 @@
+"""torch.distributed.elastic.timer's file timers, served by the agent.
+
+A script that guards a block with torch's expiration timers::
+
+    timer.configure(timer.FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"]))
+    with timer.expires(after=60, scope="step"):
+        train_step()
+
+sends requests to a named pipe (the server side of torch's
+``FileTimerServer`` protocol, read from torch's
+``torch/distributed/elastic/timer/file_based_local_timer.py``): one JSON line
+per request, at most ``PIPE_BUF`` bytes, written atomically by a client that
+opens the pipe, writes and closes::
+
+    {"version": 1, "pid": 4242, "scope_id": "step", "expiration_time": 1700000060.5,
+     "signal": 9}
+
+(an ``expiration_time`` below 0 releases the scope). torch's agent serves
+them when ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` and gives the workers the
+pipe's path as ``TORCHELASTIC_TIMER_FILE``; so does this one, also when only
+``TORCHELASTIC_TIMER_FILE`` is set (its workers would otherwise fail to open
+it). A process whose timer expires gets the timer's signal, as under
+torchrun, and its worker is declared failed (:meth:`WorkerGroup.declare`):
+the root cause, named in the summary (``rank 1: timer 'step' expired``); the
+group is stopped and restarted as for any failure. torchrun also kills its
+own agent with that signal; elastrun's agent goes on, so the other ranks are
+stopped and restarted, never orphaned.
+
+What a stranger can make the agent hold is bounded: the pipe is created
+mode 0600 in a private folder (or at the path given: never a link, an
+existing FIFO of another user, or a file of another kind), read without
+blocking in bounded chunks, a line longer than ``MAX_LINE`` bytes is dropped,
+every request is decoded within bounds (``elastrun.untrusted``) and checked
+field by field; only processes of this round's workers (their process
+groups) may hold timers, at most ``MAX_TIMERS`` in all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import stat
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeGuard
+
+from elastrun.agent.hooks import Core, Feature
+from elastrun.agent.round_hooks import RoundHooks
+from elastrun.procs import signal_name
+from elastrun.untrusted import UntrustedData, loads, printable
+
+if TYPE_CHECKING:
+    from elastrun.agent.process import Worker
+    from elastrun.agent.workers import WorkerGroup
+
+__all__ = [
+    "ENABLE_ENV",
+    "TIMER_FILE_ENV",
+    "FileTimers",
+    "TimerRequest",
+    "TimerTable",
+    "features",
+    "parse_request",
+]
+
+ENABLE_ENV = "TORCHELASTIC_ENABLE_FILE_TIMER"
+TIMER_FILE_ENV = "TORCHELASTIC_TIMER_FILE"
+MAX_LINE = 8192  # a request is at most PIPE_BUF (4096) bytes; longer lines are dropped
+MAX_READ = 1 << 20  # bytes read per wake-up (the rest waits for the next)
+MAX_TIMERS = 4096  # timers held at once, all processes together
+MAX_SCOPE = 1024  # characters of a scope id
+
+
+@dataclass(frozen=True)
+class TimerRequest:
+    """One request of torch's FileTimerClient (``expiration_time`` < 0: a release)."""
+
+    pid: int
+    scope_id: str
+    expiration_time: float
+    signal: int
+
+    @property
+    def release(self) -> bool:
+        return self.expiration_time < 0
+
+
+def parse_request(line: bytes) -> TimerRequest | None:
+    """The request in one line of the pipe; None when it is none."""
+    try:
+        raw = loads(line, max_bytes=MAX_LINE, what="a timer request")
+    except UntrustedData:
+        return None
+    if not isinstance(raw, dict) or raw.get("version") != 1:
+        return None
+    pid, scope, when, sig = (raw.get(k) for k in ("pid", "scope_id", "expiration_time", "signal"))
+    if not _is_int(pid) or pid <= 0 or not _is_int(sig) or not 0 <= sig <= 64:
+        return None
+    if not isinstance(scope, str) or len(scope) > MAX_SCOPE:
+        return None
+    if not _is_number(when) or not math.isfinite(when):
+        return None
+    return TimerRequest(pid, scope, float(when), sig)
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+class TimerTable:
+    """The timers held, by (pid, scope), as torch's server keeps them."""
+
+    def __init__(self, limit: int = MAX_TIMERS) -> None:
+        self.limit = limit
+        self.timers: dict[tuple[int, str], TimerRequest] = {}
+        self.refused = 0  # acquisitions past the limit
+
+    def register(self, request: TimerRequest) -> None:
+        key = (request.pid, request.scope_id)
+        if request.release:
+            self.timers.pop(key, None)
+        elif key in self.timers or len(self.timers) < self.limit:
+            self.timers[key] = request
+        else:
+            self.refused += 1
+
+    def next_expiry(self) -> float | None:
+        return min((r.expiration_time for r in self.timers.values()), default=None)
+
+    def expired(self, now: float) -> dict[int, TimerRequest]:
+        """Each process with an expired timer: its first expired one with a
+        signal (torch's choice); processes whose expired timers have none keep
+        them, unreaped, as under torch."""
+        out: dict[int, TimerRequest] = {}
+        for r in sorted(self.timers.values(), key=lambda r: r.expiration_time):
+            if r.expiration_time <= now and r.signal > 0 and r.pid not in out:
+                out[r.pid] = r
+        return out
+
+    def clear(self, pids: set[int]) -> None:
+        for key in [k for k in self.timers if k[0] in pids]:
+            del self.timers[key]
+
+
+def _enabled(env: Mapping[str, str]) -> bool:
+    return env.get(ENABLE_ENV) == "1" or bool(env.get(TIMER_FILE_ENV))
+
+
+class FileTimers(Feature):
+    """The agent's timer server (see the module doc)."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        env = {**os.environ, **core.spec.env}
+        self.path = env.get(TIMER_FILE_ENV) or ""
+        self.table = TimerTable()
+        self.group: WorkerGroup | None = None
+        self._fds: tuple[int, int] | None = None
+        self._folder: str | None = None
+        self._partial = b""
+        self._dropping = False
+        self._handle: asyncio.TimerHandle | None = None
+        self._strangers = 0
+
+    # ------------------------------------------------------------ the pipe
+    def start(self) -> None:
+        try:
+            self._open()
+        except OSError as e:
+            self.core.say(
+                f"elastrun: warning: the file timer server cannot use {self.path}: "
+                f"{e.strerror or e}; workers that use torch's FileTimerClient will fail"
+            )
+            self.core.events.emit("file_timers_failed", path=self.path, error=str(e))
+            return
+        assert self._fds is not None
+        asyncio.get_running_loop().add_reader(self._fds[0], self._readable)
+        self.core.events.emit("file_timers_started", path=self.path)
+
+    def _open(self) -> None:
+        if not self.path:
+            self._folder = tempfile.mkdtemp(prefix="elastrun-timers-")
+            self.path = os.path.join(self._folder, "timer.fifo")
+        else:
+            self.path = os.path.abspath(self.path)
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(self.path)
+                if not stat.S_ISFIFO(st.st_mode) or st.st_uid != os.geteuid():
+                    raise OSError(0, "it exists and is not a named pipe of this user")
+                os.unlink(self.path)  # as torch: a fresh pipe
+        os.mkfifo(self.path, 0o600)
+        rd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        # Our own writer keeps the pipe open between clients (no end of file).
+        wr = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        self._fds = (rd, wr)
+
+    def _readable(self) -> None:
+        assert self._fds is not None
+        got = 0
+        while got < MAX_READ:
+            try:
+                data = os.read(self._fds[0], 65536)
+            except BlockingIOError:
+                break
+            except OSError:
+                return
+            if not data:
+                break
+            got += len(data)
+            self._take(data)
+        self._arm()
+
+    def _take(self, data: bytes) -> None:
+        *lines, rest = (self._partial + data).split(b"\n")
+        for line in lines:
+            if self._dropping:
+                self._dropping = False  # the end of a line too long: dropped
+                continue
+            request = parse_request(line)
+            if request is not None:
+                self._register(request)
+        self._partial = rest
+        if len(rest) > MAX_LINE:
+            self._partial, self._dropping = b"", True
+
+    def _register(self, request: TimerRequest) -> None:
+        if not request.release and self._worker_of(request.pid) is None:
+            self._strangers += 1
+            if self._strangers == 1:
+                self.core.events.emit("file_timer_refused", pid=request.pid)
+            return
+        self.table.register(request)
+
+    def _worker_of(self, pid: int) -> Worker | None:
+        """The worker whose process group ``pid`` is in (None: not ours)."""
+        if self.group is None:
+            return None
+        try:
+            pgid = os.getpgid(pid)
+        except OSError:
+            return None
+        for w in self.group.workers:
+            if w.popen is not None and not w.done and w.pid == pgid:
+                return w
+        return None
+
+    # ------------------------------------------------------------ expiry
+    def _arm(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        when = self.table.next_expiry()
+        if when is not None:
+            delay = max(0.0, when - time.time())
+            self._handle = asyncio.get_running_loop().call_later(delay, self._expire)
+
+    def _expire(self) -> None:
+        self._handle = None
+        gone: set[int] = set()
+        for pid, request in self.table.expired(time.time()).items():
+            gone.add(pid)
+            w = self._worker_of(pid)
+            if w is None or self.group is None:
+                continue
+            why = (
+                f"rank {w.rank}: timer {printable(request.scope_id, limit=200)!r} expired "
+                f"(torch.distributed.elastic.timer), stopped with {signal_name(request.signal)}"
+            )
+            self.group.declare(w, why)
+            self.core.events.emit(
+                "file_timer_expired",
+                rank=w.rank,
+                local_rank=w.local_rank,
+                pid=pid,
+                scope=request.scope_id,
+                signal=signal_name(request.signal),
+            )
+            with contextlib.suppress(OSError):
+                os.kill(pid, request.signal)
+        self.table.clear(gone)
+        self._arm()
+
+    # ------------------------------------------------------------ rounds
+    def round(self, group: WorkerGroup) -> RoundHooks | None:
+        if self._fds is None:
+            return None
+        self.group = group
+        self.table.clear({pid for pid, _ in self.table.timers})
+        return _RoundTimers(self)
+
+    async def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        if self._fds is not None:
+            with contextlib.suppress(ValueError, RuntimeError):
+                asyncio.get_running_loop().remove_reader(self._fds[0])
+            for fd in self._fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._fds = None
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+        if self._folder is not None:
+            with contextlib.suppress(OSError):
+                os.rmdir(self._folder)
+
+
+class _RoundTimers(RoundHooks):
+    def __init__(self, server: FileTimers) -> None:
+        self.server = server
+
+    def worker_env(self, worker: Worker) -> Mapping[str, str]:
+        del worker
+        return {TIMER_FILE_ENV: self.server.path}
+
+    def exited(self, worker: Worker) -> None:
+        self.server.table.clear({worker.pid})
+
+    async def ended(self) -> None:
+        server = self.server
+        server.table.clear({pid for pid, _ in server.table.timers})
+        server.group = None
+
+
+def features(core: Core) -> list[Feature]:
+    """The timer server, when the launcher's environment asks for it."""
+    return [FileTimers(core)] if _enabled({**os.environ, **core.spec.env}) else []

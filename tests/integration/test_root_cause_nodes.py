@@ -1,0 +1,187 @@
+"""The job's root cause across nodes, with two real agents on loopback and
+real gloo workers: one rank crashes; the other node's ranks fail because
+their all-reduce broke. Both nodes must name the crashed rank as the root
+cause: in their failure summaries, in the job's record in the store (the
+last failure ``elastrun status`` shows) and in their event logs.
+
+The crashed rank's node is the slower to report: its rank's interpreter
+takes a while to tear down after the exception (a live gloo group), and
+node 1 reports once its ranks ended, while rank 0 on node 0 exits at once when
+its collective breaks. So node 0 reports its own, later failure first: the
+case where it used to name its own rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import REPO
+from tests.helpers import free_port, stop_groups, wait_for, without_pet
+
+ELASTRUN = [sys.executable, "-m", "elastrun"]
+TIMEOUT = 180
+
+# World of 3: node 0 runs rank 0, node 1 ranks 1 and 2. Rank 2 raises after a
+# few all-reduces. Should rank 1 (its node's other rank) see its collective
+# break before its agent stops it, it closes its sockets (so rank 0 sees the
+# break too) and ends only once node 0 asked for the restart: node 1 never
+# reports before node 0.
+WORKER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import torch
+    import torch.distributed as dist
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] != "0":  # after the restart: wait, then end
+        for _ in range(2400):
+            if os.path.exists("finish"):
+                sys.exit(0)
+            time.sleep(0.05)
+        sys.exit(5)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    try:
+        for step in range(1000):
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            if rank == 2 and step == 5:
+                raise ValueError("boom: rank 2 crashed first")
+            time.sleep(0.05)
+    except RuntimeError as e:
+        print(f"rank {rank}: collective broke: {e}", file=sys.stderr, flush=True)
+        if rank == 1:
+            os.closerange(3, 4096)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            wait = "grep -q restart_requested events-0.jsonl"
+            script = f"for i in $(seq 1200); do {wait} && exit 1; sleep 0.05; done; exit 1"
+            os.execv("/bin/sh", ["sh", "-c", script])
+        os._exit(1)
+    """
+)
+
+
+def env() -> dict[str, str]:
+    out = without_pet()
+    out.pop("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", None)
+    out["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO)]))
+    return out
+
+
+def restarted(port: int) -> dict[str, Any] | None:
+    """``elastrun status --json`` once the job restarted (None before)."""
+    where = [f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=root-cause-nodes"]
+    proc = subprocess.run(
+        [*ELASTRUN, "status", *where, "--json", "--timeout=5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env(),
+        check=False,
+    )
+    if proc.returncode != 0 or not proc.stdout.strip():
+        return None
+    s: dict[str, Any] = json.loads(proc.stdout.splitlines()[-1])
+    return s if s.get("state") == "running" and s.get("restarts") == 1 else None
+
+
+def events(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_both_nodes_name_the_first_failure_across_nodes(tmp_path: Path) -> None:
+    (tmp_path / "w.py").write_text(WORKER)
+    port = free_port()
+    common = [
+        "--nnodes=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=root-cause-nodes",
+        "--max-restarts=1",
+        "--shutdown-timeout=120",
+    ]
+    procs = [
+        subprocess.Popen(
+            [
+                *ELASTRUN,
+                *common,
+                f"--nproc-per-node={nproc}",
+                f"--node-rank={rank}",
+                f"--rdzv-conf=is_host={1 - rank}",
+                f"--events-file={tmp_path / f'events-{rank}.jsonl'}",
+                "w.py",
+            ],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env(),
+            start_new_session=True,
+        )
+        for rank, nproc in ((0, 1), (1, 2))
+    ]
+    try:
+        # elastrun status, while the restarted workers wait: the job's last failure
+        found = wait_for(lambda: restarted(port), TIMEOUT, "the restart in elastrun status")
+        (tmp_path / "finish").touch()
+        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+    finally:
+        stop_groups(*procs)
+    err0, err1 = outs[0][1], outs[1][1]
+    assert [p.returncode for p in procs] == [0, 0], (err0, err1)
+    assert found["last_failure"]["rank"] == 2, found
+    assert "ValueError: boom" in found["last_failure"]["message"], found
+    # Node 1: its own rank 2 is the root cause.
+    assert "[ROOT CAUSE] rank 2 (local rank 1)" in err1, err1
+    # Node 0: its rank 0 failed after rank 2, on the other node.
+    assert "[ROOT CAUSE] on another node: rank 2 on " in err0, err0
+    assert "error: ValueError: boom: rank 2 crashed first" in err0 or (
+        "ValueError: boom: rank 2 crashed first" in err0.split("[ROOT CAUSE]", 1)[1]
+    ), err0
+    assert "[ROOT CAUSE] rank 0" not in err0, err0
+    assert "collateral (failed after the root cause)] rank 0" in err0, err0
+    # Both announce the restart with the same root cause.
+    for err in (err0, err1):
+        assert "elastrun: restarting workers (restart 1/1): rank 2 on " in err, err
+    # The event logs: node 0 says its failure came after rank 2's.
+    ev0 = events(tmp_path / "events-0.jsonl")
+    elsewhere = [e for e in ev0 if e["kind"] == "root_cause_elsewhere"]
+    assert len(elsewhere) == 1, ev0
+    assert elsewhere[0]["failure"]["rank"] == 2
+    assert elsewhere[0]["node_failure"]["rank"] == 0
+    ev1 = events(tmp_path / "events-1.jsonl")
+    assert not [e for e in ev1 if e["kind"] == "root_cause_elsewhere"]
+
+
+TEARDOWN_HANGS = textwrap.dedent(
+    """
+    import threading, time
+    threading.Thread(target=time.sleep, args=(3600,)).start()  # the interpreter waits for it
+    raise ValueError("failed, then stuck in the teardown")
+    """
+)
+
+
+def test_a_rank_stuck_in_its_teardown_after_failing_is_stopped_and_stays_the_root_cause(
+    tmp_path: Path,
+) -> None:
+    """The runner says the script failed; the rank is given a few seconds
+    to end by itself, then stopped, long before --shutdown-timeout (an hour:
+    only that short grace lets the launch end within the test's bound)."""
+    (tmp_path / "w.py").write_text(TEARDOWN_HANGS)
+    proc = subprocess.run(
+        [*ELASTRUN, "--standalone", "--nproc-per-node=2", "--shutdown-timeout=3600", "w.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env(),
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    roots = [ln for ln in proc.stderr.splitlines() if ln.startswith("[ROOT CAUSE]")]
+    assert len(roots) == 1 and "signal SIGTERM" in roots[0], proc.stderr[-3000:]
+    assert "ValueError: failed, then stuck in the teardown" in proc.stderr

@@ -1,0 +1,288 @@
+"""Conformance with torchrun 2.13's remaining flags and API fields, with real
+agents and real workers, compared with torchrun itself (in the venv) where
+the machine lets torchrun run them: --virtual-local-rank, the duplicated
+stdout/stderr lines, --numa-binding (refused here without GPUs, saying why),
+their PET_* variables, torch's LaunchConfig fields and string types through
+``elastrun.launch()``, TORCHELASTIC_SIGNALS_TO_HANDLE in the launching
+process, and error files kept (and named) without --log-dir."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastrun.launcher.devices import count_gpus
+from tests.conftest import REPO
+from tests.helpers import free_port, stop_groups, wait_for
+from tests.integration.elastic_harness import ELASTRUN
+from tests.integration.test_torchrun_conformance import BIN, env, launch_case, torchrun
+
+SHOW = str(BIN / "show_env.py")
+RUN_TIMEOUT = 240
+
+
+def real_torchrun(
+    *args: str, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """torch's own ``torchrun ARGS``, for comparison."""
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *args],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        env=env(**(extra_env or {})),
+        check=False,
+        cwd=REPO,
+    )
+
+
+def envs(stdout: str) -> list[dict[str, Any]]:
+    """Every ``ENV {...}`` line show_env.py printed (a prefix may come first)."""
+    return [json.loads(m) for m in re.findall(r"ENV (\{[^}]*\})", stdout)]
+
+
+def pairs(stdout: str) -> list[tuple[str | None, str | None]]:
+    return sorted((e["LOCAL_RANK"], e["CUDA_VISIBLE_DEVICES"]) for e in envs(stdout))
+
+
+@pytest.mark.parametrize(
+    ("how", "visible"),
+    [("flag", None), ("flag", "5,7"), ("PET_VIRTUAL_LOCAL_RANK", None)],
+    ids=["flag", "visible_devices", "pet"],
+)
+def test_virtual_local_rank_as_torchrun(how: str, visible: str | None) -> None:
+    extra = {"CUDA_VISIBLE_DEVICES": visible} if visible else {}
+    flags = ["--standalone", "--nproc-per-node=2"]
+    if how == "flag":
+        flags.append("--virtual-local-rank")
+    else:
+        extra[how] = "1"
+    args = [*flags, SHOW, "LOCAL_RANK", "CUDA_VISIBLE_DEVICES"]
+    ours = torchrun(*args, extra_env=extra)
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    devices = visible.split(",") if visible else ["0", "1"]
+    assert pairs(ours.stdout) == [("0", devices[0]), ("0", devices[1])], ours.stdout
+    theirs = real_torchrun(*args, extra_env=extra)
+    assert theirs.returncode == 0, theirs.stderr[-3000:]
+    assert pairs(theirs.stdout) == pairs(ours.stdout)
+
+
+def filtered(log_dir: Path, stream: str) -> list[str]:
+    """The lines of every filtered_STREAM.log under ``log_dir``, without their prefix."""
+    lines = []
+    for path in sorted(log_dir.rglob(f"filtered_{stream}.log")):
+        for line in path.read_text().splitlines():
+            lines.append(re.sub(r"^\[[^\]]*\]:\s?", "", line))
+    return sorted(lines)
+
+
+@pytest.mark.parametrize("how", ["flags", "pet"])
+def test_duplicate_filters_as_torchrun(tmp_path: Path, how: str) -> None:
+    out_filters, err_filters = "apple,kiwi,,lime", "pear"
+    flags = ["--standalone", "--nproc-per-node=2", "--tee=3"]
+    extra: dict[str, str] = {}
+    if how == "flags":
+        flags += [
+            f"--duplicate-stdout-filters={out_filters}",
+            f"--duplicate-stderr-filters={err_filters}",
+        ]
+    else:
+        extra = {
+            "PET_DUPLICATE_STDOUT_FILTERS": out_filters,
+            "PET_DUPLICATE_STDERR_FILTERS": err_filters,
+        }
+    says = ["--say", "apple pie", "--say", "banana", "--say", "kiwi,lime tart"]
+    says += ["--say", "kiwi alone", "--warn", "pear drop", "--warn", "plum"]
+    results = {}
+    for name, run in (("ours", torchrun), ("theirs", real_torchrun)):
+        logs = tmp_path / name
+        proc = run(*flags, f"--log-dir={logs}", SHOW, *says, extra_env=extra)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[name] = (filtered(logs, "stdout"), filtered(logs, "stderr"))
+    # "kiwi,,lime" is one text, "kiwi,lime": a comma in a filter
+    assert results["ours"] == (
+        ["apple pie", "apple pie", "kiwi,lime tart", "kiwi,lime tart"],
+        ["pear drop", "pear drop"],
+    ), results
+    assert results["ours"] == results["theirs"]
+
+
+@pytest.mark.skipif(count_gpus() > 0, reason="this machine has a GPU")
+def test_numa_binding_without_a_gpu_is_refused_saying_why(tmp_path: Path) -> None:
+    proc = torchrun("--standalone", "--numa-binding=node", SHOW)
+    assert proc.returncode == 2, proc.stderr
+    assert "--numa-binding" in proc.stderr and "no visible NVIDIA GPU" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    bad = torchrun("--standalone", "--numa-binding=nodes", SHOW)
+    assert bad.returncode == 2 and "--numa-binding" in bad.stderr
+
+
+def test_launch_config_takes_torchs_fields_and_types(tmp_path: Path) -> None:
+    """upstream's LaunchConfig fields through ``elastrun.launch()``: torch's
+    DefaultLogsSpecs (logs in its folder, tee'd), signals_to_handle as a
+    string, shutdown_timeout=None, rdzv_timeout, metrics_cfg,
+    event_log_handler, virtual_local_rank and the duplicate filters."""
+    logs = tmp_path / "logs"
+    cfg = {
+        "min_nodes": 1,
+        "max_nodes": 1,
+        "nproc_per_node": 2,
+        "run_id": "",
+        "rdzv_backend": "c10d",
+        "rdzv_endpoint": "127.0.0.1:0",
+        "max_restarts": 0,
+        "logs_specs": {"log_dir": str(logs), "redirects": 0, "tee": 3},
+        "signals_to_handle": "SIGTERM,SIGUSR1",
+        "shutdown_timeout": None,
+        "rdzv_timeout": 120,
+        "metrics_cfg": {"a": "b"},
+        "event_log_handler": "null",
+        "virtual_local_rank": True,
+        "duplicate_stdout_filters": ["apple"],
+        "duplicate_stderr_filters": None,
+    }
+    got = launch_case("env", cfg, Path("LOCAL_RANK,TORCHELASTIC_SIGNALS_TO_HANDLE"))
+    assert got.get("result") == 0, got
+    # the launching process' environment, as torch's launcher sets it
+    assert got["signals_to_handle"] == "SIGTERM,SIGUSR1"
+    assert filtered(logs, "stdout") == ["apple pie", "apple pie"], list(logs.rglob("*"))
+    assert len(list(logs.rglob("stdout.log"))) == 2
+
+
+@pytest.mark.skipif(count_gpus() > 0, reason="this machine has a GPU")
+def test_launch_config_numa_options_without_a_gpu_is_refused() -> None:
+    cfg = {"min_nodes": 1, "max_nodes": 1, "nproc_per_node": 1, "rdzv_backend": "c10d"}
+    cfg |= {"rdzv_endpoint": "127.0.0.1:0", "numa_options": "node"}
+    got = launch_case("env", cfg, Path("LOCAL_RANK"))
+    assert got.get("error") == "ConfigError", got
+    assert "numa_options" in got["message"] and "GPU" in got["message"], got
+
+
+RECORDED = """
+from torch.distributed.elastic.multiprocessing.errors import record
+
+@record
+def main():
+    raise ValueError("recorded failure")
+
+main()
+"""
+
+
+def test_error_files_are_kept_and_named_without_log_dir(tmp_path: Path) -> None:
+    script = tmp_path / "recorded.py"
+    script.write_text(RECORDED)
+    proc = torchrun("--standalone", "--nproc-per-node=1", str(script))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    named = re.findall(r"error file: (\S+error\.json)", proc.stderr)
+    assert named, proc.stderr[-3000:]
+    path = Path(named[0])
+    assert path.is_file()
+    assert "recorded failure" in path.read_text()
+    assert f"error files are kept: {path}" in proc.stderr
+    # torchrun keeps its error file too (and names it in its report)
+    theirs = real_torchrun("--standalone", "--nproc-per-node=1", str(script))
+    assert theirs.returncode == 1
+    kept = re.findall(r"error_file: (\S+error\.json)", theirs.stderr)
+    assert kept and os.path.isfile(kept[0]), theirs.stderr[-3000:]
+
+
+TIMED = """
+import os, sys, time
+import torch.distributed as dist
+from torch.distributed.elastic import timer
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+open(os.path.join(sys.argv[1], f"pid{rank}"), "w").write(str(os.getpid()))
+timer.configure(timer.FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"]))
+with timer.expires(after=0.5, scope="quick step"):
+    pass  # released in time
+dist.barrier()
+if rank == 1:
+    with timer.expires(after=1, scope="stuck step"):
+        time.sleep(600)
+dist.barrier()  # rank 0 waits here for rank 1
+"""
+
+
+@pytest.mark.parametrize("how", ["enable", "timer_file"])
+def test_file_timer_stops_the_overrunning_worker_and_names_it(tmp_path: Path, how: str) -> None:
+    script = tmp_path / "timed.py"
+    script.write_text(TIMED)
+    extra = (
+        {"TORCHELASTIC_ENABLE_FILE_TIMER": "1"}
+        if how == "enable"
+        else {"TORCHELASTIC_TIMER_FILE": str(tmp_path / "timers.fifo")}
+    )
+    proc = torchrun(
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=0",
+        str(script),
+        str(tmp_path),
+        extra_env=extra,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "[ROOT CAUSE] rank 1" in proc.stderr, proc.stderr[-3000:]
+    assert "timer 'stuck step' expired" in proc.stderr
+    assert "quick step" not in proc.stderr
+    # no orphans: both workers are gone when the launcher returns
+    for rank in (0, 1):
+        pid = int((tmp_path / f"pid{rank}").read_text())
+        assert (
+            not Path(f"/proc/{pid}").exists()
+            or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+        ), rank
+    assert not (tmp_path / "timers.fifo").exists()  # removed at exit
+
+
+def test_health_check_port_answers_while_the_agent_runs(tmp_path: Path) -> None:
+    port = free_port()
+    script = tmp_path / "wait.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "for _ in range(2400):\n"
+        "    if os.path.exists(sys.argv[1]):\n"
+        "        break\n"
+        "    time.sleep(0.05)\n"
+    )
+    done = tmp_path / "done"
+    agent = subprocess.Popen(
+        [*ELASTRUN, "--standalone", str(script), str(done)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env(TORCHELASTIC_HEALTH_CHECK_PORT=str(port)),
+        cwd=REPO,
+        start_new_session=True,
+    )
+    try:
+
+        def probe() -> dict[str, Any] | None:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            try:
+                conn.request("GET", "/")
+                reply = conn.getresponse()
+                return {"status": reply.status, **json.loads(reply.read())}
+            except OSError:
+                return None
+            finally:
+                conn.close()
+
+        got = wait_for(probe, 120, "the health check's answer")
+        assert got["status"] == 200 and got["alive"] is True and got["timeout"] == 60
+        done.touch()
+        _, err = agent.communicate(timeout=RUN_TIMEOUT)
+        assert agent.returncode == 0, err[-3000:]
+        assert probe() is None  # closed with the agent
+    finally:
+        stop_groups(agent)
