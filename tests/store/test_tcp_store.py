@@ -426,7 +426,8 @@ def small_output_limits(stall: float = 60.0) -> StoreLimits:
 
 def test_a_watcher_that_never_reads_holds_bounded_output_and_is_dropped() -> None:
     async def body() -> None:
-        limits = small_output_limits(stall=3.0)
+        # The stall timeout: longer than the puts below take on a loaded machine.
+        limits = small_output_limits(stall=8.0)
         async with StoreServer("127.0.0.1", 0, limits=limits) as server:
             host, port = server.address or ("", 0)
             # a watcher that stops reading after its watch is set up
@@ -437,20 +438,21 @@ def test_a_watcher_that_never_reads_holds_bounded_output_and_is_dropped() -> Non
             slow = next(c for c in server._connections if 7 in c.watches)
             value = os.urandom(48 * 1024)
             n = 200  # about 13 MB of events, base64
-            peak = 0
+            peak, lagged = 0, False
             for i in range(n):
                 await store.put(f"/slow/{i:04d}", value)
                 assert slow.transport is not None
                 peak = max(peak, slow.transport.get_write_buffer_size())
+                lagged = lagged or 7 in slow.lagging
             for i in range(n):  # the reading client gets every event, in order
                 event = await asyncio.wait_for(watch.__anext__(), 10)
                 assert event.kv.key == f"/slow/{i:04d}" and event.kv.value == value
             # What the server queued for the never-reading one stayed bounded:
             # the high-water mark plus at most one revision's frame.
             assert peak <= limits.output_high_water + 100 * 1024, peak
-            assert 7 in slow.lagging  # it fell back to catching up from history
+            assert lagged  # it fell back to catching up from history
             # and once it has not read for the stall timeout it is dropped
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + 30
             while server.connection_count != 1:
                 assert time.monotonic() < deadline, "the stalled watcher was not dropped"
                 await asyncio.sleep(0.1)
