@@ -66,6 +66,7 @@ from elastrun.worker.snapshot import (
     MAGIC,
     MAX_SLOTS,
     PREFIX,
+    REPLICA_ENV,
     CommitNote,
     Marked,
     Persist,
@@ -141,12 +142,17 @@ class _Slots:
             time.sleep(0.01)
 
     def _kept(self) -> set[int]:
-        """The slots not to write: the newest, and the one marked for the disk
-        until the agent is done with it."""
+        """The slots not to write: the newest, and the marked one: until the
+        agent is done with it (2 slots), or until the next mark (3 or more:
+        so that the step a neighbour holds as a replica stays here too)."""
         kept = {max(self.gens, key=lambda i: self.gens[i])} if self.gens else set()
         m = self.marked
-        pending = m is not None and self.gens.get(m.slot) == m.generation
-        if m is not None and pending and read_persisted(self.folder) < m.generation:
+        held = m is not None and self.gens.get(m.slot) == m.generation
+        if (
+            m is not None
+            and held
+            and (self.count > 2 or read_persisted(self.folder) < m.generation)
+        ):
             kept.add(m.slot)
         return kept
 
@@ -210,19 +216,21 @@ class _Committer:
     returns once the copy is made (no thread is started per save). At the
     interpreter's exit, the save in progress is committed first."""
 
-    def __init__(self, commit: Callable[[int, SnapshotHeader, int], None]) -> None:
+    def __init__(self, commit: Callable[[int, SnapshotHeader, int, bool], None]) -> None:
         self.idle = threading.Event()
         self.idle.set()
         self._commit = commit
-        self._jobs: queue.SimpleQueue[tuple[int, SnapshotHeader, int] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[int, SnapshotHeader, int, bool] | None] = (
+            queue.SimpleQueue()
+        )
         self._thread = threading.Thread(target=self._run, name="elastrun-memory-checkpoint")
         self._thread.daemon = True
         self._thread.start()
         atexit.register(self.idle.wait)
 
-    def put(self, i: int, header: SnapshotHeader, start: int) -> None:
+    def put(self, i: int, header: SnapshotHeader, start: int, mark: bool) -> None:
         self.idle.clear()
-        self._jobs.put((i, header, start))
+        self._jobs.put((i, header, start, mark))
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -256,18 +264,23 @@ class MemoryCheckpoint:
         *,
         keep: int = 3,
         persist_every: int = 0,
+        replicate_every: int | None = None,
         slots: int = 3,
         log: Log = print,
     ) -> None:
         if not 2 <= slots <= MAX_SLOTS:
             raise ConfigError(f"memory checkpoint: slots must be 2..{MAX_SLOTS}, got {slots}")
-        if persist_every < 0 or keep < 0:
-            raise ConfigError("memory checkpoint: persist_every and keep must be >= 0")
+        if persist_every < 0 or keep < 0 or (replicate_every or 0) < 0:
+            raise ConfigError(
+                "memory checkpoint: persist_every, replicate_every and keep must be >= 0"
+            )
+        self.replicate_every = persist_every if replicate_every is None else replicate_every
         self.directory = None if directory is None else os.path.abspath(directory)
         self.keep = keep
         self.persist_every = persist_every
         self.log = log
         self.folder = os.environ.get(ENV) or None
+        self.replicas = os.environ.get(REPLICA_ENV) or None
         self.last_blocked_s = 0.0  # how long the last save kept the caller waiting
         self._slots: _Slots | None = None
         self._slot_count = slots
@@ -303,9 +316,11 @@ class MemoryCheckpoint:
         self.wait()
         flat = flatten(state)  # ConfigError naming a key that cannot be copied
         target = self._persist(step, persist)
+        every = self.replicate_every
+        mark = target is not None or (every > 0 and step % every == 0)
         if self._fallback is None:
             try:
-                self._save_memory(flat, step, target)
+                self._save_memory(flat, step, target, mark)
             except _NoRoom as e:
                 self._fall_back(flat.data_size, str(e))
         if self._fallback is not None and not self._warned:
@@ -314,7 +329,7 @@ class MemoryCheckpoint:
             save_checkpoint(state, target.directory, step=step, keep=target.keep)
         self.last_blocked_s = time.perf_counter() - t0
 
-    def _save_memory(self, flat: Flat, step: int, target: Persist | None) -> None:
+    def _save_memory(self, flat: Flat, step: int, target: Persist | None, mark: bool) -> None:
         assert self.folder is not None
         if self._slots is None:
             self._slots = _Slots(self.folder, self._slot_count)
@@ -339,9 +354,9 @@ class MemoryCheckpoint:
             self._slots.release(i)
             raise
         flat.tensors.clear()  # the caller's tensors are not held any longer
-        self._committer().put(i, header, start)
+        self._committer().put(i, header, start, mark)
 
-    def _commit(self, i: int, header: SnapshotHeader, start: int) -> None:
+    def _commit(self, i: int, header: SnapshotHeader, start: int, mark: bool) -> None:
         slots = self._slots
         assert slots is not None
         try:
@@ -349,7 +364,7 @@ class MemoryCheckpoint:
                 digest = sha256_of(view[start : start + header.data_size])
             final = dataclasses.replace(header, sha256=digest)
             slots.commit(i, final.encode(), header.generation)
-            if header.persist is not None:
+            if mark:
                 slots.marked = Marked(i, header.generation, header.step)
             CommitNote(i, header.generation, header.step, slots.marked).write(slots.folder)
         except BaseException as e:
@@ -412,13 +427,19 @@ class MemoryCheckpoint:
         rank without the agreed step gets it from one that has it. None:
         nothing anywhere."""
         with phase("checkpoint"):
-            views = self._intact() if self.folder is not None else []
+            views = self._intact(self.folder) if self.folder is not None else []
+            replicas = self._intact(self.replicas) if self._lists_replicas() else []
             try:
                 state = restore(
-                    views, shared=shared, group=group, map_location=map_location, log=self.log
+                    views,
+                    replicas=replicas,
+                    shared=shared,
+                    group=group,
+                    map_location=map_location,
+                    log=self.log,
                 )
             finally:
-                for v in views:
+                for v in views + replicas:
                     v.close()
             if state is not None or self.directory is None:
                 return state
@@ -426,10 +447,14 @@ class MemoryCheckpoint:
                 self.directory, group=group, map_location=map_location, keep=self.keep, log=self.log
             )
 
-    def _intact(self) -> list[SlotView]:
-        assert self.folder is not None
+    def _lists_replicas(self) -> bool:
+        """The node's replicas are listed by its local rank 0 only."""
+        return self.replicas is not None and os.environ.get("LOCAL_RANK", "0") == "0"
+
+    def _intact(self, folder: str | None) -> list[SlotView]:
+        assert folder is not None
         views = []
-        for v in snapshots(self.folder):
+        for v in snapshots(folder):
             if isinstance(v, SnapshotError):
                 continue  # torn by a kill mid-copy, or being written: not a snapshot
             try:
