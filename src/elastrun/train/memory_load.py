@@ -48,7 +48,7 @@ MAX_REPLICAS = 64  # replicas one rank lists (its node holds one neighbour's ran
 
 
 @dataclass(frozen=True)
-class _Held:
+class Held:
     """What one rank listed: its own steps (step -> size) and the replicas
     its node holds ((origin rank, step) -> size)."""
 
@@ -66,7 +66,7 @@ def _row(mine: dict[int, SlotView], reps: dict[tuple[int, int], SlotView]) -> li
     return row
 
 
-def _parse(values: list[int]) -> _Held:
+def _parse(values: list[int]) -> Held:
     own = {values[i]: values[MAX_SLOTS + i] for i in range(MAX_SLOTS) if values[i] >= 0}
     base = 2 * MAX_SLOTS
     reps = {}
@@ -74,10 +74,10 @@ def _parse(values: list[int]) -> _Held:
         origin, step, size = values[base + 3 * i : base + 3 * i + 3]
         if origin >= 0:
             reps[(origin, step)] = size
-    return _Held(own, reps)
+    return Held(own, reps)
 
 
-def _sources(held: list[_Held], step: int, shared: bool) -> dict[int, tuple[int, int]] | None:
+def _sources(held: list[Held], step: int, shared: bool) -> dict[int, tuple[int, int]] | None:
     """For step ``step``: rank without its own copy -> (rank that sends it,
     size); None when some rank's state is nowhere."""
     world = len(held)
@@ -108,7 +108,7 @@ def _any_origin(replicas: Mapping[tuple[int, int], object], step: int) -> int | 
     return min((o for (o, s) in replicas if s == step), default=None)
 
 
-def agree(held: list[_Held], shared: bool) -> tuple[int, dict[int, tuple[int, int]]] | None:
+def agree(held: list[Held], shared: bool) -> tuple[int, dict[int, tuple[int, int]]] | None:
     """The highest step whose state every rank can have (its own copy, or
     one sent by a rank whose own copy or node's replica holds it), and who
     sends it to whom; None: no such step."""
@@ -204,7 +204,7 @@ def _sent(
     return reps[(r, step)]
 
 
-def _gather(row: list[int], group: Any) -> list[_Held]:
+def _gather(row: list[int], group: Any) -> list[Held]:
     import torch
     import torch.distributed as dist
 
