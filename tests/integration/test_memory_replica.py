@@ -102,6 +102,8 @@ def test_a_lost_node_s_rank_resumes_from_the_neighbour_s_replica(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     env = {"MEM_STEPS": "16", "MEM_HOLD_AT": "12", "MEM_REPLICATE": "5"}
+    # With a store token, the replicas are signed with a key derived from it.
+    env["ELASTRUN_STORE_TOKEN"] = "replica-test-token"
     j = lose_a_node(tmp_path, monkeypatch, env)
     resumed = [ld for ld in loaded(j) if ld["node"] in ("a", "s") and ld["step"] > 0]
     by_node = {ld["node"]: ld for ld in resumed}
@@ -115,6 +117,8 @@ def test_a_lost_node_s_rank_resumes_from_the_neighbour_s_replica(
     )
     sent = kinds(j, "b", "memory_replica_sent")
     assert any(e["step"] == 10 for e in sent), sent
+    assert not kinds(j, "a", "memory_replica_refused")
+    assert all(e["authenticated"] for e in kinds(j, "a", "memory_replica_received"))
     final = [st for st in j.steps() if st["step"] == 16]
     assert {st["node"] for st in final} == {"a", "s"}
 

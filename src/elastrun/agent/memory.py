@@ -224,7 +224,12 @@ class MemoryCheckpoints(Feature):
 
     def _received(self, got: Received) -> None:
         self.core.events.emit(
-            "memory_replica_received", rank=got.rank, step=got.step, node=got.node, bytes=got.size
+            "memory_replica_received",
+            rank=got.rank,
+            step=got.step,
+            node=got.node,
+            bytes=got.size,
+            authenticated=self.hold is not None and bool(self.hold.key),
         )
 
     def _refused(self, peer: str, why: str) -> None:

@@ -27,7 +27,11 @@ lists the steps its own slots hold intact (checked against their SHA-256),
 the ranks all-gather them and take the highest step that every rank holds;
 each rank then loads its own copy (no disk read). For a state that is the
 same on every rank (``shared=True``), the highest step any rank holds, sent
-by its holder to the ranks without it (:mod:`elastrun.train.memory_load`). When no step is common
+by its holder to the ranks without it (:mod:`elastrun.train.memory_load`).
+The marked steps (``replicate_every``, and the ``persist`` ones) are also
+sent by the agent to the next node's agent, which holds them as a replica:
+a node that replaces a lost one gets the lost ranks' states from there,
+and the ranks count those replicas when they agree. When no step is common
 (a rank is new, or shared memory was lost with its node), every rank falls
 back to :func:`~elastrun.train.load_checkpoint` on ``directory`` (the
 newest intact disk checkpoint the ranks agree on). So the ranks always

@@ -1,16 +1,23 @@
 """Restoring a memory checkpoint: the ranks agree on one step and load it.
 
 Each rank lists the steps its own slots hold intact (at most ``MAX_SLOTS``,
-with their sizes); the ranks all-gather the lists (one collective), then:
+with their sizes), and local rank 0 of each node the replicas its agent
+holds of the neighbour node's snapshots (at most ``MAX_REPLICAS``: the rank
+that saved each, its step and size); the ranks all-gather the lists (one
+collective), then (:func:`agree`):
 
-* per-rank states (the default): the highest step that every rank holds;
-  each rank loads its own copy;
+* per-rank states (the default): the highest step for which every rank's
+  state is somewhere: its own copy, or a replica of that rank held by some
+  rank's node; each rank loads its own copy, and the holder of a replica
+  broadcasts it to the rank without one (checked against its SHA-256). A
+  node that replaces a lost one thus gets the lost ranks' states from the
+  neighbour's memory;
 * shared states (``shared=True``: the same on every rank, as under data
   parallelism, or saved by one rank only, as Lightning does): the highest
   step any rank holds; the ranks that hold it load their own copy, and the
   lowest such rank broadcasts its snapshot's bytes to the others, which
-  check them against the snapshot's SHA-256 before loading them. A node that
-  replaces a lost one thus gets the state from the survivors' memory.
+  check them against the snapshot's SHA-256 before loading them (with no
+  rank's own copy, a replica of any rank at that step serves).
 
 None on every rank when no step qualifies (the caller then falls back to the
 disk checkpoints, agreed on in the same way by every rank).
