@@ -35,13 +35,16 @@ RUN = "job1"
 KEY = replica_key("secret-token", RUN)
 
 
-def make_snapshot(tmp: Path, step: int, value: float, monkeypatch: pytest.MonkeyPatch) -> str:
-    """A real memory checkpoint slot of rank 0 at ``step``; its path."""
+def make_snapshot(
+    tmp: Path, step: int, value: float, monkeypatch: pytest.MonkeyPatch, rank: int = 0
+) -> str:
+    """A real memory checkpoint slot of ``rank`` at ``step``; its path."""
     from elastrun.train import MemoryCheckpoint
 
-    folder = tmp / f"worker-{step}"
+    folder = tmp / f"worker-{rank}-{step}"
     folder.mkdir(mode=0o700)
     monkeypatch.setenv(ENV, str(folder))
+    monkeypatch.setenv("RANK", str(rank))
     mem = MemoryCheckpoint(log=None)
     mem.save({"w": torch.full((4096,), value)}, step=step)
     mem.close()
@@ -95,11 +98,13 @@ def snaps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str
     )
 
 
-async def send(server: Server, path: str, key: bytes = KEY, run: str = RUN) -> None:
+async def send(
+    server: Server, path: str, key: bytes = KEY, run: str = RUN, node: str = "node-b"
+) -> None:
     view = view_of(path)
     try:
         await asyncio.to_thread(
-            send_snapshot, ("127.0.0.1", server.port), view, run=run, node="node-b", key=key
+            send_snapshot, ("127.0.0.1", server.port), view, run=run, node=node, key=key
         )
     finally:
         view.close()
@@ -239,3 +244,24 @@ def silent(port: int) -> bytes:
         while chunk := sock.recv(4096):  # the greeting, the refusal, then the end
             got += chunk
     return got
+
+
+def test_one_neighbour_s_state_at_one_step_is_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    r0_5, r1_5, r0_10 = (
+        make_snapshot(tmp_path, 5, 1.0, monkeypatch, rank=0),
+        make_snapshot(tmp_path, 5, 1.0, monkeypatch, rank=1),
+        make_snapshot(tmp_path, 10, 2.0, monkeypatch, rank=0),
+    )
+
+    async def body(server: Server) -> None:
+        await send(server, r0_5)
+        await send(server, r1_5)
+        assert server.hold.held() == ["rank-0", "rank-1"]
+        await send(server, r0_10)  # a newer step: rank 1's older one goes
+        assert server.hold.held() == ["rank-0"]
+        await send(server, r1_5, node="node-c")  # another node: node-b's go
+        assert server.hold.held() == ["rank-1"]
+
+    serve(tmp_path, body)

@@ -34,9 +34,10 @@ read and write of the data within ``IO_TIMEOUT`` s; at most
 ``MAX_FILES`` snapshots held. A transfer is written to a new file
 (``incoming-*``) and takes the place of the rank's previous replica only
 once complete and checked (its SHA-256, its header's rank and step): a
-transfer cut mid-way leaves the previous replica intact. A complete set from
-another node replaces the replicas of every other node, so that a node holds
-one neighbour's state.
+transfer cut mid-way leaves the previous replica intact. A complete transfer
+removes the replicas of other nodes and of other steps, so that a node holds
+one neighbour's state at one step (never a mix of steps from before and
+after a restart that went back to an older step).
 
 Standard library only: the agent copies bytes, it never imports torch.
 """
@@ -263,7 +264,7 @@ class ReplicaHold:
         self.run = run
         self.key = key
         self.max_bytes = max_bytes
-        self.senders: dict[int, str] = {}  # origin rank -> node that sent its replica
+        self.senders: dict[int, tuple[str, int]] = {}  # origin rank -> (node, step) held
         self.active = 0
         self.refusals = 0
         self.on_received: Any = None  # Callable[[Received], None]
@@ -398,13 +399,15 @@ class ReplicaHold:
                 raise ReplicaError("its header's rank, step or generation is not the offer's")
 
     def _keep_one_node(self, offer: Offer) -> None:
-        """The replicas of other nodes go: one neighbour's state is held."""
-        self.senders[offer.rank] = offer.node
+        """The replicas of other nodes, and of other steps, go: one
+        neighbour's state of one step is held (a replica of another step
+        could only be older, or from before a restart that went back)."""
+        self.senders[offer.rank] = (offer.node, offer.step)
         for name in self.held():
             m = _FILE.match(name)
             assert m is not None
             rank = int(m.group(1))
-            if self.senders.get(rank) != offer.node:
+            if self.senders.get(rank) != (offer.node, offer.step):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(self.folder, name))
                 self.senders.pop(rank, None)
