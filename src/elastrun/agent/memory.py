@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -82,6 +83,7 @@ ROOT_ENV = "ELASTRUN_MEMORY_CHECKPOINT_ROOT"  # where the folders go (default /d
 DEFAULT_ROOT = "/dev/shm"
 POLL = 0.2  # s between looks at the commit notes
 CLOSE_WAIT = 60.0  # s the agent's end waits for a disk write in progress
+REPLICA_WAIT = 10.0  # s a mark is kept for the previous node's replicas of its step
 
 
 def features(core: Core) -> list[Feature]:
@@ -156,6 +158,7 @@ class MemoryCheckpoints(Feature):
         self.port: int | None = None
         self.result: RoundResult | None = None  # the round now running
         self._neighbour: Neighbour | None = None
+        self._awaited = -1  # the newest step whose replicas were waited for
 
     def start(self) -> None:
         spec = self.core.spec
@@ -198,7 +201,7 @@ class MemoryCheckpoints(Feature):
     # ------------------------------------------------------------ replicas
     async def round_starts(self, result: RoundResult) -> None:
         """Take this round's neighbour's replicas (the port in our note)."""
-        self.result, self._neighbour = result, None
+        self.result, self._neighbour, self._awaited = result, None, -1
         if self.base is None or result.group_world_size < 2:
             return
         me = result.members[result.group_rank]
@@ -285,6 +288,8 @@ class MemoryCheckpoints(Feature):
     def _persist(self, lr: int, folder: str, marked: Marked, to: Neighbour | None) -> None:
         try:
             self._write(lr, folder, marked, to)
+            if to is not None:
+                self._await_replicas(marked.step)
         finally:
             with contextlib.suppress(OSError):  # the worker may write into that slot again
                 write_persisted(folder, marked.generation)
@@ -321,6 +326,27 @@ class MemoryCheckpoints(Feature):
             bytes=done.size,
             seconds=round(clock.monotonic() - t0, 3),
         )
+
+    def _await_replicas(self, step: int) -> None:
+        """Wait (at most REPLICA_WAIT s) until this node holds the previous
+        node's replicas of ``step`` or later: until then the worker keeps its
+        previous mark (with 4 slots), the step the replicas held before are
+        of, so that a node lost meanwhile leaves a step every rank can have."""
+        hold, result = self.hold, self.result
+        if hold is None or result is None or result.group_world_size < 2:
+            return
+        if step <= self._awaited:
+            return  # once per step (local ranks mark the same steps)
+        self._awaited = step
+        prev = result.members[(result.group_rank - 1) % result.group_world_size]
+        first = sum(m.nproc for m in result.members if m.group_rank < prev.group_rank)
+        ranks = range(first, first + prev.nproc)
+        deadline = self.core.clock.monotonic() + REPLICA_WAIT
+        while not self._closing.is_set() and self.core.clock.monotonic() < deadline:
+            held = dict(hold.senders)
+            if all(held.get(r, ("", -1))[1] >= step for r in ranks):
+                return
+            time.sleep(0.02)
 
     def _send(self, lr: int, view: SlotView, to: Neighbour) -> None:
         clock, result = self.core.clock, self.result

@@ -106,6 +106,9 @@ class _Slots:
         self.maps: dict[int, mmap.mmap] = {}
         self.gens: dict[int, int] = {}  # the generation each slot holds (-1: none)
         self.marked: Marked | None = None  # kept until the agent has written it
+        # The mark before it, kept (with 4 slots or more) until the agent is done
+        # with the newest: the step a neighbour's replica holds until then.
+        self.previous: Marked | None = None
         with contextlib.suppress(SnapshotError):
             note = CommitNote.read(folder)
             self.marked = None if note is None else note.marked
@@ -148,16 +151,18 @@ class _Slots:
     def _kept(self) -> set[int]:
         """The slots not to write: the newest, and the marked one: until the
         agent is done with it (2 slots), or until the next mark (3 or more:
-        so that the step a neighbour holds as a replica stays here too)."""
+        so that the step a neighbour holds as a replica stays here too); with
+        4 or more, the mark before it too, until the agent is done with the
+        newest one (sent: the neighbour's replica holds it)."""
         kept = {max(self.gens, key=lambda i: self.gens[i])} if self.gens else set()
-        m = self.marked
-        held = m is not None and self.gens.get(m.slot) == m.generation
-        if (
-            m is not None
-            and held
-            and (self.count > 2 or read_persisted(self.folder) < m.generation)
-        ):
+        m, prev = self.marked, self.previous
+        if m is None or self.gens.get(m.slot) != m.generation:
+            return kept
+        pending = read_persisted(self.folder) < m.generation
+        if self.count > 2 or pending:
             kept.add(m.slot)
+        if self.count > 3 and pending and prev and self.gens.get(prev.slot) == prev.generation:
+            kept.add(prev.slot)
         return kept
 
     def acquire(self, size: int) -> tuple[int, mmap.mmap]:
@@ -255,10 +260,14 @@ class MemoryCheckpoint:
     ``directory``: the disk checkpoint folder (``persist`` saves go there, and
     :meth:`load` falls back to it); None: memory only. ``keep``: disk
     checkpoints kept there (0: all). ``persist_every``: mark every N-th step
-    for the disk (0: only saves with ``persist=True``). ``slots``: snapshots
+    for the disk (0: only saves with ``persist=True``). ``replicate_every``:
+    mark every N-th step for the neighbour node's agent, which holds it as a
+    replica for node loss (None: the disk marks; 0: none). ``slots``: snapshots
     kept per rank in shared memory (2 to 8; 3 lets the agent persist one
     while the worker writes another; 2 uses less memory, but a save may then
-    wait for the agent's disk write). ``log``: where the lines go (rank 0's
+    wait for the agent's disk write; default 3, and 4 when the marks are
+    sent to a neighbour node, so that the previous mark stays until the
+    newest one's replica has arrived). ``log``: where the lines go (rank 0's
     restore line, the one fallback warning); None: silence.
     """
 
@@ -269,9 +278,13 @@ class MemoryCheckpoint:
         keep: int = 3,
         persist_every: int = 0,
         replicate_every: int | None = None,
-        slots: int = 3,
+        slots: int | None = None,
         log: Log = print,
     ) -> None:
+        replicated = bool(os.environ.get(REPLICA_ENV)) and (
+            (persist_every if replicate_every is None else replicate_every) > 0
+        )
+        slots = slots if slots is not None else 4 if replicated else 3
         if not 2 <= slots <= MAX_SLOTS:
             raise ConfigError(f"memory checkpoint: slots must be 2..{MAX_SLOTS}, got {slots}")
         if persist_every < 0 or keep < 0 or (replicate_every or 0) < 0:
@@ -369,7 +382,10 @@ class MemoryCheckpoint:
             final = dataclasses.replace(header, sha256=digest)
             slots.commit(i, final.encode(), header.generation)
             if mark:
-                slots.marked = Marked(i, header.generation, header.step)
+                slots.previous, slots.marked = (
+                    slots.marked,
+                    Marked(i, header.generation, header.step),
+                )
             CommitNote(i, header.generation, header.step, slots.marked).write(slots.folder)
         except BaseException as e:
             self._error = e
