@@ -115,8 +115,9 @@ def run_one(
                 p.wait(10)
     evs = _events(events)
     resumed = [e for e in evs if e["ev"] == "resume" and e["t"] >= t_kill]
-    after = [e for e in evs if e["ev"] == "step" and e["t"] >= t_kill and e["rank"] == 0]
-    first_after = min((e for e in after), key=lambda e: e["t"], default=None)
+    t_resume = min((e["t"] for e in resumed), default=float("inf"))
+    after = [e for e in evs if e["ev"] == "step" and e["t"] >= t_resume and e["rank"] == 0]
+    first_after = min(after, key=lambda e: e["t"], default=None)
     resumed_steps = sorted({int(e["step"]) for e in resumed})
     return {
         "newest_before": newest,
