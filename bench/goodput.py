@@ -39,9 +39,7 @@ its throughput (the network between two nodes is slower than loopback;
 this is the floor of what the agent's background thread spends per marked
 snapshot).
 
-Not measured here: agent (node) kills, which need several nodes and a
-replaced node (tests/integration/test_memory_replica.py shows the steps
-redone: those since the last replicated mark).
+Node loss (several nodes and a replacement node): bench/goodput_nodes.py.
 
 Run: ``python -m bench.goodput [--duration 90 --kill-every 30 --blocked-mib 1024]``
 (part of ``make bench``). Writes ``bench/results/goodput-<time>/results.md``.

@@ -159,6 +159,7 @@ class MemoryCheckpoints(Feature):
         self.result: RoundResult | None = None  # the round now running
         self._neighbour: Neighbour | None = None
         self._awaited = -1  # the newest step whose replicas were waited for
+        self._replicas_off = False
 
     def start(self) -> None:
         spec = self.core.spec
@@ -205,18 +206,19 @@ class MemoryCheckpoints(Feature):
         if self.base is None or result.group_world_size < 2:
             return
         me = result.members[result.group_rank]
-        if self.hold is None and me.addr:
-            folder = private_dir(os.path.join(self.base, "replica"), below=self.base)
-            hold = ReplicaHold(
-                folder,
-                run=self.core.spec.run_id,
-                key=replica_key(self.core.spec.replica_secret, self.core.spec.run_id),
-                max_bytes=max_bytes_from_env(),
-            )
+        if self.hold is None and me.addr and not self._replicas_off:
             try:
+                folder = private_dir(os.path.join(self.base, "replica"), below=self.base)
+                hold = ReplicaHold(
+                    folder,
+                    run=self.core.spec.run_id,
+                    key=replica_key(self.core.spec.replica_secret, self.core.spec.run_id),
+                    max_bytes=max_bytes_from_env(),
+                )
                 self.port = await hold.serve(me.addr)
-            except OSError as e:
+            except OSError as e:  # UnsafePath too
                 self.core.say(f"elastrun: warning: memory checkpoint replicas off: {e}")
+                self._replicas_off = True  # said once; not tried again
                 return
             hold.on_received = self._received
             hold.on_refused = self._refused
