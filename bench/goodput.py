@@ -31,8 +31,15 @@ reuse theirs; each after the previous one's background hash is done, as
 when a training step lies between them) and with ``torch.save`` to a file
 on local disk; reported: the time each call blocked, and the ratio.
 
-Not measured here: agent (node) kills, which need several nodes and a
-replaced node (see docs/benchmarks.md).
+``--replica-mib`` (default 256): the cost of a neighbour replica, one snapshot
+of that size saved with ``MemoryCheckpoint.save`` and sent by
+``elastrun.agent.replica.send_snapshot`` to a real replica port on loopback
+(the agent's code on both ends, with a key): the time the transfer takes and
+its throughput (the network between two nodes is slower than loopback;
+this is the floor of what the agent's background thread spends per marked
+snapshot).
+
+Node loss (several nodes and a replacement node): bench/goodput_nodes.py.
 
 Run: ``python -m bench.goodput [--duration 90 --kill-every 30 --blocked-mib 1024]``
 (part of ``make bench``). Writes ``bench/results/goodput-<time>/results.md``.
@@ -192,8 +199,53 @@ print(json.dumps({{"memory_first": times[0], "memory": min(times[1:]), "torch_sa
     return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
+def replica_transfer(mib: int) -> dict[str, float]:
+    """One snapshot of ``mib`` MiB sent to a real replica port on loopback."""
+    code = f"""
+import asyncio, json, os, tempfile, threading, time, torch
+from elastrun.agent.replica import ReplicaHold, replica_key, send_snapshot
+from elastrun.safefs import private_dir
+from elastrun.train import MemoryCheckpoint
+from elastrun.worker.snapshot import open_slot, slot_names
+mem = MemoryCheckpoint(log=None)
+mem.save({{"w": torch.randn({mib} << 18)}}, step=1)
+mem.close()
+folder = os.environ["ELASTRUN_MEMORY_CHECKPOINT_DIR"]
+path = max((os.path.join(folder, n) for n in slot_names(folder)), key=os.path.getsize)
+key = replica_key("bench-token", "bench")
+loop = asyncio.new_event_loop()
+hold = ReplicaHold(private_dir(os.path.join(folder, "replica")), run="bench", key=key,
+                   max_bytes=1 << 40)
+port = loop.run_until_complete(hold.serve("127.0.0.1"))
+threading.Thread(target=loop.run_forever, daemon=True).start()
+view = open_slot(path)
+t0 = time.perf_counter()
+send_snapshot(("127.0.0.1", port), view, run="bench", node="bench", key=key)
+took = time.perf_counter() - t0
+print(json.dumps({{"bytes": view.size, "seconds": took}}))
+view.close()
+"""
+    shm = tempfile.mkdtemp(prefix="elastrun-goodput-", dir="/dev/shm")
+    env = {**os.environ, "ELASTRUN_MEMORY_CHECKPOINT_DIR": shm, "PYTHONPATH": str(REPO / "src")}
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        ).stdout
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
 def report(
-    runs: dict[str, dict[str, Any]], blocked: dict[str, float] | None, args: argparse.Namespace
+    runs: dict[str, dict[str, Any]],
+    blocked: dict[str, float] | None,
+    args: argparse.Namespace,
+    replica: dict[str, float] | None = None,
 ) -> str:
     ref = runs["reference"]["final_step"] or 1
     lines = [
@@ -230,7 +282,18 @@ def report(
             f"| {blocked['torch_save']:.2f} s | {blocked['memory_first']:.2f} s | "
             f"{blocked['memory']:.2f} s | {blocked['memory'] / blocked['torch_save']:.2f}x |",
         ]
+    if replica is not None:
+        lines += ["", replica_line(replica)]
     return "\n".join(lines) + "\n"
+
+
+def replica_line(r: dict[str, float]) -> str:
+    mib = r["bytes"] / 2**20
+    return (
+        f"A neighbour replica: one snapshot of {mib:.0f} MiB sent to a replica port on loopback "
+        f"(signed, hashed on both ends) in {r['seconds']:.2f} s ({mib / r['seconds']:.0f} MiB/s), "
+        "in the agent's background thread."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,8 +301,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=90.0, help="seconds of training per run")
     p.add_argument("--kill-every", type=float, default=30.0, help="seconds between worker kills")
     p.add_argument("--blocked-mib", type=int, default=1024, help="state size (0: skip)")
+    p.add_argument("--replica-mib", type=int, default=256, help="replica size (0: skip)")
+    p.add_argument("--replica-only", action="store_true", help="measure the replica only")
     p.add_argument("--out", type=Path, default=None, help="results folder")
     args = p.parse_args(argv)
+    replica = replica_transfer(args.replica_mib) if args.replica_mib > 0 else None
+    if args.replica_only:
+        print(replica_line(replica) if replica else "nothing measured")
+        return 0
     out = args.out or REPO / "bench" / "results" / f"goodput-{time.strftime('%Y%m%d-%H%M%S')}"
     runs = {
         "reference": run_one(
@@ -258,9 +327,10 @@ def main(argv: list[str] | None = None) -> int:
         ),
     }
     blocked = blocked_1g(args.blocked_mib, out / "blocked") if args.blocked_mib > 0 else None
-    text = report(runs, blocked, args)
+    text = report(runs, blocked, args, replica)
     (out / "results.md").write_text(text)
-    (out / "results.json").write_text(json.dumps({"runs": runs, "blocked": blocked}, indent=1))
+    results = {"runs": runs, "blocked": blocked, "replica": replica}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
     print(text)
     print(f"written to {out}")
     return 0

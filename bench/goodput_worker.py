@@ -10,7 +10,8 @@ every ``GP_INTERVAL`` seconds at most. ``GP_MODE``:
   rank loads it at start: what a torchrun script does today;
 * ``memory``: every rank ``MemoryCheckpoint.save``\\s every step (written to
   disk by the agent every ``GP_EVERY`` steps), and loads with
-  ``MemoryCheckpoint.load``;
+  ``MemoryCheckpoint.load``; ``GP_REPLICATE``: steps between the marks
+  the agent sends to the next node as a replica (default: ``GP_EVERY``);
 * ``none``: no checkpoint (the failure-free reference).
 
 Events (JSON lines in ``GP_EVENTS``): ``resume`` (the step resumed from),
@@ -72,7 +73,12 @@ def main() -> None:
     mem = None
     state = None
     if MODE == "memory":
-        mem = MemoryCheckpoint(DIR / "disk", persist_every=EVERY if ctx.local_rank == 0 else 0)
+        replicate = os.environ.get("GP_REPLICATE")  # marks for the neighbour's replica
+        mem = MemoryCheckpoint(
+            DIR / "disk",
+            persist_every=EVERY if ctx.local_rank == 0 else 0,
+            replicate_every=int(replicate) if replicate else None,
+        )
         state = mem.load()
     elif MODE == "torchsave" and ckpt.exists():
         state = torch.load(ckpt, map_location="cpu", weights_only=True)

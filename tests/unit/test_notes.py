@@ -323,3 +323,17 @@ def test_the_timeline_escapes_events_and_skips_hostile_lines(tmp_path: Any) -> N
     page = render_html(events)
     assert "<script>" not in page and "<b>" not in page and "&lt;script&gt;" in page
     assert not RAW_CONTROL.search(page) and "\\x1b]0;owned\\x07" in page
+
+
+def test_a_replica_note_counts_only_from_the_round_s_member_at_its_group_rank() -> None:
+    seat = N.seats([("node-a", 0, 1), ("node-b", 1, 1)])[1]
+    note = N.ReplicaNote(round=3, group_rank=1, node_id="node-b", port=40001)
+    back = N.ReplicaNote.from_json(N.decode(note.name, N.encode(note.to_json())))
+    assert back == note and back.check(3, seat) == note
+    with pytest.raises(N.NoteInvalid, match="round 2, not of round 3"):
+        N.ReplicaNote(2, 1, "node-b", 40001).check(3, seat)
+    with pytest.raises(N.NoteInvalid, match="not from the round's member node-b"):
+        N.ReplicaNote(3, 1, "node-x", 40001).check(3, seat)
+    for port in (0, 65536, "80", True):
+        with pytest.raises(N.NoteInvalid):
+            N.ReplicaNote.from_json({**note.to_json(), "port": port})

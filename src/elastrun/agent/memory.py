@@ -21,6 +21,17 @@ training never waits for the disk. Events: ``memory_checkpoint_persisted``,
 ``memory_checkpoint_persist_failed`` (and one console line for the first
 failure).
 
+For node loss, each agent also holds a *replica* of the next-lower node's
+marked snapshots (group rank order, the first node holding the last one's):
+after writing a marked snapshot to disk (or in its place, when it is marked
+only for replication), the agent sends it to the next node's agent
+(:mod:`elastrun.agent.replica`: the wire, its key, its bounds), which keeps
+them in ``<folder>/replica`` and names that folder in the workers'
+``ELASTRUN_MEMORY_CHECKPOINT_REPLICAS``. A restarted world's ranks count
+them when they agree on a step (:mod:`elastrun.train.memory_load`). Events:
+``memory_replica_sent``, ``memory_replica_send_failed``,
+``memory_replica_received``, ``memory_replica_refused``.
+
 The folders go when the agent ends; when it is killed, its orphan guard
 removes them (agent/guard.py), and should that fail too, the next agent of
 the run on this host removes the folders of agents whose pid is gone.
@@ -33,19 +44,31 @@ import asyncio
 import contextlib
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from elastrun.agent.hooks import Core, Feature, RoundHooks
 from elastrun.agent.process import Worker
+from elastrun.agent.replica import (
+    Received,
+    ReplicaError,
+    ReplicaHold,
+    max_bytes_from_env,
+    replica_key,
+    send_snapshot,
+)
 from elastrun.agent.workers import WorkerGroup
 from elastrun.procs import pid_alive
+from elastrun.rendezvous.api import RoundResult
+from elastrun.rendezvous.notes import NoteInvalid, ReplicaNote, replica_name, seats
 from elastrun.safefs import UnsafePath, private_dir
 from elastrun.worker.checkpoint_files import publish, write_checkpoint
 from elastrun.worker.snapshot import (
     ENV,
     HASH_CHUNK,
+    REPLICA_ENV,
     CommitNote,
     Marked,
     SlotView,
@@ -54,16 +77,26 @@ from elastrun.worker.snapshot import (
     write_persisted,
 )
 
-__all__ = ["ENV", "MemoryCheckpoints", "features", "persist_snapshot"]
+__all__ = ["ENV", "REPLICA_ENV", "MemoryCheckpoints", "features", "persist_snapshot"]
 
 ROOT_ENV = "ELASTRUN_MEMORY_CHECKPOINT_ROOT"  # where the folders go (default /dev/shm)
 DEFAULT_ROOT = "/dev/shm"
 POLL = 0.2  # s between looks at the commit notes
 CLOSE_WAIT = 60.0  # s the agent's end waits for a disk write in progress
+REPLICA_WAIT = 10.0  # s a mark is kept for the previous node's replicas of its step
 
 
 def features(core: Core) -> list[Feature]:
     return [MemoryCheckpoints(core)]
+
+
+@dataclass(frozen=True)
+class Neighbour:
+    """Where this round's marked snapshots go: the next node's replica port."""
+
+    host: str
+    port: int
+    node_id: str
 
 
 @dataclass(frozen=True)
@@ -121,6 +154,12 @@ class MemoryCheckpoints(Feature):
         self._task: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
         self._warned = False
+        self.hold: ReplicaHold | None = None
+        self.port: int | None = None
+        self.result: RoundResult | None = None  # the round now running
+        self._neighbour: Neighbour | None = None
+        self._awaited = -1  # the newest step whose replicas were waited for
+        self._replicas_off = False
 
     def start(self) -> None:
         spec = self.core.spec
@@ -158,7 +197,65 @@ class MemoryCheckpoints(Feature):
         return self.folders[local_rank]
 
     def round(self, group: WorkerGroup) -> RoundHooks | None:
-        return _MemoryRound(self) if self.base is not None else None
+        return _MemoryRound(self, group.result) if self.base is not None else None
+
+    # ------------------------------------------------------------ replicas
+    async def round_starts(self, result: RoundResult) -> None:
+        """Take this round's neighbour's replicas (the port in our note)."""
+        self.result, self._neighbour, self._awaited = result, None, -1
+        if self.base is None or result.group_world_size < 2:
+            return
+        me = result.members[result.group_rank]
+        if self.hold is None and me.addr and not self._replicas_off:
+            try:
+                folder = private_dir(os.path.join(self.base, "replica"), below=self.base)
+                hold = ReplicaHold(
+                    folder,
+                    run=self.core.spec.run_id,
+                    key=replica_key(self.core.spec.replica_secret, self.core.spec.run_id),
+                    max_bytes=max_bytes_from_env(),
+                )
+                self.port = await hold.serve(me.addr)
+            except OSError as e:  # UnsafePath too
+                self.core.say(f"elastrun: warning: memory checkpoint replicas off: {e}")
+                self._replicas_off = True  # said once; not tried again
+                return
+            hold.on_received = self._received
+            hold.on_refused = self._refused
+            self.hold = hold
+        if self.port is not None:
+            note = ReplicaNote(result.round, result.group_rank, me.node_id, self.port)
+            await self.core.rendezvous.write_note(note.name, note.to_json(), lease=True)
+
+    def _received(self, got: Received) -> None:
+        self.core.events.emit(
+            "memory_replica_received",
+            rank=got.rank,
+            step=got.step,
+            node=got.node,
+            bytes=got.size,
+            authenticated=self.hold is not None and bool(self.hold.key),
+        )
+
+    def _refused(self, peer: str, why: str) -> None:
+        self.core.events.emit("memory_replica_refused", peer=peer, reason=why)
+
+    async def neighbour(self) -> Neighbour | None:
+        """The next node's replica port in this round (its note, checked)."""
+        result = self.result
+        if self._neighbour is not None or result is None or result.group_world_size < 2:
+            return self._neighbour
+        nxt = result.members[(result.group_rank + 1) % result.group_world_size]
+        raw = await self.core.rendezvous.read_note(replica_name(nxt.group_rank))
+        if raw is None:
+            return None
+        seat = seats((m.node_id, m.group_rank, m.nproc) for m in result.members)[nxt.group_rank]
+        try:
+            note = ReplicaNote.from_json(raw).check(result.round, seat)
+        except NoteInvalid:
+            return None  # not this round's yet
+        self._neighbour = Neighbour(nxt.addr, note.port, nxt.node_id)
+        return self._neighbour
 
     # ------------------------------------------------------------ persisting
     async def _watch(self) -> None:
@@ -168,7 +265,8 @@ class MemoryCheckpoints(Feature):
             for lr, folder in list(self.folders.items()):
                 marked = self._new_marked(lr, folder)
                 if marked is not None:
-                    await asyncio.to_thread(self._persist, lr, folder, marked)
+                    to = await self.neighbour()
+                    await asyncio.to_thread(self._persist, lr, folder, marked, to)
             if last:
                 return
             with contextlib.suppress(TimeoutError):
@@ -189,14 +287,16 @@ class MemoryCheckpoints(Feature):
         self._seen[lr] = m.generation
         return m
 
-    def _persist(self, lr: int, folder: str, marked: Marked) -> None:
+    def _persist(self, lr: int, folder: str, marked: Marked, to: Neighbour | None) -> None:
         try:
-            self._write(lr, folder, marked)
+            self._write(lr, folder, marked, to)
+            if to is not None:
+                self._await_replicas(marked.step)
         finally:
             with contextlib.suppress(OSError):  # the worker may write into that slot again
                 write_persisted(folder, marked.generation)
 
-    def _write(self, lr: int, folder: str, marked: Marked) -> None:
+    def _write(self, lr: int, folder: str, marked: Marked, to: Neighbour | None) -> None:
         clock = self.core.clock
         t0 = clock.monotonic()
         try:
@@ -209,6 +309,10 @@ class MemoryCheckpoints(Feature):
                 view.close()
             return  # a newer save marked since took its place (a newer note comes)
         try:
+            if to is not None:
+                self._send(lr, view, to)
+            if view.header.persist is None:
+                return
             done = persist_snapshot(view)
         except (SnapshotError, OSError) as e:
             self._failed(lr, marked.step, str(e))
@@ -222,6 +326,55 @@ class MemoryCheckpoints(Feature):
             step=done.step,
             path=done.path,
             bytes=done.size,
+            seconds=round(clock.monotonic() - t0, 3),
+        )
+
+    def _await_replicas(self, step: int) -> None:
+        """Wait (at most REPLICA_WAIT s) until this node holds the previous
+        node's replicas of ``step`` or later: until then the worker keeps its
+        previous mark (with 4 slots), the step the replicas held before are
+        of, so that a node lost meanwhile leaves a step every rank can have."""
+        hold, result = self.hold, self.result
+        if hold is None or result is None or result.group_world_size < 2:
+            return
+        if step <= self._awaited:
+            return  # once per step (local ranks mark the same steps)
+        self._awaited = step
+        prev = result.members[(result.group_rank - 1) % result.group_world_size]
+        first = sum(m.nproc for m in result.members if m.group_rank < prev.group_rank)
+        ranks = range(first, first + prev.nproc)
+        deadline = self.core.clock.monotonic() + REPLICA_WAIT
+        while not self._closing.is_set() and self.core.clock.monotonic() < deadline:
+            held = dict(hold.senders)
+            if all(held.get(r, ("", -1))[1] >= step for r in ranks):
+                return
+            time.sleep(0.02)
+
+    def _send(self, lr: int, view: SlotView, to: Neighbour) -> None:
+        clock, result = self.core.clock, self.result
+        t0 = clock.monotonic()
+        node = "" if result is None else result.members[result.group_rank].node_id
+        h = view.header
+        try:
+            send_snapshot(
+                (to.host, to.port),
+                view,
+                run=self.core.spec.run_id,
+                node=node,
+                key=replica_key(self.core.spec.replica_secret, self.core.spec.run_id),
+            )
+        except ReplicaError as e:
+            self.core.events.emit(
+                "memory_replica_send_failed", local_rank=lr, rank=h.rank, step=h.step, reason=str(e)
+            )
+            return
+        self.core.events.emit(
+            "memory_replica_sent",
+            local_rank=lr,
+            rank=h.rank,
+            step=h.step,
+            to=to.node_id,
+            bytes=view.size,
             seconds=round(clock.monotonic() - t0, 3),
         )
 
@@ -246,6 +399,9 @@ class MemoryCheckpoints(Feature):
                 await asyncio.wait_for(task, CLOSE_WAIT)
             except TimeoutError:
                 self._failed(-1, -1, f"the agent ended before its disk writes ({CLOSE_WAIT:.0f}s)")
+        if self.hold is not None:
+            await self.hold.close()
+            self.hold = None
         if self.base is not None:
             shutil.rmtree(self.base, ignore_errors=True)
             with contextlib.suppress(OSError):  # the run's folder, once no agent uses it
@@ -254,8 +410,12 @@ class MemoryCheckpoints(Feature):
 
 
 class _MemoryRound(RoundHooks):
-    def __init__(self, feature: MemoryCheckpoints) -> None:
+    def __init__(self, feature: MemoryCheckpoints, result: RoundResult) -> None:
         self.feature = feature
+        self.result = result
+
+    async def before_start(self) -> None:
+        await self.feature.round_starts(self.result)
 
     def worker_env(self, worker: Worker) -> dict[str, str]:
         try:
@@ -263,4 +423,7 @@ class _MemoryRound(RoundHooks):
         except (UnsafePath, OSError) as e:
             self.feature.core.say(f"elastrun: warning: memory checkpoints: {e}")
             return {}
-        return {ENV: folder} if folder is not None else {}
+        if folder is None:
+            return {}
+        hold = self.feature.hold
+        return {ENV: folder, **({REPLICA_ENV: hold.folder} if hold is not None else {})}

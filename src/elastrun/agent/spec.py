@@ -119,6 +119,9 @@ class WorkerSpec:
     # left in the store (the job's note ``modules``): without it, anyone who
     # reaches the store could name modules for every node to import.
     store_authenticated: bool = False
+    # The store's token (None: none), from which the agents derive the key
+    # that authenticates their memory checkpoint replicas (agent/replica.py).
+    replica_secret: str | None = field(default=None, repr=False)
     # A node joining a running job waits up to this long for its warm
     # interpreter before it enters the round (0: it does not wait).
     warm_join_timeout: float = 60.0

@@ -17,6 +17,7 @@ added by :mod:`elastrun.launcher.run`. No sockets, no processes.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 from collections.abc import Mapping
@@ -199,7 +200,9 @@ def resolve(config: LaunchConfig, command: WorkerCommand = EMPTY_COMMAND) -> Pla
         standalone=where.standalone,
         node_rank=where.node_rank,
         token=token.token,
-        workers=_worker_spec(config, run_id, command, authenticated),
+        workers=dataclasses.replace(
+            _worker_spec(config, run_id, command, authenticated), replica_secret=token.token
+        ),
         rendezvous=_rendezvous_settings(config, run_id, where),
         local_addr=config.local_addr,
         generated_run_id=generated and not where.standalone,

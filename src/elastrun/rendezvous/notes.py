@@ -17,6 +17,9 @@ round's member at its group rank (:class:`Seat`). The schemas:
                   R ended on a hang (agent/hangs.py); all deleted when the next
                   hang's round opens
 ``modules``       the modules the script imports (agent/warm.py)
+``replica_{G}``   :class:`ReplicaNote`, the TCP port on which group rank G's
+                  agent takes its neighbour's memory checkpoints in round R,
+                  on its lease (agent/replica.py)
 
 Writers and readers (the agents and ``elastrun status``) use the same
 classes; ``from_json`` raises :class:`NoteInvalid` for anything a writer of
@@ -46,6 +49,7 @@ __all__ = [
     "ProgressNote",
     "RankProgress",
     "RankStack",
+    "ReplicaNote",
     "Seat",
     "StacksNote",
     "Straggler",
@@ -53,6 +57,7 @@ __all__ = [
     "decode",
     "encode",
     "progress_name",
+    "replica_name",
     "seats",
     "stacks_budget",
     "stacks_name",
@@ -93,6 +98,10 @@ def valid_name(name: str) -> bool:
 
 def progress_name(group_rank: int) -> str:
     return f"progress_{group_rank}"
+
+
+def replica_name(group_rank: int) -> str:
+    return f"replica_{group_rank}"
 
 
 def stacks_name(round_: int, group_rank: int) -> str:
@@ -432,3 +441,47 @@ class StragglersNote:
             median=_opt_num(obj, "median"),
             stragglers=found,
         )
+
+
+# -- memory checkpoint replicas -----------------------------------------------------
+@dataclass(frozen=True)
+class ReplicaNote:
+    """``replica_{group_rank}``: where a node's agent takes the memory
+    checkpoints of the node before it (the port on the member's address)."""
+
+    round: int
+    group_rank: int
+    node_id: str
+    port: int
+
+    @property
+    def name(self) -> str:
+        return replica_name(self.group_rank)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "group_rank": self.group_rank,
+            "node_id": self.node_id,
+            "port": self.port,
+        }
+
+    @classmethod
+    def from_json(cls, raw: object) -> ReplicaNote:
+        obj = _obj(raw, "a replica note")
+        port = _int(obj, "port", 65535)
+        if port < 1:
+            raise NoteInvalid("a replica note's port is 0")
+        return cls(
+            round=_int(obj, "round"),
+            group_rank=_int(obj, "group_rank"),
+            node_id=_node_id(obj),
+            port=port,
+        )
+
+    def check(self, round_: int, seat: Seat) -> ReplicaNote:
+        """Itself, when it is about round ``round_`` and from ``seat``."""
+        if self.round != round_:
+            raise NoteInvalid(f"replica note of round {self.round}, not of round {round_}")
+        _check_seat("replica note", self.node_id, self.group_rank, (), seat)
+        return self

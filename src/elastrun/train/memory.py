@@ -27,7 +27,11 @@ lists the steps its own slots hold intact (checked against their SHA-256),
 the ranks all-gather them and take the highest step that every rank holds;
 each rank then loads its own copy (no disk read). For a state that is the
 same on every rank (``shared=True``), the highest step any rank holds, sent
-by its holder to the ranks without it (:mod:`elastrun.train.memory_load`). When no step is common
+by its holder to the ranks without it (:mod:`elastrun.train.memory_load`).
+The marked steps (``replicate_every``, and the ``persist`` ones) are also
+sent by the agent to the next node's agent, which holds them as a replica:
+a node that replaces a lost one gets the lost ranks' states from there,
+and the ranks count those replicas when they agree. When no step is common
 (a rank is new, or shared memory was lost with its node), every rank falls
 back to :func:`~elastrun.train.load_checkpoint` on ``directory`` (the
 newest intact disk checkpoint the ranks agree on). So the ranks always
@@ -66,6 +70,7 @@ from elastrun.worker.snapshot import (
     MAGIC,
     MAX_SLOTS,
     PREFIX,
+    REPLICA_ENV,
     CommitNote,
     Marked,
     Persist,
@@ -101,6 +106,9 @@ class _Slots:
         self.maps: dict[int, mmap.mmap] = {}
         self.gens: dict[int, int] = {}  # the generation each slot holds (-1: none)
         self.marked: Marked | None = None  # kept until the agent has written it
+        # The mark before it, kept (with 4 slots or more) until the agent is done
+        # with the newest: the step a neighbour's replica holds until then.
+        self.previous: Marked | None = None
         with contextlib.suppress(SnapshotError):
             note = CommitNote.read(folder)
             self.marked = None if note is None else note.marked
@@ -141,13 +149,20 @@ class _Slots:
             time.sleep(0.01)
 
     def _kept(self) -> set[int]:
-        """The slots not to write: the newest, and the one marked for the disk
-        until the agent is done with it."""
+        """The slots not to write: the newest, and the marked one: until the
+        agent is done with it (2 slots), or until the next mark (3 or more:
+        so that the step a neighbour holds as a replica stays here too); with
+        4 or more, the mark before it too, until the agent is done with the
+        newest one (sent: the neighbour's replica holds it)."""
         kept = {max(self.gens, key=lambda i: self.gens[i])} if self.gens else set()
-        m = self.marked
-        pending = m is not None and self.gens.get(m.slot) == m.generation
-        if m is not None and pending and read_persisted(self.folder) < m.generation:
+        m, prev = self.marked, self.previous
+        if m is None or self.gens.get(m.slot) != m.generation:
+            return kept
+        pending = read_persisted(self.folder) < m.generation
+        if self.count > 2 or pending:
             kept.add(m.slot)
+        if self.count > 3 and pending and prev and self.gens.get(prev.slot) == prev.generation:
+            kept.add(prev.slot)
         return kept
 
     def acquire(self, size: int) -> tuple[int, mmap.mmap]:
@@ -210,19 +225,21 @@ class _Committer:
     returns once the copy is made (no thread is started per save). At the
     interpreter's exit, the save in progress is committed first."""
 
-    def __init__(self, commit: Callable[[int, SnapshotHeader, int], None]) -> None:
+    def __init__(self, commit: Callable[[int, SnapshotHeader, int, bool], None]) -> None:
         self.idle = threading.Event()
         self.idle.set()
         self._commit = commit
-        self._jobs: queue.SimpleQueue[tuple[int, SnapshotHeader, int] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[int, SnapshotHeader, int, bool] | None] = (
+            queue.SimpleQueue()
+        )
         self._thread = threading.Thread(target=self._run, name="elastrun-memory-checkpoint")
         self._thread.daemon = True
         self._thread.start()
         atexit.register(self.idle.wait)
 
-    def put(self, i: int, header: SnapshotHeader, start: int) -> None:
+    def put(self, i: int, header: SnapshotHeader, start: int, mark: bool) -> None:
         self.idle.clear()
-        self._jobs.put((i, header, start))
+        self._jobs.put((i, header, start, mark))
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -243,10 +260,14 @@ class MemoryCheckpoint:
     ``directory``: the disk checkpoint folder (``persist`` saves go there, and
     :meth:`load` falls back to it); None: memory only. ``keep``: disk
     checkpoints kept there (0: all). ``persist_every``: mark every N-th step
-    for the disk (0: only saves with ``persist=True``). ``slots``: snapshots
+    for the disk (0: only saves with ``persist=True``). ``replicate_every``:
+    mark every N-th step for the neighbour node's agent, which holds it as a
+    replica for node loss (None: the disk marks; 0: none). ``slots``: snapshots
     kept per rank in shared memory (2 to 8; 3 lets the agent persist one
     while the worker writes another; 2 uses less memory, but a save may then
-    wait for the agent's disk write). ``log``: where the lines go (rank 0's
+    wait for the agent's disk write; default 3, and 4 when the marks are
+    sent to a neighbour node, so that the previous mark stays until the
+    newest one's replica has arrived). ``log``: where the lines go (rank 0's
     restore line, the one fallback warning); None: silence.
     """
 
@@ -256,18 +277,27 @@ class MemoryCheckpoint:
         *,
         keep: int = 3,
         persist_every: int = 0,
-        slots: int = 3,
+        replicate_every: int | None = None,
+        slots: int | None = None,
         log: Log = print,
     ) -> None:
+        replicated = bool(os.environ.get(REPLICA_ENV)) and (
+            (persist_every if replicate_every is None else replicate_every) > 0
+        )
+        slots = slots if slots is not None else 4 if replicated else 3
         if not 2 <= slots <= MAX_SLOTS:
             raise ConfigError(f"memory checkpoint: slots must be 2..{MAX_SLOTS}, got {slots}")
-        if persist_every < 0 or keep < 0:
-            raise ConfigError("memory checkpoint: persist_every and keep must be >= 0")
+        if persist_every < 0 or keep < 0 or (replicate_every or 0) < 0:
+            raise ConfigError(
+                "memory checkpoint: persist_every, replicate_every and keep must be >= 0"
+            )
+        self.replicate_every = persist_every if replicate_every is None else replicate_every
         self.directory = None if directory is None else os.path.abspath(directory)
         self.keep = keep
         self.persist_every = persist_every
         self.log = log
         self.folder = os.environ.get(ENV) or None
+        self.replicas = os.environ.get(REPLICA_ENV) or None
         self.last_blocked_s = 0.0  # how long the last save kept the caller waiting
         self._slots: _Slots | None = None
         self._slot_count = slots
@@ -303,9 +333,11 @@ class MemoryCheckpoint:
         self.wait()
         flat = flatten(state)  # ConfigError naming a key that cannot be copied
         target = self._persist(step, persist)
+        every = self.replicate_every
+        mark = target is not None or (every > 0 and step % every == 0)
         if self._fallback is None:
             try:
-                self._save_memory(flat, step, target)
+                self._save_memory(flat, step, target, mark)
             except _NoRoom as e:
                 self._fall_back(flat.data_size, str(e))
         if self._fallback is not None and not self._warned:
@@ -314,7 +346,7 @@ class MemoryCheckpoint:
             save_checkpoint(state, target.directory, step=step, keep=target.keep)
         self.last_blocked_s = time.perf_counter() - t0
 
-    def _save_memory(self, flat: Flat, step: int, target: Persist | None) -> None:
+    def _save_memory(self, flat: Flat, step: int, target: Persist | None, mark: bool) -> None:
         assert self.folder is not None
         if self._slots is None:
             self._slots = _Slots(self.folder, self._slot_count)
@@ -339,9 +371,9 @@ class MemoryCheckpoint:
             self._slots.release(i)
             raise
         flat.tensors.clear()  # the caller's tensors are not held any longer
-        self._committer().put(i, header, start)
+        self._committer().put(i, header, start, mark)
 
-    def _commit(self, i: int, header: SnapshotHeader, start: int) -> None:
+    def _commit(self, i: int, header: SnapshotHeader, start: int, mark: bool) -> None:
         slots = self._slots
         assert slots is not None
         try:
@@ -349,8 +381,11 @@ class MemoryCheckpoint:
                 digest = sha256_of(view[start : start + header.data_size])
             final = dataclasses.replace(header, sha256=digest)
             slots.commit(i, final.encode(), header.generation)
-            if header.persist is not None:
-                slots.marked = Marked(i, header.generation, header.step)
+            if mark:
+                slots.previous, slots.marked = (
+                    slots.marked,
+                    Marked(i, header.generation, header.step),
+                )
             CommitNote(i, header.generation, header.step, slots.marked).write(slots.folder)
         except BaseException as e:
             self._error = e
@@ -412,13 +447,19 @@ class MemoryCheckpoint:
         rank without the agreed step gets it from one that has it. None:
         nothing anywhere."""
         with phase("checkpoint"):
-            views = self._intact() if self.folder is not None else []
+            views = self._intact(self.folder) if self.folder is not None else []
+            replicas = self._intact(self.replicas) if self._lists_replicas() else []
             try:
                 state = restore(
-                    views, shared=shared, group=group, map_location=map_location, log=self.log
+                    views,
+                    replicas=replicas,
+                    shared=shared,
+                    group=group,
+                    map_location=map_location,
+                    log=self.log,
                 )
             finally:
-                for v in views:
+                for v in views + replicas:
                     v.close()
             if state is not None or self.directory is None:
                 return state
@@ -426,10 +467,14 @@ class MemoryCheckpoint:
                 self.directory, group=group, map_location=map_location, keep=self.keep, log=self.log
             )
 
-    def _intact(self) -> list[SlotView]:
-        assert self.folder is not None
+    def _lists_replicas(self) -> bool:
+        """The node's replicas are listed by its local rank 0 only."""
+        return self.replicas is not None and os.environ.get("LOCAL_RANK", "0") == "0"
+
+    def _intact(self, folder: str | None) -> list[SlotView]:
+        assert folder is not None
         views = []
-        for v in snapshots(self.folder):
+        for v in snapshots(folder):
             if isinstance(v, SnapshotError):
                 continue  # torn by a kill mid-copy, or being written: not a snapshot
             try:

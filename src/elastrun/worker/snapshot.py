@@ -61,6 +61,7 @@ __all__ = [
     "MAX_HEADER",
     "MAX_SLOTS",
     "NOTE",
+    "REPLICA_ENV",
     "CommitNote",
     "Marked",
     "Persist",
@@ -79,6 +80,9 @@ __all__ = [
 ]
 
 ENV = "ELASTRUN_MEMORY_CHECKPOINT_DIR"
+# The agent's folder of the replicas it holds of its neighbour node's snapshots
+# (files ``rank-<global rank>``, each one snapshot in this format).
+REPLICA_ENV = "ELASTRUN_MEMORY_CHECKPOINT_REPLICAS"
 MAGIC = b"ELMCKPT1"
 PREFIX = 16  # the magic and the header's length
 ALIGN = 64
@@ -92,7 +96,7 @@ NOTE = "committed"
 PERSISTED = "persisted"
 MAX_NOTE = 4096
 HASH_CHUNK = 8 << 20
-_SLOT = re.compile(r"^slot-(\d)$")
+_SLOT = re.compile(r"^(slot-\d|rank-\d{1,9})$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 # The dtypes a snapshot may hold (torch's names), and their sizes in bytes.
