@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 import pytest
 
 from elastrun.clock import FakeClock
 from elastrun.errors import LeaseNotFound, LimitExceeded, RevisionCompacted
-from elastrun.store.base import Compare, Delete, Get, Put, WatchEvent
+from elastrun.store.base import Compare, Delete, Get, Put, WatchEvent, newest_created
 from elastrun.store.engine import Engine
 from elastrun.store.limits import StoreLimits, encoded_size
 
@@ -238,6 +239,27 @@ def test_range_newest_selects_by_create_revision_and_counts_all() -> None:
     assert newest(6, -1) == newest(6, 0)  # limit <= 0: no limit, as in etcd
     assert newest(0, 3) == ([], 5)
     assert e.range_newest("nothing/", 10, 3) == ([], 0)
+
+
+def test_range_newest_answers_as_a_scan_through_puts_deletes_and_subfolders() -> None:
+    """The folder index gives what newest_created over every key under the
+    prefix gives, whatever was put, deleted or nested (seeded, bounded)."""
+    rng = random.Random(23)
+    e = Engine(FakeClock())
+    names = [f"r/j/{c}" for c in "abcdefgh"] + ["r/j/sub/x", "r/jx", "r/k"]
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.5:
+            e.put(rng.choice(names), b"v")
+        elif op < 0.7:
+            e.txn([], [Put(rng.choice(names), b""), Put(rng.choice(names), b"")], [])
+        else:
+            e.delete(rng.choice(names))
+        for prefix in ("r/j/", "r/j", "r/", "r/j/sub/", "nothing/"):
+            every = e.range(prefix, prefix=True)
+            max_create, limit = rng.randint(0, e.revision + 1), rng.randint(-1, 4)
+            want = newest_created(every, max_create, limit), len(every)
+            assert e.range_newest(prefix, max_create, limit) == want, prefix
 
 
 # -- bounds in bytes: history, data, values, answers -------------------------------

@@ -59,44 +59,24 @@ async def read(store: Store, key: str, prefix: bool) -> tuple[list[KeyValue], in
 
 @dataclass(frozen=True)
 class DecodedResult:
-    """A round's result as read: its bytes, the checked record, its members
-    as :class:`~.api.Member` values and each member's group rank."""
+    """A round's result as read: the checked record, its members as
+    :class:`~.api.Member` values and each member's group rank."""
 
-    value: bytes
     record: ResultRecord
     members: tuple[Member, ...]
     ranks: dict[str, int]
 
 
-# The results decoded last in this process, by key. A result is written once
-# and read by every member: decoding and checking it is O(n) per member, and
-# where many members share one process (the simulated agents of
-# bench/rdzv_bench.py) the same bytes are decoded once, not once per member.
-# Reused only for the same key and the same bytes (decoding is a function of
-# them); a few entries (a process's rounds and jobs in flight).
-_DECODED: dict[str, DecodedResult] = {}
-_DECODED_MAX = 8
-
-
-def decode_result(key: str, value: bytes) -> DecodedResult:
-    """The result record at ``key`` with bytes ``value``, decoded and checked
-    (:meth:`ResultRecord.decode`), or the same decoded earlier in this process."""
-    found = _DECODED.get(key)
-    if found is not None and found.value == value:
-        return found
-    decoded = _decoded(value, ResultRecord.decode(key, value))
-    _DECODED.pop(key, None)
-    if len(_DECODED) >= _DECODED_MAX:
-        del _DECODED[next(iter(_DECODED))]
-    _DECODED[key] = decoded
-    return decoded
-
-
-def _decoded(value: bytes, record: ResultRecord) -> DecodedResult:
+def _decoded(record: ResultRecord) -> DecodedResult:
     members = tuple(
         Member(m.node_id, m.host, m.addr, m.group_rank, m.nproc) for m in record.members
     )
-    return DecodedResult(value, record, members, {m.node_id: m.group_rank for m in members})
+    return DecodedResult(record, members, {m.node_id: m.group_rank for m in members})
+
+
+# The result record at a key, decoded and checked (ResultRecord.decode), with
+# its members: once per process for the same bytes (see plan.Memo).
+decode_result = P.Memo(lambda key, value: _decoded(ResultRecord.decode(key, value)))
 
 
 class Observer:
@@ -142,7 +122,7 @@ class Observer:
         record = await self.get_result(r)
         decoded = self.decoded.get(r)
         if decoded is None or decoded.record is not record:
-            decoded = _decoded(b"", record)  # this node's own close
+            decoded = _decoded(record)  # this node's own close
             self.decoded = {r: decoded}
         return decoded
 
