@@ -411,3 +411,38 @@ def test_compaction_past_a_lagging_watcher_cancels_it() -> None:
         e.catch_up(wid)
     assert info.value.compact_revision == 16
     assert wid not in e._watchers
+
+
+def test_a_watch_from_the_past_on_a_key_unchanged_since_is_live_at_once() -> None:
+    """A key watch that starts in the past catches up only where its key
+    changed since: unchanged (whatever else was written), it is live at once;
+    rewritten or deleted since, those events come first."""
+    e = Engine(FakeClock())
+    e.put("round", b"r0")  # revision 1
+    start = e.revision + 1
+    for i in range(50):
+        e.put(f"join/{i}", b"")  # other keys only
+    seen: list[tuple[str, bytes]] = []
+    wid = e.add_watcher(
+        "round",
+        False,
+        start,
+        lambda evs: seen.extend((ev.type, ev.kv.value) for ev in evs),
+        catch_up=False,
+    )
+    assert e.is_synced(wid) and seen == []
+    e.put("round", b"r1")
+    assert seen == [("put", b"r1")]
+    for change in (lambda: e.put("round", b"r2"), lambda: e.delete("round")):
+        start = e.revision + 1
+        change()
+        e.put("join/x", b"")
+        got: list[str] = []
+        wid = e.add_watcher("round", False, start, _types_into(got), catch_up=False)
+        assert not e.is_synced(wid)
+        assert e.catch_up(wid) and got in (["put"], ["delete"])
+
+
+def _types_into(out: list[str]) -> Callable[[list[WatchEvent]], None]:
+    """A watch callback that appends each event's type to ``out``."""
+    return lambda events: out.extend(ev.type for ev in events)

@@ -368,6 +368,9 @@ class Engine:
                     self.compact_revision,
                 )
             watcher = _Watcher(key, prefix, callback, max(1, start_revision), synced=False)
+            if not prefix and self._unchanged_since(key, start_revision):
+                # Nothing to catch up on: live from now (no scan of the history).
+                watcher = _Watcher(key, prefix, callback, self.revision + 1, synced=True)
         else:
             watcher = _Watcher(key, prefix, callback, self.revision + 1, synced=True)
         watch_id = next(self._watch_ids)
@@ -439,6 +442,13 @@ class Engine:
                 del index[watcher.key]
 
     # -- internals -----------------------------------------------------------
+    def _unchanged_since(self, key: str, revision: int) -> bool:
+        """Whether ``key`` has had no event from ``revision`` on: it exists and
+        was last written before (a delete since would have left it absent, or
+        written again later)."""
+        kv = self._kv.get(key)
+        return kv is not None and kv.mod_revision < revision
+
     def _set_owner(self, lease_id: int, lease: _Lease, owner: object | None) -> None:
         if lease.owner is owner:
             return
