@@ -213,7 +213,13 @@ def _tail(proc: subprocess.Popen[str], err: IO[bytes]) -> str:
     """A failed worker's exit status and the end of its stderr, for the error."""
     proc.poll()
     err.seek(0)
-    text = err.read()[-3000:].decode("utf-8", "replace").strip()
+    raw = err.read()
+    # The first error (the cause) and the end (what it led to).
+    text = (
+        (raw if len(raw) <= 6000 else raw[:3000] + b"\n...\n" + raw[-3000:])
+        .decode("utf-8", "replace")
+        .strip()
+    )
     return f" (exit status {proc.returncode}):\n{text or '(no output on stderr)'}"
 
 
@@ -343,6 +349,12 @@ def main() -> int:
         "agent connects from 127.0.0.1); default: the largest size plus 64 above 2000 "
         "agents, else the store's defaults (8192 in all, 2048 per address)",
     )
+    ap.add_argument(
+        "--max-output-bytes",
+        default="",
+        help="the store's max_output_bytes (e.g. 1G): the answers queued for all clients; "
+        "the default 64M cannot queue the ~500 KB result for 4096 agents asking at once",
+    )
     ap.add_argument("--worker", nargs=3, metavar=("HOST", "PORT", "SPEC"))
     args = ap.parse_args()
     if args.worker:
@@ -363,7 +375,7 @@ def main() -> int:
 
 @contextmanager
 def embedded_store(
-    env: dict[str, str], connections: int = 0
+    env: dict[str, str], connections: int = 0, output_bytes: str = ""
 ) -> Iterator[tuple[tuple[str, int], int]]:
     """``elastrun store serve`` on loopback, in its own process: its address
     and pid; terminated (then killed) on exit. ``connections``: allow that
@@ -373,6 +385,8 @@ def embedded_store(
     if connections:
         limits = ["--max-connections", str(connections)]
         limits += ["--max-connections-per-peer", str(connections)]
+    if output_bytes:
+        limits += ["--max-output-bytes", output_bytes]
     server = subprocess.Popen(
         [
             sys.executable,
@@ -416,7 +430,7 @@ def _bench_embedded(sizes: list[int], args: argparse.Namespace) -> None:
         _raise_open_files(connections + 256)
     _table(
         "the embedded store",
-        lambda: embedded_store(env, connections),
+        lambda: embedded_store(env, connections, args.max_output_bytes),
         sizes,
         args,
         "embedded",
