@@ -71,9 +71,12 @@ async def _worker(host: str, port: int, spec: dict[str, object]) -> None:
             stores[i],
             RendezvousSettings(
                 run_id=RunId(str(spec["run_id"])),
-                min_nodes=n,
+                min_nodes=n - 1 if spec.get("lose") else n,
                 max_nodes=n,
-                lease_ttl=30.0,
+                last_call_timeout=1.0,
+                # The node to lose (a0) on a short lease: its keys go 0.25 s
+                # after its connection (the store's grace: half the TTL).
+                lease_ttl=0.5 if spec.get("lose") and first + i == 0 else 30.0,
                 join_timeout=120.0,
                 host=f"a{first + i}",
                 addr="127.0.0.1",
@@ -85,9 +88,20 @@ async def _worker(host: str, port: int, spec: dict[str, object]) -> None:
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     t0, c0 = time.monotonic(), time.process_time()
+    if spec.get("lose") and first == 0:
+        # The node lost: a0 joins, then its connection drops (as when its host
+        # dies: the store cuts its lease to a grace) before the round closes.
+        lost = asyncio.create_task(handlers[0].next_round())
+        while handlers[0]._observer.joined is None and not lost.done():
+            await asyncio.sleep(0.001)
+        lost.cancel()
+        await stores[0].close()
+        handlers, stores = handlers[1:], stores[1:]
     results = await asyncio.gather(*(h.next_round() for h in handlers))
     t_round, c_round = time.monotonic() - t0, time.process_time() - c0
-    assert all(r.group_world_size == n for r in results)
+    size = n - 1 if spec.get("lose") else n
+    assert all(r.group_world_size == size for r in results), "the lost node is in the round"
+    assert not any(m.node_id == "a0" for m in results[0].members) or not spec.get("lose")
     t1, c1 = time.monotonic(), time.process_time()
     each: list[float] = []
 
@@ -140,6 +154,7 @@ def _run_once(
     backend: str = "embedded",
     detail: bool = False,
     host_pid: int = 0,
+    lose: bool = False,
 ) -> Run:
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     procs = min(procs, n)
@@ -149,7 +164,14 @@ def _run_once(
     for p in range(procs):
         count = n // procs + (1 if p < n % procs else 0)
         first = sum(n // procs + (1 if q < n % procs else 0) for q in range(p))
-        spec = {"run_id": run_id, "n": n, "count": count, "first": first, "backend": backend}
+        spec = {
+            "run_id": run_id,
+            "n": n,
+            "count": count,
+            "first": first,
+            "backend": backend,
+            "lose": lose,
+        }
         argv = [sys.executable, "-m", "bench.rdzv_bench", "--worker", addr[0], str(addr[1])]
         errs.append(tempfile.TemporaryFile())  # noqa: SIM115 (closed in the finally below)
         children.append(
@@ -292,7 +314,9 @@ def _table(
         runs = []
         for _ in range(args.reps):
             with host() as (addr, pid):
-                runs.append(_run_once(addr, n, args.procs, backend, args.detail, pid))
+                runs.append(
+                    _run_once(addr, n, args.procs, backend, args.detail, pid, args.lose_one)
+                )
         med = Run(
             *(statistics.median(getattr(r, f) for r in runs) for f in Run.__dataclass_fields__)
         )
@@ -354,6 +378,13 @@ def main() -> int:
         default="",
         help="the store's max_output_bytes (e.g. 1G): the answers queued for all clients; "
         "the default 64M cannot queue the ~500 KB result for 4096 agents asking at once",
+    )
+    ap.add_argument(
+        "--lose-one",
+        action="store_true",
+        help="one agent (a0) joins, then its connection drops before the round closes: "
+        "min is N-1, and the round must close with the N-1 others (checked; embedded store; "
+        "at a few hundred agents or more, where joining takes longer than a0's 0.25 s grace)",
     )
     ap.add_argument("--worker", nargs=3, metavar=("HOST", "PORT", "SPEC"))
     args = ap.parse_args()
