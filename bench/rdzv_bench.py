@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
+import math
 import os
 import re
+import resource
 import shutil
 import socket
 import statistics
@@ -33,8 +36,9 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -67,9 +71,12 @@ async def _worker(host: str, port: int, spec: dict[str, object]) -> None:
             stores[i],
             RendezvousSettings(
                 run_id=RunId(str(spec["run_id"])),
-                min_nodes=n,
+                min_nodes=n - 1 if spec.get("lose") else n,
                 max_nodes=n,
-                lease_ttl=30.0,
+                last_call_timeout=1.0,
+                # The node to lose (a0) on a short lease: its keys go 0.25 s
+                # after its connection (the store's grace: half the TTL).
+                lease_ttl=0.5 if spec.get("lose") and first + i == 0 else 30.0,
                 join_timeout=120.0,
                 host=f"a{first + i}",
                 addr="127.0.0.1",
@@ -80,11 +87,22 @@ async def _worker(host: str, port: int, spec: dict[str, object]) -> None:
     ]
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    t0 = time.monotonic()
+    t0, c0 = time.monotonic(), time.process_time()
+    if spec.get("lose") and first == 0:
+        # The node lost: a0 joins, then its connection drops (as when its host
+        # dies: the store cuts its lease to a grace) before the round closes.
+        lost = asyncio.create_task(handlers[0].next_round())
+        while handlers[0]._observer.joined is None and not lost.done():
+            await asyncio.sleep(0.001)
+        lost.cancel()
+        await stores[0].close()
+        handlers, stores = handlers[1:], stores[1:]
     results = await asyncio.gather(*(h.next_round() for h in handlers))
-    t_round = time.monotonic() - t0
-    assert all(r.group_world_size == n for r in results)
-    t1 = time.monotonic()
+    t_round, c_round = time.monotonic() - t0, time.process_time() - c0
+    size = n - 1 if spec.get("lose") else n
+    assert all(r.group_world_size == size for r in results), "the lost node is in the round"
+    assert not any(m.node_id == "a0" for m in results[0].members) or not spec.get("lose")
+    t1, c1 = time.monotonic(), time.process_time()
     each: list[float] = []
 
     async def complete(h: DynamicRendezvous) -> None:
@@ -92,17 +110,52 @@ async def _worker(host: str, port: int, spec: dict[str, object]) -> None:
         each.append(time.monotonic() - t1)
 
     await asyncio.gather(*(complete(h) for h in handlers))
-    t_done = time.monotonic() - t1
+    t_done, c_done = time.monotonic() - t1, time.process_time() - c1
     await asyncio.gather(*(h.shutdown() for h in handlers))
     for store in {id(s): s for s in stores}.values():
         await store.close()
     each.sort()
-    print(json.dumps({"round": t_round, "complete": t_done, "each": each}), flush=True)
+    out = {"round": t_round, "complete": t_done, "each": each, "cpu": [c_round, c_done]}
+    print(json.dumps(out), flush=True)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run's numbers: wall seconds to a closed round and through the exit
+    barrier; the store host's CPU seconds (go -> every handler through the
+    barrier) and its peak memory minus its memory before the agents connected
+    (bytes); the agents' CPU seconds in all (round, barrier)."""
+
+    round: float
+    barrier: float
+    host_cpu: float
+    host_mem: int
+    agents_cpu: float
+
+
+def _cpu(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _memory(pid: int, field: str) -> int:
+    """``VmRSS`` (now) or ``VmHWM`` (peak) of process ``pid``, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def _run_once(
-    addr: tuple[str, int], n: int, procs: int, backend: str = "embedded", detail: bool = False
-) -> tuple[float, float]:
+    addr: tuple[str, int],
+    n: int,
+    procs: int,
+    backend: str = "embedded",
+    detail: bool = False,
+    host_pid: int = 0,
+    lose: bool = False,
+) -> Run:
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     procs = min(procs, n)
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
@@ -111,7 +164,14 @@ def _run_once(
     for p in range(procs):
         count = n // procs + (1 if p < n % procs else 0)
         first = sum(n // procs + (1 if q < n % procs else 0) for q in range(p))
-        spec = {"run_id": run_id, "n": n, "count": count, "first": first, "backend": backend}
+        spec = {
+            "run_id": run_id,
+            "n": n,
+            "count": count,
+            "first": first,
+            "backend": backend,
+            "lose": lose,
+        }
         argv = [sys.executable, "-m", "bench.rdzv_bench", "--worker", addr[0], str(addr[1])]
         errs.append(tempfile.TemporaryFile())  # noqa: SIM115 (closed in the finally below)
         children.append(
@@ -126,11 +186,13 @@ def _run_once(
             )
         )
     try:
+        rss = _memory(host_pid, "VmRSS") if host_pid else 0
         for c, err in zip(children, errs, strict=True):
             assert c.stdout is not None
             line = c.stdout.readline()
             if line.strip() != "ready":
                 raise RuntimeError(f"worker failed to start: {line!r}{_tail(c, err)}")
+        cpu = _cpu(host_pid) if host_pid else 0.0
         for c in children:
             assert c.stdin is not None
             c.stdin.write("go\n")
@@ -151,7 +213,15 @@ def _run_once(
                     f"min {q[0]:.2f} / p50 {q[1]:.2f} / p90 {q[2]:.2f} / max {each[-1]:.2f} s",
                     flush=True,
                 )
-        return max(t["round"] for t in times), max(t["complete"] for t in times)
+        host_cpu = _cpu(host_pid) - cpu if host_pid else 0.0
+        peak = _memory(host_pid, "VmHWM") - rss if host_pid else 0
+        return Run(
+            round=max(t["round"] for t in times),
+            barrier=max(t["complete"] for t in times),
+            host_cpu=host_cpu,
+            host_mem=peak,
+            agents_cpu=sum(sum(t["cpu"]) for t in times),
+        )
     finally:
         for c in children:
             if c.poll() is None:
@@ -165,7 +235,13 @@ def _tail(proc: subprocess.Popen[str], err: IO[bytes]) -> str:
     """A failed worker's exit status and the end of its stderr, for the error."""
     proc.poll()
     err.seek(0)
-    text = err.read()[-3000:].decode("utf-8", "replace").strip()
+    raw = err.read()
+    # The first error (the cause) and the end (what it led to).
+    text = (
+        (raw if len(raw) <= 6000 else raw[:3000] + b"\n...\n" + raw[-3000:])
+        .decode("utf-8", "replace")
+        .strip()
+    )
     return f" (exit status {proc.returncode}):\n{text or '(no output on stderr)'}"
 
 
@@ -181,7 +257,7 @@ def _free_ports(count: int) -> list[int]:
 
 
 @contextmanager
-def _etcd_member() -> Iterator[tuple[str, int]]:
+def _etcd_member() -> Iterator[tuple[tuple[str, int], int]]:
     """A single-member etcd on loopback (temporary data dir), stopped by pid."""
     binary = shutil.which("etcd")
     if binary is None:
@@ -209,7 +285,7 @@ def _etcd_member() -> Iterator[tuple[str, int]]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"etcd did not start: {(base / 'etcd.log').read_text()[-2000:]}")
             time.sleep(0.1)
-        yield "127.0.0.1", client
+        yield ("127.0.0.1", client), proc.pid
     finally:
         proc.terminate()
         try:
@@ -221,15 +297,61 @@ def _etcd_member() -> Iterator[tuple[str, int]]:
 
 
 def _table(
-    title: str, addr: tuple[str, int], sizes: list[int], args: argparse.Namespace, backend: str
+    title: str,
+    host: Callable[[], AbstractContextManager[tuple[tuple[str, int], int]]],
+    sizes: list[int],
+    args: argparse.Namespace,
+    backend: str,
 ) -> None:
+    """One row per size: the medians over ``--reps`` runs, each on a fresh
+    store host (so its memory is that run's); under each row the store host's
+    CPU and memory per agent and the agents' CPU per agent; then the growth
+    exponents (log of the time ratio over log of the size ratio)."""
     print(f"rendezvous on {title} ({args.procs} processes, {args.reps} reps)")
     print(f"{'agents':>7} {'rendezvous s (median)':>22} {'exit barrier s':>15}")
+    medians: dict[int, Run] = {}
     for n in sizes:
-        runs = [_run_once(addr, n, args.procs, backend, args.detail) for _ in range(args.reps)]
-        rdzv = statistics.median(r[0] for r in runs)
-        done = statistics.median(r[1] for r in runs)
-        print(f"{n:>7} {rdzv:>22.3f} {done:>15.3f}", flush=True)
+        runs = []
+        for _ in range(args.reps):
+            with host() as (addr, pid):
+                runs.append(
+                    _run_once(addr, n, args.procs, backend, args.detail, pid, args.lose_one)
+                )
+        med = Run(
+            *(statistics.median(getattr(r, f) for r in runs) for f in Run.__dataclass_fields__)
+        )
+        medians[n] = med
+        print(f"{n:>7} {med.round:>22.3f} {med.barrier:>15.3f}", flush=True)
+        print(
+            f"        per agent: store host CPU {med.host_cpu / n * 1e3:.2f} ms, "
+            f"store host memory {med.host_mem / n / 1024:.1f} KiB, "
+            f"agents' CPU {med.agents_cpu / n * 1e3:.2f} ms (load average "
+            f"{os.getloadavg()[0]:.1f})",
+            flush=True,
+        )
+    _exponents(medians)
+
+
+def _exponents(medians: dict[int, Run]) -> None:
+    """Growth exponents between the sizes run: from each size to the next, and
+    from 512 to 4096 when both ran (1: linear, 2: quadratic)."""
+    sizes = sorted(medians)
+    pairs = list(itertools.pairwise(sizes))
+    if 512 in medians and 4096 in medians and (512, 4096) not in pairs:
+        pairs.append((512, 4096))
+    for a, b in pairs:
+        ra, rb = medians[a], medians[b]
+        k = math.log(b / a)
+        parts = [
+            f"{name} {math.log(max(y, 1e-6) / max(x, 1e-6)) / k:.2f}"
+            for name, x, y in (
+                ("round", ra.round, rb.round),
+                ("barrier", ra.barrier, rb.barrier),
+                ("store host CPU", ra.host_cpu, rb.host_cpu),
+                ("agents' CPU", ra.agents_cpu, rb.agents_cpu),
+            )
+        ]
+        print(f"  growth exponent {a} -> {b}: {', '.join(parts)}", flush=True)
 
 
 def main() -> int:
@@ -242,6 +364,27 @@ def main() -> int:
         "--detail",
         action="store_true",
         help="also print, per process, when its handlers left the exit barrier",
+    )
+    ap.add_argument(
+        "--max-connections-per-peer",
+        type=int,
+        default=0,
+        help="the store's connection caps (in all and from one address: every simulated "
+        "agent connects from 127.0.0.1); default: the largest size plus 64 above 2000 "
+        "agents, else the store's defaults (8192 in all, 2048 per address)",
+    )
+    ap.add_argument(
+        "--max-output-bytes",
+        default="",
+        help="the store's max_output_bytes (e.g. 1G): the answers queued for all clients; "
+        "the default 64M cannot queue the ~500 KB result for 4096 agents asking at once",
+    )
+    ap.add_argument(
+        "--lose-one",
+        action="store_true",
+        help="one agent (a0) joins, then its connection drops before the round closes: "
+        "min is N-1, and the round must close with the N-1 others (checked; embedded store; "
+        "at a few hundred agents or more, where joining takes longer than a0's 0.25 s grace)",
     )
     ap.add_argument("--worker", nargs=3, metavar=("HOST", "PORT", "SPEC"))
     args = ap.parse_args()
@@ -257,17 +400,37 @@ def main() -> int:
     if "embedded" in backends:
         _bench_embedded(sizes, args)
     if "etcd" in backends:
-        with _etcd_member() as addr:
-            _table("etcd (single member, loopback)", addr, sizes, args, "etcd")
+        _table("etcd (single member, loopback)", _etcd_member, sizes, args, "etcd")
     return 0
 
 
 @contextmanager
-def embedded_store(env: dict[str, str]) -> Iterator[tuple[tuple[str, int], int]]:
+def embedded_store(
+    env: dict[str, str], connections: int = 0, output_bytes: str = ""
+) -> Iterator[tuple[tuple[str, int], int]]:
     """``elastrun store serve`` on loopback, in its own process: its address
-    and pid; terminated (then killed) on exit."""
+    and pid; terminated (then killed) on exit. ``connections``: allow that
+    many connections in all and from one address (the simulated agents all
+    connect from 127.0.0.1); 0: the store's defaults."""
+    limits = []
+    if connections:
+        limits = ["--max-connections", str(connections)]
+        limits += ["--max-connections-per-peer", str(connections)]
+    if output_bytes:
+        limits += ["--max-output-bytes", output_bytes]
     server = subprocess.Popen(
-        [sys.executable, "-m", "elastrun", "store", "serve", "--host", "127.0.0.1", "--port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "elastrun",
+            "store",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            *limits,
+        ],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -293,8 +456,25 @@ def embedded_store(env: dict[str, str]) -> Iterator[tuple[tuple[str, int], int]]
 
 def _bench_embedded(sizes: list[int], args: argparse.Namespace) -> None:
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
-    with embedded_store(env) as (addr, _):
-        _table("the embedded store", addr, sizes, args, "embedded")
+    connections = args.max_connections_per_peer or (max(sizes) + 64 if max(sizes) > 2000 else 0)
+    if connections:
+        _raise_open_files(connections + 256)
+    _table(
+        "the embedded store",
+        lambda: embedded_store(env, connections, args.max_output_bytes),
+        sizes,
+        args,
+        "embedded",
+    )
+
+
+def _raise_open_files(wanted: int) -> None:
+    """The open-file limit of this process and its children at least
+    ``wanted`` (up to the hard limit): the store holds one per agent."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        top = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (top, hard))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ stops every process it started by pid.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
@@ -21,6 +22,9 @@ from typing import Any
 
 import pytest
 
+from elastrun.names import RunId
+from elastrun.rendezvous.keys import Keys
+from elastrun.store.client import TcpStore
 from tests.conftest import PYTHON, REPO
 
 ENV = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
@@ -176,6 +180,46 @@ def test_killed_while_joining_does_not_block(cluster: Any) -> None:
     results = c.wait(step("next_round"), 3, timeout=60)
     assert_one_world(results, 3)
     assert "n9" not in results[0]["members"]
+
+
+def test_decider_killed_among_64_joiners_round_closes_without_it(
+    cluster: Any, store: tuple[str, int]
+) -> None:
+    """At scale: 64 nodes, the first joiner (the decider, which every other
+    joiner's chain of predecessors leads to) is SIGKILLed with 31 joined
+    behind it. Its join key goes with its lease, its follower takes over,
+    and the round closes with the 63 others (min 62, max 64), every one
+    agreeing on the members and the ranks, the dead node not among them."""
+    c = cluster(min=62, max=64, ttl=4.0, last_call=1.0)
+    victim = c.start(1, ["next_round"], first=99, progress=True)
+    victim.wait_lines(lambda x: x["step"] == "progress" and x["state"] == "joining", 1, 60)
+    c.start(31, ["next_round", "complete"], first=0, progress=True)
+    c.wait(lambda x: x["step"] == "progress" and x["state"] == "joining", 31, timeout=120)
+    victim.kill()
+    key = Keys(RunId(c.common["run_id"])).join(0, "n99")
+    asyncio.run(_wait_deleted(store, key, timeout=60.0))
+    c.start(32, ["next_round", "complete"], first=31)
+    results = c.wait(step("next_round"), 63, timeout=120)
+    assert_one_world(results, 63)
+    assert "n99" not in results[0]["members"]
+    assert sorted(results[0]["members"]) == sorted(f"n{i}" for i in range(63))
+    c.wait(step("complete"), 63, timeout=120)
+
+
+async def _wait_deleted(addr: tuple[str, int], key: str, timeout: float) -> None:
+    """Until ``key`` is absent from the store (a watch, bounded by ``timeout``)."""
+    store = await TcpStore.connect(addr[0], addr[1], timeout=timeout)
+    try:
+        async with asyncio.timeout(timeout):
+            kvs, revision = await store.get_prefix(key)
+            if not any(kv.key == key for kv in kvs):
+                return
+            async with await store.watch(key, start_revision=revision + 1) as watch:
+                async for event in watch:
+                    if event.type == "delete":
+                        return
+    finally:
+        await store.close()
 
 
 def test_member_killed_after_close_is_noticed(cluster: Any) -> None:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 import pytest
 
 from elastrun.clock import FakeClock
 from elastrun.errors import LeaseNotFound, LimitExceeded, RevisionCompacted
-from elastrun.store.base import Compare, Delete, Get, Put, WatchEvent
+from elastrun.store.base import Compare, Delete, Get, Put, WatchEvent, newest_created
 from elastrun.store.engine import Engine
 from elastrun.store.limits import StoreLimits, encoded_size
 
@@ -240,6 +241,27 @@ def test_range_newest_selects_by_create_revision_and_counts_all() -> None:
     assert e.range_newest("nothing/", 10, 3) == ([], 0)
 
 
+def test_range_newest_answers_as_a_scan_through_puts_deletes_and_subfolders() -> None:
+    """The folder index gives what newest_created over every key under the
+    prefix gives, whatever was put, deleted or nested (seeded, bounded)."""
+    rng = random.Random(23)
+    e = Engine(FakeClock())
+    names = [f"r/j/{c}" for c in "abcdefgh"] + ["r/j/sub/x", "r/jx", "r/k"]
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.5:
+            e.put(rng.choice(names), b"v")
+        elif op < 0.7:
+            e.txn([], [Put(rng.choice(names), b""), Put(rng.choice(names), b"")], [])
+        else:
+            e.delete(rng.choice(names))
+        for prefix in ("r/j/", "r/j", "r/", "r/j/sub/", "nothing/"):
+            every = e.range(prefix, prefix=True)
+            max_create, limit = rng.randint(0, e.revision + 1), rng.randint(-1, 4)
+            want = newest_created(every, max_create, limit), len(every)
+            assert e.range_newest(prefix, max_create, limit) == want, prefix
+
+
 # -- bounds in bytes: history, data, values, answers -------------------------------
 def small_limits(**changes: int) -> StoreLimits:
     base = {"history_bytes": 64 * 1024, "max_data_bytes": 256 * 1024, "max_value": 16 * 1024}
@@ -389,3 +411,38 @@ def test_compaction_past_a_lagging_watcher_cancels_it() -> None:
         e.catch_up(wid)
     assert info.value.compact_revision == 16
     assert wid not in e._watchers
+
+
+def test_a_watch_from_the_past_on_a_key_unchanged_since_is_live_at_once() -> None:
+    """A key watch that starts in the past catches up only where its key
+    changed since: unchanged (whatever else was written), it is live at once;
+    rewritten or deleted since, those events come first."""
+    e = Engine(FakeClock())
+    e.put("round", b"r0")  # revision 1
+    start = e.revision + 1
+    for i in range(50):
+        e.put(f"join/{i}", b"")  # other keys only
+    seen: list[tuple[str, bytes]] = []
+    wid = e.add_watcher(
+        "round",
+        False,
+        start,
+        lambda evs: seen.extend((ev.type, ev.kv.value) for ev in evs),
+        catch_up=False,
+    )
+    assert e.is_synced(wid) and seen == []
+    e.put("round", b"r1")
+    assert seen == [("put", b"r1")]
+    for change in (lambda: e.put("round", b"r2"), lambda: e.delete("round")):
+        start = e.revision + 1
+        change()
+        e.put("join/x", b"")
+        got: list[str] = []
+        wid = e.add_watcher("round", False, start, _types_into(got), catch_up=False)
+        assert not e.is_synced(wid)
+        assert e.catch_up(wid) and got in (["put"], ["delete"])
+
+
+def _types_into(out: list[str]) -> Callable[[list[WatchEvent]], None]:
+    """A watch callback that appends each event's type to ``out``."""
+    return lambda events: out.extend(ev.type for ev in events)

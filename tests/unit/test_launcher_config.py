@@ -573,3 +573,19 @@ def test_choices_from_the_environment_are_checked_too(script, monkeypatch, env, 
     monkeypatch.setenv(env, "bogus")
     with pytest.raises(ConfigError, match=f"^{flag}: must be .* got 'bogus'"):
         run_parse()
+
+
+def test_rdzv_conf_caps_the_hosted_stores_connections_per_address() -> None:
+    from elastrun.launcher.run import hosted_limits
+    from elastrun.store.limits import DEFAULT_LIMITS
+
+    conf = parse_rdzv_conf("store_max_connections_per_peer=10000")
+    limits = hosted_limits(conf)
+    assert limits.max_connections_per_peer == 10000
+    assert limits.max_connections == 10000  # at least as many in all
+    small = hosted_limits(parse_rdzv_conf("store_max_connections_per_peer=16"))
+    assert (small.max_connections_per_peer, small.max_connections) == (16, 8192)
+    assert hosted_limits(parse_rdzv_conf("")) is DEFAULT_LIMITS
+    for bad in ("0", "-3", "1.5", "many", "2000000"):
+        with pytest.raises(ConfigError, match="store_max_connections_per_peer must be a whole"):
+            parse_rdzv_conf(f"store_max_connections_per_peer={bad}")

@@ -39,3 +39,25 @@ def test_printable_escapes_terminal_controls() -> None:
     assert printable("a\nb\tc", lines=True) == "a\nb\tc"
     assert printable("x" * 10, limit=4) == "xxxx..."
     assert printable("héllo wörld") == "héllo wörld"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('{"a": [1, {"b": [2]}], "c": {}}', 4),  # no escapes: the fast path
+        ('{"a": "[{", "b": [[]]}', 3),  # brackets in a string, no escapes
+        ('{"a": "\\"[", "b": [{}]}', 3),  # an escaped quote before a bracket in a string
+        ("[" * 70 + "]" * 70, 70),  # deeper than the passes tried: counted one by one
+        ("]][[[", 1),  # unbalanced: the deepest running count
+        ('"unterminated [[', 2),  # no string ends: the brackets count
+        ("[}{]", 1),  # kinds mixed: counted alike
+    ],
+)
+def test_depth_counts_brackets_outside_strings(text: str, expected: int) -> None:
+    assert depth(text.encode()) == expected
+
+
+def test_depth_is_linear_for_hostile_nesting() -> None:
+    """A million brackets, balanced or not, are counted (no quadratic passes)."""
+    assert depth(b"[" * 500_000 + b"]" * 500_000) == 500_000
+    assert depth(b"[" * 1_000_000) == 1_000_000

@@ -262,10 +262,11 @@ def _where(config: LaunchConfig, conf: RendezvousConf) -> _Where:
         )
         if https and conf.protocol is None:
             conf = conf.with_(protocol="https")
-    if conf.store_bind is not None and backend is not Backend.C10D:
-        raise ConfigError(
-            f"--rdzv-conf store_bind: only for the c10d backend's embedded store, not {backend}"
-        )
+    for name in ("store_bind", "store_max_connections_per_peer"):
+        if getattr(conf, name) is not None and backend is not Backend.C10D:
+            raise ConfigError(
+                f"--rdzv-conf {name}: only for the c10d backend's embedded store, not {backend}"
+            )
     if backend is not Backend.STATIC and node_rank is not None and node_rank >= config.max_nodes:
         raise ConfigError(
             f"--node-rank: {node_rank} is out of range for --nnodes="

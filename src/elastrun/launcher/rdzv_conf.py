@@ -28,8 +28,8 @@ __all__ = [
 ]
 
 # --rdzv-conf keys: name -> kind. "float": seconds in the key's range
-# (limits.CONF_SECONDS), "bool" accepts 1/0/true/false/yes/no, "str" anything
-# non-empty.
+# (limits.CONF_SECONDS), "bool" accepts 1/0/true/false/yes/no, "int" a whole
+# number in 1..CONF_INT_MAX, "str" anything non-empty.
 RDZV_CONF_KEYS: dict[str, str] = {
     "join_timeout": "float",
     "last_call_timeout": "float",
@@ -43,6 +43,7 @@ RDZV_CONF_KEYS: dict[str, str] = {
     "token_file": "str",
     "store_bind": "str",  # where the hosted c10d store listens (launcher/bind.py)
     "failover_timeout": "float",  # candidate hosts: how long to find a new host
+    "store_max_connections_per_peer": "int",  # the hosted store's cap per address
     # etcd
     "cacert": "str",
     "cert": "str",
@@ -61,6 +62,8 @@ RDZV_CONF_IGNORED = {
     "store_type": "the store is chosen by --rdzv-backend",
     "rank": "static mode uses --node-rank",
 }
+# The largest "int" value (connections: far above any open-file limit).
+CONF_INT_MAX = 1_000_000
 # What the etcd store takes (store/etcd.py), as text.
 ETCD_OPTIONS = ("cacert", "cert", "key", "user", "password", "key_prefix", "protocol")
 
@@ -80,6 +83,9 @@ class RendezvousConf:
     token_file: str | None = None
     store_bind: str | None = None
     failover_timeout: float | None = None  # candidate hosts (docs/failover.md)
+    # Connections the hosted store accepts from one address (and at least as
+    # many in all); None: the store's default (2048).
+    store_max_connections_per_peer: int | None = None
     cacert: str | None = None
     cert: str | None = None
     key: str | None = None
@@ -164,6 +170,13 @@ def _conf_value(key: str, kind: str, value: Any) -> Any:
         if isinstance(value, str):
             return parse_seconds(name, value, rng)
         return check_seconds(name, value, rng)
+    if kind == "int":
+        text = str(value).strip()
+        if isinstance(value, bool) or not text.isdigit() or not 1 <= int(text) <= CONF_INT_MAX:
+            raise ConfigError(
+                f"--rdzv-conf: {key} must be a whole number in 1..{CONF_INT_MAX}, got {value!r}"
+            )
+        return int(text)
     if kind == "bool":
         if isinstance(value, bool):
             return value

@@ -31,16 +31,18 @@ from elastrun.errors import ConfigError, StoreUnavailable
 from elastrun.events import EventSink, JsonLinesSink
 from elastrun.launcher.bind import describe, listen_on
 from elastrun.launcher.plan import Backend, Plan
+from elastrun.launcher.rdzv_conf import RendezvousConf
 from elastrun.names import path_component
 from elastrun.procs import say
 from elastrun.rendezvous.api import Rendezvous
+from elastrun.store.limits import DEFAULT_LIMITS, StoreLimits
 from elastrun.store.token import TOKEN_ENV, no_token_warning
 
 if TYPE_CHECKING:
     from elastrun.store.base import Store
     from elastrun.store.server import StoreServer
 
-__all__ = ["is_local_address", "route_addr", "run_async", "run_plan"]
+__all__ = ["hosted_limits", "is_local_address", "route_addr", "run_async", "run_plan"]
 
 RESOLVE_TIMEOUT = 30.0
 DEFAULT_READ_TIMEOUT = 60.0  # --rdzv-conf read_timeout: each store request after the first
@@ -130,7 +132,7 @@ async def _host_store(plan: Plan) -> tuple[StoreServer | None, Endpoint, str]:
         host,
         port,
     )
-    server = StoreServer(listen.hosts, port, token=plan.token)
+    server = StoreServer(listen.hosts, port, token=plan.token, limits=hosted_limits(plan.conf))
     try:
         _, bound_port = await server.start()
     except ConfigError as exc:
@@ -361,3 +363,15 @@ def run_plan(plan: Plan, *, events: EventSink | None = None) -> int:
     handled = (*spec.signals_to_handle, *spec.signals_to_forward)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(s.name for s in handled)
     return asyncio.run(run_async(plan, events=events))
+
+
+def hosted_limits(conf: RendezvousConf) -> StoreLimits:
+    """The hosted store's limits: the defaults, with ``--rdzv-conf
+    store_max_connections_per_peer`` (and at least as many connections in all)."""
+    per_peer = conf.store_max_connections_per_peer
+    if per_peer is None:
+        return DEFAULT_LIMITS
+    return DEFAULT_LIMITS.with_(
+        max_connections_per_peer=per_peer,
+        max_connections=max(per_peer, DEFAULT_LIMITS.max_connections),
+    )

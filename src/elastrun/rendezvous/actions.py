@@ -156,6 +156,8 @@ class Executor:
         node, stored = self.node, self.observer.view.results.get(r)
         if rec is None or rec.round != r or stored is None:
             return
+        if not rec.prev or any(p.node_id == node.node_id for p in rec.prev):
+            return  # a first round, or this node was a member before: not promoted
         for nid, rank, lost in _promotions(rec, stored.members):
             if nid != node.node_id:
                 continue
@@ -341,9 +343,22 @@ class Executor:
         )
 
     async def _round_result(self, r: int) -> RoundResult:
+        """Round ``r``'s result as this member sees it (its members built once
+        per process: :func:`.view.decode_result`)."""
         s = self.node.settings
-        result = await self.observer.get_result(r)
-        return rounds.round_result(s.run_id, self.node.node_id, result, s.max_restarts)
+        decoded = await self.observer.get_decoded(r)
+        result = decoded.record
+        return RoundResult(
+            run_id=s.run_id,
+            round=result.round,
+            members=decoded.members,
+            group_rank=decoded.ranks[self.node.node_id],
+            master_addr=result.master_addr,
+            master_port=result.master_port,
+            restart_count=result.restarts,
+            max_restarts=s.max_restarts,
+            reason=result.reason,
+        )
 
     async def _error(self, a: Action) -> BaseException:
         s, obs = self.node.settings, self.observer

@@ -301,12 +301,16 @@ class DynamicRendezvous(Rendezvous):
         is a txn on what was read; a lost race reads again (bounded)."""
         k, store, mine = self.keys, self.store, self.settings.agreed()
         for _ in range(REGISTER_TRIES):
-            res = await store.txn([], [Get(k.config), Get(k.round), Get(k.nodes, prefix=True)])
+            res = await store.txn([], [Get(k.config), Get(k.round)])
+            # How many nodes are live, counted after that read (O(1) bytes, not
+            # every presence record): a node that registers in between is
+            # counted; one after it, as after any read, is the reset's race.
+            _, live, _ = await store.get_prefix_newest(k.nodes, 0, 1)
             config_kv = res.gets[0][0] if res.gets[0] else None
             round_kv = res.gets[1][0] if res.gets[1] else None
             config = ConfigRecord.decode(k.config, config_kv.value) if config_kv else None
             rnd = RoundRecord.decode(k.round, round_kv.value) if round_kv else None
-            found = classify(config, rnd, len(res.gets[2]))
+            found = classify(config, rnd, live)
             config_rev = config_kv.mod_revision if config_kv else 0
             round_rev = round_kv.mod_revision if round_kv else 0
             if found.verdict is Verdict.FINISHED:

@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.protocol import (
@@ -72,6 +73,7 @@ __all__ = [
     "GoneMember",
     "JoinRole",
     "LostAtBarrier",
+    "Memo",
     "Phase",
     "PhasePlan",
     "Reaction",
@@ -83,6 +85,7 @@ __all__ = [
     "absent_members",
     "all_done",
     "barrier_step",
+    "decode_round",
     "follower_of_newest",
     "join_role",
     "joiners_event",
@@ -156,6 +159,40 @@ class Watched(enum.Enum):
     WATCHER = "watcher"  # the barrier watcher's presence key (the other members)
 
 
+# -- decoding once ------------------------------------------------------------------
+R = TypeVar("R")
+
+
+class Memo(Generic[R]):
+    """``decode(key, value)``, reused for the same key and the same bytes.
+
+    Every node decodes the round record and the round's result, O(n) bytes
+    each; where many nodes share one process (the simulated agents of
+    bench/rdzv_bench.py) each is decoded once, not once per node. Decoding
+    is a function of the key and the bytes, and the values decoded are
+    immutable, so reusing one changes nothing; a value that does not decode
+    raises every time. Holds the last ``size`` keys' values."""
+
+    def __init__(self, decode: Callable[[str, bytes], R], size: int = 8) -> None:
+        self._decode = decode
+        self._size = size
+        self._last: dict[str, tuple[bytes, R]] = {}
+
+    def __call__(self, key: str, value: bytes) -> R:
+        found = self._last.get(key)
+        if found is not None and found[0] == value:
+            return found[1]
+        decoded = self._decode(key, value)
+        self._last.pop(key, None)
+        if len(self._last) >= self._size:
+            del self._last[next(iter(self._last))]
+        self._last[key] = (value, decoded)
+        return decoded
+
+
+decode_round = Memo(RoundRecord.decode)
+
+
 # -- the snapshot ------------------------------------------------------------------
 @dataclass
 class View:
@@ -181,7 +218,7 @@ class View:
 
     def set_round(self, kv: KeyValue | None) -> None:
         self.round_kv = kv
-        self.round = None if kv is None else RoundRecord.decode(kv.key, kv.value)
+        self.round = None if kv is None else decode_round(kv.key, kv.value)
 
     def members(self, r: int) -> tuple[MemberRecord, ...]:
         """The members of closed round ``r`` in rank order (as read)."""

@@ -28,13 +28,13 @@ from elastrun.errors import RendezvousError, StoreError
 from elastrun.events import EventSink
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import plan as P
-from elastrun.rendezvous.api import RendezvousSettings
+from elastrun.rendezvous.api import Member, RendezvousSettings
 from elastrun.rendezvous.protocol import Event
 from elastrun.rendezvous.records import JoinRecord, MemberRecord, ResultRecord
 from elastrun.rendezvous.rules import Rules
 from elastrun.store.base import Get, KeyValue, Store, WatchEvent
 
-__all__ = ["Node", "Observer", "read"]
+__all__ = ["DecodedResult", "Node", "Observer", "decode_result", "read"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,28 @@ async def read(store: Store, key: str, prefix: bool) -> tuple[list[KeyValue], in
     return res.gets[0], res.revision
 
 
+@dataclass(frozen=True)
+class DecodedResult:
+    """A round's result as read: the checked record, its members as
+    :class:`~.api.Member` values and each member's group rank."""
+
+    record: ResultRecord
+    members: tuple[Member, ...]
+    ranks: dict[str, int]
+
+
+def _decoded(record: ResultRecord) -> DecodedResult:
+    members = tuple(
+        Member(m.node_id, m.host, m.addr, m.group_rank, m.nproc) for m in record.members
+    )
+    return DecodedResult(record, members, {m.node_id: m.group_rank for m in members})
+
+
+# The result record at a key, decoded and checked (ResultRecord.decode), with
+# its members: once per process for the same bytes (see plan.Memo).
+decode_result = P.Memo(lambda key, value: _decoded(ResultRecord.decode(key, value)))
+
+
 class Observer:
     """Turns what this node reads and is told by watches into rule events."""
 
@@ -70,6 +92,8 @@ class Observer:
         self.joiner_hosts: dict[tuple[int, str], str] = {}
         # (round, store revision) of this node's last successful join.
         self.joined: tuple[int, int] | None = None
+        # The last round's result this node read (by round).
+        self.decoded: dict[int, DecodedResult] = {}
 
     def new_view(self) -> P.View:
         """A fresh view for a new phase (round results are kept: immutable)."""
@@ -87,8 +111,20 @@ class Observer:
             kv = await self.node.store.get(self.node.keys.result(r))
             if kv is None:
                 raise RendezvousError(f"round {r} is closed but has no result record")
-            view.results[r] = ResultRecord.decode(kv.key, kv.value)
+            decoded = decode_result(kv.key, kv.value)
+            self.decoded = {r: decoded}
+            view.results[r] = decoded.record
         return view.results[r]
+
+    async def get_decoded(self, r: int) -> DecodedResult:
+        """Round ``r``'s result with its members (read once per node, decoded
+        once per process)."""
+        record = await self.get_result(r)
+        decoded = self.decoded.get(r)
+        if decoded is None or decoded.record is not record:
+            decoded = _decoded(record)  # this node's own close
+            self.decoded = {r: decoded}
+        return decoded
 
     async def round_event(self) -> Event | None:
         needed = P.result_needed(self.view)

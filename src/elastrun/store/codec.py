@@ -221,16 +221,45 @@ def _expect_list(obj: Mapping[str, Any], name: str) -> list[Any]:
     return value
 
 
+# A value at least this large is encoded (and decoded) once for the many
+# answers and events that carry it: every member of a round of thousands of
+# nodes reads the same result record of hundreds of KiB.
+_REUSED = 64 * 1024
+
+
+class _LastBase64:
+    """The last large value encoded, (bytes object, text), and the last
+    large text decoded, (text, bytes): each pair swapped in one assignment,
+    reused only for the same bytes object, or an equal text."""
+
+    encoded: tuple[bytes, str] = (b"", "")
+    decoded: tuple[str, bytes] = ("", b"")
+
+
 def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
+    if len(data) < _REUSED:
+        return base64.b64encode(data).decode("ascii")
+    data_seen, text = _LastBase64.encoded
+    if data is not data_seen:
+        text = base64.b64encode(data).decode("ascii")
+        _LastBase64.encoded = (data, text)
+    return text
 
 
 def _unb64(obj: Mapping[str, Any], name: str) -> bytes:
     text = expect_str(obj, name)
+    large = len(text) >= _REUSED
+    if large:
+        text_seen, data = _LastBase64.decoded
+        if text == text_seen:
+            return data
     try:
-        return base64.b64decode(text.encode("ascii"), validate=True)
+        data = base64.b64decode(text.encode("ascii"), validate=True)
     except (binascii.Error, UnicodeEncodeError):
         raise ProtocolError(f"field {name!r} is not valid base64") from None
+    if large:
+        _LastBase64.decoded = (text, data)
+    return data
 
 
 # -- values -------------------------------------------------------------------

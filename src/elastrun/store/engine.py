@@ -109,6 +109,10 @@ class Engine:
         self.revision = 0
         self._kv: dict[str, KeyValue] = {}
         self._sorted_keys: list[str] = []
+        # The live keys by their folder (the key up to its last ``/``), each
+        # folder's (create revision, key) in order: the newest keys created
+        # under a folder without a scan (see range_newest).
+        self._folders: dict[str, list[tuple[int, str]]] = {}
         self._data_bytes = 0
         self._leases: dict[int, _Lease] = {}
         self._owned: dict[object, set[int]] = {}  # owner -> ids of the leases it owns
@@ -157,8 +161,33 @@ class Engine:
         many keys are under ``prefix`` in all (etcd's range with sort by
         create revision, ``max_create_revision`` and ``limit``; ``limit <= 0``:
         no limit)."""
-        kvs = self.range(prefix, prefix=True)
-        return newest_created(kvs, max_create_revision, limit), len(kvs)
+        count = self._count(prefix)
+        entries = self._folders.get(prefix) if prefix.endswith("/") else None
+        if entries is None or len(entries) != count:
+            # Keys in folders below the prefix, or a prefix that is no folder: scan.
+            kvs = self.range(prefix, prefix=True)
+            return newest_created(kvs, max_create_revision, limit), len(kvs)
+        # Every key under the prefix is in its folder: O(log n + limit).
+        picked: list[tuple[int, str]] = []
+        end = bisect.bisect_right(entries, max_create_revision, key=_created)
+        while end > 0 and (limit <= 0 or len(picked) < limit):
+            # The keys of one create revision (one txn) in key order, as newest_created.
+            start = bisect.bisect_left(entries, entries[end - 1][0], 0, end, key=_created)
+            picked.extend(entries[start:end])
+            end = start
+        chosen = picked[:limit] if limit > 0 else picked
+        return [self._kv[key] for _, key in chosen], count
+
+    def _count(self, prefix: str) -> int:
+        """How many live keys are under ``prefix`` (two bisections)."""
+        keys = self._sorted_keys
+        start = bisect.bisect_left(keys, prefix)
+        if not prefix:
+            return len(keys)
+        last = prefix[-1]
+        if ord(last) >= 0x10FFFF:
+            return len(self.range(prefix, prefix=True))
+        return bisect.bisect_left(keys, prefix[:-1] + chr(ord(last) + 1), start) - start
 
     def range_page(
         self, prefix: str, after: str | None, limit: int, max_bytes: int
@@ -339,6 +368,9 @@ class Engine:
                     self.compact_revision,
                 )
             watcher = _Watcher(key, prefix, callback, max(1, start_revision), synced=False)
+            if not prefix and self._unchanged_since(key, start_revision):
+                # Nothing to catch up on: live from now (no scan of the history).
+                watcher = _Watcher(key, prefix, callback, self.revision + 1, synced=True)
         else:
             watcher = _Watcher(key, prefix, callback, self.revision + 1, synced=True)
         watch_id = next(self._watch_ids)
@@ -410,6 +442,13 @@ class Engine:
                 del index[watcher.key]
 
     # -- internals -----------------------------------------------------------
+    def _unchanged_since(self, key: str, revision: int) -> bool:
+        """Whether ``key`` has had no event from ``revision`` on: it exists and
+        was last written before (a delete since would have left it absent, or
+        written again later)."""
+        kv = self._kv.get(key)
+        return kv is not None and kv.mod_revision < revision
+
     def _set_owner(self, lease_id: int, lease: _Lease, owner: object | None) -> None:
         if lease.owner is owner:
             return
@@ -431,6 +470,8 @@ class Engine:
         old = self._kv.get(key)
         if old is None:
             bisect.insort(self._sorted_keys, key)
+            folder = self._folders.setdefault(_folder(key), [])
+            bisect.insort(folder, (self.revision, key))
             kv = KeyValue(key, value, self.revision, self.revision, 1, lease)
         else:
             if old.lease not in (NO_LEASE, lease) and old.lease in self._leases:
@@ -450,6 +491,11 @@ class Engine:
         self._data_bytes -= len(key) + len(old.value) + KEY_OVERHEAD
         index = bisect.bisect_left(self._sorted_keys, key)
         del self._sorted_keys[index]
+        name = _folder(key)
+        folder = self._folders[name]
+        del folder[bisect.bisect_left(folder, (old.create_revision, key))]
+        if not folder:
+            del self._folders[name]
         if old.lease != NO_LEASE and old.lease in self._leases:
             self._leases[old.lease].keys.discard(key)
         return WatchEvent("delete", KeyValue(key, b"", old.create_revision, self.revision, 0))
@@ -485,3 +531,12 @@ class Engine:
                 watcher.next_rev = revision
             else:
                 watcher.next_rev = revision + 1
+
+
+def _folder(key: str) -> str:
+    """The folder of ``key``: up to and with its last ``/`` ("" for none)."""
+    return key[: key.rfind("/") + 1]
+
+
+def _created(entry: tuple[int, str]) -> int:
+    return entry[0]
