@@ -169,6 +169,14 @@ class FailoverRendezvous(Rendezvous):
         # Lost: the next round forms at the new host, not charged (a node was lost).
         await self._guarded(self.inner.request_restart(failure))
 
+    async def job_failure(self, failure: FailureRecord, timeout: float) -> FailureRecord:
+        # The first failure the round's members reported, at the host they share;
+        # with the host lost meanwhile, this node's own.
+        if self._lost is not None:
+            return failure
+        out = await self._guarded(self.inner.job_failure(failure, timeout))
+        return failure if isinstance(out, Lost) else out
+
     async def complete(self) -> None:
         await self._guarded(self.inner.complete())
 
