@@ -208,6 +208,26 @@ def test_summary_shows_the_ranks_last_output_not_stale_stderr() -> None:
     assert block.index("warming up") < block.index("step 2 loss nan")
 
 
+def test_the_error_not_the_teardown_noise_after_it_is_the_message() -> None:
+    """A rank whose script raised, then aborted in its teardown (a C++ thread
+    still joinable): its record says the error."""
+    f = WorkerFailure(
+        rank=2,
+        local_rank=1,
+        host="h",
+        pid=7,
+        returncode=-6,
+        exit_time=1.0,
+        exit_monotonic=1.0,
+        stderr_tail=(
+            "Traceback (most recent call last):",
+            "ValueError: boom",
+            "terminate called without an active exception",
+        ),
+    )
+    assert f.record().message == "ValueError: boom"
+
+
 class StuckStore(MemoryStore):
     """A store that stopped answering (etcd without quorum): reads never return."""
 

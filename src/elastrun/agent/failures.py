@@ -299,10 +299,17 @@ def failure_record(failures: list[WorkerFailure], host: str) -> FailureRecord:
     )
 
 
+# What a process prints as it is torn down after its error (a C++ thread still
+# joinable when the interpreter exits): never the error itself.
+TEARDOWN_NOISE = ("terminate called without an active exception",)
+
+
 def _last_line(lines: tuple[str, ...]) -> str:
+    """The last non-blank line that is not teardown noise ("" if none)."""
     for line in reversed(lines):
-        if line.strip():
-            return line.strip()
+        text = line.strip()
+        if text and not text.startswith(TEARDOWN_NOISE):
+            return text
     return ""
 
 

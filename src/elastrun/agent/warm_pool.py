@@ -43,6 +43,7 @@ from elastrun.untrusted import printable
 from elastrun.worker._messages import PreloadPlan, Ready, Unsafe
 from elastrun.worker._modnames import script_module
 from elastrun.worker.snapshot import ENV as MEMORY_CHECKPOINT_ENV
+from elastrun.worker.snapshot import REPLICA_ENV as MEMORY_REPLICA_ENV
 
 __all__ = ["LOCAL_VARS", "ROUND_VARS", "WarmPool", "compatible", "usable_cpus"]
 
@@ -59,7 +60,14 @@ REAP_WAIT = 2.0
 # zygote was started with.
 # (The memory checkpoint folder is per agent and local rank: a round's part too.)
 ROUND_VARS = frozenset(
-    (*ROUND_ENV_VARS, HEARTBEAT_ENV, STACKS_ENV, STACK_SIGNAL_ENV, MEMORY_CHECKPOINT_ENV)
+    (
+        *ROUND_ENV_VARS,
+        HEARTBEAT_ENV,
+        STACKS_ENV,
+        STACK_SIGNAL_ENV,
+        MEMORY_CHECKPOINT_ENV,
+        MEMORY_REPLICA_ENV,
+    )
 )
 LOCAL_VARS = frozenset(("LOCAL_RANK",))
 
