@@ -3,15 +3,22 @@
 ``python -m build`` (with the build backend of the dev venv: ``--no-isolation``, so no network)
 builds the sdist from a copy of the working tree into which run outputs were planted
 (checkpoints, an event log, byte code), then the wheel from that sdist. The sdist holds the
-package, README, LICENSE and pyproject.toml and nothing else; the wheel holds every module and
-declares the version, the Python and torch ranges and the extras. The wheel then goes into a
-fresh ``python -m venv`` without torch: ``elastrun --version``/``--help`` work, and a
-2-worker ``--standalone`` run of a plain script and of a ``--no-python`` program succeed.
+package, README, LICENSE, pyproject.toml and the docs and nothing else; the wheel holds every
+module and declares the version, the Python and torch ranges and the extras, and its PyPI
+description is its own: it opens with ``pip install`` and a torchrun-style command, links to
+nothing relative (PyPI cannot resolve a checkout's paths), and the docs it names are in the
+sdist. The wheel then goes into a fresh ``python -m venv`` without torch, once with each
+CPython version the classifiers declare that this machine has (3.11 always; 3.12 and 3.13 where
+found on PATH or under pyenv): every module compiles without warnings and imports,
+``elastrun --version``/``--help`` work, and a 2-worker ``--standalone`` run of a plain script and
+of a ``--no-python`` program succeed.
 """
 
 from __future__ import annotations
 
+import email.message
 import email.parser
+import glob
 import os
 import re
 import shutil
@@ -40,11 +47,47 @@ SKIP = shutil.ignore_patterns(
 )
 # Everything an sdist may hold, relative to its top folder (folders have no trailing slash).
 SDIST_ALLOWED = re.compile(
-    r"^(PKG-INFO|README\.md|LICENSE|pyproject\.toml|setup\.cfg|src|src/elastrun\.egg-info"
+    r"^(PKG-INFO|README\.md|LICENSE|pyproject\.toml|setup\.cfg|MANIFEST\.in|docs|docs/[\w-]+\.md"
+    r"|src|src/elastrun\.egg-info"
     r"|src/elastrun(/\w+)*(\.py|/py\.typed)?"
     r"|src/elastrun\.egg-info/(PKG-INFO|SOURCES|dependency_links|entry_points|requires"
     r"|top_level)(\.txt)?)$"
 )
+
+
+PY_VERSION = re.compile(r"^Programming Language :: Python :: 3\.\d+$")
+DECLARED_PYTHONS = sorted(
+    c.rsplit(" ", 1)[1] for c in PYPROJECT["classifiers"] if PY_VERSION.match(c)
+)
+
+
+def find_python(version: str) -> str | None:
+    """A CPython of ``version`` (``"3.12"``) with venv: on PATH, else under pyenv's versions."""
+    if version == f"{sys.version_info.major}.{sys.version_info.minor}":
+        return sys.executable
+    root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
+    candidates = [shutil.which(f"python{version}")]
+    candidates += sorted(glob.glob(f"{root}/versions/{version}.*/bin/python{version}"))
+    for exe in filter(None, candidates):
+        probe = subprocess.run(
+            [exe, "-c", "import sys, venv, ensurepip; print('%d.%d' % sys.version_info[:2])"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        if probe.returncode == 0 and probe.stdout.strip() == version:
+            return exe
+    return None
+
+
+def pythons() -> list[pytest.ParameterSet]:
+    found: list[pytest.ParameterSet] = []
+    for version in DECLARED_PYTHONS:
+        exe = find_python(version)
+        skip = pytest.mark.skipif(exe is None, reason=f"no CPython {version} on this machine")
+        found.append(pytest.param(exe, id=f"py{version}", marks=skip))
+    return found
 
 
 def run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
@@ -99,6 +142,9 @@ def test_sdist_holds_the_package_and_nothing_else(dists: tuple[Path, Path]) -> N
     assert set(MODULES) <= set(inner), set(MODULES) - set(inner)
     for needed in ("README.md", "LICENSE", "pyproject.toml", "PKG-INFO"):
         assert needed in inner
+    # The docs the package's description sends its readers to.
+    docs = {p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md")}
+    assert docs and docs <= set(inner), docs - set(inner)
 
 
 def test_wheel_holds_every_module_and_declares_its_ranges(dists: tuple[Path, Path]) -> None:
@@ -118,21 +164,84 @@ def test_wheel_holds_every_module_and_declares_its_ranges(dists: tuple[Path, Pat
     assert meta["License-Expression"] == "Apache-2.0"
     classifiers = meta.get_all("Classifier") or []
     assert "Programming Language :: Python :: 3.11" in classifiers
+    # Every version the classifiers declare is one this test installs the wheel with.
+    declared = {c.rsplit(" ", 1)[1] for c in classifiers if PY_VERSION.match(c)}
+    assert declared == set(DECLARED_PYTHONS), declared
+    assert all(tuple(map(int, v.split("."))) >= (3, 11) for v in declared)
     assert set(meta.get_all("Provides-Extra") or []) >= {"torch", "etcd", "dev"}
     requires = meta.get_all("Requires-Dist") or []
     # The agent needs nothing; torch comes only with the extra, as a range (not an exact pin).
     assert all("extra ==" in r for r in requires), requires
     torch_extra = [r for r in requires if r.startswith("torch") and 'extra == "torch"' in r]
     assert torch_extra and re.match(r"torch>=2\.\d+\s*;", torch_extra[0]), torch_extra
-    assert str(meta.get_payload()).lstrip().startswith("# elastrun")  # README = description
+    check_description(meta)
 
 
+def check_description(meta: email.message.Message) -> None:
+    """PyPI's page for the package: its own text, readable without the checkout."""
+    assert meta["Description-Content-Type"] == "text/markdown"
+    text = str(meta.get_payload())
+    assert text.lstrip().startswith("# elastrun"), text[:200]
+    first_block = re.search(r"```sh\n(.*?)```", text, re.S)
+    assert first_block, "the description opens with no command block"
+    assert first_block.start() < 200, "the command block is not at the top"
+    # Install, then a torchrun-style launch, before anything else.
+    assert re.search(r"^pip install elastrun", first_block.group(1), re.M)
+    assert re.search(r"^elastrun --nnodes=\S+ --nproc-per-node=\d+", first_block.group(1), re.M)
+    assert "make demo" not in text and "make test" not in text  # a checkout's targets
+    # Markdown links and images, reference definitions, HTML links: absolute ones only.
+    targets = re.findall(r"\]\(\s*<?([^)\s>]+)", text)
+    targets += re.findall(r"^\s*\[[^\]]+\]:\s*<?(\S+?)>?\s*$", text, re.M)
+    targets += re.findall(r"(?:href|src)\s*=\s*[\"']([^\"']+)", text)
+    relative = [t for t in targets if not re.match(r"https://", t)]
+    assert not relative, f"links PyPI cannot resolve: {relative}"
+    # No project URLs exist yet; any that is added must be an absolute https address.
+    for url in meta.get_all("Project-URL") or []:
+        assert re.match(r"[^,]+, https://\S+$", url), url
+    # The docs it names are files of the sdist.
+    for named in set(re.findall(r"`(docs/[\w-]+\.md)`", text)):
+        assert (REPO / named).is_file(), named
+
+
+# Run in the clean venv: every installed module compiles with warnings as errors (3.12 turns
+# invalid escapes into SyntaxWarning) and imports without a DeprecationWarning, except where
+# an extra's package is missing (torch, httpx, lightning) or the module runs by path.
+IMPORT_ALL = """
+import importlib, pathlib, pkgutil, sys, warnings
+import elastrun
+from elastrun.errors import ConfigError
+warnings.simplefilter("error")
+root = pathlib.Path(elastrun.__file__).parent
+for path in sorted(root.rglob("*.py")):
+    compile(path.read_text(encoding="utf-8"), str(path), "exec")
+bad, imported = [], 0
+for mod in pkgutil.walk_packages(elastrun.__path__, "elastrun."):
+    if mod.name.endswith(("__main__", "._zygote")):
+        continue
+    try:
+        importlib.import_module(mod.name)
+        imported += 1
+    except ModuleNotFoundError as e:
+        if e.name not in ("torch", "httpx", "lightning", "numpy"):
+            bad.append(f"{mod.name}: {e!r}")
+    except ConfigError as e:
+        if "pip install 'elastrun[" not in str(e):
+            bad.append(f"{mod.name}: {e!r}")
+    except Exception as e:
+        bad.append(f"{mod.name}: {e!r}")
+print("imported", imported)
+print(*bad, sep="\\n", file=sys.stderr)
+sys.exit(1 if bad else 0)
+"""
+
+
+@pytest.mark.parametrize("python", pythons())
 def test_wheel_installs_into_a_clean_venv_and_runs_without_torch(
-    dists: tuple[Path, Path], tmp_path: Path
+    dists: tuple[Path, Path], tmp_path: Path, python: str
 ) -> None:
     _, wheel = dists
     venv = tmp_path / "venv"
-    made = run([sys.executable, "-m", "venv", str(venv)], env=clean_env())
+    made = run([python, "-m", "venv", str(venv)], env=clean_env())
     assert made.returncode == 0, made.stderr
     py, elastrun = venv / "bin" / "python", venv / "bin" / "elastrun"
     pip = run(
@@ -157,6 +266,9 @@ def test_wheel_installs_into_a_clean_venv_and_runs_without_torch(
     assert Path(location).is_relative_to(venv), location  # the wheel's copy, not the checkout's
     assert torch_loaded == "False"
     assert run([str(py), "-c", "import torch"], env=env).returncode != 0, "venv must lack torch"
+    imports = run([str(py), "-c", IMPORT_ALL], env=env, cwd=tmp_path)
+    assert imports.returncode == 0, imports.stdout + imports.stderr
+    assert int(imports.stdout.split()[-1]) >= len(MODULES) // 2, imports.stdout
 
     version = run([str(elastrun), "--version"], env=env)
     assert version.returncode == 0 and version.stdout.strip() == f"elastrun {VERSION}"
