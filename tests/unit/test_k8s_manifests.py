@@ -18,6 +18,7 @@ import importlib.util
 import os
 import re
 import shlex
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -592,8 +593,10 @@ def test_dockerfile_matches_the_project() -> None:
     assert re.search(r"^WORKDIR /app$", text, re.M)
     assert re.search(r"^COPY examples /app/examples$", text, re.M)
     copied = {w for line in text.splitlines() if line.startswith("COPY ") for w in line.split()}
-    for needed in ("pyproject.toml", "README.md", "LICENSE", "src"):  # what pip needs to build
-        assert needed in copied
+    # What pip needs to build: the project's files and its description (pyproject's readme).
+    readme = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["readme"]["file"]
+    for needed in ("pyproject.toml", "LICENSE", "src", readme):
+        assert needed in copied, needed
 
 
 def test_docs_name_files_that_exist_and_commands_that_parse(clean_env: None) -> None:
