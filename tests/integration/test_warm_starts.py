@@ -70,9 +70,10 @@ def _events(path: Path) -> list[dict[str, Any]]:
 
 
 def _probe_run(
-    tmp_path: Path, *flags: str
+    tmp_path: Path, *flags: str, extra_env: dict[str, str] | None = None
 ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]], str]:
     out, env = _setup(tmp_path)
+    env.update(extra_env or {})
     events = tmp_path / "events.jsonl"
     proc = elastrun(
         "--standalone",
@@ -172,6 +173,28 @@ def test_warm_workers_see_what_cold_workers_see(tmp_path):
     gone = [e["reason"] for e in events if e["kind"] == "warm_discarded"]
     assert gone == ["no restart is possible"]
     assert not pid_alive(zygote), "the warm interpreter outlived the agent"
+
+
+def test_virtual_local_rank_restarts_warm_with_each_ranks_device(tmp_path):
+    """--virtual-local-rank gives each local rank its own CUDA_VISIBLE_DEVICES:
+    set when the worker is forked (the warm interpreter never reads it), so the
+    restart is forked warm, and every worker sees what torchrun gives it."""
+    recs, events, _ = _probe_run(
+        tmp_path, "--virtual-local-rank", extra_env={"CUDA_VISIBLE_DEVICES": "5,7"}
+    )
+    for name, rec in recs.items():
+        local = int(rec["env"]["RANK"])  # one node: the rank is the local rank
+        assert rec["env"]["LOCAL_RANK"] == "0", name
+        assert rec["env"]["CUDA_VISIBLE_DEVICES"] == ("5", "7")[local], name
+        if name.startswith("r1-"):
+            assert rec["warm"] is True, f"{name} started cold"
+    used = {e["pid"] for e in events if e["kind"] == "warm_used"}
+    assert used == {r["pid"] for r in recs.values()}
+    # One warm interpreter, without the device variable, served both ranks.
+    (zygote,) = [e["pid"] for e in events if e["kind"] == "warm_started"]
+    assert {e["zygote"] for e in events if e["kind"] == "warm_used"} == {zygote}
+    gone = [e["reason"] for e in events if e["kind"] == "warm_discarded"]
+    assert gone == ["no restart is possible"]
 
 
 def test_the_first_workers_are_forked_from_a_zygote_ready_during_the_rendezvous(tmp_path):

@@ -11,9 +11,11 @@ from elastrun.agent.command import (
     PythonScript,
 )
 from elastrun.agent.spawn import entry_file, imports_any
-from elastrun.agent.warm_pool import LOCAL_VARS, ROUND_VARS, compatible
+from elastrun.agent.spec import WorkerSpec
+from elastrun.agent.warm_pool import DEVICE_VARS, LOCAL_VARS, ROUND_VARS, compatible, local_vars
 from elastrun.agent.warm_ranks import RANK_VARS, rank_part, same_ranks
 from elastrun.launcher.command import RUN_PATH_CODE, Command, worker_argv, worker_command
+from elastrun.names import RunId
 
 
 def test_the_launcher_types_script_and_module_commands():
@@ -50,6 +52,22 @@ def test_only_round_variables_may_differ():
     hang = {**base, "ELASTRUN_HEARTBEAT_FILE": "/l/0/heartbeat.json"}
     hang |= {"ELASTRUN_STACKS_FILE": "/l/0/stacks.txt", "ELASTRUN_STACK_SIGNAL": "39"}
     assert compatible(base, hang) is None
+
+
+def test_virtual_local_rank_makes_the_device_a_local_rank_variable():
+    spec = WorkerSpec(command=Executable(("python", "x.py")), nproc=2, run_id=RunId("j"))
+    assert local_vars(spec) == LOCAL_VARS
+    virtual = WorkerSpec(
+        command=Executable(("python", "x.py")), nproc=2, run_id=RunId("j"), virtual_local_rank=True
+    )
+    assert local_vars(virtual) == LOCAL_VARS | DEVICE_VARS == {"LOCAL_RANK", "CUDA_VISIBLE_DEVICES"}
+    base = {"PATH": "/bin", "LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "5"}
+    rank1 = {**base, "CUDA_VISIBLE_DEVICES": "7"}
+    # Without the flag the device list is the node's, and must be the same.
+    assert compatible(base, rank1) == "CUDA_VISIBLE_DEVICES"
+    assert compatible(base, rank1, local_vars(virtual)) is None
+    assert compatible(base, {**rank1, "PATH": "/x"}, local_vars(virtual)) == "PATH"
+    assert not DEVICE_VARS & ROUND_VARS
 
 
 def test_a_per_rank_interpreter_needs_the_same_ranks_and_nothing_of_the_round():

@@ -45,7 +45,15 @@ from elastrun.worker._modnames import script_module
 from elastrun.worker.snapshot import ENV as MEMORY_CHECKPOINT_ENV
 from elastrun.worker.snapshot import REPLICA_ENV as MEMORY_REPLICA_ENV
 
-__all__ = ["LOCAL_VARS", "ROUND_VARS", "WarmPool", "compatible", "usable_cpus"]
+__all__ = [
+    "DEVICE_VARS",
+    "LOCAL_VARS",
+    "ROUND_VARS",
+    "WarmPool",
+    "compatible",
+    "local_vars",
+    "usable_cpus",
+]
 
 PRELOAD = ("torch",)
 UNPRIVILEGED_DELAY = 3.0  # s: without idle priority, let cold workers import first
@@ -70,6 +78,13 @@ ROUND_VARS = frozenset(
     )
 )
 LOCAL_VARS = frozenset(("LOCAL_RANK",))
+# With --virtual-local-rank, the device variables differ by local rank too
+# (agent/env.py virtual_local_rank). They are set when a worker is forked: the
+# zygote never initialises CUDA nor loads its driver (worker/_zygote.py refuses
+# a module that does), so the worker's first CUDA call is the first to read
+# them; a module that reads one while imported is left to the per-rank zygotes,
+# started with their rank's value (agent/warm_ranks.py).
+DEVICE_VARS = frozenset(("CUDA_VISIBLE_DEVICES",))
 
 # Set per worker by the agent for the runner, which removes them.
 RUNNER_VARS = frozenset((SCOPE_ENV, CHANNEL_ENV))
@@ -82,11 +97,19 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def compatible(started: Mapping[str, str], wanted: Mapping[str, str]) -> str | None:
+def local_vars(spec: WorkerSpec) -> frozenset[str]:
+    """The variables that differ from local rank to local rank for ``spec``."""
+    return LOCAL_VARS | DEVICE_VARS if spec.virtual_local_rank else LOCAL_VARS
+
+
+def compatible(
+    started: Mapping[str, str], wanted: Mapping[str, str], local: frozenset[str] = LOCAL_VARS
+) -> str | None:
     """None if a zygote started with ``started`` may fork a worker with
     ``wanted``; otherwise the first variable that differs (the runner's own
-    variables, which it removes before the script runs, aside)."""
-    skip = ROUND_VARS | LOCAL_VARS | RUNNER_VARS
+    variables, which it removes before the script runs, aside). ``local``:
+    the per-local-rank variables (:func:`local_vars`)."""
+    skip = ROUND_VARS | local | RUNNER_VARS
     for key in sorted(set(started) | set(wanted)):
         if key not in skip and started.get(key) != wanted.get(key):
             return key
@@ -143,7 +166,11 @@ class WarmPool:
         self.use_unready = True
         self.refusals = 0  # zygotes that quit on an unsafe module
         self.gave_up = False  # the recorded list was dropped once already
-        self.ranks = RankZygotes(self._spawn, self._discard, compatible)
+        self.local = local_vars(spec)
+        self.ranks = RankZygotes(self._spawn, self._discard, self._compatible)
+
+    def _compatible(self, started: Mapping[str, str], wanted: Mapping[str, str]) -> str | None:
+        return compatible(started, wanted, self.local)
 
     # ------------------------------------------------------------ state
     @property
@@ -175,7 +202,7 @@ class WarmPool:
         self.reap()
         z = self._z
         if z is not None and z.gone is None and z.popen.poll() is None:
-            why = compatible(z.env, env)
+            why = self._compatible(z.env, env)
             if why is None:
                 return
             self._discard(z, f"started with a different {why}")
@@ -196,14 +223,16 @@ class WarmPool:
         argv = self.command.worker_argv(None)  # the fork order brings each rank's arguments
         # Only what every worker shares: no rank, round or runner variable
         # (a per-rank one: its rank's variables too).
-        z_env = {k: v for k, v in env.items() if k not in ROUND_VARS | LOCAL_VARS | RUNNER_VARS}
-        watch = ROUND_VARS | LOCAL_VARS
+        z_env = {k: v for k, v in env.items() if k not in ROUND_VARS | self.local | RUNNER_VARS}
+        watch = ROUND_VARS | self.local
         skip = dict(self.recorded.skip)
         if local_rank is None:
             skip.update(self.recorded.ranked)
         else:
+            # Its rank's variables, and its device (the same for a local rank in every round).
             z_env.update(rank_part(env))
-            watch = watch - RANK_VARS
+            z_env.update({k: env[k] for k in sorted(self.local - LOCAL_VARS) if k in env})
+            watch = watch - RANK_VARS - self.local
         modules = [m for m in (*self.preload, *self.recorded.modules) if not skipped(m, skip)]
         preload = PreloadPlan(
             modules=tuple(modules),
@@ -252,7 +281,8 @@ class WarmPool:
         number of times. A package that read a rank variable is left to the
         per-rank zygotes (agent/warm_ranks.py) instead."""
         names, why = valid_names(list(message.modules)), message.why
-        ranked = z.local_rank is None and message.variable in RANK_VARS and bool(names)
+        per_rank = RANK_VARS | self.local
+        ranked = z.local_rank is None and message.variable in per_rank and bool(names)
         for name in names:
             if ranked:
                 self.recorded.ranked[name] = why
@@ -455,7 +485,7 @@ class WarmPool:
             self._z = None
             return None
         for env in envs.values():
-            why = compatible(z.env, env)
+            why = self._compatible(z.env, env)
             if why is not None:
                 self._discard(z, f"started with a different {why}")
                 self._z = None
