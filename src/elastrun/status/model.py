@@ -1,5 +1,5 @@
 """A job's summary as ``elastrun status`` shows it: typed, one shape for the
-table (:func:`elastrun.status.cli.render_table`) and ``--json``
+table (:func:`elastrun.status.show.render_table`) and ``--json``
 (:meth:`Summary.to_json`, schema ``v``: ``SUMMARY_VERSION``, keys documented
 in docs/events.md: keys may be added within a version, never removed or
 changed).

@@ -1,0 +1,234 @@
+"""What ``elastrun status`` shows: a job's :class:`~elastrun.status.model.Summary`
+as a table (:func:`render_table`: the round, members, ranks, restarts, last
+failure, hang stacks; every string from the store escaped and bounded), and the
+:class:`Printer` that writes it once, as JSON lines, or for ``--watch`` redrawn
+in place on a terminal or as the lines that changed into a file or pipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import difflib
+import json
+import math
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+from elastrun.status.model import HangStacks, RankRow, Summary
+from elastrun.untrusted import printable
+
+__all__ = ["MAX_FIELD", "Printer", "fmt_duration", "render_table"]
+
+MAX_FIELD = 500  # characters of one string of the summary shown in the table
+
+
+def fmt_duration(seconds: float) -> str:
+    """``12s``, ``3m04s``, ``2h05m``, ``3d04h``."""
+    n = int(max(0.0, seconds))
+    if n < 60:
+        return f"{n}s"
+    if n < 3600:
+        return f"{n // 60}m{n % 60:02d}s"
+    if n < 86400:
+        return f"{n // 3600}h{n % 3600 // 60:02d}m"
+    return f"{n // 86400}d{n % 86400 // 3600:02d}h"
+
+
+def _p(value: object) -> str:
+    """``value`` made safe for a terminal (one line, control characters
+    escaped, at most ``MAX_FIELD`` characters): the summary holds what other
+    nodes, or anyone who reached the store, wrote."""
+    return printable(value, limit=MAX_FIELD)
+
+
+def _opt(value: object, none: str = "?") -> str:
+    return none if value is None else _p(value)
+
+
+def render_table(summary: Summary, where: str) -> str:
+    """The summary as a human-readable block of text (every string from the
+    store escaped for the terminal)."""
+    s = summary
+    out = [f"job {_p(s.run_id)}  (store {printable(where)}, revision {s.revision})"]
+    rnd = _opt(s.round, "-")
+    why = f" (opened: {_p(s.round_reason)}" if s.round_reason else ""
+    if why:
+        why += f": {_p(s.round_detail)})" if s.round_detail else ")"
+    for_ = f" for {fmt_duration(s.state_for_s)}" if s.state_for_s is not None else ""
+    out.append(f"state     {s.state}{for_}, round {rnd}{why}")
+    out.append(f"restarts  {s.restarts} of {_opt(s.max_restarts)}")
+    if s.store_hosts is not None:
+        out.append(printable(f"store     {s.store_hosts.describe()}"))
+    unit = f", node unit {s.node_unit}" if s.node_unit > 1 else ""
+    spares = f", {len(s.spares)} spare{'' if len(s.spares) == 1 else 's'}" if s.spares else ""
+    out.append(
+        f"nodes     {len(s.members)} in the group (min {_opt(s.min_nodes, 'None')}, "
+        f"max {_opt(s.max_nodes, 'None')}{unit}), {s.nodes_present} present{spares}; "
+        f"world size {s.world_size}"
+    )
+    if s.master:
+        out.append(f"master    {_p(s.master)}")
+    if s.members:
+        label = "members" if s.members_round == s.round else "members of the last round"
+        out.append(f"\n{label} (round {s.members_round}):")
+        rows = [("GROUP_RANK", "HOST", "ADDR", "NPROC", "STATUS", "NODE")]
+        rows += [
+            (str(m.group_rank), _p(m.host), _p(m.addr), str(m.nproc), m.status, _p(m.node_id))
+            for m in s.members
+        ]
+        out.extend(_table(rows))
+    if s.joined:
+        joined = ", ".join(f"{_p(j.host)} ({_p(j.node_id)})" for j in s.joined)
+        out.append(f"\njoined round {rnd}: {joined}")
+    if s.spares:
+        out.append("spares: " + ", ".join(f"{_p(w.host)} ({_p(w.node_id)})" for w in s.spares))
+    elif s.waiting:
+        out.append("waiting: " + ", ".join(f"{_p(w.host)} ({_p(w.node_id)})" for w in s.waiting))
+    out.extend(_ranks_block(s.ranks))
+    failure = s.last_failure
+    # The one wording of a failure (FailureRecord.describe), with its time and message.
+    line = printable(failure.describe(detailed=True), limit=2 * MAX_FIELD) if failure else "none"
+    out.append("\nlast failure: " + line)
+    out.extend(_stacks_block(s.hang_stacks))
+    return "\n".join(out)
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
+def _ranks_block(ranks: Sequence[RankRow]) -> list[str]:
+    """Per-rank step times (reported every few seconds by each agent)."""
+    if not ranks:
+        return []
+    rows = [("RANK", "HOST", "STEP", "STEP_TIME", "OWN_TIME", "IDLE", "")]
+    for r in ranks:
+        note = "STRAGGLER" if r.straggler else (f"in {_p(r.phase)}" if r.phase else "")
+        rows.append(
+            (
+                str(r.rank),
+                _p(r.host or "?"),
+                _opt(r.step, "-"),
+                _ms(r.step_time_s),
+                _ms(r.own_time_s),
+                "-" if r.idle_s is None else fmt_duration(r.idle_s),
+                note,
+            )
+        )
+    title = (
+        "\nranks (medians of the recent optimizer steps; own time: outside backward passes, "
+        "where DDP waits for the slowest rank):"
+    )
+    return [title, *_table(rows)]
+
+
+def _stacks_block(stacks: HangStacks | None) -> list[str]:
+    """Where each rank sat when the last hang was declared."""
+    if stacks is None or not stacks.ranks:
+        return []
+    out = [f"\nstacks at the last hang (round {stacks.round}), stuck ranks first:"]
+    for r in stacks.ranks:
+        role = "waiting in torch" if r.in_torch else "stuck in its own code"
+        where = _p(r.frames[0]) if r.frames else "(no Python frame)"
+        out.append(f"  rank {r.rank} on {_p(r.host or '?')} [{role}] sits in {where}")
+    return out
+
+
+class Printer:
+    """Prints summaries: once, or for ``--watch`` each change.
+
+    ``--json``: one object per line. A table on a terminal is redrawn in place
+    (cursor moved back over the previous drawing, each line rewritten), and
+    refreshed each second so that durations keep counting; a table into a
+    file or pipe is printed once in full, then only the lines that changed,
+    under a time stamp (``+`` new, ``-`` gone)."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        where: str,
+        stream: TextIO | None = None,
+        tty: bool | None = None,
+    ) -> None:
+        self.json = bool(args.json)
+        self.watch = bool(args.watch)
+        self.where = where
+        self.stream = stream if stream is not None else sys.stdout
+        self.tty = self.stream.isatty() if tty is None else tty
+        self._drawn_rows = 0
+        self._last_lines: list[str] | None = None
+        self._last: Summary | None = None
+        self._last_at = 0.0
+
+    @property
+    def ticks(self) -> bool:
+        """Whether the display wants a refresh each second (a live table)."""
+        return self.watch and self.tty and not self.json
+
+    def __call__(self, summary: Summary) -> None:
+        self._last, self._last_at = summary, time.monotonic()
+        if self.json:
+            self._write(json.dumps(summary.to_json(), sort_keys=True) + "\n")
+        elif not self.watch:
+            self._write(render_table(summary, self.where) + "\n")
+        elif self.tty:
+            self._redraw(render_table(summary, self.where))
+        else:
+            self._changes(summary)
+
+    def tick(self) -> None:
+        """Redraw the last summary with its durations advanced (terminal only)."""
+        if not self.ticks or self._last is None:
+            return
+        since = self._last.state_for_s
+        if since is not None:
+            aged = dataclasses.replace(
+                self._last, state_for_s=since + time.monotonic() - self._last_at
+            )
+            self._redraw(render_table(aged, self.where))
+
+    def _redraw(self, text: str) -> None:
+        cols, rows = shutil.get_terminal_size((80, 24))
+        lines = text.splitlines()
+        height = sum(max(1, math.ceil(len(ln) / max(cols, 1))) for ln in lines)
+        out = ""
+        if self._drawn_rows and self._drawn_rows < rows:
+            out = f"\x1b[{self._drawn_rows}F"  # back to the start of the drawing
+        elif self._drawn_rows:
+            out = "\x1b[H\x1b[2J"  # taller than the screen: start over at the top
+        out += "".join(f"\x1b[2K{ln}\n" for ln in lines) + "\x1b[J"
+        self._drawn_rows = height
+        self._write(out)
+
+    def _changes(self, summary: Summary) -> None:
+        # Compared without what changes by itself (durations, the revision).
+        lines = render_table(summary.quiet(), self.where)
+        now = lines.splitlines()
+        before, self._last_lines = self._last_lines, now
+        if before is None:
+            self._write(render_table(summary, self.where) + "\n")
+            return
+        diff = [
+            ln[0] + " " + ln[2:]
+            for ln in difflib.ndiff(before, now)
+            if ln[:1] in "+-" and ln[2:].strip()
+        ]
+        if not diff:
+            return
+        stamp = time.strftime("%H:%M:%S")
+        self._write(f"--- {stamp} (revision {summary.revision})\n" + "\n".join(diff) + "\n")
+
+    def _write(self, text: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.stream.write(text)
+            self.stream.flush()
