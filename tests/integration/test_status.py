@@ -16,6 +16,8 @@ import asyncio
 import contextlib
 import json
 import os
+import re
+import shlex
 import subprocess
 import time
 from collections.abc import Iterator
@@ -279,6 +281,48 @@ def test_status_and_event_log_tell_the_job_story(tmp_path: Path) -> None:
     assert "3 nodes" in head and "1 restart," in head, head
     assert f"round {closed[-1]['round']}" in svg
     assert "rank 1 on" in text and "<script" not in text
+
+
+def test_a_standalone_job_prints_the_status_command_that_finds_it(tmp_path: Path) -> None:
+    """--standalone picks a free port and an id: the job says both, as the
+    ``elastrun status`` command to run, and that command shows the job."""
+    finish = tmp_path / "finish"
+    (tmp_path / "wait.py").write_text(
+        "import os, time\n"
+        "deadline = time.monotonic() + 120\n"
+        f"while not os.path.exists({str(finish)!r}) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.1)\n"
+    )
+    out = tmp_path / "agent.log"
+    args = [*ELASTRUN, "--standalone", "--nproc-per-node=2", str(tmp_path / "wait.py")]
+    with background(args, out) as agent:
+        line = wait_for(
+            lambda: next(
+                (ln for ln in out.read_text().splitlines() if "standalone job" in ln), None
+            ),
+            CLI_BOUND,
+            "the standalone job's line",
+        )
+        said = re.fullmatch(
+            r"elastrun: standalone job (\S+), store on (127\.0\.0\.1:\d+) "
+            r"\((elastrun status [^)]*)\)",
+            line,
+        )
+        assert said, line
+        run_id, endpoint, command = said.groups()
+        given = shlex.split(command)[2:]
+        assert given == [f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}"], command
+
+        def running() -> dict[str, Any] | None:
+            proc = status(*given, "--json")
+            assert proc.returncode in (0, 1), proc.stderr
+            shown = json.loads(proc.stdout) if proc.returncode == 0 else None
+            return shown if shown and shown["world_size"] == 2 else None
+
+        shown = wait_for(running, BOUND, "status to show the job at world 2", interval=0.5)
+        assert shown["run_id"] == run_id and len(shown["members"]) == 1
+        finish.touch()
+        assert agent.wait(BOUND) == 0, out.read_text()[-3000:]
 
 
 def test_status_of_unknown_job_says_so(tmp_path: Path) -> None:

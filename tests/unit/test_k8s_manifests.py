@@ -18,6 +18,7 @@ import importlib.util
 import os
 import re
 import shlex
+import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -597,6 +598,28 @@ def test_dockerfile_matches_the_project() -> None:
     readme = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["readme"]["file"]
     for needed in ("pyproject.toml", "LICENSE", "src", readme):
         assert needed in copied, needed
+
+
+def test_the_documented_sed_commands_leave_no_placeholder_image(tmp_path: Path) -> None:
+    """Every manifest that runs our image names it REGISTRY/...; after the
+    sed commands docs/kubernetes.md gives, run on a copy, none is left."""
+    text = (ROOT / "docs" / "kubernetes.md").read_text(encoding="utf-8")
+    commands = re.findall(r"^sed -i '([^']+)' \\\n\s+(\S+)", text, re.M)
+    assert len(commands) >= 2, commands  # the CPU image and the CUDA one
+    copies = tmp_path / "deploy" / "kubernetes"
+    copies.mkdir(parents=True)
+    for path in DEPLOY.glob("*.yaml"):
+        (copies / path.name).write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
+    placeholders = [p.name for p in copies.glob("*.yaml") if "image: REGISTRY/" in p.read_text()]
+    assert len(placeholders) >= 3, placeholders
+    for script, files in commands:
+        targets = sorted(tmp_path.glob(files))
+        assert targets, files
+        done = subprocess.run(["sed", "-i", script, *map(str, targets)], check=False)
+        assert done.returncode == 0, script
+    for path in copies.glob("*.yaml"):
+        images = re.findall(r"^\s*image:\s*(\S+)", path.read_text(), re.M)
+        assert not [i for i in images if "REGISTRY" in i], (path.name, images)
 
 
 def test_docs_name_files_that_exist_and_commands_that_parse(clean_env: None) -> None:
