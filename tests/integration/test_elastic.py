@@ -8,6 +8,7 @@ finishes with every checkpointed step kept and no worker left alive.
 
 from __future__ import annotations
 
+import signal
 import socket
 import time
 from pathlib import Path
@@ -15,7 +16,13 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import free_port, pid_alive, wait_for
-from tests.integration.elastic_harness import BOUND, job, join_loss_and_crash, steps_after
+from tests.integration.elastic_harness import (
+    BOUND,
+    check_finished,
+    job,
+    join_loss_and_crash,
+    steps_after,
+)
 
 
 def c10d_flags(port: int, *, host: bool, nnodes: str = "1:3", max_restarts: int = 3) -> list[str]:
@@ -124,3 +131,22 @@ def test_store_host_loss_is_reported_within_read_timeout(tmp_path: Path) -> None
         agent_lines = [ln for ln in out.splitlines() if not ln.startswith("[")]  # not workers'
         assert not any(ln.startswith("Traceback") for ln in agent_lines), out[-3000:]
         wait_for(lambda: not any(pid_alive(p) for p in b_pids), 10, "the other node's workers")
+
+
+def test_a_node_stopped_with_sigterm_is_reported_as_leaving_not_lost(tmp_path: Path) -> None:
+    """An agent stopped by SIGTERM leaves the job (its lease revoked on the way
+    out): the survivor says the node left, never that its lease expired, and
+    trains on at the smaller world."""
+    port = free_port()
+    with job(tmp_path) as j:
+        a = j.start_agent("a", c10d_flags(port, host=True))
+        b = j.start_agent("b", c10d_flags(port, host=False))
+        wait_for(lambda: any(s["world"] == 2 for s in j.steps()), BOUND, "training at world 2")
+        mark = len(j.steps())
+        b.proc.send_signal(signal.SIGTERM)  # the agent only: it stops its workers and leaves
+        assert b.wait(BOUND) == 128 + signal.SIGTERM, b.output()[-3000:]  # 128 + the signal
+        wait_for(lambda: steps_after(j, mark, lambda s: s["world"] == 1), BOUND, "world 1")
+        said = a.output()
+        assert "left the job (its agent stopped)" in said, said[-3000:]
+        assert "lost: lease expired or revoked" not in said, said[-3000:]
+        check_finished(j, tmp_path, a)
