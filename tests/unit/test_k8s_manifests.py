@@ -593,6 +593,10 @@ def test_dockerfile_matches_the_project() -> None:
     assert 'pip install "/src[etcd]"' in text
     assert re.search(r"^WORKDIR /app$", text, re.M)
     assert re.search(r"^COPY examples /app/examples$", text, re.M)
+    # It says how to put your own script in the image, and where the manifests name it.
+    own = re.search(r"^# Your own job: .*\n(?:#.*\n)*", text, re.M)
+    assert own, "the Dockerfile does not say how to add your own script"
+    assert "COPY" in own.group(0) and "args" in own.group(0), own.group(0)
     copied = {w for line in text.splitlines() if line.startswith("COPY ") for w in line.split()}
     # What pip needs to build: the project's files and its description (pyproject's readme).
     readme = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["readme"]["file"]
