@@ -11,7 +11,8 @@ sdist. The wheel then goes into a fresh ``python -m venv`` without torch, once w
 CPython version the classifiers declare that this machine has (3.11 always; 3.12 and 3.13 where
 found on PATH or under pyenv): every module compiles without warnings and imports,
 ``elastrun --version``/``--help`` work, and a 2-worker ``--standalone`` run of a plain script and
-of a ``--no-python`` program succeed.
+of a ``--no-python`` program succeed in Python's development mode with deprecations as errors,
+printing no warning.
 """
 
 from __future__ import annotations
@@ -250,6 +251,9 @@ def test_wheel_installs_into_a_clean_venv_and_runs_without_torch(
     )
     assert pip.returncode == 0, pip.stdout + pip.stderr
     env = clean_env()
+    # Python's development mode (resource and asyncio checks) and deprecations as errors: what
+    # a newer CPython removes shows up here first.
+    env |= {"PYTHONDEVMODE": "1", "PYTHONWARNINGS": "error::DeprecationWarning"}
 
     where = run(
         [
@@ -287,6 +291,7 @@ def test_wheel_installs_into_a_clean_venv_and_runs_without_torch(
         cwd=tmp_path,
     )
     assert hello.returncode == 0, hello.stdout[-2000:] + hello.stderr[-2000:]
+    assert "Warning" not in hello.stderr, hello.stderr[-3000:]
     for rank in (0, 1):
         assert f"hello from rank {rank} of 2 restart 0" in hello.stdout, hello.stdout
 
@@ -304,6 +309,7 @@ def test_wheel_installs_into_a_clean_venv_and_runs_without_torch(
         cwd=tmp_path,
     )
     assert program.returncode == 0, program.stdout[-2000:] + program.stderr[-2000:]
+    assert "Warning" not in program.stderr, program.stderr[-3000:]
     assert "program rank 0 local 0" in program.stdout
     assert "program rank 1 local 1" in program.stdout
 
