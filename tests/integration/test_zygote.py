@@ -484,6 +484,61 @@ def test_a_module_that_reads_a_rank_variable_is_imported_per_rank(tmp_path):
     assert "rankpkg" in saved["ranked"] and "rankpkg" not in saved["skip"]
 
 
+def test_virtual_local_rank_forks_each_rank_with_its_device(tmp_path):
+    # --virtual-local-rank: every worker is LOCAL_RANK=0 with its own
+    # CUDA_VISIBLE_DEVICES. One shared zygote (started without the variable)
+    # forks both ranks, each with its device. A module that reads the variable
+    # when imported is refused there, like a rank variable, and imported by
+    # the per-rank zygotes, each started with its rank's device.
+    script = _rank_package(tmp_path, "CUDA_VISIBLE_DEVICES")
+    (tmp_path / "s.py").write_text(script)
+    command = PythonScript(str(tmp_path / "s.py"), python=PYTHON)
+    spec = WorkerSpec(command=command, nproc=2, run_id=RunId("vlr"), virtual_local_rank=True)
+    sink = ListSink()
+    cache = ModuleCache(str(tmp_path / "cache"), cache_key(command, str(tmp_path)))
+    envs = {
+        lr: _env(RANK=str(lr), LOCAL_RANK="0", CUDA_VISIBLE_DEVICES=device)
+        for lr, device in ((0, "5"), (1, "7"))
+    }
+
+    async def main() -> list[dict[int, str]]:
+        pool = WarmPool(
+            spec,
+            command,
+            sink,
+            preload=("rankpkg.reader", "email.mime.text"),
+            cache=cache,
+            scope="all",
+        )
+        pool.keep(envs[0])
+        try:
+            await _events_until(sink, "warm_started", 2)
+            assert await pool.wait_ready(60)
+            (gone,) = _kinds(sink, "warm_discarded")
+            assert "reads CUDA_VISIBLE_DEVICES when it is imported" in gone["reason"]
+            assert "per-rank" in gone["reason"]
+            first = await _fork_many(pool, envs)
+            pool.keep_ranks(envs)
+            await _events_until(sink, "warm_ready", 3)
+            again = await _fork_many(pool, envs)
+            used = _kinds(sink, "warm_used")
+            assert [u["per_rank"] for u in used] == [False, False, True, True], used
+            # No zygote was let go for a device that differs between ranks.
+            assert len(_kinds(sink, "warm_discarded")) == 1, _kinds(sink, "warm_discarded")
+            return [first, again]
+        finally:
+            await pool.close()
+
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        first, again = asyncio.run(main())
+    finally:
+        os.chdir(old)
+    assert "BEFORE False READ 5 NOW 5" in first[0] and "BEFORE False READ 7 NOW 7" in first[1]
+    assert "BEFORE True READ 5 NOW 5" in again[0] and "BEFORE True READ 7 NOW 7" in again[1]
+
+
 def test_a_module_that_reads_a_round_variable_is_not_preloaded_even_per_rank(tmp_path):
     # The module reads RANK, then MASTER_PORT, which changes every round: no
     # per-rank zygote can hold what it read. Left to the per-rank zygotes by
