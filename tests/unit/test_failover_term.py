@@ -11,7 +11,8 @@ from elastrun.errors import ConfigError
 from elastrun.launcher.cli import parse
 from elastrun.rendezvous.records import AgreedSettings, PrevMember, RoundRecord, RoundState
 from elastrun.rendezvous.rounds import Carry, config_diff, takeover_round
-from elastrun.store.term import Ballot, FailoverTiming, Role, TermState
+from elastrun.store.ballot import Ballot
+from elastrun.store.term import FailoverTiming, Role, TermState
 
 TIMING = FailoverTiming(heartbeat=1.0, silence=2.5, fence=3.0, drift=0.01, margin=1.0)
 
