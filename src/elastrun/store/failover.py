@@ -53,7 +53,7 @@ from elastrun.store.ballot import Ballot, BallotError
 from elastrun.store.client import TcpStore
 from elastrun.store.client_conn import close_writer, open_conn
 from elastrun.store.server import StoreServer
-from elastrun.store.term import FailoverTiming
+from elastrun.store.term import FailoverTiming, Role
 
 __all__ = ["Answer", "Candidates", "FailoverClient", "Lost", "Probe", "probe", "send_vote"]
 
@@ -65,6 +65,8 @@ POLL = 0.2
 MAX_POLL = 1.0
 UNREACHABLE_NOTICE = 10.0  # a candidate silent this long at start is reported
 RECHECK = 0.2  # after an unanswered ping or a probe without proof: the next look
+AFTER_VOTE = 0.05  # the first wait after a vote (it may have decided the election)
+OWN_ROLE_CHECK = 0.05  # a candidate looks at its own store's role this often between looks
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,7 @@ class FailoverClient:
                 with contextlib.suppress(StoreUnavailable):
                     return await self._open(best.index, best.term)
             if self.candidates.me is not None and await self._start_vote(seen, start):
-                poll = _Poll()  # a host is expected soon: look often again
+                poll = _Poll(AFTER_VOTE)  # a host is expected soon: look often again
             now = self.clock.monotonic()
             if now >= noticed and self.say is not None:
                 noticed = deadline
@@ -227,7 +229,7 @@ class FailoverClient:
                     f"no candidate host of the store serves term {min_term} or later "
                     f"after {timeout:.0f} s: " + "; ".join(_line(self, p) for p in seen)
                 )
-            await asyncio.sleep(poll.next())
+            await self._nap(poll.next())
 
     async def _start_vote(self, seen: list[Probe], start: _Start) -> bool:
         """At start, with no host serving and no term known to any candidate
@@ -294,6 +296,18 @@ class FailoverClient:
         if self.server is not None and self.server.failover is not None:
             self.server.failover.learn(store.term, index)
         return store
+
+    async def _nap(self, seconds: float) -> None:
+        """Wait ``seconds`` between two looks, or less: until this node's own
+        store is elected host meanwhile (then it is looked at, and connected
+        to, at once)."""
+        state = self.server.failover if self.server is not None else None
+        hosted = state is not None and state.role is Role.HOST
+        end = self.clock.monotonic() + seconds
+        while (left := end - self.clock.monotonic()) > 0:
+            if state is not None and not hosted and state.role is Role.HOST:
+                return
+            await asyncio.sleep(min(left, OWN_ROLE_CHECK) if state is not None else left)
 
     # -- watching it -------------------------------------------------------------
     async def watch(self) -> Lost:
@@ -379,8 +393,8 @@ class FailoverClient:
             if voting and (voted := await self._vote(seen, term, old_host)) is not None:
                 vote_at = now + self.timing.vote_after
                 term = voted + 1
-                poll = _Poll()  # a host is expected soon: look often again
-            await asyncio.sleep(min(poll.next(), max(0.0, vote_at - self.clock.monotonic())))
+                poll = _Poll(AFTER_VOTE)  # a host is expected soon: look often again
+            await self._nap(min(poll.next(), max(0.0, vote_at - self.clock.monotonic())))
         raise HostLost(self._why_lost(lost, seen, old_host))
 
     async def _vote(self, seen: list[Probe], term: int, old_host: int | None) -> int | None:
@@ -439,8 +453,8 @@ class _Start:
 class _Poll:
     """The waits between looks (see POLL)."""
 
-    def __init__(self) -> None:
-        self.delay = POLL
+    def __init__(self, first: float = POLL) -> None:
+        self.delay = first
 
     def next(self) -> float:
         wait = self.delay * random.uniform(0.75, 1.25)
