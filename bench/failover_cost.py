@@ -134,7 +134,14 @@ def ratios(runs: list[dict[str, Any]], metric: str) -> dict[str, Any]:
     }
 
 
+def _terminate(signum: int, _frame: object) -> None:
+    # SIGTERM/SIGHUP as an exception: every run's cleanup still stops its agents.
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv_: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGHUP, _terminate)
     p = argparse.ArgumentParser(prog="python -m bench.failover_cost", description=__doc__)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", type=Path, default=None, help="also write the results here (JSON)")

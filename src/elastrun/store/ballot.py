@@ -21,7 +21,6 @@ vote that never waits is the ordinary start: term 1 for the first candidate.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 from elastrun.clock import SYSTEM_CLOCK, Clock
 from elastrun.names import path_component
 from elastrun.safefs import nearest_existing, private_dir, read_regular, write_atomic
+from elastrun.store.term import list_digest
 from elastrun.untrusted import loads
 
 __all__ = ["MAX_BALLOT_BYTES", "MAX_TERM", "Ballot", "BallotError", "ballot_path"]
@@ -48,8 +48,7 @@ def ballot_path(cache_dir: str, run_id: str, candidates: str, index: int) -> str
     own. The folder is created private (0700) on the way."""
     folder = os.path.join(os.path.abspath(cache_dir), "failover", path_component(run_id))
     private_dir(folder, below=nearest_existing(os.path.dirname(folder)))
-    digest = hashlib.sha256(candidates.encode()).hexdigest()[:16]
-    return os.path.join(folder, f"ballot-{digest}-{index}.json")
+    return os.path.join(folder, f"ballot-{list_digest(candidates)}-{index}.json")
 
 
 @dataclass

@@ -53,7 +53,7 @@ from elastrun.store.ballot import Ballot, BallotError
 from elastrun.store.client import TcpStore
 from elastrun.store.client_conn import close_writer, open_conn
 from elastrun.store.server import StoreServer
-from elastrun.store.term import FailoverTiming, Role
+from elastrun.store.term import FailoverTiming, Role, list_digest
 
 __all__ = ["Answer", "Candidates", "FailoverClient", "Lost", "Probe", "probe", "send_vote"]
 
@@ -155,6 +155,7 @@ async def send_vote(
             reader, writer = await asyncio.open_connection(host, port)
             try:
                 frame = {"v": 1, "t": "vote", "token": token, "term": term, "voter": voter}
+                frame["list"] = list_digest(str(candidates))
                 writer.write(codec.encode_frame(frame))
                 await writer.drain()
                 decoder = codec.FrameDecoder(4096)

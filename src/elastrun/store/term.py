@@ -31,6 +31,7 @@ connections feed it (a hello, a vote, any frame of a candidate's connection).
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass
 
 from elastrun.clock import SYSTEM_CLOCK, Clock
@@ -41,6 +42,7 @@ __all__ = [
     "FailoverTiming",
     "Role",
     "TermState",
+    "list_digest",
 ]
 
 # At most this many candidate hosts (a majority of them must stay up).
@@ -49,6 +51,12 @@ MAX_CANDIDATES = 7
 # host holds requests (FailoverTiming.suspect), so that a lease of a node cut
 # off with the majority expires at the host only after it holds requests.
 MIN_FAILOVER_LEASE_TTL = 3.0
+
+
+def list_digest(candidates: str) -> str:
+    """What a vote carries of the voter's candidate list (``a:p,b:p,...``):
+    a vote is taken only by a candidate with the same list."""
+    return hashlib.sha256(candidates.encode()).hexdigest()[:16]
 
 
 class Role(enum.Enum):
