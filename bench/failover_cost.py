@@ -16,7 +16,11 @@ Measured per run (seconds, one machine's monotonic clock):
 * ``cold_start``: the first agent's launch to every rank's first step at
   world 3;
 * ``crash_resumed``: a worker (rank 1) SIGKILLed after a few seconds of
-  training, to every rank's first step after the restart.
+  training, to every rank's first step after the restart;
+* ``cold_workers_started``, ``crash_workers_started``: the same two, to the
+  last agent's ``workers_started`` event (the launcher's part: rendezvous
+  and store, without the workers' own start, torch's import and gloo's
+  init, which dominate the noise of a loaded machine).
 
 Reported: each mode's median and the ratio ``candidates / single`` of the
 medians and of each repetition's pair, with the machine's load average at
@@ -44,9 +48,10 @@ from bench.paths import BenchFailure
 
 ADDRS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
 MODES = ("single", "candidates")
+METRICS = ("cold_start", "crash_resumed", "cold_workers_started", "crash_workers_started")
 
 
-def argv(mode: str, port: int, i: int) -> list[str]:
+def argv(mode: str, port: int, i: int, events: Path) -> list[str]:
     cfg = ELASTRUN_DEFAULT
     if mode == "single":
         endpoint, conf = f"{ADDRS[0]}:{port}", {"is_host": "1" if i == 0 else "0"}
@@ -61,6 +66,7 @@ def argv(mode: str, port: int, i: int) -> list[str]:
             f"--rdzv-id=cost{port}",
             f"--local-addr={ADDRS[i]}",
             "--max-restarts=3",
+            f"--events-file={events}",
         ],
         conf,
     )
@@ -75,9 +81,14 @@ def one_run(mode: str, folder: Path, s: Settings) -> dict[str, float]:
         port = free_port()
         env = launcher_env(ELASTRUN_DEFAULT)
         agents = [
-            run.start_agent(f"agent-{i}", argv(mode, port, i), {**env, "BENCH_NODE": f"n{i}"})
+            run.start_agent(
+                f"agent-{i}",
+                argv(mode, port, i, folder / f"agent-{i}.events.jsonl"),
+                {**env, "BENCH_NODE": f"n{i}"},
+            )
             for i in range(world)
         ]
+        wall_first = time.time() - (time.monotonic() - min(a.t_launch for a in agents))
         t_first = min(a.t_launch for a in agents)
         t3 = run.wait(
             "training at world 3",
@@ -94,7 +105,7 @@ def one_run(mode: str, folder: Path, s: Settings) -> dict[str, float]:
             stall=s.restart_stall,
         )
         victim = int(run.log.select("start", rank=1)[-1]["pid"])
-        t_kill = time.monotonic()
+        t_kill, wall_kill = time.monotonic(), time.time()
         os.kill(victim, signal.SIGKILL)
         t_back = run.wait(
             "every rank's first step after the restart",
@@ -108,9 +119,19 @@ def one_run(mode: str, folder: Path, s: Settings) -> dict[str, float]:
         out["crash_resumed"] = t_back - t_kill
         run.stop()
         run.wait_exit(agents, s.exit_timeout)
+        started = [workers_started(folder / f"agent-{i}.events.jsonl") for i in range(world)]
+        out["cold_workers_started"] = max(min(ts) for ts in started) - wall_first
+        after = max(min(t for t in ts if t > wall_kill) for ts in started)
+        out["crash_workers_started"] = after - wall_kill
     finally:
         run.cleanup()
     return out
+
+
+def workers_started(path: Path) -> list[float]:
+    """When this agent started its workers (wall clock, its event log)."""
+    lines = path.read_text().splitlines()
+    return [e["ts"] for e in map(json.loads, lines) if e["kind"] == "workers_started"]
 
 
 def ratios(runs: list[dict[str, Any]], metric: str) -> dict[str, Any]:
@@ -165,11 +186,10 @@ def main(argv_: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "runs": runs,
         "failures": failures,
-        "cold_start": ratios(runs, "cold_start"),
-        "crash_resumed": ratios(runs, "crash_resumed"),
+        **{metric: ratios(runs, metric) for metric in METRICS},
         "cpus": os.cpu_count(),
     }
-    for metric in ("cold_start", "crash_resumed"):
+    for metric in METRICS:
         r = result[metric]
         if "error" not in r:
             print(
