@@ -19,8 +19,14 @@ Measured per run (seconds, one machine's monotonic clock):
   training, to every rank's first step after the restart;
 * ``cold_workers_started``, ``crash_workers_started``: the same two, to the
   last agent's ``workers_started`` event (the launcher's part: rendezvous
-  and store, without the workers' own start, torch's import and gloo's
-  init, which dominate the noise of a loaded machine).
+  and store, and the wait for the warm interpreters, without the workers'
+  own start, torch's import and gloo's init);
+* ``cold_rendezvous``: the last agent's ``agent_started`` to the last
+  agent's ``round_joined`` (the election of the store's host, then the
+  rendezvous); ``crash_rendezvous``: the kill to the last agent's
+  ``round_joined`` of the next round. What the candidate list can change,
+  without the warm interpreters' preload (torch's import: CPU-bound, the
+  noise of a loaded machine).
 
 Reported: each mode's median and the ratio ``candidates / single`` of the
 medians and of each repetition's pair, with the machine's load average at
@@ -48,7 +54,14 @@ from bench.paths import BenchFailure
 
 ADDRS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
 MODES = ("single", "candidates")
-METRICS = ("cold_start", "crash_resumed", "cold_workers_started", "crash_workers_started")
+METRICS = (
+    "cold_start",
+    "crash_resumed",
+    "cold_workers_started",
+    "crash_workers_started",
+    "cold_rendezvous",
+    "crash_rendezvous",
+)
 
 
 def argv(mode: str, port: int, i: int, events: Path) -> list[str]:
@@ -119,19 +132,24 @@ def one_run(mode: str, folder: Path, s: Settings) -> dict[str, float]:
         out["crash_resumed"] = t_back - t_kill
         run.stop()
         run.wait_exit(agents, s.exit_timeout)
-        started = [workers_started(folder / f"agent-{i}.events.jsonl") for i in range(world)]
+        logs = [agent_events(folder / f"agent-{i}.events.jsonl") for i in range(world)]
+        started = [[e["ts"] for e in log if e["kind"] == "workers_started"] for log in logs]
         out["cold_workers_started"] = max(min(ts) for ts in started) - wall_first
         after = max(min(t for t in ts if t > wall_kill) for ts in started)
         out["crash_workers_started"] = after - wall_kill
+        joined = [[e for e in log if e["kind"] == "round_joined"] for log in logs]
+        up = max(e["ts"] for log in logs for e in log if e["kind"] == "agent_started")
+        out["cold_rendezvous"] = max(j[0]["ts"] for j in joined) - up
+        again = max(min(e["ts"] for e in j if e["ts"] > wall_kill) for j in joined)
+        out["crash_rendezvous"] = again - wall_kill
     finally:
         run.cleanup()
     return out
 
 
-def workers_started(path: Path) -> list[float]:
-    """When this agent started its workers (wall clock, its event log)."""
-    lines = path.read_text().splitlines()
-    return [e["ts"] for e in map(json.loads, lines) if e["kind"] == "workers_started"]
+def agent_events(path: Path) -> list[dict[str, Any]]:
+    """An agent's event log (``ts``: wall clock)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def ratios(runs: list[dict[str, Any]], metric: str) -> dict[str, Any]:
