@@ -4,8 +4,9 @@
 This node is candidate ``i`` when entry ``i``'s host is its ``--local-addr``
 (an address of this machine otherwise) and it can listen there. A candidate
 serves a store on its entry for as long as its agent runs, standing by until
-elected: the first live candidate hosts term 1. Every node then connects to the host of the
-highest term, and its agent runs over a
+elected: the first live candidate hosts term 1. Its votes are kept in the
+cache folder (:mod:`elastrun.store.ballot`). Every node then connects to the
+host of the highest term, and its agent runs over a
 :class:`~elastrun.rendezvous.failover.FailoverRendezvous`.
 """
 
