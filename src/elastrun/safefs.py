@@ -36,6 +36,7 @@ __all__ = [
     "append_fd",
     "check_parent",
     "create_new",
+    "nearest_existing",
     "open_regular",
     "private_dir",
     "read_regular",
@@ -116,6 +117,17 @@ def check_parent(path: str) -> None:
         )
     if st.st_uid not in (0, os.geteuid()) and shared:
         raise UnsafePath(path, f"is owned by uid {st.st_uid} and shared with other users")
+
+
+def nearest_existing(path: str) -> str:
+    """``path``, or its nearest ancestor that exists (a ``below`` for
+    :func:`private_dir` that creates every missing folder on the way)."""
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
 
 
 def private_dir(path: str, *, below: str | None = None) -> str:

@@ -75,7 +75,7 @@ def test_a_cut_off_host_steps_down_the_others_train_on_and_it_rejoins_on_heal(
             for name in ("n1", "n2", "n3")
         }
         wait_steps(j, lambda s: s["world"] == 3, "training at world 3", count=3)
-        assert "hosts the store (term 1)" in agents["n1"].output(), diag(j)
+        assert "hosts the store from term 1" in agents["n1"].output(), diag(j)
 
         mark = len(j.steps())
         cut_at = time.time()

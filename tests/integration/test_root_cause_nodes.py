@@ -8,7 +8,11 @@ The crashed rank's node is the slower to report: its rank's interpreter
 takes a while to tear down after the exception (a live gloo group), and
 node 1 reports once its ranks ended, while rank 0 on node 0 exits at once when
 its collective breaks. So node 0 reports its own, later failure first: the
-case where it used to name its own rank."""
+case where it used to name its own rank.
+
+The same with the store's candidate hosts (``--rdzv-endpoint`` a list, each
+node a candidate by its ``--local-addr``; docs/failover.md): a user sees the
+same root cause, whichever way the store is given."""
 
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ import sys
 import textwrap
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from tests.conftest import REPO
 from tests.helpers import free_port, stop_groups, wait_for, without_pet
@@ -71,9 +77,13 @@ def env() -> dict[str, str]:
     return out
 
 
-def restarted(port: int) -> dict[str, Any] | None:
+def endpoint(port: int, candidates: bool) -> str:
+    return f"127.0.0.1:{port},127.0.0.2:{port}" if candidates else f"127.0.0.1:{port}"
+
+
+def restarted(port: int, candidates: bool) -> dict[str, Any] | None:
     """``elastrun status --json`` once the job restarted (None before)."""
-    where = [f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=root-cause-nodes"]
+    where = [f"--rdzv-endpoint={endpoint(port, candidates)}", "--rdzv-id=root-cause-nodes"]
     proc = subprocess.run(
         [*ELASTRUN, "status", *where, "--json", "--timeout=5"],
         capture_output=True,
@@ -92,13 +102,22 @@ def events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def test_both_nodes_name_the_first_failure_across_nodes(tmp_path: Path) -> None:
+def where(rank: int, candidates: bool) -> list[str]:
+    """How node ``rank`` finds the store: it hosts it or connects (one
+    endpoint), or it is candidate ``rank`` (a list)."""
+    if candidates:
+        return [f"--local-addr=127.0.0.{rank + 1}"]
+    return [f"--rdzv-conf=is_host={1 - rank}"]
+
+
+@pytest.mark.parametrize("candidates", [False, True], ids=["one-endpoint", "candidate-hosts"])
+def test_both_nodes_name_the_first_failure_across_nodes(tmp_path: Path, candidates: bool) -> None:
     (tmp_path / "w.py").write_text(WORKER)
     port = free_port()
     common = [
         "--nnodes=2",
         "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-endpoint={endpoint(port, candidates)}",
         "--rdzv-id=root-cause-nodes",
         "--max-restarts=1",
         "--shutdown-timeout=120",
@@ -110,7 +129,7 @@ def test_both_nodes_name_the_first_failure_across_nodes(tmp_path: Path) -> None:
                 *common,
                 f"--nproc-per-node={nproc}",
                 f"--node-rank={rank}",
-                f"--rdzv-conf=is_host={1 - rank}",
+                *where(rank, candidates),
                 f"--events-file={tmp_path / f'events-{rank}.jsonl'}",
                 "w.py",
             ],
@@ -125,7 +144,9 @@ def test_both_nodes_name_the_first_failure_across_nodes(tmp_path: Path) -> None:
     ]
     try:
         # elastrun status, while the restarted workers wait: the job's last failure
-        found = wait_for(lambda: restarted(port), TIMEOUT, "the restart in elastrun status")
+        found = wait_for(
+            lambda: restarted(port, candidates), TIMEOUT, "the restart in elastrun status"
+        )
         (tmp_path / "finish").touch()
         outs = [p.communicate(timeout=TIMEOUT) for p in procs]
     finally:

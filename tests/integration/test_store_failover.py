@@ -21,7 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from tests.helpers import free_port, pid_alive, wait_for
-from tests.integration.elastic_harness import BOUND, ELASTRUN, Job, job, steps_after
+from tests.integration.elastic_harness import (
+    BOUND,
+    ELASTRUN,
+    Job,
+    check_finished,
+    job,
+    steps_after,
+)
 
 HOUR = 3600
 
@@ -75,7 +82,7 @@ def test_survivors_train_at_world_2_after_the_store_host_is_killed(tmp_path: Pat
     port = free_port()
     with job(tmp_path) as j:
         a, b, c = start_three(j, tmp_path, port)
-        assert "hosts the store (term 1)" in a.output(), a.output()[-3000:]
+        assert "hosts the store from term 1" in a.output(), a.output()[-3000:]
         assert "stands by" in b.output() and "stands by" in c.output()
 
         # One restart spent before the loss: the count the survivors carry.
@@ -130,7 +137,8 @@ def test_a_node_with_another_candidate_list_is_refused_naming_it(tmp_path: Path)
     port = free_port()
     with job(tmp_path) as j:
         a = j.start_agent("n1", flags(port, 1, tmp_path / "ev1.jsonl", nnodes="2:3"))
-        wait_for(lambda: "hosts the store (term 1)" in a.output(), BOUND, "n1 hosting the store")
+        j.start_agent("n3", flags(port, 3, tmp_path / "ev3.jsonl", nnodes="2:3"))
+        wait_for(lambda: "hosts the store from term 1" in a.output(), BOUND, "n1 hosting the store")
         other = flags(port, 2, tmp_path / "ev2.jsonl", nnodes="2:3")
         reordered = f"--rdzv-endpoint=127.0.0.1:{port},127.0.0.3:{port},127.0.0.2:{port}"
         other = [reordered if f.startswith("--rdzv-endpoint=") else f for f in other]
@@ -145,8 +153,9 @@ def test_a_candidate_that_never_answers_at_start_is_reported_and_not_waited_for_
     tmp_path: Path,
 ) -> None:
     """Nothing listens at the first candidate (whose agent never starts) and the second
-    stands by: the node reports which candidate answered what, and gives up at the join
-    timeout (here 12 s) naming them."""
+    stands by: the node reports the unreachable candidate and which answered what, and,
+    alone no majority of the candidates, gives up at the join timeout (here 12 s) naming
+    them."""
     port = free_port()
     with job(tmp_path) as j:
         argv = flags(port, 2, tmp_path / "ev2.jsonl", nnodes="2:3")
@@ -160,5 +169,77 @@ def test_a_candidate_that_never_answers_at_start_is_reported_and_not_waited_for_
         assert "waiting for the store's host among" in out, out[-3000:]
         assert f"127.0.0.1:{port} refused" in out, out[-3000:]
         assert f"127.0.0.2:{port} stands by" in out, out[-3000:]
+        # Passed over once unreachable for a while; alone it is no majority.
+        assert f"candidate host 127.0.0.1:{port} has been unreachable" in out, out[-3000:]
         assert "no candidate host of the store serves term 1" in out, out[-3000:]
         assert "Traceback" not in out
+
+
+def test_the_job_starts_without_the_first_candidate_which_joins_it_late(tmp_path: Path) -> None:
+    """The first candidate's node is down at start: the two others pass it
+    over once it has been unreachable for a while (reported), elect the
+    second candidate host of term 1, and train at world 2. The first
+    candidate's agent started afterwards finds that host through the list
+    and joins the job as a member (its store stands by): world 3, one host."""
+    port = free_port()
+    with job(tmp_path) as j:
+        b = j.start_agent("n2", flags(port, 2, tmp_path / "ev2.jsonl"))
+        c = j.start_agent("n3", flags(port, 3, tmp_path / "ev3.jsonl"))
+        wait_for(lambda: any(s["world"] == 2 for s in j.steps()), BOUND, "training at world 2")
+        assert f"127.0.0.2:{port} hosts the store from term 1" in b.output(), b.output()[-3000:]
+        for n, agent in ((2, b), (3, c)):
+            out = agent.output()
+            assert f"candidate host 127.0.0.1:{port} has been unreachable" in out, out[-3000:]
+            gone = [
+                e
+                for e in events(tmp_path / f"ev{n}.jsonl")
+                if e["kind"] == "store_candidate_unreachable"
+            ]
+            assert [e["candidate"] for e in gone] == [f"127.0.0.1:{port}"], gone
+
+        mark = len(j.steps())
+        a = j.start_agent("n1", flags(port, 1, tmp_path / "ev1.jsonl"))
+        wait_for(lambda: steps_after(j, mark, lambda s: s["world"] == 3), BOUND, "world 3 with n1")
+        assert "stands by to host the store" in a.output()
+        assert "hosts the store" not in a.output().replace("stands by to host the store", "")
+        took = [e for n in (1, 2, 3) for e in events(tmp_path / f"ev{n}.jsonl")
+                if e["kind"] == "store_takeover"]  # fmt: skip
+        assert [(e["candidate"], e["term"]) for e in took] == [(f"127.0.0.2:{port}", 1)], took
+        seen = status(port)
+        assert seen["store_hosts"]["host"] == f"127.0.0.2:{port}"
+        assert seen["store_hosts"]["term"] == 1
+        assert f"127.0.0.1:{port}" in seen["store_hosts"]["standbys"], seen
+        check_finished(j, tmp_path, a, b, c)
+
+
+def test_a_candidate_restarted_after_voting_does_not_vote_again_in_that_term(
+    tmp_path: Path,
+) -> None:
+    """The second candidate starts alone: the first is down, so it votes for
+    itself in term 1 (no majority: the third never comes). It is SIGKILLed
+    and started again beside the first candidate. Its vote is kept on disk:
+    it may not vote for the first candidate in term 1 as well, so the first
+    candidate is elected in term 2 (a second vote in term 1 would have
+    elected it there at once)."""
+    port = free_port()
+    with job(tmp_path) as j:
+        b = j.start_agent("n2", flags(port, 2, tmp_path / "ev2.jsonl"))
+        voted = (tmp_path / "ev2.jsonl", f"127.0.0.2:{port}")
+
+        def voted_for_itself() -> bool:
+            return any(e["kind"] == "store_vote" and e["term"] == 1 and e["candidate"] == voted[1]
+                       for e in events(voted[0]))  # fmt: skip
+
+        wait_for(voted_for_itself, BOUND, "n2 voting for itself in term 1")
+        b.kill_group()
+        b.proc.wait(30)
+        a = j.start_agent("n1", flags(port, 1, tmp_path / "ev1.jsonl"))
+        wait_for(lambda: "stands by to host" in a.output(), BOUND, "n1 standing by")
+        b2 = j.start_agent("n2-again", flags(port, 2, tmp_path / "ev2b.jsonl"))
+        wait_for(lambda: any(s["world"] == 2 for s in j.steps()), BOUND, "training at world 2")
+        votes = [(e["term"], e["candidate"]) for e in events(tmp_path / "ev2b.jsonl")
+                 if e["kind"] == "store_vote"]  # fmt: skip
+        assert votes and all(term >= 2 for term, _ in votes), votes
+        took = [e for e in events(tmp_path / "ev1.jsonl") if e["kind"] == "store_takeover"]
+        assert [e["term"] for e in took] == [2], took
+        check_finished(j, tmp_path, a, b2)

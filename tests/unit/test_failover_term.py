@@ -11,7 +11,8 @@ from elastrun.errors import ConfigError
 from elastrun.launcher.cli import parse
 from elastrun.rendezvous.records import AgreedSettings, PrevMember, RoundRecord, RoundState
 from elastrun.rendezvous.rounds import Carry, config_diff, takeover_round
-from elastrun.store.term import Ballot, FailoverTiming, Role, TermState
+from elastrun.store.ballot import Ballot
+from elastrun.store.term import FailoverTiming, Role, TermState
 
 TIMING = FailoverTiming(heartbeat=1.0, silence=2.5, fence=3.0, drift=0.01, margin=1.0)
 
@@ -181,3 +182,18 @@ def test_candidate_hosts_need_a_lease_ttl_that_outlasts_the_hold() -> None:
         launch("a:1,b:1,c:1", "--rdzv-conf=lease_ttl=2")
     assert "lease_ttl" in str(err.value) and "at least 3" in str(err.value)
     assert 2 * TIMING.suspect <= 3.0
+
+
+def test_a_vote_from_a_node_with_another_candidate_list_is_not_taken() -> None:
+    from elastrun.store.server import StoreServer
+    from elastrun.store.term import list_digest
+
+    listed = ["127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1"]
+    state = TermState(1, 3, timing=TIMING)
+    server = StoreServer(["127.0.0.2"], 1, failover=state, candidates=listed)
+    reordered = list_digest("127.0.0.1:1,127.0.0.3:1,127.0.0.2:1")
+    assert not server.term_vote({"term": 1, "voter": 2, "list": reordered})["won"]
+    assert not server.term_vote({"term": 1, "voter": 2})["won"]  # no list: not taken
+    assert not server.elect_self(1)  # its own vote, with its own list: 1 of 3
+    assert server.term_vote({"term": 1, "voter": 2, "list": list_digest(",".join(listed))})["won"]
+    assert state.role is Role.HOST and state.term == 1

@@ -50,7 +50,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from elastrun.agent.command import PythonCommand, PythonModule
-from elastrun.safefs import UnsafePath, private_dir, read_regular, write_atomic
+from elastrun.safefs import (
+    UnsafePath,
+    nearest_existing,
+    private_dir,
+    read_regular,
+    write_atomic,
+)
 from elastrun.untrusted import UntrustedData, loads
 from elastrun.worker import _modnames
 from elastrun.worker._messages import Modules
@@ -306,7 +312,7 @@ class ModuleCache:
         existing ancestor, which must not be open to others), refused when it
         is a link, another user's or writable by others."""
         try:
-            private_dir(self.folder, below=_nearest_existing(os.path.dirname(self.folder)))
+            private_dir(self.folder, below=nearest_existing(os.path.dirname(self.folder)))
         except UnsafePath as e:
             # A folder that cannot be created (a read-only or full disk) costs
             # only warmth; one another user controls is worth saying.
@@ -314,16 +320,6 @@ class ModuleCache:
             self._fail(f"{e}; the module cache is not used", refused=refused)
             return False
         return True
-
-
-def _nearest_existing(path: str) -> str:
-    """``path``, or its nearest ancestor that exists."""
-    while not os.path.lexists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return path
 
 
 def skipped(name: str, skip: Mapping[str, str]) -> bool:

@@ -3,10 +3,10 @@
 
 This node is candidate ``i`` when entry ``i``'s host is its ``--local-addr``
 (an address of this machine otherwise) and it can listen there. A candidate
-serves a store on its entry for as long as its agent runs: the first
-candidate hosts term 1 (unless a candidate already hosts a term: it was
-restarted), the others stand by. Every node then connects to the host of the
-highest term, and its agent runs over a
+serves a store on its entry for as long as its agent runs, standing by until
+elected: the first live candidate hosts term 1. Its votes are kept in the
+cache folder (:mod:`elastrun.store.ballot`). Every node then connects to the
+host of the highest term, and its agent runs over a
 :class:`~elastrun.rendezvous.failover.FailoverRendezvous`.
 """
 
@@ -19,6 +19,7 @@ import ipaddress
 import socket
 from typing import TYPE_CHECKING
 
+from elastrun.agent.modcache import default_cache_dir
 from elastrun.agent.spec import WorkerSpec
 from elastrun.clock import SYSTEM_CLOCK
 from elastrun.endpoint import Endpoint
@@ -37,7 +38,8 @@ from elastrun.launcher.run import (
     run_agent,
 )
 from elastrun.procs import say
-from elastrun.store.failover import Answer, Candidates, FailoverClient
+from elastrun.store.ballot import Ballot, BallotError, ballot_path
+from elastrun.store.failover import Candidates, FailoverClient
 from elastrun.store.term import FailoverTiming, Role, TermState
 from elastrun.store.token import no_token_warning
 
@@ -80,22 +82,15 @@ def my_candidate(endpoints: tuple[Endpoint, ...], local_addr: str | None) -> int
 async def _serve(
     plan: Plan, candidates: Candidates, log: EventLog, timing: FailoverTiming
 ) -> StoreServer | None:
-    """Start this candidate's store: host of term 1 if it is the first
-    candidate and no candidate hosts a term yet, else standing by."""
+    """Start this candidate's store, standing by: the first host is elected
+    (the first live candidate, :meth:`FailoverClient.connect`)."""
     from elastrun.store.server import StoreServer
 
     me = candidates.me
     if me is None:
         return None
     count = len(candidates.endpoints)
-    client = FailoverClient(candidates, token=plan.token)
-    # A candidate that knows a term (a host, or a standby that followed one)
-    # means the job runs already: a restarted first candidate stands by.
-    known = [p for p in await client.look() if p.answer is not Answer.REFUSED and p.term > 0]
-    first = me == 0 and not known
-    state = TermState(
-        me, count, role=Role.HOST if first else Role.STANDBY, term=1 if first else 0, timing=timing
-    )
+    state = TermState(me, count, role=Role.STANDBY, term=0, timing=timing)
     host, port = candidates.endpoints[me]
     listen = await in_thread(functools.partial(listen_on, multi_node=True), host, port)
 
@@ -121,19 +116,32 @@ async def _serve(
             "it joins the job as a node that is no candidate"
         )
         return None
-    role = "hosts the store (term 1)" if first else "stands by to host the store"
-    say(f"elastrun: this node is candidate host {me + 1} of {count} ({host}:{port}) and {role}")
-    if first:
-        log.emit(
-            "store",
-            "store_takeover",
-            term=1,
-            candidate=str(candidates.endpoints[me]),
-            detail="the first candidate hosts term 1",
-        )
+    say(
+        f"elastrun: this node is candidate host {me + 1} of {count} ({host}:{port}) "
+        "and stands by to host the store"
+    )
     if plan.token is None and not server.loopback_only():
         say(f"elastrun: warning: {no_token_warning(TOKEN_HOW)}")
     return server
+
+
+def _ballot(plan: Plan, spec: WorkerSpec, candidates: Candidates) -> Ballot:
+    """This candidate's ballot, kept in the cache folder (docs/failover.md,
+    *Votes*); in memory only, with a warning, where that cannot be."""
+    count = len(candidates.endpoints)
+    me = candidates.me
+    if me is None:
+        return Ballot()
+    try:
+        cache = spec.warm_cache or default_cache_dir()
+        path = ballot_path(cache, plan.rendezvous.run_id, str(candidates), me)
+        return Ballot.load(path, count)
+    except (OSError, BallotError) as exc:
+        say(
+            f"elastrun: warning: this candidate's votes are kept in memory only ({exc}): "
+            "restarted while the job runs, it could vote twice in one election"
+        )
+        return Ballot(count=count)
 
 
 async def run_with_candidates(
@@ -150,6 +158,7 @@ async def run_with_candidates(
     server = await _serve(plan, candidates, log, timing)
     if server is None:
         candidates = Candidates(endpoints, None)
+    ballot = await in_thread(_ballot, plan, spec, candidates)
     read_timeout = plan.conf.read_timeout
     read_timeout = min(
         DEFAULT_READ_TIMEOUT if read_timeout is None else read_timeout,
@@ -167,6 +176,7 @@ async def run_with_candidates(
         ),
         events=log.sink("store") or NullSink(),
         say=say,
+        ballot=ballot,
     )
     try:
         await client.connect(plan.rendezvous.join_timeout)
@@ -189,3 +199,4 @@ async def run_with_candidates(
             while server.connection_count > 0 and SYSTEM_CLOCK.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             await server.stop()
+        ballot.forget()  # this node's part in the job is over

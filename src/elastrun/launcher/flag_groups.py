@@ -319,8 +319,9 @@ def add_fault_flags(p: argparse.ArgumentParser) -> None:
         legacy_env="PET_PREWARM_CACHE",
         default=None,
         metavar="DIR",
-        help="where the lists of modules scripts imported are kept across runs (default: "
-        "$ELASTRUN_CACHE_DIR, else $XDG_CACHE_HOME/elastrun or ~/.cache/elastrun)",
+        help="where the lists of modules scripts imported (and a candidate host's votes) "
+        "are kept across runs (default: $ELASTRUN_CACHE_DIR, else $XDG_CACHE_HOME/elastrun or "
+        "~/.cache/elastrun)",
     )
     f.add_argument(
         *both("--warm-join-timeout"),

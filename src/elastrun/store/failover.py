@@ -4,15 +4,18 @@ find the host, watch it, and when it is lost, vote and find the next one.
 The candidates are the c10d ``--rdzv-endpoint`` list, the same on every node
 (docs/failover.md has the design and its safety argument). A node that is a
 candidate runs a store server on its entry (:class:`~.server.StoreServer` with
-a :class:`~.term.TermState`): the first candidate hosts term 1, the others
-stand by. :class:`FailoverClient` is what every node runs:
+a :class:`~.term.TermState`), standing by until a majority of the candidates
+elects it; the first live candidate is elected for term 1.
+:class:`FailoverClient` is what every node runs:
 
 * :meth:`FailoverClient.connect` finds the host of the highest term among the
   candidates (retried until a deadline; a candidate that does not answer is
   reported once, not waited on forever) and connects to it. Every hello
   carries the newest term this node knows (a host of an older term is
   refused) and, from a candidate's agent, its index (the host counts whom it
-  hears from: fencing).
+  hears from: fencing). A candidate meanwhile votes for the first host: the
+  first candidate in list order that answers, once every one before it has
+  been unreachable for ``start_wait`` (reported).
 * :meth:`FailoverClient.watch` pings the host every ``heartbeat`` and returns
   why it is lost: its address refuses connections or it says it stepped down
   (proof that it serves nobody), or it has not answered for ``silence``.
@@ -46,10 +49,11 @@ from elastrun.errors import (
 )
 from elastrun.events import EventSink, NullSink
 from elastrun.store import codec
+from elastrun.store.ballot import Ballot, BallotError
 from elastrun.store.client import TcpStore
 from elastrun.store.client_conn import close_writer, open_conn
 from elastrun.store.server import StoreServer
-from elastrun.store.term import Ballot, FailoverTiming
+from elastrun.store.term import FailoverTiming, Role, list_digest
 
 __all__ = ["Answer", "Candidates", "FailoverClient", "Lost", "Probe", "probe", "send_vote"]
 
@@ -61,6 +65,8 @@ POLL = 0.2
 MAX_POLL = 1.0
 UNREACHABLE_NOTICE = 10.0  # a candidate silent this long at start is reported
 RECHECK = 0.2  # after an unanswered ping or a probe without proof: the next look
+AFTER_VOTE = 0.05  # the first wait after a vote (it may have decided the election)
+OWN_ROLE_CHECK = 0.05  # a candidate looks at its own store's role this often between looks
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,7 @@ async def send_vote(
             reader, writer = await asyncio.open_connection(host, port)
             try:
                 frame = {"v": 1, "t": "vote", "token": token, "term": term, "voter": voter}
+                frame["list"] = list_digest(str(candidates))
                 writer.write(codec.encode_frame(frame))
                 await writer.drain()
                 decoder = codec.FrameDecoder(4096)
@@ -196,17 +203,21 @@ class FailoverClient:
     async def connect(self, timeout: float, min_term: int = 1) -> TcpStore:
         """Connect to the host of the highest term (at least ``min_term``),
         looking until ``timeout``; candidates that stay silent are reported
-        once. Raises HostLost when none serves in time."""
+        once. A candidate elects the first host meanwhile (see
+        :meth:`_start_vote`). Raises HostLost when none serves in time."""
         deadline = self.clock.monotonic() + timeout
         noticed = self.clock.monotonic() + UNREACHABLE_NOTICE
         seen: list[Probe] = []
         poll = _Poll()
+        start = _Start()
         while True:
             seen = await self.look()
             hosts = [p for p in seen if p.answer is Answer.HOST and p.term >= min_term]
             for best in sorted(hosts, key=lambda p: -p.term):
                 with contextlib.suppress(StoreUnavailable):
                     return await self._open(best.index, best.term)
+            if self.candidates.me is not None and await self._start_vote(seen, start):
+                poll = _Poll(AFTER_VOTE)  # a host is expected soon: look often again
             now = self.clock.monotonic()
             if now >= noticed and self.say is not None:
                 noticed = deadline
@@ -219,7 +230,53 @@ class FailoverClient:
                     f"no candidate host of the store serves term {min_term} or later "
                     f"after {timeout:.0f} s: " + "; ".join(_line(self, p) for p in seen)
                 )
-            await asyncio.sleep(poll.next())
+            await self._nap(poll.next())
+
+    async def _start_vote(self, seen: list[Probe], start: _Start) -> bool:
+        """At start, with no host serving and no term known to any candidate
+        (no job runs yet): vote for the first candidate in list order that
+        answers as a standby, once every candidate before it has been
+        unreachable (refused or silent) for ``start_wait`` (each reported
+        once); again in the next term ``vote_after`` later if no host
+        appeared. Whether a vote was cast."""
+        if any(p.term > 0 for p in seen):
+            return False  # a job runs: its host is found (or reported) as any node's
+        now = self.clock.monotonic()
+        target = None
+        for p in seen:
+            if p.answer is Answer.STANDBY:
+                start.down.pop(p.index, None)
+                target = p.index if target is None else target
+            elif p.answer in (Answer.REFUSED, Answer.SILENT):
+                start.down.setdefault(p.index, now)
+        if target is None or now < start.vote_at:
+            return False
+        for p in seen[:target]:
+            if now - start.down.get(p.index, now) < self.timing.start_wait:
+                return False  # the first candidates may still be starting
+        for p in seen[:target]:
+            self._unreachable(p, now - start.down[p.index], start)
+        voted = await self._cast(start.term, target)
+        if voted is None:
+            return False
+        start.term, start.vote_at = voted + 1, now + self.timing.vote_after
+        return True
+
+    def _unreachable(self, p: Probe, since: float, start: _Start) -> None:
+        """Report, once, a candidate skipped at start for being unreachable."""
+        if p.index in start.reported:
+            return
+        start.reported.add(p.index)
+        where = self.address(p.index)
+        detail = _line(self, p)
+        self.events.emit(
+            "store_candidate_unreachable", candidate=where, answer=p.answer.value, detail=detail
+        )
+        if self.say is not None:
+            self.say(
+                f"elastrun: candidate host {where} has been unreachable for {since:.0f} s at "
+                f"start ({detail}); electing the store's host among the other candidates"
+            )
 
     async def _open(self, index: int, term: int) -> TcpStore:
         host, port = self.candidates.endpoints[index]
@@ -240,6 +297,18 @@ class FailoverClient:
         if self.server is not None and self.server.failover is not None:
             self.server.failover.learn(store.term, index)
         return store
+
+    async def _nap(self, seconds: float) -> None:
+        """Wait ``seconds`` between two looks, or less: until this node's own
+        store is elected host meanwhile (then it is looked at, and connected
+        to, at once)."""
+        state = self.server.failover if self.server is not None else None
+        hosted = state is not None and state.role is Role.HOST
+        end = self.clock.monotonic() + seconds
+        while (left := end - self.clock.monotonic()) > 0:
+            if state is not None and not hosted and state.role is Role.HOST:
+                return
+            await asyncio.sleep(min(left, OWN_ROLE_CHECK) if state is not None else left)
 
     # -- watching it -------------------------------------------------------------
     async def watch(self) -> Lost:
@@ -305,7 +374,7 @@ class FailoverClient:
         while self.clock.monotonic() < deadline:
             seen = await self.look()
             newer = [p for p in seen if p.answer is Answer.HOST and p.term > old_term]
-            if not lost.proof and not any(t > old_term for t in self.ballot.cast):
+            if not lost.proof and self.ballot.term <= old_term:
                 # Given up on silence but voted for no newer term: the old
                 # host, still serving its term (this node was cut off), will do.
                 newer += [p for p in seen if p.index == old_host and p.answer is Answer.HOST]
@@ -322,30 +391,44 @@ class FailoverClient:
                     return store
             now = self.clock.monotonic()
             voting = self.candidates.me is not None and now >= vote_at
-            if voting and await self._vote(seen, term, old_host):
+            if voting and (voted := await self._vote(seen, term, old_host)) is not None:
                 vote_at = now + self.timing.vote_after
-                term += 1
-                poll = _Poll()  # a host is expected soon: look often again
-            await asyncio.sleep(min(poll.next(), max(0.0, vote_at - self.clock.monotonic())))
+                term = voted + 1
+                poll = _Poll(AFTER_VOTE)  # a host is expected soon: look often again
+            await self._nap(min(poll.next(), max(0.0, vote_at - self.clock.monotonic())))
         raise HostLost(self._why_lost(lost, seen, old_host))
 
-    async def _vote(self, seen: list[Probe], term: int, old_host: int | None) -> bool:
-        """Vote in ``term`` for the first candidate that answers as a
-        standby, the old host excepted; whether a vote was cast."""
+    async def _vote(self, seen: list[Probe], term: int, old_host: int | None) -> int | None:
+        """Vote in ``term`` (or the next term this node may still vote in)
+        for the first candidate that answers as a standby, the old host
+        excepted; the term voted in, or None."""
+        for p in seen:
+            if p.index != old_host and p.answer is Answer.STANDBY:
+                return await self._cast(term, p.index)
+        return None
+
+    async def _cast(self, term: int, target: int) -> int | None:
+        """Vote for ``target`` in ``term``, or in the term after this node's
+        last vote if it voted in ``term`` or later for another candidate
+        (votes only go up); the term voted in, or None (not allowed yet)."""
         me = self.candidates.me
         assert me is not None
-        for p in seen:
-            if p.index == old_host or p.answer is not Answer.STANDBY:
-                continue
-            if not self.ballot.vote(term, p.index):
-                return False
-            self.events.emit("store_vote", term=term, candidate=self.address(p.index))
-            if p.index == me and self.server is not None:
-                self.server.elect_self(term)
-            else:
-                await send_vote(self.candidates, p.index, term, me, self.token)
-            return True
-        return False
+        ballot = self.ballot
+        if ballot.term > term or (ballot.term == term and ballot.candidate != target):
+            term = ballot.term + 1
+        try:
+            if not ballot.vote(term, target, self.timing.vote_after):
+                return None
+        except BallotError as exc:
+            if self.say is not None:
+                self.say(f"elastrun: cannot vote: {exc}")
+            return None
+        self.events.emit("store_vote", term=term, candidate=self.address(target))
+        if target == me and self.server is not None:
+            self.server.elect_self(term)
+        else:
+            await send_vote(self.candidates, target, term, me, self.token)
+        return term
 
     def _why_lost(self, lost: Lost, seen: list[Probe], old_host: int | None) -> str:
         answers = "; ".join(_line(self, p) for p in seen)
@@ -358,11 +441,21 @@ class FailoverClient:
         )
 
 
+@dataclass
+class _Start:
+    """The start election as one node sees it (:meth:`FailoverClient._start_vote`)."""
+
+    down: dict[int, float] = field(default_factory=dict)  # candidate -> unreachable since
+    reported: set[int] = field(default_factory=set)
+    term: int = 1  # the term to vote in next
+    vote_at: float = 0.0  # the earliest next vote
+
+
 class _Poll:
     """The waits between looks (see POLL)."""
 
-    def __init__(self) -> None:
-        self.delay = POLL
+    def __init__(self, first: float = POLL) -> None:
+        self.delay = first
 
     def next(self) -> float:
         wait = self.delay * random.uniform(0.75, 1.25)

@@ -50,7 +50,7 @@ from elastrun.store.engine import Engine
 from elastrun.store.limits import DEFAULT_LIMITS, MAX_FRAME, MAX_TOKEN, StoreLimits
 from elastrun.store.memory import LeaseReaper
 from elastrun.store.server_conn import Connection
-from elastrun.store.term import Role, TermState
+from elastrun.store.term import Role, TermState, list_digest
 
 __all__ = ["DEFAULT_PORT", "DISCONNECT_GRACE", "AbuseLog", "ServerStats", "StoreServer"]
 
@@ -378,7 +378,10 @@ class StoreServer:
         state = self.failover
         term, voter = frame.get("term"), frame.get("voter")
         won = False
-        if state is not None and type(term) is int and type(voter) is int:
+        # A voter with another candidate list would be counted as whoever
+        # holds its index in this one: its vote is not taken.
+        same_list = frame.get("list") == list_digest(",".join(self.candidates))
+        if state is not None and same_list and type(term) is int and type(voter) is int:
             won = state.receive_vote(term, voter)
         answer: dict[str, Any] = {"v": 1, "t": "vote", "won": won}
         if state is not None:
@@ -394,7 +397,9 @@ class StoreServer:
     def elect_self(self, term: int) -> bool:
         """This candidate's own agent votes for it (as :meth:`term_vote`)."""
         assert self.failover is not None
-        return bool(self.term_vote({"term": term, "voter": self.failover.index})["won"])
+        digest = list_digest(",".join(self.candidates))
+        own = {"term": term, "voter": self.failover.index, "list": digest}
+        return bool(self.term_vote(own)["won"])
 
     def _candidate(self, index: int | None) -> str:
         if index is None or not 0 <= index < len(self.candidates):

@@ -10,10 +10,12 @@ connections feed it (a hello, a vote, any frame of a candidate's connection).
   the store in a term, and a client follows the host of the highest term it
   knows.
 * **Votes.** A candidate's agent votes at most once per term (the voter keeps
-  that rule, :class:`Ballot`). A standby that got votes for term ``t`` from a
+  that rule, :class:`~elastrun.store.ballot.Ballot`). A standby that got votes for term ``t`` from a
   majority of the candidates (itself included when its own agent voted for
   it) takes over as host of ``t``. Two majorities of one fixed list share a
-  candidate, which voted once: one host per term.
+  candidate, which voted once (its ballot is kept on disk,
+  :mod:`elastrun.store.ballot`): one host per term. Every term has an
+  elected host, term 1 included: every candidate starts as a standby.
 * **Fencing.** The host counts the candidates it heard from (any frame of a
   connection whose hello named its candidate index) within
   :attr:`FailoverTiming.fence` seconds, itself included. Once a majority was
@@ -29,17 +31,18 @@ connections feed it (a hello, a vote, any frame of a candidate's connection).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import hashlib
+from dataclasses import dataclass
 
 from elastrun.clock import SYSTEM_CLOCK, Clock
 
 __all__ = [
     "MAX_CANDIDATES",
     "MIN_FAILOVER_LEASE_TTL",
-    "Ballot",
     "FailoverTiming",
     "Role",
     "TermState",
+    "list_digest",
 ]
 
 # At most this many candidate hosts (a majority of them must stay up).
@@ -48,6 +51,12 @@ MAX_CANDIDATES = 7
 # host holds requests (FailoverTiming.suspect), so that a lease of a node cut
 # off with the majority expires at the host only after it holds requests.
 MIN_FAILOVER_LEASE_TTL = 3.0
+
+
+def list_digest(candidates: str) -> str:
+    """What a vote carries of the voter's candidate list (``a:p,b:p,...``):
+    a vote is taken only by a candidate with the same list."""
+    return hashlib.sha256(candidates.encode()).hexdigest()[:16]
 
 
 class Role(enum.Enum):
@@ -68,6 +77,9 @@ class FailoverTiming:
     fence: float = 3.0  # the host steps down after hearing from < a majority this long
     drift: float = 0.01  # clock rate difference allowed between two nodes
     margin: float = 1.0  # frames in flight, timer delays
+    # At start, a candidate unreachable (refused or silent) this long is passed
+    # over: the first live candidate is elected host. Longer than vote_after.
+    start_wait: float = 5.0
 
     @property
     def vote_after(self) -> float:
@@ -75,21 +87,6 @@ class FailoverTiming:
         votes on silence alone: the host's fence timer, run on a clock up to
         ``drift`` faster or slower, has fired by then."""
         return self.fence * (1 + self.drift) / (1 - self.drift) + self.margin
-
-
-@dataclass
-class Ballot:
-    """One voter's votes: at most one candidate per term."""
-
-    cast: dict[int, int] = field(default_factory=dict)  # term -> candidate voted for
-
-    def vote(self, term: int, candidate: int) -> bool:
-        """Whether this voter may vote for ``candidate`` in ``term`` (then it has)."""
-        already = self.cast.get(term)
-        if already is None:
-            self.cast[term] = candidate
-            return True
-        return already == candidate
 
 
 class TermState:
