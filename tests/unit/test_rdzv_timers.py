@@ -95,10 +95,11 @@ def test_a_full_round_is_not_re_formed_for_a_waiting_node_until_a_member_is_lost
         killed_at = clock().monotonic()
         got = await change
         second = await asyncio.gather(n0.next_round(), joining)
+        whole = await late.full_result(second[1])  # every member, not only its own place
         took = clock().monotonic() - killed_at
         for h in (n0, late):
             await h.shutdown()
-        return quiet, got, second[1], took
+        return quiet, got, whole, took
 
     quiet, change, second, took = run(scenario)
     assert quiet, "a full round was re-formed for a waiting node"

@@ -217,7 +217,7 @@ SPARES = {"min_nodes": 2, "max_nodes": 3, "node_unit": 2, "lease_ttl": TTL}
 
 
 def _by_node(results: list[RoundResult]) -> dict[str, int]:
-    return {r.members[r.group_rank].node_id: r.group_rank for r in results}
+    return {r.me.node_id: r.group_rank for r in results}
 
 
 @pytest.mark.parametrize("victim_rank", [0, 1])

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from elastrun.agent.watchdog import read_beat
 from elastrun.events import EventSink
 from elastrun.rendezvous import notes as N
-from elastrun.rendezvous.api import Rendezvous, RoundResult
+from elastrun.rendezvous.api import Rendezvous, RoundResult, whole
 from elastrun.untrusted import UntrustedData
 
 __all__ = [
@@ -145,6 +145,7 @@ async def _verdict(
 ) -> N.StragglersNote | None:
     """This interval's stragglers note: judged here (group rank 0), else read."""
     if aggregator is not None:
+        result = await whole(rendezvous, result)
         names = [note_name(m.group_rank) for m in result.members]
         notes = await rendezvous.gather_notes(names, 0.0)
         verdict = aggregator.judge(result.round, members_progress(notes, result))

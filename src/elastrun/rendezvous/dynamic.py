@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import os
 import re
@@ -157,6 +158,12 @@ class DynamicRendezvous(Rendezvous):
         out = await self._run(NextRound(self.clock.monotonic()))
         assert out.result is not None
         return out.result
+
+    async def full_result(self, result: RoundResult) -> RoundResult:
+        if result.complete:
+            return result
+        decoded = await self._observer.get_decoded(result.round)
+        return dataclasses.replace(result, members=decoded.members, shape=None)
 
     async def read_note(self, name: str) -> dict[str, Any] | None:
         if not N.valid_name(name):

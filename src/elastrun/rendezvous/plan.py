@@ -60,6 +60,7 @@ from elastrun.rendezvous.records import (
     RoundState,
     WaitingRecord,
 )
+from elastrun.rendezvous.results import Head
 from elastrun.rendezvous.sizes import WorldSizes
 from elastrun.store.base import KeyValue, WatchEvent
 
@@ -96,6 +97,7 @@ __all__ = [
     "result_needed",
     "round_event",
     "waiting_event",
+    "whole_needed",
 ]
 
 LOST_LEASE = "lease expired or revoked"
@@ -201,7 +203,11 @@ class View:
 
     round_kv: KeyValue | None = None
     round: RoundRecord | None = None
-    results: dict[int, ResultRecord] = field(default_factory=dict)  # immutable once written
+    # Closed rounds' results (immutable once written): the head (the header
+    # and this node's place) of each read, and every member where needed
+    # (see result_needed).
+    heads: dict[int, Head] = field(default_factory=dict)
+    results: dict[int, ResultRecord] = field(default_factory=dict)
     joiners: dict[str, KeyValue] = field(default_factory=dict)
     nodes: dict[str, KeyValue] = field(default_factory=dict)
     nodes_loaded: bool = False
@@ -221,9 +227,30 @@ class View:
         self.round = None if kv is None else decode_round(kv.key, kv.value)
 
     def members(self, r: int) -> tuple[MemberRecord, ...]:
-        """The members of closed round ``r`` in rank order (as read)."""
+        """The members of closed round ``r`` in rank order (as read; empty
+        where only its head was read)."""
         result = self.results.get(r)
         return result.members if result else ()
+
+    def size(self, r: int) -> int:
+        """The member count of closed round ``r`` (0: not read)."""
+        head = self.heads.get(r)
+        return head.header.size if head else len(self.members(r))
+
+    def has_member(self, r: int, node_id: str) -> bool:
+        """Whether ``node_id`` is a member of closed round ``r`` (as read)."""
+        head = self.heads.get(r)
+        if head is not None and head.mine is not None and head.mine.member.node_id == node_id:
+            return True
+        return any(m.node_id == node_id for m in self.members(r))
+
+    def known(self, r: int) -> tuple[MemberRecord, ...]:
+        """Round ``r``'s members known in rank order from the first: every
+        member, or group rank 0 alone where only the head was read."""
+        if r in self.results:
+            return self.results[r].members
+        head = self.heads.get(r)
+        return (head.header.first,) if head else ()
 
 
 # -- the decider ----------------------------------------------------------------------
@@ -309,15 +336,20 @@ def barrier_step(
     done_count: int,
     present: Mapping[str, bool],
     done: Mapping[str, bool],
+    *,
+    size: int | None = None,
 ) -> BarrierStep:
     """The next step of setting up the exit barrier, after this node's done
     key, from the count of done keys and what is known so far of the members
-    before this node (``present``: presence key exists; ``done``: done key
-    exists). Every member counted: done. Else the watcher is the first member
-    in rank order whose presence key exists; a member before it that is gone
-    must have a done key, else it is lost; none before this node: this node
-    watches."""
-    if members and done_count >= len(members):
+    before this node (``members``: the first ones in rank order, of ``size``
+    in all, every one by default; ``present``: presence key exists; ``done``:
+    done key exists). Every member counted: done. Else the watcher is the
+    first member in rank order whose presence key exists; a member before it
+    that is gone must have a done key, else it is lost; none before this node:
+    this node watches (:class:`BeWatcher` past the members known: read them
+    all, then ask again)."""
+    size = len(members) if size is None else size
+    if size and done_count >= size:
         return BarrierDone()
     for m in members:
         nid = m.node_id
@@ -341,11 +373,22 @@ def all_done(view: View, r: int) -> bool:
 
 # -- store state -> events --------------------------------------------------------------
 def result_needed(view: View) -> int | None:
-    """The round whose result :func:`round_event` needs and the view lacks."""
+    """The round whose result :func:`round_event` needs and the view lacks:
+    its head, or every member where this phase watches ``nodes/`` (a member
+    gone is lost: :func:`whole_needed`)."""
     rec = view.round
     if rec is None or rec.state is not RoundState.CLOSED:
         return None
-    return None if rec.round in view.results else rec.round
+    r = rec.round
+    if r in view.results or (r in view.heads and not whole_needed(view)):
+        return None
+    return r
+
+
+def whole_needed(view: View) -> bool:
+    """Whether this phase needs every member of the closed round (it reads
+    ``nodes/``: members without a presence key are lost)."""
+    return view.nodes_loaded
 
 
 def round_event(
@@ -365,15 +408,14 @@ def round_event(
         return RoundFinished(r)
     if state is RoundState.FAILED:
         return RoundFailed(r)
-    members = [m.node_id for m in view.members(r)]
     lost = ""
     if view.nodes_loaded:
-        gone = [m for m in members if m not in view.nodes]
+        gone = [m.node_id for m in view.members(r) if m.node_id not in view.nodes]
         lost = f"node {gone[0]} lost (no presence in the store)" if gone else ""
     return RoundClosed(
         r,
-        member=me in members,
-        room=WorldSizes(1, max_nodes, unit).room(len(members), 1),
+        member=view.has_member(r, me),
+        room=WorldSizes(1, max_nodes, unit).room(view.size(r), 1),
         lost=lost,
         detail=f"node {host} ({me}) waits to join",
     )
@@ -432,7 +474,7 @@ def waiting_event(
     among them) make a larger allowed world with the members; spares below
     the next multiple of ``unit`` wait on."""
     waiting = max(1, len(view.waiting))
-    room = WorldSizes(1, max_nodes, unit).room(len(view.members(r)), waiting)
+    room = WorldSizes(1, max_nodes, unit).room(view.size(r), waiting)
     kv = view.waiting.get(node_id)
     host = WaitingRecord.decode(kv.key, kv.value).host if kv else node_id
     return NodeWaiting(room, f"node {host} ({node_id}) waits to join")
@@ -511,7 +553,7 @@ def _apply(keys: dict[str, KeyValue], nid: str, wev: WatchEvent) -> None:
 
 
 def _member(view: View, r: int, nid: str) -> MemberRecord | None:
-    return next((m for m in view.members(r) if m.node_id == nid), None)
+    return next((m for m in view.known(r) if m.node_id == nid), None)
 
 
 def _nodes_changed(view: View, nid: str, wev: WatchEvent, r: int, now: float) -> Reaction:
