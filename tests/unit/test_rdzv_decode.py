@@ -44,7 +44,7 @@ def _kvs(result: ResultRecord, shards: int) -> tuple[KeyValue, list[KeyValue]]:
 
 
 def test_the_shard_count_follows_max_nodes_within_bounds() -> None:
-    assert [shard_count(n) for n in (1, 128, 129, 4096, 8192, 10**6)] == [1, 1, 2, 32, 64, 64]
+    assert [shard_count(n) for n in (1, 64, 65, 2048, 8192, 10**6)] == [1, 1, 2, 32, 64, 64]
 
 
 def test_heterogeneous_nproc_keeps_every_first_global_rank() -> None:

@@ -239,6 +239,7 @@ class Executor:
             unit=settings.node_unit,
         )
         members = result.members
+        chosen = {m.node_id for m in members}
         shards = shard_count(settings.max_nodes)
         header, parts = stored_form(result, shards)
         res = await node.store.txn(
@@ -264,7 +265,7 @@ class Executor:
                     {"node": nid, "group_rank": rank, "replaces": lost}
                     for nid, rank, lost in _promotions(view.round, members)
                 ],
-                spares=[j.node.node_id for j in joiners if j.node.node_id not in closed.members],
+                spares=[j.node.node_id for j in joiners if j.node.node_id not in chosen],
             )
 
     def _closed_round_kv(self, r: int) -> tuple[KeyValue, RoundRecord] | None:

@@ -222,11 +222,12 @@ class DynamicRendezvous(Rendezvous):
         try:
             kv = await self.store.get(self.keys.round)
             rec = None if kv is None else RoundRecord.decode(kv.key, kv.value)
+            if rec is None or rec.state is not RoundState.CLOSED:
+                return False
+            head = await self._observer.get_head(rec.round)  # this node's place: O(1) bytes
         except (StoreError, RendezvousError):
             return False  # next_round() reads it again and reports what is wrong
-        if rec is None or rec.state is not RoundState.CLOSED:
-            return False
-        return self.node_id not in rec.members
+        return head.mine is None
 
     async def wait_for_change(self) -> Change:
         if self.rules.state is not State.MEMBER:

@@ -59,7 +59,7 @@ __all__ = [
 # The result's records are version 2 (the other records: 1): an elastrun that
 # reads a single-record result says the versions differ, naming the key.
 RESULT_VERSION = 2
-SHARD_MEMBERS = 128  # members per shard, on average, up to MAX_SHARDS shards
+SHARD_MEMBERS = 64  # members per shard, on average, up to MAX_SHARDS shards
 MAX_SHARDS = 64  # with the header and the round record: within etcd's 128 ops a txn
 
 

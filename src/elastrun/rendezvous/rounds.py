@@ -142,8 +142,7 @@ def close_records(
         MemberRecord(n.node_id, n.host, n.addr, n.nproc, ranks[n.node_id]) for n in nodes
     )
     master = records[0]
-    member_ids = tuple(m.node_id for m in members)
-    charged = rnd.counts and prev.keys() <= set(member_ids)
+    charged = rnd.counts and prev.keys() <= {m.node_id for m in members}
     restarts = rnd.restarts + (1 if charged else 0)
     result = ResultRecord(
         round=rnd.round,
@@ -159,7 +158,6 @@ def close_records(
     closed = dataclasses.replace(
         rnd,
         state=RoundState.CLOSED,
-        members=member_ids,
         restarts=restarts,
         last_failure=rnd.pending_failure if charged else rnd.last_failure,
     )

@@ -87,18 +87,18 @@ class _Memo(Generic[T]):
     def __init__(self, decode: Callable[[tuple[KeyValue, ...]], T], size: int = 8) -> None:
         self._decode = decode
         self._size = size
-        self._last: dict[str, tuple[tuple[tuple[str, bytes], ...], T]] = {}
+        self._last: dict[tuple[str, ...], tuple[tuple[bytes, ...], T]] = {}
 
     def __call__(self, kvs: tuple[KeyValue, ...]) -> T:
-        ident = tuple((kv.key, kv.value) for kv in kvs)
-        found = self._last.get(kvs[0].key)
-        if found is not None and found[0] == ident:
+        keys, values = tuple(kv.key for kv in kvs), tuple(kv.value for kv in kvs)
+        found = self._last.get(keys)
+        if found is not None and found[0] == values:
             return found[1]
         decoded = self._decode(kvs)
-        self._last.pop(kvs[0].key, None)
+        self._last.pop(keys, None)
         if len(self._last) >= self._size:
             del self._last[next(iter(self._last))]
-        self._last[kvs[0].key] = (ident, decoded)
+        self._last[keys] = (values, decoded)
         return decoded
 
 
@@ -115,7 +115,7 @@ def _part(kvs: tuple[KeyValue, ...]) -> tuple[ResultHeader, ResultShard]:
 # with its members; and a header with one shard: once per process for the
 # same bytes.
 decode_whole = _Memo(_whole)
-decode_part = _Memo(_part)
+decode_part = _Memo(_part, size=2 * 64)  # every shard of a round and the next
 
 
 class Observer:
@@ -136,7 +136,7 @@ class Observer:
 
     def new_view(self) -> P.View:
         """A fresh view for a new phase (round results are kept: immutable)."""
-        self.view = P.View(results=self.view.results)
+        self.view = P.View(heads=self.view.heads, results=self.view.results)
         return self.view
 
     @property
