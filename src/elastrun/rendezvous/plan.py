@@ -26,20 +26,32 @@ complete    ``round``; the count of the round's done keys (O(1) bytes); then
             presence key
 =========== ================================================================
 
-Every phase but ``complete`` costs each member O(n) bytes; ``complete`` costs
-O(1) for all but the barrier's watcher (O(n) store traffic and watch events
-per round in all).
+A closed round's result is read as this node's head (the header and its own
+shard: O(1) bytes, :mod:`.results`) where the phase reads no ``nodes/``, and
+whole where it does (:func:`result_needed`, :func:`whole_needed`): a member
+without a presence key is lost. So ``seek``, ``join`` (but the decider's) and
+``complete`` (but the barrier watcher's) cost each node O(1) bytes; ``wait``
+and ``member`` O(n).
 """
 
 from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
 
 from elastrun.rendezvous import keys as K
+from elastrun.rendezvous.barrier_plan import (
+    BarrierStep,
+    BeWatcher,
+    CheckDone,
+    CheckPresence,
+    LostAtBarrier,
+    WatchWatcher,
+    barrier_step,
+)
+from elastrun.rendezvous.memo import Memo
 from elastrun.rendezvous.protocol import (
     BarrierDone,
     Event,
@@ -161,37 +173,6 @@ class Watched(enum.Enum):
     WATCHER = "watcher"  # the barrier watcher's presence key (the other members)
 
 
-# -- decoding once ------------------------------------------------------------------
-R = TypeVar("R")
-
-
-class Memo(Generic[R]):
-    """``decode(key, value)``, reused for the same key and the same bytes.
-
-    Every node decodes the round record and the round's result, O(n) bytes
-    each; where many nodes share one process (the simulated agents of
-    bench/rdzv_bench.py) each is decoded once, not once per node. Decoding
-    is a function of the key and the bytes, and the values decoded are
-    immutable, so reusing one changes nothing; a value that does not decode
-    raises every time. Holds the last ``size`` keys' values."""
-
-    def __init__(self, decode: Callable[[str, bytes], R], size: int = 8) -> None:
-        self._decode = decode
-        self._size = size
-        self._last: dict[str, tuple[bytes, R]] = {}
-
-    def __call__(self, key: str, value: bytes) -> R:
-        found = self._last.get(key)
-        if found is not None and found[0] == value:
-            return found[1]
-        decoded = self._decode(key, value)
-        self._last.pop(key, None)
-        if len(self._last) >= self._size:
-            del self._last[next(iter(self._last))]
-        self._last[key] = (value, decoded)
-        return decoded
-
-
 decode_round = Memo(RoundRecord.decode)
 
 
@@ -292,80 +273,7 @@ def follower_of_newest(me: str, newest: Sequence[KeyValue]) -> Follower | None:
     return Follower(ids[1])
 
 
-# -- the exit barrier ------------------------------------------------------------------
-@dataclass(frozen=True)
-class CheckPresence:
-    """Read this member's presence key, then ask again."""
-
-    node_id: str
-
-
-@dataclass(frozen=True)
-class CheckDone:
-    """Read whether this member put its done key, then ask again."""
-
-    node_id: str
-
-
-@dataclass(frozen=True)
-class WatchWatcher:
-    """Watch this member's presence key: it is the barrier's watcher."""
-
-    node_id: str
-
-
-@dataclass(frozen=True)
-class LostAtBarrier:
-    """This member is gone without a done key: it is lost."""
-
-    member: MemberRecord
-
-
-@dataclass(frozen=True)
-class BeWatcher:
-    """This node is the barrier's watcher: read and watch the done keys and
-    ``nodes/``."""
-
-
-BarrierStep = BarrierDone | CheckPresence | CheckDone | WatchWatcher | LostAtBarrier | BeWatcher
-
-
-def barrier_step(
-    members: Sequence[MemberRecord],
-    me: str,
-    done_count: int,
-    present: Mapping[str, bool],
-    done: Mapping[str, bool],
-    *,
-    size: int | None = None,
-) -> BarrierStep:
-    """The next step of setting up the exit barrier, after this node's done
-    key, from the count of done keys and what is known so far of the members
-    before this node (``members``: the first ones in rank order, of ``size``
-    in all, every one by default; ``present``: presence key exists; ``done``:
-    done key exists). Every member counted: done. Else the watcher is the
-    first member in rank order whose presence key exists; a member before it
-    that is gone must have a done key, else it is lost; none before this node:
-    this node watches (:class:`BeWatcher` past the members known: read them
-    all, then ask again)."""
-    size = len(members) if size is None else size
-    if size and done_count >= size:
-        return BarrierDone()
-    for m in members:
-        nid = m.node_id
-        if nid == me:
-            break
-        if nid not in present:
-            return CheckPresence(nid)
-        if present[nid]:
-            return WatchWatcher(nid)
-        if nid not in done:
-            return CheckDone(nid)
-        if not done[nid]:
-            return LostAtBarrier(m)
-    return BeWatcher()
-
-
+# -- the exit barrier (its set-up steps: .barrier_plan) ------------------------------
 def all_done(view: View, r: int) -> bool:
     members = view.members(r)
     return bool(members) and all(m.node_id in view.done for m in members)

@@ -20,9 +20,8 @@ It never writes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 from elastrun.clock import Clock
 from elastrun.errors import RendezvousError, StoreError
@@ -31,6 +30,7 @@ from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import plan as P
 from elastrun.rendezvous import results as R
 from elastrun.rendezvous.api import Member, RendezvousSettings
+from elastrun.rendezvous.memo import KeysMemo
 from elastrun.rendezvous.protocol import Event
 from elastrun.rendezvous.records import JoinRecord, MemberRecord, ResultRecord
 from elastrun.rendezvous.results import Head, ResultHeader, ResultShard, shard_count, shard_of
@@ -77,31 +77,6 @@ def _decoded(record: ResultRecord) -> DecodedResult:
     return DecodedResult(record, members, {m.node_id: m.group_rank for m in members})
 
 
-T = TypeVar("T")
-
-
-class _Memo(Generic[T]):
-    """``decode(kvs)`` of several keys read together, reused for the same
-    keys and bytes (as :class:`.plan.Memo` for one key): the last ``size``."""
-
-    def __init__(self, decode: Callable[[tuple[KeyValue, ...]], T], size: int = 8) -> None:
-        self._decode = decode
-        self._size = size
-        self._last: dict[tuple[str, ...], tuple[tuple[bytes, ...], T]] = {}
-
-    def __call__(self, kvs: tuple[KeyValue, ...]) -> T:
-        keys, values = tuple(kv.key for kv in kvs), tuple(kv.value for kv in kvs)
-        found = self._last.get(keys)
-        if found is not None and found[0] == values:
-            return found[1]
-        decoded = self._decode(kvs)
-        self._last.pop(keys, None)
-        if len(self._last) >= self._size:
-            del self._last[next(iter(self._last))]
-        self._last[keys] = (values, decoded)
-        return decoded
-
-
 def _whole(kvs: tuple[KeyValue, ...]) -> DecodedResult:
     return _decoded(R.decode_whole(kvs[0], kvs[1:]))
 
@@ -114,8 +89,8 @@ def _part(kvs: tuple[KeyValue, ...]) -> tuple[ResultHeader, ResultShard]:
 # A round's whole result (its header, then every shard), decoded and checked,
 # with its members; and a header with one shard: once per process for the
 # same bytes.
-decode_whole = _Memo(_whole)
-decode_part = _Memo(_part, size=2 * 64)  # every shard of a round and the next
+decode_whole = KeysMemo(_whole)
+decode_part = KeysMemo(_part, size=2 * 64)  # every shard of a round and the next
 
 
 class Observer:
