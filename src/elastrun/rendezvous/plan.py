@@ -275,8 +275,13 @@ def follower_of_newest(me: str, newest: Sequence[KeyValue]) -> Follower | None:
 
 # -- the exit barrier (its set-up steps: .barrier_plan) ------------------------------
 def all_done(view: View, r: int) -> bool:
+    """Every member of round ``r`` put its done key (checked member by member
+    only once there are as many done keys as members: the watcher asks at
+    each of n done keys)."""
     members = view.members(r)
-    return bool(members) and all(m.node_id in view.done for m in members)
+    if not members or len(view.done) < len(members):
+        return False
+    return all(m.node_id in view.done for m in members)
 
 
 # -- store state -> events --------------------------------------------------------------
@@ -332,16 +337,22 @@ def round_event(
 def joiners_event(view: View, now: float) -> JoinersChanged:
     """The joiners of the open round, as the decider (or a follower) sees them."""
     prev = view.round.prev if view.round is not None else ()
+    # Each check below scans only once the counts allow it (the decider asks
+    # at each of n joins: O(n) per join would be O(n^2) per round).
     all_joined = (
         bool(prev)
         and view.nodes_loaded
+        and len(view.joiners) >= len(view.nodes)
         and all(nid in view.joiners for nid in view.nodes)
         and not view.waiting
     )
-    pending = view.nodes_loaded and any(
-        p.node_id in view.nodes and p.node_id not in view.joiners for p in prev
-    )
     count = len(view.joiners) if view.joined_count is None else view.joined_count
+    # Only read by the rules at max nodes joined, never fewer than prev's.
+    pending = (
+        view.nodes_loaded
+        and count >= len(prev)
+        and any(p.node_id in view.nodes and p.node_id not in view.joiners for p in prev)
+    )
     if view.round is not None and view.round.reason == TAKEOVER_REASON:
         # A new host's store: the others may not have registered yet.
         all_joined = all_joined and count >= len(prev) - 1
