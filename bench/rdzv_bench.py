@@ -427,8 +427,8 @@ def main() -> int:
     ap.add_argument(
         "--max-output-bytes",
         default="",
-        help="the store's max_output_bytes (e.g. 1G): the answers queued for all clients; "
-        "the default 64M cannot queue the ~500 KB result for 4096 agents asking at once",
+        help="the store's max_output_bytes (e.g. 1G): the answers queued for all clients "
+        "(default 64M; each agent's answers are a few KiB, 8192 agents fit)",
     )
     ap.add_argument(
         "--lose-one",
