@@ -145,7 +145,6 @@ async def _verdict(
 ) -> N.StragglersNote | None:
     """This interval's stragglers note: judged here (group rank 0), else read."""
     if aggregator is not None:
-        result = await whole(rendezvous, result)
         names = [note_name(m.group_rank) for m in result.members]
         notes = await rendezvous.gather_notes(names, 0.0)
         verdict = aggregator.judge(result.round, members_progress(notes, result))
@@ -192,6 +191,9 @@ async def publish_loop(
             await rendezvous.write_note(note.name, note.to_json(), lease=True)
         elif aggregator is None:
             continue  # no worker reports progress (yet, or ever: --no-python)
+        if aggregator is not None and not result.complete:
+            # Group rank 0 judges every member's notes: read them all (once).
+            result = await whole(rendezvous, result)
         verdict = await _verdict(rendezvous, result, aggregator)
         if verdict is None:
             continue
