@@ -110,8 +110,14 @@ class Observer:
         self.decoded: dict[int, DecodedResult] = {}
 
     def new_view(self) -> P.View:
-        """A fresh view for a new phase (round results are kept: immutable)."""
-        self.view = P.View(heads=self.view.heads, results=self.view.results)
+        """A fresh view for a new phase (round results are kept: immutable;
+        those of this round and the one before, so a long job's rounds do not
+        pile up: O(n) each)."""
+        old, since = self.view, self.round - 1
+        self.view = P.View(
+            heads={r: h for r, h in old.heads.items() if r >= since},
+            results={r: x for r, x in old.results.items() if r >= since},
+        )
         return self.view
 
     @property
