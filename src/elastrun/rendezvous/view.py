@@ -89,7 +89,7 @@ def _part(kvs: tuple[KeyValue, ...]) -> tuple[ResultHeader, ResultShard]:
 # A round's whole result (its header, then every shard), decoded and checked,
 # with its members; and a header with one shard: once per process for the
 # same bytes.
-decode_whole = KeysMemo(_whole)
+decode_whole = KeysMemo(_whole, size=2)  # O(n) each: this round and the one before
 decode_part = KeysMemo(_part, size=2 * 64)  # every shard of a round and the next
 
 
