@@ -67,6 +67,8 @@ async def handler(store: TcpStore, spec: dict[str, Any], index: int) -> None:
             try:
                 if step == "next_round":
                     r = await rdzv.next_round()
+                    # Every member (the result may name only this node's place).
+                    whole = await rdzv.full_result(r)
                     out(
                         node=node,
                         step=step,
@@ -76,7 +78,14 @@ async def handler(store: TcpStore, spec: dict[str, Any], index: int) -> None:
                         world=r.group_world_size,
                         world_size=r.world_size,
                         offset=r.rank_offset,
-                        members=[m.node_id for m in r.members],
+                        members=[m.node_id for m in whole.members],
+                        # What the whole membership says of this node's place.
+                        whole=[
+                            whole.group_rank,
+                            whole.group_world_size,
+                            whole.world_size,
+                            whole.rank_offset,
+                        ],
                         master=[r.master_addr, r.master_port],
                         restarts=r.restart_count,
                         t=time.monotonic() - t0,

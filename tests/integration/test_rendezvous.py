@@ -157,6 +157,9 @@ def assert_one_world(results: list[dict[str, Any]], n: int) -> None:
     assert ranks == list(range(n))
     assert len({tuple(r["master"]) for r in results}) == 1
     assert len({r["round"] for r in results}) == 1
+    # Each node's own place (read alone) is what the whole membership says.
+    for r in results:
+        assert r["whole"] == [r["rank"], r["world"], r["world_size"], r["offset"]], r
 
 
 def test_many_handlers_agree(cluster: Any) -> None:

@@ -1,33 +1,128 @@
-"""A round's result is decoded once per process, and only for the same bytes."""
+"""A round's result in the store: a header and its members in shards, each
+member's place readable alone, the whole decoded once per process and only
+for the same bytes, anything that does not add up refused."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from elastrun.errors import ProtocolError
+from elastrun.names import RunId
+from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.records import MemberRecord, ResultRecord
-from elastrun.rendezvous.view import decode_result
+from elastrun.rendezvous.results import (
+    RESULT_VERSION,
+    Head,
+    ResultHeader,
+    ResultShard,
+    load,
+    shard_count,
+    shard_of,
+    stored_form,
+)
+from elastrun.rendezvous.rounds import partial_result
+from elastrun.rendezvous.view import decode_part, decode_whole
+from elastrun.store.base import KeyValue
+
+KEYS = K.Keys(RunId("job-decode"))
 
 
-def _result(port: int, n: int = 3) -> bytes:
-    members = tuple(MemberRecord(f"n{i}", f"h{i}", "10.0.0.1", 2, i) for i in range(n))
-    return ResultRecord(round=4, members=members, master_addr="h0", master_port=port).encode()
+def _result(port: int, n: int = 3, nproc: tuple[int, ...] = ()) -> ResultRecord:
+    members = tuple(
+        MemberRecord(f"n{i}", f"h{i}", "10.0.0.1", nproc[i] if nproc else 2, i) for i in range(n)
+    )
+    return ResultRecord(round=4, members=members, master_addr="h0", master_port=port)
+
+
+def _kvs(result: ResultRecord, shards: int) -> tuple[KeyValue, list[KeyValue]]:
+    header, parts = stored_form(result, shards)
+    r = result.round
+    head = KeyValue(KEYS.result(r), header.encode(), 1, 1, 1)
+    return head, [KeyValue(KEYS.shard(r, p.shard), p.encode(), 1, 1, 1) for p in parts]
+
+
+def test_the_shard_count_follows_max_nodes_within_bounds() -> None:
+    assert [shard_count(n) for n in (1, 64, 65, 2048, 8192, 10**6)] == [1, 1, 2, 32, 64, 64]
+
+
+def test_heterogeneous_nproc_keeps_every_first_global_rank() -> None:
+    result = _result(29500, n=40, nproc=tuple(1 + i % 3 for i in range(40)))
+    header, parts = stored_form(result, 4)
+    assert header.size == 40 and header.world_size == result.world_size
+    bases = {s.member.node_id: s.rank_base for p in parts for s in p.seats}
+    expected = 0
+    for m in result.members:
+        assert bases[m.node_id] == expected
+        expected += m.nproc
+    # One member's own place gives what its workers need, without the others.
+    me = result.members[17]
+    shard = parts[shard_of(me.node_id, 4)]
+    rr = partial_result("job", Head.find(header, shard, me.node_id), max_restarts=3)
+    assert not rr.complete and rr.members[0].node_id == me.node_id
+    assert (rr.group_rank, rr.group_world_size, rr.world_size) == (17, 40, result.world_size)
+    assert rr.rank_offset == sum(m.nproc for m in result.members[:17])
+    assert rr.me.nproc == me.nproc and (rr.master_addr, rr.master_port) == ("h0", 29500)
+
+
+def test_a_node_outside_the_round_finds_no_place() -> None:
+    header, parts = stored_form(_result(29500), 1)
+    assert Head.find(header, parts[0], "stranger").mine is None
 
 
 def test_the_same_bytes_are_decoded_once_and_other_bytes_again() -> None:
-    key = "/elastrun/job-decode/rounds/4/result"
-    first = decode_result(key, _result(29500))
-    again = decode_result(key, bytes(_result(29500)))  # equal bytes, another object
+    head, shards = _kvs(_result(29500, n=300), 3)
+    first = decode_whole((head, *shards))
+    again = decode_whole((dataclasses.replace(head, value=bytes(head.value)), *shards))
     assert again is first
-    assert [m.group_rank for m in first.members] == [0, 1, 2]
-    assert first.ranks == {"n0": 0, "n1": 1, "n2": 2}
-    other = decode_result(key, _result(29501))  # same key, other bytes
+    assert [m.group_rank for m in first.members] == list(range(300))
+    assert first.ranks["n7"] == 7
+    other_head, other_shards = _kvs(_result(29501, n=300), 3)
+    other = decode_whole((other_head, *other_shards))  # same keys, other bytes
     assert other is not first and other.record.master_port == 29501
+    part = decode_part((head, shards[1]))
+    assert decode_part((head, shards[1])) is part
+    assert part[1].shard == 1 and all(shard_of(s.member.node_id, 3) == 1 for s in part[1].seats)
 
 
-def test_a_bad_record_is_refused_every_time() -> None:
-    key = "/elastrun/job-decode/rounds/5/result"
-    bad = _result(29500).replace(b'"group_rank": 1', b'"group_rank": 7')
-    for _ in range(2):
-        with pytest.raises(ProtocolError, match="group-rank order"):
-            decode_result(key, bad)
+def _whole(head: KeyValue, shards: list[KeyValue]) -> ResultRecord:
+    header = ResultHeader.decode(head.key, head.value)
+    parts = [ResultShard.decode(kv.key, kv.value, header) for kv in shards]
+    return load(header, parts, head.key)
+
+
+def _rewrite(kv: KeyValue, old: bytes, new: bytes) -> KeyValue:
+    assert old in kv.value
+    return dataclasses.replace(kv, value=kv.value.replace(old, new, 1))
+
+
+def test_shards_that_do_not_add_up_are_refused() -> None:
+    head, shards = _kvs(_result(29500, n=20), 2)
+    assert _whole(head, shards) == _result(29500, n=20)
+    with pytest.raises(ProtocolError, match="not the 2 the header names"):
+        _whole(head, shards[:1])  # a shard missing
+    # A member moved into the other shard: it does not hash there.
+    header = ResultHeader.decode(head.key, head.value)
+    s0 = ResultShard.decode(shards[0].key, shards[0].value, header)
+    moved = dataclasses.replace(shards[1], value=dataclasses.replace(s0, shard=1).encode())
+    with pytest.raises(ProtocolError, match="which is not in this shard"):
+        _whole(head, [shards[0], moved])
+    # A first global rank that does not follow from the nproc before it.
+    bad = _rewrite(shards[1], b'"rank_base": ', b'"rank_base": 1')
+    with pytest.raises(ProtocolError, match=r"first global rank|outside the header"):
+        _whole(head, [shards[0], bad])
+    # Group ranks out of range of the header's size.
+    small = _rewrite(head, b'"size": 20', b'"size": 19')
+    with pytest.raises(ProtocolError, match=r"outside the header's sizes|group ranks"):
+        _whole(small, shards)
+    for _ in range(2):  # refused every time, never remembered
+        with pytest.raises(ProtocolError):
+            decode_whole((small, *shards))
+
+
+def test_a_single_record_result_of_another_version_is_named() -> None:
+    old = KeyValue(KEYS.result(4), _result(29500).encode(), 1, 1, 1)  # record version 1
+    expected = f"record version 1; this elastrun reads version {RESULT_VERSION}"
+    with pytest.raises(ProtocolError, match=expected):
+        ResultHeader.decode(old.key, old.value)

@@ -31,6 +31,7 @@ from elastrun.rendezvous.records import (
     RoundState,
     WaitingRecord,
 )
+from elastrun.rendezvous.results import Head
 from elastrun.store.base import KeyValue, WatchEvent
 
 KEYS = K.Keys(RunId("job"))
@@ -198,13 +199,18 @@ def test_a_closed_round_needs_its_result_then_says_who_is_in_it() -> None:
     view = P.View()
     view.set_round(round_kv(RoundRecord(2, CLOSED)))
     assert P.result_needed(view) == 2
-    view.results[2] = result(2, "a", "b")
+    whole = result(2, "a", "b")
+    view.heads[2] = Head.of(whole, "c", 1)  # the header and this node's place: none
     assert P.result_needed(view) is None
     assert P.round_event(view, "c", "h-c", 2) == RoundClosed(
         2, member=False, room=False, lost="", detail="node h-c (c) waits to join"
     )
-    # Presence read: a member without one is gone (the waiting node re-forms).
+    # Presence read: every member is needed, and one without a presence is
+    # gone (the waiting node re-forms).
     view.nodes, view.nodes_loaded = {"a": presence("a")}, True
+    assert P.result_needed(view) == 2
+    view.results[2] = whole
+    assert P.result_needed(view) is None
     ev = P.round_event(view, "c", "h-c", 3)
     assert isinstance(ev, RoundClosed) and ev.room
     assert ev.lost == "node b lost (no presence in the store)"

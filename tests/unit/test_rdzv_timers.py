@@ -95,13 +95,52 @@ def test_a_full_round_is_not_re_formed_for_a_waiting_node_until_a_member_is_lost
         killed_at = clock().monotonic()
         got = await change
         second = await asyncio.gather(n0.next_round(), joining)
+        whole = await late.full_result(second[1])  # every member, not only its own place
         took = clock().monotonic() - killed_at
         for h in (n0, late):
             await h.shutdown()
-        return quiet, got, second[1], took
+        return quiet, got, whole, took
 
     quiet, change, second, took = run(scenario)
     assert quiet, "a full round was re-formed for a waiting node"
     assert change.reason == "member_lost" and "n9" in change.detail
     assert sorted(m.node_id for m in second.members) == ["n0", "n7"]
     assert took <= ttl + 1.0  # noticed when the lease expired, re-formed at once
+
+
+def test_each_member_reads_its_own_place_and_a_late_node_sees_a_running_job() -> None:
+    """Members get their own place in a sharded result (heterogeneous nproc:
+    contiguous global ranks), the whole membership on request, and a node
+    outside the closed round is told it joins a running job."""
+
+    async def scenario() -> tuple[list[RoundResult], list[RoundResult], list[bool]]:
+        store, run_id = MemoryStore(clock=clock()), f"j-{uuid.uuid4().hex[:6]}"
+        common = {"min_nodes": 3, "max_nodes": 3, "last_call_timeout": 0.5}
+        nproc = {"n0": 2, "n1": 3, "n2": 1}
+        hs = [handler(store, run_id, n, nproc=p, **common) for n, p in nproc.items()]
+        late = handler(store, run_id, "n9", **common)
+        got = list(await asyncio.gather(*(h.next_round() for h in hs)))
+        whole = [await h.full_result(r) for h, r in zip(hs, got, strict=True)]
+        running = [await h.joining_running_job() for h in (*hs, late)]
+        for h in (*hs, late):
+            await h.shutdown()
+        return got, whole, running
+
+    got, whole, running = run(scenario)
+    assert running == [False, False, False, True]
+    # The decider has every member; the others read only their own place.
+    assert sorted(r.complete for r in got) == [False, False, True]
+    assert all(len(r.members) == 1 for r in got if not r.complete)
+    members = whole[0].members
+    assert [w.members for w in whole] == [members] * 3 and len(members) == 3
+    spans = sorted((r.rank_offset, r.rank_offset + r.me.nproc) for r in got)
+    assert spans == [(0, spans[1][0]), (spans[1][0], spans[2][0]), (spans[2][0], 6)]
+    for r, w in zip(got, whole, strict=True):
+        assert w.complete
+        assert (r.group_rank, r.group_world_size, r.world_size, r.rank_offset, r.me) == (
+            w.group_rank,
+            w.group_world_size,
+            w.world_size,
+            w.rank_offset,
+            w.me,
+        )

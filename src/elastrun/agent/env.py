@@ -59,10 +59,10 @@ WORKER_ENV_VARS = (
 
 def check_round(spec: WorkerSpec, result: RoundResult) -> None:
     """Refuse a round whose idea of this node disagrees with the spec."""
-    if not 0 <= result.group_rank < len(result.members):
+    if not 0 <= result.group_rank < result.group_world_size:
         raise WorkerError(
             f"rendezvous round {result.round} gave this node group rank {result.group_rank}, "
-            f"outside [0, {len(result.members)})"
+            f"outside [0, {result.group_world_size})"
         )
     if result.me.nproc != spec.nproc:
         raise WorkerError(

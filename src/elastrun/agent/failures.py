@@ -473,7 +473,7 @@ def summary_title(result: RoundResult, root: FailureRecord | None = None) -> str
     if result.restart_count < result.max_restarts:
         return restart_line(result, root)
     spent = f"no restarts are left (max restarts {result.max_restarts})"
-    if len(result.members) <= 1:
+    if result.group_world_size <= 1:
         # No other node in the group: none can have been lost.
         return f"elastrun: workers failed and {spent}: the job fails"
     return (

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from elastrun.agent.stacks import RankStacks, report
 from elastrun.rendezvous import notes as N
-from elastrun.rendezvous.api import Rendezvous, RoundResult
+from elastrun.rendezvous.api import Rendezvous, RoundResult, whole
 from elastrun.untrusted import UntrustedData, printable
 
 __all__ = ["GATHER_TIMEOUT", "Gathered", "gather", "note_name", "share", "summary"]
@@ -44,7 +44,7 @@ def note_of(stacks: list[RankStacks], result: RoundResult) -> N.StacksNote:
     """This node's stacks note, within its share of the hang's byte budget:
     the top frames only (10 of a hung rank, 1 of the others) beyond it, then
     as many ranks as fit."""
-    budget = N.stacks_budget(len(result.members))
+    budget = N.stacks_budget(result.group_world_size)
     node_id = result.me.node_id
     ranks: list[N.RankStack] = list(stacks)
 
@@ -79,6 +79,7 @@ class Gathered:
 
 async def gather(rendezvous: Rendezvous, result: RoundResult, own: list[RankStacks]) -> Gathered:
     """``own`` and the other members' stacks of this round (bounded wait)."""
+    result = await whole(rendezvous, result)
     seats = N.seats((m.node_id, m.group_rank, m.nproc) for m in result.members)
     others = [m for m in result.members if m.group_rank != result.group_rank]
     names = [note_name(result.round, m.group_rank) for m in others]

@@ -61,7 +61,7 @@ from elastrun.agent.replica import (
 )
 from elastrun.agent.workers import WorkerGroup
 from elastrun.procs import pid_alive
-from elastrun.rendezvous.api import RoundResult
+from elastrun.rendezvous.api import RoundResult, whole
 from elastrun.rendezvous.notes import NoteInvalid, ReplicaNote, replica_name, seats
 from elastrun.safefs import UnsafePath, private_dir
 from elastrun.worker.checkpoint_files import publish, write_checkpoint
@@ -205,7 +205,12 @@ class MemoryCheckpoints(Feature):
         self.result, self._neighbour, self._awaited = result, None, -1
         if self.base is None or result.group_world_size < 2:
             return
-        me = result.members[result.group_rank]
+        # The neighbours' places: every member (read where the result names only this node).
+        result = await whole(self.core.rendezvous, result)
+        if not result.complete:
+            return  # the store did not answer: no replicas this round
+        self.result = result
+        me = result.me
         if self.hold is None and me.addr and not self._replicas_off:
             try:
                 folder = private_dir(os.path.join(self.base, "replica"), below=self.base)
@@ -245,6 +250,8 @@ class MemoryCheckpoints(Feature):
         result = self.result
         if self._neighbour is not None or result is None or result.group_world_size < 2:
             return self._neighbour
+        if not result.complete:
+            return None
         nxt = result.members[(result.group_rank + 1) % result.group_world_size]
         raw = await self.core.rendezvous.read_note(replica_name(nxt.group_rank))
         if raw is None:
@@ -335,7 +342,7 @@ class MemoryCheckpoints(Feature):
         previous mark (with 4 slots), the step the replicas held before are
         of, so that a node lost meanwhile leaves a step every rank can have."""
         hold, result = self.hold, self.result
-        if hold is None or result is None or result.group_world_size < 2:
+        if hold is None or result is None or not result.complete or result.group_world_size < 2:
             return
         if step <= self._awaited:
             return  # once per step (local ranks mark the same steps)
@@ -353,7 +360,7 @@ class MemoryCheckpoints(Feature):
     def _send(self, lr: int, view: SlotView, to: Neighbour) -> None:
         clock, result = self.core.clock, self.result
         t0 = clock.monotonic()
-        node = "" if result is None else result.members[result.group_rank].node_id
+        node = "" if result is None else result.me.node_id
         h = view.header
         try:
             send_snapshot(

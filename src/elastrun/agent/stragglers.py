@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from elastrun.agent.watchdog import read_beat
 from elastrun.events import EventSink
 from elastrun.rendezvous import notes as N
-from elastrun.rendezvous.api import Rendezvous, RoundResult
+from elastrun.rendezvous.api import Rendezvous, RoundResult, whole
 from elastrun.untrusted import UntrustedData
 
 __all__ = [
@@ -191,6 +191,9 @@ async def publish_loop(
             await rendezvous.write_note(note.name, note.to_json(), lease=True)
         elif aggregator is None:
             continue  # no worker reports progress (yet, or ever: --no-python)
+        if aggregator is not None and not result.complete:
+            # Group rank 0 judges every member's notes: read them all (once).
+            result = await whole(rendezvous, result)
         verdict = await _verdict(rendezvous, result, aggregator)
         if verdict is None:
             continue

@@ -38,6 +38,7 @@ from elastrun.rendezvous.records import (
     RoundState,
     WaitingRecord,
 )
+from elastrun.rendezvous.results import Head, shard_count, stored_form
 from elastrun.rendezvous.sizes import promotions
 from elastrun.rendezvous.view import Node, Observer
 from elastrun.store.base import Compare, Delete, KeyValue, Put
@@ -141,23 +142,24 @@ class Executor:
             previous_group_rank=prev.get(node.node_id),
             group_world_size=result.group_world_size,
             world_size=result.world_size,
-            members=len(result.members),
+            members=result.group_world_size,
             master=str(Endpoint(result.master_addr, result.master_port)),
             restart_count=result.restart_count,
         )
-        self._report_promotion(a.round, rec)
+        await self._report_promotion(a.round, rec)
         self.waited_as_spare = False
         return Outcome(result=result)
 
-    def _report_promotion(self, r: int, rec: RoundRecord | None) -> None:
+    async def _report_promotion(self, r: int, rec: RoundRecord | None) -> None:
         """This node was not a member of the round before ``r``: say whose
         place it took (the event log; the console too when it waited as a
         spare and took the rank of a member that left the group)."""
-        node, stored = self.node, self.observer.view.results.get(r)
-        if rec is None or rec.round != r or stored is None:
+        node = self.node
+        if rec is None or rec.round != r or r not in self.observer.view.heads:
             return
         if not rec.prev or any(p.node_id == node.node_id for p in rec.prev):
             return  # a first round, or this node was a member before: not promoted
+        stored = await self.observer.get_result(r)  # whose rank it took: every member
         for nid, rank, lost in _promotions(rec, stored.members):
             if nid != node.node_id:
                 continue
@@ -237,17 +239,22 @@ class Executor:
             unit=settings.node_unit,
         )
         members = result.members
+        chosen = {m.node_id for m in members}
+        shards = shard_count(settings.max_nodes)
+        header, parts = stored_form(result, shards)
         res = await node.store.txn(
             [Compare.unchanged(node.keys.round, kv.mod_revision)],
             [
                 Put(node.keys.round, closed.encode()),
-                Put(node.keys.result(r), result.encode()),
+                Put(node.keys.result(r), header.encode()),
+                *(Put(node.keys.shard(r, p.shard), p.encode()) for p in parts),
             ],
         )
         if res.succeeded and closed.state is RoundState.FAILED:
             node.events.emit("job_failed", round=r, reason="restart budget exhausted")
         elif res.succeeded:
             view.results[r] = result
+            view.heads[r] = Head.of(result, node.node_id, shards)
             node.events.emit(
                 "round_closed",
                 round=r,
@@ -258,7 +265,7 @@ class Executor:
                     {"node": nid, "group_rank": rank, "replaces": lost}
                     for nid, rank, lost in _promotions(view.round, members)
                 ],
-                spares=[j.node.node_id for j in joiners if j.node.node_id not in closed.members],
+                spares=[j.node.node_id for j in joiners if j.node.node_id not in chosen],
             )
 
     def _closed_round_kv(self, r: int) -> tuple[KeyValue, RoundRecord] | None:
@@ -319,18 +326,16 @@ class Executor:
     def _spare(self, r: int) -> bool:
         """Whether this node waits as a spare beside round ``r``: the round
         is at a size this node cannot enlarge by joining."""
-        result = self.observer.view.results.get(r)
-        sizes = self.node.settings.sizes()
-        return result is not None and not sizes.room(len(result.members), 1)
+        n = self.observer.view.size(r)
+        return n > 0 and not self.node.settings.sizes().room(n, 1)
 
     def _waiting_reason(self, r: int) -> str:
         """Why this node waits after round ``r`` closed without it."""
-        result = self.observer.view.results.get(r)
+        n = self.observer.view.size(r)
         s = self.node.settings
         max_nodes = s.max_nodes
-        if result is None:
+        if not n:
             return f"round {r} closed without this node"
-        n = len(result.members)
         if s.node_unit > 1 and self._spare(r):
             return (
                 f"round {r} has {_nodes(n)} ({s.sizes().describe()}); waiting as a spare "
@@ -343,22 +348,26 @@ class Executor:
         )
 
     async def _round_result(self, r: int) -> RoundResult:
-        """Round ``r``'s result as this member sees it (its members built once
-        per process: :func:`.view.decode_result`)."""
-        s = self.node.settings
-        decoded = await self.observer.get_decoded(r)
-        result = decoded.record
-        return RoundResult(
-            run_id=s.run_id,
-            round=result.round,
-            members=decoded.members,
-            group_rank=decoded.ranks[self.node.node_id],
-            master_addr=result.master_addr,
-            master_port=result.master_port,
-            restart_count=result.restarts,
-            max_restarts=s.max_restarts,
-            reason=result.reason,
-        )
+        """Round ``r``'s result as this member sees it: every member where
+        this node read them all (its members built once per process:
+        :func:`.view.decode_whole`), else its own place in the round."""
+        s, view = self.node.settings, self.observer.view
+        if r in view.results:
+            decoded = await self.observer.get_decoded(r)
+            result = decoded.record
+            return RoundResult(
+                run_id=s.run_id,
+                round=result.round,
+                members=decoded.members,
+                group_rank=decoded.ranks[self.node.node_id],
+                master_addr=result.master_addr,
+                master_port=result.master_port,
+                restart_count=result.restarts,
+                max_restarts=s.max_restarts,
+                reason=result.reason,
+            )
+        head = await self.observer.get_head(r)
+        return rounds.partial_result(s.run_id, head, s.max_restarts)
 
     async def _error(self, a: Action) -> BaseException:
         s, obs = self.node.settings, self.observer

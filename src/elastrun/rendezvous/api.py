@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from elastrun.errors import RendezvousError, StoreError
 from elastrun.failure import FailureRecord
 from elastrun.names import RunId
 from elastrun.rendezvous.records import AgreedSettings
@@ -34,6 +35,7 @@ from elastrun.store.base import RevokeSpec
 __all__ = [
     "AgreedSettings",
     "Change",
+    "GroupShape",
     "LeaseListener",
     "Member",
     "ProgressCallback",
@@ -43,6 +45,7 @@ __all__ = [
     "RevokeSpec",
     "RoundResult",
     "WaitingStatus",
+    "whole",
 ]
 
 
@@ -102,35 +105,62 @@ class Member:
 
 
 @dataclass(frozen=True)
+class GroupShape:
+    """The sizes of a round whose result names only this node (see
+    :attr:`RoundResult.shape`)."""
+
+    group_world_size: int  # members
+    world_size: int  # workers: every member's nproc
+    rank_offset: int  # this node's first global rank
+
+
+@dataclass(frozen=True)
 class RoundResult:
-    """The outcome of a closed rendezvous round, as seen by one member."""
+    """The outcome of a closed rendezvous round, as seen by one member.
+
+    ``members`` holds every member, in group-rank order, when ``shape`` is
+    None; else only this node (a large round's result is read in shards:
+    each node reads its own place) and ``shape`` gives the round's sizes.
+    :meth:`Rendezvous.full_result` gives the result with every member."""
 
     run_id: str
     round: int
-    members: tuple[Member, ...]  # ordered by group_rank
+    members: tuple[Member, ...]  # ordered by group_rank; only this node's with a shape
     group_rank: int  # this node's
     master_addr: str
     master_port: int
     restart_count: int  # restarts of the job used so far (job-wide)
     max_restarts: int
     reason: str = ""  # why the round closed (dynamic: the decider's rule)
+    shape: GroupShape | None = None
+
+    @property
+    def complete(self) -> bool:
+        """``members`` holds every member."""
+        return self.shape is None
 
     @property
     def group_world_size(self) -> int:
-        return len(self.members)
+        return len(self.members) if self.shape is None else self.shape.group_world_size
 
     @property
     def world_size(self) -> int:
         """Total workers: the sum of every member's nproc."""
+        if self.shape is not None:
+            return self.shape.world_size
         return sum(m.nproc for m in self.members)
 
     @property
     def rank_offset(self) -> int:
         """Global rank of this node's local rank 0 (ranks are contiguous)."""
+        if self.shape is not None:
+            return self.shape.rank_offset
         return sum(m.nproc for m in self.members if m.group_rank < self.group_rank)
 
     @property
     def me(self) -> Member:
+        if self.shape is not None:
+            return self.members[0]
         return self.members[self.group_rank]
 
     def to_json(self) -> dict[str, Any]:
@@ -207,6 +237,11 @@ class Rendezvous(abc.ABC):
         (job already finished: the caller exits 0), ConfigMismatch,
         RestartBudgetExhausted, StoreError."""
 
+    async def full_result(self, result: RoundResult) -> RoundResult:
+        """``result`` with every member (read where it names only this node:
+        O(n) bytes, for what needs the whole group)."""
+        return result
+
     @abc.abstractmethod
     async def wait_for_change(self) -> Change:
         """Return when the current round must end: a member was lost, a node
@@ -272,3 +307,12 @@ class Rendezvous(abc.ABC):
     async def shutdown(self) -> None:
         """Leave the job (revoke this node's lease). Never closes the job for
         the others. Safe to call more than once."""
+
+
+async def whole(rendezvous: Rendezvous, result: RoundResult) -> RoundResult:
+    """``result`` with every member (:meth:`Rendezvous.full_result`), or as
+    it is (:attr:`RoundResult.complete` false) when the store does not answer."""
+    try:
+        return await rendezvous.full_result(result)
+    except (StoreError, RendezvousError):
+        return result

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import os
 import re
 import socket
-from collections.abc import Sequence
-from typing import Any
 
 from elastrun.clock import SYSTEM_CLOCK, Clock, wait_until
 from elastrun.errors import (
@@ -39,7 +38,6 @@ from elastrun.errors import (
 from elastrun.events import EventSink, NullSink
 from elastrun.failure import FailureRecord, first_failure
 from elastrun.rendezvous import keys as K
-from elastrun.rendezvous import notes as N
 from elastrun.rendezvous import root_cause, rounds
 from elastrun.rendezvous.actions import Executor, Outcome
 from elastrun.rendezvous.api import (
@@ -49,6 +47,7 @@ from elastrun.rendezvous.api import (
     RendezvousSettings,
     RoundResult,
 )
+from elastrun.rendezvous.note_access import NoteAccess
 from elastrun.rendezvous.phases import Inbox, LeaseGone, Message, OpenPhase, WatchFailed, WatchFired
 from elastrun.rendezvous.plan import PhasePlan, plan_phase
 from elastrun.rendezvous.progress import ProgressReporter, waiting_status
@@ -69,9 +68,9 @@ from elastrun.rendezvous.rules import (
 )
 from elastrun.rendezvous.takeover import register_after_takeover
 from elastrun.rendezvous.view import Node, Observer
-from elastrun.store.base import NO_LEASE, Compare, Delete, Get, KeyValue, Put, Store
+from elastrun.store.base import Compare, Delete, Get, Put, Store
 from elastrun.store.keepalive import LeaseKeeper
-from elastrun.untrusted import UntrustedData, printable
+from elastrun.untrusted import printable
 
 __all__ = ["DynamicRendezvous", "create_dynamic_rendezvous"]
 
@@ -95,7 +94,7 @@ def _safe_id(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", text[-128:]) or "node"
 
 
-class DynamicRendezvous(Rendezvous):
+class DynamicRendezvous(NoteAccess, Rendezvous):
     """One node's handle on a job's dynamic rendezvous in a :class:`Store`."""
 
     def __init__(
@@ -158,68 +157,22 @@ class DynamicRendezvous(Rendezvous):
         assert out.result is not None
         return out.result
 
-    async def read_note(self, name: str) -> dict[str, Any] | None:
-        if not N.valid_name(name):
-            return None
-        try:
-            kv = await self.store.get(self.keys.note(name))
-            return None if kv is None else N.decode(name, kv.value)
-        except (StoreError, RendezvousError, UntrustedData):
-            return None
-
-    async def write_note(self, name: str, value: dict[str, Any], *, lease: bool = False) -> None:
-        data = N.encode(value)
-        if not N.valid_name(name) or len(data) > N.NOTE_MAX_BYTES:
-            return
-        held = self.keeper.lease if lease else NO_LEASE
-        if lease and held == NO_LEASE:
-            return  # no lease to tie it to: it would outlive this node
-        with contextlib.suppress(StoreError):
-            await self.store.put(self.keys.note(name), data, held)
-
-    async def gather_notes(self, names: Sequence[str], timeout: float) -> dict[str, dict[str, Any]]:
-        want = {n for n in names if N.valid_name(n)}
-        if not want:
-            return {}
-        first = min(want)
-        prefix = self.keys.note(first[: first.rfind("_") + 1] if "_" in first else first)
-        got: dict[str, dict[str, Any]] = {}
-
-        def absorb(kv: KeyValue) -> None:
-            name = kv.key[len(self.keys.note("")) :]
-            if name in want:
-                # Another node's (or anyone's) bytes: dropped unless they decode
-                # within the bounds.
-                with contextlib.suppress(UntrustedData):
-                    got[name] = N.decode(name, kv.value)
-
-        deadline = self.clock.monotonic() + timeout
-        with contextlib.suppress(StoreError, TimeoutError):
-            kvs, rev = await self.store.get_prefix(prefix)
-            for kv in kvs:
-                absorb(kv)
-            if want <= got.keys() or timeout <= 0:
-                return got
-            async with (
-                asyncio.timeout(max(0.0, deadline - self.clock.monotonic())),
-                await self.store.watch(prefix, prefix=True, start_revision=rev + 1) as watch,
-            ):
-                async for event in watch:
-                    if event.type == "put":
-                        absorb(event.kv)
-                    if want <= got.keys():
-                        break
-        return got
+    async def full_result(self, result: RoundResult) -> RoundResult:
+        if result.complete:
+            return result
+        decoded = await self._observer.get_decoded(result.round)
+        return dataclasses.replace(result, members=decoded.members, shape=None)
 
     async def joining_running_job(self) -> bool:
         try:
             kv = await self.store.get(self.keys.round)
             rec = None if kv is None else RoundRecord.decode(kv.key, kv.value)
+            if rec is None or rec.state is not RoundState.CLOSED:
+                return False
+            head = await self._observer.get_head(rec.round)  # this node's place: O(1) bytes
         except (StoreError, RendezvousError):
             return False  # next_round() reads it again and reports what is wrong
-        if rec is None or rec.state is not RoundState.CLOSED:
-            return False
-        return self.node_id not in rec.members
+        return head.mine is None
 
     async def wait_for_change(self) -> Change:
         if self.rules.state is not State.MEMBER:

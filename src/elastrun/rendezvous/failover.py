@@ -151,8 +151,14 @@ class FailoverRendezvous(Rendezvous):
                 await self._switch()
             out = await self._guarded(self.inner.next_round())
             if isinstance(out, RoundResult):
-                self._last = Carry.of(out)
-                return out
+                whole = await self._guarded(self.inner.full_result(out))
+                if not isinstance(whole, RoundResult):
+                    continue  # the store's host was lost meanwhile: rejoin at the new one
+                self._last = Carry.of(whole)
+                return whole
+
+    async def full_result(self, result: RoundResult) -> RoundResult:
+        return await self.inner.full_result(result)
 
     async def wait_for_change(self) -> Change:
         out = await self._guarded(self.inner.wait_for_change())

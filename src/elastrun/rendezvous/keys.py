@@ -7,7 +7,8 @@ docs/rendezvous.md)::
     nodes/{node_id}             presence, on the node's lease
     round                       the job's current round record
     rounds/{R}/join/{node_id}   joiners of round R, on the lease
-    rounds/{R}/result           round R's result (written with the close)
+    rounds/{R}/result           round R's result header (written with the close)
+    rounds/{R}/members/{k}      its members, in shards (see :mod:`.results`)
     rounds/{R}/done/{node_id}   exit barrier of round R (no lease): each member
                                 counts them after its own (O(1) bytes); only
                                 the barrier's watcher reads and watches them
@@ -101,6 +102,13 @@ class Keys:
     def result(self, r: int) -> str:
         return self.round_prefix(r) + "result"
 
+    def shards(self, r: int) -> str:
+        """The prefix of round ``r``'s member shards (:mod:`.results`)."""
+        return self.round_prefix(r) + "members/"
+
+    def shard(self, r: int, k: int) -> str:
+        return f"{self.shards(r)}{k}"
+
     def dones(self, r: int) -> str:
         return self.round_prefix(r) + "done/"
 
@@ -121,24 +129,24 @@ def valid_node_id(text: str) -> bool:
     return NODE_ID.match(text) is not None
 
 
-def encode(record: Mapping[str, object]) -> bytes:
+def encode(record: Mapping[str, object], version: int = RECORD_VERSION) -> bytes:
     """A record's JSON object (see :mod:`.records`) as stored, with ``"v"``."""
-    return json.dumps({"v": RECORD_VERSION, **record}, sort_keys=True).encode()
+    return json.dumps({"v": version, **record}, sort_keys=True).encode()
 
 
-def decode(key: str, value: bytes) -> dict[str, object]:
-    """The JSON object stored at ``key``, within the bounds and of this
-    record version; raises ProtocolError naming the key."""
+def decode(key: str, value: bytes, version: int = RECORD_VERSION) -> dict[str, object]:
+    """The JSON object stored at ``key``, within the bounds and of record
+    ``version``; raises ProtocolError naming the key."""
     try:
         obj = loads(value, max_bytes=RECORD_MAX_BYTES, what=f"store key {key}")
     except UntrustedData as exc:  # not JSON, too large, or nested too deep
         raise ProtocolError(str(exc)) from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"store key {key} does not hold a JSON object")
-    version = obj.get("v")
-    if version != RECORD_VERSION:
+    found = obj.get("v")
+    if found != version:
         raise ProtocolError(
-            f"store key {key} has record version {version!r}; this elastrun reads "
-            f"version {RECORD_VERSION} (are all nodes on the same elastrun version?)"
+            f"store key {key} has record version {found!r}; this elastrun reads "
+            f"version {version} there (are all nodes on the same elastrun version?)"
         )
     return obj

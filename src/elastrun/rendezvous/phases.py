@@ -200,14 +200,18 @@ class OpenPhase:
         (:func:`.plan.barrier_step`), reading one member's presence or done
         key at a time, until it says whom to watch."""
         obs, store, k = self.observer, self.node.store, self.node.keys
-        members = obs.view.members(r)
+        view = obs.view
+        members, size = view.known(r), view.size(r)
         _, count, _ = await store.get_prefix_newest(k.dones(r), 0, 1)
         present: dict[str, bool] = {}
         done: dict[str, bool] = {}
         revs: dict[str, int] = {}
-        for _ in range(2 * len(members) + 1):  # each step learns one fact, or ends
-            step = P.barrier_step(members, self.node.node_id, count, present, done)
-            if isinstance(step, P.CheckPresence):
+        for _ in range(2 * size + 2):  # each step learns one fact, or ends
+            step = P.barrier_step(members, self.node.node_id, count, present, done, size=size)
+            if isinstance(step, P.BeWatcher) and r not in view.results:
+                # Past the members known (group rank 0): read them all.
+                members = (await obs.get_result(r)).members
+            elif isinstance(step, P.CheckPresence):
                 kvs, revs[step.node_id] = await read(store, k.node(step.node_id), False)
                 present[step.node_id] = bool(kvs)
             elif isinstance(step, P.CheckDone):

@@ -26,20 +26,32 @@ complete    ``round``; the count of the round's done keys (O(1) bytes); then
             presence key
 =========== ================================================================
 
-Every phase but ``complete`` costs each member O(n) bytes; ``complete`` costs
-O(1) for all but the barrier's watcher (O(n) store traffic and watch events
-per round in all).
+A closed round's result is read as this node's head (the header and its own
+shard: O(1) bytes, :mod:`.results`) where the phase reads no ``nodes/``, and
+whole where it does (:func:`result_needed`, :func:`whole_needed`): a member
+without a presence key is lost. So ``seek``, ``join`` (but the decider's) and
+``complete`` (but the barrier watcher's) cost each node O(1) bytes; ``wait``
+and ``member`` O(n).
 """
 
 from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
 
 from elastrun.rendezvous import keys as K
+from elastrun.rendezvous.barrier_plan import (
+    BarrierStep,
+    BeWatcher,
+    CheckDone,
+    CheckPresence,
+    LostAtBarrier,
+    WatchWatcher,
+    barrier_step,
+)
+from elastrun.rendezvous.memo import Memo
 from elastrun.rendezvous.protocol import (
     BarrierDone,
     Event,
@@ -60,6 +72,7 @@ from elastrun.rendezvous.records import (
     RoundState,
     WaitingRecord,
 )
+from elastrun.rendezvous.results import Head
 from elastrun.rendezvous.sizes import WorldSizes
 from elastrun.store.base import KeyValue, WatchEvent
 
@@ -96,6 +109,7 @@ __all__ = [
     "result_needed",
     "round_event",
     "waiting_event",
+    "whole_needed",
 ]
 
 LOST_LEASE = "lease expired or revoked"
@@ -159,37 +173,6 @@ class Watched(enum.Enum):
     WATCHER = "watcher"  # the barrier watcher's presence key (the other members)
 
 
-# -- decoding once ------------------------------------------------------------------
-R = TypeVar("R")
-
-
-class Memo(Generic[R]):
-    """``decode(key, value)``, reused for the same key and the same bytes.
-
-    Every node decodes the round record and the round's result, O(n) bytes
-    each; where many nodes share one process (the simulated agents of
-    bench/rdzv_bench.py) each is decoded once, not once per node. Decoding
-    is a function of the key and the bytes, and the values decoded are
-    immutable, so reusing one changes nothing; a value that does not decode
-    raises every time. Holds the last ``size`` keys' values."""
-
-    def __init__(self, decode: Callable[[str, bytes], R], size: int = 8) -> None:
-        self._decode = decode
-        self._size = size
-        self._last: dict[str, tuple[bytes, R]] = {}
-
-    def __call__(self, key: str, value: bytes) -> R:
-        found = self._last.get(key)
-        if found is not None and found[0] == value:
-            return found[1]
-        decoded = self._decode(key, value)
-        self._last.pop(key, None)
-        if len(self._last) >= self._size:
-            del self._last[next(iter(self._last))]
-        self._last[key] = (value, decoded)
-        return decoded
-
-
 decode_round = Memo(RoundRecord.decode)
 
 
@@ -201,7 +184,11 @@ class View:
 
     round_kv: KeyValue | None = None
     round: RoundRecord | None = None
-    results: dict[int, ResultRecord] = field(default_factory=dict)  # immutable once written
+    # Closed rounds' results (immutable once written): the head (the header
+    # and this node's place) of each read, and every member where needed
+    # (see result_needed).
+    heads: dict[int, Head] = field(default_factory=dict)
+    results: dict[int, ResultRecord] = field(default_factory=dict)
     joiners: dict[str, KeyValue] = field(default_factory=dict)
     nodes: dict[str, KeyValue] = field(default_factory=dict)
     nodes_loaded: bool = False
@@ -221,9 +208,30 @@ class View:
         self.round = None if kv is None else decode_round(kv.key, kv.value)
 
     def members(self, r: int) -> tuple[MemberRecord, ...]:
-        """The members of closed round ``r`` in rank order (as read)."""
+        """The members of closed round ``r`` in rank order (as read; empty
+        where only its head was read)."""
         result = self.results.get(r)
         return result.members if result else ()
+
+    def size(self, r: int) -> int:
+        """The member count of closed round ``r`` (0: not read)."""
+        head = self.heads.get(r)
+        return head.header.size if head else len(self.members(r))
+
+    def has_member(self, r: int, node_id: str) -> bool:
+        """Whether ``node_id`` is a member of closed round ``r`` (as read)."""
+        head = self.heads.get(r)
+        if head is not None and head.mine is not None and head.mine.member.node_id == node_id:
+            return True
+        return any(m.node_id == node_id for m in self.members(r))
+
+    def known(self, r: int) -> tuple[MemberRecord, ...]:
+        """Round ``r``'s members known in rank order from the first: every
+        member, or group rank 0 alone where only the head was read."""
+        if r in self.results:
+            return self.results[r].members
+        head = self.heads.get(r)
+        return (head.header.first,) if head else ()
 
 
 # -- the decider ----------------------------------------------------------------------
@@ -265,87 +273,35 @@ def follower_of_newest(me: str, newest: Sequence[KeyValue]) -> Follower | None:
     return Follower(ids[1])
 
 
-# -- the exit barrier ------------------------------------------------------------------
-@dataclass(frozen=True)
-class CheckPresence:
-    """Read this member's presence key, then ask again."""
-
-    node_id: str
-
-
-@dataclass(frozen=True)
-class CheckDone:
-    """Read whether this member put its done key, then ask again."""
-
-    node_id: str
-
-
-@dataclass(frozen=True)
-class WatchWatcher:
-    """Watch this member's presence key: it is the barrier's watcher."""
-
-    node_id: str
-
-
-@dataclass(frozen=True)
-class LostAtBarrier:
-    """This member is gone without a done key: it is lost."""
-
-    member: MemberRecord
-
-
-@dataclass(frozen=True)
-class BeWatcher:
-    """This node is the barrier's watcher: read and watch the done keys and
-    ``nodes/``."""
-
-
-BarrierStep = BarrierDone | CheckPresence | CheckDone | WatchWatcher | LostAtBarrier | BeWatcher
-
-
-def barrier_step(
-    members: Sequence[MemberRecord],
-    me: str,
-    done_count: int,
-    present: Mapping[str, bool],
-    done: Mapping[str, bool],
-) -> BarrierStep:
-    """The next step of setting up the exit barrier, after this node's done
-    key, from the count of done keys and what is known so far of the members
-    before this node (``present``: presence key exists; ``done``: done key
-    exists). Every member counted: done. Else the watcher is the first member
-    in rank order whose presence key exists; a member before it that is gone
-    must have a done key, else it is lost; none before this node: this node
-    watches."""
-    if members and done_count >= len(members):
-        return BarrierDone()
-    for m in members:
-        nid = m.node_id
-        if nid == me:
-            break
-        if nid not in present:
-            return CheckPresence(nid)
-        if present[nid]:
-            return WatchWatcher(nid)
-        if nid not in done:
-            return CheckDone(nid)
-        if not done[nid]:
-            return LostAtBarrier(m)
-    return BeWatcher()
-
-
+# -- the exit barrier (its set-up steps: .barrier_plan) ------------------------------
 def all_done(view: View, r: int) -> bool:
+    """Every member of round ``r`` put its done key (checked member by member
+    only once there are as many done keys as members: the watcher asks at
+    each of n done keys)."""
     members = view.members(r)
-    return bool(members) and all(m.node_id in view.done for m in members)
+    if not members or len(view.done) < len(members):
+        return False
+    return all(m.node_id in view.done for m in members)
 
 
 # -- store state -> events --------------------------------------------------------------
 def result_needed(view: View) -> int | None:
-    """The round whose result :func:`round_event` needs and the view lacks."""
+    """The round whose result :func:`round_event` needs and the view lacks:
+    its head, or every member where this phase watches ``nodes/`` (a member
+    gone is lost: :func:`whole_needed`)."""
     rec = view.round
     if rec is None or rec.state is not RoundState.CLOSED:
         return None
-    return None if rec.round in view.results else rec.round
+    r = rec.round
+    if r in view.results or (r in view.heads and not whole_needed(view)):
+        return None
+    return r
+
+
+def whole_needed(view: View) -> bool:
+    """Whether this phase needs every member of the closed round (it reads
+    ``nodes/``: members without a presence key are lost)."""
+    return view.nodes_loaded
 
 
 def round_event(
@@ -365,15 +321,14 @@ def round_event(
         return RoundFinished(r)
     if state is RoundState.FAILED:
         return RoundFailed(r)
-    members = [m.node_id for m in view.members(r)]
     lost = ""
     if view.nodes_loaded:
-        gone = [m for m in members if m not in view.nodes]
+        gone = [m.node_id for m in view.members(r) if m.node_id not in view.nodes]
         lost = f"node {gone[0]} lost (no presence in the store)" if gone else ""
     return RoundClosed(
         r,
-        member=me in members,
-        room=WorldSizes(1, max_nodes, unit).room(len(members), 1),
+        member=view.has_member(r, me),
+        room=WorldSizes(1, max_nodes, unit).room(view.size(r), 1),
         lost=lost,
         detail=f"node {host} ({me}) waits to join",
     )
@@ -382,16 +337,22 @@ def round_event(
 def joiners_event(view: View, now: float) -> JoinersChanged:
     """The joiners of the open round, as the decider (or a follower) sees them."""
     prev = view.round.prev if view.round is not None else ()
+    # Each check below scans only once the counts allow it (the decider asks
+    # at each of n joins: O(n) per join would be O(n^2) per round).
     all_joined = (
         bool(prev)
         and view.nodes_loaded
+        and len(view.joiners) >= len(view.nodes)
         and all(nid in view.joiners for nid in view.nodes)
         and not view.waiting
     )
-    pending = view.nodes_loaded and any(
-        p.node_id in view.nodes and p.node_id not in view.joiners for p in prev
-    )
     count = len(view.joiners) if view.joined_count is None else view.joined_count
+    # Only read by the rules at max nodes joined, never fewer than prev's.
+    pending = (
+        view.nodes_loaded
+        and count >= len(prev)
+        and any(p.node_id in view.nodes and p.node_id not in view.joiners for p in prev)
+    )
     if view.round is not None and view.round.reason == TAKEOVER_REASON:
         # A new host's store: the others may not have registered yet.
         all_joined = all_joined and count >= len(prev) - 1
@@ -432,7 +393,7 @@ def waiting_event(
     among them) make a larger allowed world with the members; spares below
     the next multiple of ``unit`` wait on."""
     waiting = max(1, len(view.waiting))
-    room = WorldSizes(1, max_nodes, unit).room(len(view.members(r)), waiting)
+    room = WorldSizes(1, max_nodes, unit).room(view.size(r), waiting)
     kv = view.waiting.get(node_id)
     host = WaitingRecord.decode(kv.key, kv.value).host if kv else node_id
     return NodeWaiting(room, f"node {host} ({node_id}) waits to join")
@@ -511,7 +472,7 @@ def _apply(keys: dict[str, KeyValue], nid: str, wev: WatchEvent) -> None:
 
 
 def _member(view: View, r: int, nid: str) -> MemberRecord | None:
-    return next((m for m in view.members(r) if m.node_id == nid), None)
+    return next((m for m in view.known(r) if m.node_id == nid), None)
 
 
 def _nodes_changed(view: View, nid: str, wev: WatchEvent, r: int, now: float) -> Reaction:

@@ -123,6 +123,8 @@ class JoinersChanged(Event):
     # A re-formed round, and a member of the previous round is present but has
     # not joined yet: max joined does not close it (the survivor would lose its
     # place to a spare); its joining, its leaving or the last call does.
+    # Reported once as many nodes joined as the previous round had members
+    # (the rules read it only at max joined).
     members_pending: bool = False
 
 

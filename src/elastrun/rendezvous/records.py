@@ -283,7 +283,11 @@ TAKEOVER_REASON = "store_failover"
 
 @dataclass(frozen=True)
 class RoundRecord(_Record):
-    """``round``: the job's current round (every write a compare-and-set)."""
+    """``round``: the job's current round (every write a compare-and-set).
+
+    Every node reads and watches it, so it holds no list of the round's
+    members (its result does: :mod:`.results`); ``prev`` is the previous
+    round's members only while a round is open."""
 
     round: int
     state: RoundState
@@ -298,7 +302,6 @@ class RoundRecord(_Record):
     counts: bool = False  # it opened for a worker failure (charged at the close)
     opened_at: float | None = None  # wall clock, for people
     hang_round: int | None = None  # the last round that ended on a declared hang
-    members: tuple[str, ...] = ()  # closed and later: the members' node ids
     # The members of the previous round that reported a worker failure for
     # this round: pending_failure is the first of their failures (see
     # rendezvous/root_cause.py).
@@ -318,8 +321,6 @@ class RoundRecord(_Record):
             "opened_at": self.opened_at,
             "hang_round": self.hang_round,
         }
-        if self.state is not RoundState.OPEN:
-            out["members"] = list(self.members)
         if self.reporters:
             out["reporters"] = list(self.reporters)
         return out
@@ -328,7 +329,6 @@ class RoundRecord(_Record):
     def from_json(cls, raw: object, where: str = "round record") -> Self:
         f = Fields(raw, where)
         prev = tuple(PrevMember.from_json(p, f"{where}: prev") for p in f.items("prev"))
-        members = tuple(_node_ids(f.items("members"), f, "members"))
         reporters = tuple(_node_ids(f.items("reporters"), f, "reporters"))
         return cls(
             round=f.integer("round"),
@@ -342,7 +342,6 @@ class RoundRecord(_Record):
             counts=f.flag("counts"),
             opened_at=f.wall("opened_at"),
             hang_round=f.maybe_count("hang_round"),
-            members=members,
             reporters=reporters,
         )
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from elastrun.errors import RendezvousError
 from elastrun.failure import FailureRecord
-from elastrun.rendezvous.api import Change, Member, RoundResult
+from elastrun.rendezvous.api import Change, GroupShape, Member, RoundResult
 from elastrun.rendezvous.ranks import Candidate, assign_ranks
 from elastrun.rendezvous.records import (
     TAKEOVER_REASON,
@@ -30,6 +30,7 @@ from elastrun.rendezvous.records import (
     RoundRecord,
     RoundState,
 )
+from elastrun.rendezvous.results import Head
 from elastrun.rendezvous.sizes import WorldSizes, choose_members
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "config_diff",
     "first_round",
     "next_round_record",
+    "partial_result",
     "pick_master_port",
     "round_change",
     "round_result",
@@ -140,8 +142,7 @@ def close_records(
         MemberRecord(n.node_id, n.host, n.addr, n.nproc, ranks[n.node_id]) for n in nodes
     )
     master = records[0]
-    member_ids = tuple(m.node_id for m in members)
-    charged = rnd.counts and prev.keys() <= set(member_ids)
+    charged = rnd.counts and prev.keys() <= {m.node_id for m in members}
     restarts = rnd.restarts + (1 if charged else 0)
     result = ResultRecord(
         round=rnd.round,
@@ -157,7 +158,6 @@ def close_records(
     closed = dataclasses.replace(
         rnd,
         state=RoundState.CLOSED,
-        members=member_ids,
         restarts=restarts,
         last_failure=rnd.pending_failure if charged else rnd.last_failure,
     )
@@ -253,6 +253,27 @@ def round_result(run_id: str, node_id: str, result: ResultRecord, max_restarts: 
         restart_count=result.restarts,
         max_restarts=max_restarts,
         reason=result.reason,
+    )
+
+
+def partial_result(run_id: str, head: Head, max_restarts: int) -> RoundResult:
+    """Round ``head``'s result as its member sees it from its own place
+    (:attr:`~.api.RoundResult.shape`: the round's sizes)."""
+    h, seat = head.header, head.mine
+    if seat is None:
+        raise RendezvousError(f"round {h.round}'s result does not name this node")
+    m = seat.member
+    return RoundResult(
+        run_id=run_id,
+        round=h.round,
+        members=(Member(m.node_id, m.host, m.addr, m.group_rank, m.nproc),),
+        group_rank=m.group_rank,
+        master_addr=h.master_addr,
+        master_port=h.master_port,
+        restart_count=h.restarts,
+        max_restarts=max_restarts,
+        reason=h.reason,
+        shape=GroupShape(h.size, h.world_size, seat.rank_base),
     )
 
 

@@ -28,13 +28,16 @@ from elastrun.errors import RendezvousError, StoreError
 from elastrun.events import EventSink
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import plan as P
+from elastrun.rendezvous import results as R
 from elastrun.rendezvous.api import Member, RendezvousSettings
+from elastrun.rendezvous.memo import KeysMemo
 from elastrun.rendezvous.protocol import Event
 from elastrun.rendezvous.records import JoinRecord, MemberRecord, ResultRecord
+from elastrun.rendezvous.results import Head, ResultHeader, ResultShard, shard_count, shard_of
 from elastrun.rendezvous.rules import Rules
 from elastrun.store.base import Get, KeyValue, Store, WatchEvent
 
-__all__ = ["DecodedResult", "Node", "Observer", "decode_result", "read"]
+__all__ = ["DecodedResult", "Node", "Observer", "decode_part", "decode_whole", "read"]
 
 
 @dataclass(frozen=True)
@@ -74,9 +77,20 @@ def _decoded(record: ResultRecord) -> DecodedResult:
     return DecodedResult(record, members, {m.node_id: m.group_rank for m in members})
 
 
-# The result record at a key, decoded and checked (ResultRecord.decode), with
-# its members: once per process for the same bytes (see plan.Memo).
-decode_result = P.Memo(lambda key, value: _decoded(ResultRecord.decode(key, value)))
+def _whole(kvs: tuple[KeyValue, ...]) -> DecodedResult:
+    return _decoded(R.decode_whole(kvs[0], kvs[1:]))
+
+
+def _part(kvs: tuple[KeyValue, ...]) -> tuple[ResultHeader, ResultShard]:
+    header = ResultHeader.decode(kvs[0].key, kvs[0].value)
+    return header, ResultShard.decode(kvs[1].key, kvs[1].value, header)
+
+
+# A round's whole result (its header, then every shard), decoded and checked,
+# with its members; and a header with one shard: once per process for the
+# same bytes.
+decode_whole = KeysMemo(_whole, size=2)  # O(n) each: this round and the one before
+decode_part = KeysMemo(_part, size=2 * 64)  # every shard of a round and the next
 
 
 class Observer:
@@ -96,44 +110,85 @@ class Observer:
         self.decoded: dict[int, DecodedResult] = {}
 
     def new_view(self) -> P.View:
-        """A fresh view for a new phase (round results are kept: immutable)."""
-        self.view = P.View(results=self.view.results)
+        """A fresh view for a new phase (round results are kept: immutable;
+        those of this round and the one before, so a long job's rounds do not
+        pile up: O(n) each)."""
+        old, since = self.view, self.round - 1
+        self.view = P.View(
+            heads={r: h for r, h in old.heads.items() if r >= since},
+            results={r: x for r, x in old.results.items() if r >= since},
+        )
         return self.view
 
     @property
     def round(self) -> int:
         return self.rules.ctx.round
 
-    # -- the round record ----------------------------------------------------
-    async def get_result(self, r: int) -> ResultRecord:
+    # -- the round's result -------------------------------------------------
+    def _no_result(self, r: int) -> RendezvousError:
+        return RendezvousError(f"round {r} is closed but has no result record")
+
+    async def get_head(self, r: int) -> Head:
+        """Round ``r``'s header and this node's place in it (O(1) bytes: its
+        own shard; one read where the shard count is the job's)."""
         view = self.view
-        if r not in view.results:
-            kv = await self.node.store.get(self.node.keys.result(r))
-            if kv is None:
-                raise RendezvousError(f"round {r} is closed but has no result record")
-            decoded = decode_result(kv.key, kv.value)
-            self.decoded = {r: decoded}
-            view.results[r] = decoded.record
-        return view.results[r]
+        if r in view.heads:
+            return view.heads[r]
+        store, k, me = self.node.store, self.node.keys, self.node.node_id
+        shards = shard_count(self.node.settings.max_nodes)
+        res = await store.txn([], [Get(k.result(r)), Get(k.shard(r, shard_of(me, shards)))])
+        header_kvs, shard_kvs = res.gets
+        if not header_kvs:
+            raise self._no_result(r)
+        header = ResultHeader.decode(header_kvs[0].key, header_kvs[0].value)
+        if header.shards != shards:  # not this job's count: its own shard
+            one = await store.get(k.shard(r, shard_of(me, header.shards)))
+            shard_kvs = [one] if one is not None else []
+        if not shard_kvs:
+            raise RendezvousError(f"round {r}'s result has no shard for this node ({me})")
+        header, shard = decode_part((header_kvs[0], shard_kvs[0]))
+        view.heads[r] = Head.find(header, shard, me)
+        return view.heads[r]
+
+    async def get_result(self, r: int) -> ResultRecord:
+        """Round ``r``'s whole result (O(n) bytes: every shard, in one read)."""
+        return (await self.get_decoded(r)).record
 
     async def get_decoded(self, r: int) -> DecodedResult:
-        """Round ``r``'s result with its members (read once per node, decoded
-        once per process)."""
-        record = await self.get_result(r)
+        """Round ``r``'s whole result with its members (read once per node,
+        decoded once per process)."""
+        view = self.view
         decoded = self.decoded.get(r)
-        if decoded is None or decoded.record is not record:
-            decoded = _decoded(record)  # this node's own close
-            self.decoded = {r: decoded}
+        if decoded is not None and view.results.get(r) is decoded.record:
+            return decoded
+        if r in view.results:  # this node's own close
+            decoded = _decoded(view.results[r])
+        else:
+            k = self.node.keys
+            res = await self.node.store.txn([], [Get(k.result(r)), Get(k.shards(r), prefix=True)])
+            header_kvs, shard_kvs = res.gets
+            if not header_kvs:
+                raise self._no_result(r)
+            decoded = decode_whole((header_kvs[0], *shard_kvs))
+            view.results[r] = decoded.record
+        if r not in view.heads:
+            shards = shard_count(self.node.settings.max_nodes)
+            view.heads[r] = Head.of(decoded.record, self.node.node_id, shards)
+        self.decoded = {r: decoded}
         return decoded
 
     async def round_event(self) -> Event | None:
-        needed = P.result_needed(self.view)
+        view = self.view
+        needed = P.result_needed(view)
         if needed is not None:
-            await self.get_result(needed)
+            if P.whole_needed(view):
+                await self.get_result(needed)
+            else:
+                await self.get_head(needed)
         node = self.node
         s = node.settings
         return P.round_event(
-            self.view,
+            view,
             node.node_id,
             node.host,
             s.max_nodes,
@@ -172,6 +227,8 @@ class Observer:
         return P.lost_event(member, left=left)
 
     async def lost_events(self) -> list[Event]:
+        if self.round in self.view.heads:
+            await self.get_result(self.round)  # who is absent: every member
         absent = P.absent_members(self.view, self.round)
         return [await self.lost_event(m) for m in absent if not await self.finished(m.node_id)]
 

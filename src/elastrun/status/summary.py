@@ -65,6 +65,7 @@ from elastrun.rendezvous.records import (
     RoundState,
     WaitingRecord,
 )
+from elastrun.rendezvous.results import decode_whole
 from elastrun.rendezvous.sizes import WorldSizes
 from elastrun.status.model import (
     JOB_STATES,
@@ -347,11 +348,24 @@ async def _under(store: Store, prefix: str) -> list[KeyValue]:
     return kvs
 
 
-_Top = TypeVar("_Top", ConfigRecord, RoundRecord, ResultRecord)
+_Top = TypeVar("_Top", ConfigRecord, RoundRecord)
 
 
 def _one(kind: type[_Top], kvs: list[KeyValue]) -> _Top | None:
     return kind.decode(kvs[0].key, kvs[0].value) if kvs else None
+
+
+def _result_ops(k: K.Keys, r: int) -> list[Get]:
+    """A round's result: its header and every shard (rendezvous/results.py)."""
+    return [Get(k.result(r)), Get(k.shards(r), prefix=True)]
+
+
+def _result(gets: list[list[KeyValue]]) -> ResultRecord | None:
+    """The whole result read by :func:`_result_ops` (None: no such round)."""
+    header_kvs, shard_kvs = gets
+    if not header_kvs:
+        return None
+    return decode_whole(header_kvs[0], shard_kvs)
 
 
 async def read_summary(store: Store, run_id: RunId) -> Summary | None:
@@ -370,9 +384,9 @@ async def read_summary(store: Store, run_id: RunId) -> Summary | None:
             r, h = rec.round, rec.hang_round
         ops = [Get(k.config), Get(k.round)]
         if r is not None:
-            ops += [Get(k.result(r)), Get(k.result(r - 1))]
+            ops += _result_ops(k, r) + _result_ops(k, r - 1)
         if h is not None:
-            ops += [Get(k.result(h))]
+            ops += _result_ops(k, h)
         res = await store.txn([guard], ops)
         if not res.succeeded:
             continue  # the round moved on between the two reads: read again
@@ -383,9 +397,9 @@ async def read_summary(store: Store, run_id: RunId) -> Summary | None:
         joins: dict[str, JoinRecord] = {}
         dones: set[str] = set()
         if r is not None:
-            result = _one(ResultRecord, res.gets[2])
-            prev = _one(ResultRecord, res.gets[3]) if r > 0 else None
-            hang_result = _one(ResultRecord, res.gets[4]) if h is not None else None
+            result = _result(res.gets[2:4])
+            prev = _result(res.gets[4:6]) if r > 0 else None
+            hang_result = _result(res.gets[6:8]) if h is not None else None
             joins = _records(await _under(store, k.joins(r)), JoinRecord)
             dones = {K.node_id_of(kv.key) for kv in await _under(store, k.dones(r))}
         round_rec = _one(RoundRecord, round_kvs)

@@ -37,7 +37,7 @@ import itertools
 import math
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from elastrun.clock import SYSTEM_CLOCK, Clock
 from elastrun.errors import LeaseNotFound, RevisionCompacted
@@ -54,6 +54,7 @@ from elastrun.store.base import (
     newest_created,
 )
 from elastrun.store.history import History
+from elastrun.store.lease_table import LeaseTable
 from elastrun.store.limits import (
     DEFAULT_LIMITS,
     KEY_OVERHEAD,
@@ -71,14 +72,6 @@ WatchCallback = Callable[[list[WatchEvent]], bool | None]
 
 MIN_TTL = 0.05
 MAX_TTL = 3600.0
-
-
-@dataclass
-class _Lease:
-    ttl: float
-    deadline: float
-    keys: set[str] = field(default_factory=set)
-    owner: object | None = None
 
 
 @dataclass
@@ -114,8 +107,7 @@ class Engine:
         # under a folder without a scan (see range_newest).
         self._folders: dict[str, list[tuple[int, str]]] = {}
         self._data_bytes = 0
-        self._leases: dict[int, _Lease] = {}
-        self._owned: dict[object, set[int]] = {}  # owner -> ids of the leases it owns
+        self._leases = LeaseTable()
         self.history = History(
             limits.history_bytes, limits.history_revisions if history is None else history
         )
@@ -125,7 +117,6 @@ class Engine:
         self._by_key: dict[str, dict[int, _Watcher]] = {}
         self._by_prefix: dict[str, dict[int, _Watcher]] = {}
         self._watch_ids = itertools.count(1)
-        self._lease_ids = itertools.count(secrets.randbelow(1 << 40) + 1)
 
     @property
     def data_bytes(self) -> int:
@@ -288,24 +279,14 @@ class Engine:
     def lease_grant(self, ttl: float, owner: object | None = None) -> int:
         if not (math.isfinite(ttl) and MIN_TTL <= ttl <= MAX_TTL):
             raise ValueError(f"lease TTL must be between {MIN_TTL} and {MAX_TTL} s, got {ttl}")
-        lease_id = next(self._lease_ids)
-        lease = self._leases[lease_id] = _Lease(ttl, self.clock.monotonic() + ttl)
-        self._set_owner(lease_id, lease, owner)
-        return lease_id
+        return self._leases.grant(ttl, self.clock.monotonic() + ttl, owner)
 
     def lease_keepalive(self, lease_id: int, owner: object | None = None) -> float:
         """Restore the full TTL; ``owner`` becomes the lease's owner (None: none)."""
-        lease = self._leases.get(lease_id)
-        if lease is None:
-            raise LeaseNotFound(f"lease {lease_id:x} not found (expired or revoked)")
-        lease.deadline = self.clock.monotonic() + lease.ttl
-        self._set_owner(lease_id, lease, owner)
-        return lease.ttl
+        return self._leases.keepalive(lease_id, self.clock.monotonic(), owner)
 
     def lease_revoke(self, lease_id: int) -> None:
-        lease = self._leases.pop(lease_id, None)
-        if lease is not None:
-            self._set_owner(lease_id, lease, None)
+        lease = self._leases.pop(lease_id)
         if lease is None or not lease.keys:
             return
         self.revision += 1
@@ -317,33 +298,23 @@ class Engine:
         never later than before) unless kept alive again, and has no owner
         from now on. Returns those leases' ids. The earliest deadline may have
         moved earlier: re-arm the expiry timer."""
-        ids = sorted(self._owned.pop(owner, ()))
-        now = self.clock.monotonic()
-        for lease_id in ids:
-            lease = self._leases[lease_id]
-            lease.owner = None
-            cutoff = now + max(0.0, min(grace, lease.ttl / 2))
-            lease.deadline = min(lease.deadline, cutoff)
-        return ids
+        return self._leases.owner_gone(owner, grace, self.clock.monotonic())
 
     def lease_disown(self, owner: object) -> None:
         """Forget ``owner`` without touching deadlines (its leases keep their TTL)."""
-        for lease_id in self._owned.pop(owner, ()):
-            self._leases[lease_id].owner = None
+        self._leases.disown(owner)
 
     def expire_leases(self) -> list[int]:
-        """Revoke every lease whose deadline has passed; returns their ids."""
-        now = self.clock.monotonic()
-        expired = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
+        """Revoke every lease whose deadline has passed; returns their ids
+        (O(log n) each, and when none has: :mod:`.lease_table`)."""
+        expired = self._leases.expired(self.clock.monotonic())
         for lease_id in expired:
             self.lease_revoke(lease_id)
         return expired
 
     def next_deadline(self) -> float | None:
         """The earliest lease deadline, or None when there are no leases."""
-        if not self._leases:
-            return None
-        return min(lease.deadline for lease in self._leases.values())
+        return self._leases.next_deadline()
 
     # -- watches -------------------------------------------------------------
     def add_watcher(
@@ -448,19 +419,6 @@ class Engine:
         written again later)."""
         kv = self._kv.get(key)
         return kv is not None and kv.mod_revision < revision
-
-    def _set_owner(self, lease_id: int, lease: _Lease, owner: object | None) -> None:
-        if lease.owner is owner:
-            return
-        if lease.owner is not None:
-            owned = self._owned.get(lease.owner)
-            if owned is not None:
-                owned.discard(lease_id)
-                if not owned:
-                    del self._owned[lease.owner]
-        lease.owner = owner
-        if owner is not None:
-            self._owned.setdefault(owner, set()).add(lease_id)
 
     def _check_lease(self, lease: int) -> None:
         if lease != NO_LEASE and lease not in self._leases:

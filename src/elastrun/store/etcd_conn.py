@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import socket
 import ssl
+import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,6 +40,14 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     raise ConfigError(
         "the etcd backend needs the 'httpx' package: pip install 'elastrun[etcd]'"
     ) from exc
+
+# httpcore asks ``import sniffio`` at every request (which async library runs
+# it); where sniffio is not installed, each of those failed imports searches
+# sys.path again: a fifth of an agent's CPU on etcd (200 us a request). A None
+# entry in sys.modules makes that import fail at once, with the same answer
+# (asyncio).
+if importlib.util.find_spec("sniffio") is None:
+    sys.modules.setdefault("sniffio", None)  # type: ignore[arg-type]
 
 __all__ = [
     "DEFAULT_PORT",

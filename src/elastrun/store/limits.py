@@ -2,8 +2,8 @@
 
 Every resource a client can make the store hold is bounded here; the table in
 docs/store-protocol.md lists the same limits. The defaults leave a job of
-thousands of nodes far from every bound (a rendezvous record of 1000 members
-is about 150 KB; each agent holds one connection) while keeping what a
+thousands of nodes far from every bound (a round's result is stored in shards
+of about 64 members, about 7 KB each; each agent holds one connection) while keeping what a
 stranger can make the store hold small: before its hello a connection may
 send at most :data:`PRE_HELLO_FRAME` bytes, and only a bounded number of
 connections may be waiting for their hello.
