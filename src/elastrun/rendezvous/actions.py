@@ -38,6 +38,7 @@ from elastrun.rendezvous.records import (
     RoundState,
     WaitingRecord,
 )
+from elastrun.rendezvous.regain import regain
 from elastrun.rendezvous.sizes import promotions
 from elastrun.rendezvous.view import Node, Observer
 from elastrun.store.base import Compare, Delete, KeyValue, Put
@@ -114,8 +115,37 @@ class Executor:
         await node.store.put(node.keys.done(a.round, node.node_id), DONE)
 
     async def _renew_lease(self, a: Action) -> None:
-        await self.keeper.start()
-        await self.put_presence()
+        await self.regain_lease()
+
+    async def regain_lease(self, check: Callable[[], Awaitable[None]] | None = None) -> None:
+        """A new lease and the presence key again after the lease was lost
+        (``check`` first, each try): retried while the store is unreachable,
+        at most ``join_timeout`` (:mod:`.regain`)."""
+        node, keeper = self.node, self.keeper
+        lost = keeper.lost_reason or "lease lost"
+        window = node.settings.join_timeout
+        tries = [1]
+
+        async def attempt() -> None:
+            if check is not None:
+                await check()
+            await keeper.start()
+            await self.put_presence()
+
+        def on_retry(exc: BaseException) -> None:
+            tries[0] += 1
+
+        if self.notice is not None:
+            self.notice(
+                f"elastrun: this node lost its lease ({printable(lost)}); registering again "
+                f"(for up to join_timeout={window:g}s while the store is unreachable)"
+            )
+        took = await regain(attempt, window=window, clock=node.clock, lost=lost, on_retry=on_retry)
+        node.events.emit(
+            "lease_regained", node=node.node_id, lost=lost, tries=tries[0], after_s=took
+        )
+        if self.notice is not None:
+            self.notice(f"elastrun: registered again after {took:.1f}s: rejoining the job")
 
     async def _revoke(self, a: Action) -> None:
         # Leaving: bounded by close_timeout; past it the lease expires by
