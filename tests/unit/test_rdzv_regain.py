@@ -55,7 +55,9 @@ def test_past_the_window_it_gives_up_naming_the_store_the_window_and_why() -> No
             raise StoreTimeout("127.0.0.1:29400 granted no lease within 2 s (lease_ttl)")
 
         try:
-            await regain(attempt, window=12.0, clock=clock, lost="lease expired")
+            await regain(
+                attempt, window=12.0, clock=clock, lost="lease expired", store="store at h:1"
+            )
         except StoreUnavailable as e:
             return e, clock.monotonic() - start
         raise AssertionError("no error")
@@ -63,7 +65,7 @@ def test_past_the_window_it_gives_up_naming_the_store_the_window_and_why() -> No
     err, took = run_virtual(scenario())
     assert 12.0 <= took <= 12.0 + RETRY_EVERY
     text = str(err)
-    assert "unreachable for 12 s (join_timeout=12)" in text
+    assert "store at h:1 stayed unreachable for 12 s (join_timeout=12)" in text
     assert "lease expired" in text and "granted no lease" in text
 
 

@@ -42,7 +42,7 @@ from elastrun.rendezvous.regain import regain
 from elastrun.rendezvous.sizes import promotions
 from elastrun.rendezvous.view import Node, Observer
 from elastrun.store.base import Compare, Delete, KeyValue, Put
-from elastrun.store.keepalive import LeaseKeeper
+from elastrun.store.keepalive import LeaseKeeper, describe_store
 from elastrun.untrusted import printable
 
 __all__ = ["HANDLERS", "Executor", "Outcome"]
@@ -140,7 +140,10 @@ class Executor:
                 f"elastrun: this node lost its lease ({printable(lost)}); registering again "
                 f"(for up to join_timeout={window:g}s while the store is unreachable)"
             )
-        took = await regain(attempt, window=window, clock=node.clock, lost=lost, on_retry=on_retry)
+        took = await regain(
+            attempt, window=window, clock=node.clock, lost=lost, on_retry=on_retry,
+            store=describe_store(node.store),
+        )  # fmt: skip
         node.events.emit(
             "lease_regained", node=node.node_id, lost=lost, tries=tries[0], after_s=took
         )

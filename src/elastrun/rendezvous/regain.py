@@ -41,6 +41,7 @@ async def regain(
     window: float,
     clock: Clock,
     lost: str,
+    store: str = "the store",
     on_retry: Callable[[BaseException], None] | None = None,
 ) -> float:
     """Run ``attempt`` (get a lease, put the presence key) until it succeeds;
@@ -48,7 +49,7 @@ async def regain(
     ``window`` seconds have passed (a try still waiting then is cancelled).
     ``on_retry(error)`` is called after each failed try. Returns the seconds
     it took; raises StoreUnavailable past the window (``lost``: why the lease
-    was lost, for the message)."""
+    was lost, and ``store``: what the store is, for the message)."""
     start = clock.monotonic()
     deadline = start + window
     while True:
@@ -59,9 +60,12 @@ async def regain(
             if not _retryable(exc):
                 raise
             if remaining(deadline, clock) <= 0:
+                why = str(exc) or (
+                    "no answer" if isinstance(exc, TimeoutError) else type(exc).__name__
+                )
                 raise StoreUnavailable(
-                    f"the store stayed unreachable for {window:g} s (join_timeout={window:g}) "
-                    f"after this node's lease was lost ({lost}); giving up: {exc}"
+                    f"{store} stayed unreachable for {window:g} s (join_timeout={window:g}) "
+                    f"after this node's lease was lost ({lost}); giving up: {why}"
                 ) from None
             if on_retry is not None:
                 on_retry(exc)
