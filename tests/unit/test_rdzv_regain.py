@@ -89,3 +89,18 @@ def test_what_is_no_matter_of_reachability_is_raised_at_once(error: Exception) -
 
     got, tries = run_virtual(scenario())
     assert got is error and tries == 1
+
+
+def test_a_window_bounded_by_something_else_names_it() -> None:
+    async def scenario() -> str:
+        async def attempt() -> None:
+            raise StoreTimeout("")
+
+        try:
+            await regain(attempt, window=3.0, clock=_clock(), lost="x", limit="the exit barrier")
+        except StoreUnavailable as e:
+            return str(e)
+        raise AssertionError("no error")
+
+    text = run_virtual(scenario())
+    assert "unreachable for 3 s (the exit barrier)" in text and "join_timeout" not in text

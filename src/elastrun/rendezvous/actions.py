@@ -115,15 +115,27 @@ class Executor:
         await node.store.put(node.keys.done(a.round, node.node_id), DONE)
 
     async def _renew_lease(self, a: Action) -> None:
-        await self.regain_lease()
+        # At the exit barrier, no longer than the barrier's own deadline.
+        barrier = self.timers.get(Timer.BARRIER)
+        left = None if barrier is None else max(0.0, barrier - self.node.clock.monotonic())
+        await self.regain_lease(window=left, limit=None if left is None else "the exit barrier")
 
-    async def regain_lease(self, check: Callable[[], Awaitable[None]] | None = None) -> None:
+    async def regain_lease(
+        self,
+        check: Callable[[], Awaitable[None]] | None = None,
+        window: float | None = None,
+        limit: str | None = None,
+    ) -> None:
         """A new lease and the presence key again after the lease was lost
         (``check`` first, each try): retried while the store is unreachable,
-        at most ``join_timeout`` (:mod:`.regain`)."""
+        at most ``join_timeout`` (or ``window``, named ``limit``, if shorter:
+        :mod:`.regain`)."""
         node, keeper = self.node, self.keeper
         lost = keeper.lost_reason or "lease lost"
-        window = node.settings.join_timeout
+        full = node.settings.join_timeout
+        if window is None or window >= full:
+            window, limit = full, None
+        said = f"join_timeout={window:g}s" if limit is None else f"{window:.0f}s: {limit}"
         tries = [1]
 
         async def attempt() -> None:
@@ -138,11 +150,11 @@ class Executor:
         if self.notice is not None:
             self.notice(
                 f"elastrun: this node lost its lease ({printable(lost)}); registering again "
-                f"(for up to join_timeout={window:g}s while the store is unreachable)"
+                f"(for up to {said} while the store is unreachable)"
             )
         took = await regain(
             attempt, window=window, clock=node.clock, lost=lost, on_retry=on_retry,
-            store=describe_store(node.store),
+            store=describe_store(node.store), limit=limit,
         )  # fmt: skip
         node.events.emit(
             "lease_regained", node=node.node_id, lost=lost, tries=tries[0], after_s=took

@@ -42,6 +42,7 @@ async def regain(
     clock: Clock,
     lost: str,
     store: str = "the store",
+    limit: str | None = None,
     on_retry: Callable[[BaseException], None] | None = None,
 ) -> float:
     """Run ``attempt`` (get a lease, put the presence key) until it succeeds;
@@ -49,7 +50,9 @@ async def regain(
     ``window`` seconds have passed (a try still waiting then is cancelled).
     ``on_retry(error)`` is called after each failed try. Returns the seconds
     it took; raises StoreUnavailable past the window (``lost``: why the lease
-    was lost, and ``store``: what the store is, for the message)."""
+    was lost, ``store``: what the store is, ``limit``: what bounds the window,
+    by default ``join_timeout``, for the message)."""
+    bound = f"join_timeout={window:g}" if limit is None else limit
     start = clock.monotonic()
     deadline = start + window
     while True:
@@ -64,7 +67,7 @@ async def regain(
                     "no answer" if isinstance(exc, TimeoutError) else type(exc).__name__
                 )
                 raise StoreUnavailable(
-                    f"{store} stayed unreachable for {window:g} s (join_timeout={window:g}) "
+                    f"{store} stayed unreachable for {window:g} s ({bound}) "
                     f"after this node's lease was lost ({lost}); giving up: {why}"
                 ) from None
             if on_retry is not None:
