@@ -61,7 +61,8 @@ def install(rendezvous: types.ModuleType) -> None:
     def _create_c10d_store(
         hostname: str, port: int, rank: int, world_size: int, timeout: Any, *args: Any, **kw: Any
     ) -> Any:
-        if rank != 0 and isinstance(timeout, datetime.timedelta) and isinstance(port, int):
+        waits = isinstance(rank, int) and rank != 0 and isinstance(port, int)
+        if waits and isinstance(timeout, datetime.timedelta):
             start = time.monotonic()
             wait_listening(hostname, port, timeout.total_seconds())
             spent = datetime.timedelta(seconds=time.monotonic() - start)
