@@ -6,7 +6,8 @@ the training node that is not the store's host is cut (packets dropped) for
 longer than the lease TTL: the spare takes its place, and the cut node's agent
 stops its workers when it sees its lease lost. When the link heals (within
 ``join_timeout``), that agent registers again and waits as a spare: it does
-not exit, and none of its old workers ever steps again. Cut for longer than
+not exit, and none of its old workers ever steps again. Without a spare (two
+nodes), the survivor waits and the healed node rejoins as a member. Cut for longer than
 ``join_timeout`` instead, it exits 1 naming the store and the timeout.
 The checker (tests/faults/spares_check.py) reads every agent's event log.
 """
@@ -85,6 +86,41 @@ def test_a_training_node_cut_past_its_lease_rejoins_as_a_spare_when_healed(
         ]
         assert rejoined, f"no lease_regained in {cut_agent.name}'s event log"
         print(f"registered again after {rejoined[0]['tries']} tries, {rejoined[0]['after_s']:.1f}s")
+        assert_no_workers(j)
+        assert_namespaces_empty(net)
+
+
+@pytest.mark.netns
+def test_without_a_spare_the_healed_node_rejoins_as_a_member(
+    tmp_path: Path,
+    netns: Callable[[list[str]], Network],  # noqa: F811 (the fixture imported above)
+) -> None:
+    """Two nodes, no spare: the survivor waits (below the smallest allowed
+    size); the cut node, healed, registers again and the world is 2 again."""
+    net = netns(["h", "n1"])
+    with job(tmp_path) as j:
+        run = Run(j, net, 0)
+        run.start("h")
+        run.start("n1")
+        run.wait_world(0, set(), "training at world 2", count=1)
+        cut_agent = run.live["n1"]
+        old = workers_of(cut_agent)
+        since = run.cut("n1")
+        wait_dead(old, BOUND, "the cut node's workers to be stopped by its agent")
+        time.sleep(max(0.0, since + CUT_FOR - time.time()))
+        mark, before = len(j.steps()), run.steps_pids()
+        healed = run.heal("n1", since)
+        run.wait_world(mark, before, "training at world 2 again with the healed node")
+        fresh = {int(s["pid"]) for s in j.steps()[mark:]}
+        assert not fresh & old, f"an old worker of the cut node stepped again: {fresh & old}"
+        assert set(workers_of(cut_agent)) & fresh, "the healed node does not train"
+        j.touch("finish")
+        for agent in list(run.live.values()):
+            assert wait_exit(j, agent, BOUND) == 0, f"{agent.name}\n{diag(j)}"
+        logs = {p.stem.removeprefix("events-"): read_log(p) for p in j.dir.glob("events-*.jsonl")}
+        assert not violations(logs, run.faults, {2}), violations(logs, run.faults, {2})
+        regained = [e for e in logs[cut_agent.name] if e["kind"] == "lease_regained"]
+        assert regained and regained[0]["ts"] > healed - 1.0, regained
         assert_no_workers(j)
         assert_namespaces_empty(net)
 
