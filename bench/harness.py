@@ -253,6 +253,16 @@ class Run:
         kill_tree(pids)
         return t
 
+    def kill_agent(self, agent: Agent) -> float:
+        """SIGKILL the agent's own process only (its children are left to
+        it: an OOM kill); returns the time of the kill. Whatever outlives it
+        is killed by :meth:`cleanup`."""
+        agent.remember_tree()
+        t = time.monotonic()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(agent.pid, signal.SIGKILL)
+        return t
+
     def stop(self) -> None:
         """Ask the workers to finish (they stop together at the next step)."""
         (self.dir / "stop").write_text("stop\n")

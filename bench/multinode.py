@@ -287,6 +287,17 @@ def spare_loss(ctx: Context) -> None:
     and the world becomes 3). A training node (not the store's host) is then
     SIGKILLed with all its processes: time until every rank steps at world 2
     again, and whether the ranks of the nodes that keep training stayed."""
+    _spare_loss(ctx, "spare_loss", agent_only=False)
+
+
+def spare_agent_kill(ctx: Context) -> None:
+    """As :func:`spare_loss`, but only the training node's agent process is
+    SIGKILLed (an OOM kill, ``kill -9`` of the launcher): what becomes of its
+    workers and of its place is the launcher's doing."""
+    _spare_loss(ctx, "spare_agent_kill", agent_only=True)
+
+
+def _spare_loss(ctx: Context, metric: str, agent_only: bool) -> None:
     run, cfg, s = ctx.run, ctx.cfg, ctx.settings
     port = free_port()
     endpoint, run_id = f"127.0.0.1:{port}", f"bench{port}"
@@ -294,7 +305,8 @@ def spare_loss(ctx: Context) -> None:
     unit = ("--node-unit=2",) if cfg.launcher == "elastrun" else ()
 
     def start(name: str, is_host: bool = False) -> Agent:
-        argv = agent_argv(cfg, "2:3", endpoint, is_host, run_id, *unit)
+        events = (f"--events-file={run.dir / f'{name}.events.jsonl'}",) if unit else ()
+        argv = agent_argv(cfg, "2:3", endpoint, is_host, run_id, *unit, *events)
         return run.start_agent(name, argv, {**launcher_env(cfg), "BENCH_NODE": name})
 
     a, b = start("agent-a", is_host=True), start("agent-b")
@@ -338,7 +350,8 @@ def spare_loss(ctx: Context) -> None:
         )
     before = {e["node"]: e["group_rank"] for e in run.log.select("step")}
     ctx.info["world_with_3_nodes"] = max(int(e["world"]) for e in run.log.select("step"))
-    t_kill = run.kill_node(b)
+    t_kill = run.kill_agent(b) if agent_only else run.kill_node(b)
+    ctx.info["kill_wall"] = time.time() - (time.monotonic() - t_kill)
     t_back = run.wait(
         "training at world 2 after the loss",
         lambda log: steps_after(log, t_kill, 2),
@@ -346,7 +359,7 @@ def spare_loss(ctx: Context) -> None:
         alive=[a, c],
         stall=s.loss_stall(cfg),
     )
-    ctx.out["spare_loss"] = t_back - t_kill
+    ctx.out[metric] = t_back - t_kill
     after = {
         e["node"]: e["group_rank"]
         for e in run.log.select("step", after=t_kill)
@@ -362,7 +375,7 @@ def spare_loss(ctx: Context) -> None:
         lambda e: int(e["world"]) == 2 and e["t"] > t_kill,
     )
     if gap is not None:
-        ctx.out["pause_spare_loss"] = gap
+        ctx.out[f"pause_{metric}"] = gap
     run.stop()
     try:
         run.wait_exit([a, c], s.exit_timeout)

@@ -262,6 +262,19 @@ _SPARE = (
         "training pause of the surviving node: last step before the kill -> first at world 2",
     ),
 )
+_SPARE_AGENT = (
+    (
+        "spare_agent_kill",
+        "s",
+        "as spare_loss, but only the training node's agent process SIGKILLed (its workers "
+        "and children are left to the launcher) -> every rank steps at world 2",
+    ),
+    (
+        "pause_spare_agent_kill",
+        "s",
+        "training pause of the surviving node: last step before the kill -> first at world 2",
+    ),
+)
 _SPARE_PART = (
     (
         "spare_partition",
@@ -416,6 +429,18 @@ def catalogue(quick: bool) -> list[Scenario]:
             "Hot spare, c10d --nnodes=2:3 (elastrun --node-unit=2): SIGKILL a training node",
             _SPARE,
             multinode.spare_loss,
+            worker_env=UNTIL_STOPPED,
+            est_s=_EST_MEMBERSHIP[True],
+        )
+    )
+    out.append(
+        Scenario(
+            "spare_agent_kill_2to3",
+            "spares",
+            "Hot spare, c10d --nnodes=2:3 (elastrun --node-unit=2): SIGKILL a training "
+            "node's agent only",
+            _SPARE_AGENT,
+            multinode.spare_agent_kill,
             worker_env=UNTIL_STOPPED,
             est_s=_EST_MEMBERSHIP[True],
         )

@@ -18,7 +18,10 @@ the allowed world sizes, :func:`violations` lists every breach of:
    lease lost);
 5. every workers' start is matched by their end (each worker's exit is
    logged), or their agent was SIGKILLed (its orphan guard kills them; the
-   test checks they are gone).
+   test checks they are gone);
+6. a node that lost its lease registers again (``lease_regained``) only once
+   every worker it had started before is gone: it never rejoins the job, as
+   a spare or a member, with workers of its old membership still running.
 
 Times are the events' ``ts`` (wall clock of the one machine that runs every
 namespace), so the logs of different agents compare.
@@ -149,6 +152,22 @@ def _overlaps(gens: list[Generation], faults: Faults) -> list[str]:
     return out
 
 
+def _rejoins(logs: Mapping[str, Sequence[Event]], gens: list[Generation]) -> list[str]:
+    out = []
+    for agent, events in logs.items():
+        for ev in events:
+            if ev["kind"] != "lease_regained":
+                continue
+            at = float(ev["ts"])
+            for g in gens:
+                if g.agent == agent and g.start < at < g.end:
+                    out.append(
+                        f"{agent} registered again at {at:.3f} while its workers of round "
+                        f"{g.round} [{g.start:.3f}, {g.end:.3f}] still ran"
+                    )
+    return out
+
+
 def violations(logs: Mapping[str, Sequence[Event]], faults: Faults, allowed: set[int]) -> list[str]:
     """Every breach of the module's invariants; empty when the run was sound."""
     rounds = memberships(logs)
@@ -158,8 +177,10 @@ def violations(logs: Mapping[str, Sequence[Event]], faults: Faults, allowed: set
         for ev in events
         if ev["kind"] == "round_joined"
     }
+    gens = generations(logs, faults)
     return [
         *_sizes(rounds, sizes, allowed),
         *_ranks(logs, rounds),
-        *_overlaps(generations(logs, faults), faults),
+        *_overlaps(gens, faults),
+        *_rejoins(logs, gens),
     ]

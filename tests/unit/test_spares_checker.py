@@ -82,3 +82,16 @@ def test_two_generations_at_once_are_found_unless_the_old_one_was_cut_off() -> N
 def test_workers_that_never_ended_are_found() -> None:
     found = violations(sound(), Faults(), {2})  # b was not killed: its workers never ended
     assert any("b: workers of round 0 never ended" in v for v in found), found
+
+
+def test_a_node_that_registers_again_while_its_old_workers_run_is_found() -> None:
+    """b, cut off, lost its lease; it may register again (lease_regained) only
+    once its round-0 workers are gone."""
+    log = sound()
+    cut = Faults(cut={"b": [(9.0, 14.0)]})
+    log["b"].append(ev("worker_exited", 12.0, "b", pid=200))
+    log["b"].append(ev("lease_regained", 14.5, "b", lost="store unreachable"))
+    assert violations(log, cut, {2}) == []
+    log["b"][-1]["ts"] = 11.0  # before its worker's exit
+    found = violations(log, cut, {2})
+    assert any("b registered again at 11.000 while its workers of round 0" in v for v in found)

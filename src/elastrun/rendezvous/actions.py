@@ -38,11 +38,12 @@ from elastrun.rendezvous.records import (
     RoundState,
     WaitingRecord,
 )
+from elastrun.rendezvous.regain import regain
 from elastrun.rendezvous.results import Head, shard_count, stored_form
 from elastrun.rendezvous.sizes import promotions
 from elastrun.rendezvous.view import Node, Observer
 from elastrun.store.base import Compare, Delete, KeyValue, Put
-from elastrun.store.keepalive import LeaseKeeper
+from elastrun.store.keepalive import LeaseKeeper, describe_store
 from elastrun.untrusted import printable
 
 __all__ = ["HANDLERS", "Executor", "Outcome"]
@@ -115,8 +116,52 @@ class Executor:
         await node.store.put(node.keys.done(a.round, node.node_id), DONE)
 
     async def _renew_lease(self, a: Action) -> None:
-        await self.keeper.start()
-        await self.put_presence()
+        # At the exit barrier, no longer than the barrier's own deadline.
+        barrier = self.timers.get(Timer.BARRIER)
+        left = None if barrier is None else max(0.0, barrier - self.node.clock.monotonic())
+        await self.regain_lease(window=left, limit=None if left is None else "the exit barrier")
+
+    async def regain_lease(
+        self,
+        check: Callable[[], Awaitable[None]] | None = None,
+        window: float | None = None,
+        limit: str | None = None,
+    ) -> None:
+        """A new lease and the presence key again after the lease was lost
+        (``check`` first, each try): retried while the store is unreachable,
+        at most ``join_timeout`` (or ``window``, named ``limit``, if shorter:
+        :mod:`.regain`)."""
+        node, keeper = self.node, self.keeper
+        lost = keeper.lost_reason or "lease lost"
+        full = node.settings.join_timeout
+        if window is None or window >= full:
+            window, limit = full, None
+        said = f"join_timeout={window:g}s" if limit is None else f"{window:.0f}s: {limit}"
+        tries = [1]
+
+        async def attempt() -> None:
+            if check is not None:
+                await check()
+            await keeper.start()
+            await self.put_presence()
+
+        def on_retry(exc: BaseException) -> None:
+            tries[0] += 1
+
+        if self.notice is not None:
+            self.notice(
+                f"elastrun: this node lost its lease ({printable(lost)}); registering again "
+                f"(for up to {said} while the store is unreachable)"
+            )
+        took = await regain(
+            attempt, window=window, clock=node.clock, lost=lost, on_retry=on_retry,
+            store=describe_store(node.store), limit=limit,
+        )  # fmt: skip
+        node.events.emit(
+            "lease_regained", node=node.node_id, lost=lost, tries=tries[0], after_s=took
+        )
+        if self.notice is not None:
+            self.notice(f"elastrun: registered again after {took:.1f}s: rejoining the job")
 
     async def _revoke(self, a: Action) -> None:
         # Leaving: bounded by close_timeout; past it the lease expires by

@@ -234,10 +234,9 @@ class DynamicRendezvous(NoteAccess, Rendezvous):
             return
         if self._registered:
             # A member whose lease was lost registers again: it rejoins its
-            # job whatever it finds (never starts a new one, see .reuse).
-            await self._check_config()
-            await self.keeper.start()
-            await self._executor.put_presence()
+            # job whatever it finds (never starts a new one, see .reuse),
+            # while the store is unreachable for at most join_timeout.
+            await self._executor.regain_lease(self._check_config)
             return
         await self.keeper.start()
         if self.carry is not None:

@@ -109,7 +109,8 @@ MEMBER       WorkersFailed    MEMBER: OPEN_ROUND(restart_requested, counts): the
                               when R+1 closes with every member of R back (else a lost node caused
                               it: not counted); a charge past the budget closes R+1 as failed
 MEMBER       WorkersSucceeded COMPLETING: PUT_DONE, ARM(barrier)
-MEMBER       LeaseLost        IDLE: RENEW_LEASE, RETURN_CHANGE(lease_lost)
+MEMBER       LeaseLost        IDLE: RETURN_CHANGE(lease_lost) (the workers stop at once; the next
+                              round's registration gets a new lease)
 COMPLETING   RoundOpen        FINISHED: CANCEL(barrier), RETURN
 COMPLETING   RoundClosed      *newer R: FINISHED: CANCEL(barrier), RETURN; else COMPLETING
 COMPLETING   RoundFinished    FINISHED: CANCEL(barrier), RETURN
@@ -423,11 +424,9 @@ def _workers_succeeded(ctx: Context, ev: WorkersSucceeded) -> Outcome:
 
 
 def _member_lease_lost(ctx: Context, ev: LeaseLost) -> Outcome:
-    """IDLE: RENEW_LEASE, RETURN_CHANGE(lease_lost)"""
-    acts = [
-        Action(Act.RENEW_LEASE),
-        Action(Act.RETURN_CHANGE, round=ctx.round, reason="lease_lost", detail=ev.detail),
-    ]
+    """IDLE: RETURN_CHANGE(lease_lost) (the workers stop at once; the next
+    round's registration gets a new lease)"""
+    acts = [Action(Act.RETURN_CHANGE, round=ctx.round, reason="lease_lost", detail=ev.detail)]
     return S.IDLE, ctx, acts
 
 

@@ -22,7 +22,7 @@ from elastrun.clock import SYSTEM_CLOCK, Clock, remaining, wait_until
 from elastrun.errors import LeaseNotFound, StoreError, StoreTimeout
 from elastrun.store.base import NO_LEASE, Store
 
-__all__ = ["LeaseKeeper"]
+__all__ = ["LeaseKeeper", "describe_store"]
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class LeaseKeeper:
         except TimeoutError:
             # A bare TimeoutError would escape the agent as a traceback: name the store.
             raise StoreTimeout(
-                f"{_describe(self.store)} granted no lease within {self.ttl:g} s (lease_ttl): "
+                f"{describe_store(self.store)} granted no lease within {self.ttl:g} s (lease_ttl): "
                 f"unreachable, or without a quorum{before}"
             ) from None
         self._task = asyncio.get_running_loop().create_task(self._run(self.lease))
@@ -118,7 +118,7 @@ class LeaseKeeper:
             self.on_lease(NO_LEASE)
 
 
-def _describe(store: Store) -> str:
+def describe_store(store: Store) -> str:
     """What the store is, for messages (``describe()`` where it has one)."""
     describe = getattr(store, "describe", None)
     return str(describe()) if callable(describe) else "the store"

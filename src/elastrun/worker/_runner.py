@@ -439,6 +439,8 @@ def run_worker(kind: str, target: str, args: list[str]) -> None:
     if channel.fd is not None:
         ModuleRecorder(channel, scope, after, _names.script_module(kind, target)).install()
     guard_teardown()
+    # Ranks other than 0 connect to rank 0's store as soon as it listens (_master.py).
+    on_import("torch.distributed.rendezvous", _load_sibling("_master").install)
     # A script that succeeded has torch.distributed shut down before the
     # interpreter finalizes, so it cannot abort in its teardown (_settle.py).
     settle = _load_sibling("_settle")
