@@ -85,3 +85,41 @@ def test_the_router_prints_nothing_and_acts_on_every_kind_of_signal() -> None:
     assert lines[0] == "stopped by 15", res.stdout
     calls = int(lines[1].split()[-1])
     assert 1 <= calls < 2000  # a burst is one callback, not one per signal
+
+
+RACE = textwrap.dedent(
+    """
+    import asyncio, gc
+    from elastrun.agent.signals import StopSignals
+
+    async def workers_exited():
+        return "workers exited"
+
+    async def store_lost():
+        raise RuntimeError("store lost at the same moment")
+
+    async def main():
+        stops = StopSignals()
+        print(await stops.first(workers_exited(), store_lost()))
+
+    asyncio.run(main())
+    gc.collect()
+    """
+)
+
+
+def test_a_losing_racers_error_is_not_printed_at_exit() -> None:
+    """Workers that exit while the rendezvous fails too (the store lost in the
+    same moment): the race's outcome is the winner's, and the loser's error
+    is not dumped as "Task exception was never retrieved" with a traceback."""
+    run = subprocess.run(
+        [sys.executable, "-c", RACE],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "workers exited"
+    assert "never retrieved" not in run.stderr and "Traceback" not in run.stderr, run.stderr

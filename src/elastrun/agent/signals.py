@@ -166,6 +166,8 @@ class StopSignals:
                 t.cancel()
             if pending:
                 await asyncio.wait(pending, timeout=CANCEL_TIMEOUT)
+            for t in every:  # a loser's error is not this race's outcome
+                t.add_done_callback(_retrieve)
         if sig_task in done:
             self.seen += 1
             self.pending = sig_task.result()
@@ -193,3 +195,11 @@ class StopSignals:
                 with contextlib.suppress(asyncio.CancelledError):
                     await sig_task
         return task.result()
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Mark a finished racer's error as seen: the winner decides the outcome,
+    and a loser that failed too (the store lost while the workers failed)
+    must not print "Task exception was never retrieved" at exit."""
+    if not task.cancelled():
+        task.exception()
