@@ -10,12 +10,17 @@ every ``GP_INTERVAL`` seconds at most. ``GP_MODE``:
   rank loads it at start: what a torchrun script does today;
 * ``memory``: every rank ``MemoryCheckpoint.save``\\s every step (written to
   disk by the agent every ``GP_EVERY`` steps), and loads with
-  ``MemoryCheckpoint.load``; ``GP_REPLICATE``: steps between the marks
-  the agent sends to the next node as a replica (default: ``GP_EVERY``);
+  ``MemoryCheckpoint.load`` (``GP_SHARED=1``, the default: ``shared=True``,
+  the state being the same on every rank under DDP; ``0``: per-rank states,
+  which a lost node's rank gets back from the neighbour's replica);
+  ``GP_REPLICATE``: steps between the marks the agent sends to the next node
+  as a replica (default: ``GP_EVERY``);
 * ``none``: no checkpoint (the failure-free reference).
 
-Events (JSON lines in ``GP_EVENTS``): ``resume`` (the step resumed from),
-``step`` (its number, when it ended, the seconds of compute, and the
+Events (JSON lines in ``GP_EVENTS``): ``resume`` (the step resumed from,
+the rank, the world size, the pid, the node: ``GP_NODE``, and when each
+phase of the start ended: ``phases``), ``step`` (its
+number, the world size, when it ended, the seconds of compute, and the
 seconds the checkpoint call kept training waiting).
 """
 
@@ -39,6 +44,8 @@ DIR = Path(os.environ.get("GP_DIR", "."))
 EVERY = int(os.environ.get("GP_EVERY", "50"))
 INTERVAL = float(os.environ.get("GP_INTERVAL", "0.05"))
 EVENTS = os.environ.get("GP_EVENTS", str(DIR / "events.jsonl"))
+SHARED = os.environ.get("GP_SHARED", "1") == "1"
+NODE = os.environ.get("GP_NODE", "")
 
 
 def emit(**fields: object) -> None:
@@ -50,8 +57,10 @@ def emit(**fields: object) -> None:
 
 
 def main() -> None:
+    phases = {"start": time.time()}  # where a restart's time goes
     ctx = context()
     dist.init_process_group("gloo")
+    phases["process_group"] = time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     features = torch.randn(8192, 64)
@@ -67,6 +76,7 @@ def main() -> None:
         )
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    phases["model"] = time.time()
     loss_fn = nn.CrossEntropyLoss()
 
     ckpt = DIR / "ckpt.pt"
@@ -79,7 +89,7 @@ def main() -> None:
             persist_every=EVERY if ctx.local_rank == 0 else 0,
             replicate_every=int(replicate) if replicate else None,
         )
-        state = mem.load()
+        state = mem.load(shared=SHARED)
     elif MODE == "torchsave" and ckpt.exists():
         state = torch.load(ckpt, map_location="cpu", weights_only=True)
     step = 0
@@ -87,7 +97,17 @@ def main() -> None:
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step = int(state["step"])
-    emit(ev="resume", step=step, rank=rank, restart=ctx.restart_count, pid=os.getpid())
+    phases["checkpoint"] = time.time()
+    emit(
+        ev="resume",
+        step=step,
+        rank=rank,
+        world=world,
+        restart=ctx.restart_count,
+        pid=os.getpid(),
+        node=NODE,
+        phases=phases,
+    )
 
     epoch = step * 32 * world // len(data)
     sampler.set_epoch(epoch)
@@ -120,6 +140,7 @@ def main() -> None:
             ev="step",
             step=step,
             rank=rank,
+            world=world,
             compute=t1 - t0,
             blocked=t2 - t1,
             saved=snap is not None,

@@ -185,3 +185,48 @@ def test_a_rank_stuck_in_its_teardown_after_failing_is_stopped_and_stays_the_roo
     roots = [ln for ln in proc.stderr.splitlines() if ln.startswith("[ROOT CAUSE]")]
     assert len(roots) == 1 and "signal SIGTERM" in roots[0], proc.stderr[-3000:]
     assert "ValueError: failed, then stuck in the teardown" in proc.stderr
+
+
+FAILS_WITH_WORK_LEFT_AT_EXIT = textwrap.dedent(
+    """
+    import atexit, threading, time
+    log = open("log.txt", "w")  # never closed: released with the module
+    log.write("written before the failure\\n")
+    def at_exit():
+        open("atexit.txt", "w").write("ran")
+    atexit.register(at_exit)
+    def late():
+        time.sleep(0.5)
+        open("thread.txt", "w").write("joined")
+    threading.Thread(target=late).start()  # not a daemon: joined at exit
+    raise ValueError("failed with work left for the teardown")
+    """
+)
+
+
+def test_a_failed_rank_still_runs_its_exit_work_flushes_its_files_and_exits_1(
+    tmp_path: Path,
+) -> None:
+    """What a script relies on at exit still happens after it failed: its
+    atexit functions, its threads joined, a file left open flushed (here
+    only the interpreter's last garbage collection releases it: the script's
+    namespace is in a cycle with its function); the rank is its own root
+    cause with its own exit code. (Skipping those collections to end a failed
+    rank faster, ``gc.freeze()``, loses that file's content.)"""
+    (tmp_path / "w.py").write_text(FAILS_WITH_WORK_LEFT_AT_EXIT)
+    proc = subprocess.run(
+        [*ELASTRUN, "--standalone", "--nproc-per-node=1", "--max-restarts=0", "w.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env(),
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    roots = [ln for ln in proc.stderr.splitlines() if ln.startswith("[ROOT CAUSE]")]
+    assert len(roots) == 1 and "exit code 1" in roots[0], proc.stderr[-3000:]
+    assert "ValueError: failed with work left for the teardown" in proc.stderr
+    assert (tmp_path / "log.txt").read_text() == "written before the failure\n"
+    assert (tmp_path / "atexit.txt").read_text() == "ran"
+    assert (tmp_path / "thread.txt").read_text() == "joined"
