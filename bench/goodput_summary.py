@@ -21,7 +21,8 @@ REJOIN = "rejoin"  # the restart when the lost node's replacement joins
 KINDS = (WORKER_KILL, NODE_LOSS, REJOIN)
 # A restart's pause, in order: the worker's phases (bench/goodput_worker.py)
 PHASES = (
-    ("start", "failure to the new worker's start (stop, rendezvous, spawn)"),
+    ("script", "failure to the new worker's first line (stop, rendezvous, spawn)"),
+    ("start", "its imports"),
     ("process_group", "process group"),
     ("model", "data, model, DDP"),
     ("checkpoint", "checkpoint load"),

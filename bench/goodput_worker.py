@@ -26,18 +26,21 @@ seconds the checkpoint call kept training waiting).
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+T_FIRST_LINE = time.time()  # the script began (its imports next)
 
-from elastrun.train import MemoryCheckpoint, context
+import json  # noqa: E402
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
+
+from elastrun.train import MemoryCheckpoint, context  # noqa: E402
 
 MODE = os.environ.get("GP_MODE", "none")
 DIR = Path(os.environ.get("GP_DIR", "."))
@@ -57,7 +60,7 @@ def emit(**fields: object) -> None:
 
 
 def main() -> None:
-    phases = {"start": time.time()}  # where a restart's time goes
+    phases = {"script": T_FIRST_LINE, "start": time.time()}  # where a restart's time goes
     ctx = context()
     dist.init_process_group("gloo")
     phases["process_group"] = time.time()
