@@ -2,27 +2,45 @@
 ``torch.save`` every 50 steps, side by side in one run, and the time one
 checkpoint of 1 GiB keeps training waiting.
 
-Three runs of the same realistic worker (bench/goodput_worker.py), 2 workers
-on this machine, each for ``--duration`` seconds of training:
+Three runs of the same realistic worker (bench/goodput_worker.py), each on
+``--nodes`` nodes (default 2; each an agent of its own with a loopback
+address of its own, ``--local-addr``, one worker each: ``--nproc``),
+``--nnodes=N-1:N`` (``--min-nodes``), ``--max-restarts=100``, node ``a``
+hosting the rendezvous, each for ``--duration`` seconds (default 120) from
+the first step at the full world:
 
 * ``reference``: torchrun, no checkpoint, no failure: the steps a
   failure-free run makes in that time;
 * ``torchrun``: torchrun (tuned as in bench/configs.py), rank 0 ``torch.save``
-  every 50 steps;
+  every 50 steps into a folder all nodes share (as on a shared file system),
+  every rank loads it at start: what users do today;
 * ``elastrun``: elastrun (tuned), every rank ``MemoryCheckpoint.save`` every
-  step (the agent writes every 50th to disk);
+  step (each node's agent writes every 50th to its own disk folder and sends
+  every ``--replicate-every``-th to the next node as a replica).
 
-in the last two, local rank 1 is SIGKILLed every ``--kill-every`` seconds
-(a fixed schedule from the first step). Reported per launcher:
+In the last two, failures on one fixed schedule from the first step
+(:func:`bench.goodput_summary.schedule`): a worker SIGKILLed every
+``--kill-every`` seconds (default 30; the live workers in rank order, round
+robin) and a node lost every ``--node-every`` seconds (default 90; its
+launcher and its workers SIGKILLed at once, as when a machine vanishes,
+then started again at once, as a scheduler restarts a pod; never node ``a``,
+which hosts the rendezvous). Reported per launcher:
 
 * effective training time ratio: the newest step reached at the end, over the
-  reference's (1.0: no time lost to failures or checkpoints);
-* steps redone per failure: the newest step before the kill minus the step
-  resumed from;
+  reference's (1.0: no time lost to failures or checkpoints); the samples
+  ratio counts each step at the world size it ran at (a step at a smaller
+  world trains on fewer samples);
+* per worker crash, node loss and rejoin (the restart when the restarted
+  node joins again): the steps redone (the newest step before it minus the
+  step resumed from) and the training paused (to the first step after it);
 * training blocked per checkpoint: the mean time a checkpoint call kept the
   step waiting, as a share of a step (the median time from one step's end to
   the next's: ``GP_INTERVAL`` when the compute is shorter) and of a step's
   compute alone.
+
+Every launcher started is SIGKILLed at the end of its run, with its process
+group and those of all its descendants, and then every worker the run
+recorded that is still alive (by pid), also when the run fails.
 
 ``--blocked-mib`` (default 1024): one process saves a state of that size
 (one float32 tensor) four times with ``MemoryCheckpoint.save`` into a
@@ -39,36 +57,138 @@ its throughput (the network between two nodes is slower than loopback;
 this is the floor of what the agent's background thread spends per marked
 snapshot).
 
-Node loss (several nodes and a replacement node): bench/goodput_nodes.py.
-
-Run: ``python -m bench.goodput [--duration 90 --kill-every 30 --blocked-mib 1024]``
-(part of ``make bench``). Writes ``bench/results/goodput-<time>/results.md``.
+Run: ``python -m bench.goodput [--duration 120 --kill-every 30 --node-every 90]``
+(part of ``make bench``; about 8 minutes); ``--quick``: 40 s runs, a worker
+kill at 12 s and a node loss at 24 s, small states (about 3 minutes), a smoke
+check. Writes ``bench/results/goodput-<time>/results.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench.configs import ELASTRUN_TUNED, TORCHRUN_TUNED, LauncherConfig
-from bench.harness import kill_tree
+from bench.goodput_summary import (
+    NODE_LOSS,
+    WORKER_KILL,
+    Disruption,
+    report_lines,
+    schedule,
+    summarize,
+)
+from bench.harness import free_port, kill_tree
 from bench.paths import REPO
 
 WORKER = REPO / "bench" / "goodput_worker.py"
-START_BOUND = 120.0  # s from launch to the first step
-NPROC = 2
+START_BOUND = 120.0  # s from launch to the first step at the full world
+STOP_BOUND = 10.0  # s a killed launcher gets to be reaped
+HOST = "a"
+
+
+@dataclass
+class Run:
+    """One launcher's run: its nodes (name -> the launcher now running as
+    that node), every launcher ever started, and the failures injected."""
+
+    cfg: LauncherConfig
+    mode: str
+    folder: Path
+    args: argparse.Namespace
+    port: int = field(default_factory=free_port)
+    nodes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    started: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    disruptions: list[Disruption] = field(default_factory=list)
+
+    @property
+    def events(self) -> Path:
+        return self.folder / "events.jsonl"
+
+    def node_env(self, name: str) -> dict[str, str]:
+        # elastrun: each node its own disk; torchrun: one folder all share
+        node_dir = self.folder / (name if self.mode == "memory" else "shared")
+        node_dir.mkdir(parents=True, exist_ok=True)
+        return {
+            **dict(self.cfg.env),
+            "GP_MODE": self.mode,
+            "GP_DIR": str(node_dir),
+            "GP_EVENTS": str(self.events),
+            "GP_NODE": name,
+            "GP_SHARED": "0" if self.args.per_rank else "1",
+            "GP_REPLICATE": str(self.args.replicate_every),
+            # the nodes share this machine's cores: one thread per worker
+            # (elastrun's default; torchrun sets it only with several
+            # workers per node), else each worker oversubscribes the CPUs
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),
+        }
+
+    def start(self, name: str) -> None:
+        """Start (or start again, as a scheduler would) the node ``name``."""
+        a = self.args
+        low = a.min_nodes if a.min_nodes > 0 else max(1, a.nodes - 1)
+        flags = [
+            f"--nnodes={low}:{a.nodes}" if low < a.nodes else f"--nnodes={a.nodes}",
+            f"--nproc-per-node={a.nproc}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{self.port}",
+            "--rdzv-id=goodput",
+            "--max-restarts=100",
+            f"--local-addr={address(name)}",
+        ]
+        if self.cfg.launcher == "elastrun":  # where the time goes, per agent
+            flags.append(f"--events-file={self.folder / f'agent-{name}.events.jsonl'}")
+        argv = [*self.cfg.argv(flags, {"is_host": "1" if name == HOST else "0"})[:-1], str(WORKER)]
+        n = sum(1 for p in self.folder.glob(f"launcher-{name}*.log"))
+        with open(self.folder / f"launcher-{name}{'.' + str(n) if n else ''}.log", "wb") as log:
+            proc = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.node_env(name)},
+                start_new_session=True,
+                cwd=self.folder,
+            )
+        self.nodes[name] = proc
+        self.started.append(proc)
+
+    def stop_all(self) -> None:
+        """SIGKILL every launcher started and all their descendants, then
+        any worker of this run still alive (by pid, checked to be ours)."""
+        kill_tree([p.pid for p in self.started])
+        for p in self.started:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(STOP_BOUND)
+        for e in _events(self.events):
+            if e["ev"] == "resume" and _is_ours(int(e["pid"]), self.events):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(e["pid"]), signal.SIGKILL)
+
+
+def address(name: str) -> str:
+    """A node's own loopback address (``--local-addr``)."""
+    return f"127.0.0.{20 + ord(name) - ord('a')}"
+
+
+def _is_ours(pid: int, events: Path) -> bool:
+    """Whether ``pid`` is a live worker writing to ``events`` (a pid reused
+    by another process is not)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return f"GP_EVENTS={events}".encode() in environ.split(b"\0")
 
 
 def _events(path: Path) -> list[dict[str, Any]]:
@@ -81,82 +201,80 @@ def _events(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _victim(events: list[dict[str, Any]]) -> int | None:
-    """The pid of local rank 1's current worker (rank 1 on one node)."""
-    resumes = [e for e in events if e["ev"] == "resume" and e["rank"] == 1]
-    return int(resumes[-1]["pid"]) if resumes else None
+def _wait_full_world(run: Run, world: int) -> float:
+    """Wall time of the first step at the full world (bounded)."""
+    deadline = time.monotonic() + START_BOUND
+    while True:
+        full = [e for e in _events(run.events) if e["ev"] == "step" and e["world"] == world]
+        if full:
+            return min(e["t"] for e in full)  # type: ignore[no-any-return]
+        dead = [n for n, p in run.nodes.items() if p.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            why = f"node {dead[0]} exited" if dead else f"no step within {START_BOUND:.0f}s"
+            raise RuntimeError(f"{run.cfg.name}: {why} (see {run.folder}/launcher-*.log)")
+        time.sleep(0.1)
+
+
+def _worker_victim(events: list[dict[str, Any]], k: int, path: Path) -> tuple[int, str] | None:
+    """The k-th worker kill's victim: the live workers of the newest
+    restart, taken in rank order round robin (pid, rank and node)."""
+    newest: dict[int, dict[str, Any]] = {}
+    for e in events:
+        if e["ev"] == "resume":
+            newest[int(e["rank"])] = e
+    alive = [e for _, e in sorted(newest.items()) if _is_ours(int(e["pid"]), path)]
+    if not alive:
+        return None
+    e = alive[k % len(alive)]
+    return int(e["pid"]), f"rank {e['rank']} on node {e['node']}"
+
+
+def _inject(run: Run, kind: str, k: int) -> None:
+    """One failure: a worker SIGKILLed, or a node lost (its launcher and its
+    workers SIGKILLed at once) and started again at once."""
+    evs = _events(run.events)
+    newest = max((e["step"] for e in evs if e["ev"] == "step"), default=0)
+    if kind == WORKER_KILL:
+        victim = _worker_victim(evs, k, run.events)
+        if victim is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim[0], signal.SIGKILL)
+        run.disruptions.append(Disruption(kind, time.time(), newest, victim[1]))
+        return
+    others = sorted(n for n in run.nodes if n != HOST)  # the store's host is never lost
+    name = others[k % len(others)]
+    t = time.time()
+    kill_tree([run.nodes[name].pid])
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        run.nodes[name].wait(STOP_BOUND)
+    run.start(name)
+    run.disruptions.append(Disruption(kind, t, newest, f"node {name}"))
 
 
 def run_one(
-    name: str, cfg: LauncherConfig, mode: str, folder: Path, duration: float, kill_every: float
+    name: str, cfg: LauncherConfig, mode: str, folder: Path, args: argparse.Namespace
 ) -> dict[str, Any]:
+    """One launcher's run under the schedule (none for the reference)."""
     folder.mkdir(parents=True, exist_ok=True)
-    events = folder / "events.jsonl"
-    flags = ["--standalone", f"--nproc-per-node={NPROC}", "--max-restarts=100"]
-    argv = [*cfg.argv(flags)[:-1], str(WORKER)]
-    env = {
-        **os.environ,
-        **dict(cfg.env),
-        "GP_MODE": mode,
-        "GP_DIR": str(folder),
-        "GP_EVENTS": str(events),
-        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),
-    }
-    with open(folder / "launcher.log", "wb") as log:
-        proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=folder
-        )
-    kills: list[tuple[float, int]] = []  # (time, newest step before the kill)
+    run = Run(cfg, mode, folder, args)
+    plan = [] if name == "reference" else schedule(args.duration, args.kill_every, args.node_every)
     try:
-        deadline = time.monotonic() + START_BOUND
-        while not [e for e in _events(events) if e["ev"] == "step"]:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"{name}: no step within {START_BOUND:.0f}s (see launcher.log)")
-            time.sleep(0.1)
-        t_first = time.monotonic()
-        next_kill = t_first + kill_every if kill_every > 0 else float("inf")
-        end = t_first + duration
-        while time.monotonic() < end:
-            time.sleep(0.05)
-            if next_kill <= time.monotonic() < end - 1.0:  # none in the run's last second
-                evs = _events(events)
-                pid = _victim(evs)
-                newest = max((e["step"] for e in evs if e["ev"] == "step"), default=0)
-                if pid is not None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-                    kills.append((time.time(), newest))
-                next_kill += kill_every
+        for node in (chr(ord("a") + i) for i in range(args.nodes)):
+            run.start(node)
+        t_first = _wait_full_world(run, args.nodes * args.nproc)
+        start = time.monotonic() - (time.time() - t_first)  # the first step, monotonic
+        counts = {WORKER_KILL: 0, NODE_LOSS: 0}
+        for at, kind in plan:
+            time.sleep(max(0.0, start + at - time.monotonic()))
+            _inject(run, kind, counts[kind])
+            counts[kind] += 1
+        time.sleep(max(0.0, start + args.duration - time.monotonic()))
+        t_end = time.time()
     finally:
-        kill_tree([proc.pid])
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(10)
-    return summarize(_events(events), kills)
-
-
-def summarize(events: list[dict[str, Any]], kills: list[tuple[float, int]]) -> dict[str, Any]:
-    steps = [e for e in events if e["ev"] == "step" and e["rank"] == 0]
-    resumes = [e for e in events if e["ev"] == "resume" and e["rank"] == 0 and e["restart"] > 0]
-    redone = []
-    for t_kill, newest in kills:
-        after = [e for e in resumes if e["t"] >= t_kill - 1.0]
-        if after:
-            redone.append(max(0, newest - int(after[0]["step"])))
-    saved = [e for e in steps if e.get("saved")]
-    compute = statistics.median(e["compute"] for e in steps) if steps else 0.0
-    gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(steps) if b["step"] == a["step"] + 1]
-    interval = statistics.median(gaps) if gaps else 0.0
-    blocked = statistics.mean(e["blocked"] for e in saved) if saved else 0.0
-    return {
-        "final_step": max((e["step"] for e in steps), default=0),
-        "failures": len(kills),
-        "resumed": len(resumes),
-        "steps_redone": redone,
-        "checkpoints": len(saved),
-        "blocked_s": blocked,
-        "step_compute_s": compute,
-        "step_s": interval,
-    }
+        run.stop_all()
+    (folder / "disruptions.json").write_text(json.dumps([vars(d) for d in run.disruptions]))
+    return summarize(_events(run.events), run.disruptions, t_end)
 
 
 def blocked_1g(mib: int, folder: Path) -> dict[str, float]:
@@ -247,30 +365,22 @@ def report(
     args: argparse.Namespace,
     replica: dict[str, float] | None = None,
 ) -> str:
-    ref = runs["reference"]["final_step"] or 1
+    world = args.nodes * args.nproc
+    low = args.min_nodes if args.min_nodes > 0 else max(1, args.nodes - 1)
+    plan = schedule(args.duration, args.kill_every, args.node_every)
     lines = [
         "# Goodput under failures",
         "",
-        f"{NPROC} workers, {args.duration:.0f} s of training per run, local rank 1 SIGKILLed "
-        f"every {args.kill_every:.0f} s; machine: {os.cpu_count()} CPUs, load "
-        f"{os.getloadavg()[0]:.1f}. Reference (torchrun, no checkpoint, no failure): "
+        f"{args.nodes} nodes x {args.nproc} worker(s) on loopback (`--nnodes={low}:{args.nodes}`), "
+        f"{args.duration:.0f} s of training per run from the first step at the full world; "
+        "schedule: "
+        + ", ".join(f"{kind} at {t:.0f} s" for t, kind in plan)
+        + f"; machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end. "
+        "Reference (torchrun, no checkpoint, no failure): "
         f"{runs['reference']['final_step']} steps.",
         "",
-        "| launcher | checkpoint | failures | effective training time ratio | steps redone "
-        "per failure (each) | blocked per checkpoint | share of a step (of its compute) |",
-        "|---|---|---|---|---|---|---|",
+        *report_lines(runs, WHAT, world),
     ]
-    what = {"torchrun": "torch.save every 50 steps", "elastrun": "memory, every step"}
-    for name in ("torchrun", "elastrun"):
-        r = runs[name]
-        redone = r["steps_redone"]
-        mean = f"{statistics.mean(redone):.1f} ({', '.join(map(str, redone))})" if redone else "-"
-        share = r["blocked_s"] / r["step_s"] if r["step_s"] else 0.0
-        of_compute = r["blocked_s"] / r["step_compute_s"] if r["step_compute_s"] else 0.0
-        lines.append(
-            f"| {name} | {what[name]} | {r['failures']} | {r['final_step'] / ref:.3f} | {mean} | "
-            f"{r['blocked_s'] * 1e3:.2f} ms | {share:.1%} ({of_compute:.1%}) |"
-        )
     if blocked is not None:
         lines += [
             "",
@@ -287,6 +397,9 @@ def report(
     return "\n".join(lines) + "\n"
 
 
+WHAT = {"torchrun": "torch.save every 50 steps", "elastrun": "memory, every step"}
+
+
 def replica_line(r: dict[str, float]) -> str:
     mib = r["bytes"] / 2**20
     return (
@@ -296,38 +409,46 @@ def replica_line(r: dict[str, float]) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--duration", type=float, default=90.0, help="seconds of training per run")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of training per run")
     p.add_argument("--kill-every", type=float, default=30.0, help="seconds between worker kills")
+    p.add_argument("--node-every", type=float, default=90.0, help="seconds between node losses")
+    p.add_argument("--nodes", type=int, default=2, help="nodes (loopback addresses), 2 to 8")
+    p.add_argument("--nproc", type=int, default=1, help="workers per node")
+    p.add_argument("--min-nodes", type=int, default=0, help="--nnodes minimum (0: nodes - 1)")
+    p.add_argument("--per-rank", action="store_true", help="per-rank memory states (replicas)")
+    p.add_argument("--replicate-every", type=int, default=5, help="steps between replica marks")
     p.add_argument("--blocked-mib", type=int, default=1024, help="state size (0: skip)")
     p.add_argument("--replica-mib", type=int, default=256, help="replica size (0: skip)")
     p.add_argument("--replica-only", action="store_true", help="measure the replica only")
+    p.add_argument("--quick", action="store_true", help="a short smoke run (about 3 minutes)")
     p.add_argument("--out", type=Path, default=None, help="results folder")
     args = p.parse_args(argv)
+    if args.quick:
+        args.duration, args.kill_every, args.node_every = 40.0, 12.0, 24.0
+        args.blocked_mib, args.replica_mib = 64, 16
+    if not 2 <= args.nodes <= 8 or args.nproc < 1:
+        p.error("--nodes must be 2 to 8 and --nproc at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     replica = replica_transfer(args.replica_mib) if args.replica_mib > 0 else None
     if args.replica_only:
         print(replica_line(replica) if replica else "nothing measured")
         return 0
     out = args.out or REPO / "bench" / "results" / f"goodput-{time.strftime('%Y%m%d-%H%M%S')}"
+    t0 = time.monotonic()
     runs = {
-        "reference": run_one(
-            "reference", TORCHRUN_TUNED, "none", out / "reference", args.duration, 0
-        ),
-        "torchrun": run_one(
-            "torchrun",
-            TORCHRUN_TUNED,
-            "torchsave",
-            out / "torchrun",
-            args.duration,
-            args.kill_every,
-        ),
-        "elastrun": run_one(
-            "elastrun", ELASTRUN_TUNED, "memory", out / "elastrun", args.duration, args.kill_every
-        ),
+        "reference": run_one("reference", TORCHRUN_TUNED, "none", out / "reference", args),
+        "torchrun": run_one("torchrun", TORCHRUN_TUNED, "torchsave", out / "torchrun", args),
+        "elastrun": run_one("elastrun", ELASTRUN_TUNED, "memory", out / "elastrun", args),
     }
     blocked = blocked_1g(args.blocked_mib, out / "blocked") if args.blocked_mib > 0 else None
     text = report(runs, blocked, args, replica)
+    text += f"\nWall time of the benchmark: {time.monotonic() - t0:.0f} s.\n"
     (out / "results.md").write_text(text)
     results = {"runs": runs, "blocked": blocked, "replica": replica}
     (out / "results.json").write_text(json.dumps(results, indent=1))

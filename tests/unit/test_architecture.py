@@ -110,3 +110,25 @@ def test_launcher_and_agent_do_not_import_torch() -> None:
         "assert not bad, bad[:5]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_training_helpers_do_not_import_the_launcher() -> None:
+    """A restarted worker imports what its script imports: ``elastrun.train``
+    must not bring the agent, rendezvous, store and launcher along; the
+    public ``elastrun.launch`` / ``LaunchConfig`` still work, on first use."""
+    code = (
+        "import sys, elastrun.train, elastrun.train.memory, elastrun.train.memory_load\n"
+        "heavy = ('elastrun.agent', 'elastrun.launcher', 'elastrun.rendezvous', 'elastrun.store')\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(heavy))\n"
+        "assert not bad, bad[:5]\n"
+        "import elastrun\n"
+        "assert callable(elastrun.launch) and elastrun.LaunchConfig.__name__ == 'LaunchConfig'\n"
+        "from elastrun import launch, LaunchConfig\n"
+        "try:\n"
+        "    elastrun.no_such_name\n"
+        "except AttributeError as e:\n"
+        "    assert 'no_such_name' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('no AttributeError')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

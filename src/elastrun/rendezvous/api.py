@@ -300,7 +300,10 @@ class Rendezvous(abc.ABC):
     async def joining_running_job(self) -> bool:
         """True when the job trains without this node right now (its round is
         closed and this node is not a member): joining would restart the
-        others' workers. Asked before ``next_round()``; never raises."""
+        others' workers; or will train without it (a round opened after the
+        job trained, whose other previous members reach the smallest world
+        even with one of them gone): joining would hold their restart.
+        Asked before ``next_round()``; never raises."""
         return False
 
     @abc.abstractmethod

@@ -167,12 +167,21 @@ class DynamicRendezvous(NoteAccess, Rendezvous):
         try:
             kv = await self.store.get(self.keys.round)
             rec = None if kv is None else RoundRecord.decode(kv.key, kv.value)
-            if rec is None or rec.state is not RoundState.CLOSED:
-                return False
-            head = await self._observer.get_head(rec.round)  # this node's place: O(1) bytes
+            if rec is not None and rec.state is RoundState.CLOSED:
+                head = await self._observer.get_head(rec.round)  # this node's place: O(1) bytes
+                return head.mine is None
         except (StoreError, RendezvousError):
             return False  # next_round() reads it again and reports what is wrong
-        return head.mine is None
+        if rec is None or rec.state is not RoundState.OPEN:
+            return False
+        # A round opened in a job that trained (a failure, a node lost): the
+        # others restart now. When they reach the smallest world without this
+        # node even if one of them is gone (the node this one may replace),
+        # they train on without it, so it waits for its warm interpreter
+        # rather than hold their restart for its imports.
+        others = [p for p in rec.prev if p.node_id != self.node_id]
+        smallest = self.settings.sizes().smallest or self.settings.min_nodes
+        return len(others) - 1 >= max(1, smallest)
 
     async def wait_for_change(self) -> Change:
         if self.rules.state is not State.MEMBER:
