@@ -42,7 +42,6 @@ script runs, so the script and its children do not see them.
 
 from __future__ import annotations
 
-import atexit
 import builtins
 import contextlib
 import functools
@@ -417,7 +416,7 @@ def target_path(kind: str, target: str) -> str:
     return os.path.dirname(os.path.realpath(target)) if kind == "script" else os.getcwd()
 
 
-def run_worker(kind: str, target: str, args: list[str], quick: QuickExit | None = None) -> None:
+def run_worker(kind: str, target: str, args: list[str], quick: Any = None) -> None:
     """Set up the observers, then run the target; exits as the target would
     (``quick``: in a worker forked from the warm interpreter, see
     :class:`QuickExit`)."""
@@ -444,7 +443,7 @@ def run_worker(kind: str, target: str, args: list[str], quick: QuickExit | None 
     guard_teardown()
     # Ranks other than 0 connect to rank 0's store as soon as it listens (_master.py).
     on_import("torch.distributed.rendezvous", _load_sibling("_master").install)
-    quick = quick or QuickExit(forked=False)
+    quick = quick or _load_sibling("_quick_exit").QuickExit(forked=False)
     # A script that succeeded has torch.distributed shut down before the
     # interpreter finalizes, so it cannot abort in its teardown (_settle.py).
     settle = _load_sibling("_settle")
@@ -475,49 +474,6 @@ def run_worker(kind: str, target: str, args: list[str], quick: QuickExit | None 
         sys.exit(1)
 
 
-class QuickExit:
-    """A worker forked from the warm interpreter whose script failed ends
-    once its exit work is done, without the interpreter's finalization.
-
-    Its group's restart waits for it to exit, and that finalization is most
-    of its exit: tearing down the modules it shares with the warm
-    interpreter writes to every one of their objects (reference counts), a
-    copy-on-write fault per page, 0.7-1.5 s with torch loaded on a loaded
-    2-core machine. Registered by the warm interpreter before it imports
-    anything, :meth:`_end` is the last ``atexit`` function, after those of
-    the script and of every module (its non-daemon threads were joined
-    before them): it flushes every file still open (what
-    finalization would have done by closing them; nothing is lost), then
-    ends the process with the script's exit status. A worker started cold,
-    a script that succeeded, and an exit status that is not a number are
-    left to the normal exit."""
-
-    def __init__(self, forked: bool) -> None:
-        self.code: int | None = None
-        if forked:
-            atexit.register(self._end)
-
-    def failed(self, code: object) -> None:
-        if isinstance(code, int) and not isinstance(code, bool) and 0 < code < 256:
-            self.code = code
-
-    def _end(self) -> None:
-        if self.code is None:
-            return
-        import gc
-        import io
-
-        for obj in gc.get_objects():
-            if isinstance(obj, io.IOBase):
-                with contextlib.suppress(Exception):
-                    if not obj.closed and obj.writable():
-                        obj.flush()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(self.code)
-
-
 def main(argv: list[str]) -> None:
     # argv as the worker's own, after the interpreter: "script args" or "-m module args".
     if not argv or (argv[0] == "-m" and len(argv) < 2):
@@ -525,7 +481,7 @@ def main(argv: list[str]) -> None:
     kind, target = ("module", argv[1]) if argv[0] == "-m" else ("script", argv[0])
     args = argv[2:] if kind == "module" else argv[1:]
     if os.environ.get(MODE_ENV) == "zygote":
-        quick = QuickExit(forked=True)  # first: its atexit function runs last
+        quick = _load_sibling("_quick_exit").QuickExit(forked=True)  # first: runs last at exit
         # Imports resolve as they will for the worker: its sys.path[0].
         sys.path[0] = target_path(kind, target)
         order = _load_sibling("_zygote").serve(_names.script_module(kind, target))
