@@ -98,7 +98,10 @@ def test_full_catalogue_covers_every_group() -> None:
     assert not [n for n in full if n.startswith("scale_up") or n.endswith("1to3")]
     assert [sc.name for sc in select(["node_loss_1to3"], quick=False)] == ["node_loss_1to3"]
     assert not [n for n in full if n.startswith("spare")]
-    assert [sc.name for sc in select(["spares"], quick=False)] == ["spare_loss_2to3"]
+    assert [sc.name for sc in select(["spares"], quick=False)] == [
+        "spare_loss_2to3",
+        "spare_agent_kill_2to3",
+    ]
 
 
 def test_every_scenario_has_an_estimate_and_the_report_shows_wall_time() -> None:

@@ -96,10 +96,13 @@ def test_a_killed_training_node_is_replaced_by_the_spare_with_its_rank(tmp_path:
         b_pids = {st["pid"] for st in j.steps() if st["node"] == "b"}
         mark = len(j.steps())
         os.kill(b.proc.pid, signal.SIGKILL)  # the agent alone: its guard does the rest
-        wait_for(
-            lambda: steps_after(j, mark, lambda st: st["node"] == "s" and st["world"] == 2),
+        wait_for(  # each rank writes its step record on its own: wait for both
+            lambda: (
+                {"a", "s"}
+                <= {st["node"] for st in steps_after(j, mark, lambda st: st["world"] == 2)}
+            ),
             BOUND,
-            "the spare training at world 2",
+            "the spare and the survivor training at world 2",
         )
         assert b.wait(BOUND) == -signal.SIGKILL
         wait_for(lambda: not any(pid_alive(p) for p in b_pids), BOUND, "the lost node's workers")
