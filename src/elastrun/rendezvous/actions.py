@@ -42,7 +42,7 @@ from elastrun.rendezvous.regain import regain
 from elastrun.rendezvous.results import Head, shard_count, stored_form
 from elastrun.rendezvous.sizes import promotions
 from elastrun.rendezvous.view import Node, Observer
-from elastrun.store.base import Compare, Delete, KeyValue, Put
+from elastrun.store.base import Compare, Delete, Get, KeyValue, Put
 from elastrun.store.keepalive import LeaseKeeper, describe_store
 from elastrun.untrusted import printable
 
@@ -113,7 +113,13 @@ class Executor:
 
     async def _put_done(self, a: Action) -> None:
         node = self.node
-        await node.store.put(node.keys.done(a.round, node.node_id), DONE)
+        # With round read in the same txn: the barrier's phase starts from it.
+        res = await node.store.txn(
+            [], [Put(node.keys.done(a.round, node.node_id), DONE), Get(node.keys.round)]
+        )
+        found = res.gets[0] if res.gets else []
+        if found:
+            self.observer.round_seen = (found[0], res.revision)
 
     async def _renew_lease(self, a: Action) -> None:
         # At the exit barrier, no longer than the barrier's own deadline.
@@ -263,6 +269,9 @@ class Executor:
             ],
         )
         if res.succeeded:
+            # round is unchanged at this revision (compared): the next phase
+            # need not read it again.
+            self.observer.round_seen = (kv, res.revision)
             self.observer.joined = (r, res.revision)
             node.events.emit("node_joined", round=r, node=node.node_id, host=node.host)
 

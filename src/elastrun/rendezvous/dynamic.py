@@ -52,7 +52,7 @@ from elastrun.rendezvous.phases import Inbox, LeaseGone, Message, OpenPhase, Wat
 from elastrun.rendezvous.plan import PhasePlan, plan_phase
 from elastrun.rendezvous.progress import ProgressReporter, waiting_status
 from elastrun.rendezvous.records import AgreedSettings, ConfigRecord, RoundRecord, RoundState
-from elastrun.rendezvous.reuse import Verdict, classify, describe_reset
+from elastrun.rendezvous.reuse import Verdict, classify, describe_reset, needs_live_count
 from elastrun.rendezvous.rules import (
     TIMER_EVENTS,
     Context,
@@ -261,16 +261,20 @@ class DynamicRendezvous(NoteAccess, Rendezvous):
         the job, join it, start it afresh, or report it finished. Every write
         is a txn on what was read; a lost race reads again (bounded)."""
         k, store, mine = self.keys, self.store, self.settings.agreed()
+        reads = [Get(k.config), Get(k.round)]
+        res = await store.txn([], reads)
         for _ in range(REGISTER_TRIES):
-            res = await store.txn([], [Get(k.config), Get(k.round)])
-            # How many nodes are live, counted after that read (O(1) bytes, not
-            # every presence record): a node that registers in between is
-            # counted; one after it, as after any read, is the reset's race.
-            _, live, _ = await store.get_prefix_newest(k.nodes, 0, 1)
             config_kv = res.gets[0][0] if res.gets[0] else None
             round_kv = res.gets[1][0] if res.gets[1] else None
             config = ConfigRecord.decode(k.config, config_kv.value) if config_kv else None
             rnd = RoundRecord.decode(k.round, round_kv.value) if round_kv else None
+            live = 0
+            if needs_live_count(config, rnd):
+                # How many nodes are live, counted after that read (O(1)
+                # bytes, not every presence record): a node that registers in
+                # between is counted; one after it, as after any read, is the
+                # reset's race.
+                _, live, _ = await store.get_prefix_newest(k.nodes, 0, 1)
             found = classify(config, rnd, live)
             config_rev = config_kv.mod_revision if config_kv else 0
             round_rev = round_kv.mod_revision if round_kv else 0
@@ -284,9 +288,12 @@ class DynamicRendezvous(NoteAccess, Rendezvous):
                     Compare.unchanged(k.config, config_rev),
                     Compare.unchanged(k.round, round_rev),
                 ]
-                done = await store.txn(same, [Delete(k.root, prefix=True)])
+                done = await store.txn(same, [Delete(k.root, prefix=True)], reads)
                 if done.succeeded:
                     self._announce_reset(found.why, config, rnd)
+                    res = await store.txn([], reads)
+                else:  # lost a race: the records as they are now
+                    res = done
                 continue
             if config is not None:
                 self._agree(config.settings, mine)
@@ -296,8 +303,11 @@ class DynamicRendezvous(NoteAccess, Rendezvous):
             compares = [Compare.unchanged(k.config, config_rev)]
             if found.verdict is Verdict.NEW:
                 compares.append(Compare.unchanged(k.round, round_rev))
-            if (await store.txn(compares, ops)).succeeded:
+            res = await store.txn(compares, ops, reads)
+            if res.succeeded:
                 return
+            # Lost a race (another node wrote first): its failure branch read
+            # the records again, in the same request.
         raise RendezvousError(
             f"job {self.settings.run_id!r}: its records changed {REGISTER_TRIES} times while "
             "this node registered (nodes starting and leaving at once?); try again"

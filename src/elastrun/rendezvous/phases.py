@@ -104,8 +104,14 @@ class OpenPhase:
         return await self._initial_events(plan)
 
     async def _read_round(self) -> None:
-        store, k = self.node.store, self.node.keys
-        kvs, rev = await read(store, k.round, False)
+        store, k, obs = self.node.store, self.node.keys, self.observer
+        seen, obs.round_seen = obs.round_seen, None
+        if seen is not None:
+            # As this node's last write found it: a snapshot at that write's
+            # revision, as good as a read (the watch starts after it).
+            kvs, rev = [seen[0]], seen[1]
+        else:
+            kvs, rev = await read(store, k.round, False)
         if not kvs:
             await self._create_first_round()
             kvs, rev = await read(store, k.round, False)

@@ -108,6 +108,10 @@ class Observer:
         self.joined: tuple[int, int] | None = None
         # The last round's result this node read (by round).
         self.decoded: dict[int, DecodedResult] = {}
+        # ``round`` as a write of this node's found it (a txn that compared
+        # it unchanged, or read it), and that txn's revision: a snapshot the
+        # next phase takes instead of reading ``round`` again (once).
+        self.round_seen: tuple[KeyValue, int] | None = None
 
     def new_view(self) -> P.View:
         """A fresh view for a new phase (round results are kept: immutable;

@@ -109,8 +109,18 @@ Json = dict[str, Any]
 
 
 # -- framing ------------------------------------------------------------------
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+# One encoder and one decoder for every frame: json.dumps and json.loads with
+# options build a new one at each call (a cost per request on the store host).
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
 def encode_frame(message: Mapping[str, Any]) -> bytes:
-    body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    body = _ENCODER.encode(message).encode("utf-8")
     if len(body) > MAX_FRAME:
         raise ProtocolError(f"message of {len(body)} bytes exceeds the {MAX_FRAME}-byte limit")
     return _HEADER.pack(len(body)) + body
@@ -152,7 +162,7 @@ class FrameDecoder:
         end = _HEADER.size + length
         if len(self._buf) < end:
             return None
-        body = bytes(self._buf[_HEADER.size : end])
+        body = self._buf[_HEADER.size : end]
         del self._buf[:end]
         return _parse(body)
 
@@ -166,9 +176,9 @@ class FrameDecoder:
         return frames
 
 
-def _parse(body: bytes) -> Json:
+def _parse(body: bytes | bytearray) -> Json:
     try:
-        obj = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+        obj = _DECODER.decode(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ProtocolError(f"frame is not UTF-8 JSON: {exc}") from None
     if not isinstance(obj, dict):
@@ -180,10 +190,6 @@ def _parse(body: bytes) -> Json:
             f"(this side speaks version {PROTOCOL_VERSION}); upgrade the older side"
         )
     return obj
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not allowed")
 
 
 # -- field validation ---------------------------------------------------------
