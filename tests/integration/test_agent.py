@@ -369,3 +369,30 @@ def test_unstartable_worker_fails_clearly(tmp_path, capfd):
     code, _ = run_agent(spec, OneNodeRendezvous(nproc=2))
     assert code == 1
     assert "cannot start worker local rank 0" in capfd.readouterr().err
+
+
+def test_a_rank_killed_by_a_signal_is_the_root_cause_when_its_peer_reports_first(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 is SIGKILLed and says nothing; rank 0 fails because of it (as a
+    peer whose collective broke does). The agent is busy meanwhile, so rank
+    1's exit, rank 0's failure message and rank 0's exit all wait in the
+    same turn of its event loop: rank 1, dead first, is still the root cause."""
+    rdzv = OneNodeRendezvous(nproc=2, max_restarts=0)
+    spec = spec_for("killed_rank1.py", str(tmp_path), shutdown_timeout=10)
+    ready = (tmp_path / "rank0.ready", tmp_path / "rank1.ready")
+
+    async def busy_while_they_fail() -> None:
+        while not all(f.exists() for f in ready):  # both ranks run
+            await asyncio.sleep(0.01)
+        (tmp_path / "die").write_text("")  # rank 1's cue
+        time.sleep(3)  # the agent's loop blocked: both ranks end meanwhile
+
+    code, sink = run_agent(spec, rdzv, side=busy_while_they_fail)
+    assert code == 1
+    exited = {e["rank"]: e for e in sink.events if e["kind"] == "worker_exited"}
+    assert exited[1]["signal"] == "SIGKILL" and exited[1]["cause"] == "root_cause", exited
+    assert exited[0]["exitcode"] == 1 and exited[0]["cause"] == "collateral", exited
+    failure = rdzv.failures[0]
+    assert failure["rank"] == 1 and failure["role"] == "root_cause", failure
+    assert_reaped(started_pids(sink))

@@ -239,6 +239,7 @@ class WorkerGroup:
     def _on_message(self, w: Worker, message: Message) -> None:
         if isinstance(message, Failing):
             if w.failing is None and not w.done:
+                self._reap_signalled(asyncio.get_running_loop(), w)
                 w.failing = (self.clock.monotonic(), time.time())
                 self._changed.set()  # the group has failed
             return
@@ -249,7 +250,26 @@ class WorkerGroup:
         for h in self.hooks:
             h.channel_closed(w)
 
+    def _reap_signalled(self, loop: asyncio.AbstractEventLoop, w: Worker) -> None:
+        """Before ``w``'s failure is timed: every other rank already killed by
+        a signal, first. Such a rank says nothing before it dies, and its
+        death reaches the agent only as its exit, which may wait in the same
+        turn of the event loop as the failure it caused in a peer (its
+        sockets close before the kernel reports the exit): found dead now,
+        it died before ``w``'s failure reached the agent."""
+        for x in self.workers:
+            if x is w or x.done or x.popen is None or x.exited is None:
+                continue
+            try:  # a look only: the exit status stays for reap()
+                found = os.waitid(os.P_PID, x.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except (ChildProcessError, OSError):
+                continue
+            if found is not None and found.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+                self._on_exit(loop, x)
+
     def _on_exit(self, loop: asyncio.AbstractEventLoop, w: Worker) -> None:
+        if not w.done and w.failing is None:
+            self._reap_signalled(loop, w)
         rc = w.reap(loop, self.clock.monotonic())
         if rc is None:
             return
