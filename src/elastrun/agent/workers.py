@@ -99,6 +99,7 @@ class WorkerGroup:
         self.workers: list[Worker] = []
         self.envs: dict[int, dict[str, str]] = {}  # each local rank's, once started
         self._changed = asyncio.Event()
+        self._reaping = False  # inside _reap_signalled
         self._hurry = asyncio.Event()
         self._ended = False
         self._closed = False
@@ -257,15 +258,21 @@ class WorkerGroup:
         turn of the event loop as the failure it caused in a peer (its
         sockets close before the kernel reports the exit): found dead now,
         it died before ``w``'s failure reached the agent."""
-        for x in self.workers:
-            if x is w or x.done or x.popen is None or x.exited is None:
-                continue
-            try:  # a look only: the exit status stays for reap()
-                found = os.waitid(os.P_PID, x.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            except (ChildProcessError, OSError):
-                continue
-            if found is not None and found.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
-                self._on_exit(loop, x)
+        if self._reaping:  # already at it: one pass, not one per rank found
+            return
+        self._reaping = True
+        try:
+            for x in self.workers:
+                if x is w or x.done or x.popen is None or x.exited is None:
+                    continue
+                try:  # a look only: the exit status stays for reap()
+                    found = os.waitid(os.P_PID, x.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                except (ChildProcessError, OSError):
+                    continue
+                if found is not None and found.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+                    self._on_exit(loop, x)
+        finally:
+            self._reaping = False
 
     def _on_exit(self, loop: asyncio.AbstractEventLoop, w: Worker) -> None:
         if not w.done and w.failing is None:
