@@ -298,23 +298,12 @@ for step in range(2):
     disk.append(time.perf_counter() - t0)
 print(json.dumps({{"memory_first": times[0], "memory": min(times[1:]), "torch_save": min(disk)}}))
 """
-    shm = tempfile.mkdtemp(prefix="elastrun-goodput-", dir="/dev/shm")
-    env = {**os.environ, "ELASTRUN_MEMORY_CHECKPOINT_DIR": shm, "PYTHONPATH": str(REPO / "src")}
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        out = subprocess.run(
-            [sys.executable, "-c", code, str(folder)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=True,
-        ).stdout
+        return _measure(code, str(folder))
     finally:
-        shutil.rmtree(shm, ignore_errors=True)
         for p in folder.glob("ckpt-*"):
             p.unlink()
-    return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
 def replica_transfer(mib: int) -> dict[str, float]:
@@ -343,11 +332,17 @@ took = time.perf_counter() - t0
 print(json.dumps({{"bytes": view.size, "seconds": took}}))
 view.close()
 """
+    return _measure(code)
+
+
+def _measure(code: str, *args: str) -> dict[str, float]:
+    """Run ``code`` in a fresh interpreter with a memory-checkpoint folder of
+    its own in /dev/shm (removed after): the JSON its last line prints."""
     shm = tempfile.mkdtemp(prefix="elastrun-goodput-", dir="/dev/shm")
     env = {**os.environ, "ELASTRUN_MEMORY_CHECKPOINT_DIR": shm, "PYTHONPATH": str(REPO / "src")}
     try:
         out = subprocess.run(
-            [sys.executable, "-c", code],
+            [sys.executable, "-c", code, *args],
             env=env,
             capture_output=True,
             text=True,
