@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from elastrun.agent import Agent, Executable, Std, WorkerSpec
+from elastrun.agent import Agent, Executable, PythonScript, Std, WorkerSpec
 from elastrun.events import ListSink
 from elastrun.names import RunId
 from tests.conftest import PYTHON, REPO
@@ -369,6 +370,33 @@ def test_unstartable_worker_fails_clearly(tmp_path, capfd):
     code, _ = run_agent(spec, OneNodeRendezvous(nproc=2))
     assert code == 1
     assert "cannot start worker local rank 0" in capfd.readouterr().err
+
+
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "aarch64"), reason="the exit system call's number"
+)
+def test_a_rank_whose_end_has_begun_is_the_root_cause_before_its_exit_is_reported(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's process has begun to end (its main thread gone, its sockets
+    closed) but the kernel does not report its exit yet when rank 0's failure
+    message arrives: rank 1 then dies of SIGKILL by itself. It ended first:
+    it is the root cause, and elastrun did not stop it (the demo's race,
+    held open here for 1.5 s instead of a few milliseconds)."""
+    rdzv = OneNodeRendezvous(nproc=2, max_restarts=0)
+    command = PythonScript(str(SCRIPTS / "dying_rank1.py"), (str(tmp_path),), python=PYTHON)
+    spec = WorkerSpec(
+        command=command, nproc=2, host="testhost", run_id=RunId("agent-test"), shutdown_timeout=10
+    )
+    code, sink = run_agent(spec, rdzv)
+    assert code == 1
+    exited = {e["rank"]: e for e in sink.events if e["kind"] == "worker_exited"}
+    assert exited[1]["signal"] == "SIGKILL" and not exited[1]["stopped_by_agent"], exited
+    assert exited[1]["cause"] == "root_cause", exited
+    assert exited[0]["exitcode"] == 1 and exited[0]["cause"] == "collateral", exited
+    failure = rdzv.failures[0]
+    assert failure["rank"] == 1 and failure["role"] == "root_cause", failure
+    assert_reaped(started_pids(sink))
 
 
 def test_a_rank_killed_by_a_signal_is_the_root_cause_when_its_peer_reports_first(

@@ -23,7 +23,7 @@ from elastrun.agent.children import ForkedProcess
 from elastrun.agent.failures import Ending, ErrorFileInfo, WorkerFailure, read_error_file
 from elastrun.agent.logs import TAIL_LINES, LinePump, LogWriteErrors, StreamRoute
 
-__all__ = ["Declared", "Process", "Worker", "killpg"]
+__all__ = ["Declared", "Process", "Worker", "exit_begun", "killpg"]
 
 # The process handle of a worker: started cold, or forked and adopted.
 Process = subprocess.Popen[bytes] | ForkedProcess
@@ -36,6 +36,26 @@ def killpg(pgid: int, sig: int) -> bool:
     except (ProcessLookupError, PermissionError):
         return False
     return True
+
+
+PF_EXITING = 0x4  # a task's flag from the first step of its exit (linux/sched.h)
+
+
+def exit_begun(pid: int) -> bool:
+    """Whether process ``pid`` has begun to end though the kernel does not
+    report its exit yet: its main thread ending or gone (a zombie) while its
+    other threads still end. A rank killed by a signal is seen so for a few
+    milliseconds after its sockets closed: a peer's broken collective can
+    reach the agent inside that window."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read(1024)
+    except OSError:
+        return False
+    fields = stat[stat.rfind(b")") + 2 :].split()  # after "pid (comm) "
+    if len(fields) < 7 or not fields[6].isdigit():
+        return False
+    return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & PF_EXITING)
 
 
 @dataclass(frozen=True)
@@ -70,6 +90,9 @@ class Worker:
     # non-zero exit: the Failing message), by the agent's clocks: its failure
     # time, as its exit may come a while later (the interpreter's teardown).
     failing: tuple[float, float] | None = None  # monotonic, wall
+    # When the agent found its exit begun (exit_begun) before the kernel
+    # reported it: its exit time, by the agent's clocks.
+    dying: tuple[float, float] | None = None  # monotonic, wall
     warm: bool = False  # forked by a feature (a warm start), not spawned
     pumps: list[LinePump] = field(default_factory=list)
     pump_tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -177,13 +200,21 @@ class Worker:
                         pipe.close()
 
     # ------------------------------------------------------------ its end
+    def note_dying(self, monotonic: float) -> None:
+        """Its exit timed now when it has begun (exit_begun), not reported yet."""
+        if self.dying is None and not self.done and exit_begun(self.pid):
+            self.dying = (monotonic, time.time())
+
     def failed_at(self) -> tuple[float | None, float | None]:
         """When it failed (monotonic, wall): declared, else when its runner
-        said so (for a non-zero exit), else its exit."""
+        said so (for a non-zero exit), else its exit (when it was first seen
+        ending)."""
         if self.declared is not None:
             return self.declared.monotonic, self.declared.wall
         if self.failing is not None and self.returncode not in (None, 0):
             return self.failing
+        if self.dying is not None:
+            return self.dying
         return self.exit_monotonic, self.exit_wall
 
     def ending(self, now: float) -> Ending:

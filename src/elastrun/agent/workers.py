@@ -100,6 +100,7 @@ class WorkerGroup:
         self.envs: dict[int, dict[str, str]] = {}  # each local rank's, once started
         self._changed = asyncio.Event()
         self._reaping = False  # inside _reap_signalled
+        self._untold: list[Worker] = []  # exited, their worker_exited events not emitted yet
         self._hurry = asyncio.Event()
         self._ended = False
         self._closed = False
@@ -252,12 +253,13 @@ class WorkerGroup:
             h.channel_closed(w)
 
     def _reap_signalled(self, loop: asyncio.AbstractEventLoop, w: Worker) -> None:
-        """Before ``w``'s failure is timed: every other rank already killed by
-        a signal, first. Such a rank says nothing before it dies, and its
+        """Before ``w``'s failure is timed: every other rank already ended,
+        first. A rank killed by a signal says nothing before it dies; its
         death reaches the agent only as its exit, which may wait in the same
-        turn of the event loop as the failure it caused in a peer (its
-        sockets close before the kernel reports the exit): found dead now,
-        it died before ``w``'s failure reached the agent."""
+        turn of the event loop as the failure it caused in a peer, or not be
+        reported yet at all: its sockets close while its last threads still
+        end. Found killed now, it is reaped now; found ending (exit_begun),
+        its exit is timed now, before ``w``'s failure."""
         if self._reaping:  # already at it: one pass, not one per rank found
             return
         self._reaping = True
@@ -271,6 +273,8 @@ class WorkerGroup:
                     continue
                 if found is not None and found.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
                     self._on_exit(loop, x)
+                elif found is None:
+                    x.note_dying(self.clock.monotonic())
         finally:
             self._reaping = False
 
@@ -282,25 +286,39 @@ class WorkerGroup:
             return
         for h in self.hooks:
             h.exited(w)
-        # Its role among the failures so far, by the one rule.
+        # Its role is told once no peer is still ending unreported (found
+        # dying): that peer may have ended first. Milliseconds, and bounded
+        # by the stop (FAILING_GRACE, then SIGKILL) and close().
+        self._untold.append(w)
+        if not any(x.dying is not None and not x.done for x in self.workers):
+            self._tell_exits()
+        self._changed.set()
+
+    def _tell_exits(self) -> None:
+        """The worker_exited events of the exits not told yet, each with its
+        role among the failures so far, by the one rule."""
+        untold, self._untold = self._untold, []
         ended = [x for x in self.workers if x.done or x.declared is not None]
         now = self.clock.monotonic()
         endings = [x.ending(now) for x in ended]
-        mine = ended.index(w)
-        exitcode, sig = (rc, None) if rc >= 0 else (None, signal_name(-rc))
-        self.events.emit(
-            "worker_exited",
-            rank=w.rank,
-            local_rank=w.local_rank,
-            pid=w.pid,
-            exitcode=exitcode,
-            signal=sig,
-            cause=roles(endings)[mine],
-            stopped_by_agent=endings[mine].by_agent,
-            round=self.result.round,
-            attempt=self.attempt,
-        )
-        self._changed.set()
+        causes = roles(endings)
+        for w in untold:
+            mine = ended.index(w)
+            rc = w.returncode
+            assert rc is not None
+            exitcode, sig = (rc, None) if rc >= 0 else (None, signal_name(-rc))
+            self.events.emit(
+                "worker_exited",
+                rank=w.rank,
+                local_rank=w.local_rank,
+                pid=w.pid,
+                exitcode=exitcode,
+                signal=sig,
+                cause=causes[mine],
+                stopped_by_agent=endings[mine].by_agent,
+                round=self.result.round,
+                attempt=self.attempt,
+            )
 
     @property
     def pids(self) -> list[int]:
@@ -385,10 +403,15 @@ class WorkerGroup:
         grace = self.spec.shutdown_timeout if grace is None else grace
         await self.end()  # nobody is judged while stopping
         live = [w for w in self.workers if w.popen is not None and not w.done]
-        # A rank whose script failed is ending by itself (its interpreter's
-        # teardown): it keeps its own exit status unless that takes longer
-        # than FAILING_GRACE; it stays its own failure either way.
-        ending = [w for w in live if w.failing is not None and w.declared is None]
+        for w in live:
+            w.note_dying(self.clock.monotonic())
+        # A rank whose script failed, or whose process was found ending, is
+        # ending by itself (its interpreter's teardown, its last threads): it
+        # keeps its own exit status unless that takes longer than
+        # FAILING_GRACE; it stays its own failure either way.
+        ending = [
+            w for w in live if (w.failing is not None or w.dying is not None) and w.declared is None
+        ]
         for w in live:
             if w not in ending:
                 w.stopped_by_agent = True
@@ -423,6 +446,7 @@ class WorkerGroup:
         if self._closed:
             return
         self._closed = True
+        self._tell_exits()  # a peer found dying that never ended: told without it
         await self.end()
         for w in self.workers:
             if w.popen is not None:
