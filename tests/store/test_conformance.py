@@ -12,7 +12,17 @@ import time
 import pytest
 
 from elastrun.errors import LeaseNotFound, RevisionCompacted, StoreError
-from elastrun.store.base import Compare, Delete, Get, KeyValue, Put, Store, Watch, WatchEvent
+from elastrun.store.base import (
+    Compare,
+    Count,
+    Delete,
+    Get,
+    KeyValue,
+    Put,
+    Store,
+    Watch,
+    WatchEvent,
+)
 from tests.store.conftest import ClientFactory, StoreHarness
 
 
@@ -107,6 +117,33 @@ def test_txn_compare_and_set(make_store: StoreHarness) -> None:
         assert await s.get(k) is None
         with pytest.raises(StoreError):  # wrong operand type for the target
             await s.txn([Compare(k, "mod", "==", b"x")], [])
+
+    make_store.run(body)
+
+
+def test_txn_counts_keys_under_a_prefix(make_store: StoreHarness) -> None:
+    """A Count op answers how many keys are under a prefix (not its
+    neighbours), after the writes before it in its txn, in both branches,
+    beside Gets in order."""
+    p = make_store.prefix
+
+    async def body(new: ClientFactory) -> None:
+        s = await new()
+        for k in ["c/a", "c/b", "c0", "b"]:
+            await s.put(p + k, b"x")
+        r = await s.txn([], [Count(p + "c/"), Get(p + "b"), Count(p + "nothing/")])
+        assert r.succeeded and r.counts == [2, 0]
+        assert [kv.value for kv in r.gets[0]] == [b"x"]
+        # The txn's own put is counted by a Count after it, and its delete.
+        r = await s.txn([], [Put(p + "c/c", b"y"), Count(p + "c/"), Delete(p + "c/a")])
+        assert r.counts == [3]
+        r = await s.txn([], [Delete(p + "c/b"), Count(p + "c/")])
+        assert r.counts == [1]
+        # The failure branch's counts; no Count op: no counts.
+        r = await s.txn([Compare(p + "b", "version", "==", 9)], [Put(p + "b", b"z")], [Count(p)])
+        assert not r.succeeded and r.counts == [3]  # c/c, c0, b
+        r = await s.txn([], [Get(p + "b")])
+        assert r.counts == []
 
     make_store.run(body)
 

@@ -267,3 +267,19 @@ def test_the_round_record_changing_asks_for_its_event() -> None:
     rec = round_kv(RoundRecord(4, OPEN), created=8)
     assert P.react(view, P.Watched.ROUND, put(rec), r=3, now=0.0, max_nodes=4) == P.RoundChanged()
     assert view.round is not None and view.round.round == 4
+
+
+def test_a_round_event_the_snapshot_already_holds_changes_nothing() -> None:
+    """The round feed outlives phases: a phase that started from a snapshot
+    at revision 9 ignores the feed's events up to 9 (queued before it), and
+    takes a newer one."""
+    view = P.View()
+    view.set_round(round_kv(RoundRecord(4, CLOSED), created=9), 9)
+    old = round_kv(RoundRecord(4, OPEN), created=8)
+    assert P.react(view, P.Watched.ROUND, put(old), r=4, now=0.0, max_nodes=4) == []
+    same = round_kv(RoundRecord(4, CLOSED), created=9)
+    assert P.react(view, P.Watched.ROUND, put(same), r=4, now=0.0, max_nodes=4) == []
+    assert view.round is not None and view.round.state is CLOSED
+    newer = round_kv(RoundRecord(5, OPEN), created=11)
+    assert P.react(view, P.Watched.ROUND, put(newer), r=4, now=0.0, max_nodes=4) == P.RoundChanged()
+    assert view.round is not None and view.round.round == 5 and view.round_rev == 11

@@ -24,7 +24,7 @@ from elastrun.names import RunId
 from elastrun.rendezvous.api import RendezvousHooks, RendezvousSettings
 from elastrun.rendezvous.dynamic import DynamicRendezvous
 from elastrun.rendezvous.records import AgreedSettings, ConfigRecord, RoundRecord, RoundState
-from elastrun.rendezvous.reuse import TABLE, Verdict, classify, describe_reset, needs_live_count
+from elastrun.rendezvous.reuse import TABLE, Verdict, classify, describe_reset
 from elastrun.store.memory import MemoryStore
 
 T = TypeVar("T")
@@ -49,16 +49,6 @@ EXPECTED: dict[tuple[bool, RoundState | None, int], tuple[Verdict, str]] = {
     **{(True, s, 2): (Verdict.JOIN, "") for s in (None, OPEN, CLOSED)},
     **{(True, s, 0): (Verdict.RESET, "abandoned") for s in (None, OPEN, CLOSED)},
 }
-
-
-def test_the_live_count_is_skipped_only_where_the_verdict_does_not_depend_on_it() -> None:
-    """A starting node counts the live nodes only where that count can change
-    its verdict (an empty job id, a finished or failed job: no count)."""
-    for has_config, state in itertools.product([False, True], STATES):
-        config = CONFIG if has_config else None
-        rnd = None if state is None else RoundRecord(3, state, restarts=1)
-        differs = classify(config, rnd, 0) != classify(config, rnd, 2)
-        assert needs_live_count(config, rnd) == differs, (has_config, state)
 
 
 def test_every_combination_has_the_expected_verdict() -> None:

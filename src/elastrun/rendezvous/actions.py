@@ -18,15 +18,14 @@ from dataclasses import dataclass
 
 from elastrun.endpoint import Endpoint
 from elastrun.errors import (
-    RendezvousClosed,
-    RendezvousTimeout,
-    RestartBudgetExhausted,
     StoreError,
 )
-from elastrun.failure import FailureRecord, describe_stored
+from elastrun.failure import FailureRecord
 from elastrun.rendezvous import notes as N
 from elastrun.rendezvous import rounds
 from elastrun.rendezvous.api import Change, RoundResult
+from elastrun.rendezvous.barrier_plan import BarrierSeen
+from elastrun.rendezvous.explain import call_error, spare, waiting_reason
 from elastrun.rendezvous.protocol import Act, Action, Timer
 from elastrun.rendezvous.records import (
     DONE,
@@ -42,7 +41,7 @@ from elastrun.rendezvous.regain import regain
 from elastrun.rendezvous.results import Head, shard_count, stored_form
 from elastrun.rendezvous.sizes import promotions
 from elastrun.rendezvous.view import Node, Observer
-from elastrun.store.base import Compare, Delete, Get, KeyValue, Put
+from elastrun.store.base import Compare, Count, Delete, Get, KeyValue, Op, Put
 from elastrun.store.keepalive import LeaseKeeper, describe_store
 from elastrun.untrusted import printable
 
@@ -70,6 +69,7 @@ class Executor:
         self.port = 0  # the master port this node offers (picked once)
         self.notice: Callable[[str], None] | None = None  # a line for the operator
         self.waited_as_spare = False  # this node's last wait was as a spare
+        self.done_round: int | None = None  # the last round this node put its done key in
 
     @property
     def _waiting_key(self) -> str:
@@ -107,19 +107,27 @@ class Executor:
             round=a.round,
             node=node.node_id,
             host=node.host,
-            reason=self._waiting_reason(a.round),
+            reason=waiting_reason(node.settings, a.round, self.observer.view.size(a.round)),
             spare=self._spare(a.round),
         )
 
     async def _put_done(self, a: Action) -> None:
-        node = self.node
-        # With round read in the same txn: the barrier's phase starts from it.
-        res = await node.store.txn(
-            [], [Put(node.keys.done(a.round, node.node_id), DONE), Get(node.keys.round)]
-        )
-        found = res.gets[0] if res.gets else []
-        if found:
-            self.observer.round_seen = (found[0], res.revision)
+        node, k, r, obs = self.node, self.node.keys, a.round, self.observer
+        # In the same txn, what the barrier's set-up needs first (a snapshot
+        # at its revision): round, for the barrier's phase to start from; the
+        # done keys counted, this one's among them (so the last member to
+        # put its done key, and only it, finds them all); and whether group
+        # rank 0, the barrier's watcher while it lives, is present.
+        peek = [m.node_id for m in obs.view.known(r)[:1] if m.node_id != node.node_id]
+        ops: list[Op] = [Put(k.done(r, node.node_id), DONE), Get(k.round), Count(k.dones(r))]
+        res = await node.store.txn([], [*ops, *(Get(k.node(n)) for n in peek)])
+        self.done_round = r
+        if not res.succeeded or len(res.gets) != 1 + len(peek) or not res.counts:
+            return
+        if res.gets[0]:
+            obs.round_seen = (res.gets[0][0], res.revision)
+        present = {n: bool(kvs) for n, kvs in zip(peek, res.gets[1:], strict=True)}
+        obs.barrier_seen = BarrierSeen(r, res.revision, res.counts[0], present)
 
     async def _renew_lease(self, a: Action) -> None:
         # At the exit barrier, no longer than the barrier's own deadline.
@@ -175,7 +183,11 @@ class Executor:
         # the left key (no lease: it outlives the presence key), so that the
         # others say this node left, not that it was lost (best effort).
         node, timeout = self.node, self.node.settings.close_timeout
-        if self.keeper.alive:
+        # A member that put its done key in the last round it joined is
+        # counted as finished, not lost: no left key needed.
+        joined, done = self.observer.joined, self.done_round
+        finished = joined is not None and done is not None and done >= joined[0]
+        if self.keeper.alive and not finished:
             with contextlib.suppress(StoreError, TimeoutError):
                 await asyncio.wait_for(node.store.put(node.keys.left(node.node_id), b"1"), timeout)
         await self.keeper.stop(revoke=True, timeout=timeout)
@@ -229,7 +241,7 @@ class Executor:
         return Outcome()
 
     async def _raise(self, a: Action) -> Outcome:
-        return Outcome(error=await self._error(a))
+        return Outcome(error=await call_error(a, self.node.settings, self.observer))
 
     def _me(self) -> NodeInfo:
         """This node, as its presence and join records describe it."""
@@ -378,28 +390,7 @@ class Executor:
             self.node.events.emit("job_finished", round=r)
 
     def _spare(self, r: int) -> bool:
-        """Whether this node waits as a spare beside round ``r``: the round
-        is at a size this node cannot enlarge by joining."""
-        n = self.observer.view.size(r)
-        return n > 0 and not self.node.settings.sizes().room(n, 1)
-
-    def _waiting_reason(self, r: int) -> str:
-        """Why this node waits after round ``r`` closed without it."""
-        n = self.observer.view.size(r)
-        s = self.node.settings
-        max_nodes = s.max_nodes
-        if not n:
-            return f"round {r} closed without this node"
-        if s.node_unit > 1 and self._spare(r):
-            return (
-                f"round {r} has {_nodes(n)} ({s.sizes().describe()}); waiting as a spare "
-                "to replace a lost node"
-            )
-        if n >= max_nodes:
-            return f"round {r} is full ({n} of max {_nodes(max_nodes)}); waiting for a free place"
-        return (
-            f"round {r} closed without this node ({n} of max {_nodes(max_nodes)}); joining the next"
-        )
+        return spare(self.node.settings, self.observer.view.size(r))
 
     async def _round_result(self, r: int) -> RoundResult:
         """Round ``r``'s result as this member sees it: every member where
@@ -423,41 +414,6 @@ class Executor:
         head = await self.observer.get_head(r)
         return rounds.partial_result(s.run_id, head, s.max_restarts)
 
-    async def _error(self, a: Action) -> BaseException:
-        s, obs = self.node.settings, self.observer
-        if a.error is RendezvousClosed:
-            return RendezvousClosed(
-                f"job {s.run_id!r} has finished: there will be no further rounds"
-            )
-        if a.error is RestartBudgetExhausted:
-            rec = obs.view.round
-            # Another node's record: escaped, as the message reaches a terminal.
-            last = printable(describe_stored(rec.last_failure if rec is not None else None))
-            return RestartBudgetExhausted(
-                f"job {s.run_id!r} used its restart budget ({s.max_restarts} "
-                f"restart{'' if s.max_restarts == 1 else 's'}, "
-                f"--max-restarts); last failure: {last}"
-            )
-        return await self._timeout_error(a.round)
-
-    async def _timeout_error(self, r: int) -> RendezvousTimeout:
-        s, obs = self.node.settings, self.observer
-        await obs.note_joiners(r)
-        # Other nodes' host names: escaped, as the message reaches a terminal.
-        joins = sorted(printable(h) for (jr, _), h in obs.joiner_hosts.items() if jr == r)
-        rnd = obs.view.round
-        if obs.rules.ctx.round == r and rnd is not None and rnd.state is not RoundState.OPEN:
-            return RendezvousTimeout(
-                f"round {r} closed without this node and no new round opened before "
-                f"join_timeout={s.join_timeout:g}s (job is full: max {_nodes(s.max_nodes)})"
-            )
-        least = s.sizes().smallest or s.min_nodes
-        unit = f" ({s.sizes().describe()})" if s.node_unit > 1 else ""
-        return RendezvousTimeout(
-            f"{len(joins)} of min {_nodes(least)}{unit} joined before "
-            f"join_timeout={s.join_timeout:g}s: {', '.join(joins) or 'none'}"
-        )
-
 
 # What each action does (a unit test checks that every Act has one).
 HANDLERS: dict[Act, Callable[[Executor, Action], Awaitable[Outcome | None]]] = {
@@ -478,11 +434,6 @@ HANDLERS: dict[Act, Callable[[Executor, Action], Awaitable[Outcome | None]]] = {
     Act.RETURN: Executor._return,
     Act.RAISE: Executor._raise,
 }
-
-
-def _nodes(n: int) -> str:
-    """``1 node``, ``2 nodes``."""
-    return f"{n} node" if n == 1 else f"{n} nodes"
 
 
 def _promotions(

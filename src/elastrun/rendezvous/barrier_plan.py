@@ -17,6 +17,7 @@ from elastrun.rendezvous.protocol import BarrierDone
 from elastrun.rendezvous.records import MemberRecord
 
 __all__ = [
+    "BarrierSeen",
     "BarrierStep",
     "BeWatcher",
     "CheckDone",
@@ -25,6 +26,18 @@ __all__ = [
     "WatchWatcher",
     "barrier_step",
 ]
+
+
+@dataclass(frozen=True)
+class BarrierSeen:
+    """What a member's done txn read at its revision, as good as reads made
+    then: the done keys' count (its own counted) and whether the presence
+    keys of the first members exist (group rank 0's, unless it is this node)."""
+
+    round: int
+    revision: int
+    count: int
+    present: Mapping[str, bool]
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ import socket
 
 from elastrun.clock import SYSTEM_CLOCK, Clock, wait_until
 from elastrun.errors import (
-    ConfigMismatch,
     RendezvousClosed,
     RendezvousError,
     RevisionCompacted,
@@ -48,11 +47,20 @@ from elastrun.rendezvous.api import (
     RoundResult,
 )
 from elastrun.rendezvous.note_access import NoteAccess
-from elastrun.rendezvous.phases import Inbox, LeaseGone, Message, OpenPhase, WatchFailed, WatchFired
+from elastrun.rendezvous.phases import (
+    FEED,
+    Inbox,
+    LeaseGone,
+    Message,
+    OpenPhase,
+    RoundFeed,
+    WatchFailed,
+    WatchFired,
+)
 from elastrun.rendezvous.plan import PhasePlan, plan_phase
 from elastrun.rendezvous.progress import ProgressReporter, waiting_status
-from elastrun.rendezvous.records import AgreedSettings, ConfigRecord, RoundRecord, RoundState
-from elastrun.rendezvous.reuse import Verdict, classify, describe_reset, needs_live_count
+from elastrun.rendezvous.records import RoundRecord, RoundState
+from elastrun.rendezvous.register import Registration
 from elastrun.rendezvous.rules import (
     TIMER_EVENTS,
     Context,
@@ -68,13 +76,11 @@ from elastrun.rendezvous.rules import (
 )
 from elastrun.rendezvous.takeover import register_after_takeover
 from elastrun.rendezvous.view import Node, Observer
-from elastrun.store.base import Compare, Delete, Get, Put, Store
+from elastrun.store.base import Store
 from elastrun.store.keepalive import LeaseKeeper
-from elastrun.untrusted import printable
 
 __all__ = ["DynamicRendezvous", "create_dynamic_rendezvous"]
 
-REGISTER_TRIES = 8  # reads of the job's records on a first registration (races)
 
 # A phase whose watches keep being compacted before they deliver anything is
 # re-read at most this many times in a row before the error is raised.
@@ -140,10 +146,12 @@ class DynamicRendezvous(NoteAccess, Rendezvous):
         self._timers: dict[Timer, float] = {}
         self._observer = Observer(node, self.rules)
         self._executor = Executor(node, self._observer, self.keeper, self._timers)
+        self._registration = Registration(node, self._observer, self._executor.presence)
         self._reporter = ProgressReporter(self.events, self.node_id, lambda: self.hooks.progress)
         self._registered = False
         self._failed_round: int | None = None  # the round whose failure this node reported
         self._inbox: Inbox | None = None
+        self._feed_of_round = RoundFeed()  # the watch on round, shared by the phases
         self._phase_id = 0
         self._rereads = 0  # phases re-read in a row after a compacted watch
 
@@ -235,7 +243,10 @@ class DynamicRendezvous(NoteAccess, Rendezvous):
         if self.rules.state is State.LEFT:
             return
         self.events.emit("node_left", node=self.node_id, host=self.host)
-        await self._feed(Shutdown())
+        try:
+            await self._feed(Shutdown())
+        finally:
+            await self._feed_of_round.close()
 
     # -- registration ----------------------------------------------------------
     async def _register(self) -> None:
@@ -245,115 +256,25 @@ class DynamicRendezvous(NoteAccess, Rendezvous):
             # A member whose lease was lost registers again: it rejoins its
             # job whatever it finds (never starts a new one, see .reuse),
             # while the store is unreachable for at most join_timeout.
-            await self._executor.regain_lease(self._check_config)
+            await self._executor.regain_lease(self._registration.check_config)
             return
         await self.keeper.start()
         if self.carry is not None:
             await register_after_takeover(
-                self.store, self.settings, self.carry, self._executor.presence, self._agree
+                self.store,
+                self.settings,
+                self.carry,
+                self._executor.presence,
+                self._registration.agree,
             )
         else:
-            await self._first_register()
+            await self._registration.first()
         self._registered = True
-
-    async def _first_register(self) -> None:
-        """Classify what is under the job id (:mod:`.reuse`) and act: create
-        the job, join it, start it afresh, or report it finished. Every write
-        is a txn on what was read; a lost race reads again (bounded)."""
-        k, store, mine = self.keys, self.store, self.settings.agreed()
-        reads = [Get(k.config), Get(k.round)]
-        res = await store.txn([], reads)
-        for _ in range(REGISTER_TRIES):
-            config_kv = res.gets[0][0] if res.gets[0] else None
-            round_kv = res.gets[1][0] if res.gets[1] else None
-            config = ConfigRecord.decode(k.config, config_kv.value) if config_kv else None
-            rnd = RoundRecord.decode(k.round, round_kv.value) if round_kv else None
-            live = 0
-            if needs_live_count(config, rnd):
-                # How many nodes are live, counted after that read (O(1)
-                # bytes, not every presence record): a node that registers in
-                # between is counted; one after it, as after any read, is the
-                # reset's race.
-                _, live, _ = await store.get_prefix_newest(k.nodes, 0, 1)
-            found = classify(config, rnd, live)
-            config_rev = config_kv.mod_revision if config_kv else 0
-            round_rev = round_kv.mod_revision if round_kv else 0
-            if found.verdict is Verdict.FINISHED:
-                raise RendezvousClosed(
-                    f"job {self.settings.run_id!r} finished earlier; to run it again, use a "
-                    "new --rdzv-id"
-                )
-            if found.verdict is Verdict.RESET:
-                same = [
-                    Compare.unchanged(k.config, config_rev),
-                    Compare.unchanged(k.round, round_rev),
-                ]
-                done = await store.txn(same, [Delete(k.root, prefix=True)], reads)
-                if done.succeeded:
-                    self._announce_reset(found.why, config, rnd)
-                    res = await store.txn([], reads)
-                else:  # lost a race: the records as they are now
-                    res = done
-                continue
-            if config is not None:
-                self._agree(config.settings, mine)
-                ops = [self._executor.presence()]
-            else:
-                ops = [Put(k.config, ConfigRecord(mine).encode()), self._executor.presence()]
-            compares = [Compare.unchanged(k.config, config_rev)]
-            if found.verdict is Verdict.NEW:
-                compares.append(Compare.unchanged(k.round, round_rev))
-            res = await store.txn(compares, ops, reads)
-            if res.succeeded:
-                return
-            # Lost a race (another node wrote first): its failure branch read
-            # the records again, in the same request.
-        raise RendezvousError(
-            f"job {self.settings.run_id!r}: its records changed {REGISTER_TRIES} times while "
-            "this node registered (nodes starting and leaving at once?); try again"
-        )
-
-    def _announce_reset(
-        self, why: str, config: ConfigRecord | None, rnd: RoundRecord | None
-    ) -> None:
-        line = describe_reset(self.settings.run_id, why, config, rnd)
-        last = rnd.last_failure if rnd is not None else None
-        self.events.emit(
-            "job_reset",
-            node=self.node_id,
-            reason=why,
-            previous_round=rnd.round if rnd is not None else None,
-            previous_state=rnd.state.value if rnd is not None else None,
-            previous_restarts=rnd.restarts if rnd is not None else None,
-            previous_settings=config.settings.to_json() if config is not None else None,
-            last_failure=last.to_json() if last is not None else None,
-        )
-        if self.hooks.notice is not None:
-            self.hooks.notice(printable(line))  # it quotes the records
-
-    def _agree(self, job: AgreedSettings, mine: AgreedSettings) -> None:
-        mismatch = rounds.config_diff(self.settings.run_id, job, mine)
-        if mismatch is not None:
-            message, diffs = mismatch
-            fields = [f"{k}: job has {a!r}, this node has {b!r}" for k, (a, b) in diffs.items()]
-            self.events.emit("config_mismatch", node=self.node_id, message=message, fields=fields)
-            raise ConfigMismatch(message, diffs)
-
-    async def _check_config(self) -> None:
-        mine = self.settings.agreed()
-        key = self.keys.config
-        record = ConfigRecord(mine).encode()
-        if await self.store.create(key, record):
-            return
-        kv = await self.store.get(key)
-        if kv is None:  # deleted in between: try again once
-            await self.store.create(key, record)
-            return
-        self._agree(ConfigRecord.decode(key, kv.value).settings, mine)
 
     def attach(self, hooks: RendezvousHooks) -> None:
         self.hooks = hooks
         self._executor.notice = hooks.notice
+        self._registration.notice = hooks.notice
         if self.keeper.alive:  # held already: said now, as it would have been
             self._lease_changed(self.keeper.lease)
 
@@ -397,7 +318,9 @@ class DynamicRendezvous(NoteAccess, Rendezvous):
         plan = self._plan()
         self._phase_id += 1
         self._observer.resnap = False
-        phase = OpenPhase(self._node, self._observer, self._inbox, self._phase_id)
+        phase = OpenPhase(
+            self._node, self._observer, self._inbox, self._phase_id, self._feed_of_round
+        )
         try:
             try:
                 initial = await phase.open(plan)
@@ -462,9 +385,11 @@ class DynamicRendezvous(NoteAccess, Rendezvous):
                 if lease != self.keeper.lease:
                     return None  # about a lease already replaced
                 return await self._feed(LeaseLost(f"this node's {reason}"))
-            case WatchFired(phase_id, watched, wev) if phase_id == self._phase_id:
+            case WatchFired(phase_id, watched, wev) if phase_id in (self._phase_id, FEED):
                 return await self._process(plan, await self._observer.translate(watched, wev))
-            case WatchFailed(phase_id, exc) if phase_id == self._phase_id:
+            case WatchFailed(phase_id, exc) if phase_id in (self._phase_id, FEED):
+                if phase_id == FEED:
+                    await self._feed_of_round.close()
                 self._reread(plan, exc)
                 self._observer.resnap = True  # read, then watch again
         return None  # (or from the watches of an earlier phase)

@@ -16,16 +16,25 @@ import contextlib
 import time
 from dataclasses import dataclass
 
-from elastrun.errors import RendezvousError, StoreError
+from elastrun.errors import RendezvousError, StoreError, WatchCancelled
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import plan as P
 from elastrun.rendezvous import rounds
 from elastrun.rendezvous.protocol import BarrierDone, Event
 from elastrun.rendezvous.records import RoundState
 from elastrun.rendezvous.view import Node, Observer, read
-from elastrun.store.base import Watch, WatchEvent
+from elastrun.store.base import KeyValue, Store, Watch, WatchEvent
 
-__all__ = ["Inbox", "LeaseGone", "Message", "OpenPhase", "WatchFailed", "WatchFired"]
+__all__ = [
+    "FEED",
+    "Inbox",
+    "LeaseGone",
+    "Message",
+    "OpenPhase",
+    "RoundFeed",
+    "WatchFailed",
+    "WatchFired",
+]
 
 
 # -- the driver's inbox ---------------------------------------------------------------
@@ -58,14 +67,65 @@ Message = WatchFired | WatchFailed | LeaseGone
 Inbox = asyncio.Queue[Message]
 
 
+# The phase id of the round feed's messages: every phase takes them.
+FEED = 0
+
+
+class RoundFeed:
+    """The watch on ``round`` every phase of a node shares: opened by the
+    first phase after its read, kept until the node leaves or the watch
+    fails (then the next phase reads and opens it again). ``latest``:
+    ``round`` as the feed last had it, and at which revision; its events
+    reach the inbox as :class:`WatchFired` of phase :data:`FEED`, and one a
+    phase's snapshot already holds is ignored there (:func:`.plan.react`)."""
+
+    def __init__(self) -> None:
+        self.latest: tuple[KeyValue | None, int] = (None, 0)
+        self._watch: Watch | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def live(self) -> bool:
+        return self._watch is not None
+
+    async def open(
+        self, store: Store, key: str, latest: tuple[KeyValue | None, int], inbox: Inbox
+    ) -> None:
+        self.latest = latest
+        self._watch = await store.watch(key, start_revision=latest[1] + 1)
+        self._task = asyncio.get_running_loop().create_task(self._drain(self._watch, inbox))
+
+    async def _drain(self, watch: Watch, inbox: Inbox) -> None:
+        try:
+            async for wev in watch:
+                put = wev.type == "put"
+                self.latest = (wev.kv if put else None, wev.kv.mod_revision)
+                inbox.put_nowait(WatchFired(FEED, P.Watched.ROUND, wev))
+        except StoreError as exc:
+            inbox.put_nowait(WatchFailed(FEED, exc))
+        else:  # ended, not by close() (which cancels this first): read again
+            inbox.put_nowait(WatchFailed(FEED, WatchCancelled("the watch on round ended")))
+
+    async def close(self) -> None:
+        task, watch, self._task, self._watch = self._task, self._watch, None, None
+        if task is not None:
+            task.cancel()
+        if watch is not None:
+            with contextlib.suppress(StoreError, OSError):
+                await watch.close()
+
+
 class OpenPhase:
     """The reads and watches of one phase; :meth:`close` always."""
 
-    def __init__(self, node: Node, observer: Observer, inbox: Inbox, phase_id: int) -> None:
+    def __init__(
+        self, node: Node, observer: Observer, inbox: Inbox, phase_id: int, feed: RoundFeed
+    ) -> None:
         self.node = node
         self.observer = observer
         self.inbox = inbox
         self.phase_id = phase_id
+        self.feed = feed
         self._watches: list[Watch] = []
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -104,19 +164,29 @@ class OpenPhase:
         return await self._initial_events(plan)
 
     async def _read_round(self) -> None:
-        store, k, obs = self.node.store, self.node.keys, self.observer
+        """``round`` as the node's round feed has it (no request), or as this
+        node's last write found it where that is newer; read (and the feed
+        opened) where the feed is not open."""
+        store, k, obs, feed = self.node.store, self.node.keys, self.observer, self.feed
         seen, obs.round_seen = obs.round_seen, None
-        if seen is not None:
+        if feed.live:
+            kv, rev = feed.latest
+            if seen is not None and seen[1] > rev:
+                kv, rev = seen
+        elif seen is not None:
             # As this node's last write found it: a snapshot at that write's
             # revision, as good as a read (the watch starts after it).
-            kvs, rev = [seen[0]], seen[1]
+            kv, rev = seen
         else:
             kvs, rev = await read(store, k.round, False)
-        if not kvs:
+            kv = kvs[0] if kvs else None
+        if kv is None:
             await self._create_first_round()
             kvs, rev = await read(store, k.round, False)
-        self.observer.view.set_round(kvs[0] if kvs else None)
-        await self._watch(P.Watched.ROUND, k.round, False, rev)
+            kv = kvs[0] if kvs else None
+        obs.view.set_round(kv, rev)
+        if not feed.live:
+            await feed.open(store, k.round, (kv, rev), self.inbox)
 
     async def _create_first_round(self) -> None:
         node = self.node
@@ -208,10 +278,16 @@ class OpenPhase:
         obs, store, k = self.observer, self.node.store, self.node.keys
         view = obs.view
         members, size = view.known(r), view.size(r)
-        _, count, _ = await store.get_prefix_newest(k.dones(r), 0, 1)
         present: dict[str, bool] = {}
         done: dict[str, bool] = {}
         revs: dict[str, int] = {}
+        seen, obs.barrier_seen = obs.barrier_seen, None
+        if seen is not None and seen.round == r:  # this node's done txn read them
+            count = seen.count
+            present.update(seen.present)
+            revs.update(dict.fromkeys(seen.present, seen.revision))
+        else:
+            _, count, _ = await store.get_prefix_newest(k.dones(r), 0, 1)
         for _ in range(2 * size + 2):  # each step learns one fact, or ends
             step = P.barrier_step(members, self.node.node_id, count, present, done, size=size)
             if isinstance(step, P.BeWatcher) and r not in view.results:

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.barrier_plan import (
+    BarrierSeen,
     BarrierStep,
     BeWatcher,
     CheckDone,
@@ -77,6 +78,7 @@ from elastrun.rendezvous.sizes import WorldSizes
 from elastrun.store.base import KeyValue, WatchEvent
 
 __all__ = [
+    "BarrierSeen",
     "BarrierStep",
     "BeWatcher",
     "CheckDone",
@@ -184,6 +186,7 @@ class View:
 
     round_kv: KeyValue | None = None
     round: RoundRecord | None = None
+    round_rev: int = 0  # the store revision round_kv is known at
     # Closed rounds' results (immutable once written): the head (the header
     # and this node's place) of each read, and every member where needed
     # (see result_needed).
@@ -203,9 +206,12 @@ class View:
     # every join): see follower_of_newest.
     joined_count: int | None = None
 
-    def set_round(self, kv: KeyValue | None) -> None:
+    def set_round(self, kv: KeyValue | None, revision: int | None = None) -> None:
+        """``round`` as it is at store ``revision`` (None: absent; the
+        revision: its own by default)."""
         self.round_kv = kv
         self.round = None if kv is None else decode_round(kv.key, kv.value)
+        self.round_rev = revision if revision is not None else kv.mod_revision if kv else 0
 
     def members(self, r: int) -> tuple[MemberRecord, ...]:
         """The members of closed round ``r`` in rank order (as read; empty
@@ -440,7 +446,9 @@ def react(
     max and node unit)."""
     nid, put = K.node_id_of(wev.kv.key), wev.type == "put"
     if watched is Watched.ROUND:
-        view.set_round(wev.kv if put else None)
+        if wev.kv.mod_revision <= view.round_rev:
+            return []  # already known: the phase started from a newer snapshot
+        view.set_round(wev.kv if put else None, wev.kv.mod_revision)
         return RoundChanged()
     if watched is Watched.PREDECESSOR:
         return [] if put else Resnap()

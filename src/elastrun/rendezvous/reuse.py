@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 from elastrun.rendezvous.records import ConfigRecord, RoundRecord, RoundState
 
-__all__ = ["TABLE", "Found", "Verdict", "classify", "describe_reset", "needs_live_count"]
+__all__ = ["TABLE", "Found", "Verdict", "classify", "describe_reset"]
 
 
 class Verdict(enum.Enum):
@@ -90,16 +90,6 @@ def classify(config: ConfigRecord | None, round_rec: RoundRecord | None, live_no
             continue
         return Found(verdict, why)
     raise AssertionError("the reuse table covers every case")
-
-
-def needs_live_count(config: ConfigRecord | None, round_rec: RoundRecord | None) -> bool:
-    """Whether :func:`classify`'s verdict on these records depends on the
-    live node count: not for an empty job id (NEW) nor for a finished or
-    failed round. A node that finds one of those skips counting (a request
-    fewer per node when every node of a job starts at once)."""
-    if config is None and round_rec is None:
-        return False
-    return round_rec is None or round_rec.state not in (RoundState.FINISHED, RoundState.FAILED)
 
 
 def describe_reset(

@@ -112,6 +112,8 @@ class Observer:
         # it unchanged, or read it), and that txn's revision: a snapshot the
         # next phase takes instead of reading ``round`` again (once).
         self.round_seen: tuple[KeyValue, int] | None = None
+        # What this node's done txn read for the exit barrier (once).
+        self.barrier_seen: P.BarrierSeen | None = None
 
     def new_view(self) -> P.View:
         """A fresh view for a new phase (round results are kept: immutable;

@@ -7,6 +7,7 @@ an implementation from a ``--rdzv-backend`` name.
 from elastrun.store.base import (
     NO_LEASE,
     Compare,
+    Count,
     Delete,
     Get,
     KeyValue,
@@ -22,6 +23,7 @@ from elastrun.store.memory import MemoryStore
 __all__ = [
     "NO_LEASE",
     "Compare",
+    "Count",
     "Delete",
     "Get",
     "KeyValue",

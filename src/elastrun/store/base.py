@@ -40,6 +40,7 @@ from elastrun.endpoint import Endpoint
 __all__ = [
     "NO_LEASE",
     "Compare",
+    "Count",
     "Delete",
     "EmbeddedRevoke",
     "EtcdRevoke",
@@ -145,7 +146,16 @@ class Get:
     prefix: bool = False
 
 
-Op = Put | Delete | Get
+@dataclass(frozen=True, slots=True)
+class Count:
+    """A txn read of how many keys are under ``prefix`` (etcd's range with
+    ``count_only``): one number, a few bytes whatever the count. It sees the
+    writes of the ops before it in its txn."""
+
+    prefix: str
+
+
+Op = Put | Delete | Get | Count
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +164,8 @@ class TxnResult:
     revision: int
     # One entry per Get op of the branch taken (in order): the matching keys.
     gets: list[list[KeyValue]] = field(default_factory=list)
+    # One entry per Count op of the branch taken (in order): how many keys.
+    counts: list[int] = field(default_factory=list)
 
 
 def newest_created(kvs: Sequence[KeyValue], max_create_revision: int, limit: int) -> list[KeyValue]:

@@ -43,6 +43,7 @@ from elastrun.errors import ProtocolError
 from elastrun.store.base import (
     NO_LEASE,
     Compare,
+    Count,
     Delete,
     Get,
     KeyValue,
@@ -330,6 +331,8 @@ def encode_op(op: Op) -> Json:
         return {"op": "put", "key": op.key, "value": b64(op.value), "lease": op.lease}
     if isinstance(op, Delete):
         return {"op": "delete", "key": op.key, "prefix": op.prefix}
+    if isinstance(op, Count):
+        return {"op": "count", "key": op.prefix}
     return {"op": "get", "key": op.key, "prefix": op.prefix}
 
 
@@ -342,15 +345,20 @@ def decode_op(value: Any) -> Op:
         return Delete(expect_str(obj, "key"), expect_bool(obj, "prefix", False))
     if kind == "get":
         return Get(expect_str(obj, "key"), expect_bool(obj, "prefix", False))
+    if kind == "count":
+        return Count(expect_str(obj, "key"))
     raise ProtocolError(f"unknown txn operation {kind!r:.40}")
 
 
 def encode_txn_result(result: TxnResult) -> Json:
-    return {
+    out: Json = {
         "succeeded": result.succeeded,
         "revision": result.revision,
         "gets": [[encode_kv(kv) for kv in kvs] for kvs in result.gets],
     }
+    if result.counts:  # only with count ops: the answers of older clients' txns are as they were
+        out["counts"] = list(result.counts)
+    return out
 
 
 def decode_txn_result(value: Any) -> TxnResult:
@@ -360,7 +368,12 @@ def decode_txn_result(value: Any) -> TxnResult:
         if not isinstance(kvs, list):
             raise ProtocolError("txn result 'gets' must be a list of lists")
         gets.append([decode_kv(kv) for kv in kvs])
-    return TxnResult(expect_bool(obj, "succeeded"), expect_int(obj, "revision"), gets)
+    counts = obj.get("counts", [])
+    if not isinstance(counts, list) or not all(
+        type(c) is int and 0 <= c <= _MAX_INT for c in counts
+    ):
+        raise ProtocolError("txn result 'counts' must be a list of counts")
+    return TxnResult(expect_bool(obj, "succeeded"), expect_int(obj, "revision"), gets, counts)
 
 
 # -- messages -----------------------------------------------------------------

@@ -44,6 +44,7 @@ from elastrun.errors import LeaseNotFound, RevisionCompacted
 from elastrun.store.base import (
     NO_LEASE,
     Compare,
+    Count,
     Delete,
     Get,
     KeyValue,
@@ -246,16 +247,19 @@ class Engine:
             self.revision += 1
         events: list[WatchEvent] = []
         gets: list[list[KeyValue]] = []
+        counts: list[int] = []
         for op in ops:
             if isinstance(op, Get):
                 gets.append(self.range(op.key, op.prefix))
+            elif isinstance(op, Count):
+                counts.append(self._count(op.prefix))
             elif isinstance(op, Put):
                 events.append(self._apply_put(op.key, op.value, op.lease))
             else:
                 events.extend(self._apply_delete(kv.key) for kv in self.range(op.key, op.prefix))
         if events:
             self._publish(events)
-        return TxnResult(succeeded=ok, revision=self.revision, gets=gets)
+        return TxnResult(succeeded=ok, revision=self.revision, gets=gets, counts=counts)
 
     def compact(self, revision: int) -> None:
         """Discard the history before ``revision`` (etcd's compaction): a watch

@@ -30,6 +30,7 @@ from elastrun.errors import (
 from elastrun.store.base import (
     NO_LEASE,
     Compare,
+    Count,
     Delete,
     EtcdRevoke,
     Get,
@@ -202,6 +203,8 @@ class EtcdStore(Store):
             return {"request_put": put}
         if isinstance(op, Delete):
             return {"request_delete_range": self._range(op.key, op.prefix)}
+        if isinstance(op, Count):
+            return {"request_range": {**self._range(op.prefix, True), "count_only": True}}
         return {"request_range": self._range(op.key, op.prefix)}
 
     async def _call(self, path: str, body: Json, *, idempotent: bool = True) -> Json:
@@ -263,19 +266,30 @@ class EtcdStore(Store):
             "success": [self._op(op) for op in success],
             "failure": [self._op(op) for op in failure],
         }
-        read_only = all(isinstance(op, Get) for op in (*success, *failure))
+        read_only = all(isinstance(op, Get | Count) for op in (*success, *failure))
         data = await self._call("kv/txn", body, idempotent=read_only)
         succeeded = bool(data.get("succeeded", False))
-        gets = [
-            self._kvs(r["response_range"])
-            for r in data.get("responses", [])
-            if "response_range" in r
-        ]
-        # An empty range answer may come back as {"response_range": {...}} or, in
-        # old gateways, be dropped; pad so there is one entry per Get op.
-        wanted = sum(isinstance(op, Get) for op in (success if succeeded else failure))
-        gets += [[] for _ in range(wanted - len(gets))]
-        return TxnResult(succeeded, _int(data.get("header", {}), "revision"), gets)
+        ops = success if succeeded else failure
+        responses = data.get("responses", [])
+        if len(responses) == len(ops):  # one answer per op, in order
+            pairs = [
+                (op, r.get("response_range", {})) for op, r in zip(ops, responses, strict=True)
+            ]
+            gets = [self._kvs(r) for op, r in pairs if isinstance(op, Get)]
+            counts = [_int(r, "count") for op, r in pairs if isinstance(op, Count)]
+        elif any(isinstance(op, Count) for op in ops):
+            raise StoreError(
+                f"etcd at {self.conn.describe()} answered a txn of {len(ops)} operations "
+                f"with {len(responses)} answers"
+            )
+        else:
+            gets = [self._kvs(r["response_range"]) for r in responses if "response_range" in r]
+            # An empty range answer may come back as {"response_range": {...}} or,
+            # in old gateways, be dropped; pad so there is one entry per Get op.
+            wanted = sum(isinstance(op, Get) for op in ops)
+            gets += [[] for _ in range(wanted - len(gets))]
+            counts = []
+        return TxnResult(succeeded, _int(data.get("header", {}), "revision"), gets, counts)
 
     # -- leases --------------------------------------------------------------
     async def lease_grant(self, ttl: float) -> int:
