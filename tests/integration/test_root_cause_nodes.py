@@ -4,11 +4,12 @@ their all-reduce broke. Both nodes must name the crashed rank as the root
 cause: in their failure summaries, in the job's record in the store (the
 last failure ``elastrun status`` shows) and in their event logs.
 
-The crashed rank's node is the slower to report: its rank's interpreter
-takes a while to tear down after the exception (a live gloo group), and
-node 1 reports once its ranks ended, while rank 0 on node 0 exits at once when
-its collective breaks. So node 0 reports its own, later failure first: the
-case where it used to name its own rank.
+The crashed rank's node is the slower to report: its rank takes a while to
+end after the exception (a teardown of 1.5 s, an atexit handler standing for
+a slow one), and node 1 reports once its ranks ended, while rank 0 on node 0
+exits at once when its collective breaks (node 1's agent stops rank 1 as soon
+as rank 2 said it failed). So node 0 reports its own, later failure first:
+the case where it used to name its own rank.
 
 The same with the store's candidate hosts (``--rdzv-endpoint`` a list, each
 node a candidate by its ``--local-addr``; docs/failover.md): a user sees the
@@ -50,6 +51,9 @@ WORKER = textwrap.dedent(
         sys.exit(5)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if rank == 2:
+        import atexit
+        atexit.register(time.sleep, 1.5)  # a slow teardown: node 1 reports after node 0
     try:
         for step in range(1000):
             t = torch.ones(1)
