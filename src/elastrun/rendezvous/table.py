@@ -11,7 +11,8 @@ import textwrap
 from collections.abc import Mapping
 
 from elastrun.rendezvous.protocol import EVENTS, Event, State
-from elastrun.rendezvous.rules import RULES, Rule
+from elastrun.rendezvous.rule_steps import Rule
+from elastrun.rendezvous.rules import RULES
 
 __all__ = ["render_table"]
 

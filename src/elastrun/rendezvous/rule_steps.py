@@ -1,0 +1,361 @@
+"""What each rule of the rendezvous machine does: one pure function per row
+of :data:`.rules.RULES`, (context, event) -> (state, context, actions).
+
+A rule's docstring's first paragraph is its row of the table in
+:mod:`.rules`' docstring (rendered by :mod:`.table`, kept equal by a test).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from elastrun.errors import RendezvousTimeout
+from elastrun.rendezvous.protocol import (
+    Act,
+    Action,
+    BarrierDone,
+    Context,
+    Event,
+    JoinersChanged,
+    JoinTimeout,
+    LastCallExpired,
+    LeaseLost,
+    MemberLost,
+    NextRound,
+    NodeWaiting,
+    RaisedError,
+    RoundClosed,
+    RoundOpen,
+    Shutdown,
+    State,
+    Timer,
+    WorkersFailed,
+    WorkersSucceeded,
+)
+
+__all__ = [
+    "Outcome",
+    "Rule",
+    "S",
+    "barrier_done",
+    "barrier_leave",
+    "barrier_lost",
+    "cancel_last_call",
+    "completing_closed",
+    "completing_renew",
+    "decide",
+    "deciding",
+    "join",
+    "join_timeout",
+    "joiners_changed",
+    "joining_closed",
+    "joining_open",
+    "last_call_expired",
+    "member_closed",
+    "member_lease_lost",
+    "member_lost",
+    "member_open",
+    "next_round",
+    "node_waiting",
+    "raising",
+    "renew",
+    "seeking_closed",
+    "shutdown",
+    "stay_in",
+    "wait",
+    "waiting_closed",
+    "waiting_lost",
+    "workers_failed",
+    "workers_succeeded",
+]
+
+Outcome = tuple[State, Context, list[Action]]
+# A rule takes the event of the class it is filed under in RULES. Its
+# docstring's first paragraph is its row of the table (see render_table).
+Rule = Callable[[Context, Any], Outcome]
+
+S = State
+
+
+def raising(state: State, error: RaisedError) -> Rule:
+    def rule(ctx: Context, ev: Event) -> Outcome:
+        return state, ctx, [Action(Act.RAISE, round=ctx.round, error=error)]
+
+    rule.__doc__ = f"{state.name}: RAISE({error.__name__})"
+    return rule
+
+
+def stay_in(state: State, why: str = "") -> Rule:
+    def rule(ctx: Context, ev: Event) -> Outcome:
+        return state, ctx, []
+
+    rule.__doc__ = f"{state.name} ({why})" if why else state.name
+    return rule
+
+
+def next_round(ctx: Context, ev: NextRound) -> Outcome:
+    """SEEKING: CANCEL(last_call), ARM(join), READ_ROUND"""
+    deadline = ev.now + ctx.join_timeout
+    return (
+        S.SEEKING,
+        replace(ctx, min_reached_at=None, count=0, spare=False),
+        [
+            Action(Act.CANCEL, timer=Timer.LAST_CALL),
+            Action(Act.ARM, timer=Timer.JOIN, deadline=deadline),
+            Action(Act.READ_ROUND),
+        ],
+    )
+
+
+def join(ctx: Context, ev: RoundOpen, pre: list[Action] | None = None) -> Outcome:
+    """JOINING: JOIN(R) (+ ARM(join) *it waited as a spare)"""
+    fresh = replace(ctx, round=ev.round, min_reached_at=None, count=0, spare=False)
+    acts = [*(pre or [])]
+    if ctx.spare:
+        acts.append(Action(Act.ARM, timer=Timer.JOIN, deadline=ev.now + ctx.join_timeout))
+    return S.JOINING, fresh, [*acts, Action(Act.JOIN, round=ev.round)]
+
+
+def wait(ctx: Context, ev: RoundClosed, pre: list[Action] | None = None) -> Outcome:
+    acts = [*(pre or []), Action(Act.WAIT, round=ev.round)]
+    spare = False
+    if ev.lost:
+        acts.append(Action(Act.OPEN_ROUND, round=ev.round, reason="member_lost", detail=ev.lost))
+    elif ev.room:
+        acts.append(Action(Act.OPEN_ROUND, round=ev.round, reason="node_waiting", detail=ev.detail))
+    elif ctx.spares_wait:
+        # A hot spare waits as long as the job runs: no join timeout.
+        acts.append(Action(Act.CANCEL, timer=Timer.JOIN))
+        spare = True
+    waiting = replace(ctx, round=ev.round, min_reached_at=None, count=0, spare=spare)
+    return S.WAITING, waiting, acts
+
+
+def seeking_closed(ctx: Context, ev: RoundClosed) -> Outcome:
+    """*me: SEEKING: OPEN_ROUND(member_rejoined); *not me: WAITING: WAIT
+    (+ OPEN_ROUND(member_lost) *a member is gone, or OPEN_ROUND(node_waiting)
+    *room, or CANCEL(join) *a spare: a node unit, no room)"""
+    if ev.member:
+        # Asked for a new round while a member of the current one (the agent
+        # lost its workers without a restart): open the next one.
+        act = Action(Act.OPEN_ROUND, round=ev.round, reason="member_rejoined", detail=ev.detail)
+        return S.SEEKING, replace(ctx, round=ev.round), [act]
+    return wait(ctx, ev)
+
+
+def renew(ctx: Context, ev: LeaseLost) -> Outcome:
+    """SEEKING: RENEW_LEASE, READ_ROUND"""
+    return S.SEEKING, ctx, [Action(Act.RENEW_LEASE), Action(Act.READ_ROUND)]
+
+
+def decide(ctx: Context, ev: JoinersChanged) -> Outcome:
+    """DECIDING: CLOSE_ROUND *max joined and no present member of the
+    previous round is yet to join, or *a re-formed round that every present
+    node joined, or *min joined and its last call (counted from when min was
+    reached) passed; else ARM(last_call) *min joined, else CANCEL(last_call)"""
+    count = ev.count
+    if count < ctx.min_nodes:
+        ctx = replace(ctx, min_reached_at=None, count=count)
+        return S.DECIDING, ctx, [Action(Act.CANCEL, timer=Timer.LAST_CALL)]
+    reached = ctx.min_reached_at if ctx.min_reached_at is not None else ev.now
+    ctx = replace(ctx, min_reached_at=reached, count=count)
+    deadline = reached + ctx.last_call_timeout
+    if count >= ctx.max_nodes and not ev.members_pending:
+        why = "max_nodes"
+    elif ev.all_joined:
+        why = "all_rejoined"
+    elif ev.now >= deadline:
+        why = "last_call"
+    else:
+        return S.DECIDING, ctx, [Action(Act.ARM, timer=Timer.LAST_CALL, deadline=deadline)]
+    close = Action(Act.CLOSE_ROUND, round=ctx.round, reason=why)
+    return S.DECIDING, ctx, [Action(Act.CANCEL, timer=Timer.LAST_CALL), close]
+
+
+def joiners_changed(ctx: Context, ev: JoinersChanged) -> Outcome:
+    """*decider: as DECIDING; else JOINING (notes when min was reached)"""
+    if ev.decider:
+        return decide(ctx, ev)
+    # Track when min was reached (for the waiting line); only the decider acts.
+    if ev.count >= ctx.min_nodes:
+        reached = ctx.min_reached_at if ctx.min_reached_at is not None else ev.now
+    else:
+        reached = None
+    return S.JOINING, replace(ctx, min_reached_at=reached, count=ev.count), []
+
+
+def last_call_expired(ctx: Context, ev: LastCallExpired) -> Outcome:
+    """DECIDING: CLOSE_ROUND(last_call) *min joined"""
+    if ctx.count >= ctx.min_nodes:
+        return S.DECIDING, ctx, [Action(Act.CLOSE_ROUND, round=ctx.round, reason="last_call")]
+    return S.DECIDING, ctx, []
+
+
+def joining_open(ctx: Context, ev: RoundOpen) -> Outcome:
+    """*newer R: JOINING: JOIN(R); else JOINING"""
+    if ev.round > ctx.round:
+        return join(ctx, ev, cancel_last_call(ctx))
+    return S.JOINING, ctx, []
+
+
+def cancel_last_call(ctx: Context) -> list[Action]:
+    return [Action(Act.CANCEL, timer=Timer.LAST_CALL)]
+
+
+def joining_closed(ctx: Context, ev: RoundClosed) -> Outcome:
+    """*me: MEMBER: CANCEL(join), RETURN_RESULT; *not me: WAITING: WAIT
+    (+ OPEN_ROUND *a member is gone or *room, or CANCEL(join) *a spare)"""
+    pre = cancel_last_call(ctx)
+    if ev.member:
+        return (
+            S.MEMBER,
+            replace(ctx, round=ev.round),
+            [*pre, Action(Act.CANCEL, timer=Timer.JOIN), Action(Act.RETURN_RESULT, round=ev.round)],
+        )
+    return wait(ctx, ev, pre)
+
+
+def join_timeout(ctx: Context, ev: JoinTimeout) -> Outcome:
+    """IDLE: LEAVE, RAISE(RendezvousTimeout)"""
+    return (
+        S.IDLE,
+        ctx,
+        [
+            *cancel_last_call(ctx),
+            Action(Act.LEAVE, round=ctx.round),
+            Action(Act.RAISE, round=ctx.round, error=RendezvousTimeout),
+        ],
+    )
+
+
+def waiting_closed(ctx: Context, ev: RoundClosed) -> Outcome:
+    """*newer R, not me: WAITING: WAIT (+ OPEN_ROUND, or CANCEL(join) *a
+    spare); else WAITING"""
+    if ev.round > ctx.round and not ev.member:
+        return wait(ctx, ev)
+    return S.WAITING, ctx, []
+
+
+def waiting_lost(ctx: Context, ev: MemberLost) -> Outcome:
+    """WAITING: OPEN_ROUND(member_lost)"""
+    act = Action(Act.OPEN_ROUND, round=ctx.round, reason="member_lost", detail=ev.detail)
+    return S.WAITING, ctx, [act]
+
+
+def member_closed(ctx: Context, ev: RoundClosed) -> Outcome:
+    """*newer R: IDLE: RETURN_CHANGE (re-formed without this node); else MEMBER"""
+    if ev.round > ctx.round:
+        return S.IDLE, ctx, [Action(Act.RETURN_CHANGE, round=ev.round)]
+    return S.MEMBER, ctx, []
+
+
+def member_open(ctx: Context, ev: RoundOpen) -> Outcome:
+    """IDLE: RETURN_CHANGE (someone opened R+1)"""
+    return S.IDLE, ctx, [Action(Act.RETURN_CHANGE, round=ev.round)]
+
+
+def member_lost(ctx: Context, ev: MemberLost) -> Outcome:
+    """MEMBER: OPEN_ROUND(member_lost)"""
+    act = Action(Act.OPEN_ROUND, round=ctx.round, reason="member_lost", detail=ev.detail)
+    return S.MEMBER, ctx, [act]
+
+
+def node_waiting(ctx: Context, ev: NodeWaiting) -> Outcome:
+    """MEMBER: OPEN_ROUND(node_waiting) *room"""
+    if not ev.room:
+        return S.MEMBER, ctx, []
+    act = Action(Act.OPEN_ROUND, round=ctx.round, reason="node_waiting", detail=ev.detail)
+    return S.MEMBER, ctx, [act]
+
+
+def workers_failed(ctx: Context, ev: WorkersFailed) -> Outcome:
+    """MEMBER: OPEN_ROUND(restart_requested, counts): the restart is charged
+    when R+1 closes with every member of R back (else a lost node caused it:
+    not counted); a charge past the budget closes R+1 as failed"""
+    # Always re-form, even with no budget left: whether the failure counts is
+    # decided when the next round closes (a lost node excuses it; see
+    # records.close_records), and an overspent budget fails the job then.
+    act = Action(
+        Act.OPEN_ROUND, round=ctx.round, reason="restart_requested", detail=ev.detail, counts=True
+    )
+    return S.MEMBER, ctx, [act]
+
+
+def workers_succeeded(ctx: Context, ev: WorkersSucceeded) -> Outcome:
+    """COMPLETING: PUT_DONE, ARM(barrier)"""
+    deadline = ev.now + ctx.exit_barrier_timeout
+    return (
+        S.COMPLETING,
+        ctx,
+        [
+            Action(Act.PUT_DONE, round=ctx.round),
+            Action(Act.ARM, timer=Timer.BARRIER, deadline=deadline),
+        ],
+    )
+
+
+def member_lease_lost(ctx: Context, ev: LeaseLost) -> Outcome:
+    """IDLE: RETURN_CHANGE(lease_lost) (the workers stop at once; the next
+    round's registration gets a new lease)"""
+    acts = [Action(Act.RETURN_CHANGE, round=ctx.round, reason="lease_lost", detail=ev.detail)]
+    return S.IDLE, ctx, acts
+
+
+def barrier_done(ctx: Context, ev: BarrierDone) -> Outcome:
+    """FINISHED: CANCEL(barrier), MARK_FINISHED, RETURN"""
+    acts = [
+        Action(Act.CANCEL, timer=Timer.BARRIER),
+        Action(Act.MARK_FINISHED, round=ctx.round),
+        Action(Act.RETURN),
+    ]
+    return S.FINISHED, ctx, acts
+
+
+def barrier_lost(ctx: Context, ev: MemberLost) -> Outcome:
+    """FINISHED: CANCEL(barrier), OPEN_ROUND(member_lost), RETURN (the barrier
+    can never complete; opening R+1 tells the members that watch only
+    ``round``)"""
+    acts = [
+        Action(Act.CANCEL, timer=Timer.BARRIER),
+        Action(Act.OPEN_ROUND, round=ctx.round, reason="member_lost", detail=ev.detail),
+        Action(Act.RETURN),
+    ]
+    return S.FINISHED, ctx, acts
+
+
+def barrier_leave(ctx: Context, ev: Event) -> Outcome:
+    """FINISHED: CANCEL(barrier), RETURN"""
+    return S.FINISHED, ctx, [Action(Act.CANCEL, timer=Timer.BARRIER), Action(Act.RETURN)]
+
+
+def completing_closed(ctx: Context, ev: RoundClosed) -> Outcome:
+    """*newer R: FINISHED: CANCEL(barrier), RETURN; else COMPLETING"""
+    if ev.round > ctx.round:
+        return barrier_leave(ctx, ev)
+    return S.COMPLETING, ctx, []
+
+
+def completing_renew(ctx: Context, ev: LeaseLost) -> Outcome:
+    """COMPLETING: RENEW_LEASE"""
+    return S.COMPLETING, ctx, [Action(Act.RENEW_LEASE)]
+
+
+def shutdown(ctx: Context, ev: Shutdown) -> Outcome:
+    """LEFT: CANCEL(every timer), REVOKE"""
+    acts = [Action(Act.CANCEL, timer=t) for t in Timer]
+    return S.LEFT, ctx, [*acts, Action(Act.REVOKE)]
+
+
+def deciding(rule: Rule) -> Rule:
+    """A JOINING rule applied in DECIDING (the decider leaves the same ways)."""
+
+    def wrapped(ctx: Context, ev: Event) -> Outcome:
+        state, new_ctx, acts = rule(ctx, ev)
+        if state is S.JOINING and not any(a.type is Act.JOIN for a in acts):
+            state = S.DECIDING
+        return state, new_ctx, acts
+
+    wrapped.__doc__ = "as in JOINING (staying DECIDING where JOINING stays)"
+    return wrapped
