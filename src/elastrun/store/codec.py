@@ -6,23 +6,11 @@ many bytes of UTF-8 JSON holding one object. Frames larger than
 :data:`~elastrun.store.limits.PRE_HELLO_FRAME`). Byte values travel as base64
 strings.
 
-Messages (every one carries ``"v": PROTOCOL_VERSION``):
-
-* client -> server, first frame: ``{"t": "hello", "token": str | null}``;
-  server answers ``{"t": "hello", "server_id": str, "revision": int}`` or an
-  ``error`` frame and closes.
-* client -> server: ``{"t": "req", "id": int, "op": str, ...arguments}``.
-* server -> client: ``{"t": "resp", "id": int, "ok": true, "result": ...}`` or
-  ``{"t": "resp", "id": int, "ok": false, "error": {"code", "message"}}``.
-* server -> client: ``{"t": "events", "watch": int, "events": [...]}`` (a
-  watch's events; one frame never splits a revision).
-* server -> client: ``{"t": "cancel", "watch": int, "code": str, "message":
-  str, "compact_revision": int, "next_revision": int}``: the server ended that
-  watch (``compacted``: it fell behind the compacted history; ``slow``: its
-  client left too many of its bytes unread, ``next_revision`` being the first
-  revision it was not sent).
-* server -> client: ``{"t": "error", "code": str, "message": str}``, then the
-  server closes the connection (auth failure, protocol violation, too slow).
+Messages (every one carries ``"v": PROTOCOL_VERSION``): the client's hello
+and the server's answer, requests (``"t": "req"``) and their responses
+(``"t": "resp"``), a watch's events (``"t": "events"``; one frame never
+splits a revision), the server ending a watch (``"t": "cancel"``) or the
+connection (``"t": "error"``): docs/store-protocol.md has each one's fields.
 
 Decoding is strict: a wrong type, an unknown op or a missing field raises
 :class:`~elastrun.errors.ProtocolError`; nothing else escapes.

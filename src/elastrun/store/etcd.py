@@ -41,19 +41,16 @@ from elastrun.store.base import (
     Store,
     TxnResult,
     Watch,
-    WatchEvent,
 )
 from elastrun.store.etcd_conn import (
     Endpoint,
     EtcdConnection,
     EtcdSettings,
     Json,
-    RetryableError,
-    Stream,
-    gateway_error,
+    int_field,
     settings_from_conf,
-    translate,
 )
+from elastrun.store.etcd_watch import EtcdWatch
 
 __all__ = ["EtcdStore", "EtcdWatch", "open_etcd_store"]
 
@@ -93,11 +90,6 @@ def prefix_end(prefix: bytes) -> bytes:
         return b"\0"  # every key
     data[-1] += 1
     return bytes(data)
-
-
-def _int(data: Mapping[str, Any], name: str) -> int:
-    """int64 fields arrive as JSON strings, and are left out when zero."""
-    return int(data.get(name, 0))
 
 
 async def open_etcd_store(
@@ -170,10 +162,10 @@ class EtcdStore(Store):
         return KeyValue(
             key=raw[len(self._prefix) :].decode(errors="replace"),
             value=_unb64(data.get("value", "")),
-            create_revision=_int(data, "create_revision"),
-            mod_revision=_int(data, "mod_revision"),
-            version=_int(data, "version"),
-            lease=_int(data, "lease"),
+            create_revision=int_field(data, "create_revision"),
+            mod_revision=int_field(data, "mod_revision"),
+            version=int_field(data, "version"),
+            lease=int_field(data, "lease"),
         )
 
     def _kvs(self, data: Mapping[str, Any]) -> list[KeyValue]:
@@ -219,7 +211,7 @@ class EtcdStore(Store):
 
     async def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         data = await self._call("kv/range", self._range(prefix, True))
-        return self._kvs(data), _int(data.get("header", {}), "revision")
+        return self._kvs(data), int_field(data.get("header", {}), "revision")
 
     async def get_prefix_newest(
         self, prefix: str, max_create_revision: int, limit: int = 1
@@ -232,7 +224,7 @@ class EtcdStore(Store):
         if max_create_revision <= 0:
             # etcd reads max_create_revision 0 as "no bound"; none is that old.
             data = await self._call("kv/range", {**body, "count_only": True})
-            return [], _int(data, "count"), _int(data.get("header", {}), "revision")
+            return [], int_field(data, "count"), int_field(data.get("header", {}), "revision")
         body |= {
             "sort_target": "CREATE",
             "sort_order": "DESCEND",
@@ -244,7 +236,7 @@ class EtcdStore(Store):
         # etcd's sort is not stable: keys created by one txn (one create
         # revision) come back in key order, as from the other stores.
         kvs = sorted(self._kvs(data), key=lambda kv: (-kv.create_revision, kv.key))
-        return kvs, _int(data, "count"), _int(data.get("header", {}), "revision")
+        return kvs, int_field(data, "count"), int_field(data.get("header", {}), "revision")
 
     # -- writes --------------------------------------------------------------
     async def put(self, key: str, value: bytes, lease: int = NO_LEASE) -> int:
@@ -252,11 +244,11 @@ class EtcdStore(Store):
         if lease != NO_LEASE:
             body["lease"] = str(lease)
         data = await self._call("kv/put", body)
-        return _int(data.get("header", {}), "revision")
+        return int_field(data.get("header", {}), "revision")
 
     async def delete(self, key: str, prefix: bool = False) -> int:
         data = await self._call("kv/deleterange", self._range(key, prefix))
-        return _int(data, "deleted")
+        return int_field(data, "deleted")
 
     async def txn(
         self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
@@ -276,7 +268,7 @@ class EtcdStore(Store):
                 (op, r.get("response_range", {})) for op, r in zip(ops, responses, strict=True)
             ]
             gets = [self._kvs(r) for op, r in pairs if isinstance(op, Get)]
-            counts = [_int(r, "count") for op, r in pairs if isinstance(op, Count)]
+            counts = [int_field(r, "count") for op, r in pairs if isinstance(op, Count)]
         elif any(isinstance(op, Count) for op in ops):
             raise StoreError(
                 f"etcd at {self.conn.describe()} answered a txn of {len(ops)} operations "
@@ -289,7 +281,7 @@ class EtcdStore(Store):
             wanted = sum(isinstance(op, Get) for op in ops)
             gets += [[] for _ in range(wanted - len(gets))]
             counts = []
-        return TxnResult(succeeded, _int(data.get("header", {}), "revision"), gets, counts)
+        return TxnResult(succeeded, int_field(data.get("header", {}), "revision"), gets, counts)
 
     # -- leases --------------------------------------------------------------
     async def lease_grant(self, ttl: float) -> int:
@@ -297,14 +289,14 @@ class EtcdStore(Store):
             raise StoreError(f"lease TTL must be a positive number of seconds, got {ttl}")
         # etcd TTLs are whole seconds: round up, at least 1.
         data = await self._call("lease/grant", {"TTL": str(max(1, math.ceil(ttl)))})
-        lease = _int(data, "ID")
+        lease = int_field(data, "ID")
         if lease == NO_LEASE:
             raise StoreError(f"etcd at {self.conn.describe()} granted no lease: {data}")
         return lease
 
     async def lease_keepalive(self, lease: int) -> float:
         data = await self._call("lease/keepalive", {"ID": str(lease)})
-        ttl = _int(data.get("result", data), "TTL")
+        ttl = int_field(data.get("result", data), "TTL")
         if ttl <= 0:
             raise LeaseNotFound(f"lease {lease:x} not found in etcd (expired or revoked)")
         return float(ttl)
@@ -385,128 +377,3 @@ class EtcdStore(Store):
         for watch in list(self._watches):
             await watch.close()
         await self.conn.aclose()
-
-
-def _reauth(error: StoreError | RetryableError) -> bool:
-    return isinstance(error, RetryableError) and error.reauth
-
-
-class EtcdWatch(Watch):
-    """One etcd watch stream, re-established on another member (from the
-    next undelivered revision) when the one it uses breaks."""
-
-    def __init__(self, store: EtcdStore, key_range: Json, start_revision: int | None) -> None:
-        self._store = store
-        self._conn = store.conn
-        self._range = key_range
-        self._next_rev = start_revision if start_revision and start_revision > 0 else None
-        self._queue: asyncio.Queue[WatchEvent | StoreError | None] = asyncio.Queue()
-        self._stream: Stream | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
-
-    async def start(self) -> None:
-        self._stream = await self._open()
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def _open(self) -> Stream:
-        create: Json = {**self._range, "progress_notify": True}
-        if self._next_rev is not None:
-            create["start_revision"] = str(self._next_rev)
-        stream, first = await self._conn.stream(
-            "watch", {"create_request": create}, self._conn.deadline(), self._check_created
-        )
-        if self._next_rev is None:
-            header = first.get("result", {}).get("header", {})
-            self._next_rev = _int(header, "revision") + 1
-        return stream
-
-    async def _check_created(self, message: Json, endpoint: Endpoint) -> None:
-        self._raise_if_broken(message, endpoint)
-        if not message.get("result", {}).get("created"):
-            raise RetryableError(f"watch not created: {message}")
-
-    def _raise_if_broken(self, message: Json, endpoint: Endpoint) -> None:
-        """Raise for an error or a cancelled watch (RetryableError: resume elsewhere)."""
-        if "error" in message:
-            code, text = gateway_error(message, 200)
-            raise translate(code, text, str(endpoint))
-        result = message.get("result", {})
-        if not result.get("canceled"):
-            return
-        compact_revision = _int(result, "compact_revision")
-        if compact_revision:
-            raise RevisionCompacted(
-                f"etcd at {endpoint}: watch history from revision {self._next_rev} is compacted "
-                f"(oldest kept: {compact_revision})",
-                compact_revision,
-            )
-        reason = str(result.get("cancel_reason", "cancelled by the server"))
-        error = translate(0, reason, str(endpoint))
-        if isinstance(error, StoreError) and not isinstance(error, RevisionCompacted):
-            raise error
-        raise RetryableError(f"watch cancelled: {reason}", reauth=_reauth(error))
-
-    async def _run(self) -> None:
-        stream = self._stream
-        try:
-            while stream is not None:
-                try:
-                    message = await stream.next()
-                    if message is None:
-                        raise StoreUnavailable(f"etcd at {stream.endpoint} ended the watch stream")
-                    self._raise_if_broken(message, stream.endpoint)
-                    self._deliver(message.get("result", {}))
-                except (StoreUnavailable, RetryableError) as exc:
-                    await stream.aclose()
-                    self._stream = stream = None
-                    if self._closed:
-                        return
-                    if isinstance(exc, RetryableError) and exc.reauth:
-                        await self._conn.authenticate(force=True)
-                    self._stream = stream = await self._open()
-        except StoreError as exc:
-            self._queue.put_nowait(exc)
-        finally:
-            if stream is not None and self._closed:
-                await stream.aclose()
-
-    def _deliver(self, result: Mapping[str, Any]) -> None:
-        events = result.get("events", [])
-        for event in events:
-            kv = self._store._kv(event.get("kv", {}))
-            if event.get("type") == "DELETE":
-                self._queue.put_nowait(WatchEvent("delete", kv))
-            else:
-                self._queue.put_nowait(WatchEvent("put", kv))
-            self._next_rev = max(self._next_rev or 0, kv.mod_revision + 1)
-        if not events and not result.get("created"):
-            # A progress notification: everything up to this revision was sent.
-            revision = _int(result.get("header", {}), "revision")
-            if revision:
-                self._next_rev = max(self._next_rev or 0, revision + 1)
-
-    async def __anext__(self) -> WatchEvent:
-        if self._closed and self._queue.empty():
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if item is None:
-            raise StopAsyncIteration
-        if isinstance(item, StoreError):
-            self._queue.put_nowait(item)  # keep failing, don't hang
-            raise item
-        return item
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._store._forget(self)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self._stream is not None:
-            await self._stream.aclose()
-            self._stream = None
-        self._queue.put_nowait(None)

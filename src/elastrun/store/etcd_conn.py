@@ -58,6 +58,7 @@ __all__ = [
     "RetryableError",
     "Stream",
     "gateway_error",
+    "int_field",
     "parse_endpoints",
     "settings_from_conf",
     "translate",
@@ -178,6 +179,12 @@ class RetryableError(Exception):
         super().__init__(reason)
         self.timeout = timeout
         self.reauth = reauth
+
+
+def int_field(data: Mapping[str, Any], name: str) -> int:
+    """An int64 field: etcd's gateway sends them as JSON strings, and leaves
+    them out when zero."""
+    return int(data.get(name, 0))
 
 
 def gateway_error(data: Json, status: int) -> tuple[int, str]:
