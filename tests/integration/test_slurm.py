@@ -334,15 +334,16 @@ def test_the_recipe_with_a_hot_spare_replaces_a_lost_node(tmp_path: Path) -> Non
         )
         by_node = {s["slurm_node"]: s["group_rank"] for s in steps()}
         assert sorted(by_node) == ["0", "1"], by_node
-        mark = len(steps())
+        old = {s["pid"] for s in steps()}  # the first workers (one may log a step more)
         os.kill(procs[1].pid, signal.SIGKILL)  # the agent: its guard takes its workers
-        wait_for(
-            lambda: any(s["slurm_node"] == "2" and s["world"] == 2 for s in steps()[mark:]),
-            BOUND,
-            "the spare training at world 2",
-        )
-        after = {s["slurm_node"]: s["group_rank"] for s in steps()[mark:] if s["world"] == 2}
-        assert after == {"0": by_node["0"], "2": by_node["1"]}, after
+
+        def after() -> dict[str, int]:
+            """Who trains at world 2 now: the steps of the workers started since."""
+            new = [s for s in steps() if s["pid"] not in old and s["world"] == 2]
+            return {s["slurm_node"]: s["group_rank"] for s in new}
+
+        wait_for(lambda: {"0", "2"} <= set(after()), BOUND, "the spare training at world 2")
+        assert after() == {"0": by_node["0"], "2": by_node["1"]}, after()
         (tmp_path / "finish").write_text("")
         for node in (0, 2):
             assert procs[node].wait(BOUND) == 0, (tmp_path / f"node{node}.log").read_text()[-3000:]
