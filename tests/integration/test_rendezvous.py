@@ -243,6 +243,38 @@ def test_member_killed_after_close_is_noticed(cluster: Any) -> None:
     c.wait(step("complete"), 2, timeout=30)
 
 
+@pytest.mark.parametrize("victims", [(0,), (3,), (0, 2)], ids=["watcher", "other", "both"])
+def test_members_lost_while_training_are_noticed_by_the_round_s_watcher(
+    cluster: Any, victims: tuple[int, ...]
+) -> None:
+    """While the members train, the round's watcher (group rank 0) alone
+    watches every presence key; the others watch its presence. Whoever is
+    SIGKILLed, the watcher, another member or both at once, every survivor
+    sees the change and the next round closes without them."""
+    # max joined closes a round at once; the long last call only keeps a slow
+    # starter in round 0 (a re-formed round closes once every live node joined).
+    c = cluster(min=2, max=4, ttl=2.0, last_call=10.0)
+    procs = [
+        c.start(1, ["next_round", "wait_change", "next_round", "complete"], first=i)
+        for i in range(4)
+    ]
+    first = c.wait(step("next_round", round=0), 4, timeout=60)
+    assert_one_world(first, 4)
+    rank_of = {x["node"]: x["rank"] for x in first}
+    dead = {node for node, rank in rank_of.items() if rank in victims}
+    for proc in procs:
+        if any(x["node"] in dead for x in proc.lines):
+            proc.kill()
+    survivors = len(procs) - len(dead)
+    changes = c.wait(step("wait_change"), survivors, timeout=30)
+    assert all(ch["reason"] == "member_lost" for ch in changes), changes
+    assert all(any(d in ch["detail"] for d in dead) for ch in changes), changes
+    second = c.wait(step("next_round", round=1), survivors, timeout=30)
+    assert_one_world(second, survivors)
+    assert not set(second[0]["members"]) & dead, second[0]
+    c.wait(step("complete"), survivors, timeout=30)
+
+
 def test_late_joiner_triggers_new_round(cluster: Any) -> None:
     c = cluster(min=2, max=3, last_call=0.5)
     c.start(2, ["next_round", "wait_change", "next_round", "complete"])

@@ -9,6 +9,7 @@ the round, the exit barrier and leaving.
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import uuid
 from collections import Counter
@@ -38,9 +39,15 @@ def counted(store: TcpStore, tally: Counter[str]) -> None:
 
     async def counting(conn: Any, deadline: float, op: str, **args: Any) -> Any:
         tally[op] += 1
-        return await send(conn, deadline, op, **args)
+        answer = await send(conn, deadline, op, **args)
+        tally["answer bytes"] += len(json.dumps(answer))
+        return answer
 
     store._send = counting  # type: ignore[method-assign]
+
+
+def requests(tally: Counter[str]) -> int:
+    return sum(v for k, v in tally.items() if k != "answer bytes")
 
 
 def handler(store: TcpStore, run_id: RunId, n: int, i: int) -> DynamicRendezvous:
@@ -76,7 +83,7 @@ def test_a_round_costs_each_node_a_few_requests_whatever_the_size(server: Server
     costs = {}
     for n in (8, 40):
         tallies = asyncio.run(asyncio.wait_for(job(server.host, server.port, n), 120))
-        each = [sum(t.values()) for t in tallies]
+        each = [requests(t) for t in tallies]
         costs[n] = statistics.mean(each)
         watches = statistics.mean(t["watch"] for t in tallies)
         # 11 for most: a lease, register (one txn creates a new job, one more
@@ -108,3 +115,48 @@ def test_a_node_that_leaves_before_it_finished_says_so(server: ServerProcess) ->
                 await store.close()
 
     assert asyncio.run(asyncio.wait_for(main(), 60)) == ["n0", "n1"]
+
+
+async def training(host: str, port: int, n: int) -> tuple[list[Counter[str]], int]:
+    """``n`` members train (``wait_for_change()``) until the last one leaves:
+    what each one's watch cost, and which one is group rank 0."""
+    run_id = RunId(f"train-{uuid.uuid4().hex[:8]}")
+    stores = [await TcpStore.connect(host, port, timeout=30.0) for _ in range(n)]
+    tallies: list[Counter[str]] = [Counter() for _ in range(n)]
+    try:
+        handlers = [handler(store, run_id, n, i) for i, store in enumerate(stores)]
+        results = await asyncio.gather(*(h.next_round() for h in handlers))
+        for store, tally in zip(stores, tallies, strict=True):
+            counted(store, tally)
+        watching = [asyncio.ensure_future(h.wait_for_change()) for h in handlers[:-1]]
+        while sum(map(requests, tallies)) < 4 * (n - 1):  # each one's watch set up
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        await handlers[-1].shutdown()  # left: every other member sees it
+        changes = await asyncio.gather(*watching)
+        assert {c.reason for c in changes} == {"member_lost"}, changes
+        await asyncio.gather(*(h.shutdown() for h in handlers[:-1]))
+    finally:
+        for store in stores:
+            await store.close()
+    watcher = next(i for i, r in enumerate(results) if r.group_rank == 0)
+    return tallies[:-1], watcher
+
+
+def test_training_members_watch_one_key_whatever_the_size(server: ServerProcess) -> None:
+    """While the members train, one of them (group rank 0, the round's
+    watcher) watches every presence key; each other member reads and watches
+    its presence alone (and ``waiting/``): the same requests and bytes at 8
+    and at 40 members."""
+    worst = {}
+    for n in (8, 40):
+        tallies, watcher = asyncio.run(asyncio.wait_for(training(server.host, server.port, n), 120))
+        others = [t for i, t in enumerate(tallies) if i != watcher]
+        # Its presence read and watch, waiting/ read and watch; leaving: the
+        # left key and the lease.
+        assert max(requests(t) for t in others) <= 7, (n, others)
+        worst[n] = max(t["answer bytes"] for t in others)
+        assert worst[n] < 2048, (n, others)
+        # The watcher reads the whole membership and every presence key.
+        assert tallies[watcher]["answer bytes"] > worst[n], (n, tallies[watcher])
+    assert worst[40] <= worst[8] + 512, worst  # O(1) bytes per member

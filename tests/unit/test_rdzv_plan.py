@@ -94,7 +94,9 @@ def test_each_state_that_waits_has_its_phase_plan() -> None:
     assert join_plan is not None and join_plan.joins and not join_plan.nodes
     wait, member = plans[State.WAITING], plans[State.MEMBER]
     assert wait is not None and wait.nodes and not wait.waiting
-    assert member is not None and member.nodes and member.waiting
+    # A member reads no prefix of O(n) up front: the round's watcher, then its steps.
+    assert member is not None and member.watch_members and member.waiting
+    assert not (member.nodes or member.barrier or member.joins)
     complete = plans[State.COMPLETING]
     # The barrier reads no prefix of O(n) up front: the count, then its steps.
     assert complete is not None and complete.barrier

@@ -265,29 +265,36 @@ class OpenPhase:
             events.extend(
                 P.waiting_event(view, r, n, s.max_nodes, unit=s.node_unit) for n in view.waiting
             )
-        if plan.barrier and view.round is not None and view.round.state is RoundState.CLOSED:
-            events.extend(await self.open_barrier(r))
+        if view.round is not None and view.round.state is RoundState.CLOSED:
+            if plan.barrier:
+                events.extend(await self.open_watch(r, barrier=True))
+            elif plan.watch_members:
+                events.extend(await self.open_watch(r, barrier=False))
         return events
 
-    # -- the exit barrier ------------------------------------------------------------
-    async def open_barrier(self, r: int) -> list[Event]:
-        """The exit barrier of round ``r``, after this node's done key: count
-        the done keys (O(1) bytes), then take the planner's steps
+    # -- the members' loss watch and the exit barrier -------------------------------
+    async def open_watch(self, r: int, *, barrier: bool) -> list[Event]:
+        """Who watches whom among round ``r``'s members: the planner's steps
         (:func:`.plan.barrier_step`), reading one member's presence or done
-        key at a time, until it says whom to watch."""
+        key at a time, until it says whom to watch. At the exit barrier
+        (``barrier``, after this node's done key) the done keys are counted
+        first (O(1) bytes) and the watcher watches them too; while the
+        members train, the same watcher watches ``nodes/`` alone."""
         obs, store, k = self.observer, self.node.store, self.node.keys
         view = obs.view
         members, size = view.known(r), view.size(r)
         present: dict[str, bool] = {}
         done: dict[str, bool] = {}
         revs: dict[str, int] = {}
-        seen, obs.barrier_seen = obs.barrier_seen, None
-        if seen is not None and seen.round == r:  # this node's done txn read them
-            count = seen.count
-            present.update(seen.present)
-            revs.update(dict.fromkeys(seen.present, seen.revision))
-        else:
-            _, count, _ = await store.get_prefix_newest(k.dones(r), 0, 1)
+        count = 0  # no done keys while the members train
+        if barrier:
+            seen, obs.barrier_seen = obs.barrier_seen, None
+            if seen is not None and seen.round == r:  # this node's done txn read them
+                count = seen.count
+                present.update(seen.present)
+                revs.update(dict.fromkeys(seen.present, seen.revision))
+            else:
+                _, count, _ = await store.get_prefix_newest(k.dones(r), 0, 1)
         for _ in range(2 * size + 2):  # each step learns one fact, or ends
             step = P.barrier_step(members, self.node.node_id, count, present, done, size=size)
             if isinstance(step, P.BeWatcher) and r not in view.results:
@@ -307,9 +314,17 @@ class OpenPhase:
                 return [await obs.lost_event(step.member)]
             elif isinstance(step, BarrierDone):
                 return [step]
-            else:
+            elif barrier:
                 return await self._watch_barrier(r)
+            else:
+                return await self._watch_members()
         raise RendezvousError(f"round {r}: the exit barrier's set-up did not settle")
+
+    async def _watch_members(self) -> list[Event]:
+        """This node is the round's watcher while the members train: every
+        presence key (a member gone without a done key is lost)."""
+        await self._read_nodes()
+        return await self.observer.lost_events()
 
     async def _watch_barrier(self, r: int) -> list[Event]:
         """This node is the barrier's watcher: the done keys and ``nodes/``."""

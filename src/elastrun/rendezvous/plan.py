@@ -19,7 +19,10 @@ join        ``round``; the round's joins: the decider (:func:`join_role`)
             predecessor's join key (read alone where this node's own join
             is the newest up to its revision: :func:`follower_of_newest`)
 wait        ``round``, ``nodes/``
-member      ``round``, ``nodes/``, ``waiting/``
+member      ``round``, ``waiting/``; then :func:`barrier_step` without done
+            keys: the round's watcher (the first member present in rank
+            order) reads and watches ``nodes/``, every other member only the
+            watcher's presence key
 complete    ``round``; the count of the round's done keys (O(1) bytes); then
             :func:`barrier_step`: the barrier's watcher reads and watches the
             done keys and ``nodes/``, every other member only the watcher's
@@ -29,9 +32,9 @@ complete    ``round``; the count of the round's done keys (O(1) bytes); then
 A closed round's result is read as this node's head (the header and its own
 shard: O(1) bytes, :mod:`.results`) where the phase reads no ``nodes/``, and
 whole where it does (:func:`result_needed`, :func:`whole_needed`): a member
-without a presence key is lost. So ``seek``, ``join`` (but the decider's) and
-``complete`` (but the barrier watcher's) cost each node O(1) bytes; ``wait``
-and ``member`` O(n).
+without a presence key is lost. So ``seek``, ``join`` (but the decider's),
+``member`` and ``complete`` (but the round watcher's) cost each node O(1)
+bytes; ``wait`` O(n) (a node waiting beside the round).
 """
 
 from __future__ import annotations
@@ -136,6 +139,7 @@ class PhasePlan:
     nodes: bool = False  # read and watch nodes/
     waiting: bool = False  # read and watch waiting/
     barrier: bool = False  # count the done keys, then barrier_step
+    watch_members: bool = False  # barrier_step without done keys: the members' loss watch
 
 
 _PHASES = {
@@ -157,9 +161,10 @@ def plan_phase(state: State, round: int) -> PhasePlan | None:
         phase,
         round,
         joins=phase is Phase.JOIN,
-        nodes=phase in (Phase.WAIT, Phase.MEMBER),
+        nodes=phase is Phase.WAIT,
         waiting=phase is Phase.MEMBER,
         barrier=phase is Phase.COMPLETE,
+        watch_members=phase is Phase.MEMBER,
     )
 
 
