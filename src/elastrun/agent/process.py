@@ -20,7 +20,8 @@ from typing import IO
 
 from elastrun.agent.channel import RunnerChannel
 from elastrun.agent.children import ForkedProcess
-from elastrun.agent.failures import Ending, ErrorFileInfo, WorkerFailure, read_error_file
+from elastrun.agent.error_files import ErrorFileInfo, read_error_file
+from elastrun.agent.failures import Ending, WorkerFailure
 from elastrun.agent.logs import TAIL_LINES, LinePump, LogWriteErrors, StreamRoute
 
 __all__ = ["Declared", "Process", "Worker", "exit_begun", "killpg"]
