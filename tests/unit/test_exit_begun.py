@@ -18,10 +18,11 @@ def test_an_unreaped_exited_child_has_begun_to_end() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
         deadline = time.monotonic() + 30
-        while not exit_begun(child.pid):  # a zombie until reaped
+        # Its exit reported (a zombie until reaped), looked at without reaping.
+        while os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
             assert time.monotonic() < deadline, "the child never ended"
             time.sleep(0.01)
-        assert os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        assert exit_begun(child.pid)
     finally:
         child.wait()
     assert not exit_begun(child.pid)  # reaped: no such process
