@@ -175,9 +175,13 @@ def _our_workers(folder: Path) -> list[int]:
     return alive
 
 
+@pytest.mark.bench
+@pytest.mark.timeout(960)
 def test_quick_bench_runs_both_launchers_side_by_side(tmp_path: Path) -> None:
+    # A whole benchmark (marked `bench`): `make soak` runs it, not `make test`, whose
+    # tests may not depend on how busy the machine is (a benchmark's runs are bounded
+    # in time). The harness's parts are tested above and below without running it.
     out = tmp_path / "results"
-    # The tuned pair keeps this under ~90 s on a loaded 2-core machine;
     # `make bench-quick` runs all four configurations.
     cmd = [
         sys.executable,
@@ -195,7 +199,7 @@ def test_quick_bench_runs_both_launchers_side_by_side(tmp_path: Path) -> None:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=900,
         start_new_session=True,
         # the launchers exactly as configured (not with the suite's defaults)
         env={k: v for k, v in os.environ.items() if k not in SUITE_KNOBS},
