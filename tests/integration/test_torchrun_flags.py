@@ -246,7 +246,52 @@ def test_file_timer_stops_the_overrunning_worker_and_names_it(tmp_path: Path, ho
             not Path(f"/proc/{pid}").exists()
             or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
         ), rank
-    assert not (tmp_path / "timers.fifo").exists()  # removed at exit
+    # One pipe per local rank, at TORCHELASTIC_TIMER_FILE.{local_rank}; removed at exit.
+    assert not list(tmp_path.glob("timers.fifo*"))
+
+
+SIBLING = """
+import json, os, sys, time
+folder, rank = sys.argv[1], int(os.environ["LOCAL_RANK"])
+with open(os.path.join(folder, f"pid{rank}.tmp"), "w") as f:
+    f.write(str(os.getpid()))
+os.rename(os.path.join(folder, f"pid{rank}.tmp"), os.path.join(folder, f"pid{rank}"))
+
+def send(pid, scope, when):  # as torch's FileTimerClient writes a request
+    fd = os.open(os.environ["TORCHELASTIC_TIMER_FILE"], os.O_WRONLY | os.O_NONBLOCK)
+    line = {"version": 1, "pid": pid, "scope_id": scope, "expiration_time": when, "signal": 9}
+    os.write(fd, (json.dumps(line) + "\\n").encode())
+    os.close(fd)
+
+if rank == 1:
+    victim = os.path.join(folder, "pid0")
+    for _ in range(2400):
+        if os.path.exists(victim):
+            break
+        time.sleep(0.05)
+    send(int(open(victim).read()), "sibling", time.time() - 10)  # rank 0's pid, expired
+    send(os.getpid(), "own", time.time() - 1)  # its own, expired
+time.sleep(600)
+"""
+
+
+def test_a_rank_cannot_set_a_timer_on_a_sibling(tmp_path: Path) -> None:
+    # Rank 1 asks for an expired timer on rank 0's pid, then on its own: only
+    # its own is held (the sibling's was: rank 0 was killed, the root cause).
+    script = tmp_path / "sibling.py"
+    script.write_text(SIBLING)
+    proc = torchrun(
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=0",
+        str(script),
+        str(tmp_path),
+        extra_env={"TORCHELASTIC_ENABLE_FILE_TIMER": "1"},
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "[ROOT CAUSE] rank 1" in proc.stderr, proc.stderr[-3000:]
+    assert "timer 'own' expired" in proc.stderr
+    assert "sibling" not in proc.stderr, proc.stderr[-3000:]
 
 
 class Flood:
