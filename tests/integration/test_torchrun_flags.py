@@ -218,6 +218,23 @@ dist.barrier()  # rank 0 waits here for rank 1
 """
 
 
+def rank_1_times_out(
+    script: Path, folder: Path, extra: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """Two ranks of ``script FOLDER``, no restart: rank 1 is the root cause."""
+    proc = torchrun(
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=0",
+        str(script),
+        str(folder),
+        extra_env=extra,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "[ROOT CAUSE] rank 1" in proc.stderr, proc.stderr[-3000:]
+    return proc
+
+
 @pytest.mark.parametrize("how", ["enable", "timer_file"])
 def test_file_timer_stops_the_overrunning_worker_and_names_it(tmp_path: Path, how: str) -> None:
     script = tmp_path / "timed.py"
@@ -227,16 +244,7 @@ def test_file_timer_stops_the_overrunning_worker_and_names_it(tmp_path: Path, ho
         if how == "enable"
         else {"TORCHELASTIC_TIMER_FILE": str(tmp_path / "timers.fifo")}
     )
-    proc = torchrun(
-        "--standalone",
-        "--nproc-per-node=2",
-        "--max-restarts=0",
-        str(script),
-        str(tmp_path),
-        extra_env=extra,
-    )
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "[ROOT CAUSE] rank 1" in proc.stderr, proc.stderr[-3000:]
+    proc = rank_1_times_out(script, tmp_path, extra)
     assert "timer 'stuck step' expired" in proc.stderr
     assert "quick step" not in proc.stderr
     # no orphans: both workers are gone when the launcher returns
@@ -280,16 +288,7 @@ def test_a_rank_cannot_set_a_timer_on_a_sibling(tmp_path: Path) -> None:
     # its own is held (the sibling's was: rank 0 was killed, the root cause).
     script = tmp_path / "sibling.py"
     script.write_text(SIBLING)
-    proc = torchrun(
-        "--standalone",
-        "--nproc-per-node=2",
-        "--max-restarts=0",
-        str(script),
-        str(tmp_path),
-        extra_env={"TORCHELASTIC_ENABLE_FILE_TIMER": "1"},
-    )
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "[ROOT CAUSE] rank 1" in proc.stderr, proc.stderr[-3000:]
+    proc = rank_1_times_out(script, tmp_path, {"TORCHELASTIC_ENABLE_FILE_TIMER": "1"})
     assert "timer 'own' expired" in proc.stderr
     assert "sibling" not in proc.stderr, proc.stderr[-3000:]
 
