@@ -12,8 +12,11 @@ import http.client
 import json
 import os
 import re
+import selectors
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from tests.conftest import REPO
 from tests.helpers import free_port, stop_groups, wait_for
 from tests.integration.elastic_harness import ELASTRUN
 from tests.integration.test_torchrun_conformance import BIN, env, launch_case, torchrun
+from tests.unit.test_health_check import listening
 
 SHOW = str(BIN / "show_env.py")
 RUN_TIMEOUT = 240
@@ -214,6 +218,23 @@ dist.barrier()  # rank 0 waits here for rank 1
 """
 
 
+def rank_1_times_out(
+    script: Path, folder: Path, extra: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """Two ranks of ``script FOLDER``, no restart: rank 1 is the root cause."""
+    proc = torchrun(
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=0",
+        str(script),
+        str(folder),
+        extra_env=extra,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "[ROOT CAUSE] rank 1" in proc.stderr, proc.stderr[-3000:]
+    return proc
+
+
 @pytest.mark.parametrize("how", ["enable", "timer_file"])
 def test_file_timer_stops_the_overrunning_worker_and_names_it(tmp_path: Path, how: str) -> None:
     script = tmp_path / "timed.py"
@@ -223,16 +244,7 @@ def test_file_timer_stops_the_overrunning_worker_and_names_it(tmp_path: Path, ho
         if how == "enable"
         else {"TORCHELASTIC_TIMER_FILE": str(tmp_path / "timers.fifo")}
     )
-    proc = torchrun(
-        "--standalone",
-        "--nproc-per-node=2",
-        "--max-restarts=0",
-        str(script),
-        str(tmp_path),
-        extra_env=extra,
-    )
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "[ROOT CAUSE] rank 1" in proc.stderr, proc.stderr[-3000:]
+    proc = rank_1_times_out(script, tmp_path, extra)
     assert "timer 'stuck step' expired" in proc.stderr
     assert "quick step" not in proc.stderr
     # no orphans: both workers are gone when the launcher returns
@@ -242,7 +254,83 @@ def test_file_timer_stops_the_overrunning_worker_and_names_it(tmp_path: Path, ho
             not Path(f"/proc/{pid}").exists()
             or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
         ), rank
-    assert not (tmp_path / "timers.fifo").exists()  # removed at exit
+    # One pipe per local rank, at TORCHELASTIC_TIMER_FILE.{local_rank}; removed at exit.
+    assert not list(tmp_path.glob("timers.fifo*"))
+
+
+SIBLING = """
+import json, os, sys, time
+folder, rank = sys.argv[1], int(os.environ["LOCAL_RANK"])
+with open(os.path.join(folder, f"pid{rank}.tmp"), "w") as f:
+    f.write(str(os.getpid()))
+os.rename(os.path.join(folder, f"pid{rank}.tmp"), os.path.join(folder, f"pid{rank}"))
+
+def send(pid, scope, when):  # as torch's FileTimerClient writes a request
+    fd = os.open(os.environ["TORCHELASTIC_TIMER_FILE"], os.O_WRONLY | os.O_NONBLOCK)
+    line = {"version": 1, "pid": pid, "scope_id": scope, "expiration_time": when, "signal": 9}
+    os.write(fd, (json.dumps(line) + "\\n").encode())
+    os.close(fd)
+
+if rank == 1:
+    victim = os.path.join(folder, "pid0")
+    for _ in range(2400):
+        if os.path.exists(victim):
+            break
+        time.sleep(0.05)
+    send(int(open(victim).read()), "sibling", time.time() - 10)  # rank 0's pid, expired
+    send(os.getpid(), "own", time.time() - 1)  # its own, expired
+time.sleep(600)
+"""
+
+
+def test_a_rank_cannot_set_a_timer_on_a_sibling(tmp_path: Path) -> None:
+    # Rank 1 asks for an expired timer on rank 0's pid, then on its own: only
+    # its own is held (the sibling's was: rank 0 was killed, the root cause).
+    script = tmp_path / "sibling.py"
+    script.write_text(SIBLING)
+    proc = rank_1_times_out(script, tmp_path, {"TORCHELASTIC_ENABLE_FILE_TIMER": "1"})
+    assert "timer 'own' expired" in proc.stderr
+    assert "sibling" not in proc.stderr, proc.stderr[-3000:]
+
+
+class Flood:
+    """``count`` silent connections to a port, held open: each one the
+    server closes is opened again at once (a flood that never lets up)."""
+
+    def __init__(self, port: int, count: int) -> None:
+        self.port, self.count = port, count
+        self.opened = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _open(self, sel: selectors.DefaultSelector) -> None:
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", self.port))
+        sel.register(s, selectors.EVENT_READ)
+        self.opened += 1
+
+    def _run(self) -> None:
+        with selectors.DefaultSelector() as sel:
+            for _ in range(self.count):
+                self._open(sel)
+            while not self.stop.is_set():
+                for key, _ in sel.select(0.1):
+                    s = key.fileobj
+                    assert isinstance(s, socket.socket)
+                    sel.unregister(s)
+                    s.close()  # closed (or refused) by the server: again
+                    self._open(sel)
+            for key in list(sel.get_map().values()):
+                key.fileobj.close()  # type: ignore[union-attr]
+
+    def __enter__(self) -> Flood:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(30)
 
 
 def test_health_check_port_answers_while_the_agent_runs(tmp_path: Path) -> None:
@@ -267,12 +355,13 @@ def test_health_check_port_answers_while_the_agent_runs(tmp_path: Path) -> None:
     )
     try:
 
-        def probe() -> dict[str, Any] | None:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        def probe(method: str = "GET", path: str = "/") -> dict[str, Any] | None:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
             try:
-                conn.request("GET", "/")
+                conn.request(method, path)
                 reply = conn.getresponse()
-                return {"status": reply.status, **json.loads(reply.read())}
+                body = reply.read()
+                return {"status": reply.status, **(json.loads(body) if reply.status == 200 else {})}
             except OSError:
                 return None
             finally:
@@ -280,6 +369,19 @@ def test_health_check_port_answers_while_the_agent_runs(tmp_path: Path) -> None:
 
         got = wait_for(probe, 120, "the health check's answer")
         assert got["status"] == 200 and got["alive"] is True and got["timeout"] == 60
+        # Loopback only by default (it was 0.0.0.0 and ::).
+        assert listening(port) and listening(port) <= {"127.0.0.1", "::1"}, listening(port)
+        # Only GET / is served (POST /shutdown and garbage were 200 OK).
+        assert probe("POST", "/shutdown") == {"status": 404}
+        assert probe("POST", "/") == {"status": 405}
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
+            raw.sendall(b"\x16\x03\x01garbage\r\n\r\n")
+            assert raw.recv(100).startswith(b"HTTP/1.0 400 ")
+        # Probes are answered under a flood of 200 silent connections that
+        # never lets up (0 of 30 were: 16 silent ones filled every place).
+        with Flood(port, 200) as flood:
+            answered = [probe() for _ in range(30)]
+        assert [a and a["status"] for a in answered] == [200] * 30, flood.opened
         done.touch()
         _, err = agent.communicate(timeout=RUN_TIMEOUT)
         assert agent.returncode == 0, err[-3000:]

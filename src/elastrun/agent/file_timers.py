@@ -26,13 +26,24 @@ group is stopped and restarted as for any failure. torchrun also kills its
 own agent with that signal; elastrun's agent goes on, so the other ranks are
 stopped and restarted, never orphaned.
 
-What a stranger can make the agent hold is bounded: the pipe is created
-mode 0600 in a private folder (or at the path given: never a link, an
-existing FIFO of another user, or a file of another kind), read without
-blocking in bounded chunks, a line longer than ``MAX_LINE`` bytes is dropped,
-every request is decoded within bounds (``elastrun.untrusted``) and checked
-field by field; only processes of this round's workers (their process
-groups) may hold timers, at most ``MAX_TIMERS`` in all.
+A timer is for the process that asks for it (torch's client sends its own
+pid). A pipe cannot tell who wrote to it, so each worker gets a pipe of its
+own (``PATH.{local_rank}``, PATH the ``TORCHELASTIC_TIMER_FILE`` given, else
+``timer.fifo`` in a private folder), and a request read from a worker's pipe
+is held (or released) only when its pid is one of that worker's own
+processes: its process group, the worker and the children it starts. A rank
+that names a sibling's pid (torch's server would kill any pid it is sent)
+is refused. The limit: a process of the same user that finds a sibling's
+pipe (in its environment, ``/proc/PID/environ``) can write to it; such a
+process could as well signal the sibling itself.
+
+What a stranger can make the agent hold is bounded: the pipes are created
+mode 0600 in a private folder (or at the paths given: never a link, an
+existing FIFO of another user, or a file of another kind), two descriptors
+each (one per local rank), read without blocking in bounded chunks; a line
+longer than ``MAX_LINE`` bytes is dropped, every request is decoded within
+bounds (``elastrun.untrusted``) and checked field by field; at most
+``MAX_TIMERS`` timers in all.
 """
 
 from __future__ import annotations
@@ -154,60 +165,80 @@ def _enabled(env: Mapping[str, str]) -> bool:
     return env.get(ENABLE_ENV) == "1" or bool(env.get(TIMER_FILE_ENV))
 
 
+class _Pipe:
+    """One worker slot's named pipe (its local rank's), and what was read of
+    a line not yet whole."""
+
+    def __init__(self, local_rank: int, path: str, fds: tuple[int, int]) -> None:
+        self.local_rank = local_rank
+        self.path = path
+        self.fds = fds
+        self.partial = b""
+        self.dropping = False
+
+
 class FileTimers(Feature):
     """The agent's timer server (see the module doc)."""
 
     def __init__(self, core: Core) -> None:
         self.core = core
         env = {**os.environ, **core.spec.env}
-        self.path = env.get(TIMER_FILE_ENV) or ""
+        self.path = env.get(TIMER_FILE_ENV) or ""  # the pipes' prefix: PATH.{local_rank}
         self.table = TimerTable()
         self.group: WorkerGroup | None = None
-        self._fds: tuple[int, int] | None = None
+        self.pipes: dict[int, _Pipe] = {}  # by local rank
         self._folder: str | None = None
-        self._partial = b""
-        self._dropping = False
         self._handle: asyncio.TimerHandle | None = None
         self._strangers = 0
 
-    # ------------------------------------------------------------ the pipe
+    # ------------------------------------------------------------ the pipes
     def start(self) -> None:
         try:
-            self._open()
+            if not self.path:
+                self._folder = tempfile.mkdtemp(prefix="elastrun-timers-")
+                self.path = os.path.join(self._folder, "timer.fifo")
+            else:
+                self.path = os.path.abspath(self.path)
+            for local_rank in range(self.core.spec.nproc):
+                self._open(local_rank)
         except OSError as e:
             self.core.say(
                 f"elastrun: warning: the file timer server cannot use {self.path}: "
                 f"{e.strerror or e}; workers that use torch's FileTimerClient will fail"
             )
             self.core.events.emit("file_timers_failed", path=self.path, error=str(e))
+            self._close_pipes()
             return
-        assert self._fds is not None
-        asyncio.get_running_loop().add_reader(self._fds[0], self._readable)
-        self.core.events.emit("file_timers_started", path=self.path)
+        self.core.events.emit("file_timers_started", path=self.path, pipes=len(self.pipes))
 
-    def _open(self) -> None:
-        if not self.path:
-            self._folder = tempfile.mkdtemp(prefix="elastrun-timers-")
-            self.path = os.path.join(self._folder, "timer.fifo")
-        else:
-            self.path = os.path.abspath(self.path)
-            with contextlib.suppress(FileNotFoundError):
-                st = os.lstat(self.path)
-                if not stat.S_ISFIFO(st.st_mode) or st.st_uid != os.geteuid():
-                    raise OSError(0, "it exists and is not a named pipe of this user")
-                os.unlink(self.path)  # as torch: a fresh pipe
-        os.mkfifo(self.path, 0o600)
-        rd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-        # Our own writer keeps the pipe open between clients (no end of file).
-        wr = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-        self._fds = (rd, wr)
+    def pipe_path(self, local_rank: int) -> str:
+        """The named pipe of the worker at ``local_rank``."""
+        return f"{self.path}.{local_rank}"
 
-    def _readable(self) -> None:
-        assert self._fds is not None
+    def _open(self, local_rank: int) -> None:
+        path = self.pipe_path(local_rank)
+        with contextlib.suppress(FileNotFoundError):
+            st = os.lstat(path)
+            if not stat.S_ISFIFO(st.st_mode) or st.st_uid != os.geteuid():
+                raise OSError(0, f"{path} exists and is not a named pipe of this user")
+            os.unlink(path)  # as torch: a fresh pipe
+        os.mkfifo(path, 0o600)
+        rd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        try:
+            # Our own writer keeps the pipe open between clients (no end of file).
+            wr = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        except OSError:
+            os.close(rd)
+            raise
+        pipe = _Pipe(local_rank, path, (rd, wr))
+        self.pipes[local_rank] = pipe
+        asyncio.get_running_loop().add_reader(rd, self._readable, pipe)
+
+    def _readable(self, pipe: _Pipe) -> None:
         got = 0
         while got < MAX_READ:
             try:
-                data = os.read(self._fds[0], 65536)
+                data = os.read(pipe.fds[0], 65536)
             except BlockingIOError:
                 break
             except OSError:
@@ -215,27 +246,30 @@ class FileTimers(Feature):
             if not data:
                 break
             got += len(data)
-            self._take(data)
+            self._take(pipe, data)
         self._arm()
 
-    def _take(self, data: bytes) -> None:
-        *lines, rest = (self._partial + data).split(b"\n")
+    def _take(self, pipe: _Pipe, data: bytes) -> None:
+        *lines, rest = (pipe.partial + data).split(b"\n")
         for line in lines:
-            if self._dropping:
-                self._dropping = False  # the end of a line too long: dropped
+            if pipe.dropping:
+                pipe.dropping = False  # the end of a line too long: dropped
                 continue
             request = parse_request(line)
             if request is not None:
-                self._register(request)
-        self._partial = rest
+                self._register(request, pipe.local_rank)
+        pipe.partial = rest
         if len(rest) > MAX_LINE:
-            self._partial, self._dropping = b"", True
+            pipe.partial, pipe.dropping = b"", True
 
-    def _register(self, request: TimerRequest) -> None:
-        if not request.release and self._worker_of(request.pid) is None:
+    def _register(self, request: TimerRequest, local_rank: int) -> None:
+        """Hold ``request``, read from ``local_rank``'s pipe, when its pid is
+        one of that worker's own processes (its process group)."""
+        w = self._worker_of(request.pid)
+        if w is None or w.local_rank != local_rank:
             self._strangers += 1
             if self._strangers == 1:
-                self.core.events.emit("file_timer_refused", pid=request.pid)
+                self.core.events.emit("file_timer_refused", pid=request.pid, local_rank=local_rank)
             return
         self.table.register(request)
 
@@ -290,27 +324,30 @@ class FileTimers(Feature):
 
     # ------------------------------------------------------------ rounds
     def round(self, group: WorkerGroup) -> RoundHooks | None:
-        if self._fds is None:
+        if not self.pipes:
             return None
         self.group = group
         self.table.clear({pid for pid, _ in self.table.timers})
         return _RoundTimers(self)
 
-    async def close(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-        if self._fds is not None:
+    def _close_pipes(self) -> None:
+        for pipe in self.pipes.values():
             with contextlib.suppress(ValueError, RuntimeError):
-                asyncio.get_running_loop().remove_reader(self._fds[0])
-            for fd in self._fds:
+                asyncio.get_running_loop().remove_reader(pipe.fds[0])
+            for fd in pipe.fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-            self._fds = None
             with contextlib.suppress(OSError):
-                os.unlink(self.path)
+                os.unlink(pipe.path)
+        self.pipes = {}
         if self._folder is not None:
             with contextlib.suppress(OSError):
                 os.rmdir(self._folder)
+
+    async def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        self._close_pipes()
 
 
 class _RoundTimers(RoundHooks):
@@ -318,8 +355,7 @@ class _RoundTimers(RoundHooks):
         self.server = server
 
     def worker_env(self, worker: Worker) -> Mapping[str, str]:
-        del worker
-        return {TIMER_FILE_ENV: self.server.path}
+        return {TIMER_FILE_ENV: self.server.pipe_path(worker.local_rank)}
 
     def exited(self, worker: Worker) -> None:
         self.server.table.clear({worker.pid})

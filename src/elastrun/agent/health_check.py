@@ -3,109 +3,273 @@
 torch's agent reads the variable and hands a health-check server an "alive"
 callback (the time of its last progress); torch ships no server behind it
 (its ``HealthCheckServer.start`` logs "No health check server started").
-elastrun serves one: a plain HTTP/1.0 answer on that port, on every
-interface (an orchestrator's probe comes from outside the machine)::
+elastrun serves one, plain HTTP/1.0 on that port::
 
     GET / -> 200 {"alive": true, "last_progress": 1700000000, "timeout": 60}
 
-``last_progress`` is the last time the agent's event loop ran this check
+(``HEAD /``: the same head, no body). Only that is served: another path is
+``404``, another method on ``/`` is ``405``, a request that is not HTTP/1.x is
+``400``, one over ``MAX_REQUEST`` bytes ``431``; each answer closes the
+connection. ``last_progress`` is the time the agent's event loop answered
 (it is event driven: a wedged agent stops answering, or answers late). The
-answer holds no job data. What a stranger can make it hold is bounded: at
-most ``MAX_CLIENTS`` connections at once (others are closed at once), each
-read at most ``MAX_REQUEST`` bytes within ``READ_TIMEOUT`` seconds.
+answer holds no job data.
+
+Where: the loopback addresses (``127.0.0.1`` and ``::1``) unless
+``ELASTRUN_HEALTH_CHECK_HOST`` names others (comma-separated addresses or
+names, e.g. the node's address for an orchestrator probing from outside, or
+``0.0.0.0``; each bound, one that cannot be is a warning).
+
+What a stranger can make it hold is bounded, and a flood of connections
+cannot starve probes: at most ``MAX_CLIENTS`` connections at once; one past
+that drops the oldest held (all held are still waiting for their request:
+an answered connection is closed at once), so a silent connection lasts
+until ``MAX_CLIENTS`` newer ones arrive or ``READ_TIMEOUT`` s pass, and a
+probe, which sends its request as it connects, is answered as soon as the
+request is read: at accept time when it is already there. Each request is
+read up to ``MAX_REQUEST`` bytes; at most ``ACCEPT_BATCH`` connections are
+accepted per wake-up of the event loop (so that a probe's request is read
+before ``MAX_CLIENTS`` newer connections can drop it); the kernel queues at
+most ``BACKLOG`` more.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import os
+import socket
 import time
+from typing import Any
 
 from elastrun.agent.hooks import Core, Feature
 
-__all__ = ["PORT_ENV", "HealthCheck", "features"]
+__all__ = ["HOST_ENV", "PORT_ENV", "HealthCheck", "answer", "features", "respond"]
 
 PORT_ENV = "TORCHELASTIC_HEALTH_CHECK_PORT"
+HOST_ENV = "ELASTRUN_HEALTH_CHECK_HOST"
+DEFAULT_HOSTS = ("127.0.0.1", "::1")
 TIMEOUT = 60  # torch's: seconds without progress before the agent counts as dead
-MAX_CLIENTS = 16
-MAX_REQUEST = 4096
-READ_TIMEOUT = 2.0
+MAX_CLIENTS = 256  # connections held at once; one more drops the oldest
+ACCEPT_BATCH = 16  # connections accepted per wake-up
+BACKLOG = 1024  # the kernel's queue of connections not yet accepted
+MAX_REQUEST = 4096  # bytes of a request: its line and headers
+READ_TIMEOUT = 2.0  # seconds a connection may take to send its request
+PATH = "/"
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    431: "Request Header Fields Too Large",
+}
 
 
-def answer(now: float) -> bytes:
-    """The HTTP answer for a probe at ``now``."""
-    body = json.dumps({"alive": True, "last_progress": int(now), "timeout": TIMEOUT}).encode()
+def answer(status: int, body: bytes = b"", *, head_only: bool = False) -> bytes:
+    """An HTTP/1.0 answer that closes the connection."""
+    extra = "Allow: GET, HEAD\r\n" if status == 405 else ""
+    kind = "application/json" if status == 200 else "text/plain"
+    if status != 200:
+        body = f"{status} {_REASONS[status]}\n".encode()
     head = (
-        "HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        f"HTTP/1.0 {status} {_REASONS[status]}\r\nContent-Type: {kind}\r\n"
+        f"Content-Length: {len(body)}\r\n{extra}Connection: close\r\n\r\n"
     )
-    return head.encode() + body
+    return head.encode() + (b"" if head_only else body)
+
+
+def respond(request: bytes, now: float) -> bytes | None:
+    """The answer to ``request`` (the bytes received so far) at ``now``;
+    None while its head (request line and headers) is incomplete."""
+    if b"\r\n\r\n" not in request and b"\n\n" not in request:
+        return answer(431) if len(request) >= MAX_REQUEST else None
+    line = request.split(b"\n", 1)[0].rstrip(b"\r")
+    parts = line.split(b" ")
+    if len(parts) != 3 or parts[2] not in (b"HTTP/1.0", b"HTTP/1.1") or not parts[1]:
+        return answer(400)
+    method, target = parts[0], parts[1].split(b"?", 1)[0]
+    if target != PATH.encode():
+        return answer(404)
+    if method not in (b"GET", b"HEAD"):
+        return answer(405)
+    body = json.dumps({"alive": True, "last_progress": int(now), "timeout": TIMEOUT}).encode()
+    return answer(200, body, head_only=method == b"HEAD")
+
+
+class _Client:
+    """A connection waiting for its request."""
+
+    __slots__ = ("data", "deadline", "fd", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.data = b""
+        self.deadline: asyncio.TimerHandle | None = None
 
 
 class HealthCheck(Feature):
     """The health-check server of ``TORCHELASTIC_HEALTH_CHECK_PORT``."""
 
-    def __init__(self, core: Core, port: int) -> None:
+    def __init__(
+        self,
+        core: Core,
+        port: int,
+        hosts: tuple[str, ...] = DEFAULT_HOSTS,
+        *,
+        max_clients: int = MAX_CLIENTS,
+        read_timeout: float = READ_TIMEOUT,
+    ) -> None:
         self.core = core
         self.port = port
-        self.server: asyncio.Server | None = None
-        self.clients = 0
+        self.hosts = hosts
+        self.max_clients = max_clients
+        self.read_timeout = read_timeout
+        self.listeners: list[socket.socket] = []
+        # Connections waiting for their request, oldest first (by fd).
+        self.clients: collections.OrderedDict[int, _Client] = collections.OrderedDict()
+        self.dropped = 0  # connections dropped to make room
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._serve())
 
     async def _serve(self) -> None:
-        try:
-            self.server = await asyncio.start_server(
-                self._client, host=None, port=self.port, limit=MAX_REQUEST
-            )
-        except OSError as e:
+        loop = asyncio.get_running_loop()
+        errors: list[str] = []
+        bound: list[str] = []
+        for host in self.hosts:
+            # The default's IPv6 half is optional: a machine may have no ::1.
+            quiet = self.hosts == DEFAULT_HOSTS and host == "::1"
+            try:
+                infos = await loop.getaddrinfo(
+                    host, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+                )
+            except (OSError, UnicodeError) as e:
+                if not quiet:
+                    errors.append(f"{host}: {getattr(e, 'strerror', None) or e}")
+                continue
+            for family, _, _, _, addr in infos:
+                try:
+                    sock = _listen(family, addr)
+                except OSError as e:
+                    if not quiet:
+                        errors.append(f"{addr[0]}: {e.strerror or e}")
+                    continue
+                self.listeners.append(sock)
+                bound.append(str(addr[0]))
+                loop.add_reader(sock.fileno(), self._accept, sock)
+        if errors:
             self.core.say(
-                f"elastrun: warning: {PORT_ENV}={self.port}: cannot serve health checks: "
-                f"{e.strerror or e}"
+                f"elastrun: warning: {PORT_ENV}={self.port}: cannot serve health checks on "
+                + "; ".join(errors)
             )
-            self.core.events.emit("health_check_failed", port=self.port, error=str(e))
+        if not bound:
+            error = "; ".join(errors) or "no address"
+            self.core.events.emit("health_check_failed", port=self.port, error=error)
             return
-        self.core.events.emit("health_check_started", port=self.port)
+        self.core.events.emit("health_check_started", port=self.port, hosts=bound)
 
-    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.clients >= MAX_CLIENTS:
-            writer.close()
-            return
-        self.clients += 1
+    def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        for _ in range(ACCEPT_BATCH):
+            try:
+                sock, _ = listener.accept()
+            except OSError:  # none left (EAGAIN), out of fds, reset before accept: later
+                return
+            sock.setblocking(False)
+            client = _Client(sock)
+            if self._read(client):  # done at once: its request was already there
+                sock.close()
+                continue
+            while len(self.clients) >= self.max_clients:
+                _, oldest = self.clients.popitem(last=False)
+                self.dropped += 1
+                self._close(oldest)
+            self.clients[client.fd] = client
+            client.deadline = loop.call_later(self.read_timeout, self._close, client)
+            loop.add_reader(client.fd, self._readable, client)
+
+    def _readable(self, client: _Client) -> None:
+        if self._read(client):
+            self._close(client)
+
+    def _read(self, client: _Client) -> bool:
+        """Read what ``client`` sent, and answer once its request is whole.
+        True when the connection is done (answered, closed by the peer, or
+        failed): the caller closes it."""
         try:
-            with contextlib.suppress(TimeoutError, OSError, asyncio.IncompleteReadError):
-                async with asyncio.timeout(READ_TIMEOUT):
-                    await reader.readuntil(b"\n")  # the request line; the rest is ignored
-                writer.write(answer(time.time()))
-                async with asyncio.timeout(READ_TIMEOUT):
-                    await writer.drain()
-        except asyncio.LimitOverrunError:
-            pass
-        finally:
-            self.clients -= 1
-            writer.close()
+            data = client.sock.recv(MAX_REQUEST - len(client.data))
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+        if not data:
+            return True
+        client.data += data
+        reply = respond(client.data, time.time())
+        if reply is None:
+            return False
+        with contextlib.suppress(OSError):
+            client.sock.send(reply)  # a few hundred bytes, into an empty send buffer
+        return True
+
+    def _close(self, client: _Client) -> None:
+        """Stop serving ``client`` (held, or dropped from the table) and close it."""
+        if client.deadline is None:  # closed already
+            return
+        client.deadline.cancel()
+        client.deadline = None
+        if self.clients.get(client.fd) is client:
+            del self.clients[client.fd]
+        with contextlib.suppress(ValueError, RuntimeError, OSError):
+            asyncio.get_running_loop().remove_reader(client.fd)
+        client.sock.close()
 
     async def close(self) -> None:
         if self._task is not None and not self._task.done():
             self._task.cancel()
-        if self.server is not None:
-            self.server.close()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.server.wait_closed(), READ_TIMEOUT)
+        loop = asyncio.get_running_loop()
+        for sock in self.listeners:
+            with contextlib.suppress(ValueError, RuntimeError):
+                loop.remove_reader(sock.fileno())
+            sock.close()
+        self.listeners = []
+        for client in list(self.clients.values()):
+            self._close(client)
+
+
+def _listen(family: int, addr: tuple[Any, ...]) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(addr)
+        sock.listen(BACKLOG)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def hosts_from(raw: str | None) -> tuple[str, ...]:
+    """The addresses of ``ELASTRUN_HEALTH_CHECK_HOST`` (unset or empty: loopback)."""
+    hosts = tuple(h.strip().strip("[]") for h in (raw or "").split(",") if h.strip())
+    return hosts or DEFAULT_HOSTS
 
 
 def features(core: Core) -> list[Feature]:
     """The server, when ``TORCHELASTIC_HEALTH_CHECK_PORT`` is a port number
     (as torch: another value is ignored, and said so)."""
-    raw = {**os.environ, **core.spec.env}.get(PORT_ENV)
+    env = {**os.environ, **core.spec.env}
+    raw = env.get(PORT_ENV)
     if raw is None:
         return []
     text = raw.strip()
     if not text.isascii() or not text.isdigit() or not 0 < int(text) < 65536:
         core.say(f"elastrun: warning: {PORT_ENV}={raw!r} is not a port; no health check served")
         return []
-    return [HealthCheck(core, int(text))]
+    return [HealthCheck(core, int(text), hosts_from(env.get(HOST_ENV)))]

@@ -9,10 +9,13 @@ milliseconds apart at a restart) are placed on further rows, or left to the
 tooltips.
 
 Event logs may hold what other nodes or workers wrote (host names, failure
-messages, round details): every string drawn is escaped for HTML and its
-control characters shown as escapes (``\\x1b``); a line that is not JSON
-within the bounds (``MAX_LINE_BYTES``, nesting depth) is skipped, and a field
-of the wrong type reads as absent.
+messages, round details), or anything at all: every string drawn is escaped
+for HTML and its control characters shown as escapes (``\\x1b``); a line that
+is not JSON within the bounds (``MAX_LINE_BYTES``, nesting depth) is skipped.
+Of a line, only the fields the page draws are kept (``FIELDS``), and only
+scalars within bounds: a string cut at ``MAX_FIELD`` characters, an integer
+within ``MAX_INT``, a finite number; a field of another type or out of bounds
+reads as absent. So an event held costs at most a few KiB, whatever its line.
 """
 
 from __future__ import annotations
@@ -42,6 +45,14 @@ __all__ = [
 WIDTH = 1100
 MAX_LINE_BYTES = 1024 * 1024  # one event (a failure record with its traceback is ~10 KiB)
 MAX_TEXT = 500  # characters of one string drawn
+MAX_FIELD = 1000  # characters of one string field kept (drawn cut to MAX_TEXT)
+MAX_INT = 2**53  # an integer field beyond +-MAX_INT reads as absent
+# The fields the page reads; the others of a line are not kept.
+FIELDS = frozenset(
+    {"kind", "ts", "run_id", "node_id", "host", "round", "reason", "world_size", "cause"}
+    | {"counted", "count", "detail", "replaces", "group_rank", "source", "rank", "exitcode"}
+    | {"signal"}
+)
 MAX_TS = 1e11  # an event's time stamp (wall clock, s): beyond it, not an event of ours
 LEFT = 170
 RIGHT = 30
@@ -78,14 +89,17 @@ class LoggedEvent:
     @classmethod
     def from_json(cls, raw: object) -> LoggedEvent | None:
         """The event in a decoded line; None when it is not one (not a JSON
-        object, or no time stamp from 0 to ``MAX_TS``)."""
+        object, or no time stamp from 0 to ``MAX_TS``). Only the fields of
+        ``FIELDS`` are kept, and of them only the scalars within bounds."""
         if not isinstance(raw, Mapping):
             return None
         ts = _number(raw.get("ts"))
         if ts is None or not 0 <= ts <= MAX_TS:
             return None
-        kind = raw.get("kind")
-        return cls(kind if isinstance(kind, str) else "", ts, raw)
+        kept = {name: _scalar(raw[name]) for name in FIELDS if name in raw}
+        fields = {name: value for name, value in kept.items() if value is not None}
+        kind = fields.get("kind")
+        return cls(kind if isinstance(kind, str) else "", ts, fields)
 
     def text(self, name: str, default: str = "") -> str:
         """A field as text (``default`` when absent or null)."""
@@ -146,8 +160,26 @@ def _text(value: object) -> str:
 
 
 def _number(value: object) -> float | None:
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
+    """A finite number as a float (None: not one; an integer too large for a
+    float, as JSON allows, is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if isinstance(value, int):
+        return float(value) if -MAX_INT <= value <= MAX_INT else None
+    return value if math.isfinite(value) else None
+
+
+def _scalar(value: object) -> str | int | float | bool | None:
+    """A field's value as kept: a string cut at ``MAX_FIELD`` characters, a
+    bool, an integer within ``MAX_INT``, a finite float; None for anything else."""
+    if isinstance(value, str):
+        return value[:MAX_FIELD]
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return value if -MAX_INT <= value <= MAX_INT else None
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
     return None
 
 
