@@ -225,10 +225,10 @@ class RoundHangs(RoundHooks):
         if not live or signum is None:
             return {}
 
-        def signalled(lr: int) -> None:  # before it can die of it: the agent's doing
-            self.group.workers[lr].agent_signals.add(signum)
+        def signalling(lr: int) -> None:  # before it can die of it: the agent's doing
+            self.group.signalling(lr, signum)
 
-        got = await collect(live, clock=self.core.clock, signum=signum, on_signal=signalled)
+        got = await collect(live, clock=self.core.clock, signum=signum, on_signal=signalling)
         for lr, why in got.skipped.items():
             w, r = self.group.workers[lr], self.ranks[lr]
             if r.stacks_skipped is not None:

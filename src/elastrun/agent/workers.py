@@ -352,6 +352,12 @@ class WorkerGroup:
             w.declared = Declared(why, self.clock.monotonic(), time.time())
             self._changed.set()
 
+    def signalling(self, local_rank: int, signum: int) -> None:
+        """A feature is about to send ``signum`` to the worker of ``local_rank``
+        for another purpose than stopping it (the stack signal): should the worker
+        die of it, that is the agent's doing, never a root cause (failures.roles)."""
+        self.workers[local_rank].agent_signals.add(signum)
+
     # ------------------------------------------------------------- the end
     async def end(self) -> None:
         """The round is over: the features' ``ended`` hooks, once."""
