@@ -343,7 +343,7 @@ def test_the_docstrings_table_is_the_rendering_of_rules() -> None:
     """The module docstring's table is RULES rendered, not a hand-kept copy:
     on a change of the rules, paste ``render_table()``'s output into it."""
     import elastrun.rendezvous.rules as mod
-    from elastrun.rendezvous.table import render_table
+    from tests.unit.rdzv_table import render_table
 
     table = render_table()
     assert table in (mod.__doc__ or ""), f"the rules table changed; it is now:\n{table}"
@@ -355,7 +355,7 @@ def test_the_docstrings_table_is_the_rendering_of_rules() -> None:
 
 def test_the_rendering_follows_the_rules() -> None:
     """A rule changed in RULES shows in the rendering (it is not fixed text)."""
-    from elastrun.rendezvous.table import render_table
+    from tests.unit.rdzv_table import render_table
 
     def _hold(ctx: Context, ev: Event) -> tuple[State, Context, list[Action]]:
         """MEMBER: nothing at all"""

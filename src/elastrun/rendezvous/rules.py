@@ -54,8 +54,8 @@ harmless. The role is chosen by the planner (:func:`.plan.barrier_step`), as
 the decider is (:func:`.plan.join_role`).
 
 Rules table (state, event) -> next state: actions, rendered from ``RULES`` by
-:func:`.table.render_table` (a unit test keeps the two equal). ``*`` marks conditions;
-RAISE names the exception raised.
+``render_table`` in tests/unit/rdzv_table.py (a unit test keeps the two equal).
+``*`` marks conditions; RAISE names the exception raised.
 
 ============ ================ =====================================================================
 state        event            next state: actions

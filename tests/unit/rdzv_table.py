@@ -1,8 +1,10 @@
-"""The rules table as text, rendered from :data:`.rules.RULES`.
+"""The rules table as text, rendered from ``elastrun.rendezvous.rules.RULES``.
 
 Each rule's docstring (its first paragraph) is its row; the module docstring
-of :mod:`.rules` holds the rendering, and a unit test keeps the two equal, so
-the table people read cannot drift from the table the machine runs.
+of ``elastrun/rendezvous/rules.py`` holds the rendering, and a unit test
+(test_rdzv_rules.py) keeps the two equal, so the table people read cannot drift
+from the table the machine runs. After a change of the rules, print the new
+table with ``python -m tests.unit.rdzv_table`` and paste it into that docstring.
 """
 
 from __future__ import annotations
@@ -63,3 +65,7 @@ def render_table(rules: Mapping[tuple[State, type[Event]], Rule] | None = None) 
             out.append(f"{first:<{w_state}} {second:<{w_event}} {line}".rstrip())
     out.append(border)
     return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(render_table())
