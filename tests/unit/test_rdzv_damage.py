@@ -189,3 +189,32 @@ def test_junk_under_the_per_node_prefixes_is_left_out_and_junk_in_round_ends_the
     for err in out["ended"]:
         assert isinstance(err, RecordDamaged), err
         assert f"store key {out['round_key']} is not valid JSON" in str(err)
+
+
+def test_a_stranger_s_done_key_does_not_pass_the_exit_barrier_early() -> None:
+    """Two members; a key under the round's done prefix that is no member's
+    (junk bytes): the first member through counts two done keys for two
+    members, yet waits for the other, which trains on."""
+
+    async def scenario() -> dict[str, Any]:
+        store, run_id = MemoryStore(clock=clock()), f"j-{uuid.uuid4().hex[:6]}"
+        said: list[str] = []
+        a, b = (handler(store, run_id, n, min_nodes=2, max_nodes=2) for n in ("a", "b"))
+        a.attach(RendezvousHooks(notice=said.append))
+        first = await asyncio.gather(a.next_round(), b.next_round())
+        junk = K.Keys(RunId(run_id)).done(first[0].round, "junk")
+        await store.put(junk, JUNK)
+        training = asyncio.create_task(b.wait_for_change())
+        await clock().sleep_until(clock().monotonic() + 1.0)
+        a_done = asyncio.create_task(a.complete())
+        await clock().sleep_until(clock().monotonic() + 60.0)
+        early = a_done.done() or training.done()
+        training.cancel()
+        await asyncio.gather(b.complete(), a_done)  # b finishes: the barrier passes
+        for h in (a, b):
+            await h.shutdown()
+        return {"early": early, "said": said, "junk": junk}
+
+    out = run(scenario)
+    assert not out["early"], "the barrier passed before every member was done"
+    assert [line for line in out["said"] if out["junk"] in line], out["said"]

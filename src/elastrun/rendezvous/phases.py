@@ -282,8 +282,10 @@ class OpenPhase:
         (:func:`.plan.barrier_step`), reading one member's presence or done
         key at a time, until it says whom to watch. At the exit barrier
         (``barrier``, after this node's done key) the done keys are counted
-        first (O(1) bytes) and the watcher watches them too; while the
-        members train, the same watcher watches ``nodes/`` alone."""
+        first (O(1) bytes; as many as the members: the members' own counted,
+        O(n) bytes, as a stranger's key under the prefix counts too) and the
+        watcher watches them too; while the members train, the same watcher
+        watches ``nodes/`` alone."""
         obs, store, k = self.observer, self.node.store, self.node.keys
         view = obs.view
         members, size = view.known(r), view.size(r)
@@ -299,6 +301,9 @@ class OpenPhase:
                 revs.update(dict.fromkeys(seen.present, seen.revision))
             else:
                 _, count, _ = await store.get_prefix_newest(k.dones(r), 0, 1)
+            if size and count >= size:  # as many done keys as members: are they theirs?
+                count = await obs.members_done(r)
+                members = view.known(r)
         for _ in range(2 * size + 2):  # each step learns one fact, or ends
             step = P.barrier_step(members, self.node.node_id, count, present, done, size=size)
             if isinstance(step, P.BeWatcher) and r not in view.results:

@@ -263,6 +263,22 @@ class Observer:
             return True
         return False
 
+    async def members_done(self, r: int) -> int:
+        """How many members of round ``r`` put their done key (every done key
+        and every member read: O(n) bytes). A key under the done prefix that
+        names no member is left out, with its line (anyone may put one there:
+        counted, it would pass the barrier before the members are done)."""
+        prefix = self.node.keys.dones(r)
+        dones, _ = await read(self.node.store, prefix, True)
+        members = {m.node_id for m in (await self.get_result(r)).members}
+        for kv in dones:
+            name = kv.key[len(prefix) :]
+            if name in members:
+                self.view.done.add(name)
+            else:
+                self.junk.left_out(kv, f"store key {kv.key} is no done key of a member")
+        return len(self.view.done & members)
+
     async def lost_event(self, member: MemberRecord) -> Event:
         """``member`` is gone: lost, or it left the job on purpose (its
         ``left`` key: its agent stopped)."""
