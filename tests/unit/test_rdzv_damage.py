@@ -218,3 +218,29 @@ def test_a_stranger_s_done_key_does_not_pass_the_exit_barrier_early() -> None:
     out = run(scenario)
     assert not out["early"], "the barrier passed before every member was done"
     assert [line for line in out["said"] if out["junk"] in line], out["said"]
+
+
+def test_a_junk_join_is_nobody_s_predecessor() -> None:
+    """a joins, a stranger's join key, then b (its two newest joins: its own
+    and the junk one), then a dies: b takes the decision over (it followed a,
+    not the junk key, which never goes) and the round closes with b and c."""
+    ttl = 1.0
+
+    async def scenario() -> list[str]:
+        store, run_id = MemoryStore(clock=clock()), f"j-{uuid.uuid4().hex[:6]}"
+        common = {"min_nodes": 2, "max_nodes": 3, "last_call_timeout": 30.0, "lease_ttl": ttl}
+        a, b, c = (handler(store, run_id, n, join_timeout=600.0, **common) for n in "abc")
+        joining = [asyncio.create_task(a.next_round())]
+        await clock().sleep_until(clock().monotonic() + 1.0)
+        await store.put(K.Keys(RunId(run_id)).join(0, "junk"), JUNK)
+        joining.append(asyncio.create_task(b.next_round()))
+        await clock().sleep_until(clock().monotonic() + 1.0)
+        joining[0].cancel()
+        await a.keeper.stop(revoke=False)  # killed: its join key goes with its lease
+        got = await asyncio.gather(joining[1], c.next_round())
+        members = sorted(m.node_id for m in (await b.full_result(got[0])).members)
+        for h in (b, c):
+            await h.shutdown()
+        return members
+
+    assert run(scenario) == ["b", "c"]
