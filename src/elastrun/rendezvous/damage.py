@@ -26,13 +26,7 @@ from typing import ParamSpec, TypeVar
 from elastrun.errors import ProtocolError, RecordDamaged
 from elastrun.events import EventSink
 from elastrun.rendezvous import keys as K
-from elastrun.rendezvous.records import (
-    ConfigRecord,
-    JoinRecord,
-    PresenceRecord,
-    RoundRecord,
-    WaitingRecord,
-)
+from elastrun.rendezvous.records import ConfigRecord, JoinRecord, PresenceRecord, WaitingRecord
 from elastrun.store.base import KeyValue
 from elastrun.untrusted import printable
 
@@ -43,7 +37,6 @@ __all__ = [
     "agreed",
     "damaged",
     "decode_config",
-    "decode_round",
     "problem",
 ]
 
@@ -98,7 +91,6 @@ def agreed(decode: Callable[P, T], what: str) -> Callable[P, T]:
 
 
 decode_config = agreed(ConfigRecord.decode, "config record (its agreed settings)")
-decode_round = agreed(RoundRecord.decode, "round record")
 
 
 class JunkLog:

@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 from elastrun.errors import ConfigMismatch, RendezvousClosed, RendezvousError
 from elastrun.rendezvous import rounds
-from elastrun.rendezvous.damage import decode_config, decode_round
+from elastrun.rendezvous.damage import decode_config
+from elastrun.rendezvous.plan import decode_round
 from elastrun.rendezvous.records import AgreedSettings, ConfigRecord, RoundRecord
 from elastrun.rendezvous.reuse import Verdict, classify, describe_reset
 from elastrun.rendezvous.view import Node, Observer

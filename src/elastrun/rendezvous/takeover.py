@@ -17,7 +17,8 @@ from elastrun.errors import RendezvousError
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import rounds
 from elastrun.rendezvous.api import RendezvousSettings
-from elastrun.rendezvous.damage import decode_config, decode_round
+from elastrun.rendezvous.damage import decode_config
+from elastrun.rendezvous.plan import decode_round
 from elastrun.rendezvous.records import AgreedSettings, ConfigRecord
 from elastrun.store.base import Compare, Get, Put, Store
 
