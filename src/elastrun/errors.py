@@ -22,6 +22,7 @@ this tree at the boundary where they happen, so callers catch one family::
     │   ├── RendezvousTimeout        min nodes never joined before the join timeout
     │   ├── RendezvousClosed         the job finished or was closed
     │   ├── ConfigMismatch           this node's settings differ from the job's (names fields)
+    │   ├── RecordDamaged            a record the whole job agrees on does not decode (the key)
     │   └── RestartBudgetExhausted   the job-wide --max-restarts is used up
     └── WorkerError                  starting or stopping worker processes
 
@@ -41,6 +42,7 @@ __all__ = [
     "LimitExceeded",
     "NotHost",
     "ProtocolError",
+    "RecordDamaged",
     "RendezvousClosed",
     "RendezvousError",
     "RendezvousTimeout",
@@ -157,6 +159,13 @@ class ConfigMismatch(RendezvousError):
     def __init__(self, message: str, fields: dict[str, tuple[object, object]]) -> None:
         super().__init__(message)
         self.fields = fields
+
+
+class RecordDamaged(RendezvousError):
+    """A record the whole job agrees on (``config``, ``round``, a round's
+    result) holds what is not one: someone other than elastrun wrote it. There
+    is no other copy to go by, so the job cannot go on; the message names the
+    key and what is wrong."""
 
 
 class RestartBudgetExhausted(RendezvousError):

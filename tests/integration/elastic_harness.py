@@ -118,6 +118,18 @@ def steps_after(
     return [s for s in j.steps()[t0_index:] if pred(s)]
 
 
+def crash_and_train_again(j: Job, world: int) -> None:
+    """Rank 1's worker crashes; wait until the job trains at ``world`` on its
+    first restart."""
+    mark = len(j.steps())
+    j.touch("crash_rank_1")
+    wait_for(
+        lambda: steps_after(j, mark, lambda s: s["restart"] == 1 and s["world"] == world),
+        BOUND,
+        f"training at world {world} after the crash",
+    )
+
+
 def check_finished(j: Job, tmp_path: Path, *agents: Agent) -> list[int]:
     """Finish the job: every agent exits 0, no step redone, the checkpoint
     holds the last step, no worker left alive. Returns rank 0's steps."""

@@ -26,6 +26,7 @@ from tests.integration.elastic_harness import (
     ELASTRUN,
     Job,
     check_finished,
+    crash_and_train_again,
     job,
     steps_after,
 )
@@ -86,13 +87,7 @@ def test_survivors_train_at_world_2_after_the_store_host_is_killed(tmp_path: Pat
         assert "stands by" in b.output() and "stands by" in c.output()
 
         # One restart spent before the loss: the count the survivors carry.
-        mark = len(j.steps())
-        j.touch("crash_rank_1")
-        wait_for(
-            lambda: steps_after(j, mark, lambda s: s["restart"] == 1 and s["world"] == 3),
-            BOUND,
-            "training at world 3 after the crash",
-        )
+        crash_and_train_again(j, 3)
         host_pids = {s["pid"] for s in j.steps() if s["group_rank"] == 0 and s["restart"] == 1}
         before = status(port)
         assert before["store_hosts"]["host"] == f"127.0.0.1:{port}"

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from elastrun.errors import ProtocolError
+from elastrun.errors import ProtocolError, RecordDamaged
 from elastrun.names import RunId
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.records import MemberRecord, ResultRecord
@@ -116,8 +116,8 @@ def test_shards_that_do_not_add_up_are_refused() -> None:
     small = _rewrite(head, b'"size": 20', b'"size": 19')
     with pytest.raises(ProtocolError, match=r"outside the header's sizes|group ranks"):
         _whole(small, shards)
-    for _ in range(2):  # refused every time, never remembered
-        with pytest.raises(ProtocolError):
+    for _ in range(2):  # refused every time (the job's verdict), never remembered
+        with pytest.raises(RecordDamaged, match="round result is damaged: store key"):
             decode_whole((small, *shards))
 
 

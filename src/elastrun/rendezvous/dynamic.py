@@ -275,6 +275,7 @@ class DynamicRendezvous(NoteAccess, Rendezvous):
         self.hooks = hooks
         self._executor.notice = hooks.notice
         self._registration.notice = hooks.notice
+        self._observer.junk.say = hooks.notice
         if self.keeper.alive:  # held already: said now, as it would have been
             self._lease_changed(self.keeper.lease)
 

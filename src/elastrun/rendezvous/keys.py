@@ -12,6 +12,8 @@ docs/rendezvous.md)::
     rounds/{R}/done/{node_id}   exit barrier of round R (no lease): each member
                                 counts them after its own (O(1) bytes); only
                                 the barrier's watcher reads and watches them
+                                (and the member whose count reaches the
+                                round's size reads them: are they members'?)
     waiting/{node_id}           nodes waiting for the next round, on the lease
     notes/{name}                job notes the agents share (typed, bounded and
                                 untrusted: see :mod:`elastrun.rendezvous.notes`)

@@ -6,7 +6,8 @@ one up reads what it needs and opens each watch from the revision after its
 read, so no change between the read and the watch is missed; every watch event
 lands in the driver's inbox as a :class:`WatchFired` of the phase's id, and
 messages of an earlier phase are dropped there. Closing the phase cancels its
-drains and closes its watches.
+drains and closes its watches. A per-node key read that holds no node's record
+is left out, as if absent (:meth:`.view.Observer.records`).
 """
 
 from __future__ import annotations
@@ -196,6 +197,7 @@ class OpenPhase:
     async def _read_nodes(self) -> None:
         view, k = self.observer.view, self.node.keys
         nodes, nrev = await read(self.node.store, k.nodes, True)
+        nodes = self.observer.records(P.Watched.NODES, nodes)
         view.nodes = {K.node_id_of(kv.key): kv for kv in nodes}
         view.nodes_loaded = True
         await self._watch(P.Watched.NODES, k.nodes, True, nrev)
@@ -203,6 +205,7 @@ class OpenPhase:
     async def _read_waiting(self) -> None:
         view, k = self.observer.view, self.node.keys
         waiting, wrev = await read(self.node.store, k.waiting_prefix, True)
+        waiting = self.observer.records(P.Watched.WAITING, waiting)
         view.waiting = {K.node_id_of(kv.key): kv for kv in waiting}
         await self._watch(P.Watched.WAITING, k.waiting_prefix, True, wrev)
 
@@ -214,6 +217,7 @@ class OpenPhase:
         obs, store, k = self.observer, self.node.store, self.node.keys
         view = obs.view
         joins, jrev = await read(store, k.joins(r), True)
+        joins = obs.records(P.Watched.JOINS, joins)
         view.joiners = {K.node_id_of(kv.key): kv for kv in joins}
         obs.saw_joiners(r, joins)
         role = P.join_role(self.node.node_id, joins)
@@ -236,8 +240,8 @@ class OpenPhase:
         # the same predecessor the full read would find.
         kvs, count, jrev = await store.get_prefix_newest(k.joins(r), obs.joined[1], 2)
         role = P.follower_of_newest(self.node.node_id, kvs)
-        if role is None:
-            return False
+        if role is None or len(obs.records(P.Watched.JOINS, kvs)) < len(kvs):
+            return False  # (a key that holds no join: read every join, leave it out)
         view = obs.view
         view.joiners = {self.node.node_id: kvs[0]}
         view.joined_count = count
@@ -278,8 +282,10 @@ class OpenPhase:
         (:func:`.plan.barrier_step`), reading one member's presence or done
         key at a time, until it says whom to watch. At the exit barrier
         (``barrier``, after this node's done key) the done keys are counted
-        first (O(1) bytes) and the watcher watches them too; while the
-        members train, the same watcher watches ``nodes/`` alone."""
+        first (O(1) bytes; as many as the members: the members' own counted,
+        O(n) bytes, as a stranger's key under the prefix counts too) and the
+        watcher watches them too; while the members train, the same watcher
+        watches ``nodes/`` alone."""
         obs, store, k = self.observer, self.node.store, self.node.keys
         view = obs.view
         members, size = view.known(r), view.size(r)
@@ -295,6 +301,9 @@ class OpenPhase:
                 revs.update(dict.fromkeys(seen.present, seen.revision))
             else:
                 _, count, _ = await store.get_prefix_newest(k.dones(r), 0, 1)
+            if size and count >= size:  # as many done keys as members: are they theirs?
+                count = await obs.members_done(r)
+                members = view.known(r)
         for _ in range(2 * size + 2):  # each step learns one fact, or ends
             step = P.barrier_step(members, self.node.node_id, count, present, done, size=size)
             if isinstance(step, P.BeWatcher) and r not in view.results:
@@ -302,7 +311,7 @@ class OpenPhase:
                 members = (await obs.get_result(r)).members
             elif isinstance(step, P.CheckPresence):
                 kvs, revs[step.node_id] = await read(store, k.node(step.node_id), False)
-                present[step.node_id] = bool(kvs)
+                present[step.node_id] = bool(obs.records(P.Watched.NODES, kvs))
             elif isinstance(step, P.CheckDone):
                 done[step.node_id] = await obs.finished(step.node_id)
             elif isinstance(step, P.WatchWatcher):

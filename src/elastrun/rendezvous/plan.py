@@ -55,6 +55,7 @@ from elastrun.rendezvous.barrier_plan import (
     WatchWatcher,
     barrier_step,
 )
+from elastrun.rendezvous.damage import agreed
 from elastrun.rendezvous.memo import Memo
 from elastrun.rendezvous.protocol import (
     BarrierDone,
@@ -180,7 +181,7 @@ class Watched(enum.Enum):
     WATCHER = "watcher"  # the barrier watcher's presence key (the other members)
 
 
-decode_round = Memo(RoundRecord.decode)
+decode_round = Memo(agreed(RoundRecord.decode, "round record"))  # damaged: RecordDamaged
 
 
 # -- the snapshot ------------------------------------------------------------------

@@ -28,6 +28,10 @@ it. :meth:`decode` reads it within the bounds (:func:`.keys.decode`), then
   another type reads as absent (records of other elastrun versions).
 * Unknown fields are ignored (a version may add fields); a record this node
   rewrites (the round record) keeps the fields known here.
+
+What a ProtocolError means to the rendezvous depends on the key
+(:mod:`.damage`): a per-node key that holds no record is left out; a damaged
+record the whole job agrees on is the verdict ``RecordDamaged``.
 """
 
 from __future__ import annotations

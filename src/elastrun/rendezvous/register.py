@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 from elastrun.errors import ConfigMismatch, RendezvousClosed, RendezvousError
 from elastrun.rendezvous import rounds
+from elastrun.rendezvous.damage import decode_config
+from elastrun.rendezvous.plan import decode_round
 from elastrun.rendezvous.records import AgreedSettings, ConfigRecord, RoundRecord
 from elastrun.rendezvous.reuse import Verdict, classify, describe_reset
 from elastrun.rendezvous.view import Node, Observer
@@ -67,8 +69,8 @@ class Registration:
         for _ in range(REGISTER_TRIES):
             config_kv = res.gets[0][0] if res.gets[0] else None
             round_kv = res.gets[1][0] if res.gets[1] else None
-            config = ConfigRecord.decode(k.config, config_kv.value) if config_kv else None
-            rnd = RoundRecord.decode(k.round, round_kv.value) if round_kv else None
+            config = decode_config(k.config, config_kv.value) if config_kv else None
+            rnd = decode_round(k.round, round_kv.value) if round_kv else None
             found = classify(config, rnd, res.counts[0] if res.counts else 0)
             config_rev = config_kv.mod_revision if config_kv else 0
             round_rev = round_kv.mod_revision if round_kv else 0
@@ -147,4 +149,4 @@ class Registration:
         if kv is None:  # deleted in between: try again once
             await store.create(key, record)
             return
-        self.agree(ConfigRecord.decode(key, kv.value).settings, mine)
+        self.agree(decode_config(key, kv.value).settings, mine)

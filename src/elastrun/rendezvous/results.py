@@ -26,7 +26,10 @@ written, empty or not: a missing shard is a broken result.
 Every record is untrusted: a shard names its round and its index, every member
 in it hashes to it, and the union of the shards is the header's members,
 group ranks 0..n-1 each once, with first global ranks that add up; else
-:class:`~elastrun.errors.ProtocolError` names the key and the problem.
+:class:`~elastrun.errors.ProtocolError` names the key and the problem. A key
+under the shards' prefix that is none of the header's shards
+(``members/{k}``, k in 0..shards-1) is not part of the result: left out
+(:func:`decode_result` returns it).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ __all__ = [
     "ResultHeader",
     "ResultShard",
     "Seat",
+    "decode_result",
     "decode_whole",
     "load",
     "shard_count",
@@ -253,10 +257,22 @@ def load(header: ResultHeader, shards: Sequence[ResultShard], where: str) -> Res
 
 def decode_whole(header: KeyValue, shards: Sequence[KeyValue]) -> ResultRecord:
     """The whole result stored at ``header`` (its key and bytes) and ``shards``
-    (every shard under its prefix), decoded and checked."""
+    (every key under its shards' prefix), decoded and checked."""
+    return decode_result(header, shards)[0]
+
+
+def decode_result(
+    header: KeyValue, shards: Sequence[KeyValue]
+) -> tuple[ResultRecord, list[KeyValue]]:
+    """:func:`decode_whole`, and the keys of ``shards`` left out: those that
+    are none of the header's shards (``rounds/{R}/members/{k}``, k in
+    0..shards-1, beside ``rounds/{R}/result``)."""
     head = ResultHeader.decode(header.key, header.value)
-    parts = [ResultShard.decode(kv.key, kv.value, head) for kv in shards]
-    return load(head, parts, f"store key {header.key}")
+    prefix = header.key.rsplit("/", 1)[0] + "/members/"
+    names = {f"{prefix}{k}" for k in range(head.shards)}
+    extra = [kv for kv in shards if kv.key not in names]
+    parts = [ResultShard.decode(kv.key, kv.value, head) for kv in shards if kv.key in names]
+    return load(head, parts, f"store key {header.key}"), extra
 
 
 @dataclass(frozen=True)

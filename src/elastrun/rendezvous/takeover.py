@@ -17,7 +17,9 @@ from elastrun.errors import RendezvousError
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import rounds
 from elastrun.rendezvous.api import RendezvousSettings
-from elastrun.rendezvous.records import AgreedSettings, ConfigRecord, RoundRecord
+from elastrun.rendezvous.damage import decode_config
+from elastrun.rendezvous.plan import decode_round
+from elastrun.rendezvous.records import AgreedSettings, ConfigRecord
 from elastrun.store.base import Compare, Get, Put, Store
 
 __all__ = ["REGISTER_TRIES", "register_after_takeover"]
@@ -40,10 +42,10 @@ async def register_after_takeover(
         res = await store.txn([], [Get(k.config), Get(k.round)])
         config_kv = res.gets[0][0] if res.gets[0] else None
         round_kv = res.gets[1][0] if res.gets[1] else None
-        found = RoundRecord.decode(k.round, round_kv.value) if round_kv else None
+        found = decode_round(k.round, round_kv.value) if round_kv else None
         ops: list[Put] = [presence()]
         if config_kv is not None:
-            agree(ConfigRecord.decode(k.config, config_kv.value).settings, mine)
+            agree(decode_config(k.config, config_kv.value).settings, mine)
         else:
             ops.append(Put(k.config, ConfigRecord(mine).encode()))
         if found is None or found.round <= carry.round:

@@ -14,12 +14,15 @@ planner (:mod:`.plan`, pure) what the view means:
   barrier's watcher, a done key or a presence key gone; for the others, the
   watcher's presence gone (lost, or left: pick the watcher again).
 
-It never writes.
+A per-node key that holds no node's record is left out as if absent, with one
+line (:mod:`.damage`); a damaged round result is the job's verdict
+(:class:`~elastrun.errors.RecordDamaged`). It never writes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -30,9 +33,16 @@ from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import plan as P
 from elastrun.rendezvous import results as R
 from elastrun.rendezvous.api import Member, RendezvousSettings
+from elastrun.rendezvous.damage import JunkLog, NodeKind, agreed
 from elastrun.rendezvous.memo import KeysMemo
 from elastrun.rendezvous.protocol import Event
-from elastrun.rendezvous.records import JoinRecord, MemberRecord, ResultRecord
+from elastrun.rendezvous.records import (
+    JoinRecord,
+    MemberRecord,
+    PresenceRecord,
+    ResultRecord,
+    WaitingRecord,
+)
 from elastrun.rendezvous.results import Head, ResultHeader, ResultShard, shard_count, shard_of
 from elastrun.rendezvous.rules import Rules
 from elastrun.store.base import Get, KeyValue, Store, WatchEvent
@@ -63,11 +73,13 @@ async def read(store: Store, key: str, prefix: bool) -> tuple[list[KeyValue], in
 @dataclass(frozen=True)
 class DecodedResult:
     """A round's result as read: the checked record, its members as
-    :class:`~.api.Member` values and each member's group rank."""
+    :class:`~.api.Member` values and each member's group rank; ``extra``:
+    the keys under its shards' prefix that are none of its shards (left out)."""
 
     record: ResultRecord
     members: tuple[Member, ...]
     ranks: dict[str, int]
+    extra: tuple[KeyValue, ...] = ()
 
 
 def _decoded(record: ResultRecord) -> DecodedResult:
@@ -78,7 +90,8 @@ def _decoded(record: ResultRecord) -> DecodedResult:
 
 
 def _whole(kvs: tuple[KeyValue, ...]) -> DecodedResult:
-    return _decoded(R.decode_whole(kvs[0], kvs[1:]))
+    record, extra = R.decode_result(kvs[0], kvs[1:])
+    return dataclasses.replace(_decoded(record), extra=tuple(extra))
 
 
 def _part(kvs: tuple[KeyValue, ...]) -> tuple[ResultHeader, ResultShard]:
@@ -88,9 +101,10 @@ def _part(kvs: tuple[KeyValue, ...]) -> tuple[ResultHeader, ResultShard]:
 
 # A round's whole result (its header, then every shard), decoded and checked,
 # with its members; and a header with one shard: once per process for the
-# same bytes.
-decode_whole = KeysMemo(_whole, size=2)  # O(n) each: this round and the one before
-decode_part = KeysMemo(_part, size=2 * 64)  # every shard of a round and the next
+# same bytes. A damaged one is the job's verdict (RecordDamaged).
+decode_whole = KeysMemo(agreed(_whole, "round result"), size=2)  # O(n): this round, the last
+decode_part = KeysMemo(agreed(_part, "round result"), size=2 * 64)  # a round's shards, the next
+decode_header = agreed(ResultHeader.decode, "round result")
 
 
 class Observer:
@@ -114,6 +128,26 @@ class Observer:
         self.round_seen: tuple[KeyValue, int] | None = None
         # What this node's done txn read for the exit barrier (once).
         self.barrier_seen: P.BarrierSeen | None = None
+        # Per-node keys left out (they hold no node's record): their lines.
+        self.junk = JunkLog(node.events, node.node_id)
+
+    # -- per-node keys: those that hold no node's record are left out ----------
+    def _kinds(self) -> dict[P.Watched, tuple[str, NodeKind]]:
+        k, r = self.node.keys, self.round
+        nodes, joins = (k.nodes, PresenceRecord), (k.joins(r), JoinRecord)
+        return {
+            P.Watched.NODES: nodes,
+            P.Watched.WATCHER: nodes,
+            P.Watched.JOINS: joins,
+            P.Watched.PREDECESSOR: joins,
+            P.Watched.WAITING: (k.waiting_prefix, WaitingRecord),
+        }
+
+    def records(self, watched: P.Watched, kvs: Iterable[KeyValue]) -> list[KeyValue]:
+        """The keys of ``kvs`` (read for ``watched``) that hold a node's
+        record; each other is left out, with its line."""
+        prefix, kind = self._kinds()[watched]
+        return self.junk.keep(prefix, kvs, kind)
 
     def new_view(self) -> P.View:
         """A fresh view for a new phase (round results are kept: immutable;
@@ -146,7 +180,7 @@ class Observer:
         header_kvs, shard_kvs = res.gets
         if not header_kvs:
             raise self._no_result(r)
-        header = ResultHeader.decode(header_kvs[0].key, header_kvs[0].value)
+        header = decode_header(header_kvs[0].key, header_kvs[0].value)
         if header.shards != shards:  # not this job's count: its own shard
             one = await store.get(k.shard(r, shard_of(me, header.shards)))
             shard_kvs = [one] if one is not None else []
@@ -177,6 +211,8 @@ class Observer:
                 raise self._no_result(r)
             decoded = decode_whole((header_kvs[0], *shard_kvs))
             view.results[r] = decoded.record
+            for kv in decoded.extra:
+                self.junk.left_out(kv, f"store key {kv.key} is not a shard of round {r}'s result")
         if r not in view.heads:
             shards = shard_count(self.node.settings.max_nodes)
             view.heads[r] = Head.of(decoded.record, self.node.node_id, shards)
@@ -212,7 +248,8 @@ class Observer:
         """Remember who joined round ``r`` (for the join-timeout message): the
         joiners this node saw, and those in the store now."""
         with contextlib.suppress(StoreError):
-            self.saw_joiners(r, (await read(self.node.store, self.node.keys.joins(r), True))[0])
+            joins, _ = await read(self.node.store, self.node.keys.joins(r), True)
+            self.saw_joiners(r, self.records(P.Watched.JOINS, joins))
 
     # -- members: losses and the exit barrier ------------------------------------
     async def finished(self, node_id: str) -> bool:
@@ -225,6 +262,22 @@ class Observer:
             self.view.done.add(node_id)
             return True
         return False
+
+    async def members_done(self, r: int) -> int:
+        """How many members of round ``r`` put their done key (every done key
+        and every member read: O(n) bytes). A key under the done prefix that
+        names no member is left out, with its line (anyone may put one there:
+        counted, it would pass the barrier before the members are done)."""
+        prefix = self.node.keys.dones(r)
+        dones, _ = await read(self.node.store, prefix, True)
+        members = {m.node_id for m in (await self.get_result(r)).members}
+        for kv in dones:
+            name = kv.key[len(prefix) :]
+            if name in members:
+                self.view.done.add(name)
+            else:
+                self.junk.left_out(kv, f"store key {kv.key} is no done key of a member")
+        return len(self.view.done & members)
 
     async def lost_event(self, member: MemberRecord) -> Event:
         """``member`` is gone: lost, or it left the job on purpose (its
@@ -243,6 +296,8 @@ class Observer:
         """Rule events for one event of the phase's watch on ``watched``."""
         r, now = self.round, self.node.clock.monotonic()
         s = self.node.settings
+        if wev.type == "put" and watched in self._kinds() and not self.records(watched, [wev.kv]):
+            wev = WatchEvent("delete", wev.kv)  # it holds no node's record: as if absent
         reaction = P.react(
             self.view, watched, wev, r=r, now=now, max_nodes=s.max_nodes, unit=s.node_unit
         )
