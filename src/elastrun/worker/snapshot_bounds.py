@@ -61,11 +61,22 @@ class _Entry(Protocol):
     def nbytes(self) -> int: ...
 
 
-def count_values(raw: bytes) -> int:
-    """How many JSON values (and object keys) the text ``raw`` holds, at
-    least: its commas and opening brackets outside strings, plus one."""
-    outside = outside_strings(raw)
-    return outside.count(b",") + outside.count(b"[") + outside.count(b"{") + 1
+def count_values(raw: bytes, bound: int = MAX_VALUES) -> int:
+    """How many JSON values (and object keys) the text ``raw`` holds: its
+    commas and opening brackets outside strings, plus one. Exact when over
+    ``bound``; at most ``bound``, it may count more (cheaper: its length,
+    then the marks inside strings too, ~1 ms per MB; without them, only
+    when that is over ``bound``: ~10 ms per MB)."""
+    if len(raw) < bound:
+        return len(raw)  # a value takes at least one byte
+    marks = _marks(raw)
+    if marks <= bound:
+        return marks
+    return _marks(outside_strings(raw))
+
+
+def _marks(text: bytes) -> int:
+    return text.count(b",") + text.count(b"[") + text.count(b"{") + 1
 
 
 def seal(body: bytes) -> bytes:
