@@ -129,3 +129,42 @@ def stop_groups(*procs: subprocess.Popen[Any], timeout: float = 10.0) -> None:
     for proc in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout)
+
+
+def run_ranks(code: str, world: int, *args: str, env: Mapping[str, str] | None = None) -> list[str]:
+    """Run the Python ``code`` (with ``args``) as ranks 0..world-1 of one
+    torch.distributed job on loopback (``env://``: ``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK`` set), each in its own group; their outputs, once every
+    rank exited 0 (each within 180 s)."""
+    import sys
+
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        rank_env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code, *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=rank_env,
+                start_new_session=True,
+            )
+        )
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=180)
+            outs.append(out)
+            assert p.returncode == 0, out
+    finally:
+        stop_groups(*procs, timeout=30)
+    return outs

@@ -28,7 +28,7 @@ import pytest
 from elastrun.train import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from elastrun.train.checkpoint_files import CORRUPT_DIR, check, record_path
 from tests.conftest import PYTHON
-from tests.helpers import free_port, stop_groups
+from tests.helpers import free_port, run_ranks, stop_groups
 from tests.integration.elastic_harness import SCRIPTS
 
 torch = pytest.importorskip("torch")
@@ -320,39 +320,6 @@ dist.destroy_process_group()
 """
 
 
-def _run_ranks(code: str, world: int, *args: str) -> list[str]:
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-        }
-        procs.append(
-            subprocess.Popen(
-                [PYTHON, "-c", code, *args],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=env,
-                start_new_session=True,
-            )
-        )
-    outs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=180)
-            outs.append(out)
-            assert p.returncode == 0, out
-    finally:
-        stop_groups(*procs, timeout=30)
-    return outs
-
-
 def test_ranks_agree_when_some_hold_a_damaged_newest(tmp_path: Path) -> None:
     mixed = tmp_path / "mixed"
     _save_steps(mixed / "rank0", 5, 7)
@@ -369,7 +336,7 @@ def test_ranks_agree_when_some_hold_a_damaged_newest(tmp_path: Path) -> None:
     _save_steps(shared, 2, 3)
     _flip_tensor_bytes(shared / "ckpt-000000000003.pt")
 
-    outs = _run_ranks(_AGREE, 3, str(tmp_path))
+    outs = run_ranks(_AGREE, 3, str(tmp_path))
 
     results = {}
     for out in outs:

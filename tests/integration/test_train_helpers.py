@@ -17,7 +17,7 @@ from elastrun.train import WorkerContext, heartbeat, latest_checkpoint, list_che
 from elastrun.train.checkpoint_files import check
 from elastrun.train.heartbeat import _reset_for_tests
 from tests.conftest import PYTHON, REPO
-from tests.helpers import free_port, stop_groups
+from tests.helpers import run_ranks, stop_groups
 
 torch = pytest.importorskip("torch")
 
@@ -198,36 +198,7 @@ def test_ranks_agree_on_newest_checkpoint_and_holder_broadcasts_it(tmp_path: Pat
     save(1, 3)
     newest = save(1, 7)  # only rank 1 holds the newest
     (tmp_path / "rank2").mkdir()  # rank 2 holds nothing (a node that just joined)
-    port = free_port()
-    procs = []
-    for rank in range(3):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": "3",
-            "LOCAL_RANK": str(rank),
-        }
-        procs.append(
-            subprocess.Popen(
-                [PYTHON, "-c", _AGREE, str(tmp_path)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=env,
-                start_new_session=True,
-            )
-        )
-    outs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=120)
-            outs.append(out)
-            assert p.returncode == 0, out
-    finally:
-        for p in procs:
-            _stop(p)
+    outs = run_ranks(_AGREE, 3, str(tmp_path))
     results = {}
     for out in outs:
         m = re.search(r"^RESULT (.*)$", out, re.M)

@@ -225,3 +225,19 @@ def test_without_an_agent_saves_go_to_disk_after_one_line(
     ]
     got = MemoryCheckpoint(tmp_path / "disk", log=None).load()
     assert got is not None and got["step"] == 6
+
+
+def test_a_state_whose_header_is_over_the_bound_is_refused_before_a_byte_is_written(
+    folder: Path,
+) -> None:
+    mem = MemoryCheckpoint(log=None)
+    mem.save({"w": torch.ones(3)}, step=1)
+    mem.wait()
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with pytest.raises(ConfigError) as e:
+        mem.save({"w": torch.ones(3), "vocab": "x" * (17 << 20)}, step=2)
+    assert "too large to describe" in str(e.value) and "at most 16777216" in str(e.value)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    mem.close()
+    got = MemoryCheckpoint(log=None).load()
+    assert got is not None and got["w"].tolist() == [1.0, 1.0, 1.0]

@@ -77,6 +77,8 @@ from elastrun.worker.snapshot import (
     SlotView,
     SnapshotError,
     SnapshotHeader,
+    Torn,
+    check_header_size,
     data_offset,
     open_fd,
     open_slot,
@@ -94,6 +96,11 @@ _NO_ROOM = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
 
 class _NoRoom(Exception):
     pass
+
+
+class _Uncommitted(SnapshotError):
+    """A slot newer than its folder's commit note: its worker stopped between
+    the slot's magic and the note (or the note could not be written)."""
 
 
 class _Slots:
@@ -362,7 +369,15 @@ class MemoryCheckpoint:
             tree=flat.tree,
             persist=target,
         )
-        start = data_offset(len(header.encode()))
+        encoded = header.encode()
+        why = check_header_size(encoded)
+        if why is not None:
+            raise ConfigError(
+                f"memory checkpoint: the state at step {step} is too large to describe: {why}; "
+                "keep large data in tensors (a header holds each tensor's place and the "
+                "state's other values)"
+            )
+        start = data_offset(len(encoded))
         i, mm = self._slots.acquire(start + flat.data_size)
         try:
             with phase("checkpoint"):
@@ -472,19 +487,60 @@ class MemoryCheckpoint:
         return self.replicas is not None and os.environ.get("LOCAL_RANK", "0") == "0"
 
     def _intact(self, folder: str | None) -> list[SlotView]:
+        """The snapshots of ``folder`` that pass every check: their header
+        (bounds, seal, tree: :func:`~elastrun.worker.snapshot.parse_header`),
+        their data's SHA-256, and the folder's commit note. Each one that does
+        not is named in one line, and skipped: the older ones serve."""
         assert folder is not None
+        try:
+            note = CommitNote.read(folder)
+        except SnapshotError:
+            note = None  # a damaged note vouches for nothing, and rejects nothing
         views = []
         for v in snapshots(folder):
-            if isinstance(v, SnapshotError):
+            if isinstance(v, Torn):
                 continue  # torn by a kill mid-copy, or being written: not a snapshot
+            if isinstance(v, SnapshotError):
+                path, _, why = str(v).partition(": ")
+                _say(self.log, f"=> memory checkpoint {path} is damaged ({why}); not used")
+                continue
             try:
                 v.verify()
+                _check_note(v, note)
             except SnapshotError as e:
-                _say(self.log, f"=> memory checkpoint {v.path} is damaged ({e}); not used")
+                what = "was never committed" if isinstance(e, _Uncommitted) else "is damaged"
+                _say(self.log, f"=> memory checkpoint {v.path} {what} ({e}); not used")
                 v.close()
                 continue
             views.append(v)
         return views
+
+
+def _check_note(view: SlotView, note: CommitNote | None) -> None:
+    """SnapshotError when ``view`` contradicts the commit note of its folder
+    (slots only: replicas have none): the note names the newest commit's
+    slot, generation and step, and the marked one's. A slot newer than the
+    note was never committed (its worker stopped before the note), and a
+    slot of a noted generation holds that step in that slot: a header
+    whose step was edited, even with its hashes made again, does not."""
+    h = view.header
+    if note is None or not os.path.basename(view.path).startswith("slot-"):
+        return
+    if h.generation > note.generation:
+        raise _Uncommitted(
+            f"its generation {h.generation} is newer than its commit note's {note.generation}"
+        )
+    name = os.path.basename(view.path)
+    for noted in (note, note.marked):
+        if (
+            noted is not None
+            and noted.generation == h.generation
+            and (h.step, name) != (noted.step, f"slot-{noted.slot}")
+        ):
+            raise SnapshotError(
+                f"it says step {h.step}, and its commit note step {noted.step} in "
+                f"slot-{noted.slot} for its generation"
+            )
 
 
 def _say(log: Log, line: str) -> None:

@@ -15,7 +15,6 @@ key, before a byte is written.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +22,6 @@ from elastrun.errors import ConfigError
 from elastrun.worker.snapshot import (
     DTYPE_SIZES,
     MAX_DEPTH,
-    SnapshotError,
     SnapshotHeader,
     TensorEntry,
     aligned,
@@ -153,73 +151,22 @@ def _tensor(entry: TensorEntry, data: Any, map_location: Any) -> Any:
 
 def decode(header: SnapshotHeader, data: Any, map_location: Any = "cpu") -> Any:
     """The state a snapshot holds: ``data`` is its data region (a buffer).
-    SnapshotError when the tree does not match the header."""
+    The header was checked when it was read
+    (:func:`~elastrun.worker.snapshot.parse_header`: each tensor's place in
+    the data, and a tree of known nodes that names each tensor once)."""
     tensors = [_tensor(e, data, map_location) for e in header.tensors]
-    used = [False] * len(tensors)
 
     def build(node: Any) -> Any:
-        if not isinstance(node, dict) or len(node) != 1:
-            raise SnapshotError("its tree holds a node that is not a one-key object")
         ((tag, value),) = node.items()
-        make: Callable[..., Any] = _BUILD.get(tag, _bad)
-        return make(value, build, tensors, used)
+        if tag == "t":
+            return tensors[value]
+        if tag == "v":
+            return value
+        if tag == "f":
+            return float.fromhex(value)
+        if tag == "d":
+            return {k: build(v) for k, v in value}
+        items = [build(v) for v in value]
+        return items if tag == "l" else tuple(items)
 
-    state = build(header.tree)
-    if not all(used):
-        raise SnapshotError("its header lists tensors that its tree does not use")
-    return state
-
-
-def _bad(value: Any, *_: Any) -> Any:
-    raise SnapshotError("its tree holds a node of an unknown kind")
-
-
-def _b_tensor(value: Any, _b: Any, tensors: list[Any], used: list[bool]) -> Any:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < len(tensors):
-        raise SnapshotError("its tree names a tensor that is not in its header")
-    used[value] = True
-    return tensors[value]
-
-
-def _b_value(value: Any, *_: Any) -> Any:
-    if value is not None and type(value) not in (bool, int, str):
-        raise SnapshotError("its tree holds a value of an unknown type")
-    return value
-
-
-def _b_float(value: Any, *_: Any) -> float:
-    try:
-        return float.fromhex(value)
-    except (TypeError, ValueError):
-        raise SnapshotError("its tree holds a float that is not one") from None
-
-
-def _b_dict(value: Any, build: Callable[[Any], Any], *_: Any) -> dict[Any, Any]:
-    if not isinstance(value, list):
-        raise SnapshotError("its tree holds a dict that is not a list of pairs")
-    out: dict[Any, Any] = {}
-    for pair in value:
-        if not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) not in (str, int):
-            raise SnapshotError("its tree holds a dict entry that is not a [key, value] pair")
-        out[pair[0]] = build(pair[1])
-    return out
-
-
-def _b_list(value: Any, build: Callable[[Any], Any], *_: Any) -> list[Any]:
-    if not isinstance(value, list):
-        raise SnapshotError("its tree holds a list that is not one")
-    return [build(v) for v in value]
-
-
-def _b_tuple(value: Any, build: Callable[[Any], Any], *rest: Any) -> tuple[Any, ...]:
-    return tuple(_b_list(value, build, *rest))
-
-
-_BUILD: dict[str, Callable[..., Any]] = {
-    "t": _b_tensor,
-    "v": _b_value,
-    "f": _b_float,
-    "d": _b_dict,
-    "l": _b_list,
-    "u": _b_tuple,
-}
+    return build(header.tree)

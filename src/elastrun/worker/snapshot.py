@@ -7,7 +7,8 @@ and named in ``ELASTRUN_MEMORY_CHECKPOINT_DIR``. The folder holds up to
 
     offset 0    magic b"ELMCKPT1"      written last: no magic, no snapshot
     offset 8    header length H        8 bytes, little endian, at most MAX_HEADER
-    offset 16   the header             JSON (UTF-8), H bytes
+    offset 16   the header             JSON (UTF-8), H bytes, sealed: it begins
+                                       {"hsha":"<SHA-256 of the header>",
     DATA        the tensors' bytes     DATA = 16 + H rounded up to 64; each tensor
                                        at DATA + its offset (64-byte aligned)
 
@@ -16,7 +17,9 @@ rank, the world size, a generation (nanoseconds since the epoch at the save:
 the newest snapshot has the highest), the data's size and SHA-256, each
 tensor (its key in the state, dtype, shape, offset, size), the rest of the
 state as a JSON tree with the tensors' places in it, and whether (and where)
-the agent should write it to disk.
+the agent should write it to disk. Every field is bounded, the tensors' places
+and the tree checked, and the header's seal (its own SHA-256) verified before
+it is used (:mod:`elastrun.worker.snapshot_bounds`).
 
 **Writing** (the worker): take an exclusive ``flock`` on a slot that is not
 the newest and nobody reads, zero its magic, copy the tensors, hash them,
@@ -25,12 +28,13 @@ folder's ``committed`` note (:class:`CommitNote`, a small JSON file, renamed
 into place), which is what the agent watches. The newest snapshot marked for
 the disk is kept out of the rotation until the agent's ``persisted`` note
 names its generation, so that fast saves never overwrite it before the
-agent has read it. A worker killed at any
-moment leaves a slot without its magic (never read) and the previous
-snapshots intact. **Reading** (the agent, or a restarted worker): a shared
-``flock`` taken without waiting (a slot being written is skipped), the header
-checked within bounds (:func:`parse_header`), the data checked against its
-SHA-256. A disk copy of a snapshot is the same bytes (``ckpt-<step>.pt``,
+agent has read it. A worker killed at any moment leaves a slot without its
+magic (never read: :class:`Torn`) and the previous snapshots intact; anything
+else in place of the magic is damage. **Reading** (the agent, or a restarted
+worker): a shared ``flock`` taken without waiting (a slot being written is
+skipped), the header checked within bounds and against its seal
+(:func:`parse_header`), the data checked against its SHA-256. A disk copy of
+a snapshot is the same bytes (``ckpt-<step>.pt``,
 with the usual checksum record: :mod:`elastrun.worker.checkpoint_files`).
 
 Standard library only (with the foundation): the agent reads and persists
@@ -53,6 +57,15 @@ from typing import Any
 
 from elastrun.safefs import read_regular, write_atomic
 from elastrun.untrusted import UntrustedData, loads
+from elastrun.worker.snapshot_bounds import (
+    MAX_HEADER,
+    MAX_VALUES,
+    check_layout,
+    check_tree,
+    count_values,
+    seal,
+    sealed_digest,
+)
 
 __all__ = [
     "DTYPE_SIZES",
@@ -69,6 +82,8 @@ __all__ = [
     "SnapshotError",
     "SnapshotHeader",
     "TensorEntry",
+    "Torn",
+    "check_header_size",
     "data_offset",
     "header_of",
     "open_slot",
@@ -87,9 +102,11 @@ MAGIC = b"ELMCKPT1"
 PREFIX = 16  # the magic and the header's length
 ALIGN = 64
 VERSION = 1
-MAX_HEADER = 64 << 20  # a header lists every tensor: ~150 bytes each, so ~400k tensors
 MAX_DEPTH = 64  # the state's nesting (dicts and lists), plus the header's own
 MAX_DIMS = 64
+MAX_ELEMENTS = 1 << 62  # a shape's dimensions multiplied (its zeros as ones)
+MAX_COUNT = 1 << 62  # a step, a generation, a size (they travel as int64)
+MAX_WORLD = 1 << 24
 MAX_SLOTS = 8
 MAX_PATH = 4096
 NOTE = "committed"
@@ -125,6 +142,11 @@ class SnapshotError(Exception):
     """A snapshot that cannot be used; the message says why."""
 
 
+class Torn(SnapshotError):
+    """A slot without its magic (zeros, or empty): being written, or left by a
+    worker killed while writing it. Not damage: nothing was committed there."""
+
+
 def data_offset(header_len: int) -> int:
     """Where the tensor data starts after a header of ``header_len`` bytes."""
     return -(-(PREFIX + header_len) // ALIGN) * ALIGN
@@ -134,9 +156,9 @@ def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _int(obj: dict[str, Any], name: str, low: int = 0) -> int:
+def _int(obj: dict[str, Any], name: str, low: int = 0, high: int = MAX_COUNT) -> int:
     v = obj.get(name)
-    if not isinstance(v, int) or isinstance(v, bool) or v < low:
+    if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
         raise SnapshotError(f"its header has no valid {name!r}")
     return v
 
@@ -171,14 +193,15 @@ class TensorEntry:
         if not isinstance(shape, list) or len(shape) > MAX_DIMS:
             raise SnapshotError(f"tensor {key}: no valid shape")
         dims = []
+        numel = elements = 1
         for d in shape:
-            if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+            if not isinstance(d, int) or isinstance(d, bool) or not 0 <= d <= MAX_ELEMENTS:
                 raise SnapshotError(f"tensor {key}: no valid shape")
             dims.append(d)
+            numel, elements = numel * d, elements * max(d, 1)
+            if elements > MAX_ELEMENTS:
+                raise SnapshotError(f"tensor {key}: its shape is over {MAX_ELEMENTS} elements")
         offset, nbytes = _int(obj, "offset"), _int(obj, "nbytes")
-        numel = 1
-        for d in dims:
-            numel *= d
         if nbytes != numel * DTYPE_SIZES[dtype]:
             raise SnapshotError(f"tensor {key}: {nbytes} bytes do not fit its shape and dtype")
         if offset % ALIGN or offset + nbytes > data_size:
@@ -240,9 +263,11 @@ class SnapshotHeader:
         }
 
     def encode(self) -> bytes:
+        """The header's bytes, sealed (:func:`~elastrun.worker.snapshot_bounds.seal`)."""
         import json
 
-        return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode()
+        body = json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode()
+        return seal(body)
 
     @classmethod
     def from_json(cls, obj: Any) -> SnapshotHeader:
@@ -255,10 +280,11 @@ class SnapshotHeader:
         tensors = obj.get("tensors")
         if not isinstance(tensors, list):
             raise SnapshotError("its header has no tensor list")
-        return cls(
+        world = _int(obj, "world_size", 1, MAX_WORLD)
+        header = cls(
             step=_int(obj, "step"),
-            rank=_int(obj, "rank"),
-            world_size=_int(obj, "world_size", 1),
+            rank=_int(obj, "rank", 0, MAX_WORLD),
+            world_size=world,
             generation=_int(obj, "generation"),
             data_size=data_size,
             sha256=sha,
@@ -266,26 +292,68 @@ class SnapshotHeader:
             tree=obj.get("tree"),
             persist=Persist.from_json(obj.get("persist")),
         )
+        why = check_layout(header.tensors, data_size) or check_tree(
+            header.tree, len(header.tensors)
+        )
+        if why is not None:
+            raise SnapshotError(why)
+        return header
 
 
-def parse_header(buf: Any, size: int) -> tuple[SnapshotHeader, int]:
+def check_header_size(raw: bytes) -> str | None:
+    """Why a header's bytes are over a bound of the format (None: within)."""
+    if len(raw) > MAX_HEADER:
+        return f"its header is {len(raw)} bytes (at most {MAX_HEADER})"
+    values = count_values(raw)
+    if values > MAX_VALUES:
+        return f"its header holds {values} JSON values (at most {MAX_VALUES})"
+    return None
+
+
+def parse_header(buf: Any, size: int, *, sealed: bool = True) -> tuple[SnapshotHeader, int]:
     """The header of the snapshot in ``buf`` (a bytes-like object, or an mmap,
     of ``size`` bytes) and where its data starts. SnapshotError says why it
-    is not a snapshot (no magic: being written, torn, or another file)."""
-    if size < PREFIX or bytes(buf[0:8]) != MAGIC:
-        raise SnapshotError("it holds no complete snapshot (no magic)")
+    is not a snapshot (:class:`Torn`: no magic, being written or torn).
+    Every field is bounded before it is used, and the seal checked; a header
+    without a seal is refused unless ``sealed`` is False (a disk copy written
+    before seals)."""
+    magic = bytes(buf[0:8]) if size >= 8 else b""
+    if magic != MAGIC:
+        if magic == bytes(8) or size == 0:
+            raise Torn("it holds no complete snapshot (no magic)")
+        raise SnapshotError(f"its magic is damaged, or it is cut short ({size} bytes)")
+    if size < PREFIX:
+        raise SnapshotError(f"it is cut short ({size} bytes)")
     hlen = int.from_bytes(bytes(buf[8:16]), "little")
     if hlen > MAX_HEADER or PREFIX + hlen > size:
-        raise SnapshotError(f"its header length {hlen} is over a bound or past the end")
+        raise SnapshotError(
+            f"its header length {hlen} is over a bound ({MAX_HEADER}) or past the end "
+            f"of the file ({size} bytes)"
+        )
+    raw = bytes(buf[PREFIX : PREFIX + hlen])
+    why = check_header_size(raw)
+    if why is not None:
+        raise SnapshotError(why)
     try:
-        obj = loads(bytes(buf[PREFIX : PREFIX + hlen]), max_bytes=MAX_HEADER, max_depth=MAX_DEPTH)
+        obj = loads(raw, max_bytes=MAX_HEADER, max_depth=MAX_DEPTH)
     except UntrustedData as e:
         raise SnapshotError(f"its header: {e}") from None
-    header = SnapshotHeader.from_json(obj)
     start = data_offset(hlen)
-    if start + header.data_size > size:
+    if isinstance(obj, dict):  # the data's size first: it bounds every tensor's place
+        ds = obj.get("data_size")
+        if type(ds) is int and start + ds > size:
+            raise SnapshotError(
+                f"its data ({ds} bytes) runs past the end of the file ({size} bytes)"
+            )
+    header = SnapshotHeader.from_json(obj)
+    del obj
+    digests = sealed_digest(raw)
+    if digests is None and sealed:
+        raise SnapshotError("its header has no seal (its own SHA-256)")
+    if digests is not None and digests[0] != digests[1]:
         raise SnapshotError(
-            f"its data ({header.data_size} bytes) runs past the end of the file ({size} bytes)"
+            f"its header does not match its seal (SHA-256 {digests[1][:16]}..., "
+            f"sealed {digests[0][:16]}...): changed after it was written"
         )
     return header, start
 
@@ -295,7 +363,7 @@ def header_of(data: bytes | bytearray | memoryview) -> tuple[SnapshotHeader, int
     when ``data`` does not start with the magic (a ``torch.save`` file)."""
     if bytes(data[0:8]) != MAGIC:
         return None
-    return parse_header(data, len(data))
+    return parse_header(data, len(data), sealed=False)
 
 
 def sha256_of(view: memoryview) -> str:
@@ -484,7 +552,7 @@ def open_slot(path: str) -> SlotView | None:
             return None
         size = os.fstat(fd).st_size
         if size < PREFIX:
-            raise SnapshotError("it holds no complete snapshot (empty)")
+            parse_header(os.pread(fd, PREFIX, 0), size)  # Torn or damaged: raises
         mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -501,13 +569,14 @@ def open_slot(path: str) -> SlotView | None:
 
 def snapshots(folder: str) -> Iterator[SlotView | SnapshotError]:
     """Each slot of ``folder`` that holds a snapshot, opened and locked
-    (close them), or the reason one cannot be read; slots being written are
-    left out."""
+    (close them), or the reason one cannot be read (its path first; a
+    :class:`Torn` one without its magic); slots being written are left out."""
     for name in slot_names(folder):
+        path = os.path.join(folder, name)
         try:
-            view = open_slot(os.path.join(folder, name))
+            view = open_slot(path)
         except (SnapshotError, OSError) as e:
-            yield SnapshotError(f"{name}: {e}")
+            yield (Torn if isinstance(e, Torn) else SnapshotError)(f"{path}: {e}")
             continue
         if view is not None:
             yield view
