@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from elastrun.train import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from elastrun.train.checkpoint_files import CORRUPT_DIR, check, record_path
+from elastrun.worker.checkpoint_files import CORRUPT_DIR, check, record_path
 from tests.conftest import PYTHON
 from tests.helpers import free_port, run_ranks, stop_groups
 from tests.integration.elastic_harness import SCRIPTS
@@ -161,7 +161,7 @@ def test_a_damaged_newest_moved_aside_by_another_rank_mid_read_is_not_used(
     not take the missing record for an older elastrun's checkpoint and use the
     damaged bytes unverified (seen once in CI as a rank loading step 3)."""
     from elastrun.train import checkpoint as ckpt_mod
-    from elastrun.train.checkpoint_files import move_aside
+    from elastrun.worker.checkpoint_files import move_aside
 
     d = tmp_path / "shared"
     _save_steps(d, 2, 3)

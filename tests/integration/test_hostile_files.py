@@ -388,7 +388,7 @@ def test_a_special_file_named_like_the_newest_checkpoint_is_skipped(
 ) -> None:
     torch = pytest.importorskip("torch")
     from elastrun.train import save_checkpoint
-    from elastrun.train.checkpoint_files import CORRUPT_DIR, record_path
+    from elastrun.worker.checkpoint_files import CORRUPT_DIR, record_path
 
     d = tmp_path / "ckpt"
     for step in (10, 20):

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from elastrun.train import load_checkpoint
-from elastrun.train.checkpoint_files import check, list_checkpoints
+from elastrun.worker.checkpoint_files import check, list_checkpoints
 from tests.helpers import free_port, kill_group, stop_groups, wait_for
 from tests.integration.elastic_harness import SCRIPTS
 

@@ -14,8 +14,8 @@ import pytest
 
 from elastrun.errors import ConfigError
 from elastrun.train import WorkerContext, heartbeat, latest_checkpoint, list_checkpoints
-from elastrun.train.checkpoint_files import check
 from elastrun.train.heartbeat import _reset_for_tests
+from elastrun.worker.checkpoint_files import check
 from tests.conftest import PYTHON, REPO
 from tests.helpers import run_ranks, stop_groups
 

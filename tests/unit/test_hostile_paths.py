@@ -35,7 +35,7 @@ from elastrun.launcher.config import LaunchConfig
 from elastrun.launcher.plan import resolve
 from elastrun.names import RunId
 from elastrun.safefs import UnsafePath
-from elastrun.train.checkpoint_files import RecordError, read_record, record_path
+from elastrun.worker.checkpoint_files import RecordError, read_record, record_path
 from elastrun.worker.record import write_error_file
 
 T = TypeVar("T")

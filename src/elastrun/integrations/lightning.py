@@ -40,8 +40,8 @@ from typing import Any
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from elastrun.train.checkpoint_files import list_checkpoints
 from elastrun.train.memory import MemoryCheckpoint
+from elastrun.worker.checkpoint_files import list_checkpoints
 from elastrun.worker.snapshot import ENV, SnapshotError, open_slot, slot_names
 
 __all__ = ["RESUME", "MemoryCheckpointIO"]

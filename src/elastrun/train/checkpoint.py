@@ -2,7 +2,7 @@
 
 :func:`save_checkpoint` writes ``ckpt-<step>.pt`` and its checksum record
 ``ckpt-<step>.pt.json`` (size and SHA-256) so that a kill at any moment leaves
-the previous checkpoints intact (see :mod:`elastrun.train.checkpoint_files`
+the previous checkpoints intact (see :mod:`elastrun.worker.checkpoint_files`
 for the layout and the order of writes), points ``latest`` at it and deletes
 all but the newest ``keep``.
 

@@ -19,8 +19,8 @@ save on this host once its writer is dead) or a record without its data
 
 The agent writes the disk copies of memory checkpoints through the same
 functions (it never imports torch): they live here, in the worker layer, for
-both; :mod:`elastrun.train.checkpoint_files` is the training scripts' name
-for this module.
+both; training scripts use them through :mod:`elastrun.train` (``list_checkpoints``,
+``latest_checkpoint``, ``CheckpointInfo``).
 
 A checkpoint without a record was written by an older elastrun (or copied
 without it): it is *unverified*; :mod:`elastrun.train.checkpoint` uses it only
