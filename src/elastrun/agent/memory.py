@@ -163,6 +163,7 @@ class MemoryCheckpoints(Feature):
         self._neighbour: Neighbour | None = None
         self._awaited = -1  # the newest step whose replicas were waited for
         self._replicas_off = False
+        self._expecting: asyncio.Task[None] | None = None  # resolving the neighbour's address
 
     def start(self) -> None:
         spec = self.core.spec
@@ -206,6 +207,8 @@ class MemoryCheckpoints(Feature):
     async def round_starts(self, result: RoundResult) -> None:
         """Take this round's neighbour's replicas (the port in our note)."""
         self.result, self._neighbour, self._awaited = result, None, -1
+        if self._expecting is not None:
+            self._expecting.cancel()
         if self.hold is not None:
             self.hold.expect(())  # until this round's neighbour is known
         if self.base is None or result.group_world_size < 2:
@@ -234,9 +237,9 @@ class MemoryCheckpoints(Feature):
             hold.on_received = self._received
             hold.on_refused = self._refused
             self.hold = hold
-        if self.hold is not None:
+        if self.hold is not None:  # in the background: a name may take a while to resolve
             prev = result.members[(result.group_rank - 1) % result.group_world_size]
-            self.hold.expect(await _addresses(prev.addr))
+            self._expecting = asyncio.get_running_loop().create_task(_expect(self.hold, prev.addr))
         if self.port is not None:
             note = ReplicaNote(result.round, result.group_rank, me.node_id, self.port)
             await self.core.rendezvous.write_note(note.name, note.to_json(), lease=True)
@@ -417,6 +420,8 @@ class MemoryCheckpoints(Feature):
                 await asyncio.wait_for(task, CLOSE_WAIT)
             except TimeoutError:
                 self._failed(-1, -1, f"the agent ended before its disk writes ({CLOSE_WAIT:.0f}s)")
+        if self._expecting is not None:
+            self._expecting.cancel()
         if self.hold is not None:
             await self.hold.close()
             self.hold = None
@@ -427,19 +432,20 @@ class MemoryCheckpoints(Feature):
             self.base = None
 
 
-async def _addresses(host: str) -> list[str]:
-    """The addresses ``host`` (a member's address: an IP or a name) stands
-    for; none when it does not resolve within ADDRESS_WAIT s."""
+async def _expect(hold: ReplicaHold, host: str) -> None:
+    """The slot ``hold`` keeps for the neighbour, for the addresses ``host``
+    (the previous member's address: an IP or a name) stands for; for none
+    when it does not resolve within ADDRESS_WAIT s."""
     if not host:
-        return []
+        return
     try:
         infos = await asyncio.wait_for(
             asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM),
             ADDRESS_WAIT,
         )
     except (OSError, TimeoutError):
-        return []
-    return [str(info[4][0]) for info in infos]
+        return
+    hold.expect(str(info[4][0]) for info in infos)
 
 
 class _MemoryRound(RoundHooks):

@@ -35,7 +35,7 @@ Bounds (what a stranger can make the receiver hold):
   plus ``HEADER_PER_TENSOR`` per tensor the offer names, never more than
   ``max_header`` (``ELASTRUN_REPLICA_MAX_HEADER``, default 4 MiB), checked on
   its first 16 bytes, before the header is read; it is decoded in a thread,
-  one header at a time (what decoding costs, up to ~25 times its bytes, is
+  one header at a time (what decoding costs, up to ~28 times its bytes, is
   that of one header), never on the agent's event loop, and must name the
   offered rank, step, generation and tensor count, and a size equal to the
   offer's;
