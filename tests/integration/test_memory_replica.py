@@ -227,7 +227,7 @@ def hold_silent(addr: tuple[str, int], count: int, stop: threading.Event) -> Non
             alive = []
             for sock in held:
                 try:
-                    closed = sock.recv(4096, socket.MSG_DONTWAIT) == b""
+                    closed = sock.recv(4096) == b""
                 except BlockingIOError:
                     closed = False
                 except OSError:
@@ -241,6 +241,7 @@ def hold_silent(addr: tuple[str, int], count: int, stop: threading.Event) -> Non
                 try:
                     sock = _greeted(addr)
                     sock.sendall(struct.pack(">I", len(offer)) + offer)
+                    sock.setblocking(False)  # looked at without waiting, above
                     held.append(sock)
                 except OSError:
                     break  # refused at once: try again shortly
