@@ -1,7 +1,8 @@
 """The replica port of the agent (agent/replica.py), on a real loopback socket:
 a snapshot sent whole takes its rank's place; a transfer cut mid-way, a
-stranger's garbage, an offer over a bound or with a wrong key are refused,
-bounded, and leave the previous replica intact."""
+stranger's garbage, an offer over a bound or with a wrong key, a header over
+its bound are refused, bounded, and leave the previous replica intact; silent
+strangers holding connections leave the neighbour's slot free."""
 
 from __future__ import annotations
 
@@ -17,17 +18,22 @@ from typing import Any
 import pytest
 
 from elastrun.agent.replica import (
+    DEFAULT_MAX_HEADER,
     GREETING,
+    HEADER_BASE,
+    HEADER_PER_TENSOR,
+    MAX_CONNECTIONS,
     MAX_OFFER,
     NONCE,
     Offer,
     ReplicaError,
     ReplicaHold,
+    header_bound,
     replica_key,
     send_snapshot,
 )
 from elastrun.safefs import private_dir
-from elastrun.worker.snapshot import ENV, SlotView, open_slot
+from elastrun.worker.snapshot import ENV, MAGIC, SlotView, open_slot
 
 torch = pytest.importorskip("torch")
 
@@ -36,9 +42,15 @@ KEY = replica_key("secret-token", RUN)
 
 
 def make_snapshot(
-    tmp: Path, step: int, value: float, monkeypatch: pytest.MonkeyPatch, rank: int = 0
+    tmp: Path,
+    step: int,
+    value: float,
+    monkeypatch: pytest.MonkeyPatch,
+    rank: int = 0,
+    extra: Any = None,
 ) -> str:
-    """A real memory checkpoint slot of ``rank`` at ``step``; its path."""
+    """A real memory checkpoint slot of ``rank`` at ``step`` (its state:
+    one tensor, and ``extra``); its path."""
     from elastrun.train import MemoryCheckpoint
 
     folder = tmp / f"worker-{rank}-{step}"
@@ -46,7 +58,7 @@ def make_snapshot(
     monkeypatch.setenv(ENV, str(folder))
     monkeypatch.setenv("RANK", str(rank))
     mem = MemoryCheckpoint(log=None)
-    mem.save({"w": torch.full((4096,), value)}, step=step)
+    mem.save({"w": torch.full((4096,), value), "extra": extra}, step=step)
     mem.close()
     (slot,) = [p for p in folder.iterdir() if p.name.startswith("slot-") and p.stat().st_size]
     return str(slot)
@@ -99,12 +111,23 @@ def snaps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str
 
 
 async def send(
-    server: Server, path: str, key: bytes = KEY, run: str = RUN, node: str = "node-b"
+    server: Server,
+    path: str,
+    key: bytes = KEY,
+    run: str = RUN,
+    node: str = "node-b",
+    source: str = "",
 ) -> None:
     view = view_of(path)
     try:
         await asyncio.to_thread(
-            send_snapshot, ("127.0.0.1", server.port), view, run=run, node=node, key=key
+            send_snapshot,
+            ("127.0.0.1", server.port),
+            view,
+            run=run,
+            node=node,
+            key=key,
+            source=source,
         )
     finally:
         view.close()
@@ -162,7 +185,7 @@ async def cut(server: Server, snaps: tuple[str, str]) -> None:
     before = server.replica(0)
     view = view_of(snaps[1])
     try:
-        offer = Offer(RUN, 0, 10, view.header.generation, view.size, "0" * 64, "node-b")
+        offer = Offer(RUN, 0, 10, view.header.generation, view.size, "0" * 64, 1, "node-b")
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         hello = await reader.readexactly(len(GREETING) + NONCE)
         body = offer.signed(KEY, hello[len(GREETING) :]).encode()
@@ -265,3 +288,111 @@ def test_one_neighbour_s_state_at_one_step_is_held(
         assert server.hold.held() == ["rank-1"]
 
     serve(tmp_path, body)
+
+
+def test_a_header_over_its_bound_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    """A stranger (no token) offers a snapshot whose header is 60 MB, for one
+    tensor: refused on its first 16 bytes (the header itself is never sent
+    here, so an answer proves it was not waited for), nothing stored."""
+    hlen = 60 << 20
+
+    async def body(server: Server) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        await asyncio.wait_for(reader.readexactly(len(GREETING) + NONCE), 20)
+        offer = Offer(RUN, 0, 5, 1, 64 + hlen, "0" * 64, 1, "x").encode()
+        writer.write(struct.pack(">I", len(offer)) + offer + MAGIC + hlen.to_bytes(8, "little"))
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 20)
+        writer.close()
+        bound = HEADER_BASE + HEADER_PER_TENSOR
+        assert f"its header of {hlen} bytes is over the bound of {bound} for 1 tensors" in refusal(
+            answer
+        )
+
+    s = serve(tmp_path, body, key=b"")
+    assert os.listdir(s.hold.folder) == []
+    assert header_bound(10**9) == DEFAULT_MAX_HEADER  # never more, whatever the count claimed
+
+
+def test_a_header_that_is_not_the_offer_s_is_refused(
+    tmp_path: Path, snaps: tuple[str, str]
+) -> None:
+    """The header is decoded (within bounds) and must name the offer's
+    tensor count; a sender's own state over the bound is refused before
+    it connects, with the setting that raises it."""
+
+    async def body(server: Server) -> None:
+        view = view_of(snaps[0])
+        try:
+            h = view.header
+            offer = Offer(RUN, 0, h.step, h.generation, view.size, "0" * 64, 2, "x").encode()
+            payload = struct.pack(">I", len(offer)) + offer + bytes(view.whole)
+        finally:
+            view.close()
+        assert "its header lists 1 tensors, not the offer's" in refusal(await raw(server, payload))
+
+    s = serve(tmp_path, body, key=b"")
+    assert os.listdir(s.hold.folder) == []
+
+
+def test_a_state_whose_header_is_over_the_bound_is_not_sent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    big = make_snapshot(
+        tmp_path, 5, 1.0, monkeypatch, extra="x" * (HEADER_BASE + HEADER_PER_TENSOR)
+    )
+
+    async def body(server: Server) -> None:
+        with pytest.raises(ReplicaError, match="ELASTRUN_REPLICA_MAX_HEADER on every node"):
+            await send(server, big)
+        assert server.refused == []  # never connected
+
+    serve(tmp_path, body)
+
+
+def hold_silent(port: int, count: int, *, offer: bool) -> list[socket.socket]:
+    """``count`` connections from 127.0.0.1 that read the greeting and then
+    stay silent (after an offer of 1 GB, when ``offer``: no token needed)."""
+    socks = []
+    for _ in range(count):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=20)
+        socks.append(sock)
+        got = b""
+        while len(got) < len(GREETING) + NONCE and (chunk := sock.recv(64)):
+            got += chunk
+        if offer and got:
+            body = Offer(RUN, 0, 5, 1, 1 << 30, "0" * 64, 1, "x").encode()
+            sock.sendall(struct.pack(">I", len(body)) + body)
+    return socks
+
+
+@pytest.mark.parametrize("key", [KEY, b""], ids=["token", "no-token"])
+def test_silent_strangers_leave_the_neighbour_s_slot_free(
+    tmp_path: Path, snaps: tuple[str, str], monkeypatch: pytest.MonkeyPatch, key: bytes
+) -> None:
+    """Four strangers on 127.0.0.1 hold connections (silent after the
+    greeting with a token; after an offer of theirs without one), their
+    timeouts made long enough to outlast the test: the neighbour's replica
+    (from 127.0.0.5, the address the rendezvous names) still arrives; a
+    fifth sender from another address is refused at once."""
+    import elastrun.agent.replica as replica
+
+    monkeypatch.setattr(replica, "OFFER_TIMEOUT", 120.0)
+    monkeypatch.setattr(replica, "READ_TIMEOUT", 120.0)
+
+    async def body(server: Server) -> None:
+        server.hold.expect(["127.0.0.5"])
+        socks = await asyncio.to_thread(hold_silent, server.port, MAX_CONNECTIONS, offer=not key)
+        try:
+            await wait_until(lambda: server.hold.active + len(server.refused) == MAX_CONNECTIONS)
+            await send(server, snaps[0], key=key, source="127.0.0.5")
+            assert server.received == [(0, 5)]
+            assert "one is kept for it" in server.refused[0]
+            with pytest.raises(ReplicaError, match="closed the connection"):
+                await send(server, snaps[1], key=key)  # not the neighbour's address
+            assert server.hold.active == MAX_CONNECTIONS - 1
+        finally:
+            for sock in socks:
+                sock.close()
+
+    serve(tmp_path, body, key=key)

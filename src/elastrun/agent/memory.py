@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,7 @@ from elastrun.agent.replica import (
     ReplicaError,
     ReplicaHold,
     max_bytes_from_env,
+    max_header_from_env,
     replica_key,
     send_snapshot,
 )
@@ -84,6 +86,7 @@ DEFAULT_ROOT = "/dev/shm"
 POLL = 0.2  # s between looks at the commit notes
 CLOSE_WAIT = 60.0  # s the agent's end waits for a disk write in progress
 REPLICA_WAIT = 10.0  # s a mark is kept for the previous node's replicas of its step
+ADDRESS_WAIT = 5.0  # s to resolve the previous node's address (the slot kept for it)
 
 
 def features(core: Core) -> list[Feature]:
@@ -160,6 +163,7 @@ class MemoryCheckpoints(Feature):
         self._neighbour: Neighbour | None = None
         self._awaited = -1  # the newest step whose replicas were waited for
         self._replicas_off = False
+        self._expecting: asyncio.Task[None] | None = None  # resolving the neighbour's address
 
     def start(self) -> None:
         spec = self.core.spec
@@ -203,6 +207,10 @@ class MemoryCheckpoints(Feature):
     async def round_starts(self, result: RoundResult) -> None:
         """Take this round's neighbour's replicas (the port in our note)."""
         self.result, self._neighbour, self._awaited = result, None, -1
+        if self._expecting is not None:
+            self._expecting.cancel()
+        if self.hold is not None:
+            self.hold.expect(())  # until this round's neighbour is known
         if self.base is None or result.group_world_size < 2:
             return
         # The neighbours' places: every member (read where the result names only this node).
@@ -219,6 +227,7 @@ class MemoryCheckpoints(Feature):
                     run=self.core.spec.run_id,
                     key=replica_key(self.core.spec.replica_secret, self.core.spec.run_id),
                     max_bytes=max_bytes_from_env(),
+                    max_header=max_header_from_env(),
                 )
                 self.port = await hold.serve(me.addr)
             except OSError as e:  # UnsafePath too
@@ -228,6 +237,9 @@ class MemoryCheckpoints(Feature):
             hold.on_received = self._received
             hold.on_refused = self._refused
             self.hold = hold
+        if self.hold is not None:  # in the background: a name may take a while to resolve
+            prev = result.members[(result.group_rank - 1) % result.group_world_size]
+            self._expecting = asyncio.get_running_loop().create_task(_expect(self.hold, prev.addr))
         if self.port is not None:
             note = ReplicaNote(result.round, result.group_rank, me.node_id, self.port)
             await self.core.rendezvous.write_note(note.name, note.to_json(), lease=True)
@@ -360,15 +372,17 @@ class MemoryCheckpoints(Feature):
     def _send(self, lr: int, view: SlotView, to: Neighbour) -> None:
         clock, result = self.core.clock, self.result
         t0 = clock.monotonic()
-        node = "" if result is None else result.me.node_id
+        me = None if result is None else result.me
         h = view.header
         try:
             send_snapshot(
                 (to.host, to.port),
                 view,
                 run=self.core.spec.run_id,
-                node=node,
+                node="" if me is None else me.node_id,
                 key=replica_key(self.core.spec.replica_secret, self.core.spec.run_id),
+                source="" if me is None else me.addr,  # the receiver keeps a slot for it
+                max_header=max_header_from_env(),
             )
         except ReplicaError as e:
             self.core.events.emit(
@@ -406,6 +420,8 @@ class MemoryCheckpoints(Feature):
                 await asyncio.wait_for(task, CLOSE_WAIT)
             except TimeoutError:
                 self._failed(-1, -1, f"the agent ended before its disk writes ({CLOSE_WAIT:.0f}s)")
+        if self._expecting is not None:
+            self._expecting.cancel()
         if self.hold is not None:
             await self.hold.close()
             self.hold = None
@@ -414,6 +430,22 @@ class MemoryCheckpoints(Feature):
             with contextlib.suppress(OSError):  # the run's folder, once no agent uses it
                 os.rmdir(os.path.dirname(self.base))
             self.base = None
+
+
+async def _expect(hold: ReplicaHold, host: str) -> None:
+    """The slot ``hold`` keeps for the neighbour, for the addresses ``host``
+    (the previous member's address: an IP or a name) stands for; for none
+    when it does not resolve within ADDRESS_WAIT s."""
+    if not host:
+        return
+    try:
+        infos = await asyncio.wait_for(
+            asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM),
+            ADDRESS_WAIT,
+        )
+    except (OSError, TimeoutError):
+        return
+    hold.expect(str(info[4][0]) for info in infos)
 
 
 class _MemoryRound(RoundHooks):

@@ -14,10 +14,11 @@ The wire, one snapshot per connection::
     receiver -> sender   b"ELREPL01" and a 32-byte random nonce
     sender -> receiver   4-byte length (big endian, at most MAX_OFFER) and the
                          offer: JSON (:class:`Offer`: version, run, origin rank,
-                         step, generation, size, SHA-256 of the bytes, sending
-                         node, and an HMAC-SHA256 over the nonce and the rest)
+                         step, generation, size, SHA-256 of the bytes, its
+                         header's tensor count, sending node, and an
+                         HMAC-SHA256 over the nonce and the rest)
                          then exactly ``size`` bytes: the snapshot as it lies
-                         in the slot (magic, header, data)
+                         in the slot (magic, header length, header, data)
     receiver -> sender   4-byte length and a JSON answer {"ok": ..., "error": ...}
 
 Authentication: with a store token, the key is derived from it and the run id
@@ -26,18 +27,36 @@ byte of data is read, and the data must match the SHA-256 the HMAC covers.
 Without a token the port is unauthenticated, as the store is: anyone who can
 reach it can offer a replica (documented in docs/reliability.md).
 
-Bounds: an offer's JSON is at most ``MAX_OFFER`` bytes, read within
-``OFFER_TIMEOUT`` s; the data at most ``max_bytes`` (``ELASTRUN_REPLICA_MAX_BYTES``,
-default 64 GiB) and never more than the shared memory folder has free; every
-read and write of the data within ``IO_TIMEOUT`` s; at most
-``MAX_CONNECTIONS`` transfers at once (more are closed at once); at most
-``MAX_FILES`` snapshots held. A transfer is written to a new file
-(``incoming-*``) and takes the place of the rank's previous replica only
-once complete and checked (its SHA-256, its header's rank and step): a
-transfer cut mid-way leaves the previous replica intact. A complete transfer
-removes the replicas of other nodes and of other steps, so that a node holds
-one neighbour's state at one step (never a mix of steps from before and
-after a restart that went back to an older step).
+Bounds (what a stranger can make the receiver hold):
+
+* the greeting and the offer (at most ``MAX_OFFER`` bytes of JSON) within
+  ``OFFER_TIMEOUT`` s in all: a silent or trickling stranger is dropped then;
+* the snapshot's header at most :func:`header_bound` bytes: ``HEADER_BASE``
+  plus ``HEADER_PER_TENSOR`` per tensor the offer names, never more than
+  ``max_header`` (``ELASTRUN_REPLICA_MAX_HEADER``, default 4 MiB), checked on
+  its first 16 bytes, before the header is read; it is decoded in a thread,
+  one header at a time (what decoding costs, up to ~28 times its bytes, is
+  that of one header), never on the agent's event loop, and must name the
+  offered rank, step, generation and tensor count, and a size equal to the
+  offer's;
+* the data at most ``max_bytes`` (``ELASTRUN_REPLICA_MAX_BYTES``, default
+  64 GiB) and never more than the shared memory folder has free; each read
+  within ``READ_TIMEOUT`` s;
+* at most ``MAX_CONNECTIONS`` connections at once, of which at most
+  ``MAX_CONNECTIONS - 1`` from addresses other than the neighbour node's (the
+  previous node in the round, :meth:`ReplicaHold.expect`; the sender binds
+  its connection to its member address): one is kept for the neighbour.
+  A stranger cannot take it from another host (a TCP peer's address is not
+  forged off-path); one that shares the neighbour's address (its host) can,
+  and with a token is dropped at its offer (within ``OFFER_TIMEOUT`` s);
+* at most ``MAX_FILES`` snapshots held.
+
+A transfer is written to a new file (``incoming-*``) and takes the place of
+the rank's previous replica only once complete and checked (its SHA-256, its
+header): a transfer cut mid-way leaves the previous replica intact. A
+complete transfer removes the replicas of other nodes and of other steps, so
+that a node holds one neighbour's state at one step (never a mix of steps
+from before and after a restart that went back to an older step).
 
 Standard library only: the agent copies bytes, it never imports torch.
 """
@@ -46,20 +65,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import hmac
+import ipaddress
 import json
 import os
 import re
 import secrets
 import socket
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from elastrun.safefs import create_new
 from elastrun.untrusted import UntrustedData, loads, printable
-from elastrun.worker.snapshot import HASH_CHUNK, SlotView, SnapshotError, open_slot
+from elastrun.worker.snapshot import (
+    HASH_CHUNK,
+    MAGIC,
+    PREFIX,
+    SlotView,
+    SnapshotError,
+    parse_header,
+)
 
 __all__ = [
     "MAX_CONNECTIONS",
@@ -68,22 +97,32 @@ __all__ = [
     "Offer",
     "ReplicaError",
     "ReplicaHold",
+    "header_bound",
     "replica_key",
     "send_snapshot",
 ]
 
 GREETING = b"ELREPL01"
 NONCE = 32
-VERSION = 1
+VERSION = 2  # 2: the offer names its header's tensor count
 MAX_OFFER = 4096  # the offer's JSON
 MAX_ANSWER = 4096
-MAX_CONNECTIONS = 4  # transfers at once; more are closed at once
-MAX_FILES = 64  # snapshots held (one per rank of the neighbour node)
-OFFER_TIMEOUT = 5.0  # s for the greeting and the offer
-IO_TIMEOUT = 30.0  # s for each read or write of the data
+MAX_CONNECTIONS = 4  # at once, one of them kept for the neighbour; more are closed at once
+OFFER_TIMEOUT = 2.0  # s for the greeting and the offer, in all
+READ_TIMEOUT = 10.0  # s for each read of the snapshot's bytes
+IO_TIMEOUT = 30.0  # s for each of the sender's reads and writes, and the answer
 CONNECT_TIMEOUT = 5.0
+MAX_FILES = 64  # snapshots held (one per rank of the neighbour node)
 MAX_BYTES_ENV = "ELASTRUN_REPLICA_MAX_BYTES"
 DEFAULT_MAX_BYTES = 64 << 30
+# A real header: ~150 bytes per tensor in its list, its key and place in the
+# tree, its parameter id in an optimizer's groups (~300 bytes in all for a
+# model's and its optimizer's tensors); plus the state's plain values.
+HEADER_BASE = 1 << 20
+HEADER_PER_TENSOR = 512
+MAX_HEADER_ENV = "ELASTRUN_REPLICA_MAX_HEADER"
+# ~13000 real tensors; decoded, the worst 4 MiB (all one-key objects) is ~120 MB.
+DEFAULT_MAX_HEADER = 4 << 20
 FREE_MARGIN = 64 << 20  # left free in the shared memory folder
 MAX_REFUSALS_LOGGED = 100
 _FILE = re.compile(r"^rank-(\d{1,9})$")
@@ -104,9 +143,22 @@ def replica_key(token: str | None, run_id: str) -> bytes:
     ).digest()
 
 
+def _positive_env(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else default
+
+
 def max_bytes_from_env() -> int:
-    raw = os.environ.get(MAX_BYTES_ENV, "")
-    return int(raw) if raw.isdigit() and int(raw) > 0 else DEFAULT_MAX_BYTES
+    return _positive_env(MAX_BYTES_ENV, DEFAULT_MAX_BYTES)
+
+
+def max_header_from_env() -> int:
+    return _positive_env(MAX_HEADER_ENV, DEFAULT_MAX_HEADER)
+
+
+def header_bound(tensors: int, max_header: int = DEFAULT_MAX_HEADER) -> int:
+    """The most header bytes a replica of ``tensors`` tensors may have."""
+    return min(max_header, HEADER_BASE + HEADER_PER_TENSOR * tensors)
 
 
 @dataclass(frozen=True)
@@ -119,6 +171,7 @@ class Offer:
     generation: int
     size: int
     sha256: str
+    tensors: int
     node: str
     mac: str = ""
 
@@ -130,6 +183,7 @@ class Offer:
             self.generation,
             self.size,
             self.sha256,
+            self.tensors,
             self.node,
         ]
         return nonce + json.dumps(fields, separators=(",", ":")).encode()
@@ -154,6 +208,7 @@ class Offer:
             "generation": self.generation,
             "size": self.size,
             "sha256": self.sha256,
+            "tensors": self.tensors,
             "node": self.node,
             "mac": self.mac,
         }
@@ -169,7 +224,7 @@ class Offer:
             raise ReplicaError(str(e)) from None
         if not isinstance(obj, dict) or obj.get("v") != VERSION:
             raise ReplicaError(f"not a version-{VERSION} replica offer")
-        for name in ("rank", "step", "generation", "size"):
+        for name in ("rank", "step", "generation", "size", "tensors"):
             v = obj.get(name)
             if type(v) is not int or not 0 <= v < 2**63:
                 raise ReplicaError(f"the offer has no valid {name!r}")
@@ -188,6 +243,7 @@ class Offer:
             generation=obj["generation"],
             size=obj["size"],
             sha256=text["sha256"],
+            tensors=obj["tensors"],
             node=text["node"],
             mac=text["mac"],
         )
@@ -210,20 +266,52 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def _connect(addr: tuple[str, int], source: str) -> socket.socket:
+    """A connection to ``addr`` from the address ``source`` (this node's
+    member address: the receiver keeps a slot for it), or from any address
+    when ``source`` cannot be bound (another family, not local)."""
+    if source:
+        try:
+            return socket.create_connection(addr, CONNECT_TIMEOUT, source_address=(source, 0))
+        except socket.gaierror:
+            pass
+        except OSError as e:
+            if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT, errno.EINVAL):
+                raise
+    return socket.create_connection(addr, CONNECT_TIMEOUT)
+
+
 def send_snapshot(
-    addr: tuple[str, int], view: SlotView, *, run: str, node: str, key: bytes
+    addr: tuple[str, int],
+    view: SlotView,
+    *,
+    run: str,
+    node: str,
+    key: bytes,
+    source: str = "",
+    max_header: int = DEFAULT_MAX_HEADER,
 ) -> None:
     """Send the snapshot ``view`` holds to the replica port at ``addr``
-    (blocking, every step within a timeout). ReplicaError: refused or failed."""
+    (blocking, every step within a timeout), from the address ``source``
+    when given. ReplicaError: refused or failed."""
     whole = view.whole
     try:
+        h = view.header
+        hlen = int.from_bytes(whole[len(MAGIC) : PREFIX], "little")
+        bound = header_bound(len(h.tensors), max_header)
+        if hlen > bound:
+            raise ReplicaError(
+                f"its header of {hlen} bytes is over the replicas' bound of {bound} for "
+                f"{len(h.tensors)} tensors ({MAX_HEADER_ENV} on every node raises it)"
+            )
         digest = hashlib.sha256()
         for i in range(0, view.size, HASH_CHUNK):
             digest.update(whole[i : i + HASH_CHUNK])
-        h = view.header
-        offer = Offer(run, h.rank, h.step, h.generation, view.size, digest.hexdigest(), node)
+        offer = Offer(
+            run, h.rank, h.step, h.generation, view.size, digest.hexdigest(), len(h.tensors), node
+        )
         try:
-            with socket.create_connection(addr, timeout=CONNECT_TIMEOUT) as sock:
+            with _connect(addr, source) as sock:
                 sock.settimeout(IO_TIMEOUT)
                 hello = _recv_exact(sock, len(GREETING) + NONCE)
                 if hello[: len(GREETING)] != GREETING:
@@ -255,28 +343,71 @@ class Received:
     size: int
 
 
+def _ip(addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """An address as compared with a peer's (an IPv4-mapped one as IPv4)."""
+    try:
+        ip = ipaddress.ip_address(addr.split("%", 1)[0])
+    except ValueError:
+        return None
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return mapped if mapped is not None else ip
+
+
+def _check_header(head: bytes, offer: Offer) -> None:
+    """The snapshot's header (its first bytes ``head``: magic, length, header)
+    decoded within the snapshot format's bounds and checked against the
+    offer. Run in a thread, one at a time (ReplicaHold._decoding)."""
+    try:
+        header, start = parse_header(head, offer.size)
+    except SnapshotError as e:
+        raise ReplicaError(f"not a snapshot: {e}") from None
+    if (header.rank, header.step, header.generation) != (offer.rank, offer.step, offer.generation):
+        raise ReplicaError("its header's rank, step or generation is not the offer's")
+    if len(header.tensors) != offer.tensors:
+        raise ReplicaError(f"its header lists {len(header.tensors)} tensors, not the offer's")
+    if start + header.data_size != offer.size:
+        raise ReplicaError("its header's data size does not make the offer's size")
+
+
 class ReplicaHold:
     """The folder of the replicas this agent holds, and the TCP server that
     fills it (see the module doc)."""
 
-    def __init__(self, folder: str, *, run: str, key: bytes, max_bytes: int) -> None:
+    def __init__(
+        self,
+        folder: str,
+        *,
+        run: str,
+        key: bytes,
+        max_bytes: int,
+        max_header: int = DEFAULT_MAX_HEADER,
+    ) -> None:
         self.folder = folder
         self.run = run
         self.key = key
         self.max_bytes = max_bytes
+        self.max_header = max_header
         self.senders: dict[int, tuple[str, int]] = {}  # origin rank -> (node, step) held
-        self.active = 0
+        self.active = 0  # connections at once
+        self.others = 0  # of which from addresses other than the neighbour's
+        self.neighbour: frozenset[ipaddress.IPv4Address | ipaddress.IPv6Address] = frozenset()
         self.refusals = 0
         self.on_received: Any = None  # Callable[[Received], None]
         self.on_refused: Any = None  # Callable[[str, str], None]: peer, reason
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._decoding = asyncio.Lock()  # one header decoded at a time
 
     def held(self) -> list[str]:
         try:
             return sorted(n for n in os.listdir(self.folder) if _FILE.match(n))
         except OSError:
             return []
+
+    def expect(self, addrs: Iterable[str]) -> None:
+        """The neighbour node's addresses (the previous node in this round):
+        a connection from one of them may take the slot kept for it."""
+        self.neighbour = frozenset(ip for ip in map(_ip, addrs) if ip is not None)
 
     async def serve(self, host: str) -> int:
         """Listen on ``host`` (port chosen by the system); the port."""
@@ -292,13 +423,31 @@ class ReplicaHold:
                 await asyncio.wait_for(self._server.wait_closed(), 5.0)
             self._server = None
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = printable(writer.get_extra_info("peername"), limit=100)
+    def _admit(self, peer: Any) -> tuple[bool, str]:
+        """Whether a connection from ``peer`` is the neighbour's address, and
+        why it is refused ("": taken)."""
+        host = peer[0] if isinstance(peer, tuple) and peer and isinstance(peer[0], str) else ""
+        ip = _ip(host)
+        neighbour = ip is not None and ip in self.neighbour
         if self.active >= MAX_CONNECTIONS:
-            self._refused(peer, f"over {MAX_CONNECTIONS} transfers at once")
+            return neighbour, f"over {MAX_CONNECTIONS} connections at once"
+        if not neighbour and self.others >= MAX_CONNECTIONS - 1:
+            return neighbour, (
+                f"over {MAX_CONNECTIONS - 1} connections at once from addresses other than the "
+                "neighbour node's (one is kept for it)"
+            )
+        return neighbour, ""
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        address = writer.get_extra_info("peername")
+        peer = printable(address, limit=100)
+        neighbour, why = self._admit(address)
+        if why:
+            self._refused(peer, why)
             writer.close()
             return
         self.active += 1
+        self.others += not neighbour
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
@@ -315,6 +464,7 @@ class ReplicaHold:
             answer = {"ok": False, "error": "transfer cut"}
         finally:
             self.active -= 1
+            self.others -= not neighbour
             if task is not None:
                 self._tasks.discard(task)
         with contextlib.suppress(OSError, TimeoutError):
@@ -328,13 +478,19 @@ class ReplicaHold:
             self.on_refused(peer, why)
 
     async def _offer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Offer:
+        """The greeting and the offer, within OFFER_TIMEOUT s in all."""
         nonce = secrets.token_bytes(NONCE)
-        writer.write(GREETING + nonce)
-        await asyncio.wait_for(writer.drain(), OFFER_TIMEOUT)
-        (n,) = struct.unpack(">I", await asyncio.wait_for(reader.readexactly(4), OFFER_TIMEOUT))
-        if n > MAX_OFFER:
-            raise ReplicaError(f"offer of {n} bytes, over the bound of {MAX_OFFER}")
-        offer = Offer.decode(await asyncio.wait_for(reader.readexactly(n), OFFER_TIMEOUT))
+        try:
+            async with asyncio.timeout(OFFER_TIMEOUT):
+                writer.write(GREETING + nonce)
+                await writer.drain()
+                (n,) = struct.unpack(">I", await reader.readexactly(4))
+                if n > MAX_OFFER:
+                    raise ReplicaError(f"offer of {n} bytes, over the bound of {MAX_OFFER}")
+                raw = await reader.readexactly(n)
+        except TimeoutError:
+            raise ReplicaError(f"no offer within {OFFER_TIMEOUT:g} s") from None
+        offer = Offer.decode(raw)
         if not offer.authentic(self.key, nonce):
             raise ReplicaError("the offer is not signed with this run's key")
         if offer.run != self.run:
@@ -353,30 +509,60 @@ class ReplicaHold:
         if name not in self.held() and len(self.held()) >= MAX_FILES:
             raise ReplicaError(f"already {MAX_FILES} replicas held")
 
+    def _header_length(self, prefix: bytes, offer: Offer) -> int:
+        """The header's length from the snapshot's first 16 bytes, refused
+        over its bound before a byte of the header is read."""
+        if prefix[: len(MAGIC)] != MAGIC:
+            raise ReplicaError("not a snapshot (no magic)")
+        hlen = int.from_bytes(prefix[len(MAGIC) : PREFIX], "little")
+        bound = header_bound(offer.tensors, self.max_header)
+        if hlen > bound:
+            raise ReplicaError(
+                f"its header of {hlen} bytes is over the bound of {bound} for {offer.tensors} "
+                f"tensors ({MAX_HEADER_ENV})"
+            )
+        if PREFIX + hlen > offer.size:
+            raise ReplicaError("its header runs past the offered size")
+        return hlen
+
     async def _receive(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> Received:
         offer = await self._offer(reader, writer)
         incoming = os.path.join(self.folder, f"incoming-{secrets.token_hex(8)}")
         fd = create_new(incoming)
+        digest = hashlib.sha256()
+
+        async def copy(n: int, head: bytearray | None = None) -> None:
+            """The next ``n`` bytes into the file (and ``head``), each read
+            within READ_TIMEOUT s. Shared memory: a write is a copy, it does
+            not block on a disk."""
+            while n:
+                chunk = await asyncio.wait_for(reader.read(min(n, 1 << 20)), READ_TIMEOUT)
+                if not chunk:
+                    raise ReplicaError(f"transfer cut with {n} bytes to come")
+                digest.update(chunk)
+                if head is not None:
+                    head += chunk
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view) :]
+                n -= len(chunk)
+
         try:
-            try:  # shared memory: a write is a copy, it does not block on a disk
-                digest = hashlib.sha256()
-                left = offer.size
-                while left:
-                    chunk = await asyncio.wait_for(reader.read(min(left, 1 << 20)), IO_TIMEOUT)
-                    if not chunk:
-                        raise ReplicaError(f"transfer cut with {left} bytes to come")
-                    digest.update(chunk)
-                    view = memoryview(chunk)
-                    while view:
-                        view = view[os.write(fd, view) :]
-                    left -= len(chunk)
+            try:
+                head = bytearray()
+                await copy(PREFIX, head)
+                hlen = self._header_length(bytes(head), offer)
+                await copy(hlen, head)
+                async with self._decoding:  # off the loop; one at a time bounds the memory
+                    await asyncio.to_thread(_check_header, bytes(head), offer)
+                del head
+                await copy(offer.size - PREFIX - hlen)
             finally:
                 os.close(fd)
             if digest.hexdigest() != offer.sha256:
                 raise ReplicaError("its bytes do not match the offer's SHA-256")
-            self._check_snapshot(incoming, offer)
             os.replace(incoming, os.path.join(self.folder, f"rank-{offer.rank}"))
         except BaseException:
             with contextlib.suppress(OSError):
@@ -384,19 +570,6 @@ class ReplicaHold:
             raise
         self._keep_one_node(offer)
         return Received(offer.rank, offer.step, offer.node, offer.size)
-
-    @staticmethod
-    def _check_snapshot(path: str, offer: Offer) -> None:
-        try:
-            view = open_slot(path)
-        except (SnapshotError, OSError) as e:
-            raise ReplicaError(f"not a snapshot: {e}") from None
-        if view is None:
-            raise ReplicaError("not a snapshot")
-        with view:
-            h = view.header
-            if (h.rank, h.step, h.generation) != (offer.rank, offer.step, offer.generation):
-                raise ReplicaError("its header's rank, step or generation is not the offer's")
 
     def _keep_one_node(self, offer: Offer) -> None:
         """The replicas of other nodes, and of other steps, go: one

@@ -11,7 +11,8 @@ on every rank: a rank given another rank's state is caught), saved with
 loaded is the one this rank had at that step). Each step appends
 ``{"node", "rank", "step", "world", "pid"}`` to ``steps.jsonl``. At step
 ``MEM_HOLD_AT`` each rank waits (at most 120 s) until the file ``go``
-exists; the job ends at step ``MEM_STEPS``.
+exists; the job ends at step ``MEM_STEPS``, or at the first step after the
+file ``MEM_STOP`` names exists there (when set; agreed by the ranks).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def main() -> None:
     node = os.environ["ELASTIC_TEST_NODE"]
     steps = int(os.environ["MEM_STEPS"])
     hold_at = int(os.environ.get("MEM_HOLD_AT", "-1"))
+    stop = os.environ.get("MEM_STOP")
     base = os.environ.get("MEM_DIR")
     mem = MemoryCheckpoint(
         os.path.join(base, f"rank-{rank}") if base else None,  # a state per rank
@@ -75,6 +77,11 @@ def main() -> None:
             deadline = time.monotonic() + 120
             while not (out / "go").exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
+        if stop:
+            seen = torch.tensor([float((out / stop).exists())])
+            dist.all_reduce(seen)
+            if seen.item() > 0:
+                break
     mem.close()
     dist.barrier()
     dist.destroy_process_group()
