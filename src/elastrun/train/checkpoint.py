@@ -35,6 +35,7 @@ from typing import Any
 from elastrun.errors import ConfigError
 from elastrun.safefs import UnsafePath, open_regular
 from elastrun.train.heartbeat import phase
+from elastrun.train.log import Log, say
 from elastrun.train.state_codec import decode
 from elastrun.worker.checkpoint_files import (
     CheckpointInfo,
@@ -57,8 +58,6 @@ __all__ = [
     "save_checkpoint",
     "save_checkpoint_bytes",
 ]
-
-Log = Callable[[str], None] | None
 
 
 def save_checkpoint_bytes(
@@ -109,11 +108,6 @@ class _Local:
     data: bytearray
     sha256: str
     state: dict[str, Any] | None = None  # already loaded (an unverified one is loaded to check)
-
-
-def _say(log: Log, line: str) -> None:
-    if log is not None:
-        log(line)
 
 
 def _first_line(e: BaseException) -> str:
@@ -182,13 +176,13 @@ def _set_aside(info: CheckpointInfo, why: str, log: Log) -> None:
     except FileNotFoundError:
         return  # gone: another rank sharing this directory moved it (and said so)
     except OSError as e:
-        _say(
+        say(
             log,
             f"=> checkpoint {info.path} is damaged ({why}) and cannot be moved aside "
             f"({e.strerror or e}): skipping it",
         )
         return
-    _say(log, f"=> checkpoint {info.path} is damaged ({why}): moved to {dest}; trying older ones")
+    say(log, f"=> checkpoint {info.path} is damaged ({why}): moved to {dest}; trying older ones")
 
 
 def _find_local(directory: str | os.PathLike[str], map_location: Any, log: Log) -> _Local | None:
@@ -220,7 +214,7 @@ def _find_local(directory: str | os.PathLike[str], map_location: Any, log: Log) 
             except Exception as e:
                 why = f"no checksum record, and its {len(data)} bytes do not load: {_first_line(e)}"
             else:
-                _say(
+                say(
                     log,
                     f"=> checkpoint {info.path} has no checksum record (saved by an older "
                     "elastrun?); it loads, so it is used unverified",
@@ -289,7 +283,7 @@ def _agree_and_load(
     if not (dist.is_available() and dist.is_initialized()):
         if local is None:
             return None
-        _say(log, f"=> using checkpoint from rank: 0, step: {local.info.step} ({local.info.path})")
+        say(log, f"=> using checkpoint from rank: 0, step: {local.info.step} ({local.info.path})")
         return _state_of(local, map_location)
 
     rank = dist.get_rank(group)
@@ -315,20 +309,20 @@ def _agree_and_load(
     quiet = log is None or rank != 0
     if best_step < 0:
         if not quiet:
-            _say(log, "=> no checkpoint on any rank: starting from scratch")
+            say(log, "=> no checkpoint on any rank: starting from scratch")
         return None
     src_group_rank = min(r[1] for r in rows if r[0] == best_step)
     src_row = next(r for r in rows if r[1] == src_group_rank)
     size = src_row[2]
     if not quiet:
-        _say(log, f"=> using checkpoint from rank: {src_group_rank}, step: {best_step}")
+        say(log, f"=> using checkpoint from rank: {src_group_rank}, step: {best_step}")
 
     if all(r[0] == best_step for r in rows):
         assert local is not None
         return _state_of(local, map_location)
 
     if not quiet:
-        _say(log, f"=> checkpoint broadcast size is: {size} bytes")
+        say(log, f"=> checkpoint broadcast size is: {size} bytes")
     received = b""
     if size > 0:
         if rank == src_group_rank:
@@ -350,7 +344,7 @@ def _agree_and_load(
                 f"match the SHA-256 that rank sent ({expected[:16]}...): damaged in transit"
             )
         path = save_checkpoint_bytes(received, directory, step=best_step, keep=keep)
-        _say(
+        say(
             log,
             f"=> rank {rank}: received checkpoint step {best_step} from rank "
             f"{src_group_rank} ({size} bytes), saved to {path}",

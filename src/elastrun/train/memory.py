@@ -63,6 +63,7 @@ from typing import Any
 from elastrun.errors import ConfigError
 from elastrun.train.checkpoint import load_checkpoint, save_checkpoint
 from elastrun.train.heartbeat import phase
+from elastrun.train.log import Log, say
 from elastrun.train.memory_load import restore
 from elastrun.train.state_codec import Flat, copy_into, flatten
 from elastrun.worker.snapshot import (
@@ -89,7 +90,6 @@ from elastrun.worker.snapshot import (
 
 __all__ = ["ENV", "MemoryCheckpoint"]
 
-Log = Callable[[str], None] | None
 LOCK_WAIT = 120.0  # s a save waits for a slot when every other slot is being read
 _NO_ROOM = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
 
@@ -434,7 +434,7 @@ class MemoryCheckpoint:
     def _warn(self) -> None:
         self._warned = True
         where = "to disk every persist step only" if self.directory else "nowhere (no directory)"
-        _say(
+        say(
             self.log,
             f"=> warning: memory checkpoints off: {self._fallback}; saving {where}. Give "
             "/dev/shm room for 3x the state per rank (docs/training.md: memory checkpoints)",
@@ -502,14 +502,14 @@ class MemoryCheckpoint:
                 continue  # torn by a kill mid-copy, or being written: not a snapshot
             if isinstance(v, SnapshotError):
                 path, _, why = str(v).partition(": ")
-                _say(self.log, f"=> memory checkpoint {path} is damaged ({why}); not used")
+                say(self.log, f"=> memory checkpoint {path} is damaged ({why}); not used")
                 continue
             try:
                 v.verify()
                 _check_note(v, note)
             except SnapshotError as e:
                 what = "was never committed" if isinstance(e, _Uncommitted) else "is damaged"
-                _say(self.log, f"=> memory checkpoint {v.path} {what} ({e}); not used")
+                say(self.log, f"=> memory checkpoint {v.path} {what} ({e}); not used")
                 v.close()
                 continue
             views.append(v)
@@ -541,11 +541,6 @@ def _check_note(view: SlotView, note: CommitNote | None) -> None:
                 f"it says step {h.step}, and its commit note step {noted.step} in "
                 f"slot-{noted.slot} for its generation"
             )
-
-
-def _say(log: Log, line: str) -> None:
-    if log is not None:
-        log(line)
 
 
 def _rank_world() -> tuple[int, int]:

@@ -26,17 +26,16 @@ disk checkpoints, agreed on in the same way by every rank).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from elastrun.errors import ConfigError
+from elastrun.train.log import Log, say
 from elastrun.train.state_codec import decode
 from elastrun.worker.snapshot import MAX_SLOTS, SlotView, SnapshotError, header_of, sha256_of
 
 __all__ = ["restore"]
-
-Log = Callable[[str], None] | None
 
 
 def _newest_per_step(views: list[SlotView]) -> dict[int, SlotView]:
@@ -44,11 +43,6 @@ def _newest_per_step(views: list[SlotView]) -> dict[int, SlotView]:
     for v in sorted(views, key=lambda v: v.header.generation):
         out[v.header.step] = v  # the newest copy of a step saved twice
     return dict(sorted(out.items(), reverse=True)[:MAX_SLOTS])
-
-
-def _say(log: Log, rank: int, line: str) -> None:
-    if log is not None and rank == 0:
-        log(line)
 
 
 MAX_REPLICAS = 64  # replicas one rank lists (its node holds one neighbour's ranks)
@@ -145,7 +139,7 @@ def restore(
         if not mine:
             return None
         step = max(mine)
-        _say(log, 0, f"=> using memory checkpoint: step {step} (held by the agent; no disk read)")
+        say(log, f"=> using memory checkpoint: step {step} (held by the agent; no disk read)")
         return _decoded(mine[step], map_location)
 
     rank = dist.get_rank(group)
@@ -154,15 +148,15 @@ def restore(
     if agreed is None:
         return None
     step, sources = agreed
+    log = log if rank == 0 else None  # rank 0 says what the ranks agreed on
     if not sources:
-        _say(
+        say(
             log,
-            rank,
             f"=> using memory checkpoint: step {step} (each rank's copy held by its "
             "agent; no disk read)",
         )
         return _decoded(mine[step], map_location)
-    _say(log, rank, _line(step, sources, shared))
+    say(log, _line(step, sources, shared))
     got: dict[str, Any] | None = None
     for r, (src, size) in sorted(sources.items()):
         if src == r == rank:  # this rank's own state, in its node's replicas
