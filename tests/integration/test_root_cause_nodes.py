@@ -293,8 +293,56 @@ def killed_run(tmp_path: Path, *, held: bool) -> list[str]:
     last = found["last_failure"]
     if (last.get("rank"), last.get("signal")) != (1, "SIGKILL"):
         wrong.append(f"elastrun status: last failure {last}")
+    ev = [events(tmp_path / f"events-{n}.jsonl") for n in (0, 1)]
+    wrong += _summaries_wrong(err0, err1, ev[0], ev[1])
+    for n in (0, 1):
+        told = [_named(e) for e in ev[n] if e["kind"] == "restart" and e.get("counted")]
+        if told != [1]:
+            wrong.append(f"node {n}'s restart event names ranks {told}")
+    roots = _timeline_root_causes(tmp_path / "events-0.jsonl", tmp_path / "events-1.jsonl")
+    if len(roots) != 1 or "rank 1 on" not in roots[0] or "SIGKILL" not in roots[0]:
+        wrong.append(f"the timeline's root causes: {roots}")
+    if wrong:
+        wrong.append(f"node 0:\n{err0[-3000:]}\nnode 1:\n{err1[-3000:]}")
+        for n in (0, 1):
+            seen = [(e["kind"], e.get("rank"), e.get("cause")) for e in ev[n]]
+            wrong.append(f"node {n}'s events: {seen}")
+    return wrong
+
+
+def _named(restart: dict[str, Any]) -> int | None:
+    """The rank a ``restart`` event names as the root cause: its failure's
+    (a node whose ranks failed), else the one in its detail (a node that
+    restarted for another node's failure before any of its ranks failed)."""
+    if isinstance(restart.get("failure"), dict):
+        rank = restart["failure"].get("rank")
+        return rank if isinstance(rank, int) else None
+    found = re.match(r"rank (\d+) on ", str(restart.get("detail")))
+    return int(found.group(1)) if found else None
+
+
+def _summaries_wrong(
+    err0: str, err1: str, ev0: list[dict[str, Any]], ev1: list[dict[str, Any]]
+) -> list[str]:
+    """What is wrong in the nodes' consoles and root-cause events: rank 1 must
+    be the root cause on both. Node 0's rank 0 fails (its all-reduce broke)
+    unless node 1's restart reached node 0's agent first (then it was
+    stopped, and node 0 has no failure of its own to report)."""
+    wrong = []
     if "[ROOT CAUSE] rank 1 (local rank 0) on " not in err1 or "[ROOT CAUSE] on" in err1:
         wrong.append("node 1's summary does not name its rank 1")
+    if [e for e in ev1 if e["kind"] == "root_cause_elsewhere"]:
+        wrong.append("node 1 says the root cause was elsewhere")
+    for n, err in enumerate((err0, err1)):
+        if not re.search(
+            r"restarting workers \(restart 1/1\): rank 1 on \S+ was killed by SIGKILL", err
+        ):
+            wrong.append(f"node {n} announces the restart with another root cause")
+    elsewhere = [e for e in ev0 if e["kind"] == "root_cause_elsewhere"]
+    if not any(e["kind"] == "restart_requested" for e in ev0):  # node 0's ranks were stopped
+        if "[ROOT CAUSE]" in err0 or elsewhere:
+            wrong.append("node 0 names a root cause, with no failure of its own")
+        return wrong
     if not re.search(r"\[ROOT CAUSE\] on another node: rank 1 on \S+ was killed by SIGKILL", err0):
         wrong.append("node 0's summary does not name rank 1 on node 1")
     if (
@@ -302,28 +350,10 @@ def killed_run(tmp_path: Path, *, held: bool) -> list[str]:
         or "collateral (failed after the root cause)] rank 0" not in err0
     ):
         wrong.append("node 0's summary names its own rank 0")
-    for n, err in enumerate((err0, err1)):
-        if not re.search(
-            r"restarting workers \(restart 1/1\): rank 1 on \S+ was killed by SIGKILL", err
-        ):
-            wrong.append(f"node {n} announces the restart with another root cause")
-    ev = [events(tmp_path / f"events-{n}.jsonl") for n in (0, 1)]
-    for n in (0, 1):
-        told = [e["failure"]["rank"] for e in ev[n] if e["kind"] == "restart" and e.get("counted")]
-        if told != [1]:
-            wrong.append(f"node {n}'s restart event names ranks {told}")
-    elsewhere = [e for e in ev[0] if e["kind"] == "root_cause_elsewhere"]
     if [(e["failure"]["rank"], e["node_failure"]["rank"]) for e in elsewhere] != [(1, 0)]:
         wrong.append(f"node 0's root_cause_elsewhere events: {elsewhere}")
     elif elsewhere[0]["node_failure"]["kind"] != "broken_collective":
         wrong.append(f"node 0's own failure is not a broken collective: {elsewhere[0]}")
-    if [e for e in ev[1] if e["kind"] == "root_cause_elsewhere"]:
-        wrong.append("node 1 says the root cause was elsewhere")
-    roots = _timeline_root_causes(tmp_path / "events-0.jsonl", tmp_path / "events-1.jsonl")
-    if len(roots) != 1 or "rank 1 on" not in roots[0] or "SIGKILL" not in roots[0]:
-        wrong.append(f"the timeline's root causes: {roots}")
-    if wrong:
-        wrong.append(f"node 0:\n{err0[-3000:]}\nnode 1:\n{err1[-3000:]}")
     return wrong
 
 
