@@ -9,11 +9,19 @@ and the event log show the record. On the wire it is a JSON object
 
     {"v": 1, "reason": "worker_failed", "host": "node-a", "rank": 1, "local_rank": 1,
      "pid": 4242, "exitcode": 1, "signal": null, "time": 1700000000.123,
-     "role": "root_cause", "stopped_by_agent": false, "message": "ValueError: ...",
+     "role": "root_cause", "kind": "error", "stopped_by_agent": false,
+     "message": "ValueError: ...",
      "traceback": "...", "stderr_tail": ["..."], "stderr_log": "...", "error_file": "...",
      "attempt": 0, "restart_count": 0, "hang": null,
      "failures": [{"rank": 1, "exitcode": 1, "signal": null, "role": "root_cause",
                    "stopped_by_agent": false}]}
+
+Across nodes the job's root cause is decided by one pure rule,
+:func:`first_failure`: the failure the round keeps (the first reported, in
+the store's order: no wall clocks compared across nodes) stays, unless a
+later report is stronger evidence of a root cause (:func:`weight`: a rank
+that failed by itself, of a signal, an error or a hang, over one whose only
+failure is a broken collective, over a node whose ranks the agent stopped).
 
 Fields are only ever added within a version. Reading is lenient, as the record
 comes from another node, possibly of another elastrun version: a record
@@ -30,15 +38,28 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "BROKEN_COLLECTIVE",
+    "ERROR",
     "FAILURE_RECORD_VERSION",
+    "HANG",
+    "SIGNAL",
     "FailedWorker",
     "FailureRecord",
     "describe_stored",
     "first_failure",
+    "same_failure",
+    "weight",
 ]
 
 FAILURE_RECORD_VERSION = 1
 NO_RECORD = "workers failed on another node"
+
+# How the reported rank failed (``FailureRecord.kind``), as evidence of a root
+# cause across nodes (agent/failures.failure_kind decides it).
+SIGNAL = "signal"  # killed by a signal the agent did not send (an OOM kill, a segfault)
+ERROR = "error"  # its script failed: an exception or a non-zero exit
+HANG = "hang"  # declared failed while it ran (the hang watchdog, a file timer)
+BROKEN_COLLECTIVE = "broken_collective"  # its error says a peer's connection broke
 
 
 @dataclass(frozen=True)
@@ -87,6 +108,7 @@ class FailureRecord:
     signal: str | None = None
     time: float | None = None  # wall clock of the exit
     role: str = ""  # root_cause | collateral
+    kind: str = ""  # signal | error | hang | broken_collective ("": an older record)
     stopped_by_agent: bool = False
     message: str = ""  # the error file's message, else the last line of output
     traceback: str | None = None
@@ -144,6 +166,7 @@ class FailureRecord:
             "signal": self.signal,
             "time": self.time,
             "role": self.role,
+            "kind": self.kind,
             "stopped_by_agent": self.stopped_by_agent,
             "message": self.message,
             "traceback": self.traceback,
@@ -174,6 +197,7 @@ class FailureRecord:
             signal=_str(raw.get("signal")),
             time=_float(raw.get("time")),
             role=_str(raw.get("role")) or "",
+            kind=_str(raw.get("kind")) or "",
             stopped_by_agent=raw.get("stopped_by_agent") is True,
             message=_str(raw.get("message")) or "",
             traceback=_str(raw.get("traceback")),
@@ -189,29 +213,49 @@ class FailureRecord:
         )
 
 
-def _order(record: FailureRecord) -> tuple[int, float]:
-    """A record's place in the job's order of failures: a node's own root
-    cause (a rank that failed by itself) before a failure its agent caused,
-    then by time (a record without one last)."""
-    when = record.time if record.time is not None and math.isfinite(record.time) else math.inf
-    return (0 if record.role == "root_cause" else 1, when)
+def weight(record: FailureRecord) -> int:
+    """How strongly ``record`` says its node holds the job's root cause
+    (lower: stronger). 0: a rank of the node failed by itself (a signal the
+    agent did not send, an error, a hang; an older record without a kind);
+    1: its only failure of its own is a broken collective (a peer's
+    connection closed: the peer failed first); 2: no rank failed by itself
+    (the agent stopped them all: the trigger was elsewhere)."""
+    if record.role != "root_cause":
+        return 2
+    return 1 if record.kind == BROKEN_COLLECTIVE else 0
 
 
 def first_failure(
-    current: FailureRecord | None, other: FailureRecord | None
+    kept: FailureRecord | None, reported: FailureRecord | None
 ) -> FailureRecord | None:
-    """The job's root cause of two nodes' failures: the one that came first
-    (see :func:`_order`; ``current`` on a tie, and when ``other`` is None).
+    """The job's root cause, given the failure the round ``kept`` so far (the
+    first reported, in the store's order) and one ``reported`` after it:
+    ``kept``, unless ``reported`` is stronger evidence (:func:`weight`), and
+    whichever is not None.
 
-    Ranks that fail because a peer's crash broke their collective exit
-    after that crash (cause precedes effect: the peer's process ended, its
-    sockets closed, the rank noticed, raised and its interpreter shut down),
-    so the earliest failure across nodes is the one that started the cascade,
-    as long as the nodes' clocks agree better than that delay (NTP keeps
-    them within milliseconds; the cascade takes tens of milliseconds or more)."""
-    if current is None or other is None:
-        return current or other
-    return other if _order(other) < _order(current) else current
+    Never by the records' times: they are wall clocks of different nodes.
+    The store orders the reports (each is a compare-and-set on the round
+    record), so every node that reads the round reads the same root cause,
+    also when two failures carry the same time. A failure written first
+    still loses to a stronger one written later: a rank killed by a signal
+    (an OOM kill) says nothing before it dies, its node reports it only once
+    its exit is seen, and its peers' collectives, which its death broke, may
+    be reported before it."""
+    if kept is None or reported is None:
+        return kept or reported
+    return reported if weight(reported) < weight(kept) else kept
+
+
+def same_failure(a: FailureRecord | None, b: FailureRecord | None) -> bool:
+    """Whether ``a`` and ``b`` are the same failure (one of them possibly
+    read back from the store): the same worker of the same attempt."""
+    if a is None or b is None:
+        return a is b
+    return _identity(a) == _identity(b)
+
+
+def _identity(r: FailureRecord) -> tuple[object, ...]:
+    return (r.host, r.rank, r.local_rank, r.pid, r.attempt, r.restart_count, r.exitcode, r.signal)
 
 
 def describe_stored(raw: object) -> str:

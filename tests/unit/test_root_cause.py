@@ -1,6 +1,7 @@
-"""The job's root cause across nodes: the first failure any node reported.
+"""The job's root cause across nodes: the first failure any node reported,
+unless a later one is stronger evidence.
 
-The order of two nodes' failures (``first_failure``), the round record's
+The rule (``first_failure``, as a table of cases), the round record's
 reporters (``rendezvous/root_cause.report`` on a real in-memory store), the
 wait for the other members (``settle``), and the summary of a node whose
 ranks failed after another node's."""
@@ -8,7 +9,11 @@ ranks failed after another node's."""
 from __future__ import annotations
 
 import asyncio
+import json
+from dataclasses import replace
 from typing import Any
+
+import pytest
 
 from elastrun.agent.failures import (
     COLLATERAL,
@@ -16,9 +21,19 @@ from elastrun.agent.failures import (
     WorkerFailure,
     classify,
     elsewhere,
+    failure_kind,
     format_summary,
 )
-from elastrun.failure import FailureRecord, first_failure
+from elastrun.failure import (
+    BROKEN_COLLECTIVE,
+    ERROR,
+    HANG,
+    SIGNAL,
+    FailureRecord,
+    first_failure,
+    same_failure,
+    weight,
+)
 from elastrun.names import RunId
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import rounds as R
@@ -29,26 +44,98 @@ from elastrun.store.memory import MemoryStore
 KEYS = K.Keys(RunId.parse("job", "--rdzv-id"))
 
 
-def crash(host: str, rank: int, at: float, role: str = ROOT_CAUSE) -> FailureRecord:
-    return FailureRecord(host=host, rank=rank, exitcode=1, time=at, role=role)
+def crash(
+    host: str, rank: int, at: float, role: str = ROOT_CAUSE, kind: str = ERROR
+) -> FailureRecord:
+    return FailureRecord(host=host, rank=rank, exitcode=1, time=at, role=role, kind=kind)
 
 
-def test_the_earlier_failure_is_first_whichever_is_given_first() -> None:
-    a, b = crash("a", 2, 100.0), crash("b", 0, 100.5)
-    assert first_failure(a, b) is a
-    assert first_failure(b, a) is a
-    assert first_failure(None, b) is b and first_failure(a, None) is a
+def broke(host: str, rank: int, at: float) -> FailureRecord:
+    """A rank whose collective broke (a peer's connection closed)."""
+    return crash(host, rank, at, kind=BROKEN_COLLECTIVE)
 
 
-def test_a_failure_the_agent_caused_never_comes_first() -> None:
-    stopped = crash("a", 1, 1.0, role=COLLATERAL)
-    own = crash("b", 0, 9.0)
-    assert first_failure(stopped, own) is own
+def killed(host: str, rank: int, at: float) -> FailureRecord:
+    """A rank SIGKILLed (an OOM kill): it said nothing before it died."""
+    return FailureRecord(host=host, rank=rank, signal="SIGKILL", time=at, role=ROOT_CAUSE,
+                         kind=SIGNAL)  # fmt: skip
 
 
-def test_on_a_tie_the_record_kept_stays() -> None:
-    a, b = crash("a", 0, 5.0), crash("b", 1, 5.0)
-    assert first_failure(a, b) is a
+# The rule, as a table: (kept: the failure the round keeps, reported first in
+# the store's order; reported: one reported after it; the job's root cause).
+# The records' times are other nodes' wall clocks: they never decide.
+CASES = {
+    "error": crash("a", 2, 10.0),
+    "error later": crash("b", 0, 10.5),
+    "error earlier": crash("b", 0, 9.5),
+    "error, same time": crash("b", 0, 10.0),
+    "killed": killed("b", 1, 10.0),
+    "killed, later time": killed("b", 1, 11.0),
+    "killed, same time": killed("a", 1, 10.0),
+    "broke": broke("a", 0, 10.0),
+    "broke, earlier time": broke("a", 0, 9.0),
+    "broke, same time": broke("b", 3, 10.0),
+    "hang": FailureRecord(
+        host="b",
+        rank=1,
+        time=12.0,
+        role=ROOT_CAUSE,
+        kind=HANG,
+        hang="rank 1 made no progress for 60 s",
+    ),
+    "stopped": crash("a", 1, 1.0, role=COLLATERAL, kind=SIGNAL),
+    "older record": FailureRecord(host="b", rank=0, exitcode=1, time=1.0, role=ROOT_CAUSE),
+}
+RULE = [
+    # A tie, in time or in evidence: the one kept (reported first) stays.
+    ("error", "error, same time", "error"),
+    ("killed, same time", "error", "killed, same time"),
+    ("broke", "broke, same time", "broke"),
+    # First reported wins among equals, whatever the clocks say.
+    ("error", "error earlier", "error"),
+    ("error later", "error", "error later"),
+    ("killed, later time", "error", "killed, later time"),
+    # A broken collective reported first loses to the failure that broke it.
+    ("broke", "killed, later time", "killed, later time"),
+    ("broke, earlier time", "error later", "error later"),
+    ("broke", "hang", "hang"),
+    ("broke", "older record", "older record"),
+    # ... and a real failure reported first stays.
+    ("killed", "broke, earlier time", "killed"),
+    ("error", "broke, earlier time", "error"),
+    # A node whose ranks the agent stopped ranks below both.
+    ("stopped", "broke", "broke"),
+    ("stopped", "killed", "killed"),
+    ("broke", "stopped", "broke"),
+    ("error", "stopped", "error"),
+]
+
+
+@pytest.mark.parametrize(("kept", "reported", "job"), RULE, ids=[f"{k}+{r}" for k, r, _ in RULE])
+def test_the_rule_keeps_the_first_report_unless_a_later_one_is_stronger(
+    kept: str, reported: str, job: str
+) -> None:
+    assert first_failure(CASES[kept], CASES[reported]) is CASES[job]
+
+
+def test_with_one_record_it_is_the_root_cause() -> None:
+    assert first_failure(None, CASES["broke"]) is CASES["broke"]
+    assert first_failure(CASES["broke"], None) is CASES["broke"]
+    assert first_failure(None, None) is None
+
+
+def test_the_evidence_of_each_kind() -> None:
+    assert [weight(CASES[k]) for k in ("error", "killed", "hang", "older record")] == [0, 0, 0, 0]
+    assert weight(CASES["broke"]) == 1
+    assert weight(CASES["stopped"]) == 2
+
+
+def test_a_failure_read_back_from_the_store_is_the_same() -> None:
+    rec = killed("b", 1, 10.0)
+    back = FailureRecord.from_json(json.loads(json.dumps(rec.to_json())))
+    assert same_failure(rec, back)
+    assert not same_failure(rec, killed("a", 1, 10.0))
+    assert not same_failure(rec, None) and same_failure(None, None)
 
 
 def test_reporters_round_trip_through_the_record() -> None:
@@ -81,48 +168,70 @@ async def _round(store: MemoryStore) -> RoundRecord:
     return RoundRecord.decode(kv.key, kv.value)
 
 
-def test_a_later_report_of_an_earlier_failure_becomes_the_jobs() -> None:
+def test_a_sigkill_reported_after_the_collective_it_broke_becomes_the_jobs() -> None:
+    """The race of the issue: node 0's broken collective reaches the store
+    first, with the same time as node 1's SIGKILLed rank; the round keeps
+    the killed rank, and both nodes read it."""
+
     async def run() -> None:
         store = MemoryStore()
-        late = crash("host0", 0, 10.5)  # its collective broke: reported first
-        first = crash("host1", 2, 10.0)  # the crash: reported second
-        await _reopened(store, "n0", late)
-        job = await report(store, KEYS, "n1", 0, first)
-        assert job == first
+        collateral = broke("host0", 0, 10.0)  # reported first
+        root = killed("host1", 1, 10.0)  # the same time (milliseconds), reported second
+        await _reopened(store, "n0", collateral)
+        job = await report(store, KEYS, "n1", 0, root)
+        assert job == root
         rec = await _round(store)
-        assert rec.pending_failure == first
+        assert rec.pending_failure == root
         assert rec.reporters == ("n0", "n1")
-        assert rec.detail == first.describe()
-        # A second report changes nothing; a later failure does not replace it.
-        assert await report(store, KEYS, "n1", 0, crash("host1", 2, 1.0)) == first
-        found = await settle(store, KEYS, "n0", 0, timeout=5.0)
-        assert found.failure == first and found.awaited == ()
+        assert rec.detail == root.describe()
+        # A second report changes nothing.
+        assert await report(store, KEYS, "n1", 0, crash("host1", 2, 1.0)) == root
+        for node in ("n0", "n1"):
+            found = await settle(store, KEYS, node, 0, timeout=5.0)
+            assert found.failure == root and found.awaited == ()
 
     asyncio.run(run())
 
 
-def test_a_later_failure_does_not_replace_the_first() -> None:
+def test_a_failure_reported_later_with_an_earlier_time_does_not_replace_the_first() -> None:
+    """Times are other nodes' clocks: the store's order decides."""
+
     async def run() -> None:
         store = MemoryStore()
         first = crash("host1", 2, 10.0)
         await _reopened(store, "n1", first)
-        assert await report(store, KEYS, "n0", 0, crash("host0", 0, 10.5)) == first
+        assert await report(store, KEYS, "n0", 0, crash("host0", 0, 9.0)) == first
         assert (await _round(store)).detail == first.describe()
+        assert (await settle(store, KEYS, "n0", 0, timeout=5.0)).failure == first
 
     asyncio.run(run())
 
 
 def test_settle_waits_for_a_member_that_has_not_reported() -> None:
+    """While the round keeps only a broken collective, the root cause is
+    likely a member that has not reported yet (a SIGKILLed rank)."""
+
     async def run() -> None:
         store = MemoryStore()
-        late, first = crash("host0", 0, 10.5), crash("host1", 2, 10.0)
-        await _reopened(store, "n0", late)
+        collateral, root = broke("host0", 0, 10.5), killed("host1", 1, 10.0)
+        await _reopened(store, "n0", collateral)
         waiting = asyncio.create_task(settle(store, KEYS, "n0", 0, timeout=60.0))
         await asyncio.sleep(0)
         assert not waiting.done()
-        await report(store, KEYS, "n1", 0, first)
+        await report(store, KEYS, "n1", 0, root)
         found = await asyncio.wait_for(waiting, 30.0)
-        assert found.failure == first
+        assert found.failure == root
+
+    asyncio.run(run())
+
+
+def test_settle_ends_at_once_when_no_later_report_can_replace_the_failure_kept() -> None:
+    async def run() -> None:
+        store = MemoryStore()
+        root = killed("host1", 1, 10.0)
+        await _reopened(store, "n1", root)
+        found = await asyncio.wait_for(settle(store, KEYS, "n1", 0, timeout=3600.0), 30.0)
+        assert found.failure == root and found.awaited == ("n0",)
 
     asyncio.run(run())
 
@@ -130,7 +239,7 @@ def test_settle_waits_for_a_member_that_has_not_reported() -> None:
 def test_settle_gives_up_at_its_timeout_and_names_who_did_not_report() -> None:
     async def run() -> None:
         store = MemoryStore()
-        late = crash("host0", 0, 10.5)
+        late = broke("host0", 0, 10.5)
         await _reopened(store, "n0", late)
         found = await settle(store, KEYS, "n0", 0, timeout=0.0)
         assert found.failure == late and found.awaited == ("n1",)
@@ -241,3 +350,49 @@ def test_settle_is_bounded_when_the_store_stops_answering() -> None:
         assert found.failure is None
 
     asyncio.run(run())
+
+
+GLOO = (
+    "RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+    "closed by peer [127.0.0.1]:2478. This is typically caused by a remote worker crashing."
+)
+
+
+@pytest.mark.parametrize(
+    ("rc", "hang", "lines", "kind"),
+    [
+        (-9, False, (), SIGNAL),  # an OOM kill: nothing said
+        (-9, False, ("step 5", "loss 0.1"), SIGNAL),
+        (1, False, ("Traceback (most recent call last):", "ValueError: boom"), ERROR),
+        (1, False, ("Traceback (most recent call last):", GLOO), BROKEN_COLLECTIVE),
+        # The gloo error, then an abort in the teardown: still a broken collective.
+        (-6, False, (GLOO, "terminate called without an active exception"), BROKEN_COLLECTIVE),
+        (
+            1,
+            False,
+            ("torch.distributed.DistNetworkError: Connection reset by peer",),
+            BROKEN_COLLECTIVE,
+        ),
+        (
+            1,
+            False,
+            ("ncclRemoteError: ... a remote process exiting prematurely.",),
+            BROKEN_COLLECTIVE,
+        ),
+        # An old warning, many lines before the rank's own error, is not its error.
+        (1, False, (GLOO, "a", "b", "c", "d", "e", "ValueError: boom"), ERROR),
+        (-15, True, (GLOO,), HANG),
+    ],
+)
+def test_the_kind_of_a_ranks_failure(
+    rc: int, hang: bool, lines: tuple[str, ...], kind: str
+) -> None:
+    assert failure_kind(rc, hang=hang, error_lines=lines) == kind
+
+
+def test_the_record_of_a_rank_whose_collective_broke_says_so() -> None:
+    f = classify([replace(_failure(0), stderr_tail=("Traceback ...", GLOO))])[0]
+    assert f.record().kind == BROKEN_COLLECTIVE
+    assert f.record().role == ROOT_CAUSE  # its node's own: the store decides across nodes
+    gone = replace(_failure(1), returncode=-9, stderr_tail=())
+    assert classify([gone])[0].record().kind == SIGNAL

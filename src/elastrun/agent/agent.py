@@ -92,7 +92,7 @@ from elastrun.agent.workers import WorkerGroup
 from elastrun.clock import SYSTEM_CLOCK, Clock
 from elastrun.errors import ElastrunError, RendezvousClosed, RestartBudgetExhausted
 from elastrun.events import EventSink, JsonLinesSink, NullSink
-from elastrun.failure import FailureRecord
+from elastrun.failure import FailureRecord, same_failure
 from elastrun.procs import say, signal_name
 from elastrun.rendezvous.api import Change, Rendezvous, RendezvousHooks, RoundResult
 from elastrun.untrusted import printable
@@ -421,18 +421,20 @@ class Agent:
         return None
 
     async def _job_failure(self, result: RoundResult, record: FailureRecord) -> FailureRecord:
-        """The job's root cause, once the other members reported theirs:
-        another node's failure may have come first (its crash broke these
-        ranks' collective), and the first is the job's root cause."""
+        """The job's root cause, once the other members reported theirs: the
+        one the round keeps (rendezvous/root_cause.py), the same on every
+        node; another node's when it came first (its crash broke these ranks'
+        collective) or is stronger evidence."""
         job = await self._stops.first(self.rendezvous.job_failure(record, SETTLE_TIMEOUT))
-        if job is not record:
-            self.events.emit(
-                "root_cause_elsewhere",
-                round=result.round,
-                attempt=self._attempt,
-                failure=job.to_json(),
-                node_failure=record.to_json(),
-            )
+        if same_failure(job, record):
+            return record  # this node's (as read back from the store)
+        self.events.emit(
+            "root_cause_elsewhere",
+            round=result.round,
+            attempt=self._attempt,
+            failure=job.to_json(),
+            node_failure=record.to_json(),
+        )
         return job
 
     async def _on_failure(self, group: WorkerGroup, result: RoundResult) -> int | None:

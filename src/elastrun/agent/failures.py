@@ -15,11 +15,15 @@ A rank a feature declared failed while it ran (a hang) fails at the moment
 of the declaration. The ``worker_exited`` event's ``cause`` and the failure
 summary both come from this rule.
 
-Across nodes, the job's root cause is the first failure any node reported
-(:mod:`elastrun.rendezvous.root_cause`): a node whose ranks failed after
-another node's (a peer's crash broke their collective) learns it before it
-prints its summary (:func:`elsewhere`), and names the other node's rank as
-the root cause (``peer`` in :func:`format_summary`).
+Across nodes, the job's root cause is the first failure any node reported,
+unless a later report is stronger evidence (:func:`elastrun.failure.first_failure`;
+:mod:`elastrun.rendezvous.root_cause`): what makes it stronger is the
+record's ``kind`` (:func:`failure_kind`), where a rank whose error says a
+peer's connection broke (:func:`broke_collective`: the peer failed first)
+ranks below a rank that died of a signal or failed with an error of its own.
+A node whose ranks failed after another node's learns it before it prints its
+summary (:func:`elsewhere`), and names the other node's rank as the root
+cause (``peer`` in :func:`format_summary`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from elastrun.agent.error_files import MAX_ERROR_FILE_BYTES, ErrorFileInfo, read_error_file
-from elastrun.failure import FailedWorker, FailureRecord
+from elastrun.failure import (
+    BROKEN_COLLECTIVE,
+    ERROR,
+    HANG,
+    SIGNAL,
+    FailedWorker,
+    FailureRecord,
+)
 from elastrun.procs import signal_name
 from elastrun.rendezvous.api import Change, RoundResult
 from elastrun.untrusted import printable
@@ -44,10 +55,12 @@ __all__ = [
     "Ending",
     "ErrorFileInfo",
     "WorkerFailure",
+    "broke_collective",
     "change_line",
     "classify",
     "describe_exit",
     "elsewhere",
+    "failure_kind",
     "failure_record",
     "format_summary",
     "read_error_file",
@@ -57,11 +70,14 @@ __all__ = [
     "with_report",
 ]
 
+# How long a node whose workers failed waits at most for the other members of
+# the round to report theirs (or rejoin, or be gone) before it prints its
+# summary, while the round keeps no failure of a rank that failed by itself
+# (a broken collective only: the job's root cause is likely another node's,
+# not reported yet). Longer than the default lease (10 s): a lost node's
+# presence is gone by then. The restart waits for those members anyway.
+SETTLE_TIMEOUT = 15.0
 # What a failure record keeps (it is written to the store and the event log).
-# How long a node whose workers failed waits for the other members of the
-# round to report theirs (or rejoin) before it prints its summary: the job's
-# root cause may be another node's earlier failure.
-SETTLE_TIMEOUT = 5.0
 MAX_TRACEBACK_CHARS = 8000
 MAX_TAIL_LINES = 10
 MAX_TAIL_LINE_CHARS = 300
@@ -115,6 +131,44 @@ def roles(endings: Sequence[Ending]) -> list[str]:
     ]
 
 
+# What a rank's error says when its collective broke because a peer's process
+# ended (its sockets closed): gloo's and torch's TCPStore's "closed" / "reset"
+# by peer, NCCL's remote error. Matched in its last lines only (the error).
+BROKEN_COLLECTIVE_SIGNS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote process exit",  # NCCL: "... or a remote process exiting prematurely"
+    "ncclRemoteError",
+    "NCCL communicator was aborted",
+    "DistNetworkError",
+)
+ERROR_LINES = 5  # the last lines of a rank's output that say its error
+
+
+def broke_collective(lines: Sequence[str]) -> bool:
+    """Whether the error in ``lines`` (a rank's error message, or its last
+    lines of output) says that a peer's connection broke: its collective
+    failed because a peer failed first. Only the last :data:`ERROR_LINES`
+    lines that are not teardown noise are read (an older line may be a
+    warning the rank went on after)."""
+    said = [ln for ln in lines if ln.strip() and not ln.strip().startswith(TEARDOWN_NOISE)]
+    return any(sign in ln for ln in said[-ERROR_LINES:] for sign in BROKEN_COLLECTIVE_SIGNS)
+
+
+def failure_kind(returncode: int, *, hang: bool, error_lines: Sequence[str]) -> str:
+    """How a rank failed, as evidence of the job's root cause across nodes
+    (pure; :func:`elastrun.failure.weight`): ``hang`` when it was declared
+    failed; ``broken_collective`` when its error says a peer's connection
+    broke (also when it then died of a signal: an abort in its teardown, the
+    NCCL watchdog's); ``signal`` when it was killed by a signal with no such
+    error (an OOM kill says nothing before it dies); else ``error``."""
+    if hang:
+        return HANG
+    if broke_collective(error_lines):
+        return BROKEN_COLLECTIVE
+    return SIGNAL if returncode < 0 else ERROR
+
+
 def describe_exit(returncode: int) -> str:
     """``exit code 1`` or ``signal SIGKILL (9)`` from a Popen return code."""
     if returncode >= 0:
@@ -162,6 +216,17 @@ class WorkerFailure:
         """The last non-blank line on stderr, else on stdout ("" if none)."""
         return _last_line(self.stderr_tail) or _last_line(self.stdout_tail)
 
+    @property
+    def kind(self) -> str:
+        """How it failed, as evidence of a root cause (:func:`failure_kind`):
+        its error is its error file's message, else its last lines of
+        stderr (else of stdout)."""
+        if self.error is not None and self.error.message:
+            said: Sequence[str] = self.error.message.splitlines()
+        else:
+            said = self.stderr_tail if _last_line(self.stderr_tail) else self.stdout_tail
+        return failure_kind(self.returncode, hang=self.hang is not None, error_lines=said)
+
     def record(self) -> FailureRecord:
         """This failure as the record a node reports (see :mod:`elastrun.failure`)."""
         return FailureRecord(
@@ -173,6 +238,7 @@ class WorkerFailure:
             signal=self.signal_name,
             time=round(self.exit_time, 3),
             role=self.role,
+            kind=self.kind,
             stopped_by_agent=self.stopped_by_agent,
             message=self.error.message if self.error else self.last_words,
             traceback=self.error.traceback if self.error else None,

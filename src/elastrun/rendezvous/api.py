@@ -261,11 +261,12 @@ class Rendezvous(abc.ABC):
 
     async def job_failure(self, failure: FailureRecord, timeout: float) -> FailureRecord:
         """The job's root cause for the restart this node asked for with
-        ``failure``: the first failure any member of the round reported (see
-        :mod:`elastrun.rendezvous.root_cause`), waiting up to ``timeout``
-        seconds for the other members to report or rejoin. ``failure`` when
-        no other node's came first (a rendezvous without a store: always).
-        Never raises."""
+        ``failure``: the failure the round keeps, the same on every node (the
+        first any member of the round reported, unless a later one is
+        stronger evidence: :mod:`elastrun.rendezvous.root_cause`), waiting up
+        to ``timeout`` seconds for the other members to report or rejoin.
+        ``failure`` when the round keeps none (a rendezvous without a store:
+        always). Never raises."""
         del timeout
         return failure
 

@@ -229,7 +229,9 @@ class DynamicRendezvous(NoteAccess, Rendezvous):
             self._failed_round,
             timeout=timeout,
         )
-        return first_failure(failure, found.failure) or failure
+        # The round's, as every node reads it (this node's own report is in
+        # it); this node's only where the store had none of it.
+        return first_failure(found.failure, failure) or failure
 
     async def complete(self) -> None:
         if self.rules.state is not State.MEMBER:

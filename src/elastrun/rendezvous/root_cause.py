@@ -7,17 +7,21 @@ workers failed therefore *reports* its failure to the round its restart opened
 (round R+1, whoever opened it): :func:`report` adds the node to the round
 record's ``reporters`` and keeps, as its ``pending_failure`` (which becomes
 the job's ``last_failure`` when the restart is charged) and its ``detail``
-(the line every member prints), the first of the failures reported
-(:func:`elastrun.failure.first_failure`: a node's own root cause before a
-failure its agent caused, then by time). Every write is a compare-and-set on
-the round record, retried a bounded number of times; only members of round R
-report, once each, so the list is bounded by the round's size.
+(the line every member prints), the first of the failures reported, unless a
+later one is stronger evidence (:func:`elastrun.failure.first_failure`: a
+rank that failed by itself over one whose collective broke, over a node whose
+ranks its agent stopped). The store orders the reports: every write is a
+compare-and-set on the round record, retried a bounded number of times; no
+wall clocks of different nodes are compared. Only members of round R report,
+once each, so the list is bounded by the round's size.
 
 :func:`settle` is what a node that failed waits for before it prints its
-failure summary: until every other member of round R has reported, joined
-round R+1 (a node joins only after it reported), or is gone, at most a bounded
-time. It then knows whether its own ranks were the root cause or failed
-after another node's.
+failure summary: until the round keeps a failure no later report can replace
+(:func:`elastrun.failure.weight` 0: a rank that failed by itself), or every
+other member of round R has reported, joined round R+1 (a node joins only
+after it reported), or is gone; at most a bounded time. Every node then
+adopts the failure the round keeps, its own or another node's: the same on
+every node.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from elastrun.errors import RendezvousError, StoreError
-from elastrun.failure import FailureRecord, first_failure
+from elastrun.failure import FailureRecord, first_failure, weight
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.records import RoundRecord, RoundState
 from elastrun.store.base import Get, Store
@@ -93,9 +97,10 @@ async def settle(
     *,
     timeout: float,
 ) -> Settled:
-    """Wait, at most ``timeout`` seconds, until every other member of round
-    ``member_round`` reported its failure, joined the next round or is gone;
-    return the root cause the round record keeps. Never raises: a store
+    """Wait, at most ``timeout`` seconds, until the round opened after round
+    ``member_round`` keeps a failure that no later report can replace, or
+    every other member of round ``member_round`` reported its failure, joined
+    the next round or is gone; return the root cause the round record keeps. Never raises: a store
     error returns what is known. Every request is inside the bound: a store
     that stopped answering (etcd without quorum) costs this wait at most."""
     seen: list[Settled] = [Settled(None)]  # the latest reading, kept on a timeout
@@ -125,8 +130,9 @@ async def _settle(
         done = {node_id, *rec.reporters, *(K.node_id_of(kv.key) for kv in joins)}
         alive = {K.node_id_of(kv.key) for kv in present}
         awaited = [p.node_id for p in rec.prev if p.node_id not in done and p.node_id in alive]
-        seen.append(Settled(rec.pending_failure, tuple(awaited)))
-        if not awaited:
+        kept = rec.pending_failure
+        seen.append(Settled(kept, tuple(awaited)))
+        if not awaited or (kept is not None and weight(kept) == 0):
             return
         watch = await store.watch(keys.root, prefix=True, start_revision=res.revision + 1)
         async with watch:
