@@ -138,6 +138,19 @@ def test_a_failure_read_back_from_the_store_is_the_same() -> None:
     assert not same_failure(rec, None) and same_failure(None, None)
 
 
+def test_a_rank_declared_failed_while_it_runs_is_the_same_failure_once_stopped() -> None:
+    """A hang or an expired file timer is reported before the rank is stopped
+    (no exit yet); the node's record after the stop has the signal. Read back
+    from the store, the first is still this node's own failure."""
+    declared = FailureRecord(host="a", rank=1, local_rank=1, pid=42, kind=HANG, hang="timer")
+    stopped = FailureRecord(
+        host="a", rank=1, local_rank=1, pid=42, signal="SIGKILL", kind=HANG, hang="timer"
+    )
+    back = FailureRecord.from_json(json.loads(json.dumps(declared.to_json())))
+    assert same_failure(back, stopped)
+    assert not same_failure(back, FailureRecord(host="a", rank=1, local_rank=1, pid=43))
+
+
 def test_reporters_round_trip_through_the_record() -> None:
     rec = RoundRecord(round=3, state=RoundState.OPEN, counts=True, reporters=("n1", "n2"))
     assert RoundRecord.from_json(rec.to_json()).reporters == ("n1", "n2")
