@@ -442,7 +442,7 @@ def test_a_watcher_that_never_reads_holds_bounded_output_and_is_dropped() -> Non
             for i in range(n):
                 await store.put(f"/slow/{i:04d}", value)
                 assert slow.transport is not None
-                peak = max(peak, slow.transport.get_write_buffer_size())
+                peak = max(peak, slow.output_size())
                 lagged = lagged or 7 in slow.lagging
             for i in range(n):  # the reading client gets every event, in order
                 event = await asyncio.wait_for(watch.__anext__(), 10)

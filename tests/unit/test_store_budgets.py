@@ -1,12 +1,14 @@
 """The store's budgets for all connections (store/budgets.py), as pure rules:
 who is closed when the bytes held in incomplete frames, or queued for
-clients, pass the budget. The servers under real floods:
-tests/store/test_store_floods.py."""
+clients, pass the budget; and a connection's output queue
+(store/server_output.py), whose shared pieces count once. The servers under
+real floods: tests/store/test_store_floods.py."""
 
 from __future__ import annotations
 
 from elastrun.clock import FakeClock
 from elastrun.store.budgets import InputBudget, OutputBudget
+from elastrun.store.server_output import OutputQueue
 
 
 class Conn:
@@ -14,8 +16,8 @@ class Conn:
         self.name = name
         self.queued = queued
 
-    def output_size(self) -> int:
-        return self.queued
+    def output_sizes(self) -> tuple[int, int]:
+        return self.queued, self.queued
 
     def __repr__(self) -> str:
         return self.name
@@ -88,3 +90,47 @@ def test_output_counts_what_drained_before_closing_anyone() -> None:
     a.queued = 0  # the kernel took it all: nothing to close
     budget.make_room(b, 50)
     assert closed == [] and budget.total == 30 and budget.peak == 90
+
+
+def test_output_counts_a_piece_queued_for_many_connections_once() -> None:
+    closed: list[Conn] = []
+    budget: OutputBudget[Conn] = OutputBudget(1000, lambda c, why: closed.append(c))
+    event = b"e" * 600
+    queues = [OutputQueue(budget) for _ in range(3)]
+    for queue in queues:
+        assert budget.added(event) == (0 if budget.shared else 600)
+        queue.append(b"head", shared=False)
+        queue.append(event, shared=True)
+        queue.append(b"}")
+    assert (budget.shared, budget.total, budget.peak) == (600, 600, 600)
+    assert [(q.size, q.own) for q in queues] == [(605, 5)] * 3
+    # A second event for all three would pass the budget only if counted for each.
+    budget.make_room(Conn("writer"), 300)
+    assert closed == []
+    # Handed over by one queue, cleared by another: still held by the third.
+    assert queues[0].take(10_000) == b"head" + event + b"}"
+    queues[1].clear()
+    assert budget.shared == 600 and (queues[1].size, queues[1].own) == (0, 0)
+    queues[2].clear()
+    assert budget.shared == 0 and budget.total == 0
+
+
+def test_output_queue_hands_over_in_order_a_chunk_at_a_time() -> None:
+    budget: OutputBudget[Conn] = OutputBudget(10_000, lambda c, why: None)
+    queue = OutputQueue(budget)
+    body = bytes(range(256)) * 4
+    queue.append(b"abc")
+    queue.append(body, shared=True)
+    queue.append(b"")  # nothing
+    queue.append(b"xyz")
+    taken: list[bytes] = []
+    while queue.size:
+        assert queue.size == len(body) + 6 - sum(map(len, taken))
+        taken.append(queue.take(100))
+        assert len(taken[-1]) <= 100
+    assert b"".join(taken) == b"abc" + body + b"xyz"
+    assert queue.own == 0 and budget.shared == 0
+    # A whole small piece is handed over as it is, not copied.
+    frame = b"0123456789"
+    queue.append(frame)
+    assert queue.take(100) is frame

@@ -420,11 +420,22 @@ def events_frame(watch_id: int, body: bytes, partial: bool = False) -> bytes:
     """The frame of :func:`encode_events` (with ``"partial": true`` when
     ``partial``), from its array as :func:`encode_events_body` made it.
     ProtocolError if it exceeds the frame limit."""
+    return b"".join(events_frame_parts(watch_id, body, partial))
+
+
+def events_frame_parts(
+    watch_id: int, body: bytes, partial: bool = False
+) -> tuple[bytes, bytes, bytes]:
+    """:func:`events_frame` in three parts, to be sent one after the other:
+    the length and the watch's own fields, ``body`` itself (the same object,
+    not a copy: every watch of a revision sends the same one), and the end.
+    ProtocolError if the frame exceeds the frame limit."""
     head = b'{"v":%d,"t":"events","watch":%d,"events":' % (PROTOCOL_VERSION, watch_id)
-    message = head + body + (b',"partial":true}' if partial else b"}")
-    if len(message) > MAX_FRAME:
-        raise ProtocolError(f"message of {len(message)} bytes exceeds the {MAX_FRAME}-byte limit")
-    return _HEADER.pack(len(message)) + message
+    tail = b',"partial":true}' if partial else b"}"
+    length = len(head) + len(body) + len(tail)
+    if length > MAX_FRAME:
+        raise ProtocolError(f"message of {length} bytes exceeds the {MAX_FRAME}-byte limit")
+    return _HEADER.pack(length) + head, body, tail
 
 
 def encode_error(code: str, message: str) -> Json:

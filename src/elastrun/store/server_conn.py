@@ -13,7 +13,10 @@ What a connection may make the server hold is bounded
   within ``frame_timeout``. The bytes of incomplete frames count against the
   server's ``max_partial_bytes`` for all connections together
   (:class:`~elastrun.store.budgets.InputBudget`).
-* Output: while more than ``output_high_water`` bytes are queued for it, its
+* Output: queued by reference (:class:`~elastrun.store.server_output.OutputQueue`:
+  a watch event's encoded events are one object for all the watches of its
+  revision) and handed to the transport a chunk at a time as the kernel takes
+  it. While more than ``output_high_water`` bytes are queued for it, its
   requests wait unread and its watches stop taking live events: they catch up
   from the engine's history as the queue drains (a watch that falls behind
   the compacted history is cancelled with a ``cancel`` frame, code
@@ -21,7 +24,7 @@ What a connection may make the server hold is bounded
   it has yet to catch up on) pass ``slow_watch_bytes`` is cancelled, code
   ``slow``. A peer that does not read for ``stall_timeout`` is dropped. What is
   queued counts against the server's ``max_output_bytes`` for all connections
-  together (:class:`~elastrun.store.budgets.OutputBudget`).
+  together, a shared piece once (:class:`~elastrun.store.budgets.OutputBudget`).
 * Answers: range answers come in pages of at most ``max_response`` bytes (for
   clients that ask for pages; others get an error past it), a txn whose
   answer could be larger is refused unapplied.
@@ -127,9 +130,8 @@ class Connection(WatchStreams, asyncio.Protocol):
         # Watches catching up from history (client's id -> engine watcher id).
         self.lagging: dict[int, int] = {}
         self._pump_scheduled = False
-        # Set while the transport's buffer is above its high-water mark: no
-        # request is handled (and nothing read) until it drains.
-        self.write_paused = False
+        self._slow_check_soon = False
+        self.init_output(server.output)
         self.reading_paused = False
         self._hello_timer: asyncio.TimerHandle | None = None
         self._frame_timer: asyncio.TimerHandle | None = None
@@ -144,8 +146,9 @@ class Connection(WatchStreams, asyncio.Protocol):
         if peer:
             self.peer_ip = str(peer[0])
             self.peer = str(Endpoint(self.peer_ip, int(peer[1])))
-        high = self.limits.output_high_water
-        transport.set_write_buffer_limits(high=high, low=high // 4)
+        # pause_writing as soon as the kernel does not take a whole chunk,
+        # resume_writing once it took all of it (the queue holds the rest).
+        transport.set_write_buffer_limits(high=0, low=0)
         refused = self.server.admit(self)
         if refused is not None:
             self.refuse(f"refused: {refused}")
@@ -164,6 +167,7 @@ class Connection(WatchStreams, asyncio.Protocol):
         self.lost = True
         self.decoder.clear()
         self.server.input.forget(self)
+        self.out.clear()
         self.server.output.forget(self)
         for timer in (self._hello_timer, self._frame_timer, self._stall_timer, self._slow_timer):
             if timer is not None:
@@ -198,14 +202,14 @@ class Connection(WatchStreams, asyncio.Protocol):
     def eof_received(self) -> bool | None:
         return None  # close our side too
 
-    def pause_writing(self) -> None:
+    def _backed_up(self) -> None:
         self.write_paused = True
         if self._stall_timer is None and not self.closing:
             loop = asyncio.get_running_loop()
             self._stall_timer = loop.call_later(self.limits.stall_timeout, self._stalled)
             self._slow_timer = loop.call_later(SLOW_CHECK_INTERVAL, self._slow_check)
 
-    def resume_writing(self) -> None:
+    def _drained(self) -> None:
         self.write_paused = False
         for timer in (self._stall_timer, self._slow_timer):
             if timer is not None:
@@ -213,7 +217,6 @@ class Connection(WatchStreams, asyncio.Protocol):
         self._stall_timer = self._slow_timer = None
         if self.closing or self.transport is None:
             return
-        self.server.output.observe(self, self.transport.get_write_buffer_size())
         if self.reading_paused:
             self.reading_paused = False
             self.transport.resume_reading()
@@ -396,27 +399,9 @@ class Connection(WatchStreams, asyncio.Protocol):
             return
         self._write(codec.encode_frame(message))
 
-    def _write(self, data: bytes) -> None:
-        if self.closing or self.transport is None:
-            return
-        output = self.server.output
-        output.observe(self, self.transport.get_write_buffer_size())
-        output.make_room(self, len(data))
-        self.transport.write(data)
-        queued = self.transport.get_write_buffer_size()
-        output.observe(self, queued)
-        if queued > self.limits.max_output_buffer:
-            self.abort(f"client too slow: {queued} bytes queued for it")
-
     def slow_watch_cancelled(self, watch_id: int, message: str) -> None:
         self.server.slow_watches += 1
         self.server.abuse.warn(f"cancelled slow watch {watch_id} of {self.peer}: {message}")
-
-    def output_size(self) -> int:
-        """Bytes queued for this client, not yet taken by the kernel."""
-        if self.transport is None or self.lost:
-            return 0
-        return self.transport.get_write_buffer_size()
 
     # -- closing ---------------------------------------------------------------
     def fail(self, code: str, message: str) -> None:
@@ -439,12 +424,13 @@ class Connection(WatchStreams, asyncio.Protocol):
     def _close_with_answer(self, answer: Mapping[str, Any]) -> None:
         assert self.transport is not None
         with contextlib.suppress(ProtocolError):
-            self.transport.write(codec.encode_frame(answer))
+            self.out.append(codec.encode_frame(answer))
         self.closing = True
+        self.close_when_flushed = True
         self.decoder.clear()
         self.server.input.forget(self)
-        self.transport.close()
-        if self.transport.get_write_buffer_size():
+        self._feed()
+        if self.output_size():
             # Flushing what is queued needs the peer to read: bounded.
             loop = asyncio.get_running_loop()
             loop.call_later(CLOSE_LINGER, self.abort, "did not read its last frames")
@@ -465,6 +451,7 @@ class Connection(WatchStreams, asyncio.Protocol):
         self.closing = True
         self.decoder.clear()
         self.server.input.forget(self)
+        self.out.clear()
         self.server.output.forget(self)
         self.transport.abort()
 

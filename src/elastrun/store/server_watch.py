@@ -22,8 +22,8 @@ from elastrun.errors import ProtocolError, RevisionCompacted
 from elastrun.store import codec
 from elastrun.store.base import WatchEvent
 from elastrun.store.engine import Engine
-from elastrun.store.limits import StoreLimits
 from elastrun.store.server_ops import failure_response
+from elastrun.store.server_output import OutputStream
 
 __all__ = ["CATCH_UP_STEP", "SLOW_CHECK_INTERVAL", "WatchStreams"]
 
@@ -33,27 +33,18 @@ CATCH_UP_STEP = 256 * 1024
 SLOW_CHECK_INTERVAL = 1.0
 
 
-class WatchStreams:
+class WatchStreams(OutputStream):
     """A connection's watches: the ``watch`` request, catching up, slow watches."""
 
     engine: Engine
-    limits: StoreLimits
     peer: str
-    closing: bool
-    write_paused: bool
-    transport: asyncio.Transport | None
     watches: dict[int, int]  # client's watch id -> engine watcher id
     lagging: dict[int, int]  # the watches catching up from history (same ids)
     _pump_scheduled: bool
+    _slow_check_soon: bool
     _slow_timer: asyncio.TimerHandle | None
 
     def send(self, message: Mapping[str, Any]) -> None:
-        raise NotImplementedError
-
-    def _write(self, data: bytes) -> None:
-        raise NotImplementedError
-
-    def output_size(self) -> int:
         raise NotImplementedError
 
     def slow_watch_cancelled(self, watch_id: int, message: str) -> None:
@@ -124,12 +115,20 @@ class WatchStreams:
             return True  # the watch is ending: nothing to send, nothing to catch up
         if self.write_paused:
             self.lagging[watch_id] = self.watches[watch_id]
+            if not self._slow_check_soon:  # once the engine has noted where it stopped
+                self._slow_check_soon = True
+                asyncio.get_running_loop().call_soon(self._slow_check_now)
             return False
-        for data in _event_frames(watch_id, events):
-            self._write(data)
+        for head, body, tail in _event_frames(watch_id, events):
+            self._write(head, body, tail)
         return True
 
     # -- slow watches ------------------------------------------------------------
+    def _slow_check_now(self) -> None:
+        self._slow_check_soon = False
+        if self.write_paused:
+            self._cancel_slow_watches()
+
     def _slow_check(self) -> None:
         self._slow_timer = None
         if self.closing or not self.write_paused:
@@ -179,12 +178,17 @@ class _EncodedEvents:
         return cls.body
 
 
-def _event_frames(watch_id: int, events: list[WatchEvent], partial: bool = False) -> list[bytes]:
-    """One revision's events as frames: one, unless they exceed the frame
-    limit; then split, every frame but the revision's last marked ``partial``
-    (``partial``: mark the last one too, it is not the revision's last)."""
+def _event_frames(
+    watch_id: int, events: list[WatchEvent], partial: bool = False
+) -> list[tuple[bytes, bytes, bytes]]:
+    """One revision's events as frames, each in the parts of
+    :func:`~elastrun.store.codec.events_frame_parts` (the middle one shared
+    by every watch sent the same events): one frame, unless they exceed the
+    frame limit; then split, every frame but the revision's last marked
+    ``partial`` (``partial``: mark the last one too, it is not the
+    revision's last)."""
     try:
-        return [codec.events_frame(watch_id, _EncodedEvents.body_of(events), partial)]
+        return [codec.events_frame_parts(watch_id, _EncodedEvents.body_of(events), partial)]
     except ProtocolError:
         if len(events) == 1:  # cannot happen within the key and value limits
             raise
