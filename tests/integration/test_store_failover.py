@@ -16,7 +16,9 @@ test's bounded wait, they did by the failover.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -243,3 +245,49 @@ def test_a_candidate_restarted_after_voting_does_not_vote_again_in_that_term(
         took = [e for e in events(tmp_path / "ev1.jsonl") if e["kind"] == "store_takeover"]
         assert [e["term"] for e in took] == [2], took
         check_finished(j, tmp_path, a, b2)
+
+
+def test_three_stalls_of_whichever_candidate_hosts_each_end_back_at_world_3(
+    tmp_path: Path,
+) -> None:
+    """Issue 37 item 0: the hosting candidate's agent SIGSTOPped for 8 s, three
+    times. Each stalled host steps down; a standby takes over; the stalled one,
+    continued, finds the new host and stands by again (docs/failover.md), so
+    the third stall still finds a majority: the job is back at world 3 after
+    each, as with one endpoint."""
+    port = free_port()
+    with job(tmp_path) as j:
+        agents = start_three(j, tmp_path, port)
+        stalled = []
+        for stall in range(1, 4):
+            took = [
+                (e["term"], n)
+                for n in (1, 2, 3)
+                for e in events(tmp_path / f"ev{n}.jsonl")
+                if e["kind"] == "store_takeover"
+            ]
+            term, hosting = max(took)
+            agent = agents[hosting - 1]
+            old = {s["pid"] for s in j.steps()}
+            agent.kill_group(signal.SIGSTOP)
+            time.sleep(8.0)  # the stall the issue names (not a bound of the test)
+            agent.kill_group(signal.SIGCONT)
+
+            def back(old: set[int] = old) -> bool:
+                fresh = [s for s in j.steps() if s["pid"] not in old and s["world"] == 3]
+                return len(fresh) >= 3 * 2  # every rank of a new world-3 group stepped
+
+            wait_for(back, BOUND, f"training at world 3 after stall {stall} of host n{hosting}")
+            now = max(
+                e["term"]
+                for n in (1, 2, 3)
+                for e in events(tmp_path / f"ev{n}.jsonl")
+                if e["kind"] == "store_takeover"
+            )
+            assert now > term, f"stall {stall}: no takeover after the host's stall"
+            stalled.append(agent)
+        for agent in stalled:  # each stepped down, then stood by again
+            assert "stands by again" in agent.output(), agent.output()[-3000:]
+        j.touch("finish")
+        for agent in agents:
+            assert agent.wait(BOUND) == 0, agent.output()[-3000:]

@@ -294,8 +294,8 @@ class FailoverClient:
         )
         store.connect_timeout = self.request_timeout
         self.store, self.term, self.host = store, store.term, index
-        if self.server is not None and self.server.failover is not None:
-            self.server.failover.learn(store.term, index)
+        if self.server is not None:
+            self.server.learn(store.term, index)
         return store
 
     async def _nap(self, seconds: float) -> None:

@@ -158,6 +158,7 @@ class StoreServer:
         self.on_term = on_term
         self._fence_task: asyncio.Task[None] | None = None
         self._held: set[Connection] = set()  # connections whose requests wait
+        self._retired: set[asyncio.Future[None]] = set()  # old reapers stopping
 
     @property
     def hello_timeout(self) -> float:
@@ -401,6 +402,26 @@ class StoreServer:
         own = {"term": term, "voter": self.failover.index, "list": digest}
         return bool(self.term_vote(own)["won"])
 
+    def learn(self, term: int, host: int | None) -> None:
+        """This candidate's agent follows the host of ``term``: a standby
+        follows it; a host that stepped down stands by again, with an empty
+        store (a new term's host starts empty: docs/failover.md, *State*)."""
+        state = self.failover
+        if state is None or not state.learn(term, host):
+            return
+        self.disconnect_all()
+        old, self.engine = self._reaper, Engine(limits=self.limits)
+        self._reaper = LeaseReaper(self.engine)
+        if old is not None:
+            self._retired.add(asyncio.ensure_future(old.stop()))
+            self._retired = {t for t in self._retired if not t.done()}
+        if self.on_term is not None:
+            self.on_term(
+                "store_standby",
+                f"{self._candidate(state.index)} stands by again to host the store "
+                f"(the host is {self._candidate(host)}, term {term})",
+            )
+
     def _candidate(self, index: int | None) -> str:
         if index is None or not 0 <= index < len(self.candidates):
             return ""
@@ -415,11 +436,12 @@ class StoreServer:
     async def _fence_timer(self, state: TermState) -> None:
         """Check the fence often, requests or not; release held requests
         once the majority is heard again."""
-        while state.role is not Role.FENCED:
+        while True:  # for the server's life: a host that stepped down may host again
             await asyncio.sleep(FENCE_CHECK)
             if state.role is Role.HOST and self.serving() and self._held and not state.suspect():
                 self._release()
-        self._held.clear()
+            if state.role is not Role.HOST:
+                self._held.clear()
 
 
 def _is_loopback(host: str) -> bool:

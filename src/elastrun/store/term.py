@@ -120,11 +120,21 @@ class TermState:
     def majority(self) -> int:
         return self.count // 2 + 1
 
-    def learn(self, term: int, host: int | None) -> None:
-        """A newer term's host is known (a standby follows it)."""
-        if term > self.term and self.role is not Role.HOST:
-            self.term, self.host = term, host
-            self.votes = {t: v for t, v in self.votes.items() if t > term}
+    def learn(self, term: int, host: int | None) -> bool:
+        """A newer term's host is known: a standby follows it, and a host that
+        stepped down in an older term stands by again (it never serves its
+        own term again; it may be elected in a term after ``term``, so that
+        a candidate's stall costs the job no candidate for good). Returns
+        True when it stood by again."""
+        if term <= self.term or self.role is Role.HOST:
+            return False
+        rejoined = self.role is Role.FENCED
+        self.term, self.host = term, host
+        self.votes = {t: v for t, v in self.votes.items() if t > term}
+        if rejoined:
+            self.role, self.why = Role.STANDBY, ""
+            self.heard, self.armed = {}, False
+        return rejoined
 
     def heard_from(self, candidate: int) -> None:
         if self.role is Role.HOST and 0 <= candidate < self.count:
