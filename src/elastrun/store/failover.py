@@ -145,10 +145,17 @@ async def probe(
 
 
 async def send_vote(
-    candidates: Candidates, target: int, term: int, voter: int, token: str | None
+    candidates: Candidates,
+    target: int,
+    term: int,
+    voter: int,
+    token: str | None,
+    *,
+    nonce: str | None = None,
 ) -> bool:
-    """Vote for candidate ``target`` in ``term``; whether it was counted
-    (False: not reached, or it did not take the vote)."""
+    """Vote for candidate ``target`` in ``term``; whether it was answered
+    (False: not reached, or no answer in time). ``nonce``: the claim the
+    voter's own store vouches for (store/vouch.py)."""
     host, port = candidates.endpoints[target]
     try:
         async with asyncio.timeout(PROBE_TIMEOUT):
@@ -156,6 +163,8 @@ async def send_vote(
             try:
                 frame = {"v": 1, "t": "vote", "token": token, "term": term, "voter": voter}
                 frame["list"] = list_digest(str(candidates))
+                if nonce is not None:
+                    frame["nonce"] = nonce
                 writer.write(codec.encode_frame(frame))
                 await writer.drain()
                 decoder = codec.FrameDecoder(4096)
@@ -283,6 +292,8 @@ class FailoverClient:
         hello: dict[str, Any] = {"term": term}
         if self.candidates.me is not None:
             hello["candidate"] = self.candidates.me
+            if self.server is not None:  # its store vouches for it (store/vouch.py)
+                hello["nonce"] = self.server.claims.add({"t": "hello", "target": index})
         store = await TcpStore.connect(
             host,
             port,
@@ -427,7 +438,10 @@ class FailoverClient:
         if target == me and self.server is not None:
             self.server.elect_self(term)
         else:
-            await send_vote(self.candidates, target, term, me, self.token)
+            nonce = None
+            if self.server is not None:  # its store vouches for it (store/vouch.py)
+                nonce = self.server.claims.add({"t": "vote", "term": term, "target": target})
+            await send_vote(self.candidates, target, term, me, self.token, nonce=nonce)
         return term
 
     def _why_lost(self, lost: Lost, seen: list[Probe], old_host: int | None) -> str:

@@ -51,6 +51,7 @@ from elastrun.store.limits import DEFAULT_LIMITS, MAX_FRAME, MAX_TOKEN, StoreLim
 from elastrun.store.memory import LeaseReaper
 from elastrun.store.server_conn import Connection
 from elastrun.store.term import Role, TermState, list_digest
+from elastrun.store.vouch import MAX_ASKING, Claims, ask
 
 __all__ = ["DEFAULT_PORT", "DISCONNECT_GRACE", "AbuseLog", "ServerStats", "StoreServer"]
 
@@ -159,6 +160,11 @@ class StoreServer:
         self._fence_task: asyncio.Task[None] | None = None
         self._held: set[Connection] = set()  # connections whose requests wait
         self._retired: set[asyncio.Future[None]] = set()  # old reapers stopping
+        # Without a token: what this candidate's agent said in its name (the
+        # store vouches for it), and the claims of others being checked
+        # (store/vouch.py).
+        self.claims = Claims()
+        self._asking: set[asyncio.Task[None]] = set()
 
     @property
     def hello_timeout(self) -> float:
@@ -239,6 +245,8 @@ class StoreServer:
         if self._fence_task is not None:
             self._fence_task.cancel()
             self._fence_task = None
+        for task in list(self._asking):
+            task.cancel()
         if self._server is not None:
             self._server.close()
         for conn in self._connections:
@@ -374,15 +382,91 @@ class StoreServer:
             return fields, f"this host's term {state.term} is older than the client's ({known})"
         return fields, None
 
-    def term_vote(self, frame: Mapping[str, Any]) -> dict[str, Any]:
-        """Count a candidate's vote for this one (``term``, ``voter``)."""
+    def take_vote(self, frame: Mapping[str, Any], answer: Callable[[dict[str, Any]], None]) -> None:
+        """A vote frame from the network: counted at once with a token (the
+        token authenticates it); without one, only once the voter's own
+        store vouches for it (store/vouch.py). ``answer`` gets the reply."""
+        state, term, voter = self.failover, frame.get("term"), frame.get("voter")
+        if self.token is not None or state is None or type(voter) is not int:
+            answer(self.term_vote(frame))
+            return
+        claim = {"t": "vote", "term": term, "target": state.index}
+        nonce = frame.get("nonce")
+
+        async def check() -> None:
+            ok = await self._vouched(voter, nonce, claim)
+            answer(self.term_vote(frame, vouched=ok))
+
+        if not self._ask(check()):
+            answer(self.term_vote(frame, vouched=False))
+
+    def take_candidate(self, conn: Connection, candidate: int, nonce: object) -> None:
+        """A hello that names the client's agent as candidate ``candidate``:
+        the connection counts as hearing from it (fencing) at once with a
+        token or when it is this candidate's own agent, else once the named
+        candidate's store vouches for it (asked again while unanswered, a
+        few times)."""
+        state = self.failover
+        if state is None or not 0 <= candidate < state.count:
+            return
+        if self.token is not None or candidate == state.index:
+            conn.candidate = candidate
+            self.heard(candidate)
+            return
+        claim = {"t": "hello", "target": state.index}
+
+        async def check() -> None:
+            for _ in range(5):
+                if conn.lost:
+                    return
+                if await self._vouched(candidate, nonce, claim):
+                    if not conn.lost:
+                        conn.candidate = candidate
+                        self.heard(candidate)
+                    return
+                await asyncio.sleep(state.timing.heartbeat)
+
+        self._ask(check())
+
+    def _ask(self, work: Any) -> bool:
+        """Run a vouch check, at most MAX_ASKING at once; whether it runs."""
+        if len(self._asking) >= MAX_ASKING:
+            work.close()
+            return False
+        task = asyncio.get_running_loop().create_task(work)
+        self._asking.add(task)
+        task.add_done_callback(self._asking.discard)
+        return True
+
+    async def _vouched(self, candidate: int, nonce: object, claim: dict[str, Any]) -> bool:
+        """Whether candidate ``candidate``'s store, asked at its own entry,
+        vouches for ``claim`` under ``nonce``."""
+        if not isinstance(nonce, str) or not 0 < len(nonce) <= 64:
+            return False
+        if not 0 <= candidate < len(self.candidates):
+            return False
+        try:
+            where = Endpoint.parse(self.candidates[candidate], 0, "candidate")
+        except ConfigError:
+            return False
+        said = await ask(where.host, where.port, self.token, nonce)
+        return said == claim
+
+    def vouch(self, nonce: object) -> dict[str, Any]:
+        """The answer to a ``vouch`` frame: what this candidate's agent
+        claimed under ``nonce`` (null: nothing)."""
+        return {"v": 1, "t": "vouch", "claim": self.claims.get(nonce)}
+
+    def term_vote(self, frame: Mapping[str, Any], *, vouched: bool = True) -> dict[str, Any]:
+        """Count a candidate's vote for this one (``term``, ``voter``);
+        ``vouched``: the voter is known to have cast it (see take_vote)."""
         state = self.failover
         term, voter = frame.get("term"), frame.get("voter")
         won = False
         # A voter with another candidate list would be counted as whoever
         # holds its index in this one: its vote is not taken.
         same_list = frame.get("list") == list_digest(",".join(self.candidates))
-        if state is not None and same_list and type(term) is int and type(voter) is int:
+        if state is not None and same_list and vouched and type(term) is int and type(voter) is int:
             won = state.receive_vote(term, voter)
         answer: dict[str, Any] = {"v": 1, "t": "vote", "won": won}
         if state is not None:
