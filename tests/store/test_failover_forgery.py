@@ -6,55 +6,21 @@ The forger reaches every candidate and knows the public candidate list (so
 its digest). It sends votes for term 2 in the names of candidates 0 and 1 to
 candidate 2, then keeps sending hellos in their names, to that candidate and
 to the real host. Neither may count: no second host, and a host cut off from
-its real candidates still steps down."""
+its real candidates still steps down. And voters whose ballots stand at
+different terms (a relaunched job's records, a planted valid record) still
+elect a host (issue 37 item 2)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 import secrets
 from typing import Any
 
 from elastrun.endpoint import Endpoint
-from elastrun.store import codec
+from elastrun.store.ballot import Ballot
 from elastrun.store.term import Role, list_digest
+from tests.faults.forger import first_answer, keep_talking
 from tests.store.test_failover_start import candidate, connect, endpoints, run, watches
-
-
-async def frame_to(where: Endpoint, frame: dict[str, Any]) -> dict[str, Any]:
-    """Send one first frame to ``where``; its answer ({}: none)."""
-    reader, writer = await asyncio.open_connection(where.host, where.port)
-    try:
-        writer.write(codec.encode_frame({"v": 1, **frame}))
-        await writer.drain()
-        decoder = codec.FrameDecoder(1 << 16)
-        while (reply := decoder.pop()) is None:
-            data = await asyncio.wait_for(reader.read(4096), 5.0)
-            if not data:
-                return {}
-            decoder.push(data)
-        return reply
-    finally:
-        writer.close()
-
-
-async def keep_talking(where: Endpoint, frame: dict[str, Any]) -> None:
-    """Say ``frame`` (a hello) to ``where`` and keep sending a request every
-    0.2 s on that connection (bytes the host hears), until cancelled or
-    closed."""
-    reader, writer = await asyncio.open_connection(where.host, where.port)
-    try:
-        writer.write(codec.encode_frame({"v": 1, **frame}))
-        for number in itertools.count(1):
-            writer.write(codec.encode_frame({"v": 1, "t": "req", "id": number, "op": "ping"}))
-            await writer.drain()
-            with contextlib.suppress(TimeoutError):
-                if not await asyncio.wait_for(reader.read(1 << 16), 0.2):
-                    return
-            await asyncio.sleep(0.2)
-    finally:
-        writer.close()
 
 
 def forged_vote(eps: tuple[Endpoint, ...], term: int, voter: int) -> dict[str, Any]:
@@ -79,11 +45,11 @@ def test_forged_votes_without_a_token_never_make_a_second_host() -> None:
             assert c.server is not None and c.server.failover is not None
             # Votes in the names of candidates 0 and 1, for term 2, to candidate 2.
             for voter in (0, 1):
-                answer = await frame_to(eps[2], forged_vote(eps, 2, voter))
+                answer = await first_answer(eps[2], forged_vote(eps, 2, voter))
                 assert answer.get("won") is False, answer
             assert c.server.failover.role is Role.STANDBY and c.server.failover.term == 1
             # Hellos in their names keep a connection to it: still a standby.
-            answer = await frame_to(eps[2], forged_hello(0, 2))
+            answer = await first_answer(eps[2], forged_hello(0, 2))
             assert answer.get("code") == "not_host" or "not_host" in str(answer), answer
             assert c.server.failover.role is Role.STANDBY
 
@@ -105,9 +71,7 @@ def test_forged_hellos_without_a_token_do_not_keep_a_cut_off_host_serving() -> N
                     task.cancel()
                 assert client.store is not None
                 client.store.abort()
-            forgers = [
-                asyncio.ensure_future(keep_talking(eps[0], forged_hello(i, 1))) for i in (1, 2)
-            ]
+            forgers = [asyncio.ensure_future(keep_talking(eps[0], 1, i)) for i in (1, 2)]
             await asyncio.sleep(0.5)
             assert not any(f.done() for f in forgers), [f.exception() for f in forgers if f.done()]
             for _ in range(600):  # bounded: the fence time (1.2 s) and a check, under load
@@ -141,5 +105,30 @@ def test_without_a_token_the_real_candidates_still_elect_a_new_host() -> None:
             assert (b.term, b.host, c.term, c.host) == (2, 1, 2, 1)
             assert b.server is not None and b.server.failover is not None
             assert b.server.failover.role is Role.HOST
+
+    run(body)
+
+
+def test_voters_whose_ballots_stand_at_different_terms_meet_in_one_term() -> None:
+    """A valid record with a high term (a job relaunched over its agents'
+    records, or one planted) on one standby: it votes in the term after it,
+    the other voter in the next term of the job. Each standby tells the
+    voters the highest term it holds a vote in, and the next vote joins it:
+    a new host is elected (without this, the two voters stepped up one term
+    each per vote, never meeting)."""
+    eps = endpoints()
+
+    async def body() -> None:
+        async with candidate(eps, 1) as b, candidate(eps, 2) as c:
+            c.ballot = Ballot(None, 3, term=50, candidate=2)
+            b.failover_timeout = c.failover_timeout = 20.0
+            async with candidate(eps, 0) as a:
+                await asyncio.gather(connect(a), connect(b), connect(c))
+            for client in (b, c):
+                for task in watches.pop(id(client), []):
+                    task.cancel()
+            lost_b, lost_c = await asyncio.gather(b.watch(), c.watch())
+            await asyncio.gather(b.replace(lost_b), c.replace(lost_c))
+            assert b.term == c.term > 50 and b.host == c.host == 1
 
     run(body)

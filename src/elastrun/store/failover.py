@@ -100,6 +100,7 @@ class Probe:
     answer: Answer
     term: int = 0
     detail: str = ""
+    voted: int = 0  # a standby: the highest term in which it holds a vote
 
     @property
     def proof(self) -> bool:
@@ -133,7 +134,7 @@ async def probe(
         conn, _ = await open_conn(host, port, token, timeout, {"term": 0})
     except NotHost as exc:
         answer = Answer.FENCED if exc.role == "fenced" else Answer.STANDBY
-        return Probe(index, answer, exc.term, str(exc))
+        return Probe(index, answer, exc.term, str(exc), exc.voted)
     except (AuthenticationError, ProtocolError) as exc:  # a wrong token, or not a store of ours
         return Probe(index, Answer.SILENT, detail=str(exc)[:200])
     except ConnectionRefusedError:
@@ -265,7 +266,7 @@ class FailoverClient:
                 return False  # the first candidates may still be starting
         for p in seen[:target]:
             self._unreachable(p, now - start.down[p.index], start)
-        voted = await self._cast(start.term, target)
+        voted = await self._cast(max(start.term, seen[target].voted), target)
         if voted is None:
             return False
         start.term, start.vote_at = voted + 1, now + self.timing.vote_after
@@ -415,7 +416,9 @@ class FailoverClient:
         excepted; the term voted in, or None."""
         for p in seen:
             if p.index != old_host and p.answer is Answer.STANDBY:
-                return await self._cast(term, p.index)
+                # Join the highest term it already holds a vote in: voters
+                # whose ballots stand at different terms meet there.
+                return await self._cast(max(term, p.voted), p.index)
         return None
 
     async def _cast(self, term: int, target: int) -> int | None:

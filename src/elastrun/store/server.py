@@ -375,6 +375,8 @@ class StoreServer:
             return {}, None
         host = self._candidate(state.host)
         fields: dict[str, Any] = {"term": state.term, "role": state.role.value, "host": host}
+        if state.role is Role.STANDBY and state.voted:
+            fields["voted"] = state.voted
         if not self.serving():
             return fields, state.refusal(host)
         known = frame.get("term")

@@ -136,6 +136,13 @@ class TermState:
             self.heard, self.armed = {}, False
         return rejoined
 
+    @property
+    def voted(self) -> int:
+        """The highest term in which this standby holds a vote (0: none):
+        told to the voters, so that voters whose ballots are at different
+        terms (a job relaunched over its records) meet in one term."""
+        return max((t for t, v in self.votes.items() if v), default=0)
+
     def heard_from(self, candidate: int) -> None:
         if self.role is Role.HOST and 0 <= candidate < self.count:
             self.heard[candidate] = self.clock.monotonic()
