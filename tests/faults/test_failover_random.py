@@ -142,9 +142,10 @@ def host_overlaps(j: Job, ended: dict[str, list[float]]) -> list[str]:
         ends = downs.get(before["file"], []) + ended.get(before["file"], [])
         end = min((t for t in ends if t >= before["ts"]), default=float("inf"))
         if end > after["ts"]:
+            together = "until the end" if end == float("inf") else f"{end - after['ts']:.1f} s"
             problems.append(
                 f"{before['file']} (term {before['term']}) still served when {after['file']} "
-                f"took term {after['term']} over: {min(end, 1e12) - after['ts']:.1f} s together"
+                f"took term {after['term']} over: {together} together"
             )
     return problems
 
@@ -228,6 +229,8 @@ class Series:
             return world is None or s["world"] == world
 
         wait_steps(self.j, ok, what, after=mark, count=STEPS)
+        problems = host_overlaps(self.j, self.ended)
+        assert not problems, f"two hosts at once: {problems}"
 
     def fault(self, number: int) -> None:
         host = current_host(self.j)
@@ -304,7 +307,10 @@ def test_random_kills_and_cuts_of_hosts_and_standbys(
             finally:
                 series.stop_forger()
         except AssertionError as exc:
-            raise AssertionError(f"seed {seed}, faults {series.log}: {exc}") from None
+            hosts = host_overlaps(j, series.ended)  # named, whatever failed first
+            raise AssertionError(
+                f"seed {seed}, faults {series.log}: {exc}; two hosts at once: {hosts or 'none'}"
+            ) from None
         j.touch("finish")
         for agent in series.agents.values():
             assert wait_exit(j, agent) == 0, f"seed {seed}: {series.log}\n{diag(j)}"

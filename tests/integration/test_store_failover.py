@@ -281,7 +281,9 @@ def test_three_stalls_of_whichever_candidate_hosts_each_end_back_at_world_3(
                 fresh = [s for s in j.steps() if s["pid"] not in old and s["world"] == 3]
                 return len(fresh) >= 3 * 2  # every rank of a new world-3 group stepped
 
+            continued = time.monotonic()
             wait_for(back, BOUND, f"training at world 3 after stall {stall} of host n{hosting}")
+            print(f"stall {stall} of n{hosting}: world 3 {time.monotonic() - continued:.1f} s after")
             now = max(
                 e["term"]
                 for n in (1, 2, 3)
