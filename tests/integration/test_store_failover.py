@@ -283,7 +283,8 @@ def test_three_stalls_of_whichever_candidate_hosts_each_end_back_at_world_3(
 
             continued = time.monotonic()
             wait_for(back, BOUND, f"training at world 3 after stall {stall} of host n{hosting}")
-            print(f"stall {stall} of n{hosting}: world 3 {time.monotonic() - continued:.1f} s after")
+            took_s = time.monotonic() - continued
+            print(f"stall {stall} of n{hosting}: world 3 {took_s:.1f} s after SIGCONT")
             now = max(
                 e["term"]
                 for n in (1, 2, 3)
