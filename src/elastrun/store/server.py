@@ -428,7 +428,11 @@ class StoreServer:
                     return
                 await asyncio.sleep(state.timing.heartbeat)
 
-        self._ask(check())
+        if not self._ask(check()):  # busy (a flood of claims): ask again later
+            asyncio.get_running_loop().call_later(
+                state.timing.heartbeat,
+                lambda: None if conn.lost else self.take_candidate(conn, candidate, nonce),
+            )
 
     def _ask(self, work: Any) -> bool:
         """Run a vouch check, at most MAX_ASKING at once; whether it runs."""

@@ -15,8 +15,9 @@ own connection to the receiver). With a token, the token authenticates every
 frame and nothing is asked.
 
 Bounded: a store keeps the last :data:`MAX_CLAIMS` claims of its agent; a
-receiver asks at most :data:`MAX_ASKING` at once (a claim beyond that is not
-counted: the voter votes again later, a hello's connection is asked again).
+receiver asks at most :data:`MAX_ASKING` at once (a vote beyond that is not
+counted: the voter votes again later; a hello's connection is asked about
+again a heartbeat later).
 """
 
 from __future__ import annotations
@@ -33,7 +34,11 @@ from elastrun.store.client_conn import close_writer
 __all__ = ["ASK_TIMEOUT", "MAX_ASKING", "MAX_CLAIMS", "Claims", "ask"]
 
 MAX_CLAIMS = 256  # claims a candidate's store keeps for its agent (oldest dropped)
-MAX_ASKING = 16  # vouch requests a store makes at once
+# Vouch checks a store runs at once. Each comes from one admitted connection
+# (a vote frame, or a hello naming a candidate: once per connection), so the
+# server's admission bounds them too; beyond this a vote is not counted (its
+# voter votes again in its next term) and a hello is asked about later.
+MAX_ASKING = 64
 ASK_TIMEOUT = 2.0  # one vouch request (a loaded machine answers slowly)
 
 
