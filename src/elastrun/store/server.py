@@ -51,7 +51,7 @@ from elastrun.store.limits import DEFAULT_LIMITS, MAX_FRAME, MAX_TOKEN, StoreLim
 from elastrun.store.memory import LeaseReaper
 from elastrun.store.server_conn import Connection
 from elastrun.store.term import Role, TermState, list_digest
-from elastrun.store.vouch import MAX_ASKING, Claims, ask
+from elastrun.store.vouch import Checks, Claims
 
 __all__ = ["DEFAULT_PORT", "DISCONNECT_GRACE", "AbuseLog", "ServerStats", "StoreServer"]
 
@@ -164,7 +164,7 @@ class StoreServer:
         # store vouches for it), and the claims of others being checked
         # (store/vouch.py).
         self.claims = Claims()
-        self._asking: set[asyncio.Task[None]] = set()
+        self._checks = Checks(self.candidates, self.token)
 
     @property
     def hello_timeout(self) -> float:
@@ -245,8 +245,7 @@ class StoreServer:
         if self._fence_task is not None:
             self._fence_task.cancel()
             self._fence_task = None
-        for task in list(self._asking):
-            task.cancel()
+        self._checks.cancel()
         if self._server is not None:
             self._server.close()
         for conn in self._connections:
@@ -393,70 +392,31 @@ class StoreServer:
             answer(self.term_vote(frame))
             return
         claim = {"t": "vote", "term": term, "target": state.index}
-        nonce = frame.get("nonce")
-
-        async def check() -> None:
-            ok = await self._vouched(voter, nonce, claim)
-            answer(self.term_vote(frame, vouched=ok))
-
-        if not self._ask(check()):
-            answer(self.term_vote(frame, vouched=False))
+        self._checks.vote(
+            voter, frame.get("nonce"), claim, lambda ok: answer(self.term_vote(frame, vouched=ok))
+        )
 
     def take_candidate(self, conn: Connection, candidate: int, nonce: object) -> None:
         """A hello that names the client's agent as candidate ``candidate``:
         the connection counts as hearing from it (fencing) at once with a
         token or when it is this candidate's own agent, else once the named
-        candidate's store vouches for it (asked again while unanswered, a
-        few times)."""
+        candidate's store vouches for it (store/vouch.py)."""
         state = self.failover
         if state is None or not 0 <= candidate < state.count:
             return
-        if self.token is not None or candidate == state.index:
+
+        def heard() -> None:
             conn.candidate = candidate
             self.heard(candidate)
+
+        if self.token is not None or candidate == state.index:
+            heard()
             return
         claim = {"t": "hello", "target": state.index}
-
-        async def check() -> None:
-            for _ in range(5):
-                if conn.lost:
-                    return
-                if await self._vouched(candidate, nonce, claim):
-                    if not conn.lost:
-                        conn.candidate = candidate
-                        self.heard(candidate)
-                    return
-                await asyncio.sleep(state.timing.heartbeat)
-
-        if not self._ask(check()):  # busy (a flood of claims): ask again later
-            asyncio.get_running_loop().call_later(
-                state.timing.heartbeat,
-                lambda: None if conn.lost else self.take_candidate(conn, candidate, nonce),
-            )
-
-    def _ask(self, work: Any) -> bool:
-        """Run a vouch check, at most MAX_ASKING at once; whether it runs."""
-        if len(self._asking) >= MAX_ASKING:
-            work.close()
-            return False
-        task = asyncio.get_running_loop().create_task(work)
-        self._asking.add(task)
-        task.add_done_callback(self._asking.discard)
-        return True
-
-    async def _vouched(self, candidate: int, nonce: object, claim: dict[str, Any]) -> bool:
-        """Whether candidate ``candidate``'s store, asked at its own entry,
-        vouches for ``claim`` under ``nonce``."""
-        if not isinstance(nonce, str) or not 0 < len(nonce) <= 64:
-            return False
-        if not 0 <= candidate < len(self.candidates):
-            return False
-        try:
-            where = Endpoint.parse(self.candidates[candidate], 0, "candidate")
-        except ConfigError:
-            return False
-        said = await ask(where.host, where.port, self.token, nonce)
-        return said == claim
+        every = state.timing.heartbeat
+        self._checks.hello(
+            candidate, nonce, claim, every=every, lost=lambda: conn.lost, heard=heard
+        )
 
     def vouch(self, nonce: object) -> dict[str, Any]:
         """The answer to a ``vouch`` frame: what this candidate's agent

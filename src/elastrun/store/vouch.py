@@ -25,13 +25,15 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections import OrderedDict
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from elastrun.errors import ProtocolError
+from elastrun.endpoint import Endpoint
+from elastrun.errors import ConfigError, ProtocolError
 from elastrun.store import codec
 from elastrun.store.client_conn import close_writer
 
-__all__ = ["ASK_TIMEOUT", "MAX_ASKING", "MAX_CLAIMS", "Claims", "ask"]
+__all__ = ["ASK_TIMEOUT", "MAX_ASKING", "MAX_CLAIMS", "Checks", "Claims", "ask"]
 
 MAX_CLAIMS = 256  # claims a candidate's store keeps for its agent (oldest dropped)
 # Vouch checks a store runs at once. Each comes from one admitted connection
@@ -86,3 +88,85 @@ async def ask(
         return None
     claim = reply.get("claim") if reply.get("t") == "vouch" else None
     return claim if isinstance(claim, dict) else None
+
+
+class Checks:
+    """A candidate store's checks of others' claims: whether candidate ``i``
+    (``candidates[i]``, its entry) vouches for a claim, at most
+    :data:`MAX_ASKING` at once."""
+
+    def __init__(self, candidates: Sequence[str], token: str | None) -> None:
+        self.candidates = tuple(candidates)
+        self.token = token
+        self._running: set[asyncio.Task[None]] = set()
+
+    def vote(
+        self, voter: int, nonce: object, claim: dict[str, Any], done: Callable[[bool], None]
+    ) -> None:
+        """Check a vote; ``done(vouched)`` (False at once when busy)."""
+
+        async def check() -> None:
+            done(await self.vouched(voter, nonce, claim))
+
+        if not self._run(check()):
+            done(False)
+
+    def hello(
+        self,
+        candidate: int,
+        nonce: object,
+        claim: dict[str, Any],
+        *,
+        every: float,
+        lost: Callable[[], bool],
+        heard: Callable[[], None],
+    ) -> None:
+        """Check a connection's hello, up to five times ``every`` seconds
+        apart while the connection is not ``lost``; ``heard()`` once vouched.
+        When busy, asked again ``every`` seconds later."""
+
+        async def check() -> None:
+            for _ in range(5):
+                if lost():
+                    return
+                if await self.vouched(candidate, nonce, claim):
+                    if not lost():
+                        heard()
+                    return
+                await asyncio.sleep(every)
+
+        if not self._run(check()):
+            asyncio.get_running_loop().call_later(
+                every,
+                lambda: (
+                    None
+                    if lost()
+                    else self.hello(candidate, nonce, claim, every=every, lost=lost, heard=heard)
+                ),
+            )
+
+    async def vouched(self, candidate: int, nonce: object, claim: dict[str, Any]) -> bool:
+        """Whether candidate ``candidate``'s store, asked at its own entry,
+        vouches for ``claim`` under ``nonce``."""
+        if not isinstance(nonce, str) or not 0 < len(nonce) <= 64:
+            return False
+        if not 0 <= candidate < len(self.candidates):
+            return False
+        try:
+            where = Endpoint.parse(self.candidates[candidate], 0, "candidate")
+        except ConfigError:
+            return False
+        return await ask(where.host, where.port, self.token, nonce) == claim
+
+    def cancel(self) -> None:
+        for task in list(self._running):
+            task.cancel()
+
+    def _run(self, work: Coroutine[Any, Any, None]) -> bool:
+        if len(self._running) >= MAX_ASKING:
+            work.close()
+            return False
+        task = asyncio.get_running_loop().create_task(work)
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        return True
