@@ -19,8 +19,11 @@ connections feed it (a hello, a vote, any frame of a candidate's connection).
 * **Fencing.** The host counts the candidates it heard from (any frame of a
   connection whose hello named its candidate index) within
   :attr:`FailoverTiming.fence` seconds, itself included. Once a majority was
-  heard (the job is up), a count below a majority steps it down for good
-  (:attr:`Role.FENCED`): it answers nobody again. A voter votes only
+  heard (the job is up), a count below a majority steps it down
+  (:attr:`Role.FENCED`): it never serves its term again, and stands by only
+  once it learns a newer term's host (:meth:`TermState.learn`). Without a
+  token, a hello names a candidate only once that candidate vouches for it
+  (:mod:`elastrun.store.vouch`); so do votes. A voter votes only
   :attr:`FailoverTiming.vote_after` seconds after it last sent anything to the
   host (longer than ``fence``, clock drift and delays allowed for), or at once
   when the host's address refuses connections or the host says it stepped
@@ -64,7 +67,7 @@ class Role(enum.Enum):
 
     HOST = "host"  # serves the store
     STANDBY = "standby"  # refuses requests, naming the host; takes votes
-    FENCED = "fenced"  # was the host, stepped down: refuses everything, for good
+    FENCED = "fenced"  # was the host, stepped down: refuses everything until it learns a newer term
 
 
 @dataclass(frozen=True)
