@@ -80,13 +80,17 @@ class StoreTimeout(StoreUnavailable):
 class NotHost(StoreUnavailable):
     """A candidate host of the embedded store answered that it does not serve
     the store: it stands by (``role`` "standby") or stepped down ("fenced").
-    ``term`` is the newest term it knows, ``host`` the host it knows of ("")."""
+    ``term`` is the newest term it knows, ``host`` the host it knows of ("");
+    ``voted``: the highest term in which it holds a vote for itself (0: none)."""
 
-    def __init__(self, message: str, role: str = "standby", term: int = 0, host: str = "") -> None:
+    def __init__(
+        self, message: str, role: str = "standby", term: int = 0, host: str = "", voted: int = 0
+    ) -> None:
         super().__init__(message)
         self.role = role
         self.term = term
         self.host = host
+        self.voted = voted
 
 
 class HostLost(StoreUnavailable):

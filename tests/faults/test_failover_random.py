@@ -3,14 +3,18 @@ three candidate hosts (docs/failover.md), checked from the agents' event logs.
 
 Four nodes in network namespaces: n1, n2, n3 are the candidates, n4 is not;
 ``--nnodes=1:4``, so one node alone could train (only the fencing keeps a
-cut-off host from doing so). Each fault picks, with the seeded generator, a
-kind (SIGKILL of the agent's process group, or a cut healed a few seconds
+cut-off host from doing so). The job has no token, and a fifth namespace, x,
+holds a stranger (tests/faults/forger.py) that from the first training on
+keeps sending every standby votes for the next term in the other candidates'
+names, and every candidate hellos in their names. Each fault picks, with the
+seeded generator, a kind (SIGKILL of the agent's process group, a cut healed
+a few seconds later, or a stall: SIGSTOP of the agent, SIGCONT 2 to 8 s
 later) and a target by role (the current host, a standby, the node that is
 no candidate); after each the job must train again, and a killed node is
 started again, so that a majority of the candidates is up for the next one.
 Before the faults, the seed may start the first candidate late: the others
-elect a host without it and train, then it joins. So the series holds kills
-and cuts of the host, of a standby, and of both in sequence, and heals.
+elect a host without it and train, then it joins. So the series holds kills,
+cuts and stalls of the host, of a standby, and of both in sequence, and heals.
 
 The checker reads every node's event log (which workers each round started,
 with what restart count) and the workers' step log (each step's rank, pid
@@ -19,12 +23,17 @@ and wall-clock time; the namespaces share one clock) and asserts:
 * at most one training generation at any moment: the steps of two
   generations (a round's workers, told apart by round and master) never
   interleave in time;
+* at most one host at any moment: each term is taken over once, and a host
+  serves from its takeover until it steps down, or the test kills or stops
+  it, before the next term's takeover (the forger's votes elect nobody);
 * restart counts and checkpoint steps never go backwards;
 * no worker is left behind, nothing left in the namespaces;
 * every agent not killed by the test exits 0, or 1 with a line naming why
   (never a traceback).
 
-``ELASTRUN_FAILOVER_SEED`` chooses the series (default 1; ``random`` draws
+``ELASTRUN_FAILOVER_SEED`` chooses the series (default 11: the first
+candidate late, stalls of n4, of the host and of a standby, a cut of the
+host; ``random`` draws
 one, printed so that it can be replayed); ``ELASTRUN_FAILOVER_FAULTS`` sets
 its length (default 4).
 """
@@ -36,6 +45,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +56,7 @@ from typing import Any
 from tests.faults.netns import Network
 from tests.faults.test_failover_faults import failover_flags
 from tests.faults.test_faults import (
+    STORE_PORT,
     agent_traceback,
     assert_namespaces_empty,
     assert_no_workers,
@@ -55,13 +67,14 @@ from tests.faults.test_faults import (
     wait_exit,
     wait_steps,
 )
-from tests.helpers import wait_for
+from tests.helpers import kill_group, wait_for
 from tests.integration.elastic_harness import Agent, Job, job
 
 __all__ = ["netns"]  # the fixture, used by name
 
 CANDIDATES = ("n1", "n2", "n3")
 NODES = (*CANDIDATES, "n4")
+STRANGER = "x"  # the forging client's namespace (no agent)
 FAILOVER_TIMEOUT = 60
 RECOVERY = 90.0  # training again after one fault (a takeover, a restart, torch in gloo)
 STEPS = 3  # steps that show the job trains again
@@ -109,7 +122,37 @@ def generations(j: Job) -> list[Generation]:
     return sorted(gens, key=lambda g: g.first)
 
 
-def check_invariants(j: Job, killed: set[int]) -> None:
+def host_overlaps(j: Job, ended: dict[str, list[float]]) -> list[str]:
+    """Where two hosts served at once, from the event logs: each takeover
+    serves from its event until its node's next step-down event or the test's
+    next kill or stop of that node (``ended``: wall-clock times by node),
+    and must end before the next term's takeover. A term taken over twice is
+    two hosts too."""
+    events = read_events(j)
+    took = sorted((e for e in events if e["kind"] == "store_takeover"), key=lambda e: e["term"])
+    problems = []
+    terms = [e["term"] for e in took]
+    if len(terms) != len(set(terms)):
+        problems.append(f"a term was taken over twice: {[(e['term'], e['file']) for e in took]}")
+    downs: dict[str, list[float]] = {}
+    for e in events:
+        if e["kind"] == "store_stepped_down":
+            downs.setdefault(e["file"], []).append(e["ts"])
+    for before, after in itertools.pairwise(took):
+        ends = downs.get(before["file"], []) + ended.get(before["file"], [])
+        end = min((t for t in ends if t >= before["ts"]), default=float("inf"))
+        if end > after["ts"]:
+            together = "until the end" if end == float("inf") else f"{end - after['ts']:.1f} s"
+            problems.append(
+                f"{before['file']} (term {before['term']}) still served when {after['file']} "
+                f"took term {after['term']} over: {together} together"
+            )
+    return problems
+
+
+def check_invariants(j: Job, killed: set[int], ended: dict[str, list[float]] | None = None) -> None:
+    problems = host_overlaps(j, ended or {})
+    assert not problems, f"two hosts at once: {problems}\n{diag(j)}"
     gens = generations(j)
     for before, after in itertools.pairwise(gens):
         assert after.first > before.last, (
@@ -137,7 +180,9 @@ class Series:
         self.j, self.net, self.rng = j, net, rng
         self.agents: dict[str, Agent] = {}
         self.killed: set[int] = set()  # pids of the agents the test killed
+        self.ended: dict[str, list[float]] = {}  # node -> when the test killed or stopped it
         self.log: list[str] = []
+        self.forger: subprocess.Popen[bytes] | None = None
 
     def start(self, node: str) -> None:
         flags = failover_flags(
@@ -159,6 +204,23 @@ class Series:
             self.trains("training without the first candidate", world=len(NODES) - 1)
             self.start(CANDIDATES[0])
         self.trains("training at world 4", world=len(NODES))
+        self.forge()
+
+    def forge(self) -> None:
+        """Start the stranger (see the module doc) in its own namespace."""
+        endpoint = ",".join(f"{self.net[n].addr}:{STORE_PORT}" for n in CANDIDATES)
+        argv = [sys.executable, str(Path(__file__).with_name("forger.py")), endpoint, "3600"]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.forger = self.net.run_in(STRANGER, argv, env=env, log_path=self.j.dir / "forger.log")
+        self.log.append("forger started")
+
+    def stop_forger(self) -> None:
+        if self.forger is not None and self.forger.poll() is None:
+            kill_group(self.forger.pid, signal.SIGKILL)
+            self.forger.wait(30)
+
+    def ends(self, node: str) -> None:
+        self.ended.setdefault(node, []).append(time.time())
 
     def trains(self, what: str, world: int | None = None) -> None:
         mark = len(self.j.steps())
@@ -167,6 +229,8 @@ class Series:
             return world is None or s["world"] == world
 
         wait_steps(self.j, ok, what, after=mark, count=STEPS)
+        problems = host_overlaps(self.j, self.ended)
+        assert not problems, f"two hosts at once: {problems}"
 
     def fault(self, number: int) -> None:
         host = current_host(self.j)
@@ -176,17 +240,24 @@ class Series:
         role = self.rng.choice(sorted(roles))
         node = roles[role]
         assert node is not None
-        kind = self.rng.choice(["kill", "cut"])
+        kind = self.rng.choice(["kill", "cut", "stall"])
         self.log.append(f"{number}: {kind} {role} {node}")
         print(self.log[-1], flush=True)
         agent = self.agents[node]
         if kind == "kill":
+            self.ends(node)
             agent.kill_group(signal.SIGKILL)
             self.killed.add(agent.proc.pid)
             agent.proc.wait(30)
             self.trains(f"training after fault {self.log[-1]}")
             self.start(node)  # back, as a restarted pod would be
             self.trains(f"{node} back after {self.log[-1]}", world=len(NODES))
+        elif kind == "stall":
+            self.ends(node)  # a stopped host serves nobody; continued, it steps down first
+            agent.kill_group(signal.SIGSTOP)
+            time.sleep(self.rng.uniform(2.0, 8.0))  # how long it stalls: random
+            agent.kill_group(signal.SIGCONT)
+            self.back_after_heal(node)
         else:
             self.net.cut(node)
             self.trains(f"training after fault {self.log[-1]}")
@@ -221,23 +292,31 @@ def test_random_kills_and_cuts_of_hosts_and_standbys(
     tmp_path: Path, netns: Callable[[list[str]], Network]
 ) -> None:
     # A fixed series by default (the suite is repeatable); "random" draws one.
-    chosen = os.environ.get("ELASTRUN_FAILOVER_SEED", "1")
+    chosen = os.environ.get("ELASTRUN_FAILOVER_SEED", "11")
     seed = random.randrange(1 << 30) if chosen == "random" else int(chosen)
     count = int(os.environ.get("ELASTRUN_FAILOVER_FAULTS", "4"))
     print(f"failover series: seed {seed}, {count} faults (ELASTRUN_FAILOVER_SEED={seed})")
-    net = netns(list(NODES))
+    net = netns([*NODES, STRANGER])
     with job(tmp_path) as j:
         series = Series(j, net, random.Random(seed))
         try:
-            series.begin()
-            for number in range(1, count + 1):
-                series.fault(number)
+            try:
+                series.begin()
+                for number in range(1, count + 1):
+                    series.fault(number)
+            finally:
+                series.stop_forger()
         except AssertionError as exc:
-            raise AssertionError(f"seed {seed}, faults {series.log}: {exc}") from None
+            hosts = host_overlaps(j, series.ended)  # named, whatever failed first
+            raise AssertionError(
+                f"seed {seed}, faults {series.log}: {exc}; two hosts at once: {hosts or 'none'}"
+            ) from None
         j.touch("finish")
         for agent in series.agents.values():
             assert wait_exit(j, agent) == 0, f"seed {seed}: {series.log}\n{diag(j)}"
-        check_invariants(j, series.killed)
+        check_invariants(j, series.killed, series.ended)
+        forged = (j.dir / "forger.log").read_text()
+        assert "forger: vote" in forged, forged[-2000:]  # it did try
     assert_namespaces_empty(net)
 
 

@@ -119,3 +119,59 @@ def test_forget_removes_the_record(tmp_path: Path) -> None:
     ballot.forget()
     assert not os.path.exists(path)
     assert Ballot.load(path, 3).term == 0
+
+
+OTHER_UID = 65534  # nobody: "another user" (the tests run as root, who can chown)
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+
+
+@needs_root
+def test_a_cache_folder_another_user_created_with_a_linked_failover_folder_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Issue 37 item 2: another user's --warm-cache folder whose ``failover``
+    is a link to a root-only folder: nothing is created through the link."""
+    target = tmp_path / "root-only"
+    target.mkdir(mode=0o700)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "failover").symlink_to(target)
+    os.lchown(cache / "failover", OTHER_UID, OTHER_UID)
+    os.chown(cache, OTHER_UID, OTHER_UID)
+    with pytest.raises(OSError, match="owned by uid 65534"):
+        ballot_path(str(cache), "job-7", LIST, 1)
+    assert list(target.iterdir()) == []
+    os.chown(cache, 0, 0)  # the same link in a folder of ours: refused as a link
+    with pytest.raises(OSError, match="link"):
+        ballot_path(str(cache), "job-7", LIST, 1)
+    assert list(target.iterdir()) == []
+
+
+@needs_root
+def test_a_failover_folder_of_another_user_or_a_linked_run_folder_is_refused(
+    tmp_path: Path,
+) -> None:
+    cache = tmp_path / "cache"
+    (cache / "failover").mkdir(parents=True, mode=0o700)
+    os.chown(cache / "failover", OTHER_UID, OTHER_UID)
+    with pytest.raises(OSError, match="owned by uid 65534"):
+        ballot_path(str(cache), "job-7", LIST, 1)
+    os.chown(cache / "failover", 0, 0)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (cache / "failover" / "job-7").symlink_to(elsewhere)
+    with pytest.raises(OSError, match="link"):
+        ballot_path(str(cache), "job-7", LIST, 1)
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_record_with_a_term_no_job_reaches_is_refused(tmp_path: Path) -> None:
+    """A valid-looking record with term 2^53 (issue 37 item 2) would keep
+    this voter out of every election: refused, naming the file."""
+    path = tmp_path / "ballot.json"
+    path.write_text(json.dumps({"term": 2**53, "candidate": 1}))
+    with pytest.raises(BallotError) as err:
+        Ballot.load(str(path), 3)
+    assert str(path) in str(err.value)
+    path.write_text(json.dumps({"term": 40, "candidate": 1}))  # a real job's terms
+    assert Ballot.load(str(path), 3).term == 40

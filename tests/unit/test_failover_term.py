@@ -197,3 +197,23 @@ def test_a_vote_from_a_node_with_another_candidate_list_is_not_taken() -> None:
     assert not server.elect_self(1)  # its own vote, with its own list: 1 of 3
     assert server.term_vote({"term": 1, "voter": 2, "list": list_digest(",".join(listed))})["won"]
     assert state.role is Role.HOST and state.term == 1
+
+
+def test_a_host_that_stepped_down_stands_by_again_once_it_learns_a_newer_term() -> None:
+    """Issue 37 item 0: a stalled host steps down; once it learns the newer
+    term's host it stands by again and can be elected in a later term, never
+    in its own or the learned one."""
+    clock = FakeClock()
+    state = host(3, clock)
+    state.heard_from(1)
+    assert state.check_fence() is None
+    clock.advance(10.0)  # a stall: it heard from nobody
+    assert state.check_fence() is not None
+    assert state.role.value == "fenced"
+    assert not state.learn(1, 0)  # not newer: still stepped down
+    assert not state.receive_vote(2, 1)
+    assert state.learn(2, 1)
+    assert (state.role, state.term, state.host, state.armed) == (Role.STANDBY, 2, 1, False)
+    assert not state.receive_vote(2, 2)  # the learned term is taken
+    assert not state.receive_vote(3, 1) and state.receive_vote(3, 2)
+    assert (state.role.value, state.term) == ("host", 3)

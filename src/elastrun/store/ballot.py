@@ -7,7 +7,10 @@ before, or again for the same candidate in its highest term. So the record is
 one pair, the highest term voted in and for whom, written (atomically, synced)
 before the vote is sent. It lives in a private folder of this machine's cache
 (``<cache>/failover/<run id>/ballot-<list>-<index>.json``, see
-:func:`ballot_path`), read back bounded and validated when the agent starts.
+:func:`ballot_path`), read back bounded and validated when the agent starts
+(a record that is a link, not a regular file, larger than 4 KiB, not
+``{"term": N, "candidate": I}``, or with a term above :data:`MAX_TERM` is
+refused: the agent says so in one line and keeps its votes in memory).
 
 A vote for a term above the recorded one also waits: ``wait`` (the failover's
 ``vote_after``) after this process's previous vote, or after the ballot was
@@ -27,14 +30,24 @@ from dataclasses import dataclass, field
 
 from elastrun.clock import SYSTEM_CLOCK, Clock
 from elastrun.names import path_component
-from elastrun.safefs import nearest_existing, private_dir, read_regular, write_atomic
+from elastrun.safefs import (
+    UnsafePath,
+    nearest_existing,
+    private_dir,
+    read_regular,
+    write_atomic,
+)
 from elastrun.store.term import list_digest
 from elastrun.untrusted import loads
 
 __all__ = ["MAX_BALLOT_BYTES", "MAX_TERM", "Ballot", "BallotError", "ballot_path"]
 
 MAX_BALLOT_BYTES = 4096  # a larger record is refused (a planted file)
-MAX_TERM = 1 << 53  # terms are small numbers; anything larger is not ours
+# Terms are small numbers: one more per election, an election at most every
+# vote_after (4 s) per voter; 2^31 terms are centuries of elections. A larger
+# recorded term is not ours (a planted or damaged record): it is refused, as
+# it would keep this voter out of every election the job can reach.
+MAX_TERM = 1 << 31
 
 
 class BallotError(Exception):
@@ -45,9 +58,25 @@ def ballot_path(cache_dir: str, run_id: str, candidates: str, index: int) -> str
     """The record of candidate ``index`` of the list ``candidates`` (as every
     node writes it) in job ``run_id``: one per candidate, so that several
     candidates on one machine (told apart by loopback addresses) keep their
-    own. The folder is created private (0700) on the way."""
-    folder = os.path.join(os.path.abspath(cache_dir), "failover", path_component(run_id))
-    private_dir(folder, below=nearest_existing(os.path.dirname(folder)))
+    own. The folders are created private (0700) on the way; the cache folder
+    must be this user's (links in its own path are the caller's choice), and
+    ``failover`` and the run's folder in it this user's private folders, not
+    links: raises UnsafePath naming the first that is not."""
+    cache = os.path.abspath(cache_dir)
+    if not os.path.lexists(cache):
+        private_dir(cache, below=nearest_existing(os.path.dirname(cache)))
+    try:
+        st = os.stat(cache)
+    except OSError as exc:
+        raise UnsafePath(cache, f"cannot be read: {exc.strerror or exc}") from None
+    if st.st_uid != os.geteuid():
+        raise UnsafePath(
+            cache,
+            f"is owned by uid {st.st_uid}, not by this process (uid {os.geteuid()}); "
+            "another user may have created it: the ballots are not kept there",
+        )
+    folder = os.path.join(cache, "failover", path_component(run_id))
+    private_dir(folder, below=cache)
     return os.path.join(folder, f"ballot-{list_digest(candidates)}-{index}.json")
 
 

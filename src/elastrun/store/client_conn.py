@@ -106,9 +106,11 @@ async def open_conn(
 def not_host(address: str, message: str, reply: Mapping[str, Any]) -> NotHost:
     """A candidate host's refusal (untrusted: bounded, typed)."""
     role, term, host = reply.get("role"), reply.get("term"), reply.get("host")
+    voted = reply.get("voted")
     return NotHost(
         f"the elastrun store at {address}: {message:.300}",
         role=role if role in ("standby", "fenced", "host") else "standby",
         term=term if type(term) is int and term >= 0 else 0,
         host=printable(host[:300]) if isinstance(host, str) else "",
+        voted=voted if type(voted) is int and voted >= 0 else 0,
     )

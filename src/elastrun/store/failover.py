@@ -100,6 +100,7 @@ class Probe:
     answer: Answer
     term: int = 0
     detail: str = ""
+    voted: int = 0  # a standby: the highest term in which it holds a vote
 
     @property
     def proof(self) -> bool:
@@ -133,7 +134,7 @@ async def probe(
         conn, _ = await open_conn(host, port, token, timeout, {"term": 0})
     except NotHost as exc:
         answer = Answer.FENCED if exc.role == "fenced" else Answer.STANDBY
-        return Probe(index, answer, exc.term, str(exc))
+        return Probe(index, answer, exc.term, str(exc), exc.voted)
     except (AuthenticationError, ProtocolError) as exc:  # a wrong token, or not a store of ours
         return Probe(index, Answer.SILENT, detail=str(exc)[:200])
     except ConnectionRefusedError:
@@ -145,10 +146,17 @@ async def probe(
 
 
 async def send_vote(
-    candidates: Candidates, target: int, term: int, voter: int, token: str | None
+    candidates: Candidates,
+    target: int,
+    term: int,
+    voter: int,
+    token: str | None,
+    *,
+    nonce: str | None = None,
 ) -> bool:
-    """Vote for candidate ``target`` in ``term``; whether it was counted
-    (False: not reached, or it did not take the vote)."""
+    """Vote for candidate ``target`` in ``term``; whether it was answered
+    (False: not reached, or no answer in time). ``nonce``: the claim the
+    voter's own store vouches for (store/vouch.py)."""
     host, port = candidates.endpoints[target]
     try:
         async with asyncio.timeout(PROBE_TIMEOUT):
@@ -156,6 +164,8 @@ async def send_vote(
             try:
                 frame = {"v": 1, "t": "vote", "token": token, "term": term, "voter": voter}
                 frame["list"] = list_digest(str(candidates))
+                if nonce is not None:
+                    frame["nonce"] = nonce
                 writer.write(codec.encode_frame(frame))
                 await writer.drain()
                 decoder = codec.FrameDecoder(4096)
@@ -256,7 +266,7 @@ class FailoverClient:
                 return False  # the first candidates may still be starting
         for p in seen[:target]:
             self._unreachable(p, now - start.down[p.index], start)
-        voted = await self._cast(start.term, target)
+        voted = await self._cast(max(start.term, seen[target].voted), target)
         if voted is None:
             return False
         start.term, start.vote_at = voted + 1, now + self.timing.vote_after
@@ -283,6 +293,8 @@ class FailoverClient:
         hello: dict[str, Any] = {"term": term}
         if self.candidates.me is not None:
             hello["candidate"] = self.candidates.me
+            if self.server is not None:  # its store vouches for it (store/vouch.py)
+                hello["nonce"] = self.server.claims.add({"t": "hello", "target": index})
         store = await TcpStore.connect(
             host,
             port,
@@ -294,8 +306,8 @@ class FailoverClient:
         )
         store.connect_timeout = self.request_timeout
         self.store, self.term, self.host = store, store.term, index
-        if self.server is not None and self.server.failover is not None:
-            self.server.failover.learn(store.term, index)
+        if self.server is not None:
+            self.server.learn(store.term, index)
         return store
 
     async def _nap(self, seconds: float) -> None:
@@ -404,7 +416,9 @@ class FailoverClient:
         excepted; the term voted in, or None."""
         for p in seen:
             if p.index != old_host and p.answer is Answer.STANDBY:
-                return await self._cast(term, p.index)
+                # Join the highest term it already holds a vote in: voters
+                # whose ballots stand at different terms meet there.
+                return await self._cast(max(term, p.voted), p.index)
         return None
 
     async def _cast(self, term: int, target: int) -> int | None:
@@ -427,7 +441,10 @@ class FailoverClient:
         if target == me and self.server is not None:
             self.server.elect_self(term)
         else:
-            await send_vote(self.candidates, target, term, me, self.token)
+            nonce = None
+            if self.server is not None:  # its store vouches for it (store/vouch.py)
+                nonce = self.server.claims.add({"t": "vote", "term": term, "target": target})
+            await send_vote(self.candidates, target, term, me, self.token, nonce=nonce)
         return term
 
     def _why_lost(self, lost: Lost, seen: list[Probe], old_host: int | None) -> str:

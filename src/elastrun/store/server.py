@@ -51,6 +51,7 @@ from elastrun.store.limits import DEFAULT_LIMITS, MAX_FRAME, MAX_TOKEN, StoreLim
 from elastrun.store.memory import LeaseReaper
 from elastrun.store.server_conn import Connection
 from elastrun.store.term import Role, TermState, list_digest
+from elastrun.store.vouch import Checks, Claims
 
 __all__ = ["DEFAULT_PORT", "DISCONNECT_GRACE", "AbuseLog", "ServerStats", "StoreServer"]
 
@@ -158,6 +159,12 @@ class StoreServer:
         self.on_term = on_term
         self._fence_task: asyncio.Task[None] | None = None
         self._held: set[Connection] = set()  # connections whose requests wait
+        self._retired: set[asyncio.Future[None]] = set()  # old reapers stopping
+        # Without a token: what this candidate's agent said in its name (the
+        # store vouches for it), and the claims of others being checked
+        # (store/vouch.py).
+        self.claims = Claims()
+        self._checks = Checks(self.candidates, self.token)
 
     @property
     def hello_timeout(self) -> float:
@@ -238,6 +245,7 @@ class StoreServer:
         if self._fence_task is not None:
             self._fence_task.cancel()
             self._fence_task = None
+        self._checks.cancel()
         if self._server is not None:
             self._server.close()
         for conn in self._connections:
@@ -366,6 +374,8 @@ class StoreServer:
             return {}, None
         host = self._candidate(state.host)
         fields: dict[str, Any] = {"term": state.term, "role": state.role.value, "host": host}
+        if state.role is Role.STANDBY and state.voted:
+            fields["voted"] = state.voted
         if not self.serving():
             return fields, state.refusal(host)
         known = frame.get("term")
@@ -373,15 +383,56 @@ class StoreServer:
             return fields, f"this host's term {state.term} is older than the client's ({known})"
         return fields, None
 
-    def term_vote(self, frame: Mapping[str, Any]) -> dict[str, Any]:
-        """Count a candidate's vote for this one (``term``, ``voter``)."""
+    def take_vote(self, frame: Mapping[str, Any], answer: Callable[[dict[str, Any]], None]) -> None:
+        """A vote frame from the network: counted at once with a token (the
+        token authenticates it); without one, only once the voter's own
+        store vouches for it (store/vouch.py). ``answer`` gets the reply."""
+        state, term, voter = self.failover, frame.get("term"), frame.get("voter")
+        if self.token is not None or state is None or type(voter) is not int:
+            answer(self.term_vote(frame))
+            return
+        claim = {"t": "vote", "term": term, "target": state.index}
+        self._checks.vote(
+            voter, frame.get("nonce"), claim, lambda ok: answer(self.term_vote(frame, vouched=ok))
+        )
+
+    def take_candidate(self, conn: Connection, candidate: int, nonce: object) -> None:
+        """A hello that names the client's agent as candidate ``candidate``:
+        the connection counts as hearing from it (fencing) at once with a
+        token or when it is this candidate's own agent, else once the named
+        candidate's store vouches for it (store/vouch.py)."""
+        state = self.failover
+        if state is None or not 0 <= candidate < state.count:
+            return
+
+        def heard() -> None:
+            conn.candidate = candidate
+            self.heard(candidate)
+
+        if self.token is not None or candidate == state.index:
+            heard()
+            return
+        claim = {"t": "hello", "target": state.index}
+        every = state.timing.heartbeat
+        self._checks.hello(
+            candidate, nonce, claim, every=every, lost=lambda: conn.lost, heard=heard
+        )
+
+    def vouch(self, nonce: object) -> dict[str, Any]:
+        """The answer to a ``vouch`` frame: what this candidate's agent
+        claimed under ``nonce`` (null: nothing)."""
+        return {"v": 1, "t": "vouch", "claim": self.claims.get(nonce)}
+
+    def term_vote(self, frame: Mapping[str, Any], *, vouched: bool = True) -> dict[str, Any]:
+        """Count a candidate's vote for this one (``term``, ``voter``);
+        ``vouched``: the voter is known to have cast it (see take_vote)."""
         state = self.failover
         term, voter = frame.get("term"), frame.get("voter")
         won = False
         # A voter with another candidate list would be counted as whoever
         # holds its index in this one: its vote is not taken.
         same_list = frame.get("list") == list_digest(",".join(self.candidates))
-        if state is not None and same_list and type(term) is int and type(voter) is int:
+        if state is not None and same_list and vouched and type(term) is int and type(voter) is int:
             won = state.receive_vote(term, voter)
         answer: dict[str, Any] = {"v": 1, "t": "vote", "won": won}
         if state is not None:
@@ -401,6 +452,26 @@ class StoreServer:
         own = {"term": term, "voter": self.failover.index, "list": digest}
         return bool(self.term_vote(own)["won"])
 
+    def learn(self, term: int, host: int | None) -> None:
+        """This candidate's agent follows the host of ``term``: a standby
+        follows it; a host that stepped down stands by again, with an empty
+        store (a new term's host starts empty: docs/failover.md, *State*)."""
+        state = self.failover
+        if state is None or not state.learn(term, host):
+            return
+        self.disconnect_all()
+        old, self.engine = self._reaper, Engine(limits=self.limits)
+        self._reaper = LeaseReaper(self.engine)
+        if old is not None:
+            self._retired.add(asyncio.ensure_future(old.stop()))
+            self._retired = {t for t in self._retired if not t.done()}
+        if self.on_term is not None:
+            self.on_term(
+                "store_standby",
+                f"{self._candidate(state.index)} stands by again to host the store "
+                f"(the host is {self._candidate(host)}, term {term})",
+            )
+
     def _candidate(self, index: int | None) -> str:
         if index is None or not 0 <= index < len(self.candidates):
             return ""
@@ -415,11 +486,12 @@ class StoreServer:
     async def _fence_timer(self, state: TermState) -> None:
         """Check the fence often, requests or not; release held requests
         once the majority is heard again."""
-        while state.role is not Role.FENCED:
+        while True:  # for the server's life: a host that stepped down may host again
             await asyncio.sleep(FENCE_CHECK)
             if state.role is Role.HOST and self.serving() and self._held and not state.suspect():
                 self._release()
-        self._held.clear()
+            if state.role is not Role.HOST:
+                self._held.clear()
 
 
 def _is_loopback(host: str) -> bool:

@@ -44,7 +44,7 @@ import hmac
 import logging
 import socket
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from elastrun.endpoint import Endpoint
@@ -96,8 +96,16 @@ class ConnectionHost(Protocol):
     def term_hello(self, frame: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
         """A hello's term fields, and why it is refused (None: it is not)."""
 
-    def term_vote(self, frame: Mapping[str, Any]) -> dict[str, Any]:
-        """The answer to a candidate's vote."""
+    def take_vote(self, frame: Mapping[str, Any], answer: Callable[[dict[str, Any]], None]) -> None:
+        """A candidate's vote: counted (once vouched for, without a token),
+        then ``answer`` gets the reply."""
+
+    def take_candidate(self, conn: Connection, candidate: int, nonce: object) -> None:
+        """A hello names the client's agent as candidate ``candidate``: set
+        ``conn.candidate`` once that is known to be true."""
+
+    def vouch(self, nonce: object) -> dict[str, Any]:
+        """The answer to a ``vouch`` frame (store/vouch.py)."""
 
     def serving(self) -> bool:
         """Whether requests are served (a candidate host of a failover store
@@ -343,7 +351,7 @@ class Connection(WatchStreams, asyncio.Protocol):
         self._write(data)
 
     def _handle_hello(self, frame: Mapping[str, Any]) -> None:
-        if frame.get("t") not in ("hello", "vote"):
+        if frame.get("t") not in ("hello", "vote", "vouch"):
             self.fail("protocol", "the first frame must be a hello")
             return
         token = frame.get("token")
@@ -367,7 +375,11 @@ class Connection(WatchStreams, asyncio.Protocol):
                 )
                 return
         if frame.get("t") == "vote":  # a candidate's vote: answered, then closed
-            self._close_with_answer(self.server.term_vote(frame))
+            self.closing = True  # nothing more is read from it
+            self.server.take_vote(frame, self._answer_vote)
+            return
+        if frame.get("t") == "vouch":  # a candidate asks what this one's agent said
+            self._close_with_answer(self.server.vouch(frame.get("nonce")))
             return
         fields, refused = self.server.term_hello(frame)
         if refused is not None:
@@ -375,8 +387,7 @@ class Connection(WatchStreams, asyncio.Protocol):
             return
         candidate = frame.get("candidate")
         if type(candidate) is int and fields:
-            self.candidate = candidate
-            self.server.heard(candidate)
+            self.server.take_candidate(self, candidate, frame.get("nonce"))
         self.authenticated = True
         self.decoder.max_frame = self.server.max_frame
         self.server.hello_done(self)
@@ -420,6 +431,10 @@ class Connection(WatchStreams, asyncio.Protocol):
 
     def _close_with(self, code: str, message: str, extra: Mapping[str, Any] | None = None) -> None:
         self._close_with_answer({**codec.encode_error(code, message), **(extra or {})})
+
+    def _answer_vote(self, answer: Mapping[str, Any]) -> None:
+        if not self.lost and self.transport is not None:
+            self._close_with_answer(answer)
 
     def _close_with_answer(self, answer: Mapping[str, Any]) -> None:
         assert self.transport is not None

@@ -19,8 +19,11 @@ connections feed it (a hello, a vote, any frame of a candidate's connection).
 * **Fencing.** The host counts the candidates it heard from (any frame of a
   connection whose hello named its candidate index) within
   :attr:`FailoverTiming.fence` seconds, itself included. Once a majority was
-  heard (the job is up), a count below a majority steps it down for good
-  (:attr:`Role.FENCED`): it answers nobody again. A voter votes only
+  heard (the job is up), a count below a majority steps it down
+  (:attr:`Role.FENCED`): it never serves its term again, and stands by only
+  once it learns a newer term's host (:meth:`TermState.learn`). Without a
+  token, a hello names a candidate only once that candidate vouches for it
+  (:mod:`elastrun.store.vouch`); so do votes. A voter votes only
   :attr:`FailoverTiming.vote_after` seconds after it last sent anything to the
   host (longer than ``fence``, clock drift and delays allowed for), or at once
   when the host's address refuses connections or the host says it stepped
@@ -64,7 +67,7 @@ class Role(enum.Enum):
 
     HOST = "host"  # serves the store
     STANDBY = "standby"  # refuses requests, naming the host; takes votes
-    FENCED = "fenced"  # was the host, stepped down: refuses everything, for good
+    FENCED = "fenced"  # was the host, stepped down: refuses everything until it learns a newer term
 
 
 @dataclass(frozen=True)
@@ -120,11 +123,28 @@ class TermState:
     def majority(self) -> int:
         return self.count // 2 + 1
 
-    def learn(self, term: int, host: int | None) -> None:
-        """A newer term's host is known (a standby follows it)."""
-        if term > self.term and self.role is not Role.HOST:
-            self.term, self.host = term, host
-            self.votes = {t: v for t, v in self.votes.items() if t > term}
+    def learn(self, term: int, host: int | None) -> bool:
+        """A newer term's host is known: a standby follows it, and a host that
+        stepped down in an older term stands by again (it never serves its
+        own term again; it may be elected in a term after ``term``, so that
+        a candidate's stall costs the job no candidate for good). Returns
+        True when it stood by again."""
+        if term <= self.term or self.role is Role.HOST:
+            return False
+        rejoined = self.role is Role.FENCED
+        self.term, self.host = term, host
+        self.votes = {t: v for t, v in self.votes.items() if t > term}
+        if rejoined:
+            self.role, self.why = Role.STANDBY, ""
+            self.heard, self.armed = {}, False
+        return rejoined
+
+    @property
+    def voted(self) -> int:
+        """The highest term in which this standby holds a vote (0: none):
+        told to the voters, so that voters whose ballots are at different
+        terms (a job relaunched over its records) meet in one term."""
+        return max((t for t, v in self.votes.items() if v), default=0)
 
     def heard_from(self, candidate: int) -> None:
         if self.role is Role.HOST and 0 <= candidate < self.count:
