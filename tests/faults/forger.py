@@ -1,4 +1,4 @@
-"""A stranger against a failover job without a token (issue 37 item 1): run
+"""A stranger against a failover job without a token: run
 inside a network namespace that reaches the candidates, it knows only the
 public candidate list.
 

@@ -1,5 +1,5 @@
-"""A stranger against a failover store without a token (issue 37 item 1,
-docs/failover.md *Who may vote*): real candidate stores on loopback, real
+"""A stranger against a failover store without a token (docs/failover.md,
+*Who may vote*): real candidate stores on loopback, real
 agents' clients, and a forging client that speaks the protocol.
 
 The forger reaches every candidate and knows the public candidate list (so
@@ -8,7 +8,7 @@ candidate 2, then keeps sending hellos in their names, to that candidate and
 to the real host. Neither may count: no second host, and a host cut off from
 its real candidates still steps down. And voters whose ballots stand at
 different terms (a relaunched job's records, a planted valid record) still
-elect a host (issue 37 item 2)."""
+elect a host."""
 
 from __future__ import annotations
 

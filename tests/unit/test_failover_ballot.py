@@ -166,7 +166,7 @@ def test_a_failover_folder_of_another_user_or_a_linked_run_folder_is_refused(
 
 
 def test_a_record_with_a_term_no_job_reaches_is_refused(tmp_path: Path) -> None:
-    """A valid-looking record with term 2^53 (issue 37 item 2) would keep
+    """A valid-looking record with term 2^53 would keep
     this voter out of every election: refused, naming the file."""
     path = tmp_path / "ballot.json"
     path.write_text(json.dumps({"term": 2**53, "candidate": 1}))
