@@ -60,6 +60,7 @@ from elastrun.agent.replica import (
     send_snapshot,
 )
 from elastrun.agent.workers import WorkerGroup
+from elastrun.errors import ConfigError
 from elastrun.procs import pid_alive
 from elastrun.rendezvous.api import RoundResult, whole
 from elastrun.rendezvous.notes import NoteInvalid, ReplicaNote, replica_name, seats
@@ -221,7 +222,7 @@ class MemoryCheckpoints(Feature):
                     max_bytes=max_bytes_from_env(),
                 )
                 self.port = await hold.serve(me.addr)
-            except OSError as e:  # UnsafePath too
+            except (OSError, ConfigError) as e:  # UnsafePath; a bad ELASTRUN_REPLICA_MAX_BYTES
                 self.core.say(f"elastrun: warning: memory checkpoint replicas off: {e}")
                 self._replicas_off = True  # said once; not tried again
                 return

@@ -57,8 +57,9 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from elastrun.errors import ConfigError
 from elastrun.safefs import create_new
-from elastrun.untrusted import UntrustedData, loads, printable
+from elastrun.untrusted import UntrustedData, ascii_int, loads, printable
 from elastrun.worker.snapshot import HASH_CHUNK, SlotView, SnapshotError, open_slot
 
 __all__ = [
@@ -105,8 +106,18 @@ def replica_key(token: str | None, run_id: str) -> bytes:
 
 
 def max_bytes_from_env() -> int:
+    """``ELASTRUN_REPLICA_MAX_BYTES`` (unset or empty: 64 GiB): a positive
+    whole number in ASCII digits; else ConfigError naming the variable."""
     raw = os.environ.get(MAX_BYTES_ENV, "")
-    return int(raw) if raw.isdigit() and int(raw) > 0 else DEFAULT_MAX_BYTES
+    if not raw.strip():
+        return DEFAULT_MAX_BYTES
+    value = ascii_int(raw)
+    if value is None or value < 1:
+        raise ConfigError(
+            f"{MAX_BYTES_ENV}: expected a positive whole number of bytes (ASCII digits), "
+            f"got {printable(repr(raw[:64]))}"
+        )
+    return value
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from elastrun.errors import ConfigError
+from elastrun.untrusted import ascii_int, printable
 
 __all__ = ["WorkerContext", "context"]
 
@@ -21,13 +22,13 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
-    try:
-        return int(raw)
-    except ValueError:
+    value = ascii_int(raw)
+    if value is None:
         raise ConfigError(
-            f"environment variable {name}={raw!r} is not an integer; "
-            "it is set by the launcher (elastrun/torchrun), do not override it"
-        ) from None
+            f"environment variable {name}={printable(repr(raw[:64]))} is not an integer "
+            "(ASCII digits); it is set by the launcher (elastrun/torchrun), do not override it"
+        )
+    return value
 
 
 @dataclass(frozen=True, slots=True)
