@@ -329,3 +329,12 @@ def test_a_worker_reads_its_rank_variables_in_ascii(kind: str) -> None:
 
     with pytest.raises(ConfigError, match="RANK="):
         WorkerContext.from_env({"RANK": BAD[kind], "WORLD_SIZE": "2"})
+
+
+@pytest.mark.parametrize("kind", ["superscript", "arabic-indic", "fullwidth", "overlong"])
+def test_the_worker_runner_reads_its_variables_in_ascii(kind: str) -> None:
+    # int('٣') == 3 made ELASTRUN_STACK_SIGNAL='٣' SIGQUIT; '²' raised.
+    from elastrun.worker import _runner
+
+    assert _runner.stack_signal(BAD[kind]) is None
+    assert _runner.stack_signal("34") == 34
