@@ -15,7 +15,10 @@ address shown in a message is written by :meth:`Endpoint.__str__`::
     str(Endpoint("::1", 29400))   == "[::1]:29400"
 
 Ports are 0..65535 (0: pick a free port, where the reader allows it; each
-reader says where it does not). Errors are :class:`~elastrun.errors.ConfigError`
+reader says where it does not), in ASCII digits. Host names are ASCII (an
+internationalized name in its ``xn--`` form: the resolver would otherwise
+fold ``²`` into ``2``), at most 253 characters, each dot-separated label at
+most 63 (longer ones no resolver takes). Errors are :class:`~elastrun.errors.ConfigError`
 whose message starts with the flag or thing being parsed (``what``).
 """
 
@@ -33,6 +36,8 @@ MAX_PORT = 65535
 SCHEMES = ("http", "https")
 # Not in a host name or IP address: URL and path punctuation, list separators.
 _BAD_HOST_CHARS = frozenset("/@?#,")
+MAX_HOST = 253  # DNS: a name's characters, and a label's
+MAX_LABEL = 63
 
 
 class Endpoint(NamedTuple):
@@ -56,6 +61,16 @@ class Endpoint(NamedTuple):
             c.isspace() or not c.isprintable() or c in _BAD_HOST_CHARS for c in host
         ):
             raise ConfigError(f"{what}: bad host in {text!r}")
+        if not host.isascii():
+            raise ConfigError(
+                f"{what}: host {host!r} is not ASCII (write an internationalized name in its "
+                "xn-- form)"
+            )
+        if len(host) > MAX_HOST or max(len(label) for label in host.split(".")) > MAX_LABEL:
+            raise ConfigError(
+                f"{what}: host name too long: at most {MAX_HOST} characters, each "
+                f"dot-separated part at most {MAX_LABEL} (got {len(host)}: {host[:64]!r}...)"
+            )
         if port_text is None:
             return cls(host, default_port)
         if (

@@ -43,6 +43,13 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 PATH_COMPONENT_MAX_LEN = 100
 
 
+def _shown(text: object) -> str:
+    """A bad id as a message shows it: quoted, cut after 140 characters."""
+    if isinstance(text, str) and len(text) > RUN_ID_MAX_LEN + 12:
+        return repr(text[: RUN_ID_MAX_LEN + 12]) + "..."
+    return repr(text)
+
+
 def run_id_problem(value: object) -> str | None:
     """Why ``value`` is not a valid job id (None: it is)."""
     if not isinstance(value, str):
@@ -79,7 +86,7 @@ class RunId(str):
         problem = run_id_problem(text)
         if problem is not None or not isinstance(text, str):
             raise ConfigError(
-                f"{what}: {text!r} is not a valid job id: it {problem}; a job id is 1 to "
+                f"{what}: {_shown(text)} is not a valid job id: it {problem}; a job id is 1 to "
                 f"{RUN_ID_MAX_LEN} ASCII letters, digits, '.', '_' or '-', starting with a "
                 "letter or digit"
             )

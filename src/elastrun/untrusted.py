@@ -11,6 +11,15 @@ shared folder or from a cache file may have been written by someone else:
   (C0, DEL, C1), and the bidirectional overrides that reorder what a reader
   sees, become visible escapes (``\\x1b``, ``\\u202e``); newlines and tabs are
   kept only where the caller allows several lines.
+* :func:`ascii_int` and :func:`ascii_decimal` read a number given as text (a
+  flag, an environment variable, a ``--rdzv-conf`` value): ASCII digits only,
+  at most :data:`MAX_NUMBER_TEXT` characters, or None. Python's ``int()`` and
+  ``float()`` take any Unicode digit (``int('٣') == 3``; ``'²'.isdigit()`` is
+  True yet ``int('²')`` raises), ``'1_000'``, ``'nan'``, ``'inf'`` and
+  thousands of digits (then ``ValueError``); these take none of them. Every
+  number elastrun reads from text is parsed by them (the launcher's flags
+  through :mod:`elastrun.launcher.limits`; the worker's programs load this
+  file by its path, so it stays standard library only).
 
 Standard library only.
 """
@@ -22,9 +31,23 @@ import json
 import re
 from typing import Any
 
-__all__ = ["MAX_DEPTH", "UntrustedData", "depth", "loads", "outside_strings", "printable"]
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_NUMBER_TEXT",
+    "UntrustedData",
+    "ascii_decimal",
+    "ascii_int",
+    "depth",
+    "loads",
+    "outside_strings",
+    "printable",
+]
 
 MAX_DEPTH = 32
+MAX_NUMBER_TEXT = 64  # characters: longer "numbers" are refused unread
+
+_INT = re.compile(r"[+-]?[0-9]+")
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 # A string (removed), or from a quote that no string ends to the end (kept: its
 # brackets count). Each quote is scanned from once: linear time, whereas a
@@ -48,6 +71,26 @@ _CONTROL = re.compile(f"[\x00-\x1f\x7f-\x9f{_BIDI}]")
 
 class UntrustedData(ValueError):
     """Data from outside that is malformed or over a bound."""
+
+
+def ascii_int(text: str) -> int | None:
+    """``[+-]digits`` in ASCII (spaces around allowed), at most
+    :data:`MAX_NUMBER_TEXT` characters; None for anything else."""
+    raw = str(text).strip()
+    if len(raw) > MAX_NUMBER_TEXT or _INT.fullmatch(raw) is None:
+        return None
+    return int(raw)
+
+
+def ascii_decimal(text: str) -> float | None:
+    """A finite decimal number in ASCII (``30``, ``-2.5``, ``1e3``; spaces
+    around allowed), at most :data:`MAX_NUMBER_TEXT` characters; None for
+    anything else (``nan``, ``inf``, ``1_000``, Unicode digits, ``1e999``)."""
+    raw = str(text).strip()
+    if len(raw) > MAX_NUMBER_TEXT or _DECIMAL.fullmatch(raw) is None:
+        return None
+    value = float(raw)
+    return value if value - value == 0 else None  # finite (1e999 is inf)
 
 
 def depth(data: bytes) -> int:

@@ -105,7 +105,38 @@ def test_bad_input_exits_2_naming_the_flag(workdir, args, flag, text):
 def test_bad_pet_environment_value_exits_2(workdir):
     env = env_without_pet() | {"PET_NNODES": "4:2"}
     proc = elastrun("train.py", cwd=workdir, timeout=BAD_TIMEOUT, env=env)
-    assert proc.returncode == 2 and "--nnodes: minimum 4 is larger than maximum 2" in proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert "--nnodes (from PET_NNODES): minimum 4 is larger than maximum 2" in proc.stderr
+
+
+# Bad numbers to each command, as real processes: exit 2, one error line naming
+# the flag or variable, no traceback, nothing started (tests/unit/test_bad_inputs.py
+# runs the whole table in-process).
+BAD_NUMBERS = [
+    # '²'.isdigit() is True: this was a ValueError traceback, and a peer waited
+    # join_timeout for the node that never came.
+    ([], {"PET_RDZV_CONF": "store_max_connections_per_peer=\u00b2"}, "PET_RDZV_CONF"),
+    ([], {"PET_NNODES": "\u0663"}, "PET_NNODES"),
+    (["--nnodes=1:3", "--node-unit=4"], {}, "--nnodes=1:3"),
+    (["store", "serve", "--port", "\u0663"], {}, "--port"),  # int('٣') == 3 served port 3
+    (["store", "serve", "--port=0", "--max-data-bytes", "9" * 5000], {}, "--max-data-bytes"),
+    (["status", "--rdzv-endpoint=127.0.0.1:1", "--rdzv-id=j", "--timeout=inf"], {}, "--timeout"),
+    (["status", "--rdzv-endpoint=" + "h" * 300, "--rdzv-id=j"], {}, "--rdzv-endpoint"),
+    (["timeline", "train.py", "--out="], {}, "--out"),
+]
+
+
+@pytest.mark.parametrize(("args", "env", "named"), BAD_NUMBERS, ids=[b[2] for b in BAD_NUMBERS])
+def test_bad_numbers_exit_2_naming_the_flag_or_variable(workdir, args, env, named):
+    launch = not args or args[0] not in ("store", "status", "timeline")
+    argv = [*args, "train.py"] if launch else args
+    if launch:
+        argv = ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:1", "--rdzv-id=j", *argv]
+    proc = elastrun(*argv, cwd=workdir, timeout=BAD_TIMEOUT, env=env_without_pet() | env)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and named in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and len(errors[0]) < 600
 
 
 def test_help_is_grouped_and_version(workdir):

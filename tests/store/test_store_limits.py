@@ -424,7 +424,7 @@ def test_tcp_watch_resuming_past_compacted_history_says_so() -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--max-connections", "lots"], "--max-connections 'lots': expected a whole number"),
+        (["--max-connections", "lots"], "--max-connections: expected a whole number"),
         (["--history-bytes", "0"], "--history-bytes"),
         (["--max-value-bytes", "2M"], "--max-value-bytes"),
         (["--hello-timeout", "-1"], "--hello-timeout"),

@@ -105,7 +105,7 @@ def test_bad_job_id_on_the_command_line(script, run_id):
 
 def test_bad_job_id_from_the_environment(script, monkeypatch):
     monkeypatch.setenv("PET_RDZV_ID", "x/../../y")
-    assert refused("--rdzv-backend=c10d").startswith("--rdzv-id:")
+    assert refused("--rdzv-backend=c10d").startswith("--rdzv-id (from PET_RDZV_ID):")
 
 
 def test_empty_run_id_generates_one(script):

@@ -571,7 +571,7 @@ def test_backend_aliases_are_one_backend(script, name, backend):
 def test_choices_from_the_environment_are_checked_too(script, monkeypatch, env, flag):
     # argparse checks the choices of a flag given, not of its PET_* default.
     monkeypatch.setenv(env, "bogus")
-    with pytest.raises(ConfigError, match=f"^{flag}: must be .* got 'bogus'"):
+    with pytest.raises(ConfigError, match=f"^{flag} \\(from {env}\\): must be .* got 'bogus'"):
         run_parse()
 
 

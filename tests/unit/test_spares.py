@@ -98,7 +98,7 @@ def test_node_unit_reaches_the_rendezvous_and_must_be_positive() -> None:
     config = LaunchConfig(min_nodes=2, max_nodes=3, node_unit=2, rdzv_backend="c10d", run_id="j")
     settings = resolve(config).rendezvous
     assert settings.node_unit == 2 and settings.agreed().node_unit == 2
-    with pytest.raises(ConfigError, match="--node-unit: must be >= 1, got 0"):
+    with pytest.raises(ConfigError, match=r"--node-unit=0 must be at least 1 .*--nnodes=2:3"):
         resolve(LaunchConfig(min_nodes=2, max_nodes=3, node_unit=0, rdzv_backend="c10d"))
 
 
@@ -355,7 +355,7 @@ def test_the_node_unit_flag_in_both_spellings_and_from_the_environment(
         (["--nnodes=1:3", "--node-unit=4"], ["--node-unit=4", "--nnodes=1:3"]),
         (["--nnodes=5:7", "--node-unit=4"], ["--node-unit=4", "--nnodes=5:7"]),
         (["--nnodes=2:3", "--node-unit=x"], ["--node-unit", "integer"]),
-        (["--nnodes=2:3", "--node-unit=0"], ["--node-unit", ">= 1"]),
+        (["--nnodes=2:3", "--node-unit=0"], ["--node-unit=0", "at least 1", "--nnodes=2:3"]),
     ],
     ids=["above-max", "no-multiple", "not-a-number", "zero"],
 )

@@ -34,6 +34,7 @@ import subprocess
 
 from elastrun.agent.hooks import Core, Feature, RoundHooks
 from elastrun.agent.workers import WorkerGroup
+from elastrun.untrusted import ascii_decimal, printable
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -67,13 +68,11 @@ def _timeout(core: Core) -> float:
     text = os.environ.get(TIMEOUT_ENV, "").strip()
     if not text:
         return DEFAULT_TIMEOUT
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= MAX_TIMEOUT:
+    value = ascii_decimal(text)
+    if value is None or not 0 <= value <= MAX_TIMEOUT:
         core.say(
-            f"elastrun: warning: {TIMEOUT_ENV}={text[:40]!r} is not a number of seconds in "
+            f"elastrun: warning: {TIMEOUT_ENV}={printable(repr(text[:40]))} is not a number of "
+            f"seconds (ASCII digits) in "
             f"[0, {MAX_TIMEOUT:g}]; using {DEFAULT_TIMEOUT:g}"
         )
         return DEFAULT_TIMEOUT

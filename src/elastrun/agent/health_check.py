@@ -44,6 +44,7 @@ import time
 from typing import Any
 
 from elastrun.agent.hooks import Core, Feature
+from elastrun.untrusted import ascii_int, printable
 
 __all__ = ["HOST_ENV", "PORT_ENV", "HealthCheck", "answer", "features", "respond"]
 
@@ -268,8 +269,9 @@ def features(core: Core) -> list[Feature]:
     raw = env.get(PORT_ENV)
     if raw is None:
         return []
-    text = raw.strip()
-    if not text.isascii() or not text.isdigit() or not 0 < int(text) < 65536:
-        core.say(f"elastrun: warning: {PORT_ENV}={raw!r} is not a port; no health check served")
+    port = ascii_int(raw)
+    if port is None or not 0 < port < 65536:
+        shown = printable(repr(raw[:64]))
+        core.say(f"elastrun: warning: {PORT_ENV}={shown} is not a port; no health check served")
         return []
-    return [HealthCheck(core, int(text), hosts_from(env.get(HOST_ENV)))]
+    return [HealthCheck(core, port, hosts_from(env.get(HOST_ENV)))]

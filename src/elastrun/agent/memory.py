@@ -62,6 +62,7 @@ from elastrun.agent.replica import (
     send_snapshot,
 )
 from elastrun.agent.workers import WorkerGroup
+from elastrun.errors import ConfigError
 from elastrun.procs import pid_alive
 from elastrun.rendezvous.api import RoundResult, whole
 from elastrun.rendezvous.notes import NoteInvalid, ReplicaNote, replica_name, seats
@@ -230,7 +231,7 @@ class MemoryCheckpoints(Feature):
                     max_header=max_header_from_env(),
                 )
                 self.port = await hold.serve(me.addr)
-            except OSError as e:  # UnsafePath too
+            except (OSError, ConfigError) as e:  # UnsafePath; a bad ELASTRUN_REPLICA_MAX_* variable
                 self.core.say(f"elastrun: warning: memory checkpoint replicas off: {e}")
                 self._replicas_off = True  # said once; not tried again
                 return
@@ -384,7 +385,7 @@ class MemoryCheckpoints(Feature):
                 source="" if me is None else me.addr,  # the receiver keeps a slot for it
                 max_header=max_header_from_env(),
             )
-        except ReplicaError as e:
+        except (ReplicaError, ConfigError) as e:  # ConfigError: a bad ELASTRUN_REPLICA_MAX_HEADER
             self.core.events.emit(
                 "memory_replica_send_failed", local_rank=lr, rank=h.rank, step=h.step, reason=str(e)
             )

@@ -79,8 +79,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from elastrun.errors import ConfigError
 from elastrun.safefs import create_new
-from elastrun.untrusted import UntrustedData, loads, printable
+from elastrun.untrusted import UntrustedData, ascii_int, loads, printable
 from elastrun.worker.snapshot import (
     HASH_CHUNK,
     MAGIC,
@@ -143,17 +144,29 @@ def replica_key(token: str | None, run_id: str) -> bytes:
     ).digest()
 
 
-def _positive_env(name: str, default: int) -> int:
+def _positive_env(name: str, default: int, unit: str) -> int:
+    """``name`` (unset or empty: ``default``): a positive whole number in ASCII
+    digits; else ConfigError naming the variable."""
     raw = os.environ.get(name, "")
-    return int(raw) if raw.isdigit() and int(raw) > 0 else default
+    if not raw.strip():
+        return default
+    value = ascii_int(raw)
+    if value is None or value < 1:
+        raise ConfigError(
+            f"{name}: expected a positive whole number of {unit} (ASCII digits), "
+            f"got {printable(repr(raw[:64]))}"
+        )
+    return value
 
 
 def max_bytes_from_env() -> int:
-    return _positive_env(MAX_BYTES_ENV, DEFAULT_MAX_BYTES)
+    """``ELASTRUN_REPLICA_MAX_BYTES`` (unset or empty: 64 GiB)."""
+    return _positive_env(MAX_BYTES_ENV, DEFAULT_MAX_BYTES, "bytes")
 
 
 def max_header_from_env() -> int:
-    return _positive_env(MAX_HEADER_ENV, DEFAULT_MAX_HEADER)
+    """``ELASTRUN_REPLICA_MAX_HEADER`` (unset or empty: 4 MiB)."""
+    return _positive_env(MAX_HEADER_ENV, DEFAULT_MAX_HEADER, "header bytes")
 
 
 def header_bound(tensors: int, max_header: int = DEFAULT_MAX_HEADER) -> int:

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 from elastrun.errors import ConfigError, ElastrunError
 from elastrun.launcher.command import Command, worker_command
-from elastrun.launcher.flags import parse_flags
-from elastrun.launcher.plan import Plan, resolve
+from elastrun.launcher.flags import parse_flags, resolve_flags
+from elastrun.launcher.plan import Plan
 
 __all__ = ["execute", "main", "parse", "usage_error"]
 
@@ -26,7 +26,7 @@ USAGE = "elastrun [flags] script [script args...]"
 def parse(argv: Sequence[str]) -> tuple[Plan, Command]:
     """Flags -> (Plan, Command). Raises ConfigError naming the flag."""
     flags = parse_flags(argv)
-    return resolve(flags.config, worker_command(flags.command)), flags.command
+    return resolve_flags(flags, worker_command(flags.command)), flags.command
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -203,8 +203,11 @@ def check_nnodes(lo: object, hi: object) -> None:
 
 def check_node_unit(lo: int, hi: int, unit: object) -> None:
     """``--node-unit``: at least 1, and a policy that can be met: some
-    multiple of it lies in ``--nnodes`` MIN..MAX."""
-    problem = WorldSizes(lo, hi, check_int("--node-unit", unit, 1, MAX_NODES)).problem()
+    multiple of it lies in ``--nnodes`` MIN..MAX (at most MAX_NODES); each
+    refusal names both flags."""
+    if isinstance(unit, bool) or not isinstance(unit, int):
+        raise ConfigError(f"--node-unit: expected an integer, got {unit!r}")
+    problem = WorldSizes(lo, hi, unit).problem()
     if problem is not None:
         raise ConfigError(problem)
 

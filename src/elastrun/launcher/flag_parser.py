@@ -1,6 +1,7 @@
 """How the launcher's command line is read, whatever the flag: both
 spellings of a flag (:func:`both`), torchrun's ``PET_<FLAG>`` environment
-defaults (:class:`EnvDefault`, :class:`EnvFlag`), torchrun's
+defaults (:class:`EnvDefault`, :class:`EnvFlag`; a value's error names the
+variable it came from: :func:`env_sources`, :func:`name_env`), torchrun's
 ``--logs-specs`` accepted as the no-op it is (:class:`LogsSpecs`), and the
 message for arguments that are no flag (:func:`unknown_flags_message`: flags
 are never abbreviated). The flags themselves are declared in
@@ -12,10 +13,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from elastrun.errors import ConfigError
+from elastrun.untrusted import ascii_int, printable
 
 __all__ = [
     "EnvDefault",
@@ -24,6 +27,8 @@ __all__ = [
     "LogsSpecs",
     "Parser",
     "both",
+    "env_sources",
+    "name_env",
     "unknown_flags_message",
     "version",
 ]
@@ -97,10 +102,12 @@ class EnvDefault(argparse.Action):
     ) -> None:
         # ``legacy_env``: the variable of the flag's old spelling, read when
         # ``PET_<DEST>`` is unset.
+        self.env_name: str | None = None  # the variable the default came from
         for name in (_env_name(dest), legacy_env):
             env = os.environ.get(name) if name else None
             if env is not None and env != "":
                 kwargs["default"] = env
+                self.env_name = name
                 break
         super().__init__(option_strings, dest, **kwargs)
 
@@ -112,6 +119,34 @@ class EnvDefault(argparse.Action):
         option_string: str | None = None,
     ) -> None:
         setattr(namespace, self.dest, values)
+        given: set[str] = getattr(namespace, _GIVEN, set())
+        setattr(namespace, _GIVEN, given | {self.dest})
+
+
+_GIVEN = "_elastrun_given"  # the namespace's dests given on the command line
+
+
+def env_sources(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict[str, str]:
+    """``{flag: variable}`` for each flag whose value came from the
+    environment (``PET_<FLAG>``), not from the command line."""
+    given: set[str] = getattr(ns, _GIVEN, set())
+    out: dict[str, str] = {}
+    for action in parser._actions:  # argparse keeps them here
+        if isinstance(action, EnvDefault) and action.env_name and action.dest not in given:
+            flag = next(o for o in action.option_strings if o.startswith("--"))
+            out[flag] = action.env_name
+    return out
+
+
+def name_env(exc: ConfigError, sources: Mapping[str, str]) -> ConfigError:
+    """``exc`` naming the variable that gave the flag it is about:
+    ``--nnodes (from PET_NNODES): expected an integer (ASCII digits), got '²'``."""
+    message = named = str(exc)
+    for flag, name in sources.items():
+        found = re.search(rf"{re.escape(flag)}(?:=[^\s)]*)?(?![-\w])", named)
+        if found is not None:
+            named = f"{named[: found.end()]} (from {name}){named[found.end() :]}"
+    return exc if named == message else ConfigError(named)
 
 
 def _env_bool(dest: str, default: bool) -> bool:
@@ -119,10 +154,11 @@ def _env_bool(dest: str, default: bool) -> bool:
     env = os.environ.get(_env_name(dest), "").strip()
     if not env:
         return default
-    try:
-        return bool(int(env))
-    except ValueError:
-        raise ConfigError(f"{_env_name(dest)}: expected 0 or 1, got {env!r}") from None
+    number = ascii_int(env)
+    if number is None:
+        shown = printable(repr(env if len(env) <= 64 else env[:64] + "..."))
+        raise ConfigError(f"{_env_name(dest)}: expected 0 or 1, got {shown}")
+    return bool(number)
 
 
 class EnvFlag(argparse.Action):

@@ -17,7 +17,8 @@ from elastrun.agent.spec import Std
 from elastrun.agent.watchdog import DEFAULT_AUTO_FLOOR
 from elastrun.errors import ConfigError
 from elastrun.launcher.devices import count_cpus, count_gpus, count_xpus
-from elastrun.launcher.limits import parse_ascii_int, parse_decimal
+from elastrun.launcher.limits import parse_ascii_int, parse_decimal, shown_value
+from elastrun.untrusted import ascii_int
 
 __all__ = [
     "parse_hang_timeout",
@@ -32,8 +33,7 @@ __all__ = [
 ]
 
 _STD_VALUE = re.compile(r"^[0-3]$")
-_STD_MAPPING = re.compile(r"^([0-9]+:[0-3],)*[0-9]+:[0-3]$")
-_NUMBER = re.compile(r"[+-]?[0-9]{1,64}")
+_STD_MAPPING = re.compile(r"^([0-9]{1,9}:[0-3],)*[0-9]{1,9}:[0-3]$")
 _RT_SIGNAL = re.compile(r"SIG(RTMIN|RTMAX)(?:([+-])([0-9]{1,3}))?")
 
 
@@ -55,7 +55,7 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     elif len(parts) == 2:
         lo, hi = parse_ascii_int("--nnodes", parts[0]), parse_ascii_int("--nnodes", parts[1])
     else:
-        raise ConfigError(f"--nnodes: expected N or MIN:MAX, got {text!r}")
+        raise ConfigError(f"--nnodes: expected N or MIN:MAX, got {shown_value(text)}")
     return lo, hi
 
 
@@ -84,13 +84,13 @@ def parse_nproc(text: str) -> int:
         return gpus
     if value == "auto":
         return count_gpus() or count_xpus() or count_cpus()
-    if _NUMBER.fullmatch(value) is None:
-        shown = text if len(text) <= 64 else text[:64] + "..."
+    number = ascii_int(value)
+    if number is None:
         raise ConfigError(
             f"--nproc-per-node: expected a number (ASCII digits), 'auto', 'cpu', 'gpu' or "
-            f"'xpu', got {shown!r}"
+            f"'xpu', got {shown_value(text)}"
         )
-    return int(value)
+    return number
 
 
 def parse_std(text: str, flag: str) -> dict[int, Std]:
@@ -107,7 +107,7 @@ def parse_std(text: str, flag: str) -> dict[int, Std]:
         return out
     raise ConfigError(
         f"{flag}: expected 0-3 (0 none, 1 stdout, 2 stderr, 3 both) or a per-local-rank "
-        f"mapping like 0:1,1:2, got {text!r}"
+        f"mapping like 0:1,1:2, got {shown_value(text)}"
     )
 
 
@@ -116,12 +116,13 @@ def parse_ranks_filter(text: str) -> frozenset[int] | None:
     value = text.strip()
     if not value:
         return None
-    items = [x.strip() for x in value.split(",")]
-    if any(_NUMBER.fullmatch(x) is None for x in items):
+    ranks = [ascii_int(x) for x in value.split(",")]
+    if any(r is None for r in ranks):
         raise ConfigError(
-            f"--local-ranks-filter: expected comma-separated local ranks like 0,1,2, got {text!r}"
+            f"--local-ranks-filter: expected comma-separated local ranks like 0,1,2, got "
+            f"{shown_value(text)}"
         )
-    return frozenset(int(x) for x in items)
+    return frozenset(r for r in ranks if r is not None)
 
 
 def parse_signals(text: str) -> tuple[signal.Signals, ...]:

@@ -18,9 +18,10 @@ from __future__ import annotations
 import argparse
 import enum
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
+from elastrun.agent.command import WorkerCommand
 from elastrun.agent.spec import StartMethod, WarmModules
 from elastrun.errors import ConfigError
 from elastrun.launcher.command import Command, check_command
@@ -34,6 +35,8 @@ from elastrun.launcher.flag_groups import (
 )
 from elastrun.launcher.flag_parser import (
     Parser,
+    env_sources,
+    name_env,
     unknown_flags_message,
     version,
 )
@@ -50,7 +53,7 @@ from elastrun.launcher.flag_values import (
 )
 from elastrun.launcher.flags_torchrun import add_torchrun_flags, torchrun_settings
 from elastrun.launcher.limits import FLAG_SECONDS, parse_seconds
-from elastrun.launcher.plan import Backend
+from elastrun.launcher.plan import Backend, Plan, resolve
 from elastrun.launcher.rdzv_conf import split_rdzv_conf
 from elastrun.names import RunId
 
@@ -62,6 +65,7 @@ __all__ = [
     "build_parser",
     "config_from_args",
     "parse_flags",
+    "resolve_flags",
 ]
 
 LEGACY_USAGE = "python -m elastrun.launch [flags] script [script args...]"
@@ -90,6 +94,8 @@ class Flags:
     config: LaunchConfig
     command: Command
     legacy: LegacyFlags | None = None  # python -m elastrun.launch only
+    # {flag: PET_* variable} for the values that came from the environment
+    env: Mapping[str, str] = field(default_factory=dict)
 
 
 def build_parser(*, legacy: bool = False) -> argparse.ArgumentParser:
@@ -256,8 +262,22 @@ def parse_flags(argv: Sequence[str], *, legacy: bool = False) -> Flags:
     ns, extras = parser.parse_known_args(list(argv))
     if extras:
         raise ConfigError(unknown_flags_message(extras, parser))
-    config, command = config_from_args(ns)
-    if not legacy:
-        return Flags(config, command)
-    style = parse_choice(LocalRankStyle, ns.local_rank_style, "--local-rank-style")
-    return Flags(config, command, LegacyFlags(ns.use_env, style))
+    env = env_sources(parser, ns)
+    try:
+        config, command = config_from_args(ns)
+        if not legacy:
+            return Flags(config, command, env=env)
+        style = parse_choice(LocalRankStyle, ns.local_rank_style, "--local-rank-style")
+    except ConfigError as exc:
+        raise name_env(exc, env) from None
+    return Flags(config, command, LegacyFlags(ns.use_env, style), env=env)
+
+
+def resolve_flags(flags: Flags, command: WorkerCommand) -> Plan:
+    """:func:`~elastrun.launcher.plan.resolve` of a parsed command line: an
+    error about a flag whose value came from the environment names the
+    variable too."""
+    try:
+        return resolve(flags.config, command)
+    except ConfigError as exc:
+        raise name_env(exc, flags.env) from None

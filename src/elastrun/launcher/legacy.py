@@ -31,8 +31,8 @@ from elastrun.agent.spec import LOCAL_RANK_MACRO
 from elastrun.errors import ConfigError
 from elastrun.launcher.cli import execute, usage_error
 from elastrun.launcher.command import Command, worker_command
-from elastrun.launcher.flags import LEGACY_USAGE, LocalRankStyle, parse_flags
-from elastrun.launcher.plan import Plan, resolve
+from elastrun.launcher.flags import LEGACY_USAGE, LocalRankStyle, parse_flags, resolve_flags
+from elastrun.launcher.plan import Plan
 
 __all__ = ["STYLES", "local_rank_flag", "main", "parse_legacy"]
 
@@ -86,7 +86,7 @@ def parse_legacy(argv: Sequence[str]) -> tuple[Plan, Command, str | None]:
             )
         flag = local_rank_flag(cmd, legacy.local_rank_style)
         cmd = dataclasses.replace(cmd, args=(f"{flag}={LOCAL_RANK_MACRO}", *cmd.args))
-    return resolve(flags.config, worker_command(cmd)), cmd, flag
+    return resolve_flags(flags, worker_command(cmd)), cmd, flag
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,11 @@ against a range stated in the error, once, before anything starts
 and <= 3600 seconds, got '1e9'``. Numbers are ASCII only: Python's ``int()``
 and ``float()`` accept any Unicode digit (fullwidth, Arabic-Indic, ...),
 ``'1_000'``, ``'nan'`` and ``'inf'``; these parsers accept ``[+-]digits`` and
-decimal/exponent forms of ASCII digits, nothing else.
+decimal/exponent forms of ASCII digits, nothing else (the one grammar of
+:func:`elastrun.untrusted.ascii_int` and :func:`~elastrun.untrusted.ascii_decimal`,
+which the agent, the worker helpers, ``elastrun status`` and ``elastrun store
+serve`` use too). A number from the environment is read by the same parsers,
+its errors naming the variable.
 
 The number of workers per node is bounded twice: by a fixed limit
 (:data:`MAX_NPROC_PER_NODE`) and by what this machine lets one agent hold
@@ -19,10 +23,10 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass
 
 from elastrun.errors import ConfigError
+from elastrun.untrusted import MAX_NUMBER_TEXT, ascii_decimal, ascii_int, printable
 
 __all__ = [
     "CONF_SECONDS",
@@ -38,6 +42,7 @@ __all__ = [
     "parse_ascii_int",
     "parse_decimal",
     "parse_seconds",
+    "shown_value",
     "worker_cost",
 ]
 
@@ -47,7 +52,6 @@ MAX_RESTARTS = 1_000_000
 HOUR = 3600.0
 DAY = 86_400.0
 WEEK = 604_800.0
-MAX_NUMBER_TEXT = 64  # characters: longer "numbers" are refused unread
 
 # What the agent holds per worker: two pipes (stdout, stderr), a pidfd and the
 # runner's channel socket, plus its two log files when files are kept. The
@@ -57,9 +61,6 @@ FDS_PER_WORKER = 4
 FDS_PER_WORKER_FILES = 2
 FD_RESERVE = 64  # the agent's own: store connection, event loop, logs, the warm interpreter's slack
 PROC_RESERVE = 16
-
-_INT = re.compile(r"[+-]?[0-9]+")
-_FLOAT = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 
 @dataclass(frozen=True)
@@ -111,13 +112,19 @@ FLAG_SECONDS: dict[str, Range] = {
 }
 
 
+def shown_value(text: str) -> str:
+    """``text`` as an error shows it: quoted, escaped, cut after 64 characters."""
+    raw = str(text).strip()
+    cut = raw if len(raw) <= MAX_NUMBER_TEXT else raw[:MAX_NUMBER_TEXT] + "..."
+    return printable(repr(cut))
+
+
 def parse_ascii_int(name: str, text: str) -> int:
     """ASCII ``[+-]digits`` (spaces around allowed), at most 64 characters."""
-    raw = str(text).strip()
-    if len(raw) > MAX_NUMBER_TEXT or _INT.fullmatch(raw) is None:
-        shown = raw if len(raw) <= MAX_NUMBER_TEXT else raw[:MAX_NUMBER_TEXT] + "..."
-        raise ConfigError(f"{name}: expected an integer (ASCII digits), got {shown!r}")
-    return int(raw)
+    value = ascii_int(text)
+    if value is None:
+        raise ConfigError(f"{name}: expected an integer (ASCII digits), got {shown_value(text)}")
+    return value
 
 
 def check_int(name: str, value: object, lo: int, hi: int, why_hi: str = "") -> int:
@@ -135,14 +142,13 @@ def check_int(name: str, value: object, lo: int, hi: int, why_hi: str = "") -> i
 def parse_decimal(name: str, text: str) -> float:
     """ASCII decimal seconds (``30``, ``2.5``, ``1e3``): the number's form
     only (no ``nan``/``inf``, no Unicode digits); its range is checked apart."""
-    raw = str(text).strip()
-    if len(raw) > MAX_NUMBER_TEXT or _FLOAT.fullmatch(raw) is None:
-        shown = raw if len(raw) <= MAX_NUMBER_TEXT else raw[:MAX_NUMBER_TEXT] + "..."
+    value = ascii_decimal(text)
+    if value is None:
         raise ConfigError(
             f"{name}: expected a finite number of seconds in ASCII digits (e.g. 30 or 2.5), "
-            f"got {shown!r}"
+            f"got {shown_value(text)}"
         )
-    return float(raw)
+    return value
 
 
 def parse_seconds(name: str, text: str, rng: Range) -> float:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastrun.errors import ConfigError
-from elastrun.launcher.limits import CONF_SECONDS, check_seconds, parse_seconds
+from elastrun.launcher.limits import CONF_SECONDS, check_seconds, parse_seconds, shown_value
+from elastrun.untrusted import ascii_int
 
 __all__ = [
     "ETCD_OPTIONS",
@@ -171,12 +172,14 @@ def _conf_value(key: str, kind: str, value: Any) -> Any:
             return parse_seconds(name, value, rng)
         return check_seconds(name, value, rng)
     if kind == "int":
-        text = str(value).strip()
-        if isinstance(value, bool) or not text.isdigit() or not 1 <= int(text) <= CONF_INT_MAX:
+        # ASCII digits only: '²'.isdigit() is True, yet int('²') raises.
+        number = None if isinstance(value, bool) else ascii_int(str(value))
+        if number is None or not 1 <= number <= CONF_INT_MAX:
             raise ConfigError(
-                f"--rdzv-conf: {key} must be a whole number in 1..{CONF_INT_MAX}, got {value!r}"
+                f"--rdzv-conf: {key} must be a whole number in 1..{CONF_INT_MAX} (ASCII "
+                f"digits), got {shown_value(str(value))}"
             )
-        return int(text)
+        return number
     if kind == "bool":
         if isinstance(value, bool):
             return value

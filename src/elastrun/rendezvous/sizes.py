@@ -62,9 +62,12 @@ class WorldSizes:
 
     def problem(self) -> str | None:
         """Why no world can ever be formed, naming the flags; None if one can."""
-        if self.unit < 1:
-            return f"--node-unit={self.unit}: must be at least 1"
         nnodes = f"--nnodes={self.min_nodes}:{self.max_nodes}"
+        if self.unit < 1:
+            return (
+                f"--node-unit={self.unit} must be at least 1 (world sizes are its multiples "
+                f"in {nnodes})"
+            )
         if self.unit > self.max_nodes:
             return (
                 f"--node-unit={self.unit} is larger than the most nodes {nnodes} allows: "

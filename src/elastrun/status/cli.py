@@ -38,12 +38,14 @@ from elastrun.status.summary import read_summary
 from elastrun.store.base import Store, Watch, WatchEvent
 from elastrun.store.factory import DEFAULT_ETCD_PORT, DEFAULT_PORT
 from elastrun.store.token import store_token
-from elastrun.untrusted import printable
+from elastrun.untrusted import ascii_decimal, printable
 
 # Printer and render_table are defined in status/show.py and kept importable from here.
 __all__ = ["Printer", "fmt_duration", "main", "render_table"]
 
 DEFAULT_TIMEOUT = 10.0
+MAX_TIMEOUT = 3600.0  # --timeout: an hour (every wait is bounded by it)
+BACKENDS = ("c10d", "tcp", "etcd", "etcd-v2", "etcd_v2")
 PROBE_TIMEOUT = 2.0  # one TCP connection to each endpoint before the store's own retries
 DEBOUNCE = 0.05  # gather a burst of store changes into one refresh
 TICK = 1.0  # a live table on a terminal is refreshed this often
@@ -104,10 +106,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--timeout",
-        type=float,
-        default=DEFAULT_TIMEOUT,
+        default=str(DEFAULT_TIMEOUT),
         metavar="S",
-        help=f"give up reaching the store after S seconds (default {DEFAULT_TIMEOUT:g})",
+        help=f"give up reaching the store after S seconds, at most {MAX_TIMEOUT:g} "
+        f"(default {DEFAULT_TIMEOUT:g})",
     )
     return p
 
@@ -125,7 +127,7 @@ def _conf(text: str, backend: str = "c10d") -> tuple[str | None, dict[str, str]]
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not key:
-            raise ConfigError(f"--rdzv-conf: {item!r} is not key=value")
+            raise ConfigError(f"--rdzv-conf: {printable(repr(item[:64]))} is not key=value")
         if key == "token":
             token = value
         elif key == "token_file":
@@ -308,11 +310,9 @@ async def _watch(store: Store, args: argparse.Namespace, where: str, show: Print
 
 
 async def _main(args: argparse.Namespace) -> int:
-    if args.backend.strip().lower() == "static":
-        raise ConfigError("--rdzv-backend static keeps no store: there is no job state to show")
-    endpoints, https = _endpoints(args.backend.strip().lower(), args.endpoint)
+    endpoints, https = args.endpoints, args.https
     where = format_endpoints(endpoints)
-    if len(endpoints) > 1 and args.backend.strip().lower() in ("c10d", "tcp"):
+    if len(endpoints) > 1 and args.backend in ("c10d", "tcp"):
         store = await _open_candidates(args, endpoints)
     else:
         store = await _open(args, endpoints, https, where)
@@ -327,17 +327,42 @@ async def _main(args: argparse.Namespace) -> int:
             await asyncio.wait_for(store.close(), 2.0)
 
 
+def _timeout(text: str) -> float:
+    """``--timeout``: ASCII seconds, more than 0 and at most an hour."""
+    value = ascii_decimal(text)
+    if value is None or not 0 < value <= MAX_TIMEOUT:
+        raise ConfigError(
+            f"--timeout: must be > 0 and <= {MAX_TIMEOUT:g} seconds (ASCII digits), "
+            f"got {printable(repr(text[:64]))}"
+        )
+    return value
+
+
+def _backend(text: str) -> str:
+    """``--rdzv-backend``: a backend that keeps a store, lower case."""
+    name = text.strip().lower()
+    if name == "static":
+        raise ConfigError("--rdzv-backend static keeps no store: there is no job state to show")
+    if name not in BACKENDS:
+        raise ConfigError(
+            f"--rdzv-backend: unknown backend {printable(repr(text[:64]))}; choose c10d "
+            "(also tcp) or etcd (also etcd-v2)"
+        )
+    return "etcd" if name.startswith("etcd") else name
+
+
 def main(argv: Sequence[str]) -> int:
     parser = _parser()
     try:
         args = parser.parse_args(list(argv))
     except SystemExit as exc:  # argparse printed the usage and the problem
         return exc.code if isinstance(exc.code, int) else 2
-    if not args.timeout > 0:
-        print("elastrun status: error: --timeout must be > 0", file=sys.stderr)
-        return 2
     try:  # the same job-id grammar as the launcher's
+        args.timeout = _timeout(args.timeout)
+        args.backend = _backend(args.backend)
         args.run_id = RunId.parse(args.run_id, "--rdzv-id")
+        args.endpoints, args.https = _endpoints(args.backend, args.endpoint)
+        _conf(args.conf, args.backend)  # its errors before any connection
     except ConfigError as exc:
         print(f"elastrun status: error: {printable(exc)}", file=sys.stderr)
         return 2

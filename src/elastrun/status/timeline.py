@@ -511,13 +511,21 @@ def main(argv: Sequence[str]) -> int:
         args = parser.parse_args(list(argv))
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
+    for flag, path in [("--out", args.out), *(("EVENTS.jsonl", f) for f in args.files)]:
+        if not path.strip():
+            print(f"elastrun timeline: error: {flag}: an empty file name", file=sys.stderr)
+            return 2
     try:
         events = load_events(args.files)
         page = render_html(events, args.title)
+    except OSError as exc:
+        print(f"elastrun timeline: error: {printable(exc)}", file=sys.stderr)
+        return 1
+    try:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(page)
     except OSError as exc:
-        print(f"elastrun timeline: error: {exc}", file=sys.stderr)
+        print(f"elastrun timeline: error: --out: {printable(exc)}", file=sys.stderr)
         return 1
     print(f"elastrun timeline: {_count(len(events), 'event')} -> {args.out}")
     return 0

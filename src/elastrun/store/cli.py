@@ -22,6 +22,7 @@ from elastrun.errors import ConfigError, ElastrunError
 from elastrun.store.limits import DEFAULT_LIMITS, StoreLimits
 from elastrun.store.server import DEFAULT_PORT, StoreServer
 from elastrun.store.token import TOKEN_ENV, TOKEN_FILE_ENV, no_token_warning, store_token
+from elastrun.untrusted import ascii_decimal, ascii_int, printable
 
 __all__ = ["main"]
 
@@ -37,8 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--port",
-        type=int,
-        default=DEFAULT_PORT,
+        default=str(DEFAULT_PORT),
         help=f"port to listen on; 0 picks a free one (default {DEFAULT_PORT})",
     )
     serve.add_argument(
@@ -69,6 +69,11 @@ _LIMIT_FLAGS = [
 ]
 _FIELDS = {"--max-value-bytes": "max_value"}
 _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
+# The largest value of each kind of limit flag: far above any machine's need,
+# and small enough that no sum or timer overflows.
+MAX_COUNT = 1_000_000
+MAX_BYTES = 1 << 40  # 1 TiB
+MAX_SECONDS = 86_400.0  # a day
 
 
 def _field(flag: str) -> str:
@@ -80,7 +85,7 @@ def _show(value: float, in_bytes: bool) -> str:
         for unit in ("G", "M", "K"):
             if value % _UNITS[unit] == 0:
                 return f"{value // _UNITS[unit]}{unit}"
-    return f"{value:g}"
+    return str(value) if isinstance(value, int) else f"{value:g}"
 
 
 def _limits(args: argparse.Namespace) -> StoreLimits:
@@ -91,18 +96,43 @@ def _limits(args: argparse.Namespace) -> StoreLimits:
         text = getattr(args, flag[2:].replace("-", "_"))
         if text is None:
             continue
-        current = getattr(DEFAULT_LIMITS, field)
-        match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([KMG]?)", text.strip(), re.ASCII)
-        if match is None or (isinstance(current, int) and "." in match.group(1)):
-            kind = "a whole number" if isinstance(current, int) else "a number of seconds"
-            raise ConfigError(f"{flag} {text!r}: expected {kind}")
-        number = float(match.group(1)) * _UNITS[match.group(2)]
-        changes[field] = int(number) if isinstance(current, int) else number
+        changes[field] = _limit(flag, text, isinstance(getattr(DEFAULT_LIMITS, field), int))
     try:
         return DEFAULT_LIMITS.with_(**changes)
     except ConfigError as exc:
-        flag = next((f for f, _ in _LIMIT_FLAGS if _field(f) in str(exc)), "a limit")
+        flag = next(
+            (f for f, _ in _LIMIT_FLAGS if re.search(rf"\b{_field(f)}\b", str(exc))), "a limit"
+        )
         raise ConfigError(f"{flag}: {exc}") from None
+
+
+def _limit(flag: str, text: str, whole: bool) -> int | float:
+    """One limit flag's value: ASCII, with a K/M/G suffix for bytes, in its range."""
+    in_bytes = flag.endswith("-bytes")
+    raw = text.strip()
+    unit = raw[-1:] if in_bytes and raw[-1:] in ("K", "M", "G") else ""
+    number = (ascii_int if whole else ascii_decimal)(raw[: len(raw) - len(unit)])
+    top = MAX_BYTES if in_bytes else MAX_COUNT if whole else MAX_SECONDS
+    if number is None or number <= 0 or number * _UNITS[unit] > top:
+        kind = "a whole number" if whole else "a number of seconds"
+        raise ConfigError(
+            f"{flag}: expected {kind} (ASCII digits) > 0 and <= {_show(top, in_bytes)}, "
+            f"got {printable(repr(text[:64]))}"
+        )
+    return number * _UNITS[unit]
+
+
+def _where(host: str, port_text: str) -> tuple[str, int]:
+    """``--host`` (an address or name, ASCII; not empty) and ``--port`` (0..65535)."""
+    port = ascii_int(port_text)
+    if port is None or not 0 <= port <= 65535:
+        raise ConfigError(
+            f"--port: expected 0..65535 (ASCII digits), got {printable(repr(port_text[:64]))}"
+        )
+    if not host.strip():
+        raise ConfigError("--host: must not be empty (0.0.0.0 or :: listens on every interface)")
+    Endpoint.parse(f"[{host}]" if ":" in host else host, port, "--host")
+    return host.strip(), port
 
 
 def _fail(message: str) -> int:
@@ -116,16 +146,15 @@ def main(argv: Sequence[str]) -> int:
         args = parser.parse_args(list(argv))
     except SystemExit as exc:  # argparse already printed the usage and the problem
         return exc.code if isinstance(exc.code, int) else 2
-    if not 0 <= args.port <= 65535:
-        return _fail(f"--port {args.port} is not in 0-65535")
     try:
+        host, port = _where(args.host, args.port)
         token = store_token(None, args.token_file, flag="--token-file").token
         limits = _limits(args)
     except ConfigError as exc:
         return _fail(str(exc))
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     try:
-        return asyncio.run(_serve(args.host, args.port, token, limits))
+        return asyncio.run(_serve(host, port, token, limits))
     except ElastrunError as exc:
         print(f"elastrun store: error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -13,21 +13,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from elastrun.errors import ConfigError
+from elastrun.untrusted import ascii_int, printable
 
-__all__ = ["WorkerContext", "context"]
+__all__ = ["WorkerContext", "context", "env_int"]
 
 
-def _int(env: Mapping[str, str], name: str, default: int) -> int:
+def env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    """The integer in the variable ``name`` of ``env`` (unset or empty:
+    ``default``), ASCII digits only; else ConfigError naming the variable."""
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
-    try:
-        return int(raw)
-    except ValueError:
+    value = ascii_int(raw)
+    if value is None:
         raise ConfigError(
-            f"environment variable {name}={raw!r} is not an integer; "
-            "it is set by the launcher (elastrun/torchrun), do not override it"
-        ) from None
+            f"environment variable {name}={printable(repr(raw[:64]))} is not an integer "
+            "(ASCII digits); it is set by the launcher (elastrun/torchrun), do not override it"
+        )
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,25 +81,25 @@ class WorkerContext:
         """
         e = os.environ if env is None else env
         launched = "RANK" in e and "WORLD_SIZE" in e
-        world_size = _int(e, "WORLD_SIZE", 1)
-        rank = _int(e, "RANK", 0)
-        local_world_size = _int(e, "LOCAL_WORLD_SIZE", world_size if launched else 1)
-        local_rank = _int(e, "LOCAL_RANK", rank if local_world_size == world_size else 0)
+        world_size = env_int(e, "WORLD_SIZE", 1)
+        rank = env_int(e, "RANK", 0)
+        local_world_size = env_int(e, "LOCAL_WORLD_SIZE", world_size if launched else 1)
+        local_rank = env_int(e, "LOCAL_RANK", rank if local_world_size == world_size else 0)
         ctx = cls(
             rank=rank,
             local_rank=local_rank,
             world_size=world_size,
             local_world_size=local_world_size,
-            group_rank=_int(e, "GROUP_RANK", 0),
-            group_world_size=_int(e, "GROUP_WORLD_SIZE", 1),
-            role_rank=_int(e, "ROLE_RANK", rank),
-            role_world_size=_int(e, "ROLE_WORLD_SIZE", world_size),
+            group_rank=env_int(e, "GROUP_RANK", 0),
+            group_world_size=env_int(e, "GROUP_WORLD_SIZE", 1),
+            role_rank=env_int(e, "ROLE_RANK", rank),
+            role_world_size=env_int(e, "ROLE_WORLD_SIZE", world_size),
             role=e.get("ROLE_NAME", "default") or "default",
-            restart_count=_int(e, "TORCHELASTIC_RESTART_COUNT", 0),
-            max_restarts=_int(e, "TORCHELASTIC_MAX_RESTARTS", 0),
+            restart_count=env_int(e, "TORCHELASTIC_RESTART_COUNT", 0),
+            max_restarts=env_int(e, "TORCHELASTIC_MAX_RESTARTS", 0),
             run_id=e.get("TORCHELASTIC_RUN_ID", "none") or "none",
             master_addr=e.get("MASTER_ADDR", "127.0.0.1") or "127.0.0.1",
-            master_port=_int(e, "MASTER_PORT", 29500),
+            master_port=env_int(e, "MASTER_PORT", 29500),
             launched=launched,
         )
         if ctx.world_size < 1 or not 0 <= ctx.rank < ctx.world_size:

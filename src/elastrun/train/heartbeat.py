@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from elastrun.safefs import write_atomic
+from elastrun.untrusted import ascii_decimal
 
 __all__ = ["HEARTBEAT_ENV", "HEARTBEAT_INTERVAL_S", "HEARTBEAT_SCHEMA", "heartbeat", "phase"]
 
@@ -61,10 +62,10 @@ def _target() -> str | None:
     global _path, _path_read, _interval
     if not _path_read:
         _path = os.environ.get(HEARTBEAT_ENV) or None
-        try:
-            _interval = min(HEARTBEAT_INTERVAL_S, float(os.environ[HEARTBEAT_INTERVAL_ENV]))
-        except (KeyError, ValueError):
-            _interval = HEARTBEAT_INTERVAL_S
+        given = ascii_decimal(os.environ.get(HEARTBEAT_INTERVAL_ENV, ""))
+        if given is None or given < 0:
+            given = HEARTBEAT_INTERVAL_S
+        _interval = min(HEARTBEAT_INTERVAL_S, given)
         _path_read = True
     return _path
 

@@ -62,6 +62,7 @@ from typing import Any
 
 from elastrun.errors import ConfigError
 from elastrun.train.checkpoint import load_checkpoint, save_checkpoint
+from elastrun.train.context import env_int
 from elastrun.train.heartbeat import phase
 from elastrun.train.log import Log, say
 from elastrun.train.memory_load import restore
@@ -548,4 +549,4 @@ def _rank_world() -> tuple[int, int]:
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return env_int(os.environ, "RANK", 0), env_int(os.environ, "WORLD_SIZE", 1)

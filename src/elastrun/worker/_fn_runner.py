@@ -20,6 +20,7 @@ import sys
 import traceback
 from typing import Any
 
+from elastrun.untrusted import ascii_int
 from elastrun.worker._settle import after_success
 
 SPEC_VERSION = 1
@@ -57,6 +58,10 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         sys.stderr.write("usage: python -m elastrun.worker._fn_runner SPEC.json\n")
         return 2
+    rank = ascii_int(os.environ.get("RANK", "") or "0")  # ASCII only: not int('٣')
+    if rank is None:
+        sys.stderr.write(f"elastrun: RANK={os.environ['RANK'][:64]!r} is not an integer\n")
+        return 2
     with open(argv[0], encoding="utf-8") as f:
         spec = json.load(f)
     if spec.get("v") != SPEC_VERSION:
@@ -68,7 +73,7 @@ def main(argv: list[str]) -> int:
     fn = load_function(spec)
     with after_success():  # then torch.distributed is shut down before exit
         result = fn(*spec.get("args", []), **spec.get("kwargs", {}))
-    payload = {"rank": int(os.environ.get("RANK", "0")), "result": result}
+    payload = {"rank": rank, "result": result}
     try:
         json.dumps(payload)
     except (TypeError, ValueError) as exc:

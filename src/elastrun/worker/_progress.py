@@ -94,6 +94,12 @@ def safefs() -> Any:
     return _by_path("_elastrun_safefs", os.path.join("..", "safefs.py"))
 
 
+def numbers() -> Any:
+    """``elastrun/untrusted.py`` (its ASCII numbers: ``ascii_int``,
+    ``ascii_decimal``), as ``_elastrun_untrusted``."""
+    return _by_path("_elastrun_untrusted", os.path.join("..", "untrusted.py"))
+
+
 def messages() -> Any:
     """``_messages.py``, as ``_elastrun_messages`` (as the runner loads it)."""
     return _by_path("_elastrun_messages", "_messages.py")
@@ -440,10 +446,8 @@ def install(
     path = os.environ.get(FILE_ENV)
     if not path:
         return None
-    try:
-        interval = float(os.environ.get(INTERVAL_ENV) or MAX_INTERVAL)
-    except ValueError:
-        interval = MAX_INTERVAL
+    given = numbers().ascii_decimal(os.environ.get(INTERVAL_ENV, ""))
+    interval = MAX_INTERVAL if given is None or given <= 0 else given
     progress = Progress(path, interval, send=send)
     on_import(OPTIMIZER_MODULE, functools.partial(hook_optimizer, progress))
     on_import(DATALOADER_MODULE, functools.partial(hook_dataloader, progress))

@@ -294,11 +294,8 @@ def stack_signal(text: str | None) -> int | None:
 
     if not text:
         return int(signal.SIGRTMIN) + STACK_SIGNAL_OFFSET
-    try:
-        signum = int(text)
-    except ValueError:
-        return None
-    return signum if 0 < signum < signal.NSIG else None
+    signum = _load_sibling("_progress").numbers().ascii_int(text)  # ASCII only: not int('٣')
+    return signum if signum is not None and 0 < signum < signal.NSIG else None
 
 
 def register_stacks(path: str, signum: int) -> None:
@@ -421,13 +418,12 @@ def run_worker(kind: str, target: str, args: list[str], quick: Any = None) -> No
     (``quick``: in a worker forked from the warm interpreter, see
     :class:`QuickExit`)."""
     env = os.environ
-    channel_fd = env.get(CHANNEL_ENV, "")
-    channel = Channel(int(channel_fd) if channel_fd.isdigit() else None)
+    numbers = _load_sibling("_progress").numbers()  # ASCII only: '²'.isdigit() is True
+    channel_fd = numbers.ascii_int(env.get(CHANNEL_ENV, ""))
+    channel = Channel(channel_fd if channel_fd is not None and channel_fd >= 0 else None)
     scope = env.get(SCOPE_ENV, "installed")
-    try:
-        after = float(env.get(AFTER_ENV, "") or DEFAULT_AFTER)
-    except ValueError:
-        after = DEFAULT_AFTER
+    after = numbers.ascii_decimal(env.get(AFTER_ENV, ""))
+    after = DEFAULT_AFTER if after is None else after
     stacks = env.get(STACKS_ENV)
     signum = stack_signal(env.get(STACK_SIGNAL_ENV))
     if stacks and signum is not None:

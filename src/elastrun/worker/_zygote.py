@@ -205,7 +205,7 @@ class Zygote:
         env = os.environ
         self.script = script  # the module name that would run the script: never imported
         self.ctl = socket.socket(fileno=0)
-        self.agent_pid = int(env.get(AGENT_ENV, "0") or 0)
+        self.agent_pid = _int(env.get(AGENT_ENV), 0)
         plan = M.PreloadPlan.from_text(env.get(PRELOAD_ENV, ""))
         self.scope = env.get(_runner.SCOPE_ENV, "installed")
         self.delay = _float(env.get(DELAY_ENV), 0.0)
@@ -566,10 +566,14 @@ def _wait_go(fd: int, timeout: float) -> bool:
 
 
 def _float(text: str | None, default: float) -> float:
-    try:
-        return float(text) if text else default
-    except ValueError:
-        return default
+    """An ASCII number from the agent's variables (not ``float('٣')``)."""
+    value = _runner._load_sibling("_progress").numbers().ascii_decimal(text or "")
+    return default if value is None else float(value)
+
+
+def _int(text: str | None, default: int) -> int:
+    value = _runner._load_sibling("_progress").numbers().ascii_int(text or "")
+    return default if value is None else int(value)
 
 
 def serve(script: str | None = None) -> Any:
