@@ -3,7 +3,7 @@
 A note is a JSON object (``"v": 1``) at ``/elastrun/{run_id}/notes/{name}``
 (see docs/rendezvous.md). Anything that reaches the store can write one, so
 every note read is untrusted: it is decoded within the note limit and
-:data:`~elastrun.untrusted.MAX_DEPTH` levels (:func:`decode`), then checked
+:data:`~elastrun.untrusted.MAX_DEPTH` levels, then checked
 against its schema here (types, lengths, counts: :class:`NoteInvalid` names
 the first problem), and finally matched against the round records: a note
 counts only when it is about a round the records name and comes from that
@@ -68,7 +68,6 @@ __all__ = [
     "StacksNote",
     "Straggler",
     "StragglersNote",
-    "decode",
     "encode",
     "parse",
     "progress_name",
@@ -139,9 +138,10 @@ def encode(value: Mapping[str, Any]) -> bytes:
     return json.dumps({**value, "v": NOTE_VERSION}, sort_keys=True).encode()
 
 
-def decode(name: str, raw: bytes) -> dict[str, Any]:
+def _decode(name: str, raw: bytes) -> dict[str, Any]:
     """A note's JSON object, decoded within the bounds; raises UntrustedData
-    (NoteInvalid when it is not a note of this version)."""
+    (NoteInvalid when it is not a note of this version). Only :func:`parse`
+    uses it: no reader sees a note's JSON."""
     obj = loads(raw, max_bytes=NOTE_MAX_BYTES, what=f"note {name}")
     if not isinstance(obj, dict):
         raise NoteInvalid(f"note {name} is not a JSON object")
@@ -327,7 +327,7 @@ def parse(
     note at all); :class:`Refused` when it fails the schema or the check."""
     name = kind.name_for(round_, seat)
     try:
-        obj = decode(name, raw)
+        obj = _decode(name, raw)
     except UntrustedData:
         return None
     try:

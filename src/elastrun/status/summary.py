@@ -27,7 +27,8 @@ for: ``progress_{G}`` of each member of the round shown, ``stragglers``, and
 record says ended on a hang (``hang_round``). So however many bytes of notes
 the store holds (an attacker's junk included), status reads at most one
 note per member and round shown, each within the note limit. Each is
-untrusted (:mod:`elastrun.rendezvous.notes`): decoded within the bounds,
+untrusted, and read by the rendezvous' typed read
+(:func:`~elastrun.rendezvous.note_access.find_note`): decoded within the bounds,
 checked against its schema, and kept only when it is about that round and
 comes from the member at that group rank, with that member's ranks. A rank
 is flagged a straggler only when the ``stragglers`` note of the round shown
