@@ -119,10 +119,12 @@ async def _run(host: str, port: int, args: argparse.Namespace, server_pid: int) 
     def counted(i: int) -> None:
         write = handlers[i].write_note
 
-        async def write_note(name: str, value: dict[str, Any], **kw: Any) -> None:
+        # A typed note (its name), or an older elastrun's name and value.
+        async def write_note(*args: Any, **kw: Any) -> None:
+            name = args[0] if isinstance(args[0], str) else args[0].name
             if name.startswith("progress_"):
                 published[i] += 1
-            await write(name, value, **kw)
+            await write(*args, **kw)
 
         handlers[i].write_note = write_note  # type: ignore[method-assign]
 

@@ -152,16 +152,18 @@ def test_hostile_notes_are_dropped_and_notes_keep_their_lifetime() -> None:
             await _write(port, "notes-life", {"stacks_99_0": _note(round=99, ranks=[])})
 
             # Dropped, never raised; a wait for a note that never decodes is bounded.
-            assert await rdzv.read_note("stacks_0_1") is None
-            assert await rdzv.read_note("progress_3") is None
-            assert await rdzv.read_note("stacks_0_3") is None  # over the note limit
+            seats = N.seats([("a", 0, 1), ("b", 1, 1), ("c", 2, 1), ("d", 3, 1)])
+            assert await rdzv.read_note(N.StacksNote, 0, seats[1]) is None
+            assert await rdzv.read_note(N.ProgressNote, result.round, seats[3]) is None
+            assert await rdzv.read_note(N.StacksNote, 0, seats[3]) is None  # over the limit
             got = await asyncio.wait_for(
-                rdzv.gather_notes(["stacks_0_1", "stacks_0_3"], 1.0), CLI_BOUND
+                rdzv.gather_notes(N.StacksNote, 0, [seats[1], seats[3]], 1.0), CLI_BOUND
             )
             assert got == {}
 
             # A progress note is on the node's lease.
-            await rdzv.write_note("progress_0", {"round": 0}, lease=True)
+            mine = N.ProgressNote(result.round, 0, "a", "h", 1.0, ())
+            await rdzv.write_note(mine)
             kv = await store.get(rdzv.keys.note("progress_0"))
             assert kv is not None and kv.lease == rdzv.keeper.lease != 0
 
@@ -179,7 +181,7 @@ def test_hostile_notes_are_dropped_and_notes_keep_their_lifetime() -> None:
             note = N.StacksNote.from_json(
                 {"round": 0, "group_rank": 0, "node_id": "a", "ranks": [own]}
             )
-            await rdzv.write_note(note.name, note.to_json())
+            await rdzv.write_note(note)
             await _write(port, "notes-life", {"stacks_0_1": NESTED})  # no such member
             summary = await read_summary(store, RunId("notes-life"))
             assert summary is not None and summary.to_json()["hang_stacks"] == {

@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from elastrun.agent import PythonScript, WorkerSpec
-from elastrun.agent.modcache import ModuleCache, ModuleList, ModuleReport, cache_key
+from elastrun.agent.modcache import ModuleCache, ModuleList, cache_key
 from elastrun.agent.warm_pool import WarmPool
 from elastrun.events import ListSink
 from elastrun.names import RunId
+from elastrun.rendezvous.notes import ModuleReport
 from elastrun.worker._messages import Go, encode_line
 from tests.conftest import PYTHON
 from tests.helpers import pid_alive

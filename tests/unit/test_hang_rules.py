@@ -26,8 +26,9 @@ from elastrun.errors import ConfigError
 from elastrun.launcher.cli import parse
 from elastrun.rendezvous.notes import NoteInvalid
 from elastrun.rendezvous.records import MemberRecord, ResultRecord
-from elastrun.status.summary import hang_stacks, rank_progress
+from elastrun.status.summary import ShownNotes, hang_stacks, rank_progress
 from elastrun.worker._progress import GAP_MAX_MULT, GAP_QUANTILE_MULT, MIN_GAPS, Progress
+from tests.unit.test_notes import shown_notes
 
 
 class Clock:
@@ -304,12 +305,17 @@ def test_status_shows_the_round_s_step_times_and_the_last_hang_s_stacks():
         },
     }
     members = (MemberRecord("a", "a", "127.0.0.1", 2, 0),)
-    ranks = rank_progress(notes, ResultRecord(4, members, "127.0.0.1", 29500))
+    shown = shown_notes(
+        notes,
+        ResultRecord(4, members, "127.0.0.1", 29500),
+        ResultRecord(3, members, "127.0.0.1", 29500),
+    )
+    ranks = rank_progress(shown)
     assert [(r.rank, r.straggler, r.own_time_s) for r in ranks] == [
         (0, False, 0.05),
         (1, True, 0.1),
     ]
-    stacks = hang_stacks(notes, ResultRecord(3, members, "127.0.0.1", 29500))
+    stacks = hang_stacks(shown)
     assert stacks is not None and stacks.round == 3
     assert [r.rank for r in stacks.ranks] == [1, 0]
-    assert rank_progress({}, None) == () and hang_stacks({}, None) is None
+    assert rank_progress(ShownNotes()) == () and hang_stacks(ShownNotes()) is None

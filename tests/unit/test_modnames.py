@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from elastrun.agent.modcache import MAX_MODULES, ModuleReport, installed_only, valid_names
+from elastrun.agent.modcache import MAX_MODULES, installed_only, valid_names
+from elastrun.rendezvous.notes import ModuleReport, NoteInvalid
 from elastrun.untrusted import loads
 from elastrun.worker._modnames import MAX_NAME, checked, refusal, script_module
 
@@ -88,8 +89,11 @@ def test_a_list_keeps_the_distinct_names_that_pass_within_bounds():
 
 def test_the_attackers_note_is_read_as_a_report_of_the_names_that_pass():
     note = {"v": 1, "modules": ["unittest.__main__", "this", "__hello__", "wave"], "python": "3"}
-    report = ModuleReport.from_json(note, script="train")
+    report = ModuleReport.from_json(note)
     assert report == ModuleReport(modules=("wave",), python="3", torch=None, refused=3)
+    # A worker's report names no module that would run the script again either.
+    mine = ModuleReport.listed(["train", "train.util", "wave"], "3", None, script="train")
+    assert mine == ModuleReport(modules=("wave",), python="3", refused=2)
     # What an agent writes for the others reads back as the same report.
     again = ModuleReport.from_json(json.loads(json.dumps(report.to_json())))
     assert again == ModuleReport(modules=("wave",), python="3")
@@ -100,7 +104,8 @@ def test_the_attackers_note_is_read_as_a_report_of_the_names_that_pass():
     [None, [], "modules", {"modules": "os"}, {"modules": {"os": 1}}, {"v": 1}, {"python": "3"}],
 )
 def test_what_is_not_a_module_list_is_no_report(data):
-    assert ModuleReport.from_json(data) is None
+    with pytest.raises(NoteInvalid):
+        ModuleReport.from_json(data)
 
 
 def test_versions_are_short_plain_strings_or_nothing():

@@ -2,14 +2,17 @@
 the byte budget of a hang's stacks, the straggler verdicts, and what reaches a
 terminal or a page (status table, failure summary, stacks, timeline).
 
-Pure parts only; the same inputs through real agents, a real store and the
-``elastrun status`` command are in tests/integration/test_hostile_notes.py.
+Pure parts, and the typed reads on the in-memory store; the same inputs
+through real agents, a real TCP store and the ``elastrun status`` command are
+in tests/integration/test_hostile_notes.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -19,9 +22,11 @@ from elastrun.agent.hangs import Gathered, note_of, summary
 from elastrun.agent.stacks import RankStacks
 from elastrun.agent.stragglers import Aggregator, StragglerRule
 from elastrun.failure import FailureRecord
+from elastrun.names import RunId
 from elastrun.rendezvous import notes as N
 from elastrun.rendezvous import rounds as R
 from elastrun.rendezvous.api import Member, RoundResult
+from elastrun.rendezvous.keys import Keys
 from elastrun.rendezvous.records import (
     JoinRecord,
     MemberRecord,
@@ -31,9 +36,10 @@ from elastrun.rendezvous.records import (
     WaitingRecord,
 )
 from elastrun.status.cli import render_table
-from elastrun.status.summary import hang_stacks, note_names, rank_progress, summarize
+from elastrun.status.summary import ShownNotes, hang_stacks, rank_progress, read_notes, summarize
 from elastrun.status.timeline import render_html
-from elastrun.untrusted import UntrustedData
+from elastrun.store.memory import MemoryStore
+from tests.unit.test_rdzv_hooks import _handler
 
 ESCAPES = "\x1b]0;owned\x07\x1b[2J\x1b[31mALERT\u202e"
 RAW_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e]")
@@ -71,6 +77,25 @@ def result(round_: int, *members: tuple[str, int, int]) -> ResultRecord:
     return ResultRecord(round_, rows, "127.0.0.1", 29500)
 
 
+def _bytes(value: object) -> bytes:
+    return value if isinstance(value, bytes) else N.encode(value)  # type: ignore[arg-type]
+
+
+def shown_notes(
+    notes: Mapping[str, object], shown: ResultRecord | None, hang: ResultRecord | None = None
+) -> ShownNotes:
+    """What ``elastrun status`` reads of ``notes`` (JSON objects, or bytes as
+    they are) in an in-memory store, for the round ``shown`` and the hang's round."""
+
+    async def run() -> ShownNotes:
+        store, keys = MemoryStore(), Keys(RunId("job"))
+        for name, value in notes.items():
+            await store.put(keys.note(name), _bytes(value))
+        return await read_notes(store, keys, shown, hang)
+
+    return asyncio.run(run())
+
+
 # -- decoding and the schemas ------------------------------------------------------
 
 
@@ -84,10 +109,10 @@ def test_a_note_decodes_only_within_the_bounds() -> None:
         b'{"v": 2}',
         b'{"round": 1}',
     ):
-        with pytest.raises(UntrustedData):
-            N.decode("stacks_0_1", raw)
+        assert N.parse(N.StacksNote, raw, 0, N.seats([("a", 1, 1)])[1]) is None
     note = N.ProgressNote.from_json(progress(0, "a"))
-    assert N.ProgressNote.from_json(N.decode(note.name, N.encode(note.to_json()))) == note
+    seat = N.seats([("a", 0, 1)])[0]
+    assert N.parse(N.ProgressNote, N.encode(note.to_json()), 4, seat) == note
 
 
 @pytest.mark.parametrize(
@@ -205,17 +230,18 @@ def test_status_shows_only_members_notes_and_confirmed_stragglers() -> None:
         "progress_2": progress(2, "c", ranks=(5,)),  # not a member
         "stragglers": {"round": 4, "at": 1.0, "median": 0.05, "stragglers": []},
     }
-    rows = rank_progress(notes, shown)
+    rows = rank_progress(shown_notes(notes, shown))
     assert [(r.rank, r.straggler) for r in rows] == [(0, False), (1, False), (2, False)]
     flagged = [{"rank": 0, "own_time": 0.05}, {"rank": 2, "own_time": 0.2}]
     notes["stragglers"] = {"round": 4, "at": 1.0, "median": 0.05, "stragglers": flagged}
-    rows = rank_progress(notes, shown)
+    rows = rank_progress(shown_notes(notes, shown))
     # rank 0 is named, but its own note says it is not slow: not flagged
     assert [(r.rank, r.straggler) for r in rows] == [(0, False), (1, False), (2, True)]
     notes["stragglers"] = {**notes["stragglers"], "round": 3}  # another round's verdict
-    assert not any(r.straggler for r in rank_progress(notes, shown))
+    assert not any(r.straggler for r in rank_progress(shown_notes(notes, shown)))
     notes["progress_1"] = progress(1, "b", round_=3, ranks=(2,))  # an older round's note
-    assert [r.rank for r in rank_progress(notes, shown)] == [0, 1]
+    assert [r.rank for r in rank_progress(shown_notes(notes, shown))] == [0, 1]
+    assert shown_notes(notes, None) == ShownNotes()  # no round shown: no note read
 
 
 def test_status_shows_stacks_only_of_the_round_that_ended_on_a_hang() -> None:
@@ -225,16 +251,11 @@ def test_status_shows_stacks_only_of_the_round_that_ended_on_a_hang() -> None:
         "stacks_2_2": stacks(2, 2, "c", (3,)),  # not a member of round 2
         "stacks_5_0": stacks(5, 0, "a", (0, 1)),  # a round that never hung
     }
-    assert hang_stacks(notes, None) is None  # no round ended on a hang
-    got = hang_stacks(notes, result(2, ("a", 0, 2), ("b", 1, 1)))
+    shown = result(4, ("a", 0, 2))
+    assert hang_stacks(shown_notes(notes, shown)) is None  # no round ended on a hang
+    got = hang_stacks(shown_notes(notes, shown, result(2, ("a", 0, 2), ("b", 1, 1))))
     assert got is not None and got.round == 2
     assert [r.rank for r in got.ranks] == [1, 0, 2]  # stuck in its own code first
-    assert note_names(result(4, ("a", 0, 2)), result(2, ("a", 0, 2), ("b", 1, 1))) == [
-        "progress_0",
-        "stragglers",
-        "stacks_2_0",
-        "stacks_2_1",
-    ]
 
 
 def test_a_round_opened_by_a_hang_is_the_job_s_hang_round() -> None:
@@ -279,7 +300,10 @@ def test_the_status_table_escapes_everything_from_the_store() -> None:
         waiting={"w" + ESCAPES: WaitingRecord("w", ESCAPES, 1)},
         revision=3,
         now=0.0,
-        notes={"progress_0": progress(0, "a", round_=1, host="h" + ESCAPES, ranks=(0,))},
+        notes=shown_notes(
+            {"progress_0": progress(0, "a", round_=1, host="h" + ESCAPES, ranks=(0,))},
+            ResultRecord.from_json(res),
+        ),
     )
     text = render_table(s, "store" + ESCAPES)
     assert not RAW_CONTROL.search(text), text
@@ -328,8 +352,7 @@ def test_the_timeline_escapes_events_and_skips_hostile_lines(tmp_path: Any) -> N
 def test_a_replica_note_counts_only_from_the_round_s_member_at_its_group_rank() -> None:
     seat = N.seats([("node-a", 0, 1), ("node-b", 1, 1)])[1]
     note = N.ReplicaNote(round=3, group_rank=1, node_id="node-b", port=40001)
-    back = N.ReplicaNote.from_json(N.decode(note.name, N.encode(note.to_json())))
-    assert back == note and back.check(3, seat) == note
+    assert N.parse(N.ReplicaNote, N.encode(note.to_json()), 3, seat) == note
     with pytest.raises(N.NoteInvalid, match="round 2, not of round 3"):
         N.ReplicaNote(2, 1, "node-b", 40001).check(3, seat)
     with pytest.raises(N.NoteInvalid, match="not from the round's member node-b"):
@@ -337,3 +360,78 @@ def test_a_replica_note_counts_only_from_the_round_s_member_at_its_group_rank() 
     for port in (0, 65536, "80", True):
         with pytest.raises(N.NoteInvalid):
             N.ReplicaNote.from_json({**note.to_json(), "port": port})
+
+
+# -- the typed reads of the rendezvous, on the in-memory store -------------------------
+
+
+NESTED = b"[" * 100000
+
+
+def test_a_typed_read_gives_a_checked_note_of_its_kind_or_none() -> None:
+    seats = N.seats([("a", 0, 2), ("b", 1, 1)])
+    good = N.ProgressNote.from_json(progress(1, "b", ranks=(2,)))
+
+    async def run() -> None:
+        store = MemoryStore()
+        rdzv = _handler(store)
+        keys = rdzv.keys
+
+        async def put(name: str, value: object) -> None:
+            await store.put(keys.note(name), _bytes(value))
+
+        assert await rdzv.read_note(N.ProgressNote, 4, seats[1]) is None  # absent
+        await put("progress_1", good.to_json())
+        assert await rdzv.read_note(N.ProgressNote, 4, seats[1]) == good
+        assert await rdzv.read_note(N.ProgressNote, 5, seats[1]) is None  # another round
+        # the seat it was not written from: group rank 0's name holds b's note
+        await put("progress_0", good.to_json())
+        assert await rdzv.read_note(N.ProgressNote, 4, seats[0]) is None
+        refused = await rdzv.find_note(N.ProgressNote, 4, seats[0])
+        assert isinstance(refused, N.Refused) and "not from the round's member a" in refused.why
+        # another kind's note under the name: refused, and never a dict
+        await put("progress_1", stacks(4, 1, "b", (2,)))
+        assert await rdzv.read_note(N.ProgressNote, 4, seats[1]) is None
+        assert isinstance(await rdzv.find_note(N.ProgressNote, 4, seats[1]), N.Refused)
+        # junk bytes: no note at all
+        for junk in (NESTED, b"not json", b'{"v": 2}', b"x" * (N.NOTE_MAX_BYTES + 1)):
+            await put("progress_1", junk)
+            assert await rdzv.find_note(N.ProgressNote, 4, seats[1]) is None
+        # a round's verdict, and the modules note, read with no seat
+        verdict = N.StragglersNote(4, 1.0, 0.05, (N.Straggler(2, 0.2),))
+        await put("stragglers", verdict.to_json())
+        assert await rdzv.read_note(N.StragglersNote, 4) == verdict
+        assert await rdzv.read_note(N.StragglersNote, 3) is None
+        await put("modules", {"modules": "os"})
+        assert isinstance(await rdzv.find_note(N.ModuleReport), N.Refused)
+        await put("modules", {"modules": ["os", "this"], "python": "3.11"})
+        assert await rdzv.read_note(N.ModuleReport) == N.ModuleReport(("os",), "3.11", None, 1)
+
+    asyncio.run(asyncio.wait_for(run(), 30.0))
+
+
+def test_gathered_notes_are_typed_by_seat_and_writes_keep_their_kind_s_lease() -> None:
+    seats = N.seats([("a", 0, 1), ("b", 1, 1), ("c", 2, 1), ("d", 3, 1)])
+
+    async def run() -> None:
+        store = MemoryStore()
+        rdzv = _handler(store)
+        await rdzv.next_round()
+        keys = rdzv.keys
+        mine = N.StacksNote.from_json(stacks(3, 1, "b", (1,)))
+        await rdzv.write_note(mine)
+        await store.put(keys.note("stacks_3_2"), _bytes(stacks(3, 2, "x", (2,))))
+        await store.put(keys.note("stacks_3_3"), NESTED)
+        got = await rdzv.gather_notes(N.StacksNote, 3, list(seats.values())[1:], 0.0)
+        assert got.keys() == {1, 2} and got[1] == mine  # 3 never decodes: left out
+        assert isinstance(got[2], N.Refused) and "not from the round's member c" in got[2].why
+        kv = await store.get(keys.note(mine.name))
+        assert kv is not None and kv.lease == 0  # a hang's stacks outlive the node
+        beat = N.ProgressNote.from_json(progress(0, "a", round_=0))
+        await rdzv.write_note(beat)
+        kv = await store.get(keys.note(beat.name))
+        assert kv is not None and kv.lease == rdzv.keeper.lease != 0
+        await rdzv.shutdown()
+        assert await store.get(keys.note(beat.name)) is None
+
+    asyncio.run(asyncio.wait_for(run(), 30.0))

@@ -25,15 +25,11 @@ from dataclasses import dataclass, replace
 from elastrun.agent.stacks import RankStacks, report
 from elastrun.rendezvous import notes as N
 from elastrun.rendezvous.api import Rendezvous, RoundResult, whole
-from elastrun.untrusted import UntrustedData, printable
+from elastrun.untrusted import printable
 
-__all__ = ["GATHER_TIMEOUT", "Gathered", "gather", "note_name", "share", "summary"]
+__all__ = ["GATHER_TIMEOUT", "Gathered", "gather", "share", "summary"]
 
 GATHER_TIMEOUT = 4.0  # s the declaring node waits for the other nodes' stacks
-
-
-def note_name(round_: int, group_rank: int) -> str:
-    return N.stacks_name(round_, group_rank)
 
 
 def _untyped(s: N.RankStack) -> RankStacks:
@@ -66,7 +62,7 @@ async def share(rendezvous: Rendezvous, result: RoundResult, stacks: list[RankSt
     """Leave this node's stacks for the others (and for ``elastrun status``)."""
     if stacks:
         note = note_of(stacks, result)
-        await rendezvous.write_note(note.name, note.to_json())
+        await rendezvous.write_note(note)
 
 
 @dataclass(frozen=True)
@@ -82,24 +78,25 @@ async def gather(rendezvous: Rendezvous, result: RoundResult, own: list[RankStac
     result = await whole(rendezvous, result)
     seats = N.seats((m.node_id, m.group_rank, m.nproc) for m in result.members)
     others = [m for m in result.members if m.group_rank != result.group_rank]
-    names = [note_name(result.round, m.group_rank) for m in others]
-    notes = await rendezvous.gather_notes(names, GATHER_TIMEOUT) if names else {}
+    wanted = [seats[m.group_rank] for m in others]
+    notes = (
+        await rendezvous.gather_notes(N.StacksNote, result.round, wanted, GATHER_TIMEOUT)
+        if wanted
+        else {}
+    )
     out, missing = list(own), []
     for m in others:
         who = f"{printable(m.host, limit=N.MAX_TEXT)} (group rank {m.group_rank})"
-        raw = notes.get(note_name(result.round, m.group_rank))
-        if raw is None:
+        note = notes.get(m.group_rank)
+        if note is None:
             missing.append(
                 f"  {who}: no readable stacks note within {GATHER_TIMEOUT:g} s "
                 "(absent, or not JSON within the note limits)"
             )
-            continue
-        try:
-            note = N.StacksNote.from_json(raw).check(result.round, seats[m.group_rank])
-        except UntrustedData as exc:
-            missing.append(f"  {who}: its stacks note was refused: {printable(exc)}")
-            continue
-        out.extend(_untyped(s) for s in note.ranks)
+        elif isinstance(note, N.Refused):
+            missing.append(f"  {who}: its stacks note was refused: {printable(note.why)}")
+        else:
+            out.extend(_untyped(s) for s in note.ranks)
     return Gathered(out, missing)
 
 

@@ -65,7 +65,7 @@ from elastrun.agent.workers import WorkerGroup
 from elastrun.errors import ConfigError
 from elastrun.procs import pid_alive
 from elastrun.rendezvous.api import RoundResult, whole
-from elastrun.rendezvous.notes import NoteInvalid, ReplicaNote, replica_name, seats
+from elastrun.rendezvous.notes import ReplicaNote, seats
 from elastrun.safefs import UnsafePath, private_dir
 from elastrun.worker.checkpoint_files import publish, write_checkpoint
 from elastrun.worker.snapshot import (
@@ -243,7 +243,7 @@ class MemoryCheckpoints(Feature):
             self._expecting = asyncio.get_running_loop().create_task(_expect(self.hold, prev.addr))
         if self.port is not None:
             note = ReplicaNote(result.round, result.group_rank, me.node_id, self.port)
-            await self.core.rendezvous.write_note(note.name, note.to_json(), lease=True)
+            await self.core.rendezvous.write_note(note)
 
     def _received(self, got: Received) -> None:
         self.core.events.emit(
@@ -266,14 +266,10 @@ class MemoryCheckpoints(Feature):
         if not result.complete:
             return None
         nxt = result.members[(result.group_rank + 1) % result.group_world_size]
-        raw = await self.core.rendezvous.read_note(replica_name(nxt.group_rank))
-        if raw is None:
-            return None
         seat = seats((m.node_id, m.group_rank, m.nproc) for m in result.members)[nxt.group_rank]
-        try:
-            note = ReplicaNote.from_json(raw).check(result.round, seat)
-        except NoteInvalid:
-            return None  # not this round's yet
+        note = await self.core.rendezvous.read_note(ReplicaNote, result.round, seat)
+        if note is None:
+            return None  # none yet, or not this round's yet
         self._neighbour = Neighbour(nxt.addr, note.port, nxt.node_id)
         return self._neighbour
 

@@ -24,8 +24,8 @@ Where the names come from, and what is trusted: see ``worker/_modnames.py``
 for the rule every name passes (a dotted name, never a ``__main__``, the
 script itself or a module that acts when imported), whether it was reported
 by a local worker, read from the cache, or read from the job's note
-(:class:`ModuleReport`, written by another node). A name from another node is
-also kept only if it resolves to the standard library or an installed
+(:class:`~elastrun.rendezvous.notes.ModuleReport`, written by another node).
+A name from another node is also kept only if it resolves to the standard library or an installed
 package here (:func:`installed_only`; unless ``--warm-modules all``), and
 only when the store authenticates its clients (the agent decides).
 
@@ -45,11 +45,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from elastrun.agent.command import PythonCommand, PythonModule
+from elastrun.rendezvous.notes import checked_version
 from elastrun.safefs import (
     UnsafePath,
     nearest_existing,
@@ -59,13 +59,11 @@ from elastrun.safefs import (
 )
 from elastrun.untrusted import UntrustedData, loads
 from elastrun.worker import _modnames
-from elastrun.worker._messages import Modules
 
 __all__ = [
     "CACHE_ENV",
     "ModuleCache",
     "ModuleList",
-    "ModuleReport",
     "cache_key",
     "default_cache_dir",
     "installed_only",
@@ -80,8 +78,6 @@ MAX_MODULES = _modnames.MAX_MODULES
 MAX_NAME = _modnames.MAX_NAME
 MAX_FILE_BYTES = 1 << 20
 NAME_RE = _modnames.NAME_RE
-# A Python or torch version as recorded ("3.11.7", "2.13.0+cpu").
-VERSION_RE = re.compile(r"[0-9A-Za-z.+_-]{1,64}\Z")
 
 
 def default_cache_dir(env: Mapping[str, str] | None = None) -> str:
@@ -120,10 +116,6 @@ def valid_names(names: object, limit: int = MAX_MODULES, script: str | None = No
     return _modnames.checked(names, script, limit)
 
 
-def _version(value: object) -> str | None:
-    return value if isinstance(value, str) and VERSION_RE.match(value) else None
-
-
 def installed_only(names: Iterable[str]) -> list[str]:
     """The names whose top-level package resolves, in this interpreter, to
     the standard library or an installed package (looked up, not imported)."""
@@ -137,47 +129,6 @@ def installed_only(names: Iterable[str]) -> list[str]:
         if tops[top]:
             out.append(name)
     return out
-
-
-@dataclass(frozen=True)
-class ModuleReport:
-    """The modules a script imported: what a worker reports over its channel
-    (a ``Modules`` message: :meth:`reported`), and what the job's note
-    ``modules`` holds (written by group rank 0's agent for the others:
-    :meth:`from_json`). Both keep only the names that pass the rule."""
-
-    modules: tuple[str, ...] = ()
-    python: str | None = None
-    torch: str | None = None
-    refused: int = 0  # names dropped by from_json
-
-    def to_json(self) -> dict[str, object]:
-        return {"modules": list(self.modules), "python": self.python, "torch": self.torch}
-
-    @classmethod
-    def from_json(cls, data: object, script: str | None = None) -> ModuleReport | None:
-        """The report in ``data`` (None: not a module list); names that fail
-        ``_modnames.refusal`` (or are over the bounds) are dropped and counted."""
-        if not isinstance(data, dict) or not isinstance(data.get("modules"), list):
-            return None
-        return cls._checked(data["modules"], data.get("python"), data.get("torch"), script)
-
-    @classmethod
-    def reported(cls, message: Modules, script: str | None = None) -> ModuleReport:
-        """What a worker's runner reported (checked as :meth:`from_json` does)."""
-        return cls._checked(list(message.modules), message.python, message.torch, script)
-
-    @classmethod
-    def _checked(
-        cls, listed: list[object], python: object, torch: object, script: str | None
-    ) -> ModuleReport:
-        names = valid_names(listed, script=script)
-        return cls(
-            modules=tuple(names),
-            python=_version(python),
-            torch=_version(torch),
-            refused=min(len(listed), MAX_MODULES) - len(names),
-        )
 
 
 @dataclass
@@ -216,8 +167,8 @@ class ModuleList:
         return cls(
             modules=[m for m in names if not skipped(m, skips)],
             skip=skips,
-            python=_version(data.get("python")),
-            torch=_version(data.get("torch")),
+            python=checked_version(data.get("python")),
+            torch=checked_version(data.get("torch")),
             ranked={k: v for k, v in _reasons(data.get("ranked")).items() if k not in skips},
         )
 

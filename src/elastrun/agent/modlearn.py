@@ -24,17 +24,16 @@ import contextlib
 from typing import TYPE_CHECKING
 
 from elastrun.agent.hooks import Core, Feature, RoundHooks
-from elastrun.agent.modcache import ModuleReport
 from elastrun.agent.workers import Worker, WorkerGroup
 from elastrun.agent.zygote import SCOPE_ENV
+from elastrun.rendezvous.notes import ModuleReport, Refused
 from elastrun.worker._messages import Message, Modules
 
 if TYPE_CHECKING:
     from elastrun.agent.warm_pool import WarmPool
 
-__all__ = ["MODULES_NOTE", "ModuleLearning"]
+__all__ = ["ModuleLearning"]
 
-MODULES_NOTE = "modules"  # the job-wide list of modules the script imports
 WORKER_WHY = frozenset(("optimizer_step", "timer"))  # why a worker reported its modules
 NOTE_TIMEOUT = 5.0  # s to read the job's note
 
@@ -69,7 +68,9 @@ class ModuleLearning(Feature):
 
     def learn(self, message: Modules, group: WorkerGroup) -> None:
         """A local worker's report: learnt, and (group rank 0) shared with the job."""
-        report = ModuleReport.reported(message, self.pool.script)
+        report = ModuleReport.listed(
+            list(message.modules), message.python, message.torch, self.pool.script
+        )
         why = message.why if message.why in WORKER_WHY else "worker"
         if not self.pool.learn(report, why) or group.result.group_rank != 0:
             return
@@ -77,8 +78,7 @@ class ModuleLearning(Feature):
         # store that authenticates its clients do the others use it.
         if not self.core.spec.store_authenticated:
             return
-        note = self.pool.note().to_json()
-        task = asyncio.ensure_future(self.core.rendezvous.write_note(MODULES_NOTE, note))
+        task = asyncio.ensure_future(self.core.rendezvous.write_note(self.pool.note()))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
@@ -87,10 +87,10 @@ class ModuleLearning(Feature):
         ``modules``): used only when the store authenticates its clients,
         and then only its names that pass the same checks as a local worker's."""
         pool, events = self.pool, self.core.events
-        note = None
+        note: ModuleReport | Refused | None = None
         with contextlib.suppress(TimeoutError):
             note = await asyncio.wait_for(
-                self.core.rendezvous.read_note(MODULES_NOTE), NOTE_TIMEOUT
+                self.core.rendezvous.find_note(ModuleReport), NOTE_TIMEOUT
             )
         if note is None:
             return
@@ -102,12 +102,12 @@ class ModuleLearning(Feature):
                 "have written it"
             )
             return
-        report = ModuleReport.from_json(note, pool.script)
-        if report is None:
+        if isinstance(note, Refused):
             events.emit("modules_note_ignored", reason="invalid")
             pool.debug("the job's module note is not a module list: not used")
             return
-        pool.learn(report, "job", peer=True)
+        # Its names pass the rule again in learn(), there against this script.
+        pool.learn(note, "job", peer=True)
 
 
 class _LearnRound(RoundHooks):

@@ -36,7 +36,6 @@ its thin driver.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -46,7 +45,6 @@ from elastrun.agent.watchdog import read_beat
 from elastrun.events import EventSink
 from elastrun.rendezvous import notes as N
 from elastrun.rendezvous.api import Rendezvous, RoundResult, whole
-from elastrun.untrusted import UntrustedData
 
 __all__ = [
     "PUBLISH_EVERY",
@@ -54,17 +52,12 @@ __all__ = [
     "SUSTAIN",
     "StragglerRule",
     "local_progress",
-    "note_name",
     "publish_loop",
 ]
 
 PUBLISH_EVERY = 5.0
 SLOW_RATIO = N.SLOW_RATIO  # slower than the median by more than 20%
 SUSTAIN = 3  # reports in a row
-
-
-def note_name(group_rank: int) -> str:
-    return N.progress_name(group_rank)
 
 
 @dataclass
@@ -112,17 +105,11 @@ def local_progress(files: Sequence[tuple[int, str]]) -> list[N.RankProgress]:
     return out
 
 
-def members_progress(notes: Mapping[str, object], result: RoundResult) -> list[N.ProgressNote]:
+async def members_progress(rendezvous: Rendezvous, result: RoundResult) -> list[N.ProgressNote]:
     """The progress notes of ``result``'s round from its members (others dropped)."""
     seats = N.seats((m.node_id, m.group_rank, m.nproc) for m in result.members)
-    out = []
-    for seat in seats.values():
-        raw = notes.get(note_name(seat.group_rank))
-        if raw is None:
-            continue
-        with contextlib.suppress(UntrustedData):
-            out.append(N.ProgressNote.from_json(raw).check(result.round, seat))
-    return out
+    found = await rendezvous.gather_notes(N.ProgressNote, result.round, list(seats.values()), 0.0)
+    return [n for _, n in sorted(found.items()) if isinstance(n, N.ProgressNote)]
 
 
 @dataclass
@@ -145,19 +132,10 @@ async def _verdict(
 ) -> N.StragglersNote | None:
     """This interval's stragglers note: judged here (group rank 0), else read."""
     if aggregator is not None:
-        names = [note_name(m.group_rank) for m in result.members]
-        notes = await rendezvous.gather_notes(names, 0.0)
-        verdict = aggregator.judge(result.round, members_progress(notes, result))
-        await rendezvous.write_note(N.STRAGGLERS, verdict.to_json(), lease=True)
+        verdict = aggregator.judge(result.round, await members_progress(rendezvous, result))
+        await rendezvous.write_note(verdict)
         return verdict
-    raw = await rendezvous.read_note(N.STRAGGLERS)
-    if raw is None:
-        return None
-    try:
-        verdict = N.StragglersNote.from_json(raw)
-    except UntrustedData:
-        return None
-    return verdict if verdict.round == result.round else None
+    return await rendezvous.read_note(N.StragglersNote, result.round)
 
 
 async def publish_loop(
@@ -188,7 +166,7 @@ async def publish_loop(
                 round(time.time(), 3),
                 tuple(ranks[: N.MAX_RANKS]),
             )
-            await rendezvous.write_note(note.name, note.to_json(), lease=True)
+            await rendezvous.write_note(note)
         elif aggregator is None:
             continue  # no worker reports progress (yet, or ever: --no-python)
         if aggregator is not None and not result.complete:

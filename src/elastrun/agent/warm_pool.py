@@ -25,7 +25,6 @@ from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.modcache import (
     ModuleCache,
     ModuleList,
-    ModuleReport,
     installed_only,
     merged,
     skipped,
@@ -39,6 +38,7 @@ from elastrun.agent.watchdog import HEARTBEAT_ENV, HEARTBEAT_INTERVAL_ENV, heart
 from elastrun.agent.zygote import SCOPE_ENV, Bounds, Zygote, promote
 from elastrun.errors import WorkerError
 from elastrun.events import EventSink
+from elastrun.rendezvous.notes import ModuleReport
 from elastrun.untrusted import printable
 from elastrun.worker._messages import PreloadPlan, Ready, Unsafe
 from elastrun.worker._modnames import script_module

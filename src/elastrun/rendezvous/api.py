@@ -28,6 +28,7 @@ from typing import Any
 from elastrun.errors import RendezvousError, StoreError
 from elastrun.failure import FailureRecord
 from elastrun.names import RunId
+from elastrun.rendezvous.notes import Note, NoteT, Refused, Seat
 from elastrun.rendezvous.records import AgreedSettings
 from elastrun.rendezvous.sizes import WorldSizes
 from elastrun.store.base import RevokeSpec
@@ -276,26 +277,41 @@ class Rendezvous(abc.ABC):
         every member of the round completed (or after the exit barrier
         timeout), and marks the job finished."""
 
-    async def read_note(self, name: str) -> dict[str, Any] | None:
-        """The job-wide note ``name`` another agent left (a JSON object), or
-        None: absent, or not decodable within the note limits (see
-        :mod:`elastrun.rendezvous.notes`; its schema is the caller's to check).
-        Never raises."""
-        return None
+    async def find_note(
+        self, kind: type[NoteT], round_: int | None = None, seat: Seat | None = None
+    ) -> NoteT | Refused | None:
+        """The job note ``kind`` (:mod:`elastrun.rendezvous.notes`) of round
+        ``round_`` from the member at ``seat``, as :func:`~.notes.parse` reads
+        it: None when absent or not decodable within the note limits,
+        :class:`~.notes.Refused` (with why) when it fails its schema or its
+        check. Never raises."""
+        del kind, round_, seat
+        return None  # a rendezvous without a store keeps no notes
 
-    async def write_note(self, name: str, value: dict[str, Any], *, lease: bool = False) -> None:
-        """Leave the job-wide note ``name`` for the other agents (best effort,
-        bounded in size; never raises). ``lease``: the note is tied to this
+    async def read_note(
+        self, kind: type[NoteT], round_: int | None = None, seat: Seat | None = None
+    ) -> NoteT | None:
+        """The job note ``kind`` of round ``round_`` from ``seat``, typed and
+        checked (:meth:`find_note`); None when there is none that passes.
+        Never raises."""
+        found = await self.find_note(kind, round_, seat)
+        return found if isinstance(found, kind) else None
+
+    async def write_note(self, note: Note) -> None:
+        """Leave the job-wide note ``note`` for the other agents (best effort,
+        bounded in size; never raises). A kind ``ON_LEASE`` is tied to this
         node's lease, so it vanishes when the node leaves or dies (not written
         while the node holds no lease)."""
-        del name, value, lease  # a rendezvous without a store keeps no notes
+        del note  # a rendezvous without a store keeps no notes
 
-    async def gather_notes(self, names: Sequence[str], timeout: float) -> dict[str, dict[str, Any]]:
-        """The job-wide notes ``names`` (all sharing the first one's prefix up
-        to its last ``_``), waiting up to ``timeout`` seconds for those not
-        written yet. Returns those found that decode within the note limits
-        (as :meth:`read_note`). Never raises."""
-        del names, timeout
+    async def gather_notes(
+        self, kind: type[NoteT], round_: int, seats: Sequence[Seat], timeout: float
+    ) -> dict[int, NoteT | Refused]:
+        """The notes ``kind`` of round ``round_`` from the members at ``seats``,
+        by group rank, waiting up to ``timeout`` seconds for those not written
+        yet (or not decodable yet): each as :meth:`find_note` reads it, those
+        absent or not decodable left out. Never raises."""
+        del kind, round_, seats, timeout
         return {}
 
     async def joining_running_job(self) -> bool:

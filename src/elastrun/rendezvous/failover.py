@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from elastrun.errors import StoreError
 from elastrun.events import EventSink, NullSink
@@ -41,6 +41,7 @@ from elastrun.rendezvous.api import (
     RoundResult,
 )
 from elastrun.rendezvous.dynamic import DynamicRendezvous
+from elastrun.rendezvous.notes import Note, NoteT, Refused, Seat
 from elastrun.rendezvous.rounds import Carry
 from elastrun.store.base import Store
 from elastrun.store.failover import FailoverClient, Lost
@@ -196,15 +197,21 @@ class FailoverRendezvous(Rendezvous):
 
     # While the host is lost (until the next round finds the new one) the
     # notes and the job's state are not asked of the old store: it is gone.
-    async def read_note(self, name: str) -> dict[str, Any] | None:
-        return None if self._lost is not None else await self.inner.read_note(name)
+    async def find_note(
+        self, kind: type[NoteT], round_: int | None = None, seat: Seat | None = None
+    ) -> NoteT | Refused | None:
+        return None if self._lost is not None else await self.inner.find_note(kind, round_, seat)
 
-    async def write_note(self, name: str, value: dict[str, Any], *, lease: bool = False) -> None:
+    async def write_note(self, note: Note) -> None:
         if self._lost is None:
-            await self.inner.write_note(name, value, lease=lease)
+            await self.inner.write_note(note)
 
-    async def gather_notes(self, names: Sequence[str], timeout: float) -> dict[str, dict[str, Any]]:
-        return {} if self._lost is not None else await self.inner.gather_notes(names, timeout)
+    async def gather_notes(
+        self, kind: type[NoteT], round_: int, seats: Sequence[Seat], timeout: float
+    ) -> dict[int, NoteT | Refused]:
+        if self._lost is not None:
+            return {}
+        return await self.inner.gather_notes(kind, round_, seats, timeout)
 
     async def joining_running_job(self) -> bool:
         return False if self._lost is not None else await self.inner.joining_running_job()

@@ -3,7 +3,7 @@
 A note is a JSON object (``"v": 1``) at ``/elastrun/{run_id}/notes/{name}``
 (see docs/rendezvous.md). Anything that reaches the store can write one, so
 every note read is untrusted: it is decoded within the note limit and
-:data:`~elastrun.untrusted.MAX_DEPTH` levels (:func:`decode`), then checked
+:data:`~elastrun.untrusted.MAX_DEPTH` levels, then checked
 against its schema here (types, lengths, counts: :class:`NoteInvalid` names
 the first problem), and finally matched against the round records: a note
 counts only when it is about a round the records name and comes from that
@@ -16,46 +16,60 @@ round's member at its group rank (:class:`Seat`). The schemas:
 ``stacks_{R}_{G}``  :class:`StacksNote`, group rank G's ranks' stacks when round
                   R ended on a hang (agent/hangs.py); all deleted when the next
                   hang's round opens
-``modules``       the modules the script imports (agent/warm.py)
+``modules``       :class:`ModuleReport`, the modules the script imports, as
+                  group rank 0's agent learnt them (agent/modlearn.py)
 ``replica_{G}``   :class:`ReplicaNote`, the TCP port on which group rank G's
                   agent takes its neighbour's memory checkpoints in round R,
                   on its lease (agent/replica.py)
 
-Writers and readers (the agents and ``elastrun status``) use the same
-classes; ``from_json`` raises :class:`NoteInvalid` for anything a writer of
-this version would not have written.
+Each schema is a :class:`Note`: it names its key (:meth:`Note.name_for`, from
+the round and the member's :class:`Seat`), says whether it lives on its
+writer's lease (``ON_LEASE``), and has ``to_json``, a strict ``from_json``
+(raising :class:`NoteInvalid` for anything a writer of this version would
+not have written) and :meth:`Note.check`. :func:`parse` is the one typed read
+of a note's bytes, which the rendezvous (``read_note``, ``gather_notes``) and
+``elastrun status`` both use: a note that does not decode within the bounds
+is no note (None); one that decodes but fails its schema or its check is
+:class:`Refused` (with why), and never reaches a caller as data.
 """
 
 from __future__ import annotations
 
+import abc
 import json
 import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Self, TypeVar
 
 from elastrun.untrusted import UntrustedData, loads
+from elastrun.worker import _modnames
 
 __all__ = [
     "MAX_FRAMES",
+    "MAX_MODULES",
     "MAX_RANKS",
     "MAX_TEXT",
     "NOTE_MAX_BYTES",
     "SLOW_RATIO",
     "STACKS_PREFIX",
     "STRAGGLERS",
+    "ModuleReport",
+    "Note",
     "NoteInvalid",
+    "NoteT",
     "ProgressNote",
     "RankProgress",
     "RankStack",
+    "Refused",
     "ReplicaNote",
     "Seat",
     "StacksNote",
     "Straggler",
     "StragglersNote",
-    "decode",
     "encode",
+    "parse",
     "progress_name",
     "replica_name",
     "seats",
@@ -70,6 +84,7 @@ NAME = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
 NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}\Z")
 
 STRAGGLERS = "stragglers"
+MODULES = "modules"
 STACKS_PREFIX = "stacks_"
 MAX_RANKS = 4096  # ranks of one node in a note
 MAX_FRAMES = 30  # frames of one rank's stack
@@ -86,6 +101,11 @@ STACKS_NODE_MAX = 128 * 1024
 # A rank slower than the median of all ranks by more than this is slow (the
 # straggler rule's ratio: agent/stragglers.py; status checks a flag with it).
 SLOW_RATIO = 1.2
+# The modules note: the names' rule and bounds are those of every module list
+# (worker/_modnames.py); a Python or torch version as recorded ("3.11.7",
+# "2.13.0+cpu").
+MAX_MODULES = _modnames.MAX_MODULES
+VERSION_RE = re.compile(r"[0-9A-Za-z.+_-]{1,64}\Z")
 
 
 class NoteInvalid(UntrustedData):
@@ -118,15 +138,21 @@ def encode(value: Mapping[str, Any]) -> bytes:
     return json.dumps({**value, "v": NOTE_VERSION}, sort_keys=True).encode()
 
 
-def decode(name: str, raw: bytes) -> dict[str, Any]:
+def _decode(name: str, raw: bytes) -> dict[str, Any]:
     """A note's JSON object, decoded within the bounds; raises UntrustedData
-    (NoteInvalid when it is not a note of this version)."""
+    (NoteInvalid when it is not a note of this version). Only :func:`parse`
+    uses it: no reader sees a note's JSON."""
     obj = loads(raw, max_bytes=NOTE_MAX_BYTES, what=f"note {name}")
     if not isinstance(obj, dict):
         raise NoteInvalid(f"note {name} is not a JSON object")
     if obj.get("v") != NOTE_VERSION:
         raise NoteInvalid(f"note {name} has version {obj.get('v')!r} (not {NOTE_VERSION})")
     return obj
+
+
+def checked_version(value: object) -> str | None:
+    """A recorded Python or torch version, or None when ``value`` is not one."""
+    return value if isinstance(value, str) and VERSION_RE.match(value) else None
 
 
 # -- field checks: each raises NoteInvalid naming the field ------------------------
@@ -232,6 +258,84 @@ def _check_seat(what: str, node_id: str, group_rank: int, ranks: Iterable[int], 
             raise NoteInvalid(f"{what} names rank {r}, not one of that member's ranks")
 
 
+def _member(what: str, round_: int | None, seat: Seat | None) -> tuple[int, Seat]:
+    """The round and the seat a note about a round's member is read for."""
+    if round_ is None or seat is None:
+        raise TypeError(f"a {what} is read for a round and a member's seat")
+    return round_, seat
+
+
+def _of_round(what: str, round_: int | None, found: int) -> None:
+    if round_ is None:
+        raise TypeError(f"a {what} is read for a round")
+    if found != round_:
+        raise NoteInvalid(f"{what} of round {found}, not of round {round_}")
+
+
+# -- the schema every note follows --------------------------------------------------
+class Note(abc.ABC):
+    """A job note's schema: where it is (:meth:`name_for`, :attr:`name`),
+    whether it lives on its writer's lease (``ON_LEASE``: gone when that node
+    leaves or dies), its JSON (``to_json``; ``from_json`` raises
+    :class:`NoteInvalid`) and its :meth:`check` against what the reader
+    expects (the round, the member at that seat)."""
+
+    ON_LEASE: ClassVar[bool] = False
+
+    @classmethod
+    @abc.abstractmethod
+    def name_for(cls, round_: int | None, seat: Seat | None) -> str:
+        """The note's name for round ``round_`` and the member at ``seat``
+        (TypeError when the kind needs one that is not given)."""
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> str:
+        """Its name, as written."""
+
+    @abc.abstractmethod
+    def to_json(self) -> dict[str, Any]: ...
+
+    @classmethod
+    @abc.abstractmethod
+    def from_json(cls, raw: object) -> Self: ...
+
+    def check(self, round_: int | None, seat: Seat | None) -> Self:
+        """Itself, when it is what a reader of round ``round_`` expects from
+        ``seat``; raises NoteInvalid otherwise."""
+        del round_, seat
+        return self
+
+
+NoteT = TypeVar("NoteT", bound=Note)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A note that decoded within the bounds but is not what its reader
+    expects (its schema, its round, its member): why, in one line."""
+
+    name: str
+    why: str
+
+
+def parse(
+    kind: type[NoteT], raw: bytes, round_: int | None = None, seat: Seat | None = None
+) -> NoteT | Refused | None:
+    """The one typed read of a note's bytes: a ``kind`` of round ``round_``
+    from ``seat``; None when ``raw`` does not decode within the bounds (no
+    note at all); :class:`Refused` when it fails the schema or the check."""
+    name = kind.name_for(round_, seat)
+    try:
+        obj = _decode(name, raw)
+    except UntrustedData:
+        return None
+    try:
+        return kind.from_json(obj).check(round_, seat)
+    except UntrustedData as exc:
+        return Refused(name, str(exc))
+
+
 # -- stacks ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RankStack:
@@ -268,13 +372,18 @@ class RankStack:
 
 
 @dataclass(frozen=True)
-class StacksNote:
+class StacksNote(Note):
     """``stacks_{round}_{group_rank}``: a node's ranks' stacks at a hang."""
 
     round: int
     group_rank: int
     node_id: str
     ranks: tuple[RankStack, ...]
+
+    @classmethod
+    def name_for(cls, round_: int | None, seat: Seat | None) -> str:
+        r, at = _member("stacks note", round_, seat)
+        return stacks_name(r, at.group_rank)
 
     @property
     def name(self) -> str:
@@ -300,13 +409,11 @@ class StacksNote:
             ranks=ranks,
         )
 
-    def check(self, round_: int, seat: Seat) -> StacksNote:
+    def check(self, round_: int | None, seat: Seat | None) -> StacksNote:
         """Itself, when it is about round ``round_`` and from ``seat``."""
-        if self.round != round_:
-            raise NoteInvalid(f"stacks note of round {self.round}, not of round {round_}")
-        _check_seat(
-            "stacks note", self.node_id, self.group_rank, (r.rank for r in self.ranks), seat
-        )
+        r, at = _member("stacks note", round_, seat)
+        _of_round("stacks note", r, self.round)
+        _check_seat("stacks note", self.node_id, self.group_rank, (x.rank for x in self.ranks), at)
         return self
 
 
@@ -350,8 +457,10 @@ class RankProgress:
 
 
 @dataclass(frozen=True)
-class ProgressNote:
+class ProgressNote(Note):
     """``progress_{group_rank}``: a node's ranks' step times in a round."""
+
+    ON_LEASE: ClassVar[bool] = True
 
     round: int
     group_rank: int
@@ -359,6 +468,10 @@ class ProgressNote:
     host: str
     at: float  # wall clock of the report
     ranks: tuple[RankProgress, ...]
+
+    @classmethod
+    def name_for(cls, round_: int | None, seat: Seat | None) -> str:
+        return progress_name(_member("progress note", round_, seat)[1].group_rank)
 
     @property
     def name(self) -> str:
@@ -388,12 +501,12 @@ class ProgressNote:
             ranks=ranks,
         )
 
-    def check(self, round_: int, seat: Seat) -> ProgressNote:
+    def check(self, round_: int | None, seat: Seat | None) -> ProgressNote:
         """Itself, when it is about round ``round_`` and from ``seat``."""
-        if self.round != round_:
-            raise NoteInvalid(f"progress note of round {self.round}, not of round {round_}")
+        r, at = _member("progress note", round_, seat)
+        _of_round("progress note", r, self.round)
         _check_seat(
-            "progress note", self.node_id, self.group_rank, (r.rank for r in self.ranks), seat
+            "progress note", self.node_id, self.group_rank, (x.rank for x in self.ranks), at
         )
         return self
 
@@ -413,14 +526,25 @@ class Straggler:
 
 
 @dataclass(frozen=True)
-class StragglersNote:
+class StragglersNote(Note):
     """``stragglers``: the ranks of a round that group rank 0's agent judged
-    persistently slower than the median (at most ``MAX_STRAGGLERS``)."""
+    persistently slower than the median (at most ``MAX_STRAGGLERS``). Read
+    for a round (no seat: the note names no writer)."""
+
+    ON_LEASE: ClassVar[bool] = True
 
     round: int
     at: float
     median: float | None  # the median own time of all ranks (s)
     stragglers: tuple[Straggler, ...]
+
+    @classmethod
+    def name_for(cls, round_: int | None, seat: Seat | None) -> str:
+        return STRAGGLERS
+
+    @property
+    def name(self) -> str:
+        return STRAGGLERS
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -442,17 +566,28 @@ class StragglersNote:
             stragglers=found,
         )
 
+    def check(self, round_: int | None, seat: Seat | None) -> StragglersNote:
+        """Itself, when it is the verdict of round ``round_``."""
+        _of_round("stragglers note", round_, self.round)
+        return self
+
 
 # -- memory checkpoint replicas -----------------------------------------------------
 @dataclass(frozen=True)
-class ReplicaNote:
+class ReplicaNote(Note):
     """``replica_{group_rank}``: where a node's agent takes the memory
     checkpoints of the node before it (the port on the member's address)."""
+
+    ON_LEASE: ClassVar[bool] = True
 
     round: int
     group_rank: int
     node_id: str
     port: int
+
+    @classmethod
+    def name_for(cls, round_: int | None, seat: Seat | None) -> str:
+        return replica_name(_member("replica note", round_, seat)[1].group_rank)
 
     @property
     def name(self) -> str:
@@ -479,9 +614,58 @@ class ReplicaNote:
             port=port,
         )
 
-    def check(self, round_: int, seat: Seat) -> ReplicaNote:
+    def check(self, round_: int | None, seat: Seat | None) -> ReplicaNote:
         """Itself, when it is about round ``round_`` and from ``seat``."""
-        if self.round != round_:
-            raise NoteInvalid(f"replica note of round {self.round}, not of round {round_}")
-        _check_seat("replica note", self.node_id, self.group_rank, (), seat)
+        r, at = _member("replica note", round_, seat)
+        _of_round("replica note", r, self.round)
+        _check_seat("replica note", self.node_id, self.group_rank, (), at)
         return self
+
+
+# -- the modules the script imports ---------------------------------------------------
+@dataclass(frozen=True)
+class ModuleReport(Note):
+    """``modules``: the modules a script imported. What a worker reports over
+    its channel (agent/modlearn.py builds it with :meth:`listed`), and what
+    the job's note holds (written by group rank 0's agent for the others:
+    :meth:`from_json`). Both keep only the names that pass the rule of
+    ``worker/_modnames.py`` (at most ``MAX_MODULES``, distinct); the others
+    are dropped and counted (``refused``). Read with no round or seat."""
+
+    modules: tuple[str, ...] = ()
+    python: str | None = None
+    torch: str | None = None
+    refused: int = 0  # names dropped by from_json
+
+    @classmethod
+    def name_for(cls, round_: int | None, seat: Seat | None) -> str:
+        return MODULES
+
+    @property
+    def name(self) -> str:
+        return MODULES
+
+    def to_json(self) -> dict[str, Any]:
+        return {"modules": list(self.modules), "python": self.python, "torch": self.torch}
+
+    @classmethod
+    def from_json(cls, raw: object) -> ModuleReport:
+        obj = _obj(raw, "a modules note")
+        listed = obj.get("modules")
+        if not isinstance(listed, list):
+            raise NoteInvalid("modules is not a list")
+        return cls.listed(listed, obj.get("python"), obj.get("torch"))
+
+    @classmethod
+    def listed(
+        cls, listed: list[object], python: object, torch: object, script: str | None = None
+    ) -> ModuleReport:
+        """The names of ``listed`` that pass the rule (``script``: the module
+        name that would run the script), with the versions when they are ones."""
+        names = _modnames.checked(listed, script, MAX_MODULES)
+        return cls(
+            modules=tuple(names),
+            python=checked_version(python),
+            torch=checked_version(torch),
+            refused=min(len(listed), MAX_MODULES) - len(names),
+        )

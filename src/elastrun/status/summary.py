@@ -27,7 +27,8 @@ for: ``progress_{G}`` of each member of the round shown, ``stragglers``, and
 record says ended on a hang (``hang_round``). So however many bytes of notes
 the store holds (an attacker's junk included), status reads at most one
 note per member and round shown, each within the note limit. Each is
-untrusted (:mod:`elastrun.rendezvous.notes`): decoded within the bounds,
+untrusted, and read by the rendezvous' typed read
+(:func:`~elastrun.rendezvous.note_access.find_note`): decoded within the bounds,
 checked against its schema, and kept only when it is about that round and
 comes from the member at that group rank, with that member's ranks. A rank
 is flagged a straggler only when the ``stragglers`` note of the round shown
@@ -47,7 +48,8 @@ import asyncio
 import contextlib
 import statistics
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from typing import TypeVar
 
 from elastrun.endpoint import Endpoint
@@ -55,6 +57,7 @@ from elastrun.errors import ProtocolError, StoreError
 from elastrun.names import RunId
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import notes as N
+from elastrun.rendezvous.note_access import find_note
 from elastrun.rendezvous.records import (
     AgreedSettings,
     ConfigRecord,
@@ -79,12 +82,12 @@ from elastrun.status.model import (
     WaitingNode,
 )
 from elastrun.store.base import Compare, Get, KeyValue, Store
-from elastrun.untrusted import UntrustedData
 
 __all__ = [
     "JOB_STATES",
     "SUMMARY_VERSION",
     "TERMINAL_STATES",
+    "ShownNotes",
     "Summary",
     "read_summary",
     "summarize",
@@ -146,14 +149,12 @@ def summarize(
     waiting: Mapping[str, WaitingRecord],
     revision: int,
     now: float | None = None,
-    notes: Mapping[str, object] | None = None,
-    hang_result: ResultRecord | None = None,
+    notes: ShownNotes | None = None,
 ) -> Summary:
     """Pure: the records of one job -> its summary. ``nodes``: the node ids
-    with a presence record; ``notes``: the notes read, by name, as decoded
-    JSON (each checked here); ``now`` (wall clock; default: the current time)
-    dates ``state_for_s``; ``hang_result``: the result record of the round's
-    ``hang_round``."""
+    with a presence record; ``notes``: the notes shown, read typed and
+    checked (:func:`read_notes`); ``now`` (wall clock; default: the current
+    time) dates ``state_for_s``."""
     state = job_state(round_rec)
     is_open = round_rec is not None and round_rec.state is RoundState.OPEN
     opened_at = round_rec.opened_at if round_rec is not None else None
@@ -210,8 +211,8 @@ def summarize(
         # keeps the failure that opened it, already counted (or not, when a
         # node was lost) in "restarts".
         restart_pending=is_open and round_rec is not None and round_rec.pending_failure is not None,
-        ranks=rank_progress(notes or {}, shown),
-        hang_stacks=hang_stacks(notes or {}, hang_result),
+        ranks=rank_progress(notes or ShownNotes()),
+        hang_stacks=hang_stacks(notes or ShownNotes()),
         revision=revision,
     )
 
@@ -240,48 +241,25 @@ def _seats(result: ResultRecord | None) -> dict[int, N.Seat]:
     return N.seats((m.node_id, m.group_rank, m.nproc) for m in result.members)
 
 
-_Note = TypeVar("_Note", N.ProgressNote, N.StacksNote)
+@dataclass(frozen=True)
+class ShownNotes:
+    """The notes a summary shows, each read typed and checked
+    (:func:`~elastrun.rendezvous.note_access.find_note`): the progress notes
+    of the round shown from its members, its ``stragglers`` verdict, and the
+    stacks notes of the round that last ended on a hang from its members."""
+
+    progress: tuple[N.ProgressNote, ...] = ()
+    stragglers: N.StragglersNote | None = None
+    stacks: tuple[N.StacksNote, ...] = ()
 
 
-def _member_note(
-    notes: Mapping[str, object], name: str, kind: type[_Note], round_: int, seat: N.Seat
-) -> _Note | None:
-    """The note ``name`` when it is a ``kind`` of round ``round_`` from ``seat``;
-    None when absent or refused."""
-    raw = notes.get(name)
-    if raw is None:
-        return None
-    try:
-        return kind.from_json(raw).check(round_, seat)
-    except UntrustedData:
-        return None
-
-
-def _stragglers(notes: Mapping[str, object], round_: int) -> set[int]:
-    """The ranks the ``stragglers`` note of round ``round_`` names."""
-    raw = notes.get(N.STRAGGLERS)
-    try:
-        verdict = None if raw is None else N.StragglersNote.from_json(raw)
-    except UntrustedData:
-        return set()
-    if verdict is None or verdict.round != round_:
-        return set()
-    return {s.rank for s in verdict.stragglers}
-
-
-def rank_progress(notes: Mapping[str, object], shown: ResultRecord | None) -> tuple[RankRow, ...]:
+def rank_progress(notes: ShownNotes) -> tuple[RankRow, ...]:
     """Per-rank step times of the round shown, from its members' progress
     notes (agent/stragglers.py), ordered by rank; stragglers flagged."""
-    if shown is None:
-        return ()
-    r = shown.round
-    rows: list[RankRow] = []
-    for seat in _seats(shown).values():
-        note = _member_note(notes, N.progress_name(seat.group_rank), N.ProgressNote, r, seat)
-        if note is not None:
-            rows += [RankRow.of(p, note) for p in note.ranks]
+    rows = [RankRow.of(p, note) for note in notes.progress for p in note.ranks]
     rows.sort(key=lambda row: row.rank)
-    return flag(rows, _stragglers(notes, r))
+    verdict = notes.stragglers
+    return flag(rows, set() if verdict is None else {s.rank for s in verdict.stragglers})
 
 
 def flag(rows: list[RankRow], named: set[int]) -> tuple[RankRow, ...]:
@@ -302,45 +280,51 @@ def flag(rows: list[RankRow], named: set[int]) -> tuple[RankRow, ...]:
     )
 
 
-def hang_stacks(notes: Mapping[str, object], hang_result: ResultRecord | None) -> HangStacks | None:
-    """Every rank's stack when round ``hang_result`` ended on a hang (the round
-    record's ``hang_round``), from that round's members' notes (agent/hangs.py)."""
-    if hang_result is None:
-        return None
-    h = hang_result.round
-    ranks: list[N.RankStack] = []
-    for seat in _seats(hang_result).values():
-        note = _member_note(notes, N.stacks_name(h, seat.group_rank), N.StacksNote, h, seat)
-        ranks += note.ranks if note is not None else ()
+def hang_stacks(notes: ShownNotes) -> HangStacks | None:
+    """Every rank's stack when the round the round record names (its
+    ``hang_round``) ended on a hang, from that round's members' notes
+    (agent/hangs.py)."""
+    ranks = [r for note in notes.stacks for r in note.ranks]
     if not ranks:
         return None
     ranks.sort(key=lambda x: (x.in_torch, x.rank))
-    return HangStacks(h, tuple(ranks))
+    return HangStacks(notes.stacks[0].round, tuple(ranks))
 
 
-def note_names(shown: ResultRecord | None, hang_result: ResultRecord | None) -> list[str]:
-    """The notes the summary shows: those the round records call for."""
-    names = [N.progress_name(g) for g in _seats(shown)] + [N.STRAGGLERS]
-    if hang_result is not None:
-        names += [N.stacks_name(hang_result.round, g) for g in _seats(hang_result)]
-    return names[:MAX_NOTES]
-
-
-async def read_notes(store: Store, keys: K.Keys, names: Iterable[str]) -> dict[str, object]:
-    """The notes ``names``, each read by its key (``NOTE_READS`` in flight), as
-    decoded JSON; those absent or not decodable within the note limits are left out."""
+async def read_notes(
+    store: Store, keys: K.Keys, shown: ResultRecord | None, hang_result: ResultRecord | None
+) -> ShownNotes:
+    """The notes the records call for (at most ``MAX_NOTES``), each read by its
+    key (``NOTE_READS`` in flight), typed and checked: of the round ``shown``,
+    its members' progress and its stragglers verdict; of ``hang_result``'s
+    round, its members' stacks. Those absent, not decodable within the note
+    limits, or refused are left out. Raises StoreError."""
     gate = asyncio.Semaphore(NOTE_READS)
-    out: dict[str, object] = {}
 
-    async def one(name: str) -> None:
+    async def one(kind: type[N.NoteT], round_: int, seat: N.Seat | None) -> N.NoteT | None:
         async with gate:
-            kv = await store.get(keys.note(name))
-        if kv is not None:
-            with contextlib.suppress(UntrustedData):
-                out[name] = N.decode(name, kv.value)
+            found = await find_note(store, keys, kind, round_, seat)
+        return found if isinstance(found, kind) else None
 
-    await asyncio.gather(*(one(n) for n in names))
-    return out
+    async def each(kind: type[N.NoteT], round_: int, seats: list[N.Seat]) -> tuple[N.NoteT, ...]:
+        found = await asyncio.gather(*(one(kind, round_, seat) for seat in seats))
+        return tuple(n for n in found if n is not None)
+
+    async def nothing() -> None:
+        return None
+
+    room = MAX_NOTES
+    shown_seats = list(_seats(shown).values())[:room]
+    room -= len(shown_seats)
+    verdict = one(N.StragglersNote, shown.round, None) if shown and room > 0 else nothing()
+    room -= 1
+    hang_seats = list(_seats(hang_result).values())[: max(0, room)]
+    progress, stragglers, stacks = await asyncio.gather(
+        each(N.ProgressNote, shown.round if shown else 0, shown_seats),
+        verdict,
+        each(N.StacksNote, hang_result.round if hang_result else 0, hang_seats),
+    )
+    return ShownNotes(progress, stragglers, stacks)
 
 
 async def _under(store: Store, prefix: str) -> list[KeyValue]:
@@ -404,7 +388,6 @@ async def read_summary(store: Store, run_id: RunId) -> Summary | None:
             dones = {K.node_id_of(kv.key) for kv in await _under(store, k.dones(r))}
         round_rec = _one(RoundRecord, round_kvs)
         is_open = round_rec is not None and round_rec.state is RoundState.OPEN
-        names = note_names(prev if is_open else result, hang_result)
         return summarize(
             run_id,
             config=_one(ConfigRecord, config_kvs),
@@ -416,8 +399,7 @@ async def read_summary(store: Store, run_id: RunId) -> Summary | None:
             nodes=_records(await _under(store, k.nodes), PresenceRecord).keys(),
             waiting=_records(await _under(store, k.waiting_prefix), WaitingRecord),
             revision=res.revision,
-            notes=await read_notes(store, k, names),
-            hang_result=hang_result,
+            notes=await read_notes(store, k, prev if is_open else result, hang_result),
         )
     raise StoreError(
         f"the round record of job {run_id!r} changed {MAX_TRIES} times while reading it; try again"
