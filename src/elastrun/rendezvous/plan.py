@@ -2,11 +2,11 @@
 
 The rules (:mod:`.rules`) say what to do on an event; this module says what
 to read and watch, who decides, who watches the exit barrier, and which events
-the store's state and its watch events mean. The driver (:mod:`.phases`,
-:mod:`.view`, :mod:`.dynamic`) does the reads, watches and writes these
-functions ask for, fills a :class:`View` with what it got, and feeds the
-events back to the rules. Everything here is a function of its arguments and
-is tested without a store (tests/unit/test_rdzv_plan.py).
+the store's state and its watch events mean. The driver (:mod:`.dynamic`,
+:mod:`.node_io`) does the reads, watches and writes these functions ask for,
+fills a :class:`View` with what it got, and feeds the events back to the
+rules. Everything here is a function of its arguments and is tested without
+a store (tests/unit/test_rdzv_plan.py).
 
 What each phase reads, then watches (:func:`plan_phase`):
 
@@ -56,7 +56,7 @@ from elastrun.rendezvous.barrier_plan import (
     barrier_step,
 )
 from elastrun.rendezvous.damage import agreed
-from elastrun.rendezvous.memo import Memo
+from elastrun.rendezvous.keys import Memo
 from elastrun.rendezvous.protocol import (
     BarrierDone,
     Event,
@@ -92,7 +92,6 @@ __all__ = [
     "GoneMember",
     "JoinRole",
     "LostAtBarrier",
-    "Memo",
     "Phase",
     "PhasePlan",
     "Reaction",

@@ -7,7 +7,9 @@ knows nothing of the store. The driver (:mod:`elastrun.rendezvous.dynamic`)
 turns what it observes (the job's ``round`` record, join keys, presence keys,
 done keys, deadlines passing, calls from the agent) into events -- one class
 per event, each with only its own fields (:mod:`.protocol`) -- feeds them to
-:meth:`Rules.handle`, and executes the :class:`Action` values it gets back.
+:meth:`Rules.handle`, and executes the actions it gets back (one class each,
+also in :mod:`.protocol`; the table below names them in capitals: ``OPEN_ROUND``
+is :class:`~.protocol.OpenRound`).
 Every write the driver makes to the job's ``round`` record comes back to it
 through a watch as an ordinary event, so the machine learns the outcome of a
 compare-and-set the same way whether this node or another node won it.
@@ -135,9 +137,6 @@ from __future__ import annotations
 
 from elastrun.errors import RendezvousClosed, RendezvousTimeout, RestartBudgetExhausted
 from elastrun.rendezvous.protocol import (
-    EVENTS,
-    TIMER_EVENTS,
-    Act,
     Action,
     BarrierDone,
     BarrierTimeout,
@@ -157,7 +156,6 @@ from elastrun.rendezvous.protocol import (
     RoundOpen,
     Shutdown,
     State,
-    Timer,
     WorkersFailed,
     WorkersSucceeded,
 )
@@ -194,35 +192,7 @@ from elastrun.rendezvous.rule_steps import (
     workers_succeeded,
 )
 
-__all__ = [
-    "EVENTS",
-    "RULES",
-    "TIMER_EVENTS",
-    "Act",
-    "Action",
-    "BarrierDone",
-    "BarrierTimeout",
-    "Context",
-    "Event",
-    "JoinTimeout",
-    "JoinersChanged",
-    "LastCallExpired",
-    "LeaseLost",
-    "LocalProtocolError",
-    "MemberLost",
-    "NextRound",
-    "NodeWaiting",
-    "RoundClosed",
-    "RoundFailed",
-    "RoundFinished",
-    "RoundOpen",
-    "Rules",
-    "Shutdown",
-    "State",
-    "Timer",
-    "WorkersFailed",
-    "WorkersSucceeded",
-]
+__all__ = ["RULES", "Rules"]
 
 
 # States from which next_round() starts over (a call that was cancelled, or a
