@@ -51,6 +51,7 @@ from elastrun.errors import (
 )
 from elastrun.events import EventSink, NullSink
 from elastrun.failure import FailureRecord, first_failure
+from elastrun.rendezvous import barrier_plan as B
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import plan as P
 from elastrun.rendezvous import root_cause, rounds
@@ -721,21 +722,21 @@ class OpenPhase:
                 count = await obs.members_done(r)
                 members = view.known(r)
         for _ in range(2 * size + 2):  # each step learns one fact, or ends
-            step = P.barrier_step(members, self.node.node_id, count, present, done, size=size)
-            if isinstance(step, P.BeWatcher) and r not in view.results:
+            step = B.barrier_step(members, self.node.node_id, count, present, done, size=size)
+            if isinstance(step, B.BeWatcher) and r not in view.results:
                 # Past the members known (group rank 0): read them all.
                 members = (await obs.get_result(r)).members
-            elif isinstance(step, P.CheckPresence):
+            elif isinstance(step, B.CheckPresence):
                 kvs, revs[step.node_id] = await read(store, k.node(step.node_id), False)
                 present[step.node_id] = bool(obs.records(P.Watched.NODES, kvs))
-            elif isinstance(step, P.CheckDone):
+            elif isinstance(step, B.CheckDone):
                 done[step.node_id] = await obs.finished(step.node_id)
-            elif isinstance(step, P.WatchWatcher):
+            elif isinstance(step, B.WatchWatcher):
                 obs.view.watcher = step.node_id
                 rev = revs[step.node_id]
                 await self._watch(P.Watched.WATCHER, k.node(step.node_id), False, rev)
                 return []
-            elif isinstance(step, P.LostAtBarrier):
+            elif isinstance(step, B.LostAtBarrier):
                 return [await obs.lost_event(step.member)]
             elif isinstance(step, BarrierDone):
                 return [step]

@@ -204,7 +204,7 @@ class Observer:
         # next phase takes instead of reading ``round`` again (once).
         self.round_seen: tuple[KeyValue, int] | None = None
         # What this node's done txn read for the exit barrier (once).
-        self.barrier_seen: P.BarrierSeen | None = None
+        self.barrier_seen: BarrierSeen | None = None
         # Per-node keys left out (they hold no node's record): their lines.
         self.junk = JunkLog(node.events, node.node_id)
 

@@ -52,9 +52,9 @@ from elastrun.rendezvous.protocol import (
 )
 
 __all__ = [
-    "Outcome",
     "Rule",
     "S",
+    "Step",
     "barrier_done",
     "barrier_leave",
     "barrier_lost",
@@ -87,16 +87,17 @@ __all__ = [
     "workers_succeeded",
 ]
 
-Outcome = tuple[State, Context, list[Action]]
+# What a rule returns: the next state, the next context, the actions to carry out.
+Step = tuple[State, Context, list[Action]]
 # A rule takes the event of the class it is filed under in RULES. Its
 # docstring's first paragraph is its row of the table (see render_table).
-Rule = Callable[[Context, Any], Outcome]
+Rule = Callable[[Context, Any], Step]
 
 S = State
 
 
 def raising(state: State, error: RaisedError) -> Rule:
-    def rule(ctx: Context, ev: Event) -> Outcome:
+    def rule(ctx: Context, ev: Event) -> Step:
         return state, ctx, [Raise(round=ctx.round, error=error)]
 
     rule.__doc__ = f"{state.name}: RAISE({error.__name__})"
@@ -104,14 +105,14 @@ def raising(state: State, error: RaisedError) -> Rule:
 
 
 def stay_in(state: State, why: str = "") -> Rule:
-    def rule(ctx: Context, ev: Event) -> Outcome:
+    def rule(ctx: Context, ev: Event) -> Step:
         return state, ctx, []
 
     rule.__doc__ = f"{state.name} ({why})" if why else state.name
     return rule
 
 
-def next_round(ctx: Context, ev: NextRound) -> Outcome:
+def next_round(ctx: Context, ev: NextRound) -> Step:
     """SEEKING: CANCEL(last_call), ARM(join), READ_ROUND"""
     deadline = ev.now + ctx.join_timeout
     return (
@@ -125,7 +126,7 @@ def next_round(ctx: Context, ev: NextRound) -> Outcome:
     )
 
 
-def join(ctx: Context, ev: RoundOpen, pre: list[Action] | None = None) -> Outcome:
+def join(ctx: Context, ev: RoundOpen, pre: list[Action] | None = None) -> Step:
     """JOINING: JOIN(R) (+ ARM(join) *it waited as a spare)"""
     fresh = replace(ctx, round=ev.round, min_reached_at=None, count=0, spare=False)
     acts = [*(pre or [])]
@@ -134,7 +135,7 @@ def join(ctx: Context, ev: RoundOpen, pre: list[Action] | None = None) -> Outcom
     return S.JOINING, fresh, [*acts, Join(round=ev.round)]
 
 
-def wait(ctx: Context, ev: RoundClosed, pre: list[Action] | None = None) -> Outcome:
+def wait(ctx: Context, ev: RoundClosed, pre: list[Action] | None = None) -> Step:
     acts = [*(pre or []), Wait(round=ev.round)]
     spare = False
     if ev.lost:
@@ -149,7 +150,7 @@ def wait(ctx: Context, ev: RoundClosed, pre: list[Action] | None = None) -> Outc
     return S.WAITING, waiting, acts
 
 
-def seeking_closed(ctx: Context, ev: RoundClosed) -> Outcome:
+def seeking_closed(ctx: Context, ev: RoundClosed) -> Step:
     """*me: SEEKING: OPEN_ROUND(member_rejoined); *not me: WAITING: WAIT
     (+ OPEN_ROUND(member_lost) *a member is gone, or OPEN_ROUND(node_waiting)
     *room, or CANCEL(join) *a spare: a node unit, no room)"""
@@ -161,12 +162,12 @@ def seeking_closed(ctx: Context, ev: RoundClosed) -> Outcome:
     return wait(ctx, ev)
 
 
-def renew(ctx: Context, ev: LeaseLost) -> Outcome:
+def renew(ctx: Context, ev: LeaseLost) -> Step:
     """SEEKING: RENEW_LEASE, READ_ROUND"""
     return S.SEEKING, ctx, [RenewLease(), ReadRound()]
 
 
-def decide(ctx: Context, ev: JoinersChanged) -> Outcome:
+def decide(ctx: Context, ev: JoinersChanged) -> Step:
     """DECIDING: CLOSE_ROUND *max joined and no present member of the
     previous round is yet to join, or *a re-formed round that every present
     node joined, or *min joined and its last call (counted from when min was
@@ -190,7 +191,7 @@ def decide(ctx: Context, ev: JoinersChanged) -> Outcome:
     return S.DECIDING, ctx, [Cancel(timer=Timer.LAST_CALL), close]
 
 
-def joiners_changed(ctx: Context, ev: JoinersChanged) -> Outcome:
+def joiners_changed(ctx: Context, ev: JoinersChanged) -> Step:
     """*decider: as DECIDING; else JOINING (notes when min was reached)"""
     if ev.decider:
         return decide(ctx, ev)
@@ -202,14 +203,14 @@ def joiners_changed(ctx: Context, ev: JoinersChanged) -> Outcome:
     return S.JOINING, replace(ctx, min_reached_at=reached, count=ev.count), []
 
 
-def last_call_expired(ctx: Context, ev: LastCallExpired) -> Outcome:
+def last_call_expired(ctx: Context, ev: LastCallExpired) -> Step:
     """DECIDING: CLOSE_ROUND(last_call) *min joined"""
     if ctx.count >= ctx.min_nodes:
         return S.DECIDING, ctx, [CloseRound(round=ctx.round, reason="last_call")]
     return S.DECIDING, ctx, []
 
 
-def joining_open(ctx: Context, ev: RoundOpen) -> Outcome:
+def joining_open(ctx: Context, ev: RoundOpen) -> Step:
     """*newer R: JOINING: JOIN(R); else JOINING"""
     if ev.round > ctx.round:
         return join(ctx, ev, cancel_last_call(ctx))
@@ -220,7 +221,7 @@ def cancel_last_call(ctx: Context) -> list[Action]:
     return [Cancel(timer=Timer.LAST_CALL)]
 
 
-def joining_closed(ctx: Context, ev: RoundClosed) -> Outcome:
+def joining_closed(ctx: Context, ev: RoundClosed) -> Step:
     """*me: MEMBER: CANCEL(join), RETURN_RESULT; *not me: WAITING: WAIT
     (+ OPEN_ROUND *a member is gone or *room, or CANCEL(join) *a spare)"""
     pre = cancel_last_call(ctx)
@@ -233,7 +234,7 @@ def joining_closed(ctx: Context, ev: RoundClosed) -> Outcome:
     return wait(ctx, ev, pre)
 
 
-def join_timeout(ctx: Context, ev: JoinTimeout) -> Outcome:
+def join_timeout(ctx: Context, ev: JoinTimeout) -> Step:
     """IDLE: LEAVE, RAISE(RendezvousTimeout)"""
     return (
         S.IDLE,
@@ -246,7 +247,7 @@ def join_timeout(ctx: Context, ev: JoinTimeout) -> Outcome:
     )
 
 
-def waiting_closed(ctx: Context, ev: RoundClosed) -> Outcome:
+def waiting_closed(ctx: Context, ev: RoundClosed) -> Step:
     """*newer R, not me: WAITING: WAIT (+ OPEN_ROUND, or CANCEL(join) *a
     spare); else WAITING"""
     if ev.round > ctx.round and not ev.member:
@@ -254,31 +255,31 @@ def waiting_closed(ctx: Context, ev: RoundClosed) -> Outcome:
     return S.WAITING, ctx, []
 
 
-def waiting_lost(ctx: Context, ev: MemberLost) -> Outcome:
+def waiting_lost(ctx: Context, ev: MemberLost) -> Step:
     """WAITING: OPEN_ROUND(member_lost)"""
     act = OpenRound(round=ctx.round, reason="member_lost", detail=ev.detail)
     return S.WAITING, ctx, [act]
 
 
-def member_closed(ctx: Context, ev: RoundClosed) -> Outcome:
+def member_closed(ctx: Context, ev: RoundClosed) -> Step:
     """*newer R: IDLE: RETURN_CHANGE (re-formed without this node); else MEMBER"""
     if ev.round > ctx.round:
         return S.IDLE, ctx, [ReturnChange(round=ev.round)]
     return S.MEMBER, ctx, []
 
 
-def member_open(ctx: Context, ev: RoundOpen) -> Outcome:
+def member_open(ctx: Context, ev: RoundOpen) -> Step:
     """IDLE: RETURN_CHANGE (someone opened R+1)"""
     return S.IDLE, ctx, [ReturnChange(round=ev.round)]
 
 
-def member_lost(ctx: Context, ev: MemberLost) -> Outcome:
+def member_lost(ctx: Context, ev: MemberLost) -> Step:
     """MEMBER: OPEN_ROUND(member_lost)"""
     act = OpenRound(round=ctx.round, reason="member_lost", detail=ev.detail)
     return S.MEMBER, ctx, [act]
 
 
-def node_waiting(ctx: Context, ev: NodeWaiting) -> Outcome:
+def node_waiting(ctx: Context, ev: NodeWaiting) -> Step:
     """MEMBER: OPEN_ROUND(node_waiting) *room"""
     if not ev.room:
         return S.MEMBER, ctx, []
@@ -286,7 +287,7 @@ def node_waiting(ctx: Context, ev: NodeWaiting) -> Outcome:
     return S.MEMBER, ctx, [act]
 
 
-def workers_failed(ctx: Context, ev: WorkersFailed) -> Outcome:
+def workers_failed(ctx: Context, ev: WorkersFailed) -> Step:
     """MEMBER: OPEN_ROUND(restart_requested, counts): the restart is charged
     when R+1 closes with every member of R back (else a lost node caused it:
     not counted); a charge past the budget closes R+1 as failed"""
@@ -297,7 +298,7 @@ def workers_failed(ctx: Context, ev: WorkersFailed) -> Outcome:
     return S.MEMBER, ctx, [act]
 
 
-def workers_succeeded(ctx: Context, ev: WorkersSucceeded) -> Outcome:
+def workers_succeeded(ctx: Context, ev: WorkersSucceeded) -> Step:
     """COMPLETING: PUT_DONE, ARM(barrier)"""
     deadline = ev.now + ctx.exit_barrier_timeout
     return (
@@ -310,18 +311,18 @@ def workers_succeeded(ctx: Context, ev: WorkersSucceeded) -> Outcome:
     )
 
 
-def member_lease_lost(ctx: Context, ev: LeaseLost) -> Outcome:
+def member_lease_lost(ctx: Context, ev: LeaseLost) -> Step:
     """IDLE: RETURN_CHANGE(lease_lost) (the workers stop at once; the next
     round's registration gets a new lease)"""
     return S.IDLE, ctx, [ReturnChange(round=ctx.round, reason="lease_lost", detail=ev.detail)]
 
 
-def barrier_done(ctx: Context, ev: BarrierDone) -> Outcome:
+def barrier_done(ctx: Context, ev: BarrierDone) -> Step:
     """FINISHED: CANCEL(barrier), MARK_FINISHED, RETURN"""
     return S.FINISHED, ctx, [Cancel(timer=Timer.BARRIER), MarkFinished(round=ctx.round), Return()]
 
 
-def barrier_lost(ctx: Context, ev: MemberLost) -> Outcome:
+def barrier_lost(ctx: Context, ev: MemberLost) -> Step:
     """FINISHED: CANCEL(barrier), OPEN_ROUND(member_lost), RETURN (the barrier
     can never complete; opening R+1 tells the members that watch only
     ``round``)"""
@@ -333,24 +334,24 @@ def barrier_lost(ctx: Context, ev: MemberLost) -> Outcome:
     return S.FINISHED, ctx, acts
 
 
-def barrier_leave(ctx: Context, ev: Event) -> Outcome:
+def barrier_leave(ctx: Context, ev: Event) -> Step:
     """FINISHED: CANCEL(barrier), RETURN"""
     return S.FINISHED, ctx, [Cancel(timer=Timer.BARRIER), Return()]
 
 
-def completing_closed(ctx: Context, ev: RoundClosed) -> Outcome:
+def completing_closed(ctx: Context, ev: RoundClosed) -> Step:
     """*newer R: FINISHED: CANCEL(barrier), RETURN; else COMPLETING"""
     if ev.round > ctx.round:
         return barrier_leave(ctx, ev)
     return S.COMPLETING, ctx, []
 
 
-def completing_renew(ctx: Context, ev: LeaseLost) -> Outcome:
+def completing_renew(ctx: Context, ev: LeaseLost) -> Step:
     """COMPLETING: RENEW_LEASE"""
     return S.COMPLETING, ctx, [RenewLease()]
 
 
-def shutdown(ctx: Context, ev: Shutdown) -> Outcome:
+def shutdown(ctx: Context, ev: Shutdown) -> Step:
     """LEFT: CANCEL(every timer), REVOKE"""
     acts = [Cancel(timer=t) for t in Timer]
     return S.LEFT, ctx, [*acts, Revoke()]
@@ -359,7 +360,7 @@ def shutdown(ctx: Context, ev: Shutdown) -> Outcome:
 def deciding(rule: Rule) -> Rule:
     """A JOINING rule applied in DECIDING (the decider leaves the same ways)."""
 
-    def wrapped(ctx: Context, ev: Event) -> Outcome:
+    def wrapped(ctx: Context, ev: Event) -> Step:
         state, new_ctx, acts = rule(ctx, ev)
         if state is S.JOINING and not any(isinstance(a, Join) for a in acts):
             state = S.DECIDING
