@@ -17,7 +17,6 @@ and its phases.
 
 Phases
 ------
-
 A *phase* is the machine's state and round; what it reads and watches is the
 planner's (:func:`.plan.plan_phase`, whose module doc has the table). Setting
 one up reads what it needs and opens each watch from the revision after its

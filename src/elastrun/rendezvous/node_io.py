@@ -185,7 +185,10 @@ decode_header = agreed(ResultHeader.decode, "round result")
 
 
 class Observer:
-    """Turns what this node reads and is told by watches into rule events."""
+    """What this node knows -- the driver's state: the phase's view, and what
+    its own writes found (``round_seen``, ``joined``, ``barrier_seen``: set
+    by the :class:`Executor` and the registration, taken by the next phase)
+    -- and the reads that turn it, and what watches tell, into rule events."""
 
     def __init__(self, node: Node, rules: Rules) -> None:
         self.node = node
