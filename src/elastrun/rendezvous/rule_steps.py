@@ -53,7 +53,6 @@ from elastrun.rendezvous.protocol import (
 
 __all__ = [
     "Rule",
-    "S",
     "Step",
     "barrier_done",
     "barrier_leave",
