@@ -128,19 +128,24 @@ async def training(host: str, port: int, n: int) -> tuple[list[Counter[str]], in
         results = await asyncio.gather(*(h.next_round() for h in handlers))
         for store, tally in zip(stores, tallies, strict=True):
             counted(store, tally)
-        watching = [asyncio.ensure_future(h.wait_for_change()) for h in handlers[:-1]]
+        # The member that leaves: the last in rank order, never the round's
+        # watcher (group rank 0, which every other member watches): the
+        # ranks follow the join order, which the machine's load decides.
+        last = max(range(n), key=lambda i: results[i].group_rank)
+        stay = [h for i, h in enumerate(handlers) if i != last]
+        watching = [asyncio.ensure_future(h.wait_for_change()) for h in stay]
         while sum(map(requests, tallies)) < 4 * (n - 1):  # each one's watch set up
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.2)
-        await handlers[-1].shutdown()  # left: every other member sees it
+        await handlers[last].shutdown()  # left: every other member sees it
         changes = await asyncio.gather(*watching)
         assert {c.reason for c in changes} == {"member_lost"}, changes
-        await asyncio.gather(*(h.shutdown() for h in handlers[:-1]))
+        await asyncio.gather(*(h.shutdown() for h in stay))
     finally:
         for store in stores:
             await store.close()
-    watcher = next(i for i, r in enumerate(results) if r.group_rank == 0)
-    return tallies[:-1], watcher
+    ranks = [r.group_rank for i, r in enumerate(results) if i != last]
+    return [t for i, t in enumerate(tallies) if i != last], ranks.index(0)
 
 
 def test_training_members_watch_one_key_whatever_the_size(server: ServerProcess) -> None:

@@ -33,7 +33,7 @@ from elastrun.launcher.legacy import local_rank_flag, parse_legacy
 from elastrun.names import RunId
 from elastrun.rendezvous.api import RendezvousSettings, WaitingStatus
 from elastrun.rendezvous.plan import View
-from elastrun.rendezvous.progress import waiting_status
+from elastrun.rendezvous.protocol import Context, State, Timer
 from elastrun.rendezvous.records import (
     AgreedSettings,
     ConfigRecord,
@@ -43,7 +43,8 @@ from elastrun.rendezvous.records import (
     RoundRecord,
     RoundState,
 )
-from elastrun.rendezvous.rules import Context, Rules, State, Timer
+from elastrun.rendezvous.reports import waiting_status
+from elastrun.rendezvous.rules import Rules
 from elastrun.status.cli import Printer, render_table
 from elastrun.status.summary import Summary, summarize
 from elastrun.status.timeline import (

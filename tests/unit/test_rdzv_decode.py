@@ -11,6 +11,7 @@ import pytest
 from elastrun.errors import ProtocolError, RecordDamaged
 from elastrun.names import RunId
 from elastrun.rendezvous import keys as K
+from elastrun.rendezvous.node_io import decode_part, decode_whole
 from elastrun.rendezvous.records import MemberRecord, ResultRecord
 from elastrun.rendezvous.results import (
     RESULT_VERSION,
@@ -23,7 +24,6 @@ from elastrun.rendezvous.results import (
     stored_form,
 )
 from elastrun.rendezvous.rounds import partial_result
-from elastrun.rendezvous.view import decode_part, decode_whole
 from elastrun.store.base import KeyValue
 
 KEYS = K.Keys(RunId("job-decode"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from elastrun.names import RunId
+from elastrun.rendezvous import barrier_plan as B
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import plan as P
 from elastrun.rendezvous.protocol import (
@@ -136,8 +137,8 @@ def test_a_follower_re_reads_when_its_predecessor_leaves() -> None:
 MEMBERS = members("a", "b", "c", "me", "d")
 
 
-def step(present: dict[str, bool], done: dict[str, bool], count: int = 1) -> P.BarrierStep:
-    return P.barrier_step(MEMBERS, "me", count, present, done)
+def step(present: dict[str, bool], done: dict[str, bool], count: int = 1) -> B.BarrierStep:
+    return B.barrier_step(MEMBERS, "me", count, present, done)
 
 
 def test_every_done_key_counted_ends_the_barrier_at_once() -> None:
@@ -145,24 +146,24 @@ def test_every_done_key_counted_ends_the_barrier_at_once() -> None:
 
 
 def test_the_watcher_is_the_first_member_in_rank_order_whose_presence_exists() -> None:
-    assert step({}, {}) == P.CheckPresence("a")  # one key at a time, rank order
-    assert step({"a": True}, {}) == P.WatchWatcher("a")
-    assert step({"a": False}, {"a": True}) == P.CheckPresence("b")
-    assert step({"a": False, "b": True}, {"a": True}) == P.WatchWatcher("b")
+    assert step({}, {}) == B.CheckPresence("a")  # one key at a time, rank order
+    assert step({"a": True}, {}) == B.WatchWatcher("a")
+    assert step({"a": False}, {"a": True}) == B.CheckPresence("b")
+    assert step({"a": False, "b": True}, {"a": True}) == B.WatchWatcher("b")
 
 
 def test_a_member_before_the_watcher_that_is_gone_must_have_a_done_key() -> None:
-    assert step({"a": False}, {}) == P.CheckDone("a")
+    assert step({"a": False}, {}) == B.CheckDone("a")
     lost = step({"a": False}, {"a": False})
-    assert isinstance(lost, P.LostAtBarrier) and lost.member.node_id == "a"
+    assert isinstance(lost, B.LostAtBarrier) and lost.member.node_id == "a"
     assert P.lost_event(lost.member) == MemberLost("node h-a (a) lost: lease expired or revoked")
 
 
 def test_with_every_member_before_it_gone_and_done_this_node_watches() -> None:
     gone = {"a": False, "b": False, "c": False}
-    assert step(gone, dict.fromkeys(gone, True)) == P.BeWatcher()
+    assert step(gone, dict.fromkeys(gone, True)) == B.BeWatcher()
     # Members after this node never matter: the first member watches.
-    assert P.barrier_step(MEMBERS, "a", 1, {}, {}) == P.BeWatcher()
+    assert B.barrier_step(MEMBERS, "a", 1, {}, {}) == B.BeWatcher()
 
 
 def test_the_others_re_pick_the_watcher_when_it_leaves_done() -> None:

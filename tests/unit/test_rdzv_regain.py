@@ -1,5 +1,5 @@
 """A node that lost its lease registers again while its store is unreachable,
-for at most its rejoin window (``join_timeout``): ``rendezvous/regain.py``."""
+for at most its rejoin window (``join_timeout``): ``rendezvous/register.py``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from elastrun.errors import (
     StoreTimeout,
     StoreUnavailable,
 )
-from elastrun.rendezvous.regain import RETRY_EVERY, regain
+from elastrun.rendezvous.register import RETRY_EVERY, regain
 
 
 def _clock() -> Clock:

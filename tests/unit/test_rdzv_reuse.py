@@ -1,6 +1,6 @@
 """Reusing a job id: what a starting node does with what it finds.
 
-The rule (``rendezvous/reuse.py``) is pure and table-driven: every
+The rule (the reuse table of ``rendezvous/register.py``) is pure and table-driven: every
 combination of the job's records is checked here against the verdict a user
 expects. Then in-process rendezvous handlers on the in-memory store (fast,
 no processes) play the cases: a failed job's id, an abandoned job's id, a
@@ -24,7 +24,7 @@ from elastrun.names import RunId
 from elastrun.rendezvous.api import RendezvousHooks, RendezvousSettings
 from elastrun.rendezvous.dynamic import DynamicRendezvous
 from elastrun.rendezvous.records import AgreedSettings, ConfigRecord, RoundRecord, RoundState
-from elastrun.rendezvous.reuse import TABLE, Verdict, classify, describe_reset
+from elastrun.rendezvous.register import TABLE, Verdict, classify, describe_reset
 from elastrun.store.memory import MemoryStore
 
 T = TypeVar("T")

@@ -405,14 +405,15 @@ def test_status_shows_the_spares_beside_a_running_world() -> None:
 
 # -- a survivor never loses its place to a spare -------------------------------------------
 def test_max_joined_waits_for_a_present_member_of_the_previous_round() -> None:
-    from elastrun.rendezvous.protocol import Act, Context, JoinersChanged, State
+    from elastrun.rendezvous.protocol import Arm, CloseRound, Context, JoinersChanged, State
     from elastrun.rendezvous.rules import Rules
 
     m = Rules(Context(min_nodes=2, max_nodes=2, last_call_timeout=30.0, round=4), State.DECIDING)
     acts = m.handle(JoinersChanged(now=1.0, count=2, decider=True, members_pending=True))
-    assert [a.type for a in acts] == [Act.ARM] and acts[0].deadline == 31.0
+    assert [type(a) for a in acts] == [Arm] and isinstance(acts[0], Arm)
+    assert acts[0].deadline == 31.0
     acts = m.handle(JoinersChanged(now=2.0, count=3, decider=True))
-    assert [a.reason for a in acts if a.type is Act.CLOSE_ROUND] == ["max_nodes"]
+    assert [a.reason for a in acts if isinstance(a, CloseRound)] == ["max_nodes"]
 
 
 def test_the_planner_sees_a_present_member_yet_to_join() -> None:

@@ -12,9 +12,10 @@ from elastrun.events import ListSink
 from elastrun.names import RunId
 from elastrun.rendezvous.api import RendezvousSettings, WaitingStatus
 from elastrun.rendezvous.plan import View
-from elastrun.rendezvous.progress import ProgressReporter, waiting_status
+from elastrun.rendezvous.protocol import Context, State, Timer
 from elastrun.rendezvous.records import MemberRecord, ResultRecord, RoundRecord, RoundState
-from elastrun.rendezvous.rules import Context, Rules, State, Timer
+from elastrun.rendezvous.reports import ProgressReporter, waiting_status
+from elastrun.rendezvous.rules import Rules
 
 
 def loop_clock() -> Clock:

@@ -4,7 +4,7 @@ After its done key, a member counts the done keys; then it finds whom to
 watch: the first member in rank order whose presence key exists (the
 barrier's watcher), checking on the way that each member before it that is
 gone put its done key (else it is lost). :func:`barrier_step` says the next
-step from what is known so far; the driver (:mod:`.phases`) reads one key per
+step from what is known so far; the driver (:mod:`.dynamic`) reads one key per
 step.
 """
 

@@ -2,11 +2,11 @@
 
 The rules (:mod:`.rules`) say what to do on an event; this module says what
 to read and watch, who decides, who watches the exit barrier, and which events
-the store's state and its watch events mean. The driver (:mod:`.phases`,
-:mod:`.view`, :mod:`.dynamic`) does the reads, watches and writes these
-functions ask for, fills a :class:`View` with what it got, and feeds the
-events back to the rules. Everything here is a function of its arguments and
-is tested without a store (tests/unit/test_rdzv_plan.py).
+the store's state and its watch events mean. The driver (:mod:`.dynamic`,
+:mod:`.node_io`) does the reads, watches and writes these functions ask for,
+fills a :class:`View` with what it got, and feeds the events back to the
+rules. Everything here is a function of its arguments and is tested without
+a store (tests/unit/test_rdzv_plan.py).
 
 What each phase reads, then watches (:func:`plan_phase`):
 
@@ -29,6 +29,8 @@ complete    ``round``; the count of the round's done keys (O(1) bytes); then
             presence key
 =========== ================================================================
 
+(:func:`barrier_step`, the exit barrier's set-up, is :mod:`.barrier_plan`'s.)
+
 A closed round's result is read as this node's head (the header and its own
 shard: O(1) bytes, :mod:`.results`) where the phase reads no ``nodes/``, and
 whole where it does (:func:`result_needed`, :func:`whole_needed`): a member
@@ -45,18 +47,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from elastrun.rendezvous import keys as K
-from elastrun.rendezvous.barrier_plan import (
-    BarrierSeen,
-    BarrierStep,
-    BeWatcher,
-    CheckDone,
-    CheckPresence,
-    LostAtBarrier,
-    WatchWatcher,
-    barrier_step,
-)
 from elastrun.rendezvous.damage import agreed
-from elastrun.rendezvous.memo import Memo
+from elastrun.rendezvous.keys import Memo
 from elastrun.rendezvous.protocol import (
     BarrierDone,
     Event,
@@ -82,28 +74,19 @@ from elastrun.rendezvous.sizes import WorldSizes
 from elastrun.store.base import KeyValue, WatchEvent
 
 __all__ = [
-    "BarrierSeen",
-    "BarrierStep",
-    "BeWatcher",
-    "CheckDone",
-    "CheckPresence",
     "Decider",
     "Follower",
     "GoneMember",
     "JoinRole",
-    "LostAtBarrier",
-    "Memo",
     "Phase",
     "PhasePlan",
     "Reaction",
     "Resnap",
     "RoundChanged",
     "View",
-    "WatchWatcher",
     "Watched",
     "absent_members",
     "all_done",
-    "barrier_step",
     "decode_round",
     "follower_of_newest",
     "join_role",

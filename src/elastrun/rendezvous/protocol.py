@@ -1,16 +1,16 @@
 """The rendezvous state machine's vocabulary: states, events, actions, timers.
 
-Pure data, shared by the rules (:mod:`.rules`, which re-exports every name),
-the planner (:mod:`.plan`) and the driver (:mod:`.dynamic` and its parts). As
-in h11, every event is a class of its own that carries only its own fields;
-the rules match on the class. See the table in :mod:`.rules` for what each
+Pure data, shared by the rules (:mod:`.rules`), the planner (:mod:`.plan`) and
+the driver (:mod:`.dynamic` and its parts), each of which imports it from
+here. As in h11, every event is a class of its own that carries only its own
+fields, and so is every action: the rules match on the event's class, the
+driver on the action's. See the table in :mod:`.rules` for what each
 event does in each state.
 """
 
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 
 from elastrun.errors import (
@@ -20,23 +20,38 @@ from elastrun.errors import (
 )
 
 __all__ = [
+    "ACTIONS",
     "EVENTS",
     "TIMER_EVENTS",
-    "Act",
     "Action",
+    "Arm",
     "BarrierDone",
     "BarrierTimeout",
+    "Cancel",
+    "CloseRound",
     "Context",
     "Event",
+    "Join",
     "JoinTimeout",
     "JoinersChanged",
     "LastCallExpired",
     "LeaseLost",
+    "Leave",
     "LocalProtocolError",
+    "MarkFinished",
     "MemberLost",
     "NextRound",
     "NodeWaiting",
+    "OpenRound",
+    "PutDone",
+    "Raise",
     "RaisedError",
+    "ReadRound",
+    "RenewLease",
+    "Return",
+    "ReturnChange",
+    "ReturnResult",
+    "Revoke",
     "RoundClosed",
     "RoundFailed",
     "RoundFinished",
@@ -44,6 +59,7 @@ __all__ = [
     "Shutdown",
     "State",
     "Timer",
+    "Wait",
     "WorkersFailed",
     "WorkersSucceeded",
 ]
@@ -224,39 +240,162 @@ TIMER_EVENTS: dict[Timer, Event] = {
 }
 
 
-class Act(enum.Enum):
-    READ_ROUND = "read_round"
-    JOIN = "join"  # put rounds/R/join/me (if round still open R), drop waiting/me
-    LEAVE = "leave"  # delete my join / waiting keys
-    WAIT = "wait"  # put waiting/me
-    CLOSE_ROUND = "close_round"
-    OPEN_ROUND = "open_round"  # CAS round: closed R -> open R+1
-    PUT_DONE = "put_done"
-    MARK_FINISHED = "mark_finished"
-    ARM = "arm"
-    CANCEL = "cancel"
-    RENEW_LEASE = "renew_lease"
-    REVOKE = "revoke"
-    RETURN_RESULT = "return_result"
-    RETURN_CHANGE = "return_change"
-    RETURN = "return"
-    RAISE = "raise"
-
-
-# What RAISE raises: the exception class (the driver writes its message).
+# What Raise raises: the exception class (the driver writes its message).
 RaisedError = type[RendezvousTimeout] | type[RendezvousClosed] | type[RestartBudgetExhausted]
 
 
-@dataclass(frozen=True)
-class Action:
-    type: Act
-    round: int = -1
-    timer: Timer | None = None
-    deadline: float = math.inf
-    reason: str = ""
+# -- actions: one class each, with only its own fields ---------------------------
+# The rules' table (:mod:`.rules`) names each in capitals: ``OPEN_ROUND`` is
+# :class:`OpenRound`, ``CANCEL(join)`` is ``Cancel(Timer.JOIN)``.
+@dataclass(frozen=True, slots=True)
+class ReadRound:
+    """Read the job's ``round`` record (the SEEKING phase does: no write)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    """Put ``rounds/R/join/me`` (if ``round`` is still open ``R``), drop ``waiting/me``."""
+
+    round: int
+
+
+@dataclass(frozen=True, slots=True)
+class Leave:
+    """Delete this node's join and waiting keys of round ``round``."""
+
+    round: int
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Put ``waiting/me``: round ``round`` closed without this node."""
+
+    round: int
+
+
+@dataclass(frozen=True, slots=True)
+class CloseRound:
+    """The decider closes open round ``round`` (CAS ``round``, with its result)."""
+
+    round: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class OpenRound:
+    """CAS ``round``: closed ``round`` -> open ``round + 1``."""
+
+    round: int
+    reason: str
     detail: str = ""
-    counts: bool = False  # OPEN_ROUND: counts against the restart budget
-    error: RaisedError | None = None  # RAISE: what to raise
+    counts: bool = False  # the restart counts against the budget
+
+
+@dataclass(frozen=True, slots=True)
+class PutDone:
+    """Put this node's done key of round ``round`` (the exit barrier)."""
+
+    round: int
+
+
+@dataclass(frozen=True, slots=True)
+class MarkFinished:
+    """CAS ``round``: closed ``round`` -> finished."""
+
+    round: int
+
+
+@dataclass(frozen=True, slots=True)
+class Arm:
+    """Arm ``timer`` for ``deadline`` (the node's monotonic clock)."""
+
+    timer: Timer
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """Cancel ``timer`` (armed or not)."""
+
+    timer: Timer
+
+
+@dataclass(frozen=True, slots=True)
+class RenewLease:
+    """A new lease and the presence key again (the lease was lost)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Revoke:
+    """Leave: the ``left`` key, then revoke the lease."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReturnResult:
+    """End the call with round ``round``'s result."""
+
+    round: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReturnChange:
+    """End the call with a change (round ``round`` moved on without this node)."""
+
+    round: int
+    reason: str = ""  # "" : the round record's own reason
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Return:
+    """End the call with nothing to return."""
+
+
+@dataclass(frozen=True, slots=True)
+class Raise:
+    """End the call with ``error`` (its message is the driver's: it reads the
+    store for it); ``round``: the round it concerns."""
+
+    round: int
+    error: RaisedError
+
+
+Action = (
+    ReadRound
+    | Join
+    | Leave
+    | Wait
+    | CloseRound
+    | OpenRound
+    | PutDone
+    | MarkFinished
+    | Arm
+    | Cancel
+    | RenewLease
+    | Revoke
+    | ReturnResult
+    | ReturnChange
+    | Return
+    | Raise
+)
+ACTIONS: tuple[type[Action], ...] = (
+    ReadRound,
+    Join,
+    Leave,
+    Wait,
+    CloseRound,
+    OpenRound,
+    PutDone,
+    MarkFinished,
+    Arm,
+    Cancel,
+    RenewLease,
+    Revoke,
+    ReturnResult,
+    ReturnChange,
+    Return,
+    Raise,
+)
 
 
 @dataclass(frozen=True)

@@ -1,47 +1,272 @@
-"""A node's first registration under its job id, and the settings it agrees on.
+"""Registration: a node's first registration under its job id, the settings
+it agrees on, and registering again after its lease was lost.
 
-What a node finds under its job id is classified by :mod:`.reuse`'s table,
+A node's first registration
+---------------------------
+What a node finds under its job id is classified by the reuse table below,
 from one snapshot of the job's ``config``, ``round`` and the count of its live
 nodes. Every write is a txn on what was read: an empty job id is created at
 once (settings, round 0 and this node's presence in the first txn, whose
 failure branch reads the records for everyone else); a live job is joined
 with a second; the remains of a failed or abandoned job are cleared first.
 A race lost reads again, in the same request (bounded).
+
+Reusing a job id
+----------------
+What a node that starts finds under its job id: a new job, a live job to
+join, a finished job, or the remains of a job that is over (pure; no I/O).
+
+A job id can outlive its job: the embedded store may be served by
+``elastrun store serve`` or by another job's agent, and etcd keeps
+everything. A node starting under an id that was used before must not
+silently take over the dead job's restart count (its workers would start with
+``TORCHELASTIC_RESTART_COUNT=1`` and its first crash would fail it) or be
+refused against the dead job's settings. So the first registration of an
+agent classifies what it finds, in one consistent read of the job's
+``config``, ``round`` and ``nodes/`` (presence keys, on leases: a live node
+holds one), by this table (first matching row):
+
+=============== ============== ========== ========== =================================
+``config``      ``round``      live nodes verdict    why
+=============== ============== ========== ========== =================================
+absent          absent         any        NEW        nothing here: create the job
+any             ``finished``   any        FINISHED   the job succeeded: nothing to do
+any             ``failed``     any        RESET      the job failed (its budget spent)
+any             any other      >= 1       JOIN       a live job: join it (its settings
+                                                     must agree with this node's; a
+                                                     missing settings record is written)
+present         any other      0          RESET      every node of the job is gone: it
+                                                     was abandoned (killed, stopped)
+absent          present        0          RESET      round records without settings:
+                                                     left over
+=============== ============== ========== ========== =================================
+
+RESET deletes the job's keys and starts it afresh as NEW: round 0, no
+restarts used, this node's settings. A FINISHED job stays finished: a node
+started again under its id (a Kubernetes pod restarted after completion)
+exits 0 with nothing to do; to run the job again, use a new id. Only a
+node's first registration classifies; a member that lost its lease and
+registers again rejoins its job whatever it finds.
+
+A node whose lease has not expired yet counts as live: a job whose nodes were
+SIGKILLed is "abandoned" only once their leases are gone (about 2 s on the
+embedded store, whose server cuts a dead connection's leases to a short grace;
+``lease_ttl`` on etcd). A node that starts before then joins the dying job.
+
+Registering again
+-----------------
+A node that lost its lease registers again, for as long as its rejoin window.
+
+A node loses its lease when the store said it is gone (expired, revoked) or
+when the store could not be reached for longer than the lease TTL (a cut
+link, a store host under load). By then the other nodes have seen it gone
+and re-formed without it; its own workers are stopped (the agent stops them
+on the ``lease_lost`` change before it asks for the next round). To rejoin,
+it needs a new lease and its presence key again: :func:`regain` tries that
+until it succeeds, retrying while the store is unreachable, for at most the
+*rejoin window* (the rendezvous's ``join_timeout``). Past the window it
+raises :class:`~elastrun.errors.StoreUnavailable` naming the store, the
+window and the last error: the agent exits 1 with that line.
+
+What is not retried: an error that is no matter of reachability (a refused
+token, a protocol error, a config mismatch), and the loss of the embedded
+store's host with candidate hosts (``HostLost``, ``NotHost``): the failover
+rendezvous handles those by finding the next host.
+
+After a takeover of the store's host, a node registers in the new host's
+store with the round it carries instead (:mod:`.takeover`), with this
+module's presence put and settings agreement.
 """
 
 from __future__ import annotations
 
+import enum
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
-from elastrun.errors import ConfigMismatch, RendezvousClosed, RendezvousError
+from elastrun.clock import Clock, remaining, wait_until
+from elastrun.errors import (
+    ConfigMismatch,
+    HostLost,
+    LeaseNotFound,
+    NotHost,
+    RendezvousClosed,
+    RendezvousError,
+    StoreUnavailable,
+)
 from elastrun.rendezvous import rounds
 from elastrun.rendezvous.damage import decode_config
+from elastrun.rendezvous.node_io import Node, Observer
 from elastrun.rendezvous.plan import decode_round
-from elastrun.rendezvous.records import AgreedSettings, ConfigRecord, RoundRecord
-from elastrun.rendezvous.reuse import Verdict, classify, describe_reset
-from elastrun.rendezvous.view import Node, Observer
+from elastrun.rendezvous.records import (
+    AgreedSettings,
+    ConfigRecord,
+    PresenceRecord,
+    RoundRecord,
+    RoundState,
+)
 from elastrun.store.base import Compare, Count, Delete, Get, Op, Put
+from elastrun.store.keepalive import LeaseKeeper, describe_store
 from elastrun.untrusted import printable
 
-__all__ = ["REGISTER_TRIES", "Registration"]
+__all__ = [
+    "REGISTER_TRIES",
+    "RETRY_EVERY",
+    "TABLE",
+    "Found",
+    "Registration",
+    "Verdict",
+    "classify",
+    "describe_reset",
+    "regain",
+]
 
+
+# -- the reuse table ------------------------------------------------------------
+class Verdict(enum.Enum):
+    NEW = "new"
+    JOIN = "join"
+    FINISHED = "finished"
+    RESET = "reset"
+
+
+@dataclass(frozen=True)
+class Found:
+    """The verdict, and for RESET why (``failed``, ``abandoned``, ``leftover``)."""
+
+    verdict: Verdict
+    why: str = ""
+
+
+# The table above, row by row: (config present, round states, live nodes
+# present) -> (verdict, why); None matches anything. First match wins.
+Row = tuple[bool | None, frozenset[RoundState | None] | None, bool | None, Verdict, str]
+TABLE: tuple[Row, ...] = (
+    (False, frozenset({None}), None, Verdict.NEW, ""),
+    (None, frozenset({RoundState.FINISHED}), None, Verdict.FINISHED, ""),
+    (None, frozenset({RoundState.FAILED}), None, Verdict.RESET, "failed"),
+    (None, None, True, Verdict.JOIN, ""),
+    (True, None, False, Verdict.RESET, "abandoned"),
+    (False, None, False, Verdict.RESET, "leftover"),
+)
+
+
+def classify(config: ConfigRecord | None, round_rec: RoundRecord | None, live_nodes: int) -> Found:
+    """The table above. ``config``/``round_rec``: the records read (None:
+    absent); ``live_nodes``: how many presence keys the job has."""
+    state = None if round_rec is None else round_rec.state
+    for has_config, states, live, verdict, why in TABLE:
+        if has_config is not None and has_config != (config is not None):
+            continue
+        if states is not None and state not in states:
+            continue
+        if live is not None and live != (live_nodes > 0):
+            continue
+        return Found(verdict, why)
+    raise AssertionError("the reuse table covers every case")
+
+
+def describe_reset(
+    run_id: str, why: str, config: ConfigRecord | None, round_rec: RoundRecord | None
+) -> str:
+    """The console line of a RESET, saying what is left behind and what happens."""
+    restarts = round_rec.restarts if round_rec is not None else 0
+    budget = config.settings.max_restarts if config is not None else None
+    used = f"{restarts} of {budget} restarts used" if budget is not None else f"{restarts} restarts"
+    if why == "failed":
+        what = f"the previous job with this id failed ({used}"
+        failure = round_rec.last_failure if round_rec is not None else None
+        if failure is not None:
+            what += f"; last failure: {failure.describe()}"
+        what += ")"
+    elif why == "abandoned":
+        what = (
+            f"the previous job with this id stopped with no node left (round "
+            f"{round_rec.round if round_rec is not None else 0}, {used})"
+        )
+    else:
+        what = "records of an earlier job with this id are left in the store"
+    return (
+        f"elastrun: job {run_id!r}: {what}; starting a new job with this id "
+        "(restart count 0, this node's settings)"
+    )
+
+
+# -- registering again ----------------------------------------------------------
+RETRY_EVERY = 0.5  # s between two tries while the store is unreachable
+
+
+def _retryable(exc: BaseException) -> bool:
+    if isinstance(exc, HostLost | NotHost):
+        return False
+    return isinstance(exc, StoreUnavailable | LeaseNotFound | TimeoutError | OSError)
+
+
+async def regain(
+    attempt: Callable[[], Awaitable[None]],
+    *,
+    window: float,
+    clock: Clock,
+    lost: str,
+    store: str = "the store",
+    limit: str | None = None,
+    on_retry: Callable[[BaseException], None] | None = None,
+) -> float:
+    """Run ``attempt`` (get a lease, put the presence key) until it succeeds;
+    an unreachable store is retried every :data:`RETRY_EVERY` seconds until
+    ``window`` seconds have passed (a try still waiting then is cancelled).
+    ``on_retry(error)`` is called after each failed try. Returns the seconds
+    it took; raises StoreUnavailable past the window (``lost``: why the lease
+    was lost, ``store``: what the store is, ``limit``: what bounds the window,
+    by default ``join_timeout``, for the message)."""
+    bound = f"join_timeout={window:g}" if limit is None else limit
+    start = clock.monotonic()
+    deadline = start + window
+    while True:
+        try:
+            await wait_until(attempt(), deadline, clock)
+            return clock.monotonic() - start
+        except Exception as exc:
+            if not _retryable(exc):
+                raise
+            if remaining(deadline, clock) <= 0:
+                why = str(exc) or (
+                    "no answer" if isinstance(exc, TimeoutError) else type(exc).__name__
+                )
+                raise StoreUnavailable(
+                    f"{store} stayed unreachable for {window:g} s ({bound}) "
+                    f"after this node's lease was lost ({lost}); giving up: {why}"
+                ) from None
+            if on_retry is not None:
+                on_retry(exc)
+        await clock.sleep_until(min(clock.monotonic() + RETRY_EVERY, deadline))
+
+
+# -- registration --------------------------------------------------------------
 REGISTER_TRIES = 8  # reads of the job's records on a first registration (races)
 
 
 class Registration:
-    """One node's registration: ``presence`` makes its presence put (on its
-    lease); ``notice`` (set once hooks are attached) prints a line for the
-    operator."""
+    """One node's registration, on the lease ``keeper`` holds; ``notice``
+    (set once hooks are attached) prints a line for the operator. What a
+    registration's txn read of ``round`` goes to the observer
+    (``round_seen``: the first phase starts from it)."""
 
-    def __init__(self, node: Node, observer: Observer, presence: Callable[[], Put]) -> None:
+    def __init__(self, node: Node, observer: Observer, keeper: LeaseKeeper) -> None:
         self.node = node
         self.observer = observer
-        self.presence = presence
+        self.keeper = keeper
         self.notice: Callable[[str], None] | None = None
 
+    def presence(self) -> Put:
+        """This node's presence key, on its lease."""
+        record = PresenceRecord(self.node.info(), since=time.time())
+        key = self.node.keys.node(self.node.node_id)
+        return Put(key, record.encode(), self.keeper.lease)
+
     async def first(self) -> None:
-        """Classify what is under the job id (:mod:`.reuse`) and act: create
+        """Classify what is under the job id (the reuse table) and act: create
         the job, join it, start it afresh, or report it finished. Every write
         is a txn on what was read; a lost race reads again (bounded)."""
         node = self.node
@@ -150,3 +375,46 @@ class Registration:
             await store.create(key, record)
             return
         self.agree(decode_config(key, kv.value).settings, mine)
+
+    async def regain_lease(
+        self,
+        window: float | None = None,
+        limit: str | None = None,
+        check: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """A new lease and the presence key again after the lease was lost
+        (``check`` first, each try): retried while the store is unreachable,
+        at most ``join_timeout`` (or ``window``, named ``limit``, if shorter:
+        :func:`regain`)."""
+        node, keeper = self.node, self.keeper
+        lost = keeper.lost_reason or "lease lost"
+        full = node.settings.join_timeout
+        if window is None or window >= full:
+            window, limit = full, None
+        said = f"join_timeout={window:g}s" if limit is None else f"{window:.0f}s: {limit}"
+        tries = [1]
+
+        async def attempt() -> None:
+            if check is not None:
+                await check()
+            await keeper.start()
+            put = self.presence()
+            await node.store.put(put.key, put.value, put.lease)
+
+        def on_retry(exc: BaseException) -> None:
+            tries[0] += 1
+
+        if self.notice is not None:
+            self.notice(
+                f"elastrun: this node lost its lease ({printable(lost)}); registering again "
+                f"(for up to {said} while the store is unreachable)"
+            )
+        took = await regain(
+            attempt, window=window, clock=node.clock, lost=lost, on_retry=on_retry,
+            store=describe_store(node.store), limit=limit,
+        )  # fmt: skip
+        node.events.emit(
+            "lease_regained", node=node.node_id, lost=lost, tries=tries[0], after_s=took
+        )
+        if self.notice is not None:
+            self.notice(f"elastrun: registered again after {took:.1f}s: rejoining the job")

@@ -2,7 +2,8 @@
 of :data:`.rules.RULES`, (context, event) -> (state, context, actions).
 
 A rule's docstring's first paragraph is its row of the table in
-:mod:`.rules`' docstring (rendered by :mod:`.table`, kept equal by a test).
+:mod:`.rules`' docstring (rendered by tests/unit/rdzv_table.py, kept equal by
+a test), which names each action in capitals (``OPEN_ROUND``: :class:`~.protocol.OpenRound`).
 """
 
 from __future__ import annotations
@@ -13,32 +14,46 @@ from typing import Any
 
 from elastrun.errors import RendezvousTimeout
 from elastrun.rendezvous.protocol import (
-    Act,
     Action,
+    Arm,
     BarrierDone,
+    Cancel,
+    CloseRound,
     Context,
     Event,
+    Join,
     JoinersChanged,
     JoinTimeout,
     LastCallExpired,
     LeaseLost,
+    Leave,
+    MarkFinished,
     MemberLost,
     NextRound,
     NodeWaiting,
+    OpenRound,
+    PutDone,
+    Raise,
     RaisedError,
+    ReadRound,
+    RenewLease,
+    Return,
+    ReturnChange,
+    ReturnResult,
+    Revoke,
     RoundClosed,
     RoundOpen,
     Shutdown,
     State,
     Timer,
+    Wait,
     WorkersFailed,
     WorkersSucceeded,
 )
 
 __all__ = [
-    "Outcome",
     "Rule",
-    "S",
+    "Step",
     "barrier_done",
     "barrier_leave",
     "barrier_lost",
@@ -71,86 +86,87 @@ __all__ = [
     "workers_succeeded",
 ]
 
-Outcome = tuple[State, Context, list[Action]]
+# What a rule returns: the next state, the next context, the actions to carry out.
+Step = tuple[State, Context, list[Action]]
 # A rule takes the event of the class it is filed under in RULES. Its
 # docstring's first paragraph is its row of the table (see render_table).
-Rule = Callable[[Context, Any], Outcome]
+Rule = Callable[[Context, Any], Step]
 
 S = State
 
 
 def raising(state: State, error: RaisedError) -> Rule:
-    def rule(ctx: Context, ev: Event) -> Outcome:
-        return state, ctx, [Action(Act.RAISE, round=ctx.round, error=error)]
+    def rule(ctx: Context, ev: Event) -> Step:
+        return state, ctx, [Raise(round=ctx.round, error=error)]
 
     rule.__doc__ = f"{state.name}: RAISE({error.__name__})"
     return rule
 
 
 def stay_in(state: State, why: str = "") -> Rule:
-    def rule(ctx: Context, ev: Event) -> Outcome:
+    def rule(ctx: Context, ev: Event) -> Step:
         return state, ctx, []
 
     rule.__doc__ = f"{state.name} ({why})" if why else state.name
     return rule
 
 
-def next_round(ctx: Context, ev: NextRound) -> Outcome:
+def next_round(ctx: Context, ev: NextRound) -> Step:
     """SEEKING: CANCEL(last_call), ARM(join), READ_ROUND"""
     deadline = ev.now + ctx.join_timeout
     return (
         S.SEEKING,
         replace(ctx, min_reached_at=None, count=0, spare=False),
         [
-            Action(Act.CANCEL, timer=Timer.LAST_CALL),
-            Action(Act.ARM, timer=Timer.JOIN, deadline=deadline),
-            Action(Act.READ_ROUND),
+            Cancel(timer=Timer.LAST_CALL),
+            Arm(timer=Timer.JOIN, deadline=deadline),
+            ReadRound(),
         ],
     )
 
 
-def join(ctx: Context, ev: RoundOpen, pre: list[Action] | None = None) -> Outcome:
+def join(ctx: Context, ev: RoundOpen, pre: list[Action] | None = None) -> Step:
     """JOINING: JOIN(R) (+ ARM(join) *it waited as a spare)"""
     fresh = replace(ctx, round=ev.round, min_reached_at=None, count=0, spare=False)
     acts = [*(pre or [])]
     if ctx.spare:
-        acts.append(Action(Act.ARM, timer=Timer.JOIN, deadline=ev.now + ctx.join_timeout))
-    return S.JOINING, fresh, [*acts, Action(Act.JOIN, round=ev.round)]
+        acts.append(Arm(timer=Timer.JOIN, deadline=ev.now + ctx.join_timeout))
+    return S.JOINING, fresh, [*acts, Join(round=ev.round)]
 
 
-def wait(ctx: Context, ev: RoundClosed, pre: list[Action] | None = None) -> Outcome:
-    acts = [*(pre or []), Action(Act.WAIT, round=ev.round)]
+def wait(ctx: Context, ev: RoundClosed, pre: list[Action] | None = None) -> Step:
+    acts = [*(pre or []), Wait(round=ev.round)]
     spare = False
     if ev.lost:
-        acts.append(Action(Act.OPEN_ROUND, round=ev.round, reason="member_lost", detail=ev.lost))
+        acts.append(OpenRound(round=ev.round, reason="member_lost", detail=ev.lost))
     elif ev.room:
-        acts.append(Action(Act.OPEN_ROUND, round=ev.round, reason="node_waiting", detail=ev.detail))
+        acts.append(OpenRound(round=ev.round, reason="node_waiting", detail=ev.detail))
     elif ctx.spares_wait:
         # A hot spare waits as long as the job runs: no join timeout.
-        acts.append(Action(Act.CANCEL, timer=Timer.JOIN))
+        acts.append(Cancel(timer=Timer.JOIN))
         spare = True
     waiting = replace(ctx, round=ev.round, min_reached_at=None, count=0, spare=spare)
     return S.WAITING, waiting, acts
 
 
-def seeking_closed(ctx: Context, ev: RoundClosed) -> Outcome:
+def seeking_closed(ctx: Context, ev: RoundClosed) -> Step:
     """*me: SEEKING: OPEN_ROUND(member_rejoined); *not me: WAITING: WAIT
     (+ OPEN_ROUND(member_lost) *a member is gone, or OPEN_ROUND(node_waiting)
     *room, or CANCEL(join) *a spare: a node unit, no room)"""
     if ev.member:
         # Asked for a new round while a member of the current one (the agent
         # lost its workers without a restart): open the next one.
-        act = Action(Act.OPEN_ROUND, round=ev.round, reason="member_rejoined", detail=ev.detail)
+        act = OpenRound(round=ev.round, reason="member_rejoined", detail=ev.detail)
         return S.SEEKING, replace(ctx, round=ev.round), [act]
     return wait(ctx, ev)
 
 
-def renew(ctx: Context, ev: LeaseLost) -> Outcome:
+def renew(ctx: Context, ev: LeaseLost) -> Step:
     """SEEKING: RENEW_LEASE, READ_ROUND"""
-    return S.SEEKING, ctx, [Action(Act.RENEW_LEASE), Action(Act.READ_ROUND)]
+    return S.SEEKING, ctx, [RenewLease(), ReadRound()]
 
 
-def decide(ctx: Context, ev: JoinersChanged) -> Outcome:
+def decide(ctx: Context, ev: JoinersChanged) -> Step:
     """DECIDING: CLOSE_ROUND *max joined and no present member of the
     previous round is yet to join, or *a re-formed round that every present
     node joined, or *min joined and its last call (counted from when min was
@@ -158,7 +174,7 @@ def decide(ctx: Context, ev: JoinersChanged) -> Outcome:
     count = ev.count
     if count < ctx.min_nodes:
         ctx = replace(ctx, min_reached_at=None, count=count)
-        return S.DECIDING, ctx, [Action(Act.CANCEL, timer=Timer.LAST_CALL)]
+        return S.DECIDING, ctx, [Cancel(timer=Timer.LAST_CALL)]
     reached = ctx.min_reached_at if ctx.min_reached_at is not None else ev.now
     ctx = replace(ctx, min_reached_at=reached, count=count)
     deadline = reached + ctx.last_call_timeout
@@ -169,12 +185,12 @@ def decide(ctx: Context, ev: JoinersChanged) -> Outcome:
     elif ev.now >= deadline:
         why = "last_call"
     else:
-        return S.DECIDING, ctx, [Action(Act.ARM, timer=Timer.LAST_CALL, deadline=deadline)]
-    close = Action(Act.CLOSE_ROUND, round=ctx.round, reason=why)
-    return S.DECIDING, ctx, [Action(Act.CANCEL, timer=Timer.LAST_CALL), close]
+        return S.DECIDING, ctx, [Arm(timer=Timer.LAST_CALL, deadline=deadline)]
+    close = CloseRound(round=ctx.round, reason=why)
+    return S.DECIDING, ctx, [Cancel(timer=Timer.LAST_CALL), close]
 
 
-def joiners_changed(ctx: Context, ev: JoinersChanged) -> Outcome:
+def joiners_changed(ctx: Context, ev: JoinersChanged) -> Step:
     """*decider: as DECIDING; else JOINING (notes when min was reached)"""
     if ev.decider:
         return decide(ctx, ev)
@@ -186,14 +202,14 @@ def joiners_changed(ctx: Context, ev: JoinersChanged) -> Outcome:
     return S.JOINING, replace(ctx, min_reached_at=reached, count=ev.count), []
 
 
-def last_call_expired(ctx: Context, ev: LastCallExpired) -> Outcome:
+def last_call_expired(ctx: Context, ev: LastCallExpired) -> Step:
     """DECIDING: CLOSE_ROUND(last_call) *min joined"""
     if ctx.count >= ctx.min_nodes:
-        return S.DECIDING, ctx, [Action(Act.CLOSE_ROUND, round=ctx.round, reason="last_call")]
+        return S.DECIDING, ctx, [CloseRound(round=ctx.round, reason="last_call")]
     return S.DECIDING, ctx, []
 
 
-def joining_open(ctx: Context, ev: RoundOpen) -> Outcome:
+def joining_open(ctx: Context, ev: RoundOpen) -> Step:
     """*newer R: JOINING: JOIN(R); else JOINING"""
     if ev.round > ctx.round:
         return join(ctx, ev, cancel_last_call(ctx))
@@ -201,10 +217,10 @@ def joining_open(ctx: Context, ev: RoundOpen) -> Outcome:
 
 
 def cancel_last_call(ctx: Context) -> list[Action]:
-    return [Action(Act.CANCEL, timer=Timer.LAST_CALL)]
+    return [Cancel(timer=Timer.LAST_CALL)]
 
 
-def joining_closed(ctx: Context, ev: RoundClosed) -> Outcome:
+def joining_closed(ctx: Context, ev: RoundClosed) -> Step:
     """*me: MEMBER: CANCEL(join), RETURN_RESULT; *not me: WAITING: WAIT
     (+ OPEN_ROUND *a member is gone or *room, or CANCEL(join) *a spare)"""
     pre = cancel_last_call(ctx)
@@ -212,25 +228,25 @@ def joining_closed(ctx: Context, ev: RoundClosed) -> Outcome:
         return (
             S.MEMBER,
             replace(ctx, round=ev.round),
-            [*pre, Action(Act.CANCEL, timer=Timer.JOIN), Action(Act.RETURN_RESULT, round=ev.round)],
+            [*pre, Cancel(timer=Timer.JOIN), ReturnResult(round=ev.round)],
         )
     return wait(ctx, ev, pre)
 
 
-def join_timeout(ctx: Context, ev: JoinTimeout) -> Outcome:
+def join_timeout(ctx: Context, ev: JoinTimeout) -> Step:
     """IDLE: LEAVE, RAISE(RendezvousTimeout)"""
     return (
         S.IDLE,
         ctx,
         [
             *cancel_last_call(ctx),
-            Action(Act.LEAVE, round=ctx.round),
-            Action(Act.RAISE, round=ctx.round, error=RendezvousTimeout),
+            Leave(round=ctx.round),
+            Raise(round=ctx.round, error=RendezvousTimeout),
         ],
     )
 
 
-def waiting_closed(ctx: Context, ev: RoundClosed) -> Outcome:
+def waiting_closed(ctx: Context, ev: RoundClosed) -> Step:
     """*newer R, not me: WAITING: WAIT (+ OPEN_ROUND, or CANCEL(join) *a
     spare); else WAITING"""
     if ev.round > ctx.round and not ev.member:
@@ -238,122 +254,114 @@ def waiting_closed(ctx: Context, ev: RoundClosed) -> Outcome:
     return S.WAITING, ctx, []
 
 
-def waiting_lost(ctx: Context, ev: MemberLost) -> Outcome:
+def waiting_lost(ctx: Context, ev: MemberLost) -> Step:
     """WAITING: OPEN_ROUND(member_lost)"""
-    act = Action(Act.OPEN_ROUND, round=ctx.round, reason="member_lost", detail=ev.detail)
+    act = OpenRound(round=ctx.round, reason="member_lost", detail=ev.detail)
     return S.WAITING, ctx, [act]
 
 
-def member_closed(ctx: Context, ev: RoundClosed) -> Outcome:
+def member_closed(ctx: Context, ev: RoundClosed) -> Step:
     """*newer R: IDLE: RETURN_CHANGE (re-formed without this node); else MEMBER"""
     if ev.round > ctx.round:
-        return S.IDLE, ctx, [Action(Act.RETURN_CHANGE, round=ev.round)]
+        return S.IDLE, ctx, [ReturnChange(round=ev.round)]
     return S.MEMBER, ctx, []
 
 
-def member_open(ctx: Context, ev: RoundOpen) -> Outcome:
+def member_open(ctx: Context, ev: RoundOpen) -> Step:
     """IDLE: RETURN_CHANGE (someone opened R+1)"""
-    return S.IDLE, ctx, [Action(Act.RETURN_CHANGE, round=ev.round)]
+    return S.IDLE, ctx, [ReturnChange(round=ev.round)]
 
 
-def member_lost(ctx: Context, ev: MemberLost) -> Outcome:
+def member_lost(ctx: Context, ev: MemberLost) -> Step:
     """MEMBER: OPEN_ROUND(member_lost)"""
-    act = Action(Act.OPEN_ROUND, round=ctx.round, reason="member_lost", detail=ev.detail)
+    act = OpenRound(round=ctx.round, reason="member_lost", detail=ev.detail)
     return S.MEMBER, ctx, [act]
 
 
-def node_waiting(ctx: Context, ev: NodeWaiting) -> Outcome:
+def node_waiting(ctx: Context, ev: NodeWaiting) -> Step:
     """MEMBER: OPEN_ROUND(node_waiting) *room"""
     if not ev.room:
         return S.MEMBER, ctx, []
-    act = Action(Act.OPEN_ROUND, round=ctx.round, reason="node_waiting", detail=ev.detail)
+    act = OpenRound(round=ctx.round, reason="node_waiting", detail=ev.detail)
     return S.MEMBER, ctx, [act]
 
 
-def workers_failed(ctx: Context, ev: WorkersFailed) -> Outcome:
+def workers_failed(ctx: Context, ev: WorkersFailed) -> Step:
     """MEMBER: OPEN_ROUND(restart_requested, counts): the restart is charged
     when R+1 closes with every member of R back (else a lost node caused it:
     not counted); a charge past the budget closes R+1 as failed"""
     # Always re-form, even with no budget left: whether the failure counts is
     # decided when the next round closes (a lost node excuses it; see
     # records.close_records), and an overspent budget fails the job then.
-    act = Action(
-        Act.OPEN_ROUND, round=ctx.round, reason="restart_requested", detail=ev.detail, counts=True
-    )
+    act = OpenRound(round=ctx.round, reason="restart_requested", detail=ev.detail, counts=True)
     return S.MEMBER, ctx, [act]
 
 
-def workers_succeeded(ctx: Context, ev: WorkersSucceeded) -> Outcome:
+def workers_succeeded(ctx: Context, ev: WorkersSucceeded) -> Step:
     """COMPLETING: PUT_DONE, ARM(barrier)"""
     deadline = ev.now + ctx.exit_barrier_timeout
     return (
         S.COMPLETING,
         ctx,
         [
-            Action(Act.PUT_DONE, round=ctx.round),
-            Action(Act.ARM, timer=Timer.BARRIER, deadline=deadline),
+            PutDone(round=ctx.round),
+            Arm(timer=Timer.BARRIER, deadline=deadline),
         ],
     )
 
 
-def member_lease_lost(ctx: Context, ev: LeaseLost) -> Outcome:
+def member_lease_lost(ctx: Context, ev: LeaseLost) -> Step:
     """IDLE: RETURN_CHANGE(lease_lost) (the workers stop at once; the next
     round's registration gets a new lease)"""
-    acts = [Action(Act.RETURN_CHANGE, round=ctx.round, reason="lease_lost", detail=ev.detail)]
-    return S.IDLE, ctx, acts
+    return S.IDLE, ctx, [ReturnChange(round=ctx.round, reason="lease_lost", detail=ev.detail)]
 
 
-def barrier_done(ctx: Context, ev: BarrierDone) -> Outcome:
+def barrier_done(ctx: Context, ev: BarrierDone) -> Step:
     """FINISHED: CANCEL(barrier), MARK_FINISHED, RETURN"""
-    acts = [
-        Action(Act.CANCEL, timer=Timer.BARRIER),
-        Action(Act.MARK_FINISHED, round=ctx.round),
-        Action(Act.RETURN),
-    ]
-    return S.FINISHED, ctx, acts
+    return S.FINISHED, ctx, [Cancel(timer=Timer.BARRIER), MarkFinished(round=ctx.round), Return()]
 
 
-def barrier_lost(ctx: Context, ev: MemberLost) -> Outcome:
+def barrier_lost(ctx: Context, ev: MemberLost) -> Step:
     """FINISHED: CANCEL(barrier), OPEN_ROUND(member_lost), RETURN (the barrier
     can never complete; opening R+1 tells the members that watch only
     ``round``)"""
-    acts = [
-        Action(Act.CANCEL, timer=Timer.BARRIER),
-        Action(Act.OPEN_ROUND, round=ctx.round, reason="member_lost", detail=ev.detail),
-        Action(Act.RETURN),
+    acts: list[Action] = [
+        Cancel(timer=Timer.BARRIER),
+        OpenRound(round=ctx.round, reason="member_lost", detail=ev.detail),
+        Return(),
     ]
     return S.FINISHED, ctx, acts
 
 
-def barrier_leave(ctx: Context, ev: Event) -> Outcome:
+def barrier_leave(ctx: Context, ev: Event) -> Step:
     """FINISHED: CANCEL(barrier), RETURN"""
-    return S.FINISHED, ctx, [Action(Act.CANCEL, timer=Timer.BARRIER), Action(Act.RETURN)]
+    return S.FINISHED, ctx, [Cancel(timer=Timer.BARRIER), Return()]
 
 
-def completing_closed(ctx: Context, ev: RoundClosed) -> Outcome:
+def completing_closed(ctx: Context, ev: RoundClosed) -> Step:
     """*newer R: FINISHED: CANCEL(barrier), RETURN; else COMPLETING"""
     if ev.round > ctx.round:
         return barrier_leave(ctx, ev)
     return S.COMPLETING, ctx, []
 
 
-def completing_renew(ctx: Context, ev: LeaseLost) -> Outcome:
+def completing_renew(ctx: Context, ev: LeaseLost) -> Step:
     """COMPLETING: RENEW_LEASE"""
-    return S.COMPLETING, ctx, [Action(Act.RENEW_LEASE)]
+    return S.COMPLETING, ctx, [RenewLease()]
 
 
-def shutdown(ctx: Context, ev: Shutdown) -> Outcome:
+def shutdown(ctx: Context, ev: Shutdown) -> Step:
     """LEFT: CANCEL(every timer), REVOKE"""
-    acts = [Action(Act.CANCEL, timer=t) for t in Timer]
-    return S.LEFT, ctx, [*acts, Action(Act.REVOKE)]
+    acts = [Cancel(timer=t) for t in Timer]
+    return S.LEFT, ctx, [*acts, Revoke()]
 
 
 def deciding(rule: Rule) -> Rule:
     """A JOINING rule applied in DECIDING (the decider leaves the same ways)."""
 
-    def wrapped(ctx: Context, ev: Event) -> Outcome:
+    def wrapped(ctx: Context, ev: Event) -> Step:
         state, new_ctx, acts = rule(ctx, ev)
-        if state is S.JOINING and not any(a.type is Act.JOIN for a in acts):
+        if state is S.JOINING and not any(isinstance(a, Join) for a in acts):
             state = S.DECIDING
         return state, new_ctx, acts
 

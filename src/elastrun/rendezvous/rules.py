@@ -7,7 +7,9 @@ knows nothing of the store. The driver (:mod:`elastrun.rendezvous.dynamic`)
 turns what it observes (the job's ``round`` record, join keys, presence keys,
 done keys, deadlines passing, calls from the agent) into events -- one class
 per event, each with only its own fields (:mod:`.protocol`) -- feeds them to
-:meth:`Rules.handle`, and executes the :class:`Action` values it gets back.
+:meth:`Rules.handle`, and executes the actions it gets back (one class each,
+also in :mod:`.protocol`; the table below names them in capitals: ``OPEN_ROUND``
+is :class:`~.protocol.OpenRound`).
 Every write the driver makes to the job's ``round`` record comes back to it
 through a watch as an ordinary event, so the machine learns the outcome of a
 compare-and-set the same way whether this node or another node won it.
@@ -135,9 +137,6 @@ from __future__ import annotations
 
 from elastrun.errors import RendezvousClosed, RendezvousTimeout, RestartBudgetExhausted
 from elastrun.rendezvous.protocol import (
-    EVENTS,
-    TIMER_EVENTS,
-    Act,
     Action,
     BarrierDone,
     BarrierTimeout,
@@ -157,13 +156,11 @@ from elastrun.rendezvous.protocol import (
     RoundOpen,
     Shutdown,
     State,
-    Timer,
     WorkersFailed,
     WorkersSucceeded,
 )
 from elastrun.rendezvous.rule_steps import (
     Rule,
-    S,
     barrier_done,
     barrier_leave,
     barrier_lost,
@@ -194,93 +191,74 @@ from elastrun.rendezvous.rule_steps import (
     workers_succeeded,
 )
 
-__all__ = [
-    "EVENTS",
-    "RULES",
-    "TIMER_EVENTS",
-    "Act",
-    "Action",
-    "BarrierDone",
-    "BarrierTimeout",
-    "Context",
-    "Event",
-    "JoinTimeout",
-    "JoinersChanged",
-    "LastCallExpired",
-    "LeaseLost",
-    "LocalProtocolError",
-    "MemberLost",
-    "NextRound",
-    "NodeWaiting",
-    "RoundClosed",
-    "RoundFailed",
-    "RoundFinished",
-    "RoundOpen",
-    "Rules",
-    "Shutdown",
-    "State",
-    "Timer",
-    "WorkersFailed",
-    "WorkersSucceeded",
-]
+__all__ = ["RULES", "Rules"]
 
 
 # States from which next_round() starts over (a call that was cancelled, or a
 # member asking for a new round without a change: it opens one).
-_RESTARTABLE = (S.IDLE, S.SEEKING, S.JOINING, S.DECIDING, S.WAITING, S.MEMBER)
+_RESTARTABLE = (
+    State.IDLE,
+    State.SEEKING,
+    State.JOINING,
+    State.DECIDING,
+    State.WAITING,
+    State.MEMBER,
+)
 
 _JOINING_RULES: dict[type[Event], Rule] = {
     JoinersChanged: joiners_changed,
     RoundOpen: joining_open,
     RoundClosed: joining_closed,
-    RoundFinished: raising(S.FINISHED, RendezvousClosed),
-    RoundFailed: raising(S.FAILED, RestartBudgetExhausted),
+    RoundFinished: raising(State.FINISHED, RendezvousClosed),
+    RoundFailed: raising(State.FAILED, RestartBudgetExhausted),
     JoinTimeout: join_timeout,
     LeaseLost: renew,
 }
 
 RULES: dict[tuple[State, type[Event]], Rule] = {
     **{(s, NextRound): next_round for s in _RESTARTABLE},
-    (S.IDLE, WorkersFailed): stay_in(S.IDLE, "the round already moved on: not counted twice"),
-    (S.SEEKING, RoundOpen): join,
-    (S.SEEKING, RoundClosed): seeking_closed,
-    (S.SEEKING, RoundFinished): raising(S.FINISHED, RendezvousClosed),
-    (S.SEEKING, RoundFailed): raising(S.FAILED, RestartBudgetExhausted),
-    (S.SEEKING, JoinTimeout): raising(S.IDLE, RendezvousTimeout),
-    (S.SEEKING, LeaseLost): renew,
-    **{(S.JOINING, ev): rule for ev, rule in _JOINING_RULES.items()},
-    **{(S.DECIDING, ev): deciding(rule) for ev, rule in _JOINING_RULES.items()},
-    (S.DECIDING, JoinersChanged): decide,
-    (S.DECIDING, LastCallExpired): last_call_expired,
-    (S.WAITING, RoundOpen): join,
-    (S.WAITING, RoundClosed): waiting_closed,
-    (S.WAITING, MemberLost): waiting_lost,
-    (S.WAITING, RoundFinished): raising(S.FINISHED, RendezvousClosed),
-    (S.WAITING, RoundFailed): raising(S.FAILED, RestartBudgetExhausted),
-    (S.WAITING, JoinTimeout): join_timeout,
-    (S.WAITING, LeaseLost): renew,
-    (S.MEMBER, RoundClosed): member_closed,
-    (S.MEMBER, RoundOpen): member_open,
-    (S.MEMBER, MemberLost): member_lost,
-    (S.MEMBER, NodeWaiting): node_waiting,
-    (S.MEMBER, WorkersFailed): workers_failed,
-    (S.MEMBER, WorkersSucceeded): workers_succeeded,
-    (S.MEMBER, RoundFinished): raising(S.FINISHED, RendezvousClosed),
-    (S.MEMBER, RoundFailed): raising(S.FAILED, RestartBudgetExhausted),
-    (S.MEMBER, LeaseLost): member_lease_lost,
-    (S.COMPLETING, BarrierDone): barrier_done,
-    (S.COMPLETING, BarrierTimeout): barrier_leave,
-    (S.COMPLETING, MemberLost): barrier_lost,
-    (S.COMPLETING, RoundOpen): barrier_leave,
-    (S.COMPLETING, RoundClosed): completing_closed,
-    (S.COMPLETING, RoundFinished): barrier_leave,
-    (S.COMPLETING, RoundFailed): barrier_leave,
-    (S.COMPLETING, LeaseLost): completing_renew,
-    (S.FINISHED, NextRound): raising(S.FINISHED, RendezvousClosed),
-    (S.FAILED, NextRound): raising(S.FAILED, RestartBudgetExhausted),
-    (S.FAILED, WorkersFailed): raising(S.FAILED, RestartBudgetExhausted),
-    **{(s, Shutdown): shutdown for s in State if s is not S.LEFT},
-    (S.LEFT, Shutdown): stay_in(S.LEFT),
+    (State.IDLE, WorkersFailed): stay_in(
+        State.IDLE, "the round already moved on: not counted twice"
+    ),
+    (State.SEEKING, RoundOpen): join,
+    (State.SEEKING, RoundClosed): seeking_closed,
+    (State.SEEKING, RoundFinished): raising(State.FINISHED, RendezvousClosed),
+    (State.SEEKING, RoundFailed): raising(State.FAILED, RestartBudgetExhausted),
+    (State.SEEKING, JoinTimeout): raising(State.IDLE, RendezvousTimeout),
+    (State.SEEKING, LeaseLost): renew,
+    **{(State.JOINING, ev): rule for ev, rule in _JOINING_RULES.items()},
+    **{(State.DECIDING, ev): deciding(rule) for ev, rule in _JOINING_RULES.items()},
+    (State.DECIDING, JoinersChanged): decide,
+    (State.DECIDING, LastCallExpired): last_call_expired,
+    (State.WAITING, RoundOpen): join,
+    (State.WAITING, RoundClosed): waiting_closed,
+    (State.WAITING, MemberLost): waiting_lost,
+    (State.WAITING, RoundFinished): raising(State.FINISHED, RendezvousClosed),
+    (State.WAITING, RoundFailed): raising(State.FAILED, RestartBudgetExhausted),
+    (State.WAITING, JoinTimeout): join_timeout,
+    (State.WAITING, LeaseLost): renew,
+    (State.MEMBER, RoundClosed): member_closed,
+    (State.MEMBER, RoundOpen): member_open,
+    (State.MEMBER, MemberLost): member_lost,
+    (State.MEMBER, NodeWaiting): node_waiting,
+    (State.MEMBER, WorkersFailed): workers_failed,
+    (State.MEMBER, WorkersSucceeded): workers_succeeded,
+    (State.MEMBER, RoundFinished): raising(State.FINISHED, RendezvousClosed),
+    (State.MEMBER, RoundFailed): raising(State.FAILED, RestartBudgetExhausted),
+    (State.MEMBER, LeaseLost): member_lease_lost,
+    (State.COMPLETING, BarrierDone): barrier_done,
+    (State.COMPLETING, BarrierTimeout): barrier_leave,
+    (State.COMPLETING, MemberLost): barrier_lost,
+    (State.COMPLETING, RoundOpen): barrier_leave,
+    (State.COMPLETING, RoundClosed): completing_closed,
+    (State.COMPLETING, RoundFinished): barrier_leave,
+    (State.COMPLETING, RoundFailed): barrier_leave,
+    (State.COMPLETING, LeaseLost): completing_renew,
+    (State.FINISHED, NextRound): raising(State.FINISHED, RendezvousClosed),
+    (State.FAILED, NextRound): raising(State.FAILED, RestartBudgetExhausted),
+    (State.FAILED, WorkersFailed): raising(State.FAILED, RestartBudgetExhausted),
+    **{(s, Shutdown): shutdown for s in State if s is not State.LEFT},
+    (State.LEFT, Shutdown): stay_in(State.LEFT),
 }
 
 

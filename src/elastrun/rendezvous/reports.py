@@ -1,4 +1,10 @@
-"""What a node waiting in ``next_round()`` waits for (it reports; it never prints).
+"""What a node tells its operator about where it stands in the rendezvous
+(pure: it reports and explains; it never reads the store, never prints).
+
+Why a call gave up: :func:`call_error`, the message of the error a ``Raise``
+action raises. Why a node waits: :func:`waiting_reason`, the ``node_waiting``
+event's reason; what it waits for while ``next_round()`` runs:
+:func:`waiting_status`, reported by :class:`ProgressReporter`.
 
 The driver calls :meth:`ProgressReporter.update` each time it is about to wait
 for its inbox (so: after every event it handled). The reporter derives a
@@ -21,17 +27,96 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 
+from elastrun.errors import RendezvousClosed, RendezvousTimeout, RestartBudgetExhausted
 from elastrun.events import EventSink
+from elastrun.failure import describe_stored
 from elastrun.rendezvous.api import RendezvousSettings, WaitingStatus
 from elastrun.rendezvous.plan import View
-from elastrun.rendezvous.records import RoundState
-from elastrun.rendezvous.rules import Rules, State, Timer
+from elastrun.rendezvous.protocol import Raise, State, Timer
+from elastrun.rendezvous.records import RoundRecord, RoundState
+from elastrun.rendezvous.rules import Rules
+from elastrun.untrusted import printable
 
-__all__ = ["ProgressReporter", "waiting_status"]
+__all__ = ["ProgressReporter", "call_error", "nodes", "spare", "waiting_reason", "waiting_status"]
 
 log = logging.getLogger(__name__)
 
 
+# -- why a node waits, why a call gave up ----------------------------------------
+def nodes(n: int) -> str:
+    """``1 node``, ``2 nodes``."""
+    return f"{n} node" if n == 1 else f"{n} nodes"
+
+
+def spare(s: RendezvousSettings, n: int) -> bool:
+    """Whether a node waits as a spare beside a round of ``n`` members (0:
+    unknown): the round is at a size it cannot enlarge by joining."""
+    return n > 0 and not s.sizes().room(n, 1)
+
+
+def waiting_reason(s: RendezvousSettings, r: int, n: int) -> str:
+    """Why a node waits after round ``r`` (of ``n`` members; 0: unknown)
+    closed without it."""
+    max_nodes = s.max_nodes
+    if not n:
+        return f"round {r} closed without this node"
+    if s.node_unit > 1 and spare(s, n):
+        return (
+            f"round {r} has {nodes(n)} ({s.sizes().describe()}); waiting as a spare "
+            "to replace a lost node"
+        )
+    if n >= max_nodes:
+        return f"round {r} is full ({n} of max {nodes(max_nodes)}); waiting for a free place"
+    return f"round {r} closed without this node ({n} of max {nodes(max_nodes)}); joining the next"
+
+
+def call_error(
+    a: Raise,
+    s: RendezvousSettings,
+    rnd: RoundRecord | None,
+    current: int,
+    joiner_hosts: Mapping[tuple[int, str], str],
+) -> BaseException:
+    """The error a call raises for the rules' ``Raise`` action ``a``:
+    ``rnd``, the round record as this node last read it; ``current``, the
+    round this node is in; ``joiner_hosts``, everyone seen joining, (round,
+    node id) -> host."""
+    if a.error is RendezvousClosed:
+        return RendezvousClosed(f"job {s.run_id!r} has finished: there will be no further rounds")
+    if a.error is RestartBudgetExhausted:
+        # Another node's record: escaped, as the message reaches a terminal.
+        last = printable(describe_stored(rnd.last_failure if rnd is not None else None))
+        return RestartBudgetExhausted(
+            f"job {s.run_id!r} used its restart budget ({s.max_restarts} "
+            f"restart{'' if s.max_restarts == 1 else 's'}, "
+            f"--max-restarts); last failure: {last}"
+        )
+    return _timeout_error(a.round, s, rnd, current, joiner_hosts)
+
+
+def _timeout_error(
+    r: int,
+    s: RendezvousSettings,
+    rnd: RoundRecord | None,
+    current: int,
+    joiner_hosts: Mapping[tuple[int, str], str],
+) -> RendezvousTimeout:
+    # Other nodes' host names: escaped, as the message reaches a terminal.
+    joins = sorted(printable(h) for (jr, _), h in joiner_hosts.items() if jr == r)
+    if current == r and rnd is not None and rnd.state is not RoundState.OPEN:
+        return RendezvousTimeout(
+            f"round {r} closed without this node and no new round opened before "
+            f"join_timeout={s.join_timeout:g}s (job is full: max {nodes(s.max_nodes)})"
+        )
+    least = s.sizes().smallest or s.min_nodes
+    unit = f" ({s.sizes().describe()})" if s.node_unit > 1 else ""
+    return RendezvousTimeout(
+        f"{len(joins)} of min {nodes(least)}{unit} joined before "
+        f"join_timeout={s.join_timeout:g}s: {', '.join(joins) or 'none'}"
+    )
+
+
+# -- what a waiting node waits for ----------------------------------------------
 def waiting_status(
     rules: Rules,
     timers: Mapping[Timer, float],
@@ -70,9 +155,9 @@ def waiting_status(
         result = view.results.get(r)
         members = len(result.members) if result else 0
         if ctx.spare:
-            detail = f"round {r} trains {_nodes(members)}; waiting as a spare"
+            detail = f"round {r} trains {nodes(members)}; waiting as a spare"
         elif round_state is RoundState.CLOSED and members >= settings.max_nodes:
-            detail = f"round {r} is full ({members} of max {_nodes(settings.max_nodes)})"
+            detail = f"round {r} is full ({members} of max {nodes(settings.max_nodes)})"
         else:
             detail = f"round {r} is {round_state.value}"
         return WaitingStatus(
@@ -87,11 +172,6 @@ def waiting_status(
             detail=detail,
         )
     return None
-
-
-def _nodes(n: int) -> str:
-    """``1 node``, ``2 nodes``."""
-    return f"{n} node" if n == 1 else f"{n} nodes"
 
 
 def _left(deadline: float, now: float) -> float:
