@@ -12,6 +12,13 @@ and the server's answer, requests (``"t": "req"``) and their responses
 splits a revision), the server ending a watch (``"t": "cancel"``) or the
 connection (``"t": "error"``): docs/store-protocol.md has each one's fields.
 
+Each operation is one frozen request class (:data:`Request`: ``from_json``
+reads a ``req`` frame's fields, ``to_json`` writes them) and each kind of
+result one answer class (:data:`Answer`, a txn's being
+:class:`~elastrun.store.base.TxnResult`): the server matches on the request
+class, the client reads the answer class it expects. The JSON is the
+protocol's, field for field.
+
 Decoding is strict: a wrong type, an unknown op or a missing field raises
 :class:`~elastrun.errors.ProtocolError`; nothing else escapes.
 """
@@ -922,5 +929,5 @@ def encode_response(request_id: int, answer: Answer) -> Json:
         "t": "resp",
         "id": request_id,
         "ok": True,
-        "result": encode_answer(answer),
+        "result": encode_txn_result(answer) if isinstance(answer, TxnResult) else answer.to_json(),
     }

@@ -52,6 +52,7 @@ from elastrun.errors import ProtocolError
 from elastrun.store import codec
 from elastrun.store.abuse_log import AbuseLog
 from elastrun.store.budgets import InputBudget, OutputBudget
+from elastrun.store.codec import WatchCancelRequest, WatchRequest
 from elastrun.store.engine import Engine
 from elastrun.store.limits import PRE_HELLO_FRAME, StoreLimits
 from elastrun.store.server_ops import execute
@@ -322,9 +323,9 @@ class Connection(WatchStreams, asyncio.Protocol):
                 self.fail("protocol", str(exc))
             return
         match request:
-            case codec.WatchRequest():
+            case WatchRequest():
                 self._watch(request_id, request)
-            case codec.WatchCancelRequest(watch=watch_id):
+            case WatchCancelRequest(watch=watch_id):
                 watcher = self.watches.pop(watch_id, None)
                 self.lagging.pop(watch_id, None)
                 if watcher is not None:

@@ -19,6 +19,28 @@ from elastrun.errors import (
     StoreError,
 )
 from elastrun.store import codec
+from elastrun.store.codec import (
+    CompactAnswer,
+    CompactRequest,
+    DeleteAnswer,
+    DeleteRequest,
+    EmptyAnswer,
+    GetAnswer,
+    GetRequest,
+    LeaseGrantAnswer,
+    LeaseGrantRequest,
+    LeaseKeepaliveAnswer,
+    LeaseKeepaliveRequest,
+    LeaseRevokeRequest,
+    PingRequest,
+    PutRequest,
+    RangeAnswer,
+    RangeNewestRequest,
+    RangePageRequest,
+    RangeRequest,
+    RevisionAnswer,
+    TxnRequest,
+)
 from elastrun.store.engine import Engine
 from elastrun.store.limits import encoded_size
 
@@ -70,50 +92,51 @@ def _execute(
     leases_moved: Callable[[], None],
 ) -> codec.Answer:
     match request:
-        case codec.GetRequest(key=key):
-            return codec.GetAnswer(engine.get(key), engine.revision)
-        case codec.RangeRequest(key=key):
-            kvs, more = engine.range_page(key, None, 0, max_response)
-            if more:
-                raise LimitExceeded(
-                    f"the keys under {key[:200]!r} exceed {max_response} bytes "
-                    "(max_response) in one answer; read them in pages (a newer client does)"
-                )
-            return codec.RangeAnswer(kvs, engine.revision)
-        case codec.RangePageRequest(key=key, after=after, limit=limit):
+        # The most frequent first (each case is one isinstance check).
+        case GetRequest(key=key):
+            return GetAnswer(engine.get(key), engine.revision)
+        case TxnRequest(compares=compares, success=success, failure=failure):
+            return engine.txn(compares, success, failure, max_answer=max_response)
+        case RangePageRequest(key=key, after=after, limit=limit):
             kvs, more = engine.range_page(key, after, limit, max_response)
-            return codec.RangeAnswer(kvs, engine.revision, more=more)
-        case codec.RangeNewestRequest(key=key, max_create=max_create, limit=limit):
+            return RangeAnswer(kvs, engine.revision, more=more)
+        case PutRequest(key=key, value=value, lease=lease):
+            return RevisionAnswer(engine.put(key, value, lease))
+        case LeaseKeepaliveRequest(lease=lease):
+            engine.expire_leases()  # an expired lease must not be revived
+            kept = engine.lease_keepalive(lease, owner=owner)
+            leases_moved()
+            return LeaseKeepaliveAnswer(kept)
+        case RangeNewestRequest(key=key, max_create=max_create, limit=limit):
             kvs, count = engine.range_newest(key, max_create, limit)
             if sum(encoded_size(kv) for kv in kvs) > max_response:
                 raise LimitExceeded(
                     f"the answer ({len(kvs)} keys) exceeds {max_response} bytes "
                     "(max_response); ask for fewer (limit)"
                 )
-            return codec.RangeAnswer(kvs, engine.revision, count=count)
-        case codec.PutRequest(key=key, value=value, lease=lease):
-            return codec.RevisionAnswer(engine.put(key, value, lease))
-        case codec.DeleteRequest(key=key, prefix=prefix):
+            return RangeAnswer(kvs, engine.revision, count=count)
+        case DeleteRequest(key=key, prefix=prefix):
             deleted = engine.delete(key, prefix)
-            return codec.DeleteAnswer(deleted, engine.revision)
-        case codec.TxnRequest(compares=compares, success=success, failure=failure):
-            return engine.txn(compares, success, failure, max_answer=max_response)
-        case codec.LeaseGrantRequest(ttl=ttl):
+            return DeleteAnswer(deleted, engine.revision)
+        case LeaseGrantRequest(ttl=ttl):
             lease = engine.lease_grant(ttl, owner=owner)
             leases_moved()
-            return codec.LeaseGrantAnswer(lease, ttl)
-        case codec.LeaseKeepaliveRequest(lease=lease):
-            engine.expire_leases()  # an expired lease must not be revived
-            kept = engine.lease_keepalive(lease, owner=owner)
-            leases_moved()
-            return codec.LeaseKeepaliveAnswer(kept)
-        case codec.LeaseRevokeRequest(lease=lease):
+            return LeaseGrantAnswer(lease, ttl)
+        case LeaseRevokeRequest(lease=lease):
             engine.lease_revoke(lease)
             leases_moved()
-            return codec.EmptyAnswer()
-        case codec.CompactRequest(revision=revision):
+            return EmptyAnswer()
+        case PingRequest():
+            return RevisionAnswer(engine.revision)
+        case CompactRequest(revision=revision):
             engine.compact(revision)
-            return codec.CompactAnswer(engine.revision, engine.compact_revision)
-        case codec.PingRequest():
-            return codec.RevisionAnswer(engine.revision)
+            return CompactAnswer(engine.revision, engine.compact_revision)
+        case RangeRequest(key=key):
+            kvs, more = engine.range_page(key, None, 0, max_response)
+            if more:
+                raise LimitExceeded(
+                    f"the keys under {key[:200]!r} exceed {max_response} bytes "
+                    "(max_response) in one answer; read them in pages (a newer client does)"
+                )
+            return RangeAnswer(kvs, engine.revision)
     assert_never(request)
