@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -149,14 +149,16 @@ def _tally(store: object, tally: Counter[str]) -> None:
     """Count ``store``'s requests by operation and the bytes of their answers
     as JSON (embedded store: its connection's ``_send``; watch events are not
     counted). Costs CPU: only with ``--tally``, never in a timed run."""
+    from elastrun.store import codec
+
     send = getattr(store, "_send", None)
     if send is None:
         return
 
-    async def counted(conn: object, deadline: float, op: str, **args: object) -> object:
-        answer = await send(conn, deadline, op, **args)
-        tally[op] += 1
-        tally["answer_bytes"] += len(json.dumps(answer))
+    async def counted(conn: object, deadline: float, request: Any, decode: object) -> object:
+        answer = await send(conn, deadline, request, decode)
+        tally[request.OP] += 1
+        tally["answer_bytes"] += len(json.dumps(codec.encode_answer(answer)))
         return answer
 
     setattr(store, "_send", counted)  # noqa: B010 (an instance's method, replaced)

@@ -22,6 +22,7 @@ from elastrun.names import RunId
 from elastrun.rendezvous.api import RendezvousSettings
 from elastrun.rendezvous.dynamic import DynamicRendezvous
 from elastrun.rendezvous.keys import Keys
+from elastrun.store import codec
 from elastrun.store.client import TcpStore
 from tests.store.conftest import ServerProcess, start_server_process, stop_process
 
@@ -37,10 +38,10 @@ def counted(store: TcpStore, tally: Counter[str]) -> None:
     """Count ``store``'s requests by operation (its client's one send path)."""
     send = store._send
 
-    async def counting(conn: Any, deadline: float, op: str, **args: Any) -> Any:
-        tally[op] += 1
-        answer = await send(conn, deadline, op, **args)
-        tally["answer bytes"] += len(json.dumps(answer))
+    async def counting(conn: Any, deadline: float, request: Any, decode: Any) -> Any:
+        tally[request.OP] += 1
+        answer = await send(conn, deadline, request, decode)
+        tally["answer bytes"] += len(json.dumps(codec.encode_answer(answer)))
         return answer
 
     store._send = counting  # type: ignore[method-assign]

@@ -195,9 +195,7 @@ def never_reading_watchers(
         sock = connect(host, port)
         held.append(sock)
         say_hello(sock, token)
-        watch = codec.encode_request(
-            1, "watch", watch=i + 1, key="", prefix=True, start_revision=start_revision
-        )
+        watch = codec.encode_request(1, codec.WatchRequest(i + 1, "", True, start_revision))
         sock.sendall(codec.encode_frame(watch))
 
 

@@ -18,16 +18,8 @@ KV = KeyValue("k/\u00e9", b"\x00\xffdata", 3, 7, 2, 99)
 
 def test_values_round_trip_through_json_frames() -> None:
     ops: list[Op] = [Put("a", b"\x00", 4), Delete("p/", True), Get("a")]
-    txn = codec.encode_request(
-        5,
-        "txn",
-        compares=[
-            codec.encode_compare(c)
-            for c in [Compare.absent("a"), Compare("b", "value", "!=", b"\x01")]
-        ],
-        success=[codec.encode_op(o) for o in ops],
-        failure=[],
-    )
+    compares = [Compare.absent("a"), Compare("b", "value", "!=", b"\x01")]
+    txn = codec.encode_request(5, codec.TxnRequest(compares, ops, []))
     decoder = codec.FrameDecoder()
     data = codec.encode_frame(txn) + codec.encode_frame(
         codec.encode_events(3, [WatchEvent("put", KV)])
@@ -35,10 +27,10 @@ def test_values_round_trip_through_json_frames() -> None:
     frames = []
     for i in range(len(data)):  # one byte at a time: partial frames are kept
         frames += decoder.feed(data[i : i + 1])
-    request = codec.decode_request(frames[0])
-    assert request.op == "txn" and request.id == 5
-    assert request.args["compares"] == [Compare.absent("a"), Compare("b", "value", "!=", b"\x01")]
-    assert request.args["success"] == [Put("a", b"\x00", 4), Delete("p/", True), Get("a")]
+    request_id, request = codec.decode_request(frames[0])
+    assert request_id == 5 and isinstance(request, codec.TxnRequest)
+    assert request.compares == [Compare.absent("a"), Compare("b", "value", "!=", b"\x01")]
+    assert request.success == [Put("a", b"\x00", 4), Delete("p/", True), Get("a")]
     assert [codec.decode_event(e) for e in frames[1]["events"]] == [WatchEvent("put", KV)]
     result = TxnResult(True, 9, [[KV], []])
     assert codec.decode_txn_result(codec.encode_txn_result(result)) == result

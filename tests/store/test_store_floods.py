@@ -174,7 +174,7 @@ def _watcher(host: str, port: int) -> socket.socket:
     sock.bind(("127.0.0.2", 0))
     sock.connect((host, port))
     say_hello(sock, None)
-    watch = codec.encode_request(1, "watch", watch=30, key="", prefix=True)
+    watch = codec.encode_request(1, codec.WatchRequest(30, "", True))
     sock.sendall(codec.encode_frame(watch))
     return sock
 
@@ -246,7 +246,8 @@ def test_a_client_that_does_not_read_its_answers_is_closed_to_make_room() -> Non
             await store.put("/v", os.urandom(600 * KiB))
             hello = codec.encode_frame(codec.hello(None))
             get = b"".join(
-                codec.encode_frame(codec.encode_request(i, "get", key="/v")) for i in range(1, 5)
+                codec.encode_frame(codec.encode_request(i, codec.GetRequest("/v")))
+                for i in range(1, 5)
             )
 
             def flood(held: list[socket.socket]) -> None:

@@ -310,7 +310,7 @@ def test_large_prefixes_are_read_in_pages_and_too_large_answers_are_errors(
             await store.put(p + "huge", b"x" * (1536 * 1024 + 1))
         # A client that does not page gets an error, not a dropped connection.
         with pytest.raises(LimitExceeded, match="pages"):
-            await store._request("range", key=p)
+            await store._request(codec.RangeRequest(p), codec.RangeAnswer.from_json)
         assert store._conn is conn, "the connection was dropped"
         await store.delete(p, prefix=True)
         await store.close()

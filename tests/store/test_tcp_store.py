@@ -237,7 +237,7 @@ def test_wrong_or_missing_token_is_refused_and_nothing_is_written(tmp_path: Path
                 await TcpStore.connect(server.host, server.port, timeout=5)
             # a raw client sending a write right behind a wrong hello
             with socket.create_connection((server.host, server.port), timeout=5) as sock:
-                put = codec.encode_request(1, "put", key="intruder", value="eA==", lease=0)
+                put = codec.encode_request(1, codec.PutRequest("intruder", b"x", 0))
                 sock.sendall(frame(codec.hello("wrong")) + frame(put))
                 replies = read_frames(sock)
             assert [(f["t"], f["code"]) for f in replies] == [("error", "auth")]
@@ -366,7 +366,7 @@ def test_malformed_requests_get_errors_not_crashes(
 @FUZZ
 @given(data=st.data())
 def test_truncated_and_oversized_frames(fuzz_server: ServerProcess, data: st.DataObject) -> None:
-    whole = frame(codec.hello(None)) + frame(codec.encode_request(1, "ping"))
+    whole = frame(codec.hello(None)) + frame(codec.encode_request(1, codec.PingRequest()))
     kind = data.draw(st.sampled_from(["truncated", "oversized", "lying-length"]))
     if kind == "truncated":
         payload = whole[: data.draw(st.integers(0, len(whole) - 1))]
@@ -409,7 +409,7 @@ async def raw_watcher(host: str, port: int, key: str, start: int | None = None) 
     """A raw connection with one prefix watch on ``key``, answered; returns
     (reader, writer, decoder, frames read so far after the answer)."""
     reader, writer = await asyncio.open_connection(host, port)
-    req = codec.encode_request(1, "watch", watch=7, key=key, prefix=True, start_revision=start)
+    req = codec.encode_request(1, codec.WatchRequest(7, key, True, start))
     writer.write(frame(codec.hello(None)) + frame(req))
     decoder = codec.FrameDecoder()
     got: list[dict[str, Any]] = []

@@ -36,7 +36,6 @@ from elastrun.clock import remaining
 from elastrun.errors import (
     ConfigError,
     LeaseNotFound,
-    ProtocolError,
     StoreError,
     StoreTimeout,
     StoreUnavailable,
@@ -106,9 +105,8 @@ class TcpStore(TcpLink, Store):
 
     # -- Store -----------------------------------------------------------------
     async def get(self, key: str) -> KeyValue | None:
-        result = await self._request("get", key=key)
-        raw = result.get("kv")
-        return None if raw is None else codec.decode_kv(raw)
+        answer = await self._request(codec.GetRequest(key), codec.GetAnswer.from_json)
+        return answer.kv
 
     async def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         return await self.get_prefix_paged(prefix)
@@ -122,19 +120,15 @@ class TcpStore(TcpLink, Store):
             after: str | None = None
             revision = -1
             while True:
-                result = await self._request(
-                    "range", key=prefix, page=True, after=after, limit=page_keys
+                answer = await self._request(
+                    codec.RangePageRequest(prefix, after, page_keys), codec.RangeAnswer.from_json
                 )
-                raw = result.get("kvs")
-                if not isinstance(raw, list):
-                    raise ProtocolError(f"malformed range response from {self.address}")
-                page = [codec.decode_kv(kv) for kv in raw]
-                rev = codec.expect_int(result, "revision")
-                if revision >= 0 and rev != revision:
+                page = answer.kvs
+                if revision >= 0 and answer.revision != revision:
                     break  # the store changed between pages: read again
-                revision = rev
+                revision = answer.revision
                 kvs += page
-                if result.get("more") is not True or not page:
+                if answer.more is not True or not page:
                     return kvs, revision
                 after = page[-1].key
         raise StoreError(
@@ -150,25 +144,22 @@ class TcpStore(TcpLink, Store):
         are under ``prefix`` in all; and the store's revision of the read. One
         request of O(limit) bytes (a server that predates the option answers
         every key, and the selection is made here)."""
-        result = await self._request(
-            "range", key=prefix, max_create=max_create_revision, limit=limit
+        answer = await self._request(
+            codec.RangeNewestRequest(prefix, max_create_revision, limit),
+            codec.RangeAnswer.from_json,
         )
-        raw = result.get("kvs")
-        if not isinstance(raw, list):
-            raise ProtocolError(f"malformed range response from {self.address}")
-        kvs = [codec.decode_kv(kv) for kv in raw]
-        revision = codec.expect_int(result, "revision")
-        if "count" in result:
-            return kvs, codec.expect_int(result, "count"), revision
+        kvs, revision = answer.kvs, answer.revision
+        if answer.count is not None:
+            return kvs, answer.count, revision
         return newest_created(kvs, max_create_revision, limit), len(kvs), revision
 
     async def put(self, key: str, value: bytes, lease: int = NO_LEASE) -> int:
-        result = await self._request("put", key=key, value=codec.b64(value), lease=lease)
-        return codec.expect_int(result, "revision")
+        request = codec.PutRequest(key, value, lease)
+        return (await self._request(request, codec.RevisionAnswer.from_json)).revision
 
     async def delete(self, key: str, prefix: bool = False) -> int:
-        result = await self._request("delete", key=key, prefix=prefix)
-        return codec.expect_int(result, "deleted")
+        request = codec.DeleteRequest(key, prefix)
+        return (await self._request(request, codec.DeleteAnswer.from_json)).deleted
 
     async def txn(
         self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
@@ -177,35 +168,29 @@ class TcpStore(TcpLink, Store):
             if isinstance(compare.value, bytes) != (compare.target == "value"):
                 needs = "bytes" if compare.target == "value" else "int"
                 raise StoreError(f"compare {compare.target} needs {needs}")
-        result = await self._request(
-            "txn",
-            compares=[codec.encode_compare(c) for c in compares],
-            success=[codec.encode_op(o) for o in success],
-            failure=[codec.encode_op(o) for o in failure],
-        )
-        return codec.decode_txn_result(result)
+        request = codec.TxnRequest(list(compares), list(success), list(failure))
+        return await self._request(request, codec.decode_txn_result)
 
     async def lease_grant(self, ttl: float) -> int:
-        result = await self._request("lease_grant", ttl=float(ttl))
-        lease = codec.expect_int(result, "lease", minimum=1)
+        request = codec.LeaseGrantRequest(float(ttl))
+        lease = (await self._request(request, codec.LeaseGrantAnswer.from_json)).lease
         self._leases.renewed(lease, float(ttl))
         return lease
 
     async def lease_keepalive(self, lease: int) -> float:
         try:
-            result = await self._request("lease_keepalive", lease=lease)
+            answer = await self._request(
+                codec.LeaseKeepaliveRequest(lease), codec.LeaseKeepaliveAnswer.from_json
+            )
         except LeaseNotFound:
             self._leases.forget(lease)
             raise
-        ttl = result.get("ttl")
-        if type(ttl) not in (int, float):
-            raise ProtocolError(f"malformed lease_keepalive response from {self.address}")
-        self._leases.renewed(lease, float(ttl))
-        return float(ttl)
+        self._leases.renewed(lease, answer.ttl)
+        return answer.ttl
 
     async def lease_revoke(self, lease: int) -> None:
         self._leases.forget(lease)  # never renewed again, whatever the answer
-        await self._request("lease_revoke", lease=lease)
+        await self._request(codec.LeaseRevokeRequest(lease), codec.EmptyAnswer.from_json)
 
     async def watch(
         self, key: str, *, prefix: bool = False, start_revision: int | None = None
@@ -230,12 +215,15 @@ class TcpStore(TcpLink, Store):
             raise
 
     async def compact(self, revision: int) -> None:
-        await self._request("compact", revision=revision)
+        await self._request(codec.CompactRequest(revision), codec.CompactAnswer.from_json)
 
     async def ping(self, timeout: float | None = None) -> int:
         """Round trip to the store (within ``timeout``, default the request
         timeout); returns its revision."""
-        return codec.expect_int(await self._request("ping", timeout=timeout), "revision")
+        answer = await self._request(
+            codec.PingRequest(), codec.RevisionAnswer.from_json, timeout=timeout
+        )
+        return answer.revision
 
     async def close(self) -> None:
         if self._closed:

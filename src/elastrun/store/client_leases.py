@@ -15,6 +15,7 @@ renewing it: a reconnect must not revive it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from typing import TYPE_CHECKING, Any
 
@@ -67,7 +68,7 @@ class HeldLeases:
             future.add_done_callback(functools.partial(self._answered, lease))
             conn.pending[request_id] = future
             try:
-                frame = codec.encode_request(request_id, "lease_keepalive", lease=lease)
+                frame = codec.encode_request(request_id, codec.LeaseKeepaliveRequest(lease))
                 conn.writer.write(codec.encode_frame(frame))
             except (OSError, ProtocolError, RuntimeError):
                 conn.pending.pop(request_id, None)
@@ -81,9 +82,12 @@ class HeldLeases:
         response = future.result()
         if response.get("ok") is True:
             result = response.get("result")
-            ttl = result.get("ttl") if isinstance(result, dict) else None
-            if isinstance(ttl, (int, float)) and lease in self._expires:
-                self.renewed(lease, float(ttl))
+            with contextlib.suppress(ProtocolError):  # a malformed answer renews nothing
+                answer = codec.LeaseKeepaliveAnswer.from_json(
+                    result if isinstance(result, dict) else {}
+                )
+                if lease in self._expires:
+                    self.renewed(lease, answer.ttl)
             return
         error = response.get("error")
         if isinstance(error, dict) and error.get("code") == "lease_not_found":

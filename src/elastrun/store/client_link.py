@@ -26,7 +26,8 @@ import contextlib
 import itertools
 import socket
 import struct
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from elastrun.clock import SYSTEM_CLOCK, Clock, remaining
 from elastrun.endpoint import Endpoint
@@ -62,7 +63,7 @@ _ERRORS: dict[str, type[StoreError]] = {
     "protocol": ProtocolError,
     "auth": AuthenticationError,
 }
-_IDEMPOTENT = frozenset({"get", "range", "lease_keepalive", "ping", "watch_cancel"})
+A = TypeVar("A")
 REFUSED_TIMEOUT = 5.0
 
 
@@ -286,43 +287,52 @@ class TcpLink:
         conn = await self._connected(deadline)
         watch.conn = conn  # route events of this connection to it from now on
         try:
-            result = await self._send(
-                conn,
-                deadline,
-                "watch",
-                watch=watch.watch_id,
-                key=watch.key,
-                prefix=watch.prefix,
-                start_revision=watch.resume_revision(),
+            request = codec.WatchRequest(
+                watch.watch_id, watch.key, watch.prefix, watch.resume_revision()
             )
+            answer = await self._send(conn, deadline, request, codec.RevisionAnswer.from_json)
         except BaseException:
             watch.conn = None
             raise
-        watch.established(conn, codec.expect_int(result, "revision"))
+        watch.established(conn, answer.revision)
 
     # -- requests --------------------------------------------------------------
-    async def _request(self, op: str, *, timeout: float | None = None, **args: Any) -> Any:
+    async def _request(
+        self,
+        request: codec.Request,
+        decode: Callable[[Mapping[str, Any]], A],
+        *,
+        timeout: float | None = None,
+    ) -> A:
+        """``request``'s answer, read by ``decode`` (reconnecting first if
+        need be; a read is sent again once if the connection was lost)."""
         deadline = self.clock.monotonic() + (self.request_timeout if timeout is None else timeout)
         retried = False
         while True:
             conn = await self._connected(deadline)
             try:
-                return await self._send(conn, deadline, op, **args)
+                return await self._send(conn, deadline, request, decode)
             except StoreTimeout:
                 raise
             except StoreUnavailable as exc:
-                if op in _IDEMPOTENT and not retried and remaining(deadline, self.clock) > 0:
+                if request.RETRIED and not retried and remaining(deadline, self.clock) > 0:
                     retried = True
                     continue
-                if op not in _IDEMPOTENT:
+                if not request.RETRIED:
                     raise StoreUnavailable(
-                        f"{exc} (the {op} may or may not have been applied)"
+                        f"{exc} (the {request.OP} may or may not have been applied)"
                     ) from None
                 raise
 
-    async def _send(self, conn: Conn, deadline: float, op: str, **args: Any) -> Any:
+    async def _send(
+        self,
+        conn: Conn,
+        deadline: float,
+        request: codec.Request,
+        decode: Callable[[Mapping[str, Any]], A],
+    ) -> A:
         request_id = next(self._ids)
-        frame = codec.encode_frame(codec.encode_request(request_id, op, **args))
+        frame = codec.encode_frame(codec.encode_request(request_id, request))
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         conn.pending[request_id] = future
         try:
@@ -332,7 +342,8 @@ class TcpLink:
                 response = await future
         except TimeoutError:
             raise StoreTimeout(
-                f"the elastrun store at {self.address} did not answer a {op} request in time"
+                f"the elastrun store at {self.address} did not answer a {request.OP} "
+                "request in time"
             ) from None
         except OSError as exc:
             why = describe_error(exc)
@@ -341,17 +352,22 @@ class TcpLink:
             ) from None
         finally:
             conn.pending.pop(request_id, None)
-        if response.get("ok") is True:
-            result = response.get("result")
-            if not isinstance(result, dict):
-                raise ProtocolError(f"malformed {op} response from {self.address}")
-            return result
-        raise _error_of(response.get("error"), f"{op} failed")
+        if response.get("ok") is not True:
+            raise _error_of(response.get("error"), f"{request.OP} failed")
+        result = response.get("result")
+        if not isinstance(result, dict):
+            raise ProtocolError(f"malformed {request.OP} response from {self.address}")
+        try:
+            return decode(result)
+        except ProtocolError as exc:
+            raise ProtocolError(
+                f"malformed {request.OP} response from {self.address}: {exc}"
+            ) from None
 
-    def _post(self, conn: Conn, op: str, **args: Any) -> None:
+    def _post(self, conn: Conn, request: codec.Request) -> None:
         """Send a request whose answer nobody waits for (it is ignored)."""
         with contextlib.suppress(OSError, ProtocolError, RuntimeError):
-            conn.writer.write(codec.encode_frame(codec.encode_request(next(self._ids), op, **args)))
+            conn.writer.write(codec.encode_frame(codec.encode_request(next(self._ids), request)))
 
     def abort(self) -> None:
         """Drop the connection at once, with a reset: nothing queued for the
@@ -375,7 +391,7 @@ class TcpLink:
         self._watches.pop(watch.watch_id, None)
 
     def cancel_watch(self, conn: Conn, watch_id: int) -> None:
-        self._post(conn, "watch_cancel", watch=watch_id)
+        self._post(conn, codec.WatchCancelRequest(watch_id))
 
 
 def _error_of(error: Any, fallback: str) -> StoreError:

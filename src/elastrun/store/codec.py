@@ -12,6 +12,13 @@ and the server's answer, requests (``"t": "req"``) and their responses
 splits a revision), the server ending a watch (``"t": "cancel"``) or the
 connection (``"t": "error"``): docs/store-protocol.md has each one's fields.
 
+Each operation is one frozen request class (:data:`Request`: ``from_json``
+reads a ``req`` frame's fields, ``to_json`` writes them) and each kind of
+result one answer class (:data:`Answer`, a txn's being
+:class:`~elastrun.store.base.TxnResult`): the server matches on the request
+class, the client reads the answer class it expects. The JSON is the
+protocol's, field for field.
+
 Decoding is strict: a wrong type, an unknown op or a missing field raises
 :class:`~elastrun.errors.ProtocolError`; nothing else escapes.
 """
@@ -23,9 +30,9 @@ import binascii
 import json
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, ClassVar, Literal, assert_never, cast
 
 from elastrun.errors import ProtocolError
 from elastrun.store.base import (
@@ -46,8 +53,32 @@ __all__ = [
     "MAX_FRAME",
     "OPS",
     "PROTOCOL_VERSION",
+    "Answer",
+    "CompactAnswer",
+    "CompactRequest",
+    "DeleteAnswer",
+    "DeleteRequest",
+    "EmptyAnswer",
+    "EngineRequest",
     "FrameDecoder",
+    "GetAnswer",
+    "GetRequest",
+    "LeaseGrantAnswer",
+    "LeaseGrantRequest",
+    "LeaseKeepaliveAnswer",
+    "LeaseKeepaliveRequest",
+    "LeaseRevokeRequest",
+    "PingRequest",
+    "PutRequest",
+    "RangeAnswer",
+    "RangeNewestRequest",
+    "RangePageRequest",
+    "RangeRequest",
     "Request",
+    "RevisionAnswer",
+    "TxnRequest",
+    "WatchCancelRequest",
+    "WatchRequest",
     "b64",
     "decode_compare",
     "decode_event",
@@ -55,6 +86,7 @@ __all__ = [
     "decode_op",
     "decode_request",
     "decode_txn_result",
+    "encode_answer",
     "encode_cancel",
     "encode_compare",
     "encode_error",
@@ -76,23 +108,6 @@ __all__ = [
 PROTOCOL_VERSION = 1
 _HEADER = struct.Struct(">I")
 _MAX_INT = (1 << 63) - 1
-
-OPS = frozenset(
-    {
-        "get",
-        "range",
-        "put",
-        "delete",
-        "txn",
-        "lease_grant",
-        "lease_keepalive",
-        "lease_revoke",
-        "watch",
-        "watch_cancel",
-        "compact",
-        "ping",
-    }
-)
 
 Json = dict[str, Any]
 
@@ -315,27 +330,31 @@ def decode_compare(value: Any) -> Compare:
 
 
 def encode_op(op: Op) -> Json:
-    if isinstance(op, Put):
-        return {"op": "put", "key": op.key, "value": b64(op.value), "lease": op.lease}
-    if isinstance(op, Delete):
-        return {"op": "delete", "key": op.key, "prefix": op.prefix}
-    if isinstance(op, Count):
-        return {"op": "count", "key": op.prefix}
-    return {"op": "get", "key": op.key, "prefix": op.prefix}
+    match op:
+        case Put():
+            return {"op": "put", "key": op.key, "value": b64(op.value), "lease": op.lease}
+        case Delete():
+            return {"op": "delete", "key": op.key, "prefix": op.prefix}
+        case Count():
+            return {"op": "count", "key": op.prefix}
+        case Get():
+            return {"op": "get", "key": op.key, "prefix": op.prefix}
+    assert_never(op)
 
 
 def decode_op(value: Any) -> Op:
     obj = _expect_obj(value, "txn operation")
-    kind = obj.get("op")
-    if kind == "put":
-        return Put(expect_str(obj, "key"), _unb64(obj, "value"), expect_int(obj, "lease"))
-    if kind == "delete":
-        return Delete(expect_str(obj, "key"), expect_bool(obj, "prefix", False))
-    if kind == "get":
-        return Get(expect_str(obj, "key"), expect_bool(obj, "prefix", False))
-    if kind == "count":
-        return Count(expect_str(obj, "key"))
-    raise ProtocolError(f"unknown txn operation {kind!r:.40}")
+    match obj.get("op"):
+        case "put":
+            return Put(expect_str(obj, "key"), _unb64(obj, "value"), expect_int(obj, "lease"))
+        case "delete":
+            return Delete(expect_str(obj, "key"), expect_bool(obj, "prefix", False))
+        case "get":
+            return Get(expect_str(obj, "key"), expect_bool(obj, "prefix", False))
+        case "count":
+            return Count(expect_str(obj, "key"))
+        case kind:
+            raise ProtocolError(f"unknown txn operation {kind!r:.40}")
 
 
 def encode_txn_result(result: TxnResult) -> Json:
@@ -367,14 +386,6 @@ def decode_txn_result(value: Any) -> TxnResult:
 # -- messages -----------------------------------------------------------------
 def hello(token: str | None) -> Json:
     return {"v": PROTOCOL_VERSION, "t": "hello", "token": token}
-
-
-def encode_request(request_id: int, op: str, **args: Any) -> Json:
-    return {"v": PROTOCOL_VERSION, "t": "req", "id": request_id, "op": op, **args}
-
-
-def encode_response(request_id: int, result: Any) -> Json:
-    return {"v": PROTOCOL_VERSION, "t": "resp", "id": request_id, "ok": True, "result": result}
 
 
 def error_response(request_id: int, code: str, message: str, **extra: Any) -> Json:
@@ -442,17 +453,315 @@ def encode_error(code: str, message: str) -> Json:
     return {"v": PROTOCOL_VERSION, "t": "error", "code": code, "message": message}
 
 
+# -- requests -----------------------------------------------------------------
+# One class per store operation: ``from_json`` validates the fields of a
+# ``req`` frame (the server), ``to_json`` writes them (the client). ``OP`` is
+# the wire name; ``RETRIED``: a request the client sends again on a new
+# connection when the first one was lost (a read: no write applied twice).
 @dataclass(frozen=True, slots=True)
-class Request:
-    """A validated request. ``args`` holds typed arguments for ``op``."""
+class GetRequest:
+    """One key."""
 
-    id: int
-    op: str
-    args: dict[str, Any]
+    OP: ClassVar[str] = "get"
+    RETRIED: ClassVar[bool] = True
+    key: str
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> GetRequest:
+        return cls(expect_str(obj, "key"))
+
+    def to_json(self) -> Json:
+        return {"op": self.OP, "key": self.key}
 
 
-def decode_request(obj: Mapping[str, Any]) -> Request:
-    """Validate a ``req`` frame into typed arguments (ProtocolError if malformed).
+@dataclass(frozen=True, slots=True)
+class RangeRequest:
+    """Every key under ``key``, in one answer (an older client's read; an
+    answer over the server's limit is refused)."""
+
+    OP: ClassVar[str] = "range"
+    RETRIED: ClassVar[bool] = True
+    key: str
+
+    def to_json(self) -> Json:
+        return {"op": self.OP, "key": self.key}
+
+
+@dataclass(frozen=True, slots=True)
+class RangePageRequest:
+    """A page of the keys under ``key``: those after ``after`` (None: from
+    the first), at most ``limit`` of them (0: any number), within the
+    server's answer limit; the answer says whether there are ``more``."""
+
+    OP: ClassVar[str] = "range"
+    RETRIED: ClassVar[bool] = True
+    key: str
+    after: str | None = None
+    limit: int = 0
+
+    def to_json(self) -> Json:
+        return {
+            "op": self.OP,
+            "key": self.key,
+            "page": True,
+            "after": self.after,
+            "limit": self.limit,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RangeNewestRequest:
+    """Up to ``limit`` keys under ``key`` created at or before
+    ``max_create``, newest first, and the ``count`` of all keys under it (a
+    server that ignores the option answers every key)."""
+
+    OP: ClassVar[str] = "range"
+    RETRIED: ClassVar[bool] = True
+    key: str
+    max_create: int
+    limit: int = 0
+
+    def to_json(self) -> Json:
+        return {
+            "op": self.OP,
+            "key": self.key,
+            "max_create": self.max_create,
+            "limit": self.limit,
+        }
+
+
+def _decode_range(obj: Mapping[str, Any]) -> RangeRequest | RangePageRequest | RangeNewestRequest:
+    key = expect_str(obj, "key")
+    if "max_create" in obj:
+        max_create = expect_int(obj, "max_create")
+        return RangeNewestRequest(
+            key, max_create, expect_int(obj, "limit") if "limit" in obj else 0
+        )
+    if obj.get("page") is True:
+        after = expect_str(obj, "after") if obj.get("after") is not None else None
+        return RangePageRequest(key, after, expect_int(obj, "limit") if "limit" in obj else 0)
+    return RangeRequest(key)
+
+
+@dataclass(frozen=True, slots=True)
+class PutRequest:
+    OP: ClassVar[str] = "put"
+    RETRIED: ClassVar[bool] = False
+    key: str
+    value: bytes
+    lease: int = NO_LEASE
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> PutRequest:
+        key = expect_str(obj, "key")
+        value = _unb64(obj, "value")
+        return cls(key, value, expect_int(obj, "lease") if "lease" in obj else NO_LEASE)
+
+    def to_json(self) -> Json:
+        return {"op": self.OP, "key": self.key, "value": b64(self.value), "lease": self.lease}
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteRequest:
+    OP: ClassVar[str] = "delete"
+    RETRIED: ClassVar[bool] = False
+    key: str
+    prefix: bool = False
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> DeleteRequest:
+        return cls(expect_str(obj, "key"), expect_bool(obj, "prefix", False))
+
+    def to_json(self) -> Json:
+        return {"op": self.OP, "key": self.key, "prefix": self.prefix}
+
+
+@dataclass(frozen=True, slots=True)
+class TxnRequest:
+    OP: ClassVar[str] = "txn"
+    RETRIED: ClassVar[bool] = False
+    compares: list[Compare]
+    success: list[Op]
+    failure: list[Op]
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> TxnRequest:
+        return cls(
+            [decode_compare(c) for c in _expect_list(obj, "compares")],
+            [decode_op(o) for o in _expect_list(obj, "success")],
+            [decode_op(o) for o in _expect_list(obj, "failure")],
+        )
+
+    def to_json(self) -> Json:
+        return {
+            "op": self.OP,
+            "compares": [encode_compare(c) for c in self.compares],
+            "success": [encode_op(o) for o in self.success],
+            "failure": [encode_op(o) for o in self.failure],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGrantRequest:
+    OP: ClassVar[str] = "lease_grant"
+    RETRIED: ClassVar[bool] = False
+    ttl: float
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> LeaseGrantRequest:
+        return cls(_expect_number(obj, "ttl"))
+
+    def to_json(self) -> Json:
+        return {"op": self.OP, "ttl": self.ttl}
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseKeepaliveRequest:
+    OP: ClassVar[str] = "lease_keepalive"
+    RETRIED: ClassVar[bool] = True
+    lease: int
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> LeaseKeepaliveRequest:
+        return cls(expect_int(obj, "lease", minimum=1))
+
+    def to_json(self) -> Json:
+        return {"op": self.OP, "lease": self.lease}
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRevokeRequest:
+    OP: ClassVar[str] = "lease_revoke"
+    RETRIED: ClassVar[bool] = False
+    lease: int
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> LeaseRevokeRequest:
+        return cls(expect_int(obj, "lease", minimum=1))
+
+    def to_json(self) -> Json:
+        return {"op": self.OP, "lease": self.lease}
+
+
+@dataclass(frozen=True, slots=True)
+class WatchRequest:
+    """Stream the changes of ``key`` (or under it) from ``start_revision``
+    (None: from now on), as ``events`` frames of watch id ``watch``."""
+
+    OP: ClassVar[str] = "watch"
+    RETRIED: ClassVar[bool] = False
+    watch: int
+    key: str
+    prefix: bool = False
+    start_revision: int | None = None
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> WatchRequest:
+        watch = expect_int(obj, "watch", minimum=1)
+        key = expect_str(obj, "key")
+        prefix = expect_bool(obj, "prefix", False)
+        start = None if obj.get("start_revision") is None else expect_int(obj, "start_revision")
+        return cls(watch, key, prefix, start)
+
+    def to_json(self) -> Json:
+        return {
+            "op": self.OP,
+            "watch": self.watch,
+            "key": self.key,
+            "prefix": self.prefix,
+            "start_revision": self.start_revision,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class WatchCancelRequest:
+    OP: ClassVar[str] = "watch_cancel"
+    RETRIED: ClassVar[bool] = True
+    watch: int
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> WatchCancelRequest:
+        return cls(expect_int(obj, "watch", minimum=1))
+
+    def to_json(self) -> Json:
+        return {"op": self.OP, "watch": self.watch}
+
+
+@dataclass(frozen=True, slots=True)
+class CompactRequest:
+    OP: ClassVar[str] = "compact"
+    RETRIED: ClassVar[bool] = False
+    revision: int
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> CompactRequest:
+        return cls(expect_int(obj, "revision"))
+
+    def to_json(self) -> Json:
+        return {"op": self.OP, "revision": self.revision}
+
+
+@dataclass(frozen=True, slots=True)
+class PingRequest:
+    OP: ClassVar[str] = "ping"
+    RETRIED: ClassVar[bool] = True
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> PingRequest:
+        return cls()
+
+    def to_json(self) -> Json:
+        return {"op": self.OP}
+
+
+#: What the engine answers (server_ops); watches are the connection's (server_watch).
+EngineRequest = (
+    GetRequest
+    | RangeRequest
+    | RangePageRequest
+    | RangeNewestRequest
+    | PutRequest
+    | DeleteRequest
+    | TxnRequest
+    | LeaseGrantRequest
+    | LeaseKeepaliveRequest
+    | LeaseRevokeRequest
+    | CompactRequest
+    | PingRequest
+)
+Request = EngineRequest | WatchRequest | WatchCancelRequest
+
+_DECODERS: Mapping[str, Callable[[Mapping[str, Any]], Request]] = {
+    "get": GetRequest.from_json,
+    "range": _decode_range,
+    "put": PutRequest.from_json,
+    "delete": DeleteRequest.from_json,
+    "txn": TxnRequest.from_json,
+    "lease_grant": LeaseGrantRequest.from_json,
+    "lease_keepalive": LeaseKeepaliveRequest.from_json,
+    "lease_revoke": LeaseRevokeRequest.from_json,
+    "watch": WatchRequest.from_json,
+    "watch_cancel": WatchCancelRequest.from_json,
+    "compact": CompactRequest.from_json,
+    "ping": PingRequest.from_json,
+}
+OPS = frozenset(_DECODERS)
+
+
+def _expect_number(obj: Mapping[str, Any], name: str) -> float:
+    value = obj.get(name)
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise ProtocolError(f"field {name!r} must be a finite number, got {value!r:.40}")
+    return float(value)
+
+
+def encode_request(request_id: int, request: Request) -> Json:
+    return {"v": PROTOCOL_VERSION, "t": "req", "id": request_id, **request.to_json()}
+
+
+def decode_request(obj: Mapping[str, Any]) -> tuple[int, Request]:
+    """Validate a ``req`` frame: its id and its typed request (ProtocolError
+    if malformed).
 
     When the frame's ``id`` is readable, the server answers a malformed request
     with an error response (and keeps the connection); otherwise it hangs up.
@@ -461,48 +770,164 @@ def decode_request(obj: Mapping[str, Any]) -> Request:
         raise ProtocolError(f"expected a request frame, got type {obj.get('t')!r:.40}")
     request_id = expect_int(obj, "id")
     op = obj.get("op")
-    if op not in OPS:
+    decode = _DECODERS.get(op) if isinstance(op, str) else None
+    if decode is None:
         raise ProtocolError(f"unknown store operation {op!r:.40}")
-    args: dict[str, Any] = {}
-    if op in ("get", "range", "delete"):
-        args["key"] = expect_str(obj, "key")
-        if op == "delete":
-            args["prefix"] = expect_bool(obj, "prefix", False)
-        if op == "range" and "max_create" in obj:
-            # Optional (a server that ignores it answers every key): up to
-            # ``limit`` keys created at or before ``max_create``, newest first,
-            # and the ``count`` of all keys under the prefix.
-            args["max_create"] = expect_int(obj, "max_create")
-            args["limit"] = expect_int(obj, "limit") if "limit" in obj else 0
-        elif op == "range" and obj.get("page") is True:
-            # Paged (the answer says ``more``): keys after ``after``, at most
-            # ``limit`` of them (0: any number), within the server's page size.
-            args["page"] = True
-            args["after"] = expect_str(obj, "after") if obj.get("after") is not None else None
-            args["limit"] = expect_int(obj, "limit") if "limit" in obj else 0
-    elif op == "put":
-        args["key"] = expect_str(obj, "key")
-        args["value"] = _unb64(obj, "value")
-        args["lease"] = expect_int(obj, "lease") if "lease" in obj else NO_LEASE
-    elif op == "txn":
-        args["compares"] = [decode_compare(c) for c in _expect_list(obj, "compares")]
-        args["success"] = [decode_op(o) for o in _expect_list(obj, "success")]
-        args["failure"] = [decode_op(o) for o in _expect_list(obj, "failure")]
-    elif op == "lease_grant":
-        ttl = obj.get("ttl")
-        if not isinstance(ttl, int | float) or isinstance(ttl, bool) or not math.isfinite(ttl):
-            raise ProtocolError(f"field 'ttl' must be a finite number, got {ttl!r:.40}")
-        args["ttl"] = float(ttl)
-    elif op in ("lease_keepalive", "lease_revoke"):
-        args["lease"] = expect_int(obj, "lease", minimum=1)
-    elif op == "watch":
-        args["watch"] = expect_int(obj, "watch", minimum=1)
-        args["key"] = expect_str(obj, "key")
-        args["prefix"] = expect_bool(obj, "prefix", False)
-        start = obj.get("start_revision")
-        args["start_revision"] = None if start is None else expect_int(obj, "start_revision")
-    elif op == "watch_cancel":
-        args["watch"] = expect_int(obj, "watch", minimum=1)
-    elif op == "compact":
-        args["revision"] = expect_int(obj, "revision")
-    return Request(request_id, op, args)
+    return request_id, decode(obj)
+
+
+# -- answers ------------------------------------------------------------------
+# One class per kind of answer (a txn's is base.TxnResult): ``to_json`` writes
+# a response's ``result`` (the server), ``from_json`` reads it (the client).
+@dataclass(frozen=True, slots=True)
+class RevisionAnswer:
+    """The store's revision after the request (put, ping, watch)."""
+
+    revision: int
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> RevisionAnswer:
+        return cls(expect_int(obj, "revision"))
+
+    def to_json(self) -> Json:
+        return {"revision": self.revision}
+
+
+@dataclass(frozen=True, slots=True)
+class EmptyAnswer:
+    """Done (lease_revoke, watch_cancel)."""
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> EmptyAnswer:
+        return cls()
+
+    def to_json(self) -> Json:
+        return {}
+
+
+@dataclass(frozen=True, slots=True)
+class GetAnswer:
+    kv: KeyValue | None
+    revision: int
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> GetAnswer:
+        raw = obj.get("kv")
+        return cls(None if raw is None else decode_kv(raw), expect_int(obj, "revision"))
+
+    def to_json(self) -> Json:
+        return {"kv": None if self.kv is None else encode_kv(self.kv), "revision": self.revision}
+
+
+@dataclass(frozen=True, slots=True)
+class RangeAnswer:
+    """Keys at ``revision``; ``more``: a page's answer (more keys follow);
+    ``count``: a newest-first answer's count of every key under the prefix
+    (None from a server that ignores the option)."""
+
+    kvs: list[KeyValue]
+    revision: int
+    more: bool | None = None
+    count: int | None = None
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> RangeAnswer:
+        raw = obj.get("kvs")
+        if not isinstance(raw, list):
+            raise ProtocolError(f"field 'kvs' must be a list, got {type(raw).__name__}")
+        kvs = [decode_kv(kv) for kv in raw]
+        count = expect_int(obj, "count") if "count" in obj else None
+        more = obj.get("more")
+        return cls(
+            kvs, expect_int(obj, "revision"), more if isinstance(more, bool) else None, count
+        )
+
+    def to_json(self) -> Json:
+        out: Json = {"kvs": [encode_kv(kv) for kv in self.kvs]}
+        if self.count is not None:
+            out["count"] = self.count
+        out["revision"] = self.revision
+        if self.more is not None:
+            out["more"] = self.more
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteAnswer:
+    deleted: int
+    revision: int
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> DeleteAnswer:
+        return cls(expect_int(obj, "deleted"), expect_int(obj, "revision"))
+
+    def to_json(self) -> Json:
+        return {"deleted": self.deleted, "revision": self.revision}
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGrantAnswer:
+    lease: int
+    ttl: float
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> LeaseGrantAnswer:
+        return cls(expect_int(obj, "lease", minimum=1), _expect_number(obj, "ttl"))
+
+    def to_json(self) -> Json:
+        return {"lease": self.lease, "ttl": self.ttl}
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseKeepaliveAnswer:
+    ttl: float
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> LeaseKeepaliveAnswer:
+        return cls(_expect_number(obj, "ttl"))
+
+    def to_json(self) -> Json:
+        return {"ttl": self.ttl}
+
+
+@dataclass(frozen=True, slots=True)
+class CompactAnswer:
+    revision: int
+    compact_revision: int
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> CompactAnswer:
+        return cls(expect_int(obj, "revision"), expect_int(obj, "compact_revision"))
+
+    def to_json(self) -> Json:
+        return {"revision": self.revision, "compact_revision": self.compact_revision}
+
+
+Answer = (
+    RevisionAnswer
+    | EmptyAnswer
+    | GetAnswer
+    | RangeAnswer
+    | DeleteAnswer
+    | LeaseGrantAnswer
+    | LeaseKeepaliveAnswer
+    | CompactAnswer
+    | TxnResult
+)
+
+
+def encode_answer(answer: Answer) -> Json:
+    """A response's ``result``."""
+    if isinstance(answer, TxnResult):
+        return encode_txn_result(answer)
+    return answer.to_json()
+
+
+def encode_response(request_id: int, answer: Answer) -> Json:
+    return {
+        "v": PROTOCOL_VERSION,
+        "t": "resp",
+        "id": request_id,
+        "ok": True,
+        "result": encode_txn_result(answer) if isinstance(answer, TxnResult) else answer.to_json(),
+    }

@@ -52,6 +52,7 @@ from elastrun.errors import ProtocolError
 from elastrun.store import codec
 from elastrun.store.abuse_log import AbuseLog
 from elastrun.store.budgets import InputBudget, OutputBudget
+from elastrun.store.codec import WatchCancelRequest, WatchRequest
 from elastrun.store.engine import Engine
 from elastrun.store.limits import PRE_HELLO_FRAME, StoreLimits
 from elastrun.store.server_ops import execute
@@ -313,32 +314,33 @@ class Connection(WatchStreams, asyncio.Protocol):
             self._close_with("not_host", refused or "not the store's host", fields)
             return
         try:
-            request = codec.decode_request(frame)
+            request_id, request = codec.decode_request(frame)
         except ProtocolError as exc:
-            request_id = frame.get("id")
-            if type(request_id) is int and frame.get("t") == "req":
-                self.send(codec.error_response(request_id, "protocol", str(exc)))
+            raw_id = frame.get("id")
+            if type(raw_id) is int and frame.get("t") == "req":
+                self.send(codec.error_response(raw_id, "protocol", str(exc)))
             else:
                 self.fail("protocol", str(exc))
             return
-        if request.op == "watch":
-            self._watch(request)
-            return
-        if request.op == "watch_cancel":
-            watcher = self.watches.pop(request.args["watch"], None)
-            self.lagging.pop(request.args["watch"], None)
-            if watcher is not None:
-                self.engine.remove_watcher(watcher)
-            self.send(codec.encode_response(request.id, {}))
-            return
-        answer = execute(
-            self.engine,
-            request,
-            owner=self,
-            max_response=self.limits.max_response,
-            leases_moved=self.server.poke_reaper,
-        )
-        self.send_answer(request.id, answer)
+        match request:
+            case WatchRequest():
+                self._watch(request_id, request)
+            case WatchCancelRequest(watch=watch_id):
+                watcher = self.watches.pop(watch_id, None)
+                self.lagging.pop(watch_id, None)
+                if watcher is not None:
+                    self.engine.remove_watcher(watcher)
+                self.send(codec.encode_response(request_id, codec.EmptyAnswer()))
+            case _:
+                answer = execute(
+                    self.engine,
+                    request_id,
+                    request,
+                    owner=self,
+                    max_response=self.limits.max_response,
+                    leases_moved=self.server.poke_reaper,
+                )
+                self.send_answer(request_id, answer)
 
     def send_answer(self, request_id: int, message: Mapping[str, Any]) -> None:
         """Send a response; one too large for a frame becomes a ``limit`` error."""

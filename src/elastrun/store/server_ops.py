@@ -9,7 +9,7 @@ lease reaper). Watches, which stream, are the connection's own
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, assert_never
 
 from elastrun.errors import (
     LeaseNotFound,
@@ -19,6 +19,28 @@ from elastrun.errors import (
     StoreError,
 )
 from elastrun.store import codec
+from elastrun.store.codec import (
+    CompactAnswer,
+    CompactRequest,
+    DeleteAnswer,
+    DeleteRequest,
+    EmptyAnswer,
+    GetAnswer,
+    GetRequest,
+    LeaseGrantAnswer,
+    LeaseGrantRequest,
+    LeaseKeepaliveAnswer,
+    LeaseKeepaliveRequest,
+    LeaseRevokeRequest,
+    PingRequest,
+    PutRequest,
+    RangeAnswer,
+    RangeNewestRequest,
+    RangePageRequest,
+    RangeRequest,
+    RevisionAnswer,
+    TxnRequest,
+)
 from elastrun.store.engine import Engine
 from elastrun.store.limits import encoded_size
 
@@ -44,87 +66,77 @@ def failure_response(request_id: int, exc: Exception) -> dict[str, Any]:
 
 def execute(
     engine: Engine,
-    request: codec.Request,
+    request_id: int,
+    request: codec.EngineRequest,
     *,
     owner: object,
     max_response: int,
     leases_moved: Callable[[], None],
 ) -> dict[str, Any]:
-    """The response to ``request`` (not a watch): leases granted or kept alive
-    are ``owner``'s; answers are at most ``max_response`` bytes;
+    """The response frame to ``request`` (not a watch): leases granted or
+    kept alive are ``owner``'s; answers are at most ``max_response`` bytes;
     ``leases_moved`` is called after a lease was granted, kept alive or
     revoked."""
     try:
-        result = _execute(engine, request, owner, max_response, leases_moved)
+        answer = _execute(engine, request, owner, max_response, leases_moved)
     except (StoreError, ValueError, TypeError) as exc:
-        return failure_response(request.id, exc)
-    return codec.encode_response(request.id, result)
+        return failure_response(request_id, exc)
+    return codec.encode_response(request_id, answer)
 
 
 def _execute(
     engine: Engine,
-    request: codec.Request,
+    request: codec.EngineRequest,
     owner: object,
     max_response: int,
     leases_moved: Callable[[], None],
-) -> Any:
-    args = request.args
-    op = request.op
-    if op == "get":
-        kv = engine.get(args["key"])
-        return {"kv": None if kv is None else codec.encode_kv(kv), "revision": engine.revision}
-    if op == "range":
-        return _range(engine, args, max_response)
-    if op == "put":
-        return {"revision": engine.put(args["key"], args["value"], args["lease"])}
-    if op == "delete":
-        deleted = engine.delete(args["key"], args["prefix"])
-        return {"deleted": deleted, "revision": engine.revision}
-    if op == "txn":
-        result = engine.txn(
-            args["compares"], args["success"], args["failure"], max_answer=max_response
-        )
-        return codec.encode_txn_result(result)
-    if op == "lease_grant":
-        lease = engine.lease_grant(args["ttl"], owner=owner)
-        leases_moved()
-        return {"lease": lease, "ttl": args["ttl"]}
-    if op == "lease_keepalive":
-        engine.expire_leases()  # an expired lease must not be revived
-        ttl = engine.lease_keepalive(args["lease"], owner=owner)
-        leases_moved()
-        return {"ttl": ttl}
-    if op == "lease_revoke":
-        engine.lease_revoke(args["lease"])
-        leases_moved()
-        return {}
-    if op == "compact":
-        engine.compact(args["revision"])
-        return {"revision": engine.revision, "compact_revision": engine.compact_revision}
-    return {"revision": engine.revision}  # ping
-
-
-def _range(engine: Engine, args: Mapping[str, Any], max_response: int) -> Any:
-    if "max_create" in args:
-        kvs, count = engine.range_newest(args["key"], args["max_create"], args["limit"])
-        if sum(encoded_size(kv) for kv in kvs) > max_response:
-            raise LimitExceeded(
-                f"the answer ({len(kvs)} keys) exceeds {max_response} bytes (max_response); "
-                "ask for fewer (limit)"
-            )
-        kvs_json = [codec.encode_kv(kv) for kv in kvs]
-        return {"kvs": kvs_json, "count": count, "revision": engine.revision}
-    paged = args.get("page", False)
-    after = args.get("after") if paged else None
-    limit = args.get("limit", 0) if paged else 0
-    kvs, more = engine.range_page(args["key"], after, limit, max_response)
-    if more and not paged:
-        raise LimitExceeded(
-            f"the keys under {args['key'][:200]!r} exceed {max_response} bytes "
-            "(max_response) in one answer; read them in pages (a newer client does)"
-        )
-    result: dict[str, Any] = {"kvs": [codec.encode_kv(kv) for kv in kvs]}
-    result["revision"] = engine.revision
-    if paged:
-        result["more"] = more
-    return result
+) -> codec.Answer:
+    match request:
+        # The most frequent first (each case is one isinstance check).
+        case GetRequest(key=key):
+            return GetAnswer(engine.get(key), engine.revision)
+        case TxnRequest(compares=compares, success=success, failure=failure):
+            return engine.txn(compares, success, failure, max_answer=max_response)
+        case RangePageRequest(key=key, after=after, limit=limit):
+            kvs, more = engine.range_page(key, after, limit, max_response)
+            return RangeAnswer(kvs, engine.revision, more=more)
+        case PutRequest(key=key, value=value, lease=lease):
+            return RevisionAnswer(engine.put(key, value, lease))
+        case LeaseKeepaliveRequest(lease=lease):
+            engine.expire_leases()  # an expired lease must not be revived
+            kept = engine.lease_keepalive(lease, owner=owner)
+            leases_moved()
+            return LeaseKeepaliveAnswer(kept)
+        case RangeNewestRequest(key=key, max_create=max_create, limit=limit):
+            kvs, count = engine.range_newest(key, max_create, limit)
+            if sum(encoded_size(kv) for kv in kvs) > max_response:
+                raise LimitExceeded(
+                    f"the answer ({len(kvs)} keys) exceeds {max_response} bytes "
+                    "(max_response); ask for fewer (limit)"
+                )
+            return RangeAnswer(kvs, engine.revision, count=count)
+        case DeleteRequest(key=key, prefix=prefix):
+            deleted = engine.delete(key, prefix)
+            return DeleteAnswer(deleted, engine.revision)
+        case LeaseGrantRequest(ttl=ttl):
+            lease = engine.lease_grant(ttl, owner=owner)
+            leases_moved()
+            return LeaseGrantAnswer(lease, ttl)
+        case LeaseRevokeRequest(lease=lease):
+            engine.lease_revoke(lease)
+            leases_moved()
+            return EmptyAnswer()
+        case PingRequest():
+            return RevisionAnswer(engine.revision)
+        case CompactRequest(revision=revision):
+            engine.compact(revision)
+            return CompactAnswer(engine.revision, engine.compact_revision)
+        case RangeRequest(key=key):
+            kvs, more = engine.range_page(key, None, 0, max_response)
+            if more:
+                raise LimitExceeded(
+                    f"the keys under {key[:200]!r} exceed {max_response} bytes "
+                    "(max_response) in one answer; read them in pages (a newer client does)"
+                )
+            return RangeAnswer(kvs, engine.revision)
+    assert_never(request)

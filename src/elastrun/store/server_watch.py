@@ -51,13 +51,12 @@ class WatchStreams(OutputStream):
         """Count and log watch ``watch_id``, cancelled as slow (its frame is sent here)."""
         raise NotImplementedError
 
-    def _watch(self, request: codec.Request) -> None:
-        args = request.args
-        watch_id: int = args["watch"]
+    def _watch(self, request_id: int, request: codec.WatchRequest) -> None:
+        watch_id = request.watch
         if watch_id in self.watches:
             self.send(
                 codec.error_response(
-                    request.id, "invalid", f"watch id {watch_id} is already in use"
+                    request_id, "invalid", f"watch id {watch_id} is already in use"
                 )
             )
             return
@@ -65,21 +64,21 @@ class WatchStreams(OutputStream):
         def deliver(events: list[WatchEvent]) -> bool:
             return self.send_events(watch_id, events)
 
-        start = args["start_revision"]
+        start = request.start_revision
         try:
             watcher = self.engine.add_watcher(
-                args["key"], args["prefix"], start, deliver, catch_up=False
+                request.key, request.prefix, start, deliver, catch_up=False
             )
         except RevisionCompacted as exc:
-            self.send(failure_response(request.id, exc))
+            self.send(failure_response(request_id, exc))
             return
         self.watches[watch_id] = watcher
         revision = self.engine.revision
-        if not self.engine.is_synced(watcher):
+        if start is not None and not self.engine.is_synced(watcher):
             # Everything before ``start`` is "delivered"; history follows this answer.
             revision = max(0, start - 1)
             self.lagging[watch_id] = watcher
-        self.send(codec.encode_response(request.id, {"revision": revision}))
+        self.send(codec.encode_response(request_id, codec.RevisionAnswer(revision)))
         self._schedule_pump()
 
     def _schedule_pump(self) -> None:
