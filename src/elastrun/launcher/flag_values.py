@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import signal
+from collections.abc import Sequence
 
 from elastrun.agent.spec import Std
 from elastrun.agent.watchdog import DEFAULT_AUTO_FLOOR
@@ -30,6 +31,7 @@ __all__ = [
     "parse_signals",
     "parse_stack_signal",
     "parse_std",
+    "signal_tuple",
 ]
 
 _STD_VALUE = re.compile(r"^[0-3]$")
@@ -184,3 +186,29 @@ def parse_hang_timeout(text: str | None) -> tuple[float | None, bool]:
             return DEFAULT_AUTO_FLOOR, True
         return parse_decimal("--hang-timeout", floor), True
     return parse_decimal("--hang-timeout", raw), False
+
+
+def signal_tuple(value: object) -> tuple[signal.Signals, ...]:
+    """``"SIGTERM,SIGUSR1"`` (torch's type), or a sequence of signals, their
+    numbers or names."""
+    if isinstance(value, str):
+        return parse_signals(value)
+    if not isinstance(value, Sequence):
+        raise ConfigError(
+            f"--signals-to-handle: expected a string like 'SIGTERM,SIGUSR1' or a sequence of "
+            f"signals, got {value!r}"
+        )
+    names = []
+    for item in value:
+        if isinstance(item, signal.Signals):
+            names.append(item.name)
+        elif isinstance(item, int) and not isinstance(item, bool):
+            try:
+                names.append(signal.Signals(item).name)
+            except ValueError:
+                raise ConfigError(f"--signals-to-handle: {item} is not a signal") from None
+        elif isinstance(item, str):
+            names.append(item)
+        else:
+            raise ConfigError(f"--signals-to-handle: {item!r} is not a signal")
+    return parse_signals(",".join(names))

@@ -35,9 +35,10 @@ from elastrun.launcher.config import (
     LaunchConfig,
     parse_choice,
 )
+from elastrun.launcher.flag_values import signal_tuple
 from elastrun.launcher.numa import numa_cpus
 from elastrun.launcher.rdzv_conf import RendezvousConf, parse_rdzv_conf
-from elastrun.launcher.torch_config import signal_tuple, torch_fields
+from elastrun.launcher.torch_config import torch_fields
 from elastrun.names import RunId
 from elastrun.rendezvous.api import RendezvousSettings
 from elastrun.store.term import MAX_CANDIDATES, MIN_FAILOVER_LEASE_TTL
