@@ -658,7 +658,7 @@ def test_the_c10d_statefulset_names_its_first_three_pods_as_candidate_hosts(
     """Without etcd: every pod gives the same list (pods 0-2 by their names in the headless
     Service, which publishes them before they are ready) and its own name as --local-addr, so
     that pods 0-2 are candidates 0-2 and a 4th pod is none."""
-    from elastrun.launcher.failover import my_candidate
+    from elastrun.launcher.hosting import my_candidate
 
     docs = manifest("statefulset-c10d.yaml")
     sts, service = one(docs, "StatefulSet"), one(docs, "Service")
