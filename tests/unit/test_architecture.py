@@ -34,7 +34,8 @@ ALLOWED: dict[str, set[str]] = {
     "agent": {"foundation", "rendezvous", "worker"},
     "launcher": {"foundation", "store", "rendezvous", "agent", "worker"},
     "cli": {"foundation", "store", "rendezvous", "agent", "launcher", "worker", "status"},
-    "status": {"foundation", "store", "rendezvous"},
+    # launcher: --rdzv-conf read as the launcher reads it (launcher/rdzv_conf)
+    "status": {"foundation", "store", "rendezvous", "launcher"},
     "worker": {"foundation"},
     "train": {"foundation", "worker"},
     "integrations": {"foundation", "worker", "train"},

@@ -53,9 +53,10 @@ from elastrun.launcher.flag_values import (
 )
 from elastrun.launcher.flags_torchrun import add_torchrun_flags, torchrun_settings
 from elastrun.launcher.limits import FLAG_SECONDS, parse_seconds
-from elastrun.launcher.plan import Backend, Plan, resolve
+from elastrun.launcher.plan import Plan, resolve
 from elastrun.launcher.rdzv_conf import split_rdzv_conf
 from elastrun.names import RunId
+from elastrun.store.factory import Backend
 
 __all__ = [
     "LEGACY_USAGE",

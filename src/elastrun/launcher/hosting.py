@@ -39,10 +39,11 @@ from elastrun.errors import ConfigError, StoreUnavailable
 from elastrun.events import NullSink
 from elastrun.launcher.bind import describe, listen_on
 from elastrun.launcher.event_log import EventLog
-from elastrun.launcher.plan import Backend, Plan
+from elastrun.launcher.plan import Plan
 from elastrun.launcher.rdzv_conf import RendezvousConf
 from elastrun.procs import say
 from elastrun.store.ballot import Ballot, BallotError, ballot_path
+from elastrun.store.factory import Backend, StoreOptions, open_store
 from elastrun.store.failover import Candidates, FailoverClient
 from elastrun.store.limits import DEFAULT_LIMITS, StoreLimits
 from elastrun.store.term import FailoverTiming, Role, TermState
@@ -217,8 +218,6 @@ async def _host_store(plan: Plan) -> tuple[StoreServer | None, Endpoint, str]:
 
 
 async def _open_store(plan: Plan, endpoints: tuple[Endpoint, ...], me: str, note: str) -> Store:
-    from elastrun.store.factory import open_store
-
     # The first connection is retried up to join_timeout (agents may start
     # before the store's host); each later request is bounded by read_timeout
     # (never longer than join_timeout), so a store lost mid-job is reported
@@ -228,8 +227,7 @@ async def _open_store(plan: Plan, endpoints: tuple[Endpoint, ...], me: str, note
         open_store(
             plan.backend,
             endpoints,
-            token=plan.token,
-            conf=plan.conf.etcd_options(),
+            StoreOptions(token=plan.token, etcd=plan.conf.etcd_options()),
             timeout=timeout,
             request_timeout=read_timeout(plan),
         )

@@ -20,9 +20,10 @@ from elastrun.endpoint import format_endpoints
 from elastrun.events import EventSink
 from elastrun.launcher.event_log import EventLog, events_path
 from elastrun.launcher.hosting import in_thread, link_candidates, link_store, route_addr
-from elastrun.launcher.plan import Backend, Plan
+from elastrun.launcher.plan import Plan
 from elastrun.procs import say
 from elastrun.rendezvous.api import Rendezvous
+from elastrun.store.factory import Backend
 
 if TYPE_CHECKING:
     from elastrun.rendezvous.dynamic import DynamicRendezvous
