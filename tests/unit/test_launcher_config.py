@@ -21,7 +21,7 @@ from elastrun.failure import FailureRecord
 from elastrun.launcher.cli import parse
 from elastrun.launcher.command import Command, worker_argv, worker_command
 from elastrun.launcher.config import LaunchConfig
-from elastrun.launcher.flag_values import parse_nnodes, parse_nproc, parse_signals, parse_std
+from elastrun.launcher.flag_grammar import parse_nnodes, parse_nproc, parse_signals, parse_std
 from elastrun.launcher.hosting import is_local_address
 from elastrun.launcher.plan import resolve
 from elastrun.launcher.rdzv_conf import RendezvousConf, parse_rdzv_conf

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from elastrun.errors import ConfigError
-from elastrun.launcher.flag_values import signal_tuple
+from elastrun.launcher.flag_grammar import signal_tuple
 from elastrun.launcher.limits import (
     FLAG_SECONDS,
     MAX_NODES,

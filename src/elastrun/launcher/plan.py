@@ -34,7 +34,7 @@ from elastrun.launcher.config import (
     LaunchConfig,
     parse_choice,
 )
-from elastrun.launcher.flag_values import signal_tuple
+from elastrun.launcher.flag_grammar import signal_tuple
 from elastrun.launcher.numa import numa_cpus
 from elastrun.launcher.rdzv_conf import RendezvousConf, parse_rdzv_conf
 from elastrun.launcher.torch_config import torch_fields

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from elastrun.errors import ConfigError
-from elastrun.launcher.flag_values import signal_tuple
+from elastrun.launcher.flag_grammar import signal_tuple
 from elastrun.launcher.limits import FLAG_SECONDS, parse_seconds
 
 if TYPE_CHECKING:
