@@ -424,11 +424,11 @@ def test_status_reads_a_job_on_etcd() -> None:
     rendezvous nodes, read by the ``elastrun status`` command."""
     from elastrun.rendezvous.api import RendezvousSettings
     from elastrun.rendezvous.dynamic import DynamicRendezvous
-    from elastrun.store.factory import open_store
+    from elastrun.store.factory import Backend, EtcdOptions, StoreOptions, open_store
 
     cluster = start_cluster(1)
     prefix = f"/status-test-{os.getpid()}"
-    conf = {"key_prefix": prefix}
+    options = StoreOptions(etcd=EtcdOptions(key_prefix=prefix))
     base = ["--rdzv-backend", "etcd", "--rdzv-endpoint", cluster.endpoints]
     base += ["--rdzv-conf", f"key_prefix={prefix},join_timeout=5"]
 
@@ -439,7 +439,7 @@ def test_status_reads_a_job_on_etcd() -> None:
         )  # fmt: skip
 
     async def scenario() -> None:
-        store = await open_store("etcd", cluster.endpoints, conf=conf, timeout=10)
+        store = await open_store(Backend.ETCD, cluster.endpoints, options, timeout=10)
         a = DynamicRendezvous(store, settings("ha"), node_id="a")
         b = DynamicRendezvous(store, settings("hb"), node_id="b")
         try:

@@ -33,7 +33,7 @@ import pytest
 
 from elastrun.errors import ConfigError
 from elastrun.launcher.devices import count_gpus, count_xpus
-from elastrun.launcher.flag_values import parse_nnodes
+from elastrun.launcher.flag_grammar import parse_nnodes
 from tests.conftest import REPO
 from tests.helpers import free_port, stop_groups, without_pet
 from tests.integration.elastic_harness import ELASTRUN

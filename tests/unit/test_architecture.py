@@ -50,6 +50,12 @@ ALLOWED: dict[str, set[str]] = {
     },
 }
 
+# layer name -> single modules of other layers it may import besides
+MODULES: dict[str, set[str]] = {
+    # elastrun status reads --rdzv-conf as the launcher reads it
+    "status": {"elastrun.launcher.rdzv_conf"},
+}
+
 
 def layer_of(module: str) -> str:
     parts = module.split(".")
@@ -92,7 +98,7 @@ def test_imports_follow_the_layers() -> None:
             if imp.split(".")[0] != "elastrun":
                 continue
             theirs = layer_of(imp)
-            if theirs not in allowed:
+            if theirs not in allowed and imp not in MODULES.get(mine, set()):
                 violations.append(f"{mod} ({mine}) imports {imp} ({theirs})")
     assert not violations, "\n".join(violations)
 

@@ -26,8 +26,7 @@ from elastrun.failure import FailureRecord
 from elastrun.launcher.cli import parse
 from elastrun.launcher.command import Command
 from elastrun.launcher.devices import count_xpus
-from elastrun.launcher.flag_parser import unknown_flags_message
-from elastrun.launcher.flag_values import parse_nproc
+from elastrun.launcher.flag_grammar import parse_nproc, unknown_flags_message
 from elastrun.launcher.flags import LocalRankStyle, build_parser
 from elastrun.launcher.legacy import local_rank_flag, parse_legacy
 from elastrun.names import RunId

@@ -388,7 +388,7 @@ def test_agent_command_line_parses_with_elastrun(
     for key, value in pet.items():
         monkeypatch.setenv(key, value)
     # --nproc-per-node=gpu counts the GPUs the pod is given: as a GPU pod would see them.
-    monkeypatch.setattr("elastrun.launcher.flag_values.count_gpus", lambda: GPUS_PER_POD)
+    monkeypatch.setattr("elastrun.launcher.flag_grammar.count_gpus", lambda: GPUS_PER_POD)
     # The image's WORKDIR holds examples/ as the repository root does: resolve the script there.
     assert c["workingDir"] == "/app"
     monkeypatch.chdir(ROOT)
@@ -464,7 +464,7 @@ def test_the_gpu_job_runs_one_worker_per_gpu_on_its_gpu_over_nccl(
     limits, requests = c["resources"]["limits"], c["resources"]["requests"]
     assert limits["nvidia.com/gpu"] == requests["nvidia.com/gpu"] == GPUS_PER_POD
     argv, _ = agent_setup("job-gpu.yaml")
-    monkeypatch.setattr("elastrun.launcher.flag_values.count_gpus", lambda: GPUS_PER_POD)
+    monkeypatch.setattr("elastrun.launcher.flag_grammar.count_gpus", lambda: GPUS_PER_POD)
     monkeypatch.chdir(ROOT)
     plan, cmd = parse(argv)
     assert plan.workers.nproc == GPUS_PER_POD  # one worker per GPU the pod is given
@@ -658,7 +658,7 @@ def test_the_c10d_statefulset_names_its_first_three_pods_as_candidate_hosts(
     """Without etcd: every pod gives the same list (pods 0-2 by their names in the headless
     Service, which publishes them before they are ready) and its own name as --local-addr, so
     that pods 0-2 are candidates 0-2 and a 4th pod is none."""
-    from elastrun.launcher.failover import my_candidate
+    from elastrun.launcher.hosting import my_candidate
 
     docs = manifest("statefulset-c10d.yaml")
     sts, service = one(docs, "StatefulSet"), one(docs, "Service")

@@ -21,10 +21,10 @@ from elastrun.failure import FailureRecord
 from elastrun.launcher.cli import parse
 from elastrun.launcher.command import Command, worker_argv, worker_command
 from elastrun.launcher.config import LaunchConfig
-from elastrun.launcher.flag_values import parse_nnodes, parse_nproc, parse_signals, parse_std
+from elastrun.launcher.flag_grammar import parse_nnodes, parse_nproc, parse_signals, parse_std
+from elastrun.launcher.hosting import is_local_address
 from elastrun.launcher.plan import resolve
 from elastrun.launcher.rdzv_conf import RendezvousConf, parse_rdzv_conf
-from elastrun.launcher.run import is_local_address
 from elastrun.names import RunId
 from elastrun.rendezvous.api import RendezvousSettings
 from elastrun.rendezvous.static import StaticRendezvous
@@ -576,7 +576,7 @@ def test_choices_from_the_environment_are_checked_too(script, monkeypatch, env, 
 
 
 def test_rdzv_conf_caps_the_hosted_stores_connections_per_address() -> None:
-    from elastrun.launcher.run import hosted_limits
+    from elastrun.launcher.hosting import hosted_limits
     from elastrun.store.limits import DEFAULT_LIMITS
 
     conf = parse_rdzv_conf("store_max_connections_per_peer=10000")

@@ -19,11 +19,11 @@ from elastrun.agent.file_timers import TimerRequest, TimerTable, parse_request
 from elastrun.agent.log_dirs import error_files
 from elastrun.errors import ConfigError, WorkerError
 from elastrun.launcher.config import LaunchConfig
-from elastrun.launcher.flags import parse_flags
-from elastrun.launcher.flags_torchrun import split_filters
+from elastrun.launcher.flag_grammar import signal_tuple
+from elastrun.launcher.flags import parse_flags, split_filters
 from elastrun.launcher.numa import format_cpu_list, numa_cpus, parse_cpu_list
 from elastrun.launcher.plan import resolve
-from elastrun.launcher.torch_config import signal_tuple, torch_fields
+from elastrun.launcher.torch_config import torch_fields
 
 
 def test_signals_to_handle_as_torchs_string() -> None:

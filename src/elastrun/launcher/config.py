@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from elastrun.errors import ConfigError
+from elastrun.launcher.flag_grammar import signal_tuple
 from elastrun.launcher.limits import (
     FLAG_SECONDS,
     MAX_NODES,
@@ -32,7 +33,6 @@ from elastrun.launcher.limits import (
     machine_nproc_limit,
     worker_cost,
 )
-from elastrun.launcher.torch_config import signal_tuple
 from elastrun.procs import signal_name
 from elastrun.rendezvous.sizes import WorldSizes
 

@@ -18,7 +18,6 @@ added by :mod:`elastrun.launcher.run`. No sockets, no processes.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,50 +34,21 @@ from elastrun.launcher.config import (
     LaunchConfig,
     parse_choice,
 )
+from elastrun.launcher.flag_grammar import signal_tuple
 from elastrun.launcher.numa import numa_cpus
 from elastrun.launcher.rdzv_conf import RendezvousConf, parse_rdzv_conf
-from elastrun.launcher.torch_config import signal_tuple, torch_fields
+from elastrun.launcher.torch_config import torch_fields
 from elastrun.names import RunId
 from elastrun.rendezvous.api import RendezvousSettings
+from elastrun.store.factory import Backend
 from elastrun.store.term import MAX_CANDIDATES, MIN_FAILOVER_LEASE_TTL
 from elastrun.store.token import TOKEN_ENV, store_token
 
-__all__ = ["Backend", "Plan", "resolve"]
+__all__ = ["Plan", "resolve"]
 
 DEFAULT_WARM_JOIN_TIMEOUT = 60.0
 # The signals that stop the workers; the others handled are forwarded to them.
 STOP_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"})
-
-
-class Backend(enum.StrEnum):
-    """``--rdzv-backend``: which rendezvous (and store) a job uses."""
-
-    C10D = "c10d"  # the embedded store (also "tcp")
-    ETCD = "etcd"  # etcd v3 (also "etcd-v2", served by the same backend)
-    STATIC = "static"  # a fixed world, no store
-
-    @classmethod
-    def parse(cls, name: object) -> Backend:
-        """A backend or its name, any case, torchrun's aliases included."""
-        if isinstance(name, Backend):
-            return name
-        backend = _BACKEND_NAMES.get(str(name).strip().lower())
-        if backend is None:
-            raise ConfigError(
-                f"--rdzv-backend: unknown backend {name!r}; choose one of "
-                "c10d (also tcp), etcd (also etcd-v2), static"
-            )
-        return backend
-
-
-_BACKEND_NAMES = {
-    "c10d": Backend.C10D,
-    "tcp": Backend.C10D,
-    "etcd": Backend.ETCD,
-    "etcd-v2": Backend.ETCD,
-    "etcd_v2": Backend.ETCD,
-    "static": Backend.STATIC,
-}
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,10 @@ from typing import Any
 
 from elastrun.errors import ConfigError
 from elastrun.launcher.limits import CONF_SECONDS, check_seconds, parse_seconds, shown_value
+from elastrun.store.factory import EtcdOptions
 from elastrun.untrusted import ascii_int
 
 __all__ = [
-    "ETCD_OPTIONS",
     "RDZV_CONF_IGNORED",
     "RDZV_CONF_KEYS",
     "RendezvousConf",
@@ -65,8 +65,6 @@ RDZV_CONF_IGNORED = {
 }
 # The largest "int" value (connections: far above any open-file limit).
 CONF_INT_MAX = 1_000_000
-# What the etcd store takes (store/etcd.py), as text.
-ETCD_OPTIONS = ("cacert", "cert", "key", "user", "password", "key_prefix", "protocol")
 
 
 @dataclass(frozen=True)
@@ -95,14 +93,12 @@ class RendezvousConf:
     key_prefix: str | None = None
     protocol: str | None = None
 
-    def etcd_options(self) -> dict[str, str]:
+    def etcd_options(self) -> EtcdOptions:
         """The etcd store's options given (TLS files, user, key prefix, protocol)."""
-        out: dict[str, str] = {}
-        for name in ETCD_OPTIONS:
-            value = getattr(self, name)
-            if value is not None:
-                out[name] = value
-        return out
+        # Its fields are this conf's etcd keys, by name.
+        return EtcdOptions(
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(EtcdOptions)}
+        )
 
     def with_(self, **changes: Any) -> RendezvousConf:
         return dataclasses.replace(self, **changes)
@@ -132,7 +128,7 @@ def split_rdzv_conf(text: str) -> dict[str, str]:
         key, value = _unquote(key.strip()), _unquote(value.strip())
         if not key or not sep:
             raise ConfigError(
-                f"--rdzv-conf: {item.strip()!r} is not key=value "
+                f"--rdzv-conf: {shown_value(item.strip())} is not key=value "
                 "(expected <key1>=<value1>,<key2>=<value2>,...)"
             )
         if not value:
@@ -151,7 +147,9 @@ def parse_rdzv_conf(conf: str | Mapping[str, Any]) -> RendezvousConf:
             continue
         kind = RDZV_CONF_KEYS.get(key)
         if kind is None:
-            raise ConfigError(f"--rdzv-conf: unknown key {key!r}; known keys: {', '.join(known)}")
+            raise ConfigError(
+                f"--rdzv-conf: unknown key {shown_value(key)}; known keys: {', '.join(known)}"
+            )
         values[key] = _conf_value(key, kind, value)
     if "token" in values and "token_file" in values:
         raise ConfigError("--rdzv-conf: give token or token_file, not both")

@@ -19,18 +19,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from elastrun.errors import ConfigError
-from elastrun.launcher.flag_values import parse_signals
+from elastrun.launcher.flag_grammar import signal_tuple
 from elastrun.launcher.limits import FLAG_SECONDS, parse_seconds
 
 if TYPE_CHECKING:
     from elastrun.launcher.config import LaunchConfig
 
-__all__ = ["signal_tuple", "torch_fields"]
+__all__ = ["torch_fields"]
 
 # torch's DefaultLogsSpecs keeps these (a public property and private fields).
 _LOGS_SPECS_NAMES = ("DefaultLogsSpecs",)
@@ -55,32 +54,6 @@ def torch_fields(config: LaunchConfig) -> LaunchConfig:
     if config.logs_specs is not None:
         changes.update(_logs_specs(config.logs_specs))
     return dataclasses.replace(config, **changes)
-
-
-def signal_tuple(value: object) -> tuple[signal.Signals, ...]:
-    """``"SIGTERM,SIGUSR1"`` (torch's type), or a sequence of signals, their
-    numbers or names."""
-    if isinstance(value, str):
-        return parse_signals(value)
-    if not isinstance(value, Sequence):
-        raise ConfigError(
-            f"--signals-to-handle: expected a string like 'SIGTERM,SIGUSR1' or a sequence of "
-            f"signals, got {value!r}"
-        )
-    names = []
-    for item in value:
-        if isinstance(item, signal.Signals):
-            names.append(item.name)
-        elif isinstance(item, int) and not isinstance(item, bool):
-            try:
-                names.append(signal.Signals(item).name)
-            except ValueError:
-                raise ConfigError(f"--signals-to-handle: {item} is not a signal") from None
-        elif isinstance(item, str):
-            names.append(item)
-        else:
-            raise ConfigError(f"--signals-to-handle: {item!r} is not a signal")
-    return parse_signals(",".join(names))
 
 
 def _shutdown_timeout(value: object) -> float:

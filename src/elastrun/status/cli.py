@@ -29,6 +29,7 @@ from typing import Any
 
 from elastrun.endpoint import Endpoint, format_endpoints, parse_endpoint_list
 from elastrun.errors import ConfigError, ElastrunError, StoreError, StoreUnavailable
+from elastrun.launcher.rdzv_conf import parse_rdzv_conf
 from elastrun.names import RunId
 from elastrun.rendezvous.keys import Keys
 from elastrun.status.hosts import open_candidates
@@ -36,7 +37,13 @@ from elastrun.status.model import TERMINAL_STATES, StoreHosts, Summary
 from elastrun.status.show import Printer, fmt_duration, render_table
 from elastrun.status.summary import read_summary
 from elastrun.store.base import Store, Watch, WatchEvent
-from elastrun.store.factory import DEFAULT_ETCD_PORT, DEFAULT_PORT
+from elastrun.store.factory import (
+    DEFAULT_ETCD_PORT,
+    DEFAULT_PORT,
+    Backend,
+    StoreOptions,
+    open_store,
+)
 from elastrun.store.token import store_token
 from elastrun.untrusted import ascii_decimal, printable
 
@@ -45,12 +52,9 @@ __all__ = ["Printer", "fmt_duration", "main", "render_table"]
 
 DEFAULT_TIMEOUT = 10.0
 MAX_TIMEOUT = 3600.0  # --timeout: an hour (every wait is bounded by it)
-BACKENDS = ("c10d", "tcp", "etcd", "etcd-v2", "etcd_v2")
 PROBE_TIMEOUT = 2.0  # one TCP connection to each endpoint before the store's own retries
 DEBOUNCE = 0.05  # gather a burst of store changes into one refresh
 TICK = 1.0  # a live table on a terminal is refreshed this often
-STORE_CONF_KEYS = ("cacert", "cert", "key", "user", "password", "key_prefix", "protocol")
-KNOWN_CONF = frozenset((*STORE_CONF_KEYS, "token", "token_file"))
 
 
 class _Failed(Exception):
@@ -96,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="K=V,...",
         help="store options: token, token_file (default: $ELASTRUN_STORE_TOKEN or "
         "$ELASTRUN_STORE_TOKEN_FILE); etcd: cacert, cert, key, user, "
-        "password, key_prefix, protocol (other launcher keys are ignored)",
+        "password, key_prefix, protocol (the launcher's other keys are checked and ignored)",
     )
     p.add_argument("--json", action="store_true", help="print JSON (one object per line)")
     p.add_argument(
@@ -114,36 +118,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _conf(text: str, backend: str = "c10d") -> tuple[str | None, dict[str, str]]:
-    """``--rdzv-conf`` -> (the store's token, etcd's options). The token, as
-    the launcher's: ``token`` or ``token_file``, else ELASTRUN_STORE_TOKEN or
-    ELASTRUN_STORE_TOKEN_FILE (the embedded store only)."""
-    token: str | None = None
-    token_file: str | None = None
-    conf: dict[str, str] = {}
-    for item in (i.strip() for i in text.split(",")):
-        if not item:
-            continue
-        key, sep, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or not key:
-            raise ConfigError(f"--rdzv-conf: {printable(repr(item[:64]))} is not key=value")
-        if key == "token":
-            token = value
-        elif key == "token_file":
-            token_file = value
-        elif key in STORE_CONF_KEYS:
-            conf[key] = value
-        # Any other launcher key (join_timeout, is_host, ...) is irrelevant here:
-        # accepted so that a job's --rdzv-conf can be pasted as is.
-    environ: dict[str, str] | None = None if backend in ("c10d", "tcp") else {}
-    return store_token(token, token_file, environ).token, conf
+def _options(text: str, backend: Backend) -> StoreOptions:
+    """``--rdzv-conf``, read as the launcher reads it (a job's can be pasted
+    as is; the keys that are not the store's are checked and not used) ->
+    the store's options. The token, as the launcher's: ``token`` or
+    ``token_file``, else ELASTRUN_STORE_TOKEN or ELASTRUN_STORE_TOKEN_FILE
+    (the embedded store only)."""
+    conf = parse_rdzv_conf(text)
+    environ: dict[str, str] | None = None if backend is Backend.C10D else {}
+    token = store_token(conf.token, conf.token_file, environ).token
+    return StoreOptions(token=token, etcd=conf.etcd_options())
 
 
-def _endpoints(backend: str, text: str) -> tuple[tuple[Endpoint, ...], bool]:
+def _endpoints(backend: Backend, text: str) -> tuple[tuple[Endpoint, ...], bool]:
     """``--rdzv-endpoint`` for ``backend``: the store's one endpoint, or etcd's
     members (and whether one of them said ``https://``)."""
-    if backend in ("etcd", "etcd-v2"):
+    if backend is Backend.ETCD:
         return parse_endpoint_list(text, DEFAULT_ETCD_PORT, "--rdzv-endpoint")
     if "," in text:  # the store's candidate hosts
         return parse_endpoint_list(text, DEFAULT_PORT, "--rdzv-endpoint")[0], False
@@ -153,11 +143,11 @@ def _endpoints(backend: str, text: str) -> tuple[tuple[Endpoint, ...], bool]:
 async def _open(
     args: argparse.Namespace, endpoints: tuple[Endpoint, ...], https: bool, where: str
 ) -> Store:
-    from elastrun.store.factory import open_store
-
-    token, conf = _conf(args.conf, args.backend)
-    if https:
-        conf.setdefault("protocol", "https")
+    options: StoreOptions = args.options
+    if https and options.etcd.protocol is None:
+        options = dataclasses.replace(
+            options, etcd=dataclasses.replace(options.etcd, protocol="https")
+        )
     if await _all_refuse(endpoints, min(args.timeout, PROBE_TIMEOUT)):
         # Nothing listens: a store that is gone (its job over), or a wrong
         # endpoint. Said at once, not after --timeout of retries.
@@ -167,7 +157,7 @@ async def _open(
         )
     try:
         return await asyncio.wait_for(
-            open_store(args.backend, endpoints, token=token, conf=conf, timeout=args.timeout),
+            open_store(args.backend, endpoints, options, timeout=args.timeout),
             args.timeout + 1.0,
         )
     except TimeoutError:
@@ -214,9 +204,8 @@ async def _read(store: Store, args: argparse.Namespace, where: str) -> Summary:
 
 
 async def _open_candidates(args: argparse.Namespace, endpoints: tuple[Endpoint, ...]) -> Store:
-    token, _ = _conf(args.conf, args.backend)
     try:
-        store, args.store_hosts = await open_candidates(endpoints, token, args.timeout)
+        store, args.store_hosts = await open_candidates(endpoints, args.options.token, args.timeout)
     except StoreError as exc:
         raise _Failed(str(exc)) from None
     return store
@@ -312,7 +301,7 @@ async def _watch(store: Store, args: argparse.Namespace, where: str, show: Print
 async def _main(args: argparse.Namespace) -> int:
     endpoints, https = args.endpoints, args.https
     where = format_endpoints(endpoints)
-    if len(endpoints) > 1 and args.backend in ("c10d", "tcp"):
+    if len(endpoints) > 1 and args.backend is Backend.C10D:
         store = await _open_candidates(args, endpoints)
     else:
         store = await _open(args, endpoints, https, where)
@@ -338,17 +327,12 @@ def _timeout(text: str) -> float:
     return value
 
 
-def _backend(text: str) -> str:
-    """``--rdzv-backend``: a backend that keeps a store, lower case."""
-    name = text.strip().lower()
-    if name == "static":
+def _backend(text: str) -> Backend:
+    """``--rdzv-backend``: a backend that keeps a store."""
+    backend = Backend.parse(text)
+    if backend is Backend.STATIC:
         raise ConfigError("--rdzv-backend static keeps no store: there is no job state to show")
-    if name not in BACKENDS:
-        raise ConfigError(
-            f"--rdzv-backend: unknown backend {printable(repr(text[:64]))}; choose c10d "
-            "(also tcp) or etcd (also etcd-v2)"
-        )
-    return "etcd" if name.startswith("etcd") else name
+    return backend
 
 
 def main(argv: Sequence[str]) -> int:
@@ -362,7 +346,7 @@ def main(argv: Sequence[str]) -> int:
         args.backend = _backend(args.backend)
         args.run_id = RunId.parse(args.run_id, "--rdzv-id")
         args.endpoints, args.https = _endpoints(args.backend, args.endpoint)
-        _conf(args.conf, args.backend)  # its errors before any connection
+        args.options = _options(args.conf, args.backend)  # its errors before any connection
     except ConfigError as exc:
         print(f"elastrun status: error: {printable(exc)}", file=sys.stderr)
         return 2

@@ -1,27 +1,103 @@
-"""Pick a store implementation from a ``--rdzv-backend`` name.
+"""Which store a job uses, and opening it.
+
+:class:`Backend` is ``--rdzv-backend``, every alias in one place:
 
 * ``c10d`` / ``tcp``: the embedded store (:class:`~elastrun.store.client.TcpStore`),
   endpoint ``host[:port]`` (default port 29400; IPv6 as ``[::1]:29400``).
-* ``memory``: an in-process :class:`~elastrun.store.memory.MemoryStore` (tests).
-* ``etcd`` / ``etcd-v2``: etcd v3 (:mod:`elastrun.store.etcd`, imported lazily).
+* ``etcd`` / ``etcd-v2`` / ``etcd_v2``: etcd v3 (:mod:`elastrun.store.etcd`,
+  imported lazily).
+* ``static``: a fixed world, no store.
+
+:func:`open_store` opens a connected store for a backend (or ``"memory"``: an
+in-process :class:`~elastrun.store.memory.MemoryStore`, for tests), with its
+options typed once (:class:`StoreOptions`: the embedded store's token, etcd's
+:class:`EtcdOptions`).
 """
 
 from __future__ import annotations
 
+import enum
 import importlib
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, fields
 from typing import cast
 
 from elastrun.endpoint import Endpoint, format_endpoints
 from elastrun.errors import ConfigError
 from elastrun.store.base import Store
 from elastrun.store.memory import MemoryStore
+from elastrun.untrusted import printable
 
-__all__ = ["BACKENDS", "DEFAULT_ETCD_PORT", "DEFAULT_PORT", "open_store", "parse_endpoint"]
+__all__ = [
+    "DEFAULT_ETCD_PORT",
+    "DEFAULT_PORT",
+    "Backend",
+    "EtcdOptions",
+    "StoreOptions",
+    "open_store",
+    "parse_endpoint",
+]
 
 DEFAULT_PORT = 29400  # the embedded store's
 DEFAULT_ETCD_PORT = 2379  # etcd's client port
-BACKENDS = ("c10d", "tcp", "memory", "etcd", "etcd-v2")
+
+
+class Backend(enum.StrEnum):
+    """``--rdzv-backend``: which rendezvous (and store) a job uses."""
+
+    C10D = "c10d"  # the embedded store (also "tcp")
+    ETCD = "etcd"  # etcd v3 (also "etcd-v2", served by the same backend)
+    STATIC = "static"  # a fixed world, no store
+
+    @classmethod
+    def parse(cls, name: object) -> Backend:
+        """A backend or its name, any case, torchrun's aliases included."""
+        if isinstance(name, Backend):
+            return name
+        backend = _BACKEND_NAMES.get(str(name).strip().lower())
+        if backend is None:
+            raise ConfigError(
+                f"--rdzv-backend: unknown backend {printable(repr(str(name)[:64]))}; choose "
+                "one of c10d (also tcp), etcd (also etcd-v2), static"
+            )
+        return backend
+
+
+# Every name of each backend (torchrun's aliases included).
+_BACKEND_NAMES = {
+    "c10d": Backend.C10D,
+    "tcp": Backend.C10D,
+    "etcd": Backend.ETCD,
+    "etcd-v2": Backend.ETCD,
+    "etcd_v2": Backend.ETCD,
+    "static": Backend.STATIC,
+}
+
+
+@dataclass(frozen=True)
+class EtcdOptions:
+    """The etcd store's options (``--rdzv-conf`` keys; None: not given)."""
+
+    cacert: str | None = None  # TLS: the CA, the client's certificate and key
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = None
+    key_prefix: str | None = None
+    protocol: str | None = None  # http | https
+
+    def conf(self) -> dict[str, str]:
+        """The options given, as the etcd store's constructor takes them
+        (:func:`elastrun.store.etcd.open_etcd_store`)."""
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """How to open a store: the embedded store's token, etcd's options."""
+
+    token: str | None = None
+    etcd: EtcdOptions = field(default_factory=EtcdOptions)
 
 
 def parse_endpoint(endpoint: str, default_port: int = DEFAULT_PORT) -> Endpoint:
@@ -34,46 +110,44 @@ Endpoints = str | Endpoint | Sequence[Endpoint]
 
 
 async def open_store(
-    backend: str,
+    backend: Backend | str,
     endpoint: Endpoints,
+    options: StoreOptions | None = None,
     *,
-    token: str | None = None,
-    conf: Mapping[str, str] | None = None,
     timeout: float = 30.0,
     request_timeout: float | None = None,
 ) -> Store:
-    """Open a connected store for ``backend`` at ``endpoint``: typed (one
-    :class:`Endpoint`, or etcd's members), or as the text a user gives.
+    """Open a connected store for ``backend`` (a :class:`Backend`, one of its
+    names, or ``"memory"``) at ``endpoint``: typed (one :class:`Endpoint`, or
+    etcd's members), or as the text a user gives.
 
     ``timeout`` bounds this first connection (retried: the store may still be
     starting). ``request_timeout``, when given, bounds each later request,
     reconnections included, so that a store lost mid-job is reported within
     it; otherwise the backend's default (embedded store) or ``timeout`` (etcd)."""
-    name = backend.strip().lower()
-    if name in ("c10d", "tcp"):
+    if isinstance(backend, str) and backend.strip().lower() == "memory":
+        return MemoryStore()
+    kind = Backend.parse(backend)
+    options = options or StoreOptions()
+    if kind is Backend.C10D:
         from elastrun.store.client import TcpStore
 
         host, port = _one(endpoint)
         if request_timeout is None:
-            return await TcpStore.connect(host, port, token=token, timeout=timeout)
+            return await TcpStore.connect(host, port, token=options.token, timeout=timeout)
         store = await TcpStore.connect(
-            host, port, token=token, timeout=timeout, request_timeout=request_timeout
+            host, port, token=options.token, timeout=timeout, request_timeout=request_timeout
         )
         store.connect_timeout = request_timeout  # reconnecting watches, from now on
         return store
-    if name == "memory":
-        return MemoryStore()
-    if name in ("etcd", "etcd-v2"):
+    if kind is Backend.ETCD:
         module = importlib.import_module("elastrun.store.etcd")
         opener = cast(Callable[..., Awaitable[Store]], module.open_etcd_store)
         members = (endpoint,) if isinstance(endpoint, Endpoint) else endpoint
         return await opener(
-            members, conf=dict(conf or {}), timeout=timeout, request_timeout=request_timeout
+            members, conf=options.etcd.conf(), timeout=timeout, request_timeout=request_timeout
         )
-    raise ConfigError(
-        f"unknown rendezvous backend {backend!r}; choose one of: c10d (or tcp), etcd, etcd-v2"
-        ", static"
-    )
+    raise ConfigError("--rdzv-backend static keeps no store")
 
 
 def _one(endpoint: Endpoints) -> Endpoint:
