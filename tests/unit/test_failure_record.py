@@ -7,11 +7,11 @@ import json
 
 import pytest
 
+from elastrun.agent.error_files import ErrorFileInfo
 from elastrun.agent.failures import (
     MAX_TAIL_LINE_CHARS,
     MAX_TAIL_LINES,
     MAX_TRACEBACK_CHARS,
-    ErrorFileInfo,
     WorkerFailure,
     classify,
     failure_record,

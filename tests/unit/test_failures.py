@@ -8,6 +8,7 @@ import signal
 import pytest
 
 from elastrun import record
+from elastrun.agent.error_files import read_error_file
 from elastrun.agent.failures import (
     COLLATERAL,
     OK,
@@ -17,7 +18,6 @@ from elastrun.agent.failures import (
     classify,
     describe_exit,
     format_summary,
-    read_error_file,
     roles,
 )
 

@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import pytest
 
-from elastrun.agent.failures import MAX_ERROR_FILE_BYTES, read_error_file
+from elastrun.agent.error_files import MAX_ERROR_FILE_BYTES, read_error_file
 from elastrun.agent.log_dirs import (
     HOST_PID_FILE,
     claim_host_dir,

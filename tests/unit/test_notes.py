@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from elastrun.agent.failures import ErrorFileInfo, WorkerFailure, classify, format_summary
+from elastrun.agent.error_files import ErrorFileInfo
+from elastrun.agent.failures import WorkerFailure, classify, format_summary
 from elastrun.agent.hangs import Gathered, note_of, summary
 from elastrun.agent.stacks import RankStacks
 from elastrun.agent.stragglers import Aggregator, StragglerRule

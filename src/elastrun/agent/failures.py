@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from elastrun.agent.error_files import MAX_ERROR_FILE_BYTES, ErrorFileInfo, read_error_file
+from elastrun.agent.error_files import ErrorFileInfo
 from elastrun.failure import (
     BROKEN_COLLECTIVE,
     ERROR,
@@ -49,11 +49,9 @@ from elastrun.untrusted import printable
 
 __all__ = [
     "COLLATERAL",
-    "MAX_ERROR_FILE_BYTES",
     "OK",
     "ROOT_CAUSE",
     "Ending",
-    "ErrorFileInfo",
     "WorkerFailure",
     "broke_collective",
     "change_line",
@@ -63,7 +61,6 @@ __all__ = [
     "failure_kind",
     "failure_record",
     "format_summary",
-    "read_error_file",
     "restart_line",
     "roles",
     "summary_title",
