@@ -81,7 +81,6 @@ from elastrun.rendezvous.records import RoundRecord, RoundState
 from elastrun.rendezvous.register import Registration
 from elastrun.rendezvous.reports import ProgressReporter, waiting_status
 from elastrun.rendezvous.rules import Rules
-from elastrun.rendezvous.takeover import register_after_takeover
 from elastrun.store.base import KeyValue, Store, Watch, WatchEvent
 from elastrun.store.keepalive import LeaseKeeper
 
@@ -284,13 +283,7 @@ class DynamicRendezvous(NoteAccess, Rendezvous):
             return
         await self.keeper.start()
         if self.carry is not None:
-            await register_after_takeover(
-                self.store,
-                self.settings,
-                self.carry,
-                self._registration.presence,
-                self._registration.agree,
-            )
+            await self._registration.after_takeover(self.carry)
         else:
             await self._registration.first()
         self._registered = True

@@ -74,8 +74,7 @@ store's host with candidate hosts (``HostLost``, ``NotHost``): the failover
 rendezvous handles those by finding the next host.
 
 After a takeover of the store's host, a node registers in the new host's
-store with the round it carries instead (:mod:`.takeover`), with this
-module's presence put and settings agreement.
+store with the round it carries instead (:meth:`Registration.after_takeover`).
 """
 
 from __future__ import annotations
@@ -244,7 +243,7 @@ async def regain(
 
 
 # -- registration --------------------------------------------------------------
-REGISTER_TRIES = 8  # reads of the job's records on a first registration (races)
+REGISTER_TRIES = 8  # reads of the job's records while registering (races with other nodes)
 
 
 class Registration:
@@ -335,6 +334,43 @@ class Registration:
         raise RendezvousError(
             f"job {node.settings.run_id!r}: its records changed {REGISTER_TRIES} times while "
             "this node registered (nodes starting and leaving at once?); try again"
+        )
+
+    async def after_takeover(self, carry: rounds.Carry) -> None:
+        """Register in a new host's store after a takeover (docs/failover.md).
+
+        The new host's store starts empty. Each survivor writes, in one txn on
+        what it read: the job's settings (created if absent, else agreed), its
+        presence, and the round after its own last one (``carry``;
+        :func:`.rounds.takeover_round`: never before what the store holds, with
+        the most restarts of the two), unless the store already holds a later
+        round: every survivor carries its own, the first one writes it, the
+        others join it."""
+        node = self.node
+        k, store, mine = node.keys, node.store, node.settings.agreed()
+        detail = f"the store's host was lost; re-forming after round {carry.round}"
+        for _ in range(REGISTER_TRIES):
+            res = await store.txn([], [Get(k.config), Get(k.round)])
+            config_kv = res.gets[0][0] if res.gets[0] else None
+            round_kv = res.gets[1][0] if res.gets[1] else None
+            found = decode_round(k.round, round_kv.value) if round_kv else None
+            ops: list[Put] = [self.presence()]
+            if config_kv is not None:
+                self.agree(decode_config(k.config, config_kv.value).settings, mine)
+            else:
+                ops.append(Put(k.config, ConfigRecord(mine).encode()))
+            if found is None or found.round <= carry.round:
+                opened = rounds.takeover_round(carry, found, detail, time.time())
+                ops.append(Put(k.round, opened.encode()))
+            compares = [
+                Compare.unchanged(k.config, config_kv.mod_revision if config_kv else 0),
+                Compare.unchanged(k.round, round_kv.mod_revision if round_kv else 0),
+            ]
+            if (await store.txn(compares, ops)).succeeded:
+                return
+        raise RendezvousError(
+            f"job {node.settings.run_id!r}: the new store host's records changed "
+            f"{REGISTER_TRIES} times while this node registered; try again"
         )
 
     def _announce_reset(
