@@ -58,13 +58,15 @@ async def _worker(host: str, port: int, spec: dict[str, object]) -> None:
     stores: list[Store]
     if spec.get("backend") == "etcd":
         from elastrun.store.etcd import open_etcd_store
+        from elastrun.store.etcd_options import EtcdOptions
 
         # One client per simulated agent, as each real agent has its own (a
         # client shared by hundreds of handlers scans a pool of hundreds of
         # watch streams at each request: a cost no real agent pays).
-        conf = {"key_prefix": f"/bench/{spec['run_id']}/"}
+        options = EtcdOptions(key_prefix=f"/bench/{spec['run_id']}/")
         stores = [
-            await open_etcd_store(f"{host}:{port}", conf=conf, timeout=60.0) for _ in range(count)
+            await open_etcd_store(f"{host}:{port}", options=options, timeout=60.0)
+            for _ in range(count)
         ]
     else:
         # One connection per simulated agent, as each real agent has its own:

@@ -13,6 +13,7 @@ import pytest
 
 from elastrun.errors import StoreUnavailable
 from elastrun.store.base import WatchEvent
+from elastrun.store.etcd_options import EtcdOptions
 from tests.store.etcd_fixture import EtcdCluster, requires_etcd, start_cluster
 
 pytestmark = [pytest.mark.etcd, requires_etcd]
@@ -47,7 +48,9 @@ def test_member_loss_is_invisible(cluster: EtcdCluster) -> None:
     async def body() -> None:
         from elastrun.store.etcd import EtcdStore, open_etcd_store
 
-        store = await open_etcd_store(cluster.endpoints, conf={"key_prefix": "job/"}, timeout=20)
+        store = await open_etcd_store(
+            cluster.endpoints, options=EtcdOptions(key_prefix="job/"), timeout=20
+        )
         assert isinstance(store, EtcdStore)
         try:
             watch = await store.watch("n/", prefix=True)

@@ -31,6 +31,7 @@ from elastrun.agent.guard import OrphanGuard
 from elastrun.store.base import Store
 from elastrun.store.client import TcpStore
 from elastrun.store.etcd import open_etcd_store
+from elastrun.store.etcd_options import EtcdOptions
 from elastrun.store.server import StoreServer
 from tests.helpers import pid_alive, wait_for
 from tests.integration.elastic_harness import BOUND, job, steps_after
@@ -104,7 +105,9 @@ def test_guard_revokes_the_lease_on_etcd_with_the_agents_settings(security: str)
             conf |= {"user": "root", "password": "pw"}
 
         async def body() -> None:
-            store = await open_etcd_store(cluster.endpoints, conf=conf, timeout=10)
+            store = await open_etcd_store(
+                cluster.endpoints, options=EtcdOptions(**conf), timeout=10
+            )
             assert await revoked_by_guard(store)
             assert not await revoked_by_guard(store, tell_none=True)
             await store.close()

@@ -424,7 +424,8 @@ def test_status_reads_a_job_on_etcd() -> None:
     rendezvous nodes, read by the ``elastrun status`` command."""
     from elastrun.rendezvous.api import RendezvousSettings
     from elastrun.rendezvous.dynamic import DynamicRendezvous
-    from elastrun.store.factory import Backend, EtcdOptions, StoreOptions, open_store
+    from elastrun.store.etcd_options import EtcdOptions
+    from elastrun.store.factory import Backend, StoreOptions, open_store
 
     cluster = start_cluster(1)
     prefix = f"/status-test-{os.getpid()}"

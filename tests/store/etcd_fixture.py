@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from elastrun.store.base import Store
+from elastrun.store.etcd_options import EtcdOptions
 from tests.helpers import free_ports
 
 ClientFactory = Callable[[], Awaitable[Store]]
@@ -276,7 +277,9 @@ async def etcd_backend(request: pytest.FixtureRequest) -> AsyncIterator[ClientFa
     prefix = unique_prefix()
 
     async def new_client() -> Store:
-        return await open_etcd_store(cluster.endpoints, conf={"key_prefix": prefix}, timeout=10.0)
+        return await open_etcd_store(
+            cluster.endpoints, options=EtcdOptions(key_prefix=prefix), timeout=10.0
+        )
 
     yield new_client
 

@@ -18,6 +18,7 @@ from elastrun.errors import (
     StoreUnavailable,
 )
 from elastrun.store.base import Compare, Delete, Get, Put, Store, WatchEvent
+from elastrun.store.etcd_options import EtcdOptions
 from tests.helpers import free_ports
 from tests.store.etcd_fixture import (
     EtcdCluster,
@@ -41,7 +42,7 @@ def run(body: Callable[[], Awaitable[None]], timeout: float = 60.0) -> None:
 async def open_store(cluster: EtcdCluster, timeout: float = 10.0, **conf: str) -> Store:
     from elastrun.store.etcd import open_etcd_store
 
-    return await open_etcd_store(cluster.endpoints, conf=conf, timeout=timeout)
+    return await open_etcd_store(cluster.endpoints, options=EtcdOptions(**conf), timeout=timeout)
 
 
 async def next_event(watch: object, timeout: float = 10.0) -> WatchEvent:
@@ -194,9 +195,9 @@ def test_bad_configuration_is_a_config_error(tmp_path: object) -> None:
 
         missing = "/nonexistent/elastrun/ca.pem"
         with pytest.raises(ConfigError, match=missing):
-            await open_etcd_store("127.0.0.1:2379", conf={"cacert": missing})
+            await open_etcd_store("127.0.0.1:2379", options=EtcdOptions(cacert=missing))
         with pytest.raises(ConfigError, match="cert and key"):
-            await open_etcd_store("127.0.0.1:2379", conf={"cert": __file__})
+            await open_etcd_store("127.0.0.1:2379", options=EtcdOptions(cert=__file__))
         for bad in ("", "host:notaport", "host:0", "ftp://host:1", "[::1"):
             with pytest.raises(ConfigError):
                 await open_etcd_store(bad, timeout=1.0)
@@ -250,7 +251,7 @@ def test_tls_with_client_certificates() -> None:
         from elastrun.store.etcd import open_etcd_store
 
         conf = {"cacert": tls.cacert, "cert": tls.cert, "key": tls.key, "key_prefix": "tls/"}
-        s = await open_etcd_store(cluster.endpoints, conf=conf, timeout=10.0)
+        s = await open_etcd_store(cluster.endpoints, options=EtcdOptions(**conf), timeout=10.0)
         try:
             watch = await s.watch("k")
             await s.put("k", b"secure")
@@ -259,7 +260,9 @@ def test_tls_with_client_certificates() -> None:
             await s.close()
         # Without a client certificate etcd refuses the TLS handshake.
         with pytest.raises(StoreUnavailable, match=f"{cluster.endpoints} unavailable over TLS"):
-            await open_etcd_store(cluster.endpoints, conf={"cacert": tls.cacert}, timeout=2.0)
+            await open_etcd_store(
+                cluster.endpoints, options=EtcdOptions(cacert=tls.cacert), timeout=2.0
+            )
 
     try:
         run(body)

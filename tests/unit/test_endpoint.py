@@ -88,21 +88,23 @@ def test_lists_take_schemes_and_refuse_empty_entries() -> None:
 
 def test_etcd_refuses_port_0_and_the_embedded_store_takes_it() -> None:
     pytest.importorskip("httpx")
-    from elastrun.store.etcd_conn import settings_from_conf
+    from elastrun.store.etcd_conn import settings_from_options
+    from elastrun.store.etcd_options import EtcdOptions
 
     assert store_parse("h:0") == Endpoint("h", 0)  # the store's host picks a free port
     for given_as in ("h:0", (Endpoint("h", 0),)):
         with pytest.raises(ConfigError, match="port 0"):
-            settings_from_conf(given_as, {})
+            settings_from_options(given_as, EtcdOptions())
 
 
 def test_etcd_https_comes_from_the_scheme_or_the_protocol_key() -> None:
     pytest.importorskip("httpx")
-    from elastrun.store.etcd_conn import settings_from_conf
+    from elastrun.store.etcd_conn import settings_from_options
+    from elastrun.store.etcd_options import EtcdOptions
 
-    assert settings_from_conf("https://h:1", {}).https
-    assert not settings_from_conf((Endpoint("h", 1),), {}).https
-    assert settings_from_conf((Endpoint("h", 1),), {"protocol": "https"}).https
+    assert settings_from_options("https://h:1", EtcdOptions()).https
+    assert not settings_from_options((Endpoint("h", 1),), EtcdOptions()).https
+    assert settings_from_options((Endpoint("h", 1),), EtcdOptions(protocol="https")).https
 
 
 hosts = st.one_of(

@@ -8,7 +8,9 @@ import pytest
 
 from elastrun.errors import ConfigError
 from elastrun.launcher.rdzv_conf import parse_rdzv_conf
-from elastrun.store.factory import Backend, EtcdOptions
+from elastrun.store.etcd_conn import settings_from_options
+from elastrun.store.etcd_options import EtcdOptions
+from elastrun.store.factory import Backend
 
 
 class Started(Exception):
@@ -77,7 +79,9 @@ def test_etcd_options_reach_the_store_as_given() -> None:
     conf = parse_rdzv_conf("cacert=ca.pem,key_prefix=/p/,protocol=https,token=t")
     options = conf.etcd_options()
     assert options == EtcdOptions(cacert="ca.pem", key_prefix="/p/", protocol="https")
-    assert options.conf() == {"cacert": "ca.pem", "key_prefix": "/p/", "protocol": "https"}
+    # The etcd store reads them typed (no dict of strings in between).
+    settings = settings_from_options("h:2379", EtcdOptions(key_prefix="/p/", protocol="https"))
+    assert settings.https and settings.key_prefix == "/p/"
 
 
 def test_an_overlong_rdzv_conf_item_is_shown_cut() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from elastrun.errors import ConfigError
 from elastrun.launcher.limits import CONF_SECONDS, check_seconds, parse_seconds, shown_value
-from elastrun.store.factory import EtcdOptions
+from elastrun.store.etcd_options import EtcdOptions
 from elastrun.untrusted import ascii_int
 
 __all__ = [

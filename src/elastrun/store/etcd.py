@@ -1,6 +1,6 @@
 """The etcd v3 store (``--rdzv-backend=etcd``), over etcd's gRPC-JSON gateway.
 
-``open_etcd_store("host1:2379,host2:2379", conf={...})`` returns a
+``open_etcd_store("host1:2379,host2:2379", options=EtcdOptions(...))`` returns a
 :class:`~elastrun.store.base.Store` whose keys all live under ``key_prefix``
 (so several jobs share one etcd cleanly), whose leases are etcd leases and
 whose watches are real etcd watches that survive the loss of the member they
@@ -48,8 +48,9 @@ from elastrun.store.etcd_conn import (
     EtcdSettings,
     Json,
     int_field,
-    settings_from_conf,
+    settings_from_options,
 )
+from elastrun.store.etcd_options import EtcdOptions
 from elastrun.store.etcd_watch import EtcdWatch
 
 __all__ = ["EtcdStore", "EtcdWatch", "open_etcd_store"]
@@ -95,7 +96,7 @@ def prefix_end(prefix: bytes) -> bytes:
 async def open_etcd_store(
     endpoints: str | Sequence[Endpoint],
     *,
-    conf: Mapping[str, str] | None = None,
+    options: EtcdOptions | None = None,
     timeout: float = 30.0,
     request_timeout: float | None = None,
 ) -> Store:
@@ -112,7 +113,7 @@ async def open_etcd_store(
     for name, value in (("timeout", timeout), ("request timeout", request_timeout)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ConfigError(f"etcd {name} must be a positive number of seconds, got {value}")
-    settings = settings_from_conf(endpoints, conf or {})
+    settings = settings_from_options(endpoints, options or EtcdOptions())
     store = EtcdStore(settings, timeout=timeout)
     try:
         await store.connect()

@@ -33,6 +33,7 @@ from elastrun.errors import (
     StoreTimeout,
     StoreUnavailable,
 )
+from elastrun.store.etcd_options import EtcdOptions
 
 try:
     import httpx
@@ -60,7 +61,7 @@ __all__ = [
     "gateway_error",
     "int_field",
     "parse_endpoints",
-    "settings_from_conf",
+    "settings_from_options",
     "translate",
 ]
 
@@ -109,12 +110,12 @@ def parse_endpoints(spec: str) -> tuple[tuple[Endpoint, ...], bool]:
     return parse_endpoint_list(spec, DEFAULT_PORT, "etcd endpoint")
 
 
-def settings_from_conf(
-    endpoints: str | Sequence[Endpoint], conf: Mapping[str, str]
+def settings_from_options(
+    endpoints: str | Sequence[Endpoint], options: EtcdOptions
 ) -> EtcdSettings:
     """Validate the endpoints (a ``host:port,...`` string is parsed here) and
-    the etcd keys of ``--rdzv-conf`` (other keys are left to other layers and
-    ignored here). HTTPS: an ``https://`` endpoint, ``protocol=https`` or TLS files."""
+    the etcd options (``--rdzv-conf``'s etcd keys). HTTPS: an ``https://``
+    endpoint, ``protocol=https`` or TLS files."""
     if isinstance(endpoints, str):
         members, https = parse_endpoints(endpoints)
     else:
@@ -124,16 +125,16 @@ def settings_from_conf(
     for e in members:
         if e.port == 0:
             raise ConfigError(f"etcd endpoint {str(e)!r}: port 0 is not a port etcd listens on")
-    https = https or conf.get("protocol") == "https"
+    https = https or options.protocol == "https"
     files: dict[str, str | None] = {}
     for name in ("cacert", "cert", "key"):
-        path = conf.get(name) or None
+        path = getattr(options, name) or None
         if path is not None and not os.path.isfile(path):
             raise ConfigError(f"etcd TLS {name} file {path!r} does not exist (--rdzv-conf {name}=)")
         files[name] = path
     if (files["cert"] is None) != (files["key"] is None):
         raise ConfigError("etcd TLS needs both cert and key (--rdzv-conf cert=...,key=...)")
-    user, password = conf.get("user") or None, conf.get("password")
+    user, password = options.user or None, options.password
     if password and user is None:
         raise ConfigError("etcd password given without user (--rdzv-conf user=...)")
     return EtcdSettings(
@@ -144,7 +145,7 @@ def settings_from_conf(
         key=files["key"],
         user=user,
         password=password or "",
-        key_prefix=conf.get("key_prefix", ""),
+        key_prefix=options.key_prefix or "",
     )
 
 

@@ -19,12 +19,13 @@ from __future__ import annotations
 import enum
 import importlib
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import cast
 
 from elastrun.endpoint import Endpoint, format_endpoints
 from elastrun.errors import ConfigError
 from elastrun.store.base import Store
+from elastrun.store.etcd_options import EtcdOptions
 from elastrun.store.memory import MemoryStore
 from elastrun.untrusted import printable
 
@@ -32,7 +33,6 @@ __all__ = [
     "DEFAULT_ETCD_PORT",
     "DEFAULT_PORT",
     "Backend",
-    "EtcdOptions",
     "StoreOptions",
     "open_store",
     "parse_endpoint",
@@ -72,24 +72,6 @@ _BACKEND_NAMES = {
     "etcd_v2": Backend.ETCD,
     "static": Backend.STATIC,
 }
-
-
-@dataclass(frozen=True)
-class EtcdOptions:
-    """The etcd store's options (``--rdzv-conf`` keys; None: not given)."""
-
-    cacert: str | None = None  # TLS: the CA, the client's certificate and key
-    cert: str | None = None
-    key: str | None = None
-    user: str | None = None
-    password: str | None = None
-    key_prefix: str | None = None
-    protocol: str | None = None  # http | https
-
-    def conf(self) -> dict[str, str]:
-        """The options given, as the etcd store's constructor takes them
-        (:func:`elastrun.store.etcd.open_etcd_store`)."""
-        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
 
 
 @dataclass(frozen=True)
@@ -145,7 +127,7 @@ async def open_store(
         opener = cast(Callable[..., Awaitable[Store]], module.open_etcd_store)
         members = (endpoint,) if isinstance(endpoint, Endpoint) else endpoint
         return await opener(
-            members, conf=options.etcd.conf(), timeout=timeout, request_timeout=request_timeout
+            members, options=options.etcd, timeout=timeout, request_timeout=request_timeout
         )
     raise ConfigError("--rdzv-backend static keeps no store")
 

@@ -1,0 +1,24 @@
+"""The etcd store's options: the ``--rdzv-conf`` keys it reads (TLS files, user
+and password, a key prefix, the protocol), typed once where the settings are
+resolved (``launcher/rdzv_conf``, ``elastrun status``) and checked by the store
+when it opens (:func:`elastrun.store.etcd_conn.settings_from_options`). Apart
+from the etcd store so that reading them needs no httpx."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["EtcdOptions"]
+
+
+@dataclass(frozen=True)
+class EtcdOptions:
+    """The etcd store's options (``--rdzv-conf`` keys; None: not given)."""
+
+    cacert: str | None = None  # TLS: the CA, the client's certificate and key
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = None
+    key_prefix: str | None = None
+    protocol: str | None = None  # http | https
