@@ -37,8 +37,6 @@ from elastrun.procs import signal_name
 from elastrun.rendezvous.sizes import WorldSizes
 
 __all__ = [
-    "DEFAULT_C10D_PORT",
-    "DEFAULT_ETCD_PORT",
     "DEFAULT_MASTER_PORT",
     "DEFAULT_SIGNALS",
     "DEFAULT_STACK_SIGNAL",
@@ -47,8 +45,6 @@ __all__ = [
     "parse_choice",
 ]
 
-DEFAULT_C10D_PORT = 29400
-DEFAULT_ETCD_PORT = 2379
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 DEFAULT_STACK_SIGNAL = int(signal.SIGRTMIN) + 5

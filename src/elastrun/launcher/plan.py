@@ -28,8 +28,6 @@ from elastrun.agent.spec import DEFAULT_LOG_TEMPLATE, StartMethod, Std, WarmModu
 from elastrun.endpoint import Endpoint, format_endpoints, parse_endpoint_list
 from elastrun.errors import ConfigError
 from elastrun.launcher.config import (
-    DEFAULT_C10D_PORT,
-    DEFAULT_ETCD_PORT,
     DEFAULT_MASTER_PORT,
     LaunchConfig,
     parse_choice,
@@ -40,7 +38,8 @@ from elastrun.launcher.rdzv_conf import RendezvousConf, parse_rdzv_conf
 from elastrun.launcher.torch_config import torch_fields
 from elastrun.names import RunId
 from elastrun.rendezvous.api import RendezvousSettings
-from elastrun.store.factory import Backend
+from elastrun.store.etcd_options import DEFAULT_ETCD_PORT
+from elastrun.store.factory import DEFAULT_PORT, Backend
 from elastrun.store.term import MAX_CANDIDATES, MIN_FAILOVER_LEASE_TTL
 from elastrun.store.token import TOKEN_ENV, store_token
 
@@ -217,7 +216,7 @@ def _where(config: LaunchConfig, conf: RendezvousConf) -> _Where:
         if "," in endpoint and not standalone:
             endpoints = _candidates(endpoint, conf)
         else:
-            store = Endpoint.parse(endpoint or "localhost", DEFAULT_C10D_PORT, "--rdzv-endpoint")
+            store = Endpoint.parse(endpoint or "localhost", DEFAULT_PORT, "--rdzv-endpoint")
             if store.port == 0 and not standalone:
                 if config.max_nodes != 1:
                     raise ConfigError(
@@ -249,7 +248,7 @@ def _candidates(text: str, conf: RendezvousConf) -> tuple[Endpoint, ...]:
     """The c10d backend's candidate hosts for its store (``a:p,b:p,c:p``):
     at most :data:`MAX_CANDIDATES`, each once, each with a fixed port."""
     endpoints = tuple(
-        Endpoint.parse(item.strip(), DEFAULT_C10D_PORT, "--rdzv-endpoint")
+        Endpoint.parse(item.strip(), DEFAULT_PORT, "--rdzv-endpoint")
         if item.strip()
         else _empty_entry(text)
         for item in text.split(",")

@@ -37,8 +37,8 @@ from elastrun.status.model import TERMINAL_STATES, StoreHosts, Summary
 from elastrun.status.show import Printer, fmt_duration, render_table
 from elastrun.status.summary import read_summary
 from elastrun.store.base import Store, Watch, WatchEvent
+from elastrun.store.etcd_options import DEFAULT_ETCD_PORT
 from elastrun.store.factory import (
-    DEFAULT_ETCD_PORT,
     DEFAULT_PORT,
     Backend,
     StoreOptions,

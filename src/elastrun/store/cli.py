@@ -19,8 +19,9 @@ from collections.abc import Sequence
 
 from elastrun.endpoint import Endpoint
 from elastrun.errors import ConfigError, ElastrunError
+from elastrun.store.factory import DEFAULT_PORT
 from elastrun.store.limits import DEFAULT_LIMITS, StoreLimits
-from elastrun.store.server import DEFAULT_PORT, StoreServer
+from elastrun.store.server import StoreServer
 from elastrun.store.token import TOKEN_ENV, TOKEN_FILE_ENV, no_token_warning, store_token
 from elastrun.untrusted import ascii_decimal, ascii_int, printable
 

@@ -33,7 +33,7 @@ from elastrun.errors import (
     StoreTimeout,
     StoreUnavailable,
 )
-from elastrun.store.etcd_options import EtcdOptions
+from elastrun.store.etcd_options import DEFAULT_ETCD_PORT, EtcdOptions
 
 try:
     import httpx
@@ -51,7 +51,6 @@ if importlib.util.find_spec("sniffio") is None:
     sys.modules.setdefault("sniffio", None)  # type: ignore[arg-type]
 
 __all__ = [
-    "DEFAULT_PORT",
     "Endpoint",
     "EtcdConnection",
     "EtcdSettings",
@@ -65,7 +64,6 @@ __all__ = [
     "translate",
 ]
 
-DEFAULT_PORT = 2379
 CONNECT_TIMEOUT = 3.0  # one connection attempt to one endpoint
 # One request to one endpoint waits at most timeout/3 (within 2..10 s), so a
 # member that accepts connections but never answers (frozen) is failed over.
@@ -107,7 +105,7 @@ class EtcdSettings:
 def parse_endpoints(spec: str) -> tuple[tuple[Endpoint, ...], bool]:
     """``host:port[,host:port...]`` (port defaults to 2379; IPv6 in brackets;
     an ``http://`` or ``https://`` prefix is accepted) -> endpoints, https?"""
-    return parse_endpoint_list(spec, DEFAULT_PORT, "etcd endpoint")
+    return parse_endpoint_list(spec, DEFAULT_ETCD_PORT, "etcd endpoint")
 
 
 def settings_from_options(

@@ -1,14 +1,17 @@
-"""The etcd store's options: the ``--rdzv-conf`` keys it reads (TLS files, user
-and password, a key prefix, the protocol), typed once where the settings are
-resolved (``launcher/rdzv_conf``, ``elastrun status``) and checked by the store
-when it opens (:func:`elastrun.store.etcd_conn.settings_from_options`). Apart
-from the etcd store so that reading them needs no httpx."""
+"""The etcd store's options: its default client port, and the ``--rdzv-conf``
+keys it reads (TLS files, user and password, a key prefix, the protocol),
+typed once where the settings are resolved (``launcher/rdzv_conf``,
+``elastrun status``) and checked by the store when it opens
+(:func:`elastrun.store.etcd_conn.settings_from_options`). Apart from the
+etcd store so that reading them needs no httpx."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["EtcdOptions"]
+__all__ = ["DEFAULT_ETCD_PORT", "EtcdOptions"]
+
+DEFAULT_ETCD_PORT = 2379  # etcd's client port
 
 
 @dataclass(frozen=True)

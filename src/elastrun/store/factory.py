@@ -30,7 +30,6 @@ from elastrun.store.memory import MemoryStore
 from elastrun.untrusted import printable
 
 __all__ = [
-    "DEFAULT_ETCD_PORT",
     "DEFAULT_PORT",
     "Backend",
     "StoreOptions",
@@ -39,7 +38,6 @@ __all__ = [
 ]
 
 DEFAULT_PORT = 29400  # the embedded store's
-DEFAULT_ETCD_PORT = 2379  # etcd's client port
 
 
 class Backend(enum.StrEnum):

@@ -53,11 +53,10 @@ from elastrun.store.server_conn import Connection
 from elastrun.store.term import Role, TermState, list_digest
 from elastrun.store.vouch import Checks, Claims
 
-__all__ = ["DEFAULT_PORT", "DISCONNECT_GRACE", "AbuseLog", "ServerStats", "StoreServer"]
+__all__ = ["DISCONNECT_GRACE", "AbuseLog", "ServerStats", "StoreServer"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 29400
 # Seconds a lease outlives the end of its owner's connection (never more than
 # its TTL left). Long enough for a live client to notice the lost connection,
 # reconnect (its first retries come within 0.05 + 0.1 + 0.2 + 0.4 s) and
