@@ -1,6 +1,7 @@
 """One connection of the embedded store's client (:mod:`elastrun.store.client`):
 open the socket, say hello, and hold what the client's read loop and requests
-share (pending answers by request id, the frame decoder)."""
+share (pending answers by request id, the frame decoder); and a one-frame
+exchange on a connection of its own (:func:`exchange`: a vote, a vouch)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from elastrun.errors import AuthenticationError, NotHost, ProtocolError, StoreUn
 from elastrun.store import codec
 from elastrun.untrusted import printable
 
-__all__ = ["Conn", "close_writer", "describe_error", "not_host", "open_conn"]
+__all__ = ["Conn", "close_writer", "describe_error", "exchange", "not_host", "open_conn"]
 
 
 def describe_error(exc: BaseException) -> str:
@@ -37,6 +38,31 @@ def close_writer(writer: asyncio.StreamWriter) -> None:
     with contextlib.suppress(RuntimeError):  # no running loop: nothing to consume
         waiter = asyncio.ensure_future(writer.wait_closed())
         waiter.add_done_callback(_consume)
+
+
+async def exchange(
+    host: str, port: int, frame: Mapping[str, Any], timeout: float
+) -> dict[str, Any] | None:
+    """Send ``frame`` to the store at ``host:port`` on a connection of its own
+    and read one frame back (None: not reached, closed, malformed, or no answer
+    within ``timeout`` seconds). The answer is bounded (4 KiB frames)."""
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(host, port)
+            try:
+                writer.write(codec.encode_frame(frame))
+                await writer.drain()
+                decoder = codec.FrameDecoder(4096)
+                while (reply := decoder.pop()) is None:
+                    data = await reader.read(4096)
+                    if not data:
+                        return None
+                    decoder.push(data)
+            finally:
+                close_writer(writer)
+    except (OSError, TimeoutError, ProtocolError):
+        return None
+    return reply
 
 
 def _consume(task: asyncio.Future[None]) -> None:

@@ -48,10 +48,9 @@ from elastrun.errors import (
     StoreUnavailable,
 )
 from elastrun.events import EventSink, NullSink
-from elastrun.store import codec
 from elastrun.store.ballot import Ballot, BallotError
 from elastrun.store.client import TcpStore
-from elastrun.store.client_conn import close_writer, open_conn
+from elastrun.store.client_conn import close_writer, exchange, open_conn
 from elastrun.store.server import StoreServer
 from elastrun.store.term import FailoverTiming, Role, list_digest
 
@@ -158,27 +157,12 @@ async def send_vote(
     (False: not reached, or no answer in time). ``nonce``: the claim the
     voter's own store vouches for (store/vouch.py)."""
     host, port = candidates.endpoints[target]
-    try:
-        async with asyncio.timeout(PROBE_TIMEOUT):
-            reader, writer = await asyncio.open_connection(host, port)
-            try:
-                frame = {"v": 1, "t": "vote", "token": token, "term": term, "voter": voter}
-                frame["list"] = list_digest(str(candidates))
-                if nonce is not None:
-                    frame["nonce"] = nonce
-                writer.write(codec.encode_frame(frame))
-                await writer.drain()
-                decoder = codec.FrameDecoder(4096)
-                while (reply := decoder.pop()) is None:
-                    data = await reader.read(4096)
-                    if not data:
-                        return False
-                    decoder.push(data)
-            finally:
-                close_writer(writer)
-    except (OSError, TimeoutError, ProtocolError):
-        return False
-    return reply.get("t") == "vote"
+    frame: dict[str, Any] = {"v": 1, "t": "vote", "token": token, "term": term, "voter": voter}
+    frame["list"] = list_digest(str(candidates))
+    if nonce is not None:
+        frame["nonce"] = nonce
+    reply = await exchange(host, port, frame, PROBE_TIMEOUT)
+    return reply is not None and reply.get("t") == "vote"
 
 
 @dataclass

@@ -29,9 +29,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from elastrun.endpoint import Endpoint
-from elastrun.errors import ConfigError, ProtocolError
-from elastrun.store import codec
-from elastrun.store.client_conn import close_writer
+from elastrun.errors import ConfigError
+from elastrun.store.client_conn import exchange
 
 __all__ = ["ASK_TIMEOUT", "MAX_ASKING", "MAX_CLAIMS", "Checks", "Claims", "ask"]
 
@@ -69,24 +68,9 @@ async def ask(
 ) -> dict[str, Any] | None:
     """The claim the store at ``host:port`` vouches for under ``nonce``
     (None: none, or no answer in time)."""
-    try:
-        async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(host, port)
-            try:
-                frame = {"v": 1, "t": "vouch", "token": token, "nonce": nonce}
-                writer.write(codec.encode_frame(frame))
-                await writer.drain()
-                decoder = codec.FrameDecoder(4096)
-                while (reply := decoder.pop()) is None:
-                    data = await reader.read(4096)
-                    if not data:
-                        return None
-                    decoder.push(data)
-            finally:
-                close_writer(writer)
-    except (OSError, TimeoutError, ProtocolError):
-        return None
-    claim = reply.get("claim") if reply.get("t") == "vouch" else None
+    frame = {"v": 1, "t": "vouch", "token": token, "nonce": nonce}
+    reply = await exchange(host, port, frame, timeout)
+    claim = reply.get("claim") if reply is not None and reply.get("t") == "vouch" else None
     return claim if isinstance(claim, dict) else None
 
 
