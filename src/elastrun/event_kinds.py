@@ -260,6 +260,14 @@ class StoreSteppedDown(Event):
 
 
 @dataclass(frozen=True)
+class StoreStandby(Event):
+    KIND = "store_standby"
+    term: int
+    candidate: str
+    detail: str
+
+
+@dataclass(frozen=True)
 class StoreCandidateUnreachable(Event):
     KIND = "store_candidate_unreachable"
     candidate: str

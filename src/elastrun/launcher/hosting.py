@@ -36,7 +36,7 @@ from elastrun.agent.modcache import default_cache_dir
 from elastrun.clock import SYSTEM_CLOCK
 from elastrun.endpoint import Endpoint, format_endpoints
 from elastrun.errors import ConfigError, StoreUnavailable
-from elastrun.event_kinds import StoreSteppedDown, StoreTakeover
+from elastrun.event_kinds import StoreStandby, StoreSteppedDown, StoreTakeover
 from elastrun.events import NullSink
 from elastrun.launcher.bind import describe, listen_on
 from elastrun.launcher.event_log import EventLog
@@ -329,7 +329,7 @@ async def _serve(
 
     def on_term(kind: str, detail: str) -> None:
         say(f"elastrun: {detail}")
-        term_event = StoreTakeover if kind == StoreTakeover.KIND else StoreSteppedDown
+        term_event = {c.KIND: c for c in (StoreTakeover, StoreStandby, StoreSteppedDown)}[kind]
         log.emit(
             "store",
             term_event(term=state.term, candidate=str(candidates.endpoints[me]), detail=detail),
