@@ -4,7 +4,8 @@ Components emit events through an :class:`EventSink`. The agent writes them to
 a JSON-lines file (one object per line, schema version ``EVENT_SCHEMA``); tests
 and embedders can collect them in memory. Each event has ``v`` (schema
 version), ``ts`` (wall-clock seconds, for humans correlating logs; never used
-for decisions), ``kind``, and event-specific fields.
+for decisions), ``kind``, and event-specific fields: an event is one of the
+typed kinds of :mod:`elastrun.event_kinds` (the catalogue).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from elastrun.event_kinds import Event
 from elastrun.safefs import append_fd
 
 __all__ = ["EVENT_SCHEMA", "EventSink", "JsonLinesSink", "ListSink", "NullSink", "make_event"]
@@ -28,11 +30,11 @@ def make_event(kind: str, **fields: Any) -> dict[str, Any]:
 
 
 class EventSink(Protocol):
-    def emit(self, kind: str, **fields: Any) -> None: ...
+    def emit(self, event: Event) -> None: ...
 
 
 class NullSink:
-    def emit(self, kind: str, **fields: Any) -> None:
+    def emit(self, event: Event) -> None:
         return None
 
 
@@ -43,11 +45,11 @@ class ListSink:
         self.events: list[dict[str, Any]] = []
         self._on_event = on_event
 
-    def emit(self, kind: str, **fields: Any) -> None:
-        event = make_event(kind, **fields)
-        self.events.append(event)
+    def emit(self, event: Event) -> None:
+        line = make_event(event.KIND, **event.to_json())
+        self.events.append(line)
         if self._on_event is not None:
-            self._on_event(event)
+            self._on_event(line)
 
     def kinds(self) -> list[str]:
         return [e["kind"] for e in self.events]
@@ -70,8 +72,12 @@ class JsonLinesSink:
         fd = append_fd(self.path, 0o666)  # as open() would make it, less the umask
         self._file = os.fdopen(fd, "a", encoding="utf-8")
 
-    def emit(self, kind: str, **fields: Any) -> None:
-        line = json.dumps(make_event(kind, **self._common, **fields), sort_keys=True)
+    def emit(self, event: Event) -> None:
+        self.write(event.KIND, event.to_json())
+
+    def write(self, kind: str, fields: Mapping[str, Any]) -> None:
+        """One line: ``kind``, the sink's common fields, then ``fields``."""
+        line = json.dumps(make_event(kind, **{**self._common, **fields}), sort_keys=True)
         with self._lock:
             self._file.write(line + "\n")
             self._file.flush()

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from elastrun.event_kinds import parse_event
 from tests.conftest import REPO
 
 pytest.importorskip("torch")
@@ -43,6 +44,8 @@ def events(path: Path) -> list[dict[str, Any]]:
     for line in path.read_text(encoding="utf-8").splitlines():
         with contextlib.suppress(json.JSONDecodeError):
             out.append(json.loads(line))
+    # every line is an event of the catalogue (elastrun/event_kinds.py)
+    assert [e for e in out if parse_event(e) is None] == []
     return out
 
 

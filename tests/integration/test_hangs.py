@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from elastrun.event_kinds import parse_event
 from tests.helpers import free_port, stop_groups, wait_for
 from tests.integration.elastic_harness import ELASTRUN
 
@@ -31,7 +32,10 @@ BOUND = 150.0  # a whole job, on a loaded 2-core machine
 def _events(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # every line is an event of the catalogue (elastrun/event_kinds.py)
+    assert [e for e in out if parse_event(e) is None] == []
+    return out
 
 
 def _kinds(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from elastrun.event_kinds import parse_event
 from elastrun.status.timeline import load_events, render_html
 from tests.conftest import REPO
 from tests.helpers import free_port, stop_groups, wait_for, without_pet
@@ -113,7 +114,10 @@ def restarted(port: int, candidates: bool) -> dict[str, Any] | None:
 
 
 def events(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # every line is an event of the catalogue (elastrun/event_kinds.py)
+    assert [e for e in out if parse_event(e) is None] == []
+    return out
 
 
 def where(rank: int, candidates: bool, conf: str = "") -> list[str]:

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from elastrun.event_kinds import parse_event
 from elastrun.store.term import list_digest
 from tests.helpers import free_port, pid_alive, wait_for
 from tests.integration.elastic_harness import (
@@ -74,7 +75,10 @@ def status(port: int) -> dict[str, Any]:
 def events(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # every line is an event of the catalogue (elastrun/event_kinds.py)
+    assert [e for e in out if parse_event(e) is None] == []
+    return out
 
 
 def start_three(j: Job, tmp_path: Path, port: int) -> list[Any]:

@@ -18,6 +18,7 @@ FOUNDATION = {
     "errors",
     "clock",
     "events",
+    "event_kinds",
     "names",
     "endpoint",
     "procs",

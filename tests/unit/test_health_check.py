@@ -21,6 +21,7 @@ from elastrun.agent.health_check import (
     hosts_from,
     respond,
 )
+from elastrun.event_kinds import Event
 from tests.helpers import free_port
 
 
@@ -78,8 +79,8 @@ class _Events:
     def __init__(self) -> None:
         self.emitted: list[tuple[str, dict[str, Any]]] = []
 
-    def emit(self, kind: str, **fields: Any) -> None:
-        self.emitted.append((kind, fields))
+    def emit(self, event: Event) -> None:
+        self.emitted.append((event.KIND, event.to_json()))
 
 
 class _Core:

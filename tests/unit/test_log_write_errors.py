@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from elastrun.agent.logs import MAX_LOG_WARNINGS, LinePump, LogWriteErrors, StreamRoute
+from elastrun.event_kinds import Event
 from elastrun.events import EventSink
 
 LIMIT = 100  # bytes the "disk" takes before every write fails
@@ -76,8 +77,8 @@ class Events(EventSink):
     def __init__(self) -> None:
         self.seen: list[tuple[str, dict[str, Any]]] = []
 
-    def emit(self, kind: str, **fields: Any) -> None:
-        self.seen.append((kind, fields))
+    def emit(self, event: Event) -> None:
+        self.seen.append((event.KIND, event.to_json()))
 
     def kinds(self) -> list[str]:
         return [k for k, _ in self.seen]

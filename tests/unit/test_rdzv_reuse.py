@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import pytest
 
 from elastrun.errors import ConfigMismatch, RendezvousClosed, RestartBudgetExhausted
+from elastrun.event_kinds import Event
 from elastrun.events import EventSink
 from elastrun.failure import FailureRecord
 from elastrun.names import RunId
@@ -90,8 +91,8 @@ class Events(EventSink):
     def __init__(self) -> None:
         self.seen: list[tuple[str, dict[str, Any]]] = []
 
-    def emit(self, kind: str, **fields: Any) -> None:
-        self.seen.append((kind, fields))
+    def emit(self, event: Event) -> None:
+        self.seen.append((event.KIND, event.to_json()))
 
 
 def run(scenario: Callable[[], Awaitable[T]]) -> T:

@@ -91,6 +91,16 @@ from elastrun.agent.waiting import WaitingConsole
 from elastrun.agent.workers import WorkerGroup
 from elastrun.clock import SYSTEM_CLOCK, Clock
 from elastrun.errors import ElastrunError, RendezvousClosed, RestartBudgetExhausted
+from elastrun.event_kinds import (
+    Event,
+    JobFailed,
+    JobFinished,
+    Restart,
+    RootCauseElsewhere,
+    SignalForwarded,
+    WorkersStarted,
+    WorkersSucceeded,
+)
 from elastrun.events import EventSink, JsonLinesSink, NullSink
 from elastrun.failure import FailureRecord, same_failure
 from elastrun.procs import say, signal_name
@@ -127,9 +137,9 @@ class _Tee:
     def __init__(self, *sinks: EventSink) -> None:
         self.sinks = sinks
 
-    def emit(self, kind: str, **fields: Any) -> None:
+    def emit(self, event: Event) -> None:
         for s in self.sinks:
-            s.emit(kind, **fields)
+            s.emit(event)
 
 
 class Agent:
@@ -204,10 +214,10 @@ class Agent:
             code = 128 + s.signum
             await self._stop_group(s.signum)
             say(f"elastrun: received {signal_name(s.signum)}: workers stopped; exiting with {code}")
-            self.events.emit("job_failed", exit_code=code, reason=f"signal {signal_name(s.signum)}")
+            self.events.emit(JobFailed(exit_code=code, reason=f"signal {signal_name(s.signum)}"))
         except ElastrunError as e:
             say(f"elastrun: error: {e}")
-            self.events.emit("job_failed", exit_code=1, reason=type(e).__name__, detail=str(e))
+            self.events.emit(JobFailed(exit_code=1, reason=type(e).__name__, detail=str(e)))
             code = 1
         finally:
             await self._finish()
@@ -282,7 +292,7 @@ class Agent:
     def _on_forward_signal(self, sig: int) -> None:
         if self._group is not None:
             self._group.send_signal(sig)
-        self.events.emit("signal_forwarded", signal=signal_name(sig))
+        self.events.emit(SignalForwarded(signal=signal_name(sig)))
 
     async def _stop_group(self, sig: int) -> None:
         """Stop the current group (bounded); a terminating signal arriving
@@ -305,11 +315,11 @@ class Agent:
                 result = await self._next_round()
             except RendezvousClosed as e:
                 say(f"elastrun: the job is already finished ({e}); nothing to do")
-                self.events.emit("job_finished", exit_code=0, reason="rendezvous_closed")
+                self.events.emit(JobFinished(exit_code=0, reason="rendezvous_closed"))
                 return 0
             except RestartBudgetExhausted as e:
                 say(f"elastrun: job failed: {e}")
-                self.events.emit("job_failed", exit_code=1, reason="restarts_exhausted")
+                self.events.emit(JobFailed(exit_code=1, reason="restarts_exhausted"))
                 return 1
             check_round(self.spec, result)
             group = self._new_group(result)
@@ -361,31 +371,32 @@ class Agent:
     async def _start(self, group: WorkerGroup, result: RoundResult) -> None:
         await group.start()  # on WorkerError or a signal, run() stops those started
         self.events.emit(
-            "workers_started",
-            round=result.round,
-            attempt=self._attempt,
-            restart_count=result.restart_count,
-            pids=group.pids,
-            ranks=[w.rank for w in group.workers],
-            local_ranks=[w.local_rank for w in group.workers],
-            warm=[w.warm for w in group.workers],
-            world_size=result.world_size,
-            group_rank=result.group_rank,
-            master=f"{result.master_addr}:{result.master_port}",
+            WorkersStarted(
+                round=result.round,
+                attempt=self._attempt,
+                restart_count=result.restart_count,
+                pids=group.pids,
+                ranks=[w.rank for w in group.workers],
+                local_ranks=[w.local_rank for w in group.workers],
+                warm=[w.warm for w in group.workers],
+                world_size=result.world_size,
+                group_rank=result.group_rank,
+                master=f"{result.master_addr}:{result.master_port}",
+            )
         )
 
     async def _on_success(self, group: WorkerGroup, result: RoundResult) -> int:
         await group.close()
         self._group = None
-        self.events.emit("workers_succeeded", round=result.round, attempt=self._attempt)
+        self.events.emit(WorkersSucceeded(round=result.round, attempt=self._attempt))
         await self._stops.first(self.rendezvous.complete())
         if self.spec.require_logs and self._log_errors.any:
             # The workers succeeded, but some output never reached its file.
             say(f"elastrun: error: {self._log_errors.summary()}; exiting 1 (--require-logs)")
             files = sorted(self._log_errors.failed)
-            self.events.emit("job_failed", exit_code=1, reason="log_output_lost", files=files)
+            self.events.emit(JobFailed(exit_code=1, reason="log_output_lost", files=files))
             return 1
-        self.events.emit("job_finished", exit_code=0, reason="workers_succeeded")
+        self.events.emit(JobFinished(exit_code=0, reason="workers_succeeded"))
         return 0
 
     async def _on_change(
@@ -404,12 +415,13 @@ class Agent:
             say(printable(change_line(change, result)))
         self._stops.raise_pending()
         self.events.emit(
-            "restart",
-            count=result.restart_count + (1 if change.counts_as_restart else 0),
-            reason=change.reason,
-            detail=change.detail,
-            counted=change.counts_as_restart,
-            round=result.round,
+            Restart(
+                count=result.restart_count + (1 if change.counts_as_restart else 0),
+                reason=change.reason,
+                detail=change.detail,
+                counted=change.counts_as_restart,
+                round=result.round,
+            )
         )
         return None
 
@@ -429,11 +441,9 @@ class Agent:
         if same_failure(job, record):
             return record  # this node's (as read back from the store)
         self.events.emit(
-            "root_cause_elsewhere",
-            round=result.round,
-            attempt=self._attempt,
-            failure=job.to_json(),
-            node_failure=record.to_json(),
+            RootCauseElsewhere(
+                round=result.round, attempt=self._attempt, failure=job, node_failure=record
+            )
         )
         return job
 
@@ -478,9 +488,7 @@ class Agent:
                 f"(max restarts {result.max_restarts}, used {result.restart_count}): {exhausted}"
             )
             say(with_report(format_summary(failures, header), report))
-            self.events.emit(
-                "job_failed", exit_code=1, reason="restarts_exhausted", failure=record.to_json()
-            )
+            self.events.emit(JobFailed(exit_code=1, reason="restarts_exhausted", failure=record))
             return 1
         # The title announces the restart, once (with the job's root cause).
         known = peer is not None or any(f.role == ROOT_CAUSE for f in failures)
@@ -494,12 +502,13 @@ class Agent:
         if spent:
             return None
         self.events.emit(
-            "restart",
-            count=result.restart_count + 1,
-            reason="worker_failed",
-            counted=True,
-            round=result.round,
-            failure=job.to_json(),
+            Restart(
+                count=result.restart_count + 1,
+                reason="worker_failed",
+                counted=True,
+                round=result.round,
+                failure=job,
+            )
         )
         return None
 

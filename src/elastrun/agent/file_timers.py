@@ -61,6 +61,12 @@ from typing import TYPE_CHECKING, TypeGuard
 
 from elastrun.agent.hooks import Core, Feature
 from elastrun.agent.round_hooks import RoundHooks
+from elastrun.event_kinds import (
+    FileTimerExpired,
+    FileTimerRefused,
+    FileTimersFailed,
+    FileTimersStarted,
+)
 from elastrun.procs import signal_name
 from elastrun.untrusted import UntrustedData, loads, printable
 
@@ -206,10 +212,10 @@ class FileTimers(Feature):
                 f"elastrun: warning: the file timer server cannot use {self.path}: "
                 f"{e.strerror or e}; workers that use torch's FileTimerClient will fail"
             )
-            self.core.events.emit("file_timers_failed", path=self.path, error=str(e))
+            self.core.events.emit(FileTimersFailed(path=self.path, error=str(e)))
             self._close_pipes()
             return
-        self.core.events.emit("file_timers_started", path=self.path, pipes=len(self.pipes))
+        self.core.events.emit(FileTimersStarted(path=self.path, pipes=len(self.pipes)))
 
     def pipe_path(self, local_rank: int) -> str:
         """The named pipe of the worker at ``local_rank``."""
@@ -269,7 +275,7 @@ class FileTimers(Feature):
         if w is None or w.local_rank != local_rank:
             self._strangers += 1
             if self._strangers == 1:
-                self.core.events.emit("file_timer_refused", pid=request.pid, local_rank=local_rank)
+                self.core.events.emit(FileTimerRefused(pid=request.pid, local_rank=local_rank))
             return
         self.table.register(request)
 
@@ -310,12 +316,13 @@ class FileTimers(Feature):
             )
             self.group.declare(w, why)
             self.core.events.emit(
-                "file_timer_expired",
-                rank=w.rank,
-                local_rank=w.local_rank,
-                pid=pid,
-                scope=request.scope_id,
-                signal=signal_name(request.signal),
+                FileTimerExpired(
+                    rank=w.rank,
+                    local_rank=w.local_rank,
+                    pid=pid,
+                    scope=request.scope_id,
+                    signal=signal_name(request.signal),
+                )
             )
             with contextlib.suppress(OSError):
                 os.kill(pid, request.signal)

@@ -34,6 +34,7 @@ import subprocess
 
 from elastrun.agent.hooks import Core, Feature, RoundHooks
 from elastrun.agent.workers import WorkerGroup
+from elastrun.event_kinds import GpuMemoryWait
 from elastrun.untrusted import ascii_decimal, printable
 
 __all__ = [
@@ -168,12 +169,13 @@ class GpuRelease(Feature):
             held = held if now is None else now
         waited = clock.monotonic() - t0
         self.core.events.emit(
-            "gpu_memory_wait",
-            pids=sorted(first),
-            mib=sum(first.values()),
-            waited_s=round(waited, 3),
-            released=not held,
-            timeout=self.timeout,
+            GpuMemoryWait(
+                pids=sorted(first),
+                mib=sum(first.values()),
+                waited_s=round(waited, 3),
+                released=not held,
+                timeout=self.timeout,
+            )
         )
         if held:
             say(

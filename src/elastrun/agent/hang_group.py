@@ -52,6 +52,7 @@ from elastrun.agent.watchdog import (
     parse_beat,
 )
 from elastrun.agent.workers import Worker, WorkerGroup
+from elastrun.event_kinds import HangDetected, HangSuspected, StacksSkipped
 from elastrun.procs import signal_name
 from elastrun.rendezvous.api import Change
 from elastrun.worker._messages import Message, Progress, ProgressFailed
@@ -236,13 +237,14 @@ class RoundHangs(RoundHooks):
             r.stacks_skipped = why
             self.core.say(f"elastrun: rank {w.rank}: Python stacks not collected: {why}")
             self.core.events.emit(
-                "stacks_skipped",
-                rank=w.rank,
-                local_rank=lr,
-                signal=signal_name(signum),
-                why=why,
-                round=self.group.result.round,
-                attempt=self.group.attempt,
+                StacksSkipped(
+                    rank=w.rank,
+                    local_rank=lr,
+                    signal=signal_name(signum),
+                    why=why,
+                    round=self.group.result.round,
+                    attempt=self.group.attempt,
+                )
             )
         for lr, dump in got.dumps.items():
             r = self.ranks[lr]
@@ -309,11 +311,12 @@ class RoundHangs(RoundHooks):
         if waits and not self.watchdog.is_patient(w.local_rank):
             # Waiting for a peer: the culprit is elsewhere (see watchdog.py).
             self.core.events.emit(
-                "hang_suspected",
-                rank=w.rank,
-                idle_s=round(hang.idle, 3),
-                sits_in=str(top_frame(r.stacks or "", r.main_thread)),
-                round=self.group.result.round,
+                HangSuspected(
+                    rank=w.rank,
+                    idle_s=round(hang.idle, 3),
+                    sits_in=str(top_frame(r.stacks or "", r.main_thread)),
+                    round=self.group.result.round,
+                )
             )
             self._hang_task = None
             self.watchdog.wait_longer(w.local_rank)
@@ -332,21 +335,22 @@ class RoundHangs(RoundHooks):
             why = f"rank {w.rank} made no progress for {hang.timeout:g} s ({step})"
         self.group.declare(w, why)
         self.core.events.emit(
-            "hang_detected",
-            rank=w.rank,
-            local_rank=w.local_rank,
-            pid=w.pid,
-            last_step=last_step,
-            idle_s=round(hang.idle, 3),
-            hang_timeout=round(hang.timeout, 3),
-            auto=self.spec.hang_auto,
-            phase=hang.phase,
-            judged_rank=self.group.workers[hang.key].rank,
-            sits_in={
-                self.group.workers[lr].rank: str(top_frame(r.stacks, r.main_thread))
-                for lr, r in self.ranks.items()
-                if r.stacks is not None
-            },
-            round=self.group.result.round,
-            attempt=self.group.attempt,
+            HangDetected(
+                rank=w.rank,
+                local_rank=w.local_rank,
+                pid=w.pid,
+                last_step=last_step,
+                idle_s=round(hang.idle, 3),
+                hang_timeout=round(hang.timeout, 3),
+                auto=self.spec.hang_auto,
+                phase=hang.phase,
+                judged_rank=self.group.workers[hang.key].rank,
+                sits_in={
+                    self.group.workers[lr].rank: str(top_frame(r.stacks, r.main_thread))
+                    for lr, r in self.ranks.items()
+                    if r.stacks is not None
+                },
+                round=self.group.result.round,
+                attempt=self.group.attempt,
+            )
         )

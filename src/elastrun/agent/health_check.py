@@ -44,6 +44,7 @@ import time
 from typing import Any
 
 from elastrun.agent.hooks import Core, Feature
+from elastrun.event_kinds import HealthCheckFailed, HealthCheckStarted
 from elastrun.untrusted import ascii_int, printable
 
 __all__ = ["HOST_ENV", "PORT_ENV", "HealthCheck", "answer", "features", "respond"]
@@ -168,9 +169,9 @@ class HealthCheck(Feature):
             )
         if not bound:
             error = "; ".join(errors) or "no address"
-            self.core.events.emit("health_check_failed", port=self.port, error=error)
+            self.core.events.emit(HealthCheckFailed(port=self.port, error=error))
             return
-        self.core.events.emit("health_check_started", port=self.port, hosts=bound)
+        self.core.events.emit(HealthCheckStarted(port=self.port, hosts=bound))
 
     def _accept(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()

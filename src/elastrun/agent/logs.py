@@ -54,6 +54,7 @@ from typing import BinaryIO, TextIO
 
 from elastrun.agent.spec import Std, WorkerSpec
 from elastrun.errors import ConfigError
+from elastrun.event_kinds import LogOutputLost, LogWriteFailed
 from elastrun.events import EventSink
 from elastrun.procs import say
 from elastrun.safefs import (
@@ -292,13 +293,14 @@ class LogWriteErrors:
         self.failed[path] = why
         if self.events is not None:
             self.events.emit(
-                "log_write_failed",
-                path=path,
-                error=why,
-                errno=error.errno,
-                rank=rank,
-                local_rank=local_rank,
-                stream=stream,
+                LogWriteFailed(
+                    path=path,
+                    error=why,
+                    errno=error.errno,
+                    rank=rank,
+                    local_rank=local_rank,
+                    stream=stream,
+                )
             )
         if self.shown < MAX_LOG_WARNINGS:
             where = f" (rank {rank} {stream})" if rank is not None and stream else ""
@@ -333,12 +335,9 @@ class LogWriteErrors:
         n = self.lost.get(path, 0)
         if n and self.events is not None:
             self.events.emit(
-                "log_output_lost",
-                path=path,
-                bytes=n,
-                error=self.failed.get(path, ""),
-                rank=rank,
-                stream=stream,
+                LogOutputLost(
+                    path=path, bytes=n, error=self.failed.get(path, ""), rank=rank, stream=stream
+                )
             )
 
 

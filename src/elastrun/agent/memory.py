@@ -63,6 +63,14 @@ from elastrun.agent.replica import (
 )
 from elastrun.agent.workers import WorkerGroup
 from elastrun.errors import ConfigError
+from elastrun.event_kinds import (
+    MemoryCheckpointPersisted,
+    MemoryCheckpointPersistFailed,
+    MemoryReplicaReceived,
+    MemoryReplicaRefused,
+    MemoryReplicaSendFailed,
+    MemoryReplicaSent,
+)
 from elastrun.procs import pid_alive
 from elastrun.rendezvous.api import RoundResult, whole
 from elastrun.rendezvous.notes import ReplicaNote, seats
@@ -176,10 +184,9 @@ class MemoryCheckpoints(Feature):
         except (UnsafePath, OSError) as e:
             # Said by each worker that uses memory checkpoints (it gets no folder).
             self.core.events.emit(
-                "memory_checkpoint_persist_failed",
-                local_rank=-1,
-                step=-1,
-                reason=f"no shared memory folder: {e}",
+                MemoryCheckpointPersistFailed(
+                    local_rank=-1, step=-1, reason=f"no shared memory folder: {e}"
+                )
             )
             return
         self.core.guard.remove_when_gone(self.base)  # a killed agent's copies go too
@@ -247,16 +254,17 @@ class MemoryCheckpoints(Feature):
 
     def _received(self, got: Received) -> None:
         self.core.events.emit(
-            "memory_replica_received",
-            rank=got.rank,
-            step=got.step,
-            node=got.node,
-            bytes=got.size,
-            authenticated=self.hold is not None and bool(self.hold.key),
+            MemoryReplicaReceived(
+                rank=got.rank,
+                step=got.step,
+                node=got.node,
+                bytes=got.size,
+                authenticated=self.hold is not None and bool(self.hold.key),
+            )
         )
 
     def _refused(self, peer: str, why: str) -> None:
-        self.core.events.emit("memory_replica_refused", peer=peer, reason=why)
+        self.core.events.emit(MemoryReplicaRefused(peer=peer, reason=why))
 
     async def neighbour(self) -> Neighbour | None:
         """The next node's replica port in this round (its note, checked)."""
@@ -336,13 +344,14 @@ class MemoryCheckpoints(Feature):
         finally:
             view.close()
         self.core.events.emit(
-            "memory_checkpoint_persisted",
-            local_rank=lr,
-            rank=view.header.rank,
-            step=done.step,
-            path=done.path,
-            bytes=done.size,
-            seconds=round(clock.monotonic() - t0, 3),
+            MemoryCheckpointPersisted(
+                local_rank=lr,
+                rank=view.header.rank,
+                step=done.step,
+                path=done.path,
+                bytes=done.size,
+                seconds=round(clock.monotonic() - t0, 3),
+            )
         )
 
     def _await_replicas(self, step: int) -> None:
@@ -383,23 +392,22 @@ class MemoryCheckpoints(Feature):
             )
         except (ReplicaError, ConfigError) as e:  # ConfigError: a bad ELASTRUN_REPLICA_MAX_HEADER
             self.core.events.emit(
-                "memory_replica_send_failed", local_rank=lr, rank=h.rank, step=h.step, reason=str(e)
+                MemoryReplicaSendFailed(local_rank=lr, rank=h.rank, step=h.step, reason=str(e))
             )
             return
         self.core.events.emit(
-            "memory_replica_sent",
-            local_rank=lr,
-            rank=h.rank,
-            step=h.step,
-            to=to.node_id,
-            bytes=view.size,
-            seconds=round(clock.monotonic() - t0, 3),
+            MemoryReplicaSent(
+                local_rank=lr,
+                rank=h.rank,
+                step=h.step,
+                to=to.node_id,
+                bytes=view.size,
+                seconds=round(clock.monotonic() - t0, 3),
+            )
         )
 
     def _failed(self, lr: int, step: int, why: str) -> None:
-        self.core.events.emit(
-            "memory_checkpoint_persist_failed", local_rank=lr, step=step, reason=why
-        )
+        self.core.events.emit(MemoryCheckpointPersistFailed(local_rank=lr, step=step, reason=why))
         if not self._warned:
             self._warned = True
             self.core.say(

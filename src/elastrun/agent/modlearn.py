@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from elastrun.agent.hooks import Core, Feature, RoundHooks
 from elastrun.agent.workers import Worker, WorkerGroup
 from elastrun.agent.zygote import SCOPE_ENV
+from elastrun.event_kinds import ModulesNoteIgnored
 from elastrun.rendezvous.notes import ModuleReport, Refused
 from elastrun.worker._messages import Message, Modules
 
@@ -95,7 +96,7 @@ class ModuleLearning(Feature):
         if note is None:
             return
         if not self.core.spec.store_authenticated:
-            events.emit("modules_note_ignored", reason="unauthenticated")
+            events.emit(ModulesNoteIgnored(reason="unauthenticated"))
             pool.debug(
                 "the job's module note is not used: the rendezvous store does not "
                 "authenticate its clients (no token), so anyone who reaches it could "
@@ -103,7 +104,7 @@ class ModuleLearning(Feature):
             )
             return
         if isinstance(note, Refused):
-            events.emit("modules_note_ignored", reason="invalid")
+            events.emit(ModulesNoteIgnored(reason="invalid"))
             pool.debug("the job's module note is not a module list: not used")
             return
         # Its names pass the rule again in learn(), there against this script.

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from elastrun.event_kinds import ProgressUnknown, ProgressWriteFailed
 from elastrun.events import EventSink
 from elastrun.procs import say
 from elastrun.untrusted import printable
@@ -57,14 +58,15 @@ class ProgressFaults:
             return
         why = printable(error, limit=MAX_ERROR_CHARS)
         self.events.emit(
-            "progress_write_failed",
-            rank=rank,
-            local_rank=local_rank,
-            path=path,
-            error=why,
-            relayed=relayed,
-            round=round_,
-            attempt=attempt,
+            ProgressWriteFailed(
+                rank=rank,
+                local_rank=local_rank,
+                path=path,
+                error=why,
+                relayed=relayed,
+                round=round_,
+                attempt=attempt,
+            )
         )
         if watched and "write" not in self._said:
             self._said.add("write")
@@ -84,12 +86,9 @@ class ProgressFaults:
             return
         text = printable(why, limit=2 * MAX_ERROR_CHARS)
         self.events.emit(
-            "progress_unknown",
-            rank=rank,
-            local_rank=local_rank,
-            why=text,
-            round=round_,
-            attempt=attempt,
+            ProgressUnknown(
+                rank=rank, local_rank=local_rank, why=text, round=round_, attempt=attempt
+            )
         )
         if "unknown" not in self._said:
             self._said.add("unknown")

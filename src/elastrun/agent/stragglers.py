@@ -42,6 +42,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from elastrun.agent.watchdog import read_beat
+from elastrun.event_kinds import Straggler
 from elastrun.events import EventSink
 from elastrun.rendezvous import notes as N
 from elastrun.rendezvous.api import Rendezvous, RoundResult, whole
@@ -180,9 +181,10 @@ async def publish_loop(
             if s.rank in mine and s.rank not in announced:
                 announced.add(s.rank)
                 events.emit(
-                    "straggler",
-                    rank=s.rank,
-                    own_time_s=round(s.own_time, 4),
-                    median_s=median,
-                    round=result.round,
+                    Straggler(
+                        rank=s.rank,
+                        own_time_s=round(s.own_time, 4),
+                        median_s=median,
+                        round=result.round,
+                    )
                 )

@@ -63,6 +63,7 @@ from elastrun.agent.modcache import ModuleCache, cache_key, default_cache_dir
 from elastrun.agent.modlearn import NOTE_TIMEOUT, ModuleLearning
 from elastrun.agent.warm_pool import WarmPool
 from elastrun.agent.workers import WorkerGroup
+from elastrun.event_kinds import WarmJoin
 from elastrun.rendezvous.api import RoundResult
 
 __all__ = ["WarmStarts", "features"]
@@ -126,7 +127,7 @@ class WarmStarts(Feature):
         t0 = clock.monotonic()
         ready = await pool.wait_ready(timeout)
         waited = clock.monotonic() - t0
-        self.core.events.emit("warm_join", waited_s=round(waited, 3), ready=ready, timeout=timeout)
+        self.core.events.emit(WarmJoin(waited_s=round(waited, 3), ready=ready, timeout=timeout))
         if not ready:
             pool.use_unready = False  # too slow to wait for at the start too
             say(f"elastrun: the warm interpreter is not ready after {waited:.0f}s; joining anyway")

@@ -37,6 +37,14 @@ from elastrun.agent.warm_ranks import RANK_VARS, RankZygotes, rank_part
 from elastrun.agent.watchdog import HEARTBEAT_ENV, HEARTBEAT_INTERVAL_ENV, heartbeat_interval
 from elastrun.agent.zygote import SCOPE_ENV, Bounds, Zygote, promote
 from elastrun.errors import WorkerError
+from elastrun.event_kinds import (
+    ModulesRecorded,
+    WarmDiscarded,
+    WarmFailed,
+    WarmReady,
+    WarmStarted,
+    WarmUsed,
+)
 from elastrun.events import EventSink
 from elastrun.rendezvous.notes import ModuleReport
 from elastrun.untrusted import printable
@@ -218,7 +226,7 @@ class WarmPool:
         if not self.reaper.enable():
             if self.error is None:
                 self.error = self.reaper.error
-                self.events.emit("warm_failed", reason=str(self.reaper.error))
+                self.events.emit(WarmFailed(reason=str(self.reaper.error)))
             return None
         argv = self.command.worker_argv(None)  # the fork order brings each rank's arguments
         # Only what every worker shares: no rank, round or runner variable
@@ -247,28 +255,29 @@ class WarmPool:
         try:
             z = Zygote.start(argv, z_env, preload, self.scope, bounds, local_rank=local_rank)
         except OSError as e:
-            self.events.emit("warm_failed", reason=str(e), local_rank=local_rank)
+            self.events.emit(WarmFailed(reason=str(e), local_rank=local_rank))
             return None
         if self.guard is not None:
             self.guard.add(z.pid)
         # Whatever an import starts in the zygote's session comes to the agent
         # if the zygote is killed first: reaped like a worker's orphans.
         self.reaper.watch_session(z.pid)
-        self.events.emit("warm_started", pid=z.pid, modules=len(modules), local_rank=local_rank)
+        self.events.emit(WarmStarted(pid=z.pid, modules=len(modules), local_rank=local_rank))
         z.watch(self._ready, self._refused)
         return z
 
     # ------------------------------------------------------------ its messages
     def _ready(self, z: Zygote, message: Ready) -> None:
         self.events.emit(
-            "warm_ready",
-            pid=z.pid,
-            local_rank=z.local_rank,
-            preload_s=round(time.monotonic() - z.started, 3),
-            loaded=message.loaded,
-            failed=[name for name, _ in message.failed],
-            rss_mb=round(message.rss_kb / 1024, 1),
-            stopped=message.stopped,
+            WarmReady(
+                pid=z.pid,
+                local_rank=z.local_rank,
+                preload_s=round(time.monotonic() - z.started, 3),
+                loaded=message.loaded,
+                failed=[name for name, _ in message.failed],
+                rss_mb=round(message.rss_kb / 1024, 1),
+                stopped=message.stopped,
+            )
         )
         for name, why in message.failed:
             self.debug(f"warm interpreter skipped module {name}: {why}")
@@ -351,11 +360,12 @@ class WarmPool:
         self.head_start = True
         saved = self._save()
         self.events.emit(
-            "modules_recorded",
-            modules=len(self.recorded.modules),
-            new=len(new),
-            why=why,
-            cache=self.cache.path if self.cache is not None and saved else None,
+            ModulesRecorded(
+                modules=len(self.recorded.modules),
+                new=len(new),
+                why=why,
+                cache=self.cache.path if self.cache is not None and saved else None,
+            )
         )
         z = self._z
         shared = [n for n in new if not skipped(n, self.recorded.ranked)]
@@ -464,13 +474,14 @@ class WarmPool:
             if self.guard is not None:
                 self.guard.add(proc.pid)
             self.events.emit(
-                "warm_used",
-                local_rank=lr,
-                pid=proc.pid,
-                zygote=z.pid,
-                per_rank=z.local_rank is not None,
-                warm_s=round(time.monotonic() - z.started, 3),
-                waited_s=round(waited, 3),
+                WarmUsed(
+                    local_rank=lr,
+                    pid=proc.pid,
+                    zygote=z.pid,
+                    per_rank=z.local_rank is not None,
+                    warm_s=round(time.monotonic() - z.started, 3),
+                    waited_s=round(waited, 3),
+                )
             )
         return forked
 
@@ -495,7 +506,7 @@ class WarmPool:
     # ------------------------------------------------------------ ending
     def _discard(self, z: Zygote, reason: str) -> None:
         if z.gone is None or not z.gone.startswith("discarded"):
-            self.events.emit("warm_discarded", pid=z.pid, reason=reason, local_rank=z.local_rank)
+            self.events.emit(WarmDiscarded(pid=z.pid, reason=reason, local_rank=z.local_rank))
         z.kill(f"discarded: {reason}")
         self._dead.append(z.popen)
 

@@ -51,6 +51,7 @@ from elastrun.agent.spawn import launcher_stdin, preexec_for
 from elastrun.agent.spec import WorkerSpec
 from elastrun.clock import SYSTEM_CLOCK, Clock, remaining
 from elastrun.errors import WorkerError
+from elastrun.event_kinds import WorkerExited, WorkersKilled, WorkersStopping, WorkersUnkillable
 from elastrun.events import EventSink
 from elastrun.procs import signal_name
 from elastrun.rendezvous.api import Change, RoundResult
@@ -308,16 +309,17 @@ class WorkerGroup:
             assert rc is not None
             exitcode, sig = (rc, None) if rc >= 0 else (None, signal_name(-rc))
             self.events.emit(
-                "worker_exited",
-                rank=w.rank,
-                local_rank=w.local_rank,
-                pid=w.pid,
-                exitcode=exitcode,
-                signal=sig,
-                cause=causes[mine],
-                stopped_by_agent=endings[mine].by_agent,
-                round=self.result.round,
-                attempt=self.attempt,
+                WorkerExited(
+                    rank=w.rank,
+                    local_rank=w.local_rank,
+                    pid=w.pid,
+                    exitcode=exitcode,
+                    signal=sig,
+                    cause=causes[mine],
+                    stopped_by_agent=endings[mine].by_agent,
+                    round=self.result.round,
+                    attempt=self.attempt,
+                )
             )
 
     @property
@@ -424,7 +426,7 @@ class WorkerGroup:
                 killpg(w.pid, sig)
         if live:
             self.events.emit(
-                "workers_stopping", signal=signal_name(sig), pids=[w.pid for w in live], grace=grace
+                WorkersStopping(signal=signal_name(sig), pids=[w.pid for w in live], grace=grace)
             )
             start = self.clock.monotonic()
             if ending:
@@ -435,7 +437,7 @@ class WorkerGroup:
             await self._wait_exits(start + grace)
         stubborn = [w for w in self.workers if w.popen is not None and not w.done]
         if stubborn:
-            self.events.emit("workers_killed", pids=[w.pid for w in stubborn], after_grace=grace)
+            self.events.emit(WorkersKilled(pids=[w.pid for w in stubborn], after_grace=grace))
             for w in stubborn:
                 killpg(w.pid, signal.SIGKILL)
             self._hurry.clear()
@@ -443,7 +445,7 @@ class WorkerGroup:
         unkillable = [w.pid for w in self.workers if w.popen is not None and not w.done]
         await self.close()
         if unkillable:
-            self.events.emit("workers_unkillable", pids=unkillable)
+            self.events.emit(WorkersUnkillable(pids=unkillable))
         return unkillable
 
     async def close(self) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 from elastrun.agent.log_dirs import open_event_log, run_dir
 from elastrun.errors import ConfigError
+from elastrun.event_kinds import Event
 from elastrun.events import EventSink, JsonLinesSink
 from elastrun.launcher.plan import Plan
 from elastrun.names import path_component
@@ -53,10 +54,10 @@ class EventLog:
     def sink(self, source: str) -> EventSink | None:
         return self.user if self.file is None else _Tagged(self, source)
 
-    def emit(self, source: str, kind: str, **fields: Any) -> None:
+    def emit(self, source: str, event: Event) -> None:
         if self.file is not None:
             with contextlib.suppress(OSError, ValueError):
-                self.file.emit(kind, **{**self.common, "source": source, **fields})
+                self.file.write(event.KIND, {**self.common, "source": source, **event.to_json()})
 
     def close(self) -> None:
         if self.file is not None:
@@ -68,7 +69,7 @@ class _Tagged:
     def __init__(self, log: EventLog, source: str) -> None:
         self.log, self.source = log, source
 
-    def emit(self, kind: str, **fields: Any) -> None:
+    def emit(self, event: Event) -> None:
         if self.log.user is not None:
-            self.log.user.emit(kind, **fields)
-        self.log.emit(self.source, kind, **fields)
+            self.log.user.emit(event)
+        self.log.emit(self.source, event)

@@ -36,6 +36,7 @@ from elastrun.agent.modcache import default_cache_dir
 from elastrun.clock import SYSTEM_CLOCK
 from elastrun.endpoint import Endpoint, format_endpoints
 from elastrun.errors import ConfigError, StoreUnavailable
+from elastrun.event_kinds import StoreStandby, StoreSteppedDown, StoreTakeover
 from elastrun.events import NullSink
 from elastrun.launcher.bind import describe, listen_on
 from elastrun.launcher.event_log import EventLog
@@ -328,8 +329,10 @@ async def _serve(
 
     def on_term(kind: str, detail: str) -> None:
         say(f"elastrun: {detail}")
+        term_event = {c.KIND: c for c in (StoreTakeover, StoreStandby, StoreSteppedDown)}[kind]
         log.emit(
-            "store", kind, term=state.term, candidate=str(candidates.endpoints[me]), detail=detail
+            "store",
+            term_event(term=state.term, candidate=str(candidates.endpoints[me]), detail=detail),
         )
 
     server = StoreServer(

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from elastrun.agent.spec import WorkerSpec
 from elastrun.endpoint import format_endpoints
+from elastrun.event_kinds import AgentExited, AgentStarted
 from elastrun.events import EventSink
 from elastrun.launcher.event_log import EventLog, events_path
 from elastrun.launcher.hosting import in_thread, link_candidates, link_store, route_addr
@@ -55,21 +56,22 @@ async def run_async(plan: Plan, *, events: EventSink | None = None) -> int:
     try:
         log.emit(
             "launcher",
-            "agent_started",
-            pid=os.getpid(),
-            backend=plan.backend,
-            endpoint=format_endpoints(plan.endpoints),
-            min_nodes=settings.min_nodes,
-            max_nodes=settings.max_nodes,
-            node_unit=settings.node_unit,
-            nproc=plan.workers.nproc,
-            max_restarts=settings.max_restarts,
-            node_rank=plan.node_rank,
+            AgentStarted(
+                pid=os.getpid(),
+                backend=plan.backend,
+                endpoint=format_endpoints(plan.endpoints),
+                min_nodes=settings.min_nodes,
+                max_nodes=settings.max_nodes,
+                node_unit=settings.node_unit,
+                nproc=plan.workers.nproc,
+                max_restarts=settings.max_restarts,
+                node_rank=plan.node_rank,
+            ),
         )
         code = await _run(plan, hostname, log)
         return code
     finally:
-        log.emit("launcher", "agent_exited", exit_code=code)
+        log.emit("launcher", AgentExited(exit_code=code))
         log.close()
 
 

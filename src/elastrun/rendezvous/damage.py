@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from typing import ParamSpec, TypeVar
 
 from elastrun.errors import ProtocolError, RecordDamaged
+from elastrun.event_kinds import RecordSkipped
 from elastrun.events import EventSink
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.records import ConfigRecord, JoinRecord, PresenceRecord, WaitingRecord
@@ -134,11 +135,12 @@ class JunkLog:
                 f"it): {printable(why, limit=PROBLEM_CHARS)}"
             )
         self.events.emit(
-            "record_skipped",
-            node=self.node_id,
-            key=printable(kv.key, limit=KEY_CHARS),
-            revision=kv.mod_revision,
-            problem=printable(why, limit=PROBLEM_CHARS),
+            RecordSkipped(
+                node=self.node_id,
+                key=printable(kv.key, limit=KEY_CHARS),
+                revision=kv.mod_revision,
+                problem=printable(why, limit=PROBLEM_CHARS),
+            )
         )
         if self.say is not None:
             self.say(line)

@@ -48,6 +48,7 @@ from elastrun.errors import (
     StoreReset,
     WatchCancelled,
 )
+from elastrun.event_kinds import NodeLeft, RestartRequested, RoundOpened, WatchReread
 from elastrun.events import EventSink, NullSink
 from elastrun.failure import FailureRecord, first_failure
 from elastrun.rendezvous import barrier_plan as B
@@ -221,7 +222,7 @@ class DynamicRendezvous(NoteAccess, Rendezvous):
 
     async def request_restart(self, failure: FailureRecord) -> None:
         self._executor.failure = failure
-        self.events.emit("restart_requested", node=self.node_id, failure=failure.to_json())
+        self.events.emit(RestartRequested(node=self.node_id, failure=failure))
         # The new round's detail: what every member prints for this restart.
         detail = failure.describe()
         member_round = self.rules.ctx.round
@@ -265,7 +266,7 @@ class DynamicRendezvous(NoteAccess, Rendezvous):
         """Leave: revoke the lease, bounded by ``close_timeout``."""
         if self.rules.state is State.LEFT:
             return
-        self.events.emit("node_left", node=self.node_id, host=self.host)
+        self.events.emit(NodeLeft(node=self.node_id, host=self.host))
         try:
             await self._feed(Shutdown())
         finally:
@@ -420,11 +421,9 @@ class DynamicRendezvous(NoteAccess, Rendezvous):
         if not rereadable(exc) or self._rereads > MAX_REREADS:
             raise exc
         self.events.emit(
-            "watch_reread",
-            node=self.node_id,
-            phase=plan.phase.value,
-            round=plan.round,
-            reason=str(exc),
+            WatchReread(
+                node=self.node_id, phase=plan.phase.value, round=plan.round, reason=str(exc)
+            )
         )
 
     async def _feed(self, event: Event) -> Outcome | None:
@@ -601,7 +600,7 @@ class OpenPhase:
     async def _create_first_round(self) -> None:
         node = self.node
         if await node.store.create(node.keys.round, rounds.first_round(time.time()).encode()):
-            node.events.emit("round_opened", round=0, reason="job_started", node=node.node_id)
+            node.events.emit(RoundOpened(round=0, reason="job_started", node=node.node_id))
 
     async def _read_nodes(self) -> None:
         view, k = self.observer.view, self.node.keys

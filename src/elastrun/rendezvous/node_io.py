@@ -45,6 +45,17 @@ from typing import assert_never
 from elastrun.clock import Clock
 from elastrun.endpoint import Endpoint
 from elastrun.errors import RendezvousError, RendezvousTimeout, StoreError
+from elastrun.event_kinds import (
+    JobMarkedFailed,
+    JobMarkedFinished,
+    NodeJoined,
+    NodeLost,
+    NodeWaiting,
+    RoundClosed,
+    RoundJoined,
+    RoundOpened,
+    SparePromoted,
+)
 from elastrun.events import EventSink
 from elastrun.failure import FailureRecord
 from elastrun.rendezvous import keys as K
@@ -494,12 +505,13 @@ class Executor:
         await node.store.put(self._waiting_key, rec.encode(), self.keeper.lease)
         self.waited_as_spare = self._spare(a.round)
         node.events.emit(
-            "node_waiting",
-            round=a.round,
-            node=node.node_id,
-            host=node.host,
-            reason=waiting_reason(node.settings, a.round, self.observer.view.size(a.round)),
-            spare=self._spare(a.round),
+            NodeWaiting(
+                round=a.round,
+                node=node.node_id,
+                host=node.host,
+                reason=waiting_reason(node.settings, a.round, self.observer.view.size(a.round)),
+                spare=self._spare(a.round),
+            )
         )
 
     async def _put_done(self, a: PutDone) -> None:
@@ -547,16 +559,17 @@ class Executor:
         rec = self.observer.view.round
         prev = {p.node_id: p.group_rank for p in rec.prev} if rec and rec.round == a.round else {}
         node.events.emit(
-            "round_joined",
-            round=result.round,
-            node=node.node_id,
-            group_rank=result.group_rank,
-            previous_group_rank=prev.get(node.node_id),
-            group_world_size=result.group_world_size,
-            world_size=result.world_size,
-            members=result.group_world_size,
-            master=str(Endpoint(result.master_addr, result.master_port)),
-            restart_count=result.restart_count,
+            RoundJoined(
+                round=result.round,
+                node=node.node_id,
+                group_rank=result.group_rank,
+                previous_group_rank=prev.get(node.node_id),
+                group_world_size=result.group_world_size,
+                world_size=result.world_size,
+                members=result.group_world_size,
+                master=str(Endpoint(result.master_addr, result.master_port)),
+                restart_count=result.restart_count,
+            )
         )
         await self._report_promotion(a.round, rec)
         self.waited_as_spare = False
@@ -575,7 +588,7 @@ class Executor:
         for nid, rank, lost in _promotions(rec, stored.members):
             if nid != node.node_id:
                 continue
-            node.events.emit("spare_promoted", round=r, node=nid, group_rank=rank, replaces=lost)
+            node.events.emit(SparePromoted(round=r, node=nid, group_rank=rank, replaces=lost))
             if lost is not None and self.waited_as_spare and self.notice is not None:
                 # Node ids are checked ([A-Za-z0-9._-]): nothing to escape.
                 self.notice(
@@ -612,7 +625,7 @@ class Executor:
             # need not read it again.
             self.observer.round_seen = (kv, res.revision)
             self.observer.joined = (r, res.revision)
-            node.events.emit("node_joined", round=r, node=node.node_id, host=node.host)
+            node.events.emit(NodeJoined(round=r, node=node.node_id, host=node.host))
 
     async def _close_round(self, a: CloseRound) -> None:
         node, view = self.node, self.observer.view
@@ -644,21 +657,22 @@ class Executor:
             ],
         )
         if res.succeeded and closed.state is RoundState.FAILED:
-            node.events.emit("job_failed", round=r, reason="restart budget exhausted")
+            node.events.emit(JobMarkedFailed(round=r, reason="restart budget exhausted"))
         elif res.succeeded:
             view.results[r] = result
             view.heads[r] = Head.of(result, node.node_id, shards)
             node.events.emit(
-                "round_closed",
-                round=r,
-                reason=a.reason,
-                members=[m.host for m in members],
-                ranks={m.node_id: m.group_rank for m in members},
-                promoted=[
-                    {"node": nid, "group_rank": rank, "replaces": lost}
-                    for nid, rank, lost in _promotions(view.round, members)
-                ],
-                spares=[j.node.node_id for j in joiners if j.node.node_id not in chosen],
+                RoundClosed(
+                    round=r,
+                    reason=a.reason,
+                    members=[m.host for m in members],
+                    ranks={m.node_id: m.group_rank for m in members},
+                    promoted=[
+                        {"node": nid, "group_rank": rank, "replaces": lost}
+                        for nid, rank, lost in _promotions(view.round, members)
+                    ],
+                    spares=[j.node.node_id for j in joiners if j.node.node_id not in chosen],
+                )
             )
 
     def _closed_round_kv(self, r: int) -> tuple[KeyValue, RoundRecord] | None:
@@ -704,8 +718,8 @@ class Executor:
         if await self._open(kv, new, hang=new.hang_round == a.round):
             events, me = self.node.events, self.node.node_id
             if a.reason == "member_lost":
-                events.emit("node_lost", round=a.round, detail=a.detail, by=me)
-            events.emit("round_opened", round=a.round + 1, reason=a.reason, detail=a.detail, by=me)
+                events.emit(NodeLost(round=a.round, detail=a.detail, by=me))
+            events.emit(RoundOpened(round=a.round + 1, reason=a.reason, detail=a.detail, by=me))
 
     async def _mark_finished(self, a: MarkFinished) -> None:
         r = a.round
@@ -714,7 +728,7 @@ class Executor:
             return
         kv, rec = found
         if await self._cas_round(kv, dataclasses.replace(rec, state=RoundState.FINISHED)):
-            self.node.events.emit("job_finished", round=r)
+            self.node.events.emit(JobMarkedFinished(round=r))
 
     def _spare(self, r: int) -> bool:
         return spare(self.node.settings, self.observer.view.size(r))

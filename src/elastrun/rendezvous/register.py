@@ -94,6 +94,7 @@ from elastrun.errors import (
     RendezvousError,
     StoreUnavailable,
 )
+from elastrun.event_kinds import ConfigMismatched, JobReset, LeaseRegained, RoundOpened
 from elastrun.rendezvous import rounds
 from elastrun.rendezvous.damage import decode_config
 from elastrun.rendezvous.node_io import Node, Observer
@@ -287,7 +288,7 @@ class Registration:
             reads,
         )
         if res.succeeded:
-            node.events.emit("round_opened", round=0, reason="job_started", node=node.node_id)
+            node.events.emit(RoundOpened(round=0, reason="job_started", node=node.node_id))
             self.observer.round_seen = (res.gets[0][0], res.revision)
             return
         for _ in range(REGISTER_TRIES):
@@ -379,14 +380,15 @@ class Registration:
         line = describe_reset(self.node.settings.run_id, why, config, rnd)
         last = rnd.last_failure if rnd is not None else None
         self.node.events.emit(
-            "job_reset",
-            node=self.node.node_id,
-            reason=why,
-            previous_round=rnd.round if rnd is not None else None,
-            previous_state=rnd.state.value if rnd is not None else None,
-            previous_restarts=rnd.restarts if rnd is not None else None,
-            previous_settings=config.settings.to_json() if config is not None else None,
-            last_failure=last.to_json() if last is not None else None,
+            JobReset(
+                node=self.node.node_id,
+                reason=why,
+                previous_round=rnd.round if rnd is not None else None,
+                previous_state=rnd.state.value if rnd is not None else None,
+                previous_restarts=rnd.restarts if rnd is not None else None,
+                previous_settings=config.settings.to_json() if config is not None else None,
+                last_failure=last,
+            )
         )
         if self.notice is not None:
             self.notice(printable(line))  # it quotes the records
@@ -397,7 +399,7 @@ class Registration:
             message, diffs = mismatch
             fields = [f"{k}: job has {a!r}, this node has {b!r}" for k, (a, b) in diffs.items()]
             self.node.events.emit(
-                "config_mismatch", node=self.node.node_id, message=message, fields=fields
+                ConfigMismatched(node=self.node.node_id, message=message, fields=fields)
             )
             raise ConfigMismatch(message, diffs)
 
@@ -449,8 +451,6 @@ class Registration:
             attempt, window=window, clock=node.clock, lost=lost, on_retry=on_retry,
             store=describe_store(node.store), limit=limit,
         )  # fmt: skip
-        node.events.emit(
-            "lease_regained", node=node.node_id, lost=lost, tries=tries[0], after_s=took
-        )
+        node.events.emit(LeaseRegained(node=node.node_id, lost=lost, tries=tries[0], after_s=took))
         if self.notice is not None:
             self.notice(f"elastrun: registered again after {took:.1f}s: rejoining the job")

@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from elastrun.errors import RendezvousClosed, RendezvousTimeout, RestartBudgetExhausted
+from elastrun.event_kinds import RendezvousWaiting
 from elastrun.events import EventSink
 from elastrun.failure import describe_stored
 from elastrun.rendezvous.api import RendezvousSettings, WaitingStatus
@@ -201,17 +202,18 @@ class ProgressReporter:
             return
         self._last = key
         self.events.emit(
-            "rendezvous_waiting",
-            node=self.node_id,
-            round=status.round,
-            state=status.state,
-            joined=status.joined,
-            min=status.min_nodes,
-            max=status.max_nodes,
-            deadline=status.deadline,
-            seconds_left=None if math.isinf(status.seconds_left) else status.seconds_left,
-            live=status.live,
-            detail=status.detail,
+            RendezvousWaiting(
+                node=self.node_id,
+                round=status.round,
+                state=status.state,
+                joined=status.joined,
+                min=status.min_nodes,
+                max=status.max_nodes,
+                deadline=status.deadline,
+                seconds_left=None if math.isinf(status.seconds_left) else status.seconds_left,
+                live=status.live,
+                detail=status.detail,
+            )
         )
         cb = self._callback()
         if cb is not None:

@@ -28,6 +28,18 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from elastrun.event_kinds import (
+    JobFailed,
+    JobFinished,
+    NodeLost,
+    Restart,
+    RootCauseElsewhere,
+    RoundOpened,
+    SparePromoted,
+    WorkerExited,
+    WorkersStarted,
+    WorkersSucceeded,
+)
 from elastrun.failure import FailureRecord
 from elastrun.rendezvous.plan import lost_node
 from elastrun.untrusted import UntrustedData, loads, printable
@@ -259,7 +271,7 @@ class _History:
     def add(self, e: LoggedEvent) -> None:
         key = e.text("node_id")
         if not key:  # before the agent joined the rendezvous (agent_started): no lane
-            if e.kind not in {"round_opened", "workers_started"}:
+            if e.kind not in {RoundOpened.KIND, WorkersStarted.KIND}:
                 return
             key = e.text("host") or "?"
         lane = self.lanes.setdefault(key, _Lane(f"{e.text('host', '?')} {key[-6:]}"))
@@ -269,17 +281,17 @@ class _History:
     def _spans(self, lane: _Lane, e: LoggedEvent) -> None:
         """Rounds, world size, and the lane's running spans."""
         kind, ts = e.kind, e.ts
-        if kind == "round_opened":
+        if kind == RoundOpened.KIND:
             self.rounds.append((ts, e.integer("round", -1), e.text("reason")))
             if e.integer("round", 0) > 0:
                 self.world.append((ts, 0))
-        elif kind == "workers_started":
+        elif kind == WorkersStarted.KIND:
             r = e.integer("round", -1)
             lane.started = (ts, r)
             if r not in self.seen_world:
                 self.seen_world.add(r)
                 self.world.append((ts, max(0, e.integer("world_size", 0))))
-        elif kind in ("restart", "workers_succeeded", "job_failed") and lane.started:
+        elif kind in (Restart.KIND, WorkersSucceeded.KIND, JobFailed.KIND) and lane.started:
             lane.spans.append((lane.started[0], ts, lane.started[1]))
             lane.started = None
 
@@ -291,19 +303,19 @@ class _History:
         elif _root_cause(e, set()):  # this node's, after another node's root cause
             title = e.failure_title().replace("(root cause)", "(after another node's failure)")
             lane.marks.append((ts, ORANGE, title))
-        elif kind == "restart" and e.flag("counted") and e.text("reason") == "worker_failed":
+        elif kind == Restart.KIND and e.flag("counted") and e.text("reason") == "worker_failed":
             # Every node whose ranks failed says so: one restart per round.
             r = e.integer("round", -1)
             if r not in self.restarted:
                 self.restarted.add(r)
                 self.restarts.append((ts, f"{_fmt(ts)} restart {e.text('count')} (worker failed)"))
-        elif kind == "node_lost":
+        elif kind == NodeLost.KIND:
             self._lost(lane, e)
-        elif kind == "spare_promoted":
+        elif kind == SparePromoted.KIND:
             took = e.text("replaces") or "a new rank"
             what = f"promoted: group rank {e.text('group_rank')}, in place of {took}"
             lane.marks.append((ts, "#17becf", f"{_fmt(ts)} {what}"))
-        elif kind in ("job_finished", "job_failed") and e.text("source") == "agent":
+        elif kind in (JobFinished.KIND, JobFailed.KIND) and e.text("source") == "agent":
             lane.marks.append(_agent_end(e))
 
     def _lost(self, lane: _Lane, e: LoggedEvent) -> None:
@@ -325,7 +337,7 @@ def _agent_end(e: LoggedEvent) -> tuple[float, str, str]:
     """An agent's end: green when it finished; grey when stopped by a signal
     (the operator's doing, not a failure); red when the job failed."""
     reason = e.text("reason")
-    if e.kind == "job_finished":
+    if e.kind == JobFinished.KIND:
         color = GREEN
     elif reason.startswith("signal"):
         color = GREY
@@ -337,7 +349,7 @@ def _agent_end(e: LoggedEvent) -> tuple[float, str, str]:
 def _root_cause(e: LoggedEvent, elsewhere: set[tuple[str, int]]) -> bool:
     """A worker that was the job's root cause (not one of a node whose
     failure came after another node's, in ``elsewhere``)."""
-    if e.kind != "worker_exited" or e.text("cause") != "root_cause":
+    if e.kind != WorkerExited.KIND or e.text("cause") != "root_cause":
         return False
     return (e.text("node_id"), e.integer("round", -1)) not in elsewhere
 
@@ -346,7 +358,7 @@ def _elsewhere(events: Sequence[LoggedEvent]) -> set[tuple[str, int]]:
     return {
         (e.text("node_id"), e.integer("round", -1))
         for e in events
-        if e.kind == "root_cause_elsewhere"
+        if e.kind == RootCauseElsewhere.KIND
     }
 
 

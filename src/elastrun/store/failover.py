@@ -47,6 +47,7 @@ from elastrun.errors import (
     ProtocolError,
     StoreUnavailable,
 )
+from elastrun.event_kinds import StoreCandidateUnreachable, StoreHostFound, StoreHostLost, StoreVote
 from elastrun.events import EventSink, NullSink
 from elastrun.store.ballot import Ballot, BallotError
 from elastrun.store.client import TcpStore
@@ -264,7 +265,7 @@ class FailoverClient:
         where = self.address(p.index)
         detail = _line(self, p)
         self.events.emit(
-            "store_candidate_unreachable", candidate=where, answer=p.answer.value, detail=detail
+            StoreCandidateUnreachable(candidate=where, answer=p.answer.value, detail=detail)
         )
         if self.say is not None:
             self.say(
@@ -359,7 +360,7 @@ class FailoverClient:
         if self.store is not None:
             self.store.abort()  # nothing more is sent to the old host
         self.events.emit(
-            "store_host_lost", term=old_term, host=self.address(old_host), cause=lost.cause
+            StoreHostLost(term=old_term, host=self.address(old_host), cause=lost.cause)
         )
         now = self.clock.monotonic()
         deadline = now + self.failover_timeout
@@ -378,11 +379,12 @@ class FailoverClient:
                 with contextlib.suppress(StoreUnavailable, AuthenticationError, ProtocolError):
                     store = await self._open(best.index, best.term)
                     self.events.emit(
-                        "store_host_found",
-                        term=store.term,
-                        host=self.address(best.index),
-                        previous_term=old_term,
-                        previous_host=self.address(old_host),
+                        StoreHostFound(
+                            term=store.term,
+                            host=self.address(best.index),
+                            previous_term=old_term,
+                            previous_host=self.address(old_host),
+                        )
                     )
                     return store
             now = self.clock.monotonic()
@@ -421,7 +423,7 @@ class FailoverClient:
             if self.say is not None:
                 self.say(f"elastrun: cannot vote: {exc}")
             return None
-        self.events.emit("store_vote", term=term, candidate=self.address(target))
+        self.events.emit(StoreVote(term=term, candidate=self.address(target)))
         if target == me and self.server is not None:
             self.server.elect_self(term)
         else:

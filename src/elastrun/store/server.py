@@ -44,6 +44,7 @@ from typing import Any
 
 from elastrun.endpoint import Endpoint
 from elastrun.errors import ConfigError, StoreError
+from elastrun.event_kinds import StoreStandby, StoreSteppedDown, StoreTakeover
 from elastrun.store.abuse_log import AbuseLog
 from elastrun.store.budgets import InputBudget, OutputBudget
 from elastrun.store.engine import Engine
@@ -438,7 +439,7 @@ class StoreServer:
             answer |= {"term": state.term, "role": state.role.value}
         if won and state is not None and self.on_term is not None:
             self.on_term(
-                "store_takeover",
+                StoreTakeover.KIND,
                 f"{self._candidate(state.index)} hosts the store from term {state.term}, "
                 f"elected by {state.majority} of {state.count} candidate hosts",
             )
@@ -466,7 +467,7 @@ class StoreServer:
             self._retired = {t for t in self._retired if not t.done()}
         if self.on_term is not None:
             self.on_term(
-                "store_standby",
+                StoreStandby.KIND,
                 f"{self._candidate(state.index)} stands by again to host the store "
                 f"(the host is {self._candidate(host)}, term {term})",
             )
@@ -480,7 +481,7 @@ class StoreServer:
         log.warning("elastrun store: %s", why)
         self.disconnect_all()
         if self.on_term is not None:
-            self.on_term("store_stepped_down", why)
+            self.on_term(StoreSteppedDown.KIND, why)
 
     async def _fence_timer(self, state: TermState) -> None:
         """Check the fence often, requests or not; release held requests

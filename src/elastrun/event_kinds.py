@@ -1,0 +1,767 @@
+"""The event catalogue: one frozen dataclass per kind of event (docs/events.md).
+
+Every event elastrun writes to an event log is one of these: its ``KIND`` is
+the line's ``kind``, its fields are the line's event-specific fields (the sink
+adds ``v``, ``ts`` and the common fields: ``source``, ``run_id``, ``host``,
+``node_id``). A field declared in ``OMITTED`` is left out of the line when it
+is None (it is absent in some events of that kind, as docs/events.md says).
+
+Two kinds have two sources with different fields: ``job_finished`` and
+``job_failed`` are :class:`JobFinished` / :class:`JobFailed` (the agent's end)
+and :class:`JobMarkedFinished` / :class:`JobMarkedFailed` (the rendezvous
+marks the job's end in the store). :func:`parse_event` reads a decoded line
+back as its event, or None when the line is not one.
+
+Nested values are typed where a type exists: a failure is a
+:class:`~elastrun.failure.FailureRecord`, written as its ``to_json()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Union
+
+from elastrun.failure import FailureRecord
+
+__all__ = ["CATALOGUE", "Event", "event_classes", "parse_event"]
+
+JSONScalar = str | int | float | bool | None
+Promotion = dict[str, str | int | None]  # {node, group_rank, replaces}
+
+
+@dataclass(frozen=True)
+class Event:
+    """One event: ``KIND`` and typed fields (subclasses)."""
+
+    KIND: ClassVar[str] = ""
+    OMITTED: ClassVar[frozenset[str]] = frozenset()
+
+    def to_json(self) -> dict[str, Any]:
+        """The event's fields as JSON values (a FailureRecord as its ``to_json()``)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name in self.OMITTED:
+                continue
+            out[f.name] = value.to_json() if isinstance(value, FailureRecord) else value
+        return out
+
+
+# ------------------------------------------------------------------ launcher
+@dataclass(frozen=True)
+class AgentStarted(Event):
+    KIND = "agent_started"
+    pid: int
+    backend: str
+    endpoint: str
+    min_nodes: int
+    max_nodes: int
+    node_unit: int
+    nproc: int
+    max_restarts: int
+    node_rank: int | None
+
+
+@dataclass(frozen=True)
+class AgentExited(Event):
+    KIND = "agent_exited"
+    exit_code: int
+
+
+# ---------------------------------------------------------------- rendezvous
+@dataclass(frozen=True)
+class RoundOpened(Event):
+    KIND = "round_opened"
+    OMITTED = frozenset({"detail", "node", "by"})
+    round: int
+    reason: str
+    detail: str | None = None
+    node: str | None = None
+    by: str | None = None
+
+
+@dataclass(frozen=True)
+class NodeJoined(Event):
+    KIND = "node_joined"
+    round: int
+    node: str
+    host: str
+
+
+@dataclass(frozen=True)
+class NodeWaiting(Event):
+    KIND = "node_waiting"
+    round: int
+    node: str
+    host: str
+    reason: str
+    spare: bool
+
+
+@dataclass(frozen=True)
+class RendezvousWaiting(Event):
+    KIND = "rendezvous_waiting"
+    node: str
+    round: int
+    state: str
+    joined: int
+    min: int
+    max: int
+    deadline: str
+    seconds_left: float | None
+    live: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class RoundJoined(Event):
+    KIND = "round_joined"
+    round: int
+    node: str
+    group_rank: int
+    previous_group_rank: int | None
+    group_world_size: int
+    world_size: int
+    members: int
+    master: str
+    restart_count: int
+
+
+@dataclass(frozen=True)
+class RoundClosed(Event):
+    KIND = "round_closed"
+    round: int
+    reason: str
+    members: list[str]
+    ranks: dict[str, int]
+    promoted: list[Promotion]
+    spares: list[str]
+
+
+@dataclass(frozen=True)
+class SparePromoted(Event):
+    KIND = "spare_promoted"
+    round: int
+    node: str
+    group_rank: int
+    replaces: str | None
+
+
+@dataclass(frozen=True)
+class NodeLost(Event):
+    KIND = "node_lost"
+    round: int
+    detail: str
+    by: str
+
+
+@dataclass(frozen=True)
+class RestartRequested(Event):
+    KIND = "restart_requested"
+    node: str
+    failure: FailureRecord
+
+
+@dataclass(frozen=True)
+class RootCauseElsewhere(Event):
+    KIND = "root_cause_elsewhere"
+    round: int
+    attempt: int
+    failure: FailureRecord
+    node_failure: FailureRecord
+
+
+@dataclass(frozen=True)
+class ConfigMismatched(Event):
+    KIND = "config_mismatch"
+    node: str
+    message: str
+    fields: list[str]
+
+
+@dataclass(frozen=True)
+class JobReset(Event):
+    KIND = "job_reset"
+    node: str
+    reason: str
+    previous_round: int | None
+    previous_state: str | None
+    previous_restarts: int | None
+    previous_settings: dict[str, Any] | None
+    last_failure: FailureRecord | None
+
+
+@dataclass(frozen=True)
+class JobMarkedFinished(Event):
+    KIND = "job_finished"
+    round: int
+
+
+@dataclass(frozen=True)
+class JobMarkedFailed(Event):
+    KIND = "job_failed"
+    round: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class NodeLeft(Event):
+    KIND = "node_left"
+    node: str
+    host: str
+
+
+@dataclass(frozen=True)
+class LeaseRegained(Event):
+    KIND = "lease_regained"
+    node: str
+    lost: str
+    tries: int
+    after_s: float
+
+
+@dataclass(frozen=True)
+class RecordSkipped(Event):
+    KIND = "record_skipped"
+    node: str
+    key: str
+    revision: int
+    problem: str
+
+
+@dataclass(frozen=True)
+class WatchReread(Event):
+    KIND = "watch_reread"
+    node: str
+    phase: str
+    round: int | None
+    reason: str
+
+
+# ------------------------------------------------------------ store failover
+@dataclass(frozen=True)
+class StoreTakeover(Event):
+    KIND = "store_takeover"
+    term: int
+    candidate: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class StoreSteppedDown(Event):
+    KIND = "store_stepped_down"
+    term: int
+    candidate: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class StoreStandby(Event):
+    KIND = "store_standby"
+    term: int
+    candidate: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class StoreCandidateUnreachable(Event):
+    KIND = "store_candidate_unreachable"
+    candidate: str
+    answer: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class StoreHostLost(Event):
+    KIND = "store_host_lost"
+    term: int
+    host: str
+    cause: str
+
+
+@dataclass(frozen=True)
+class StoreVote(Event):
+    KIND = "store_vote"
+    term: int
+    candidate: str
+
+
+@dataclass(frozen=True)
+class StoreHostFound(Event):
+    KIND = "store_host_found"
+    term: int
+    host: str
+    previous_term: int
+    previous_host: str
+
+
+# --------------------------------------------------------------------- agent
+@dataclass(frozen=True)
+class WorkersStarted(Event):
+    KIND = "workers_started"
+    round: int
+    attempt: int
+    restart_count: int
+    pids: list[int]
+    ranks: list[int]
+    local_ranks: list[int]
+    warm: list[bool]
+    world_size: int
+    group_rank: int
+    master: str
+
+
+@dataclass(frozen=True)
+class WorkerExited(Event):
+    KIND = "worker_exited"
+    round: int
+    attempt: int
+    rank: int
+    local_rank: int
+    pid: int
+    exitcode: int | None
+    signal: str | None
+    cause: str
+    stopped_by_agent: bool
+
+
+@dataclass(frozen=True)
+class WorkersStopping(Event):
+    KIND = "workers_stopping"
+    signal: str
+    pids: list[int]
+    grace: float
+
+
+@dataclass(frozen=True)
+class WorkersKilled(Event):
+    KIND = "workers_killed"
+    pids: list[int]
+    after_grace: float
+
+
+@dataclass(frozen=True)
+class WorkersUnkillable(Event):
+    KIND = "workers_unkillable"
+    pids: list[int]
+
+
+@dataclass(frozen=True)
+class WorkersSucceeded(Event):
+    KIND = "workers_succeeded"
+    round: int
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Restart(Event):
+    KIND = "restart"
+    OMITTED = frozenset({"detail", "failure"})
+    round: int
+    count: int
+    reason: str
+    counted: bool
+    detail: str | None = None
+    failure: FailureRecord | None = None
+
+
+@dataclass(frozen=True)
+class WarmStarted(Event):
+    KIND = "warm_started"
+    pid: int
+    modules: int
+    local_rank: int | None
+
+
+@dataclass(frozen=True)
+class WarmReady(Event):
+    KIND = "warm_ready"
+    pid: int
+    local_rank: int | None
+    preload_s: float
+    loaded: int
+    failed: list[str]
+    rss_mb: float
+    stopped: str | None
+
+
+@dataclass(frozen=True)
+class WarmUsed(Event):
+    KIND = "warm_used"
+    local_rank: int
+    pid: int
+    zygote: int
+    per_rank: bool
+    warm_s: float
+    waited_s: float
+
+
+@dataclass(frozen=True)
+class WarmDiscarded(Event):
+    KIND = "warm_discarded"
+    pid: int
+    reason: str
+    local_rank: int | None
+
+
+@dataclass(frozen=True)
+class WarmFailed(Event):
+    KIND = "warm_failed"
+    OMITTED = frozenset({"local_rank"})
+    reason: str
+    local_rank: int | None = None
+
+
+@dataclass(frozen=True)
+class ModulesRecorded(Event):
+    KIND = "modules_recorded"
+    modules: int
+    new: int
+    why: str
+    cache: str | None
+
+
+@dataclass(frozen=True)
+class ModulesNoteIgnored(Event):
+    KIND = "modules_note_ignored"
+    reason: str
+
+
+@dataclass(frozen=True)
+class WarmJoin(Event):
+    KIND = "warm_join"
+    waited_s: float
+    ready: bool
+    timeout: float
+
+
+@dataclass(frozen=True)
+class GpuMemoryWait(Event):
+    KIND = "gpu_memory_wait"
+    pids: list[int]
+    mib: int
+    waited_s: float
+    released: bool
+    timeout: float
+
+
+@dataclass(frozen=True)
+class SignalForwarded(Event):
+    KIND = "signal_forwarded"
+    signal: str
+
+
+@dataclass(frozen=True)
+class FileTimersStarted(Event):
+    KIND = "file_timers_started"
+    path: str
+    pipes: int
+
+
+@dataclass(frozen=True)
+class FileTimersFailed(Event):
+    KIND = "file_timers_failed"
+    path: str
+    error: str
+
+
+@dataclass(frozen=True)
+class FileTimerRefused(Event):
+    KIND = "file_timer_refused"
+    pid: int
+    local_rank: int
+
+
+@dataclass(frozen=True)
+class FileTimerExpired(Event):
+    KIND = "file_timer_expired"
+    rank: int
+    local_rank: int
+    pid: int
+    scope: str
+    signal: str
+
+
+@dataclass(frozen=True)
+class HealthCheckStarted(Event):
+    KIND = "health_check_started"
+    port: int
+    hosts: list[str]
+
+
+@dataclass(frozen=True)
+class HealthCheckFailed(Event):
+    KIND = "health_check_failed"
+    port: int
+    error: str
+
+
+@dataclass(frozen=True)
+class HangDetected(Event):
+    KIND = "hang_detected"
+    round: int
+    attempt: int
+    rank: int
+    local_rank: int
+    pid: int
+    last_step: int | None
+    idle_s: float
+    hang_timeout: float
+    auto: bool
+    phase: str | None
+    judged_rank: int
+    sits_in: dict[int, str]  # rank -> "func (file:line)"; JSON keys are strings
+
+
+@dataclass(frozen=True)
+class HangSuspected(Event):
+    KIND = "hang_suspected"
+    round: int
+    rank: int
+    idle_s: float
+    sits_in: str
+
+
+@dataclass(frozen=True)
+class ProgressWriteFailed(Event):
+    KIND = "progress_write_failed"
+    round: int
+    attempt: int
+    rank: int
+    local_rank: int
+    path: str | None
+    error: str
+    relayed: bool
+
+
+@dataclass(frozen=True)
+class ProgressUnknown(Event):
+    KIND = "progress_unknown"
+    round: int
+    attempt: int
+    rank: int
+    local_rank: int
+    why: str
+
+
+@dataclass(frozen=True)
+class StacksSkipped(Event):
+    KIND = "stacks_skipped"
+    round: int
+    attempt: int
+    rank: int
+    local_rank: int
+    signal: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Straggler(Event):
+    KIND = "straggler"
+    round: int
+    rank: int
+    own_time_s: float
+    median_s: float | None
+
+
+@dataclass(frozen=True)
+class LogWriteFailed(Event):
+    KIND = "log_write_failed"
+    path: str
+    error: str
+    errno: int | None
+    rank: int | None
+    local_rank: int | None
+    stream: str | None
+
+
+@dataclass(frozen=True)
+class LogOutputLost(Event):
+    KIND = "log_output_lost"
+    path: str
+    bytes: int
+    error: str
+    rank: int | None
+    stream: str | None
+
+
+@dataclass(frozen=True)
+class MemoryCheckpointPersisted(Event):
+    KIND = "memory_checkpoint_persisted"
+    local_rank: int
+    rank: int
+    step: int
+    path: str
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class MemoryCheckpointPersistFailed(Event):
+    KIND = "memory_checkpoint_persist_failed"
+    local_rank: int
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class MemoryReplicaSent(Event):
+    KIND = "memory_replica_sent"
+    local_rank: int
+    rank: int
+    step: int
+    to: str
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class MemoryReplicaSendFailed(Event):
+    KIND = "memory_replica_send_failed"
+    local_rank: int
+    rank: int
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class MemoryReplicaReceived(Event):
+    KIND = "memory_replica_received"
+    rank: int
+    step: int
+    node: str
+    bytes: int
+    authenticated: bool
+
+
+@dataclass(frozen=True)
+class MemoryReplicaRefused(Event):
+    KIND = "memory_replica_refused"
+    peer: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class JobFinished(Event):
+    KIND = "job_finished"
+    exit_code: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class JobFailed(Event):
+    KIND = "job_failed"
+    OMITTED = frozenset({"detail", "files", "failure"})
+    exit_code: int
+    reason: str
+    detail: str | None = None
+    files: list[str] | None = None
+    failure: FailureRecord | None = None
+
+
+# ------------------------------------------------------------------- reading
+CATALOGUE: tuple[type[Event], ...] = tuple(
+    cls
+    for cls in list(globals().values())
+    if isinstance(cls, type) and issubclass(cls, Event) and cls is not Event
+)
+_BY_KIND: dict[str, list[type[Event]]] = {}
+for _cls in CATALOGUE:
+    _BY_KIND.setdefault(_cls.KIND, []).append(_cls)
+
+
+def event_classes(kind: str) -> tuple[type[Event], ...]:
+    """The classes of ``kind`` (two for ``job_finished`` and ``job_failed``)."""
+    return tuple(_BY_KIND.get(kind, ()))
+
+
+def parse_event(raw: Mapping[str, object]) -> Event | None:
+    """The event a decoded line holds (the fields the sink added ignored), or None:
+    an unknown kind, a field missing, or a field of the wrong type."""
+    kind = raw.get("kind")
+    if not isinstance(kind, str):
+        return None
+    for cls in _BY_KIND.get(kind, ()):
+        event = _build(cls, raw)
+        if event is not None:
+            return event
+    return None
+
+
+def _build(cls: type[Event], raw: Mapping[str, object]) -> Event | None:
+    hints = typing.get_type_hints(cls)
+    values: dict[str, object] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            if f.default is dataclasses.MISSING:
+                return None
+            continue
+        ok, value = _read(raw[f.name], hints[f.name])
+        if not ok:
+            return None
+        values[f.name] = value
+    return cls(**values)
+
+
+_SCALARS: dict[object, Callable[[object], bool]] = {
+    type(None): lambda v: v is None,
+    bool: lambda v: isinstance(v, bool),
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    str: lambda v: isinstance(v, str),
+    Any: lambda v: True,
+}
+
+
+def _read(value: object, tp: object) -> tuple[bool, object]:
+    """(whether ``value`` is a ``tp``, the value read as one)."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for arm in typing.get_args(tp):
+            ok, got = _read(value, arm)
+            if ok:
+                return True, got
+        return False, None
+    if tp is FailureRecord:
+        record = FailureRecord.from_json(value)
+        return record is not None, record
+    if origin is list:
+        return _read_list(value, typing.get_args(tp)[0])
+    if origin is dict:
+        key_tp, item = typing.get_args(tp)
+        return _read_dict(value, key_tp, item)
+    fits = _SCALARS.get(tp)
+    return (fits is not None and fits(value)), value
+
+
+def _read_list(value: object, item: object) -> tuple[bool, object]:
+    if not isinstance(value, list):
+        return False, None
+    read = [_read(v, item) for v in value]
+    return all(ok for ok, _ in read), [v for _, v in read]
+
+
+def _read_dict(value: object, key_tp: object, item: object) -> tuple[bool, object]:
+    if not isinstance(value, dict):
+        return False, None
+    out: dict[object, object] = {}
+    for k, v in value.items():
+        ok, key = _read_key(k, key_tp)
+        ok_v, got = _read(v, item)
+        if not (ok and ok_v):
+            return False, None
+        out[key] = got
+    return True, out
+
+
+def _read_key(key: object, tp: object) -> tuple[bool, object]:
+    if tp is int and isinstance(key, str):  # JSON object keys are strings
+        try:
+            return True, int(key)
+        except ValueError:
+            return False, None
+    return _read(key, tp)
