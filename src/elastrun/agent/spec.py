@@ -18,8 +18,17 @@ from elastrun.agent.command import LOCAL_RANK_MACRO, WorkerCommand
 from elastrun.names import RunId
 
 __all__ = [
+    "DEFAULT_GPU_RELEASE_TIMEOUT",
+    "DEFAULT_HEALTH_CHECK_HOSTS",
     "DEFAULT_LOG_TEMPLATE",
+    "DEFAULT_MEMORY_ROOT",
+    "DEFAULT_REPLICA_MAX_BYTES",
+    "DEFAULT_REPLICA_MAX_HEADER",
     "LOCAL_RANK_MACRO",
+    "FileTimerSettings",
+    "GpuReleaseSettings",
+    "HealthCheckSettings",
+    "MemorySettings",
     "StartMethod",
     "Std",
     "WarmModules",
@@ -57,6 +66,58 @@ class WarmModules(enum.StrEnum):
     INSTALLED = "installed"
     ALL = "all"  # those and the script's own modules (never the script itself)
     TORCH = "torch"  # torch alone, no cache
+
+
+DEFAULT_GPU_RELEASE_TIMEOUT = 30.0  # s a start waits for the stopped workers' GPU memory
+DEFAULT_HEALTH_CHECK_HOSTS = ("127.0.0.1", "::1")
+DEFAULT_MEMORY_ROOT = "/dev/shm"
+DEFAULT_REPLICA_MAX_BYTES = 64 << 30
+# ~13000 real tensors; decoded, the worst 4 MiB (all one-key objects) is ~120 MB.
+DEFAULT_REPLICA_MAX_HEADER = 4 << 20
+
+
+# Each feature's settings, resolved once by the launcher (launcher/plan.py,
+# from flags and the launcher's environment: docs/cli.md, *Environment*):
+# the features read no environment.
+
+
+@dataclass(frozen=True)
+class GpuReleaseSettings:
+    """agent/gpu_release.py: how long a start waits for the stopped workers'
+    GPU memory (``ELASTRUN_GPU_RELEASE_TIMEOUT``; 0: no wait)."""
+
+    timeout: float = DEFAULT_GPU_RELEASE_TIMEOUT
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """agent/memory.py and agent/replica.py: memory checkpoints and their replicas."""
+
+    root: str = DEFAULT_MEMORY_ROOT  # ELASTRUN_MEMORY_CHECKPOINT_ROOT
+    # The store's token (None: none), from which the agents derive the key
+    # that authenticates their memory checkpoint replicas (agent/replica.py).
+    replica_secret: str | None = field(default=None, repr=False)
+    replica_max_bytes: int = DEFAULT_REPLICA_MAX_BYTES  # ELASTRUN_REPLICA_MAX_BYTES
+    replica_max_header: int = DEFAULT_REPLICA_MAX_HEADER  # ELASTRUN_REPLICA_MAX_HEADER
+
+
+@dataclass(frozen=True)
+class HealthCheckSettings:
+    """agent/health_check.py: torch's health check server
+    (``TORCHELASTIC_HEALTH_CHECK_PORT``; None: not served) and the addresses
+    it listens on (``ELASTRUN_HEALTH_CHECK_HOST``)."""
+
+    port: int | None = None
+    hosts: tuple[str, ...] = DEFAULT_HEALTH_CHECK_HOSTS
+
+
+@dataclass(frozen=True)
+class FileTimerSettings:
+    """agent/file_timers.py: torch's file timer server
+    (``TORCHELASTIC_ENABLE_FILE_TIMER=1`` or ``TORCHELASTIC_TIMER_FILE``)."""
+
+    enabled: bool = False
+    path: str = ""  # the pipes' prefix (PATH.{local_rank}); "": a private folder
 
 
 @dataclass(frozen=True)
@@ -119,9 +180,6 @@ class WorkerSpec:
     # left in the store (the job's note ``modules``): without it, anyone who
     # reaches the store could name modules for every node to import.
     store_authenticated: bool = False
-    # The store's token (None: none), from which the agents derive the key
-    # that authenticates their memory checkpoint replicas (agent/replica.py).
-    replica_secret: str | None = field(default=None, repr=False)
     # A node joining a running job waits up to this long for its warm
     # interpreter before it enters the round (0: it does not wait).
     warm_join_timeout: float = 60.0
@@ -139,3 +197,8 @@ class WorkerSpec:
     # --numa-binding: each local rank's CPUs ("0-15,32-47"), run under
     # numactl --physcpubind (the launcher found them: launcher/numa.py).
     cpu_binding: dict[int, str] = field(default_factory=dict)
+    # The features' settings groups.
+    gpu_release: GpuReleaseSettings = GpuReleaseSettings()
+    memory: MemorySettings = MemorySettings()
+    health_check: HealthCheckSettings = HealthCheckSettings()
+    file_timers: FileTimerSettings = FileTimerSettings()

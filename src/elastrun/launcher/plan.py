@@ -22,9 +22,20 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from elastrun.agent import file_timers, gpu_release, health_check, memory, replica
 from elastrun.agent.command import Executable, WorkerCommand
 from elastrun.agent.logs import validate_template
-from elastrun.agent.spec import DEFAULT_LOG_TEMPLATE, StartMethod, Std, WarmModules, WorkerSpec
+from elastrun.agent.spec import (
+    DEFAULT_LOG_TEMPLATE,
+    DEFAULT_MEMORY_ROOT,
+    GpuReleaseSettings,
+    HealthCheckSettings,
+    MemorySettings,
+    StartMethod,
+    Std,
+    WarmModules,
+    WorkerSpec,
+)
 from elastrun.endpoint import Endpoint, format_endpoints, parse_endpoint_list
 from elastrun.errors import ConfigError
 from elastrun.launcher.config import (
@@ -35,6 +46,7 @@ from elastrun.launcher.config import (
     parse_choice,
 )
 from elastrun.launcher.flag_grammar import signal_tuple
+from elastrun.launcher.limits import Range, parse_seconds, shown_value
 from elastrun.launcher.numa import numa_cpus
 from elastrun.launcher.rdzv_conf import RendezvousConf, parse_rdzv_conf
 from elastrun.launcher.torch_config import torch_fields
@@ -43,6 +55,7 @@ from elastrun.rendezvous.api import RendezvousSettings
 from elastrun.store.factory import Backend
 from elastrun.store.term import MAX_CANDIDATES, MIN_FAILOVER_LEASE_TTL
 from elastrun.store.token import TOKEN_ENV, store_token
+from elastrun.untrusted import ascii_int
 
 __all__ = ["Plan", "resolve"]
 
@@ -72,6 +85,8 @@ class Plan:
     # generated here: other nodes cannot know it unless told.
     generated_run_id: bool = False
     token_source: str = "none"  # noqa: S105 - where the token came from, for messages
+    # What the launcher says before it starts (a setting it ignores, as torch).
+    warnings: tuple[str, ...] = ()
 
     @property
     def failover(self) -> bool:
@@ -162,6 +177,9 @@ def resolve(config: LaunchConfig, command: WorkerCommand = EMPTY_COMMAND) -> Pla
     if config.log_dir:
         check_writable_dir("--log-dir", config.log_dir)
     authenticated = refuses_strangers(where.backend, token.token, where.conf)
+    spec, warnings = _with_features(
+        _worker_spec(config, run_id, command, authenticated), token.token, os.environ
+    )
     return Plan(
         run_id=run_id,
         backend=where.backend,
@@ -170,14 +188,72 @@ def resolve(config: LaunchConfig, command: WorkerCommand = EMPTY_COMMAND) -> Pla
         standalone=where.standalone,
         node_rank=where.node_rank,
         token=token.token,
-        workers=dataclasses.replace(
-            _worker_spec(config, run_id, command, authenticated), replica_secret=token.token
-        ),
+        workers=spec,
         rendezvous=_rendezvous_settings(config, run_id, where),
         local_addr=config.local_addr,
         generated_run_id=generated and not where.standalone,
         token_source=token.source,
+        warnings=warnings,
     )
+
+
+def _with_features(
+    spec: WorkerSpec, token: str | None, environ: Mapping[str, str]
+) -> tuple[WorkerSpec, tuple[str, ...]]:
+    """``spec`` with the features' settings groups, from the launcher's
+    environment (``environ``): the ``ELASTRUN_*`` variables from it alone;
+    torch's (the file timers, the health check) as torch reads them, with the
+    spec's ``env`` (the Python API's ``LaunchConfig.env``) over it. A bad
+    ``ELASTRUN_*`` number is a ConfigError naming the variable; a bad health
+    check port is ignored with a warning, as torch does (docs/cli.md)."""
+    merged = {**environ, **spec.env}
+    port, warning = health_check.port_from(merged.get(health_check.PORT_ENV))
+    release = _seconds_env(
+        environ,
+        gpu_release.TIMEOUT_ENV,
+        gpu_release.DEFAULT_TIMEOUT,
+        Range(0.0, gpu_release.MAX_TIMEOUT),
+    )
+    spec = dataclasses.replace(
+        spec,
+        gpu_release=GpuReleaseSettings(timeout=release),
+        memory=MemorySettings(
+            root=environ.get(memory.ROOT_ENV) or DEFAULT_MEMORY_ROOT,
+            replica_secret=token,
+            replica_max_bytes=_positive_env(
+                environ, replica.MAX_BYTES_ENV, replica.DEFAULT_MAX_BYTES, "bytes"
+            ),
+            replica_max_header=_positive_env(
+                environ, replica.MAX_HEADER_ENV, replica.DEFAULT_MAX_HEADER, "header bytes"
+            ),
+        ),
+        health_check=HealthCheckSettings(
+            port=port, hosts=health_check.hosts_from(merged.get(health_check.HOST_ENV))
+        ),
+        file_timers=file_timers.settings_from(merged),
+    )
+    return spec, () if warning is None else (warning,)
+
+
+def _seconds_env(environ: Mapping[str, str], name: str, default: float, rng: Range) -> float:
+    """``name`` (unset or empty: ``default``): ASCII seconds in ``rng``."""
+    raw = environ.get(name, "")
+    return parse_seconds(name, raw, rng) if raw.strip() else default
+
+
+def _positive_env(environ: Mapping[str, str], name: str, default: int, unit: str) -> int:
+    """``name`` (unset or empty: ``default``): a positive whole number in ASCII
+    digits; else ConfigError naming the variable."""
+    raw = environ.get(name, "")
+    if not raw.strip():
+        return default
+    value = ascii_int(raw)
+    if value is None or value < 1:
+        raise ConfigError(
+            f"{name}: expected a positive whole number of {unit} (ASCII digits), "
+            f"got {shown_value(raw)}"
+        )
+    return value
 
 
 def _where(config: LaunchConfig, conf: RendezvousConf) -> _Where:

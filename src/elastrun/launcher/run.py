@@ -43,6 +43,8 @@ async def run_async(plan: Plan, *, events: EventSink | None = None) -> int:
     """Run this node's agent for ``plan``; returns the process exit code."""
     hostname = socket.gethostname()
     settings = plan.rendezvous
+    for warning in plan.warnings:
+        say(warning)
     if plan.generated_run_id and settings.max_nodes > 1:
         say(
             f"elastrun: warning: no --rdzv-id (run_id) was given: this job's id is "
