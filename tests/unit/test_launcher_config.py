@@ -191,12 +191,12 @@ def test_pet_boolean_flags(monkeypatch):
 
 
 def test_pet_warm_sets_the_default_and_the_command_line_wins(script, monkeypatch):
-    assert run_parse("--standalone")[0].workers.warm is True  # unset: on
+    assert run_parse("--standalone")[0].workers.warm.enabled is True  # unset: on
     monkeypatch.setenv("PET_WARM", "0")
-    assert run_parse("--standalone")[0].workers.warm is False
-    assert run_parse("--standalone", "--warm")[0].workers.warm is True
+    assert run_parse("--standalone")[0].workers.warm.enabled is False
+    assert run_parse("--standalone", "--warm")[0].workers.warm.enabled is True
     monkeypatch.setenv("PET_WARM", "1")
-    assert run_parse("--standalone", "--no-warm")[0].workers.warm is False
+    assert run_parse("--standalone", "--no-warm")[0].workers.warm.enabled is False
     monkeypatch.setenv("PET_WARM", "off")
     with pytest.raises(ConfigError, match="PET_WARM: expected 0 or 1"):
         run_parse("--standalone")
@@ -204,14 +204,14 @@ def test_pet_warm_sets_the_default_and_the_command_line_wins(script, monkeypatch
 
 def test_the_old_prewarm_spellings_still_work(script, monkeypatch):
     """--warm* was first spelled --prewarm*: the old flags and variables are aliases."""
-    assert run_parse("--standalone", "--no-prewarm")[0].workers.warm is False
-    assert run_parse("--standalone", "--prewarm")[0].workers.warm is True
+    assert run_parse("--standalone", "--no-prewarm")[0].workers.warm.enabled is False
+    assert run_parse("--standalone", "--prewarm")[0].workers.warm.enabled is True
     workers = run_parse("--prewarm-modules=all", "--prewarm_cache=/tmp/c")[0].workers
-    assert workers.warm_modules == "all" and workers.warm_cache == "/tmp/c"
+    assert workers.warm.modules == "all" and workers.warm.cache == "/tmp/c"
     monkeypatch.setenv("PET_PREWARM_MODULES", "torch")
-    assert run_parse()[0].workers.warm_modules == "torch"
+    assert run_parse()[0].workers.warm.modules == "torch"
     monkeypatch.setenv("PET_WARM_MODULES", "all")  # the new name wins
-    assert run_parse()[0].workers.warm_modules == "all"
+    assert run_parse()[0].workers.warm.modules == "all"
 
 
 def test_torch_shutdown_timeout_env(script, monkeypatch):
@@ -525,12 +525,12 @@ def test_command_dataclass_defaults():
 )
 def test_warm_starts_only_for_python_commands(script, flags, warm):
     plan, _ = run_parse(*flags, script=script)
-    assert plan.workers.warm is warm
+    assert plan.workers.warm.enabled is warm
 
 
 def test_no_python_programs_get_no_warm_interpreter():
     plan, _ = parse(["--standalone", "--max-restarts=2", "--no-python", "true", "-u", "x"])
-    assert plan.workers.warm is False
+    assert plan.workers.warm.enabled is False
 
 
 @pytest.mark.parametrize(
@@ -551,7 +551,7 @@ def test_no_python_programs_get_no_warm_interpreter():
 def test_the_agent_is_told_whether_the_store_authenticates(script, flags, authenticated):
     # Only then does a warm interpreter import what another node's note names.
     plan, _ = run_parse(*flags)
-    assert plan.workers.store_authenticated is authenticated
+    assert plan.workers.warm.store_authenticated is authenticated
     assert plan.authenticated is authenticated
 
 

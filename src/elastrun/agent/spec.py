@@ -32,6 +32,7 @@ __all__ = [
     "StartMethod",
     "Std",
     "WarmModules",
+    "WarmSettings",
     "WorkerSpec",
 ]
 
@@ -79,6 +80,32 @@ DEFAULT_REPLICA_MAX_HEADER = 4 << 20
 # Each feature's settings, resolved once by the launcher (launcher/plan.py,
 # from flags and the launcher's environment: docs/cli.md, *Environment*):
 # the features read no environment.
+
+
+@dataclass(frozen=True)
+class WarmSettings:
+    """agent/warm.py, warm_pool.py, modlearn.py: warm starts."""
+
+    # Fork workers from a warm interpreter; only a Python command (a script
+    # or -m module) can be (--warm).
+    enabled: bool = False
+    # What the warm interpreter imports ahead of time (--warm-modules).
+    modules: WarmModules = WarmModules.INSTALLED
+    # Where the module lists are kept across runs (agent/modcache.py): the
+    # launcher resolves --warm-cache, else ELASTRUN_CACHE_DIR, else
+    # XDG_CACHE_HOME/elastrun, else ~/.cache/elastrun. None: no lists kept.
+    cache: str | None = None
+    # A node joining a running job waits up to this long for its warm
+    # interpreter before it enters the round (0: it does not wait).
+    join_timeout: float = 60.0
+    # The rendezvous store admits only clients that prove who they are (the
+    # embedded store with a token; etcd with a user or a client certificate).
+    # Only then does the warm interpreter use the module list another node
+    # left in the store (the job's note ``modules``): without it, anyone who
+    # reaches the store could name modules for every node to import.
+    store_authenticated: bool = False
+    # ELASTRUN_DEBUG: the warm interpreter's choices also on the agent's console.
+    debug: bool = False
 
 
 @dataclass(frozen=True)
@@ -166,23 +193,7 @@ class WorkerSpec:
     # declared (agent/stacks.py, --stack-signal); None: no stacks.
     stack_signal: int | None = int(signal.SIGRTMIN) + 5
     events_file: str | None = None
-    # Fork workers from a warm interpreter (agent/warm.py); only a Python
-    # command (a script or -m module) can be.
-    warm: bool = False
-    # What the warm interpreter imports ahead of time.
-    warm_modules: WarmModules = WarmModules.INSTALLED
-    # Where the module lists are kept across runs (agent/modcache.py); None:
-    # the default folder.
-    warm_cache: str | None = None
-    # The rendezvous store admits only clients that prove who they are (the
-    # embedded store with a token; etcd with a user or a client certificate).
-    # Only then does the warm interpreter use the module list another node
-    # left in the store (the job's note ``modules``): without it, anyone who
-    # reaches the store could name modules for every node to import.
-    store_authenticated: bool = False
-    # A node joining a running job waits up to this long for its warm
-    # interpreter before it enters the round (0: it does not wait).
-    warm_join_timeout: float = 60.0
+    warm: WarmSettings = WarmSettings()
     # Exit 1 when the workers succeeded but some of their output could not be
     # written to its log file (default: a warning and an event only).
     require_logs: bool = False

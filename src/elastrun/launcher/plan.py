@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from elastrun.agent import file_timers, gpu_release, health_check, memory, replica
 from elastrun.agent.command import Executable, WorkerCommand
 from elastrun.agent.logs import validate_template
+from elastrun.agent.modcache import default_cache_dir
 from elastrun.agent.spec import (
     DEFAULT_LOG_TEMPLATE,
     DEFAULT_MEMORY_ROOT,
@@ -34,8 +35,10 @@ from elastrun.agent.spec import (
     StartMethod,
     Std,
     WarmModules,
+    WarmSettings,
     WorkerSpec,
 )
+from elastrun.agent.warm_pool import DEBUG_ENV
 from elastrun.endpoint import Endpoint, format_endpoints, parse_endpoint_list
 from elastrun.errors import ConfigError
 from elastrun.launcher.config import (
@@ -97,8 +100,8 @@ class Plan:
     def authenticated(self) -> bool:
         """Whether a stranger who reaches the job's store is refused (see
         :func:`refuses_strangers`); the agent has it as
-        ``WorkerSpec.store_authenticated``."""
-        return self.workers.store_authenticated
+        ``WorkerSpec.warm.store_authenticated``."""
+        return self.workers.warm.store_authenticated
 
     @property
     def is_host(self) -> bool | None:
@@ -441,16 +444,19 @@ def _worker_spec(
         hang_auto=config.hang_auto and config.hang_timeout is not None,
         stack_signal=config.stack_signal,
         events_file=os.path.abspath(config.events_file) if config.events_file else None,
-        # numactl runs each worker (--numa-binding): not forked from a warm interpreter.
-        warm=config.warm and config.numa_binding is None,
-        warm_modules=parse_choice(WarmModules, config.warm_modules, "--warm-modules"),
-        warm_cache=config.warm_cache,
-        warm_join_timeout=(
-            DEFAULT_WARM_JOIN_TIMEOUT
-            if config.warm_join_timeout is None
-            else config.warm_join_timeout
+        warm=WarmSettings(
+            # numactl runs each worker (--numa-binding): not forked from a warm interpreter.
+            enabled=config.warm and config.numa_binding is None,
+            modules=parse_choice(WarmModules, config.warm_modules, "--warm-modules"),
+            cache=config.warm_cache or default_cache_dir(os.environ),
+            join_timeout=(
+                DEFAULT_WARM_JOIN_TIMEOUT
+                if config.warm_join_timeout is None
+                else config.warm_join_timeout
+            ),
+            store_authenticated=authenticated,
+            debug=bool(os.environ.get(DEBUG_ENV)),
         ),
-        store_authenticated=authenticated,
         # The token proves the agent to the store; a worker needs no store.
         hidden_env=frozenset((TOKEN_ENV,)),
         require_logs=config.require_logs,

@@ -113,7 +113,7 @@ async def _run_candidates(
     from elastrun.rendezvous.dynamic import DynamicRendezvous
     from elastrun.rendezvous.failover import FailoverRendezvous
 
-    async with link_candidates(plan, hostname, spec.warm_cache, log) as link:
+    async with link_candidates(plan, hostname, spec.warm.cache, log) as link:
         settings = dataclasses.replace(plan.rendezvous, host=hostname, addr=link.addr)
         sink = log.sink("rendezvous")
 
