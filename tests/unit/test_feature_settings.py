@@ -152,7 +152,7 @@ def _reads_environment(tree: ast.AST) -> list[int]:
 
 
 def test_the_agents_features_read_no_environment() -> None:
-    """issue 35: 0 os.environ reads in agent/ outside the workers' env setup."""
+    """No os.environ read in agent/ outside the workers' env setup (agent/env.py)."""
     found = {
         path.name: lines
         for path in sorted(AGENT.glob("*.py"))

@@ -68,15 +68,15 @@ SPELLED = [
     ("master-addr", "10.1.2.3", lambda p, c: p.endpoints == (("10.1.2.3", 29500),)),
     ("master-port", "29511", lambda p, c: p.endpoints == (("127.0.0.1", 29511),)),
     ("local-addr", "10.9.9.9", lambda p, c: p.local_addr == "10.9.9.9"),
-    ("log-dir", "/tmp/x", lambda p, c: p.workers.log_dir == "/tmp/x"),
-    ("local-ranks-filter", "0,2", lambda p, c: p.workers.local_ranks_filter == {0, 2}),
+    ("log-dir", "/tmp/x", lambda p, c: p.workers.logs.dir == "/tmp/x"),
+    ("local-ranks-filter", "0,2", lambda p, c: p.workers.logs.local_ranks_filter == {0, 2}),
     (
         "signals-to-handle",
         "SIGTERM,SIGUSR1",
         lambda p, c: signal.SIGUSR1 in p.workers.signals_to_forward,
     ),
     ("shutdown-timeout", "7", lambda p, c: p.workers.shutdown_timeout == 7),
-    ("log-template", "[{rank}]", lambda p, c: p.workers.log_template == "[{rank}]"),
+    ("log-template", "[{rank}]", lambda p, c: p.workers.logs.template == "[{rank}]"),
     ("events-file", "/tmp/ev.jsonl", lambda p, c: p.workers.events_file == "/tmp/ev.jsonl"),
     ("hang-timeout", "12", lambda p, c: p.workers.hang_timeout == 12),
     ("stack-signal", "SIGUSR2", lambda p, c: p.workers.stack_signal == signal.SIGUSR2),
@@ -133,10 +133,10 @@ def test_flags_after_the_script_belong_to_the_script(script):
 
 def test_redirects_and_tee_short_and_long(script):
     plan, _ = run_parse("-r", "3", "--tee=0:1,1:2")
-    assert plan.workers.redirects == {-1: Std.ALL}
-    assert plan.workers.tee == {0: Std.OUT, 1: Std.ERR}
+    assert plan.workers.logs.redirects == {-1: Std.ALL}
+    assert plan.workers.logs.tee == {0: Std.OUT, 1: Std.ERR}
     plan, _ = run_parse("--redirects", "0", "-t", "2")
-    assert plan.workers.redirects == {} and plan.workers.tee == {-1: Std.ERR}
+    assert plan.workers.logs.redirects == {} and plan.workers.logs.tee == {-1: Std.ERR}
 
 
 # --------------------------------------------------------------- defaults, PET_
@@ -174,7 +174,7 @@ def test_pet_environment_defaults(script, monkeypatch):
     assert plan.workers.nproc == 3
     assert (plan.rendezvous.min_nodes, plan.rendezvous.max_nodes) == (1, 2)
     assert plan.endpoints == (("127.0.0.1", 29401),)
-    assert plan.rendezvous.max_restarts == 2 and plan.workers.tee == {-1: Std.ALL}
+    assert plan.rendezvous.max_restarts == 2 and plan.workers.logs.tee == {-1: Std.ALL}
     # the command line wins over the environment
     plan, _ = run_parse("--nproc_per_node=1", "--max-restarts=0")
     assert plan.workers.nproc == 1 and plan.rendezvous.max_restarts == 0
@@ -227,10 +227,10 @@ def test_torch_log_prefix_template_env(script, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[${role_name}${rank}]:")
     spec = run_parse()[0].workers
     # Kept as torch's template (printed as torchrun does), not turned into ours.
-    assert spec.torch_log_template == "[${role_name}${rank}]:"
-    assert spec.log_template == DEFAULT_LOG_TEMPLATE
+    assert spec.logs.torch_template == "[${role_name}${rank}]:"
+    assert spec.logs.template == DEFAULT_LOG_TEMPLATE
     spec = run_parse("--log-template={host}")[0].workers
-    assert spec.log_template == "{host}" and spec.torch_log_template is None
+    assert spec.logs.template == "{host}" and spec.logs.torch_template is None
 
 
 # --------------------------------------------------------------- static backend

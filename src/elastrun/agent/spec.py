@@ -28,6 +28,7 @@ __all__ = [
     "FileTimerSettings",
     "GpuReleaseSettings",
     "HealthCheckSettings",
+    "LogSettings",
     "MemorySettings",
     "StartMethod",
     "Std",
@@ -80,6 +81,31 @@ DEFAULT_REPLICA_MAX_HEADER = 4 << 20
 # Each feature's settings, resolved once by the launcher (launcher/plan.py,
 # from flags and the launcher's environment: docs/cli.md, *Environment*):
 # the features read no environment.
+
+
+@dataclass(frozen=True)
+class LogSettings:
+    """agent/logs.py (and the agent's log folder): the workers' output."""
+
+    dir: str | None = None  # --log-dir: one folder per attempt and per rank, kept
+    # local_rank -> Std flags; a key of -1 applies to every local rank.
+    redirects: dict[int, Std] = field(default_factory=dict)
+    tee: dict[int, Std] = field(default_factory=dict)
+    local_ranks_filter: frozenset[int] | None = None  # None: show every local rank
+    template: str = DEFAULT_LOG_TEMPLATE
+    # torch's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (``${rank}``, ``${local_rank}``,
+    # ``${role_name}``): when set, console lines look as under torchrun (the
+    # text verbatim before each line of a --tee'd stream, others raw) and
+    # ``template`` is not used.
+    torch_template: str | None = None
+    # Exit 1 when the workers succeeded but some of their output could not be
+    # written to its log file (default: a warning and an event only).
+    require: bool = False
+    # torchrun's --duplicate-stdout-filters / --duplicate-stderr-filters: lines
+    # of --tee'd streams holding one of these texts are also written to the
+    # attempt's filtered_stdout.log / filtered_stderr.log.
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -162,17 +188,8 @@ class WorkerSpec:
     # Variables of the agent's own environment that workers do not inherit
     # (secrets meant for the agent: the store token); ``env`` may still set them.
     hidden_env: frozenset[str] = frozenset()
-    log_dir: str | None = None  # one folder per attempt and per rank, kept
-    # local_rank -> Std flags; a key of -1 applies to every local rank.
-    redirects: dict[int, Std] = field(default_factory=dict)
-    tee: dict[int, Std] = field(default_factory=dict)
-    local_ranks_filter: frozenset[int] | None = None  # None: show every local rank
-    log_template: str = DEFAULT_LOG_TEMPLATE
-    # torch's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (``${rank}``, ``${local_rank}``,
-    # ``${role_name}``): when set, console lines look as under torchrun (the
-    # text verbatim before each line of a --tee'd stream, others raw) and
-    # ``log_template`` is not used.
-    torch_log_template: str | None = None
+    # The workers' output: log folder, redirects, console lines (agent/logs.py).
+    logs: LogSettings = field(default_factory=LogSettings)
     shutdown_timeout: float = 30.0  # SIGTERM -> SIGKILL grace
     signals_to_handle: tuple[signal.Signals, ...] = (
         signal.SIGINT,
@@ -194,14 +211,6 @@ class WorkerSpec:
     stack_signal: int | None = int(signal.SIGRTMIN) + 5
     events_file: str | None = None
     warm: WarmSettings = WarmSettings()
-    # Exit 1 when the workers succeeded but some of their output could not be
-    # written to its log file (default: a warning and an event only).
-    require_logs: bool = False
-    # torchrun's --duplicate-stdout-filters / --duplicate-stderr-filters: lines
-    # of --tee'd streams holding one of these texts are also written to the
-    # attempt's filtered_stdout.log / filtered_stderr.log.
-    duplicate_stdout_filters: tuple[str, ...] = ()
-    duplicate_stderr_filters: tuple[str, ...] = ()
     # torchrun's --virtual-local-rank: LOCAL_RANK=0, CUDA_VISIBLE_DEVICES the
     # local rank's own device.
     virtual_local_rank: bool = False

@@ -31,6 +31,7 @@ from elastrun.agent.spec import (
     DEFAULT_MEMORY_ROOT,
     GpuReleaseSettings,
     HealthCheckSettings,
+    LogSettings,
     MemorySettings,
     StartMethod,
     Std,
@@ -427,14 +428,21 @@ def _worker_spec(
         run_id=run_id,
         role=config.role,
         env=dict(config.env),
-        # Absolute once, here: workers get paths under it (error file,
-        # heartbeat), and a script may change directory (as Hydra does).
-        log_dir=os.path.abspath(config.log_dir) if config.log_dir else None,
-        redirects=_std_map("--redirects", config.redirects),
-        tee=_std_map("--tee", config.tee),
-        local_ranks_filter=config.local_ranks_filter,
-        log_template=DEFAULT_LOG_TEMPLATE if config.log_template is None else config.log_template,
-        torch_log_template=config.log_line_prefix_template if config.log_template is None else None,
+        logs=LogSettings(
+            # Absolute once, here: workers get paths under it (error file,
+            # heartbeat), and a script may change directory (as Hydra does).
+            dir=os.path.abspath(config.log_dir) if config.log_dir else None,
+            redirects=_std_map("--redirects", config.redirects),
+            tee=_std_map("--tee", config.tee),
+            local_ranks_filter=config.local_ranks_filter,
+            template=DEFAULT_LOG_TEMPLATE if config.log_template is None else config.log_template,
+            torch_template=(
+                config.log_line_prefix_template if config.log_template is None else None
+            ),
+            require=config.require_logs,
+            duplicate_stdout_filters=tuple(config.duplicate_stdout_filters or ()),
+            duplicate_stderr_filters=tuple(config.duplicate_stderr_filters or ()),
+        ),
         shutdown_timeout=float(config.shutdown_timeout or 0.0),
         signals_to_handle=tuple(s for s in handled if s.name in STOP_SIGNALS),
         signals_to_forward=tuple(s for s in handled if s.name not in STOP_SIGNALS),
@@ -459,9 +467,6 @@ def _worker_spec(
         ),
         # The token proves the agent to the store; a worker needs no store.
         hidden_env=frozenset((TOKEN_ENV,)),
-        require_logs=config.require_logs,
-        duplicate_stdout_filters=tuple(config.duplicate_stdout_filters or ()),
-        duplicate_stderr_filters=tuple(config.duplicate_stderr_filters or ()),
         virtual_local_rank=config.virtual_local_rank,
         cpu_binding=numa_cpus(config.numa_binding, config.nproc_per_node),
     )
