@@ -8,8 +8,10 @@ types, applies torchrun's defaulting rules (``--standalone``; the default
 empty run id becomes a generated one), reads the store's token
 (``--rdzv-conf token`` or ``token_file``, else the environment:
 :mod:`elastrun.store.token`), checks the cross-flag rules, and builds the
-settings the agent (:class:`~elastrun.agent.spec.WorkerSpec`) and the
-rendezvous (:class:`~elastrun.rendezvous.api.RendezvousSettings`) receive.
+settings the agent (:class:`~elastrun.agent.spec.WorkerSpec`, with each
+feature's settings group: the features' environment variables are read here,
+once, and nowhere in the agent) and the rendezvous
+(:class:`~elastrun.rendezvous.api.RendezvousSettings`) receive.
 They are passed on whole: nothing downstream checks them again. Only what
 the run learns (this host's name, the address that routes to the store) is
 added by :mod:`elastrun.launcher.run`. No sockets, no processes.
@@ -235,6 +237,11 @@ def _with_features(
             port=port, hosts=health_check.hosts_from(merged.get(health_check.HOST_ENV))
         ),
         file_timers=file_timers.settings_from(merged),
+        warm=dataclasses.replace(
+            spec.warm,
+            cache=spec.warm.cache or default_cache_dir(environ),  # --warm-cache first
+            debug=bool(environ.get(DEBUG_ENV)),
+        ),
     )
     return spec, () if warning is None else (warning,)
 
@@ -456,14 +463,13 @@ def _worker_spec(
             # numactl runs each worker (--numa-binding): not forked from a warm interpreter.
             enabled=config.warm and config.numa_binding is None,
             modules=parse_choice(WarmModules, config.warm_modules, "--warm-modules"),
-            cache=config.warm_cache or default_cache_dir(os.environ),
+            cache=config.warm_cache,
             join_timeout=(
                 DEFAULT_WARM_JOIN_TIMEOUT
                 if config.warm_join_timeout is None
                 else config.warm_join_timeout
             ),
             store_authenticated=authenticated,
-            debug=bool(os.environ.get(DEBUG_ENV)),
         ),
         # The token proves the agent to the store; a worker needs no store.
         hidden_env=frozenset((TOKEN_ENV,)),
