@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from elastrun.agent import Agent, Executable, PythonScript, Std, WorkerSpec
+from elastrun.agent.spec import LogSettings
 from elastrun.events import ListSink
 from elastrun.names import RunId
 from tests.conftest import PYTHON, REPO
@@ -138,7 +139,7 @@ def test_crash_consumes_a_restart_and_group_restarts(tmp_path, capfd):
 def test_root_cause_summary_names_rank_1(tmp_path, capfd, mode):
     rdzv = OneNodeRendezvous(nproc=2, max_restarts=0)
     log_dir = tmp_path / "logs"
-    spec = spec_for("fail_rank1.py", mode, log_dir=str(log_dir), shutdown_timeout=10)
+    spec = spec_for("fail_rank1.py", mode, logs=LogSettings(dir=str(log_dir)), shutdown_timeout=10)
     code, sink = run_agent(spec, rdzv)
     assert code == 1
     err = capfd.readouterr().err
@@ -337,11 +338,13 @@ def test_redirects_tee_and_rank_filter(tmp_path, capfd):
         nproc=3,
         run_id=RunId("echo"),
         host="h1",
-        log_dir=str(log_dir),
-        redirects={1: Std.ALL, 2: Std.OUT},
-        tee={2: Std.OUT},
-        local_ranks_filter=frozenset({1, 2}),
-        log_template="<{role}/{host}/{rank}>",
+        logs=LogSettings(
+            dir=str(log_dir),
+            redirects={1: Std.ALL, 2: Std.OUT},
+            tee={2: Std.OUT},
+            local_ranks_filter=frozenset({1, 2}),
+            template="<{role}/{host}/{rank}>",
+        ),
     )
     code, _ = run_agent(spec, OneNodeRendezvous(run_id="echo", nproc=3))
     assert code == 0

@@ -20,6 +20,7 @@ from elastrun.agent import Agent, PythonScript, WorkerSpec
 from elastrun.agent.children import ForkedProcess
 from elastrun.agent.hooks import Feature, RoundHooks
 from elastrun.agent.process import Worker
+from elastrun.agent.spec import WarmSettings
 from elastrun.agent.workers import WorkerGroup
 from elastrun.events import ListSink
 from elastrun.names import RunId
@@ -126,7 +127,7 @@ def _run(tmp_path: Path, rec: Recorder) -> tuple[int, ListSink, dict[int, dict[s
         run_id=RunId("hooks"),
         host="testhost",
         shutdown_timeout=5.0,
-        warm=True,  # asked for, but no warm-start feature is given
+        warm=WarmSettings(enabled=True),  # asked for, but no warm-start feature is given
         env={"OUT": str(out), "GO_FILE": str(rec.go), "ELASTRUN_MODULES_AFTER": "0.1"},
     )
     sink = ListSink()

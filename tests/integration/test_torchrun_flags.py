@@ -333,6 +333,36 @@ class Flood:
         self.thread.join(30)
 
 
+def test_the_features_environment_is_read_by_the_launcher_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    """A bad ELASTRUN_* number refuses the launch (exit 2, the variable named,
+    no worker run); torch's bad health check port is ignored with one warning."""
+    script = tmp_path / "mark.py"
+    script.write_text("import pathlib, sys\npathlib.Path(sys.argv[1]).write_text('ran')\n")
+    mark = tmp_path / "ran"
+
+    def launch(**extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*ELASTRUN, "--standalone", "--no-warm", str(script), str(mark)],
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT,
+            env=env(**extra),
+            cwd=REPO,
+            check=False,
+        )
+
+    refused = launch(ELASTRUN_REPLICA_MAX_BYTES="\u00b2")
+    assert refused.returncode == 2, refused.stderr
+    assert "elastrun: error: ELASTRUN_REPLICA_MAX_BYTES: expected a positive" in refused.stderr
+    assert not mark.exists()
+    ran = launch(TORCHELASTIC_HEALTH_CHECK_PORT="http")
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stderr.count("TORCHELASTIC_HEALTH_CHECK_PORT='http' is not a port") == 1
+    assert mark.read_text() == "ran"
+
+
 def test_health_check_port_answers_while_the_agent_runs(tmp_path: Path) -> None:
     port = free_port()
     script = tmp_path / "wait.py"

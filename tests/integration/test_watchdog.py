@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from elastrun.agent import Agent, Executable, WorkerSpec
+from elastrun.agent.spec import LogSettings
 from elastrun.events import ListSink
 from elastrun.names import RunId
 from tests.conftest import PYTHON, REPO
@@ -171,7 +172,7 @@ def test_log_dir_has_a_folder_per_host_and_live_agent(tmp_path):
         nproc=1,
         run_id=RunId("lay"),
         host="node-a",
-        log_dir=str(log_dir),
+        logs=LogSettings(dir=str(log_dir)),
     )
     code, _ = run_agent(spec, OneNodeRendezvous(run_id="lay", nproc=1))
     assert code == 0

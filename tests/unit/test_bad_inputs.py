@@ -286,41 +286,37 @@ def test_timeline_refuses_an_empty_file_name(where: str, value: str, tmp_path, c
 # ------------------------------------------------------------------ the environment
 @pytest.mark.parametrize("kind", ["superscript", "arabic-indic", "overlong", "word", "negative"])
 def test_the_replica_byte_cap_from_the_environment_is_ascii(
-    kind: str, monkeypatch: pytest.MonkeyPatch
+    kind: str, script: str, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
-    # '²' was a ValueError in the agent, after it joined the round.
-    from elastrun.agent.replica import MAX_BYTES_ENV, max_bytes_from_env
+    # '²' was a ValueError in the agent, after it joined the round; then a
+    # warning in the agent (replicas off). Now the launch is refused (exit 2).
+    from elastrun.agent.replica import MAX_BYTES_ENV
+    from elastrun.launcher.cli import main
 
     monkeypatch.setenv(MAX_BYTES_ENV, BAD[kind])
     with pytest.raises(ConfigError, match=f"^{MAX_BYTES_ENV}: expected a positive whole"):
-        max_bytes_from_env()
+        parse([*BASE, script])
+    code, err = _run(main, [*BASE, script], capsys)
+    assert code == 2 and f"elastrun: error: {MAX_BYTES_ENV}: expected" in err, err
     monkeypatch.setenv(MAX_BYTES_ENV, "1024")
-    assert max_bytes_from_env() == 1024
-
-
-class _Say:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def say(self, line: str) -> None:
-        self.lines.append(line)
+    assert parse([*BASE, script])[0].workers.memory.replica_max_bytes == 1024
 
 
 @pytest.mark.parametrize("kind", ["superscript", "arabic-indic", "overlong", "nan", "inf"])
 def test_agent_number_variables_are_ascii_and_named_when_wrong(
-    kind: str, monkeypatch: pytest.MonkeyPatch
+    kind: str, script: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from elastrun.agent import gpu_release, health_check
-    from elastrun.agent.spec import WorkerSpec
 
-    core = _Say()
     monkeypatch.setenv(gpu_release.TIMEOUT_ENV, BAD[kind])
-    assert gpu_release._timeout(core) == gpu_release.DEFAULT_TIMEOUT  # type: ignore[arg-type]
-    core.spec = WorkerSpec(command=None, nproc=1, run_id="j")  # type: ignore[attr-defined,arg-type]
+    with pytest.raises(ConfigError, match=f"^{gpu_release.TIMEOUT_ENV}: "):
+        parse([*BASE, script])
+    monkeypatch.delenv(gpu_release.TIMEOUT_ENV)
+    # torch's variable: a bad port is ignored with a warning, as torch does
     monkeypatch.setenv(health_check.PORT_ENV, BAD[kind])
-    assert health_check.features(core) == []  # type: ignore[arg-type]
-    assert len(core.lines) == 2, core.lines
-    assert gpu_release.TIMEOUT_ENV in core.lines[0] and health_check.PORT_ENV in core.lines[1]
+    plan = parse([*BASE, script])[0]
+    assert plan.workers.health_check.port is None
+    assert len(plan.warnings) == 1 and health_check.PORT_ENV in plan.warnings[0], plan.warnings
 
 
 @pytest.mark.parametrize("kind", ["superscript", "arabic-indic", "fullwidth", "overlong"])

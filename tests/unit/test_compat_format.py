@@ -19,7 +19,7 @@ import pytest
 from elastrun.agent.command import Executable, with_local_rank
 from elastrun.agent.failures import ROOT_CAUSE, WorkerFailure, format_summary
 from elastrun.agent.logs import LinePump, routes_for, shows_rank, torch_prefix
-from elastrun.agent.spec import Std, WorkerSpec
+from elastrun.agent.spec import LogSettings, Std, WorkerSpec
 from elastrun.agent.waiting import describe
 from elastrun.errors import ConfigError
 from elastrun.failure import FailureRecord
@@ -58,7 +58,8 @@ from elastrun.status.timeline import (
 # ----------------------------------------------------------------- console prefixes
 def spec(**kw: object) -> WorkerSpec:
     command = Executable(("python",))
-    return WorkerSpec(command=command, nproc=2, run_id="r", host="vm", **kw)  # type: ignore[arg-type]
+    logs = LogSettings(**kw)  # type: ignore[arg-type]
+    return WorkerSpec(command=command, nproc=2, run_id=RunId("r"), host="vm", logs=logs)
 
 
 def pump_lines(route_index: int, data: bytes, capsys: pytest.CaptureFixture[str], **kw: object):
@@ -84,7 +85,7 @@ def test_our_prefix_and_torchs_rank_tag_once(capsys: pytest.CaptureFixture[str])
 
 
 def test_a_template_without_the_rank_keeps_torchs_tag(capsys: pytest.CaptureFixture[str]) -> None:
-    text, tail = pump_lines(1, b"[rank5]: boom\n", capsys, log_template="<{host}>")
+    text, tail = pump_lines(1, b"[rank5]: boom\n", capsys, template="<{host}>")
     assert text == "<vm>: [rank5]: boom\n" and tail == ["boom"]
 
 
@@ -92,13 +93,13 @@ def test_torch_template_is_verbatim_and_only_on_teed_streams(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     tmpl = "[rank${rank}]: "
-    text, _ = pump_lines(0, b"hi\n", capsys, torch_log_template=tmpl)
+    text, _ = pump_lines(0, b"hi\n", capsys, torch_template=tmpl)
     assert text == "hi\n"  # not tee'd: as the worker wrote it (torchrun)
-    text, _ = pump_lines(0, b"hi\n", capsys, torch_log_template=tmpl, tee={-1: Std.OUT})
+    text, _ = pump_lines(0, b"hi\n", capsys, torch_template=tmpl, tee={-1: Std.OUT})
     assert text == "[rank5]: hi\n"
-    text, _ = pump_lines(1, b"hi\n", capsys, torch_log_template=tmpl, tee={-1: Std.OUT})
+    text, _ = pump_lines(1, b"hi\n", capsys, torch_template=tmpl, tee={-1: Std.OUT})
     assert text == "hi\n"  # only stdout is tee'd
-    text, _ = pump_lines(0, b"[rank5]: hi\n", capsys, torch_log_template=tmpl, tee={1: 3})
+    text, _ = pump_lines(0, b"[rank5]: hi\n", capsys, torch_template=tmpl, tee={1: 3})
     assert text == "[rank5]: hi\n"
 
 
@@ -203,7 +204,7 @@ def test_parser_takes_no_abbreviation_but_the_redirect_spelling(tmp_path: Path) 
     with pytest.raises(ConfigError, match=r"^--local-rank: not an elastrun flag"):
         parse(["--local-rank=0", str(script)])
     plan, _ = parse(["--redirect=3", str(script)])
-    assert plan.workers.redirects == {-1: Std.ALL}
+    assert plan.workers.logs.redirects == {-1: Std.ALL}
     plan, _ = parse(["--logs_specs=default", str(script)])
     with pytest.raises(ConfigError, match=r"no torchrun\.logs_specs plugins"):
         parse(["--logs-specs=mine", str(script)])

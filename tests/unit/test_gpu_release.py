@@ -10,11 +10,13 @@ import pytest
 from elastrun.agent.gpu_release import (
     DEFAULT_TIMEOUT,
     TIMEOUT_ENV,
-    _timeout,
     held_by,
     parse_compute_apps,
     query_compute_apps,
 )
+from elastrun.errors import ConfigError
+from elastrun.launcher.config import LaunchConfig
+from elastrun.launcher.plan import resolve
 
 
 def test_nvidia_smi_lines_are_read_and_the_rest_left_out():
@@ -33,33 +35,26 @@ def test_memory_is_the_workers_when_their_pid_or_session_holds_it():
     assert held_by(apps, set()) == {}
 
 
-class _Core:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def say(self, line: str) -> None:
-        self.lines.append(line)
-
-
 @pytest.mark.parametrize(
-    ("text", "expected", "warned"),
+    ("text", "expected"),
     [
-        ("", DEFAULT_TIMEOUT, False),
-        ("0", 0.0, False),
-        ("12.5", 12.5, False),
-        ("soon", DEFAULT_TIMEOUT, True),
-        ("-1", DEFAULT_TIMEOUT, True),
-        ("1e9", DEFAULT_TIMEOUT, True),
+        ("", DEFAULT_TIMEOUT),
+        ("0", 0.0),
+        ("12.5", 12.5),
+        ("soon", None),
+        ("-1", None),
+        ("1e9", None),
     ],
     ids=["unset", "off", "seconds", "word", "negative", "huge"],
 )
-def test_the_bound_comes_from_the_environment(monkeypatch, text, expected, warned):
+def test_the_bound_comes_from_the_launchers_environment(monkeypatch, text, expected):
     monkeypatch.setenv(TIMEOUT_ENV, text)
-    core = _Core()
-    assert _timeout(core) == expected  # type: ignore[arg-type]
-    assert bool(core.lines) == warned
-    if warned:
-        assert TIMEOUT_ENV in core.lines[0] and "using 30" in core.lines[0]
+    if expected is None:
+        with pytest.raises(ConfigError, match=f"^{TIMEOUT_ENV}: "):
+            resolve(LaunchConfig(nproc_per_node=1, standalone=True))
+        return
+    plan = resolve(LaunchConfig(nproc_per_node=1, standalone=True))
+    assert plan.workers.gpu_release.timeout == expected
 
 
 def test_a_query_that_fails_or_hangs_says_nothing(tmp_path):

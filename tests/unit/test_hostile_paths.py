@@ -170,7 +170,7 @@ def test_a_temporary_folder_others_could_rearrange_is_refused(tmp_path: Path, mo
 def test_a_relative_log_dir_and_events_file_are_made_absolute(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     plan = resolve(LaunchConfig(standalone=True, log_dir="logs", events_file="ev.jsonl"))
-    assert plan.workers.log_dir == str(tmp_path / "logs")
+    assert plan.workers.logs.dir == str(tmp_path / "logs")
     assert plan.workers.events_file == str(tmp_path / "ev.jsonl")
 
 

@@ -68,15 +68,15 @@ SPELLED = [
     ("master-addr", "10.1.2.3", lambda p, c: p.endpoints == (("10.1.2.3", 29500),)),
     ("master-port", "29511", lambda p, c: p.endpoints == (("127.0.0.1", 29511),)),
     ("local-addr", "10.9.9.9", lambda p, c: p.local_addr == "10.9.9.9"),
-    ("log-dir", "/tmp/x", lambda p, c: p.workers.log_dir == "/tmp/x"),
-    ("local-ranks-filter", "0,2", lambda p, c: p.workers.local_ranks_filter == {0, 2}),
+    ("log-dir", "/tmp/x", lambda p, c: p.workers.logs.dir == "/tmp/x"),
+    ("local-ranks-filter", "0,2", lambda p, c: p.workers.logs.local_ranks_filter == {0, 2}),
     (
         "signals-to-handle",
         "SIGTERM,SIGUSR1",
         lambda p, c: signal.SIGUSR1 in p.workers.signals_to_forward,
     ),
     ("shutdown-timeout", "7", lambda p, c: p.workers.shutdown_timeout == 7),
-    ("log-template", "[{rank}]", lambda p, c: p.workers.log_template == "[{rank}]"),
+    ("log-template", "[{rank}]", lambda p, c: p.workers.logs.template == "[{rank}]"),
     ("events-file", "/tmp/ev.jsonl", lambda p, c: p.workers.events_file == "/tmp/ev.jsonl"),
     ("hang-timeout", "12", lambda p, c: p.workers.hang_timeout == 12),
     ("stack-signal", "SIGUSR2", lambda p, c: p.workers.stack_signal == signal.SIGUSR2),
@@ -133,10 +133,10 @@ def test_flags_after_the_script_belong_to_the_script(script):
 
 def test_redirects_and_tee_short_and_long(script):
     plan, _ = run_parse("-r", "3", "--tee=0:1,1:2")
-    assert plan.workers.redirects == {-1: Std.ALL}
-    assert plan.workers.tee == {0: Std.OUT, 1: Std.ERR}
+    assert plan.workers.logs.redirects == {-1: Std.ALL}
+    assert plan.workers.logs.tee == {0: Std.OUT, 1: Std.ERR}
     plan, _ = run_parse("--redirects", "0", "-t", "2")
-    assert plan.workers.redirects == {} and plan.workers.tee == {-1: Std.ERR}
+    assert plan.workers.logs.redirects == {} and plan.workers.logs.tee == {-1: Std.ERR}
 
 
 # --------------------------------------------------------------- defaults, PET_
@@ -174,7 +174,7 @@ def test_pet_environment_defaults(script, monkeypatch):
     assert plan.workers.nproc == 3
     assert (plan.rendezvous.min_nodes, plan.rendezvous.max_nodes) == (1, 2)
     assert plan.endpoints == (("127.0.0.1", 29401),)
-    assert plan.rendezvous.max_restarts == 2 and plan.workers.tee == {-1: Std.ALL}
+    assert plan.rendezvous.max_restarts == 2 and plan.workers.logs.tee == {-1: Std.ALL}
     # the command line wins over the environment
     plan, _ = run_parse("--nproc_per_node=1", "--max-restarts=0")
     assert plan.workers.nproc == 1 and plan.rendezvous.max_restarts == 0
@@ -191,12 +191,12 @@ def test_pet_boolean_flags(monkeypatch):
 
 
 def test_pet_warm_sets_the_default_and_the_command_line_wins(script, monkeypatch):
-    assert run_parse("--standalone")[0].workers.warm is True  # unset: on
+    assert run_parse("--standalone")[0].workers.warm.enabled is True  # unset: on
     monkeypatch.setenv("PET_WARM", "0")
-    assert run_parse("--standalone")[0].workers.warm is False
-    assert run_parse("--standalone", "--warm")[0].workers.warm is True
+    assert run_parse("--standalone")[0].workers.warm.enabled is False
+    assert run_parse("--standalone", "--warm")[0].workers.warm.enabled is True
     monkeypatch.setenv("PET_WARM", "1")
-    assert run_parse("--standalone", "--no-warm")[0].workers.warm is False
+    assert run_parse("--standalone", "--no-warm")[0].workers.warm.enabled is False
     monkeypatch.setenv("PET_WARM", "off")
     with pytest.raises(ConfigError, match="PET_WARM: expected 0 or 1"):
         run_parse("--standalone")
@@ -204,14 +204,14 @@ def test_pet_warm_sets_the_default_and_the_command_line_wins(script, monkeypatch
 
 def test_the_old_prewarm_spellings_still_work(script, monkeypatch):
     """--warm* was first spelled --prewarm*: the old flags and variables are aliases."""
-    assert run_parse("--standalone", "--no-prewarm")[0].workers.warm is False
-    assert run_parse("--standalone", "--prewarm")[0].workers.warm is True
+    assert run_parse("--standalone", "--no-prewarm")[0].workers.warm.enabled is False
+    assert run_parse("--standalone", "--prewarm")[0].workers.warm.enabled is True
     workers = run_parse("--prewarm-modules=all", "--prewarm_cache=/tmp/c")[0].workers
-    assert workers.warm_modules == "all" and workers.warm_cache == "/tmp/c"
+    assert workers.warm.modules == "all" and workers.warm.cache == "/tmp/c"
     monkeypatch.setenv("PET_PREWARM_MODULES", "torch")
-    assert run_parse()[0].workers.warm_modules == "torch"
+    assert run_parse()[0].workers.warm.modules == "torch"
     monkeypatch.setenv("PET_WARM_MODULES", "all")  # the new name wins
-    assert run_parse()[0].workers.warm_modules == "all"
+    assert run_parse()[0].workers.warm.modules == "all"
 
 
 def test_torch_shutdown_timeout_env(script, monkeypatch):
@@ -227,10 +227,10 @@ def test_torch_log_prefix_template_env(script, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[${role_name}${rank}]:")
     spec = run_parse()[0].workers
     # Kept as torch's template (printed as torchrun does), not turned into ours.
-    assert spec.torch_log_template == "[${role_name}${rank}]:"
-    assert spec.log_template == DEFAULT_LOG_TEMPLATE
+    assert spec.logs.torch_template == "[${role_name}${rank}]:"
+    assert spec.logs.template == DEFAULT_LOG_TEMPLATE
     spec = run_parse("--log-template={host}")[0].workers
-    assert spec.log_template == "{host}" and spec.torch_log_template is None
+    assert spec.logs.template == "{host}" and spec.logs.torch_template is None
 
 
 # --------------------------------------------------------------- static backend
@@ -525,12 +525,12 @@ def test_command_dataclass_defaults():
 )
 def test_warm_starts_only_for_python_commands(script, flags, warm):
     plan, _ = run_parse(*flags, script=script)
-    assert plan.workers.warm is warm
+    assert plan.workers.warm.enabled is warm
 
 
 def test_no_python_programs_get_no_warm_interpreter():
     plan, _ = parse(["--standalone", "--max-restarts=2", "--no-python", "true", "-u", "x"])
-    assert plan.workers.warm is False
+    assert plan.workers.warm.enabled is False
 
 
 @pytest.mark.parametrize(
@@ -551,7 +551,7 @@ def test_no_python_programs_get_no_warm_interpreter():
 def test_the_agent_is_told_whether_the_store_authenticates(script, flags, authenticated):
     # Only then does a warm interpreter import what another node's note names.
     plan, _ = run_parse(*flags)
-    assert plan.workers.store_authenticated is authenticated
+    assert plan.workers.warm.store_authenticated is authenticated
     assert plan.authenticated is authenticated
 
 

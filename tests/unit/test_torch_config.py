@@ -102,8 +102,8 @@ def test_flags_reach_the_worker_spec(tmp_path: Path) -> None:
     )
     spec = resolve(flags.config).workers
     assert spec.virtual_local_rank
-    assert spec.duplicate_stdout_filters == ("x", "y")
-    assert spec.duplicate_stderr_filters == ("z",)
+    assert spec.logs.duplicate_stdout_filters == ("x", "y")
+    assert spec.logs.duplicate_stderr_filters == ("z",)
 
 
 def test_virtual_local_rank_environment() -> None:

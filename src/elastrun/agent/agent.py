@@ -390,7 +390,7 @@ class Agent:
         self._group = None
         self.events.emit(WorkersSucceeded(round=result.round, attempt=self._attempt))
         await self._stops.first(self.rendezvous.complete())
-        if self.spec.require_logs and self._log_errors.any:
+        if self.spec.logs.require and self._log_errors.any:
             # The workers succeeded, but some output never reached its file.
             say(f"elastrun: error: {self._log_errors.summary()}; exiting 1 (--require-logs)")
             files = sorted(self._log_errors.failed)
@@ -517,7 +517,7 @@ class Agent:
         """With --log-dir: this node's folder, before it joins the job. A
         refused folder (another user's, a link, shared) is a ConfigError
         naming it, raised before anything started."""
-        if self.spec.log_dir is None:
+        if self.spec.logs.dir is None:
             return
         try:
             self._ensure_base_dir()
@@ -528,15 +528,15 @@ class Agent:
 
     def _ensure_base_dir(self) -> str:
         if self._base_dir is None:
-            if self.spec.log_dir is not None:
+            if self.spec.logs.dir is not None:
                 try:
                     self._base_dir, self._host_pidfile = claim_host_dir(
-                        self.spec.log_dir, self.spec.run_id, self.spec.host or socket.gethostname()
+                        self.spec.logs.dir, self.spec.run_id, self.spec.host or socket.gethostname()
                     )
                 except OSError as e:  # a full or read-only disk: kept in a temporary folder
                     self._base_dir = temp_dir(self.spec.run_id)
                     fate = f"worker logs go to {self._base_dir} instead"
-                    self._log_errors.report(os.path.abspath(self.spec.log_dir), e, fate=fate)
+                    self._log_errors.report(os.path.abspath(self.spec.logs.dir), e, fate=fate)
             else:
                 self._base_dir = temp_dir(self.spec.run_id)
                 # Only error files live here unless redirects/tee asked for log files.

@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, TypeGuard
 
 from elastrun.agent.hooks import Core, Feature
 from elastrun.agent.round_hooks import RoundHooks
+from elastrun.agent.spec import FileTimerSettings
 from elastrun.event_kinds import (
     FileTimerExpired,
     FileTimerRefused,
@@ -82,6 +83,7 @@ __all__ = [
     "TimerTable",
     "features",
     "parse_request",
+    "settings_from",
 ]
 
 ENABLE_ENV = "TORCHELASTIC_ENABLE_FILE_TIMER"
@@ -167,8 +169,12 @@ class TimerTable:
             del self.timers[key]
 
 
-def _enabled(env: Mapping[str, str]) -> bool:
-    return env.get(ENABLE_ENV) == "1" or bool(env.get(TIMER_FILE_ENV))
+def settings_from(env: Mapping[str, str]) -> FileTimerSettings:
+    """What the launcher's environment (and the spec's ``env``) asks for."""
+    return FileTimerSettings(
+        enabled=env.get(ENABLE_ENV) == "1" or bool(env.get(TIMER_FILE_ENV)),
+        path=env.get(TIMER_FILE_ENV) or "",
+    )
 
 
 class _Pipe:
@@ -188,8 +194,7 @@ class FileTimers(Feature):
 
     def __init__(self, core: Core) -> None:
         self.core = core
-        env = {**os.environ, **core.spec.env}
-        self.path = env.get(TIMER_FILE_ENV) or ""  # the pipes' prefix: PATH.{local_rank}
+        self.path = core.spec.file_timers.path  # the pipes' prefix: PATH.{local_rank}
         self.table = TimerTable()
         self.group: WorkerGroup | None = None
         self.pipes: dict[int, _Pipe] = {}  # by local rank
@@ -375,4 +380,4 @@ class _RoundTimers(RoundHooks):
 
 def features(core: Core) -> list[Feature]:
     """The timer server, when the launcher's environment asks for it."""
-    return [FileTimers(core)] if _enabled({**os.environ, **core.spec.env}) else []
+    return [FileTimers(core)] if core.spec.file_timers.enabled else []

@@ -12,7 +12,8 @@ ran, the agent asks the driver which processes hold GPU memory
 (``nvidia-smi --query-compute-apps=pid,used_memory``) and, while any of them
 is one of those workers or in one of their sessions (their children), waits,
 polling every ``POLL`` s, at most ``ELASTRUN_GPU_RELEASE_TIMEOUT`` seconds
-(default ``DEFAULT_TIMEOUT``; 0 turns the wait off). It says so on the console
+(default ``DEFAULT_TIMEOUT``; 0 turns the wait off; read by the launcher:
+:class:`~elastrun.agent.spec.GpuReleaseSettings`). It says so on the console
 and in a ``gpu_memory_wait`` event (the pids, their MiB, how long it waited,
 whether the memory was released); after the bound it starts the workers
 anyway, with a warning. Each ``nvidia-smi`` call is bounded (``QUERY_TIMEOUT``
@@ -28,14 +29,13 @@ listed), no listed pid is one of the workers' and nothing is waited for.
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import subprocess
 
 from elastrun.agent.hooks import Core, Feature, RoundHooks
+from elastrun.agent.spec import DEFAULT_GPU_RELEASE_TIMEOUT as DEFAULT_TIMEOUT
 from elastrun.agent.workers import WorkerGroup
 from elastrun.event_kinds import GpuMemoryWait
-from elastrun.untrusted import ascii_decimal, printable
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -48,8 +48,7 @@ __all__ = [
 ]
 
 TIMEOUT_ENV = "ELASTRUN_GPU_RELEASE_TIMEOUT"
-DEFAULT_TIMEOUT = 30.0  # s a start waits for the stopped workers' GPU memory
-MAX_TIMEOUT = 3600.0
+MAX_TIMEOUT = 3600.0  # the most the launcher accepts
 POLL = 0.25  # s between two queries
 QUERY_TIMEOUT = 5.0  # s one nvidia-smi call may take
 MAX_OUTPUT = 1 << 20  # bytes of its output read
@@ -58,26 +57,11 @@ QUERY = ("--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"
 
 def features(core: Core) -> list[Feature]:
     """The wait, where ``nvidia-smi`` is found and the wait is not turned off."""
-    timeout = _timeout(core)
+    timeout = core.spec.gpu_release.timeout
     smi = shutil.which("nvidia-smi")
     if smi is None or timeout <= 0:
         return []
     return [GpuRelease(core, smi, timeout)]
-
-
-def _timeout(core: Core) -> float:
-    text = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not text:
-        return DEFAULT_TIMEOUT
-    value = ascii_decimal(text)
-    if value is None or not 0 <= value <= MAX_TIMEOUT:
-        core.say(
-            f"elastrun: warning: {TIMEOUT_ENV}={printable(repr(text[:40]))} is not a number of "
-            f"seconds (ASCII digits) in "
-            f"[0, {MAX_TIMEOUT:g}]; using {DEFAULT_TIMEOUT:g}"
-        )
-        return DEFAULT_TIMEOUT
-    return value
 
 
 def parse_compute_apps(text: str) -> dict[int, int]:

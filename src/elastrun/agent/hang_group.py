@@ -172,7 +172,7 @@ class RoundHangs(RoundHooks):
         own = self.local_stacks()
         await hangs.share(rendezvous, result, own)
         every = await hangs.gather(rendezvous, result, own)
-        report = hangs.summary(every, self.group.attempt_dir if self.spec.log_dir else None)
+        report = hangs.summary(every, self.group.attempt_dir if self.spec.logs.dir else None)
         return "\n".join(x for x in (report, self.skipped_stacks()) if x)
 
     async def changed(self, change: Change) -> None:

@@ -38,20 +38,29 @@ import asyncio
 import collections
 import contextlib
 import json
-import os
 import socket
 import time
 from typing import Any
 
 from elastrun.agent.hooks import Core, Feature
+from elastrun.agent.spec import DEFAULT_HEALTH_CHECK_HOSTS
 from elastrun.event_kinds import HealthCheckFailed, HealthCheckStarted
 from elastrun.untrusted import ascii_int, printable
 
-__all__ = ["HOST_ENV", "PORT_ENV", "HealthCheck", "answer", "features", "respond"]
+__all__ = [
+    "HOST_ENV",
+    "PORT_ENV",
+    "HealthCheck",
+    "answer",
+    "features",
+    "hosts_from",
+    "port_from",
+    "respond",
+]
 
 PORT_ENV = "TORCHELASTIC_HEALTH_CHECK_PORT"
 HOST_ENV = "ELASTRUN_HEALTH_CHECK_HOST"
-DEFAULT_HOSTS = ("127.0.0.1", "::1")
+DEFAULT_HOSTS = DEFAULT_HEALTH_CHECK_HOSTS
 TIMEOUT = 60  # torch's: seconds without progress before the agent counts as dead
 MAX_CLIENTS = 256  # connections held at once; one more drops the oldest
 ACCEPT_BATCH = 16  # connections accepted per wake-up
@@ -263,16 +272,21 @@ def hosts_from(raw: str | None) -> tuple[str, ...]:
     return hosts or DEFAULT_HOSTS
 
 
-def features(core: Core) -> list[Feature]:
-    """The server, when ``TORCHELASTIC_HEALTH_CHECK_PORT`` is a port number
-    (as torch: another value is ignored, and said so)."""
-    env = {**os.environ, **core.spec.env}
-    raw = env.get(PORT_ENV)
+def port_from(raw: str | None) -> tuple[int | None, str | None]:
+    """``TORCHELASTIC_HEALTH_CHECK_PORT`` (None: unset): the port, or as
+    torch, None for another value, with the warning that says so."""
     if raw is None:
-        return []
+        return None, None
     port = ascii_int(raw)
     if port is None or not 0 < port < 65536:
         shown = printable(repr(raw[:64]))
-        core.say(f"elastrun: warning: {PORT_ENV}={shown} is not a port; no health check served")
+        return None, f"elastrun: warning: {PORT_ENV}={shown} is not a port; no health check served"
+    return port, None
+
+
+def features(core: Core) -> list[Feature]:
+    """The server, when the launcher found a port (HealthCheckSettings)."""
+    settings = core.spec.health_check
+    if settings.port is None:
         return []
-    return [HealthCheck(core, port, hosts_from(env.get(HOST_ENV)))]
+    return [HealthCheck(core, settings.port, settings.hosts)]

@@ -10,9 +10,9 @@ console lines appear when the worker writes them. Per local rank and stream:
   or ``--tee`` ask for files and no ``--log-dir`` was given (as torchrun);
 * console: unless redirected (``--redirects`` without ``--tee`` for that
   stream), and only for ranks in ``--local-ranks-filter`` when given; each
-  line is prefixed by ``WorkerSpec.log_template`` and ``": "``. With torch's
+  line is prefixed by ``WorkerSpec.logs.template`` and ``": "``. With torch's
   ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` instead
-  (``WorkerSpec.torch_log_template``), lines are shown as torchrun shows them:
+  (``WorkerSpec.logs.torch_template``), lines are shown as torchrun shows them:
   the template's text, verbatim, before each line of a ``--tee``'d stream,
   and other streams' lines as the worker wrote them;
 * one prefix per line: torch prefixes the lines of an uncaught exception with
@@ -204,18 +204,18 @@ def routes_for(
     """(stdout, stderr) routes of one worker (global rank ``rank``).
     ``attempt_dir`` is None when no files are kept at all for this attempt;
     ``copies``: the attempt's filtered copy of each stream, for its tee'd ranks."""
-    redirect = std_flags(spec.redirects, local_rank)
-    tee = std_flags(spec.tee, local_rank)
-    shown = spec.local_ranks_filter is None or local_rank in spec.local_ranks_filter
-    torch_style = spec.torch_log_template is not None
-    if spec.torch_log_template is not None:
+    redirect = std_flags(spec.logs.redirects, local_rank)
+    tee = std_flags(spec.logs.tee, local_rank)
+    shown = spec.logs.local_ranks_filter is None or local_rank in spec.logs.local_ranks_filter
+    torch_style = spec.logs.torch_template is not None
+    if spec.logs.torch_template is not None:
         ours = torch_prefix(
-            spec.torch_log_template, role=spec.role, rank=rank, local_rank=local_rank
+            spec.logs.torch_template, role=spec.role, rank=rank, local_rank=local_rank
         )
-        template = spec.torch_log_template
+        template = spec.logs.torch_template
     else:
         ours = format_prefix(
-            spec.log_template,
+            spec.logs.template,
             host=spec.host,
             rank=rank,
             local_rank=local_rank,
@@ -224,10 +224,10 @@ def routes_for(
             restart=restart,
         )
         ours = f"{ours}: " if ours else ""
-        template = spec.log_template
+        template = spec.logs.template
     out: list[StreamRoute] = []
     for name, bit in (("stdout", Std.OUT), ("stderr", Std.ERR)):
-        wants_file = bool((redirect | tee) & bit) or spec.log_dir is not None
+        wants_file = bool((redirect | tee) & bit) or spec.logs.dir is not None
         path = None
         if wants_file and attempt_dir is not None:
             path = os.path.join(attempt_dir, str(local_rank), f"{name}.log")
@@ -253,9 +253,9 @@ def routes_for(
 
 def needs_files(spec: WorkerSpec) -> bool:
     """Whether any file is written (--log-dir, or redirects/tee asking for files)."""
-    if spec.log_dir is not None:
+    if spec.logs.dir is not None:
         return True
-    return any(v for v in spec.redirects.values()) or any(v for v in spec.tee.values())
+    return any(v for v in spec.logs.redirects.values()) or any(v for v in spec.logs.tee.values())
 
 
 @dataclass

@@ -56,13 +56,10 @@ from elastrun.agent.replica import (
     Received,
     ReplicaError,
     ReplicaHold,
-    max_bytes_from_env,
-    max_header_from_env,
     replica_key,
     send_snapshot,
 )
 from elastrun.agent.workers import WorkerGroup
-from elastrun.errors import ConfigError
 from elastrun.event_kinds import (
     MemoryCheckpointPersisted,
     MemoryCheckpointPersistFailed,
@@ -90,8 +87,7 @@ from elastrun.worker.snapshot import (
 
 __all__ = ["ENV", "REPLICA_ENV", "MemoryCheckpoints", "features", "persist_snapshot"]
 
-ROOT_ENV = "ELASTRUN_MEMORY_CHECKPOINT_ROOT"  # where the folders go (default /dev/shm)
-DEFAULT_ROOT = "/dev/shm"
+ROOT_ENV = "ELASTRUN_MEMORY_CHECKPOINT_ROOT"  # where the folders go (MemorySettings.root)
 POLL = 0.2  # s between looks at the commit notes
 CLOSE_WAIT = 60.0  # s the agent's end waits for a disk write in progress
 REPLICA_WAIT = 10.0  # s a mark is kept for the previous node's replicas of its step
@@ -158,7 +154,8 @@ class MemoryCheckpoints(Feature):
 
     def __init__(self, core: Core, root: str | None = None, poll: float = POLL) -> None:
         self.core = core
-        self.root = root or os.environ.get(ROOT_ENV) or DEFAULT_ROOT
+        self.settings = core.spec.memory
+        self.root = root or self.settings.root
         self.poll = poll
         self.base: str | None = None
         self.folders: dict[int, str] = {}  # local rank -> its folder
@@ -233,12 +230,12 @@ class MemoryCheckpoints(Feature):
                 hold = ReplicaHold(
                     folder,
                     run=self.core.spec.run_id,
-                    key=replica_key(self.core.spec.replica_secret, self.core.spec.run_id),
-                    max_bytes=max_bytes_from_env(),
-                    max_header=max_header_from_env(),
+                    key=replica_key(self.settings.replica_secret, self.core.spec.run_id),
+                    max_bytes=self.settings.replica_max_bytes,
+                    max_header=self.settings.replica_max_header,
                 )
                 self.port = await hold.serve(me.addr)
-            except (OSError, ConfigError) as e:  # UnsafePath; a bad ELASTRUN_REPLICA_MAX_* variable
+            except OSError as e:  # UnsafePath
                 self.core.say(f"elastrun: warning: memory checkpoint replicas off: {e}")
                 self._replicas_off = True  # said once; not tried again
                 return
@@ -386,11 +383,11 @@ class MemoryCheckpoints(Feature):
                 view,
                 run=self.core.spec.run_id,
                 node="" if me is None else me.node_id,
-                key=replica_key(self.core.spec.replica_secret, self.core.spec.run_id),
+                key=replica_key(self.settings.replica_secret, self.core.spec.run_id),
                 source="" if me is None else me.addr,  # the receiver keeps a slot for it
-                max_header=max_header_from_env(),
+                max_header=self.settings.replica_max_header,
             )
-        except (ReplicaError, ConfigError) as e:  # ConfigError: a bad ELASTRUN_REPLICA_MAX_HEADER
+        except ReplicaError as e:
             self.core.events.emit(
                 MemoryReplicaSendFailed(local_rank=lr, rank=h.rank, step=h.step, reason=str(e))
             )

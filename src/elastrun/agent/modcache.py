@@ -80,9 +80,9 @@ MAX_FILE_BYTES = 1 << 20
 NAME_RE = _modnames.NAME_RE
 
 
-def default_cache_dir(env: Mapping[str, str] | None = None) -> str:
-    """``$ELASTRUN_CACHE_DIR``, else ``$XDG_CACHE_HOME/elastrun``, else ``~/.cache/elastrun``."""
-    env = os.environ if env is None else env
+def default_cache_dir(env: Mapping[str, str]) -> str:
+    """``$ELASTRUN_CACHE_DIR``, else ``$XDG_CACHE_HOME/elastrun``, else
+    ``~/.cache/elastrun``, in ``env`` (the launcher's environment)."""
     if env.get(CACHE_ENV):
         return env[CACHE_ENV]
     base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -45,7 +45,7 @@ class ModuleLearning(Feature):
     def __init__(self, core: Core, pool: WarmPool) -> None:
         self.core = core
         self.pool = pool
-        self.scope = "all" if core.spec.warm_modules == "all" else "installed"
+        self.scope = "all" if core.spec.warm.modules == "all" else "installed"
         self._fetch: asyncio.Task[None] | None = None
         self._writes: set[asyncio.Task[None]] = set()
 
@@ -77,7 +77,7 @@ class ModuleLearning(Feature):
             return
         # One node (group rank 0) shares the list with the job; only over a
         # store that authenticates its clients do the others use it.
-        if not self.core.spec.store_authenticated:
+        if not self.core.spec.warm.store_authenticated:
             return
         task = asyncio.ensure_future(self.core.rendezvous.write_note(self.pool.note()))
         self._writes.add(task)
@@ -95,7 +95,7 @@ class ModuleLearning(Feature):
             )
         if note is None:
             return
-        if not self.core.spec.store_authenticated:
+        if not self.core.spec.warm.store_authenticated:
             events.emit(ModulesNoteIgnored(reason="unauthenticated"))
             pool.debug(
                 "the job's module note is not used: the rendezvous store does not "

@@ -79,9 +79,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from elastrun.errors import ConfigError
+from elastrun.agent.spec import DEFAULT_REPLICA_MAX_BYTES, DEFAULT_REPLICA_MAX_HEADER
 from elastrun.safefs import create_new
-from elastrun.untrusted import UntrustedData, ascii_int, loads, printable
+from elastrun.untrusted import UntrustedData, loads, printable
 from elastrun.worker.snapshot import (
     HASH_CHUNK,
     MAGIC,
@@ -114,16 +114,15 @@ READ_TIMEOUT = 10.0  # s for each read of the snapshot's bytes
 IO_TIMEOUT = 30.0  # s for each of the sender's reads and writes, and the answer
 CONNECT_TIMEOUT = 5.0
 MAX_FILES = 64  # snapshots held (one per rank of the neighbour node)
-MAX_BYTES_ENV = "ELASTRUN_REPLICA_MAX_BYTES"
-DEFAULT_MAX_BYTES = 64 << 30
+MAX_BYTES_ENV = "ELASTRUN_REPLICA_MAX_BYTES"  # MemorySettings.replica_max_bytes
+DEFAULT_MAX_BYTES = DEFAULT_REPLICA_MAX_BYTES
 # A real header: ~150 bytes per tensor in its list, its key and place in the
 # tree, its parameter id in an optimizer's groups (~300 bytes in all for a
 # model's and its optimizer's tensors); plus the state's plain values.
 HEADER_BASE = 1 << 20
 HEADER_PER_TENSOR = 512
-MAX_HEADER_ENV = "ELASTRUN_REPLICA_MAX_HEADER"
-# ~13000 real tensors; decoded, the worst 4 MiB (all one-key objects) is ~120 MB.
-DEFAULT_MAX_HEADER = 4 << 20
+MAX_HEADER_ENV = "ELASTRUN_REPLICA_MAX_HEADER"  # MemorySettings.replica_max_header
+DEFAULT_MAX_HEADER = DEFAULT_REPLICA_MAX_HEADER
 FREE_MARGIN = 64 << 20  # left free in the shared memory folder
 MAX_REFUSALS_LOGGED = 100
 _FILE = re.compile(r"^rank-(\d{1,9})$")
@@ -142,31 +141,6 @@ def replica_key(token: str | None, run_id: str) -> bytes:
     return hashlib.sha256(
         b"elastrun-replica-v1\0" + token.encode() + b"\0" + run_id.encode()
     ).digest()
-
-
-def _positive_env(name: str, default: int, unit: str) -> int:
-    """``name`` (unset or empty: ``default``): a positive whole number in ASCII
-    digits; else ConfigError naming the variable."""
-    raw = os.environ.get(name, "")
-    if not raw.strip():
-        return default
-    value = ascii_int(raw)
-    if value is None or value < 1:
-        raise ConfigError(
-            f"{name}: expected a positive whole number of {unit} (ASCII digits), "
-            f"got {printable(repr(raw[:64]))}"
-        )
-    return value
-
-
-def max_bytes_from_env() -> int:
-    """``ELASTRUN_REPLICA_MAX_BYTES`` (unset or empty: 64 GiB)."""
-    return _positive_env(MAX_BYTES_ENV, DEFAULT_MAX_BYTES, "bytes")
-
-
-def max_header_from_env() -> int:
-    """``ELASTRUN_REPLICA_MAX_HEADER`` (unset or empty: 4 MiB)."""
-    return _positive_env(MAX_HEADER_ENV, DEFAULT_MAX_HEADER, "header bytes")
 
 
 def header_bound(tensors: int, max_header: int = DEFAULT_MAX_HEADER) -> int:

@@ -18,11 +18,22 @@ from elastrun.agent.command import LOCAL_RANK_MACRO, WorkerCommand
 from elastrun.names import RunId
 
 __all__ = [
+    "DEFAULT_GPU_RELEASE_TIMEOUT",
+    "DEFAULT_HEALTH_CHECK_HOSTS",
     "DEFAULT_LOG_TEMPLATE",
+    "DEFAULT_MEMORY_ROOT",
+    "DEFAULT_REPLICA_MAX_BYTES",
+    "DEFAULT_REPLICA_MAX_HEADER",
     "LOCAL_RANK_MACRO",
+    "FileTimerSettings",
+    "GpuReleaseSettings",
+    "HealthCheckSettings",
+    "LogSettings",
+    "MemorySettings",
     "StartMethod",
     "Std",
     "WarmModules",
+    "WarmSettings",
     "WorkerSpec",
 ]
 
@@ -59,6 +70,109 @@ class WarmModules(enum.StrEnum):
     TORCH = "torch"  # torch alone, no cache
 
 
+DEFAULT_GPU_RELEASE_TIMEOUT = 30.0  # s a start waits for the stopped workers' GPU memory
+DEFAULT_HEALTH_CHECK_HOSTS = ("127.0.0.1", "::1")
+DEFAULT_MEMORY_ROOT = "/dev/shm"
+DEFAULT_REPLICA_MAX_BYTES = 64 << 30
+# ~13000 real tensors; decoded, the worst 4 MiB (all one-key objects) is ~120 MB.
+DEFAULT_REPLICA_MAX_HEADER = 4 << 20
+
+
+# Each feature's settings, resolved once by the launcher (launcher/plan.py,
+# from flags and the launcher's environment: docs/cli.md, *Environment*):
+# the features read no environment.
+
+
+@dataclass(frozen=True)
+class LogSettings:
+    """agent/logs.py (and the agent's log folder): the workers' output."""
+
+    dir: str | None = None  # --log-dir: one folder per attempt and per rank, kept
+    # local_rank -> Std flags; a key of -1 applies to every local rank.
+    redirects: dict[int, Std] = field(default_factory=dict)
+    tee: dict[int, Std] = field(default_factory=dict)
+    local_ranks_filter: frozenset[int] | None = None  # None: show every local rank
+    template: str = DEFAULT_LOG_TEMPLATE
+    # torch's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (``${rank}``, ``${local_rank}``,
+    # ``${role_name}``): when set, console lines look as under torchrun (the
+    # text verbatim before each line of a --tee'd stream, others raw) and
+    # ``template`` is not used.
+    torch_template: str | None = None
+    # Exit 1 when the workers succeeded but some of their output could not be
+    # written to its log file (default: a warning and an event only).
+    require: bool = False
+    # torchrun's --duplicate-stdout-filters / --duplicate-stderr-filters: lines
+    # of --tee'd streams holding one of these texts are also written to the
+    # attempt's filtered_stdout.log / filtered_stderr.log.
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class WarmSettings:
+    """agent/warm.py, warm_pool.py, modlearn.py: warm starts."""
+
+    # Fork workers from a warm interpreter; only a Python command (a script
+    # or -m module) can be (--warm).
+    enabled: bool = False
+    # What the warm interpreter imports ahead of time (--warm-modules).
+    modules: WarmModules = WarmModules.INSTALLED
+    # Where the module lists are kept across runs (agent/modcache.py): the
+    # launcher resolves --warm-cache, else ELASTRUN_CACHE_DIR, else
+    # XDG_CACHE_HOME/elastrun, else ~/.cache/elastrun. None: no lists kept.
+    cache: str | None = None
+    # A node joining a running job waits up to this long for its warm
+    # interpreter before it enters the round (0: it does not wait).
+    join_timeout: float = 60.0
+    # The rendezvous store admits only clients that prove who they are (the
+    # embedded store with a token; etcd with a user or a client certificate).
+    # Only then does the warm interpreter use the module list another node
+    # left in the store (the job's note ``modules``): without it, anyone who
+    # reaches the store could name modules for every node to import.
+    store_authenticated: bool = False
+    # ELASTRUN_DEBUG: the warm interpreter's choices also on the agent's console.
+    debug: bool = False
+
+
+@dataclass(frozen=True)
+class GpuReleaseSettings:
+    """agent/gpu_release.py: how long a start waits for the stopped workers'
+    GPU memory (``ELASTRUN_GPU_RELEASE_TIMEOUT``; 0: no wait)."""
+
+    timeout: float = DEFAULT_GPU_RELEASE_TIMEOUT
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """agent/memory.py and agent/replica.py: memory checkpoints and their replicas."""
+
+    root: str = DEFAULT_MEMORY_ROOT  # ELASTRUN_MEMORY_CHECKPOINT_ROOT
+    # The store's token (None: none), from which the agents derive the key
+    # that authenticates their memory checkpoint replicas (agent/replica.py).
+    replica_secret: str | None = field(default=None, repr=False)
+    replica_max_bytes: int = DEFAULT_REPLICA_MAX_BYTES  # ELASTRUN_REPLICA_MAX_BYTES
+    replica_max_header: int = DEFAULT_REPLICA_MAX_HEADER  # ELASTRUN_REPLICA_MAX_HEADER
+
+
+@dataclass(frozen=True)
+class HealthCheckSettings:
+    """agent/health_check.py: torch's health check server
+    (``TORCHELASTIC_HEALTH_CHECK_PORT``; None: not served) and the addresses
+    it listens on (``ELASTRUN_HEALTH_CHECK_HOST``)."""
+
+    port: int | None = None
+    hosts: tuple[str, ...] = DEFAULT_HEALTH_CHECK_HOSTS
+
+
+@dataclass(frozen=True)
+class FileTimerSettings:
+    """agent/file_timers.py: torch's file timer server
+    (``TORCHELASTIC_ENABLE_FILE_TIMER=1`` or ``TORCHELASTIC_TIMER_FILE``)."""
+
+    enabled: bool = False
+    path: str = ""  # the pipes' prefix (PATH.{local_rank}); "": a private folder
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     # What each worker runs (agent/command.py): a Python script or module
@@ -74,17 +188,8 @@ class WorkerSpec:
     # Variables of the agent's own environment that workers do not inherit
     # (secrets meant for the agent: the store token); ``env`` may still set them.
     hidden_env: frozenset[str] = frozenset()
-    log_dir: str | None = None  # one folder per attempt and per rank, kept
-    # local_rank -> Std flags; a key of -1 applies to every local rank.
-    redirects: dict[int, Std] = field(default_factory=dict)
-    tee: dict[int, Std] = field(default_factory=dict)
-    local_ranks_filter: frozenset[int] | None = None  # None: show every local rank
-    log_template: str = DEFAULT_LOG_TEMPLATE
-    # torch's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (``${rank}``, ``${local_rank}``,
-    # ``${role_name}``): when set, console lines look as under torchrun (the
-    # text verbatim before each line of a --tee'd stream, others raw) and
-    # ``log_template`` is not used.
-    torch_log_template: str | None = None
+    # The workers' output: log folder, redirects, console lines (agent/logs.py).
+    logs: LogSettings = field(default_factory=LogSettings)
     shutdown_timeout: float = 30.0  # SIGTERM -> SIGKILL grace
     signals_to_handle: tuple[signal.Signals, ...] = (
         signal.SIGINT,
@@ -105,37 +210,15 @@ class WorkerSpec:
     # declared (agent/stacks.py, --stack-signal); None: no stacks.
     stack_signal: int | None = int(signal.SIGRTMIN) + 5
     events_file: str | None = None
-    # Fork workers from a warm interpreter (agent/warm.py); only a Python
-    # command (a script or -m module) can be.
-    warm: bool = False
-    # What the warm interpreter imports ahead of time.
-    warm_modules: WarmModules = WarmModules.INSTALLED
-    # Where the module lists are kept across runs (agent/modcache.py); None:
-    # the default folder.
-    warm_cache: str | None = None
-    # The rendezvous store admits only clients that prove who they are (the
-    # embedded store with a token; etcd with a user or a client certificate).
-    # Only then does the warm interpreter use the module list another node
-    # left in the store (the job's note ``modules``): without it, anyone who
-    # reaches the store could name modules for every node to import.
-    store_authenticated: bool = False
-    # The store's token (None: none), from which the agents derive the key
-    # that authenticates their memory checkpoint replicas (agent/replica.py).
-    replica_secret: str | None = field(default=None, repr=False)
-    # A node joining a running job waits up to this long for its warm
-    # interpreter before it enters the round (0: it does not wait).
-    warm_join_timeout: float = 60.0
-    # Exit 1 when the workers succeeded but some of their output could not be
-    # written to its log file (default: a warning and an event only).
-    require_logs: bool = False
-    # torchrun's --duplicate-stdout-filters / --duplicate-stderr-filters: lines
-    # of --tee'd streams holding one of these texts are also written to the
-    # attempt's filtered_stdout.log / filtered_stderr.log.
-    duplicate_stdout_filters: tuple[str, ...] = ()
-    duplicate_stderr_filters: tuple[str, ...] = ()
+    warm: WarmSettings = WarmSettings()
     # torchrun's --virtual-local-rank: LOCAL_RANK=0, CUDA_VISIBLE_DEVICES the
     # local rank's own device.
     virtual_local_rank: bool = False
     # --numa-binding: each local rank's CPUs ("0-15,32-47"), run under
     # numactl --physcpubind (the launcher found them: launcher/numa.py).
     cpu_binding: dict[int, str] = field(default_factory=dict)
+    # The features' settings groups.
+    gpu_release: GpuReleaseSettings = GpuReleaseSettings()
+    memory: MemorySettings = MemorySettings()
+    health_check: HealthCheckSettings = HealthCheckSettings()
+    file_timers: FileTimerSettings = FileTimerSettings()

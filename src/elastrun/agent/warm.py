@@ -39,7 +39,7 @@ ends or no start will need it. Workers are forked through an intermediate
 process so that they are the agent's children (``agent/children.py``).
 
 Only a Python command (a script or ``-m`` module, not ``--no-python`` or
-``--run-path``) gets a zygote (``WorkerSpec.warm``).
+``--run-path``) gets a zygote (``WorkerSpec.warm``: :class:`~elastrun.agent.spec.WarmSettings`).
 
 As a feature of the agent (:class:`WarmStarts`, made by :func:`features`):
 it starts the zygote when the agent starts (it imports while the rendezvous
@@ -59,7 +59,7 @@ from collections.abc import Mapping
 from elastrun.agent.children import ForkedProcess
 from elastrun.agent.command import Executable
 from elastrun.agent.hooks import Core, Feature, RoundHooks
-from elastrun.agent.modcache import ModuleCache, cache_key, default_cache_dir
+from elastrun.agent.modcache import ModuleCache, cache_key
 from elastrun.agent.modlearn import NOTE_TIMEOUT, ModuleLearning
 from elastrun.agent.warm_pool import WarmPool
 from elastrun.agent.workers import WorkerGroup
@@ -72,13 +72,12 @@ __all__ = ["WarmStarts", "features"]
 def features(core: Core) -> list[Feature]:
     """Warm starts, and the module learning that feeds them: none for a
     program run as given, or with ``--no-warm``."""
-    spec, command = core.spec, core.spec.command
-    if not spec.warm or isinstance(command, Executable):
+    spec, command, settings = core.spec, core.spec.command, core.spec.warm
+    if not settings.enabled or isinstance(command, Executable):
         return []
     cache = None
-    if spec.warm_modules != "torch":
-        key = cache_key(command, os.getcwd())
-        cache = ModuleCache(spec.warm_cache or default_cache_dir(), key)
+    if settings.modules != "torch" and settings.cache is not None:
+        cache = ModuleCache(settings.cache, cache_key(command, os.getcwd()))
     pool = WarmPool(
         spec,
         command,
@@ -86,10 +85,10 @@ def features(core: Core) -> list[Feature]:
         core.guard,
         core.reaper,
         cache=cache,
-        scope="all" if spec.warm_modules == "all" else "installed",
+        scope="all" if settings.modules == "all" else "installed",
         say=core.say,
     )
-    if spec.warm_modules == "torch":  # torch alone: nothing to learn
+    if settings.modules == "torch":  # torch alone: nothing to learn
         return [WarmStarts(core, pool)]
     learning = ModuleLearning(core, pool)
     return [learning, WarmStarts(core, pool, learning)]
@@ -112,7 +111,7 @@ class WarmStarts(Feature):
         """Before joining a job that trains without this node: wait (bounded)
         for the warm interpreter, so the others pause only for the restart,
         not for this node's imports."""
-        pool, timeout = self.pool, self.core.spec.warm_join_timeout
+        pool, timeout = self.pool, self.core.spec.warm.join_timeout
         if timeout <= 0 or not pool.pids:
             return
         if self.learning is not None:

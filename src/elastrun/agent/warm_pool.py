@@ -54,6 +54,7 @@ from elastrun.worker.snapshot import ENV as MEMORY_CHECKPOINT_ENV
 from elastrun.worker.snapshot import REPLICA_ENV as MEMORY_REPLICA_ENV
 
 __all__ = [
+    "DEBUG_ENV",
     "DEVICE_VARS",
     "LOCAL_VARS",
     "ROUND_VARS",
@@ -62,6 +63,8 @@ __all__ = [
     "local_vars",
     "usable_cpus",
 ]
+
+DEBUG_ENV = "ELASTRUN_DEBUG"  # read by the launcher: WarmSettings.debug
 
 PRELOAD = ("torch",)
 UNPRIVILEGED_DELAY = 3.0  # s: without idle priority, let cold workers import first
@@ -331,8 +334,8 @@ class WarmPool:
         self._z = self._spawn(z.env)
 
     def debug(self, line: str) -> None:
-        """``line`` on the agent's console with ``ELASTRUN_DEBUG`` set."""
-        if self._say is not None and os.environ.get("ELASTRUN_DEBUG"):
+        """``line`` on the agent's console with ``ELASTRUN_DEBUG`` set (WarmSettings.debug)."""
+        if self._say is not None and self.spec.warm.debug:
             self._say(f"elastrun: debug: {printable(line, limit=1000)}")
 
     # ------------------------------------------------------------ learning

@@ -110,8 +110,8 @@ class WorkerGroup:
                 os.path.join(attempt_dir, f"filtered_{name}.log"), filters, self.log_errors
             )
             for name, filters in (
-                ("stdout", spec.duplicate_stdout_filters),
-                ("stderr", spec.duplicate_stderr_filters),
+                ("stdout", spec.logs.duplicate_stdout_filters),
+                ("stderr", spec.logs.duplicate_stderr_filters),
             )
             if filters and keep_files
         }

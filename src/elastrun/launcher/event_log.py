@@ -26,13 +26,13 @@ def events_path(plan: Plan, host: str) -> str | None:
     spec = plan.workers
     if spec.events_file:
         return spec.events_file
-    if spec.log_dir:
+    if spec.logs.dir:
         name = path_component(host, "unknown-host")
         try:
-            folder = run_dir(spec.log_dir, plan.run_id)
+            folder = run_dir(spec.logs.dir, plan.run_id)
         except OSError as e:
             raise ConfigError(
-                f"cannot open the event log in {spec.log_dir}: {e.strerror or e}"
+                f"cannot open the event log in {spec.logs.dir}: {e.strerror or e}"
             ) from None
         return os.path.join(folder, f"events-{name}.jsonl")
     return None

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import functools
 import ipaddress
+import os
 import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -369,7 +370,7 @@ def _ballot(plan: Plan, cache: str | None, candidates: Candidates) -> Ballot:
         return Ballot()
     try:
         path = ballot_path(
-            cache or default_cache_dir(), plan.rendezvous.run_id, str(candidates), me
+            cache or default_cache_dir(os.environ), plan.rendezvous.run_id, str(candidates), me
         )
         return Ballot.load(path, count)
     except (OSError, BallotError) as exc:

@@ -8,8 +8,10 @@ types, applies torchrun's defaulting rules (``--standalone``; the default
 empty run id becomes a generated one), reads the store's token
 (``--rdzv-conf token`` or ``token_file``, else the environment:
 :mod:`elastrun.store.token`), checks the cross-flag rules, and builds the
-settings the agent (:class:`~elastrun.agent.spec.WorkerSpec`) and the
-rendezvous (:class:`~elastrun.rendezvous.api.RendezvousSettings`) receive.
+settings the agent (:class:`~elastrun.agent.spec.WorkerSpec`, with each
+feature's settings group: the features' environment variables are read here,
+once, and nowhere in the agent) and the rendezvous
+(:class:`~elastrun.rendezvous.api.RendezvousSettings`) receive.
 They are passed on whole: nothing downstream checks them again. Only what
 the run learns (this host's name, the address that routes to the store) is
 added by :mod:`elastrun.launcher.run`. No sockets, no processes.
@@ -22,9 +24,24 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from elastrun.agent import file_timers, gpu_release, health_check, memory, replica
 from elastrun.agent.command import Executable, WorkerCommand
 from elastrun.agent.logs import validate_template
-from elastrun.agent.spec import DEFAULT_LOG_TEMPLATE, StartMethod, Std, WarmModules, WorkerSpec
+from elastrun.agent.modcache import default_cache_dir
+from elastrun.agent.spec import (
+    DEFAULT_LOG_TEMPLATE,
+    DEFAULT_MEMORY_ROOT,
+    GpuReleaseSettings,
+    HealthCheckSettings,
+    LogSettings,
+    MemorySettings,
+    StartMethod,
+    Std,
+    WarmModules,
+    WarmSettings,
+    WorkerSpec,
+)
+from elastrun.agent.warm_pool import DEBUG_ENV
 from elastrun.endpoint import Endpoint, format_endpoints, parse_endpoint_list
 from elastrun.errors import ConfigError
 from elastrun.launcher.config import (
@@ -33,6 +50,7 @@ from elastrun.launcher.config import (
     parse_choice,
 )
 from elastrun.launcher.flag_grammar import signal_tuple
+from elastrun.launcher.limits import Range, parse_seconds, shown_value
 from elastrun.launcher.numa import numa_cpus
 from elastrun.launcher.rdzv_conf import RendezvousConf, parse_rdzv_conf
 from elastrun.launcher.torch_config import torch_fields
@@ -42,6 +60,7 @@ from elastrun.store.etcd_options import DEFAULT_ETCD_PORT
 from elastrun.store.factory import DEFAULT_PORT, Backend
 from elastrun.store.term import MAX_CANDIDATES, MIN_FAILOVER_LEASE_TTL
 from elastrun.store.token import TOKEN_ENV, store_token
+from elastrun.untrusted import ascii_int
 
 __all__ = ["Plan", "resolve"]
 
@@ -71,6 +90,8 @@ class Plan:
     # generated here: other nodes cannot know it unless told.
     generated_run_id: bool = False
     token_source: str = "none"  # noqa: S105 - where the token came from, for messages
+    # What the launcher says before it starts (a setting it ignores, as torch).
+    warnings: tuple[str, ...] = ()
 
     @property
     def failover(self) -> bool:
@@ -81,8 +102,8 @@ class Plan:
     def authenticated(self) -> bool:
         """Whether a stranger who reaches the job's store is refused (see
         :func:`refuses_strangers`); the agent has it as
-        ``WorkerSpec.store_authenticated``."""
-        return self.workers.store_authenticated
+        ``WorkerSpec.warm.store_authenticated``."""
+        return self.workers.warm.store_authenticated
 
     @property
     def is_host(self) -> bool | None:
@@ -161,6 +182,9 @@ def resolve(config: LaunchConfig, command: WorkerCommand = EMPTY_COMMAND) -> Pla
     if config.log_dir:
         check_writable_dir("--log-dir", config.log_dir)
     authenticated = refuses_strangers(where.backend, token.token, where.conf)
+    spec, warnings = _with_features(
+        _worker_spec(config, run_id, command, authenticated), token.token, os.environ
+    )
     return Plan(
         run_id=run_id,
         backend=where.backend,
@@ -169,14 +193,77 @@ def resolve(config: LaunchConfig, command: WorkerCommand = EMPTY_COMMAND) -> Pla
         standalone=where.standalone,
         node_rank=where.node_rank,
         token=token.token,
-        workers=dataclasses.replace(
-            _worker_spec(config, run_id, command, authenticated), replica_secret=token.token
-        ),
+        workers=spec,
         rendezvous=_rendezvous_settings(config, run_id, where),
         local_addr=config.local_addr,
         generated_run_id=generated and not where.standalone,
         token_source=token.source,
+        warnings=warnings,
     )
+
+
+def _with_features(
+    spec: WorkerSpec, token: str | None, environ: Mapping[str, str]
+) -> tuple[WorkerSpec, tuple[str, ...]]:
+    """``spec`` with the features' settings groups, from the launcher's
+    environment (``environ``): the ``ELASTRUN_*`` variables from it alone;
+    torch's (the file timers, the health check) as torch reads them, with the
+    spec's ``env`` (the Python API's ``LaunchConfig.env``) over it. A bad
+    ``ELASTRUN_*`` number is a ConfigError naming the variable; a bad health
+    check port is ignored with a warning, as torch does (docs/cli.md)."""
+    merged = {**environ, **spec.env}
+    port, warning = health_check.port_from(merged.get(health_check.PORT_ENV))
+    release = _seconds_env(
+        environ,
+        gpu_release.TIMEOUT_ENV,
+        gpu_release.DEFAULT_TIMEOUT,
+        Range(0.0, gpu_release.MAX_TIMEOUT),
+    )
+    spec = dataclasses.replace(
+        spec,
+        gpu_release=GpuReleaseSettings(timeout=release),
+        memory=MemorySettings(
+            root=environ.get(memory.ROOT_ENV) or DEFAULT_MEMORY_ROOT,
+            replica_secret=token,
+            replica_max_bytes=_positive_env(
+                environ, replica.MAX_BYTES_ENV, replica.DEFAULT_MAX_BYTES, "bytes"
+            ),
+            replica_max_header=_positive_env(
+                environ, replica.MAX_HEADER_ENV, replica.DEFAULT_MAX_HEADER, "header bytes"
+            ),
+        ),
+        health_check=HealthCheckSettings(
+            port=port, hosts=health_check.hosts_from(merged.get(health_check.HOST_ENV))
+        ),
+        file_timers=file_timers.settings_from(merged),
+        warm=dataclasses.replace(
+            spec.warm,
+            cache=spec.warm.cache or default_cache_dir(environ),  # --warm-cache first
+            debug=bool(environ.get(DEBUG_ENV)),
+        ),
+    )
+    return spec, () if warning is None else (warning,)
+
+
+def _seconds_env(environ: Mapping[str, str], name: str, default: float, rng: Range) -> float:
+    """``name`` (unset or empty: ``default``): ASCII seconds in ``rng``."""
+    raw = environ.get(name, "")
+    return parse_seconds(name, raw, rng) if raw.strip() else default
+
+
+def _positive_env(environ: Mapping[str, str], name: str, default: int, unit: str) -> int:
+    """``name`` (unset or empty: ``default``): a positive whole number in ASCII
+    digits; else ConfigError naming the variable."""
+    raw = environ.get(name, "")
+    if not raw.strip():
+        return default
+    value = ascii_int(raw)
+    if value is None or value < 1:
+        raise ConfigError(
+            f"{name}: expected a positive whole number of {unit} (ASCII digits), "
+            f"got {shown_value(raw)}"
+        )
+    return value
 
 
 def _where(config: LaunchConfig, conf: RendezvousConf) -> _Where:
@@ -347,14 +434,21 @@ def _worker_spec(
         run_id=run_id,
         role=config.role,
         env=dict(config.env),
-        # Absolute once, here: workers get paths under it (error file,
-        # heartbeat), and a script may change directory (as Hydra does).
-        log_dir=os.path.abspath(config.log_dir) if config.log_dir else None,
-        redirects=_std_map("--redirects", config.redirects),
-        tee=_std_map("--tee", config.tee),
-        local_ranks_filter=config.local_ranks_filter,
-        log_template=DEFAULT_LOG_TEMPLATE if config.log_template is None else config.log_template,
-        torch_log_template=config.log_line_prefix_template if config.log_template is None else None,
+        logs=LogSettings(
+            # Absolute once, here: workers get paths under it (error file,
+            # heartbeat), and a script may change directory (as Hydra does).
+            dir=os.path.abspath(config.log_dir) if config.log_dir else None,
+            redirects=_std_map("--redirects", config.redirects),
+            tee=_std_map("--tee", config.tee),
+            local_ranks_filter=config.local_ranks_filter,
+            template=DEFAULT_LOG_TEMPLATE if config.log_template is None else config.log_template,
+            torch_template=(
+                config.log_line_prefix_template if config.log_template is None else None
+            ),
+            require=config.require_logs,
+            duplicate_stdout_filters=tuple(config.duplicate_stdout_filters or ()),
+            duplicate_stderr_filters=tuple(config.duplicate_stderr_filters or ()),
+        ),
         shutdown_timeout=float(config.shutdown_timeout or 0.0),
         signals_to_handle=tuple(s for s in handled if s.name in STOP_SIGNALS),
         signals_to_forward=tuple(s for s in handled if s.name not in STOP_SIGNALS),
@@ -364,21 +458,20 @@ def _worker_spec(
         hang_auto=config.hang_auto and config.hang_timeout is not None,
         stack_signal=config.stack_signal,
         events_file=os.path.abspath(config.events_file) if config.events_file else None,
-        # numactl runs each worker (--numa-binding): not forked from a warm interpreter.
-        warm=config.warm and config.numa_binding is None,
-        warm_modules=parse_choice(WarmModules, config.warm_modules, "--warm-modules"),
-        warm_cache=config.warm_cache,
-        warm_join_timeout=(
-            DEFAULT_WARM_JOIN_TIMEOUT
-            if config.warm_join_timeout is None
-            else config.warm_join_timeout
+        warm=WarmSettings(
+            # numactl runs each worker (--numa-binding): not forked from a warm interpreter.
+            enabled=config.warm and config.numa_binding is None,
+            modules=parse_choice(WarmModules, config.warm_modules, "--warm-modules"),
+            cache=config.warm_cache,
+            join_timeout=(
+                DEFAULT_WARM_JOIN_TIMEOUT
+                if config.warm_join_timeout is None
+                else config.warm_join_timeout
+            ),
+            store_authenticated=authenticated,
         ),
-        store_authenticated=authenticated,
         # The token proves the agent to the store; a worker needs no store.
         hidden_env=frozenset((TOKEN_ENV,)),
-        require_logs=config.require_logs,
-        duplicate_stdout_filters=tuple(config.duplicate_stdout_filters or ()),
-        duplicate_stderr_filters=tuple(config.duplicate_stderr_filters or ()),
         virtual_local_rank=config.virtual_local_rank,
         cpu_binding=numa_cpus(config.numa_binding, config.nproc_per_node),
     )

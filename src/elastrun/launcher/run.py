@@ -44,6 +44,8 @@ async def run_async(plan: Plan, *, events: EventSink | None = None) -> int:
     """Run this node's agent for ``plan``; returns the process exit code."""
     hostname = socket.gethostname()
     settings = plan.rendezvous
+    for warning in plan.warnings:
+        say(warning)
     if plan.generated_run_id and settings.max_nodes > 1:
         say(
             f"elastrun: warning: no --rdzv-id (run_id) was given: this job's id is "
@@ -113,7 +115,7 @@ async def _run_candidates(
     from elastrun.rendezvous.dynamic import DynamicRendezvous
     from elastrun.rendezvous.failover import FailoverRendezvous
 
-    async with link_candidates(plan, hostname, spec.warm_cache, log) as link:
+    async with link_candidates(plan, hostname, spec.warm.cache, log) as link:
         settings = dataclasses.replace(plan.rendezvous, host=hostname, addr=link.addr)
         sink = log.sink("rendezvous")
 

@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from elastrun.agent import Agent, Executable, WorkerSpec
+from elastrun.agent.spec import LogSettings
 from tests.integration.scripts.one_node import OneNodeRendezvous
 
 
@@ -28,7 +29,7 @@ def main() -> int:
         host="testhost",
         shutdown_timeout=cfg.get("shutdown_timeout", 30.0),
         events_file=cfg.get("events_file"),
-        log_dir=cfg.get("log_dir"),
+        logs=LogSettings(dir=cfg.get("log_dir")),
         signals_to_forward=tuple(signal.Signals[n] for n in cfg.get("forward", [])),
     )
     rdzv = OneNodeRendezvous(
