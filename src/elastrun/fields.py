@@ -57,7 +57,7 @@ class Fields:
     __slots__ = ("error", "raw", "where")
 
     def __init__(self, raw: object, where: str = "", error: type[Exception] = ValueError) -> None:
-        if not isinstance(raw, Mapping):
+        if type(raw) is not dict and not isinstance(raw, Mapping):
             raise error(f"{where or 'the value'} is not a JSON object")
         self.raw: Mapping[str, Any] = raw
         self.where = where
