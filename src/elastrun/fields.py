@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, TypeGuard
+
+TYPE_CHECKING = False  # not typing's: the orphan guard starts without importing typing
+if TYPE_CHECKING:
+    from typing import Any, TypeGuard
 
 __all__ = ["MAX_COUNT", "Fields", "is_int", "is_number"]
 
