@@ -108,8 +108,9 @@ def _kill_once(pgids: set[int]) -> None:
 
 # -- revoking the lease ---------------------------------------------------------------
 # The agent writes its lease as the JSON of elastrun.store.base.RevokeSpec
-# (``RevokeSpec.to_json``); these two classes mirror its two kinds, parsed by
-# hand (parse_spec) to keep this process on the standard library alone.
+# (``RevokeSpec.to_json``); these two classes mirror its two kinds (this
+# process stays on the standard library alone), read by parse_spec with the
+# field reader RevokeSpec.from_json uses (elastrun/fields.py).
 class EmbeddedLease:
     """A lease of the embedded store (``kind``: ``"elastrun"``)."""
 

@@ -217,8 +217,8 @@ class RevokeSpec:
     store's address and credentials (:meth:`Store.revoke_spec`).
 
     Its JSON (:meth:`to_json`, one line on the guard's pipe; read by
-    ``agent/_guard_main.py``, which parses it by hand, standard library
-    only) is an object with ``kind`` (``"elastrun"``: :class:`EmbeddedRevoke`,
+    ``agent/_guard_main.py``, standard library only, with the same field
+    reader, ``elastrun/fields.py``, loaded by its path) is an object with ``kind`` (``"elastrun"``: :class:`EmbeddedRevoke`,
     ``"etcd"``: :class:`EtcdRevoke`), ``lease`` and the kind's fields."""
 
     lease: int
