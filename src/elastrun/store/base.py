@@ -218,8 +218,9 @@ class RevokeSpec:
 
     Its JSON (:meth:`to_json`, one line on the guard's pipe; read by
     ``agent/_guard_main.py``, standard library only, with the same field
-    reader, ``elastrun/fields.py``, loaded by its path) is an object with ``kind`` (``"elastrun"``: :class:`EmbeddedRevoke`,
-    ``"etcd"``: :class:`EtcdRevoke`), ``lease`` and the kind's fields."""
+    reader, ``elastrun/fields.py``, loaded by its path) is an object with
+    ``kind`` (``"elastrun"``: :class:`EmbeddedRevoke`, ``"etcd"``:
+    :class:`EtcdRevoke`), ``lease`` and the kind's fields."""
 
     lease: int
 
