@@ -59,6 +59,8 @@ class Fields:
 
     __slots__ = ("error", "raw", "where")
 
+    INT_HIGH = MAX_COUNT  # an integer's bound unless a read names one
+
     def __init__(self, raw: object, where: str = "", error: type[Exception] = ValueError) -> None:
         if type(raw) is not dict and not isinstance(raw, Mapping):
             raise error(f"{where or 'the value'} is not a JSON object")
@@ -75,15 +77,18 @@ class Fields:
         return self.raw.get(name) is None
 
     # -- strict -------------------------------------------------------------------
-    def integer(self, name: str, *, low: int = 0, high: int = MAX_COUNT) -> int:
+    def integer(self, name: str, *, low: int = 0, high: int | None = None) -> int:
+        """An integer within [low, high] (``high`` by default: :attr:`INT_HIGH`)."""
         value = self.raw.get(name)
-        if value is None:
-            raise self.bad(name, "missing")
-        if not is_int(value) or not low <= value <= high:
-            raise self.bad(name, f"not an integer from {low} to {high}")
+        if high is None:
+            high = self.INT_HIGH
+        if type(value) is not int or not low <= value <= high:  # JSON's ints: bool is not one
+            raise self.bad(
+                name, "missing" if value is None else f"not an integer from {low} to {high}"
+            )
         return value
 
-    def optional_integer(self, name: str, *, low: int = 0, high: int = MAX_COUNT) -> int | None:
+    def optional_integer(self, name: str, *, low: int = 0, high: int | None = None) -> int | None:
         return None if self.absent(name) else self.integer(name, low=low, high=high)
 
     def number(self, name: str, *, low: float | None = 0, high: float | None = MAX_COUNT) -> float:

@@ -38,7 +38,7 @@ class Fields(Checked):
         super().__init__(raw, where, ProtocolError)
 
     def optional_integer(
-        self, name: str, *, low: int = -MAX_COUNT, high: int = MAX_COUNT
+        self, name: str, *, low: int = -MAX_COUNT, high: int | None = None
     ) -> int | None:
         return super().optional_integer(name, low=low, high=high)
 

@@ -199,9 +199,7 @@ class _Frame(Fields):
     integers (revisions, leases, ids) up to 2**63 - 1."""
 
     __slots__ = ()
-
-    def integer(self, name: str, *, low: int = 0, high: int = _MAX_INT) -> int:
-        return super().integer(name, low=low, high=high)
+    INT_HIGH = _MAX_INT
 
 
 def _read(obj: object, what: str = "store frame") -> _Frame:
