@@ -37,6 +37,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from elastrun.fields import Fields
+
 __all__ = [
     "BROKEN_COLLECTIVE",
     "ERROR",
@@ -83,11 +85,12 @@ class FailedWorker:
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> FailedWorker:
+        f = Fields(raw, "a failed worker")
         return cls(
-            rank=_int(raw.get("rank")),
-            exitcode=_int(raw.get("exitcode")),
-            signal=_str(raw.get("signal")),
-            role=_str(raw.get("role")) or "",
+            rank=f.maybe_int("rank"),
+            exitcode=f.maybe_int("exitcode"),
+            signal=f.maybe_text("signal"),
+            role=f.maybe_text("role") or "",
             stopped_by_agent=raw.get("stopped_by_agent") is True,
         )
 
@@ -185,29 +188,30 @@ class FailureRecord:
         is not a record (absent, empty, not a JSON object)."""
         if not isinstance(raw, Mapping) or not raw:
             return None
+        f = Fields(raw, "a failure record")
         tail = raw.get("stderr_tail")
         failures = raw.get("failures")
         return cls(
-            reason=_str(raw.get("reason")) or "worker_failed",
-            host=_str(raw.get("host")) or "",
-            rank=_int(raw.get("rank")),
-            local_rank=_int(raw.get("local_rank")),
-            pid=_int(raw.get("pid")),
-            exitcode=_int(raw.get("exitcode")),
-            signal=_str(raw.get("signal")),
-            time=_float(raw.get("time")),
-            role=_str(raw.get("role")) or "",
-            kind=_str(raw.get("kind")) or "",
+            reason=f.maybe_text("reason") or "worker_failed",
+            host=f.maybe_text("host") or "",
+            rank=f.maybe_int("rank"),
+            local_rank=f.maybe_int("local_rank"),
+            pid=f.maybe_int("pid"),
+            exitcode=f.maybe_int("exitcode"),
+            signal=f.maybe_text("signal"),
+            time=f.maybe_number("time"),
+            role=f.maybe_text("role") or "",
+            kind=f.maybe_text("kind") or "",
             stopped_by_agent=raw.get("stopped_by_agent") is True,
-            message=_str(raw.get("message")) or "",
-            traceback=_str(raw.get("traceback")),
+            message=f.maybe_text("message") or "",
+            traceback=f.maybe_text("traceback"),
             stderr_tail=tuple(str(ln) for ln in tail) if isinstance(tail, list) else (),
-            stderr_log=_str(raw.get("stderr_log")),
-            error_file=_str(raw.get("error_file")),
-            attempt=_int(raw.get("attempt")) or 0,
-            restart_count=_int(raw.get("restart_count")) or 0,
-            hang=_str(raw.get("hang")),
-            failures=tuple(FailedWorker.from_json(f) for f in failures if isinstance(f, Mapping))
+            stderr_log=f.maybe_text("stderr_log"),
+            error_file=f.maybe_text("error_file"),
+            attempt=f.maybe_int("attempt") or 0,
+            restart_count=f.maybe_int("restart_count") or 0,
+            hang=f.maybe_text("hang"),
+            failures=tuple(FailedWorker.from_json(w) for w in failures if isinstance(w, Mapping))
             if isinstance(failures, list)
             else (),
         )
@@ -276,17 +280,3 @@ def _local_time(ts: float | None) -> str:
         return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
     except (OverflowError, OSError, ValueError):
         return ""
-
-
-def _int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _float(value: object) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return None
-
-
-def _str(value: object) -> str | None:
-    return value if isinstance(value, str) else None

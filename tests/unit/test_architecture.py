@@ -25,6 +25,7 @@ FOUNDATION = {
     "failure",
     "safefs",
     "untrusted",
+    "fields",
 }
 # layer name -> the elastrun layers it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {

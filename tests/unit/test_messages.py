@@ -8,6 +8,7 @@ import ast
 import asyncio
 import json
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -103,9 +104,14 @@ def _imports(path: Path) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.add(node.module.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module not in BY_PATH:
+            out.add(str(node.module).split(".")[0])
     return out
+
+
+# Foundation modules (standard library only) that a worker-side file imports in
+# the package and loads by its path outside it.
+BY_PATH = {"elastrun.fields"}
 
 
 @pytest.mark.parametrize(
@@ -115,6 +121,32 @@ def test_the_worker_side_is_standard_library_only(name: str) -> None:
     # Run by path in the worker's interpreter, where elastrun may not be importable.
     foreign = _imports(WORKER / f"{name}.py") - set(sys.stdlib_module_names) - {"__future__"}
     assert not foreign, foreign
+
+
+def test_the_messages_load_by_path_without_elastrun(tmp_path: Path) -> None:
+    # As the runner and the zygote load them: by path, elastrun not importable.
+    script = (
+        "import importlib.util, sys\n"
+        "spec = importlib.util.spec_from_file_location("
+        f"'_elastrun_messages', {str(WORKER / '_messages.py')!r})\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules[spec.name] = m\n"
+        "spec.loader.exec_module(m)\n"
+        "assert 'elastrun' not in sys.modules, 'elastrun imported'\n"
+        "try:\n"
+        "    m.from_json({'v': m.PROTOCOL, 'kind': 'modules', 'modules': []})\n"
+        "except m.BadMessage as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "why is missing"
 
 
 # -- the runner's channel, as the agent reads it -----------------------------------

@@ -8,6 +8,9 @@ The guard against real stores: tests/integration/test_guard_revokes_lease.py.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -92,4 +95,28 @@ def test_the_guard_stays_on_the_standard_library() -> None:
     tree = ast.parse(Path(guard.__file__).read_text(encoding="utf-8"))
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    names -= {"elastrun.fields"}  # in the package; loaded by its path when run
     assert {n.split(".")[0] for n in names} <= set(sys.stdlib_module_names) | {"__future__"}
+
+
+def test_the_guard_run_by_path_reads_a_spec(tmp_path: Path) -> None:
+    """As the agent runs it (``python -S -I -B``): elastrun/fields.py loaded by
+    its path, neither elastrun nor typing imported."""
+    script = (
+        "import importlib.util, json, sys\n"
+        f"spec = importlib.util.spec_from_file_location('guard', {guard.__file__!r})\n"
+        "g = importlib.util.module_from_spec(spec); spec.loader.exec_module(g)\n"
+        "assert 'elastrun' not in sys.modules and 'typing' not in sys.modules\n"
+        "lease = g.parse_spec(json.loads(sys.argv[1]))\n"
+        "print(lease.lease, lease.host, lease.port, g.parse_spec({'lease': 0}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-S", "-I", "-B", "-c", script, json.dumps(EMBEDDED.to_json())],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["7", "10.0.0.1", "29400", "None"]

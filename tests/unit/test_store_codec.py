@@ -127,10 +127,18 @@ def test_each_answer_is_written_as_the_protocol_says_and_read_back(
 @pytest.mark.parametrize(
     ("read", "result", "message"),
     [
-        (codec.RangeAnswer.from_json, {"kvs": {}, "revision": 1}, "'kvs' must be a list"),
-        (codec.RangeAnswer.from_json, {"kvs": [], "revision": 1, "count": -1}, "'count'"),
-        (codec.LeaseKeepaliveAnswer.from_json, {"ttl": "5"}, "'ttl' must be a finite number"),
-        (codec.LeaseGrantAnswer.from_json, {"lease": 0, "ttl": 1.0}, "'lease'"),
+        (codec.RangeAnswer.from_json, {"kvs": {}, "revision": 1}, "kvs is not a list"),
+        (
+            codec.RangeAnswer.from_json,
+            {"kvs": [], "revision": 1, "count": -1},
+            "count is not an integer",
+        ),
+        (codec.LeaseKeepaliveAnswer.from_json, {"ttl": "5"}, "ttl is not a finite number"),
+        (
+            codec.LeaseGrantAnswer.from_json,
+            {"lease": 0, "ttl": 1.0},
+            "lease is not an integer from 1",
+        ),
         (codec.GetAnswer.from_json, {"kv": 3, "revision": 1}, "key-value"),
     ],
 )

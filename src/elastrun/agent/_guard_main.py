@@ -33,6 +33,20 @@ import struct
 import sys
 import time
 
+TYPE_CHECKING = False  # typing is not imported: this process starts in about 10 ms
+if TYPE_CHECKING or __name__.startswith("elastrun."):
+    from elastrun.fields import Fields
+else:  # run by path, without elastrun: elastrun/fields.py (stdlib only), by its path
+    import importlib.util
+
+    _FIELDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fields.py")
+    _spec = importlib.util.spec_from_file_location("_elastrun_fields", _FIELDS)
+    assert _spec is not None and _spec.loader is not None
+    _fields = importlib.util.module_from_spec(_spec)
+    sys.modules[_spec.name] = _fields
+    _spec.loader.exec_module(_fields)
+    Fields = _fields.Fields
+
 KILL_FOR = 3.0  # keep killing (new forks) for at most this long
 REVOKE_FOR = 5.0  # try to revoke the lease for at most this long
 MAX_FOLDERS = 16  # folders to remove: the agent gives one
@@ -94,8 +108,9 @@ def _kill_once(pgids: set[int]) -> None:
 
 # -- revoking the lease ---------------------------------------------------------------
 # The agent writes its lease as the JSON of elastrun.store.base.RevokeSpec
-# (``RevokeSpec.to_json``); these two classes mirror its two kinds, parsed by
-# hand (parse_spec) to keep this process on the standard library alone.
+# (``RevokeSpec.to_json``); these two classes mirror its two kinds (this
+# process stays on the standard library alone), read by parse_spec with the
+# field reader RevokeSpec.from_json uses (elastrun/fields.py).
 class EmbeddedLease:
     """A lease of the embedded store (``kind``: ``"elastrun"``)."""
 
@@ -110,50 +125,36 @@ class EtcdLease:
 
     __slots__ = ("cacert", "cert", "endpoints", "https", "key", "lease", "password", "user")
 
-    def __init__(
-        self, lease: int, endpoints: list[tuple[str, int]], raw: dict[str, object]
-    ) -> None:
+    def __init__(self, lease: int, endpoints: list[tuple[str, int]], f: Fields) -> None:
         self.lease, self.endpoints = lease, endpoints
-        self.https = raw.get("https") is True
-        self.cacert = _text(raw, "cacert")
-        self.cert = _text(raw, "cert")
-        self.key = _text(raw, "key")
-        self.user = _text(raw, "user")
-        self.password = _text(raw, "password")
-
-
-def _text(raw: dict[str, object], name: str) -> str | None:
-    value = raw.get(name)
-    return value if isinstance(value, str) else None
-
-
-def _port(value: object) -> int | None:
-    return value if type(value) is int and 0 < value < 65536 else None
+        self.https = f.raw.get("https") is True
+        self.cacert = f.optional_text("cacert")
+        self.cert = f.optional_text("cert")
+        self.key = f.optional_text("key")
+        self.user = f.optional_text("user")
+        self.password = f.optional_text("password")
 
 
 def parse_spec(raw: object) -> EmbeddedLease | EtcdLease | None:
-    """The lease the agent described, or None when ``raw`` is not a spec."""
-    if not isinstance(raw, dict):
+    """The lease the agent described, or None when ``raw`` is not a spec:
+    read as ``RevokeSpec.from_json`` reads it (elastrun/fields.py), every
+    problem ignored (this process must never die of a bad line)."""
+    try:
+        f = Fields(raw, "a revoke spec")
+        lease = f.integer("lease", low=1, high=2**63 - 1)
+        if f.raw.get("kind") == "elastrun":
+            port = f.integer("port", low=1, high=65535)
+            return EmbeddedLease(lease, f.text("host"), port, f.optional_text("token"))
+        if f.raw.get("kind") == "etcd":
+            endpoints: list[tuple[str, int]] = []
+            for e in f.items("endpoints", required=True):
+                if not isinstance(e, list) or len(e) != 2:
+                    return None
+                pair = Fields({"host": e[0], "port": e[1]}, "an endpoint")
+                endpoints.append((pair.text("host"), pair.integer("port", low=1, high=65535)))
+            return EtcdLease(lease, endpoints, f)
+    except ValueError:
         return None
-    lease = raw.get("lease")
-    if type(lease) is not int or lease <= 0:
-        return None
-    if raw.get("kind") == "elastrun":
-        host, port = raw.get("host"), _port(raw.get("port"))
-        if not isinstance(host, str) or port is None:
-            return None
-        return EmbeddedLease(lease, host, port, _text(raw, "token"))
-    if raw.get("kind") == "etcd":
-        listed = raw.get("endpoints")
-        if not isinstance(listed, list):
-            return None
-        endpoints: list[tuple[str, int]] = []
-        for e in listed:
-            port = _port(e[1]) if isinstance(e, list) and len(e) == 2 else None
-            if port is None or not isinstance(e[0], str):
-                return None
-            endpoints.append((e[0], port))
-        return EtcdLease(lease, endpoints, raw)
     return None
 
 

@@ -75,6 +75,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from elastrun.clock import SYSTEM_CLOCK, Clock, remaining
+from elastrun.fields import Fields
 from elastrun.safefs import UnsafePath, read_regular
 from elastrun.untrusted import UntrustedData, loads
 
@@ -177,20 +178,21 @@ def parse_beat(data: object) -> Beat | None:
     ``beat``) as a Beat; None if it is not one."""
     if not isinstance(data, dict):
         return None
-    mono = data.get("monotonic")
-    if not isinstance(mono, int | float) or isinstance(mono, bool) or not math.isfinite(mono):
+    f = Fields(data, "a progress record")
+    mono = f.maybe_number("monotonic")
+    if mono is None:
         return None
-    calib = _number(data.get("calib"))
-    phase = data.get("phase")
+    calib = _seconds(f, "calib")
+    phase = f.maybe_text("phase")
     return Beat(
-        step=_int(data.get("step")),
+        step=f.maybe_int("step"),
         monotonic=mono,
-        steps=_int(data.get("steps")),
-        step_time=_number(data.get("step_time")),
-        own_time=_number(data.get("own_time")),
+        steps=f.maybe_int("steps"),
+        step_time=_seconds(f, "step_time"),
+        own_time=_seconds(f, "own_time"),
         calib=None if calib is None else min(calib, MAX_CALIB),
-        phase=phase[:64] if isinstance(phase, str) and phase else None,
-        phase_since=_number(data.get("phase_since")),
+        phase=phase[:64] if phase else None,
+        phase_since=_seconds(f, "phase_since"),
     )
 
 
@@ -211,14 +213,10 @@ def folder_problem(folder: str) -> str | None:
     return None
 
 
-def _int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _number(value: object) -> float | None:
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value) if value >= 0 else None
-    return None
+def _seconds(f: Fields, name: str) -> float | None:
+    """A finite number of at least 0, else None."""
+    value = f.maybe_number(name)
+    return value if value is not None and value >= 0 else None
 
 
 @dataclass

@@ -37,12 +37,12 @@ from __future__ import annotations
 
 import abc
 import json
-import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self, TypeVar
 
+from elastrun.fields import Fields
 from elastrun.untrusted import UntrustedData, loads
 from elastrun.worker import _modnames
 
@@ -155,62 +155,15 @@ def checked_version(value: object) -> str | None:
     return value if isinstance(value, str) and VERSION_RE.match(value) else None
 
 
-# -- field checks: each raises NoteInvalid naming the field ------------------------
-def _obj(raw: object, what: str) -> Mapping[str, Any]:
-    if not isinstance(raw, Mapping):
-        raise NoteInvalid(f"{what} is not a JSON object")
-    return raw
+# -- field checks: each raises NoteInvalid naming the note and the field -----------
+def _fields(raw: object, what: str) -> Fields:
+    return Fields(raw, what, NoteInvalid)
 
 
-def _int(raw: Mapping[str, Any], key: str, hi: int = MAX_COUNT) -> int:
-    value = raw.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= hi:
-        raise NoteInvalid(f"{key} is not an integer from 0 to {hi}")
-    return value
-
-
-def _opt_int(raw: Mapping[str, Any], key: str) -> int | None:
-    return None if raw.get(key) is None else _int(raw, key)
-
-
-def _num(raw: Mapping[str, Any], key: str) -> float:
-    value = raw.get(key)
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        number = float(value)
-        if math.isfinite(number) and 0 <= number <= MAX_SECONDS:
-            return number
-    raise NoteInvalid(f"{key} is not a number from 0 to {MAX_SECONDS:g}")
-
-
-def _opt_num(raw: Mapping[str, Any], key: str) -> float | None:
-    return None if raw.get(key) is None else _num(raw, key)
-
-
-def _text(raw: Mapping[str, Any], key: str, limit: int = MAX_TEXT) -> str:
-    value = raw.get(key)
-    if not isinstance(value, str) or len(value) > limit:
-        raise NoteInvalid(f"{key} is not a string of at most {limit} characters")
-    return value
-
-
-def _bool(raw: Mapping[str, Any], key: str) -> bool:
-    value = raw.get(key, False)
-    if not isinstance(value, bool):
-        raise NoteInvalid(f"{key} is not true or false")
-    return value
-
-
-def _list(raw: Mapping[str, Any], key: str, limit: int) -> list[Any]:
-    value = raw.get(key)
-    if not isinstance(value, list) or len(value) > limit:
-        raise NoteInvalid(f"{key} is not a list of at most {limit} items")
-    return value
-
-
-def _node_id(raw: Mapping[str, Any]) -> str:
-    value = raw.get("node_id")
-    if not isinstance(value, str) or not NODE_ID.match(value):
-        raise NoteInvalid("node_id is not a node id")
+def _node_id(f: Fields) -> str:
+    value = f.text("node_id", MAX_TEXT)
+    if not NODE_ID.match(value):
+        raise f.bad("node_id", "not a node id")
     return value
 
 
@@ -358,16 +311,16 @@ class RankStack:
 
     @classmethod
     def from_json(cls, raw: object) -> RankStack:
-        obj = _obj(raw, "a rank's stack")
-        frames = _list(obj, "frames", MAX_FRAMES)
+        obj = _fields(raw, "a rank's stack")
+        frames = obj.items("frames", MAX_FRAMES, required=True)
         if not all(isinstance(f, str) and len(f) <= MAX_TEXT for f in frames):
             raise NoteInvalid(f"a frame is not a string of at most {MAX_TEXT} characters")
         return cls(
-            rank=_int(obj, "rank"),
-            host=_text(obj, "host"),
+            rank=obj.integer("rank"),
+            host=obj.text("host", MAX_TEXT),
             frames=tuple(frames),
-            in_torch=_bool(obj, "in_torch"),
-            hung=_bool(obj, "hung"),
+            in_torch=obj.flag("in_torch"),
+            hung=obj.flag("hung"),
         )
 
 
@@ -399,12 +352,12 @@ class StacksNote(Note):
 
     @classmethod
     def from_json(cls, raw: object) -> StacksNote:
-        obj = _obj(raw, "a stacks note")
-        ranks = tuple(RankStack.from_json(r) for r in _list(obj, "ranks", MAX_RANKS))
+        obj = _fields(raw, "a stacks note")
+        ranks = tuple(RankStack.from_json(r) for r in obj.items("ranks", MAX_RANKS, required=True))
         _unique(r.rank for r in ranks)
         return cls(
-            round=_int(obj, "round"),
-            group_rank=_int(obj, "group_rank"),
+            round=obj.integer("round"),
+            group_rank=obj.integer("group_rank"),
             node_id=_node_id(obj),
             ranks=ranks,
         )
@@ -443,16 +396,15 @@ class RankProgress:
 
     @classmethod
     def from_json(cls, raw: object) -> RankProgress:
-        obj = _obj(raw, "a rank's progress")
-        phase = obj.get("phase")
+        obj = _fields(raw, "a rank's progress")
         return cls(
-            rank=_int(obj, "rank"),
-            step=_opt_int(obj, "step"),
-            steps=_opt_int(obj, "steps"),
-            step_time=_opt_num(obj, "step_time"),
-            own_time=_opt_num(obj, "own_time"),
-            idle_s=_opt_num(obj, "idle_s"),
-            phase=None if phase is None else _text(obj, "phase", MAX_PHASE),
+            rank=obj.integer("rank"),
+            step=obj.optional_integer("step"),
+            steps=obj.optional_integer("steps"),
+            step_time=obj.optional_number("step_time", high=MAX_SECONDS),
+            own_time=obj.optional_number("own_time", high=MAX_SECONDS),
+            idle_s=obj.optional_number("idle_s", high=MAX_SECONDS),
+            phase=obj.optional_text("phase", MAX_PHASE),
         )
 
 
@@ -489,15 +441,17 @@ class ProgressNote(Note):
 
     @classmethod
     def from_json(cls, raw: object) -> ProgressNote:
-        obj = _obj(raw, "a progress note")
-        ranks = tuple(RankProgress.from_json(r) for r in _list(obj, "ranks", MAX_RANKS))
+        obj = _fields(raw, "a progress note")
+        ranks = tuple(
+            RankProgress.from_json(r) for r in obj.items("ranks", MAX_RANKS, required=True)
+        )
         _unique(r.rank for r in ranks)
         return cls(
-            round=_int(obj, "round"),
-            group_rank=_int(obj, "group_rank"),
+            round=obj.integer("round"),
+            group_rank=obj.integer("group_rank"),
             node_id=_node_id(obj),
-            host=_text(obj, "host"),
-            at=_num(obj, "at"),
+            host=obj.text("host", MAX_TEXT),
+            at=obj.number("at", high=MAX_SECONDS),
             ranks=ranks,
         )
 
@@ -521,8 +475,8 @@ class Straggler:
 
     @classmethod
     def from_json(cls, raw: object) -> Straggler:
-        obj = _obj(raw, "a straggler")
-        return cls(rank=_int(obj, "rank"), own_time=_num(obj, "own_time"))
+        obj = _fields(raw, "a straggler")
+        return cls(rank=obj.integer("rank"), own_time=obj.number("own_time", high=MAX_SECONDS))
 
 
 @dataclass(frozen=True)
@@ -556,13 +510,15 @@ class StragglersNote(Note):
 
     @classmethod
     def from_json(cls, raw: object) -> StragglersNote:
-        obj = _obj(raw, "a stragglers note")
-        found = tuple(Straggler.from_json(s) for s in _list(obj, "stragglers", MAX_STRAGGLERS))
+        obj = _fields(raw, "a stragglers note")
+        found = tuple(
+            Straggler.from_json(s) for s in obj.items("stragglers", MAX_STRAGGLERS, required=True)
+        )
         _unique(s.rank for s in found)
         return cls(
-            round=_int(obj, "round"),
-            at=_num(obj, "at"),
-            median=_opt_num(obj, "median"),
+            round=obj.integer("round"),
+            at=obj.number("at", high=MAX_SECONDS),
+            median=obj.optional_number("median", high=MAX_SECONDS),
             stragglers=found,
         )
 
@@ -603,13 +559,13 @@ class ReplicaNote(Note):
 
     @classmethod
     def from_json(cls, raw: object) -> ReplicaNote:
-        obj = _obj(raw, "a replica note")
-        port = _int(obj, "port", 65535)
+        obj = _fields(raw, "a replica note")
+        port = obj.integer("port", high=65535)
         if port < 1:
             raise NoteInvalid("a replica note's port is 0")
         return cls(
-            round=_int(obj, "round"),
-            group_rank=_int(obj, "group_rank"),
+            round=obj.integer("round"),
+            group_rank=obj.integer("group_rank"),
             node_id=_node_id(obj),
             port=port,
         )
@@ -650,11 +606,11 @@ class ModuleReport(Note):
 
     @classmethod
     def from_json(cls, raw: object) -> ModuleReport:
-        obj = _obj(raw, "a modules note")
-        listed = obj.get("modules")
+        obj = _fields(raw, "a modules note")
+        listed = obj.raw.get("modules")
         if not isinstance(listed, list):
             raise NoteInvalid("modules is not a list")
-        return cls.listed(listed, obj.get("python"), obj.get("torch"))
+        return cls.listed(listed, obj.raw.get("python"), obj.raw.get("torch"))
 
     @classmethod
     def listed(

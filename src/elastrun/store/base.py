@@ -31,11 +31,12 @@ Values are opaque bytes; structured data on top is versioned JSON (never pickle)
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypeGuard
+from typing import Literal
 
 from elastrun.endpoint import Endpoint
+from elastrun.fields import Fields, is_int
 
 __all__ = [
     "NO_LEASE",
@@ -216,9 +217,10 @@ class RevokeSpec:
     store's address and credentials (:meth:`Store.revoke_spec`).
 
     Its JSON (:meth:`to_json`, one line on the guard's pipe; read by
-    ``agent/_guard_main.py``, which parses it by hand, standard library
-    only) is an object with ``kind`` (``"elastrun"``: :class:`EmbeddedRevoke`,
-    ``"etcd"``: :class:`EtcdRevoke`), ``lease`` and the kind's fields."""
+    ``agent/_guard_main.py``, standard library only, with the same field
+    reader, ``elastrun/fields.py``, loaded by its path) is an object with
+    ``kind`` (``"elastrun"``: :class:`EmbeddedRevoke`, ``"etcd"``:
+    :class:`EtcdRevoke`), ``lease`` and the kind's fields."""
 
     lease: int
 
@@ -229,32 +231,26 @@ class RevokeSpec:
     def from_json(raw: object) -> RevokeSpec:
         """The spec in ``raw`` (as :meth:`to_json` writes it); ValueError
         naming the problem when it is not one."""
-        if not isinstance(raw, Mapping):
-            raise ValueError("a revoke spec is a JSON object")
-        lease = raw.get("lease")
-        if not _is_int(lease) or lease <= 0:
-            raise ValueError("a revoke spec's lease is a positive integer")
-        kind = raw.get("kind")
+        f = Fields(raw, "a revoke spec")
+        lease = f.integer("lease", low=1, high=2**63 - 1)  # etcd: any int64
+        kind = f.raw.get("kind")
         if kind == "elastrun":
             return EmbeddedRevoke(
                 lease,
-                host=_str(raw, "host"),
-                port=_port(raw.get("port")),
-                token=_opt_str(raw, "token"),
+                host=f.text("host"),
+                port=f.integer("port", low=1, high=65535),
+                token=f.optional_text("token"),
             )
         if kind == "etcd":
-            endpoints = raw.get("endpoints")
-            if not isinstance(endpoints, list):
-                raise ValueError("an etcd revoke spec's endpoints is a list")
             return EtcdRevoke(
                 lease,
-                endpoints=tuple(_endpoint(e) for e in endpoints),
-                https=raw.get("https") is True,
-                cacert=_opt_str(raw, "cacert"),
-                cert=_opt_str(raw, "cert"),
-                key=_opt_str(raw, "key"),
-                user=_opt_str(raw, "user"),
-                password=_opt_str(raw, "password"),
+                endpoints=tuple(_endpoint(e) for e in f.items("endpoints", required=True)),
+                https=f.raw.get("https") is True,
+                cacert=f.optional_text("cacert"),
+                cert=f.optional_text("cert"),
+                key=f.optional_text("key"),
+                user=f.optional_text("user"),
+                password=f.optional_text("password"),
             )
         raise ValueError(f"a revoke spec's kind is 'elastrun' or 'etcd', not {kind!r}")
 
@@ -304,31 +300,16 @@ class EtcdRevoke(RevokeSpec):
         }
 
 
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _port(value: object) -> int:
-    if not _is_int(value) or not 0 < value < 65536:
-        raise ValueError("a revoke spec's port is an integer from 1 to 65535")
-    return value
-
-
-def _str(raw: Mapping[str, object], name: str) -> str:
-    value = raw.get(name)
-    if not isinstance(value, str):
-        raise ValueError(f"a revoke spec's {name} is a string")
-    return value
-
-
-def _opt_str(raw: Mapping[str, object], name: str) -> str | None:
-    return None if raw.get(name) is None else _str(raw, name)
-
-
 def _endpoint(value: object) -> Endpoint:
-    if not isinstance(value, list) or len(value) != 2 or not isinstance(value[0], str):
-        raise ValueError("an etcd revoke spec's endpoint is [host, port]")
-    return Endpoint(value[0], _port(value[1]))
+    if (
+        not isinstance(value, list)
+        or len(value) != 2
+        or not isinstance(value[0], str)
+        or not is_int(value[1])
+        or not 0 < value[1] < 65536
+    ):
+        raise ValueError("an etcd revoke spec's endpoint is [host, port from 1 to 65535]")
+    return Endpoint(value[0], value[1])
 
 
 class Store(abc.ABC):

@@ -28,13 +28,13 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import math
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, assert_never, cast
 
 from elastrun.errors import ProtocolError
+from elastrun.fields import Fields
 from elastrun.store.base import (
     NO_LEASE,
     Compare,
@@ -99,9 +99,6 @@ __all__ = [
     "encode_response",
     "encode_txn_result",
     "error_response",
-    "expect_bool",
-    "expect_int",
-    "expect_str",
     "hello",
 ]
 
@@ -197,38 +194,16 @@ def _parse(body: bytes | bytearray) -> Json:
 
 
 # -- field validation ---------------------------------------------------------
-def expect_int(obj: Mapping[str, Any], name: str, *, minimum: int = 0) -> int:
-    value = obj.get(name)
-    if type(value) is not int or not minimum <= value <= _MAX_INT:
-        raise ProtocolError(f"field {name!r} must be an integer >= {minimum}, got {value!r:.80}")
-    return value
+class _Frame(Fields):
+    """A frame's fields (elastrun.fields), each problem a ProtocolError; its
+    integers (revisions, leases, ids) up to 2**63 - 1."""
+
+    __slots__ = ()
+    INT_HIGH = _MAX_INT
 
 
-def expect_str(obj: Mapping[str, Any], name: str) -> str:
-    value = obj.get(name)
-    if not isinstance(value, str):
-        raise ProtocolError(f"field {name!r} must be a string, got {type(value).__name__}")
-    return value
-
-
-def expect_bool(obj: Mapping[str, Any], name: str, default: bool | None = None) -> bool:
-    value = obj.get(name, default)
-    if not isinstance(value, bool):
-        raise ProtocolError(f"field {name!r} must be a boolean, got {type(value).__name__}")
-    return value
-
-
-def _expect_obj(value: Any, what: str) -> Json:
-    if not isinstance(value, dict):
-        raise ProtocolError(f"{what} must be a JSON object, got {type(value).__name__}")
-    return value
-
-
-def _expect_list(obj: Mapping[str, Any], name: str) -> list[Any]:
-    value = obj.get(name, [])
-    if not isinstance(value, list):
-        raise ProtocolError(f"field {name!r} must be a list, got {type(value).__name__}")
-    return value
+def _read(obj: object, what: str = "store frame") -> _Frame:
+    return _Frame(obj, what, ProtocolError)
 
 
 # A value at least this large is encoded (and decoded) once for the many
@@ -256,8 +231,8 @@ def b64(data: bytes) -> str:
     return text
 
 
-def _unb64(obj: Mapping[str, Any], name: str) -> bytes:
-    text = expect_str(obj, name)
+def _unb64(f: _Frame, name: str) -> bytes:
+    text = f.text(name)
     large = len(text) >= _REUSED
     if large:
         text_seen, data = _LastBase64.decoded
@@ -266,7 +241,7 @@ def _unb64(obj: Mapping[str, Any], name: str) -> bytes:
     try:
         data = base64.b64decode(text.encode("ascii"), validate=True)
     except (binascii.Error, UnicodeEncodeError):
-        raise ProtocolError(f"field {name!r} is not valid base64") from None
+        raise f.bad(name, "not valid base64") from None
     if large:
         _LastBase64.decoded = (text, data)
     return data
@@ -285,14 +260,14 @@ def encode_kv(kv: KeyValue) -> Json:
 
 
 def decode_kv(value: Any) -> KeyValue:
-    obj = _expect_obj(value, "key-value")
+    f = _read(value, "key-value")
     return KeyValue(
-        key=expect_str(obj, "key"),
-        value=_unb64(obj, "value"),
-        create_revision=expect_int(obj, "create"),
-        mod_revision=expect_int(obj, "mod"),
-        version=expect_int(obj, "version"),
-        lease=expect_int(obj, "lease"),
+        key=f.text("key"),
+        value=_unb64(f, "value"),
+        create_revision=f.integer("create"),
+        mod_revision=f.integer("mod"),
+        version=f.integer("version"),
+        lease=f.integer("lease"),
     )
 
 
@@ -301,7 +276,7 @@ def encode_event(event: WatchEvent) -> Json:
 
 
 def decode_event(value: Any) -> WatchEvent:
-    obj = _expect_obj(value, "watch event")
+    obj = _read(value, "watch event").raw
     kind = obj.get("type")
     if kind not in ("put", "delete"):
         raise ProtocolError(f"unknown watch event type {kind!r:.40}")
@@ -318,15 +293,17 @@ def encode_compare(compare: Compare) -> Json:
 
 
 def decode_compare(value: Any) -> Compare:
-    obj = _expect_obj(value, "compare")
+    obj = _read(value, "compare").raw
     target = obj.get("target")
     if target not in _TARGETS:
         raise ProtocolError(f"unknown compare target {target!r:.40}")
     op = obj.get("op")
     if op not in _CMP_OPS:
         raise ProtocolError(f"unknown compare operator {op!r:.40}")
-    operand: int | bytes = _unb64(obj, "value") if target == "value" else expect_int(obj, "value")
-    return Compare(expect_str(obj, "key"), target, op, operand)
+    operand: int | bytes = (
+        _unb64(_read(obj), "value") if target == "value" else _read(obj).integer("value")
+    )
+    return Compare(_read(obj).text("key"), target, op, operand)
 
 
 def encode_op(op: Op) -> Json:
@@ -343,16 +320,20 @@ def encode_op(op: Op) -> Json:
 
 
 def decode_op(value: Any) -> Op:
-    obj = _expect_obj(value, "txn operation")
+    obj = _read(value, "txn operation").raw
     match obj.get("op"):
         case "put":
-            return Put(expect_str(obj, "key"), _unb64(obj, "value"), expect_int(obj, "lease"))
+            return Put(
+                _read(obj).text("key"),
+                _unb64(_read(obj), "value"),
+                _read(obj).integer("lease"),
+            )
         case "delete":
-            return Delete(expect_str(obj, "key"), expect_bool(obj, "prefix", False))
+            return Delete(_read(obj).text("key"), _read(obj).flag("prefix"))
         case "get":
-            return Get(expect_str(obj, "key"), expect_bool(obj, "prefix", False))
+            return Get(_read(obj).text("key"), _read(obj).flag("prefix"))
         case "count":
-            return Count(expect_str(obj, "key"))
+            return Count(_read(obj).text("key"))
         case kind:
             raise ProtocolError(f"unknown txn operation {kind!r:.40}")
 
@@ -369,9 +350,9 @@ def encode_txn_result(result: TxnResult) -> Json:
 
 
 def decode_txn_result(value: Any) -> TxnResult:
-    obj = _expect_obj(value, "txn result")
+    obj = _read(value, "txn result").raw
     gets = []
-    for kvs in _expect_list(obj, "gets"):
+    for kvs in _read(obj).items("gets"):
         if not isinstance(kvs, list):
             raise ProtocolError("txn result 'gets' must be a list of lists")
         gets.append([decode_kv(kv) for kv in kvs])
@@ -380,7 +361,12 @@ def decode_txn_result(value: Any) -> TxnResult:
         type(c) is int and 0 <= c <= _MAX_INT for c in counts
     ):
         raise ProtocolError("txn result 'counts' must be a list of counts")
-    return TxnResult(expect_bool(obj, "succeeded"), expect_int(obj, "revision"), gets, counts)
+    return TxnResult(
+        _read(obj).flag("succeeded", None),
+        _read(obj).integer("revision"),
+        gets,
+        counts,
+    )
 
 
 # -- messages -----------------------------------------------------------------
@@ -468,7 +454,7 @@ class GetRequest:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> GetRequest:
-        return cls(expect_str(obj, "key"))
+        return cls(_read(obj).text("key"))
 
     def to_json(self) -> Json:
         return {"op": self.OP, "key": self.key}
@@ -531,15 +517,15 @@ class RangeNewestRequest:
 
 
 def _decode_range(obj: Mapping[str, Any]) -> RangeRequest | RangePageRequest | RangeNewestRequest:
-    key = expect_str(obj, "key")
+    key = _read(obj).text("key")
     if "max_create" in obj:
-        max_create = expect_int(obj, "max_create")
+        max_create = _read(obj).integer("max_create")
         return RangeNewestRequest(
-            key, max_create, expect_int(obj, "limit") if "limit" in obj else 0
+            key, max_create, _read(obj).integer("limit") if "limit" in obj else 0
         )
     if obj.get("page") is True:
-        after = expect_str(obj, "after") if obj.get("after") is not None else None
-        return RangePageRequest(key, after, expect_int(obj, "limit") if "limit" in obj else 0)
+        after = _read(obj).text("after") if obj.get("after") is not None else None
+        return RangePageRequest(key, after, _read(obj).integer("limit") if "limit" in obj else 0)
     return RangeRequest(key)
 
 
@@ -553,9 +539,9 @@ class PutRequest:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> PutRequest:
-        key = expect_str(obj, "key")
-        value = _unb64(obj, "value")
-        return cls(key, value, expect_int(obj, "lease") if "lease" in obj else NO_LEASE)
+        key = _read(obj).text("key")
+        value = _unb64(_read(obj), "value")
+        return cls(key, value, _read(obj).integer("lease") if "lease" in obj else NO_LEASE)
 
     def to_json(self) -> Json:
         return {"op": self.OP, "key": self.key, "value": b64(self.value), "lease": self.lease}
@@ -570,7 +556,7 @@ class DeleteRequest:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> DeleteRequest:
-        return cls(expect_str(obj, "key"), expect_bool(obj, "prefix", False))
+        return cls(_read(obj).text("key"), _read(obj).flag("prefix"))
 
     def to_json(self) -> Json:
         return {"op": self.OP, "key": self.key, "prefix": self.prefix}
@@ -587,9 +573,9 @@ class TxnRequest:
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> TxnRequest:
         return cls(
-            [decode_compare(c) for c in _expect_list(obj, "compares")],
-            [decode_op(o) for o in _expect_list(obj, "success")],
-            [decode_op(o) for o in _expect_list(obj, "failure")],
+            [decode_compare(c) for c in _read(obj).items("compares")],
+            [decode_op(o) for o in _read(obj).items("success")],
+            [decode_op(o) for o in _read(obj).items("failure")],
         )
 
     def to_json(self) -> Json:
@@ -609,7 +595,7 @@ class LeaseGrantRequest:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> LeaseGrantRequest:
-        return cls(_expect_number(obj, "ttl"))
+        return cls(_read(obj).number("ttl", low=None, high=None))
 
     def to_json(self) -> Json:
         return {"op": self.OP, "ttl": self.ttl}
@@ -623,7 +609,7 @@ class LeaseKeepaliveRequest:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> LeaseKeepaliveRequest:
-        return cls(expect_int(obj, "lease", minimum=1))
+        return cls(_read(obj).integer("lease", low=1))
 
     def to_json(self) -> Json:
         return {"op": self.OP, "lease": self.lease}
@@ -637,7 +623,7 @@ class LeaseRevokeRequest:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> LeaseRevokeRequest:
-        return cls(expect_int(obj, "lease", minimum=1))
+        return cls(_read(obj).integer("lease", low=1))
 
     def to_json(self) -> Json:
         return {"op": self.OP, "lease": self.lease}
@@ -657,10 +643,10 @@ class WatchRequest:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> WatchRequest:
-        watch = expect_int(obj, "watch", minimum=1)
-        key = expect_str(obj, "key")
-        prefix = expect_bool(obj, "prefix", False)
-        start = None if obj.get("start_revision") is None else expect_int(obj, "start_revision")
+        watch = _read(obj).integer("watch", low=1)
+        key = _read(obj).text("key")
+        prefix = _read(obj).flag("prefix")
+        start = None if obj.get("start_revision") is None else _read(obj).integer("start_revision")
         return cls(watch, key, prefix, start)
 
     def to_json(self) -> Json:
@@ -681,7 +667,7 @@ class WatchCancelRequest:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> WatchCancelRequest:
-        return cls(expect_int(obj, "watch", minimum=1))
+        return cls(_read(obj).integer("watch", low=1))
 
     def to_json(self) -> Json:
         return {"op": self.OP, "watch": self.watch}
@@ -695,7 +681,7 @@ class CompactRequest:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> CompactRequest:
-        return cls(expect_int(obj, "revision"))
+        return cls(_read(obj).integer("revision"))
 
     def to_json(self) -> Json:
         return {"op": self.OP, "revision": self.revision}
@@ -748,13 +734,6 @@ _DECODERS: Mapping[str, Callable[[Mapping[str, Any]], Request]] = {
 OPS = frozenset(_DECODERS)
 
 
-def _expect_number(obj: Mapping[str, Any], name: str) -> float:
-    value = obj.get(name)
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-        raise ProtocolError(f"field {name!r} must be a finite number, got {value!r:.40}")
-    return float(value)
-
-
 def encode_request(request_id: int, request: Request) -> Json:
     return {"v": PROTOCOL_VERSION, "t": "req", "id": request_id, **request.to_json()}
 
@@ -768,7 +747,7 @@ def decode_request(obj: Mapping[str, Any]) -> tuple[int, Request]:
     """
     if obj.get("t") != "req":
         raise ProtocolError(f"expected a request frame, got type {obj.get('t')!r:.40}")
-    request_id = expect_int(obj, "id")
+    request_id = _read(obj).integer("id")
     op = obj.get("op")
     decode = _DECODERS.get(op) if isinstance(op, str) else None
     if decode is None:
@@ -787,7 +766,7 @@ class RevisionAnswer:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> RevisionAnswer:
-        return cls(expect_int(obj, "revision"))
+        return cls(_read(obj).integer("revision"))
 
     def to_json(self) -> Json:
         return {"revision": self.revision}
@@ -813,7 +792,7 @@ class GetAnswer:
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> GetAnswer:
         raw = obj.get("kv")
-        return cls(None if raw is None else decode_kv(raw), expect_int(obj, "revision"))
+        return cls(None if raw is None else decode_kv(raw), _read(obj).integer("revision"))
 
     def to_json(self) -> Json:
         return {"kv": None if self.kv is None else encode_kv(self.kv), "revision": self.revision}
@@ -832,14 +811,14 @@ class RangeAnswer:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> RangeAnswer:
-        raw = obj.get("kvs")
-        if not isinstance(raw, list):
-            raise ProtocolError(f"field 'kvs' must be a list, got {type(raw).__name__}")
-        kvs = [decode_kv(kv) for kv in raw]
-        count = expect_int(obj, "count") if "count" in obj else None
+        kvs = [decode_kv(kv) for kv in _read(obj).items("kvs", required=True)]
+        count = _read(obj).integer("count") if "count" in obj else None
         more = obj.get("more")
         return cls(
-            kvs, expect_int(obj, "revision"), more if isinstance(more, bool) else None, count
+            kvs,
+            _read(obj).integer("revision"),
+            more if isinstance(more, bool) else None,
+            count,
         )
 
     def to_json(self) -> Json:
@@ -859,7 +838,10 @@ class DeleteAnswer:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> DeleteAnswer:
-        return cls(expect_int(obj, "deleted"), expect_int(obj, "revision"))
+        return cls(
+            _read(obj).integer("deleted"),
+            _read(obj).integer("revision"),
+        )
 
     def to_json(self) -> Json:
         return {"deleted": self.deleted, "revision": self.revision}
@@ -872,7 +854,10 @@ class LeaseGrantAnswer:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> LeaseGrantAnswer:
-        return cls(expect_int(obj, "lease", minimum=1), _expect_number(obj, "ttl"))
+        return cls(
+            _read(obj).integer("lease", low=1),
+            _read(obj).number("ttl", low=None, high=None),
+        )
 
     def to_json(self) -> Json:
         return {"lease": self.lease, "ttl": self.ttl}
@@ -884,7 +869,7 @@ class LeaseKeepaliveAnswer:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> LeaseKeepaliveAnswer:
-        return cls(_expect_number(obj, "ttl"))
+        return cls(_read(obj).number("ttl", low=None, high=None))
 
     def to_json(self) -> Json:
         return {"ttl": self.ttl}
@@ -897,7 +882,10 @@ class CompactAnswer:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> CompactAnswer:
-        return cls(expect_int(obj, "revision"), expect_int(obj, "compact_revision"))
+        return cls(
+            _read(obj).integer("revision"),
+            _read(obj).integer("compact_revision"),
+        )
 
     def to_json(self) -> Json:
         return {"revision": self.revision, "compact_revision": self.compact_revision}

@@ -42,10 +42,13 @@ What the zygote imports first comes in its environment (``ELASTRUN_PRELOAD``):
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 PROTOCOL = 3
 
@@ -75,37 +78,23 @@ class BadMessage(ValueError):
 
 
 # ------------------------------------------------------------------ fields
+# Every field is read through elastrun/fields.py: imported in the package;
+# loaded by its path when this file runs beside the worker's programs.
+if TYPE_CHECKING or __name__.startswith("elastrun."):
+    from elastrun.fields import MAX_COUNT, Fields
+else:
+    _FIELDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fields.py")
+    _spec = importlib.util.spec_from_file_location("_elastrun_fields", _FIELDS)
+    assert _spec is not None and _spec.loader is not None
+    _fields_module = sys.modules.get("_elastrun_fields") or importlib.util.module_from_spec(_spec)
+    if "_elastrun_fields" not in sys.modules:
+        sys.modules["_elastrun_fields"] = _fields_module
+        _spec.loader.exec_module(_fields_module)
+    Fields, MAX_COUNT = _fields_module.Fields, _fields_module.MAX_COUNT
 
 
-def _get(data: Mapping[str, Any], key: str, types: tuple[type, ...], what: str) -> Any:
-    value = data.get(key)
-    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-        raise BadMessage(f"{key}: not {what}")
-    return value
-
-
-def _str(data: Mapping[str, Any], key: str) -> str:
-    return str(_get(data, key, (str,), "a string"))
-
-
-def _opt_str(data: Mapping[str, Any], key: str) -> str | None:
-    value = data.get(key)
-    return None if value is None else _str(data, key)
-
-
-def _int(data: Mapping[str, Any], key: str) -> int:
-    return int(_get(data, key, (int,), "an integer"))
-
-
-def _number(data: Mapping[str, Any], key: str) -> float:
-    return float(_get(data, key, (int, float), "a number"))
-
-
-def _strs(data: Mapping[str, Any], key: str) -> tuple[str, ...]:
-    items = _get(data, key, (list,), "a list")
-    if not all(isinstance(x, str) for x in items):
-        raise BadMessage(f"{key}: not a list of strings")
-    return tuple(items)
+def _int(f: Fields, key: str) -> int:
+    return f.integer(key, low=-MAX_COUNT)
 
 
 # ------------------------------------------------------------------ messages
@@ -140,12 +129,12 @@ class Modules(_Message):
         }
 
     @classmethod
-    def parse(cls, data: Mapping[str, Any]) -> Modules:
+    def parse(cls, data: Fields) -> Modules:
         return cls(
-            _str(data, "why"),
-            _strs(data, "modules"),
-            _opt_str(data, "python"),
-            _opt_str(data, "torch"),
+            data.text("why"),
+            data.strings("modules", required=True),
+            data.optional_text("python"),
+            data.optional_text("torch"),
         )
 
 
@@ -161,8 +150,8 @@ class ProgressFailed(_Message):
         return {"path": self.path, "error": self.error}
 
     @classmethod
-    def parse(cls, data: Mapping[str, Any]) -> ProgressFailed:
-        return cls(_str(data, "path"), _str(data, "error"))
+    def parse(cls, data: Fields) -> ProgressFailed:
+        return cls(data.text("path"), data.text("error"))
 
 
 @dataclass(frozen=True)
@@ -179,11 +168,11 @@ class Progress(_Message):
         return {"beat": None if self.beat is None else dict(self.beat), "error": self.error}
 
     @classmethod
-    def parse(cls, data: Mapping[str, Any]) -> Progress:
-        beat = data.get("beat")
+    def parse(cls, data: Fields) -> Progress:
+        beat = data.raw.get("beat")
         if beat is not None and not isinstance(beat, dict):
-            raise BadMessage("beat: not an object")
-        return cls(beat, _str(data, "error"))
+            raise data.bad("beat", "not an object")
+        return cls(beat, data.text("error"))
 
 
 @dataclass(frozen=True)
@@ -198,7 +187,7 @@ class Failing(_Message):
         return {}
 
     @classmethod
-    def parse(cls, data: Mapping[str, Any]) -> Failing:
+    def parse(cls, data: Fields) -> Failing:
         del data
         return cls()
 
@@ -213,7 +202,7 @@ class Go(_Message):
         return {}
 
     @classmethod
-    def parse(cls, data: Mapping[str, Any]) -> Go:
+    def parse(cls, data: Fields) -> Go:
         del data
         return cls()
 
@@ -229,8 +218,8 @@ class Preload(_Message):
         return {"modules": list(self.modules)}
 
     @classmethod
-    def parse(cls, data: Mapping[str, Any]) -> Preload:
-        return cls(_strs(data, "modules"))
+    def parse(cls, data: Fields) -> Preload:
+        return cls(data.strings("modules", required=True))
 
 
 @dataclass(frozen=True)
@@ -251,11 +240,15 @@ class Fork(_Message):
         }
 
     @classmethod
-    def parse(cls, data: Mapping[str, Any]) -> Fork:
-        env = _get(data, "env", (dict,), "an object")
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-            raise BadMessage("env: not an object of strings")
-        return cls(env, _strs(data, "args"), _int(data, "index"), _int(data, "count"))
+    def parse(cls, data: Fields) -> Fork:
+        env = data.raw.get("env")
+        if not isinstance(env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+        ):
+            raise data.bad("env", "not an object of strings")
+        return cls(
+            env, data.strings("args", required=True), _int(data, "index"), _int(data, "count")
+        )
 
 
 @dataclass(frozen=True)
@@ -284,19 +277,19 @@ class Ready(_Message):
         }
 
     @classmethod
-    def parse(cls, data: Mapping[str, Any]) -> Ready:
-        failed = _get(data, "failed", (list,), "a list")
+    def parse(cls, data: Fields) -> Ready:
+        failed = data.items("failed", required=True)
         pairs = [f for f in failed if isinstance(f, list) and len(f) == 2]
         if len(pairs) != len(failed) or not all(isinstance(x, str) for f in pairs for x in f):
-            raise BadMessage("failed: not a list of [module, why]")
+            raise data.bad("failed", "not a list of [module, why]")
         return cls(
             _int(data, "loaded"),
             tuple((f[0], f[1]) for f in pairs),
             _int(data, "rss_kb"),
-            _number(data, "preload_s"),
-            _opt_str(data, "stopped"),
-            _opt_str(data, "python"),
-            _opt_str(data, "torch"),
+            data.number("preload_s", low=None, high=None),
+            data.optional_text("stopped"),
+            data.optional_text("python"),
+            data.optional_text("torch"),
         )
 
 
@@ -312,11 +305,11 @@ class Forked(_Message):
         return {"pids": list(self.pids)}
 
     @classmethod
-    def parse(cls, data: Mapping[str, Any]) -> Forked:
-        pids = _get(data, "pids", (list,), "a list")
+    def parse(cls, data: Fields) -> Forked:
+        pids = data.items("pids", required=True)
         ok = all(p is None or (isinstance(p, int) and not isinstance(p, bool)) for p in pids)
         if not ok:
-            raise BadMessage("pids: not a list of pids")
+            raise data.bad("pids", "not a list of pids")
         return cls(tuple(p if p is None or p > 0 else None for p in pids))
 
 
@@ -336,8 +329,10 @@ class Unsafe(_Message):
         return {"modules": list(self.modules), "why": self.why, "variable": self.variable}
 
     @classmethod
-    def parse(cls, data: Mapping[str, Any]) -> Unsafe:
-        return cls(_strs(data, "modules"), _str(data, "why"), _opt_str(data, "variable"))
+    def parse(cls, data: Fields) -> Unsafe:
+        return cls(
+            data.strings("modules", required=True), data.text("why"), data.optional_text("variable")
+        )
 
 
 Message = (
@@ -369,7 +364,7 @@ def from_json(data: object) -> Message:
     cls = KINDS.get(data.get("kind"))  # type: ignore[arg-type]
     if cls is None:
         raise BadMessage("unknown kind")
-    message: Message = cls.parse(data)
+    message: Message = cls.parse(Fields(data, "", BadMessage))
     return message
 
 
@@ -410,14 +405,13 @@ class PreloadPlan:
         }
 
     @classmethod
-    def from_json(cls, data: object) -> PreloadPlan:
-        if not isinstance(data, dict):
-            raise BadMessage("not a JSON object")
+    def from_json(cls, raw: object) -> PreloadPlan:
+        data = Fields(raw, "the preload plan", BadMessage)
         return cls(
-            _strs(data, "modules"),
-            _opt_str(data, "python"),
-            _opt_str(data, "torch"),
-            _strs(data, "watch"),
+            data.strings("modules", required=True),
+            data.optional_text("python"),
+            data.optional_text("torch"),
+            data.strings("watch", required=True),
             max(0, _int(data, "base")),
         )
 

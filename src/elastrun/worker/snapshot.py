@@ -55,6 +55,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from elastrun.fields import Fields
 from elastrun.safefs import read_regular, write_atomic
 from elastrun.untrusted import UntrustedData, loads
 from elastrun.worker.snapshot_bounds import (
@@ -156,11 +157,8 @@ def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _int(obj: dict[str, Any], name: str, low: int = 0, high: int = MAX_COUNT) -> int:
-    v = obj.get(name)
-    if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
-        raise SnapshotError(f"its header has no valid {name!r}")
-    return v
+def _fields(obj: object, what: str) -> Fields:
+    return Fields(obj, what, SnapshotError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +199,9 @@ class TensorEntry:
             numel, elements = numel * d, elements * max(d, 1)
             if elements > MAX_ELEMENTS:
                 raise SnapshotError(f"tensor {key}: its shape is over {MAX_ELEMENTS} elements")
-        offset, nbytes = _int(obj, "offset"), _int(obj, "nbytes")
+        f = _fields(obj, f"tensor {key}")
+        offset = f.integer("offset", high=MAX_COUNT)
+        nbytes = f.integer("nbytes", high=MAX_COUNT)
         if nbytes != numel * DTYPE_SIZES[dtype]:
             raise SnapshotError(f"tensor {key}: {nbytes} bytes do not fit its shape and dtype")
         if offset % ALIGN or offset + nbytes > data_size:
@@ -224,14 +224,11 @@ class Persist:
     def from_json(cls, obj: Any) -> Persist | None:
         if obj is None:
             return None
-        if not isinstance(obj, dict):
-            raise SnapshotError("its header has no valid 'persist'")
-        d, keep = obj.get("dir"), obj.get("keep")
-        if not isinstance(d, str) or not os.path.isabs(d) or "\0" in d or len(d) > MAX_PATH:
-            raise SnapshotError("its header's persist folder is not an absolute path")
-        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
-            raise SnapshotError("its header's persist 'keep' is not a number >= 0")
-        return cls(d, keep)
+        f = _fields(obj, "its header's persist")
+        d = f.text("dir", MAX_PATH)
+        if not os.path.isabs(d) or "\0" in d:
+            raise f.bad("dir", "not an absolute path")
+        return cls(d, f.integer("keep", high=MAX_COUNT))
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,19 +270,20 @@ class SnapshotHeader:
     def from_json(cls, obj: Any) -> SnapshotHeader:
         if not isinstance(obj, dict) or obj.get("v") != VERSION:
             raise SnapshotError(f"its header is not a version-{VERSION} snapshot header")
-        data_size = _int(obj, "data_size")
+        f = _fields(obj, "its header")
+        data_size = f.integer("data_size", high=MAX_COUNT)
         sha = obj.get("sha256")
         if not isinstance(sha, str) or not _SHA256.match(sha):
             raise SnapshotError("its header has no valid sha256")
         tensors = obj.get("tensors")
         if not isinstance(tensors, list):
             raise SnapshotError("its header has no tensor list")
-        world = _int(obj, "world_size", 1, MAX_WORLD)
+        world = f.integer("world_size", low=1, high=MAX_WORLD)
         header = cls(
-            step=_int(obj, "step"),
-            rank=_int(obj, "rank", 0, MAX_WORLD),
+            step=f.integer("step", high=MAX_COUNT),
+            rank=f.integer("rank", high=MAX_WORLD),
             world_size=world,
-            generation=_int(obj, "generation"),
+            generation=f.integer("generation", high=MAX_COUNT),
             data_size=data_size,
             sha256=sha,
             tensors=tuple(TensorEntry.from_json(t, data_size) for t in tensors),
@@ -436,7 +434,8 @@ class CommitNote:
         obj = _read_note(folder, NOTE)
         if obj is None:
             return None
-        slot, m = _int(obj, "slot"), obj.get("marked")
+        f = _fields(obj, "its commit note")
+        slot, m = f.integer("slot", high=MAX_COUNT), obj.get("marked")
         marked = None
         if m is not None:
             ok = isinstance(m, list) and len(m) == 3
@@ -445,7 +444,9 @@ class CommitNote:
             marked = Marked(m[0], m[1], m[2])
         if slot >= MAX_SLOTS:
             raise SnapshotError("its commit note has no valid slot")
-        return cls(slot, _int(obj, "generation"), _int(obj, "step"), marked)
+        return cls(
+            slot, f.integer("generation", high=MAX_COUNT), f.integer("step", high=MAX_COUNT), marked
+        )
 
 
 def write_persisted(folder: str, generation: int) -> None:
