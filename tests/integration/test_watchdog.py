@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from elastrun.agent import Agent, Executable, WorkerSpec
-from elastrun.agent.spec import LogSettings
+from elastrun.agent.spec import HangSettings, LogSettings
 from elastrun.events import ListSink
 from elastrun.names import RunId
 from tests.conftest import PYTHON, REPO
@@ -35,7 +35,7 @@ def hb_spec(tmp_path: Path, mode: str, nproc: int, **kw) -> tuple[WorkerSpec, Pa
     spec = WorkerSpec(
         command=Executable((PYTHON, str(SCRIPTS / "heartbeat_worker.py"), str(out), mode)),
         nproc=nproc,
-        hang_timeout=HANG,
+        hang=HangSettings(timeout=HANG),
         shutdown_timeout=5,
         **kw,
     )

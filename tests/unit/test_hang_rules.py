@@ -162,7 +162,7 @@ def test_hang_timeout_flag(tmp_path, flag, expect):
     script = tmp_path / "s.py"
     script.write_text("")
     plan, _ = parse(["--hang-timeout", flag, str(script)])
-    assert (plan.workers.hang_timeout, plan.workers.hang_auto) == expect
+    assert (plan.workers.hang.timeout, plan.workers.hang.auto) == expect
 
 
 @pytest.mark.parametrize("flag", ["auto:", "auto:x", "auto:-1", "auto:0", "automatic", "0"])

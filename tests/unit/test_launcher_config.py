@@ -78,8 +78,8 @@ SPELLED = [
     ("shutdown-timeout", "7", lambda p, c: p.workers.shutdown_timeout == 7),
     ("log-template", "[{rank}]", lambda p, c: p.workers.logs.template == "[{rank}]"),
     ("events-file", "/tmp/ev.jsonl", lambda p, c: p.workers.events_file == "/tmp/ev.jsonl"),
-    ("hang-timeout", "12", lambda p, c: p.workers.hang_timeout == 12),
-    ("stack-signal", "SIGUSR2", lambda p, c: p.workers.stack_signal == signal.SIGUSR2),
+    ("hang-timeout", "12", lambda p, c: p.workers.hang.timeout == 12),
+    ("stack-signal", "SIGUSR2", lambda p, c: p.workers.hang.stack_signal == signal.SIGUSR2),
     ("exit-barrier-timeout", "9", lambda p, c: p.rendezvous.exit_barrier_timeout == 9),
 ]
 
@@ -397,15 +397,15 @@ def test_token_file_is_read(tmp_path, script):
 )
 def test_stack_signal_forms(script, text, expect):
     plan, _ = run_parse(f"--stack-signal={text}")
-    assert plan.workers.stack_signal == (None if expect is None else int(expect))
+    assert plan.workers.hang.stack_signal == (None if expect is None else int(expect))
 
 
 def test_stack_signal_default_and_environment(script, monkeypatch):
     plan, _ = run_parse()
-    assert plan.workers.stack_signal == signal.SIGRTMIN + 5
+    assert plan.workers.hang.stack_signal == signal.SIGRTMIN + 5
     monkeypatch.setenv("PET_STACK_SIGNAL", "SIGUSR1")
     plan, _ = run_parse()
-    assert plan.workers.stack_signal == signal.SIGUSR1
+    assert plan.workers.hang.stack_signal == signal.SIGUSR1
     with pytest.raises(ConfigError, match="--stack-signal: SIGINT cannot be used"):
         resolve(LaunchConfig(stack_signal=int(signal.SIGINT)))
 

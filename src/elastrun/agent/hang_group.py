@@ -98,8 +98,8 @@ class RoundHangs(RoundHooks):
         self.group = group
         self.faults = faults
         self.watchdog: HangWatchdog | None = None
-        if self.spec.hang_timeout is not None:
-            policy = HangPolicy(self.spec.hang_timeout, self.spec.hang_auto)
+        if self.spec.hang.timeout is not None:
+            policy = HangPolicy(self.spec.hang.timeout, self.spec.hang.auto)
             self.watchdog = HangWatchdog(
                 policy, self._on_hang, core.clock, on_unknown=self._progress_unknown
             )
@@ -114,11 +114,15 @@ class RoundHangs(RoundHooks):
         # Progress: for the watchdog, and (from the runner) the step times.
         if self.watchdog is not None or self.group.runs_runner:
             r.heartbeat_file = env[HEARTBEAT_ENV] = os.path.join(worker.folder, "heartbeat.json")
-            if spec.hang_timeout is not None:
-                env[HEARTBEAT_INTERVAL_ENV] = repr(heartbeat_interval(spec.hang_timeout))
-        if self.watchdog is not None and self.group.runs_runner and spec.stack_signal is not None:
+            if spec.hang.timeout is not None:
+                env[HEARTBEAT_INTERVAL_ENV] = repr(heartbeat_interval(spec.hang.timeout))
+        if (
+            self.watchdog is not None
+            and self.group.runs_runner
+            and spec.hang.stack_signal is not None
+        ):
             r.stacks_file = env[STACKS_ENV] = os.path.join(worker.folder, "stacks.txt")
-            env[STACK_SIGNAL_ENV] = str(spec.stack_signal)
+            env[STACK_SIGNAL_ENV] = str(spec.hang.stack_signal)
         for stale in (r.heartbeat_file, r.stacks_file):  # of an earlier run with this run id
             if stale is not None:
                 with contextlib.suppress(OSError):
@@ -215,7 +219,7 @@ class RoundHangs(RoundHooks):
         for the failure summary. Bounded (agent/stacks.py). A rank whose
         script no longer catches the stack signal is skipped (why: its
         ``stacks_skipped``), never signalled."""
-        signum = self.spec.stack_signal
+        signum = self.spec.hang.stack_signal
         live = {
             w.local_rank: (w.pid, r.stacks_file)
             for w in self.group.workers
@@ -307,7 +311,7 @@ class RoundHangs(RoundHooks):
         if w.done or self._over or self.watchdog is None:
             return
         r = self.ranks[w.local_rank]
-        waits = self.spec.hang_auto and self._in_torch(w.local_rank)
+        waits = self.spec.hang.auto and self._in_torch(w.local_rank)
         if waits and not self.watchdog.is_patient(w.local_rank):
             # Waiting for a peer: the culprit is elsewhere (see watchdog.py).
             self.core.events.emit(
@@ -324,7 +328,7 @@ class RoundHangs(RoundHooks):
         beat, since = self.watchdog.latest(w.local_rank)
         last_step = beat.step if beat is not None else hang.last_step
         step = "no step reported" if last_step is None else f"last step {last_step}"
-        if self.spec.hang_auto:
+        if self.spec.hang.auto:
             during = f", in phase {hang.phase}" if hang.phase else ""
             idle = since if since is not None and math.isfinite(since) else hang.idle
             why = (
@@ -342,7 +346,7 @@ class RoundHangs(RoundHooks):
                 last_step=last_step,
                 idle_s=round(hang.idle, 3),
                 hang_timeout=round(hang.timeout, 3),
-                auto=self.spec.hang_auto,
+                auto=self.spec.hang.auto,
                 phase=hang.phase,
                 judged_rank=self.group.workers[hang.key].rank,
                 sits_in={

@@ -27,6 +27,7 @@ __all__ = [
     "LOCAL_RANK_MACRO",
     "FileTimerSettings",
     "GpuReleaseSettings",
+    "HangSettings",
     "HealthCheckSettings",
     "LogSettings",
     "MemorySettings",
@@ -174,6 +175,19 @@ class FileTimerSettings:
 
 
 @dataclass(frozen=True)
+class HangSettings:
+    """agent/hang_group.py: the progress watchdog (agent/watchdog.py,
+    ``--hang-timeout``: a fixed timeout, or with ``auto`` the floor of each
+    rank's calibrated one; None: off) and the signal on which a worker writes
+    its Python stacks when a hang is declared (agent/stacks.py,
+    ``--stack-signal``; None: no stacks)."""
+
+    timeout: float | None = None
+    auto: bool = False
+    stack_signal: int | None = int(signal.SIGRTMIN) + 5
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
     # What each worker runs (agent/command.py): a Python script or module
     # (through the worker runner), or a program run as given.
@@ -202,13 +216,7 @@ class WorkerSpec:
     signals_to_forward: tuple[signal.Signals, ...] = ()
     monitor_interval: float = 0.1  # accepted for compatibility; exits are event-driven
     start_method: StartMethod = StartMethod.SPAWN  # accepted for compatibility
-    # Progress watchdog (agent/watchdog.py): a fixed timeout, or with
-    # hang_auto the floor of each rank's calibrated one.
-    hang_timeout: float | None = None
-    hang_auto: bool = False
-    # The signal on which a worker writes its Python stacks when a hang is
-    # declared (agent/stacks.py, --stack-signal); None: no stacks.
-    stack_signal: int | None = int(signal.SIGRTMIN) + 5
+    hang: HangSettings = HangSettings()
     events_file: str | None = None
     warm: WarmSettings = WarmSettings()
     # torchrun's --virtual-local-rank: LOCAL_RANK=0, CUDA_VISIBLE_DEVICES the

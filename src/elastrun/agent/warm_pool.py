@@ -200,8 +200,8 @@ class WarmPool:
         as this node's settings say; should the job's differ, the zygote is
         discarded at the first fork."""
         env = stable_env(self.spec, 0, self.spec.run_id, max_restarts)
-        if self.spec.hang_timeout is not None:
-            env[HEARTBEAT_INTERVAL_ENV] = repr(heartbeat_interval(self.spec.hang_timeout))
+        if self.spec.hang.timeout is not None:
+            env[HEARTBEAT_INTERVAL_ENV] = repr(heartbeat_interval(self.spec.hang.timeout))
         return env
 
     # ------------------------------------------------------------ starting

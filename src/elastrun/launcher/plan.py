@@ -32,6 +32,7 @@ from elastrun.agent.spec import (
     DEFAULT_LOG_TEMPLATE,
     DEFAULT_MEMORY_ROOT,
     GpuReleaseSettings,
+    HangSettings,
     HealthCheckSettings,
     LogSettings,
     MemorySettings,
@@ -454,9 +455,11 @@ def _worker_spec(
         signals_to_forward=tuple(s for s in handled if s.name not in STOP_SIGNALS),
         monitor_interval=float(config.monitor_interval),
         start_method=parse_choice(StartMethod, config.start_method, "--start-method"),
-        hang_timeout=config.hang_timeout,
-        hang_auto=config.hang_auto and config.hang_timeout is not None,
-        stack_signal=config.stack_signal,
+        hang=HangSettings(
+            timeout=config.hang_timeout,
+            auto=config.hang_auto and config.hang_timeout is not None,
+            stack_signal=config.stack_signal,
+        ),
         events_file=os.path.abspath(config.events_file) if config.events_file else None,
         warm=WarmSettings(
             # numactl runs each worker (--numa-binding): not forked from a warm interpreter.
