@@ -41,6 +41,7 @@ from elastrun.event_kinds import (
     WorkersSucceeded,
 )
 from elastrun.failure import FailureRecord
+from elastrun.fields import is_int
 from elastrun.rendezvous.plan import lost_node
 from elastrun.untrusted import UntrustedData, loads, printable
 
@@ -124,7 +125,7 @@ class LoggedEvent:
 
     def optional_integer(self, name: str) -> int | None:
         value = self.fields.get(name)
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
+        return value if is_int(value) else None
 
     def flag(self, name: str) -> bool:
         return self.fields.get(name) is True

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from elastrun.fields import Fields
+from elastrun.fields import Fields, is_int
 from elastrun.procs import pid_alive
 from elastrun.safefs import UnsafePath, read_regular
 from elastrun.untrusted import UntrustedData, loads
@@ -312,9 +312,9 @@ def read_record(path: Path) -> Record | None:
         raise RecordError(str(e)) from None
     obj = Fields.versioned(obj, RECORD_VERSION, "its checksum record", RecordError).raw
     step, size, sha = obj.get("step"), obj.get("size"), obj.get("sha256")
-    if obj.get("file") != path.name or not isinstance(step, int) or isinstance(step, bool):
+    if obj.get("file") != path.name or not is_int(step):
         raise RecordError("its checksum record is about another file")
-    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+    if not is_int(size) or size < 0:
         raise RecordError("its checksum record has no valid size")
     if not isinstance(sha, str) or not _SHA256.match(sha):
         raise RecordError("its checksum record has no valid sha256")
