@@ -142,3 +142,22 @@ def test_every_versioned_boundary_refuses_what_is_not_its_envelope(boundary: str
     }[bad]
     with pytest.raises(error):
         read(data)
+
+
+def test_a_timer_request_reads_as_torch_writes_it() -> None:
+    # torch's FileTimerClient: {"version": 1, ...}; a release has a negative time.
+    line = b'{"version": 1, "pid": 42, "scope_id": "step", "expiration_time": -1, "signal": 9}'
+    got = parse_request(line)
+    assert got is not None and (got.pid, got.scope_id, got.signal, got.release) == (
+        42,
+        "step",
+        9,
+        True,
+    )
+    for old, new in (
+        (b'"pid": 42', b'"pid": 0'),
+        (b'"pid": 42', b'"pid": true'),
+        (b'"signal": 9', b'"signal": 65'),
+        (b'"version": 1', b'"version": 2'),
+    ):
+        assert parse_request(line.replace(old, new)) is None, new
