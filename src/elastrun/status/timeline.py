@@ -41,7 +41,6 @@ from elastrun.event_kinds import (
     WorkersSucceeded,
 )
 from elastrun.failure import FailureRecord
-from elastrun.fields import is_int
 from elastrun.rendezvous.plan import lost_node
 from elastrun.untrusted import UntrustedData, loads, printable
 
@@ -125,7 +124,7 @@ class LoggedEvent:
 
     def optional_integer(self, name: str) -> int | None:
         value = self.fields.get(name)
-        return value if is_int(value) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     def flag(self, name: str) -> bool:
         return self.fields.get(name) is True
