@@ -152,7 +152,7 @@ def test_a_torn_or_damaged_slot_is_never_loaded(folder: Path) -> None:
 @pytest.mark.parametrize(
     ("patch", "why"),
     [
-        (lambda h: h.replace(b'"v":1', b'"v":9'), "version-1"),
+        (lambda h: h.replace(b'"v":1', b'"v":9'), "has version 9; this elastrun reads version 1"),
         (lambda h: h.replace(b'"dtype":"float32"', b'"dtype":"object"'), "dtype"),
         (lambda h: h.replace(b'"nbytes":4096', b'"nbytes":4092'), "do not fit"),
         (lambda h: h.replace(b'"offset":0', b'"offset":8'), "outside the data"),

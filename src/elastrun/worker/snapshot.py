@@ -268,9 +268,7 @@ class SnapshotHeader:
 
     @classmethod
     def from_json(cls, obj: Any) -> SnapshotHeader:
-        if not isinstance(obj, dict) or obj.get("v") != VERSION:
-            raise SnapshotError(f"its header is not a version-{VERSION} snapshot header")
-        f = _fields(obj, "its header")
+        f = Fields.versioned(obj, VERSION, "its header", SnapshotError)
         data_size = f.integer("data_size", high=MAX_COUNT)
         sha = obj.get("sha256")
         if not isinstance(sha, str) or not _SHA256.match(sha):
@@ -377,8 +375,9 @@ def _write_note(folder: str, name: str, obj: dict[str, Any]) -> None:
     write_atomic(os.path.join(folder, name), json.dumps(obj).encode())
 
 
-def _read_note(folder: str, name: str) -> Any:
-    """A note's JSON; None when there is none. SnapshotError: unusable."""
+def _read_note(folder: str, name: str, where: str) -> Fields | None:
+    """A note's fields (``where`` names it in errors); None when there is
+    none. SnapshotError: unusable."""
     try:
         raw = read_regular(os.path.join(folder, name), MAX_NOTE)
     except FileNotFoundError:
@@ -389,9 +388,7 @@ def _read_note(folder: str, name: str) -> Any:
         obj = loads(raw, max_bytes=MAX_NOTE, what=f"note {name!r}")
     except UntrustedData as e:
         raise SnapshotError(str(e)) from None
-    if not isinstance(obj, dict) or obj.get("v") != VERSION:
-        raise SnapshotError(f"its note {name!r} is not a version-{VERSION} note")
-    return obj
+    return Fields.versioned(obj, VERSION, where, SnapshotError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -431,11 +428,10 @@ class CommitNote:
 
     @classmethod
     def read(cls, folder: str) -> CommitNote | None:
-        obj = _read_note(folder, NOTE)
-        if obj is None:
+        f = _read_note(folder, NOTE, "its commit note")
+        if f is None:
             return None
-        f = _fields(obj, "its commit note")
-        slot, m = f.integer("slot", high=MAX_COUNT), obj.get("marked")
+        slot, m = f.integer("slot", high=MAX_COUNT), f.raw.get("marked")
         marked = None
         if m is not None:
             ok = isinstance(m, list) and len(m) == 3
@@ -458,13 +454,11 @@ def write_persisted(folder: str, generation: int) -> None:
 def read_persisted(folder: str) -> int:
     """The generation the agent is done with (-1: none, or an unusable note)."""
     try:
-        obj = _read_note(folder, PERSISTED)
+        f = _read_note(folder, PERSISTED, "its persisted note")
     except SnapshotError:
         return -1
-    if obj is None:
-        return -1
-    g = obj.get("generation")
-    return g if type(g) is int else -1
+    g = None if f is None else f.maybe_int("generation")
+    return -1 if g is None else g
 
 
 # ------------------------------------------------------------------ slots
