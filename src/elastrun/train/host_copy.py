@@ -2,8 +2,11 @@
 CPU a plain memory copy; from a GPU, copies that do not hold the training
 thread.
 
-* CPU tensors: copied in the calling thread
-  (:func:`~elastrun.train.state_codec.copy_into`).
+* CPU tensors: the small ones copied in the calling thread
+  (:func:`~elastrun.train.state_codec.copy_into`: a plain memory copy each),
+  those of ``LARGE`` bytes or more by torch's ``copy_``, which spreads one
+  copy over its threads (as fast as a plain copy of the same bytes by
+  torch; measured in ``bench/memory_save.py``).
 * GPU tensors: the slot's mapping is registered once as pinned host memory
   (``cudaHostRegister``: the GPU copies into it by DMA, at the bus's speed,
   with no staging buffer; unregistered before the mapping is closed). The
@@ -34,6 +37,8 @@ from elastrun.train.log import Log, say
 from elastrun.train.state_codec import Flat, copy_into
 
 __all__ = ["Device", "HostCopier", "Pending"]
+
+LARGE = 8 << 20  # a CPU tensor of this many bytes or more is copied by torch, on its threads
 
 
 class Pending(Protocol):
@@ -156,19 +161,23 @@ class HostCopier:
         offset): the CPU ones now, the device ones queued (wait on the result)."""
         on_device = self._stand_in or any(_on_gpu(t) for _, t in flat.tensors)
         device = self.device() if on_device else None
-        if device is None or not any(device.owns(t) for _, t in flat.tensors):
-            copy_into(flat, mm, start)
-            return _Done()
         here = [(k, t, e) for (k, t), e in zip(flat.tensors, flat.entries, strict=True)]
-        host = [(k, t, e) for k, t, e in here if not device.owns(t)]
+        queued = [(k, t, e) for k, t, e in here if device is not None and device.owns(t)]
+        host = [(k, t, e) for k, t, e in here if device is None or not device.owns(t)]
+        small = [(k, t, e) for k, t, e in host if e.nbytes < LARGE]
+        for _, t, e in host:
+            if e.nbytes >= LARGE:  # torch's copy: spread over its threads
+                dst = _host_view(mm, start + e.offset, t)
+                dst.copy_(t.detach())
+                del dst
         copy_into(
-            Flat([(k, t) for k, t, _ in host], flat.tree, tuple(e for *_, e in host)), mm, start
+            Flat([(k, t) for k, t, _ in small], flat.tree, tuple(e for *_, e in small)), mm, start
         )
+        if device is None or not queued:
+            return _Done()
         self._pin(device, slot, mm)
         pairs = [
-            (_host_view(mm, start + e.offset, t), t.detach())
-            for _, t, e in here
-            if device.owns(t) and e.nbytes
+            (_host_view(mm, start + e.offset, t), t.detach()) for _, t, e in queued if e.nbytes
         ]
         return device.copy_async(pairs) if pairs else _Done()
 
