@@ -23,7 +23,8 @@ worker restarts and writes the snapshots marked ``persist`` (every
 files (atomically, with checksum records), in the background.
 
 :meth:`MemoryCheckpoint.load` is called by every rank at start: each rank
-lists the steps its own slots hold intact (checked against their SHA-256),
+lists the steps its own slots hold (their headers checked: the data of
+the step the ranks choose is then checked against its digest),
 the ranks all-gather them and take the highest step that every rank holds;
 each rank then loads its own copy (no disk read). For a state that is the
 same on every rank (``shared=True``), the highest step any rank holds, sent
@@ -478,8 +479,8 @@ class MemoryCheckpoint:
         rank without the agreed step gets it from one that has it. None:
         nothing anywhere."""
         with phase("checkpoint"):
-            views = self._intact(self.folder) if self.folder is not None else []
-            replicas = self._intact(self.replicas) if self._lists_replicas() else []
+            views = self._listed(self.folder) if self.folder is not None else []
+            replicas = self._listed(self.replicas) if self._lists_replicas() else []
             try:
                 state = restore(
                     views,
@@ -502,11 +503,12 @@ class MemoryCheckpoint:
         """The node's replicas are listed by its local rank 0 only."""
         return self.replicas is not None and os.environ.get("LOCAL_RANK", "0") == "0"
 
-    def _intact(self, folder: str | None) -> list[SlotView]:
-        """The snapshots of ``folder`` that pass every check: their header
-        (bounds, seal, tree: :func:`~elastrun.worker.snapshot.parse_header`),
-        their data's SHA-256, and the folder's commit note. Each one that does
-        not is named in one line, and skipped: the older ones serve."""
+    def _listed(self, folder: str | None) -> list[SlotView]:
+        """The snapshots of ``folder`` whose header passes every check (bounds,
+        seal, tree: :func:`~elastrun.worker.snapshot.parse_header`) and agrees
+        with the folder's commit note. Each one that does not is named in one
+        line, and skipped: the older ones serve. Their data is checked against
+        its digest only if the ranks choose it (:mod:`elastrun.train.memory_load`)."""
         assert folder is not None
         try:
             note = CommitNote.read(folder)
@@ -521,7 +523,6 @@ class MemoryCheckpoint:
                 say(self.log, f"=> memory checkpoint {path} is damaged ({why}); not used")
                 continue
             try:
-                v.verify()
                 _check_note(v, note)
             except SnapshotError as e:
                 what = "was never committed" if isinstance(e, _Uncommitted) else "is damaged"
