@@ -282,8 +282,10 @@ def test_ratio_says_when_torchrun_never_got_there() -> None:
 
 def test_memory_save_bench_prints_a_row_per_digest() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "bench.memory_save", "--mib", "4", "--saves", "5"]
-        + ["--interval", "0.01", "--digests", "sha256-chunks,sha256"],
+        [
+            *(sys.executable, "-m", "bench.memory_save", "--mib", "4", "--saves", "5"),
+            *("--interval", "0.01", "--digests", "sha256-chunks,sha256"),
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -1,10 +1,10 @@
 """Restoring a memory checkpoint: the ranks agree on one step and load it.
 
 Each rank lists the steps its own slots hold (at most ``MAX_SLOTS``, with
-their sizes; their headers checked, not yet their data), and local rank 0 of each node the replicas its agent
-holds of the neighbour node's snapshots (at most ``MAX_REPLICAS``: the rank
-that saved each, its step and size); the ranks all-gather the lists (one
-collective), then (:func:`agree`):
+their sizes; their headers checked, not yet their data), and local rank 0
+of each node the replicas its agent holds of the neighbour node's
+snapshots (at most ``MAX_REPLICAS``: the rank that saved each, its step and
+size); the ranks all-gather the lists (one collective), then (:func:`agree`):
 
 * per-rank states (the default): the highest step for which every rank's
   state is somewhere: its own copy, or a replica of that rank held by some
