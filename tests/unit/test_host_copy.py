@@ -140,3 +140,20 @@ def test_a_state_without_device_tensors_never_asks_for_a_device() -> None:
     mem.save({"w": torch.ones(4)}, step=1)
     mem.close()
     assert asked == []
+
+
+def test_large_cpu_tensors_copied_by_torch_round_trip_exactly() -> None:
+    big = torch.randn(1536, 1536)  # 9 MiB: over LARGE, copied by torch's copy_
+    state = {
+        "t": big.t(),  # strided
+        "h": torch.randn(5 << 20).to(torch.bfloat16),  # 10 MiB
+        "b": torch.rand(9 << 20) > 0.5,  # 9 MiB of bools
+        "small": torch.arange(7),
+    }
+    mem = MemoryCheckpoint(log=None)
+    mem.save(state, step=3)
+    mem.close()
+    got = MemoryCheckpoint(log=None).load()
+    assert got is not None
+    for key, t in state.items():
+        assert got[key].dtype == t.dtype and torch.equal(got[key], t), key
