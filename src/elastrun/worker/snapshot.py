@@ -14,7 +14,8 @@ and named in ``ELASTRUN_MEMORY_CHECKPOINT_DIR``. The folder holds up to
 
 The header (:class:`SnapshotHeader`, version 1) names the step, the saving
 rank, the world size, a generation (nanoseconds since the epoch at the save:
-the newest snapshot has the highest), the data's size and SHA-256, each
+the newest snapshot has the highest), the data's size and digest (its
+algorithm named in ``digest``: :mod:`elastrun.worker.snapshot_digest`), each
 tensor (its key in the state, dtype, shape, offset, size), the rest of the
 state as a JSON tree with the tensors' places in it, and whether (and where)
 the agent should write it to disk. Every field is bounded, the tensors' places
@@ -22,7 +23,8 @@ and the tree checked, and the header's seal (its own SHA-256) verified before
 it is used (:mod:`elastrun.worker.snapshot_bounds`).
 
 **Writing** (the worker): take an exclusive ``flock`` on a slot that is not
-the newest and nobody reads, zero its magic, copy the tensors, hash them,
+the newest and nobody reads, zero its magic, copy the tensors, hash them
+(a thread of the worker, its chunks in parallel),
 write the header, then the magic, release the lock; then replace the
 folder's ``committed`` note (:class:`CommitNote`, a small JSON file, renamed
 into place), which is what the agent watches. The newest snapshot marked for
@@ -33,7 +35,7 @@ magic (never read: :class:`Torn`) and the previous snapshots intact; anything
 else in place of the magic is damage. **Reading** (the agent, or a restarted
 worker): a shared ``flock`` taken without waiting (a slot being written is
 skipped), the header checked within bounds and against its seal
-(:func:`parse_header`), the data checked against its SHA-256. A disk copy of
+(:func:`parse_header`), the data checked against its digest. A disk copy of
 a snapshot is the same bytes (``ckpt-<step>.pt``,
 with the usual checksum record: :mod:`elastrun.worker.checkpoint_files`).
 
@@ -46,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import mmap
 import os
 import re
@@ -67,6 +68,13 @@ from elastrun.worker.snapshot_bounds import (
     seal,
     sealed_digest,
 )
+from elastrun.worker.snapshot_digest import (
+    ALGORITHMS,
+    NAMES,
+    SHA256,
+    UnknownDigest,
+    data_digest,
+)
 
 __all__ = [
     "DTYPE_SIZES",
@@ -84,6 +92,7 @@ __all__ = [
     "SnapshotHeader",
     "TensorEntry",
     "Torn",
+    "check_data",
     "check_header_size",
     "data_offset",
     "header_of",
@@ -244,6 +253,7 @@ class SnapshotHeader:
     tensors: tuple[TensorEntry, ...]
     tree: Any
     persist: Persist | None = None
+    digest: str = SHA256  # how ``sha256`` was computed (snapshot_digest)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -254,6 +264,7 @@ class SnapshotHeader:
             "generation": self.generation,
             "data_size": self.data_size,
             "sha256": self.sha256,
+            "digest": self.digest,
             "persist": None if self.persist is None else self.persist.to_json(),
             "tensors": [t.to_json() for t in self.tensors],
             "tree": self.tree,
@@ -273,6 +284,9 @@ class SnapshotHeader:
         sha = obj.get("sha256")
         if not isinstance(sha, str) or not _SHA256.match(sha):
             raise SnapshotError("its header has no valid sha256")
+        digest = obj.get("digest", SHA256)
+        if digest not in ALGORITHMS:
+            raise SnapshotError(f"its header names no known data digest ({str(digest)[:40]!r})")
         tensors = obj.get("tensors")
         if not isinstance(tensors, list):
             raise SnapshotError("its header has no tensor list")
@@ -287,6 +301,7 @@ class SnapshotHeader:
             tensors=tuple(TensorEntry.from_json(t, data_size) for t in tensors),
             tree=obj.get("tree"),
             persist=Persist.from_json(obj.get("persist")),
+            digest=digest,
         )
         why = check_layout(header.tensors, data_size) or check_tree(
             header.tree, len(header.tensors)
@@ -362,11 +377,18 @@ def header_of(data: bytes | bytearray | memoryview) -> tuple[SnapshotHeader, int
     return parse_header(data, len(data), sealed=False)
 
 
-def sha256_of(view: memoryview) -> str:
-    h = hashlib.sha256()
-    for i in range(0, len(view), HASH_CHUNK):
-        h.update(view[i : i + HASH_CHUNK])  # hashlib lets other threads run meanwhile
-    return h.hexdigest()
+def check_data(header: SnapshotHeader, data: memoryview) -> None:
+    """SnapshotError unless ``data`` matches ``header``'s digest (its
+    chunks hashed in parallel: :mod:`elastrun.worker.snapshot_digest`)."""
+    try:
+        got = data_digest(data, header.digest)
+    except UnknownDigest as e:
+        raise SnapshotError(str(e)) from None
+    if got != header.sha256:
+        raise SnapshotError(
+            f"its data's digest ({NAMES[header.digest]}) {got[:16]}... is not the "
+            f"header's {header.sha256[:16]}..."
+        )
 
 
 def _write_note(folder: str, name: str, obj: dict[str, Any]) -> None:
@@ -509,12 +531,8 @@ class SlotView:
         return memoryview(self._mm)[: self.size]
 
     def verify(self) -> None:
-        """SnapshotError unless the data matches the header's SHA-256."""
-        got = sha256_of(self.data)
-        if got != self.header.sha256:
-            raise SnapshotError(
-                f"its data's SHA-256 {got[:16]}... is not the header's {self.header.sha256[:16]}..."
-            )
+        """SnapshotError unless the data matches the header's digest."""
+        check_data(self.header, self.data)
 
     def close(self) -> None:
         with contextlib.suppress(BufferError, ValueError):
