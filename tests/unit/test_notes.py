@@ -333,14 +333,14 @@ def test_the_failure_summary_escapes_the_worker_s_error_file() -> None:
 
 def test_the_timeline_escapes_events_and_skips_hostile_lines(tmp_path: Any) -> None:
     from elastrun.status.timeline import load_events
+    from tests.unit.timeline_events import exited, line, opened, started
 
-    good = {"ts": 10.0, "kind": "round_opened", "round": 0, "reason": "<b>" + ESCAPES}
-    lane = {"ts": 11.0, "kind": "workers_started", "node_id": "n", "host": "<i>" + ESCAPES}
-    lane["round"] = "not a number"
-    crash = {"ts": 12.0, "kind": "worker_exited", "cause": "root_cause", "node_id": "n"}
-    crash["host"] = "</ul><script>" + ESCAPES
+    good = line(10.0, opened(0, "<b>" + ESCAPES), "n", "<i>" + ESCAPES)
+    lane = line(11.0, started(0, 2), "n", "<i>" + ESCAPES)
+    crash = line(12.0, exited(0, 1), "n", "</ul><script>" + ESCAPES)
+    mistyped = line(13.0, started(0, 2), "n") | {"round": "not a number"}
     path = tmp_path / "events.jsonl"
-    lines = [json.dumps(e) for e in (good, lane, crash)]
+    lines = [json.dumps(e) for e in (good, lane, crash, mistyped)]
     lines += ["[" * 100000, json.dumps({"ts": 1e300}), json.dumps({"ts": True})]
     path.write_text("\n".join(lines) + "\n")
     events = load_events([str(path)])
