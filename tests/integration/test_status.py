@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -334,11 +335,21 @@ def test_status_of_unknown_job_says_so(tmp_path: Path) -> None:
             "the store to listen",
         )
         endpoint = line.rsplit(" ", 1)[-1]
-        for extra in ([], ["--json"], ["--watch"]):  # each bounded: status() has a timeout
+        for extra in ([], ["--json"]):  # each bounded: status() has a timeout
             proc = status("--rdzv-endpoint", endpoint, "--rdzv-id", "nope", *extra)
             assert proc.returncode == 1, (extra, proc.stdout, proc.stderr)
             assert f"no job 'nope' in the store at {endpoint}" in proc.stderr, proc.stderr
             assert proc.stdout == ""
+        # --watch waits for the job to register, saying so, until stopped.
+        watch_log = tmp_path / "watch.log"
+        args = [*ELASTRUN, "status", "--rdzv-endpoint", endpoint, "--rdzv-id", "nope", "--watch"]
+        with background(args, watch_log) as watch:
+            said = f"waiting for job 'nope' to register in the store at {endpoint}"
+            wait_for(lambda: said in watch_log.read_text(), CLI_BOUND, "the watch to wait")
+            assert watch.poll() is None, watch_log.read_text()
+            watch.send_signal(signal.SIGTERM)
+            assert watch.wait(CLI_BOUND) == 0, watch_log.read_text()
+        assert watch_log.read_text().count("waiting for job") == 1, watch_log.read_text()
         assert server.poll() is None
 
 
