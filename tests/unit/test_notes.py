@@ -436,3 +436,16 @@ def test_gathered_notes_are_typed_by_seat_and_writes_keep_their_kind_s_lease() -
         assert await store.get(keys.note(beat.name)) is None
 
     asyncio.run(asyncio.wait_for(run(), 30.0))
+
+
+def test_a_refusal_note_is_typed_and_bounded() -> None:
+    note = N.RefusalNote("node-b", "host-b", "node_unit: job has 2, this node has 1")
+    assert N.parse(N.RefusalNote, N.encode(note.to_json())) == note
+    for bad in (
+        {"node_id": "no/slash"},
+        {"host": "h" * (N.MAX_TEXT + 1)},
+        {"message": "m" * (N.MAX_MESSAGE + 1)},
+        {"message": 3},
+    ):
+        found = N.parse(N.RefusalNote, N.encode({**note.to_json(), **bad}))
+        assert isinstance(found, N.Refused), bad
