@@ -335,14 +335,14 @@ def test_the_failure_summary_escapes_the_worker_s_error_file() -> None:
 
 def test_the_timeline_escapes_events_and_skips_hostile_lines(tmp_path: Any) -> None:
     from elastrun.status.timeline import load_events
+    from tests.unit.timeline_events import exited, line, opened, started
 
-    good = {"ts": 10.0, "kind": "round_opened", "round": 0, "reason": "<b>" + ESCAPES}
-    lane = {"ts": 11.0, "kind": "workers_started", "node_id": "n", "host": "<i>" + ESCAPES}
-    lane["round"] = "not a number"
-    crash = {"ts": 12.0, "kind": "worker_exited", "cause": "root_cause", "node_id": "n"}
-    crash["host"] = "</ul><script>" + ESCAPES
+    good = line(10.0, opened(0, "<b>" + ESCAPES), "n", "<i>" + ESCAPES)
+    lane = line(11.0, started(0, 2), "n", "<i>" + ESCAPES)
+    crash = line(12.0, exited(0, 1), "n", "</ul><script>" + ESCAPES)
+    mistyped = line(13.0, started(0, 2), "n") | {"round": "not a number"}
     path = tmp_path / "events.jsonl"
-    lines = [json.dumps(e) for e in (good, lane, crash)]
+    lines = [json.dumps(e) for e in (good, lane, crash, mistyped)]
     lines += ["[" * 100000, json.dumps({"ts": 1e300}), json.dumps({"ts": True})]
     path.write_text("\n".join(lines) + "\n")
     events = load_events([str(path)])
@@ -438,3 +438,16 @@ def test_gathered_notes_are_typed_by_seat_and_writes_keep_their_kind_s_lease() -
         assert await store.get(keys.note(beat.name)) is None
 
     asyncio.run(asyncio.wait_for(run(), 30.0))
+
+
+def test_a_refusal_note_is_typed_and_bounded() -> None:
+    note = N.RefusalNote("node-b", "host-b", "node_unit: job has 2, this node has 1")
+    assert N.parse(N.RefusalNote, N.encode(note.to_json())) == note
+    for bad in (
+        {"node_id": "no/slash"},
+        {"host": "h" * (N.MAX_TEXT + 1)},
+        {"message": "m" * (N.MAX_MESSAGE + 1)},
+        {"message": 3},
+    ):
+        found = N.parse(N.RefusalNote, N.encode({**note.to_json(), **bad}))
+        assert isinstance(found, N.Refused), bad

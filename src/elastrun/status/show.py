@@ -43,7 +43,7 @@ def render_table(summary: Summary, where: str) -> str:
     """The summary as a human-readable block of text (every string from the
     store escaped for the terminal)."""
     s = summary
-    out = [f"job {_p(s.run_id)}  (store {printable(where)}, revision {s.revision})"]
+    out = [f"job {_p(s.run_id)}  (store {printable(where)}, {_revision(s)})"]
     rnd = _opt(s.round, "-")
     why = f" (opened: {_p(s.round_reason)}" if s.round_reason else ""
     if why:
@@ -96,6 +96,14 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
 
 
+def _revision(s: Summary) -> str:
+    """The store revision read at; with candidate hosts, of which term: each
+    host's store counts its own revisions, so they start again after a takeover."""
+    if s.store_hosts is None:
+        return f"revision {s.revision}"
+    return f"term {s.store_hosts.term}, revision {s.revision}"
+
+
 def _ranks_block(ranks: Sequence[RankRow]) -> list[str]:
     """Per-rank step times (reported every few seconds by each agent)."""
     if not ranks:
@@ -115,8 +123,11 @@ def _ranks_block(ranks: Sequence[RankRow]) -> list[str]:
             )
         )
     title = (
-        "\nranks (medians of the recent optimizer steps; own time: outside backward passes, "
-        "where DDP waits for the slowest rank):"
+        "\nranks (STEP: the step the script reports, elastrun.train.heartbeat(step); without "
+        "one, the optimizer steps this worker process took since it started, so a restarted "
+        "rank counts from 0 again and ranks started apart differ. STEP_TIME, OWN_TIME: medians "
+        "of the recent optimizer steps; own time: outside backward passes, where DDP waits "
+        "for the slowest rank):"
     )
     return [title, *_table(rows)]
 
@@ -215,7 +226,7 @@ class Printer:
         if not diff:
             return
         stamp = time.strftime("%H:%M:%S")
-        self._write(f"--- {stamp} (revision {summary.revision})\n" + "\n".join(diff) + "\n")
+        self._write(f"--- {stamp} ({_revision(summary)})\n" + "\n".join(diff) + "\n")
 
     def _write(self, text: str) -> None:
         with contextlib.suppress(OSError, ValueError):
