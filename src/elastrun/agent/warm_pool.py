@@ -51,6 +51,7 @@ from elastrun.rendezvous.notes import ModuleReport
 from elastrun.untrusted import printable
 from elastrun.worker._messages import PreloadPlan, Ready, Unsafe
 from elastrun.worker._modnames import script_module
+from elastrun.worker.local_main import ENV as LOCAL_MAIN_ENV
 from elastrun.worker.snapshot import ENV as MEMORY_CHECKPOINT_ENV
 from elastrun.worker.snapshot import REPLICA_ENV as MEMORY_REPLICA_ENV
 
@@ -90,7 +91,7 @@ ROUND_VARS = frozenset(
         MEMORY_REPLICA_ENV,
     )
 )
-LOCAL_VARS = frozenset(("LOCAL_RANK",))
+LOCAL_VARS = frozenset(("LOCAL_RANK", LOCAL_MAIN_ENV))  # the flag: --virtual-local-rank only
 # With --virtual-local-rank, the device variables differ by local rank too
 # (agent/env.py virtual_local_rank). They are set when a worker is forked: the
 # zygote never initialises CUDA nor loads its driver (worker/_zygote.py refuses

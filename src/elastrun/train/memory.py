@@ -67,6 +67,7 @@ from elastrun.train.heartbeat import phase
 from elastrun.train.log import Log, say
 from elastrun.train.memory_load import restore
 from elastrun.train.state_codec import Flat, copy_into, flatten
+from elastrun.worker.local_main import is_local_main
 from elastrun.worker.snapshot import (
     ENV,
     MAGIC,
@@ -484,8 +485,9 @@ class MemoryCheckpoint:
             )
 
     def _lists_replicas(self) -> bool:
-        """The node's replicas are listed by its local rank 0 only."""
-        return self.replicas is not None and os.environ.get("LOCAL_RANK", "0") == "0"
+        """The node's replicas are listed by its real local rank 0 only (every
+        rank's LOCAL_RANK is 0 under --virtual-local-rank)."""
+        return self.replicas is not None and is_local_main(os.environ)
 
     def _intact(self, folder: str | None) -> list[SlotView]:
         """The snapshots of ``folder`` that pass every check: their header
