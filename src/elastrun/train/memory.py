@@ -67,6 +67,7 @@ from elastrun.train.heartbeat import phase
 from elastrun.train.log import Log, say
 from elastrun.train.memory_load import restore
 from elastrun.train.state_codec import Flat, copy_into, flatten
+from elastrun.worker import memory_limit
 from elastrun.worker.local_main import is_local_main
 from elastrun.worker.snapshot import (
     ENV,
@@ -182,7 +183,11 @@ class _Slots:
         try:
             if os.fstat(fd).st_size >= len(MAGIC):
                 os.pwrite(fd, bytes(len(MAGIC)), 0)  # no magic: not a snapshot until committed
-            if os.fstat(fd).st_size < size:
+            if (have := os.fstat(fd).st_size) < size:
+                # tmpfs pages count against the container's memory limit: past
+                # it, an OOM kill instead of an error (worker/memory_limit.py).
+                if (over := memory_limit.refusal(size - have)) is not None:
+                    raise _NoRoom(over)
                 self._unmap(i)
                 try:
                     os.posix_fallocate(fd, 0, size)  # tmpfs: the pages now, or ENOSPC
