@@ -40,6 +40,16 @@ def test_the_tightest_level_of_a_v2_hierarchy_bounds_the_headroom(tmp_path):
     assert why is not None and "memory limit" in why and "OOM" in why and "124 MiB" in why
 
 
+def test_inactive_page_cache_is_not_counted_as_used(tmp_path):
+    # Reading a data set fills the page cache, which the kernel reclaims first.
+    cg = tmp_path / "cg"
+    me = _v2(cg, "/", {"": (str(4096 * MiB), 4000 * MiB)})
+    (cg / "memory.stat").write_text(f"anon 100\nfile {3500 * MiB}\ninactive_file {3000 * MiB}\n")
+    room, _ = memory_limit.headroom(str(cg), str(me)) or (0, "")
+    assert room == 3096 * MiB
+    assert memory_limit.refusal(1024 * MiB, str(cg), str(me)) is None
+
+
 def test_v1_and_no_limit(tmp_path):
     cg = tmp_path / "cg"
     mem = cg / "memory" / "job"

@@ -8,8 +8,10 @@ container (the agent, a worker) instead of the save failing. So before a
 slot grows, :func:`refusal` compares its size with the cgroup's headroom:
 its limit less its usage, at its own level and every level above it (cgroup
 v2: ``memory.max`` and ``memory.current``; v1: ``memory.limit_in_bytes`` and
-``memory.usage_in_bytes``), keeping ``MARGIN`` bytes for the processes
-themselves. A slot that does not fit is refused with a line naming the limit
+``memory.usage_in_bytes``), the inactive page cache (``memory.stat``'s
+``inactive_file``, which the kernel reclaims first) not counted as used, as
+the kubelet counts a container's working set; ``MARGIN`` bytes are kept for
+the processes themselves. A slot that does not fit is refused with a line naming the limit
 (train/memory.py then falls back to the disk with its one warning). No limit
 found (none set, no cgroup files): no refusal.
 """
@@ -34,6 +36,20 @@ def _read_int(path: str) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None
+
+
+def _inactive_file(folder: str, key: str) -> int:
+    """The reclaimable page cache of the cgroup at ``folder`` (0 if unknown)."""
+    try:
+        with open(os.path.join(folder, "memory.stat"), "rb") as fp:
+            lines = fp.read(1 << 16).decode("ascii", errors="replace").splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value.strip())
+    return 0
 
 
 def _paths(self_cgroup: str) -> tuple[str | None, str | None]:
@@ -68,20 +84,24 @@ def headroom(root: str | None = None, self_cgroup: str | None = None) -> tuple[i
     ``SELF_CGROUP``)."""
     root = CGROUP if root is None else root
     v2, v1 = _paths(SELF_CGROUP if self_cgroup is None else self_cgroup)
-    candidates: list[tuple[str, str, str]] = []
+    candidates: list[tuple[str, str, str, str]] = []
     if v2 is not None:
-        candidates += [(d, "memory.max", "memory.current") for d in _levels(root, v2)]
+        candidates += [
+            (d, "memory.max", "memory.current", "inactive_file") for d in _levels(root, v2)
+        ]
     if v1 is not None:
         base = os.path.join(root, "memory")
         candidates += [
-            (d, "memory.limit_in_bytes", "memory.usage_in_bytes") for d in _levels(base, v1)
+            (d, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+            for d in _levels(base, v1)
         ]
     best: tuple[int, str] | None = None
-    for folder, limit_name, usage_name in candidates:
+    for folder, limit_name, usage_name, cache_key in candidates:
         limit = _read_int(os.path.join(folder, limit_name))
         if limit is None or limit >= UNLIMITED:
             continue  # "max", or no such file at this level
         usage = _read_int(os.path.join(folder, usage_name)) or 0
+        usage = max(0, usage - _inactive_file(folder, cache_key))
         room = max(0, limit - usage)
         if best is None or room < best[0]:
             best = (room, os.path.join(folder, limit_name))
