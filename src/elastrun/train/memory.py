@@ -69,6 +69,8 @@ from elastrun.train.host_copy import HostCopier, Pending
 from elastrun.train.log import Log, say
 from elastrun.train.memory_load import restore
 from elastrun.train.state_codec import Flat, flatten
+from elastrun.worker import memory_limit
+from elastrun.worker.local_main import is_local_main
 from elastrun.worker.snapshot import (
     ENV,
     MAGIC,
@@ -186,7 +188,11 @@ class _Slots:
         try:
             if os.fstat(fd).st_size >= len(MAGIC):
                 os.pwrite(fd, bytes(len(MAGIC)), 0)  # no magic: not a snapshot until committed
-            if os.fstat(fd).st_size < size:
+            if (have := os.fstat(fd).st_size) < size:
+                # tmpfs pages count against the container's memory limit: past
+                # it, an OOM kill instead of an error (worker/memory_limit.py).
+                if (over := memory_limit.refusal(size - have)) is not None:
+                    raise _NoRoom(over)
                 self._unmap(i)
                 try:
                     os.posix_fallocate(fd, 0, size)  # tmpfs: the pages now, or ENOSPC
@@ -500,8 +506,9 @@ class MemoryCheckpoint:
             )
 
     def _lists_replicas(self) -> bool:
-        """The node's replicas are listed by its local rank 0 only."""
-        return self.replicas is not None and os.environ.get("LOCAL_RANK", "0") == "0"
+        """The node's replicas are listed by its real local rank 0 only (every
+        rank's LOCAL_RANK is 0 under --virtual-local-rank)."""
+        return self.replicas is not None and is_local_main(os.environ)
 
     def _listed(self, folder: str | None) -> list[SlotView]:
         """The snapshots of ``folder`` whose header passes every check (bounds,
