@@ -66,6 +66,7 @@ from elastrun.train.context import env_int
 from elastrun.train.heartbeat import phase
 from elastrun.train.log import Log, say
 from elastrun.train.memory_load import restore
+from elastrun.train.sharded import memory_state
 from elastrun.train.state_codec import Flat, copy_into, flatten
 from elastrun.worker.snapshot import (
     ENV,
@@ -477,6 +478,9 @@ class MemoryCheckpoint:
             finally:
                 for v in views + replicas:
                     v.close()
+            if state is not None:  # DTensors' shards back on their mesh, or None on every rank
+                disk = self.directory is not None
+                state = memory_state(state, group=group, log=self.log, disk=disk)
             if state is not None or self.directory is None:
                 return state
             return load_checkpoint(

@@ -1,0 +1,280 @@
+"""Sharded states in a memory checkpoint: each rank's local shards of its DTensors.
+
+A ``DTensor`` (FSDP2's ``state_dict``, tensor parallelism) is saved as its
+local shard (a plain tensor: ``to_local()``) with its
+:class:`~elastrun.worker.shard_layout.ShardLayout`: the mesh, the placements
+(``Shard(d)``, ``Replicate()``), the global shape and stride
+(:func:`describe`, called by :func:`~elastrun.train.state_codec.flatten`). A
+snapshot read back holds a :class:`LocalShard` in each such place
+(:func:`~elastrun.train.state_codec.decode`), and :func:`finish` makes them
+``DTensor`` again, on a mesh of the same ranks, once every rank agrees that
+this can be done:
+
+* each rank checks that the snapshot it loaded was saved by itself, in a world
+  of the current size, and that every mesh fits this world (one all-reduce);
+* if any rank's check fails (the world changed, or a rank got another rank's
+  snapshot), no rank rebuilds: the shards of the old world are not
+  redistributed in memory (a new world's shards need the lost ranks' too).
+  ``MemoryCheckpoint.load`` then falls back to the disk checkpoints, with one
+  line saying why; a disk checkpoint of another world's shards is refused by
+  a ConfigError that says how to convert it (``elastrun checkpoint-convert``,
+  :mod:`elastrun.train.convert`, whose output ``torch.distributed.checkpoint``
+  loads and reshards).
+
+``ShardedTensor`` (torch's older sharded type, still in torch 2.13 and used by
+FSDP1's ``SHARDED_STATE_DICT``) is refused by name: save it as a DTensor
+(FSDP2, or FSDP1 with ``StateDictType.SHARDED_STATE_DICT`` and DTensor on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from elastrun.errors import ConfigError
+from elastrun.train.log import Log, say
+from elastrun.worker.shard_layout import ShardLayout
+from elastrun.worker.snapshot import SnapshotHeader
+
+__all__ = ["LocalShard", "describe", "finish", "has_shards", "is_sharded", "refuse_sharded_tensor"]
+
+
+@dataclass
+class LocalShard:
+    """A rank's shard as read back: the tensor, its layout, its key, and the
+    rank and world size of the snapshot it came from."""
+
+    tensor: Any
+    layout: ShardLayout
+    key: str
+    saved_rank: int
+    saved_world: int
+
+
+def _refuse(key: str, why: str) -> ConfigError:
+    return ConfigError(f"memory checkpoint: {key} {why}")
+
+
+def is_sharded(obj: Any) -> bool:
+    """Whether ``obj`` is a DTensor (torch loaded: the caller holds a tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(obj, DTensor)
+
+
+def refuse_sharded_tensor(obj: Any, key: str) -> None:
+    """ConfigError naming ``key`` when ``obj`` is a ShardedTensor."""
+    try:
+        from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+    except ImportError:  # a torch without it
+        return
+    if isinstance(obj, ShardedTensor):
+        raise _refuse(
+            key,
+            "is a ShardedTensor, which a memory checkpoint does not hold; save DTensors "
+            "(FSDP2's state_dict, or torch.distributed.tensor) instead",
+        )
+
+
+def _placement(p: Any, key: str) -> str:
+    from torch.distributed.tensor import Replicate, Shard
+
+    if type(p) is Replicate:
+        return "R"
+    if type(p) is Shard:
+        return f"S{p.dim}"
+    raise _refuse(
+        key,
+        f"is a DTensor placed {p} on its mesh; a memory checkpoint holds Shard(dim) and "
+        "Replicate() placements (redistribute it, or call full_tensor(), before saving)",
+    )
+
+
+def describe(dt: Any, key: str, rank: int, world: int) -> tuple[Any, ShardLayout]:
+    """A DTensor's local shard and layout; ConfigError naming ``key`` when its
+    placements cannot be held or its mesh does not fit this rank's world."""
+    mesh = dt.device_mesh
+    ranks = [int(r) for r in mesh.mesh.reshape(-1).tolist()]
+    if max(ranks) >= world or rank not in ranks:
+        raise _refuse(
+            key,
+            f"is a DTensor on a mesh of ranks {_short(ranks)}, which does not match this "
+            f"rank's world (rank {rank} of {world})",
+        )
+    names = mesh.mesh_dim_names
+    layout = ShardLayout(
+        device_type=str(mesh.device_type),
+        mesh=tuple(ranks),
+        mesh_shape=tuple(int(d) for d in mesh.mesh.shape),
+        dim_names=None if names is None else tuple(str(n) for n in names),
+        placements=tuple(_placement(p, key) for p in dt.placements),
+        shape=tuple(int(d) for d in dt.shape),
+        stride=tuple(int(s) for s in dt.stride()),
+    )
+    return dt.to_local(), layout
+
+
+def _short(ranks: list[int]) -> str:
+    return str(ranks) if len(ranks) <= 8 else f"[{ranks[0]}, ..., {ranks[-1]}] ({len(ranks)})"
+
+
+def _leaves(state: Any) -> list[tuple[Any, Any, LocalShard]]:
+    """Every LocalShard in ``state``: (its container, its key there, it)."""
+    out: list[tuple[Any, Any, LocalShard]] = []
+    stack = [state]
+    while stack:
+        node = stack.pop()
+        items: Any = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, v in items:
+            if isinstance(v, LocalShard):
+                out.append((node, k, v))
+            elif isinstance(v, dict | list | tuple):
+                stack.append(v)
+    return out
+
+
+def has_shards(state: Any) -> bool:
+    return isinstance(state, dict | list | tuple) and bool(_leaves(state))
+
+
+def _mismatch(shards: list[LocalShard], rank: int, world: int) -> str | None:
+    """Why this rank cannot take its shards back as they are (None: it can)."""
+    for s in shards:
+        if s.saved_world != world:
+            return (
+                f"its sharded tensors ({s.key}, ...) are shards of a world of {s.saved_world} "
+                f"ranks, and the world is now {world}"
+            )
+        if s.saved_rank != rank:
+            return f"rank {rank} got rank {s.saved_rank}'s shards ({s.key}, ...)"
+        if max(s.layout.mesh) >= world or rank not in s.layout.mesh:
+            return f"{s.key} is on a mesh that does not match the world (rank {rank} of {world})"
+    return None
+
+
+def finish(state: Any, *, group: Any, what: str) -> tuple[Any, str | None]:
+    """``state`` with its LocalShards made DTensors again, and None; or
+    (None, why) on every rank when some rank cannot take its shards back (see
+    the module doc; ``why`` is this rank's reason, or a general one). Every
+    rank of ``group`` calls it, each with its state; ``what`` names the state
+    in an error."""
+    import torch
+    import torch.distributed as dist
+
+    from elastrun.train.transfer_device import transfer_device
+
+    shards = _leaves(state)
+    if not (dist.is_available() and dist.is_initialized()):
+        if shards:
+            raise ConfigError(
+                f"{what} holds sharded tensors ({shards[0][2].key}, ...): initialise the "
+                "process group (and its device mesh) before loading it"
+            )
+        return state, None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    why = _mismatch([s for _, _, s in shards], rank, world)
+    flag = torch.tensor([0 if why is None else 1], dtype=torch.int64, device=transfer_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if int(flag.item()):
+        return None, why or "another rank's shards do not fit the world"
+    meshes: dict[tuple[Any, ...], Any] = {}
+    for parent, k, s in shards:
+        value = _rebuild(s, meshes)
+        if isinstance(parent, tuple):
+            raise ConfigError(f"{what}: {s.key} is a sharded tensor inside a tuple")
+        parent[k] = value
+    return state, None
+
+
+def _rebuild(s: LocalShard, meshes: dict[tuple[Any, ...], Any]) -> Any:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from elastrun.train.transfer_device import transfer_device
+
+    lay = s.layout
+    mkey = (lay.device_type, lay.mesh, lay.mesh_shape, lay.dim_names)
+    if mkey not in meshes:  # one mesh per distinct one (its groups made once, in order)
+        ranks = torch.tensor(lay.mesh, dtype=torch.int64).reshape(lay.mesh_shape)
+        meshes[mkey] = DeviceMesh(lay.device_type, ranks, mesh_dim_names=lay.dim_names)
+    placements = [Replicate() if p == "R" else Shard(int(p[1:])) for p in lay.placements]
+    local = s.tensor
+    if lay.device_type != local.device.type:
+        local = local.to(transfer_device() if lay.device_type == "cuda" else lay.device_type)
+    return DTensor.from_local(
+        local,
+        meshes[mkey],
+        placements,
+        run_check=False,
+        shape=torch.Size(lay.shape),
+        stride=lay.stride,
+    )
+
+
+def memory_state(state: Any, *, group: Any, log: Log, disk: bool) -> Any:
+    """A memory checkpoint's state with its shards made DTensors again; None
+    on every rank, after rank 0's one line saying why, when they cannot be
+    (the caller then loads the disk checkpoints, when ``disk``)."""
+    import torch.distributed as dist
+
+    state, why = finish(state, group=group, what="memory checkpoint")
+    if why is not None and (not dist.is_initialized() or dist.get_rank(group) == 0):
+        then = "loading the disk checkpoints" if disk else "no disk checkpoints to load"
+        say(
+            log,
+            f"=> memory checkpoint not used: {why}; sharded states are not resharded in "
+            f"memory: {then}",
+        )
+    return state
+
+
+def disk_state(state: Any, *, group: Any, directory: str) -> Any:
+    """A disk checkpoint's state with its shards made DTensors again;
+    ConfigError on every rank when they cannot be."""
+    state, why = finish(state, group=group, what=f"the checkpoint in {directory}")
+    if why is not None:
+        raise ConfigError(
+            f"the checkpoint in {directory} cannot be loaded as it is: {why}. Convert the "
+            "ranks' disk checkpoints with `elastrun checkpoint-convert` and load the result "
+            "with torch.distributed.checkpoint.load, which reshards it (docs/training.md: "
+            "sharded states)"
+        )
+    return state
+
+
+def with_layouts(state: Any, header: SnapshotHeader) -> Any:
+    """``state`` (a disk copy as ``torch.load`` read it: local shards as plain
+    tensors) with a LocalShard in each place the snapshot's tree says held a
+    DTensor (:mod:`elastrun.worker.torch_file`)."""
+
+    def walk(node: Any, value: Any) -> Any:
+        ((tag, v),) = node.items()
+        if tag == "s":
+            lay = ShardLayout.from_json(v[1])
+            return LocalShard(value, lay, header.tensors[v[0]].key, header.rank, header.world_size)
+        if tag == "d":
+            for k, child in v:
+                value[k] = walk(child, value[k])
+        elif tag == "l":
+            for i, child in enumerate(v):
+                value[i] = walk(child, value[i])
+        elif tag == "u":
+            return tuple(walk(child, x) for child, x in zip(v, value, strict=True))
+        return value
+
+    return walk(header.tree, state)
+
+
+def has_layouts(header: SnapshotHeader) -> bool:
+    """Whether a snapshot's tree holds a DTensor's shard."""
+    stack = [header.tree]
+    while stack:
+        ((tag, v),) = stack.pop().items()
+        if tag == "s":
+            return True
+        if tag == "d":
+            stack.extend(child for _, child in v)
+        elif tag in ("l", "u"):
+            stack.extend(v)
+    return False
