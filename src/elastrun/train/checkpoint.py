@@ -36,7 +36,7 @@ from elastrun.errors import ConfigError
 from elastrun.safefs import UnsafePath, open_regular
 from elastrun.train.heartbeat import phase
 from elastrun.train.log import Log, say
-from elastrun.train.sharded import disk_state, has_layouts, with_layouts
+from elastrun.train.sharded import disk_state, first_shard, with_layouts
 from elastrun.train.state_codec import decode
 from elastrun.train.transfer_device import transfer_device
 from elastrun.worker.checkpoint_files import (
@@ -157,7 +157,7 @@ def _torch_load(data: bytes | bytearray, map_location: Any) -> dict[str, Any]:
         return state
     state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     written = header_record(data)  # a memory checkpoint the agent wrote: its DTensors' layouts
-    if written is not None and has_layouts(written):
+    if written is not None and first_shard(written) is not None:
         state = with_layouts(state, written)
     if not isinstance(state, dict):
         raise ValueError(f"it holds a {type(state).__name__}, expected a dict")

@@ -66,7 +66,7 @@ from elastrun.train.context import env_int
 from elastrun.train.heartbeat import phase
 from elastrun.train.log import Log, say
 from elastrun.train.memory_load import restore
-from elastrun.train.sharded import memory_state
+from elastrun.train.sharded import memory_state, usable
 from elastrun.train.state_codec import Flat, copy_into, flatten
 from elastrun.worker.snapshot import (
     ENV,
@@ -466,6 +466,7 @@ class MemoryCheckpoint:
         with phase("checkpoint"):
             views = self._intact(self.folder) if self.folder is not None else []
             replicas = self._intact(self.replicas) if self._lists_replicas() else []
+            views, replicas = usable(views, replicas, group=group, log=self.log)  # sharded
             try:
                 state = restore(
                     views,

@@ -34,9 +34,19 @@ from typing import Any
 from elastrun.errors import ConfigError
 from elastrun.train.log import Log, say
 from elastrun.worker.shard_layout import ShardLayout
-from elastrun.worker.snapshot import SnapshotHeader
+from elastrun.worker.snapshot import SlotView, SnapshotHeader
 
-__all__ = ["LocalShard", "describe", "finish", "has_shards", "is_sharded", "refuse_sharded_tensor"]
+__all__ = [
+    "LocalShard",
+    "describe",
+    "finish",
+    "first_shard",
+    "has_shards",
+    "is_sharded",
+    "refuse_sharded_tensor",
+    "shard_leaves",
+    "usable",
+]
 
 
 @dataclass
@@ -118,7 +128,7 @@ def _short(ranks: list[int]) -> str:
     return str(ranks) if len(ranks) <= 8 else f"[{ranks[0]}, ..., {ranks[-1]}] ({len(ranks)})"
 
 
-def _leaves(state: Any) -> list[tuple[Any, Any, LocalShard]]:
+def shard_leaves(state: Any) -> list[tuple[Any, Any, LocalShard]]:
     """Every LocalShard in ``state``: (its container, its key there, it)."""
     out: list[tuple[Any, Any, LocalShard]] = []
     stack = [state]
@@ -134,7 +144,7 @@ def _leaves(state: Any) -> list[tuple[Any, Any, LocalShard]]:
 
 
 def has_shards(state: Any) -> bool:
-    return isinstance(state, dict | list | tuple) and bool(_leaves(state))
+    return isinstance(state, dict | list | tuple) and bool(shard_leaves(state))
 
 
 def _mismatch(shards: list[LocalShard], rank: int, world: int) -> str | None:
@@ -163,7 +173,7 @@ def finish(state: Any, *, group: Any, what: str) -> tuple[Any, str | None]:
 
     from elastrun.train.transfer_device import transfer_device
 
-    shards = _leaves(state)
+    shards = shard_leaves(state)
     if not (dist.is_available() and dist.is_initialized()):
         if shards:
             raise ConfigError(
@@ -266,15 +276,53 @@ def with_layouts(state: Any, header: SnapshotHeader) -> Any:
     return walk(header.tree, state)
 
 
-def has_layouts(header: SnapshotHeader) -> bool:
-    """Whether a snapshot's tree holds a DTensor's shard."""
+def first_shard(header: SnapshotHeader) -> str | None:
+    """The key of the first DTensor shard a snapshot holds (None: none)."""
+    found = -1
     stack = [header.tree]
     while stack:
         ((tag, v),) = stack.pop().items()
-        if tag == "s":
-            return True
-        if tag == "d":
+        if tag == "s" and (found < 0 or v[0] < found):
+            found = v[0]
+        elif tag == "d":
             stack.extend(child for _, child in v)
         elif tag in ("l", "u"):
             stack.extend(v)
-    return False
+    return None if found < 0 else header.tensors[found].key
+
+
+def usable(
+    views: list[SlotView], replicas: list[SlotView], *, group: Any, log: Log
+) -> tuple[list[SlotView], list[SlotView]]:
+    """``views`` and ``replicas`` less the snapshots of sharded states saved
+    in a world of another size (closed here): their shards are not resharded
+    in memory. Rank 0 says so in one line; the ranks then agree on what is
+    left, or fall back to the disk checkpoints."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return views, replicas
+    world = dist.get_world_size(group)
+    why: list[str] = []
+    dropped: set[int] = set()
+    for v in views + replicas:
+        key = first_shard(v.header) if v.header.world_size != world else None
+        if key is not None:
+            why.append(
+                f"its sharded tensors ({key}, ...) are shards of a world of "
+                f"{v.header.world_size} ranks, and the world is now {world}"
+            )
+            dropped.add(v.header.step)
+            v.close()
+    if why and dist.get_rank(group) == 0:
+        steps = ", ".join(str(s) for s in sorted(dropped))
+        say(
+            log,
+            f"=> memory checkpoint step {steps} not used: {why[0]}; sharded states are not "
+            "resharded in memory (the disk checkpoints serve, if any)",
+        )
+    return _kept(views, world), _kept(replicas, world)
+
+
+def _kept(views: list[SlotView], world: int) -> list[SlotView]:
+    return [v for v in views if v.header.world_size == world or first_shard(v.header) is None]
