@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ import pytest
 from elastrun.agent.memory import persist_snapshot
 from elastrun.cli import main as elastrun_main
 from elastrun.worker.snapshot import CommitNote, open_slot
-from tests.helpers import free_port
+from tests.helpers import free_port, stop_groups
 from tests.integration.elastic_harness import SCRIPTS
 
 torch = pytest.importorskip("torch")
@@ -118,3 +119,44 @@ def test_sharded_state_saved_restored_converted_and_resharded(
     assert "=> using memory checkpoint" not in said
     assert "elastrun checkpoint-convert" in seen["disk_error"], seen
     assert seen["dcp_differs"] == [], seen
+
+
+def test_a_killed_rank_of_four_gets_its_shards_back_with_no_step_redone(tmp_path: Path) -> None:
+    progress = tmp_path / "progress.jsonl"
+    argv = [
+        sys.executable,
+        "-m",
+        "elastrun",
+        "--standalone",
+        "--nproc-per-node=4",
+        "--max-restarts=1",
+        str(SCRIPTS / "sharded_worker.py"),
+    ]
+    env = {"MEM_STEPS": "6", "MEM_CRASH_AT": "4", "MEM_PROGRESS": str(progress)}
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=BOUND)
+    finally:
+        stop_groups(proc)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-4000:]
+    assert "SIGKILLs itself after step 4" in text
+    lines = [ln for ln in text.splitlines() if re.match(r"^\[[^\]]+:\d+\]: LOADED ", ln)]
+    loaded = [json.loads(ln.split("LOADED ", 1)[1]) for ln in lines]
+    restarted = sorted((d["rank"], d["step"]) for d in loaded if d["step"] > 0)
+    assert restarted == [(0, 4), (1, 4), (2, 4), (3, 4)], text[-3000:]  # no step redone
+    saved: dict[tuple[int, int], float] = {}
+    for line in progress.read_text().splitlines():
+        d = json.loads(line)
+        saved.setdefault((d["rank"], d["step"]), d["fp"])  # the first attempt's
+    for d in loaded:
+        if d["step"]:
+            assert d["kinds"] == ["DTensor"], d
+            assert d["fp"] == saved[(d["rank"], 4)], d  # the very shards it saved
+    assert "=> using memory checkpoint: step 4" in text

@@ -132,10 +132,9 @@ def _one_gpu(gpus: dict[Any, str], t: Any, key: str) -> None:
         return
     if gpus and t.device not in gpus:
         ((device, first),) = gpus.items()
-        raise _refuse(
-            key,
-            f"is on {t.device}, and {first} on {device}: the state mixes devices (one "
-            "rank's state lies on one GPU, beside CPU tensors)",
+        raise ConfigError(
+            f"memory checkpoint: {key} is on {t.device}, and {first} on {device}: the state "
+            "mixes devices (a rank's state lies on one GPU, beside CPU tensors)"
         )
     gpus.setdefault(t.device, key)
 
