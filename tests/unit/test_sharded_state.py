@@ -187,3 +187,21 @@ def test_a_gloo_group_transfers_on_the_cpu(world_of_one: None) -> None:
     from elastrun.train.transfer_device import transfer_device
 
     assert str(transfer_device()) == "cpu"
+
+
+def test_shards_reach_only_their_own_rank(world_of_one: None) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from elastrun.train.sharded import LocalShard, disk_state, memory_state
+
+    lay = ShardLayout("cpu", (0,), (1,), None, ("S0",), (3,), (1,))
+
+    def state(rank: int, world: int) -> dict[str, Any]:
+        return {"w": LocalShard(torch.ones(3), lay, "state['w']", rank, world), "n": 1}
+
+    got = memory_state(state(0, 1))
+    assert isinstance(got["w"], DTensor) and got["w"].shape == (3,) and got["n"] == 1
+    with pytest.raises(ConfigError, match=r"rank 0 got rank 1's shards.*shared=False"):
+        memory_state(state(1, 1))  # a snapshot sent from another rank
+    with pytest.raises(ConfigError, match=r"shards of a world of 2 ranks.*checkpoint-convert"):
+        disk_state(state(0, 2), directory="/ckpt")

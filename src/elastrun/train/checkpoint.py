@@ -279,7 +279,7 @@ def load_checkpoint(
         state = _agree_and_load(directory, group, map_location, keep, log)
         if state is None:
             return None
-        back: dict[str, Any] = disk_state(state, group=group, directory=str(directory))
+        back: dict[str, Any] = disk_state(state, directory=str(directory))
         return back  # its DTensors' shards on their mesh again
 
 

@@ -479,9 +479,8 @@ class MemoryCheckpoint:
             finally:
                 for v in views + replicas:
                     v.close()
-            if state is not None:  # DTensors' shards back on their mesh, or None on every rank
-                disk = self.directory is not None
-                state = memory_state(state, group=group, log=self.log, disk=disk)
+            if state is not None:
+                state = memory_state(state)  # DTensors' shards back on their mesh
             if state is not None or self.directory is None:
                 return state
             return load_checkpoint(

@@ -10,14 +10,15 @@ snapshot read back holds a :class:`LocalShard` in each such place
 ``DTensor`` again, on a mesh of the same ranks, once every rank agrees that
 this can be done:
 
+* before the ranks agree on a step, the snapshots of sharded states saved in
+  a world of another size are set aside (:func:`usable`; rank 0 says so in
+  one line): the shards of the old world are not redistributed in memory (a
+  new world's shards need the lost ranks' too), so the ranks fall back to the
+  disk checkpoints;
 * each rank checks that the snapshot it loaded was saved by itself, in a world
-  of the current size, and that every mesh fits this world (one all-reduce);
-* if any rank's check fails (the world changed, or a rank got another rank's
-  snapshot), no rank rebuilds: the shards of the old world are not
-  redistributed in memory (a new world's shards need the lost ranks' too).
-  ``MemoryCheckpoint.load`` then falls back to the disk checkpoints, with one
-  line saying why; a disk checkpoint of another world's shards is refused by
-  a ConfigError that says how to convert it (``elastrun checkpoint-convert``,
+  of the current size, on meshes that fit this world (:func:`finish`); a
+  disk checkpoint of another world's shards is refused by a ConfigError that
+  says how to convert it (``elastrun checkpoint-convert``,
   :mod:`elastrun.train.convert`, whose output ``torch.distributed.checkpoint``
   loads and reshards).
 
@@ -162,38 +163,31 @@ def _mismatch(shards: list[LocalShard], rank: int, world: int) -> str | None:
     return None
 
 
-def finish(state: Any, *, group: Any, what: str) -> tuple[Any, str | None]:
-    """``state`` with its LocalShards made DTensors again, and None; or
-    (None, why) on every rank when some rank cannot take its shards back (see
-    the module doc; ``why`` is this rank's reason, or a general one). Every
-    rank of ``group`` calls it, each with its state; ``what`` names the state
-    in an error."""
-    import torch
+def finish(state: Any, *, what: str, advice: str) -> Any:
+    """``state`` with its LocalShards made DTensors again; ConfigError (``what``:
+    the state's name, then why, then ``advice``) when this rank cannot take
+    them back as they are. No collective: the snapshots of another world were
+    set aside before the ranks agreed (:func:`usable`), and a disk checkpoint
+    of another world is one on every rank."""
     import torch.distributed as dist
 
-    from elastrun.train.transfer_device import transfer_device
-
     shards = shard_leaves(state)
+    if not shards:
+        return state
     if not (dist.is_available() and dist.is_initialized()):
-        if shards:
-            raise ConfigError(
-                f"{what} holds sharded tensors ({shards[0][2].key}, ...): initialise the "
-                "process group (and its device mesh) before loading it"
-            )
-        return state, None
-    rank, world = dist.get_rank(), dist.get_world_size()
-    why = _mismatch([s for _, _, s in shards], rank, world)
-    flag = torch.tensor([0 if why is None else 1], dtype=torch.int64, device=transfer_device(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if int(flag.item()):
-        return None, why or "another rank's shards do not fit the world"
+        raise ConfigError(
+            f"{what} holds sharded tensors ({shards[0][2].key}, ...): initialise the "
+            "process group (and its device mesh) before loading it"
+        )
+    why = _mismatch([s for _, _, s in shards], dist.get_rank(), dist.get_world_size())
+    if why is not None:
+        raise ConfigError(f"{what} cannot be loaded as it is: {why}. {advice}")
     meshes: dict[tuple[Any, ...], Any] = {}
     for parent, k, s in shards:
-        value = _rebuild(s, meshes)
         if isinstance(parent, tuple):
             raise ConfigError(f"{what}: {s.key} is a sharded tensor inside a tuple")
-        parent[k] = value
-    return state, None
+        parent[k] = _rebuild(s, meshes)
+    return state
 
 
 def _rebuild(s: LocalShard, meshes: dict[tuple[Any, ...], Any]) -> Any:
@@ -222,35 +216,25 @@ def _rebuild(s: LocalShard, meshes: dict[tuple[Any, ...], Any]) -> Any:
     )
 
 
-def memory_state(state: Any, *, group: Any, log: Log, disk: bool) -> Any:
-    """A memory checkpoint's state with its shards made DTensors again; None
-    on every rank, after rank 0's one line saying why, when they cannot be
-    (the caller then loads the disk checkpoints, when ``disk``)."""
-    import torch.distributed as dist
-
-    state, why = finish(state, group=group, what="memory checkpoint")
-    if why is not None and (not dist.is_initialized() or dist.get_rank(group) == 0):
-        then = "loading the disk checkpoints" if disk else "no disk checkpoints to load"
-        say(
-            log,
-            f"=> memory checkpoint not used: {why}; sharded states are not resharded in "
-            f"memory: {then}",
-        )
-    return state
+CONVERT = (
+    "Convert the ranks' disk checkpoints with `elastrun checkpoint-convert` and load the "
+    "result with torch.distributed.checkpoint.load, which reshards it (docs/training.md: "
+    "sharded states)"
+)
 
 
-def disk_state(state: Any, *, group: Any, directory: str) -> Any:
-    """A disk checkpoint's state with its shards made DTensors again;
-    ConfigError on every rank when they cannot be."""
-    state, why = finish(state, group=group, what=f"the checkpoint in {directory}")
-    if why is not None:
-        raise ConfigError(
-            f"the checkpoint in {directory} cannot be loaded as it is: {why}. Convert the "
-            "ranks' disk checkpoints with `elastrun checkpoint-convert` and load the result "
-            "with torch.distributed.checkpoint.load, which reshards it (docs/training.md: "
-            "sharded states)"
-        )
-    return state
+def memory_state(state: Any) -> Any:
+    """A memory checkpoint's state with its shards made DTensors again."""
+    return finish(
+        state,
+        what="memory checkpoint",
+        advice="Load a sharded state with shared=False (each rank its own shards). " + CONVERT,
+    )
+
+
+def disk_state(state: Any, *, directory: str) -> Any:
+    """A disk checkpoint's state with its shards made DTensors again."""
+    return finish(state, what=f"the checkpoint in {directory}", advice=CONVERT)
 
 
 def with_layouts(state: Any, header: SnapshotHeader) -> Any:
