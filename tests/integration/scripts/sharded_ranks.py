@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.multiprocessing.spawn import spawn
+from torch.multiprocessing.spawn import start_processes
 
 
 def build(world: int, seed: int) -> tuple[Any, Any, dict[str, Any]]:
@@ -141,4 +141,5 @@ def run(rank: int, phase: str, world: int, base: str, port: int) -> None:
 
 if __name__ == "__main__":
     phase, world, base, port = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-    spawn(run, args=(phase, world, base, port), nprocs=world)
+    # forked: the ranks share this process' imports (torch once, not once per rank)
+    start_processes(run, args=(phase, world, base, port), nprocs=world, start_method="fork")
