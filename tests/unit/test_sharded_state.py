@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -205,3 +206,22 @@ def test_shards_reach_only_their_own_rank(world_of_one: None) -> None:
         memory_state(state(1, 1))  # a snapshot sent from another rank
     with pytest.raises(ConfigError, match=r"shards of a world of 2 ranks.*checkpoint-convert"):
         disk_state(state(0, 2), directory="/ckpt")
+
+
+def test_convert_refuses_what_it_cannot_use_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from elastrun.train.convert import main
+
+    plain = tmp_path / "plain.pt"
+    torch.save({"w": torch.ones(2)}, plain)
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"\0" * 100)
+    for path, why in [
+        (plain, "not a memory checkpoint written by elastrun's agent"),
+        (junk, "not a memory checkpoint written by elastrun's agent"),
+        (tmp_path / "missing.pt", "No such file"),
+    ]:
+        assert main([str(tmp_path / "out"), str(path)]) == 1
+        err = capsys.readouterr().err
+        assert why in err and err.count("\n") == 1, err

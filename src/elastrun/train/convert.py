@@ -62,8 +62,8 @@ def _read(path: Path) -> tuple[dict[str, Any], int, int]:
             header = found
             plain = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             state = with_layouts(plain, header)
-    except SnapshotError as e:
-        raise ConfigError(f"{path} is damaged: {e}") from None
+    except (SnapshotError, RuntimeError, ValueError, KeyError, EOFError) as e:
+        raise ConfigError(f"{path} is damaged: {str(e).splitlines()[0][:200]}") from None
     if not isinstance(state, dict):
         raise ConfigError(f"{path} holds a {type(state).__name__}, not a state dict")
     return state, header.rank, header.world_size
