@@ -399,3 +399,28 @@ def test_timeline_has_an_axis_and_separate_labels_at_a_restart() -> None:
     ticks = [s for _, _, s in texts if s.endswith("s") and s[:-1].isdigit()]
     assert ticks[0] == "0s" and ticks[-1] == "40s"
     assert "1 restart," in page and "1 node<" in page and "3 rounds" in page
+
+
+def test_the_local_rank_spelling_is_read_from_the_file_the_workers_run_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from elastrun.launcher.legacy import local_rank_flag
+
+    dash = 'p.add_argument("--local-rank", type=int)\n'
+    (tmp_path / "script.py").write_text(dash)
+    (tmp_path / "mod.py").write_text(dash)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__main__.py").write_text(dash)
+    monkeypatch.chdir(tmp_path)
+    for cmd in (
+        Command("script.py", ()),
+        Command("mod", (), module=True),  # -m mod: ./mod.py
+        Command("pkg", (), module=True),  # -m pkg: ./pkg/__main__.py
+        Command("script.py", (), no_python=True, run_path=True),
+    ):
+        assert local_rank_flag(cmd) == "--local-rank", cmd
+    for cmd in (
+        Command("absent", (), module=True),  # not found without importing: the default
+        Command("script.py", (), no_python=True),  # a program, not Python
+    ):
+        assert local_rank_flag(cmd) == "--local_rank", cmd

@@ -288,12 +288,14 @@ def test_the_status_table_escapes_everything_from_the_store() -> None:
     rnd["detail"] = "line one\nline two" + ESCAPES
     rnd["last_failure"] = {"rank": 0, "host": "h" + ESCAPES, "message": "boom" + ESCAPES}
     member = {"node_id": "a", "host": "h" + ESCAPES, "addr": ESCAPES, "nproc": 1, "group_rank": 0}
-    res = {"round": 1, "members": [member], "master_addr": ESCAPES, "master_port": 1}
+    res = ResultRecord(
+        1, (MemberRecord.from_json(member, "m"),), master_addr=ESCAPES, master_port=1
+    )
     s = summarize(
         "job",
         config=None,
         round_rec=RoundRecord.from_json(rnd),
-        result=ResultRecord.from_json(res),
+        result=res,
         prev_result=None,
         joins={},
         dones=set(),
@@ -303,7 +305,7 @@ def test_the_status_table_escapes_everything_from_the_store() -> None:
         now=0.0,
         notes=shown_notes(
             {"progress_0": progress(0, "a", round_=1, host="h" + ESCAPES, ranks=(0,))},
-            ResultRecord.from_json(res),
+            res,
         ),
     )
     text = render_table(s, "store" + ESCAPES)

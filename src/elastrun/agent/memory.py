@@ -90,6 +90,7 @@ from elastrun.worker.snapshot import (
     open_slot,
     write_persisted,
 )
+from elastrun.worker.snapshot_digest import DataDigest, UnknownDigest
 from elastrun.worker.torch_file import write_torch_file
 
 __all__ = ["ENV", "REPLICA_ENV", "MemoryCheckpoints", "features", "persist_snapshot"]
@@ -128,10 +129,8 @@ def persist_snapshot(view: SlotView) -> Persisted:
     """Write the snapshot ``view`` holds to its checkpoint folder (its header
     names it) as a ``torch.save`` file (:mod:`elastrun.worker.torch_file`:
     ``torch.load(weights_only=True)`` reads it), checking its data against
-    the header's SHA-256 as it goes: a mismatch leaves nothing behind
+    the header's digest as it goes: a mismatch leaves nothing behind
     (SnapshotError)."""
-    import hashlib
-
     header = view.header
     target = header.persist
     if target is None:
@@ -143,8 +142,13 @@ def persist_snapshot(view: SlotView) -> Persisted:
         hlen = int.from_bytes(whole[len(MAGIC) : PREFIX], "little")
         header_bytes = bytes(whole[PREFIX : PREFIX + hlen])
 
+    try:
+        DataDigest(header.digest)  # a digest this agent knows, before a byte is written
+    except UnknownDigest as e:
+        raise SnapshotError(str(e)) from None
+
     def write(f: IO[bytes]) -> None:
-        data_sha = hashlib.sha256()
+        data_sha = DataDigest(header.digest)  # afresh for each try of the write
         done = 0  # the data hashed so far (tensors and the padding between them)
 
         def chunks(e: TensorEntry) -> Iterator[memoryview]:
@@ -159,7 +163,7 @@ def persist_snapshot(view: SlotView) -> Persisted:
         write_torch_file(f, "archive", header, header_bytes, chunks)
         data_sha.update(data[done:])
         if data_sha.hexdigest() != header.sha256:
-            raise SnapshotError("its data does not match its SHA-256 (changed while read?)")
+            raise SnapshotError("its data does not match its digest (changed while read?)")
 
     final, digest = write_checkpoint(d, header.step, write)
     publish(d, final, target.keep)

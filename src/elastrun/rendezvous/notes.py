@@ -138,16 +138,12 @@ def encode(value: Mapping[str, Any]) -> bytes:
     return json.dumps({**value, "v": NOTE_VERSION}, sort_keys=True).encode()
 
 
-def _decode(name: str, raw: bytes) -> dict[str, Any]:
+def _decode(name: str, raw: bytes) -> Mapping[str, Any]:
     """A note's JSON object, decoded within the bounds; raises UntrustedData
     (NoteInvalid when it is not a note of this version). Only :func:`parse`
     uses it: no reader sees a note's JSON."""
     obj = loads(raw, max_bytes=NOTE_MAX_BYTES, what=f"note {name}")
-    if not isinstance(obj, dict):
-        raise NoteInvalid(f"note {name} is not a JSON object")
-    if obj.get("v") != NOTE_VERSION:
-        raise NoteInvalid(f"note {name} has version {obj.get('v')!r} (not {NOTE_VERSION})")
-    return obj
+    return Fields.versioned(obj, NOTE_VERSION, f"note {name}", NoteInvalid).raw
 
 
 def checked_version(value: object) -> str | None:

@@ -34,7 +34,7 @@ from elastrun.names import RunId
 from elastrun.rendezvous.keys import Keys
 from elastrun.status.hosts import open_candidates
 from elastrun.status.model import TERMINAL_STATES, StoreHosts, Summary
-from elastrun.status.show import Printer, fmt_duration, render_table
+from elastrun.status.show import Printer, render_table
 from elastrun.status.summary import read_summary
 from elastrun.store.base import Store, Watch, WatchEvent
 from elastrun.store.etcd_options import DEFAULT_ETCD_PORT
@@ -48,7 +48,7 @@ from elastrun.store.token import store_token
 from elastrun.untrusted import ascii_decimal, printable
 
 # Printer and render_table are defined in status/show.py and kept importable from here.
-__all__ = ["Printer", "fmt_duration", "main", "render_table"]
+__all__ = ["Printer", "main", "render_table"]
 
 DEFAULT_TIMEOUT = 10.0
 MAX_TIMEOUT = 3600.0  # --timeout: an hour (every wait is bounded by it)

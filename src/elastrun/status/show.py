@@ -19,24 +19,13 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
+from elastrun.clock import duration_text
 from elastrun.status.model import HangStacks, RankRow, Summary
 from elastrun.untrusted import printable
 
-__all__ = ["MAX_FIELD", "Printer", "fmt_duration", "render_table"]
+__all__ = ["MAX_FIELD", "Printer", "render_table"]
 
 MAX_FIELD = 500  # characters of one string of the summary shown in the table
-
-
-def fmt_duration(seconds: float) -> str:
-    """``12s``, ``3m04s``, ``2h05m``, ``3d04h``."""
-    n = int(max(0.0, seconds))
-    if n < 60:
-        return f"{n}s"
-    if n < 3600:
-        return f"{n // 60}m{n % 60:02d}s"
-    if n < 86400:
-        return f"{n // 3600}h{n % 3600 // 60:02d}m"
-    return f"{n // 86400}d{n % 86400 // 3600:02d}h"
 
 
 def _p(value: object) -> str:
@@ -59,7 +48,7 @@ def render_table(summary: Summary, where: str) -> str:
     why = f" (opened: {_p(s.round_reason)}" if s.round_reason else ""
     if why:
         why += f": {_p(s.round_detail)})" if s.round_detail else ")"
-    for_ = f" for {fmt_duration(s.state_for_s)}" if s.state_for_s is not None else ""
+    for_ = f" for {duration_text(s.state_for_s)}" if s.state_for_s is not None else ""
     out.append(f"state     {s.state}{for_}, round {rnd}{why}")
     out.append(f"restarts  {s.restarts} of {_opt(s.max_restarts)}")
     if s.store_hosts is not None:
@@ -121,7 +110,7 @@ def _ranks_block(ranks: Sequence[RankRow]) -> list[str]:
                 _opt(r.step, "-"),
                 _ms(r.step_time_s),
                 _ms(r.own_time_s),
-                "-" if r.idle_s is None else fmt_duration(r.idle_s),
+                "-" if r.idle_s is None else duration_text(r.idle_s),
                 note,
             )
         )
