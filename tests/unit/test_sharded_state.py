@@ -225,3 +225,32 @@ def test_convert_refuses_what_it_cannot_use_in_one_line(
         assert main([str(tmp_path / "out"), str(path)]) == 1
         err = capsys.readouterr().err
         assert why in err and err.count("\n") == 1, err
+
+
+def test_a_rank_never_takes_another_ranks_shards_from_its_folder(
+    world_of_one: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import elastrun.train.memory as memory
+    from elastrun.train import MemoryCheckpoint
+
+    monkeypatch.setenv("ELASTRUN_MEMORY_CHECKPOINT_DIR", str(tmp_path))
+    w = distribute_tensor(torch.arange(4.0), DeviceMesh("cpu", torch.tensor([0])), [Shard(0)])
+    with monkeypatch.context() as m:  # the folder was rank 1's before the ranks were renumbered
+        m.setattr(memory, "_rank_world", lambda: (1, 1))
+        mem = MemoryCheckpoint(None, log=None)
+        mem.save({"w": w, "step": 3}, step=3)
+        mem.close()
+    lines: list[str] = []
+    assert MemoryCheckpoint(None, log=lines.append).load() is None
+    assert lines == [
+        "=> memory checkpoint step 3 not used: rank 0's copy holds rank 1's shards (state['w'], "
+        "...); sharded states are not resharded in memory (the disk checkpoints serve, if any)"
+    ]
+    mem = MemoryCheckpoint(None, log=None)
+    mem.save({"w": w, "step": 4}, step=4)  # saved by this rank: its own again
+    mem.close()
+    got = MemoryCheckpoint(None, log=None).load()
+    assert got is not None and got["step"] == 4 and torch.equal(got["w"].to_local(), w.to_local())

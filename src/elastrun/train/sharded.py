@@ -42,7 +42,6 @@ __all__ = [
     "describe",
     "finish",
     "first_shard",
-    "has_shards",
     "is_sharded",
     "refuse_sharded_tensor",
     "shard_leaves",
@@ -142,10 +141,6 @@ def shard_leaves(state: Any) -> list[tuple[Any, Any, LocalShard]]:
             elif isinstance(v, dict | list | tuple):
                 stack.append(v)
     return out
-
-
-def has_shards(state: Any) -> bool:
-    return isinstance(state, dict | list | tuple) and bool(shard_leaves(state))
 
 
 def _mismatch(shards: list[LocalShard], rank: int, world: int) -> str | None:
@@ -278,35 +273,41 @@ def first_shard(header: SnapshotHeader) -> str | None:
 def usable(
     views: list[SlotView], replicas: list[SlotView], *, group: Any, log: Log
 ) -> tuple[list[SlotView], list[SlotView]]:
-    """``views`` and ``replicas`` less the snapshots of sharded states saved
-    in a world of another size (closed here): their shards are not resharded
-    in memory. Rank 0 says so in one line; the ranks then agree on what is
-    left, or fall back to the disk checkpoints."""
+    """``views`` (this rank's slots) and ``replicas`` less the snapshots of
+    sharded states that cannot serve (closed here): those saved in a world of
+    another size (their shards are not resharded in memory; rank 0 says so in
+    one line), and this rank's own saved by another rank (it says so). The
+    ranks then agree on what is left, or fall back to the disk checkpoints."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return views, replicas
-    world = dist.get_world_size(group)
-    why: list[str] = []
-    dropped: set[int] = set()
-    for v in views + replicas:
-        key = first_shard(v.header) if v.header.world_size != world else None
-        if key is not None:
-            why.append(
-                f"its sharded tensors ({key}, ...) are shards of a world of "
-                f"{v.header.world_size} ranks, and the world is now {world}"
-            )
-            dropped.add(v.header.step)
+    world, rank = dist.get_world_size(group), dist.get_rank()
+    kept: tuple[list[SlotView], list[SlotView]] = ([], [])
+    said: dict[str, set[int]] = {}  # why -> the steps set aside for it
+    for own, group_views in ((True, views), (False, replicas)):
+        for v in group_views:
+            h = v.header
+            key = first_shard(h) if h.world_size != world or (own and h.rank != rank) else None
+            if key is None:
+                kept[0 if own else 1].append(v)
+                continue
+            if h.world_size != world:
+                why = (
+                    f"its sharded tensors ({key}, ...) are shards of a world of {h.world_size} "
+                    f"ranks, and the world is now {world}"
+                )
+            else:
+                why = f"rank {rank}'s copy holds rank {h.rank}'s shards ({key}, ...)"
+            said.setdefault(why, set()).add(h.step)
             v.close()
-    if why and dist.get_rank(group) == 0:
-        steps = ", ".join(str(s) for s in sorted(dropped))
-        say(
-            log,
-            f"=> memory checkpoint step {steps} not used: {why[0]}; sharded states are not "
-            "resharded in memory (the disk checkpoints serve, if any)",
-        )
-    return _kept(views, world), _kept(replicas, world)
-
-
-def _kept(views: list[SlotView], world: int) -> list[SlotView]:
-    return [v for v in views if v.header.world_size == world or first_shard(v.header) is None]
+    for why, steps in said.items():
+        if rank == 0 or why.startswith(f"rank {rank}'s"):
+            say(
+                log,
+                f"=> memory checkpoint step {', '.join(map(str, sorted(steps)))} not used: "
+                f"{why}; sharded states are not resharded in memory (the disk checkpoints "
+                "serve, if any)",
+            )
+            break  # one line
+    return kept
