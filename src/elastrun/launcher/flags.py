@@ -135,6 +135,8 @@ def build_parser(*, legacy: bool = False) -> argparse.ArgumentParser:
             "                      a job's history (from --events-file logs) as an HTML page\n"
             "  elastrun store serve [--host H] [--port P] [--token-file F]\n"
             "                      the rendezvous store as its own process\n"
+            "  elastrun checkpoint-convert OUT RANK_FILES... [--format dcp|torch]\n"
+            "                      the ranks' disk copies of a sharded state put together\n"
             "  (each with --help; torch.distributed.launch users: python -m elastrun.launch)\n"
             "\n"
             "examples:\n"

@@ -68,6 +68,7 @@ from elastrun.train.heartbeat import phase
 from elastrun.train.host_copy import HostCopier, Pending
 from elastrun.train.log import Log, say
 from elastrun.train.memory_load import restore
+from elastrun.train.sharded import memory_state, usable
 from elastrun.train.state_codec import Flat, flatten
 from elastrun.worker import memory_limit
 from elastrun.worker.local_main import is_local_main
@@ -487,6 +488,7 @@ class MemoryCheckpoint:
         with phase("checkpoint"):
             views = self._listed(self.folder) if self.folder is not None else []
             replicas = self._listed(self.replicas) if self._lists_replicas() else []
+            views, replicas = usable(views, replicas, group=group, log=self.log)  # sharded
             try:
                 state = restore(
                     views,
@@ -499,6 +501,8 @@ class MemoryCheckpoint:
             finally:
                 for v in views + replicas:
                     v.close()
+            if state is not None:
+                state = memory_state(state)  # DTensors' shards back on their mesh
             if state is not None or self.directory is None:
                 return state
             return load_checkpoint(
