@@ -343,6 +343,12 @@ class WorkerGroup:
             and w.failing is None
             and w.declared is None
         ]
+        # A rank that raised ends by itself (its interpreter's teardown):
+        # its peers' collectives break once its sockets close; an Abort
+        # sent before may leave a gloo collective waiting on it (bounded).
+        raised = [w.exited for w in self.workers if w.failing is not None and w.exited is not None]
+        if raised and not all(f.done() for f in raised):
+            await asyncio.wait(raised, timeout=min(timeout, FAILING_GRACE))
         for w in candidates:
             w.note_dying(self.clock.monotonic())
             if w.left is None and w.dying is None and w.channel is not None:

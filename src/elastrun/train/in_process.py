@@ -36,6 +36,7 @@ import contextlib
 import functools
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
@@ -86,12 +87,17 @@ def collective_broken(exc: BaseException) -> bool:
     return bool(frames) and DISTRIBUTED_PATH in frames[-1].filename
 
 
+# The script's thread (its collective broke) and the port's (the agent's Abort)
+# may both abort: one at a time, the second finds nothing left to abort.
+_ABORT_LOCK = threading.Lock()
+
+
 def _abort_groups() -> None:
     """Abort every process group (its collectives end now); no-op without one."""
     c10d = sys.modules.get("torch.distributed.distributed_c10d")
     if c10d is None:
         return
-    with contextlib.suppress(Exception):
+    with _ABORT_LOCK, contextlib.suppress(Exception):
         if c10d.is_initialized():
             abort = getattr(c10d, "_abort_process_group", None)
             if abort is not None:
