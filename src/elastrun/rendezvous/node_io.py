@@ -616,7 +616,11 @@ class Executor:
         if kv is None or view.round is None or view.round.round != r:
             return
         if not self.port or self.port_round != r:
-            self.port = await asyncio.to_thread(rounds.pick_master_port, node.settings.addr)
+            last = self.port
+            for _ in range(3):  # another port than the last round's
+                self.port = await asyncio.to_thread(rounds.pick_master_port, node.settings.addr)
+                if self.port != last:
+                    break
             self.port_round = r
         rec = JoinRecord(node.info(), port=self.port)
         res = await node.store.txn(
