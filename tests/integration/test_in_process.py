@@ -11,6 +11,7 @@ the memory checkpoint of the step it was at (no step redone).
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import stop_groups
+from tests.integration.elastic_harness import SCRIPTS
 
 pytest.importorskip("torch")
 
@@ -88,3 +90,43 @@ def test_example_keeps_the_survivors_processes(tmp_path: Path) -> None:
         r"^\[[^]]+\]: => resumed: epoch=\d+ offset=\d+/\d+ global_step=(\d+)", text, re.M
     )
     assert resumed == ["10", "20"], text[-4000:]
+
+
+def test_a_hung_rank_is_replaced_and_its_peers_kept(tmp_path: Path) -> None:
+    """Rank 1 stops making progress outside any collective; the others wait
+    for it in theirs. The watchdog declares the hang: rank 1 is stopped first,
+    which ends its peers' collectives, and their processes are kept."""
+    log = tmp_path / "events.jsonl"
+    env = dict(
+        os.environ,
+        ELASTIC_TEST_DIR=str(tmp_path),
+        INPROC_PLAN=json.dumps([{"rank": 1, "how": "hang", "step": 2}]),
+        INPROC_STEPS="5",
+    )
+    argv = [
+        sys.executable,
+        "-m",
+        "elastrun",
+        "--standalone",
+        "--nproc-per-node=3",
+        "--max-restarts=1",
+        "--hang-timeout=10",
+        f"--events-file={log}",
+        str(SCRIPTS / "inproc_worker.py"),
+    ]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, env=env
+    )
+    try:
+        out, _ = proc.communicate(timeout=BOUND)
+    finally:
+        stop_groups(proc)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-4000:]
+    evs = events(log)
+    assert any(e["kind"] == "hang_detected" for e in evs), text[-3000:]
+    left = [e for e in evs if e["kind"] == "ranks_left"]
+    assert [(e["kept"], e["replaced"]) for e in left] == [([0, 2], [1])], text[-3000:]
+    started = [e for e in evs if e["kind"] == "workers_started"]
+    before, after = (dict(zip(e["ranks"], e["pids"], strict=True)) for e in started)
+    assert after[0] == before[0] and after[2] == before[2] and after[1] != before[1]

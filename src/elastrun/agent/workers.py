@@ -343,12 +343,22 @@ class WorkerGroup:
             and w.failing is None
             and w.declared is None
         ]
-        # A rank that raised ends by itself (its interpreter's teardown):
-        # its peers' collectives break once its sockets close; an Abort
-        # sent before may leave a gloo collective waiting on it (bounded).
-        raised = [w.exited for w in self.workers if w.failing is not None and w.exited is not None]
-        if raised and not all(f.done() for f in raised):
-            await asyncio.wait(raised, timeout=min(timeout, FAILING_GRACE))
+        # A rank that raised ends by itself (its interpreter's teardown); a
+        # rank declared hung (its stacks taken already) is stopped now: its
+        # peers' collectives, waiting on it, break once its sockets close (an
+        # Abort alone does not end a gloo collective that waits on a live peer).
+        hung = [w for w in self.workers if w.declared is not None and w.popen is not None]
+        for w in hung:
+            if not w.done:
+                w.stopped_by_agent = True
+                killpg(w.pid, signal.SIGTERM)
+        ending = [
+            w.exited
+            for w in self.workers
+            if (w.failing is not None or w in hung) and w.exited is not None and not w.done
+        ]
+        if ending:
+            await asyncio.wait(ending, timeout=min(timeout, FAILING_GRACE))
         for w in candidates:
             w.note_dying(self.clock.monotonic())
             if w.left is None and w.dying is None and w.channel is not None:

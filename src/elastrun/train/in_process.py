@@ -47,6 +47,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 PORT_MODULE = "_elastrun_restart"  # worker/_restart.py, as the runner loads it
+PROGRESS_MODULE = "_elastrun_progress"  # worker/_progress.py, as the runner loads it
 # What a collective broken by a peer says (gloo's transport, NCCL's watchdog).
 BROKEN_MARKERS = (
     "Connection closed by peer",
@@ -106,6 +107,13 @@ def _abort_groups() -> None:
                 c10d.destroy_process_group()
 
 
+def _new_progress() -> None:
+    """The hang watchdog judges a re-entered function from its first progress."""
+    progress = getattr(sys.modules.get(PROGRESS_MODULE), "current", lambda: None)()
+    if progress is not None:
+        progress.reentering()
+
+
 def in_process(fn: Callable[P, R]) -> Callable[P, R]:
     """Wrap ``fn`` so that elastrun may restart it in this process (see the
     module's docstring). The wrapped function returns ``fn``'s value once a
@@ -132,5 +140,6 @@ def in_process(fn: Callable[P, R]) -> Callable[P, R]:
             if env is None:
                 raise SystemExit("elastrun: the agent is gone; this worker ends")
             os.environ.update(env)
+            _new_progress()
 
     return wrapper

@@ -4,8 +4,9 @@ Trains in ``elastrun.train.in_process``: each entry joins the round's process
 group, gathers every member's (round, pid, rank) over the group itself and
 appends what it saw to ``$ELASTIC_TEST_DIR/views.jsonl``, then runs a few
 all-reduce steps. ``INPROC_PLAN`` (JSON, one entry per restart count:
-``{"rank": r, "how": "kill" | "raise", "step": s}``) says which rank fails,
-how and at which step, in the run of that restart count.
+``{"rank": r, "how": "kill" | "raise" | "hang", "step": s}``) says which
+rank fails, how and at which step, in the run of that restart count (``hang``:
+it sleeps, out of any collective, until the hang watchdog declares it).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from elastrun.train import current_round, in_process
+from elastrun.train import current_round, heartbeat, in_process
 
 OUT = os.path.join(os.environ["ELASTIC_TEST_DIR"], "views.jsonl")
 PLAN = json.loads(os.environ.get("INPROC_PLAN", "[]"))
@@ -58,10 +59,13 @@ def train() -> None:
     for step in range(STEPS):
         t = torch.ones(1)
         dist.all_reduce(t)
+        heartbeat(step + 1)
         if fault is not None and fault["rank"] == rank and fault["step"] == step:
             record({"fault": fault["how"], "pid": os.getpid(), "rank": rank, "round": r})
             if fault["how"] == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if fault["how"] == "hang":
+                time.sleep(3600)
             raise ValueError(f"injected at step {step}")
         time.sleep(0.05)
     dist.destroy_process_group()
