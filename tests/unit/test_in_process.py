@@ -10,6 +10,7 @@ import json
 import socket
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -177,3 +178,21 @@ def test_each_round_has_its_own_master_port() -> None:
 
     ports = asyncio.run(asyncio.wait_for(scenario(), 60.0))
     assert all(a != b for a, b in itertools.pairwise(ports)), ports
+
+
+def test_a_reentered_function_is_judged_from_its_first_progress(tmp_path: Path) -> None:
+    """The watchdog reads no progress from a kept process until it makes
+    some in the new round (a record without a time is no beat)."""
+    from elastrun.agent.watchdog import parse_beat
+    from elastrun.worker._progress import Progress
+
+    now = [100.0]
+    progress = Progress(str(tmp_path / "heartbeat.json"), 0.1, clock=lambda: now[0])
+    progress.heartbeat(5)
+    assert parse_beat(progress.snapshot()) is not None
+    progress.reentering()
+    assert parse_beat(progress.snapshot()) is None
+    now[0] = 130.0
+    progress.heartbeat(6)
+    beat = parse_beat(progress.snapshot())
+    assert beat is not None and beat.monotonic == 130.0 and beat.step == 6
