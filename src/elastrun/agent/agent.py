@@ -85,17 +85,20 @@ from elastrun.agent.log_dirs import (
     temp_dir,
 )
 from elastrun.agent.logs import LogWriteErrors, needs_files
+from elastrun.agent.process import Worker, killpg
 from elastrun.agent.refusals import RefusalWatch
 from elastrun.agent.signals import Signalled, SignalRouter, StopSignals
 from elastrun.agent.spec import WorkerSpec
 from elastrun.agent.waiting import WaitingConsole
-from elastrun.agent.workers import WorkerGroup
+from elastrun.agent.workers import KILL_WAIT, WorkerGroup
 from elastrun.clock import SYSTEM_CLOCK, Clock
 from elastrun.errors import ElastrunError, RendezvousClosed, RestartBudgetExhausted
 from elastrun.event_kinds import (
     Event,
     JobFailed,
     JobFinished,
+    RanksKept,
+    RanksLeft,
     Restart,
     RootCauseElsewhere,
     SignalForwarded,
@@ -175,6 +178,9 @@ class Agent:
         self._log_errors = LogWriteErrors(sink, say)
         self._stops = StopSignals()
         self._group: WorkerGroup | None = None
+        # In-process restarts: processes that left the last round's function,
+        # by local rank, until the next round's group takes them over.
+        self._kept: dict[int, Worker] = {}
         self._attempt = -1
         self._base_dir: str | None = None
         self._temp_base = False
@@ -232,6 +238,7 @@ class Agent:
         if self._group is not None:
             # Also on cancellation / unexpected errors: never leave workers behind.
             await self._stop_group(signal.SIGTERM)
+        await self._stop_kept(signal.SIGTERM)
         try:
             # The rendezvous bounds its leave by close_timeout; this is the backstop.
             bound = max(RDZV_SHUTDOWN_TIMEOUT, self.rendezvous.settings.close_timeout + 1.0)
@@ -305,11 +312,53 @@ class Agent:
             return
         unkillable = await self._stops.during(group.stop(sig), group.hurry)
         self._group = None
+        self._kept = group.kept
         if unkillable:
             say(
                 f"elastrun: warning: worker pids {unkillable} did not die after SIGKILL "
                 "(stuck in the kernel, e.g. uninterruptible I/O); they are left behind"
             )
+
+    async def _stop_kept(self, sig: int) -> None:
+        """The kept processes no round took over (the job ended, a signal):
+        ``sig``, the shutdown grace, SIGKILL (each bounded)."""
+        kept, self._kept = list(self._kept.values()), {}
+        for w in kept:
+            w.kept = False
+            killpg(w.pid, sig)
+        waits = [w.exited for w in kept if w.exited is not None and not w.done]
+        if waits:
+            await asyncio.wait(waits, timeout=self.spec.shutdown_timeout)
+        for w in kept:
+            if not w.done:
+                killpg(w.pid, signal.SIGKILL)
+        waits = [w.exited for w in kept if w.exited is not None and not w.done]
+        if waits:
+            await asyncio.wait(waits, timeout=KILL_WAIT)
+        for w in kept:
+            killpg(w.pid, signal.SIGKILL)  # what it left behind in its group
+            if w.done:
+                self._guard.remove(w.pid)
+            w.release()
+
+    async def _leave(self, group: WorkerGroup, result: RoundResult) -> None:
+        """In-process restarts: the ranks that may survive leave their
+        function (bounded); the group's stop then spares them."""
+        if not any(w.restartable for w in group.workers):
+            return
+        start = self.clock.monotonic()
+        kept = await self._stops.first(group.leave())
+        ids = {w.local_rank for w in kept}
+        self.events.emit(
+            RanksLeft(
+                round=result.round,
+                attempt=self._attempt,
+                kept=sorted(ids),
+                kept_pids=[w.pid for w in kept],
+                replaced=[w.local_rank for w in group.workers if w.local_rank not in ids],
+                waited_s=round(self.clock.monotonic() - start, 3),
+            )
+        )
 
     # ------------------------------------------------------------ the loop
     async def _loop(self) -> int:
@@ -369,12 +418,28 @@ class Agent:
             reaper=self._reaper,
             log_errors=self._log_errors,
             round_hooks=lambda g: [f.round(g) for f in self.features],
+            kept={lr: w for lr, w in self._kept.items() if not w.done},
         )
+        for w in self._kept.values():
+            if w.done:  # ended between the rounds: its rank starts anew
+                w.release()
+        self._kept = {}  # the group's now (stopped with it, whatever happens)
         self._group = group
         return group
 
     async def _start(self, group: WorkerGroup, result: RoundResult) -> None:
+        kept = [w for w in group.workers if w.popen is not None]  # taken over
         await group.start()  # on WorkerError or a signal, run() stops those started
+        if kept:
+            self.events.emit(
+                RanksKept(
+                    round=result.round,
+                    attempt=self._attempt,
+                    kept=[w.rank for w in kept],
+                    kept_pids=[w.pid for w in kept],
+                    started=[w.rank for w in group.workers if w not in kept],
+                )
+            )
         self.events.emit(
             WorkersStarted(
                 round=result.round,
@@ -411,6 +476,8 @@ class Agent:
         if not own:
             say(printable(change_line(change, result)))  # the detail is another node's
         await group.changed(change)
+        if not change.stop_now:
+            await self._leave(group, result)
         await self._stop_group(signal.SIGKILL if change.stop_now else signal.SIGTERM)
         if own and change.counts_as_restart:
             # Reported as this node's failure: the job's root cause is the
@@ -463,6 +530,7 @@ class Agent:
             # their features look at them (their stacks).
             exhausted = await self._request_restart(failure_record(classify(declared), host))
             report = await self._stops.first(group.report())
+        await self._leave(group, result)
         await self._stop_group(signal.SIGTERM)
         return await self._report(group, result, (exhausted, report) if declared else None)
 

@@ -297,6 +297,14 @@ class Progress:
     def stop(self) -> None:
         self._stop.set()
 
+    def reentering(self) -> None:
+        """An in-process restart (train/in_process.py): the process enters
+        its training function again in a new round, which the watchdog judges
+        only from its first progress, as a new worker's."""
+        self.last = self.last_step_at = None
+        self.waiting = 0.0
+        self.changes += 1
+
     def exiting(self) -> None:
         """The script returned or raised: what follows (torch.distributed's
         shutdown, atexit handlers, the interpreter's teardown) is an ``exit``
