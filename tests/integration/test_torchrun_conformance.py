@@ -557,6 +557,42 @@ def test_api_launch_function(etcd_endpoint: str, rid: str) -> None:
     assert sorted(got["result"]) == ["0", "1", "2", "3"]
 
 
+def static_config(nproc: int) -> Any:
+    return etcd_config(
+        f"127.0.0.1:{free_port()}", 1, 1, nproc, rdzv_backend="static", rdzv_configs={"rank": 0}
+    )
+
+
+def test_api_launch_function_returning_tensors() -> None:
+    # upstream's _dummy_compute returns a tensor: back as a tensor, per rank
+    got = launch_case("tensors", static_config(2))
+    assert "result" in got, got
+    ones = {"tensor": "Tensor", "dtype": "torch.float32"}
+    assert got["result"] == {
+        "0": {**ones, "values": [0.0] * 4},
+        "1": {**ones, "values": [1.0] * 4},
+    }, got
+
+
+def test_api_launch_function_returning_a_state_dict_tree() -> None:
+    got = launch_case("state_dict", static_config(2))
+    assert "result" in got, got
+    one = got["result"]["1"]
+    assert one["model"]["w"]["values"] == [[1.0, 1.0], [1.0, 1.0]], got
+    assert one["model"]["b"] == {"tensor": "Tensor", "dtype": "torch.int64", "values": [0, 1, 2]}
+    assert one["step"] == 1
+    assert one["history"][1:] == ["sgd", None, {"tuple": [1, 2.5]}], got
+    assert one["history"][0]["values"] == [0.5]
+
+
+def test_api_launch_function_returning_an_object_is_refused_saying_why() -> None:
+    # anything else would need pickle: refused in the worker, with its type
+    got = launch_case("object", static_config(1))
+    assert got.get("error") == "WorkerError", got
+    assert "neither JSON data nor a tree of tensors" in got["stderr"], got["stderr"][-3000:]
+    assert "builtin_function_or_method" in got["stderr"] or "function" in got["stderr"]
+
+
 @pytest.mark.parametrize("rid", RUN_IDS)
 def test_api_launch_dist_sum_with_static_rdzv(rid: str) -> None:
     cfg = etcd_config(
