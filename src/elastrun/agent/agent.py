@@ -186,6 +186,10 @@ class Agent:
         self._temp_base = False
         self._host_pidfile: str | None = None
         self._router: SignalRouter | None = None
+        # The failure that ended the job on this node, once its workers failed
+        # with no restarts left (the launcher passes its error file on).
+        self.ended_by: FailureRecord | None = None
+        self._last_failure: FailureRecord | None = None  # this node's latest
         self._guard = OrphanGuard()
         self._reaper = Reaper()
         core = Core(spec, rendezvous, self.events, clock, self._guard, self._reaper, say)
@@ -371,6 +375,7 @@ class Agent:
                 return 0
             except RestartBudgetExhausted as e:
                 say(f"elastrun: job failed: {e}")
+                self.ended_by = self._last_failure
                 self.events.emit(JobFailed(exit_code=1, reason="restarts_exhausted"))
                 return 1
             check_round(self.spec, result)
@@ -546,6 +551,7 @@ class Agent:
         job failed."""
         failures = classify(group.failures())
         record = failure_record(failures, self.spec.host)
+        self._last_failure = record
         if reported is None:
             exhausted = await self._request_restart(record)
             report = await self._stops.first(group.report())
@@ -561,6 +567,7 @@ class Agent:
                 f"(max restarts {result.max_restarts}, used {result.restart_count}): {exhausted}"
             )
             say(with_report(format_summary(failures, header), report))
+            self.ended_by = record
             self.events.emit(JobFailed(exit_code=1, reason="restarts_exhausted", failure=record))
             return 1
         # The title announces the restart, once (with the job's root cause).

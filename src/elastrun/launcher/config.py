@@ -68,12 +68,13 @@ class LaunchConfig:
     nproc_per_node: int = 1
     # "" (torch's default in its LaunchConfig): a generated id (see plan.resolve).
     run_id: str = "none"
-    role: str = "default"
+    # torch's LaunchConfig defaults (the CLI's stay torchrun's CLI's: "default", 0).
+    role: str = "default_role"
     rdzv_backend: str = "static"  # a plan.Backend, or one of its names
     rdzv_endpoint: str = ""
     rdzv_configs: Mapping[str, Any] = field(default_factory=dict)
     standalone: bool = False
-    max_restarts: int = 0
+    max_restarts: int = 3
     # --node-unit: world sizes are multiples of it (DLRover's name); the nodes
     # beyond the largest allowed size wait as hot spares.
     node_unit: int = 1

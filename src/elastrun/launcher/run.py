@@ -36,8 +36,12 @@ __all__ = ["run_async", "run_plan"]
 
 async def run_agent(spec: WorkerSpec, rdzv: Rendezvous, events: EventSink | None) -> int:
     from elastrun.agent.agent import Agent
+    from elastrun.launcher.error_file import pass_error_file
 
-    return await Agent(spec, rdzv, events).run()
+    agent = Agent(spec, rdzv, events)
+    code = await agent.run()
+    pass_error_file(agent.ended_by)  # to the launcher's TORCHELASTIC_ERROR_FILE, if set
+    return code
 
 
 async def run_async(plan: Plan, *, events: EventSink | None = None) -> int:

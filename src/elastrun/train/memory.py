@@ -331,8 +331,8 @@ class MemoryCheckpoint:
         self._warned = False
         if self.folder is None:
             self._fallback = (
-                "no elastrun agent holds memory checkpoints here (or its shared memory folder "
-                "could not be made: see its event log)"
+                "no elastrun agent holds memory checkpoints here (launched without elastrun, "
+                "or the agent could not make its shared memory folder: see its event log)"
             )
 
     # ------------------------------------------------------------ saving
@@ -458,6 +458,18 @@ class MemoryCheckpoint:
     def _warn(self) -> None:
         self._warned = True
         where = "to disk every persist step only" if self.directory else "nowhere (no directory)"
+        if self.folder is None:
+            # No agent (torchrun, a plain script): the same for every rank of the node, so
+            # said once, by local rank 0; shared memory's room is not what is missing.
+            if os.environ.get("LOCAL_RANK", "0") not in ("", "0"):
+                return
+            say(
+                self.log,
+                f"=> warning: memory checkpoints off: {self._fallback}; saving {where}. "
+                "Launch with elastrun to keep them in memory (docs/training.md: memory "
+                "checkpoints)",
+            )
+            return
         say(
             self.log,
             f"=> warning: memory checkpoints off: {self._fallback}; saving {where}. Give "
