@@ -646,6 +646,17 @@ class MemoryReplicaRefused(Event):
 
 
 @dataclass(frozen=True)
+class GoodputAccounted(Event):
+    KIND = "goodput"
+    seconds: dict[str, float]  # cause -> s (agent/goodput.py)
+    failures: int
+    hangs: int
+    steps_redone: int
+    steps_known: bool
+    goodput: float | None
+
+
+@dataclass(frozen=True)
 class JobFinished(Event):
     KIND = "job_finished"
     exit_code: int
