@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from elastrun.agent.goodput import Cause, Goodput, Ledger
+from elastrun.agent.goodput import Ledger
 from elastrun.agent.watchdog import Beat, parse_beat
 from elastrun.event_kinds import GoodputAccounted, parse_event
+from elastrun.goodput import Cause, Goodput
 
 
 def beat(
@@ -120,6 +121,39 @@ CASES: dict[str, tuple[list[Step], float, dict[str, float], dict[str, int]]] = {
         12.0,
         {"startup": 1.0, "training": 10.0, "restart": 1.0},
         {"failures": 1, "steps_redone": 0},
+    ),
+    # The last record is 3 s older than the crash: the rank had stopped
+    # stepping (stalled, exiting), so no step is assumed since (those 3 s are
+    # the restart's): resuming at 91 after reaching 100 redoes 10.
+    "stalled before the crash": (
+        [
+            Start(0.0),
+            See(beat(1.0, 1, first=(1.0, 1))),
+            See(beat(10.0, 100, first=(1.0, 1))),
+            End(13.0, restart=True),
+            Start(13.5),
+            See(beat(14.0, 91, first=(14.0, 91))),
+        ],
+        16.0,
+        {"startup": 1.0, "training": 9.0 + 2.0 - 1.0, "restart": 3.0 + 1.0, "redone": 1.0},
+        {"failures": 1, "steps_redone": 10},
+    ),
+    # The record written between the new process's first optimizer step and
+    # its report of the step's number has the count (1, not reported): the
+    # steps redone are counted from the first record that reports it.
+    "first record before the script reports its step": (
+        [
+            Start(0.0),
+            See(beat(1.0, 1, first=(1.0, 1))),
+            See(beat(10.9, 100, first=(1.0, 1))),
+            End(10.9, restart=True),
+            Start(11.0),
+            See(beat(12.0, 1, first=(12.0, 1), reported=False)),
+            See(beat(12.5, 46, first=(12.0, 41))),
+        ],
+        30.0,
+        {"startup": 1.0, "training": 9.9 + 12.0, "restart": 1.1, "redone": 6.0},
+        {"failures": 1, "steps_redone": 60},
     ),
     # A hang declared 30 s after the last progress: those 30 s are the hang's.
     "hang": (

@@ -51,114 +51,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import asdict, dataclass, field
-from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from elastrun.agent.hang_group import progress_file
 from elastrun.agent.hooks import Core, Feature, RoundHooks
 from elastrun.agent.watchdog import Beat, read_beat
 from elastrun.event_kinds import GoodputAccounted
-from elastrun.fields import Fields
+from elastrun.goodput import Cause, Goodput
 from elastrun.rendezvous.api import Change
+from elastrun.rendezvous.notes import GoodputNote
 
 if TYPE_CHECKING:
     from elastrun.agent.workers import WorkerGroup
 
-__all__ = ["POLL_EVERY", "Cause", "Goodput", "GoodputAccounting", "Ledger", "features"]
+__all__ = ["POLL_EVERY", "PUBLISH_EVERY", "GoodputAccounting", "Ledger", "features"]
 
 POLL_EVERY = 0.5  # s between two reads of the progress record while a round runs
 # The record read at a round's end lags the last progress by at most the
 # runner's write interval (worker/_progress.py): steps are extrapolated over
 # that much at most.
 RECORD_LAG = 1.0
-
-
-class Cause(StrEnum):
-    TRAINING = "training"
-    RESTART = "restart"
-    REDONE = "redone"
-    SAVES = "saves"
-    WAITING = "waiting"
-    HANG = "hang"
-    STARTUP = "startup"
-
-
-LOSSES = (Cause.RESTART, Cause.REDONE, Cause.HANG, Cause.SAVES, Cause.WAITING)
-
-
-@dataclass(frozen=True)
-class Goodput:
-    """The figures at one time: seconds per cause, and what was counted."""
-
-    seconds: dict[str, float]  # Cause -> s
-    failures: int = 0  # restarts counted (a failure here or elsewhere)
-    hangs: int = 0  # hangs declared here
-    steps_redone: int = 0
-    steps_known: bool = False  # the script reports its step numbers (redone steps seen)
-
-    def of(self, cause: Cause) -> float:
-        return self.seconds.get(cause.value, 0.0)
-
-    @property
-    def accounted(self) -> float:
-        """The wall time the figure is over (all but the start-up)."""
-        return sum(v for k, v in self.seconds.items() if k != Cause.STARTUP)
-
-    @property
-    def ratio(self) -> float | None:
-        """training / accounted; None before the first step (no training)."""
-        total, training = self.accounted, self.of(Cause.TRAINING)
-        return training / total if training > 0 and total > 0 else None
-
-    def losses(self) -> list[tuple[Cause, float]]:
-        """The causes of loss, the largest first (those with time only)."""
-        found = [(c, self.of(c)) for c in LOSSES if self.of(c) > 0]
-        return sorted(found, key=lambda cs: -cs[1])
-
-    def line(self) -> str:
-        """One line, e.g. ``goodput 96.1%: 11 failures cost 5.7 s (0 steps
-        redone), saves 7%``."""
-        ratio = self.ratio
-        if ratio is None:
-            return "goodput unknown: no training step seen (the script reports no steps)"
-        total = self.accounted
-        failed = self.of(Cause.RESTART) + self.of(Cause.REDONE) + self.of(Cause.HANG)
-        redone = f"{self.steps_redone} steps redone" if self.steps_known else "redone steps unseen"
-        n = self.failures
-        parts = [f"{n} failure{'' if n == 1 else 's'} cost {failed:.1f} s ({redone})"]
-        if self.hangs:
-            parts.append(
-                f"{self.hangs} hang{'' if self.hangs == 1 else 's'} {self.of(Cause.HANG):.1f} s"
-            )
-        for cause in (Cause.SAVES, Cause.WAITING):
-            if self.of(cause) > 0:
-                parts.append(f"{cause.value} {100 * self.of(cause) / total:.0f}%")
-        return f"goodput {100 * ratio:.1f}%: " + ", ".join(parts)
-
-    def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["seconds"] = {k: round(v, 3) for k, v in self.seconds.items()}
-        out["goodput"] = None if self.ratio is None else round(self.ratio, 4)
-        return out
-
-    @classmethod
-    def from_json(cls, data: object) -> Goodput:
-        """Read back (``ValueError`` naming the field when it is not one)."""
-        f = Fields(data, "goodput figures")
-        raw = f.raw.get("seconds")
-        if not isinstance(raw, dict) or not all(
-            k in Cause.__members__.values() and isinstance(v, (int, float)) and v >= 0
-            for k, v in raw.items()
-        ):
-            raise ValueError("goodput figures: field seconds: not seconds per cause")
-        return cls(
-            {str(k): float(v) for k, v in raw.items()},
-            failures=f.maybe_int("failures") or 0,
-            hangs=f.maybe_int("hangs") or 0,
-            steps_redone=f.maybe_int("steps_redone") or 0,
-            steps_known=f.raw.get("steps_known") is True,
-        )
+STALLED = 1.5  # a record older than this many lags: the rank had stopped stepping
+PUBLISH_EVERY = 5.0  # s between two goodput notes of group rank 0's agent
 
 
 @dataclass
@@ -166,6 +82,7 @@ class _Round:
     """What the ledger keeps of the round that runs."""
 
     first: bool = False  # its first step was seen
+    resumed: bool = False  # the script's number for it was seen
     last_at: float | None = None  # its last progress
     step: int | None = None
     saving: float = 0.0  # s in checkpoint phases seen so far (the process's count)
@@ -206,6 +123,11 @@ class Ledger:
             r.first = True
             self._account(max(b.first_at, self.mark))
             self.cause = Cause.TRAINING
+        if not r.resumed and b.reported and b.first_step is not None:
+            # The script's number for this process's first step (a record
+            # written between its first optimizer step and its report of it
+            # has the count there: not reported yet).
+            r.resumed = True
             self._owe_redone(b)
         if r.last_at is None or b.monotonic >= r.last_at:
             r.last_at, r.step = b.monotonic, b.step
@@ -226,17 +148,22 @@ class Ledger:
 
     def restarting(self, *, hang: bool = False) -> None:
         """The round that ended is a restart (a failure here or elsewhere);
-        ``hang``: a rank was declared hung here (its time since its last
-        progress was lost)."""
+        ``hang``: a rank was declared hung here. The time since its last
+        progress, when it had stopped stepping (a hang, or a record older
+        than a rank that steps leaves), is the hang's or the restart's."""
         self.failures += 1
         self.cause = Cause.RESTART
         last, end = self.last, self.ended_at
-        if not hang or last is None or last.last_at is None or end is None:
+        if last is None or last.last_at is None or end is None:
             return
-        self.hangs += 1
-        lost = min(max(0.0, end - last.last_at), self.seconds[Cause.TRAINING])
+        idle = max(0.0, end - last.last_at)
+        if not hang and idle <= RECORD_LAG * STALLED:
+            return  # it stepped to the end
+        to = Cause.HANG if hang else Cause.RESTART
+        self.hangs += hang
+        lost = min(idle, self.seconds[Cause.TRAINING])
         self.seconds[Cause.TRAINING] -= lost
-        self.seconds[Cause.HANG] += lost
+        self.seconds[to] += lost
         self.ended_at = last.last_at  # no step was made after it
 
     # ------------------------------------------------------------ figures
@@ -283,13 +210,17 @@ class Ledger:
         """The first step after a restart: the steps between the one resumed
         from and the newest reached before are done again."""
         last, high, end = self.last, self.high, self.ended_at
-        if not b.reported or b.first_step is None or high is None or last is None:
+        if b.first_step is None or high is None or last is None:
             return
         step_time = self.step_time
         reached = high
         if step_time and end is not None and last.last_at is not None:
-            # Steps made after the last record read, before the round ended.
-            reached += int(min(RECORD_LAG, max(0.0, end - last.last_at)) / step_time)
+            # Steps made after the last record read, before the round ended:
+            # a rank still stepping had a record at most RECORD_LAG old; one
+            # with an older record had stopped stepping (stalled, exiting).
+            lag = max(0.0, end - last.last_at)
+            if lag <= RECORD_LAG * STALLED:
+                reached += int(lag / step_time)
         redone = max(0, reached - (b.first_step - 1))
         self.high = min(high, b.first_step)  # training goes on from here
         if redone == 0:
@@ -338,6 +269,7 @@ class RoundGoodput(RoundHooks):
         self.ledger = feature.ledger
         self.group = group
         self._poll: asyncio.Task[None] | None = None
+        self._publish: asyncio.Task[None] | None = None
         self._counted = False  # the restart counted (failed and changed may both come)
 
     def _file(self) -> str | None:
@@ -351,16 +283,28 @@ class RoundGoodput(RoundHooks):
 
     def started(self) -> None:
         self.ledger.started(self.feature.now())
+        loop = asyncio.get_running_loop()
         path = self._file()
         if path is not None:
-            self._poll = asyncio.get_running_loop().create_task(self._watch(path))
+            self._poll = loop.create_task(self._watch(path))
+        if self.group.result.group_rank == 0:  # the job's figures, for elastrun status
+            self._publish = loop.create_task(self._publish_loop())
 
     async def _watch(self, path: str) -> None:
         while True:
             await asyncio.sleep(POLL_EVERY)
             self._read(path)
 
+    async def _publish_loop(self) -> None:
+        rendezvous, round_ = self.feature.core.rendezvous, self.group.result.round
+        while True:
+            await asyncio.sleep(PUBLISH_EVERY)
+            note = GoodputNote(round_, round(time.time(), 3), self.feature.figures())
+            await rendezvous.write_note(note)  # never raises
+
     async def ended(self) -> None:
+        if self._publish is not None:
+            self._publish.cancel()
         if self._poll is not None:
             self._poll.cancel()
             with contextlib.suppress(asyncio.CancelledError):
