@@ -107,24 +107,23 @@ CASES: dict[str, tuple[list[Step], float, dict[str, float], dict[str, int]]] = {
         {"startup": 1.0, "training": 9.9 + 12.0, "restart": 1.1, "redone": 6.0},
         {"failures": 1, "steps_redone": 60},
     ),
-    # The last record read is 1 s older than the crash: 10 steps were made
-    # since (at the step time), so resuming at 111 redoes nothing.
-    "steps made after the last record read": (
+    # The time from the last step to the crash is lost (the step in flight,
+    # or a rank waiting for a peer that is gone): the restart's.
+    "time after the last step is lost": (
         [
             Start(0.0),
             See(beat(1.0, 1, first=(1.0, 1))),
             See(beat(9.0, 100, first=(1.0, 1))),
             End(10.0, restart=True),
             Start(10.5),
-            See(beat(11.0, 111, first=(11.0, 111))),
+            See(beat(11.0, 101, first=(11.0, 101))),
         ],
         12.0,
-        {"startup": 1.0, "training": 10.0, "restart": 1.0},
+        {"startup": 1.0, "training": 8.0 + 1.0, "restart": 1.0 + 1.0},
         {"failures": 1, "steps_redone": 0},
     ),
-    # The last record is 3 s older than the crash: the rank had stopped
-    # stepping (stalled, exiting), so no step is assumed since (those 3 s are
-    # the restart's): resuming at 91 after reaching 100 redoes 10.
+    # The last step is 3 s older than the crash (a stall): resuming at 91
+    # after reaching 100 redoes 10.
     "stalled before the crash": (
         [
             Start(0.0),

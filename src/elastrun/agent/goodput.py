@@ -36,10 +36,11 @@ What it cannot see: a script that reports no steps (no optimizer of
 first step: its time after the start is all ``startup`` or ``restart``, and
 the figure is unknown. A script that reports no step *numbers* of its own
 (``heartbeat(step)``) shows its restarts but not the steps it redoes: those
-count as training. The steps done between the last record read and a crash
-are estimated from the step time. A hang declared on another node ends this
-node's round as a restart: the time its ranks waited in a collective before
-counts as training here.
+count as training. The record is written at most every ``RECORD_LAG``
+seconds: a step made that close before a crash may be counted lost. A hang
+declared on another node ends this node's round as a restart: the time its
+ranks waited in a collective before counts as the restart's here, not the
+hang's.
 
 The ledger is pure (times given, no clock, no I/O): tests/unit/test_goodput.py
 drives it in virtual time. :class:`GoodputAccounting` is its driver, a feature
@@ -55,7 +56,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from elastrun.agent.hang_group import progress_file
+from elastrun.agent.hang_group import PROGRESS_INTERVAL, progress_file
 from elastrun.agent.hooks import Core, Feature, RoundHooks
 from elastrun.agent.watchdog import Beat, read_beat
 from elastrun.event_kinds import GoodputAccounted
@@ -69,11 +70,9 @@ if TYPE_CHECKING:
 __all__ = ["POLL_EVERY", "PUBLISH_EVERY", "GoodputAccounting", "Ledger", "features"]
 
 POLL_EVERY = 0.5  # s between two reads of the progress record while a round runs
-# The record read at a round's end lags the last progress by at most the
-# runner's write interval (worker/_progress.py): steps are extrapolated over
-# that much at most.
-RECORD_LAG = 1.0
-STALLED = 1.5  # a record older than this many lags: the rank had stopped stepping
+# The record read at a round's end lags the last step by at most the runner's
+# write interval (worker/_progress.py), which the agent sets this low.
+RECORD_LAG = PROGRESS_INTERVAL
 PUBLISH_EVERY = 5.0  # s between two goodput notes of group rank 0's agent
 
 
@@ -149,21 +148,18 @@ class Ledger:
     def restarting(self, *, hang: bool = False) -> None:
         """The round that ended is a restart (a failure here or elsewhere);
         ``hang``: a rank was declared hung here. The time since its last
-        progress, when it had stopped stepping (a hang, or a record older
-        than a rank that steps leaves), is the hang's or the restart's."""
+        step (read at the round's end, at most ``RECORD_LAG`` old) was lost:
+        the step in flight, or a rank waiting for a peer that was gone; it is
+        the hang's or the restart's."""
         self.failures += 1
         self.cause = Cause.RESTART
         last, end = self.last, self.ended_at
         if last is None or last.last_at is None or end is None:
             return
-        idle = max(0.0, end - last.last_at)
-        if not hang and idle <= RECORD_LAG * STALLED:
-            return  # it stepped to the end
-        to = Cause.HANG if hang else Cause.RESTART
         self.hangs += hang
-        lost = min(idle, self.seconds[Cause.TRAINING])
+        lost = min(max(0.0, end - last.last_at), self.seconds[Cause.TRAINING])
         self.seconds[Cause.TRAINING] -= lost
-        self.seconds[to] += lost
+        self.seconds[Cause.HANG if hang else Cause.RESTART] += lost
         self.ended_at = last.last_at  # no step was made after it
 
     # ------------------------------------------------------------ figures
@@ -209,18 +205,11 @@ class Ledger:
     def _owe_redone(self, b: Beat) -> None:
         """The first step after a restart: the steps between the one resumed
         from and the newest reached before are done again."""
-        last, high, end = self.last, self.high, self.ended_at
+        last, high = self.last, self.high
         if b.first_step is None or high is None or last is None:
             return
         step_time = self.step_time
         reached = high
-        if step_time and end is not None and last.last_at is not None:
-            # Steps made after the last record read, before the round ended:
-            # a rank still stepping had a record at most RECORD_LAG old; one
-            # with an older record had stopped stepping (stalled, exiting).
-            lag = max(0.0, end - last.last_at)
-            if lag <= RECORD_LAG * STALLED:
-                reached += int(lag / step_time)
         redone = max(0, reached - (b.first_step - 1))
         self.high = min(high, b.first_step)  # training goes on from here
         if redone == 0:
