@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.configs import ELASTRUN_TUNED
-from bench.goodput import WORKER_KILL, Run, _events, _inject, _wait_full_world
-from bench.goodput_summary import schedule, summarize
+from bench.goodput import Run, _events, _inject, _wait_full_world
+from bench.goodput_summary import WORKER_KILL, schedule, summarize
 from bench.paths import REPO
 
 TERM_BOUND = 30.0  # s the agents get to end after SIGTERM
