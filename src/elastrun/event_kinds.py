@@ -501,6 +501,20 @@ class HealthCheckFailed(Event):
 
 
 @dataclass(frozen=True)
+class MetricsStarted(Event):
+    KIND = "metrics_started"
+    port: int
+    hosts: list[str]
+
+
+@dataclass(frozen=True)
+class MetricsFailed(Event):
+    KIND = "metrics_failed"
+    port: int
+    error: str
+
+
+@dataclass(frozen=True)
 class HangDetected(Event):
     KIND = "hang_detected"
     round: int

@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -105,6 +106,9 @@ class Ledger:
     ended_at: float | None = None  # the last round's end
     run: _Round | None = None  # the round that runs (None: between rounds)
     last: _Round | None = None  # the round that ended last
+    restarted_at: float | None = None  # the last restart's cause (its lost time's start)
+    # Told each restart's recovery: from its cause to the first step after it.
+    recovered: Callable[[float], None] | None = None
 
     # ------------------------------------------------------------ feeding
     def started(self, now: float) -> None:
@@ -120,8 +124,12 @@ class Ledger:
             self.step_time = b.step_time
         if not r.first:
             r.first = True
-            self._account(max(b.first_at, self.mark))
+            first = max(b.first_at, self.mark)
+            self._account(first)
             self.cause = Cause.TRAINING
+            if self.restarted_at is not None and self.recovered is not None:
+                self.recovered(max(0.0, first - self.restarted_at))
+            self.restarted_at = None
         if not r.resumed and b.reported and b.first_step is not None:
             # The script's number for this process's first step (a record
             # written between its first optimizer step and its report of it
@@ -154,13 +162,14 @@ class Ledger:
         self.failures += 1
         self.cause = Cause.RESTART
         last, end = self.last, self.ended_at
+        self.restarted_at = end
         if last is None or last.last_at is None or end is None:
             return
         self.hangs += hang
         lost = min(max(0.0, end - last.last_at), self.seconds[Cause.TRAINING])
         self.seconds[Cause.TRAINING] -= lost
         self.seconds[Cause.HANG if hang else Cause.RESTART] += lost
-        self.ended_at = last.last_at  # no step was made after it
+        self.ended_at = self.restarted_at = last.last_at  # no step was made after it
 
     # ------------------------------------------------------------ figures
     def figures(self, now: float) -> Goodput:
@@ -232,6 +241,10 @@ class GoodputAccounting(Feature):
     def __init__(self, core: Core) -> None:
         self.core = core
         self.ledger = Ledger(core.clock.monotonic())
+        if core.metrics is not None:  # served live (agent/metrics.py)
+            core.metrics.goodput = self.figures
+            core.metrics.step_time = lambda: self.ledger.step_time
+            self.ledger.recovered = core.metrics.recovered
 
     def now(self) -> float:
         return self.core.clock.monotonic()
