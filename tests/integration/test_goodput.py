@@ -1,12 +1,14 @@
-"""Goodput accounting end to end: a real agent and worker (torch), a crash
-that redoes 10 steps; ``elastrun status`` shows the job's figures while it
-runs, the agent's end prints them in one line and its event log has them."""
+"""Goodput accounting and the metrics endpoint end to end: a real agent and
+worker (torch), a crash that redoes 10 steps; ``elastrun status`` and the
+agent's ``/metrics`` show the figures while the job runs, the agent's end
+prints them in one line and its event log has them."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +37,18 @@ def figures(port: int) -> dict[str, Any] | None:
     return found if found is not None and found["failures"] == 1 else None
 
 
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
 def test_a_crash_is_accounted_live_and_at_the_end(tmp_path: Path) -> None:
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     events = tmp_path / "events.jsonl"
     log = tmp_path / "agent.log"
     env = dict(os.environ, GOODPUT_DIR=str(tmp_path), PYTHONUNBUFFERED="1")
@@ -49,6 +61,7 @@ def test_a_crash_is_accounted_live_and_at_the_end(tmp_path: Path) -> None:
         "--rdzv-conf=is_host=1",
         "--max-restarts=3",
         f"--events-file={events}",
+        f"--metrics-port={metrics_port}",
         str(SCRIPTS / "goodput_worker.py"),
     ]
     with open(log, "wb") as out:
@@ -67,6 +80,13 @@ def test_a_crash_is_accounted_live_and_at_the_end(tmp_path: Path) -> None:
         table = status(port)
         assert table.returncode == 0, table.stderr
         assert "goodput   " in table.stdout and "lost to: " in table.stdout, table.stdout
+        # The agent's metrics say the same (loopback, the port given).
+        m = scrape(metrics_port)
+        assert m['elastrun_restarts_total{reason="worker_failed"}'] == 1, m
+        assert m['elastrun_worker_failures_total{cause="root_cause"}'] == 1, m
+        assert m["elastrun_recovery_seconds_count"] == 1 and m["elastrun_round"] >= 1, m
+        assert 0 < m["elastrun_goodput_ratio"] < 1 and m["elastrun_steps_redone"] == 10, m
+        assert m["elastrun_step_rate"] > 0 and m['elastrun_goodput_seconds{cause="restart"}'] > 0
         (tmp_path / "finish").touch()
         assert agent.wait(BOUND) == 0, log.read_text()[-3000:]
     finally:

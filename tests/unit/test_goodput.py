@@ -49,6 +49,7 @@ class End:
     at: float
     restart: bool = False
     hang: bool = False
+    change: bool = False  # a membership change that is no restart
 
 
 Step = Start | See | End
@@ -62,10 +63,12 @@ def run(script: list[Step], now: float) -> Goodput:
                 ledger.started(at)
             case See(b):
                 ledger.beat(b)
-            case End(at, restart, hang):
+            case End(at, restart, hang, change):
                 ledger.ended(at)
                 if restart:
                     ledger.restarting(hang=hang)
+                elif change:
+                    ledger.changing()
     return ledger.figures(now)
 
 
@@ -184,18 +187,19 @@ CASES: dict[str, tuple[list[Step], float, dict[str, float], dict[str, int]]] = {
         {"startup": 1.0, "training": 10.0 - 2.0 + 1.0 - 0.5, "saves": 2.5, "restart": 1.0},
         {"failures": 1, "steps_redone": 0},
     ),
-    # A node joins: the round ends without a restart; until the first step
-    # of the next round, the time is waiting.
+    # A node joins: the round ends without a restart; from its last step to
+    # the first step of the next round, the time is waiting.
     "membership change": (
         [
             Start(0.0),
             See(beat(1.0, 1, first=(1.0, 1))),
-            End(5.0),
+            See(beat(4.5, 40, first=(1.0, 1))),
+            End(5.0, change=True),
             Start(6.0),
             See(beat(7.0, 41, first=(7.0, 41))),
         ],
         10.0,
-        {"startup": 1.0, "training": 4.0 + 3.0, "waiting": 2.0},
+        {"startup": 1.0, "training": 3.5 + 3.0, "waiting": 0.5 + 2.0},
         {"failures": 0, "steps_redone": 0},
     ),
     # No step numbers of the script's own: the restart is seen, redone steps

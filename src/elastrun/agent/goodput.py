@@ -22,7 +22,8 @@ restart    from a restart's cause (a failure here, or another node's
            it: stopping, the failure summary, the rendezvous, the start
 hang       from a rank's last progress to the hang being declared here
 waiting    a round ended by a membership change that is no restart (a node
-           joining), to the first step after it; the exit barrier
+           joining), from its last step to the first step after it; the exit
+           barrier
 startup    from the agent's start to the job's first step (reported, but
            not part of the figure: it is paid once per job)
 ========== ==============================================================
@@ -156,20 +157,31 @@ class Ledger:
     def restarting(self, *, hang: bool = False) -> None:
         """The round that ended is a restart (a failure here or elsewhere);
         ``hang``: a rank was declared hung here. The time since its last
-        step (read at the round's end, at most ``RECORD_LAG`` old) was lost:
-        the step in flight, or a rank waiting for a peer that was gone; it is
-        the hang's or the restart's."""
+        step is the hang's or the restart's (:meth:`_lost`)."""
         self.failures += 1
         self.cause = Cause.RESTART
+        self.restarted_at = self.ended_at
+        self.hangs += hang
+        self._lost(Cause.HANG if hang else Cause.RESTART)
+
+    def changing(self) -> None:
+        """The round that ended is a change that is no restart (a node
+        joins): the time since its last step is waiting (:meth:`_lost`)."""
+        self._lost(Cause.WAITING)
+
+    def _lost(self, to: Cause) -> None:
+        """The time from the round's last step (read at its end, at most
+        ``RECORD_LAG`` old) to its end was lost: the step in flight, or a
+        rank waiting for a peer that was gone. It goes to ``to``."""
         last, end = self.last, self.ended_at
-        self.restarted_at = end
         if last is None or last.last_at is None or end is None:
             return
-        self.hangs += hang
         lost = min(max(0.0, end - last.last_at), self.seconds[Cause.TRAINING])
         self.seconds[Cause.TRAINING] -= lost
-        self.seconds[Cause.HANG if hang else Cause.RESTART] += lost
-        self.ended_at = self.restarted_at = last.last_at  # no step was made after it
+        self.seconds[to] += lost
+        if self.restarted_at is not None:
+            self.restarted_at = last.last_at
+        self.ended_at = last.last_at  # no step was made after it
 
     # ------------------------------------------------------------ figures
     def figures(self, now: float) -> Goodput:
@@ -327,3 +339,5 @@ class RoundGoodput(RoundHooks):
         if change.counts_as_restart and not self._counted:
             self._counted = True
             self.ledger.restarting()
+        elif not change.counts_as_restart:
+            self.ledger.changing()
