@@ -544,6 +544,20 @@ class HealthCheckFailed(Event):
 
 
 @dataclass(frozen=True)
+class MetricsStarted(Event):
+    KIND = "metrics_started"
+    port: int
+    hosts: list[str]
+
+
+@dataclass(frozen=True)
+class MetricsFailed(Event):
+    KIND = "metrics_failed"
+    port: int
+    error: str
+
+
+@dataclass(frozen=True)
 class HangDetected(Event):
     KIND = "hang_detected"
     round: int
@@ -686,6 +700,17 @@ class MemoryReplicaRefused(Event):
     KIND = "memory_replica_refused"
     peer: str
     reason: str
+
+
+@dataclass(frozen=True)
+class GoodputAccounted(Event):
+    KIND = "goodput"
+    seconds: dict[str, float]  # cause -> s (agent/goodput.py)
+    failures: int
+    hangs: int
+    steps_redone: int
+    steps_known: bool
+    goodput: float | None
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ FOUNDATION = {
     "safefs",
     "untrusted",
     "fields",
+    "goodput",
 }
 # layer name -> the elastrun layers it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {

@@ -320,6 +320,8 @@ def test_core_objects_pass_strict_schema_validation(path: Path) -> None:
     resources have no core schema: their pod or job templates are checked instead (core_parts)."""
     errors = []
     for found in manifest(path.name):
+        if found["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # the Prometheus Operator's: checked by its own test below
         for doc in core_parts(found):
             for version in k8s_versions():
                 err = schema_errors(doc, version)
@@ -843,3 +845,53 @@ def test_every_agent_has_a_liveness_probe_on_its_health_check_port(name: str) ->
         assert (probe["port"], probe["path"]) == (port, PATH), name
         grace = c["livenessProbe"]["periodSeconds"] * c["livenessProbe"]["failureThreshold"]
         assert grace >= 30, "a loaded agent is not killed for one slow answer"
+
+
+# ----------------------------------------------------------------- metrics
+
+# The Prometheus Operator's monitoring.coreos.com/v1 PodMonitor: the fields used here.
+PODMONITOR_SPEC = {"selector", "podMetricsEndpoints", "namespaceSelector", "jobLabel"}
+PODMONITOR_ENDPOINT = {"port", "path", "interval", "scrapeTimeout", "scheme", "relabelings"}
+
+
+def test_the_podmonitor_scrapes_the_metrics_port_the_agents_serve(
+    clean_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monitor = one(manifest("podmonitor.yaml"), "PodMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(monitor["spec"]) <= PODMONITOR_SPEC
+    endpoints = monitor["spec"]["podMetricsEndpoints"]
+    assert all(set(e) <= PODMONITOR_ENDPOINT for e in endpoints)
+    labels = pod_template(one(manifest("job.yaml"), "Job"))["metadata"]["labels"]
+    wanted = monitor["spec"]["selector"]["matchLabels"]
+    assert wanted.items() <= labels.items(), (wanted, labels)
+    c = agent_container("job.yaml")
+    ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+    for e in endpoints:
+        assert e["path"] == "/metrics" and e["port"] in ports, (e, ports)
+    # The agent serves that port on the pod's address (PET_METRICS_PORT: the flag's
+    # variable, as elastrun's parser reads it).
+    monkeypatch.setenv("PET_METRICS_PORT", container_env(c)["PET_METRICS_PORT"])
+    monkeypatch.chdir(ROOT)  # the image's WORKDIR holds examples/ as the repository does
+    plan, _ = parse(agent_argv(c))
+    served = plan.workers.metrics
+    assert served.port == ports["metrics"] and served.hosts == (FIELD_VALUES["status.podIP"],)
+
+
+def test_the_grafana_dashboard_reads_series_the_agents_serve() -> None:
+    import json
+
+    from elastrun.agent.metrics import Metrics
+    from elastrun.goodput import Goodput
+
+    dash = json.loads((ROOT / "deploy" / "grafana" / "elastrun.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert exprs and len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+    m = Metrics(round=0, world_size=1, members=1, spares=0, group_rank=0, store_term=1)
+    m.goodput = lambda: Goodput({"training": 1.0})
+    m.step_time = lambda: 0.1
+    served = {line.split(" ")[2] for line in m.render().decode().splitlines() if "# TYPE" in line}
+    series = set()
+    for name in re.findall(r"\belastrun_[a-z_]+", " ".join(exprs)):
+        series.add(re.sub(r"_(bucket|sum|count)$", "", name) if "recovery" in name else name)
+    assert series and series <= served, series - served

@@ -61,7 +61,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from elastrun.agent import file_timers, gpu_release, hang_group, health_check, memory, warm
+from elastrun.agent import (
+    file_timers,
+    goodput,
+    gpu_release,
+    hang_group,
+    health_check,
+    memory,
+    metrics_server,
+    warm,
+)
 from elastrun.agent.children import Reaper
 from elastrun.agent.env import check_round
 from elastrun.agent.failures import (
@@ -85,6 +94,7 @@ from elastrun.agent.log_dirs import (
     temp_dir,
 )
 from elastrun.agent.logs import LogWriteErrors, needs_files
+from elastrun.agent.metrics import Metrics
 from elastrun.agent.process import Worker, killpg
 from elastrun.agent.refusals import RefusalWatch
 from elastrun.agent.signals import Signalled, SignalRouter, StopSignals
@@ -94,7 +104,6 @@ from elastrun.agent.workers import KILL_WAIT, WorkerGroup
 from elastrun.clock import SYSTEM_CLOCK, Clock
 from elastrun.errors import ElastrunError, RendezvousClosed, RestartBudgetExhausted
 from elastrun.event_kinds import (
-    Event,
     JobFailed,
     JobFinished,
     RanksKept,
@@ -105,7 +114,7 @@ from elastrun.event_kinds import (
     WorkersStarted,
     WorkersSucceeded,
 )
-from elastrun.events import EventSink, JsonLinesSink, NullSink
+from elastrun.events import EventSink, JsonLinesSink, NullSink, TeeSink
 from elastrun.failure import FailureRecord, same_failure
 from elastrun.procs import say, signal_name
 from elastrun.rendezvous.api import Change, Rendezvous, RendezvousHooks, RoundResult
@@ -123,6 +132,8 @@ FEATURES: tuple[Callable[[Core], list[Feature]], ...] = (
     memory.features,
     file_timers.features,
     health_check.features,
+    goodput.features,
+    metrics_server.features,
 )
 
 
@@ -137,15 +148,6 @@ async def _exited(group: WorkerGroup) -> WorkersExited:
     return WorkersExited(await group.wait())
 
 
-class _Tee:
-    def __init__(self, *sinks: EventSink) -> None:
-        self.sinks = sinks
-
-    def emit(self, event: Event) -> None:
-        for s in self.sinks:
-            s.emit(event)
-
-
 class Agent:
     """Runs ``spec``'s workers for the rounds of ``rendezvous`` until the job ends.
 
@@ -155,6 +157,8 @@ class Agent:
     stopped by a signal. Must run in the main thread for signal handling and
     so that the workers' parent-death signal is tied to a long-lived thread.
     ``features``: the factories of its features (default :data:`FEATURES`).
+    ``metrics``: the Prometheus registry the launcher feeds the rendezvous'
+    events to (made here, fed the agent's, when not given: agent/metrics.py).
     """
 
     def __init__(
@@ -164,6 +168,8 @@ class Agent:
         events: EventSink | None = None,
         clock: Clock = SYSTEM_CLOCK,
         features: Sequence[Callable[[Core], list[Feature]]] = FEATURES,
+        *,
+        metrics: Metrics | None = None,
     ) -> None:
         # ``spec`` comes checked from the launcher's plan (launcher/plan.py).
         self.spec = spec
@@ -173,7 +179,11 @@ class Agent:
         sink: EventSink = events if events is not None else NullSink()
         if spec.events_file:
             self._events_file = open_event_log(spec.events_file, "--events-file", host=spec.host)
-            sink = _Tee(sink, self._events_file)
+            sink = TeeSink(sink, self._events_file)
+        if metrics is None:
+            metrics = Metrics()
+            sink = TeeSink(sink, metrics)
+        self.metrics = metrics
         self.events: EventSink = sink
         self._log_errors = LogWriteErrors(sink, say)
         self._stops = StopSignals()
@@ -192,7 +202,9 @@ class Agent:
         self._last_failure: FailureRecord | None = None  # this node's latest
         self._guard = OrphanGuard()
         self._reaper = Reaper()
-        core = Core(spec, rendezvous, self.events, clock, self._guard, self._reaper, say)
+        core = Core(
+            spec, rendezvous, self.events, clock, self._guard, self._reaper, say, self.metrics
+        )
         self.features: list[Feature] = [f for make in features for f in make(core)]
         # What next_round() waits for, on the console (the rendezvous reports it).
         self._waiting = WaitingConsole(clock=clock)

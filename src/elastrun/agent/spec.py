@@ -31,6 +31,7 @@ __all__ = [
     "HealthCheckSettings",
     "LogSettings",
     "MemorySettings",
+    "MetricsSettings",
     "StartMethod",
     "Std",
     "WarmModules",
@@ -166,6 +167,16 @@ class HealthCheckSettings:
 
 
 @dataclass(frozen=True)
+class MetricsSettings:
+    """agent/metrics.py: the Prometheus endpoint (``--metrics-port
+    [HOST,...:]PORT``; None: not served) and the addresses it listens on
+    (loopback unless given)."""
+
+    port: int | None = None
+    hosts: tuple[str, ...] = DEFAULT_HEALTH_CHECK_HOSTS
+
+
+@dataclass(frozen=True)
 class FileTimerSettings:
     """agent/file_timers.py: torch's file timer server
     (``TORCHELASTIC_ENABLE_FILE_TIMER=1`` or ``TORCHELASTIC_TIMER_FILE``)."""
@@ -230,3 +241,4 @@ class WorkerSpec:
     memory: MemorySettings = MemorySettings()
     health_check: HealthCheckSettings = HealthCheckSettings()
     file_timers: FileTimerSettings = FileTimerSettings()
+    metrics: MetricsSettings = MetricsSettings()

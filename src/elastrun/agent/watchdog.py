@@ -121,6 +121,13 @@ class Beat:
     calib: float | None = None  # the rank's own calibrated timeout (s)
     phase: str | None = None  # a long phase it is in ("checkpoint")
     phase_since: float | None = None
+    # For the goodput accounting (agent/goodput.py): this process's first
+    # step and when it ended, its seconds in checkpoint phases, and whether
+    # ``step`` is the script's own.
+    first_at: float | None = None
+    first_step: int | None = None
+    saving_s: float | None = None
+    reported: bool = False
 
 
 @dataclass(frozen=True)
@@ -193,6 +200,10 @@ def parse_beat(data: object) -> Beat | None:
         calib=None if calib is None else min(calib, MAX_CALIB),
         phase=phase[:64] if phase else None,
         phase_since=_seconds(f, "phase_since"),
+        first_at=f.maybe_number("first_at"),
+        first_step=f.maybe_int("first_step"),
+        saving_s=_seconds(f, "saving_s"),
+        reported=f.raw.get("reported") is True,
     )
 
 

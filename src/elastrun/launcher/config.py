@@ -104,6 +104,9 @@ class LaunchConfig:
     # Not used when log_template is given.
     log_line_prefix_template: str | None = None
     events_file: str | None = None
+    # --metrics-port: the agent's Prometheus endpoint, "PORT" (loopback) or
+    # "HOST[,HOST...]:PORT" (agent/metrics_server.py); None: not served.
+    metrics_port: str | None = None
     hang_timeout: float | None = None
     # hang_timeout is the floor of each rank's own calibrated timeout
     # (``--hang-timeout auto[:FLOOR]``; see agent/watchdog.py).

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastrun.failure import FailureRecord
+from elastrun.goodput import Goodput
 from elastrun.rendezvous import notes as N
 from elastrun.rendezvous.records import RoundState
 
@@ -194,6 +195,7 @@ class Summary:
     hang_stacks: HangStacks | None
     revision: int
     store_hosts: StoreHosts | None = None  # candidate hosts only
+    goodput: Goodput | None = None  # group rank 0's agent's figures (its note)
 
     @property
     def world_size(self) -> int:
@@ -239,6 +241,7 @@ class Summary:
             "hang_stacks": self.hang_stacks.to_json() if self.hang_stacks is not None else None,
             "revision": self.revision,
             "store_hosts": self.store_hosts.to_json() if self.store_hosts is not None else None,
+            "goodput": self.goodput.to_json() if self.goodput is not None else None,
         }
 
     def quiet(self) -> Summary:

@@ -354,21 +354,24 @@ class MemoryCheckpoint:
         t0 = time.perf_counter()
         if step < 0:
             raise ConfigError(f"memory checkpoint step must be >= 0, got {step}")
-        self.wait()
-        self.last_waited_s = time.perf_counter() - t0
-        flat = flatten(state)  # ConfigError naming a key that cannot be copied
-        target = self._persist(step, persist)
-        every = self.replicate_every
-        mark = target is not None or (every > 0 and step % every == 0)
-        if self._fallback is None:
-            try:
-                self._save_memory(flat, step, target, mark)
-            except _NoRoom as e:
-                self._fall_back(flat.data_size, str(e))
-        if self._fallback is not None and not self._warned:
-            self._warn()
-        if self._fallback is not None and target is not None:
-            save_checkpoint(state, target.directory, step=step, keep=target.keep)
+        # All of it keeps the step waiting: a checkpoint phase (the agent's
+        # goodput accounting counts it as time blocked in saves).
+        with phase("checkpoint"):
+            self.wait()
+            self.last_waited_s = time.perf_counter() - t0
+            flat = flatten(state)  # ConfigError naming a key that cannot be copied
+            target = self._persist(step, persist)
+            every = self.replicate_every
+            mark = target is not None or (every > 0 and step % every == 0)
+            if self._fallback is None:
+                try:
+                    self._save_memory(flat, step, target, mark)
+                except _NoRoom as e:
+                    self._fall_back(flat.data_size, str(e))
+            if self._fallback is not None and not self._warned:
+                self._warn()
+            if self._fallback is not None and target is not None:
+                save_checkpoint(state, target.directory, step=step, keep=target.keep)
         self.last_blocked_s = time.perf_counter() - t0
 
     def _save_memory(self, flat: Flat, step: int, target: Persist | None, mark: bool) -> None:
