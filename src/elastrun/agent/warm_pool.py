@@ -51,6 +51,7 @@ from elastrun.rendezvous.notes import ModuleReport
 from elastrun.untrusted import printable
 from elastrun.worker._messages import PreloadPlan, Ready, Unsafe
 from elastrun.worker._modnames import script_module
+from elastrun.worker._restart import ROUND_ENV
 from elastrun.worker.local_main import ENV as LOCAL_MAIN_ENV
 from elastrun.worker.snapshot import ENV as MEMORY_CHECKPOINT_ENV
 from elastrun.worker.snapshot import REPLICA_ENV as MEMORY_REPLICA_ENV
@@ -84,7 +85,9 @@ REAP_WAIT = 2.0
 ROUND_VARS = frozenset(
     (
         *ROUND_ENV_VARS,
+        ROUND_ENV,
         HEARTBEAT_ENV,
+        HEARTBEAT_INTERVAL_ENV,
         STACKS_ENV,
         STACK_SIGNAL_ENV,
         MEMORY_CHECKPOINT_ENV,

@@ -62,6 +62,7 @@ from elastrun.events import EventSink
 from elastrun.procs import signal_name
 from elastrun.rendezvous.api import Change, RoundResult
 from elastrun.worker._messages import Abort, Enter, Entered, Failing, Left, Message, Restartable
+from elastrun.worker._restart import ROUND_ENV  # the round a worker starts in
 
 __all__ = ["FAILING_GRACE", "Worker", "WorkerGroup"]
 
@@ -71,7 +72,6 @@ FAILING_GRACE = 5.0
 
 KILL_WAIT = 5.0  # after SIGKILL, how long to wait for the kernel to finish them
 DRAIN_TIMEOUT = 2.0  # after exit, how long to wait for the rest of a worker's output
-ROUND_ENV = "ELASTRUN_ROUND"  # the round a worker starts in (read by worker/_runner.py)
 # In-process restarts (docs/in_process.md): how long a rank asked to leave its
 # function may take before its process is replaced, and how long a rank that
 # left by itself (its collective broke) waits for the failure that broke it
@@ -343,6 +343,8 @@ class WorkerGroup:
             and w.failing is None
             and w.declared is None
         ]
+        if not candidates:
+            return []  # nothing to keep: the group is stopped as a whole, at once
         # A rank that raised ends by itself (its interpreter's teardown); a
         # rank declared hung (its stacks taken already) is stopped now: its
         # peers' collectives, waiting on it, break once its sockets close (an
