@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from elastrun.status.timeline import load_events, render_html
 from tests.helpers import stop_groups
 from tests.integration.elastic_harness import SCRIPTS
 
@@ -90,6 +91,11 @@ def test_example_keeps_the_survivors_processes(tmp_path: Path) -> None:
         r"^\[[^]]+\]: => resumed: epoch=\d+ offset=\d+/\d+ global_step=(\d+)", text, re.M
     )
     assert resumed == ["10", "20"], text[-4000:]
+
+    # The timeline marks each restart's kept and replaced ranks, with the kept pids.
+    page = render_html(load_events([str(log)]))
+    assert f"ranks kept 0 (pid {pids[0][0]}), 1 (pid {pids[0][1]}); replaced 2" in page
+    assert f"ranks kept 1 (pid {pids[1][1]}), 2 (pid {pids[1][2]}); replaced 0" in page
 
 
 def test_a_hung_rank_is_replaced_and_its_peers_kept(tmp_path: Path) -> None:
