@@ -82,6 +82,7 @@ bench: setup etcd
 	$(PY) -m bench $(BENCH_ARGS)
 	$(PY) -m bench.goodput
 	$(PY) -m bench.memory_save
+	$(PY) -m bench.in_process_restart
 
 bench-quick: setup etcd
 	$(PY) -m bench --quick $(BENCH_ARGS)

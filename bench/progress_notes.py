@@ -143,7 +143,7 @@ async def _run(host: str, port: int, args: argparse.Namespace, server_pid: int) 
             asyncio.ensure_future(
                 stragglers.publish_loop(
                     handlers[i],
-                    [(w.rank, w.heartbeat_file) for w in groups[i].workers],
+                    [stragglers.RankFile(w.rank, w.heartbeat_file) for w in groups[i].workers],
                     results[i],
                     f"node{i}",
                     sink,

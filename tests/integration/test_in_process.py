@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,10 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import stop_groups
+from elastrun.status.timeline import load_events, render_html
+from tests.helpers import stop_groups, wait_for
 from tests.integration.elastic_harness import SCRIPTS
+from tests.integration.test_status import status
 
 pytest.importorskip("torch")
 
@@ -31,6 +34,17 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train.py"
 
 def events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def worker_env(folder: Path, fault: dict[str, Any], steps: int) -> dict[str, str]:
+    """The environment of scripts/inproc_worker.py: ``fault`` in its first run."""
+    plan = json.dumps([fault])
+    return {
+        **os.environ,
+        "ELASTIC_TEST_DIR": str(folder),
+        "INPROC_PLAN": plan,
+        "INPROC_STEPS": str(steps),
+    }
 
 
 def test_example_keeps_the_survivors_processes(tmp_path: Path) -> None:
@@ -91,18 +105,18 @@ def test_example_keeps_the_survivors_processes(tmp_path: Path) -> None:
     )
     assert resumed == ["10", "20"], text[-4000:]
 
+    # The timeline marks each restart's kept and replaced ranks, with the kept pids.
+    page = render_html(load_events([str(log)]))
+    assert f"ranks kept 0 (pid {pids[0][0]}), 1 (pid {pids[0][1]}); replaced 2" in page
+    assert f"ranks kept 1 (pid {pids[1][1]}), 2 (pid {pids[1][2]}); replaced 0" in page
+
 
 def test_a_hung_rank_is_replaced_and_its_peers_kept(tmp_path: Path) -> None:
     """Rank 1 stops making progress outside any collective; the others wait
     for it in theirs. The watchdog declares the hang: rank 1 is stopped first,
     which ends its peers' collectives, and their processes are kept."""
     log = tmp_path / "events.jsonl"
-    env = dict(
-        os.environ,
-        ELASTIC_TEST_DIR=str(tmp_path),
-        INPROC_PLAN=json.dumps([{"rank": 1, "how": "hang", "step": 2}]),
-        INPROC_STEPS="5",
-    )
+    env = worker_env(tmp_path, {"rank": 1, "how": "hang", "step": 2}, steps=5)
     argv = [
         sys.executable,
         "-m",
@@ -130,3 +144,49 @@ def test_a_hung_rank_is_replaced_and_its_peers_kept(tmp_path: Path) -> None:
     started = [e for e in evs if e["kind"] == "workers_started"]
     before, after = (dict(zip(e["ranks"], e["pids"], strict=True)) for e in started)
     assert after[0] == before[0] and after[2] == before[2] and after[1] != before[1]
+
+
+def test_status_shows_which_ranks_kept_their_process(tmp_path: Path) -> None:
+    """After rank 2's SIGKILL, ``elastrun status`` shows ranks 0 and 1 kept
+    (their pids unchanged) and rank 2 replaced, in --json and in its table."""
+    finish = tmp_path / "finish"
+    env = worker_env(tmp_path, {"rank": 2, "how": "kill", "step": 2}, steps=4)
+    env["INPROC_UNTIL"] = str(finish)
+    out = tmp_path / "agent.log"
+    argv = [
+        *(sys.executable, "-m", "elastrun", "--standalone", "--nproc-per-node=3"),
+        *("--max-restarts=1", f"--events-file={tmp_path / 'events.jsonl'}"),
+        str(SCRIPTS / "inproc_worker.py"),
+    ]
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(
+            argv, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
+    try:
+        line = wait_for(
+            lambda: next(
+                (ln for ln in out.read_text().splitlines() if "standalone job" in ln), None
+            ),
+            BOUND,
+            "the standalone job's line",
+        )
+        given = shlex.split(line[line.index("(elastrun status") + 1 : -1])[2:]
+
+        def kept_shown() -> dict[str, Any] | None:
+            shown = status(*given, "--json")
+            s = json.loads(shown.stdout) if shown.returncode == 0 else None
+            ranks = s["ranks"] if s and s["restarts"] == 1 else []
+            return s if [r["kept"] for r in ranks] == [True, True, False] else None
+
+        s = wait_for(kept_shown, BOUND, "status to show ranks 0 and 1 kept", interval=1.0)
+        evs = events(tmp_path / "events.jsonl")
+        first = next(e for e in evs if e["kind"] == "workers_started")
+        pids = dict(zip(first["ranks"], first["pids"], strict=True))
+        assert [r["pid"] for r in s["ranks"][:2]] == [pids[0], pids[1]]
+        assert s["ranks"][2]["pid"] != pids[2]
+        table = status(*given).stdout
+        assert f"kept (pid {pids[0]})" in table and "PROCESS" in table, table
+        finish.touch()
+        assert proc.wait(BOUND) == 0, out.read_text()[-3000:]
+    finally:
+        stop_groups(proc)

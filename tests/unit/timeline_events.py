@@ -10,6 +10,7 @@ from elastrun.event_kinds import (
     JobFailed,
     JobFinished,
     NodeLost,
+    RanksKept,
     Restart,
     RootCauseElsewhere,
     RoundOpened,
@@ -49,6 +50,10 @@ def lost(r: int, detail: str, by: str) -> NodeLost:
 
 def promoted(r: int, node: str, group_rank: int, replaces: str | None) -> SparePromoted:
     return SparePromoted(round=r, node=node, group_rank=group_rank, replaces=replaces)
+
+
+def kept(r: int, ranks: list[int], pids: list[int], replaced: list[int]) -> RanksKept:
+    return RanksKept(round=r, attempt=r, kept=ranks, kept_pids=pids, started=replaced)
 
 
 def took_over(term: int, address: str) -> StoreTakeover:

@@ -142,7 +142,7 @@ class RoundHangs(RoundHooks):
 
     def started(self) -> None:
         files = [
-            (w.rank, path)
+            stragglers.RankFile(w.rank, path, w.pid if w.popen else None, w.taken_over)
             for w in self.group.workers
             if (path := self.ranks[w.local_rank].heartbeat_file) is not None
         ]

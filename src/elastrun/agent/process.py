@@ -108,6 +108,7 @@ class Worker:
     restartable: bool = False
     left: tuple[str, float] | None = None  # why, monotonic
     kept: bool = False
+    taken_over: bool = False  # its process was kept from an earlier round (status shows it)
     on_exit: Callable[[], None] = lambda: None  # its exit's callback (the group's)
 
     @property
@@ -179,7 +180,7 @@ class Worker:
     def take_over(self, rank: int, round_: int) -> None:
         """A new round's group takes this kept process over (rank ``rank``):
         what it ended as in the last round is forgotten."""
-        self.rank, self.round = rank, round_
+        self.rank, self.round, self.taken_over = rank, round_, True
         self.kept, self.left, self.declared, self.failing, self.dying = (
             False,
             None,

@@ -40,6 +40,7 @@ import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from elastrun.agent.watchdog import read_beat
 from elastrun.event_kinds import Straggler
@@ -51,6 +52,7 @@ __all__ = [
     "PUBLISH_EVERY",
     "SLOW_RATIO",
     "SUSTAIN",
+    "RankFile",
     "StragglerRule",
     "local_progress",
     "publish_loop",
@@ -83,12 +85,22 @@ class StragglerRule:
         return {r for r, n in self.slow_for.items() if n >= self.sustain and r in mine}
 
 
-def local_progress(files: Sequence[tuple[int, str]]) -> list[N.RankProgress]:
-    """Each local rank's last progress (``files``: its rank and progress
-    file), as the note carries it."""
+class RankFile(NamedTuple):
+    """A local rank's progress file, and its process (``kept``: kept from an
+    earlier round by an in-process restart; ``elastrun status`` shows it)."""
+
+    rank: int
+    path: str
+    pid: int | None = None
+    kept: bool | None = None
+
+
+def local_progress(files: Sequence[RankFile]) -> list[N.RankProgress]:
+    """Each local rank's last progress (``files``: its rank, progress file
+    and process), as the note carries it."""
     out = []
     now = time.monotonic()
-    for rank, path in files:
+    for rank, path, pid, kept in files:
         beat = read_beat(path)
         if beat is None:
             continue
@@ -101,6 +113,8 @@ def local_progress(files: Sequence[tuple[int, str]]) -> list[N.RankProgress]:
                 own_time=beat.own_time,
                 idle_s=round(max(0.0, now - beat.monotonic), 3),
                 phase=beat.phase[: N.MAX_PHASE] if beat.phase else None,
+                pid=pid,
+                kept=kept,
             )
         )
     return out
@@ -141,15 +155,15 @@ async def _verdict(
 
 async def publish_loop(
     rendezvous: Rendezvous,
-    files: Sequence[tuple[int, str]],
+    files: Sequence[RankFile],
     result: RoundResult,
     host: str,
     events: EventSink,
     *,
     every: float = PUBLISH_EVERY,
 ) -> None:
-    """Publish this node's step times (``files``: each local rank's rank and
-    progress file) until cancelled; group rank 0 judges the stragglers,
+    """Publish this node's step times (``files``: each local rank's rank,
+    progress file and process) until cancelled; group rank 0 judges the stragglers,
     every node announces its own."""
     aggregator = Aggregator() if result.group_rank == 0 else None
     node_id = result.me.node_id

@@ -391,6 +391,8 @@ class RankProgress:
     own_time: float | None = None  # the same outside backward passes (s)
     idle_s: float | None = None  # since its last progress
     phase: str | None = None  # a long phase it is in ("checkpoint")
+    pid: int | None = None  # its process
+    kept: bool | None = None  # its process was kept from an earlier round (in-process restart)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -401,6 +403,8 @@ class RankProgress:
             "own_time": self.own_time,
             "idle_s": self.idle_s,
             "phase": self.phase,
+            "pid": self.pid,
+            "kept": self.kept,
         }
 
     @classmethod
@@ -414,6 +418,8 @@ class RankProgress:
             own_time=obj.optional_number("own_time", high=MAX_SECONDS),
             idle_s=obj.optional_number("idle_s", high=MAX_SECONDS),
             phase=obj.optional_text("phase", MAX_PHASE),
+            pid=obj.optional_integer("pid"),
+            kept=None if obj.absent("kept") else obj.flag("kept"),
         )
 
 

@@ -103,6 +103,8 @@ class RankRow:
     phase: str | None
     straggler: bool
     reported_at: float
+    pid: int | None = None
+    kept: bool | None = None  # its process kept from the last round (an in-process restart)
 
     @classmethod
     def of(cls, p: N.RankProgress, note: N.ProgressNote) -> RankRow:
@@ -116,6 +118,8 @@ class RankRow:
             phase=p.phase,
             straggler=False,
             reported_at=note.at,
+            pid=p.pid,
+            kept=p.kept,
         )
 
     def flagged(self, straggler: bool) -> RankRow:

@@ -110,13 +110,17 @@ def _ranks_block(ranks: Sequence[RankRow]) -> list[str]:
     """Per-rank step times (reported every few seconds by each agent)."""
     if not ranks:
         return []
-    rows = [("RANK", "HOST", "STEP", "STEP_TIME", "OWN_TIME", "IDLE", "")]
+    # After an in-process restart (some rank's process kept): which processes were kept.
+    process = any(r.kept for r in ranks)
+    head = ("RANK", "HOST", *(("PROCESS",) if process else ()), "STEP", "STEP_TIME", "OWN_TIME")
+    rows = [(*head, "IDLE", "")]
     for r in ranks:
         note = "STRAGGLER" if r.straggler else (f"in {_p(r.phase)}" if r.phase else "")
         rows.append(
             (
                 str(r.rank),
                 _p(r.host or "?"),
+                *((process_text(r),) if process else ()),
                 _opt(r.step, "-"),
                 _ms(r.step_time_s),
                 _ms(r.own_time_s),
@@ -124,14 +128,26 @@ def _ranks_block(ranks: Sequence[RankRow]) -> list[str]:
                 note,
             )
         )
+    kept = (
+        "; PROCESS: whether the rank's process was kept in the last restart (in-process), "
+        "or replaced by a new one"
+        if process
+        else ""
+    )
     title = (
         "\nranks (STEP: the step the script reports, elastrun.train.heartbeat(step); without "
         "one, the optimizer steps this worker process took since it started, so a restarted "
         "rank counts from 0 again and ranks started apart differ. STEP_TIME, OWN_TIME: medians "
         "of the recent optimizer steps; own time: outside backward passes, where DDP waits "
-        "for the slowest rank):"
+        f"for the slowest rank{kept}):"
     )
     return [title, *_table(rows)]
+
+
+def process_text(r: RankRow) -> str:
+    """A rank's process after an in-process restart: kept or replaced (and its pid)."""
+    what = "?" if r.kept is None else "kept" if r.kept else "replaced"
+    return what if r.pid is None else f"{what} (pid {r.pid})"
 
 
 def _stacks_block(stacks: HangStacks | None) -> list[str]:

@@ -39,6 +39,7 @@ from elastrun.event_kinds import (
     JobMarkedFailed,
     NodeJoined,
     NodeLost,
+    RanksKept,
     Restart,
     RootCauseElsewhere,
     RoundOpened,
@@ -87,6 +88,7 @@ DRAWN: tuple[type[Event], ...] = (
     RootCauseElsewhere,
     NodeLost,
     SparePromoted,
+    RanksKept,
     StoreHostLost,
     StoreTakeover,
     JobFinished,
@@ -417,6 +419,8 @@ class _History:
             lane.marks.append((ts, CYAN, f"{_fmt(ts)} {what}"))
             if ev.replaces is not None and ev.replaces in self.lanes:  # gone, if not said yet
                 _end(self.lanes[ev.replaces], ts)
+        elif isinstance(ev, RanksKept):
+            lane.marks.append((ts, TEAL, f"{_fmt(ts)} {kept_line(ev)}"))
         elif isinstance(ev, JobFinished | JobFailed):
             lane.marks.append(_agent_end(ts, ev))
 
@@ -445,7 +449,15 @@ class _History:
 
 
 RED, ORANGE, PURPLE, GREEN, GREY = "#d62728", "#ff7f0e", "#9467bd", "#2ca02c", "#7f7f7f"
-CYAN, BROWN = "#17becf", "#8c564b"
+CYAN, BROWN, TEAL = "#17becf", "#8c564b", "#1b9e77"
+
+
+def kept_line(ev: RanksKept) -> str:
+    """An in-process restart on one node: the ranks whose processes were kept
+    (and their pids), and those replaced by new processes."""
+    pids = ", ".join(f"{r} (pid {p})" for r, p in zip(ev.kept, ev.kept_pids, strict=False))
+    replaced = ", ".join(map(str, ev.started)) or "none"
+    return f"in-process restart, round {ev.round}: ranks kept {pids}; replaced {replaced}"
 
 
 def _end(lane: _Lane, ts: float) -> None:
@@ -617,7 +629,9 @@ def render_html(events: Sequence[LoggedEvent], title: str = "") -> str:
         "Red dot: a root-cause worker failure (orange: a node's ranks that failed after "
         "another node's). Dashes: a restart (orange: counted against --max-restarts; grey: "
         "not counted, after a node or the store's host was lost). Purple: a node lost, or the "
-        "store's host lost, on its own lane. Cyan: a spare promoted into the world. Brown: "
+        "store's host lost, on its own lane. Cyan: a spare promoted into the world. Teal: an "
+        "in-process restart on that node (hover: the ranks whose processes were kept, and "
+        "those replaced). Brown: "
         "this node's agent took the store's hosting (a new term). Green: an agent finished; "
         "grey: stopped by a signal; red: its job failed. "
         "The axis: time from the first event. Hover for details.</p>"

@@ -7,10 +7,13 @@ all-reduce steps. ``INPROC_PLAN`` (JSON, one entry per restart count:
 ``{"rank": r, "how": "kill" | "raise" | "hang", "step": s}``) says which
 rank fails, how and at which step, in the run of that restart count (``hang``:
 it sleeps, out of any collective, until the hang watchdog declares it).
+``INPROC_UNTIL`` (a path): after the steps, more steps until that file exists
+(the ranks agree on it over the group).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -24,6 +27,7 @@ from elastrun.train import current_round, heartbeat, in_process
 OUT = os.path.join(os.environ["ELASTIC_TEST_DIR"], "views.jsonl")
 PLAN = json.loads(os.environ.get("INPROC_PLAN", "[]"))
 STEPS = int(os.environ.get("INPROC_STEPS", "6"))
+UNTIL = os.environ.get("INPROC_UNTIL")
 
 
 def record(line: dict[str, object]) -> None:
@@ -35,6 +39,13 @@ def record(line: dict[str, object]) -> None:
 
 
 record({"setup": os.getpid()})  # once per process
+
+
+def until_exists(path: str) -> bool:
+    """Whether ``path`` exists on any rank (every rank learns the same)."""
+    flag = torch.tensor([int(os.path.exists(path))])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 @in_process
@@ -56,7 +67,9 @@ def train() -> None:
         }
     )
     fault = PLAN[restarts] if restarts < len(PLAN) else None
-    for step in range(STEPS):
+    for step in itertools.count():
+        if step >= STEPS and (UNTIL is None or until_exists(UNTIL)):
+            break
         t = torch.ones(1)
         dist.all_reduce(t)
         heartbeat(step + 1)
