@@ -48,6 +48,7 @@ from elastrun.agent.watchdog import (
     Hang,
     HangPolicy,
     HangWatchdog,
+    heartbeat_file,
     heartbeat_interval,
     parse_beat,
 )
@@ -113,7 +114,7 @@ class RoundHangs(RoundHooks):
         r, spec, env = self.ranks[worker.local_rank], self.spec, {}
         # Progress: for the watchdog, and (from the runner) the step times.
         if self.watchdog is not None or self.group.runs_runner:
-            r.heartbeat_file = env[HEARTBEAT_ENV] = os.path.join(worker.folder, "heartbeat.json")
+            r.heartbeat_file = env[HEARTBEAT_ENV] = heartbeat_file(worker.folder)
             if spec.hang.timeout is not None:
                 env[HEARTBEAT_INTERVAL_ENV] = repr(heartbeat_interval(spec.hang.timeout))
         if (

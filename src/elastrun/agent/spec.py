@@ -18,6 +18,7 @@ from elastrun.agent.command import LOCAL_RANK_MACRO, WorkerCommand
 from elastrun.names import RunId
 
 __all__ = [
+    "DEFAULT_FAULT_LIMIT",
     "DEFAULT_GPU_RELEASE_TIMEOUT",
     "DEFAULT_HEALTH_CHECK_HOSTS",
     "DEFAULT_LOG_TEMPLATE",
@@ -25,6 +26,7 @@ __all__ = [
     "DEFAULT_REPLICA_MAX_BYTES",
     "DEFAULT_REPLICA_MAX_HEADER",
     "LOCAL_RANK_MACRO",
+    "AttributionSettings",
     "FileTimerSettings",
     "GpuReleaseSettings",
     "HangSettings",
@@ -71,6 +73,7 @@ class WarmModules(enum.StrEnum):
     TORCH = "torch"  # torch alone, no cache
 
 
+DEFAULT_FAULT_LIMIT = 2  # identical failures that make a fault verdict
 DEFAULT_GPU_RELEASE_TIMEOUT = 30.0  # s a start waits for the stopped workers' GPU memory
 DEFAULT_HEALTH_CHECK_HOSTS = ("127.0.0.1", "::1")
 DEFAULT_MEMORY_ROOT = "/dev/shm"
@@ -188,6 +191,19 @@ class HangSettings:
 
 
 @dataclass(frozen=True)
+class AttributionSettings:
+    """agent/attribution.py: fault attribution across restarts. ``limit``
+    (``--fault-limit``): identical failures that make a verdict (0: none is
+    made); ``stop_script_faults`` (``--stop-on-script-fault``): a script
+    fault stops the job; ``quarantine`` (``--quarantine-time``): seconds a
+    node judged faulty is kept out of the job (0: it is not excluded)."""
+
+    limit: int = DEFAULT_FAULT_LIMIT
+    stop_script_faults: bool = True
+    quarantine: float = 0.0
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
     # What each worker runs (agent/command.py): a Python script or module
     # (through the worker runner), or a program run as given.
@@ -230,3 +246,4 @@ class WorkerSpec:
     memory: MemorySettings = MemorySettings()
     health_check: HealthCheckSettings = HealthCheckSettings()
     file_timers: FileTimerSettings = FileTimerSettings()
+    attribution: AttributionSettings = AttributionSettings()

@@ -89,6 +89,7 @@ __all__ = [
     "HangWatchdog",
     "ProgressRead",
     "folder_problem",
+    "heartbeat_file",
     "heartbeat_interval",
     "parse_beat",
     "read_beat",
@@ -166,6 +167,11 @@ def read_progress(path: str) -> ProgressRead:
     except UntrustedData:
         return ProgressRead()  # torn or foreign: no record (the next write replaces it)
     return ProgressRead(beat=parse_beat(data))
+
+
+def heartbeat_file(folder: str) -> str:
+    """A worker's progress file (``HEARTBEAT_ENV``), in its own folder."""
+    return os.path.join(folder, "heartbeat.json")
 
 
 def read_beat(path: str) -> Beat | None:

@@ -109,6 +109,7 @@ FLAG_SECONDS: dict[str, Range] = {
     "--hang-timeout": Range(MIN_TIMEOUT, WEEK),
     "--exit-barrier-timeout": Range(0.0, WEEK),
     "--warm-join-timeout": Range(0.0, HOUR),
+    "--quarantine-time": Range(0.0, WEEK),
 }
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from elastrun.agent.modcache import default_cache_dir
 from elastrun.agent.spec import (
     DEFAULT_LOG_TEMPLATE,
     DEFAULT_MEMORY_ROOT,
+    AttributionSettings,
     GpuReleaseSettings,
     HangSettings,
     HealthCheckSettings,
@@ -61,7 +63,7 @@ from elastrun.store.etcd_options import DEFAULT_ETCD_PORT
 from elastrun.store.factory import DEFAULT_PORT, Backend
 from elastrun.store.term import MAX_CANDIDATES, MIN_FAILOVER_LEASE_TTL
 from elastrun.store.token import TOKEN_ENV, store_token
-from elastrun.untrusted import ascii_int
+from elastrun.untrusted import ascii_int, printable
 
 __all__ = ["Plan", "resolve"]
 
@@ -93,6 +95,9 @@ class Plan:
     token_source: str = "none"  # noqa: S105 - where the token came from, for messages
     # What the launcher says before it starts (a setting it ignores, as torch).
     warnings: tuple[str, ...] = ()
+    # ELASTRUN_HOST_NAME: this node's name in the job (events, status, a
+    # quarantine) instead of the machine's host name (None: the host name).
+    host_name: str | None = None
 
     @property
     def failover(self) -> bool:
@@ -200,7 +205,29 @@ def resolve(config: LaunchConfig, command: WorkerCommand = EMPTY_COMMAND) -> Pla
         generated_run_id=generated and not where.standalone,
         token_source=token.source,
         warnings=warnings,
+        host_name=host_name_from(os.environ),
     )
+
+
+HOST_NAME_ENV = "ELASTRUN_HOST_NAME"
+MAX_HOST_NAME = 253
+_HOST_NAME = re.compile(r"[A-Za-z0-9._-]{1,253}\Z")
+
+
+def host_name_from(environ: Mapping[str, str]) -> str | None:
+    """``ELASTRUN_HOST_NAME`` (unset or empty: None, the machine's host
+    name): letters, digits, ``.``, ``_`` and ``-``, at most 253; else a
+    ConfigError naming the variable."""
+    raw = environ.get(HOST_NAME_ENV, "")
+    if not raw:
+        return None
+    if _HOST_NAME.match(raw) is None:
+        shown = printable(repr(raw[:64]))
+        raise ConfigError(
+            f"{HOST_NAME_ENV}={shown}: a node name is 1 to {MAX_HOST_NAME} letters, digits, "
+            "'.', '_' or '-'"
+        )
+    return raw
 
 
 def _with_features(
@@ -477,6 +504,11 @@ def _worker_spec(
         hidden_env=frozenset((TOKEN_ENV,)),
         virtual_local_rank=config.virtual_local_rank,
         cpu_binding=numa_cpus(config.numa_binding, config.nproc_per_node),
+        attribution=AttributionSettings(
+            limit=config.fault_limit,
+            stop_script_faults=config.stop_on_script_fault,
+            quarantine=float(config.quarantine_time),
+        ),
     )
 
 

@@ -11,11 +11,13 @@ have written: the table escapes each for the terminal; ``--json`` is JSON.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from elastrun.failure import FailureRecord
 from elastrun.rendezvous import notes as N
+from elastrun.rendezvous.quarantine import QuarantineRecord
 from elastrun.rendezvous.records import RoundState
 
 __all__ = [
@@ -194,6 +196,11 @@ class Summary:
     hang_stacks: HangStacks | None
     revision: int
     store_hosts: StoreHosts | None = None  # candidate hosts only
+    # Fault attribution (rendezvous/quarantine.py, fault_history.py): the
+    # nodes kept out of the job (expired records too), and the script fault
+    # that stopped it.
+    quarantined: tuple[QuarantineRecord, ...] = ()
+    fault_stopped: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -239,9 +246,18 @@ class Summary:
             "hang_stacks": self.hang_stacks.to_json() if self.hang_stacks is not None else None,
             "revision": self.revision,
             "store_hosts": self.store_hosts.to_json() if self.store_hosts is not None else None,
+            "quarantined": [_quarantine_json(q) for q in self.quarantined],
+            "fault_stopped": self.fault_stopped,
         }
 
     def quiet(self) -> Summary:
         """Itself without what changes by itself (the duration, the revision):
         two summaries that differ only there show the same job."""
         return dataclasses.replace(self, state_for_s=None, revision=0)
+
+
+def _quarantine_json(q: QuarantineRecord) -> dict[str, Any]:
+    out = q.to_json()
+    del out["v"]
+    out["active"] = q.active(time.time())
+    return out
