@@ -694,6 +694,17 @@ class NodeQuarantined(Event):
 
 
 @dataclass(frozen=True)
+class NodeHealthFailed(Event):
+    """This node's ``--health-check`` command failed (agent/node_health.py)."""
+
+    KIND = "node_health_failed"
+    command: str
+    when: str  # before_round | training
+    reason: str  # "exited with code 1", "timed out after 60 s (killed)", "cannot run ..."
+    output: str  # its last output (at most 2 KiB, escaped)
+
+
+@dataclass(frozen=True)
 class QuarantineRefused(Event):
     """The agent started on a quarantined node: it does not join."""
 

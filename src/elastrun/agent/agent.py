@@ -61,7 +61,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from elastrun.agent import file_timers, gpu_release, hang_group, health_check, memory, warm
+from elastrun.agent import (
+    file_timers,
+    gpu_release,
+    hang_group,
+    health_check,
+    memory,
+    node_health,
+    warm,
+)
 from elastrun.agent.attribution import Attribution
 from elastrun.agent.children import Reaper
 from elastrun.agent.env import check_round
@@ -120,6 +128,7 @@ FEATURES: tuple[Callable[[Core], list[Feature]], ...] = (
     memory.features,
     file_timers.features,
     health_check.features,
+    node_health.features,
 )
 
 

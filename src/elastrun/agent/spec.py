@@ -21,6 +21,7 @@ __all__ = [
     "DEFAULT_FAULT_LIMIT",
     "DEFAULT_GPU_RELEASE_TIMEOUT",
     "DEFAULT_HEALTH_CHECK_HOSTS",
+    "DEFAULT_HEALTH_CHECK_TIMEOUT",
     "DEFAULT_LOG_TEMPLATE",
     "DEFAULT_MEMORY_ROOT",
     "DEFAULT_REPLICA_MAX_BYTES",
@@ -33,6 +34,7 @@ __all__ = [
     "HealthCheckSettings",
     "LogSettings",
     "MemorySettings",
+    "NodeHealthSettings",
     "StartMethod",
     "Std",
     "WarmModules",
@@ -73,6 +75,7 @@ class WarmModules(enum.StrEnum):
     TORCH = "torch"  # torch alone, no cache
 
 
+DEFAULT_HEALTH_CHECK_TIMEOUT = 60.0  # s a --health-check command may run
 DEFAULT_FAULT_LIMIT = 2  # identical failures that make a fault verdict
 DEFAULT_GPU_RELEASE_TIMEOUT = 30.0  # s a start waits for the stopped workers' GPU memory
 DEFAULT_HEALTH_CHECK_HOSTS = ("127.0.0.1", "::1")
@@ -191,6 +194,19 @@ class HangSettings:
 
 
 @dataclass(frozen=True)
+class NodeHealthSettings:
+    """agent/node_health.py: the node's own health check (``--health-check``,
+    or ``--rdzv-conf health_check``): ``command`` (an argv; empty: none) runs
+    before the node joins each round, and every ``interval`` s while it
+    trains (0: only before joining); one that runs past ``timeout`` s is
+    killed and counts as failed."""
+
+    command: tuple[str, ...] = ()
+    timeout: float = DEFAULT_HEALTH_CHECK_TIMEOUT
+    interval: float = 0.0
+
+
+@dataclass(frozen=True)
 class AttributionSettings:
     """agent/attribution.py: fault attribution across restarts. ``limit``
     (``--fault-limit``): identical failures that make a verdict (0: none is
@@ -247,3 +263,4 @@ class WorkerSpec:
     health_check: HealthCheckSettings = HealthCheckSettings()
     file_timers: FileTimerSettings = FileTimerSettings()
     attribution: AttributionSettings = AttributionSettings()
+    node_health: NodeHealthSettings = NodeHealthSettings()

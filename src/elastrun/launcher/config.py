@@ -145,6 +145,12 @@ class LaunchConfig:
     fault_limit: int = DEFAULT_FAULT_LIMIT
     stop_on_script_fault: bool = True
     quarantine_time: float = 0.0
+    # --health-check CMD (agent/node_health.py): before each round and every
+    # --health-check-interval s while training; killed after its timeout.
+    # None: --rdzv-conf's health_check* keys, else none.
+    health_check: str | None = None
+    health_check_timeout: float | None = None
+    health_check_interval: float | None = None
 
     def check(self) -> None:
         """Check the fields that stay plain numbers and text against their
@@ -180,6 +186,8 @@ class LaunchConfig:
             ("--exit-barrier-timeout", self.exit_barrier_timeout),
             ("--warm-join-timeout", self.warm_join_timeout),
             ("--quarantine-time", self.quarantine_time),
+            ("--health-check-timeout", self.health_check_timeout),
+            ("--health-check-interval", self.health_check_interval),
         ):
             if value is not None:
                 check_seconds(flag, value, FLAG_SECONDS[flag])

@@ -261,6 +261,11 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
         fault_limit=DEFAULT_FAULT_LIMIT if fault_limit is None else fault_limit,
         stop_on_script_fault=ns.stop_on_script_fault,
         quarantine_time=parse_seconds_text("--quarantine-time", ns.quarantine_time) or 0.0,
+        health_check=ns.health_check or None,
+        health_check_timeout=parse_seconds_text("--health-check-timeout", ns.health_check_timeout),
+        health_check_interval=parse_seconds_text(
+            "--health-check-interval", ns.health_check_interval
+        ),
         **torchrun_settings(ns),
     )
     cmd = Command(
@@ -639,6 +644,32 @@ def add_fault_flags(p: argparse.ArgumentParser) -> None:
         help="a node judged faulty leaves the job and is refused for this long (a spare "
         "takes its place, else the job shrinks to an allowed size); `elastrun status "
         "--clear-quarantine HOST` lets it back (default: 0, the node stays)",
+    )
+    f.add_argument(
+        *both("--health-check"),
+        action=EnvDefault,
+        default=None,
+        metavar="CMD",
+        help="a command (e.g. 'nvidia-smi -L', 'dcgmi diag -r 1') run before the node joins "
+        "each round and every --health-check-interval seconds while it trains: a node "
+        "whose check fails (non-zero, or past its timeout: killed) does not join, or leaves "
+        "at the next round boundary (default: none; also --rdzv-conf health_check)",
+    )
+    f.add_argument(
+        *both("--health-check-timeout"),
+        action=EnvDefault,
+        default=None,
+        metavar="SECONDS",
+        help="how long --health-check may run before it is killed and counts as failed "
+        "(default: 60)",
+    )
+    f.add_argument(
+        *both("--health-check-interval"),
+        action=EnvDefault,
+        default=None,
+        metavar="SECONDS",
+        help="run --health-check this often while the node trains (default: 0, only "
+        "before joining)",
     )
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from elastrun.agent.command import Executable, WorkerCommand
 from elastrun.agent.logs import validate_template
 from elastrun.agent.modcache import default_cache_dir
 from elastrun.agent.spec import (
+    DEFAULT_HEALTH_CHECK_TIMEOUT,
     DEFAULT_LOG_TEMPLATE,
     DEFAULT_MEMORY_ROOT,
     AttributionSettings,
@@ -38,6 +40,7 @@ from elastrun.agent.spec import (
     HealthCheckSettings,
     LogSettings,
     MemorySettings,
+    NodeHealthSettings,
     StartMethod,
     Std,
     WarmModules,
@@ -191,6 +194,7 @@ def resolve(config: LaunchConfig, command: WorkerCommand = EMPTY_COMMAND) -> Pla
     spec, warnings = _with_features(
         _worker_spec(config, run_id, command, authenticated), token.token, os.environ
     )
+    spec = dataclasses.replace(spec, node_health=_node_health(config, where.conf))
     return Plan(
         run_id=run_id,
         backend=where.backend,
@@ -206,6 +210,35 @@ def resolve(config: LaunchConfig, command: WorkerCommand = EMPTY_COMMAND) -> Pla
         token_source=token.source,
         warnings=warnings,
         host_name=host_name_from(os.environ),
+    )
+
+
+MAX_HEALTH_CHECK = 4096  # characters of a --health-check command
+
+
+def _node_health(config: LaunchConfig, conf: RendezvousConf) -> NodeHealthSettings:
+    """``--health-check*``, else ``--rdzv-conf health_check*``: the command
+    split as a shell would (no shell runs it), its timeout and interval."""
+    text = config.health_check if config.health_check is not None else conf.health_check
+    flag = "--health-check" if config.health_check is not None else "--rdzv-conf health_check"
+    command: tuple[str, ...] = ()
+    if text:
+        if len(text) > MAX_HEALTH_CHECK or "\x00" in text:
+            raise ConfigError(f"{flag}: at most {MAX_HEALTH_CHECK} characters, no NUL")
+        try:
+            command = tuple(shlex.split(text))
+        except ValueError as e:
+            raise ConfigError(f"{flag}: {e} in {printable(repr(text[:64]))}") from None
+    timeout = config.health_check_timeout
+    if timeout is None:
+        timeout = conf.health_check_timeout
+    interval = config.health_check_interval
+    if interval is None:
+        interval = conf.health_check_interval
+    return NodeHealthSettings(
+        command=command,
+        timeout=DEFAULT_HEALTH_CHECK_TIMEOUT if timeout is None else float(timeout),
+        interval=0.0 if interval is None else float(interval),
     )
 
 
