@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import free_port, wait_for
-from tests.integration.elastic_harness import BOUND, ELASTRUN, Agent, Job, job, steps_after
+from tests.integration.elastic_harness import BOUND, ELASTRUN, Job, job, node_name, steps_after
 
 STOP_LINE = (
     "elastrun: job stopped: script fault: ValueError: bad batch in rank 1 at step 3, "
@@ -45,19 +45,6 @@ def flags(port: int, j: Job, name: str, *, host: bool, nnodes: str, extra: list[
     ]
 
 
-def start(
-    j: Job, mp: pytest.MonkeyPatch, name: str, argv: list[str], host: str | None = None
-) -> Agent:
-    """Agent ``name``, whose node is called ``host`` (ELASTRUN_HOST_NAME; default ``name``)."""
-    with mp.context() as m:
-        m.setenv("ELASTRUN_HOST_NAME", host or name)
-        return j.start_agent(name, argv)
-
-
-def kinds(j: Job, name: str, kind: str) -> list[dict[str, Any]]:
-    return [e for e in j.events(name) if e["kind"] == kind]
-
-
 def status(port: int, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*ELASTRUN, "status", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=faults", *extra],
@@ -74,19 +61,23 @@ def test_a_script_bug_stops_the_job_after_two_identical_failures(
     monkeypatch.setenv("FAULT_MODE", "bug")
     port = free_port()
     with job(tmp_path) as j:
-        a = start(j, monkeypatch, "a", flags(port, j, "a", host=True, nnodes="2", extra=[]))
-        b = start(j, monkeypatch, "b", flags(port, j, "b", host=False, nnodes="2", extra=[]))
+        a = j.start_agent(
+            "a", flags(port, j, "a", host=True, nnodes="2", extra=[]), env_extra=node_name("a")
+        )
+        b = j.start_agent(
+            "b", flags(port, j, "b", host=False, nnodes="2", extra=[]), env_extra=node_name("b")
+        )
         for agent in (a, b):
             assert agent.wait(BOUND) == 1, agent.output()[-3000:]
             assert STOP_LINE in agent.output(), agent.output()[-3000:]
         for name in ("a", "b"):
             # Two starts (the first and one restart) of the 6 --max-restarts allowed.
-            assert len(kinds(j, name, "workers_started")) == 2
-            (failed,) = kinds(j, name, "job_failed")
+            assert len(j.kinds(name, "workers_started")) == 2
+            (failed,) = j.kinds(name, "job_failed")
             assert failed["reason"] == "script_fault"
         # The node that judged first stopped the job; a node that judged later
         # judged alike, one that found the job stopped already says so.
-        verdicts = kinds(j, "a", "fault_verdict") + kinds(j, "b", "fault_verdict")
+        verdicts = j.kinds("a", "fault_verdict") + j.kinds("b", "fault_verdict")
         assert verdicts
         for verdict in verdicts:
             assert verdict["verdict"] == "script_fault" and verdict["action"] == "stop"
@@ -100,12 +91,12 @@ def justified(j: Job, names: list[str]) -> None:
     failures: never a broken collective, never another node's."""
     causes: dict[int, dict[str, Any]] = {}
     for name in names:
-        for e in kinds(j, name, "restart"):
+        for e in j.kinds(name, "restart"):
             if e.get("failure"):
                 causes[e["round"]] = e["failure"]
-    verdicts = {(e["round"], e["node"]): e for n in names for e in kinds(j, n, "fault_verdict")}
+    verdicts = {(e["round"], e["node"]): e for n in names for e in j.kinds(n, "fault_verdict")}
     for name in names:
-        for q in kinds(j, name, "node_quarantined"):
+        for q in j.kinds(name, "node_quarantined"):
             host = q["quarantined_host"]
             (verdict,) = [v for (r, node), v in verdicts.items() if node == host]
             assert verdict["verdict"] == "node_fault", verdict
@@ -123,10 +114,20 @@ def test_a_bad_node_is_quarantined_and_replaced_by_the_spare(
     port = free_port()
     extra = ["--node-unit=2", "--quarantine-time=600"]
     with job(tmp_path) as j:
-        a = start(j, monkeypatch, "a", flags(port, j, "a", host=True, nnodes="2:3", extra=extra))
-        b = start(j, monkeypatch, "b", flags(port, j, "b", host=False, nnodes="2:3", extra=extra))
-        wait_for(lambda: kinds(j, "a", "workers_started"), BOUND, "node a training")
-        s = start(j, monkeypatch, "s", flags(port, j, "s", host=False, nnodes="2:3", extra=extra))
+        a = j.start_agent(
+            "a", flags(port, j, "a", host=True, nnodes="2:3", extra=extra), env_extra=node_name("a")
+        )
+        b = j.start_agent(
+            "b",
+            flags(port, j, "b", host=False, nnodes="2:3", extra=extra),
+            env_extra=node_name("b"),
+        )
+        wait_for(lambda: j.kinds("a", "workers_started"), BOUND, "node a training")
+        s = j.start_agent(
+            "s",
+            flags(port, j, "s", host=False, nnodes="2:3", extra=extra),
+            env_extra=node_name("s"),
+        )
         assert b.wait(BOUND) == 1, b.output()[-3000:]
         out = b.output()
         assert "node fault: node b failed 2 times in a row" in out, out[-3000:]
@@ -144,7 +145,7 @@ def test_a_bad_node_is_quarantined_and_replaced_by_the_spare(
         assert "node b quarantined until" in table.stdout, table.stdout
 
         b2 = flags(port, j, "b2", host=False, nnodes="2:3", extra=extra)
-        again = start(j, monkeypatch, "b2", b2, host="b")  # node b's agent, restarted
+        again = j.start_agent("b2", b2, env_extra=node_name("b"))  # node b's agent, restarted
         assert again.wait(BOUND) == 1
         assert "this node (b) is quarantined until" in again.output(), again.output()[-3000:]
         assert "--clear-quarantine b" in again.output()

@@ -6,12 +6,11 @@ trains leaves at the next round boundary, and the job goes on without it."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.helpers import free_port, wait_for
-from tests.integration.elastic_harness import BOUND, Agent, Job, job, steps_after
+from tests.integration.elastic_harness import BOUND, Job, job, node_name, steps_after
 
 
 def flags(port: int, j: Job, name: str, *, host: bool, extra: list[str]) -> list[str]:
@@ -29,41 +28,35 @@ def flags(port: int, j: Job, name: str, *, host: bool, extra: list[str]) -> list
     ]
 
 
-def start(j: Job, mp: pytest.MonkeyPatch, name: str, argv: list[str]) -> Agent:
-    with mp.context() as m:
-        m.setenv("ELASTRUN_HOST_NAME", name)
-        return j.start_agent(name, argv)
-
-
-def kinds(j: Job, name: str, kind: str) -> list[dict[str, Any]]:
-    return [e for e in j.events(name) if e["kind"] == kind]
-
-
 def test_a_failing_health_check_keeps_the_node_out_and_a_sick_node_leaves(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("ELASTIC_STEP_SLEEP", "0.1")
     port = free_port()
     with job(tmp_path) as j:
-        a = start(j, monkeypatch, "a", flags(port, j, "a", host=True, extra=[]))
+        a = j.start_agent("a", flags(port, j, "a", host=True, extra=[]), env_extra=node_name("a"))
         wait_for(lambda: any(s["node"] == "a" for s in j.steps()), BOUND, "node a training")
 
         bad = "--health-check=sh -c 'echo GPU 0 has fallen off the bus; exit 7'"
-        c = start(j, monkeypatch, "c", flags(port, j, "c", host=False, extra=[bad]))
+        c = j.start_agent(
+            "c", flags(port, j, "c", host=False, extra=[bad]), env_extra=node_name("c")
+        )
         assert c.wait(BOUND) == 1, c.output()[-3000:]
         said = (
             "the health check `sh -c echo GPU 0 has fallen off the bus; exit 7` exited with "
             "code 7: GPU 0 has fallen off the bus; this node does not join the job"
         )
         assert said in c.output(), c.output()[-3000:]
-        assert not kinds(j, "c", "node_joined")
-        (failed,) = kinds(j, "c", "node_health_failed")
+        assert not j.kinds("c", "node_joined")
+        (failed,) = j.kinds("c", "node_health_failed")
         assert failed["when"] == "before_round" and failed["reason"] == "exited with code 7"
-        assert len(kinds(j, "a", "workers_started")) == 1  # a's round never re-formed
+        assert len(j.kinds("a", "workers_started")) == 1  # a's round never re-formed
 
         sick = tmp_path / "sick_b"
         watch = [f"--health-check=test ! -e {sick}", "--health-check-interval=1"]
-        b = start(j, monkeypatch, "b", flags(port, j, "b", host=False, extra=watch))
+        b = j.start_agent(
+            "b", flags(port, j, "b", host=False, extra=watch), env_extra=node_name("b")
+        )
         wait_for(
             lambda: any(s["node"] == "b" and s["world"] == 2 for s in j.steps()),
             BOUND,
@@ -75,7 +68,7 @@ def test_a_failing_health_check_keeps_the_node_out_and_a_sick_node_leaves(
             BOUND,
             "node b's check failing while it trains",
         )
-        assert kinds(j, "b", "node_health_failed")[-1]["when"] == "training"
+        assert j.kinds("b", "node_health_failed")[-1]["when"] == "training"
         mark = len(j.steps())
         old = {s["pid"] for s in j.steps()}
         j.touch("crash_rank_0")  # a round boundary
