@@ -25,13 +25,17 @@ import html
 import math
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from elastrun.event_kinds import (
+    FaultVerdict,
     JobFailed,
     JobFinished,
+    NodeHealthFailed,
     NodeLost,
+    NodeQuarantined,
+    QuarantineRefused,
     Restart,
     RootCauseElsewhere,
     RoundOpened,
@@ -64,6 +68,7 @@ FIELDS = frozenset(
     {"kind", "ts", "run_id", "node_id", "host", "round", "reason", "world_size", "cause"}
     | {"counted", "count", "detail", "replaces", "group_rank", "source", "rank", "exitcode"}
     | {"signal"}
+    | {"summary", "until", "command", "when"}  # fault attribution
 )
 MAX_TS = 1e11  # an event's time stamp (wall clock, s): beyond it, not an event of ours
 LEFT = 170
@@ -317,6 +322,8 @@ class _History:
             lane.marks.append((ts, "#17becf", f"{_fmt(ts)} {what}"))
         elif kind in (JobFinished.KIND, JobFailed.KIND) and e.text("source") == "agent":
             lane.marks.append(_agent_end(e))
+        elif kind in _FAULT_MARKS:
+            lane.marks.append((ts, BROWN, f"{_fmt(ts)} {_FAULT_MARKS[kind](e)}"))
 
     def _lost(self, lane: _Lane, e: LoggedEvent) -> None:
         """A node lost, drawn on the lost node's lane (the event is the
@@ -331,6 +338,19 @@ class _History:
 
 
 RED, ORANGE, PURPLE, GREEN, GREY = "#d62728", "#ff7f0e", "#9467bd", "#2ca02c", "#7f7f7f"
+BROWN = "#8c564b"  # fault attribution: verdicts, quarantines, failed health checks
+
+# Fault attribution's events, each drawn on its node's lane with one line.
+_FAULT_MARKS: dict[str, Callable[[LoggedEvent], str]] = {
+    FaultVerdict.KIND: lambda e: e.text("summary", "fault verdict"),
+    NodeQuarantined.KIND: lambda e: (
+        f"quarantined until {_fmt(_number(e.fields.get('until')) or 0.0)}: {e.text('reason')}"
+    ),
+    QuarantineRefused.KIND: lambda e: "refused: this node is quarantined",
+    NodeHealthFailed.KIND: lambda e: (
+        f"health check failed ({e.text('when')}): {e.text('command')} {e.text('reason')}"
+    ),
+}
 
 
 def _agent_end(e: LoggedEvent) -> tuple[float, str, str]:
