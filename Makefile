@@ -74,6 +74,7 @@ demo: setup-demo
 bench: setup etcd
 	$(PY) -m bench $(BENCH_ARGS)
 	$(PY) -m bench.goodput
+	$(PY) -m bench.fault_attribution
 
 bench-quick: setup etcd
 	$(PY) -m bench --quick $(BENCH_ARGS)
