@@ -47,10 +47,10 @@ __all__ = ["DEFAULT_LIMIT", "STEP_TOLERANCE", "Verdict", "VerdictKind", "judge"]
 
 DEFAULT_LIMIT = 2  # identical failures that make a verdict
 # Steps apart that are "about the same step". A rank's step is exact (its
-# progress file is written as its script raises: the optimizer steps, batches
-# or heartbeat(step) it reached), and a deterministic bug fails at the very
-# same one after each start from the same checkpoint; a failing node seldom
-# does, and a step apart is a node's failure, not a script's, by this rule.
+# progress file is written as its script raises: its heartbeat(step), else the
+# optimizer steps or batches since it started), and a deterministic bug fails
+# at the very same one after each start from the same checkpoint; a failing
+# node seldom does, and a step apart is a node's failure, not a script's.
 STEP_TOLERANCE = 0
 
 
