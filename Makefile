@@ -22,7 +22,7 @@ DEV_STAMP := $(VENV)/.dev-installed
 PYTEST_JOBS ?= 4
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_JOBS)
 
-.PHONY: setup setup-demo etcd check test test-fast soak demo bench bench-quick clean
+.PHONY: setup setup-demo etcd chromium check test test-fast soak demo bench bench-quick clean
 
 setup: $(DEV_STAMP)
 setup-demo: $(DEMO_STAMP)
@@ -44,6 +44,10 @@ $(DEV_STAMP): pyproject.toml | $(PY)
 etcd:
 	@bash scripts/ensure-etcd.sh
 
+# A headless browser for the timeline's browser test (Debian's chromium).
+chromium:
+	@bash scripts/ensure-chromium.sh
+
 check: setup
 	$(PY) -m ruff check src tests bench examples
 	$(PY) -m ruff format --check src tests bench examples
@@ -51,7 +55,7 @@ check: setup
 
 # Every test but a whole benchmark's (marked `bench`: its runs are bounded in time,
 # so it belongs where the machine is quiet: `make soak`).
-test: setup etcd check
+test: setup etcd chromium check
 	$(PYTEST) -m "not bench" $(PYTEST_ARGS)
 
 # The fast subset for daily work (about a minute): pure logic and the stores.
@@ -75,6 +79,7 @@ bench: setup etcd
 	$(PY) -m bench $(BENCH_ARGS)
 	$(PY) -m bench.goodput
 	$(PY) -m bench.fault_attribution
+	$(PY) -m bench.memory_save
 
 bench-quick: setup etcd
 	$(PY) -m bench --quick $(BENCH_ARGS)

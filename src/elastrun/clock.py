@@ -9,6 +9,8 @@ deadline) and :func:`wait_until` (an awaitable, abandoned at a deadline with
 * :data:`SYSTEM_CLOCK`: production; the machine's monotonic clock.
 * :class:`FakeClock`: pure tests; time moves only when :meth:`FakeClock.advance`
   is called, and sleepers wake when it passes their deadline.
+* :func:`duration_text`: a duration as people read it, the one form every
+  line and table of elastrun shows (``3m04s``).
 * :class:`VirtualTimeLoop`: an asyncio event loop whose time is virtual, with
   its :attr:`~VirtualTimeLoop.clock`. Time jumps to the next timer as soon as
   every task waits (trio's "autojump"): a test that waits for a 10 minute
@@ -37,6 +39,7 @@ __all__ = [
     "FakeClock",
     "SystemClock",
     "VirtualTimeLoop",
+    "duration_text",
     "remaining",
     "run_virtual",
     "wait_until",
@@ -103,6 +106,25 @@ def remaining(deadline: float, clock: Clock = SYSTEM_CLOCK) -> float:
     if math.isinf(deadline):
         return math.inf
     return max(0.0, deadline - clock.monotonic())
+
+
+def duration_text(seconds: float, *, up: bool = False) -> str:
+    """A duration for people: ``12s``, ``3m04s``, ``2h05m``, ``3d04h``
+    (``never`` for an infinite one). Whole seconds rounded down (time spent),
+    or ``up`` (time left: never ``0s`` while some remains)."""
+    if math.isinf(seconds):
+        return "never"
+    if math.isnan(seconds) or seconds <= 0:
+        n = 0
+    else:
+        n = math.ceil(seconds) if up else math.floor(seconds)
+    if n < 60:
+        return f"{n}s"
+    if n < 3600:
+        return f"{n // 60}m{n % 60:02d}s"
+    if n < 86400:
+        return f"{n // 3600}h{n % 3600 // 60:02d}m"
+    return f"{n // 86400}d{n % 86400 // 3600:02d}h"
 
 
 class FakeClock:
@@ -182,7 +204,7 @@ class _VirtualSelector(selectors.DefaultSelector):
     def __init__(self) -> None:
         super().__init__()
         self.now = 0.0
-        self.threads = 0  # run_in_executor jobs in flight: real time passes for them
+        self.threads = 0  # run_in_executor jobs in flight: virtual time waits for them
         self.idle_waiters: list[asyncio.Future[None]] = []
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
@@ -190,10 +212,10 @@ class _VirtualSelector(selectors.DefaultSelector):
         if ready or timeout == 0:
             return ready
         if self.threads:
-            start = time.monotonic()
-            ready = super().select(timeout)
-            self.now += time.monotonic() - start
-            return ready
+            # A thread's work takes no virtual time: wait (really) for it to
+            # finish, which wakes the loop, with the virtual time standing
+            # still, so that a test's times do not depend on the machine's load.
+            return super().select(timeout)
         if self.idle_waiters:
             waiters, self.idle_waiters = self.idle_waiters, []
             for w in waiters:

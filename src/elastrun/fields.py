@@ -16,6 +16,14 @@ keeps its place in the exception tree; every message has one shape,
 * Lenient readers (:meth:`~Fields.maybe_int`, :meth:`~Fields.maybe_number`,
   :meth:`~Fields.maybe_text`): a field kept for people, or written by another
   version, reads as None when it is absent or of another type.
+* The envelope (:meth:`~Fields.versioned`): every versioned JSON elastrun
+  reads (a store frame, a record, a job note, a worker's message, a snapshot's
+  header and notes, a checkpoint's checksum record, a replica offer, a cache
+  file, a function spec, torch's timer requests) is an object whose ``"v"``
+  is the version this side reads, else one line:
+  ``"{where} is not a JSON object"`` or ``"{where} has version {found};
+  this elastrun reads version {version}"``. Decoding within bounds comes
+  first, by :func:`elastrun.untrusted.loads` (the caller's bounds).
 
 Standard library only, and importing nothing of elastrun: the worker's
 programs and the orphan guard, which run by path outside the package, load
@@ -29,7 +37,7 @@ from collections.abc import Mapping
 
 TYPE_CHECKING = False  # not typing's: the orphan guard starts without importing typing
 if TYPE_CHECKING:
-    from typing import Any, TypeGuard
+    from typing import Any, Self, TypeGuard
 
 __all__ = ["MAX_COUNT", "Fields", "is_int", "is_number"]
 
@@ -67,6 +75,32 @@ class Fields:
         self.raw: Mapping[str, Any] = raw
         self.where = where
         self.error = error
+
+    @classmethod
+    def versioned(
+        cls,
+        raw: object,
+        version: int,
+        where: str,
+        error: type[Exception] = ValueError,
+        *,
+        what: str = "version",
+        hint: str = "",
+        key: str = "v",
+    ) -> Self:
+        """The fields of ``raw``, a JSON object whose ``key`` is the integer
+        ``version``; else ``error``, naming ``where`` and the version found
+        (``what``: which version it is, e.g. ``"protocol version"``; ``hint``:
+        what to do, in parentheses after it)."""
+        fields = cls(raw, where, error)
+        found = fields.raw.get(key)
+        if type(found) is not int or found != version:
+            about = f" ({hint})" if hint else ""
+            raise error(
+                f"{where or 'the value'} has {what} {found!r}; "
+                f"this elastrun reads version {version}{about}"
+            )
+        return fields
 
     def bad(self, name: str, what: str) -> Exception:
         """The error for field ``name``, which is ``what``."""

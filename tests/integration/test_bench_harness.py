@@ -278,3 +278,18 @@ def test_ratio_says_when_torchrun_never_got_there() -> None:
     rows = summarize(scenarios, configs, results)
     text = markdown(scenarios, configs, rows, [], {}, {})
     assert "| elastrun-default | 1/1 | 2.00 | 2.00 | 2.00 | torchrun-default failed 1/1 |" in text
+
+
+def test_memory_save_bench_prints_a_row_per_digest() -> None:
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "bench.memory_save", "--mib", "4", "--saves", "5"),
+            *("--interval", "0.01", "--digests", "sha256-chunks,sha256"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    rows = [ln for ln in out.splitlines() if ln.startswith("| sha256")]
+    assert [r.split(" | ")[0] for r in rows] == ["| sha256-chunks", "| sha256"], out

@@ -7,7 +7,7 @@ the end, a nested or 60 MB header, and headers that lie (about the data's
 size, a shape, a dtype, the offsets, the rank, the world, a tree naming a
 tensor that is not there or a node of an unknown kind, a forged step). A lie
 is written as a stranger who knows the format would write it: its header
-sealed again (its own SHA-256 made again; the data's SHA-256 is still
+sealed again (its own SHA-256 made again; the data's digest is still
 right), so that the bounds are what refuse it; the lies that a sealed header
 could tell of a real state (a rank) are left unsealed. A fresh ``load()``
 names the slot and the reason in one line and returns step 1's exact state.
@@ -185,7 +185,7 @@ def _unknown_node(obj: dict[str, Any]) -> None:
 
 
 DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
-    "bit flip in the data": (_flip(lambda b: len(b) - 100), "SHA-256"),
+    "bit flip in the data": (_flip(lambda b: len(b) - 100), "its data's digest"),
     "bit flip in the header": (_flip(lambda b: b.index(b'"weight"') + 1), "seal"),
     "cut in the data": (_cut(lambda b: len(b) - 100), "past the end"),
     "cut in the header": (_cut(lambda b: 16 + _hlen(b) // 2), "past the end"),

@@ -5,10 +5,13 @@ exactly as torchrun prints it) and the rendezvous waiting line."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -164,3 +167,44 @@ def test_waiting_line_after_the_last_call_is_not_the_join_timeout(tmp_path: Path
     assert waits and all("1 node joined (min 1, max 2)" in ln for ln in waits), waits
     assert all("last call closes the round" in ln for ln in waits), waits
     assert "join timeout in" not in proc.stderr
+
+
+def test_a_port_held_by_another_program_is_said_not_to_be_a_store(tmp_path: Path) -> None:
+    """Another program listens on the store's port (it closes every connection
+    unanswered): the agent, which takes it for another agent's store, says
+    within seconds that it is not an elastrun store, not "timed out" after
+    join_timeout."""
+    script = tmp_path / "hi.py"
+    script.write_text("print('hi')\n")
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen(16)
+        port = other.getsockname()[1]
+        stop = threading.Event()
+
+        def refuse_hellos() -> None:
+            other.settimeout(0.2)
+            while not stop.is_set():
+                with contextlib.suppress(OSError):
+                    conn, _ = other.accept()
+                    conn.close()
+
+        closer = threading.Thread(target=refuse_hellos, daemon=True)
+        closer.start()
+        try:
+            proc = elastrun(
+                "--nnodes=1",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=held-port",
+                f"--rdzv-conf=join_timeout={TIMEOUT * 2}",  # beyond the test's own bound
+                str(script),
+                cwd=tmp_path,
+            )
+        finally:
+            stop.set()
+            closer.join(5)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "not an elastrun store" in proc.stderr, proc.stderr
+    assert "held by another program" in proc.stderr and "timed out" not in proc.stderr

@@ -141,6 +141,15 @@ def test_a_node_with_another_node_unit_gets_the_config_mismatch(tmp_path: Path) 
         assert mismatch and "node_unit: job has 2, this node has 1" in str(mismatch[0]["fields"])
         assert a.proc.poll() is None  # the job goes on waiting for a second node
         assert not j.steps()
+        # ... and the waiting node says why that second node will not come.
+        said = wait_for(
+            lambda: next(
+                (ln for ln in a.output().splitlines() if "was refused by this job" in ln), None
+            ),
+            BOUND,
+            "the waiting node to say that a peer was refused",
+        )
+        assert "node_unit: job has 2, this node has 1" in said, said
 
 
 def test_an_impossible_policy_is_refused_before_joining(tmp_path: Path) -> None:

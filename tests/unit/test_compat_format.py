@@ -47,12 +47,12 @@ from elastrun.rendezvous.rules import Rules
 from elastrun.status.cli import Printer, render_table
 from elastrun.status.summary import Summary, summarize
 from elastrun.status.timeline import (
-    LoggedEvent,
     axis_ticks,
     fmt_offset,
     place_labels,
     render_html,
 )
+from tests.unit.timeline_events import finished, logged, opened, restart, started
 
 
 # ----------------------------------------------------------------- console prefixes
@@ -370,24 +370,16 @@ def test_place_labels_never_overlap() -> None:
 
 def test_timeline_has_an_axis_and_separate_labels_at_a_restart() -> None:
     t = 1_700_000_000.0
-    ev = [
-        {"ts": t, "kind": "round_opened", "round": 0, "node_id": "n1", "host": "a"},
-        {"ts": t + 0.1, "kind": "workers_started", "round": 0, "world_size": 2, "node_id": "n1"},
-        {
-            "ts": t + 20.0,
-            "kind": "restart",
-            "count": 1,
-            "counted": True,
-            "node_id": "n1",
-            "reason": "worker_failed",
-        },
-        {"ts": t + 20.01, "kind": "round_opened", "round": 1, "node_id": "n1", "host": "a"},
-        {"ts": t + 20.02, "kind": "round_opened", "round": 2, "node_id": "n1", "host": "a"},
-        {"ts": t + 20.1, "kind": "workers_started", "round": 2, "world_size": 2, "node_id": "n1"},
-        {"ts": t + 40.0, "kind": "job_finished", "source": "agent", "node_id": "n1"},
+    events = [
+        logged(t, opened(0), "n1", "a"),
+        logged(t + 0.1, started(0, 2), "n1", "a"),
+        logged(t + 20.0, restart(0, 1), "n1", "a"),
+        logged(t + 20.01, opened(1), "n1", "a"),
+        logged(t + 20.02, opened(2), "n1", "a"),
+        logged(t + 20.1, started(2, 2), "n1", "a"),
+        logged(t + 40.0, finished(), "n1", "a"),
     ]
-    events = [LoggedEvent.from_json(e) for e in ev]
-    page = render_html([e for e in events if e is not None])
+    page = render_html(events)
     svg = ElementTree.fromstring(page[page.index("<svg") : page.index("</svg>") + 6])
     texts = [
         (float(e.get("x", 0)), float(e.get("y", 0)), e.text or "")
@@ -399,3 +391,28 @@ def test_timeline_has_an_axis_and_separate_labels_at_a_restart() -> None:
     ticks = [s for _, _, s in texts if s.endswith("s") and s[:-1].isdigit()]
     assert ticks[0] == "0s" and ticks[-1] == "40s"
     assert "1 restart," in page and "1 node<" in page and "3 rounds" in page
+
+
+def test_the_local_rank_spelling_is_read_from_the_file_the_workers_run_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from elastrun.launcher.legacy import local_rank_flag
+
+    dash = 'p.add_argument("--local-rank", type=int)\n'
+    (tmp_path / "script.py").write_text(dash)
+    (tmp_path / "mod.py").write_text(dash)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__main__.py").write_text(dash)
+    monkeypatch.chdir(tmp_path)
+    for cmd in (
+        Command("script.py", ()),
+        Command("mod", (), module=True),  # -m mod: ./mod.py
+        Command("pkg", (), module=True),  # -m pkg: ./pkg/__main__.py
+        Command("script.py", (), no_python=True, run_path=True),
+    ):
+        assert local_rank_flag(cmd) == "--local-rank", cmd
+    for cmd in (
+        Command("absent", (), module=True),  # not found without importing: the default
+        Command("script.py", (), no_python=True),  # a program, not Python
+    ):
+        assert local_rank_flag(cmd) == "--local_rank", cmd

@@ -85,3 +85,42 @@ def test_round_disagreeing_with_nproc_is_refused():
     check_round(_spec(), _round(group_rank=1))
     with pytest.raises(WorkerError, match="--nproc-per-node"):
         check_round(_spec(), _round(group_rank=2))
+
+
+def test_virtual_local_rank_flags_the_real_local_rank_0():
+    # Every worker is LOCAL_RANK=0 under --virtual-local-rank; the node's one
+    # real local rank 0 lists the memory checkpoint's replicas and writes
+    # node-local files (WorkerContext.is_local_main).
+    from elastrun.agent.warm_pool import compatible, local_vars
+    from elastrun.train.context import WorkerContext
+    from elastrun.worker.local_main import is_local_main
+
+    spec = _spec(virtual_local_rank=True)
+    envs = [worker_env(spec, _round(), lr, "/e", base={"PATH": "/bin"}) for lr in (0, 1, 2)]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "0", "0"]
+    assert [is_local_main(e) for e in envs] == [True, False, False]
+    assert [WorkerContext.from_env(e).is_local_main for e in envs] == [True, False, False]
+    # The warm interpreter (started with local rank 0's) forks the others all the same.
+    assert compatible(envs[0], envs[2], local_vars(spec)) is None
+    # Without the flag, as before: LOCAL_RANK says.
+    plain = [worker_env(_spec(), _round(), lr, "/e", base={"PATH": "/bin"}) for lr in (0, 1)]
+    assert [is_local_main(e) for e in plain] == [True, False]
+    assert [WorkerContext.from_env(e).is_local_main for e in plain] == [True, False]
+
+
+def test_both_nccl_spellings_are_set_and_a_users_choice_kept_for_both():
+    # torch 2.0 and 2.1 read only NCCL_ASYNC_ERROR_HANDLING.
+    env = worker_env(_spec(), _round(), 0, "/e", base={})
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == env["NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    env = worker_env(_spec(), _round(), 0, "/e", base={"NCCL_ASYNC_ERROR_HANDLING": "0"})
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == env["NCCL_ASYNC_ERROR_HANDLING"] == "0"
+
+
+def test_each_worker_gets_its_share_of_the_cpus_for_torch_compile():
+    from elastrun.agent.env import compile_threads
+
+    assert [compile_threads(n, cpus=16) for n in (1, 3, 8, 32)] == [16, 5, 2, 1]
+    env = worker_env(_spec(), _round(), 0, "/e", base={})
+    assert env["TORCHINDUCTOR_COMPILE_THREADS"] == str(compile_threads(3))
+    mine = worker_env(_spec(), _round(), 0, "/e", base={"TORCHINDUCTOR_COMPILE_THREADS": "7"})
+    assert mine["TORCHINDUCTOR_COMPILE_THREADS"] == "7"

@@ -67,3 +67,81 @@ def test_a_query_that_fails_or_hangs_says_nothing(tmp_path):
     hanging.write_text("#!/bin/sh\nexec sleep 60\n")
     hanging.chmod(0o755)
     assert query_compute_apps(str(hanging), timeout=0.2) is None
+
+
+# ------------------------------------------------------------ a fake /proc tree
+def _process(proc, pid: int, session: int, *fds: str, state: str = "S") -> None:
+    """``proc/PID`` as the kernel shows it: its stat (state, session) and its
+    open files as fd links (the targets need not exist)."""
+    folder = proc / str(pid)
+    (folder / "fd").mkdir(parents=True)
+    (folder / "stat").write_text(f"{pid} (py (x)) {state} 1 {session} {session} 0 -1\n")
+    for i, target in enumerate(fds):
+        os.symlink(target, folder / "fd" / str(i))
+
+
+def _tree(proc) -> None:
+    _process(proc, 200, 100, "/dev/null", "/dev/nvidiactl", "/dev/nvidia0")  # a worker's child
+    _process(proc, 300, 999, "/dev/nvidia0")  # another job's process
+    _process(proc, 400, 100, "pipe:[1234]")  # a worker's child without the GPU
+    _process(proc, 500, 100, "/dev/nvidia-uvm", state="Z")  # a zombie: gone
+    (proc / "self").mkdir()
+
+
+def test_leftover_processes_are_found_by_their_open_nvidia_files(tmp_path):
+    # Without nvidia-smi, or in a pod without hostPID (nvidia-smi lists the host's pids).
+    from elastrun.agent.gpu_release import device_holders
+
+    _tree(tmp_path)
+    assert device_holders({100}, str(tmp_path)) == {200, 500}
+    assert device_holders({999}, str(tmp_path)) == {300}
+    assert device_holders(set(), str(tmp_path)) == set()
+    assert device_holders({100}, str(tmp_path / "missing")) == set()
+
+
+class _Core:
+    def __init__(self) -> None:
+        from elastrun.clock import SYSTEM_CLOCK
+        from elastrun.events import ListSink
+
+        self.clock = SYSTEM_CLOCK
+        self.events = ListSink()
+        self.said: list[str] = []
+        self.say = self.said.append
+
+
+def _feature(proc, kills: list[int], dies: bool):
+    import asyncio
+
+    from elastrun.agent.gpu_release import GpuRelease
+
+    def kill(pid: int, sig: int) -> None:
+        kills.append(pid)
+        if dies:
+            stat = proc / str(pid) / "stat"
+            stat.write_text(stat.read_text().replace(") S ", ") Z "))
+
+    core = _Core()
+    feature = GpuRelease(core, None, 0.3, proc=str(proc), kill=kill, kill_wait=0.5)  # type: ignore[arg-type]
+    feature.stopped = {100}
+    return asyncio.run(feature.wait_released()), core
+
+
+def test_a_node_whose_old_workers_cannot_be_killed_is_unhealthy(tmp_path):
+    from elastrun.errors import WorkerError
+
+    _tree(tmp_path)
+    kills: list[int] = []
+    with pytest.raises(WorkerError, match=r"unhealthy.*pid 200.*did not die 0.5s after SIGKILL"):
+        _feature(tmp_path, kills, dies=False)
+    assert kills == [200]  # the zombie is not killed, nor another job's process
+
+
+def test_a_leftover_holder_that_dies_when_killed_lets_the_workers_start(tmp_path):
+    _tree(tmp_path)
+    kills: list[int] = []
+    _, core = _feature(tmp_path, kills, dies=True)
+    assert kills == [200]
+    (wait,) = core.events.events
+    assert wait["kind"] == "gpu_memory_wait" and wait["pids"] == [200, 500]
+    assert "starting the new workers anyway" in core.said[-1]

@@ -247,3 +247,24 @@ def test_a_checksum_record_that_is_a_fifo_never_blocks(tmp_path: Path) -> None:
     os.mkfifo(record_path(ckpt))
     with pytest.raises(RecordError, match="its checksum record is a FIFO, not a regular file"):
         bounded(lambda: read_record(ckpt), record_path(ckpt))
+
+
+@pytest.mark.parametrize(
+    ("planted", "why"),
+    [
+        (b"[" * 30_000 + b"]" * 30_000, "is nested more than"),  # was a RecursionError
+        (b"x" * (64 * 1024 + 1), r"is 65537 bytes \(at most 65536\)"),
+        (b"not json", "is not valid JSON"),
+        (b"[1]", "its checksum record is not a JSON object"),
+        (b'{"v": 9, "file": "ckpt-000000000001.pt"}', "has version 9"),
+    ],
+    ids=["deep", "big", "not-json", "not-object", "other-version"],
+)
+def test_a_planted_checksum_record_is_refused_with_the_reason(
+    tmp_path: Path, planted: bytes, why: str
+) -> None:
+    ckpt = tmp_path / "ckpt-000000000001.pt"
+    ckpt.write_bytes(b"data")
+    record_path(ckpt).write_bytes(planted)
+    with pytest.raises(RecordError, match=why):
+        read_record(ckpt)

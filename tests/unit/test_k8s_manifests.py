@@ -477,6 +477,8 @@ def test_the_gpu_job_runs_one_worker_per_gpu_on_its_gpu_over_nccl(
     assert shm["medium"] == "Memory" and shm["sizeLimit"].endswith("Gi")
     assert int(shm["sizeLimit"][:-2]) >= 8
     assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+    # RDMA may pin its buffers beyond the container's memlock limit.
+    assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
     # The same job as job.yaml otherwise: the same rendezvous flags, the same training.
     cpu_args = agent_container("job.yaml")["args"]
     gpu_args = [a for a in c["args"] if a not in ("--nproc-per-node=gpu", "--device=cuda")]

@@ -132,10 +132,11 @@ def test_the_messages_load_by_path_without_elastrun(tmp_path: Path) -> None:
         "m = importlib.util.module_from_spec(spec); sys.modules[spec.name] = m\n"
         "spec.loader.exec_module(m)\n"
         "assert 'elastrun' not in sys.modules, 'elastrun imported'\n"
-        "try:\n"
-        "    m.from_json({'v': m.PROTOCOL, 'kind': 'modules', 'modules': []})\n"
-        "except m.BadMessage as e:\n"
-        "    print(e)\n"
+        "for data in ({'v': m.PROTOCOL, 'kind': 'modules', 'modules': []}, {'v': 9}):\n"
+        "    try:\n"
+        "        m.from_json(data)\n"
+        "    except m.BadMessage as e:\n"
+        "        print(e)\n"
     )
     out = subprocess.run(
         [sys.executable, "-I", "-c", script],
@@ -146,7 +147,10 @@ def test_the_messages_load_by_path_without_elastrun(tmp_path: Path) -> None:
         check=False,
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "why is missing"
+    assert out.stdout.splitlines() == [
+        "a message: why is missing",
+        f"a message has protocol version 9; this elastrun reads version {M.PROTOCOL}",
+    ]
 
 
 # -- the runner's channel, as the agent reads it -----------------------------------

@@ -288,12 +288,14 @@ def test_the_status_table_escapes_everything_from_the_store() -> None:
     rnd["detail"] = "line one\nline two" + ESCAPES
     rnd["last_failure"] = {"rank": 0, "host": "h" + ESCAPES, "message": "boom" + ESCAPES}
     member = {"node_id": "a", "host": "h" + ESCAPES, "addr": ESCAPES, "nproc": 1, "group_rank": 0}
-    res = {"round": 1, "members": [member], "master_addr": ESCAPES, "master_port": 1}
+    res = ResultRecord(
+        1, (MemberRecord.from_json(member, "m"),), master_addr=ESCAPES, master_port=1
+    )
     s = summarize(
         "job",
         config=None,
         round_rec=RoundRecord.from_json(rnd),
-        result=ResultRecord.from_json(res),
+        result=res,
         prev_result=None,
         joins={},
         dones=set(),
@@ -303,7 +305,7 @@ def test_the_status_table_escapes_everything_from_the_store() -> None:
         now=0.0,
         notes=shown_notes(
             {"progress_0": progress(0, "a", round_=1, host="h" + ESCAPES, ranks=(0,))},
-            ResultRecord.from_json(res),
+            res,
         ),
     )
     text = render_table(s, "store" + ESCAPES)
@@ -333,14 +335,14 @@ def test_the_failure_summary_escapes_the_worker_s_error_file() -> None:
 
 def test_the_timeline_escapes_events_and_skips_hostile_lines(tmp_path: Any) -> None:
     from elastrun.status.timeline import load_events
+    from tests.unit.timeline_events import exited, line, opened, started
 
-    good = {"ts": 10.0, "kind": "round_opened", "round": 0, "reason": "<b>" + ESCAPES}
-    lane = {"ts": 11.0, "kind": "workers_started", "node_id": "n", "host": "<i>" + ESCAPES}
-    lane["round"] = "not a number"
-    crash = {"ts": 12.0, "kind": "worker_exited", "cause": "root_cause", "node_id": "n"}
-    crash["host"] = "</ul><script>" + ESCAPES
+    good = line(10.0, opened(0, "<b>" + ESCAPES), "n", "<i>" + ESCAPES)
+    lane = line(11.0, started(0, 2), "n", "<i>" + ESCAPES)
+    crash = line(12.0, exited(0, 1), "n", "</ul><script>" + ESCAPES)
+    mistyped = line(13.0, started(0, 2), "n") | {"round": "not a number"}
     path = tmp_path / "events.jsonl"
-    lines = [json.dumps(e) for e in (good, lane, crash)]
+    lines = [json.dumps(e) for e in (good, lane, crash, mistyped)]
     lines += ["[" * 100000, json.dumps({"ts": 1e300}), json.dumps({"ts": True})]
     path.write_text("\n".join(lines) + "\n")
     events = load_events([str(path)])
@@ -436,3 +438,16 @@ def test_gathered_notes_are_typed_by_seat_and_writes_keep_their_kind_s_lease() -
         assert await store.get(keys.note(beat.name)) is None
 
     asyncio.run(asyncio.wait_for(run(), 30.0))
+
+
+def test_a_refusal_note_is_typed_and_bounded() -> None:
+    note = N.RefusalNote("node-b", "host-b", "node_unit: job has 2, this node has 1")
+    assert N.parse(N.RefusalNote, N.encode(note.to_json())) == note
+    for bad in (
+        {"node_id": "no/slash"},
+        {"host": "h" * (N.MAX_TEXT + 1)},
+        {"message": "m" * (N.MAX_MESSAGE + 1)},
+        {"message": 3},
+    ):
+        found = N.parse(N.RefusalNote, N.encode({**note.to_json(), **bad}))
+        assert isinstance(found, N.Refused), bad

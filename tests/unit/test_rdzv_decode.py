@@ -116,13 +116,18 @@ def test_shards_that_do_not_add_up_are_refused() -> None:
     small = _rewrite(head, b'"size": 20', b'"size": 19')
     with pytest.raises(ProtocolError, match=r"outside the header's sizes|group ranks"):
         _whole(small, shards)
+    # A node named twice (one shard: every node hashes to it).
+    head1, (only,) = _kvs(_result(29500), 1)
+    with pytest.raises(ProtocolError, match="naming a node twice"):
+        _whole(head1, [_rewrite(only, b'"node_id": "n1"', b'"node_id": "n0"')])
     for _ in range(2):  # refused every time (the job's verdict), never remembered
         with pytest.raises(RecordDamaged, match="round result is damaged: store key"):
             decode_whole((small, *shards))
 
 
 def test_a_single_record_result_of_another_version_is_named() -> None:
-    old = KeyValue(KEYS.result(4), _result(29500).encode(), 1, 1, 1)  # record version 1
+    single = {"round": 4, "members": [], "master_addr": "h0", "master_port": 29500}
+    old = KeyValue(KEYS.result(4), K.encode(single, version=1), 1, 1, 1)  # one record, version 1
     expected = f"record version 1; this elastrun reads version {RESULT_VERSION}"
     with pytest.raises(ProtocolError, match=expected):
         ResultHeader.decode(old.key, old.value)

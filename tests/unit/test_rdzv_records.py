@@ -32,6 +32,7 @@ from elastrun.rendezvous.records import (
     RoundState,
     WaitingRecord,
 )
+from elastrun.rendezvous.results import RESULT_VERSION, ResultHeader, stored_form
 
 KEYS = K.Keys(RunId("job"))
 FAILURE = FailureRecord(host="b", rank=1, exitcode=1, time=5.0, stderr_tail=("boom",))
@@ -50,11 +51,12 @@ ROUND = RoundRecord(
     hang_round=2,
 )
 RESULT = ResultRecord(4, MEMBERS, "10.0.0.1", 29500, 1, True, "last_call", 12.5, 13.0)
+HEADER_JSON = stored_form(RESULT, 1)[0].to_json()  # the result's header, as stored
 CONFIG = ConfigRecord(AgreedSettings(1, 4, 3, "trainer", 600, 30.0))
 
 
-def stored(obj: dict[str, Any]) -> bytes:
-    return json.dumps({"v": 1, **obj}).encode()
+def stored(obj: dict[str, Any], version: int = 1) -> bytes:
+    return json.dumps({"v": version, **obj}).encode()
 
 
 # -- what is written is what is read -----------------------------------------------------
@@ -63,7 +65,6 @@ def stored(obj: dict[str, Any]) -> bytes:
     [
         (KEYS.round, ROUND),
         (KEYS.round, RoundRecord(0, RoundState.OPEN, reason="job_started", opened_at=1.0)),
-        (KEYS.result(4), RESULT),
         (KEYS.config, CONFIG),
         (KEYS.join(4, "a"), JoinRecord(NodeInfo("a", "ha", "10.0.0.1", 2, 0, 7), port=29500)),
         (KEYS.node("a"), PresenceRecord(NodeInfo("a", "ha", "10.0.0.1", 2, None, 7), since=3.0)),
@@ -118,13 +119,12 @@ def test_fields_kept_for_people_read_as_absent_when_malformed() -> None:
     assert (rec.reason, rec.detail, rec.opened_at, rec.hang_round) == ("", "", None, None)
     assert rec.last_failure is None and rec.pending_failure is None
     assert RoundRecord.from_json({**raw, "hang_round": -1}).hang_round is None
-    result = ResultRecord.from_json({**RESULT.to_json(), "closed_at": float("inf")})
-    assert result.closed_at is None
+    header = ResultHeader.from_json({**HEADER_JSON, "closed_at": float("inf")})
+    assert header.closed_at is None
 
 
 # -- what anyone else wrote -----------------------------------------------------------------
 ROUND_JSON = ROUND.to_json()
-RESULT_JSON = RESULT.to_json()
 MEMBER = MEMBERS[0].to_json()
 
 
@@ -141,14 +141,13 @@ MEMBER = MEMBERS[0].to_json()
         (RoundRecord, {**ROUND_JSON, "reporters": ["a", "../b"]}, "reporters"),
         (RoundRecord, {**ROUND_JSON, "reporters": "ab"}, "reporters"),
         (RoundRecord, {**ROUND_JSON, "prev": [{"node_id": "a"}]}, "group_rank"),
-        (ResultRecord, {**RESULT_JSON, "members": []}, "members"),
-        (ResultRecord, {**RESULT_JSON, "members": [MEMBERS[1].to_json()]}, "group-rank"),
-        (ResultRecord, {**RESULT_JSON, "members": [MEMBER, {**MEMBER, "group_rank": 1}]}, "twice"),
-        (ResultRecord, {**RESULT_JSON, "members": [{**MEMBER, "nproc": 0}]}, "nproc"),
-        (ResultRecord, {**RESULT_JSON, "members": [{**MEMBER, "host": 7}]}, "host"),
-        (ResultRecord, {**RESULT_JSON, "members": [{**MEMBER, "node_id": "x" * 129}]}, "node_id"),
-        (ResultRecord, {**RESULT_JSON, "master_port": 0}, "master_port"),
-        (ResultRecord, {**RESULT_JSON, "master_addr": "h" * 1025}, "master_addr"),
+        (ResultHeader, {**HEADER_JSON, "first": MEMBERS[1].to_json()}, "first"),
+        (ResultHeader, {**HEADER_JSON, "size": 0}, "size"),
+        (ResultHeader, {**HEADER_JSON, "first": {**MEMBER, "nproc": 0}}, "nproc"),
+        (ResultHeader, {**HEADER_JSON, "first": {**MEMBER, "host": 7}}, "host"),
+        (ResultHeader, {**HEADER_JSON, "first": {**MEMBER, "node_id": "x" * 129}}, "node_id"),
+        (ResultHeader, {**HEADER_JSON, "master_port": 0}, "master_port"),
+        (ResultHeader, {**HEADER_JSON, "master_addr": "h" * 1025}, "master_addr"),
         (ConfigRecord, {"settings": {"min_nodes": 1}}, "max_nodes"),
         (ConfigRecord, {}, "settings"),
         (ConfigRecord, {"settings": {**CONFIG.settings.to_json(), "join_timeout": "9"}}, "join"),
@@ -159,7 +158,7 @@ def test_a_malformed_record_is_refused_naming_the_key_and_the_field(
     kind: Any, raw: dict[str, Any], field: str
 ) -> None:
     with pytest.raises(ProtocolError, match=f"store key {KEYS.round}.*{field}"):
-        kind.decode(KEYS.round, stored(raw))
+        kind.decode(KEYS.round, stored(raw, RESULT_VERSION if kind is ResultHeader else 1))
 
 
 def test_a_per_node_record_names_the_node_of_its_key() -> None:

@@ -14,6 +14,7 @@ import dataclasses
 from elastrun.failure import FailureRecord
 from elastrun.rendezvous import rounds as R
 from elastrun.rendezvous.records import JoinRecord, NodeInfo, ResultRecord, RoundRecord, RoundState
+from elastrun.rendezvous.results import ResultHeader, ResultShard, load, stored_form
 
 
 def joiner(node: str) -> JoinRecord:
@@ -84,5 +85,9 @@ def test_the_records_survive_the_store_as_they_were_built() -> None:
     restart, through its bytes, is equal to the one built."""
     rnd = reopened(["a", "b"])
     closed, result = R.close_records(rnd, [joiner("a"), joiner("b")], 8, "x", 5.0)
-    for record in (rnd, closed, result):
+    for record in (rnd, closed):
         assert type(record).decode("/elastrun/j/round", record.encode()) == record
+    header, (shard,) = stored_form(result, 1)  # the result: a header and its shard
+    read = ResultHeader.decode("/elastrun/j/rounds/1/result", header.encode())
+    part = ResultShard.decode("/elastrun/j/rounds/1/members/0", shard.encode(), read)
+    assert load(read, [part], "the result") == result

@@ -494,13 +494,12 @@ def test_a_spare_waits_as_long_as_the_job_runs_then_its_join_timeout_counts_agai
 
 
 def test_the_timeline_marks_a_promotion() -> None:
-    from elastrun.status.timeline import LoggedEvent, render_html
+    from elastrun.status.timeline import render_html
+    from tests.unit.timeline_events import logged, opened, promoted, started
 
-    base = {"v": 1, "run_id": "j", "host": "h-s", "node_id": "s", "source": "rendezvous"}
-    raw = [
-        {**base, "ts": 1.0, "kind": "round_opened", "round": 1, "reason": "member_lost"},
-        {**base, "ts": 2.0, "kind": "spare_promoted", "round": 1, "group_rank": 1, "replaces": "b"},
-        {**base, "ts": 3.0, "kind": "workers_started", "round": 1, "world_size": 2},
+    events = [
+        logged(1.0, opened(1, "member_lost"), "s", "h-s"),
+        logged(2.0, promoted(1, "s", 1, "b"), "s", "h-s"),
+        logged(3.0, started(1, 2), "s", "h-s"),
     ]
-    events = [e for e in (LoggedEvent.from_json(r) for r in raw) if e is not None]
     assert "promoted: group rank 1, in place of b" in render_html(events)

@@ -2,22 +2,41 @@
 SIGKILLed node's workers' bar ends where the node was lost, and its "node
 lost" mark sits on its own lane; agents stopped by a signal are not drawn as
 failures; a node whose ranks failed after another node's crash is not drawn
-as a root cause."""
+as a root cause; a store failover is drawn with its rounds, its restarts, the
+lost host's end, the takeover and the spare's promotion."""
 
 from __future__ import annotations
 
-from typing import Any
 from xml.etree import ElementTree
 
+from elastrun.event_kinds import NodeJoined
 from elastrun.status.timeline import LEFT, RIGHT, WIDTH, LoggedEvent, render_html
+from tests.unit.timeline_events import (
+    elsewhere,
+    exited,
+    failed,
+    finished,
+    host_lost,
+    logged,
+    lost,
+    opened,
+    promoted,
+    restart,
+    started,
+    took_over,
+)
 
 T = 1_700_000_000.0
 RED, ORANGE, PURPLE, GREY = "#d62728", "#ff7f0e", "#9467bd", "#7f7f7f"
+CYAN, BROWN = "#17becf", "#8c564b"
 
 
-def page(raw: list[dict[str, Any]]) -> tuple[str, ElementTree.Element]:
-    events = [LoggedEvent.from_json(e) for e in sorted(raw, key=lambda e: e["ts"])]
-    html = render_html([e for e in events if e is not None])
+def joined(r: int, node: str) -> NodeJoined:
+    return NodeJoined(round=r, node=node, host="h")
+
+
+def page(events: list[LoggedEvent]) -> tuple[str, ElementTree.Element]:
+    html = render_html(sorted(events, key=lambda e: e.ts))
     return html, ElementTree.fromstring(html[html.index("<svg") : html.index("</svg>") + 6])
 
 
@@ -56,67 +75,53 @@ def x_of(ts: float, t0: float, t1: float) -> float:
     return LEFT + (ts - t0) / (t1 - t0) * (WIDTH - LEFT - RIGHT)
 
 
-def two_nodes() -> list[dict[str, Any]]:
+def two_nodes() -> list[LoggedEvent]:
     return [
-        {"ts": T, "kind": "round_opened", "round": 0, "node_id": "n1", "host": "h1"},
-        {"ts": T + 0.1, "kind": "workers_started", "round": 0, "world_size": 2}
-        | {"node_id": "n1", "host": "h1"},
-        {"ts": T + 0.1, "kind": "workers_started", "round": 0, "world_size": 2}
-        | {"node_id": "n2", "host": "h2"},
+        logged(T, opened(0), "n1", "h1"),
+        logged(T + 0.1, started(0, 2), "n1", "h1"),
+        logged(T + 0.1, started(0, 2), "n2", "h2"),
     ]
 
 
 def test_a_killed_nodes_bar_ends_where_it_was_lost_and_the_mark_is_on_its_lane() -> None:
-    lost = T + 30.0
-    raw = [
+    t_lost = T + 30.0
+    events = [
         *two_nodes(),
-        {"ts": T + 0.2, "kind": "round_joined", "node_id": "n2", "host": "h2"},
         # n2 is SIGKILLed: no more events of its own; n1 sees it lost
-        {
-            "ts": lost,
-            "kind": "node_lost",
-            "round": 0,
-            "detail": "node h2 (n2) lost: lease expired or revoked",
-            "by": "n1",
-            "node_id": "n1",
-            "host": "h1",
-        },
-        {"ts": lost + 0.1, "kind": "restart", "reason": "member_lost", "node_id": "n1"},
-        {"ts": lost + 1, "kind": "workers_started", "round": 1, "world_size": 1, "node_id": "n1"},
-        {"ts": T + 100.0, "kind": "job_finished", "source": "agent", "node_id": "n1"},
+        logged(t_lost, lost(0, "node h2 (n2) lost: lease expired or revoked", "n1"), "n1", "h1"),
+        logged(t_lost + 0.1, restart(0, 0, "member_lost", counted=False), "n1", "h1"),
+        logged(t_lost + 1, started(1, 1), "n1", "h1"),
+        logged(T + 100.0, finished(), "n1", "h1"),
     ]
-    _, svg = page(raw)
+    _, svg = page(events)
     y = lanes(svg)
     ((_, end),) = bars(svg, y["h2"])
-    assert abs(end - x_of(lost, T, T + 100)) < 1.5, (end, x_of(lost, T, T + 100))
+    assert abs(end - x_of(t_lost, T, T + 100)) < 1.5, (end, x_of(t_lost, T, T + 100))
     (_, cy), *more = dots(svg, PURPLE)
     assert not more and on_lane(cy, y["h2"]) and not on_lane(cy, y["h1"])
 
 
 def test_agents_stopped_by_a_signal_are_not_failures() -> None:
-    raw = [
+    events = [
         *two_nodes(),
-        {"ts": T + 5, "kind": "job_failed", "source": "agent", "reason": "signal SIGTERM"}
-        | {"node_id": "n1", "host": "h1"},
-        {"ts": T + 5, "kind": "job_failed", "source": "agent", "reason": "signal SIGTERM"}
-        | {"node_id": "n2", "host": "h2"},
+        logged(T + 5, failed("signal SIGTERM"), "n1", "h1"),
+        logged(T + 5, failed("signal SIGTERM"), "n2", "h2"),
     ]
-    html, svg = page(raw)
+    html, svg = page(events)
     assert not dots(svg, RED)
     assert len(dots(svg, GREY)) == 2
     assert "<h3>failures</h3><ul><li>none</li>" in html
 
 
 def test_a_node_whose_ranks_failed_after_another_nodes_is_not_the_root_cause() -> None:
-    crash = {"kind": "worker_exited", "round": 0, "cause": "root_cause", "exitcode": 1}
-    raw = [
+    events = [
         *two_nodes(),
-        {"ts": T + 10.0, "rank": 1, "node_id": "n2", "host": "h2"} | crash,
-        {"ts": T + 10.2, "rank": 0, "node_id": "n1", "host": "h1"} | crash,
-        {"ts": T + 11.0, "kind": "root_cause_elsewhere", "round": 0, "node_id": "n1"},
-        {"ts": T + 12.0, "kind": "job_finished", "source": "agent", "node_id": "n1"},
+        logged(T + 10.0, exited(0, 1), "n2", "h2"),
+        logged(T + 10.2, exited(0, 0), "n1", "h1"),
+        logged(T + 11.0, elsewhere(0), "n1", "h1"),
+        logged(T + 12.0, finished(), "n1", "h1"),
     ]
-    html, svg = page(raw)
+    html, svg = page(events)
     y = lanes(svg)
     (red,) = dots(svg, RED)
     assert on_lane(red[1], y["h2"])
@@ -127,13 +132,63 @@ def test_a_node_whose_ranks_failed_after_another_nodes_is_not_the_root_cause() -
 
 
 def test_a_restart_reported_by_every_failing_node_is_one_restart() -> None:
-    restart = {"kind": "restart", "reason": "worker_failed", "counted": True, "count": 1}
-    raw = [
+    events = [
         *two_nodes(),
-        {"ts": T + 10.0, "round": 0, "node_id": "n1", "host": "h1"} | restart,
-        {"ts": T + 10.1, "round": 0, "node_id": "n2", "host": "h2"} | restart,
-        {"ts": T + 12.0, "kind": "job_finished", "source": "agent", "node_id": "n1"},
+        logged(T + 10.0, restart(0, 1), "n1", "h1"),
+        logged(T + 10.1, restart(0, 1), "n2", "h2"),
+        logged(T + 12.0, finished(), "n1", "h1"),
     ]
-    html, svg = page(raw)
+    html, svg = page(events)
     assert "1 restart," in html
     assert sum(1 for e in svg.iter() if e.get("stroke-dasharray")) == 1
+
+
+def test_a_store_failover_is_drawn_with_its_rounds_restarts_loss_takeover_and_spare() -> None:
+    """The store's host (n1, which took the store at term 1) is SIGKILLed
+    after a crash: n2 takes over (term 2), the spare n3 takes n1's place in a
+    round that no round_opened announces (it was opened on the new host)."""
+    a1, a2 = "127.0.0.1:29400", "127.0.0.2:29400"
+    t_kill = T + 40.0
+    events = [
+        logged(T - 1, took_over(1, a1), "n1", "h1"),
+        *two_nodes(),
+        logged(T + 20.0, exited(0, 1), "n2", "h2"),
+        logged(T + 20.1, restart(0, 1), "n2", "h2"),
+        logged(T + 20.1, restart(0, 1), "n1", "h1"),
+        logged(T + 20.2, opened(1, "restart_requested"), "n2", "h2"),
+        logged(T + 21.0, started(1, 2), "n1", "h1"),
+        logged(T + 21.0, started(1, 2), "n2", "h2"),
+        logged(t_kill, restart(1, 1, "store_host_lost", counted=False), "n2", "h2"),
+        logged(t_kill, host_lost(1, a1), "n2", "h2"),
+        logged(t_kill + 0.1, host_lost(1, a1), "n3", "h3"),
+        logged(t_kill + 0.5, took_over(2, a2), "n2", "h2"),
+        logged(t_kill + 0.6, joined(2, "n2"), "n2", "h2"),
+        logged(t_kill + 0.7, promoted(2, "n3", 0, "n1"), "n3", "h3"),
+        logged(t_kill + 0.8, started(2, 2), "n2", "h2"),
+        logged(t_kill + 0.8, started(2, 2), "n3", "h3"),
+        logged(T + 60.0, finished(), "n2", "h2"),
+        logged(T + 60.0, finished(), "n3", "h3"),
+    ]
+    html, svg = page(events)
+    head = html[html.index("<h2>") : html.index("</h2>")]
+    assert "3 rounds, 2 restarts (1 counted), 3 nodes" in head, head
+    y = lanes(svg)
+    t0, t1 = T - 1, T + 60.0
+    # the killed host's bar ends where it was lost, with the lost mark on its lane
+    end = max(e for _, e in bars(svg, y["h1"]))
+    assert abs(end - x_of(t_kill, t0, t1)) < 1.5, (end, x_of(t_kill, t0, t1))
+    (purple,) = dots(svg, PURPLE)
+    assert on_lane(purple[1], y["h1"]) and abs(purple[0] - x_of(t_kill, t0, t1)) < 1.5
+    # the takeovers on their new hosts' lanes, and listed
+    takers = sorted(dots(svg, BROWN))
+    assert [on_lane(cy, y["h1"]) for _, cy in takers] == [True, False]
+    assert on_lane(takers[1][1], y["h2"])
+    assert f"{a2} hosts the store from term 2" in html.split("<h3>store hosts</h3>", 1)[1]
+    # the spare's promotion on its lane, and in the legend
+    (cyan,) = dots(svg, CYAN)
+    assert on_lane(cyan[1], y["h3"])
+    legend = html[html.index("</svg>") :]
+    assert "Cyan: a spare promoted" in legend and "Brown:" in legend
+    # the uncounted restart is a grey dash, the counted one orange
+    dashes = sorted(e.get("stroke", "") for e in svg.iter() if e.get("stroke-dasharray"))
+    assert dashes == sorted([ORANGE, GREY]), dashes

@@ -6,8 +6,8 @@ import asyncio
 import io
 import math
 
-from elastrun.agent.waiting import WaitingConsole, describe, format_duration
-from elastrun.clock import Clock, VirtualTimeLoop, run_virtual
+from elastrun.agent.waiting import WaitingConsole, describe
+from elastrun.clock import Clock, VirtualTimeLoop, duration_text, run_virtual
 from elastrun.events import ListSink
 from elastrun.names import RunId
 from elastrun.rendezvous.api import RendezvousSettings, WaitingStatus
@@ -94,7 +94,7 @@ def test_reporter_emits_only_on_change() -> None:
 
 
 def test_describe() -> None:
-    assert format_duration(598.2) == "9m59s" and format_duration(5) == "5s"
+    assert duration_text(598.2, up=True) == "9m59s" and duration_text(5, up=True) == "5s"
     st = WaitingStatus(0, "joining", 1, 2, 3, "join_timeout", 600.0)
     assert describe(st, 598.2) == (
         "elastrun: rendezvous round 0: 1 of min 2 nodes joined (max 3); join timeout in 9m59s"
@@ -170,3 +170,11 @@ def test_a_spare_prints_one_line_with_no_deadline_not_one_every_interval() -> No
     assert lines == [
         "elastrun: waiting for the next round: round 1 trains 2 nodes; waiting as a spare"
     ]
+
+
+def test_a_duration_reads_the_same_in_every_line_and_table() -> None:
+    spent = [duration_text(s) for s in (0, 59.9, 184.5, 7500, 3 * 86400 + 4 * 3600 + 59)]
+    assert spent == ["0s", "59s", "3m04s", "2h05m", "3d04h"]
+    left = [duration_text(s, up=True) for s in (0.2, 59.1, math.inf)]
+    assert left == ["1s", "1m00s", "never"]  # time left: never "0s" while some remains
+    assert duration_text(-5) == duration_text(math.nan) == "0s"

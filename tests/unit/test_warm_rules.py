@@ -60,7 +60,8 @@ def test_virtual_local_rank_makes_the_device_a_local_rank_variable():
     virtual = WorkerSpec(
         command=Executable(("python", "x.py")), nproc=2, run_id=RunId("j"), virtual_local_rank=True
     )
-    assert local_vars(virtual) == LOCAL_VARS | DEVICE_VARS == {"LOCAL_RANK", "CUDA_VISIBLE_DEVICES"}
+    assert local_vars(virtual) == LOCAL_VARS | DEVICE_VARS
+    assert local_vars(virtual) == {"LOCAL_RANK", "ELASTRUN_LOCAL_MAIN", "CUDA_VISIBLE_DEVICES"}
     base = {"PATH": "/bin", "LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "5"}
     rank1 = {**base, "CUDA_VISIBLE_DEVICES": "7"}
     # Without the flag the device list is the node's, and must be the same.

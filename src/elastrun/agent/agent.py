@@ -94,6 +94,7 @@ from elastrun.agent.log_dirs import (
     temp_dir,
 )
 from elastrun.agent.logs import LogWriteErrors, needs_files
+from elastrun.agent.refusals import RefusalWatch
 from elastrun.agent.signals import Signalled, SignalRouter, StopSignals
 from elastrun.agent.spec import WorkerSpec
 from elastrun.agent.waiting import WaitingConsole
@@ -196,6 +197,8 @@ class Agent:
         self._attribution = Attribution(core)
         # What next_round() waits for, on the console (the rendezvous reports it).
         self._waiting = WaitingConsole(clock=clock)
+        # Peers refused for their settings, said while this node waits for them.
+        self._refusals = RefusalWatch(rendezvous, say)
         rendezvous.attach(
             RendezvousHooks(
                 progress=self._waiting.update,
@@ -365,10 +368,12 @@ class Agent:
         for feature in self.features:
             await self._stops.first(feature.before_round())
         self._waiting.start()
+        self._refusals.start()
         try:
             return await self._stops.first(self.rendezvous.next_round())
         finally:
             self._waiting.stop()
+            self._refusals.stop()
 
     def _new_group(self, result: RoundResult) -> WorkerGroup:
         self._attempt += 1

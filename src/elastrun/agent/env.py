@@ -3,7 +3,10 @@
 Precedence, lowest first: the agent's own environment, ``WorkerSpec.env``,
 then the variables computed here (they always win: a worker must never see a
 stale ``RANK``). ``OMP_NUM_THREADS`` and ``PYTHONUNBUFFERED`` default to ``1``
-only when neither the agent's environment nor ``WorkerSpec.env`` set them.
+only when neither the agent's environment nor ``WorkerSpec.env`` set them;
+``TORCHINDUCTOR_COMPILE_THREADS`` likewise defaults to the node's usable CPUs
+shared among its workers (each restarted worker starts its own
+``torch.compile`` pool, which would otherwise take every CPU).
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from collections.abc import Mapping
 from elastrun.agent.spec import WorkerSpec
 from elastrun.errors import WorkerError
 from elastrun.rendezvous.api import RoundResult
+from elastrun.worker.local_main import ENV as LOCAL_MAIN_ENV
 
 __all__ = [
     "ROUND_ENV_VARS",
     "WORKER_ENV_VARS",
     "check_round",
+    "compile_threads",
     "stable_env",
     "virtual_local_rank",
     "worker_env",
@@ -50,8 +55,10 @@ WORKER_ENV_VARS = (
     "TORCHELASTIC_USE_AGENT_STORE",
     "TORCHELASTIC_SIGNALS_TO_HANDLE",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "NCCL_ASYNC_ERROR_HANDLING",
     "PYTHON_EXEC",
     "OMP_NUM_THREADS",
+    "TORCHINDUCTOR_COMPILE_THREADS",
     "PYTHONUNBUFFERED",
     *ROUND_ENV_VARS,
 )
@@ -84,6 +91,9 @@ def stable_env(
     inherited = os.environ if base is None else base
     env = {k: v for k, v in inherited.items() if k not in spec.hidden_env}
     env.update(spec.env)
+    # Both spellings, one value: torch 2.2+ reads TORCH_NCCL_*, 2.0 and 2.1
+    # NCCL_*; a user's choice in either spelling is kept for both.
+    nccl = env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", env.get("NCCL_ASYNC_ERROR_HANDLING", "1"))
     env.update(
         {
             "LOCAL_RANK": str(local_rank),
@@ -103,21 +113,36 @@ def stable_env(
                 s.name for s in (*spec.signals_to_handle, *spec.signals_to_forward)
             ),
             # As torchrun: on unless the user chose otherwise.
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", nccl),
+            "NCCL_ASYNC_ERROR_HANDLING": env.get("NCCL_ASYNC_ERROR_HANDLING", nccl),
             "PYTHON_EXEC": env.get("PYTHON_EXEC", sys.executable),
         }
     )
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(compile_threads(spec.nproc)))
     if spec.virtual_local_rank:
         env.update(virtual_local_rank(local_rank, os.environ.get("CUDA_VISIBLE_DEVICES")))
     return env
 
 
+def compile_threads(nproc: int, cpus: int | None = None) -> int:
+    """Each worker's share of the node's usable CPUs (``cpus``: this
+    process' affinity) for its ``torch.compile`` pool; at least 1."""
+    if cpus is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, nproc))
+
+
 def virtual_local_rank(local_rank: int, visible: str | None) -> dict[str, str]:
     """torchrun's --virtual-local-rank: every worker is local rank 0 of its
     own device (the local rank's entry of ``CUDA_VISIBLE_DEVICES``, else the
-    local rank). Raises WorkerError when the list is shorter."""
+    local rank), and the node's real local rank 0 is flagged
+    (``ELASTRUN_LOCAL_MAIN``: worker/local_main.py). Raises WorkerError when
+    the list is shorter."""
     device = str(local_rank)
     if visible is not None:
         devices = [d.strip() for d in visible.split(",")]
@@ -127,7 +152,11 @@ def virtual_local_rank(local_rank: int, visible: str | None) -> dict[str, str]:
                 f"CUDA_VISIBLE_DEVICES={visible!r}"
             )
         device = devices[local_rank]
-    return {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": device}
+    return {
+        "LOCAL_RANK": "0",
+        "CUDA_VISIBLE_DEVICES": device,
+        LOCAL_MAIN_ENV: "1" if local_rank == 0 else "0",
+    }
 
 
 def worker_env(

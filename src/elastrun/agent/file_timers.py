@@ -50,14 +50,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import stat
 import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeGuard
+from typing import TYPE_CHECKING
 
 from elastrun.agent.hooks import Core, Feature
 from elastrun.agent.round_hooks import RoundHooks
@@ -68,8 +67,9 @@ from elastrun.event_kinds import (
     FileTimersFailed,
     FileTimersStarted,
 )
+from elastrun.fields import Fields
 from elastrun.procs import signal_name
-from elastrun.untrusted import UntrustedData, loads, printable
+from elastrun.untrusted import loads, printable
 
 if TYPE_CHECKING:
     from elastrun.agent.process import Worker
@@ -110,28 +110,17 @@ class TimerRequest:
 
 def parse_request(line: bytes) -> TimerRequest | None:
     """The request in one line of the pipe; None when it is none."""
-    try:
+    try:  # UntrustedData is a ValueError too
         raw = loads(line, max_bytes=MAX_LINE, what="a timer request")
-    except UntrustedData:
+        f = Fields.versioned(raw, 1, "a timer request", key="version")
+        return TimerRequest(
+            pid=f.integer("pid", low=1),
+            scope_id=f.text("scope_id", MAX_SCOPE),
+            expiration_time=f.number("expiration_time", low=None, high=None),
+            signal=f.integer("signal", high=64),
+        )
+    except ValueError:
         return None
-    if not isinstance(raw, dict) or raw.get("version") != 1:
-        return None
-    pid, scope, when, sig = (raw.get(k) for k in ("pid", "scope_id", "expiration_time", "signal"))
-    if not _is_int(pid) or pid <= 0 or not _is_int(sig) or not 0 <= sig <= 64:
-        return None
-    if not isinstance(scope, str) or len(scope) > MAX_SCOPE:
-        return None
-    if not _is_number(when) or not math.isfinite(when):
-        return None
-    return TimerRequest(pid, scope, float(when), sig)
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> TypeGuard[int | float]:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class TimerTable:

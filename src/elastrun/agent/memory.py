@@ -84,6 +84,7 @@ from elastrun.worker.snapshot import (
     open_slot,
     write_persisted,
 )
+from elastrun.worker.snapshot_digest import DataDigest, UnknownDigest
 
 __all__ = ["ENV", "REPLICA_ENV", "MemoryCheckpoints", "features", "persist_snapshot"]
 
@@ -119,10 +120,8 @@ class Persisted:
 
 def persist_snapshot(view: SlotView) -> Persisted:
     """Write the snapshot ``view`` holds to its checkpoint folder (its header
-    names it), checking its data against the header's SHA-256 as it goes:
+    names it), checking its data against the header's digest as it goes:
     a mismatch leaves nothing behind (SnapshotError)."""
-    import hashlib
-
     header = view.header
     target = header.persist
     if target is None:
@@ -131,15 +130,19 @@ def persist_snapshot(view: SlotView) -> Persisted:
     d.mkdir(parents=True, exist_ok=True)
     whole = view.whole
 
+    try:
+        data_digest = DataDigest(header.digest)
+    except UnknownDigest as e:
+        raise SnapshotError(str(e)) from None
+
     def write(f: IO[bytes]) -> None:
-        data_sha = hashlib.sha256()
         f.write(whole[: view.start])
         for i in range(view.start, view.size, HASH_CHUNK):
             chunk = whole[i : min(i + HASH_CHUNK, view.size)]
-            data_sha.update(chunk)
+            data_digest.update(chunk)
             f.write(chunk)
-        if data_sha.hexdigest() != header.sha256:
-            raise SnapshotError("its data does not match its SHA-256 (changed while read?)")
+        if data_digest.hexdigest() != header.sha256:
+            raise SnapshotError("its data does not match its digest (changed while read?)")
 
     try:
         final, digest = write_checkpoint(d, header.step, write)

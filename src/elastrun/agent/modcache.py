@@ -49,6 +49,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from elastrun.agent.command import PythonCommand, PythonModule
+from elastrun.fields import Fields
 from elastrun.rendezvous.notes import checked_version
 from elastrun.safefs import (
     UnsafePath,
@@ -160,16 +161,18 @@ class ModuleList:
 
     @classmethod
     def from_json(cls, data: object, script: str | None = None) -> ModuleList | None:
-        if not isinstance(data, dict) or data.get("v") != VERSION:
+        try:
+            raw = Fields.versioned(data, VERSION, "the module list").raw
+        except ValueError:
             return None
-        skips = _reasons(data.get("skip"))
-        names = valid_names(data.get("modules"), script=script)
+        skips = _reasons(raw.get("skip"))
+        names = valid_names(raw.get("modules"), script=script)
         return cls(
             modules=[m for m in names if not skipped(m, skips)],
             skip=skips,
-            python=checked_version(data.get("python")),
-            torch=checked_version(data.get("torch")),
-            ranked={k: v for k, v in _reasons(data.get("ranked")).items() if k not in skips},
+            python=checked_version(raw.get("python")),
+            torch=checked_version(raw.get("torch")),
+            ranked={k: v for k, v in _reasons(raw.get("ranked")).items() if k not in skips},
         )
 
 

@@ -80,6 +80,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastrun.agent.spec import DEFAULT_REPLICA_MAX_BYTES, DEFAULT_REPLICA_MAX_HEADER
+from elastrun.fields import Fields
 from elastrun.safefs import create_new
 from elastrun.untrusted import UntrustedData, loads, printable
 from elastrun.worker.snapshot import (
@@ -128,6 +129,7 @@ MAX_REFUSALS_LOGGED = 100
 _FILE = re.compile(r"^rank-(\d{1,9})$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _NODE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+_MAX_INT = 2**63 - 1  # the offer's counts
 
 
 class ReplicaError(Exception):
@@ -209,30 +211,20 @@ class Offer:
             obj = loads(raw, max_bytes=MAX_OFFER, max_depth=2, what="replica offer")
         except UntrustedData as e:
             raise ReplicaError(str(e)) from None
-        if not isinstance(obj, dict) or obj.get("v") != VERSION:
-            raise ReplicaError(f"not a version-{VERSION} replica offer")
-        for name in ("rank", "step", "generation", "size", "tensors"):
-            v = obj.get(name)
-            if type(v) is not int or not 0 <= v < 2**63:
-                raise ReplicaError(f"the offer has no valid {name!r}")
-        text: dict[str, str] = {}
-        for name in ("run", "sha256", "node", "mac"):
-            v = obj.get(name)
-            if not isinstance(v, str) or len(v) > 256:
-                raise ReplicaError(f"the offer's {name!r} is not a short string")
-            text[name] = v
-        if not _SHA256.match(text["sha256"]) or not _NODE.match(text["node"]):
+        f = Fields.versioned(obj, VERSION, "the replica offer", ReplicaError)
+        sha256, node = f.text("sha256", 256), f.text("node", 256)
+        if not _SHA256.match(sha256) or not _NODE.match(node):
             raise ReplicaError("the offer has no valid sha256 or node")
         return cls(
-            run=text["run"],
-            rank=obj["rank"],
-            step=obj["step"],
-            generation=obj["generation"],
-            size=obj["size"],
-            sha256=text["sha256"],
-            tensors=obj["tensors"],
-            node=text["node"],
-            mac=text["mac"],
+            run=f.text("run", 256),
+            rank=f.integer("rank", high=_MAX_INT),
+            step=f.integer("step", high=_MAX_INT),
+            generation=f.integer("generation", high=_MAX_INT),
+            size=f.integer("size", high=_MAX_INT),
+            sha256=sha256,
+            tensors=f.integer("tensors", high=_MAX_INT),
+            node=node,
+            mac=f.text("mac", 256),
         )
 
 

@@ -21,21 +21,10 @@ import math
 import sys
 from typing import TextIO
 
-from elastrun.clock import SYSTEM_CLOCK, Clock, wait_until
+from elastrun.clock import SYSTEM_CLOCK, Clock, duration_text, wait_until
 from elastrun.rendezvous.api import WaitingStatus
 
-__all__ = ["WaitingConsole", "describe", "format_duration"]
-
-
-def format_duration(seconds: float) -> str:
-    if math.isinf(seconds):
-        return "never"
-    s = max(0, math.ceil(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+__all__ = ["WaitingConsole", "describe"]
 
 
 def _nodes(n: int) -> str:
@@ -47,7 +36,7 @@ def describe(status: WaitingStatus, left: float) -> str:
     """One line for ``status`` with ``left`` seconds to its deadline."""
     st = status
     what = "last call closes the round" if st.deadline == "last_call" else "join timeout"
-    when = f"{what} in {format_duration(left)}"
+    when = f"{what} in {duration_text(left, up=True)}"
     if st.state == "waiting":
         why = st.detail or f"round {st.round} is closed"
         if math.isinf(left):  # a hot spare: nothing counts down while the job runs

@@ -38,6 +38,10 @@ own start. It is the agent's child like a worker: own session,
 ends or no start will need it. Workers are forked through an intermediate
 process so that they are the agent's children (``agent/children.py``).
 
+A script that sets an environment variable before it imports what the
+zygote imports (its source says so: agent/env_first.py) starts cold, with one
+line saying why: the zygote would have imported torch without it.
+
 Only a Python command (a script or ``-m`` module, not ``--no-python`` or
 ``--run-path``) gets a zygote (``WorkerSpec.warm``: :class:`~elastrun.agent.spec.WarmSettings`).
 
@@ -105,6 +109,7 @@ class WarmStarts(Feature):
     def start(self) -> None:
         # It starts (and imports torch) while the rendezvous runs; the
         # round's variables come when it closes.
+        self.pool.say_cold()  # none for a script that sets its environment first
         self.pool.keep(self.pool.first_env(self.core.rendezvous.settings.max_restarts))
 
     async def before_round(self) -> None:

@@ -21,6 +21,7 @@ from elastrun.agent.channel import CHANNEL_ENV
 from elastrun.agent.children import ForkedProcess, Reaper
 from elastrun.agent.command import PythonCommand, with_local_rank
 from elastrun.agent.env import ROUND_ENV_VARS, stable_env
+from elastrun.agent.env_first import EnvFirst, env_set_first
 from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.modcache import (
     ModuleCache,
@@ -50,6 +51,7 @@ from elastrun.rendezvous.notes import ModuleReport
 from elastrun.untrusted import printable
 from elastrun.worker._messages import PreloadPlan, Ready, Unsafe
 from elastrun.worker._modnames import script_module
+from elastrun.worker.local_main import ENV as LOCAL_MAIN_ENV
 from elastrun.worker.snapshot import ENV as MEMORY_CHECKPOINT_ENV
 from elastrun.worker.snapshot import REPLICA_ENV as MEMORY_REPLICA_ENV
 
@@ -70,6 +72,7 @@ PRELOAD = ("torch",)
 UNPRIVILEGED_DELAY = 3.0  # s: without idle priority, let cold workers import first
 PRELOAD_BUDGET = 120.0  # s a zygote may spend importing
 PRELOAD_MAX_RSS = 4096  # MiB a zygote may grow to while importing
+IMPORT_TIMEOUT = 60.0  # s one import may take in a zygote (then: unsafe)
 READY_WAIT = 60.0  # s a start of more workers than CPUs waits for a zygote importing
 MAX_REFUSALS = 8  # zygotes quitting on an unsafe module before the list is dropped
 REAP_WAIT = 2.0
@@ -88,7 +91,7 @@ ROUND_VARS = frozenset(
         MEMORY_REPLICA_ENV,
     )
 )
-LOCAL_VARS = frozenset(("LOCAL_RANK",))
+LOCAL_VARS = frozenset(("LOCAL_RANK", LOCAL_MAIN_ENV))  # the flag: --virtual-local-rank only
 # With --virtual-local-rank, the device variables differ by local rank too
 # (agent/env.py virtual_local_rank). They are set when a worker is forked: the
 # zygote never initialises CUDA nor loads its driver (worker/_zygote.py refuses
@@ -143,6 +146,7 @@ class WarmPool:
         scope: str = "installed",
         budget: float = PRELOAD_BUDGET,
         max_rss_mb: float = PRELOAD_MAX_RSS,
+        import_timeout: float = IMPORT_TIMEOUT,
         say: Callable[[str], None] | None = None,
     ) -> None:
         self.spec = spec
@@ -155,6 +159,7 @@ class WarmPool:
         self.scope = scope
         self.budget = budget
         self.max_rss_mb = max_rss_mb
+        self.import_timeout = import_timeout
         self._say = say
         # The module name that would run the script: never imported ahead of time.
         self.script = script_module(command.kind, command.target)
@@ -167,6 +172,11 @@ class WarmPool:
             not self.preload
             or bool(self.recorded.modules)
             or imports_any(entry_file(command), self.preload)
+        )
+        # A script that sets its environment before it imports what the zygote
+        # imports: its workers start cold (a warm start must only save time).
+        self.cold: EnvFirst | None = env_set_first(
+            entry_file(command), (*self.preload, *self.recorded.modules)
         )
         self._z: Zygote | None = None
         self._dead: list[subprocess.Popen[bytes]] = []
@@ -208,7 +218,7 @@ class WarmPool:
     def keep(self, env: Mapping[str, str]) -> None:
         """Make sure a zygote compatible with workers of environment ``env``
         lives (after a start: for the next one)."""
-        if self._closed:
+        if self._closed or self.cold is not None:
             return
         self.reap()
         z = self._z
@@ -222,7 +232,7 @@ class WarmPool:
     def keep_ranks(self, envs: Mapping[int, Mapping[str, str]]) -> None:
         """After a start (``envs``: its workers'): per-rank zygotes for the
         same ranks, when a recorded package reads a rank variable at import."""
-        if not self._closed:
+        if not self._closed and self.cold is None:
             self.ranks.keep(envs, wanted=bool(self.recorded.ranked))
 
     def _spawn(self, env: Mapping[str, str], local_rank: int | None = None) -> Zygote | None:
@@ -254,7 +264,7 @@ class WarmPool:
             # Imported before any fork: every worker forked has torch.
             base=sum(1 for m in self.preload if not skipped(m, skip)),
         )
-        bounds = Bounds(UNPRIVILEGED_DELAY, self.budget, self.max_rss_mb)
+        bounds = Bounds(UNPRIVILEGED_DELAY, self.budget, self.max_rss_mb, self.import_timeout)
         try:
             z = Zygote.start(argv, z_env, preload, self.scope, bounds, local_rank=local_rank)
         except OSError as e:
@@ -305,9 +315,9 @@ class WarmPool:
             m for m in self.recorded.modules if not skipped(m, self.recorded.skip)
         ]
         self._save()
-        shown = f"modules {', '.join(names)} are" if len(names) > 1 else f"module {names[0]} is"
-        if not names:
-            shown = "a module is"
+        shown = "a module is"
+        if names:
+            shown = f"modules {', '.join(names)} are" if len(names) > 1 else f"module {names[0]} is"
         where = "imported ahead of time by the per-rank warm interpreters only"
         self._discard(
             z, f"{shown} {where if ranked else 'not safe to import ahead of time'}: {why}"
@@ -332,6 +342,15 @@ class WarmPool:
             self.gave_up = True
             self.recorded = ModuleList(skip=self.recorded.skip)
         self._z = self._spawn(z.env)
+
+    def say_cold(self) -> None:
+        """The one line that says why the workers start cold (``cold``)."""
+        if self.cold is None:
+            return
+        line = f"{self.cold.describe()}: its workers start cold"
+        self.events.emit(WarmFailed(reason=line))
+        if self._say is not None:
+            self._say(f"elastrun: {printable(line, limit=1000)}")
 
     def debug(self, line: str) -> None:
         """``line`` on the agent's console with ``ELASTRUN_DEBUG`` set (WarmSettings.debug)."""
@@ -358,6 +377,11 @@ class WarmPool:
         if not new:
             return False
         self.recorded.modules = merged(self.recorded.modules, new, self.recorded.skip)
+        if self.cold is None:
+            self.cold = env_set_first(entry_file(self.command), new)
+            if self.cold is not None:
+                self.say_cold()
+                self.drop(f"the script sets {self.cold.variable} before it imports one")
         self.recorded.python = report.python
         self.recorded.torch = report.torch
         self.head_start = True
@@ -425,6 +449,8 @@ class WarmPool:
         the same ranks, otherwise from the shared one. Those missing start cold
         (the zygote cannot be used now; one still importing is kept for later)."""
         forked: dict[int, ForkedProcess] = {}
+        if self.cold is not None:
+            return forked
         for lr, z in self.ranks.take(envs).items():
             forked.update(await self._fork_from(z, {lr: envs[lr]}, channels, 0.0))
         rest = {lr: env for lr, env in envs.items() if lr not in forked}
@@ -527,13 +553,13 @@ class WarmPool:
                 self.guard.remove(popen.pid)
         self._dead = alive
 
-    def drop(self) -> None:
-        """Kill the zygotes (no start will need them)."""
+    def drop(self, why: str = "no restart is possible") -> None:
+        """Kill the zygotes (no start will need them: ``why``)."""
         z = self._z
         if z is not None and z.gone is None:
-            self._discard(z, "no restart is possible")
+            self._discard(z, why)
         self._z = None
-        self.ranks.drop("no restart is possible")
+        self.ranks.drop(why)
 
     async def close(self) -> None:
         """Kill the zygote and reap it (bounded)."""

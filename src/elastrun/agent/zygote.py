@@ -43,17 +43,20 @@ DELAY_ENV = "ELASTRUN_WARM_DELAY"
 AGENT_ENV = "ELASTRUN_AGENT_PID"
 BUDGET_ENV = "ELASTRUN_PRELOAD_BUDGET"
 RSS_ENV = "ELASTRUN_PRELOAD_MAX_RSS"
+IMPORT_TIMEOUT_ENV = "ELASTRUN_PRELOAD_IMPORT_TIMEOUT"
 
 
 @dataclass(frozen=True)
 class Bounds:
     """How a zygote imports: ``delay`` s before it starts where it cannot
     import at idle priority, and it stops importing after ``budget`` s or at
-    ``max_rss_mb`` MiB of resident memory."""
+    ``max_rss_mb`` MiB of resident memory; one import that takes longer than
+    ``import_timeout`` s (0: unbounded) makes it quit, the module unsafe."""
 
     delay: float
     budget: float
     max_rss_mb: float
+    import_timeout: float = 60.0
 
 
 @dataclass
@@ -100,6 +103,7 @@ class Zygote:
             AGENT_ENV: str(os.getpid()),
             BUDGET_ENV: repr(bounds.budget),
             RSS_ENV: repr(bounds.max_rss_mb),
+            IMPORT_TIMEOUT_ENV: repr(bounds.import_timeout),
         }
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -257,6 +261,8 @@ class Zygote:
         """Let it go (``gone``: why): no more reading, its process group killed."""
         self.gone = gone
         self.unwatch()
+        if self.pending is not None and not self.pending.done():
+            self.pending.set_result([])  # a fork it was given: nothing forked, start cold
         with contextlib.suppress(OSError):
             self.sock.close()
         with contextlib.suppress(ProcessLookupError, PermissionError):

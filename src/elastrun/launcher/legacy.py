@@ -23,10 +23,11 @@ declare both, and argument parsers built from a ``local_rank`` field).
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from collections.abc import Sequence
 
+from elastrun.agent.command import PythonModule, PythonScript
+from elastrun.agent.spawn import entry_file
 from elastrun.agent.spec import LOCAL_RANK_MACRO
 from elastrun.errors import ConfigError
 from elastrun.launcher.cli import execute, usage_error
@@ -43,15 +44,10 @@ MAX_SOURCE_BYTES = 4 << 20  # a script larger than this is read only this far
 def _source_file(cmd: Command) -> str | None:
     """The Python file the workers run first, when it can be found without
     importing anything."""
-    if cmd.no_python and not cmd.run_path:
-        return None
-    if not cmd.module or cmd.run_path:
+    if cmd.run_path:
         return cmd.script
-    base = os.path.join(os.getcwd(), *cmd.script.split("."))
-    for path in (base + ".py", os.path.join(base, "__main__.py")):
-        if os.path.isfile(path):
-            return path
-    return None
+    command = worker_command(cmd)
+    return entry_file(command) if isinstance(command, PythonScript | PythonModule) else None
 
 
 def local_rank_flag(cmd: Command, style: LocalRankStyle = LocalRankStyle.AUTO) -> str:

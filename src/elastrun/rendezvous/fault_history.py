@@ -151,9 +151,7 @@ class FaultHistory:
     def decode(cls, raw: bytes) -> FaultHistory:
         """The history in ``raw``; raises :class:`HistoryInvalid` (one line)."""
         obj = loads(raw, max_bytes=MAX_BYTES, what="the fault history")
-        f = Fields(obj, "the fault history", HistoryInvalid)
-        if f.integer("v") != FAULTS_VERSION:
-            raise HistoryInvalid(f"the fault history has version {obj.get('v')!r}")
+        f = Fields.versioned(obj, FAULTS_VERSION, "the fault history", HistoryInvalid)
         entries = tuple(FaultEntry.from_json(e) for e in f.items("entries", MAX_ENTRIES))
         rounds = [e.round for e in entries]
         if rounds != sorted(set(rounds)):

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from elastrun.errors import ProtocolError
+from elastrun.fields import Fields
 from elastrun.names import RunId
 from elastrun.store.base import KeyValue
 from elastrun.untrusted import UntrustedData, loads
@@ -170,22 +171,17 @@ def encode(record: Mapping[str, object], version: int = RECORD_VERSION) -> bytes
     return json.dumps({"v": version, **record}, sort_keys=True).encode()
 
 
-def decode(key: str, value: bytes, version: int = RECORD_VERSION) -> dict[str, object]:
+def decode(key: str, value: bytes, version: int = RECORD_VERSION) -> Mapping[str, object]:
     """The JSON object stored at ``key``, within the bounds and of record
     ``version``; raises ProtocolError naming the key."""
     try:
         obj = loads(value, max_bytes=RECORD_MAX_BYTES, what=f"store key {key}")
     except UntrustedData as exc:  # not JSON, too large, or nested too deep
         raise ProtocolError(str(exc)) from None
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"store key {key} does not hold a JSON object")
-    found = obj.get("v")
-    if found != version:
-        raise ProtocolError(
-            f"store key {key} has record version {found!r}; this elastrun reads "
-            f"version {version} there (are all nodes on the same elastrun version?)"
-        )
-    return obj
+    where, hint = f"store key {key}", "are all nodes on the same elastrun version?"
+    return Fields.versioned(
+        obj, version, where, ProtocolError, what="record version", hint=hint
+    ).raw
 
 
 # -- decoding once --------------------------------------------------------------

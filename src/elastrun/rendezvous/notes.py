@@ -21,6 +21,10 @@ round's member at its group rank (:class:`Seat`). The schemas:
 ``replica_{G}``   :class:`ReplicaNote`, the TCP port on which group rank G's
                   agent takes its neighbour's memory checkpoints in round R,
                   on its lease (agent/replica.py)
+``refused``       :class:`RefusalNote`, the last node refused for settings
+                  that differ from the job's (config mismatch), written by
+                  that node as it exits, so that the waiting nodes say why it
+                  never joined (agent/refusals.py)
 
 Each schema is a :class:`Note`: it names its key (:meth:`Note.name_for`, from
 the round and the member's :class:`Seat`), says whether it lives on its
@@ -62,6 +66,7 @@ __all__ = [
     "ProgressNote",
     "RankProgress",
     "RankStack",
+    "RefusalNote",
     "Refused",
     "ReplicaNote",
     "Seat",
@@ -85,6 +90,8 @@ NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}\Z")
 
 STRAGGLERS = "stragglers"
 MODULES = "modules"
+REFUSED = "refused"
+MAX_MESSAGE = 2000  # a refusal's message (the settings that differ, named)
 STACKS_PREFIX = "stacks_"
 MAX_RANKS = 4096  # ranks of one node in a note
 MAX_FRAMES = 30  # frames of one rank's stack
@@ -138,16 +145,12 @@ def encode(value: Mapping[str, Any]) -> bytes:
     return json.dumps({**value, "v": NOTE_VERSION}, sort_keys=True).encode()
 
 
-def _decode(name: str, raw: bytes) -> dict[str, Any]:
+def _decode(name: str, raw: bytes) -> Mapping[str, Any]:
     """A note's JSON object, decoded within the bounds; raises UntrustedData
     (NoteInvalid when it is not a note of this version). Only :func:`parse`
     uses it: no reader sees a note's JSON."""
     obj = loads(raw, max_bytes=NOTE_MAX_BYTES, what=f"note {name}")
-    if not isinstance(obj, dict):
-        raise NoteInvalid(f"note {name} is not a JSON object")
-    if obj.get("v") != NOTE_VERSION:
-        raise NoteInvalid(f"note {name} has version {obj.get('v')!r} (not {NOTE_VERSION})")
-    return obj
+    return Fields.versioned(obj, NOTE_VERSION, f"note {name}", NoteInvalid).raw
 
 
 def checked_version(value: object) -> str | None:
@@ -576,6 +579,38 @@ class ReplicaNote(Note):
         _of_round("replica note", r, self.round)
         _check_seat("replica note", self.node_id, self.group_rank, (), at)
         return self
+
+
+# -- a node refused ------------------------------------------------------------------
+@dataclass(frozen=True)
+class RefusalNote(Note):
+    """``refused``: the last node the job refused for settings that differ
+    from the job's, and why (the refused node's own error line). One key,
+    overwritten by each refusal; not on a lease (the node holds none yet)."""
+
+    node_id: str
+    host: str
+    message: str
+
+    @classmethod
+    def name_for(cls, round_: int | None, seat: Seat | None) -> str:
+        return REFUSED
+
+    @property
+    def name(self) -> str:
+        return REFUSED
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "host": self.host, "message": self.message}
+
+    @classmethod
+    def from_json(cls, raw: object) -> RefusalNote:
+        obj = _fields(raw, "a refusal note")
+        return cls(
+            node_id=_node_id(obj),
+            host=obj.text("host", MAX_TEXT),
+            message=obj.text("message", MAX_MESSAGE),
+        )
 
 
 # -- the modules the script imports ---------------------------------------------------

@@ -84,9 +84,7 @@ class QuarantineRecord:
     def decode(cls, raw: bytes) -> QuarantineRecord:
         """The record in ``raw``; raises UntrustedData (one line)."""
         obj = loads(raw, max_bytes=MAX_BYTES, what="a quarantine record")
-        f = Fields(obj, "a quarantine record", UntrustedData)
-        if f.integer("v") != QUARANTINE_VERSION:
-            raise UntrustedData(f"a quarantine record has version {obj.get('v')!r}")
+        f = Fields.versioned(obj, QUARANTINE_VERSION, "a quarantine record", UntrustedData)
         since = f.number("since", high=2.0**40)
         return cls(
             host=f.text("host", MAX_HOST),

@@ -9,7 +9,9 @@ object) and ``encode`` / ``decode`` (its bytes in the store, with ``"v": 1``:
     nodes/{node_id}             PresenceRecord (the node: NodeInfo)
     round                       RoundRecord    (its previous members: PrevMember)
     rounds/{R}/join/{node_id}   JoinRecord     (the node: NodeInfo)
-    rounds/{R}/result           ResultRecord   (its members: MemberRecord)
+    rounds/{R}/result           ResultHeader   (group rank 0: MemberRecord) and
+    rounds/{R}/members/{k}      ResultShard    the members in shards (.results),
+                                               together a ResultRecord
     rounds/{R}/done/{node_id}   DONE           (an empty record)
     waiting/{node_id}           WaitingRecord
 
@@ -396,9 +398,11 @@ class MemberRecord:
 
 
 @dataclass(frozen=True)
-class ResultRecord(_Record):
-    """``rounds/{R}/result``: who is in round R, with which group rank
-    (written once, with the close)."""
+class ResultRecord:
+    """Round R's whole result: who is in it, with which group rank (decided
+    once, with the close). Not a record of its own in the store: it is
+    stored as a header and its members in shards (:mod:`.results`), whose
+    ``load`` checks them and builds this."""
 
     round: int
     members: tuple[MemberRecord, ...]  # in group-rank order: 0..n-1
@@ -409,41 +413,6 @@ class ResultRecord(_Record):
     reason: str = ""  # why R closed (the decider's rule)
     opened_at: float | None = None  # wall clock, for people
     closed_at: float | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "round": self.round,
-            "members": [m.to_json() for m in self.members],
-            "master_addr": self.master_addr,
-            "master_port": self.master_port,
-            "restarts": self.restarts,
-            "charged": self.charged,
-            "reason": self.reason,
-            "opened_at": self.opened_at,
-            "closed_at": self.closed_at,
-        }
-
-    @classmethod
-    def from_json(cls, raw: object, where: str = "result record") -> Self:
-        f = Fields(raw, where)
-        members = tuple(MemberRecord.from_json(m, f"{where}: members") for m in f.items("members"))
-        if not members:
-            raise f.bad("members", "empty")
-        if [m.group_rank for m in members] != list(range(len(members))):
-            raise f.bad("members", "not in group-rank order 0..n-1")
-        if len({m.node_id for m in members}) != len(members):
-            raise f.bad("members", "naming a node twice")
-        return cls(
-            round=f.integer("round"),
-            members=members,
-            master_addr=f.text("master_addr"),
-            master_port=f.port("master_port"),
-            restarts=f.count("restarts", 0),
-            charged=f.flag("charged"),
-            reason=f.note("reason"),
-            opened_at=f.wall("opened_at"),
-            closed_at=f.wall("closed_at"),
-        )
 
     def member(self, node_id: str) -> MemberRecord | None:
         return next((m for m in self.members if m.node_id == node_id), None)

@@ -79,6 +79,7 @@ store with the round it carries instead (:meth:`Registration.after_takeover`).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import time
 from collections.abc import Awaitable, Callable
@@ -92,9 +93,11 @@ from elastrun.errors import (
     NotHost,
     RendezvousClosed,
     RendezvousError,
+    StoreError,
     StoreUnavailable,
 )
 from elastrun.event_kinds import ConfigMismatched, JobReset, LeaseRegained, RoundOpened
+from elastrun.rendezvous import notes as N
 from elastrun.rendezvous import rounds
 from elastrun.rendezvous.damage import decode_config
 from elastrun.rendezvous.node_io import Node, Observer
@@ -317,7 +320,7 @@ class Registration:
                     res = done
                 continue
             if config is not None:
-                self.agree(config.settings, mine)
+                await self._agree_or_refuse(config.settings, mine)
                 ops = [self.presence()]
             else:
                 ops = [Put(k.config, ConfigRecord(mine).encode()), self.presence()]
@@ -412,7 +415,20 @@ class Registration:
         if kv is None:  # deleted in between: try again once
             await store.create(key, record)
             return
-        self.agree(decode_config(key, kv.value).settings, mine)
+        await self._agree_or_refuse(decode_config(key, kv.value).settings, mine)
+
+    async def _agree_or_refuse(self, job: AgreedSettings, mine: AgreedSettings) -> None:
+        """:meth:`agree`; when refused, first tell the job's waiting nodes why
+        this node will not join (the ``refused`` note, agent/refusals.py; best
+        effort, bounded by the store's request timeout)."""
+        try:
+            self.agree(job, mine)
+        except ConfigMismatch as exc:
+            node = self.node
+            note = N.RefusalNote(node.node_id, node.info().host, str(exc)[: N.MAX_MESSAGE])
+            with contextlib.suppress(StoreError, TimeoutError):
+                await node.store.put(node.keys.note(note.name), N.encode(note.to_json()))
+            raise
 
     async def regain_lease(
         self,

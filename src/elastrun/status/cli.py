@@ -24,18 +24,18 @@ import contextlib
 import dataclasses
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from elastrun.endpoint import Endpoint, format_endpoints, parse_endpoint_list
-from elastrun.errors import ConfigError, ElastrunError, StoreError, StoreUnavailable
+from elastrun.errors import ConfigError, ElastrunError, HostLost, StoreError, StoreUnavailable
 from elastrun.launcher.rdzv_conf import parse_rdzv_conf
 from elastrun.names import RunId
 from elastrun.rendezvous import quarantine
 from elastrun.rendezvous.keys import Keys
 from elastrun.status.hosts import open_candidates
 from elastrun.status.model import TERMINAL_STATES, StoreHosts, Summary
-from elastrun.status.show import Printer, fmt_duration, render_table
+from elastrun.status.show import Printer, render_table
 from elastrun.status.summary import read_summary
 from elastrun.store.base import Store, Watch, WatchEvent
 from elastrun.store.etcd_options import DEFAULT_ETCD_PORT
@@ -49,19 +49,30 @@ from elastrun.store.token import store_token
 from elastrun.untrusted import ascii_decimal, printable
 
 # Printer and render_table are defined in status/show.py and kept importable from here.
-__all__ = ["Printer", "fmt_duration", "main", "render_table"]
+__all__ = ["Printer", "main", "render_table"]
 
 DEFAULT_TIMEOUT = 10.0
 MAX_TIMEOUT = 3600.0  # --timeout: an hour (every wait is bounded by it)
 PROBE_TIMEOUT = 2.0  # one TCP connection to each endpoint before the store's own retries
 DEBOUNCE = 0.05  # gather a burst of store changes into one refresh
 TICK = 1.0  # a live table on a terminal is refreshed this often
+RETRY = 1.0  # --watch looks again this often for a store or a job not there yet
 
 
 class _Failed(Exception):
-    def __init__(self, message: str, code: int = 1) -> None:
+    """Why status stops. ``later``: the store or the job is not there now, and
+    may be later (nothing listens yet, no host elected, no job registered):
+    ``--watch`` waits for it."""
+
+    def __init__(self, message: str, code: int = 1, *, later: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.later = later
+
+
+class _StoreLost(Exception):
+    """The store stopped answering (with candidate hosts, ``--watch`` looks
+    for the new host)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -162,7 +173,8 @@ async def _open(
         # endpoint. Said at once, not after --timeout of retries.
         raise _Failed(
             f"nothing listens at {where} (connection refused): the job's store is gone (the "
-            "job ended, or the node that hosted it), or the endpoint is wrong"
+            "job ended, or the node that hosted it), or the endpoint is wrong",
+            later=True,
         )
     try:
         return await asyncio.wait_for(
@@ -172,7 +184,8 @@ async def _open(
     except TimeoutError:
         raise _Failed(
             f"cannot reach the {args.backend} store at {where} within {args.timeout:g} s "
-            "(--timeout)"
+            "(--timeout)",
+            later=True,
         ) from None
     except StoreError as exc:
         msg = str(exc)
@@ -199,15 +212,29 @@ async def _all_refuse(endpoints: tuple[Endpoint, ...], timeout: float) -> bool:
 
 async def _read(store: Store, args: argparse.Namespace, where: str) -> Summary:
     try:
+        summary = await _read_job(store, args, where)
+    except _StoreLost as exc:
+        raise _Failed(str(exc)) from None
+    if summary is None:
+        raise _Failed(f"no job {args.run_id!r} in the store at {where}")
+    return summary
+
+
+async def _read_job(store: Store, args: argparse.Namespace, where: str) -> Summary | None:
+    """The job's summary (None: no such job); _StoreLost when the store does
+    not answer, _Failed when its records are broken."""
+    try:
         summary = await asyncio.wait_for(read_summary(store, args.run_id), args.timeout)
     except TimeoutError:
-        raise _Failed(
+        raise _StoreLost(
             f"the {args.backend} store at {where} did not answer within {args.timeout:g} s"
         ) from None
+    except (StoreUnavailable, OSError) as exc:
+        raise _StoreLost(f"reading job {args.run_id!r} from the store at {where}: {exc}") from None
     except StoreError as exc:
         raise _Failed(f"reading job {args.run_id!r} from the store at {where}: {exc}") from None
     if summary is None:
-        raise _Failed(f"no job {args.run_id!r} in the store at {where}")
+        return None
     hosts: StoreHosts | None = getattr(args, "store_hosts", None)
     return summary if hosts is None else dataclasses.replace(summary, store_hosts=hosts)
 
@@ -216,7 +243,7 @@ async def _open_candidates(args: argparse.Namespace, endpoints: tuple[Endpoint, 
     try:
         store, args.store_hosts = await open_candidates(endpoints, args.options.token, args.timeout)
     except StoreError as exc:
-        raise _Failed(str(exc)) from None
+        raise _Failed(str(exc), later=isinstance(exc, HostLost)) from None
     return store
 
 
@@ -246,7 +273,9 @@ async def _next_change(
     return item
 
 
-async def _watch(store: Store, args: argparse.Namespace, where: str, show: Printer) -> int:
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[asyncio.Event]:
+    """An event set by SIGINT / SIGTERM while in the block."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     installed = []
@@ -254,72 +283,153 @@ async def _watch(store: Store, args: argparse.Namespace, where: str, show: Print
         with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
             installed.append(sig)
-    changes: asyncio.Queue[WatchEvent | BaseException] = asyncio.Queue()
-    watch: Watch | None = None
-    pump: asyncio.Task[None] | None = None
-
-    async def drain(w: Watch) -> None:
-        try:
-            async for ev in w:
-                changes.put_nowait(ev)
-        except StoreError as exc:
-            changes.put_nowait(exc)
-
     try:
-        last = await _read(store, args, where)
-        show(last)
-        if last.state in TERMINAL_STATES:
-            return 0
-        try:
-            watch = await asyncio.wait_for(
-                store.watch(Keys(args.run_id).root, prefix=True, start_revision=last.revision + 1),
-                args.timeout,
-            )
-        except (TimeoutError, StoreError) as exc:
-            raise _Failed(
-                f"cannot watch job {args.run_id!r} in the store at {where}: {exc}"
-            ) from None
-        pump = loop.create_task(drain(watch))
-        stopped = loop.create_task(stop.wait())
-        try:
-            while True:
-                item = await _next_change(changes, stopped, show)
-                if item is None:
-                    return 0  # SIGINT / SIGTERM: the operator is done watching
-                if isinstance(item, BaseException):
-                    raise _Failed(f"lost the store at {where} while watching: {item}")
-                summary = await _read(store, args, where)
-                # state_for_s grows with the clock: not a change of the job.
-                if summary.quiet() != last.quiet():
-                    show(summary)
-                    last = summary
-                if last.state in TERMINAL_STATES:
-                    return 0
-        finally:
-            stopped.cancel()
+        yield stop
     finally:
-        if pump is not None:
-            pump.cancel()
-        if watch is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(watch.close(), 2.0)
         for sig in installed:
             loop.remove_signal_handler(sig)
 
 
+async def _stopped_within(stop: asyncio.Event, seconds: float) -> bool:
+    """Wait ``seconds`` or until ``stop``; whether it was ``stop``."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+    return stop.is_set()
+
+
+@dataclasses.dataclass
+class _Watcher:
+    """``--watch``: follow the job until it ends or SIGINT / SIGTERM
+    (``stop``). What is not there yet (the store, its elected host, the job's
+    registration) is waited for: said once each on stderr, then looked for
+    every ``RETRY`` s. With candidate hosts, a takeover is followed to the new
+    host; any other error ends the watch."""
+
+    args: argparse.Namespace
+    where: str
+    show: Printer
+    stop: asyncio.Event
+    last: Summary | None = None  # the summary shown last
+    said: set[str] = dataclasses.field(default_factory=set)
+
+    def say(self, what: str, text: str) -> None:
+        """A line about the watch itself, once per ``what`` (stderr: stdout is
+        the job's, one JSON object per line with ``--json``)."""
+        if what not in self.said:
+            self.said.add(what)
+            print(f"elastrun status: {printable(text)}", file=sys.stderr, flush=True)
+
+    async def run(self) -> int:
+        args = self.args
+        candidates = len(args.endpoints) > 1 and args.backend is Backend.C10D
+        while not self.stop.is_set():
+            try:
+                store = await _connect(args, self.where)
+            except _Failed as exc:
+                if not exc.later:
+                    raise
+                self.say("store", f"waiting for the store ({exc}); Ctrl-C to stop")
+                if await _stopped_within(self.stop, RETRY):
+                    break
+                continue
+            try:
+                return await self.follow(store)
+            except _StoreLost as lost:
+                if not candidates:
+                    raise _Failed(
+                        f"lost the store at {self.where} while watching: {lost}"
+                    ) from None
+                self.said.discard("lost")
+                self.say("lost", f"lost the store's host ({lost}); looking for the new host")
+            finally:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(store.close(), 2.0)
+        return 0  # SIGINT / SIGTERM: the operator is done watching
+
+    async def read(self, store: Store) -> Summary | None:
+        """The job's summary; None while it is not registered."""
+        summary = await _read_job(store, self.args, self.where)
+        if summary is None:
+            job = f"job {self.args.run_id!r}"
+            self.say("job", f"waiting for {job} to register in the store at {self.where}")
+        return summary
+
+    def shown(self, summary: Summary) -> bool:
+        """Show ``summary`` if the job changed; whether it has ended."""
+        # state_for_s grows with the clock: not a change of the job.
+        if self.last is None or summary.quiet() != self.last.quiet():
+            self.show(summary)
+            self.last = summary
+        return summary.state in TERMINAL_STATES
+
+    async def follow(self, store: Store) -> int:
+        """Follow the job in ``store`` (waiting for it to register); raise
+        _StoreLost when the store is lost."""
+        summary = await self.read(store)
+        while summary is None:
+            if await _stopped_within(self.stop, RETRY):
+                return 0
+            summary = await self.read(store)
+        if self.shown(summary):
+            return 0
+        try:
+            key = Keys(self.args.run_id).root
+            watch = await asyncio.wait_for(
+                store.watch(key, prefix=True, start_revision=summary.revision + 1),
+                self.args.timeout,
+            )
+        except (TimeoutError, StoreError) as exc:
+            raise _StoreLost(f"cannot watch job {self.args.run_id!r}: {exc}") from None
+        try:
+            return await self._changes(store, watch)
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(watch.close(), 2.0)
+
+    async def _changes(self, store: Store, watch: Watch) -> int:
+        loop = asyncio.get_running_loop()
+        changes: asyncio.Queue[WatchEvent | BaseException] = asyncio.Queue()
+
+        async def drain() -> None:
+            try:
+                async for ev in watch:
+                    changes.put_nowait(ev)
+            except StoreError as exc:
+                changes.put_nowait(exc)
+
+        pump = loop.create_task(drain())
+        stopped = loop.create_task(self.stop.wait())
+        try:
+            while True:
+                item = await _next_change(changes, stopped, self.show)
+                if item is None:
+                    return 0  # SIGINT / SIGTERM: the operator is done watching
+                if isinstance(item, BaseException):
+                    raise _StoreLost(str(item))
+                summary = await self.read(store)
+                if summary is not None and self.shown(summary):
+                    return 0
+        finally:
+            stopped.cancel()
+            pump.cancel()
+
+
+async def _connect(args: argparse.Namespace, where: str) -> Store:
+    if len(args.endpoints) > 1 and args.backend is Backend.C10D:
+        return await _open_candidates(args, args.endpoints)
+    return await _open(args, args.endpoints, args.https, where)
+
+
 async def _main(args: argparse.Namespace) -> int:
-    endpoints, https = args.endpoints, args.https
-    where = format_endpoints(endpoints)
-    if len(endpoints) > 1 and args.backend is Backend.C10D:
-        store = await _open_candidates(args, endpoints)
-    else:
-        store = await _open(args, endpoints, https, where)
+    where = format_endpoints(args.endpoints)
+    show = Printer(args, where)
+    if args.watch and args.clear_quarantine is None:
+        with _stop_on_signals() as stop:
+            return await _Watcher(args, where, show, stop).run()
+    store = await _connect(args, where)
     try:
         if args.clear_quarantine is not None:
             return await _clear(store, args, where)
-        show = Printer(args, where)
-        if args.watch:
-            return await _watch(store, args, where, show)
         show(await _read(store, args, where))
         return 0
     finally:

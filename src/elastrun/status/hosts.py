@@ -4,12 +4,14 @@ The same command finds the job before and after a takeover."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from elastrun.endpoint import Endpoint
 from elastrun.status.model import StoreHosts
 from elastrun.store.base import Store
-from elastrun.store.failover import Answer, Candidates, FailoverClient
+from elastrun.store.failover import Answer, Candidates, FailoverClient, Probe
 
-__all__ = ["open_candidates"]
+__all__ = ["open_candidates", "store_hosts"]
 
 
 async def open_candidates(
@@ -20,14 +22,26 @@ async def open_candidates(
     client = FailoverClient(Candidates(endpoints), token=token, request_timeout=timeout)
     seen = await client.look()
     store = await client.connect(timeout)
-    hosts = StoreHosts(
-        term=client.term,
-        host=client.address(client.host),
-        standbys=tuple(client.address(p.index) for p in seen if p.answer is Answer.STANDBY),
+    if any(p.index == client.host and p.answer is not Answer.HOST for p in seen):
+        # The answers came before a host was elected (the job starting, a
+        # takeover): ask again, now that one serves.
+        seen = await client.look()
+    return store, store_hosts(client.term, client.host, seen, client.address)
+
+
+def store_hosts(
+    term: int, host: int | None, seen: Sequence[Probe], address: Callable[[int | None], str]
+) -> StoreHosts:
+    """Who is who: the host connected to (candidate ``host``, of ``term``),
+    and the others as they answered (the host itself never among them)."""
+    others = [p for p in seen if p.index != host]
+    return StoreHosts(
+        term=term,
+        host=address(host),
+        standbys=tuple(address(p.index) for p in others if p.answer is Answer.STANDBY),
         others=tuple(
-            f"{client.address(p.index)} ({p.answer.value})"
-            for p in seen
+            f"{address(p.index)} ({p.answer.value})"
+            for p in others
             if p.answer not in (Answer.STANDBY, Answer.HOST)
         ),
     )
-    return store, hosts

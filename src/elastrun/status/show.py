@@ -19,24 +19,13 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
+from elastrun.clock import duration_text
 from elastrun.status.model import HangStacks, RankRow, Summary
 from elastrun.untrusted import printable
 
-__all__ = ["MAX_FIELD", "Printer", "fmt_duration", "render_table"]
+__all__ = ["MAX_FIELD", "Printer", "render_table"]
 
 MAX_FIELD = 500  # characters of one string of the summary shown in the table
-
-
-def fmt_duration(seconds: float) -> str:
-    """``12s``, ``3m04s``, ``2h05m``, ``3d04h``."""
-    n = int(max(0.0, seconds))
-    if n < 60:
-        return f"{n}s"
-    if n < 3600:
-        return f"{n // 60}m{n % 60:02d}s"
-    if n < 86400:
-        return f"{n // 3600}h{n % 3600 // 60:02d}m"
-    return f"{n // 86400}d{n % 86400 // 3600:02d}h"
 
 
 def _p(value: object) -> str:
@@ -54,12 +43,12 @@ def render_table(summary: Summary, where: str) -> str:
     """The summary as a human-readable block of text (every string from the
     store escaped for the terminal)."""
     s = summary
-    out = [f"job {_p(s.run_id)}  (store {printable(where)}, revision {s.revision})"]
+    out = [f"job {_p(s.run_id)}  (store {printable(where)}, {_revision(s)})"]
     rnd = _opt(s.round, "-")
     why = f" (opened: {_p(s.round_reason)}" if s.round_reason else ""
     if why:
         why += f": {_p(s.round_detail)})" if s.round_detail else ")"
-    for_ = f" for {fmt_duration(s.state_for_s)}" if s.state_for_s is not None else ""
+    for_ = f" for {duration_text(s.state_for_s)}" if s.state_for_s is not None else ""
     out.append(f"state     {s.state}{for_}, round {rnd}{why}")
     out.append(f"restarts  {s.restarts} of {_opt(s.max_restarts)}")
     if s.store_hosts is not None:
@@ -114,6 +103,14 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
 
 
+def _revision(s: Summary) -> str:
+    """The store revision read at; with candidate hosts, of which term: each
+    host's store counts its own revisions, so they start again after a takeover."""
+    if s.store_hosts is None:
+        return f"revision {s.revision}"
+    return f"term {s.store_hosts.term}, revision {s.revision}"
+
+
 def _ranks_block(ranks: Sequence[RankRow]) -> list[str]:
     """Per-rank step times (reported every few seconds by each agent)."""
     if not ranks:
@@ -128,13 +125,16 @@ def _ranks_block(ranks: Sequence[RankRow]) -> list[str]:
                 _opt(r.step, "-"),
                 _ms(r.step_time_s),
                 _ms(r.own_time_s),
-                "-" if r.idle_s is None else fmt_duration(r.idle_s),
+                "-" if r.idle_s is None else duration_text(r.idle_s),
                 note,
             )
         )
     title = (
-        "\nranks (medians of the recent optimizer steps; own time: outside backward passes, "
-        "where DDP waits for the slowest rank):"
+        "\nranks (STEP: the step the script reports, elastrun.train.heartbeat(step); without "
+        "one, the optimizer steps this worker process took since it started, so a restarted "
+        "rank counts from 0 again and ranks started apart differ. STEP_TIME, OWN_TIME: medians "
+        "of the recent optimizer steps; own time: outside backward passes, where DDP waits "
+        "for the slowest rank):"
     )
     return [title, *_table(rows)]
 
@@ -233,7 +233,7 @@ class Printer:
         if not diff:
             return
         stamp = time.strftime("%H:%M:%S")
-        self._write(f"--- {stamp} (revision {summary.revision})\n" + "\n".join(diff) + "\n")
+        self._write(f"--- {stamp} ({_revision(summary)})\n" + "\n".join(diff) + "\n")
 
     def _write(self, text: str) -> None:
         with contextlib.suppress(OSError, ValueError):

@@ -8,31 +8,38 @@ at round steps from the first event). Labels that would overlap (rounds opened
 milliseconds apart at a restart) are placed on further rows, or left to the
 tooltips.
 
-Event logs may hold what other nodes or workers wrote (host names, failure
-messages, round details), or anything at all: every string drawn is escaped
-for HTML and its control characters shown as escapes (``\\x1b``); a line that
-is not JSON within the bounds (``MAX_LINE_BYTES``, nesting depth) is skipped.
-Of a line, only the fields the page draws are kept (``FIELDS``), and only
-scalars within bounds: a string cut at ``MAX_FIELD`` characters, an integer
-within ``MAX_INT``, a finite number; a field of another type or out of bounds
-reads as absent. So an event held costs at most a few KiB, whatever its line.
+The events are read through the typed catalogue (:mod:`elastrun.event_kinds`,
+``parse_event``): of each line, only the kinds the page draws (``DRAWN``) are
+kept, as their classes. Event logs may hold what other nodes or workers wrote
+(host names, failure messages, round details), or anything at all: a line that
+is not an event of the catalogue within the bounds (``MAX_LINE_BYTES``,
+nesting depth, a plausible time stamp, numbers within ``MAX_INT``) is skipped,
+the first ``MAX_NOTES`` of them named on stderr; what an event keeps is cut to
+bounds (``MAX_FIELD``, ``MAX_EVENT_TEXT``, ``MAX_ITEMS``), so an event held
+costs a few KiB at most, whatever its line. Every string drawn is escaped for
+HTML and its control characters shown as escapes (``\\x1b``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import html
 import math
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TextIO, TypeVar, cast
 
 from elastrun.event_kinds import (
+    Event,
     FaultVerdict,
     JobFailed,
     JobFinished,
+    JobMarkedFailed,
     NodeHealthFailed,
+    NodeJoined,
     NodeLost,
     NodeQuarantined,
     QuarantineRefused,
@@ -40,9 +47,12 @@ from elastrun.event_kinds import (
     RootCauseElsewhere,
     RoundOpened,
     SparePromoted,
+    StoreHostLost,
+    StoreTakeover,
     WorkerExited,
     WorkersStarted,
     WorkersSucceeded,
+    parse_event,
 )
 from elastrun.failure import FailureRecord
 from elastrun.rendezvous.plan import lost_node
@@ -55,21 +65,44 @@ __all__ = [
     "load_events",
     "main",
     "place_labels",
+    "read_line",
     "render_html",
 ]
+
+_T = TypeVar("_T")
 
 WIDTH = 1100
 MAX_LINE_BYTES = 1024 * 1024  # one event (a failure record with its traceback is ~10 KiB)
 MAX_TEXT = 500  # characters of one string drawn
-MAX_FIELD = 1000  # characters of one string field kept (drawn cut to MAX_TEXT)
-MAX_INT = 2**53  # an integer field beyond +-MAX_INT reads as absent
-# The fields the page reads; the others of a line are not kept.
-FIELDS = frozenset(
-    {"kind", "ts", "run_id", "node_id", "host", "round", "reason", "world_size", "cause"}
-    | {"counted", "count", "detail", "replaces", "group_rank", "source", "rank", "exitcode"}
-    | {"signal"}
-    | {"summary", "until", "command", "when"}  # fault attribution
+MAX_FIELD = 1000  # characters of one string kept (drawn cut to MAX_TEXT)
+MAX_EVENT_TEXT = 4000  # characters of all the strings of one event kept
+MAX_ITEMS = 16  # items of one list kept (pids, ranks, a failure's workers)
+MAX_INT = 2**53  # an integer beyond +-MAX_INT: not a line of ours
+MAX_NOTES = 10  # bad lines named on stderr; the rest counted in one line
+# The kinds of event the page draws (the catalogue's classes); lines of other
+# kinds are not kept.
+DRAWN: tuple[type[Event], ...] = (
+    RoundOpened,
+    NodeJoined,
+    WorkersStarted,
+    WorkerExited,
+    WorkersSucceeded,
+    Restart,
+    RootCauseElsewhere,
+    NodeLost,
+    SparePromoted,
+    StoreHostLost,
+    StoreTakeover,
+    JobFinished,
+    JobFailed,
+    JobMarkedFailed,
+    FaultVerdict,
+    NodeQuarantined,
+    QuarantineRefused,
+    NodeHealthFailed,
 )
+DRAWN_KINDS = frozenset(cls.KIND for cls in DRAWN)
+COMMON = ("node_id", "host", "run_id")  # the sink's fields the page reads
 MAX_TS = 1e11  # an event's time stamp (wall clock, s): beyond it, not an event of ours
 LEFT = 170
 RIGHT = 30
@@ -94,81 +127,154 @@ class _Lane:
 
 @dataclass(frozen=True)
 class LoggedEvent:
-    """One line of an agent's event log (docs/events.md): its kind, its
-    wall-clock time stamp, and its other fields as written. The fields may
-    hold anything (other nodes' and workers' words): read them through the
-    accessors, which read a field of the wrong type as absent."""
+    """One line of an agent's event log (docs/events.md): its wall-clock time
+    stamp, the sink's fields the page reads (the writing node's id and host,
+    the run id), and the event itself, typed by the catalogue
+    (:mod:`elastrun.event_kinds`). Everything in it is within bounds
+    (:func:`read_line`)."""
 
-    kind: str
     ts: float
-    fields: Mapping[str, object] = field(default_factory=dict)
+    event: Event
+    node_id: str = ""
+    host: str = ""
+    run_id: str = ""
 
-    @classmethod
-    def from_json(cls, raw: object) -> LoggedEvent | None:
-        """The event in a decoded line; None when it is not one (not a JSON
-        object, or no time stamp from 0 to ``MAX_TS``). Only the fields of
-        ``FIELDS`` are kept, and of them only the scalars within bounds."""
-        if not isinstance(raw, Mapping):
-            return None
-        ts = _number(raw.get("ts"))
-        if ts is None or not 0 <= ts <= MAX_TS:
-            return None
-        kept = {name: _scalar(raw[name]) for name in FIELDS if name in raw}
-        fields = {name: value for name, value in kept.items() if value is not None}
-        kind = fields.get("kind")
-        return cls(kind if isinstance(kind, str) else "", ts, fields)
-
-    def text(self, name: str, default: str = "") -> str:
-        """A field as text (``default`` when absent or null)."""
-        value = self.fields.get(name)
-        return default if value is None else str(value)
-
-    def integer(self, name: str, default: int) -> int:
-        value = self.optional_integer(name)
-        return default if value is None else value
-
-    def optional_integer(self, name: str) -> int | None:
-        value = self.fields.get(name)
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-    def flag(self, name: str) -> bool:
-        return self.fields.get(name) is True
+    @property
+    def kind(self) -> str:
+        return self.event.KIND
 
     def failure_title(self) -> str:
         """A ``worker_exited`` event as the one failure line of
         :meth:`FailureRecord.describe` (``rank 1 on host-a exited with code 1``)."""
-        signal = self.fields.get("signal")
+        e = self.event
+        if not isinstance(e, WorkerExited):
+            return f"{_fmt(self.ts)} {e.KIND}"
         record = FailureRecord(
-            host=self.text("host", "?"),
-            rank=self.optional_integer("rank"),
-            exitcode=self.optional_integer("exitcode"),
-            signal=signal if isinstance(signal, str) else None,
+            host=self.host or "?", rank=e.rank, exitcode=e.exitcode, signal=e.signal
         )
         return f"{_fmt(self.ts)} {record.describe()} (root cause)"
 
 
-def load_events(paths: Sequence[str]) -> list[LoggedEvent]:
-    """Every event of the files, in time order (unreadable lines are skipped
-    with a warning: an agent killed mid-write leaves a partial last line)."""
+def read_line(raw: object) -> LoggedEvent | None:
+    """The event a decoded line holds, when the page draws its kind (``DRAWN``);
+    None for a line of another kind (a kind of a newer version included).
+    Raises :class:`UntrustedData`, naming the problem, for a line that is not
+    an event of the catalogue: not a JSON object, no time stamp from 0 to
+    ``MAX_TS``, a field missing or of the wrong type, a number out of bounds.
+
+    What is kept is bounded whatever the line: of its fields only the
+    catalogue's for its kind and the sink's ``COMMON``; every string cut at
+    ``MAX_FIELD`` characters, and all of an event's at ``MAX_EVENT_TEXT``
+    together; every list at ``MAX_ITEMS`` items."""
+    if not isinstance(raw, Mapping):
+        raise UntrustedData("not a JSON object")
+    ts = _number(raw.get("ts"))
+    if ts is None or not 0 <= ts <= MAX_TS:
+        raise UntrustedData(f"no time stamp from 0 to {MAX_TS:g} (ts)")
+    kind = raw.get("kind")
+    if kind not in DRAWN_KINDS:
+        return None
+    event = parse_event(raw)
+    if event is None:
+        raise UntrustedData(f"not a {kind} event of the catalogue (a field missing or mistyped)")
+    if not isinstance(event, DRAWN):  # the kind's other class (the rendezvous' job_finished)
+        return None
+    budget = _Budget()
+    common = [raw.get(name) for name in COMMON]
+    node_id, host, run_id = (budget.cut(v) if isinstance(v, str) else "" for v in common)
+    return LoggedEvent(ts, budget.bound(event), node_id, host, run_id)
+
+
+@dataclass
+class _Budget:
+    """Bounds what one event keeps: strings, lists, numbers (see :func:`read_line`)."""
+
+    left: int = MAX_EVENT_TEXT
+
+    def cut(self, text: str) -> str:
+        kept = text[: min(MAX_FIELD, self.left)]
+        self.left -= len(kept)
+        return kept
+
+    def bound(self, value: _T) -> _T:
+        """``value`` (an event, a failure record, a field) within bounds;
+        UntrustedData for a number out of them."""
+        out: object
+        if isinstance(value, str):
+            out = self.cut(value)
+        elif isinstance(value, bool) or value is None:
+            out = value
+        elif isinstance(value, int | float):
+            if _number(value) is None:
+                raise UntrustedData("a number out of bounds (beyond 2**53, or not finite)")
+            out = value
+        elif isinstance(value, list | tuple):
+            out = type(value)(self.bound(v) for v in value[:MAX_ITEMS])
+        elif isinstance(value, dict):
+            out = {self.bound(k): self.bound(v) for k, v in list(value.items())[:MAX_ITEMS]}
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            fields = dataclasses.fields(value)
+            out = dataclasses.replace(
+                value, **{f.name: self.bound(getattr(value, f.name)) for f in fields}
+            )
+        else:  # not a value parse_event builds
+            raise UntrustedData(f"an unexpected value ({type(value).__name__})")
+        return cast("_T", out)
+
+
+def load_events(paths: Sequence[str], err: TextIO | None = None) -> list[LoggedEvent]:
+    """Every event the page draws of the files, in time order. A line that is
+    not one (an agent killed mid-write leaves a partial last line; a hostile
+    writer, anything) is skipped: the first ``MAX_NOTES`` are named on
+    ``err`` (default stderr), the others counted in one last line."""
+    out = sys.stderr if err is None else err
     events: list[LoggedEvent] = []
+    skipped = 0
     for path in paths:
+        mine: list[LoggedEvent] = []
         with open(path, encoding="utf-8", errors="replace") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
+            for n, line in _lines(f):
                 try:
                     obj = loads(line, max_bytes=MAX_LINE_BYTES, what="the line")
+                    event = read_line(obj)
                 except UntrustedData as exc:
-                    print(
-                        f"elastrun timeline: skipping {printable(path)}:{n}: {exc}",
-                        file=sys.stderr,
-                    )
+                    skipped += 1
+                    if skipped <= MAX_NOTES:
+                        where = f"{printable(path, limit=MAX_TEXT)}:{n}"
+                        print(f"elastrun timeline: skipping {where}: {exc}", file=out)
                     continue
-                event = LoggedEvent.from_json(obj)
                 if event is not None:
-                    events.append(event)
+                    mine.append(event)
+        events += _one_node(mine)
+    if skipped > MAX_NOTES:
+        more = skipped - MAX_NOTES
+        print(f"elastrun timeline: skipped {_count(more, 'more line')} like these", file=out)
     events.sort(key=lambda e: e.ts)
     return events
+
+
+def _one_node(events: list[LoggedEvent]) -> list[LoggedEvent]:
+    """A file's events; when it is one agent's (one node id in it), its events
+    written before the agent joined (no node id: its store takeover) are its node's."""
+    ids = {e.node_id for e in events} - {""}
+    if len(ids) != 1:
+        return events
+    (node_id,) = ids
+    return [e if e.node_id else dataclasses.replace(e, node_id=node_id) for e in events]
+
+
+def _lines(f: TextIO) -> Iterator[tuple[int, str]]:
+    """(line number, line) of the non-blank lines of ``f``; a line longer than
+    ``MAX_LINE_BYTES`` characters is given cut there (and is refused as too
+    long), never held whole."""
+    n = 0
+    while line := f.readline(MAX_LINE_BYTES + 1):
+        n += 1
+        if len(line) > MAX_LINE_BYTES and not line.endswith("\n"):
+            while (rest := f.readline(MAX_LINE_BYTES)) and not rest.endswith("\n"):
+                pass
+        if line.strip():
+            yield n, line
 
 
 def _text(value: object) -> str:
@@ -184,20 +290,6 @@ def _number(value: object) -> float | None:
     if isinstance(value, int):
         return float(value) if -MAX_INT <= value <= MAX_INT else None
     return value if math.isfinite(value) else None
-
-
-def _scalar(value: object) -> str | int | float | bool | None:
-    """A field's value as kept: a string cut at ``MAX_FIELD`` characters, a
-    bool, an integer within ``MAX_INT``, a finite float; None for anything else."""
-    if isinstance(value, str):
-        return value[:MAX_FIELD]
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        return value if -MAX_INT <= value <= MAX_INT else None
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    return None
 
 
 def _count(n: int, noun: str) -> str:
@@ -264,122 +356,161 @@ class _History:
     t0: float
     t1: float
     lanes: dict[str, _Lane] = field(default_factory=dict)  # by node id
-    rounds: list[tuple[float, int, str]] = field(default_factory=list)  # ts, round, reason
+    rounds: dict[int, tuple[float, str]] = field(default_factory=dict)  # round -> ts, why
     world: list[tuple[float, int]] = field(default_factory=list)  # ts, world size
-    restarts: list[tuple[float, str]] = field(default_factory=list)  # ts, title
+    restarts: dict[int, tuple[float, str, bool]] = field(default_factory=dict)  # round -> ts,
+    # title, counted (every node whose ranks stopped says so: one restart per round)
     seen_world: set[int] = field(default_factory=set)  # rounds whose world is recorded
     # (node id, round) whose failures came after another node's root cause
     # (root_cause_elsewhere): their own "root cause" ranks are not the job's.
     elsewhere: set[tuple[str, int]] = field(default_factory=set)
-    restarted: set[int] = field(default_factory=set)  # rounds that ended in a counted restart
+    hosts: dict[str, str] = field(default_factory=dict)  # store address -> the node hosting it
+    takeovers: list[tuple[float, str]] = field(default_factory=list)  # ts, line
+    lost_terms: set[int] = field(default_factory=set)  # terms whose host's loss is drawn
 
     def add(self, e: LoggedEvent) -> None:
-        key = e.text("node_id")
+        key = e.node_id
         if not key:  # before the agent joined the rendezvous (agent_started): no lane
-            if e.kind not in {RoundOpened.KIND, WorkersStarted.KIND}:
+            self._store(None, e)
+            if not isinstance(e.event, RoundOpened | WorkersStarted):
                 return
-            key = e.text("host") or "?"
-        lane = self.lanes.setdefault(key, _Lane(f"{e.text('host', '?')} {key[-6:]}"))
+            key = e.host or "?"
+        lane = self.lanes.setdefault(key, _Lane(f"{e.host or '?'} {key[-6:]}"))
         self._spans(lane, e)
         self._marks(lane, e)
+        self._store(lane, e)
+
+    def _round(self, r: int, ts: float, why: str) -> None:
+        if r not in self.rounds or ts < self.rounds[r][0]:
+            self.rounds[r] = (ts, why)
 
     def _spans(self, lane: _Lane, e: LoggedEvent) -> None:
         """Rounds, world size, and the lane's running spans."""
-        kind, ts = e.kind, e.ts
-        if kind == RoundOpened.KIND:
-            self.rounds.append((ts, e.integer("round", -1), e.text("reason")))
-            if e.integer("round", 0) > 0:
+        ev, ts = e.event, e.ts
+        if isinstance(ev, RoundOpened):
+            self._round(ev.round, ts, ev.reason)
+            if ev.round > 0:
                 self.world.append((ts, 0))
-        elif kind == WorkersStarted.KIND:
-            r = e.integer("round", -1)
-            lane.started = (ts, r)
-            if r not in self.seen_world:
-                self.seen_world.add(r)
-                self.world.append((ts, max(0, e.integer("world_size", 0))))
-        elif kind in (Restart.KIND, WorkersSucceeded.KIND, JobFailed.KIND) and lane.started:
-            lane.spans.append((lane.started[0], ts, lane.started[1]))
-            lane.started = None
+        elif isinstance(ev, NodeJoined):  # a round opened on a new store host has no
+            if ev.round not in self.rounds:  # round_opened: its first join opens it here
+                self._round(
+                    ev.round, ts, "a node joined (its round_opened is in none of these logs)"
+                )
+        elif isinstance(ev, WorkersStarted):
+            lane.started = (ts, ev.round)
+            self._round(ev.round, ts, "workers started")
+            if ev.round not in self.seen_world:
+                self.seen_world.add(ev.round)
+                self.world.append((ts, max(0, ev.world_size)))
+        elif isinstance(ev, Restart | WorkersSucceeded | JobFailed | JobMarkedFailed):
+            _end(lane, ts)
 
     def _marks(self, lane: _Lane, e: LoggedEvent) -> None:
-        """Failures, counted restarts, lost nodes, promoted spares and finished agents."""
-        kind, ts = e.kind, e.ts
+        """Failures, restarts, lost nodes, promoted spares, finished agents and
+        fault attribution (verdicts, quarantines, failed health checks)."""
+        ev, ts = e.event, e.ts
         if _root_cause(e, self.elsewhere):
             lane.marks.append((ts, RED, e.failure_title()))
         elif _root_cause(e, set()):  # this node's, after another node's root cause
             title = e.failure_title().replace("(root cause)", "(after another node's failure)")
             lane.marks.append((ts, ORANGE, title))
-        elif kind == Restart.KIND and e.flag("counted") and e.text("reason") == "worker_failed":
-            # Every node whose ranks failed says so: one restart per round.
-            r = e.integer("round", -1)
-            if r not in self.restarted:
-                self.restarted.add(r)
-                self.restarts.append((ts, f"{_fmt(ts)} restart {e.text('count')} (worker failed)"))
-        elif kind == NodeLost.KIND:
-            self._lost(lane, e)
-        elif kind == SparePromoted.KIND:
-            took = e.text("replaces") or "a new rank"
-            what = f"promoted: group rank {e.text('group_rank')}, in place of {took}"
-            lane.marks.append((ts, "#17becf", f"{_fmt(ts)} {what}"))
-        elif kind in (JobFinished.KIND, JobFailed.KIND) and e.text("source") == "agent":
-            lane.marks.append(_agent_end(e))
-        elif kind in _FAULT_MARKS:
-            lane.marks.append((ts, BROWN, f"{_fmt(ts)} {_FAULT_MARKS[kind](e)}"))
+        elif isinstance(ev, Restart) and ev.round not in self.restarts:
+            what = "worker failed" if ev.reason == "worker_failed" else ev.reason
+            charged = f"restart {ev.count}" if ev.counted else "a restart not counted"
+            self.restarts[ev.round] = (ts, f"{_fmt(ts)} {charged} ({what})", ev.counted)
+        elif isinstance(ev, NodeLost):
+            self._lost(lane, ts, ev.detail, lost_node(ev.detail))
+        elif isinstance(ev, SparePromoted):
+            took = ev.replaces or "a new rank"
+            what = f"spare promoted: group rank {ev.group_rank}, in place of {took}"
+            lane.marks.append((ts, CYAN, f"{_fmt(ts)} {what}"))
+            if ev.replaces is not None and ev.replaces in self.lanes:  # gone, if not said yet
+                _end(self.lanes[ev.replaces], ts)
+        elif isinstance(ev, JobFinished | JobFailed):
+            lane.marks.append(_agent_end(ts, ev))
+        elif (line := _fault_line(ev)) is not None:
+            lane.marks.append((ts, BROWN, f"{_fmt(ts)} {line}"))
 
-    def _lost(self, lane: _Lane, e: LoggedEvent) -> None:
+    def _store(self, lane: _Lane | None, e: LoggedEvent) -> None:
+        """The store's hosts: a takeover (its new host's mark), the host's loss
+        (the lost host's mark, its workers' bar ended)."""
+        ev, ts = e.event, e.ts
+        if isinstance(ev, StoreTakeover):
+            self.takeovers.append((ts, f"{_fmt(ts)} {ev.detail}"))
+            if lane is not None:
+                self.hosts[ev.candidate] = e.node_id
+                lane.marks.append((ts, BROWN, f"{_fmt(ts)} {ev.detail}"))
+        elif isinstance(ev, StoreHostLost) and lane is not None and ev.term not in self.lost_terms:
+            self.lost_terms.add(ev.term)
+            line = f"the store's host {ev.host} (term {ev.term}) lost: {ev.cause}"
+            self._lost(lane, ts, line, self.hosts.get(ev.host))
+
+    def _lost(self, lane: _Lane, ts: float, line: str, node: str | None) -> None:
         """A node lost, drawn on the lost node's lane (the event is the
         survivor's), whose workers' bar ends there."""
-        detail = e.text("detail", "node lost")
-        lost = self.lanes.get(lost_node(detail) or "")
+        lost = self.lanes.get(node or "")
         target = lost if lost is not None else lane
-        target.marks.append((e.ts, PURPLE, f"{_fmt(e.ts)} {detail}"))
-        if lost is not None and lost.started:
-            lost.spans.append((lost.started[0], e.ts, lost.started[1]))
-            lost.started = None
+        target.marks.append((ts, PURPLE, f"{_fmt(ts)} {line}"))
+        if lost is not None:
+            _end(lost, ts)
 
 
 RED, ORANGE, PURPLE, GREEN, GREY = "#d62728", "#ff7f0e", "#9467bd", "#2ca02c", "#7f7f7f"
-BROWN = "#8c564b"  # fault attribution: verdicts, quarantines, failed health checks
-
-# Fault attribution's events, each drawn on its node's lane with one line.
-_FAULT_MARKS: dict[str, Callable[[LoggedEvent], str]] = {
-    FaultVerdict.KIND: lambda e: e.text("summary", "fault verdict"),
-    NodeQuarantined.KIND: lambda e: (
-        f"quarantined until {_fmt(_number(e.fields.get('until')) or 0.0)}: {e.text('reason')}"
-    ),
-    QuarantineRefused.KIND: lambda e: "refused: this node is quarantined",
-    NodeHealthFailed.KIND: lambda e: (
-        f"health check failed ({e.text('when')}): {e.text('command')} {e.text('reason')}"
-    ),
-}
+CYAN, BROWN = "#17becf", "#8c564b"
 
 
-def _agent_end(e: LoggedEvent) -> tuple[float, str, str]:
+def _fault_line(ev: Event) -> str | None:
+    """Fault attribution's events (verdicts, quarantines, failed health
+    checks), each one line on its node's lane (brown); None for another event."""
+    if isinstance(ev, FaultVerdict):
+        return ev.summary or "fault verdict"
+    if isinstance(ev, NodeQuarantined):
+        return f"quarantined until {_wall(ev.until)}: {ev.reason}"
+    if isinstance(ev, QuarantineRefused):
+        return f"refused: this node is quarantined until {_wall(ev.until)}"
+    if isinstance(ev, NodeHealthFailed):
+        return f"health check failed ({ev.when}): {ev.command} {ev.reason}"
+    return None
+
+
+def _wall(t: float) -> str:
+    """A wall-clock time an event names (a quarantine's end), as a date and
+    time; one beyond any plausible time stamp (``MAX_TS``) as a number."""
+    if 0 <= t <= MAX_TS:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    return f"{t:g} (not a time)"
+
+
+def _end(lane: _Lane, ts: float) -> None:
+    """The lane's workers stopped at ``ts``: their running bar ends there."""
+    if lane.started:
+        lane.spans.append((lane.started[0], ts, lane.started[1]))
+        lane.started = None
+
+
+def _agent_end(ts: float, ev: JobFinished | JobFailed) -> tuple[float, str, str]:
     """An agent's end: green when it finished; grey when stopped by a signal
     (the operator's doing, not a failure); red when the job failed."""
-    reason = e.text("reason")
-    if e.kind == JobFinished.KIND:
+    if isinstance(ev, JobFinished):
         color = GREEN
-    elif reason.startswith("signal"):
+    elif ev.reason.startswith("signal"):
         color = GREY
     else:
         color = RED
-    return e.ts, color, f"{_fmt(e.ts)} {e.kind} ({reason})"
+    return ts, color, f"{_fmt(ts)} {ev.KIND} ({ev.reason})"
 
 
 def _root_cause(e: LoggedEvent, elsewhere: set[tuple[str, int]]) -> bool:
     """A worker that was the job's root cause (not one of a node whose
     failure came after another node's, in ``elsewhere``)."""
-    if e.kind != WorkerExited.KIND or e.text("cause") != "root_cause":
+    ev = e.event
+    if not isinstance(ev, WorkerExited) or ev.cause != "root_cause":
         return False
-    return (e.text("node_id"), e.integer("round", -1)) not in elsewhere
+    return (e.node_id, ev.round) not in elsewhere
 
 
 def _elsewhere(events: Sequence[LoggedEvent]) -> set[tuple[str, int]]:
-    return {
-        (e.text("node_id"), e.integer("round", -1))
-        for e in events
-        if e.kind == RootCauseElsewhere.KIND
-    }
+    return {(e.node_id, e.event.round) for e in events if isinstance(e.event, RootCauseElsewhere)}
 
 
 def _history(events: Sequence[LoggedEvent]) -> _History:
@@ -389,8 +520,7 @@ def _history(events: Sequence[LoggedEvent]) -> _History:
         h.add(e)
     h.world.append((t1, 0))
     for lane in h.lanes.values():
-        if lane.started:
-            lane.spans.append((lane.started[0], t1, lane.started[1]))
+        _end(lane, t1)
     return h
 
 
@@ -418,7 +548,8 @@ class _Svg:
         """Alternating bands; their labels placed where they do not overlap (a
         restart opens rounds milliseconds apart: a label that finds no free
         place is left to the band's tooltip)."""
-        x, add, rounds = self.x, self.add, self.h.rounds
+        x, add = self.x, self.add
+        rounds = sorted(((ts, r, why) for r, (ts, why) in self.h.rounds.items()))
         labels: list[tuple[float, str]] = []
         for i, (ts, r, reason) in enumerate(rounds):
             end = rounds[i + 1][0] if i + 1 < len(rounds) else self.h.t1
@@ -468,11 +599,12 @@ class _Svg:
             add(f'<text x="{vx:.1f}" y="{vy}" fill="#1f77b4">{text}</text>')
 
     def restarts(self) -> None:
-        """Dashed lines across the plot."""
-        for ts, label in self.h.restarts:
+        """Dashed lines across the plot: orange, counted against
+        ``--max-restarts``; grey, not counted (a node lost, the store's host lost)."""
+        for ts, label, counted in self.h.restarts.values():
             self.add(f'<line x1="{self.x(ts):.1f}" x2="{self.x(ts):.1f}" y1="{self.top}" ')
             self.add(f'y2="{self.axis_y}" ')
-            self.add('stroke="#ff7f0e" stroke-dasharray="4 3">')
+            self.add(f'stroke="{ORANGE if counted else GREY}" stroke-dasharray="4 3">')
             self.add(f"<title>{_text(label)}</title></line>")
 
     def lanes(self) -> None:
@@ -516,17 +648,27 @@ def render_html(events: Sequence[LoggedEvent], title: str = "") -> str:
     legend = (
         "<p>Bands: rounds. Blue line: world size. Blue bars: a node's workers running. "
         "Red dot: a root-cause worker failure (orange: a node's ranks that failed after "
-        "another node's). Orange dashes: a counted restart. Purple: a node lost, on its own "
-        "lane. Green: an agent finished; grey: stopped by a signal; red: its job failed. "
+        "another node's). Dashes: a restart (orange: counted against --max-restarts; grey: "
+        "not counted, after a node or the store's host was lost). Purple: a node lost, or the "
+        "store's host lost, on its own lane. Cyan: a spare promoted into the world. Brown: "
+        "this node's agent took the store's hosting (a new term). Green: an agent finished; "
+        "grey: stopped by a signal; red: its job failed. "
         "The axis: time from the first event. Hover for details.</p>"
     )
     items = "".join(f"<li>{_text(f)}</li>" for f in failures) or "<li>none</li>"
-    name = _text(title or events[0].text("run_id"))
+    hosts = "".join(f"<li>{_text(line)}</li>" for _, line in h.takeovers)
+    if hosts:
+        hosts = f"<h3>store hosts</h3><ul>{hosts}</ul>"
+    counted = sum(1 for _, _, c in h.restarts.values() if c)
+    restarts = _count(len(h.restarts), "restart")
+    if counted != len(h.restarts):
+        restarts += f" ({counted} counted)"
+    name = _text(title or events[0].run_id)
     return (
         f"<!doctype html><html><head><meta charset=utf-8><title>elastrun timeline {name}"
         f"</title></head><body><h2>job {name}: {_count(len(h.rounds), 'round')}, "
-        f"{_count(len(h.restarts), 'restart')}, {_count(len(h.lanes), 'node')}</h2>"
-        f"{_svg(h)}{legend}<h3>failures</h3><ul>{items}</ul>"
+        f"{restarts}, {_count(len(h.lanes), 'node')}</h2>"
+        f"{_svg(h)}{legend}<h3>failures</h3><ul>{items}</ul>{hosts}"
         "</body></html>\n"
     )
 

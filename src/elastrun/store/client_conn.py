@@ -16,7 +16,31 @@ from elastrun.errors import AuthenticationError, NotHost, ProtocolError, StoreUn
 from elastrun.store import codec
 from elastrun.untrusted import printable
 
-__all__ = ["Conn", "close_writer", "describe_error", "exchange", "not_host", "open_conn"]
+__all__ = [
+    "HELLO_TIMEOUT",
+    "Conn",
+    "HelloUnanswered",
+    "close_writer",
+    "describe_error",
+    "exchange",
+    "not_host",
+    "open_conn",
+]
+
+# An elastrun store answers a hello at once (a refusal too: busy, not the host,
+# a wrong token); a listener silent this long after accepting is taken for
+# another program (after NOT_A_STORE_AFTER such tries in a row, client_link).
+HELLO_TIMEOUT = 10.0
+
+
+class HelloUnanswered(StoreUnavailable):
+    """What listens at the store's address accepted the connection, then said
+    nothing (``silent``) or closed it, without answering the hello: retried,
+    as a store starting or stopping may; many in a row mean another program."""
+
+    def __init__(self, message: str, *, silent: bool) -> None:
+        super().__init__(message)
+        self.silent = silent
 
 
 def describe_error(exc: BaseException) -> str:
@@ -95,20 +119,42 @@ async def open_conn(
     StoreUnavailable (retry; NotHost: a candidate host that does not serve),
     AuthenticationError or ProtocolError (do not)."""
     address = str(Endpoint(host, port))
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
     async with asyncio.timeout(timeout):
         reader, writer = await asyncio.open_connection(host, port)
-        conn = Conn(reader, writer)
-        try:
+    conn = Conn(reader, writer)
+    wait = min(max(0.0, end - loop.time()), HELLO_TIMEOUT)
+    try:
+        async with asyncio.timeout(wait):
             writer.write(codec.encode_frame({**codec.hello(token), **(hello or {})}))
             await writer.drain()
             while (reply := conn.decoder.pop()) is None:
                 data = await reader.read(65536)
                 if not data:
-                    raise StoreUnavailable("the store closed the connection during the hello")
+                    raise HelloUnanswered(
+                        f"{address} closed the connection without answering the hello",
+                        silent=False,
+                    )
                 conn.decoder.push(data)
-        except BaseException:
-            close_writer(writer)
-            raise
+    except ConnectionError as exc:  # reset, broken pipe: closed on us mid-hello
+        close_writer(writer)
+        raise HelloUnanswered(
+            f"{address} closed the connection without answering the hello ({describe_error(exc)})",
+            silent=False,
+        ) from None
+    except TimeoutError:
+        close_writer(writer)
+        if wait < HELLO_TIMEOUT:
+            raise  # the caller's deadline
+        raise HelloUnanswered(
+            f"{address} accepted the connection but did not answer the hello within "
+            f"{HELLO_TIMEOUT:g} s",
+            silent=True,
+        ) from None
+    except BaseException:
+        close_writer(writer)
+        raise
     if reply.get("t") == "error":
         close_writer(writer)
         code = reply.get("code")

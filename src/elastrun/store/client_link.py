@@ -47,6 +47,7 @@ from elastrun.errors import (
 from elastrun.store import codec
 from elastrun.store.client_conn import (
     Conn,
+    HelloUnanswered,
     close_writer,
     describe_error,
     open_conn,
@@ -65,6 +66,9 @@ _ERRORS: dict[str, type[StoreError]] = {
 }
 A = TypeVar("A")
 REFUSED_TIMEOUT = 5.0
+
+
+NOT_A_STORE_AFTER = 3  # hellos unanswered in a row (client_conn.HelloUnanswered)
 
 
 class StoreGone(StoreUnavailable):
@@ -102,6 +106,7 @@ class TcpLink:
         self._leases = HeldLeases(clock)
         self._resumer: asyncio.Task[None] | None = None
         self._refused_since: float | None = None
+        self._unanswered = 0  # hellos unanswered in a row (_check_not_a_store)
         self._closed = False
         # A failover store (docs/failover.md): the hello's ``term`` (an older
         # term's host is refused) and ``candidate`` (this node's index).
@@ -139,6 +144,7 @@ class TcpLink:
                     raise
                 except (OSError, StoreUnavailable) as exc:
                     self._check_gone(exc)
+                    self._check_not_a_store(exc)
                     left = remaining(deadline, self.clock)
                     if left <= delay:
                         why = describe_error(exc)
@@ -148,12 +154,28 @@ class TcpLink:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 1.0)
             self._refused_since = None
+            self._unanswered = 0
             self._conn = conn
             conn.task = asyncio.get_running_loop().create_task(self._read_loop(conn))
             self._leases.renew_on(conn, self._ids)  # before any other request
             return conn
         finally:
             self._lock.release()
+
+    def _check_not_a_store(self, exc: BaseException) -> None:
+        """Raise ProtocolError when what listens at the address has failed the
+        hello ``NOT_A_STORE_AFTER`` times in a row: silent, or (before this
+        client ever reached a store) closing the connection unanswered."""
+        self._unanswered = self._unanswered + 1 if isinstance(exc, HelloUnanswered) else 0
+        times = self._unanswered
+        if not isinstance(exc, HelloUnanswered) or times < NOT_A_STORE_AFTER:
+            return
+        if not exc.silent and self.server_id is not None:
+            return  # a store that served us, closing connections as it stops
+        raise ProtocolError(
+            f"{exc} ({times} times in a row): that is not an elastrun store. Is the port "
+            f"held by another program? Give the job's store a free port (--rdzv-endpoint)"
+        )
 
     def _check_gone(self, exc: BaseException) -> None:
         """Raise StoreGone once reconnections were refused for refused_timeout."""

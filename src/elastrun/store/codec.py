@@ -179,17 +179,13 @@ class FrameDecoder:
 
 def _parse(body: bytes | bytearray) -> Json:
     try:
-        obj = _DECODER.decode(body.decode("utf-8"))
+        obj: Json = _DECODER.decode(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ProtocolError(f"frame is not UTF-8 JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"frame must hold a JSON object, got {type(obj).__name__}")
-    version = obj.get("v")
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"unsupported elastrun store protocol version {version!r} "
-            f"(this side speaks version {PROTOCOL_VERSION}); upgrade the older side"
-        )
+    hint = "upgrade the older side"
+    _Frame.versioned(
+        obj, PROTOCOL_VERSION, "store frame", ProtocolError, what="protocol version", hint=hint
+    )
     return obj
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from elastrun.errors import ConfigError
 from elastrun.untrusted import ascii_int, printable
+from elastrun.worker.local_main import is_local_main
 
 __all__ = ["WorkerContext", "context", "env_int"]
 
@@ -56,6 +57,7 @@ class WorkerContext:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     launched: bool = False
+    local_main: bool = True  # the node's real local rank 0 (worker/local_main.py)
 
     @property
     def is_main(self) -> bool:
@@ -64,8 +66,10 @@ class WorkerContext:
 
     @property
     def is_local_main(self) -> bool:
-        """True on local rank 0 (one per node: e.g. the one that writes node-local files)."""
-        return self.local_rank == 0
+        """True on the node's real local rank 0 (one per node: e.g. the one that
+        writes node-local files), also under ``--virtual-local-rank``, where
+        every worker's ``local_rank`` is 0."""
+        return self.local_rank == 0 and self.local_main
 
     @property
     def is_restart(self) -> bool:
@@ -101,6 +105,7 @@ class WorkerContext:
             master_addr=e.get("MASTER_ADDR", "127.0.0.1") or "127.0.0.1",
             master_port=env_int(e, "MASTER_PORT", 29500),
             launched=launched,
+            local_main=is_local_main(e),
         )
         if ctx.world_size < 1 or not 0 <= ctx.rank < ctx.world_size:
             raise ConfigError(f"RANK={ctx.rank} is not in [0, WORLD_SIZE={ctx.world_size})")

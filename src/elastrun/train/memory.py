@@ -23,7 +23,8 @@ worker restarts and writes the snapshots marked ``persist`` (every
 files (atomically, with checksum records), in the background.
 
 :meth:`MemoryCheckpoint.load` is called by every rank at start: each rank
-lists the steps its own slots hold intact (checked against their SHA-256),
+lists the steps its own slots hold (their headers checked: the data of
+the step the ranks choose is then checked against its digest),
 the ranks all-gather them and take the highest step that every rank holds;
 each rank then loads its own copy (no disk read). For a state that is the
 same on every rank (``shared=True``), the highest step any rank holds, sent
@@ -64,9 +65,12 @@ from elastrun.errors import ConfigError
 from elastrun.train.checkpoint import load_checkpoint, save_checkpoint
 from elastrun.train.context import env_int
 from elastrun.train.heartbeat import phase
+from elastrun.train.host_copy import HostCopier, Pending
 from elastrun.train.log import Log, say
 from elastrun.train.memory_load import restore
-from elastrun.train.state_codec import Flat, copy_into, flatten
+from elastrun.train.state_codec import Flat, flatten
+from elastrun.worker import memory_limit
+from elastrun.worker.local_main import is_local_main
 from elastrun.worker.snapshot import (
     ENV,
     MAGIC,
@@ -85,9 +89,9 @@ from elastrun.worker.snapshot import (
     open_fd,
     open_slot,
     read_persisted,
-    sha256_of,
     snapshots,
 )
+from elastrun.worker.snapshot_digest import data_digest, preferred
 
 __all__ = ["ENV", "MemoryCheckpoint"]
 
@@ -107,9 +111,12 @@ class _Uncommitted(SnapshotError):
 class _Slots:
     """This worker's slot files: open, mapped, and written in turn."""
 
-    def __init__(self, folder: str, count: int) -> None:
+    def __init__(
+        self, folder: str, count: int, unmapping: Callable[[int], None] = lambda i: None
+    ) -> None:
         self.folder = folder
         self.count = count
+        self.unmapping = unmapping  # told before a slot's mapping is closed
         self.fds: dict[int, int] = {}
         self.maps: dict[int, mmap.mmap] = {}
         self.gens: dict[int, int] = {}  # the generation each slot holds (-1: none)
@@ -181,7 +188,11 @@ class _Slots:
         try:
             if os.fstat(fd).st_size >= len(MAGIC):
                 os.pwrite(fd, bytes(len(MAGIC)), 0)  # no magic: not a snapshot until committed
-            if os.fstat(fd).st_size < size:
+            if (have := os.fstat(fd).st_size) < size:
+                # tmpfs pages count against the container's memory limit: past
+                # it, an OOM kill instead of an error (worker/memory_limit.py).
+                if (over := memory_limit.refusal(size - have)) is not None:
+                    raise _NoRoom(over)
                 self._unmap(i)
                 try:
                     os.posix_fallocate(fd, 0, size)  # tmpfs: the pages now, or ENOSPC
@@ -216,6 +227,7 @@ class _Slots:
     def _unmap(self, i: int) -> None:
         mm = self.maps.pop(i, None)
         if mm is not None:
+            self.unmapping(i)
             mm.close()
 
     def close(self, remove: bool = False) -> None:
@@ -233,11 +245,11 @@ class _Committer:
     returns once the copy is made (no thread is started per save). At the
     interpreter's exit, the save in progress is committed first."""
 
-    def __init__(self, commit: Callable[[int, SnapshotHeader, int, bool], None]) -> None:
+    def __init__(self, commit: Callable[[int, SnapshotHeader, int, bool, Pending], None]) -> None:
         self.idle = threading.Event()
         self.idle.set()
         self._commit = commit
-        self._jobs: queue.SimpleQueue[tuple[int, SnapshotHeader, int, bool] | None] = (
+        self._jobs: queue.SimpleQueue[tuple[int, SnapshotHeader, int, bool, Pending] | None] = (
             queue.SimpleQueue()
         )
         self._thread = threading.Thread(target=self._run, name="elastrun-memory-checkpoint")
@@ -245,9 +257,9 @@ class _Committer:
         self._thread.start()
         atexit.register(self.idle.wait)
 
-    def put(self, i: int, header: SnapshotHeader, start: int, mark: bool) -> None:
+    def put(self, i: int, header: SnapshotHeader, start: int, mark: bool, copied: Pending) -> None:
         self.idle.clear()
-        self._jobs.put((i, header, start, mark))
+        self._jobs.put((i, header, start, mark, copied))
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -307,6 +319,9 @@ class MemoryCheckpoint:
         self.folder = os.environ.get(ENV) or None
         self.replicas = os.environ.get(REPLICA_ENV) or None
         self.last_blocked_s = 0.0  # how long the last save kept the caller waiting
+        self.last_waited_s = 0.0  # of which waiting for the save before it to be committed
+        self.last_commit_s = 0.0  # how long the last commit took (copies done, hash, notes)
+        self._copier = HostCopier(log)
         self._slots: _Slots | None = None
         self._slot_count = slots
         self._thread: _Committer | None = None
@@ -339,6 +354,7 @@ class MemoryCheckpoint:
         if step < 0:
             raise ConfigError(f"memory checkpoint step must be >= 0, got {step}")
         self.wait()
+        self.last_waited_s = time.perf_counter() - t0
         flat = flatten(state)  # ConfigError naming a key that cannot be copied
         target = self._persist(step, persist)
         every = self.replicate_every
@@ -357,7 +373,7 @@ class MemoryCheckpoint:
     def _save_memory(self, flat: Flat, step: int, target: Persist | None, mark: bool) -> None:
         assert self.folder is not None
         if self._slots is None:
-            self._slots = _Slots(self.folder, self._slot_count)
+            self._slots = _Slots(self.folder, self._slot_count, self._copier.unmapping)
         rank, world = _rank_world()
         header = SnapshotHeader(
             step=step,
@@ -369,6 +385,7 @@ class MemoryCheckpoint:
             tensors=flat.entries,
             tree=flat.tree,
             persist=target,
+            digest=preferred(),
         )
         encoded = header.encode()
         why = check_header_size(encoded)
@@ -382,19 +399,23 @@ class MemoryCheckpoint:
         i, mm = self._slots.acquire(start + flat.data_size)
         try:
             with phase("checkpoint"):
-                copy_into(flat, mm, start)
+                copied = self._copier.copy(flat, i, mm, start)  # GPU copies: queued
         except BaseException:
             self._slots.release(i)
             raise
-        flat.tensors.clear()  # the caller's tensors are not held any longer
-        self._committer().put(i, header, start, mark)
+        flat.tensors.clear()  # the caller's tensors are held only until their copies are done
+        self._committer().put(i, header, start, mark, copied)
 
-    def _commit(self, i: int, header: SnapshotHeader, start: int, mark: bool) -> None:
+    def _commit(
+        self, i: int, header: SnapshotHeader, start: int, mark: bool, copied: Pending
+    ) -> None:
         slots = self._slots
         assert slots is not None
+        t0 = time.perf_counter()
         try:
+            copied.wait()  # the GPU's copies into the slot done
             with memoryview(slots.maps[i]) as view:
-                digest = sha256_of(view[start : start + header.data_size])
+                digest = data_digest(view[start : start + header.data_size], header.digest)
             final = dataclasses.replace(header, sha256=digest)
             slots.commit(i, final.encode(), header.generation)
             if mark:
@@ -403,6 +424,7 @@ class MemoryCheckpoint:
                     Marked(i, header.generation, header.step),
                 )
             CommitNote(i, header.generation, header.step, slots.marked).write(slots.folder)
+            self.last_commit_s = time.perf_counter() - t0
         except BaseException as e:
             self._error = e
             slots.release(i)
@@ -463,8 +485,8 @@ class MemoryCheckpoint:
         rank without the agreed step gets it from one that has it. None:
         nothing anywhere."""
         with phase("checkpoint"):
-            views = self._intact(self.folder) if self.folder is not None else []
-            replicas = self._intact(self.replicas) if self._lists_replicas() else []
+            views = self._listed(self.folder) if self.folder is not None else []
+            replicas = self._listed(self.replicas) if self._lists_replicas() else []
             try:
                 state = restore(
                     views,
@@ -484,14 +506,16 @@ class MemoryCheckpoint:
             )
 
     def _lists_replicas(self) -> bool:
-        """The node's replicas are listed by its local rank 0 only."""
-        return self.replicas is not None and os.environ.get("LOCAL_RANK", "0") == "0"
+        """The node's replicas are listed by its real local rank 0 only (every
+        rank's LOCAL_RANK is 0 under --virtual-local-rank)."""
+        return self.replicas is not None and is_local_main(os.environ)
 
-    def _intact(self, folder: str | None) -> list[SlotView]:
-        """The snapshots of ``folder`` that pass every check: their header
-        (bounds, seal, tree: :func:`~elastrun.worker.snapshot.parse_header`),
-        their data's SHA-256, and the folder's commit note. Each one that does
-        not is named in one line, and skipped: the older ones serve."""
+    def _listed(self, folder: str | None) -> list[SlotView]:
+        """The snapshots of ``folder`` whose header passes every check (bounds,
+        seal, tree: :func:`~elastrun.worker.snapshot.parse_header`) and agrees
+        with the folder's commit note. Each one that does not is named in one
+        line, and skipped: the older ones serve. Their data is checked against
+        its digest only if the ranks choose it (:mod:`elastrun.train.memory_load`)."""
         assert folder is not None
         try:
             note = CommitNote.read(folder)
@@ -506,7 +530,6 @@ class MemoryCheckpoint:
                 say(self.log, f"=> memory checkpoint {path} is damaged ({why}); not used")
                 continue
             try:
-                v.verify()
                 _check_note(v, note)
             except SnapshotError as e:
                 what = "was never committed" if isinstance(e, _Uncommitted) else "is damaged"

@@ -1,23 +1,30 @@
 """Restoring a memory checkpoint: the ranks agree on one step and load it.
 
-Each rank lists the steps its own slots hold intact (at most ``MAX_SLOTS``,
-with their sizes), and local rank 0 of each node the replicas its agent
-holds of the neighbour node's snapshots (at most ``MAX_REPLICAS``: the rank
-that saved each, its step and size); the ranks all-gather the lists (one
-collective), then (:func:`agree`):
+Each rank lists the steps its own slots hold (at most ``MAX_SLOTS``, with
+their sizes; their headers checked, not yet their data), and local rank 0
+of each node the replicas its agent holds of the neighbour node's
+snapshots (at most ``MAX_REPLICAS``: the rank that saved each, its step and
+size); the ranks all-gather the lists (one collective), then (:func:`agree`):
 
 * per-rank states (the default): the highest step for which every rank's
   state is somewhere: its own copy, or a replica of that rank held by some
   rank's node; each rank loads its own copy, and the holder of a replica
-  broadcasts it to the rank without one (checked against its SHA-256). A
+  sends it to the rank without one (checked against its digest). A
   node that replaces a lost one thus gets the lost ranks' states from the
   neighbour's memory;
 * shared states (``shared=True``: the same on every rank, as under data
   parallelism, or saved by one rank only, as Lightning does): the highest
   step any rank holds; the ranks that hold it load their own copy, and the
-  lowest such rank broadcasts its snapshot's bytes to the others, which
-  check them against the snapshot's SHA-256 before loading them (with no
-  rank's own copy, a replica of any rank at that step serves).
+  lowest such rank sends its snapshot's bytes to each rank without it,
+  which checks them against the snapshot's digest before loading them
+  (with no rank's own copy, a replica of any rank at that step serves).
+
+Then each rank checks the data of what it uses against its digest (the
+snapshot it loads, and those it sends), and only that: when one is damaged,
+it is named and dropped, and the ranks agree again (one ``all_reduce`` says
+whether any rank found damage; at most ``MAX_ROUNDS`` rounds). A snapshot
+goes from its holder to each rank that lacks it and to no other, rank to
+rank (``send``/``recv``), in chunks of at most ``TRANSFER_CHUNK`` bytes.
 
 None on every rank when no step qualifies (the caller then falls back to the
 disk checkpoints, agreed on in the same way by every rank).
@@ -33,7 +40,7 @@ from typing import Any
 from elastrun.errors import ConfigError
 from elastrun.train.log import Log, say
 from elastrun.train.state_codec import decode
-from elastrun.worker.snapshot import MAX_SLOTS, SlotView, SnapshotError, header_of, sha256_of
+from elastrun.worker.snapshot import MAX_SLOTS, SlotView, SnapshotError, check_data, header_of
 
 __all__ = ["restore"]
 
@@ -133,21 +140,45 @@ def restore(
     """The state the ranks agree on (see the module doc), or None."""
     import torch.distributed as dist
 
-    mine = _newest_per_step(views)
-    reps = {(v.header.rank, v.header.step): v for v in replicas}
+    checked = _Checked(log)
     if not (dist.is_available() and dist.is_initialized()):
-        if not mine:
-            return None
-        step = max(mine)
-        say(log, f"=> using memory checkpoint: step {step} (held by the agent; no disk read)")
-        return _decoded(mine[step], map_location)
+        own = list(views)
+        while mine := _newest_per_step(own):
+            step = max(mine)
+            if checked.intact(mine[step]):
+                say(
+                    log,
+                    f"=> using memory checkpoint: step {step} (held by the agent; no disk read)",
+                )
+                return _decoded(mine[step], map_location)
+            own.remove(mine[step])
+        return None
 
     rank = dist.get_rank(group)
-    held = _gather(_row(mine, reps), group)
-    agreed = agree(held, shared)
-    if agreed is None:
+    own, held_reps = list(views), list(replicas)
+    for _ in range(MAX_ROUNDS):
+        mine = _newest_per_step(own)
+        reps = {(v.header.rank, v.header.step): v for v in held_reps}
+        agreed = agree(_gather(_row(mine, reps), group), shared)
+        if agreed is None:
+            return None
+        step, sources = agreed
+        damaged = [
+            v
+            for v in _used(mine, reps, step, sources, rank=rank, shared=shared)
+            if not checked.intact(v)
+        ]
+        if not _any_rank(bool(damaged), group):
+            break
+        own = [v for v in own if v not in damaged]
+        held_reps = [v for v in held_reps if v not in damaged]
+    else:  # every rank sees the same flags: all of them give up together
+        say(
+            log if rank == 0 else None,
+            f"=> memory checkpoints: a damaged snapshot in each of {MAX_ROUNDS} rounds of "
+            "agreement; not used (the disk checkpoints serve, if any)",
+        )
         return None
-    step, sources = agreed
     log = log if rank == 0 else None  # rank 0 says what the ranks agreed on
     if not sources:
         say(
@@ -158,20 +189,73 @@ def restore(
         return _decoded(mine[step], map_location)
     say(log, _line(step, sources, shared))
     got: dict[str, Any] | None = None
-    for r, (src, size) in sorted(sources.items()):
+    for r, (src, size) in sorted(sources.items()):  # only the two ranks of a pair take part
         if src == r == rank:  # this rank's own state, in its node's replicas
             got = _decoded(reps[(r, step)], map_location)
-            continue
-        if src == r:
-            continue
-        data = _broadcast(
-            _sent(mine, reps, step, r, shared) if rank == src else None, size, src, group
-        )
-        if rank == r:
-            got = _received(data, step, src, map_location)
+        elif src != r and rank == src:
+            _send(_sent(mine, reps, step, r, shared), r, group)
+        elif src != r and rank == r:
+            got = _received(_receive(size, src, group), step, src, map_location)
     if got is None:
         got = _decoded(mine[step], map_location)
     return got
+
+
+MAX_ROUNDS = 16  # rounds of agreement, each after damage found in what the last one chose
+TRANSFER_CHUNK = 64 << 20  # bytes a snapshot is sent in, at most, from one rank to another
+
+
+class _Checked:
+    """The snapshots this rank checked against their digest (each once), and
+    the line that names a damaged one."""
+
+    def __init__(self, log: Log) -> None:
+        self.log = log
+        self._seen: dict[int, bool] = {}
+
+    def intact(self, view: SlotView) -> bool:
+        if id(view) not in self._seen:
+            try:
+                view.verify()
+                self._seen[id(view)] = True
+            except SnapshotError as e:
+                say(self.log, f"=> memory checkpoint {view.path} is damaged ({e}); not used")
+                self._seen[id(view)] = False
+        return self._seen[id(view)]
+
+
+def _used(
+    mine: dict[int, SlotView],
+    reps: dict[tuple[int, int], SlotView],
+    step: int,
+    sources: dict[int, tuple[int, int]],
+    *,
+    rank: int,
+    shared: bool,
+) -> list[SlotView]:
+    """The snapshots this rank reads for ``step``: the one it loads, and
+    those it sends (as :func:`agree` chose)."""
+    used = []
+    if rank not in sources:
+        used.append(mine[step])
+    elif sources[rank][0] == rank:
+        used.append(reps[(rank, step)])
+    for r, (src, _) in sources.items():
+        if src == rank != r:
+            view = _sent(mine, reps, step, r, shared)
+            if all(view is not u for u in used):
+                used.append(view)
+    return used
+
+
+def _any_rank(flag: bool, group: Any) -> bool:
+    """Whether ``flag`` is set on any rank (every rank calls it)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
 
 
 def _line(step: int, sources: dict[int, tuple[int, int]], shared: bool) -> str:
@@ -226,23 +310,52 @@ def _device(group: Any) -> Any:
     return torch.device("cpu")
 
 
-def _broadcast(view: SlotView | None, size: int, src: int, group: Any) -> bytes:
-    """The bytes of ``view`` (on rank ``src``), sent to every rank."""
+def _global(rank: int, group: Any) -> int:
+    import torch.distributed as dist
+
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _send(view: SlotView, dst: int, group: Any) -> None:
+    """The bytes of ``view`` sent to rank ``dst`` alone, ``TRANSFER_CHUNK`` at a time."""
     import torch
     import torch.distributed as dist
 
     device = _device(group)
-    if view is not None:
-        with warnings.catch_warnings():  # read-only memory, only read
-            warnings.simplefilter("ignore", UserWarning)
-            buf = torch.frombuffer(view.whole, dtype=torch.uint8).to(device)
-    else:
-        buf = torch.empty(size, dtype=torch.uint8, device=device)
-    src_global = src if group is None else dist.get_global_rank(group, src)
-    dist.broadcast(buf, src=src_global, group=group)
-    data = buf.cpu().numpy().tobytes() if view is None and buf.numel() else b""
-    del buf
-    return data
+    whole = view.whole
+    try:
+        for i in range(0, len(whole), TRANSFER_CHUNK):
+            with warnings.catch_warnings():  # read-only memory, only read
+                warnings.simplefilter("ignore", UserWarning)
+                chunk = torch.frombuffer(whole[i : i + TRANSFER_CHUNK], dtype=torch.uint8)
+            dist.send(chunk.to(device), dst=_global(dst, group), group=group)
+            del chunk
+    finally:
+        whole.release()
+
+
+def _receive(size: int, src: int, group: Any) -> bytearray:
+    """``size`` bytes from rank ``src``, ``TRANSFER_CHUNK`` at a time (into
+    the result on the CPU; through one buffer of that size on a GPU)."""
+    import torch
+    import torch.distributed as dist
+
+    device = _device(group)
+    out = bytearray(size)
+    staging = None
+    for i in range(0, size, TRANSFER_CHUNK):
+        n = min(TRANSFER_CHUNK, size - i)
+        if device.type == "cpu":
+            into = torch.frombuffer(out, dtype=torch.uint8, count=n, offset=i)
+        else:
+            if staging is None:
+                staging = torch.empty(min(TRANSFER_CHUNK, size), dtype=torch.uint8, device=device)
+            into = staging[:n]
+        dist.recv(into, src=_global(src, group), group=group)
+        if device.type != "cpu":
+            out[i : i + n] = into.cpu().numpy().tobytes()
+        del into
+    return out
 
 
 def _decoded(view: SlotView, map_location: Any) -> dict[str, Any]:
@@ -250,15 +363,16 @@ def _decoded(view: SlotView, map_location: Any) -> dict[str, Any]:
     return state if isinstance(state, dict) else {"state": state}
 
 
-def _received(data: bytes, step: int, src: int, map_location: Any) -> dict[str, Any]:
+def _received(data: bytes | bytearray, step: int, src: int, map_location: Any) -> dict[str, Any]:
     try:
         found = header_of(data)
         if found is None:
             raise SnapshotError("no snapshot")
         header, start = found
         view = memoryview(data)[start : start + header.data_size]
-        if header.step != step or sha256_of(view) != header.sha256:
-            raise SnapshotError("its bytes do not match its header's step and SHA-256")
+        if header.step != step:
+            raise SnapshotError(f"it holds step {header.step}")
+        check_data(header, view)
         state = decode(header, view, map_location)
     except SnapshotError as e:
         raise ConfigError(

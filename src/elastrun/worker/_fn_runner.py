@@ -18,8 +18,10 @@ import runpy
 import secrets
 import sys
 import traceback
+from collections.abc import Mapping
 from typing import Any
 
+from elastrun.fields import Fields
 from elastrun.untrusted import ascii_int
 from elastrun.worker._settle import after_success
 
@@ -32,7 +34,7 @@ def _resolve(obj: Any, qualname: str) -> Any:
     return obj
 
 
-def load_function(spec: dict[str, Any]) -> Any:
+def load_function(spec: Mapping[str, Any]) -> Any:
     qualname = str(spec["qualname"])
     if spec.get("file"):
         namespace = runpy.run_path(str(spec["file"]), run_name="__mp_main__")
@@ -63,10 +65,11 @@ def main(argv: list[str]) -> int:
         sys.stderr.write(f"elastrun: RANK={os.environ['RANK'][:64]!r} is not an integer\n")
         return 2
     with open(argv[0], encoding="utf-8") as f:
-        spec = json.load(f)
-    if spec.get("v") != SPEC_VERSION:
-        sys.stderr.write(f"elastrun: function spec version {spec.get('v')!r} not supported\n")
-        return 2
+        try:
+            spec = Fields.versioned(json.load(f), SPEC_VERSION, "the function spec").raw
+        except ValueError as exc:
+            sys.stderr.write(f"elastrun: {exc}\n")
+            return 2
     for entry in reversed(spec.get("sys_path", [])):
         if entry not in sys.path:
             sys.path.insert(0, entry)

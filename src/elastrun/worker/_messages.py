@@ -357,14 +357,11 @@ KINDS: dict[str, Any] = {
 
 def from_json(data: object) -> Message:
     """The message ``data`` holds (decoded JSON); BadMessage if it is none."""
-    if not isinstance(data, dict):
-        raise BadMessage("not a JSON object")
-    if data.get("v") != PROTOCOL:
-        raise BadMessage(f"not of protocol version {PROTOCOL}")
-    cls = KINDS.get(data.get("kind"))  # type: ignore[arg-type]
+    f = Fields.versioned(data, PROTOCOL, "a message", BadMessage, what="protocol version")
+    cls = KINDS.get(f.raw.get("kind"))  # type: ignore[arg-type]
     if cls is None:
         raise BadMessage("unknown kind")
-    message: Message = cls.parse(Fields(data, "", BadMessage))
+    message: Message = cls.parse(f)
     return message
 
 

@@ -16,9 +16,17 @@ file), one per packet: the agent sends ``Preload`` (import these too) and
 ``Fork`` (one worker of a batch, with its stdout, stderr, channel socket and
 stdin fds); the zygote answers ``Ready`` once its imports are done,
 ``Forked`` (the pids) once a whole batch is forked, and ``Unsafe`` before
-it exits when a module started a Python thread, initialised CUDA or loaded
-the CUDA driver (not fork-safe), or read a per-rank variable (RANK, ...) when
-imported. While it imports, ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (unless set):
+it exits when a module started a thread (Python's or a native one: OpenMP,
+NVML; counted in ``/proc/self/task``; a pool that stops itself before a fork,
+as OpenBLAS's does, is allowed), tried to initialise CUDA, initialised
+it or loaded the CUDA driver (not fork-safe), read a per-rank variable
+(RANK, ...) when imported, or did not finish importing within
+``ELASTRUN_PRELOAD_IMPORT_TIMEOUT`` s. These checks run after every import,
+whether it succeeded or raised, and again before each fork: a zygote that
+fails one never forks. Once torch is imported, CUDA initialisation is refused
+in the zygote (``torch.cuda._lazy_init`` raises there, in the zygote's pid
+only): a module imported while workers train cannot put a context on a GPU.
+While it imports, ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (unless set):
 ``torch.cuda.is_available()`` asks NVML, not the driver. A message
 it cannot read is ignored (its fds closed). End of file from the agent:
 exit 0.
@@ -72,7 +80,8 @@ DELAY_ENV = "ELASTRUN_WARM_DELAY"
 AGENT_ENV = "ELASTRUN_AGENT_PID"
 BUDGET_ENV = "ELASTRUN_PRELOAD_BUDGET"  # s
 RSS_ENV = "ELASTRUN_PRELOAD_MAX_RSS"  # MiB
-OWN_ENV = (PRELOAD_ENV, DELAY_ENV, AGENT_ENV, BUDGET_ENV, RSS_ENV)
+IMPORT_TIMEOUT_ENV = "ELASTRUN_PRELOAD_IMPORT_TIMEOUT"  # s one import may take
+OWN_ENV = (PRELOAD_ENV, DELAY_ENV, AGENT_ENV, BUDGET_ENV, RSS_ENV, IMPORT_TIMEOUT_ENV)
 MAX_MESSAGE = 4 << 20
 FDS_PER_WORKER = 4  # stdout, stderr, channel, stdin
 MAX_FAILED = 50
@@ -82,6 +91,12 @@ MAX_GO = 4096  # bytes of the go line
 PR_SET_PDEATHSIG = 1
 NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
 DRIVER = b"/libcuda.so"  # the CUDA driver library, as it appears in /proc/self/maps
+SETTLE_TRIES = 20  # re-counts of the threads (a joined thread may linger a moment)
+SETTLE_WAIT = 0.005  # s between two
+REFUSED = (
+    "elastrun: CUDA initialisation refused in the warm interpreter "
+    "(the GPU is the workers'; a worker forked from it initialises CUDA itself)"
+)
 
 
 def _load_prctl() -> Any:
@@ -139,6 +154,24 @@ def _driver_loaded() -> bool:
             return DRIVER in fp.read()
     except OSError:
         return False
+
+
+def _tasks() -> int:
+    """This process' threads, native ones too (OpenMP, NVML: the threading
+    module does not know them)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def _settled_threads() -> int:
+    """The threads at the start, once a thread just joined is gone (bounded)."""
+    for _ in range(SETTLE_TRIES):
+        if _tasks() <= 1:
+            break
+        time.sleep(SETTLE_WAIT)
+    return max(1, _tasks())
 
 
 def _version(name: str) -> str | None:
@@ -211,6 +244,7 @@ class Zygote:
         self.delay = _float(env.get(DELAY_ENV), 0.0)
         self.budget = _float(env.get(BUDGET_ENV), 120.0)
         self.max_rss_kb = int(_float(env.get(RSS_ENV), 4096.0) * 1024)
+        self.import_timeout = _float(env.get(IMPORT_TIMEOUT_ENV), 60.0)
         for name in OWN_ENV:
             env.pop(name, None)
         self.roots = _runner.installed_roots()
@@ -234,6 +268,12 @@ class Zygote:
         self.idle = _can_return_from_idle()
         self.prctl = _load_prctl()
         self.batch: list[tuple[Any, list[int]]] = []  # (Fork, its fds)
+        self.pid = os.getpid()
+        self.threads = _settled_threads()  # its own: the main thread (the probe's is joined)
+        self.importing: str | None = None
+        self.cuda_tried: str | None = None  # the module that tried to initialise CUDA
+        self.cuda_init: Any = None  # torch.cuda's own _lazy_init, once refused here
+        self.cuda_hooked: list[Any] = []  # the modules whose _lazy_init is the refusal
 
     # ------------------------------------------------------------ preload
     def _enqueue(self, names: list[str]) -> None:
@@ -272,7 +312,6 @@ class Zygote:
         if self.scope != "all" and not self._installed(top):
             self._fail(name, "not from the standard library or an installed package")
             return
-        threads = threading.active_count()
         real = os.environ
         watch = _EnvWatch(real, self.watched)
         os.environ = watch  # noqa: B003 - swapped for this import only, same variables
@@ -281,15 +320,23 @@ class Zygote:
             # torch.cuda.is_available() called by an import asks NVML, not the
             # driver (which would leave the GPU unusable after a fork).
             real[NVML_CHECK_ENV] = "1"
+        self.importing = name
+        alarm = self._arm(name)
         try:
             importlib.import_module(name)
         except (Exception, SystemExit) as e:
             self._fail(name, f"{type(e).__name__}: {e}")
-            return
+        else:
+            self.loaded += 1
         finally:
+            self._disarm(alarm)
+            self.importing = None
             os.environ = real  # noqa: B003
             if nvml is None:
                 real.pop(NVML_CHECK_ENV, None)
+        # Whether it succeeded or raised: what it did before it raised stays.
+        self._check(name)
+        self._refuse_cuda()
         if watch.seen is not None:
             # Its state now holds what a worker of another rank would not see:
             # not safe ahead of time (nor anything of its package, nor of the
@@ -297,20 +344,107 @@ class Zygote:
             key, reader = watch.seen
             packages = sorted({name.split(".")[0], (reader or name).split(".")[0]})
             self._unsafe(packages, f"{reader or name} reads {key} when it is imported", key)
-        self.loaded += 1
         if name == "torch" and self.expect_torch not in (None, _version("torch")):
             self.queue.clear()  # recorded with another torch: only torch itself is sure
             self.stopped = f"the module list was recorded with torch {self.expect_torch}"
-        if threading.active_count() > threads:
-            self._unsafe([name], "it started a thread (a fork would copy it half-way)")
+
+    # ------------------------------------------------------------ fork safety
+    def _check(self, name: str | None) -> None:
+        """Quit (``Unsafe``) if a fork would no longer be safe: after the
+        import of ``name``, or (None) before a fork."""
+        names = [name] if name else []
+        late = "" if name else " (found before a fork, after every import had passed)"
+        if self.cuda_tried is not None:
+            self._unsafe(
+                [self.cuda_tried], "it tried to initialise CUDA (refused: the GPU is the workers')"
+            )
+        if self._extra_threads():
+            self._unsafe(names, f"it started a thread (a fork would copy it half-way){late}")
         cuda = sys.modules.get("torch.cuda")
         if cuda is not None and getattr(cuda, "is_initialized", lambda: False)():
-            self._unsafe([name], "it initialised CUDA (the device must stay free)")
+            self._unsafe(names, f"it initialised CUDA (the device must stay free){late}")
         if _driver_loaded():
             # torch.cuda.is_available() and friends initialise the driver
             # without marking torch's CUDA initialised: a forked worker would
             # then fail its first CUDA call.
-            self._unsafe([name], "it loaded the CUDA driver (a forked worker could not use it)")
+            why = "it loaded the CUDA driver (a forked worker could not use it)"
+            self._unsafe(names, why + late)
+
+    def _extra_threads(self) -> bool:
+        """Whether more threads run than the zygote's own. A thread just
+        joined may still be listed for a moment (bounded re-counts); a pool
+        that stops itself before a fork (OpenBLAS's ``pthread_atfork``
+        handler: numpy, torch) is safe, which a throwaway fork shows."""
+        if self._settled():
+            return False
+        try:
+            pid = os.fork()
+        except OSError:
+            return True
+        if pid == 0:
+            os._exit(0)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        return not self._settled()
+
+    def _settled(self) -> bool:
+        for _ in range(SETTLE_TRIES):
+            if _tasks() <= self.threads:
+                return True
+            time.sleep(SETTLE_WAIT)
+        return False
+
+    def _refuse_cuda(self) -> None:
+        """Once torch.cuda is loaded: its lazy initialisation (every CUDA
+        tensor, ``torch.cuda.init()``, ``set_device``... goes through it)
+        raises in the zygote and notes the module importing. A forked worker
+        gets torch's own back (``_restore_cuda``); a copy bound by name in a
+        module imported later calls it too, outside the zygote's pid."""
+        cuda = sys.modules.get("torch.cuda")
+        original = getattr(cuda, "_lazy_init", None)
+        if cuda is None or self.cuda_init is not None or not callable(original):
+            return
+        zygote = self
+
+        def _lazy_init() -> None:
+            if os.getpid() != zygote.pid:
+                original()
+                return
+            if zygote.cuda_tried is None:
+                zygote.cuda_tried = zygote.importing or "?"
+            raise RuntimeError(REFUSED)
+
+        self.cuda_init = original
+        for mod_name, mod in list(sys.modules.items()):
+            if mod_name.startswith("torch") and getattr(mod, "_lazy_init", None) is original:
+                mod._lazy_init = _lazy_init  # type: ignore[attr-defined]
+                self.cuda_hooked.append(mod)
+
+    def _restore_cuda(self) -> None:
+        for mod in self.cuda_hooked:
+            with contextlib.suppress(AttributeError, TypeError):
+                mod._lazy_init = self.cuda_init
+
+    def _arm(self, name: str) -> Any:
+        """A bound on the import of ``name``: past ``import_timeout`` s the
+        zygote says the module is unsafe and quits (an import blocked in
+        native code that never returns to Python is the agent's fork
+        timeout's)."""
+        if self.import_timeout <= 0:
+            return None
+
+        def _hung(signum: int, frame: Any) -> None:
+            self._unsafe([name], f"its import did not finish within {self.import_timeout:g} s")
+
+        previous = signal.signal(signal.SIGALRM, _hung)
+        signal.setitimer(signal.ITIMER_REAL, self.import_timeout)
+        return previous
+
+    def _disarm(self, previous: Any) -> None:
+        if previous is None:
+            return
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
     def _installed(self, top: str) -> bool:
         """Whether top-level package ``top`` is found in the standard library or
@@ -373,6 +507,7 @@ class Zygote:
             fds = []
             if len(self.batch) >= message.count:
                 batch, self.batch = self.batch, []
+                self._check(None)  # the same checks again: never a tainted fork
                 self._fork_batch(batch)
         for fd in fds:
             with contextlib.suppress(OSError):
@@ -452,6 +587,7 @@ class Zygote:
         if os.getppid() != self.agent_pid:
             os._exit(70)  # the agent died in between
         _set_policy(os.SCHED_OTHER)
+        self._restore_cuda()
         with contextlib.suppress(OSError):
             os.close(self.ctl.detach())  # the agent's socket is the zygote's, not ours
         for fd in become.others:

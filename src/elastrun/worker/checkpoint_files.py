@@ -46,8 +46,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from elastrun.fields import Fields, is_int
 from elastrun.procs import pid_alive
 from elastrun.safefs import UnsafePath, read_regular
+from elastrun.untrusted import UntrustedData, loads
 
 __all__ = [
     "CORRUPT_DIR",
@@ -304,18 +306,15 @@ def read_record(path: Path) -> Record | None:
         raise RecordError(f"its checksum record {e.problem}") from e
     except OSError as e:
         raise RecordError(f"its checksum record cannot be read: {e.strerror or e}") from e
-    if len(raw) > MAX_RECORD_BYTES:
-        raise RecordError(f"its checksum record is over {MAX_RECORD_BYTES} bytes")
-    try:
-        obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise RecordError("its checksum record is not valid JSON") from None
-    if not isinstance(obj, dict) or obj.get("v") != RECORD_VERSION:
-        raise RecordError(f"its checksum record is not a version-{RECORD_VERSION} record")
+    try:  # within the bounds: a planted record nested deep is refused, not a RecursionError
+        obj = loads(raw, max_bytes=MAX_RECORD_BYTES, what="its checksum record")
+    except UntrustedData as e:
+        raise RecordError(str(e)) from None
+    obj = Fields.versioned(obj, RECORD_VERSION, "its checksum record", RecordError).raw
     step, size, sha = obj.get("step"), obj.get("size"), obj.get("sha256")
-    if obj.get("file") != path.name or not isinstance(step, int) or isinstance(step, bool):
+    if obj.get("file") != path.name or not is_int(step):
         raise RecordError("its checksum record is about another file")
-    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+    if not is_int(size) or size < 0:
         raise RecordError("its checksum record has no valid size")
     if not isinstance(sha, str) or not _SHA256.match(sha):
         raise RecordError("its checksum record has no valid sha256")

@@ -14,7 +14,8 @@ and named in ``ELASTRUN_MEMORY_CHECKPOINT_DIR``. The folder holds up to
 
 The header (:class:`SnapshotHeader`, version 1) names the step, the saving
 rank, the world size, a generation (nanoseconds since the epoch at the save:
-the newest snapshot has the highest), the data's size and SHA-256, each
+the newest snapshot has the highest), the data's size and digest (its
+algorithm named in ``digest``: :mod:`elastrun.worker.snapshot_digest`), each
 tensor (its key in the state, dtype, shape, offset, size), the rest of the
 state as a JSON tree with the tensors' places in it, and whether (and where)
 the agent should write it to disk. Every field is bounded, the tensors' places
@@ -22,7 +23,8 @@ and the tree checked, and the header's seal (its own SHA-256) verified before
 it is used (:mod:`elastrun.worker.snapshot_bounds`).
 
 **Writing** (the worker): take an exclusive ``flock`` on a slot that is not
-the newest and nobody reads, zero its magic, copy the tensors, hash them,
+the newest and nobody reads, zero its magic, copy the tensors, hash them
+(a thread of the worker, its chunks in parallel),
 write the header, then the magic, release the lock; then replace the
 folder's ``committed`` note (:class:`CommitNote`, a small JSON file, renamed
 into place), which is what the agent watches. The newest snapshot marked for
@@ -33,7 +35,7 @@ magic (never read: :class:`Torn`) and the previous snapshots intact; anything
 else in place of the magic is damage. **Reading** (the agent, or a restarted
 worker): a shared ``flock`` taken without waiting (a slot being written is
 skipped), the header checked within bounds and against its seal
-(:func:`parse_header`), the data checked against its SHA-256. A disk copy of
+(:func:`parse_header`), the data checked against its digest. A disk copy of
 a snapshot is the same bytes (``ckpt-<step>.pt``,
 with the usual checksum record: :mod:`elastrun.worker.checkpoint_files`).
 
@@ -46,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import mmap
 import os
 import re
@@ -67,6 +68,13 @@ from elastrun.worker.snapshot_bounds import (
     seal,
     sealed_digest,
 )
+from elastrun.worker.snapshot_digest import (
+    ALGORITHMS,
+    NAMES,
+    SHA256,
+    UnknownDigest,
+    data_digest,
+)
 
 __all__ = [
     "DTYPE_SIZES",
@@ -84,6 +92,7 @@ __all__ = [
     "SnapshotHeader",
     "TensorEntry",
     "Torn",
+    "check_data",
     "check_header_size",
     "data_offset",
     "header_of",
@@ -244,6 +253,7 @@ class SnapshotHeader:
     tensors: tuple[TensorEntry, ...]
     tree: Any
     persist: Persist | None = None
+    digest: str = SHA256  # how ``sha256`` was computed (snapshot_digest)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -254,6 +264,7 @@ class SnapshotHeader:
             "generation": self.generation,
             "data_size": self.data_size,
             "sha256": self.sha256,
+            "digest": self.digest,
             "persist": None if self.persist is None else self.persist.to_json(),
             "tensors": [t.to_json() for t in self.tensors],
             "tree": self.tree,
@@ -268,13 +279,14 @@ class SnapshotHeader:
 
     @classmethod
     def from_json(cls, obj: Any) -> SnapshotHeader:
-        if not isinstance(obj, dict) or obj.get("v") != VERSION:
-            raise SnapshotError(f"its header is not a version-{VERSION} snapshot header")
-        f = _fields(obj, "its header")
+        f = Fields.versioned(obj, VERSION, "its header", SnapshotError)
         data_size = f.integer("data_size", high=MAX_COUNT)
         sha = obj.get("sha256")
         if not isinstance(sha, str) or not _SHA256.match(sha):
             raise SnapshotError("its header has no valid sha256")
+        digest = obj.get("digest", SHA256)
+        if digest not in ALGORITHMS:
+            raise SnapshotError(f"its header names no known data digest ({str(digest)[:40]!r})")
         tensors = obj.get("tensors")
         if not isinstance(tensors, list):
             raise SnapshotError("its header has no tensor list")
@@ -289,6 +301,7 @@ class SnapshotHeader:
             tensors=tuple(TensorEntry.from_json(t, data_size) for t in tensors),
             tree=obj.get("tree"),
             persist=Persist.from_json(obj.get("persist")),
+            digest=digest,
         )
         why = check_layout(header.tensors, data_size) or check_tree(
             header.tree, len(header.tensors)
@@ -364,11 +377,18 @@ def header_of(data: bytes | bytearray | memoryview) -> tuple[SnapshotHeader, int
     return parse_header(data, len(data), sealed=False)
 
 
-def sha256_of(view: memoryview) -> str:
-    h = hashlib.sha256()
-    for i in range(0, len(view), HASH_CHUNK):
-        h.update(view[i : i + HASH_CHUNK])  # hashlib lets other threads run meanwhile
-    return h.hexdigest()
+def check_data(header: SnapshotHeader, data: memoryview) -> None:
+    """SnapshotError unless ``data`` matches ``header``'s digest (its
+    chunks hashed in parallel: :mod:`elastrun.worker.snapshot_digest`)."""
+    try:
+        got = data_digest(data, header.digest)
+    except UnknownDigest as e:
+        raise SnapshotError(str(e)) from None
+    if got != header.sha256:
+        raise SnapshotError(
+            f"its data's digest ({NAMES[header.digest]}) {got[:16]}... is not the "
+            f"header's {header.sha256[:16]}..."
+        )
 
 
 def _write_note(folder: str, name: str, obj: dict[str, Any]) -> None:
@@ -377,8 +397,9 @@ def _write_note(folder: str, name: str, obj: dict[str, Any]) -> None:
     write_atomic(os.path.join(folder, name), json.dumps(obj).encode())
 
 
-def _read_note(folder: str, name: str) -> Any:
-    """A note's JSON; None when there is none. SnapshotError: unusable."""
+def _read_note(folder: str, name: str, where: str) -> Fields | None:
+    """A note's fields (``where`` names it in errors); None when there is
+    none. SnapshotError: unusable."""
     try:
         raw = read_regular(os.path.join(folder, name), MAX_NOTE)
     except FileNotFoundError:
@@ -389,9 +410,7 @@ def _read_note(folder: str, name: str) -> Any:
         obj = loads(raw, max_bytes=MAX_NOTE, what=f"note {name!r}")
     except UntrustedData as e:
         raise SnapshotError(str(e)) from None
-    if not isinstance(obj, dict) or obj.get("v") != VERSION:
-        raise SnapshotError(f"its note {name!r} is not a version-{VERSION} note")
-    return obj
+    return Fields.versioned(obj, VERSION, where, SnapshotError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -431,11 +450,10 @@ class CommitNote:
 
     @classmethod
     def read(cls, folder: str) -> CommitNote | None:
-        obj = _read_note(folder, NOTE)
-        if obj is None:
+        f = _read_note(folder, NOTE, "its commit note")
+        if f is None:
             return None
-        f = _fields(obj, "its commit note")
-        slot, m = f.integer("slot", high=MAX_COUNT), obj.get("marked")
+        slot, m = f.integer("slot", high=MAX_COUNT), f.raw.get("marked")
         marked = None
         if m is not None:
             ok = isinstance(m, list) and len(m) == 3
@@ -458,13 +476,11 @@ def write_persisted(folder: str, generation: int) -> None:
 def read_persisted(folder: str) -> int:
     """The generation the agent is done with (-1: none, or an unusable note)."""
     try:
-        obj = _read_note(folder, PERSISTED)
+        f = _read_note(folder, PERSISTED, "its persisted note")
     except SnapshotError:
         return -1
-    if obj is None:
-        return -1
-    g = obj.get("generation")
-    return g if type(g) is int else -1
+    g = None if f is None else f.maybe_int("generation")
+    return -1 if g is None else g
 
 
 # ------------------------------------------------------------------ slots
@@ -515,12 +531,8 @@ class SlotView:
         return memoryview(self._mm)[: self.size]
 
     def verify(self) -> None:
-        """SnapshotError unless the data matches the header's SHA-256."""
-        got = sha256_of(self.data)
-        if got != self.header.sha256:
-            raise SnapshotError(
-                f"its data's SHA-256 {got[:16]}... is not the header's {self.header.sha256[:16]}..."
-            )
+        """SnapshotError unless the data matches the header's digest."""
+        check_data(self.header, self.data)
 
     def close(self) -> None:
         with contextlib.suppress(BufferError, ValueError):

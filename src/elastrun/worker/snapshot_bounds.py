@@ -14,8 +14,12 @@ covered by a hash of its own.
 * **Seal.** The header begins ``{"hsha":"<64 hex>",``: the SHA-256 of the
   header's bytes with those 64 characters as zeros. It covers everything the
   header says (step, rank, world, generation, each tensor's place, the tree,
-  the data's SHA-256, which covers the data), so a header changed after it
-  was written (a bit flip, a step, shape or rank edited) is refused.
+  the data's digest and its algorithm, which cover the data), so a header
+  changed after it was written (a bit flip, a step, shape or rank edited) is
+  refused.
+* **Digest** (:mod:`elastrun.worker.snapshot_digest`): one of a fixed list
+  of algorithms, and chunks of a fixed size, never read from the header: the
+  work a header can ask for is one pass over data that lies in the file.
 * **Layout** (:func:`check_layout`): the tensors in offset order, 64-byte
   aligned, none overlapping, and the data exactly as long as they need.
 * **Tree** (:func:`check_tree`): every node of a known kind, and every
