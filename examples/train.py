@@ -49,6 +49,7 @@ from elastrun.train import (
     context,
     global_order,
     heartbeat,
+    in_process,
     load_checkpoint,
     save_checkpoint,
 )
@@ -118,6 +119,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="exit",
         help="how --crash-at-step fails: exit with code 1 (default), or SIGKILL itself, as the "
         "kernel's OOM killer would",
+    )
+    p.add_argument(
+        "--raise-at-step",
+        type=int,
+        default=-1,
+        help="fault injection: rank 0 raises an exception at this global step, only in the "
+        "run of restart count 1 (after a --crash-at-step restart)",
+    )
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="train in elastrun.train.in_process: after a failure, the ranks whose processes "
+        "survive enter the training function again, keeping their setup (docs/in_process.md)",
+    )
+    p.add_argument(
+        "--setup-seconds",
+        type=float,
+        default=0.0,
+        help="S seconds of CPU work per process before training, standing in for a script's "
+        "own setup (data, model, compilation), ending with one 'setup done' line per process",
     )
     return p.parse_args(argv)
 
@@ -195,10 +216,28 @@ def inject_failure(how: str, rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def setup_work(seconds: float) -> None:
+    """``seconds`` of CPU work (a script's own setup), then one ``setup done`` line."""
+    end, x = time.perf_counter() + seconds, 0
+    while time.perf_counter() < end:
+        x = (x * 1103515245 + 12345) % (1 << 31)
+    print(f"setup done: pid {os.getpid()} ({seconds:g} s)", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Once per process: with --in-process, a kept process does not do it again.
+    device = select_device(args.device, context().local_rank)
+    if args.setup_seconds > 0:
+        setup_work(args.setup_seconds)
+    run = in_process(train) if args.in_process else train
+    return run(args, device)
+
+
+def train(args: argparse.Namespace, device: torch.device) -> int:
+    """Join the process group and train (again, after an in-process restart:
+    the round's RANK, WORLD_SIZE, MASTER_PORT, ... are in os.environ)."""
     ctx = context()
-    device = select_device(args.device, ctx.local_rank)
     backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
     init_distributed(backend, ctx.launched)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -218,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
 
     say(
         f"=> start: world {world} restarts {ctx.restart_count}/{ctx.max_restarts} "
-        f"run_id {ctx.run_id} train {n} test {len(test_ds)} device {device} backend {backend}"
+        f"run_id {ctx.run_id} train {n} test {len(test_ds)} device {device} backend {backend} "
+        f"pid {os.getpid()}"
     )
     mem = MemoryCheckpoint(args.checkpoint_dir, keep=args.keep) if args.memory_checkpoint else None
     state = mem.load(shared=True) if mem else load_checkpoint(args.checkpoint_dir, keep=args.keep)
@@ -271,9 +311,6 @@ def main(argv: list[str] | None = None) -> int:
             heartbeat(global_step)
             if args.step_delay > 0:
                 time.sleep(args.step_delay)
-            if fresh and global_step == args.crash_at_step and rank == world - 1:
-                inject_failure(args.crash_how, rank, global_step)
-                return 1
             if args.log_every > 0 and global_step % args.log_every == 0:
                 say(
                     f"epoch {epoch} step {global_step} offset {sampler.offset}/{n} "
@@ -284,6 +321,13 @@ def main(argv: list[str] | None = None) -> int:
                 checkpoint()
             elif mem is not None:
                 checkpoint(disk=False)
+            # After this step's checkpoint: a restart redoes no step.
+            if fresh and global_step == args.crash_at_step and rank == world - 1:
+                inject_failure(args.crash_how, rank, global_step)
+                return 1
+            if ctx.restart_count == 1 and global_step == args.raise_at_step and rank == 0:
+                print(f"[rank {rank}] injected exception at step {global_step}", flush=True)
+                raise ValueError(f"injected exception at step {global_step}")
         elapsed = time.perf_counter() - t0
         sampler.set_epoch(epoch + 1)
         acc = accuracy(model, test_ds)

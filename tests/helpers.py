@@ -21,6 +21,11 @@ processes) the suite took 384 s and 644 s of CPU warm, 433 s and 745 s cold.
 An agent's warm interpreter imports torch once for all its workers, and most
 test workers import torch.
 
+Length. ``make soak`` sets ``ELASTRUN_SOAK=1``: a test that ``make test``
+runs short (fewer stalls, seeds or cases) runs at full length there
+(:func:`soak_or`). Such a test is marked ``slow``, so that ``make soak``
+selects it.
+
 The etcd helpers (a real cluster, auth, TLS files) are in
 :mod:`tests.store.etcd_fixture`.
 """
@@ -46,6 +51,7 @@ __all__ = [
     "free_ports",
     "kill_group",
     "pid_alive",
+    "soak_or",
     "stop_groups",
     "wait_for",
     "without_pet",
@@ -95,6 +101,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """``count`` distinct ports, each held as :func:`free_port` does."""
     return [free_port(host) for _ in range(count)]
+
+
+def soak_or(short: T, full: T) -> T:
+    """``full`` under ``make soak`` (``ELASTRUN_SOAK=1``), else ``short``."""
+    return full if os.environ.get("ELASTRUN_SOAK") == "1" else short
 
 
 def wait_for(

@@ -9,9 +9,15 @@
 #   as many nodes as the allocation has (ELASTRUN_NNODES=MIN:MAX to change it),
 #   world sizes in multiples of ELASTRUN_NODE_UNIT nodes (default 1): with
 #   ELASTRUN_NNODES=4:5 ELASTRUN_NODE_UNIT=4 on 5 nodes, 4 train and 1 waits as a hot spare.
+# The node list comes from `scontrol show hostnames`, or from ELASTRUN_NODES (the host names,
+# space-separated) where scontrol is not at hand (a container without the SLURM client).
 set -euo pipefail
 
-mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+if [[ -n ${ELASTRUN_NODES:-} ]]; then
+    read -ra nodes <<<"$ELASTRUN_NODES"
+else
+    mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+fi
 port=${ELASTRUN_PORT:-29400}
 if ((${#nodes[@]} >= 3)); then
     rdzv=(--rdzv-endpoint="${nodes[0]}:$port,${nodes[1]}:$port,${nodes[2]}:$port"

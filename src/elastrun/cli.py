@@ -1,7 +1,9 @@
 """The ``elastrun`` command: dispatch to a subcommand or to the launcher.
 
-``elastrun store ...``, ``elastrun status ...``, ``elastrun timeline ...`` are
-subcommands; anything else is a torchrun-compatible launch (``elastrun [flags] script [args]``).
+``elastrun store ...``, ``elastrun status ...``, ``elastrun timeline ...``,
+``elastrun checkpoint-convert ...`` (torch, imported only then) are
+subcommands; anything else is a torchrun-compatible launch (``elastrun [flags]
+script [args]``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ def _timeline(argv: list[str]) -> int:
     return timeline_main(argv)
 
 
+def _checkpoint_convert(argv: list[str]) -> int:
+    from elastrun.train.convert import main as convert_main
+
+    return convert_main(argv)
+
+
 def _launch(argv: list[str]) -> int:
     from elastrun.launcher.cli import main as launch_main
 
@@ -40,6 +48,7 @@ SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
     "store": _store,
     "status": _status,
     "timeline": _timeline,
+    "checkpoint-convert": _checkpoint_convert,
 }
 
 

@@ -351,6 +351,49 @@ class WorkersUnkillable(Event):
 
 
 @dataclass(frozen=True)
+class RanksLeft(Event):
+    """In-process restarts: the group failed; the ranks whose processes left
+    their function in time are kept, the others are replaced."""
+
+    KIND = "ranks_left"
+    round: int
+    attempt: int
+    kept: list[int]  # local ranks whose processes the next round takes over
+    kept_pids: list[int]
+    replaced: list[int]  # local ranks whose processes end (restarted as new ones)
+    waited_s: float
+
+
+@dataclass(frozen=True)
+class RanksKept(Event):
+    """In-process restarts: a round's workers, some of them kept processes
+    (told to enter their function again), the others started."""
+
+    KIND = "ranks_kept"
+    round: int
+    attempt: int
+    kept: list[int]  # ranks (global) of kept processes
+    kept_pids: list[int]
+    started: list[int]  # ranks (global) started as new processes
+
+
+@dataclass(frozen=True)
+class RankEntered(Event):
+    """A worker's process entered its in-process function in ``round``
+    (``again``: re-entered, a kept process), as its runner reported."""
+
+    KIND = "rank_entered"
+    round: int
+    attempt: int
+    rank: int
+    local_rank: int
+    pid: int
+    world_size: int
+    master: str
+    again: bool
+
+
+@dataclass(frozen=True)
 class WorkersSucceeded(Event):
     KIND = "workers_succeeded"
     round: int
@@ -501,6 +544,20 @@ class HealthCheckFailed(Event):
 
 
 @dataclass(frozen=True)
+class MetricsStarted(Event):
+    KIND = "metrics_started"
+    port: int
+    hosts: list[str]
+
+
+@dataclass(frozen=True)
+class MetricsFailed(Event):
+    KIND = "metrics_failed"
+    port: int
+    error: str
+
+
+@dataclass(frozen=True)
 class HangDetected(Event):
     KIND = "hang_detected"
     round: int
@@ -643,6 +700,17 @@ class MemoryReplicaRefused(Event):
     KIND = "memory_replica_refused"
     peer: str
     reason: str
+
+
+@dataclass(frozen=True)
+class GoodputAccounted(Event):
+    KIND = "goodput"
+    seconds: dict[str, float]  # cause -> s (agent/goodput.py)
+    failures: int
+    hangs: int
+    steps_redone: int
+    steps_known: bool
+    goodput: float | None
 
 
 @dataclass(frozen=True)

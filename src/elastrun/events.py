@@ -38,6 +38,17 @@ class NullSink:
         return None
 
 
+class TeeSink:
+    """Each event to every one of ``sinks``, in order."""
+
+    def __init__(self, *sinks: EventSink) -> None:
+        self.sinks = sinks
+
+    def emit(self, event: Event) -> None:
+        for s in self.sinks:
+            s.emit(event)
+
+
 class ListSink:
     """Keeps events in memory (tests, embedding)."""
 

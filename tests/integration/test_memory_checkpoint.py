@@ -124,6 +124,8 @@ def test_the_agent_writes_marked_steps_to_disk_in_the_background(tmp_path: Path)
     assert kept == written[-3:]  # keep=3, pruned by the agent
     for info in list_checkpoints(d):
         assert check(info, info.path.read_bytes()).status == "verified"
+        plain = torch.load(info.path, weights_only=True)  # a user's tools read it
+        assert plain["step"] == info.step and plain["w"].shape == (256,)
     state = load_checkpoint(d, log=None)
     assert state is not None and state["step"] == 20 and float(state["w"][0]) == replay(20)
     assert (d / "latest").read_text().strip() == "ckpt-000000000020.pt"

@@ -9,10 +9,10 @@ description is its own: it opens with ``pip install`` and a torchrun-style comma
 nothing relative (PyPI cannot resolve a checkout's paths), and the docs it names are in the
 sdist. The wheel then goes into a fresh ``python -m venv`` without torch, once with each
 CPython version the classifiers declare that this machine has (3.11 always; 3.12 and 3.13 where
-found on PATH or under pyenv): every module compiles without warnings and imports,
-``elastrun --version``/``--help`` work, and a 2-worker ``--standalone`` run of a plain script and
-of a ``--no-python`` program succeed in Python's development mode with deprecations as errors,
-printing no warning.
+found on PATH or under pyenv; ``make test`` the oldest and the newest only): every module
+compiles without warnings and imports, ``elastrun --version``/``--help`` work, and a 2-worker
+``--standalone`` run of a plain script and of a ``--no-python`` program succeed in Python's
+development mode with deprecations as errors, printing no warning.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.helpers import soak_or
 
 pytest.importorskip("build")
 
@@ -83,8 +84,11 @@ def find_python(version: str) -> str | None:
 
 
 def pythons() -> list[pytest.ParameterSet]:
+    """Every declared Python under ``make soak``; the oldest and the newest
+    under ``make test`` (what one between them could break, both would)."""
+    versions = soak_or([DECLARED_PYTHONS[0], DECLARED_PYTHONS[-1]], DECLARED_PYTHONS)
     found: list[pytest.ParameterSet] = []
-    for version in DECLARED_PYTHONS:
+    for version in dict.fromkeys(versions):
         exe = find_python(version)
         skip = pytest.mark.skipif(exe is None, reason=f"no CPython {version} on this machine")
         found.append(pytest.param(exe, id=f"py{version}", marks=skip))
@@ -236,6 +240,7 @@ sys.exit(1 if bad else 0)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("python", pythons())
 def test_wheel_installs_into_a_clean_venv_and_runs_without_torch(
     dists: tuple[Path, Path], tmp_path: Path, python: str

@@ -358,3 +358,28 @@ def test_the_recipe_with_a_hot_spare_replaces_a_lost_node(tmp_path: Path) -> Non
         next(e for e in events(1) if e["kind"] == "round_joined")["node_id"]
     ]
     wait_for(lambda: not any(pid_alive(int(s["pid"])) for s in steps()), BOUND, "workers gone")
+
+
+def test_node_script_takes_the_node_list_from_elastrun_nodes_without_scontrol(
+    tmp_path: Path,
+) -> None:
+    """In a container without the SLURM client: ELASTRUN_NODES (docs/slurm.md, pyxis) gives the
+    node list, and the candidate hosts are its first three names; scontrol is not called."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "elastrun").write_text('#!/bin/bash\nprintf "%s\\n" "$@"\n')
+    (bin_dir / "elastrun").chmod(0o755)
+    env = slurm_env(tmp_path, 1, 4, bin_dir)  # no scontrol on this PATH
+    env["ELASTRUN_NODES"] = "n1 n2 n3 n4"
+    proc = subprocess.run(
+        ["bash", str(NODE_SCRIPT), "train.py"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    words = proc.stdout.splitlines()
+    assert "--rdzv-endpoint=n1:29400,n2:29400,n3:29400" in words, words
+    assert not (tmp_path / "scontrol.log").exists()

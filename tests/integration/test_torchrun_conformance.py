@@ -35,7 +35,7 @@ from elastrun.errors import ConfigError
 from elastrun.launcher.devices import count_gpus, count_xpus
 from elastrun.launcher.flag_grammar import parse_nnodes
 from tests.conftest import REPO
-from tests.helpers import free_port, stop_groups, without_pet
+from tests.helpers import free_port, stop_groups, wait_for, without_pet
 from tests.integration.elastic_harness import ELASTRUN
 from tests.store.etcd_fixture import requires_etcd, start_cluster
 
@@ -557,6 +557,42 @@ def test_api_launch_function(etcd_endpoint: str, rid: str) -> None:
     assert sorted(got["result"]) == ["0", "1", "2", "3"]
 
 
+def static_config(nproc: int) -> Any:
+    return etcd_config(
+        f"127.0.0.1:{free_port()}", 1, 1, nproc, rdzv_backend="static", rdzv_configs={"rank": 0}
+    )
+
+
+def test_api_launch_function_returning_tensors() -> None:
+    # upstream's _dummy_compute returns a tensor: back as a tensor, per rank
+    got = launch_case("tensors", static_config(2))
+    assert "result" in got, got
+    ones = {"tensor": "Tensor", "dtype": "torch.float32"}
+    assert got["result"] == {
+        "0": {**ones, "values": [0.0] * 4},
+        "1": {**ones, "values": [1.0] * 4},
+    }, got
+
+
+def test_api_launch_function_returning_a_state_dict_tree() -> None:
+    got = launch_case("state_dict", static_config(2))
+    assert "result" in got, got
+    one = got["result"]["1"]
+    assert one["model"]["w"]["values"] == [[1.0, 1.0], [1.0, 1.0]], got
+    assert one["model"]["b"] == {"tensor": "Tensor", "dtype": "torch.int64", "values": [0, 1, 2]}
+    assert one["step"] == 1
+    assert one["history"][1:] == ["sgd", None, {"tuple": [1, 2.5]}], got
+    assert one["history"][0]["values"] == [0.5]
+
+
+def test_api_launch_function_returning_an_object_is_refused_saying_why() -> None:
+    # anything else would need pickle: refused in the worker, with its type
+    got = launch_case("object", static_config(1))
+    assert got.get("error") == "WorkerError", got
+    assert "neither JSON data nor a tree of tensors" in got["stderr"], got["stderr"][-3000:]
+    assert "builtin_function_or_method" in got["stderr"] or "function" in got["stderr"]
+
+
 @pytest.mark.parametrize("rid", RUN_IDS)
 def test_api_launch_dist_sum_with_static_rdzv(rid: str) -> None:
     cfg = etcd_config(
@@ -630,3 +666,50 @@ def test_api_launch_elastic_multiple_agents(etcd_endpoint: str, tmp_path: Path) 
             other.wait(10)
     assert other.returncode == 0 and mine.returncode == 0, out[-2000:] + mine.stderr[-2000:]
     assert ranks_touched(tmp_path) == {str(i) for i in range(8)}
+
+
+def test_heterogeneous_roles_are_refused_and_every_node_is_told(tmp_path: Path) -> None:
+    """upstream (restated): one agent --role=master with 1 worker and one --role=trainer with 2
+    form a world of 3 under torchrun. elastrun: a deliberate difference (docs/cli.md): the
+    second node is refused naming what differs, and the first, waiting, says that a peer was
+    refused instead of counting down join_timeout in silence."""
+    from tests.integration.elastic_harness import BOUND, job
+
+    port = free_port()
+
+    def flags(name: str, role: str, nproc: int, host: bool) -> list[str]:
+        return [
+            "--nnodes=2",
+            f"--nproc-per-node={nproc}",
+            f"--role={role}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=roles",
+            f"--rdzv-conf=is_host={int(host)},join_timeout=120",
+            f"--events-file={tmp_path / f'events-{name}.jsonl'}",
+        ]
+
+    with job(tmp_path) as j:
+        master = j.start_agent("a", flags("a", "master", 1, True))
+        wait_for(
+            lambda: (
+                "node_joined" in (tmp_path / "events-a.jsonl").read_text(errors="replace")
+                if (tmp_path / "events-a.jsonl").exists()
+                else False
+            ),
+            BOUND,
+            "the master node to join",
+        )
+        trainer = j.start_agent("b", flags("b", "trainer", 2, False))
+        assert trainer.wait(BOUND) != 0
+        why = "role: job has 'master', this node has 'trainer'"
+        assert why in trainer.output(), trainer.output()[-3000:]
+        said = wait_for(
+            lambda: next(
+                (ln for ln in master.output().splitlines() if "was refused by this job" in ln),
+                None,
+            ),
+            BOUND,
+            "the waiting node to say that a peer was refused",
+        )
+        assert why in said and master.proc.poll() is None, master.output()[-3000:]

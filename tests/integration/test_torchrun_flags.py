@@ -199,6 +199,46 @@ def test_error_files_are_kept_and_named_without_log_dir(tmp_path: Path) -> None:
     assert kept and os.path.isfile(kept[0]), theirs.stderr[-3000:]
 
 
+def test_launchers_error_file_gets_the_root_causes_error_as_torchrun(tmp_path: Path) -> None:
+    """A scheduler sets TORCHELASTIC_ERROR_FILE in the launcher's environment:
+    torchrun copies the root cause's error.json there, errorCode its exit code."""
+    script = tmp_path / "recorded.py"
+    script.write_text(RECORDED)
+    written = {}
+    for name, run in (("theirs", real_torchrun), ("ours", torchrun)):
+        dest = tmp_path / f"{name}.json"
+        proc = run(
+            "--standalone",
+            "--nproc-per-node=1",
+            str(script),
+            extra_env={"TORCHELASTIC_ERROR_FILE": str(dest)},
+        )
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert dest.is_file(), f"{name}: {proc.stderr[-3000:]}"
+        written[name] = json.loads(dest.read_text())["message"]
+    for message in written.values():
+        assert "recorded failure" in message["message"], written
+        assert message["errorCode"] == 1, written
+        assert "recorded failure" in message["extraInfo"]["py_callstack"], written
+
+
+def test_launch_config_defaults_are_torchs() -> None:
+    """elastrun.LaunchConfig's defaults are torch's LaunchConfig's where both
+    have the field (torchrun's CLI defaults differ: --max-restarts 0, --role default)."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig as TorchConfig
+
+    import elastrun
+
+    ours = {f.name: f for f in dataclasses.fields(elastrun.LaunchConfig)}
+    theirs = {f.name: f for f in dataclasses.fields(TorchConfig)}
+    cfg = elastrun.LaunchConfig()
+    for name in ("role", "max_restarts", "monitor_interval", "start_method", "rdzv_timeout"):
+        assert name in ours and theirs[name].default == getattr(cfg, name), name
+    assert (cfg.role, cfg.max_restarts) == ("default_role", 3)
+
+
 TIMED = """
 import os, sys, time
 import torch.distributed as dist

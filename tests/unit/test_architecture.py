@@ -26,6 +26,7 @@ FOUNDATION = {
     "safefs",
     "untrusted",
     "fields",
+    "goodput",
 }
 # layer name -> the elastrun layers it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {
@@ -35,7 +36,7 @@ ALLOWED: dict[str, set[str]] = {
     "rendezvous": {"foundation", "store", "worker"},
     "agent": {"foundation", "rendezvous", "worker"},
     "launcher": {"foundation", "store", "rendezvous", "agent", "worker"},
-    "cli": {"foundation", "store", "rendezvous", "agent", "launcher", "worker", "status"},
+    "cli": {"foundation", "store", "rendezvous", "agent", "launcher", "worker", "status", "train"},
     "status": {"foundation", "store", "rendezvous"},
     "worker": {"foundation"},
     "train": {"foundation", "worker"},

@@ -49,6 +49,8 @@ FIELD_VALUES = {
     "status.podIP": "10.1.2.3",
     "metadata.labels['batch.kubernetes.io/job-name']": "train",
     "metadata.labels['batch.kubernetes.io/controller-uid']": "0f6f1b2c-3d4e-4f50-9a6b-7c8d9e0f1a2b",
+    "metadata.annotations['batch.kubernetes.io/job-completion-index']": "1",
+    "metadata.labels['jobset.sigs.k8s.io/jobset-name']": "train-v2",
 }
 
 
@@ -139,6 +141,8 @@ def container_env(c: dict[str, Any], added: list[dict[str, Any]] | None = None) 
     for item in [*c.get("env", []), *(added or [])]:
         if "value" in item:
             env[item["name"]] = expand(str(item["value"]), env)
+        elif "secretKeyRef" in item["valueFrom"]:
+            env[item["name"]] = "from-a-secret"
         else:
             path = item["valueFrom"]["fieldRef"]["fieldPath"]
             assert path in FIELD_VALUES, f"env {item['name']}: unexpected fieldPath {path!r}"
@@ -273,24 +277,56 @@ def test_schema_versions_span_the_supported_range() -> None:
     assert len(versions) >= 8, versions  # 1.27 .. 1.34 at least: the failing range seen before
 
 
+def replicated_jobs(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """A JobSet's (or a Trainer runtime's JobSet template's) replicated jobs."""
+    spec = doc["spec"] if doc["kind"] == "JobSet" else doc["spec"]["template"]["spec"]
+    jobs: list[dict[str, Any]] = spec["replicatedJobs"]
+    return jobs
+
+
+def core_parts(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """What of ``doc`` core schemas check: a core object itself; a PyTorchJob's pod template
+    as a PodTemplate; each replicated job of a JobSet or a ClusterTrainingRuntime as a Job; a
+    TrainJob has none (its fields: test_trainjob_uses_the_runtime)."""
+    name = doc["metadata"]["name"]
+    if doc["apiVersion"].startswith("kubeflow.org/"):
+        template = pod_template(doc)
+        return [
+            {
+                "apiVersion": "v1",
+                "kind": "PodTemplate",
+                "metadata": {"name": name},
+                "template": template,
+            }
+        ]
+    if doc["kind"] in ("JobSet", "ClusterTrainingRuntime"):
+        return [
+            {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "metadata": {"name": f"{name}-{rj['name']}", **rj["template"].get("metadata", {})},
+                "spec": rj["template"]["spec"],
+            }
+            for rj in replicated_jobs(doc)
+        ]
+    if doc["kind"] == "TrainJob":
+        return []
+    return [doc]
+
+
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
 def test_core_objects_pass_strict_schema_validation(path: Path) -> None:
     """kubernetes-validate --strict, for each version from 1.27 to the newest it knows. Custom
-    resources (the PyTorchJob) have no core schema: their pod template is checked instead."""
+    resources have no core schema: their pod or job templates are checked instead (core_parts)."""
     errors = []
     for found in manifest(path.name):
-        doc = found
-        if found["apiVersion"].startswith("kubeflow.org/"):
-            doc = {
-                "apiVersion": "v1",
-                "kind": "PodTemplate",
-                "metadata": {"name": found["metadata"]["name"]},
-                "template": pod_template(found),
-            }
-        for version in k8s_versions():
-            err = schema_errors(doc, version)
-            if err:
-                errors.append(err)
+        if found["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # the Prometheus Operator's: checked by its own test below
+        for doc in core_parts(found):
+            for version in k8s_versions():
+                err = schema_errors(doc, version)
+                if err:
+                    errors.append(err)
     assert not errors, "\n".join(errors)
 
 
@@ -682,3 +718,180 @@ def test_the_c10d_statefulset_names_its_first_three_pods_as_candidate_hosts(
         assert my_candidate(plan.endpoints, plan.local_addr) == expected
     assert len(lists) == 1  # the same list on every pod
     assert [e.host for e in lists.pop()] == [f"train-c10d-{i}.train-c10d" for i in range(3)]
+
+
+# ----------------------------------------------------------------- JobSet and Kubeflow Trainer v2
+
+
+def jobset_pod(doc: dict[str, Any]) -> dict[str, Any]:
+    jobs = replicated_jobs(doc)
+    assert len(jobs) == 1, "one replicated job of agents"
+    pod: dict[str, Any] = jobs[0]["template"]["spec"]["template"]
+    return pod
+
+
+def test_the_jobset_names_its_pods_as_candidate_hosts_with_a_spare(clean_env: None) -> None:
+    """Every pod gives the same candidate list (the pods' JobSet host names) and its own name
+    as --local-addr; 3 pods train on worlds of 2, the 3rd a spare."""
+    from elastrun.launcher.hosting import my_candidate
+
+    js = one(manifest("jobset.yaml"), "JobSet")
+    net, rj = js["spec"]["network"], replicated_jobs(js)[0]
+    assert net["enableDNSHostnames"] and net["publishNotReadyAddresses"]
+    job = rj["template"]["spec"]
+    assert job["completionMode"] == "Indexed" and job["parallelism"] == job["completions"] == 3
+    c = container(jobset_pod(js)["spec"], "elastrun")
+    assert "ELASTRUN_STORE_TOKEN" in [item["name"] for item in c["env"]]
+    lists = set()
+    for index in range(job["parallelism"]):
+        env = container_env(c)
+        env["POD_INDEX"] = str(index)
+        words = [expand(str(w), env) for w in c["args"]]
+        plan, _ = parse(words)
+        assert plan.failover and plan.rendezvous.lease_ttl >= 3
+        assert (plan.rendezvous.min_nodes, plan.rendezvous.max_nodes) == (2, 3)
+        assert plan.rendezvous.node_unit == 2  # worlds of 2: the 3rd pod waits as a spare
+        lists.add(plan.endpoints)
+        # JobSet's host name of the pod: <jobset>-<replicated job>-<job index>-<pod index>
+        own = f"{js['metadata']['name']}-{rj['name']}-0-{index}.{net['subdomain']}"
+        assert plan.local_addr == own
+        assert my_candidate(plan.endpoints, plan.local_addr) == index
+    assert len(lists) == 1
+
+
+def trainer_env(runtime: dict[str, Any], trainjob: dict[str, Any]) -> list[dict[str, Any]]:
+    """The variables the Trainer's torch plugin adds to the container named "node"."""
+    nodes = trainjob["spec"]["trainer"].get("numNodes", runtime["spec"]["mlPolicy"]["numNodes"])
+    torch = runtime["spec"]["mlPolicy"]["torch"]
+    nproc = trainjob["spec"]["trainer"].get("numProcPerNode", torch["numProcPerNode"])
+    name = trainjob["metadata"]["name"]
+    env = {
+        "PET_NNODES": str(nodes),
+        "PET_NPROC_PER_NODE": str(nproc),
+        "PET_NODE_RANK": "1",
+        "PET_MASTER_ADDR": f"{name}-node-0-0.{name}",
+        "PET_MASTER_PORT": "29400",
+    }
+    return [{"name": k, "value": v} for k, v in env.items()]
+
+
+def test_trainjob_uses_the_runtime_and_runs_elastic(
+    clean_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = manifest("trainjob.yaml")
+    runtime, trainjob = one(docs, "ClusterTrainingRuntime"), one(docs, "TrainJob")
+    assert runtime["apiVersion"] == trainjob["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
+    ref = trainjob["spec"]["runtimeRef"]
+    assert (ref["kind"], ref["name"]) == ("ClusterTrainingRuntime", runtime["metadata"]["name"])
+    assert runtime["metadata"]["labels"]["trainer.kubeflow.org/framework"] == "torch"
+    rj = replicated_jobs(runtime)
+    assert [r["name"] for r in rj] == ["node"]  # the trainer's step, as the torch plugin finds it
+    assert (
+        rj[0]["template"]["metadata"]["labels"]["trainer.kubeflow.org/trainjob-ancestor-step"]
+        == "trainer"
+    )
+    pod = jobset_pod(runtime)["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["node"]
+    c = container(pod, "node")
+    added = trainer_env(runtime, trainjob)
+    argv = agent_argv(c, added)
+    env = container_env(c, added)
+    for key, value in env.items():
+        if key.startswith("PET_"):
+            monkeypatch.setenv(key, value)
+    monkeypatch.chdir(ROOT)
+    plan, _ = parse(argv)
+    # elastic: the agents' --nnodes wins over PET_NNODES (numNodes pods start)
+    nodes = trainjob["spec"]["trainer"]["numNodes"]
+    assert plan.rendezvous.min_nodes < nodes <= plan.rendezvous.max_nodes
+    assert plan.backend == "etcd" and plan.workers.nproc == 2
+    assert plan.run_id == "train-v2"  # the TrainJob's (JobSet's) name
+    endpoints = [f"{e.host}:{e.port}" for e in plan.endpoints]
+    sts = etcd_statefulset()
+    assert all(e.startswith(f"{sts['metadata']['name']}-") for e in endpoints), endpoints
+
+
+LIVENESS_MANIFESTS = [*AGENT_MANIFESTS, "statefulset-c10d.yaml", "jobset.yaml", "trainjob.yaml"]
+
+
+def agent_containers_of(name: str) -> list[dict[str, Any]]:
+    found = []
+    for doc in manifest(name):
+        if doc["kind"] in ("JobSet", "ClusterTrainingRuntime"):
+            pods = [jobset_pod(doc)]
+        elif doc["kind"] in ("Job", "StatefulSet", "PyTorchJob"):
+            pods = [pod_template(doc)]
+        else:
+            continue
+        for pod in pods:
+            found += [c for c in pod["spec"]["containers"] if c.get("command") == ["elastrun"]]
+    assert found, name
+    return found
+
+
+@pytest.mark.parametrize("name", LIVENESS_MANIFESTS)
+def test_every_agent_has_a_liveness_probe_on_its_health_check_port(name: str) -> None:
+    """The probe asks the agent's health check (TORCHELASTIC_HEALTH_CHECK_PORT), served on an
+    address the kubelet reaches (not loopback), on the path it answers."""
+    from elastrun.agent.health_check import HOST_ENV, PATH, PORT_ENV, hosts_from, port_from
+
+    for c in agent_containers_of(name):
+        env = container_env(c)
+        port, problem = port_from(env.get(PORT_ENV))
+        assert port is not None and problem is None, (name, env.get(PORT_ENV))
+        hosts = hosts_from(env.get(HOST_ENV))
+        assert hosts and not {"127.0.0.1", "::1", "localhost"} & set(hosts), (name, hosts)
+        probe = c["livenessProbe"]["httpGet"]
+        assert (probe["port"], probe["path"]) == (port, PATH), name
+        grace = c["livenessProbe"]["periodSeconds"] * c["livenessProbe"]["failureThreshold"]
+        assert grace >= 30, "a loaded agent is not killed for one slow answer"
+
+
+# ----------------------------------------------------------------- metrics
+
+# The Prometheus Operator's monitoring.coreos.com/v1 PodMonitor: the fields used here.
+PODMONITOR_SPEC = {"selector", "podMetricsEndpoints", "namespaceSelector", "jobLabel"}
+PODMONITOR_ENDPOINT = {"port", "path", "interval", "scrapeTimeout", "scheme", "relabelings"}
+
+
+def test_the_podmonitor_scrapes_the_metrics_port_the_agents_serve(
+    clean_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monitor = one(manifest("podmonitor.yaml"), "PodMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(monitor["spec"]) <= PODMONITOR_SPEC
+    endpoints = monitor["spec"]["podMetricsEndpoints"]
+    assert all(set(e) <= PODMONITOR_ENDPOINT for e in endpoints)
+    labels = pod_template(one(manifest("job.yaml"), "Job"))["metadata"]["labels"]
+    wanted = monitor["spec"]["selector"]["matchLabels"]
+    assert wanted.items() <= labels.items(), (wanted, labels)
+    c = agent_container("job.yaml")
+    ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+    for e in endpoints:
+        assert e["path"] == "/metrics" and e["port"] in ports, (e, ports)
+    # The agent serves that port on the pod's address (PET_METRICS_PORT: the flag's
+    # variable, as elastrun's parser reads it).
+    monkeypatch.setenv("PET_METRICS_PORT", container_env(c)["PET_METRICS_PORT"])
+    monkeypatch.chdir(ROOT)  # the image's WORKDIR holds examples/ as the repository does
+    plan, _ = parse(agent_argv(c))
+    served = plan.workers.metrics
+    assert served.port == ports["metrics"] and served.hosts == (FIELD_VALUES["status.podIP"],)
+
+
+def test_the_grafana_dashboard_reads_series_the_agents_serve() -> None:
+    import json
+
+    from elastrun.agent.metrics import Metrics
+    from elastrun.goodput import Goodput
+
+    dash = json.loads((ROOT / "deploy" / "grafana" / "elastrun.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert exprs and len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+    m = Metrics(round=0, world_size=1, members=1, spares=0, group_rank=0, store_term=1)
+    m.goodput = lambda: Goodput({"training": 1.0})
+    m.step_time = lambda: 0.1
+    served = {line.split(" ")[2] for line in m.render().decode().splitlines() if "# TYPE" in line}
+    series = set()
+    for name in re.findall(r"\belastrun_[a-z_]+", " ".join(exprs)):
+        series.add(re.sub(r"_(bucket|sum|count)$", "", name) if "recovery" in name else name)
+    assert series and series <= served, series - served

@@ -214,17 +214,34 @@ def test_without_an_agent_saves_go_to_disk_after_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
     lines: list[str] = []
     mem = MemoryCheckpoint(tmp_path / "disk", persist_every=3, log=lines.append)
     for step in range(1, 7):
         mem.save({"step": step, "w": torch.ones(2)}, step=step)
     assert len(lines) == 1 and "no elastrun agent" in lines[0]
+    # under torchrun: no shared-memory advice, which only an agent's folder could use
+    assert "/dev/shm" not in lines[0] and "Launch with elastrun" in lines[0]
     assert [p.name for p in sorted((tmp_path / "disk").glob("ckpt-*.pt"))] == [
         "ckpt-000000000003.pt",
         "ckpt-000000000006.pt",
     ]
     got = MemoryCheckpoint(tmp_path / "disk", log=None).load()
     assert got is not None and got["step"] == 6
+
+
+def test_without_an_agent_only_local_rank_0_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torchrun every rank has no agent: the node hears it once, from local rank 0."""
+    monkeypatch.delenv(ENV, raising=False)
+    said: dict[str, list[str]] = {}
+    for local_rank in ("0", "1", "2"):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        lines = said.setdefault(local_rank, [])
+        mem = MemoryCheckpoint(tmp_path / f"disk{local_rank}", log=lines.append)
+        mem.save({"w": torch.ones(1)}, step=1)
+    assert [len(said[r]) for r in ("0", "1", "2")] == [1, 0, 0], said
 
 
 def test_a_state_whose_header_is_over_the_bound_is_refused_before_a_byte_is_written(

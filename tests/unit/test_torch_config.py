@@ -107,10 +107,22 @@ def test_flags_reach_the_worker_spec(tmp_path: Path) -> None:
 
 
 def test_virtual_local_rank_environment() -> None:
-    # Every worker is local rank 0 of its device; the real local rank 0 alone is flagged.
-    not_main = {"LOCAL_RANK": "0", "ELASTRUN_LOCAL_MAIN": "0"}
-    assert virtual_local_rank(1, None) == not_main | {"CUDA_VISIBLE_DEVICES": "1"}
-    assert virtual_local_rank(1, "4, 6") == not_main | {"CUDA_VISIBLE_DEVICES": "6"}
+    main = "ELASTRUN_LOCAL_MAIN"  # the node's real local rank 0, flagged
+    assert virtual_local_rank(1, None) == {
+        "LOCAL_RANK": "0",
+        "CUDA_VISIBLE_DEVICES": "1",
+        main: "0",
+    }
+    assert virtual_local_rank(1, "4, 6") == {
+        "LOCAL_RANK": "0",
+        "CUDA_VISIBLE_DEVICES": "6",
+        main: "0",
+    }
+    assert virtual_local_rank(0, "4, 6") == {
+        "LOCAL_RANK": "0",
+        "CUDA_VISIBLE_DEVICES": "4",
+        main: "1",
+    }
     with pytest.raises(WorkerError, match="no device"):
         virtual_local_rank(2, "4,6")
 

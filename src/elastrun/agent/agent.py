@@ -63,10 +63,12 @@ from typing import Any
 
 from elastrun.agent import (
     file_timers,
+    goodput,
     gpu_release,
     hang_group,
     health_check,
     memory,
+    metrics_server,
     node_health,
     warm,
 )
@@ -94,24 +96,27 @@ from elastrun.agent.log_dirs import (
     temp_dir,
 )
 from elastrun.agent.logs import LogWriteErrors, needs_files
+from elastrun.agent.metrics import Metrics
+from elastrun.agent.process import Worker, killpg
 from elastrun.agent.refusals import RefusalWatch
 from elastrun.agent.signals import Signalled, SignalRouter, StopSignals
 from elastrun.agent.spec import WorkerSpec
 from elastrun.agent.waiting import WaitingConsole
-from elastrun.agent.workers import WorkerGroup
+from elastrun.agent.workers import KILL_WAIT, WorkerGroup
 from elastrun.clock import SYSTEM_CLOCK, Clock
 from elastrun.errors import ElastrunError, RendezvousClosed, RestartBudgetExhausted
 from elastrun.event_kinds import (
-    Event,
     JobFailed,
     JobFinished,
+    RanksKept,
+    RanksLeft,
     Restart,
     RootCauseElsewhere,
     SignalForwarded,
     WorkersStarted,
     WorkersSucceeded,
 )
-from elastrun.events import EventSink, JsonLinesSink, NullSink
+from elastrun.events import EventSink, JsonLinesSink, NullSink, TeeSink
 from elastrun.failure import FailureRecord, same_failure
 from elastrun.procs import say, signal_name
 from elastrun.rendezvous.api import Change, Rendezvous, RendezvousHooks, RoundResult
@@ -130,6 +135,8 @@ FEATURES: tuple[Callable[[Core], list[Feature]], ...] = (
     file_timers.features,
     health_check.features,
     node_health.features,
+    goodput.features,
+    metrics_server.features,
 )
 
 
@@ -144,15 +151,6 @@ async def _exited(group: WorkerGroup) -> WorkersExited:
     return WorkersExited(await group.wait())
 
 
-class _Tee:
-    def __init__(self, *sinks: EventSink) -> None:
-        self.sinks = sinks
-
-    def emit(self, event: Event) -> None:
-        for s in self.sinks:
-            s.emit(event)
-
-
 class Agent:
     """Runs ``spec``'s workers for the rounds of ``rendezvous`` until the job ends.
 
@@ -162,6 +160,8 @@ class Agent:
     stopped by a signal. Must run in the main thread for signal handling and
     so that the workers' parent-death signal is tied to a long-lived thread.
     ``features``: the factories of its features (default :data:`FEATURES`).
+    ``metrics``: the Prometheus registry the launcher feeds the rendezvous'
+    events to (made here, fed the agent's, when not given: agent/metrics.py).
     """
 
     def __init__(
@@ -171,6 +171,8 @@ class Agent:
         events: EventSink | None = None,
         clock: Clock = SYSTEM_CLOCK,
         features: Sequence[Callable[[Core], list[Feature]]] = FEATURES,
+        *,
+        metrics: Metrics | None = None,
     ) -> None:
         # ``spec`` comes checked from the launcher's plan (launcher/plan.py).
         self.spec = spec
@@ -180,19 +182,32 @@ class Agent:
         sink: EventSink = events if events is not None else NullSink()
         if spec.events_file:
             self._events_file = open_event_log(spec.events_file, "--events-file", host=spec.host)
-            sink = _Tee(sink, self._events_file)
+            sink = TeeSink(sink, self._events_file)
+        if metrics is None:
+            metrics = Metrics()
+            sink = TeeSink(sink, metrics)
+        self.metrics = metrics
         self.events: EventSink = sink
         self._log_errors = LogWriteErrors(sink, say)
         self._stops = StopSignals()
         self._group: WorkerGroup | None = None
+        # In-process restarts: processes that left the last round's function,
+        # by local rank, until the next round's group takes them over.
+        self._kept: dict[int, Worker] = {}
         self._attempt = -1
         self._base_dir: str | None = None
         self._temp_base = False
         self._host_pidfile: str | None = None
         self._router: SignalRouter | None = None
+        # The failure that ended the job on this node, once its workers failed
+        # with no restarts left (the launcher passes its error file on).
+        self.ended_by: FailureRecord | None = None
+        self._last_failure: FailureRecord | None = None  # this node's latest
         self._guard = OrphanGuard()
         self._reaper = Reaper()
-        core = Core(spec, rendezvous, self.events, clock, self._guard, self._reaper, say)
+        core = Core(
+            spec, rendezvous, self.events, clock, self._guard, self._reaper, say, self.metrics
+        )
         self.features: list[Feature] = [f for make in features for f in make(core)]
         self._attribution = Attribution(core)
         # What next_round() waits for, on the console (the rendezvous reports it).
@@ -248,6 +263,7 @@ class Agent:
         if self._group is not None:
             # Also on cancellation / unexpected errors: never leave workers behind.
             await self._stop_group(signal.SIGTERM)
+        await self._stop_kept(signal.SIGTERM)
         try:
             # The rendezvous bounds its leave by close_timeout; this is the backstop.
             bound = max(RDZV_SHUTDOWN_TIMEOUT, self.rendezvous.settings.close_timeout + 1.0)
@@ -321,11 +337,53 @@ class Agent:
             return
         unkillable = await self._stops.during(group.stop(sig), group.hurry)
         self._group = None
+        self._kept = group.kept
         if unkillable:
             say(
                 f"elastrun: warning: worker pids {unkillable} did not die after SIGKILL "
                 "(stuck in the kernel, e.g. uninterruptible I/O); they are left behind"
             )
+
+    async def _stop_kept(self, sig: int) -> None:
+        """The kept processes no round took over (the job ended, a signal):
+        ``sig``, the shutdown grace, SIGKILL (each bounded)."""
+        kept, self._kept = list(self._kept.values()), {}
+        for w in kept:
+            w.kept = False
+            killpg(w.pid, sig)
+        waits = [w.exited for w in kept if w.exited is not None and not w.done]
+        if waits:
+            await asyncio.wait(waits, timeout=self.spec.shutdown_timeout)
+        for w in kept:
+            if not w.done:
+                killpg(w.pid, signal.SIGKILL)
+        waits = [w.exited for w in kept if w.exited is not None and not w.done]
+        if waits:
+            await asyncio.wait(waits, timeout=KILL_WAIT)
+        for w in kept:
+            killpg(w.pid, signal.SIGKILL)  # what it left behind in its group
+            if w.done:
+                self._guard.remove(w.pid)
+            w.release()
+
+    async def _leave(self, group: WorkerGroup, result: RoundResult) -> None:
+        """In-process restarts: the ranks that may survive leave their
+        function (bounded); the group's stop then spares them."""
+        if not any(w.restartable for w in group.workers):
+            return
+        start = self.clock.monotonic()
+        kept = await self._stops.first(group.leave())
+        ids = {w.local_rank for w in kept}
+        self.events.emit(
+            RanksLeft(
+                round=result.round,
+                attempt=self._attempt,
+                kept=sorted(ids),
+                kept_pids=[w.pid for w in kept],
+                replaced=[w.local_rank for w in group.workers if w.local_rank not in ids],
+                waited_s=round(self.clock.monotonic() - start, 3),
+            )
+        )
 
     # ------------------------------------------------------------ the loop
     async def _loop(self) -> int:
@@ -340,9 +398,11 @@ class Agent:
                 stopped = await self._attribution_stopped()
                 if stopped is not None:  # a script fault stopped the job (a spare's view)
                     say(f"elastrun: job stopped: {stopped}")
+                    self.ended_by = self._last_failure
                     self.events.emit(JobFailed(exit_code=1, reason="script_fault", detail=stopped))
                     return 1
                 say(f"elastrun: job failed: {e}")
+                self.ended_by = self._last_failure
                 self.events.emit(JobFailed(exit_code=1, reason="restarts_exhausted"))
                 return 1
             check_round(self.spec, result)
@@ -390,12 +450,28 @@ class Agent:
             reaper=self._reaper,
             log_errors=self._log_errors,
             round_hooks=lambda g: [f.round(g) for f in self.features],
+            kept={lr: w for lr, w in self._kept.items() if not w.done},
         )
+        for w in self._kept.values():
+            if w.done:  # ended between the rounds: its rank starts anew
+                w.release()
+        self._kept = {}  # the group's now (stopped with it, whatever happens)
         self._group = group
         return group
 
     async def _start(self, group: WorkerGroup, result: RoundResult) -> None:
+        kept = [w for w in group.workers if w.popen is not None]  # taken over
         await group.start()  # on WorkerError or a signal, run() stops those started
+        if kept:
+            self.events.emit(
+                RanksKept(
+                    round=result.round,
+                    attempt=self._attempt,
+                    kept=[w.rank for w in kept],
+                    kept_pids=[w.pid for w in kept],
+                    started=[w.rank for w in group.workers if w not in kept],
+                )
+            )
         self.events.emit(
             WorkersStarted(
                 round=result.round,
@@ -432,6 +508,8 @@ class Agent:
         if not own:
             say(printable(change_line(change, result)))  # the detail is another node's
         await group.changed(change)
+        if not change.stop_now:
+            await self._leave(group, result)
         await self._stop_group(signal.SIGKILL if change.stop_now else signal.SIGTERM)
         if own and change.counts_as_restart:
             # Reported as this node's failure: the job's root cause is the
@@ -484,6 +562,7 @@ class Agent:
             # their features look at them (their stacks).
             exhausted = await self._request_restart(failure_record(classify(declared), host))
             report = await self._stops.first(group.report())
+        await self._leave(group, result)
         await self._stop_group(signal.SIGTERM)
         return await self._report(group, result, (exhausted, report) if declared else None)
 
@@ -499,6 +578,7 @@ class Agent:
         job failed."""
         failures = classify(group.failures())
         record = failure_record(failures, self.spec.host)
+        self._last_failure = record
         if reported is None:
             exhausted = await self._request_restart(record)
             report = await self._stops.first(group.report())
@@ -511,6 +591,7 @@ class Agent:
         stopped = None if exhausted is None else await self._attribution_stopped()
         if stopped is not None:  # another node stopped the job for a script fault
             say(with_report(format_summary(failures, f"elastrun: job stopped: {stopped}"), report))
+            self.ended_by = record
             self.events.emit(
                 JobFailed(exit_code=1, reason="script_fault", detail=stopped, failure=record)
             )
@@ -521,6 +602,7 @@ class Agent:
                 f"(max restarts {result.max_restarts}, used {result.restart_count}): {exhausted}"
             )
             say(with_report(format_summary(failures, header), report))
+            self.ended_by = record
             self.events.emit(JobFailed(exit_code=1, reason="restarts_exhausted", failure=record))
             return 1
         # The title announces the restart, once (with the job's root cause).
@@ -565,6 +647,8 @@ class Agent:
         if action.line:
             say(action.line)
         if action.exit_code is not None:
+            if action.exit_code != 0:
+                self.ended_by = record
             self.events.emit(
                 JobFailed(
                     exit_code=action.exit_code,

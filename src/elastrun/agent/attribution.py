@@ -32,8 +32,9 @@ import time
 from dataclasses import dataclass
 
 from elastrun.agent.failures import SETTLE_TIMEOUT
+from elastrun.agent.hang_group import progress_file
 from elastrun.agent.hooks import Core
-from elastrun.agent.watchdog import heartbeat_file, read_beat
+from elastrun.agent.watchdog import read_beat
 from elastrun.agent.workers import WorkerGroup
 from elastrun.event_kinds import FaultVerdict, NodeQuarantined, QuarantineRefused
 from elastrun.failure import FailureRecord, same_failure
@@ -124,7 +125,7 @@ class Attribution:
         its script raised (None: no progress reported)."""
         for w in group.workers:
             if w.local_rank == job.local_rank:
-                beat = read_beat(heartbeat_file(w.folder))
+                beat = read_beat(progress_file(w))
                 return beat.step if beat is not None else None
         return None
 

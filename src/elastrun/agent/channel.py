@@ -72,9 +72,23 @@ class RunnerChannel:
 
     def go(self) -> None:
         """A forked worker is registered: it may run its script."""
-        if self.sock is not None:
-            with contextlib.suppress(OSError):
-                self.sock.send(encode_line(Go()))
+        self.send(Go())
+
+    def send(self, message: Message) -> bool:
+        """Send ``message`` to the runner (a few hundred bytes: the socket's
+        buffer takes it); False when the channel is gone or full."""
+        if self.sock is None:
+            return False
+        try:
+            data = encode_line(message)
+            return self.sock.send(data) == len(data)
+        except OSError:
+            return False
+
+    def rebind(self, on_message: Callable[[Message], None], on_close: Callable[[], None]) -> None:
+        """Another owner (the next round's group, in-process restarts) gets
+        the messages from now on."""
+        self._on_message, self._on_close = on_message, on_close
 
     def _readable(self) -> None:
         sock = self.sock

@@ -48,7 +48,6 @@ from elastrun.agent.watchdog import (
     Hang,
     HangPolicy,
     HangWatchdog,
-    heartbeat_file,
     heartbeat_interval,
     parse_beat,
 )
@@ -58,13 +57,22 @@ from elastrun.procs import signal_name
 from elastrun.rendezvous.api import Change
 from elastrun.worker._messages import Message, Progress, ProgressFailed
 
-__all__ = ["HangDiagnosis", "RoundHangs", "features"]
+__all__ = ["PROGRESS_INTERVAL", "HangDiagnosis", "RoundHangs", "features", "progress_file"]
 
 HANG_TASK_WAIT = 5.0  # s a round's end waits for a hang being declared (its stacks)
+# s between two writes of a rank's progress record (when it changed): the
+# goodput accounting's resolution (agent/goodput.py); a write is one small file.
+PROGRESS_INTERVAL = 0.1
 
 
 def features(core: Core) -> list[Feature]:
     return [HangDiagnosis(core)]
+
+
+def progress_file(worker: Worker) -> str:
+    """Where ``worker``'s runner records its progress (the goodput
+    accounting reads it too: agent/goodput.py)."""
+    return os.path.join(worker.folder, "heartbeat.json")
 
 
 class HangDiagnosis(Feature):
@@ -114,9 +122,11 @@ class RoundHangs(RoundHooks):
         r, spec, env = self.ranks[worker.local_rank], self.spec, {}
         # Progress: for the watchdog, and (from the runner) the step times.
         if self.watchdog is not None or self.group.runs_runner:
-            r.heartbeat_file = env[HEARTBEAT_ENV] = heartbeat_file(worker.folder)
+            r.heartbeat_file = env[HEARTBEAT_ENV] = progress_file(worker)
+            interval = PROGRESS_INTERVAL
             if spec.hang.timeout is not None:
-                env[HEARTBEAT_INTERVAL_ENV] = repr(heartbeat_interval(spec.hang.timeout))
+                interval = min(interval, heartbeat_interval(spec.hang.timeout))
+            env[HEARTBEAT_INTERVAL_ENV] = repr(interval)
         if (
             self.watchdog is not None
             and self.group.runs_runner

@@ -172,15 +172,24 @@ class HealthCheck(Feature):
                 bound.append(str(addr[0]))
                 loop.add_reader(sock.fileno(), self._accept, sock)
         if errors:
-            self.core.say(
-                f"elastrun: warning: {PORT_ENV}={self.port}: cannot serve health checks on "
-                + "; ".join(errors)
-            )
+            self.core.say(f"elastrun: warning: {self.describe()} " + "; ".join(errors))
         if not bound:
-            error = "; ".join(errors) or "no address"
-            self.core.events.emit(HealthCheckFailed(port=self.port, error=error))
+            self.not_served("; ".join(errors) or "no address")
             return
+        self.served(bound)
+
+    # What a server built on this one (agent/metrics.py) answers and says.
+    def respond(self, request: bytes) -> bytes | None:
+        return respond(request, time.time())
+
+    def describe(self) -> str:
+        return f"{PORT_ENV}={self.port}: cannot serve health checks on"
+
+    def served(self, bound: list[str]) -> None:
         self.core.events.emit(HealthCheckStarted(port=self.port, hosts=bound))
+
+    def not_served(self, error: str) -> None:
+        self.core.events.emit(HealthCheckFailed(port=self.port, error=error))
 
     def _accept(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -219,11 +228,13 @@ class HealthCheck(Feature):
         if not data:
             return True
         client.data += data
-        reply = respond(client.data, time.time())
+        reply = self.respond(client.data)
         if reply is None:
             return False
         with contextlib.suppress(OSError):
-            client.sock.send(reply)  # a few hundred bytes, into an empty send buffer
+            # One non-blocking send into an empty send buffer: a few hundred
+            # bytes (the metrics: a few KiB); what does not fit is cut.
+            client.sock.send(reply)
         return True
 
     def _close(self, client: _Client) -> None:

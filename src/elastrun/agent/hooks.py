@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from elastrun.agent.children import Reaper
 from elastrun.agent.guard import OrphanGuard
+from elastrun.agent.metrics import Metrics
 from elastrun.agent.round_hooks import RoundHooks
 from elastrun.agent.spec import WorkerSpec
 from elastrun.clock import Clock
@@ -49,6 +50,8 @@ class Core:
     guard: OrphanGuard
     reaper: Reaper
     say: Callable[[str], None]
+    # The Prometheus registry (agent/metrics.py) features feed; None: none.
+    metrics: Metrics | None = None
 
 
 class Feature:

@@ -13,7 +13,9 @@ In the background the agent watches each folder's commit note (every
 ``persist`` is written to its checkpoint folder as ``ckpt-<step>.pt`` (the
 snapshot's bytes, checked against its SHA-256 while they are written; the
 usual checksum record; the ``latest`` pointer; old ones pruned: see
-:mod:`elastrun.worker.checkpoint_files`), in a thread, one at a time: when
+:mod:`elastrun.worker.checkpoint_files`) in ``torch.save``'s format, which
+``torch.load(weights_only=True)`` reads (:mod:`elastrun.worker.torch_file`),
+in a thread, one at a time: when
 several are marked meanwhile, the newest of each rank is written next (the
 others are skipped, never queued without bound). It reads the slot under a
 shared lock, which the worker's writes go around (it has more slots), so
@@ -46,6 +48,7 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -76,15 +79,19 @@ from elastrun.worker.checkpoint_files import publish, write_checkpoint
 from elastrun.worker.snapshot import (
     ENV,
     HASH_CHUNK,
+    MAGIC,
+    PREFIX,
     REPLICA_ENV,
     CommitNote,
     Marked,
     SlotView,
     SnapshotError,
+    TensorEntry,
     open_slot,
     write_persisted,
 )
 from elastrun.worker.snapshot_digest import DataDigest, UnknownDigest
+from elastrun.worker.torch_file import write_torch_file
 
 __all__ = ["ENV", "REPLICA_ENV", "MemoryCheckpoints", "features", "persist_snapshot"]
 
@@ -120,36 +127,47 @@ class Persisted:
 
 def persist_snapshot(view: SlotView) -> Persisted:
     """Write the snapshot ``view`` holds to its checkpoint folder (its header
-    names it), checking its data against the header's digest as it goes:
-    a mismatch leaves nothing behind (SnapshotError)."""
+    names it) as a ``torch.save`` file (:mod:`elastrun.worker.torch_file`:
+    ``torch.load(weights_only=True)`` reads it), checking its data against
+    the header's digest as it goes: a mismatch leaves nothing behind
+    (SnapshotError)."""
     header = view.header
     target = header.persist
     if target is None:
         raise SnapshotError("it is not marked to be written to disk")
     d = Path(target.directory)
     d.mkdir(parents=True, exist_ok=True)
-    whole = view.whole
+    data = view.data
+    with view.whole as whole:  # the sealed header, as the slot holds it
+        hlen = int.from_bytes(whole[len(MAGIC) : PREFIX], "little")
+        header_bytes = bytes(whole[PREFIX : PREFIX + hlen])
 
     try:
-        data_digest = DataDigest(header.digest)
+        DataDigest(header.digest)  # a digest this agent knows, before a byte is written
     except UnknownDigest as e:
         raise SnapshotError(str(e)) from None
 
     def write(f: IO[bytes]) -> None:
-        f.write(whole[: view.start])
-        for i in range(view.start, view.size, HASH_CHUNK):
-            chunk = whole[i : min(i + HASH_CHUNK, view.size)]
-            data_digest.update(chunk)
-            f.write(chunk)
-        if data_digest.hexdigest() != header.sha256:
+        data_sha = DataDigest(header.digest)  # afresh for each try of the write
+        done = 0  # the data hashed so far (tensors and the padding between them)
+
+        def chunks(e: TensorEntry) -> Iterator[memoryview]:
+            nonlocal done
+            data_sha.update(data[done : e.offset])
+            for i in range(e.offset, e.offset + e.nbytes, HASH_CHUNK):
+                chunk = data[i : min(i + HASH_CHUNK, e.offset + e.nbytes)]
+                data_sha.update(chunk)
+                yield chunk
+            done = e.offset + e.nbytes
+
+        write_torch_file(f, "archive", header, header_bytes, chunks)
+        data_sha.update(data[done:])
+        if data_sha.hexdigest() != header.sha256:
             raise SnapshotError("its data does not match its digest (changed while read?)")
 
-    try:
-        final, digest = write_checkpoint(d, header.step, write)
-        publish(d, final, target.keep)
-    finally:
-        whole.release()
-    return Persisted(str(final), header.step, view.size, digest)
+    final, digest = write_checkpoint(d, header.step, write)
+    publish(d, final, target.keep)
+    return Persisted(str(final), header.step, final.stat().st_size, digest)
 
 
 class MemoryCheckpoints(Feature):

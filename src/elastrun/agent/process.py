@@ -101,6 +101,14 @@ class Worker:
     pidfd: int | None = None
     # The order of its output lines across stdout and stderr (its pumps share it).
     lines: Iterator[int] = field(default_factory=itertools.count)
+    # In-process restarts (agent/in_process.py): the round its process is in,
+    # whether its script entered an in-process function, when it left it (and
+    # why), and whether the next round takes it over.
+    round: int = -1
+    restartable: bool = False
+    left: tuple[str, float] | None = None  # why, monotonic
+    kept: bool = False
+    on_exit: Callable[[], None] = lambda: None  # its exit's callback (the group's)
 
     @property
     def pid(self) -> int:
@@ -145,6 +153,8 @@ class Worker:
         """Call ``on_exit`` in ``loop`` when it may have exited: its pidfd
         readable (a waiting thread where pidfds are unavailable)."""
         assert self.popen is not None
+        self.on_exit = on_exit
+        on_exit = self._exit_seen  # a group that takes it over rebinds on_exit
         self.exited = loop.create_future()
         try:
             self.pidfd = os.pidfd_open(self.popen.pid)
@@ -162,6 +172,23 @@ class Worker:
                 loop.call_soon_threadsafe(on_exit)
 
         threading.Thread(target=wait_thread, name=f"wait-{pid}", daemon=True).start()
+
+    def _exit_seen(self) -> None:
+        self.on_exit()
+
+    def take_over(self, rank: int, round_: int) -> None:
+        """A new round's group takes this kept process over (rank ``rank``):
+        what it ended as in the last round is forgotten."""
+        self.rank, self.round = rank, round_
+        self.kept, self.left, self.declared, self.failing, self.dying = (
+            False,
+            None,
+            None,
+            None,
+            None,
+        )
+        self.stopped_by_agent = False
+        self.agent_signals = set()
 
     def reap(self, loop: asyncio.AbstractEventLoop, now: float) -> int | None:
         """Its exit status, the first time it is found exited (reaped, its

@@ -34,6 +34,7 @@ __all__ = [
     "HealthCheckSettings",
     "LogSettings",
     "MemorySettings",
+    "MetricsSettings",
     "NodeHealthSettings",
     "StartMethod",
     "Std",
@@ -172,6 +173,16 @@ class HealthCheckSettings:
 
 
 @dataclass(frozen=True)
+class MetricsSettings:
+    """agent/metrics.py: the Prometheus endpoint (``--metrics-port
+    [HOST,...:]PORT``; None: not served) and the addresses it listens on
+    (loopback unless given)."""
+
+    port: int | None = None
+    hosts: tuple[str, ...] = DEFAULT_HEALTH_CHECK_HOSTS
+
+
+@dataclass(frozen=True)
 class FileTimerSettings:
     """agent/file_timers.py: torch's file timer server
     (``TORCHELASTIC_ENABLE_FILE_TIMER=1`` or ``TORCHELASTIC_TIMER_FILE``)."""
@@ -264,3 +275,4 @@ class WorkerSpec:
     file_timers: FileTimerSettings = FileTimerSettings()
     attribution: AttributionSettings = AttributionSettings()
     node_health: NodeHealthSettings = NodeHealthSettings()
+    metrics: MetricsSettings = MetricsSettings()

@@ -89,7 +89,6 @@ __all__ = [
     "HangWatchdog",
     "ProgressRead",
     "folder_problem",
-    "heartbeat_file",
     "heartbeat_interval",
     "parse_beat",
     "read_beat",
@@ -122,6 +121,13 @@ class Beat:
     calib: float | None = None  # the rank's own calibrated timeout (s)
     phase: str | None = None  # a long phase it is in ("checkpoint")
     phase_since: float | None = None
+    # For the goodput accounting (agent/goodput.py): this process's first
+    # step and when it ended, its seconds in checkpoint phases, and whether
+    # ``step`` is the script's own.
+    first_at: float | None = None
+    first_step: int | None = None
+    saving_s: float | None = None
+    reported: bool = False
 
 
 @dataclass(frozen=True)
@@ -169,11 +175,6 @@ def read_progress(path: str) -> ProgressRead:
     return ProgressRead(beat=parse_beat(data))
 
 
-def heartbeat_file(folder: str) -> str:
-    """A worker's progress file (``HEARTBEAT_ENV``), in its own folder."""
-    return os.path.join(folder, "heartbeat.json")
-
-
 def read_beat(path: str) -> Beat | None:
     """The last heartbeat in ``path``; None if absent, unreadable or not a heartbeat."""
     return read_progress(path).beat
@@ -199,6 +200,10 @@ def parse_beat(data: object) -> Beat | None:
         calib=None if calib is None else min(calib, MAX_CALIB),
         phase=phase[:64] if phase else None,
         phase_since=_seconds(f, "phase_since"),
+        first_at=f.maybe_number("first_at"),
+        first_step=f.maybe_int("first_step"),
+        saving_s=_seconds(f, "saving_s"),
+        reported=f.raw.get("reported") is True,
     )
 
 

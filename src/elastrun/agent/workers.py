@@ -34,13 +34,13 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from elastrun.agent.channel import CHANNEL_ENV, RunnerChannel
 from elastrun.agent.children import ForkedProcess, Reaper
 from elastrun.agent.command import Executable
-from elastrun.agent.env import worker_env
+from elastrun.agent.env import ROUND_ENV_VARS, worker_env
 from elastrun.agent.failures import WorkerFailure, roles
 from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.log_dirs import rank_dir
@@ -51,11 +51,17 @@ from elastrun.agent.spawn import launcher_stdin, preexec_for
 from elastrun.agent.spec import WorkerSpec
 from elastrun.clock import SYSTEM_CLOCK, Clock, remaining
 from elastrun.errors import WorkerError
-from elastrun.event_kinds import WorkerExited, WorkersKilled, WorkersStopping, WorkersUnkillable
+from elastrun.event_kinds import (
+    RankEntered,
+    WorkerExited,
+    WorkersKilled,
+    WorkersStopping,
+    WorkersUnkillable,
+)
 from elastrun.events import EventSink
 from elastrun.procs import signal_name
 from elastrun.rendezvous.api import Change, RoundResult
-from elastrun.worker._messages import Failing, Message
+from elastrun.worker._messages import Abort, Enter, Entered, Failing, Left, Message, Restartable
 
 __all__ = ["FAILING_GRACE", "Worker", "WorkerGroup"]
 
@@ -65,6 +71,13 @@ FAILING_GRACE = 5.0
 
 KILL_WAIT = 5.0  # after SIGKILL, how long to wait for the kernel to finish them
 DRAIN_TIMEOUT = 2.0  # after exit, how long to wait for the rest of a worker's output
+ROUND_ENV = "ELASTRUN_ROUND"  # the round a worker starts in (read by worker/_runner.py)
+# In-process restarts (docs/in_process.md): how long a rank asked to leave its
+# function may take before its process is replaced, and how long a rank that
+# left by itself (its collective broke) waits for the failure that broke it
+# before it is declared failed.
+LEAVE_TIMEOUT = 10.0
+LEFT_GRACE = 30.0
 
 
 class WorkerGroup:
@@ -84,6 +97,7 @@ class WorkerGroup:
         reaper: Reaper | None = None,
         log_errors: LogWriteErrors | None = None,
         round_hooks: Callable[[WorkerGroup], Iterable[RoundHooks | None]] = lambda _g: (),
+        kept: Mapping[int, Worker] | None = None,
     ) -> None:
         self.spec = spec
         self.result = result
@@ -115,8 +129,14 @@ class WorkerGroup:
             )
             if filters and keep_files
         }
+        kept = kept or {}
         for lr in range(spec.nproc):
             rank = result.rank_offset + lr
+            if lr in kept:  # its process left the last round's function: kept
+                w = kept[lr]
+                w.take_over(rank, result.round)
+                self.workers.append(w)
+                continue
             routes = routes_for(
                 spec,
                 attempt_dir if keep_files else None,
@@ -128,7 +148,9 @@ class WorkerGroup:
             )
             folder = os.path.join(attempt_dir, str(lr))
             self.workers.append(
-                Worker(lr, rank, folder, os.path.join(folder, "error.json"), routes)
+                Worker(
+                    lr, rank, folder, os.path.join(folder, "error.json"), routes, round=result.round
+                )
             )
         # The features' hooks for this round (agent/hooks.py), made before its workers start.
         self.hooks: list[RoundHooks] = [h for h in round_hooks(self) if h is not None]
@@ -148,13 +170,21 @@ class WorkerGroup:
             for h in self.hooks:
                 env.update(h.worker_env(w))
             self.envs[w.local_rank] = env
+            if w.popen is not None:  # kept: it enters its function again
+                continue
             if self.runs_runner:
+                env[ROUND_ENV] = str(self.result.round)
                 ours, theirs[w.local_rank] = socket.socketpair()
                 w.channel = RunnerChannel(ours)
         try:
+            for w in self.workers:
+                if w.popen is not None:
+                    self._enter(w)
             forked: dict[int, ForkedProcess] = {}
             for h in self.hooks if self.runs_runner else ():
-                rest = {lr: env for lr, env in self.envs.items() if lr not in forked}
+                rest = {
+                    lr: env for lr, env in self.envs.items() if lr not in forked and lr in theirs
+                }
                 channels = {lr: theirs[lr].fileno() for lr in rest}
                 forked.update(await h.fork(rest, channels) if rest else {})
             for w in self.workers:  # the forked ones exist already: registered first
@@ -171,6 +201,20 @@ class WorkerGroup:
                 sock.close()
         for h in self.hooks:
             h.started()
+
+    def _enter(self, w: Worker) -> None:
+        """A kept process: watched by this group, told to enter its function
+        again with this round's variables (as a fresh worker's environment)."""
+        loop = asyncio.get_running_loop()
+        w.on_exit = lambda: self._on_exit(loop, w)
+        if w.channel is not None:
+            w.channel.rebind(
+                lambda message: self._on_message(w, message), lambda: self._channel_closed(w)
+            )
+            env = self.envs[w.local_rank]
+            w.channel.send(Enter(self.result.round, {k: env[k] for k in ROUND_ENV_VARS}))
+        if w.done:  # it ended meanwhile: its exit is this round's failure
+            self._changed.set()
 
     def _prepare(self, w: Worker) -> None:
         """The worker's folder (private, see ``rank_dir``: a refused one is a
@@ -240,6 +284,9 @@ class WorkerGroup:
                 w.channel.go()  # registered: the forked worker may run
 
     def _on_message(self, w: Worker, message: Message) -> None:
+        if isinstance(message, Restartable | Left | Entered):
+            self._in_process(w, message)
+            return
         if isinstance(message, Failing):
             if w.failing is None and not w.done:
                 self._reap_signalled(asyncio.get_running_loop(), w)
@@ -248,6 +295,87 @@ class WorkerGroup:
             return
         for h in self.hooks:
             h.on_message(w, message)
+
+    def _in_process(self, w: Worker, message: Restartable | Left | Entered) -> None:
+        """The in-process restart protocol's messages (docs/in_process.md);
+        one of another round than the worker's is ignored."""
+        if message.round != w.round or w.done:
+            return
+        match message:
+            case Restartable() | Entered():
+                w.restartable = True
+                self.events.emit(
+                    RankEntered(
+                        round=w.round,
+                        attempt=self.attempt,
+                        rank=w.rank,
+                        local_rank=w.local_rank,
+                        pid=w.pid,
+                        world_size=self.result.world_size,
+                        master=f"{self.result.master_addr}:{self.result.master_port}",
+                        again=isinstance(message, Entered),
+                    )
+                )
+            case Left() if w.left is None:
+                w.left = (message.why, self.clock.monotonic())
+                # Its collective broke: a failure that broke it is expected
+                # soon; with none, the rank is declared failed (bounded).
+                loop = asyncio.get_running_loop()
+                loop.call_later(LEFT_GRACE, self._left_alone, w)
+                self._changed.set()
+
+    def _left_alone(self, w: Worker) -> None:
+        if not self._ended and w.left is not None and not self.failed and w in self.workers:
+            self.declare(w, f"it left its function ({w.left[0]}) and no failure followed")
+
+    async def leave(self, timeout: float = LEAVE_TIMEOUT) -> list[Worker]:
+        """The group failed: every rank whose process may survive (it entered
+        an in-process function, has not raised, is not declared failed, runs)
+        is asked to leave its function; returns those that left within
+        ``timeout`` (marked kept: :meth:`stop` and :meth:`close` spare them),
+        the others are stopped with the group."""
+        candidates = [
+            w
+            for w in self.workers
+            if w.restartable
+            and w.popen is not None
+            and not w.done
+            and w.failing is None
+            and w.declared is None
+        ]
+        # A rank that raised ends by itself (its interpreter's teardown); a
+        # rank declared hung (its stacks taken already) is stopped now: its
+        # peers' collectives, waiting on it, break once its sockets close (an
+        # Abort alone does not end a gloo collective that waits on a live peer).
+        hung = [w for w in self.workers if w.declared is not None and w.popen is not None]
+        for w in hung:
+            if not w.done:
+                w.stopped_by_agent = True
+                killpg(w.pid, signal.SIGTERM)
+        ending = [
+            w.exited
+            for w in self.workers
+            if (w.failing is not None or w in hung) and w.exited is not None and not w.done
+        ]
+        if ending:
+            await asyncio.wait(ending, timeout=min(timeout, FAILING_GRACE))
+        for w in candidates:
+            w.note_dying(self.clock.monotonic())
+            if w.left is None and w.dying is None and w.channel is not None:
+                w.channel.send(Abort(w.round))
+        deadline = self.clock.monotonic() + timeout
+        while True:
+            waiting = [w for w in candidates if w.left is None and not w.done and w.dying is None]
+            left = remaining(deadline, self.clock)
+            if not waiting or left <= 0:
+                break
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
+        kept = [w for w in candidates if w.left is not None and not w.done and w.dying is None]
+        for w in kept:
+            w.kept = True
+        return kept
 
     def _channel_closed(self, w: Worker) -> None:
         for h in self.hooks:
@@ -327,6 +455,11 @@ class WorkerGroup:
         return [w.pid for w in self.workers if w.popen is not None]
 
     @property
+    def kept(self) -> dict[int, Worker]:
+        """The processes the next round takes over, by local rank (:meth:`leave`)."""
+        return {w.local_rank: w for w in self.workers if w.kept and not w.done}
+
+    @property
     def failed(self) -> bool:
         return any(
             (w.done and w.returncode != 0) or w.declared is not None or w.failing is not None
@@ -391,7 +524,9 @@ class WorkerGroup:
 
     async def _wait_exits(self, deadline: float) -> None:
         while True:
-            pending = [w.exited for w in self.workers if w.exited is not None and not w.done]
+            pending = [
+                w.exited for w in self.workers if w.exited is not None and not w.done and not w.kept
+            ]
             if not pending:
                 return
             left = remaining(deadline, self.clock)
@@ -410,7 +545,7 @@ class WorkerGroup:
         pids that would not die."""
         grace = self.spec.shutdown_timeout if grace is None else grace
         await self.end()  # nobody is judged while stopping
-        live = [w for w in self.workers if w.popen is not None and not w.done]
+        live = [w for w in self.workers if w.popen is not None and not w.done and not w.kept]
         for w in live:
             w.note_dying(self.clock.monotonic())
         # A rank whose script failed, or whose process was found ending, is
@@ -435,14 +570,16 @@ class WorkerGroup:
                     if not w.done:
                         killpg(w.pid, sig)
             await self._wait_exits(start + grace)
-        stubborn = [w for w in self.workers if w.popen is not None and not w.done]
+        stubborn = [w for w in self.workers if w.popen is not None and not w.done and not w.kept]
         if stubborn:
             self.events.emit(WorkersKilled(pids=[w.pid for w in stubborn], after_grace=grace))
             for w in stubborn:
                 killpg(w.pid, signal.SIGKILL)
             self._hurry.clear()
             await self._wait_exits(self.clock.monotonic() + KILL_WAIT)
-        unkillable = [w.pid for w in self.workers if w.popen is not None and not w.done]
+        unkillable = [
+            w.pid for w in self.workers if w.popen is not None and not w.done and not w.kept
+        ]
         await self.close()
         if unkillable:
             self.events.emit(WorkersUnkillable(pids=unkillable))
@@ -456,19 +593,20 @@ class WorkerGroup:
         self._closed = True
         self._tell_exits()  # a peer found dying that never ended: told without it
         await self.end()
-        for w in self.workers:
+        gone = [w for w in self.workers if not w.kept]  # the kept run on, the next round's
+        for w in gone:
             if w.popen is not None:
                 killpg(w.pid, signal.SIGKILL)
                 if self.guard is not None and w.done:
                     self.guard.remove(w.pid)
-        tasks = [t for w in self.workers for t in w.pump_tasks]
+        tasks = [t for w in gone for t in w.pump_tasks]
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=DRAIN_TIMEOUT)
             for t in pending:
                 t.cancel()
             if pending:
                 await asyncio.wait(pending, timeout=1.0)
-        for w in self.workers:
+        for w in gone:
             w.release()
         for copy in self.copies.values():
             copy.close()

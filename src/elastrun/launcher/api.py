@@ -8,8 +8,11 @@ Two kinds of entrypoint:
   Returns the agent's exit code.
 * a function: a module-level function importable by name, with JSON
   arguments. Each worker runs ``python -m elastrun.worker._fn_runner`` (no
-  pickle anywhere); returns ``{global_rank: return value}`` for this node's
-  workers, or raises :class:`~elastrun.errors.WorkerError` when they failed.
+  pickle of arbitrary objects anywhere); returns ``{global_rank: return
+  value}`` for this node's workers (JSON data, or tensors and
+  ``state_dict``-shaped trees of them, read back with torch's
+  ``weights_only`` load: ``worker/_fn_results.py``), or raises
+  :class:`~elastrun.errors.WorkerError` when they failed.
 
 Functions defined in the launching script are fine (the script is loaded as
 ``__mp_main__`` in workers, as multiprocessing does): guard the ``launch()``
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from elastrun.agent.command import Executable, PythonModule, PythonScript, WorkerCommand
 from elastrun.errors import ConfigError, WorkerError
 from elastrun.launcher.config import LaunchConfig
+from elastrun.worker._fn_results import read_results
 
 if TYPE_CHECKING:  # imported when launching: ``import elastrun`` stays light
     from elastrun.launcher.plan import Plan
@@ -201,11 +205,4 @@ def launch(
                 f"launch(): the workers of {spec['qualname']} failed (agent exit code {code}); "
                 "see the failure summary above"
             )
-        out: dict[int, Any] = {}
-        for name in sorted(os.listdir(results)):
-            if not name.endswith(".json"):
-                continue
-            with open(os.path.join(results, name), encoding="utf-8") as f:
-                record = json.load(f)
-            out[int(record["rank"])] = record["result"]
-        return out
+        return read_results(results)

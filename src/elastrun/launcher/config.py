@@ -70,12 +70,13 @@ class LaunchConfig:
     nproc_per_node: int = 1
     # "" (torch's default in its LaunchConfig): a generated id (see plan.resolve).
     run_id: str = "none"
-    role: str = "default"
+    # torch's LaunchConfig defaults (the CLI's stay torchrun's CLI's: "default", 0).
+    role: str = "default_role"
     rdzv_backend: str = "static"  # a plan.Backend, or one of its names
     rdzv_endpoint: str = ""
     rdzv_configs: Mapping[str, Any] = field(default_factory=dict)
     standalone: bool = False
-    max_restarts: int = 0
+    max_restarts: int = 3
     # --node-unit: world sizes are multiples of it (DLRover's name); the nodes
     # beyond the largest allowed size wait as hot spares.
     node_unit: int = 1
@@ -105,6 +106,9 @@ class LaunchConfig:
     # Not used when log_template is given.
     log_line_prefix_template: str | None = None
     events_file: str | None = None
+    # --metrics-port: the agent's Prometheus endpoint, "PORT" (loopback) or
+    # "HOST[,HOST...]:PORT" (agent/metrics_server.py); None: not served.
+    metrics_port: str | None = None
     hang_timeout: float | None = None
     # hang_timeout is the floor of each rank's own calibrated timeout
     # (``--hang-timeout auto[:FLOOR]``; see agent/watchdog.py).

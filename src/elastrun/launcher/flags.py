@@ -135,6 +135,8 @@ def build_parser(*, legacy: bool = False) -> argparse.ArgumentParser:
             "                      a job's history (from --events-file logs) as an HTML page\n"
             "  elastrun store serve [--host H] [--port P] [--token-file F]\n"
             "                      the rendezvous store as its own process\n"
+            "  elastrun checkpoint-convert OUT RANK_FILES... [--format dcp|torch]\n"
+            "                      the ranks' disk copies of a sharded state put together\n"
             "  (each with --help; torch.distributed.launch users: python -m elastrun.launch)\n"
             "\n"
             "examples:\n"
@@ -248,6 +250,7 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
         log_template=ns.log_template,
         log_line_prefix_template=torch_template,
         events_file=ns.events_file or None,
+        metrics_port=ns.metrics_port or None,
         hang_timeout=hang_timeout,
         hang_auto=hang_auto,
         stack_signal=parse_stack_signal(ns.stack_signal),
@@ -512,6 +515,15 @@ def add_log_flags(p: argparse.ArgumentParser) -> None:
         action=EnvFlag,
         help="exit 1 when the workers succeeded but some of their output could not be "
         "written to its log file (a full disk); default: a warning and an event only",
+    )
+    lg.add_argument(
+        *both("--metrics-port"),
+        action=EnvDefault,
+        default=None,
+        metavar="[HOST,...:]PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (round, world size, "
+        "restarts, recovery times, goodput by cause, step rate, stragglers, store term; "
+        "default: not served; loopback unless HOSTs are given; docs/cli.md)",
     )
     lg.add_argument(
         *both("--events-file"),

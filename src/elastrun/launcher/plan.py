@@ -26,7 +26,14 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from elastrun.agent import file_timers, gpu_release, health_check, memory, replica
+from elastrun.agent import (
+    file_timers,
+    gpu_release,
+    health_check,
+    memory,
+    metrics_server,
+    replica,
+)
 from elastrun.agent.command import Executable, WorkerCommand
 from elastrun.agent.logs import validate_template
 from elastrun.agent.modcache import default_cache_dir
@@ -521,6 +528,7 @@ def _worker_spec(
             stack_signal=config.stack_signal,
         ),
         events_file=os.path.abspath(config.events_file) if config.events_file else None,
+        metrics=metrics_server.settings_from(config.metrics_port),
         warm=WarmSettings(
             # numactl runs each worker (--numa-binding): not forked from a warm interpreter.
             enabled=config.warm and config.numa_binding is None,

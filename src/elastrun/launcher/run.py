@@ -15,10 +15,11 @@ import os
 import socket
 from typing import TYPE_CHECKING
 
+from elastrun.agent.metrics import Metrics
 from elastrun.agent.spec import WorkerSpec
 from elastrun.endpoint import format_endpoints
 from elastrun.event_kinds import AgentExited, AgentStarted
-from elastrun.events import EventSink
+from elastrun.events import EventSink, TeeSink
 from elastrun.launcher.event_log import EventLog, events_path
 from elastrun.launcher.hosting import in_thread, link_candidates, link_store, route_addr
 from elastrun.launcher.plan import Plan
@@ -34,10 +35,16 @@ if TYPE_CHECKING:
 __all__ = ["run_async", "run_plan"]
 
 
-async def run_agent(spec: WorkerSpec, rdzv: Rendezvous, events: EventSink | None) -> int:
+async def run_agent(
+    spec: WorkerSpec, rdzv: Rendezvous, events: EventSink | None, metrics: Metrics | None = None
+) -> int:
     from elastrun.agent.agent import Agent
+    from elastrun.launcher.error_file import pass_error_file
 
-    return await Agent(spec, rdzv, events).run()
+    agent = Agent(spec, rdzv, events, metrics=metrics)
+    code = await agent.run()
+    pass_error_file(agent.ended_by)  # to the launcher's TORCHELASTIC_ERROR_FILE, if set
+    return code
 
 
 async def run_async(plan: Plan, *, events: EventSink | None = None) -> int:
@@ -53,7 +60,10 @@ async def run_async(plan: Plan, *, events: EventSink | None = None) -> int:
             f"--rdzv-id={plan.run_id}"
         )
     flag = "--events-file" if plan.workers.events_file else "--log-dir"
-    log = EventLog(events_path(plan, hostname), events, flag, run_id=plan.run_id, host=hostname)
+    # The Prometheus registry sees the rendezvous' events and the agent's.
+    metrics = Metrics()
+    user = metrics if events is None else TeeSink(events, metrics)
+    log = EventLog(events_path(plan, hostname), user, flag, run_id=plan.run_id, host=hostname)
     code = 1
     try:
         log.emit(
@@ -70,14 +80,14 @@ async def run_async(plan: Plan, *, events: EventSink | None = None) -> int:
                 node_rank=plan.node_rank,
             ),
         )
-        code = await _run(plan, hostname, log)
+        code = await _run(plan, hostname, log, metrics)
         return code
     finally:
         log.emit("launcher", AgentExited(exit_code=code))
         log.close()
 
 
-async def _run(plan: Plan, hostname: str, log: EventLog) -> int:
+async def _run(plan: Plan, hostname: str, log: EventLog, metrics: Metrics) -> int:
     spec = dataclasses.replace(plan.workers, host=hostname)
     if log.file is not None:  # written here, with the rendezvous' events: not twice
         spec = dataclasses.replace(spec, events_file=None)
@@ -94,10 +104,10 @@ async def _run(plan: Plan, hostname: str, log: EventLog) -> int:
         rdzv = StaticRendezvous(
             settings, node_rank=node_rank, master_addr=master_addr, master_port=master_port
         )
-        return await run_agent(spec, rdzv, events)
+        return await run_agent(spec, rdzv, events, metrics)
 
     if plan.failover:
-        return await _run_candidates(plan, spec, hostname, log, events)
+        return await _run_candidates(plan, spec, hostname, log, events, metrics=metrics)
 
     async with link_store(plan, hostname) as link:
         from elastrun.rendezvous.dynamic import DynamicRendezvous
@@ -105,11 +115,17 @@ async def _run(plan: Plan, hostname: str, log: EventLog) -> int:
         settings = dataclasses.replace(plan.rendezvous, host=hostname, addr=link.addr)
         dynamic = DynamicRendezvous(link.store, settings, events=log.sink("rendezvous"))
         log.common["node_id"] = dynamic.node_id
-        return await run_agent(spec, dynamic, events)
+        return await run_agent(spec, dynamic, events, metrics)
 
 
 async def _run_candidates(
-    plan: Plan, spec: WorkerSpec, hostname: str, log: EventLog, events: EventSink | None
+    plan: Plan,
+    spec: WorkerSpec,
+    hostname: str,
+    log: EventLog,
+    events: EventSink | None,
+    *,
+    metrics: Metrics,
 ) -> int:
     """Run this node's agent over the candidate hosts' store."""
     from elastrun.rendezvous.dynamic import DynamicRendezvous
@@ -124,7 +140,7 @@ async def _run_candidates(
 
         rdzv = FailoverRendezvous(link.client, settings, make, events=sink, say=say)
         log.common["node_id"] = rdzv.node_id
-        return await run_agent(spec, rdzv, events)
+        return await run_agent(spec, rdzv, events, metrics)
 
 
 def run_plan(plan: Plan, *, events: EventSink | None = None) -> int:

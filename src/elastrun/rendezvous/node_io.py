@@ -435,7 +435,12 @@ class Executor:
         # rejoin window) named by a limit (:meth:`.register.Registration.regain_lease`).
         self.renew = renew
         self.failure: FailureRecord | None = None  # the last failure reported
-        self.port = 0  # the master port this node offers (picked once)
+        # The master port this node offers, picked again for each round: a
+        # process of an earlier round (a survivor of in-process restarts,
+        # a rank of a node that lost its lease) never reaches a later
+        # round's TCPStore at the address it knew.
+        self.port = 0
+        self.port_round = -1
         self.notice: Callable[[str], None] | None = None  # a line for the operator
         self.waited_as_spare = False  # this node's last wait was as a spare
         self.done_round: int | None = None  # the last round this node put its done key in
@@ -610,8 +615,13 @@ class Executor:
         kv = view.round_kv
         if kv is None or view.round is None or view.round.round != r:
             return
-        if not self.port:
-            self.port = await asyncio.to_thread(rounds.pick_master_port, node.settings.addr)
+        if not self.port or self.port_round != r:
+            last = self.port
+            for _ in range(3):  # another port than the last round's
+                self.port = await asyncio.to_thread(rounds.pick_master_port, node.settings.addr)
+                if self.port != last:
+                    break
+            self.port_round = r
         rec = JoinRecord(node.info(), port=self.port)
         res = await node.store.txn(
             [Compare.unchanged(node.keys.round, kv.mod_revision)],

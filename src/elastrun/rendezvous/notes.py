@@ -13,6 +13,8 @@ round's member at its group rank (:class:`Seat`). The schemas:
                   every few seconds, on the node's lease (agent/stragglers.py)
 ``stragglers``    :class:`StragglersNote`, the verdicts of group rank 0's agent
                   for the round, on its lease (agent/stragglers.py)
+``goodput``       :class:`GoodputNote`, group rank 0's agent's goodput figures,
+                  replaced every few seconds, on its lease (agent/goodput.py)
 ``stacks_{R}_{G}``  :class:`StacksNote`, group rank G's ranks' stacks when round
                   R ended on a hang (agent/hangs.py); all deleted when the next
                   hang's round opens
@@ -47,10 +49,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Self, TypeVar
 
 from elastrun.fields import Fields
+from elastrun.goodput import Goodput
 from elastrun.untrusted import UntrustedData, loads
 from elastrun.worker import _modnames
 
 __all__ = [
+    "GOODPUT",
     "MAX_FRAMES",
     "MAX_MODULES",
     "MAX_RANKS",
@@ -59,6 +63,7 @@ __all__ = [
     "SLOW_RATIO",
     "STACKS_PREFIX",
     "STRAGGLERS",
+    "GoodputNote",
     "ModuleReport",
     "Note",
     "NoteInvalid",
@@ -89,6 +94,7 @@ NAME = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
 NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}\Z")
 
 STRAGGLERS = "stragglers"
+GOODPUT = "goodput"
 MODULES = "modules"
 REFUSED = "refused"
 MAX_MESSAGE = 2000  # a refusal's message (the settings that differ, named)
@@ -528,6 +534,48 @@ class StragglersNote(Note):
     def check(self, round_: int | None, seat: Seat | None) -> StragglersNote:
         """Itself, when it is the verdict of round ``round_``."""
         _of_round("stragglers note", round_, self.round)
+        return self
+
+
+# -- goodput ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GoodputNote(Note):
+    """``goodput``: the goodput figures of group rank 0's agent (its ledger
+    goes on across rounds). Read for a round: a note of that round or an
+    earlier one (while a round forms, the last one's figures stand)."""
+
+    ON_LEASE: ClassVar[bool] = True
+
+    round: int
+    at: float  # wall clock of the figures
+    figures: Goodput
+
+    @classmethod
+    def name_for(cls, round_: int | None, seat: Seat | None) -> str:
+        return GOODPUT
+
+    @property
+    def name(self) -> str:
+        return GOODPUT
+
+    def to_json(self) -> dict[str, Any]:
+        return {"round": self.round, "at": self.at, "figures": self.figures.to_json()}
+
+    @classmethod
+    def from_json(cls, raw: object) -> GoodputNote:
+        obj = _fields(raw, "a goodput note")
+        return cls(
+            round=obj.integer("round"),
+            at=obj.number("at", high=MAX_SECONDS),
+            figures=Goodput.from_json(obj.raw.get("figures"), NoteInvalid),
+        )
+
+    def check(self, round_: int | None, seat: Seat | None) -> GoodputNote:
+        """Itself, when it is of round ``round_`` or an earlier one."""
+        if round_ is None:
+            raise TypeError("a goodput note is read for a round")
+        if self.round > round_:
+            raise NoteInvalid(f"goodput note of round {self.round}, after round {round_}")
         return self
 
 

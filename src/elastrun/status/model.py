@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastrun.failure import FailureRecord
+from elastrun.goodput import Goodput
 from elastrun.rendezvous import notes as N
 from elastrun.rendezvous.quarantine import QuarantineRecord
 from elastrun.rendezvous.records import RoundState
@@ -196,6 +197,7 @@ class Summary:
     hang_stacks: HangStacks | None
     revision: int
     store_hosts: StoreHosts | None = None  # candidate hosts only
+    goodput: Goodput | None = None  # group rank 0's agent's figures (its note)
     # Fault attribution (rendezvous/quarantine.py, fault_history.py): the
     # nodes kept out of the job (expired records too), and the script fault
     # that stopped it.
@@ -246,6 +248,7 @@ class Summary:
             "hang_stacks": self.hang_stacks.to_json() if self.hang_stacks is not None else None,
             "revision": self.revision,
             "store_hosts": self.store_hosts.to_json() if self.store_hosts is not None else None,
+            "goodput": self.goodput.to_json() if self.goodput is not None else None,
             "quarantined": [_quarantine_json(q) for q in self.quarantined],
             "fault_stopped": self.fault_stopped,
         }

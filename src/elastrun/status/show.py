@@ -51,6 +51,8 @@ def render_table(summary: Summary, where: str) -> str:
     for_ = f" for {duration_text(s.state_for_s)}" if s.state_for_s is not None else ""
     out.append(f"state     {s.state}{for_}, round {rnd}{why}")
     out.append(f"restarts  {s.restarts} of {_opt(s.max_restarts)}")
+    if s.goodput is not None:
+        out.append(f"goodput   {s.goodput.status_text()}")
     if s.store_hosts is not None:
         out.append(printable(f"store     {s.store_hosts.describe()}"))
     unit = f", node unit {s.node_unit}" if s.node_unit > 1 else ""

@@ -218,6 +218,7 @@ def summarize(
         ranks=rank_progress(notes or ShownNotes()),
         hang_stacks=hang_stacks(notes or ShownNotes()),
         revision=revision,
+        goodput=notes.goodput.figures if notes is not None and notes.goodput else None,
     )
 
 
@@ -255,6 +256,7 @@ class ShownNotes:
     progress: tuple[N.ProgressNote, ...] = ()
     stragglers: N.StragglersNote | None = None
     stacks: tuple[N.StacksNote, ...] = ()
+    goodput: N.GoodputNote | None = None  # group rank 0's agent's figures
 
 
 def rank_progress(notes: ShownNotes) -> tuple[RankRow, ...]:
@@ -322,13 +324,16 @@ async def read_notes(
     room -= len(shown_seats)
     verdict = one(N.StragglersNote, shown.round, None) if shown and room > 0 else nothing()
     room -= 1
+    goodput = one(N.GoodputNote, shown.round, None) if shown and room > 0 else nothing()
+    room -= 1
     hang_seats = list(_seats(hang_result).values())[: max(0, room)]
-    progress, stragglers, stacks = await asyncio.gather(
+    progress, stragglers, stacks, figures = await asyncio.gather(
         each(N.ProgressNote, shown.round if shown else 0, shown_seats),
         verdict,
         each(N.StacksNote, hang_result.round if hang_result else 0, hang_seats),
+        goodput,
     )
-    return ShownNotes(progress, stragglers, stacks)
+    return ShownNotes(progress, stragglers, stacks, figures)
 
 
 async def _under(store: Store, prefix: str) -> list[KeyValue]:

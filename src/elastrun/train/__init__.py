@@ -10,6 +10,9 @@
 - :func:`save_checkpoint` / :func:`load_checkpoint`: atomic, checksummed
   checkpoints; at start, damaged ones are moved aside, ranks agree on the
   newest intact one and the holder broadcasts it.
+- :func:`in_process`: a training function elastrun may restart in this
+  process after a group failure, keeping what the process built outside it
+  (docs/in_process.md).
 - :class:`MemoryCheckpoint`: a checkpoint every step, copied into shared
   memory that elastrun's agent holds across worker restarts and writes to
   disk in the background.
@@ -29,6 +32,7 @@ from elastrun.train.checkpoint import (
 )
 from elastrun.train.context import WorkerContext, context
 from elastrun.train.heartbeat import heartbeat, phase
+from elastrun.train.in_process import current_round, in_process
 from elastrun.train.memory import MemoryCheckpoint
 from elastrun.train.sampler import ElasticSampler, global_order
 
@@ -38,8 +42,10 @@ __all__ = [
     "MemoryCheckpoint",
     "WorkerContext",
     "context",
+    "current_round",
     "global_order",
     "heartbeat",
+    "in_process",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",

@@ -36,7 +36,9 @@ from elastrun.errors import ConfigError
 from elastrun.safefs import UnsafePath, open_regular
 from elastrun.train.heartbeat import phase
 from elastrun.train.log import Log, say
+from elastrun.train.sharded import disk_state, first_shard, with_layouts
 from elastrun.train.state_codec import decode
+from elastrun.train.transfer_device import transfer_device
 from elastrun.worker.checkpoint_files import (
     CheckpointInfo,
     check,
@@ -48,6 +50,7 @@ from elastrun.worker.checkpoint_files import (
     write_checkpoint,
 )
 from elastrun.worker.snapshot import header_of
+from elastrun.worker.torch_file import header_record
 
 __all__ = [
     "CheckpointInfo",
@@ -153,6 +156,9 @@ def _torch_load(data: bytes | bytearray, map_location: Any) -> dict[str, Any]:
             raise ValueError(f"it holds a {type(state).__name__}, expected a dict")
         return state
     state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    written = header_record(data)  # a memory checkpoint the agent wrote: its DTensors' layouts
+    if written is not None and first_shard(written) is not None:
+        state = with_layouts(state, written)
     if not isinstance(state, dict):
         raise ValueError(f"it holds a {type(state).__name__}, expected a dict")
     return state
@@ -270,7 +276,11 @@ def load_checkpoint(
     chosen checkpoint is intact but its contents cannot be loaded.
     """
     with phase("checkpoint"):  # --hang-timeout auto allows it longer than a step
-        return _agree_and_load(directory, group, map_location, keep, log)
+        state = _agree_and_load(directory, group, map_location, keep, log)
+        if state is None:
+            return None
+        back: dict[str, Any] = disk_state(state, directory=str(directory))
+        return back  # its DTensors' shards on their mesh again
 
 
 def _agree_and_load(
@@ -288,9 +298,7 @@ def _agree_and_load(
 
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = transfer_device(group)
 
     mine = torch.tensor(
         [

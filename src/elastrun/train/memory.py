@@ -68,6 +68,7 @@ from elastrun.train.heartbeat import phase
 from elastrun.train.host_copy import HostCopier, Pending
 from elastrun.train.log import Log, say
 from elastrun.train.memory_load import restore
+from elastrun.train.sharded import memory_state, usable
 from elastrun.train.state_codec import Flat, flatten
 from elastrun.worker import memory_limit
 from elastrun.worker.local_main import is_local_main
@@ -330,8 +331,8 @@ class MemoryCheckpoint:
         self._warned = False
         if self.folder is None:
             self._fallback = (
-                "no elastrun agent holds memory checkpoints here (or its shared memory folder "
-                "could not be made: see its event log)"
+                "no elastrun agent holds memory checkpoints here (launched without elastrun, "
+                "or the agent could not make its shared memory folder: see its event log)"
             )
 
     # ------------------------------------------------------------ saving
@@ -353,21 +354,24 @@ class MemoryCheckpoint:
         t0 = time.perf_counter()
         if step < 0:
             raise ConfigError(f"memory checkpoint step must be >= 0, got {step}")
-        self.wait()
-        self.last_waited_s = time.perf_counter() - t0
-        flat = flatten(state)  # ConfigError naming a key that cannot be copied
-        target = self._persist(step, persist)
-        every = self.replicate_every
-        mark = target is not None or (every > 0 and step % every == 0)
-        if self._fallback is None:
-            try:
-                self._save_memory(flat, step, target, mark)
-            except _NoRoom as e:
-                self._fall_back(flat.data_size, str(e))
-        if self._fallback is not None and not self._warned:
-            self._warn()
-        if self._fallback is not None and target is not None:
-            save_checkpoint(state, target.directory, step=step, keep=target.keep)
+        # All of it keeps the step waiting: a checkpoint phase (the agent's
+        # goodput accounting counts it as time blocked in saves).
+        with phase("checkpoint"):
+            self.wait()
+            self.last_waited_s = time.perf_counter() - t0
+            flat = flatten(state)  # ConfigError naming a key that cannot be copied
+            target = self._persist(step, persist)
+            every = self.replicate_every
+            mark = target is not None or (every > 0 and step % every == 0)
+            if self._fallback is None:
+                try:
+                    self._save_memory(flat, step, target, mark)
+                except _NoRoom as e:
+                    self._fall_back(flat.data_size, str(e))
+            if self._fallback is not None and not self._warned:
+                self._warn()
+            if self._fallback is not None and target is not None:
+                save_checkpoint(state, target.directory, step=step, keep=target.keep)
         self.last_blocked_s = time.perf_counter() - t0
 
     def _save_memory(self, flat: Flat, step: int, target: Persist | None, mark: bool) -> None:
@@ -457,6 +461,18 @@ class MemoryCheckpoint:
     def _warn(self) -> None:
         self._warned = True
         where = "to disk every persist step only" if self.directory else "nowhere (no directory)"
+        if self.folder is None:
+            # No agent (torchrun, a plain script): the same for every rank of the node, so
+            # said once, by local rank 0; shared memory's room is not what is missing.
+            if os.environ.get("LOCAL_RANK", "0") not in ("", "0"):
+                return
+            say(
+                self.log,
+                f"=> warning: memory checkpoints off: {self._fallback}; saving {where}. "
+                "Launch with elastrun to keep them in memory (docs/training.md: memory "
+                "checkpoints)",
+            )
+            return
         say(
             self.log,
             f"=> warning: memory checkpoints off: {self._fallback}; saving {where}. Give "
@@ -487,6 +503,7 @@ class MemoryCheckpoint:
         with phase("checkpoint"):
             views = self._listed(self.folder) if self.folder is not None else []
             replicas = self._listed(self.replicas) if self._lists_replicas() else []
+            views, replicas = usable(views, replicas, group=group, log=self.log)  # sharded
             try:
                 state = restore(
                     views,
@@ -499,6 +516,8 @@ class MemoryCheckpoint:
             finally:
                 for v in views + replicas:
                     v.close()
+            if state is not None:
+                state = memory_state(state)  # DTensors' shards back on their mesh
             if state is not None or self.directory is None:
                 return state
             return load_checkpoint(

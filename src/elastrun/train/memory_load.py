@@ -302,12 +302,9 @@ def _gather(row: list[int], group: Any) -> list[Held]:
 
 
 def _device(group: Any) -> Any:
-    import torch
-    import torch.distributed as dist
+    from elastrun.train.transfer_device import transfer_device
 
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return transfer_device(group)
 
 
 def _global(rank: int, group: Any) -> int:

@@ -9,7 +9,14 @@ bytes at an aligned offset); the tree keeps everything else, with
 infinities and NaN too). Anything else (a set, a module, a numpy array, a
 sparse or quantized tensor, a tensor on a device other than the CPU or a
 GPU) is refused with a :class:`~elastrun.errors.ConfigError` that names its
-key, before a byte is written.
+key, before a byte is written; so is a state whose tensors lie on more than
+one GPU (``cuda:0`` and ``cuda:1``: CPU tensors beside one GPU's are fine).
+
+A ``DTensor`` is held as its local shard with its layout (tree node
+``{"s": [i, layout]}``) and read back as a
+:class:`~elastrun.train.sharded.LocalShard`, which
+:func:`~elastrun.train.sharded.finish` makes a DTensor again
+(:mod:`elastrun.train.sharded`).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastrun.errors import ConfigError
+from elastrun.worker.shard_layout import ShardLayout
 from elastrun.worker.snapshot import (
     DTYPE_SIZES,
     MAX_DEPTH,
@@ -73,12 +81,23 @@ def flatten(state: Any, root: str = "state") -> Flat:
     anything that cannot be copied)."""
     import torch
 
+    from elastrun.train import sharded
+
     flat = Flat([], None)
+    gpus: dict[Any, str] = {}  # the first key on each GPU
 
     def walk(obj: Any, key: str, depth: int) -> Any:
         if depth > _DEPTH:
             raise _refuse(key, f"is nested more than {_DEPTH} levels deep")
         if isinstance(obj, torch.Tensor):
+            if type(obj) is not torch.Tensor:  # a subclass: Parameter, DTensor, ShardedTensor
+                sharded.refuse_sharded_tensor(obj, key)
+            if type(obj) is not torch.Tensor and sharded.is_sharded(obj):
+                local, layout = sharded.describe(obj, key, *_rank_world())
+                _one_gpu(gpus, local, key)
+                flat.tensors.append((key, local))
+                return {"s": [len(flat.tensors) - 1, layout.to_json()]}
+            _one_gpu(gpus, obj, key)
             flat.tensors.append((key, obj))
             return {"t": len(flat.tensors) - 1}
         if obj is None or type(obj) in (bool, int, str):
@@ -105,6 +124,27 @@ def flatten(state: Any, root: str = "state") -> Flat:
         offset += aligned(entry.nbytes)
     flat.entries, flat.data_size = tuple(entries), offset
     return flat
+
+
+def _one_gpu(gpus: dict[Any, str], t: Any, key: str) -> None:
+    """ConfigError naming ``key`` when ``t`` is on a GPU other than the state's first."""
+    if t.device.type == "cpu":
+        return
+    if gpus and t.device not in gpus:
+        ((device, first),) = gpus.items()
+        raise ConfigError(
+            f"memory checkpoint: {key} is on {t.device}, and {first} on {device}: the state "
+            "mixes devices (a rank's state lies on one GPU, beside CPU tensors)"
+        )
+    gpus.setdefault(t.device, key)
+
+
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def copy_into(flat: Flat, buffer: Any, start: int) -> None:
@@ -154,12 +194,19 @@ def decode(header: SnapshotHeader, data: Any, map_location: Any = "cpu") -> Any:
     The header was checked when it was read
     (:func:`~elastrun.worker.snapshot.parse_header`: each tensor's place in
     the data, and a tree of known nodes that names each tensor once)."""
+    from elastrun.train.sharded import LocalShard
+
     tensors = [_tensor(e, data, map_location) for e in header.tensors]
 
     def build(node: Any) -> Any:
         ((tag, value),) = node.items()
         if tag == "t":
             return tensors[value]
+        if tag == "s":
+            i, layout = value
+            key = header.tensors[i].key
+            lay = ShardLayout.from_json(layout)
+            return LocalShard(tensors[i], lay, key, header.rank, header.world_size)
         if tag == "v":
             return value
         if tag == "f":

@@ -4,7 +4,7 @@
 the launcher) names the function by module and qualified name (or by the
 file of the launching ``__main__`` script, loaded as ``__mp_main__`` like
 multiprocessing's spawn does) and carries JSON arguments. The function's
-return value is written as JSON to ``{results}/local_{LOCAL_RANK}.json``. A
+return value is written by :mod:`._fn_results` (JSON data, or tensors). A
 process group the function left up is shut down before the interpreter exits
 (``_settle.py``), so a finished worker cannot abort in its teardown.
 """
@@ -15,7 +15,6 @@ import importlib
 import json
 import os
 import runpy
-import secrets
 import sys
 import traceback
 from collections.abc import Mapping
@@ -23,6 +22,7 @@ from typing import Any
 
 from elastrun.fields import Fields
 from elastrun.untrusted import ascii_int
+from elastrun.worker._fn_results import write_result
 from elastrun.worker._settle import after_success
 
 SPEC_VERSION = 1
@@ -45,17 +45,6 @@ def load_function(spec: Mapping[str, Any]) -> Any:
     return _resolve(module, qualname)
 
 
-def _write_result(results: str, payload: dict[str, Any]) -> None:
-    local_rank = os.environ.get("LOCAL_RANK", "0")
-    path = os.path.join(results, f"local_{local_rank}.json")
-    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    # A new file (no link followed, never an existing name), then renamed.
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    with os.fdopen(os.open(tmp, flags, 0o600), "w", encoding="utf-8") as f:
-        json.dump(payload, f)
-    os.replace(tmp, path)
-
-
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         sys.stderr.write("usage: python -m elastrun.worker._fn_runner SPEC.json\n")
@@ -76,16 +65,13 @@ def main(argv: list[str]) -> int:
     fn = load_function(spec)
     with after_success():  # then torch.distributed is shut down before exit
         result = fn(*spec.get("args", []), **spec.get("kwargs", {}))
-    payload = {"rank": rank, "result": result}
-    try:
-        json.dumps(payload)
-    except (TypeError, ValueError) as exc:
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    problem = write_result(str(spec["results"]), local_rank, rank, result)
+    if problem:
         sys.stderr.write(
-            f"elastrun: the return value of {spec['qualname']} on rank {payload['rank']} is not "
-            f"JSON-serializable ({exc}); return JSON data (dict, list, str, number, bool, None)\n"
+            f"elastrun: the return value of {spec['qualname']} on rank {rank} {problem}\n"
         )
         return 1
-    _write_result(str(spec["results"]), payload)
     return 0
 
 

@@ -22,7 +22,15 @@ JSON lines, :func:`encode_line`)::
                                       or a non-zero exit (sent as it ends: the
                                       agent takes the time it arrives as the
                                       failure's, before the process' teardown)
+                      Restartable     the script entered an in-process restartable
+                                      function (train/in_process.py) in ``round``
+                      Left            it left round ``round``'s function (its
+                                      collectives aborted or broken) and waits
+                      Entered         it entered the function again in ``round``
     agent -> runner   Go              (a forked worker) registered: run the script
+                      Abort           leave round ``round``'s function now
+                      Enter           enter it again for ``round``, with these
+                                      per-round variables (RANK, MASTER_PORT, ...)
 
 **The warm interpreter's control socket** (``SOCK_SEQPACKET``, fd 0 of the
 zygote; one message per packet, :func:`encode`)::
@@ -53,12 +61,18 @@ from typing import TYPE_CHECKING, Any, ClassVar
 PROTOCOL = 3
 
 __all__ = [
+    "MAX_ENTER_VARS",
+    "MAX_WHY",
     "PROTOCOL",
+    "Abort",
     "BadMessage",
+    "Enter",
+    "Entered",
     "Failing",
     "Fork",
     "Forked",
     "Go",
+    "Left",
     "Message",
     "Modules",
     "Preload",
@@ -66,6 +80,7 @@ __all__ = [
     "Progress",
     "ProgressFailed",
     "Ready",
+    "Restartable",
     "Unsafe",
     "encode",
     "encode_line",
@@ -335,8 +350,118 @@ class Unsafe(_Message):
         )
 
 
+# ------------------------------------------------------------ in-process restarts
+# Bounds of what the messages of in-process restarts carry (worker/_restart.py).
+MAX_WHY = 512  # a Left's reason, in characters
+MAX_ENTER_VARS = 32  # an Enter's variables
+
+
+@dataclass(frozen=True)
+class Restartable(_Message):
+    """The script entered its in-process restartable function in ``round``:
+    on a group failure, this process may leave it and enter it again."""
+
+    KIND: ClassVar[str] = "restartable"
+    round: int
+
+    def fields(self) -> dict[str, Any]:
+        return {"round": self.round}
+
+    @classmethod
+    def parse(cls, data: Fields) -> Restartable:
+        return cls(_int(data, "round"))
+
+
+@dataclass(frozen=True)
+class Left(_Message):
+    """The process left round ``round``'s function (``why``: its collective
+    broke, or the agent's ``Abort``), its process group aborted; it waits
+    for ``Enter``."""
+
+    KIND: ClassVar[str] = "left"
+    round: int
+    why: str
+
+    def fields(self) -> dict[str, Any]:
+        return {"round": self.round, "why": self.why[:MAX_WHY]}
+
+    @classmethod
+    def parse(cls, data: Fields) -> Left:
+        return cls(_int(data, "round"), data.text("why")[:MAX_WHY])
+
+
+@dataclass(frozen=True)
+class Entered(_Message):
+    """The process entered its function again, in ``round`` (its variables set)."""
+
+    KIND: ClassVar[str] = "entered"
+    round: int
+
+    def fields(self) -> dict[str, Any]:
+        return {"round": self.round}
+
+    @classmethod
+    def parse(cls, data: Fields) -> Entered:
+        return cls(_int(data, "round"))
+
+
+@dataclass(frozen=True)
+class Abort(_Message):
+    """To a restartable worker: leave round ``round``'s function now (abort
+    its process group). A worker in another round ignores it."""
+
+    KIND: ClassVar[str] = "abort"
+    round: int
+
+    def fields(self) -> dict[str, Any]:
+        return {"round": self.round}
+
+    @classmethod
+    def parse(cls, data: Fields) -> Abort:
+        return cls(_int(data, "round"))
+
+
+@dataclass(frozen=True)
+class Enter(_Message):
+    """To a worker that left: enter the function again for ``round`` (newer
+    than any it was in), with ``env``, the round's variables a fresh worker
+    would start with (agent/env.py ``ROUND_ENV_VARS``)."""
+
+    KIND: ClassVar[str] = "enter"
+    round: int
+    env: Mapping[str, str]
+
+    def fields(self) -> dict[str, Any]:
+        return {"round": self.round, "env": dict(self.env)}
+
+    @classmethod
+    def parse(cls, data: Fields) -> Enter:
+        env = data.raw.get("env")
+        if (
+            not isinstance(env, dict)
+            or len(env) > MAX_ENTER_VARS
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+        ):
+            raise data.bad("env", "not an object of strings")
+        return cls(_int(data, "round"), env)
+
+
 Message = (
-    Modules | ProgressFailed | Progress | Failing | Go | Preload | Fork | Ready | Forked | Unsafe
+    Modules
+    | ProgressFailed
+    | Progress
+    | Failing
+    | Go
+    | Preload
+    | Fork
+    | Ready
+    | Forked
+    | Unsafe
+    | Restartable
+    | Left
+    | Entered
+    | Abort
+    | Enter
 )
 KINDS: dict[str, Any] = {
     cls.KIND: cls
@@ -351,6 +476,11 @@ KINDS: dict[str, Any] = {
         Ready,
         Forked,
         Unsafe,
+        Restartable,
+        Left,
+        Entered,
+        Abort,
+        Enter,
     )
 }
 

@@ -22,7 +22,8 @@ more fields)::
 
     {"v": 1, "pid": 1234, "step": 42, "monotonic": 51234.1,
      "steps": 40, "step_time": 0.051, "own_time": 0.02, "calib": 1.2,
-     "phase": null, "phase_since": null}
+     "phase": null, "phase_since": null,
+     "first_at": 51200.3, "first_step": 1, "saving_s": 0.8, "reported": false}
 
 ``monotonic`` is the time of the last progress (CLOCK_MONOTONIC, machine
 wide); ``step_time`` the median of the recent optimizer step intervals;
@@ -32,6 +33,11 @@ rank's own calibrated timeout: ``max(GAP_QUANTILE_MULT x the
 99th percentile of the recent gaps between two progress events,
 GAP_MAX_MULT x the longest gap seen)``. The time spent in a phase is never a
 gap: a checkpoint save does not teach the watchdog to wait longer for steps.
+For the agent's goodput accounting (agent/goodput.py): ``first_at`` and
+``first_step``, this process's first optimizer step (or reported step) and
+when it ended; ``saving_s``, the seconds it spent in ``checkpoint`` phases so
+far; ``reported``, whether ``step`` is the script's own (``heartbeat(step)``)
+rather than this process's count of optimizer steps.
 
 The file is replaced through a new, randomly named file beside it
 (``O_EXCL``, no link followed: ``elastrun/safefs.py``). A write that fails
@@ -140,6 +146,10 @@ class Progress:
         self.phase_since: float | None = None
         self.phase_depth = 0
         self.explicit = False  # the script reports its own steps (heartbeat(step))
+        self.first_at: float | None = None  # this process's first step ended then
+        self.first_step: int | None = None
+        self.first_reported = False  # first_step is the script's own number
+        self.saving = 0.0  # s spent in checkpoint phases, ended ones
         self._written = -1
         self.failure: OSError | None = None  # the file's last write error (None: it works)
         self._backoff = 0.0
@@ -171,11 +181,22 @@ class Progress:
         self.waiting = 0.0
         self.last_step_at = now
         self.event(None if self.explicit else self.steps)
+        self._first(now)
+
+    def _first(self, now: float) -> None:
+        if self.first_at is None:
+            self.first_at, self.first_step = now, self.step
 
     def heartbeat(self, step: int | None) -> None:
         if step is not None:
             self.explicit = True
         self.event(step)
+        if step is not None and not self.first_reported:
+            # The script's number for its first step (the count stood for it).
+            self.first_reported = True
+            self.first_step = step
+            if self.first_at is None:
+                self.first_at = self.last
 
     @contextlib.contextmanager
     def in_phase(self, name: str) -> Iterator[None]:
@@ -192,6 +213,8 @@ class Progress:
         finally:
             self.phase_depth -= 1
             if outer:
+                if self.phase == "checkpoint" and self.phase_since is not None:
+                    self.saving += max(0.0, self.clock() - self.phase_since)
                 self.phase = self.phase_since = None
                 # Progress resumes from here: the phase is no gap, and the
                 # step in flight around it is no step time.
@@ -230,6 +253,10 @@ class Progress:
             "calib": None if calib is None else round(calib, 3),
             "phase": self.phase,
             "phase_since": self.phase_since,
+            "first_at": self.first_at,
+            "first_step": self.first_step,
+            "saving_s": round(self.saving, 6),
+            "reported": self.explicit,
         }
 
     # ------------------------------------------------------------- writing
@@ -296,6 +323,14 @@ class Progress:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def reentering(self) -> None:
+        """An in-process restart (train/in_process.py): the process enters
+        its training function again in a new round, which the watchdog judges
+        only from its first progress, as a new worker's."""
+        self.last = self.last_step_at = None
+        self.waiting = 0.0
+        self.changes += 1
 
     def exiting(self) -> None:
         """The script returned or raised: what follows (torch.distributed's

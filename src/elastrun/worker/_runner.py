@@ -19,6 +19,9 @@ exit code), after setting up what elastrun observes from inside the worker:
 * **progress** (``_progress.py``): optimizer steps, DataLoader batches and
   checkpoint phases, counted through torch's process-wide hooks and written
   to ``ELASTRUN_HEARTBEAT_FILE`` for the hang watchdog and the step times;
+* **in-process restarts**: the channel also carries the protocol of
+  ``elastrun.train.in_process`` (``_restart.py``, given the round the
+  worker starts in, ``ELASTRUN_ROUND``);
 * **stacks**: with ``ELASTRUN_STACKS_FILE``, ``faulthandler`` writes every
   thread's Python stack there on the stack signal, ``ELASTRUN_STACK_SIGNAL``
   (its number; default ``SIGRTMIN+5``), which the agent sends when it
@@ -64,6 +67,7 @@ AFTER_ENV = "ELASTRUN_MODULES_AFTER"  # s after start to record without an optim
 STACKS_ENV = "ELASTRUN_STACKS_FILE"  # where faulthandler writes on the stack signal
 STACK_SIGNAL_ENV = "ELASTRUN_STACK_SIGNAL"  # its number (--stack-signal)
 PROGRESS_ENV = ("ELASTRUN_HEARTBEAT_FILE", "ELASTRUN_HEARTBEAT_INTERVAL")  # see _progress.py
+ROUND_ENV = "ELASTRUN_ROUND"  # the round it starts in (in-process restarts: _restart.py)
 PRIVATE_ENV = (
     MODE_ENV,
     CHANNEL_ENV,
@@ -71,6 +75,7 @@ PRIVATE_ENV = (
     AFTER_ENV,
     STACKS_ENV,
     STACK_SIGNAL_ENV,
+    ROUND_ENV,
     *PROGRESS_ENV,
 )
 # The default signal on which a worker writes every thread's Python stack (the
@@ -432,6 +437,8 @@ def run_worker(kind: str, target: str, args: list[str], quick: Any = None) -> No
     progress = _load_sibling("_progress").install(
         on_import, channel.send if channel.fd is not None else None
     )
+    # In-process restarts (train/in_process.py) talk to the agent over the channel.
+    _load_sibling("_restart").install(channel, env.get(ROUND_ENV), numbers)
     for name in PRIVATE_ENV:
         env.pop(name, None)
     if channel.fd is not None:

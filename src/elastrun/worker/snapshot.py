@@ -35,9 +35,14 @@ magic (never read: :class:`Torn`) and the previous snapshots intact; anything
 else in place of the magic is damage. **Reading** (the agent, or a restarted
 worker): a shared ``flock`` taken without waiting (a slot being written is
 skipped), the header checked within bounds and against its seal
-(:func:`parse_header`), the data checked against its digest. A disk copy of
-a snapshot is the same bytes (``ckpt-<step>.pt``,
-with the usual checksum record: :mod:`elastrun.worker.checkpoint_files`).
+(:func:`parse_header`), the data checked against its digest. The agent writes
+a snapshot to disk as a ``torch.save`` file (``ckpt-<step>.pt``, with the
+usual checksum record: :mod:`elastrun.worker.checkpoint_files`) that also
+holds this header (:mod:`elastrun.worker.torch_file`); older disk copies hold
+the snapshot's bytes as they are, which :func:`header_of` still reads.
+
+A DTensor's local shard is a tensor like any other, named in the tree with
+its layout (:mod:`elastrun.worker.shard_layout`).
 
 Standard library only (with the foundation): the agent reads and persists
 snapshots without importing torch.

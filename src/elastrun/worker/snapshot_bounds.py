@@ -22,7 +22,8 @@ covered by a hash of its own.
   work a header can ask for is one pass over data that lies in the file.
 * **Layout** (:func:`check_layout`): the tensors in offset order, 64-byte
   aligned, none overlapping, and the data exactly as long as they need.
-* **Tree** (:func:`check_tree`): every node of a known kind, and every
+* **Tree** (:func:`check_tree`): every node of a known kind (a sharded
+  tensor's layout read by :class:`~elastrun.worker.shard_layout.ShardLayout`), and every
   tensor named exactly once, so that a header that passes is decoded
   without an error.
 
@@ -36,6 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from elastrun.untrusted import outside_strings
+from elastrun.worker.shard_layout import LayoutError, ShardLayout
 
 __all__ = [
     "MAX_HEADER",
@@ -151,6 +153,17 @@ def _tensor(value: Any, used: bytearray, _stack: list[Any]) -> str | None:
     return None
 
 
+def _sharded(value: Any, used: bytearray, stack: list[Any]) -> str | None:
+    """A DTensor's local shard: ``[tensor index, layout]``."""
+    if not isinstance(value, list) or len(value) != 2:
+        return "its tree holds a sharded tensor that is not [tensor, layout]"
+    try:
+        ShardLayout.from_json(value[1])
+    except LayoutError as e:
+        return f"its tree holds a sharded tensor whose layout is damaged: {e}"
+    return _tensor(value[0], used, stack)
+
+
 def _value(value: Any, *_: Any) -> str | None:
     if value is not None and type(value) not in (bool, int, str):
         return "its tree holds a value of an unknown type"
@@ -184,6 +197,7 @@ def _list(value: Any, _used: bytearray, stack: list[Any]) -> str | None:
 
 _NODES: dict[Any, Callable[[Any, bytearray, list[Any]], str | None]] = {
     "t": _tensor,
+    "s": _sharded,
     "v": _value,
     "f": _float,
     "d": _dict,

@@ -15,7 +15,8 @@ optimizer, the progress elastrun sees):
             after every start (a deterministic bug)
   bad_node  the ranks on node ``FAULT_NODE`` (its ``ELASTIC_TEST_NODE``) raise
             a CUDA-like RuntimeError a few steps after every start (2 + the
-            restart count: never twice at the same step)
+            starts of that rank on that node before: never twice at the same
+            step, whether or not a restart was counted)
 """
 
 from __future__ import annotations
@@ -57,11 +58,24 @@ def save_step(step: int) -> None:
     os.replace(tmp, DIR / "ckpt.json")
 
 
-def inject_fault(rank: int, local: int, restart: int) -> None:
-    """``FAULT_MODE``'s failure, when its time has come."""
+def starts_before(rank: int) -> int:
+    """How many times this rank started on this node before (this start
+    recorded): a restart excused by a membership change is not counted in
+    ``TORCHELASTIC_RESTART_COUNT``, a start is."""
+    fd = os.open(DIR / f"starts_{NODE}_{rank}", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b".")
+    finally:
+        os.close(fd)
+    return (DIR / f"starts_{NODE}_{rank}").stat().st_size - 1
+
+
+def inject_fault(rank: int, local: int, before: int) -> None:
+    """``FAULT_MODE``'s failure, when its time has come (``before``: this
+    rank's earlier starts on this node)."""
     if FAULT_MODE == "bug" and rank == int(os.environ.get("FAULT_RANK", "1")) and local == 3:
         raise ValueError("bad batch")
-    if FAULT_MODE == "bad_node" and os.environ.get("FAULT_NODE") == NODE and local == 2 + restart:
+    if FAULT_MODE == "bad_node" and os.environ.get("FAULT_NODE") == NODE and local == 2 + before:
         raise RuntimeError("CUDA error: uncorrectable ECC error encountered")
 
 
@@ -75,9 +89,10 @@ def main() -> None:
     step = int(start.item())
     w = torch.zeros(1, requires_grad=True)
     opt = torch.optim.SGD([w], lr=0.1) if FAULT_MODE else None
+    before = starts_before(rank) if FAULT_MODE == "bad_node" else 0
     local = 0  # steps since this worker started
     while True:
-        inject_fault(rank, local, restart)
+        inject_fault(rank, local, before)
         crash = DIR / f"crash_rank_{rank}"
         if crash.exists():
             how = crash.read_text().strip()

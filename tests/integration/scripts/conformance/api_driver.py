@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import elastrun
-from tests.integration.scripts.conformance.functions import rank_plus_ten, rank_sum
+from tests.integration.scripts.conformance.functions import (
+    dummy_compute,
+    rank_plus_ten,
+    rank_sum,
+    returns_an_object,
+    state_dict_tree,
+)
 
 HERE = Path(__file__).resolve().parent
 
@@ -33,12 +39,32 @@ def run(case: str, config: elastrun.LaunchConfig, folder: str) -> Any:
         return elastrun.launch(config, rank_plus_ten)
     if case == "rank_sum":
         return elastrun.launch(config, rank_sum)
+    if case == "tensors":
+        return shown(elastrun.launch(config, dummy_compute))
+    if case == "state_dict":
+        return shown(elastrun.launch(config, state_dict_tree))
+    if case == "object":
+        return elastrun.launch(config, returns_an_object)
     if case == "env":  # folder: the variables to show, comma-separated
         script = str(HERE / "show_env.py")
         return elastrun.launch(
             config, sys.executable, "-u", script, *folder.split(","), "--say", "apple pie"
         )
     raise SystemExit(f"unknown case {case!r}")
+
+
+def shown(value: Any) -> Any:
+    """Returned tensors as JSON: ``{"tensor": type, "dtype", "values"}``;
+    tuples as ``{"tuple": [...]}`` (what came back, as it came)."""
+    if isinstance(value, dict):
+        return {str(k): shown(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return {"tuple": [shown(v) for v in value]}
+    if isinstance(value, list):
+        return [shown(v) for v in value]
+    if type(value).__module__.startswith("torch"):
+        return {"tensor": type(value).__name__, "dtype": str(value.dtype), "values": value.tolist()}
+    return value
 
 
 def torch_objects(fields: dict[str, Any]) -> dict[str, Any]:

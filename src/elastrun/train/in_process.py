@@ -1,0 +1,145 @@
+"""In-process restarts: a training function entered again after a group failure,
+in the same process (docs/in_process.md).
+
+::
+
+    import elastrun.train
+
+    model_weights = expensive_setup()          # runs once per process
+
+    @elastrun.train.in_process
+    def train() -> None:
+        dist.init_process_group("gloo")        # env://: this round's RANK, MASTER_PORT, ...
+        ...                                    # resume from the memory checkpoint, train
+
+    train()
+
+When the job's group fails (a peer's process died, a rank raised, the job's
+membership changed), the agent asks every rank whose process may survive to
+leave: the wrapper aborts its process group (so a collective waiting for a
+peer ends now, not at its timeout), leaves the function, tells the agent and
+waits. Once the next round forms, the agent sends the new round's variables
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+``TORCHELASTIC_RESTART_COUNT``, ...): the wrapper sets them in ``os.environ``
+and calls the function again. What the process built outside the function
+(imports, data, models, compiled code) is kept.
+
+A rank whose function raised an exception of its own (not a broken
+collective) is suspect: the exception goes on, the process ends and the agent
+starts a new one. Outside elastrun (or under torchrun), the function is
+called once, as if undecorated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
+
+__all__ = ["collective_broken", "current_round", "in_process"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+PORT_MODULE = "_elastrun_restart"  # worker/_restart.py, as the runner loads it
+PROGRESS_MODULE = "_elastrun_progress"  # worker/_progress.py, as the runner loads it
+# What a collective broken by a peer says (gloo's transport, NCCL's watchdog).
+BROKEN_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "gloo/transport",
+    "NCCL communicator was aborted",
+    "Broken pipe",
+)
+DISTRIBUTED_PATH = os.sep + os.path.join("torch", "distributed") + os.sep
+
+
+def _port() -> Any:
+    module = sys.modules.get(PORT_MODULE)
+    return getattr(module, "PORT", None)
+
+
+def current_round() -> int | None:
+    """The rendezvous round this process trains in (None outside elastrun)."""
+    port = _port()
+    return None if port is None else int(port.round)
+
+
+def collective_broken(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective ended by a peer or by an abort (the
+    process may survive it), rather than an error of the rank's own: a
+    ``torch.distributed`` error type, a transport's message, or raised from
+    inside ``torch.distributed``."""
+    dist = sys.modules.get("torch.distributed")
+    dist_error = getattr(dist, "DistError", None) if dist is not None else None
+    if isinstance(dist_error, type) and isinstance(exc, dist_error):
+        return True
+    if not isinstance(exc, RuntimeError | ValueError):
+        return False
+    text = str(exc)
+    if any(m in text for m in BROKEN_MARKERS):
+        return True
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and DISTRIBUTED_PATH in frames[-1].filename
+
+
+# The script's thread (its collective broke) and the port's (the agent's Abort)
+# may both abort: one at a time, the second finds nothing left to abort.
+_ABORT_LOCK = threading.Lock()
+
+
+def _abort_groups() -> None:
+    """Abort every process group (its collectives end now); no-op without one."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    if c10d is None:
+        return
+    with _ABORT_LOCK, contextlib.suppress(Exception):
+        if c10d.is_initialized():
+            abort = getattr(c10d, "_abort_process_group", None)
+            if abort is not None:
+                abort()
+            else:  # an older torch: destroy it
+                c10d.destroy_process_group()
+
+
+def _new_progress() -> None:
+    """The hang watchdog judges a re-entered function from its first progress."""
+    progress = getattr(sys.modules.get(PROGRESS_MODULE), "current", lambda: None)()
+    if progress is not None:
+        progress.reentering()
+
+
+def in_process(fn: Callable[P, R]) -> Callable[P, R]:
+    """Wrap ``fn`` so that elastrun may restart it in this process (see the
+    module's docstring). The wrapped function returns ``fn``'s value once a
+    call of it returns."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        port = _port()
+        if port is None:
+            return fn(*args, **kwargs)
+        port.on_abort = _abort_groups
+        while True:
+            port.entering()
+            try:
+                return fn(*args, **kwargs)
+            except BaseException as e:
+                if not isinstance(e, Exception) or not (port.aborted() or collective_broken(e)):
+                    raise  # the rank's own error: its process is replaced
+                why = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
+                del e  # no frame of the old round kept alive
+            _abort_groups()
+            port.leaving(why)
+            env = port.wait_enter()
+            if env is None:
+                raise SystemExit("elastrun: the agent is gone; this worker ends")
+            os.environ.update(env)
+            _new_progress()
+
+    return wrapper

@@ -1,0 +1,291 @@
+"""The goodput ledger (agent/goodput.py), fed in virtual time: each case is a
+script of rounds, progress records and ends, and the seconds per cause it
+must come to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from elastrun.agent.goodput import Ledger
+from elastrun.agent.watchdog import Beat, parse_beat
+from elastrun.event_kinds import GoodputAccounted, parse_event
+from elastrun.goodput import Cause, Goodput
+
+
+def beat(
+    at: float,
+    step: int,
+    *,
+    first: tuple[float, int],
+    step_time: float = 0.1,
+    saving: float = 0.0,
+    reported: bool = True,
+) -> Beat:
+    return Beat(
+        step=step,
+        monotonic=at,
+        step_time=step_time,
+        first_at=first[0],
+        first_step=first[1],
+        saving_s=saving,
+        reported=reported,
+    )
+
+
+@dataclass(frozen=True)
+class Start:
+    at: float
+
+
+@dataclass(frozen=True)
+class See:
+    beat: Beat
+
+
+@dataclass(frozen=True)
+class End:
+    at: float
+    restart: bool = False
+    hang: bool = False
+    change: bool = False  # a membership change that is no restart
+
+
+Step = Start | See | End
+
+
+def run(script: list[Step], now: float) -> Goodput:
+    ledger = Ledger(0.0)
+    for s in script:
+        match s:
+            case Start(at):
+                ledger.started(at)
+            case See(b):
+                ledger.beat(b)
+            case End(at, restart, hang, change):
+                ledger.ended(at)
+                if restart:
+                    ledger.restarting(hang=hang)
+                elif change:
+                    ledger.changing()
+    return ledger.figures(now)
+
+
+CASES: dict[str, tuple[list[Step], float, dict[str, float], dict[str, int]]] = {
+    # Start-up to the first step is outside the figure; then all training.
+    "no failure": (
+        [Start(2.0), See(beat(5.0, 1, first=(5.0, 1))), See(beat(14.9, 100, first=(5.0, 1)))],
+        15.0,
+        {"startup": 5.0, "training": 10.0},
+        {"failures": 0, "steps_redone": 0},
+    ),
+    # A crash at 15 s, resumed from the step reached (a memory checkpoint
+    # every step): the time from the crash to the first step is the restart.
+    "crash, nothing redone": (
+        [
+            Start(1.0),
+            See(beat(5.0, 1, first=(5.0, 1))),
+            See(beat(15.0, 101, first=(5.0, 1))),
+            End(15.0, restart=True),
+            Start(16.0),
+            See(beat(17.0, 102, first=(17.0, 102))),
+        ],
+        27.0,
+        {"startup": 5.0, "training": 20.0, "restart": 2.0},
+        {"failures": 1, "steps_redone": 0},
+    ),
+    # Resumed from step 41 after reaching 100: 60 steps (6 s at 0.1 s) redone,
+    # taken from the training after the restart.
+    "crash, disk checkpoint 60 steps back": (
+        [
+            Start(0.0),
+            See(beat(1.0, 1, first=(1.0, 1))),
+            See(beat(10.9, 100, first=(1.0, 1))),
+            End(10.9, restart=True),
+            Start(11.0),
+            See(beat(12.0, 41, first=(12.0, 41))),
+        ],
+        30.0,
+        {"startup": 1.0, "training": 9.9 + 12.0, "restart": 1.1, "redone": 6.0},
+        {"failures": 1, "steps_redone": 60},
+    ),
+    # The time from the last step to the crash is lost (the step in flight,
+    # or a rank waiting for a peer that is gone): the restart's.
+    "time after the last step is lost": (
+        [
+            Start(0.0),
+            See(beat(1.0, 1, first=(1.0, 1))),
+            See(beat(9.0, 100, first=(1.0, 1))),
+            End(10.0, restart=True),
+            Start(10.5),
+            See(beat(11.0, 101, first=(11.0, 101))),
+        ],
+        12.0,
+        {"startup": 1.0, "training": 8.0 + 1.0, "restart": 1.0 + 1.0},
+        {"failures": 1, "steps_redone": 0},
+    ),
+    # The last step is 3 s older than the crash (a stall): resuming at 91
+    # after reaching 100 redoes 10.
+    "stalled before the crash": (
+        [
+            Start(0.0),
+            See(beat(1.0, 1, first=(1.0, 1))),
+            See(beat(10.0, 100, first=(1.0, 1))),
+            End(13.0, restart=True),
+            Start(13.5),
+            See(beat(14.0, 91, first=(14.0, 91))),
+        ],
+        16.0,
+        {"startup": 1.0, "training": 9.0 + 2.0 - 1.0, "restart": 3.0 + 1.0, "redone": 1.0},
+        {"failures": 1, "steps_redone": 10},
+    ),
+    # The record written between the new process's first optimizer step and
+    # its report of the step's number has the count (1, not reported): the
+    # steps redone are counted from the first record that reports it.
+    "first record before the script reports its step": (
+        [
+            Start(0.0),
+            See(beat(1.0, 1, first=(1.0, 1))),
+            See(beat(10.9, 100, first=(1.0, 1))),
+            End(10.9, restart=True),
+            Start(11.0),
+            See(beat(12.0, 1, first=(12.0, 1), reported=False)),
+            See(beat(12.5, 46, first=(12.0, 41))),
+        ],
+        30.0,
+        {"startup": 1.0, "training": 9.9 + 12.0, "restart": 1.1, "redone": 6.0},
+        {"failures": 1, "steps_redone": 60},
+    ),
+    # A hang declared 30 s after the last progress: those 30 s are the hang's.
+    "hang": (
+        [
+            Start(0.0),
+            See(beat(1.0, 1, first=(1.0, 1))),
+            See(beat(10.0, 90, first=(1.0, 1))),
+            End(40.0, restart=True, hang=True),
+            Start(41.0),
+            See(beat(42.0, 91, first=(42.0, 91))),
+        ],
+        50.0,
+        {"startup": 1.0, "training": 9.0 + 8.0, "hang": 30.0, "restart": 2.0},
+        {"failures": 1, "steps_redone": 0, "hangs": 1},
+    ),
+    # Checkpoint phases (saving_s, the process's running count) move out of
+    # training; a new process counts from 0 again.
+    "saves": (
+        [
+            Start(0.0),
+            See(beat(1.0, 1, first=(1.0, 1), saving=0.0)),
+            See(beat(6.0, 50, first=(1.0, 1), saving=1.5)),
+            See(beat(11.0, 100, first=(1.0, 1), saving=2.0)),
+            End(11.0, restart=True),
+            Start(11.5),
+            See(beat(12.0, 101, first=(12.0, 101), saving=0.5)),
+        ],
+        13.0,
+        {"startup": 1.0, "training": 10.0 - 2.0 + 1.0 - 0.5, "saves": 2.5, "restart": 1.0},
+        {"failures": 1, "steps_redone": 0},
+    ),
+    # A node joins: the round ends without a restart; from its last step to
+    # the first step of the next round, the time is waiting.
+    "membership change": (
+        [
+            Start(0.0),
+            See(beat(1.0, 1, first=(1.0, 1))),
+            See(beat(4.5, 40, first=(1.0, 1))),
+            End(5.0, change=True),
+            Start(6.0),
+            See(beat(7.0, 41, first=(7.0, 41))),
+        ],
+        10.0,
+        {"startup": 1.0, "training": 3.5 + 3.0, "waiting": 0.5 + 2.0},
+        {"failures": 0, "steps_redone": 0},
+    ),
+    # No step numbers of the script's own: the restart is seen, redone steps
+    # are not (the count restarts at 1 in every process).
+    "steps not reported": (
+        [
+            Start(0.0),
+            See(beat(1.0, 1, first=(1.0, 1), reported=False)),
+            See(beat(5.0, 40, first=(1.0, 1), reported=False)),
+            End(5.0, restart=True),
+            Start(6.0),
+            See(beat(7.0, 1, first=(7.0, 1), reported=False)),
+        ],
+        9.0,
+        {"startup": 1.0, "training": 6.0, "restart": 2.0},
+        {"failures": 1, "steps_redone": 0},
+    ),
+    # A script that reports no step at all: everything is start-up, and the
+    # figure is unknown.
+    "no step ever": (
+        [Start(0.0), End(5.0, restart=True), Start(6.0)],
+        9.0,
+        {"startup": 5.0, "restart": 4.0},
+        {"failures": 1},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_ledger(name: str) -> None:
+    script, now, seconds, counts = CASES[name]
+    got = run(script, now)
+    assert {k: round(v, 6) for k, v in got.seconds.items()} == pytest.approx(seconds)
+    for key, want in counts.items():
+        assert getattr(got, key) == want, key
+    # Every second of the agent's life goes to exactly one cause.
+    assert sum(got.seconds.values()) == pytest.approx(now)
+
+
+def test_figure_and_line() -> None:
+    got = run(CASES["crash, disk checkpoint 60 steps back"][0], 30.0)
+    assert got.ratio == pytest.approx(21.9 / 29.0)
+    assert got.line() == "goodput 75.5%: 1 failure cost 7.1 s (60 steps redone)"
+    cause, seconds = got.losses()[0]
+    assert cause is Cause.REDONE
+    assert seconds == pytest.approx(6.0)
+    saves = run(CASES["saves"][0], 13.0)
+    assert saves.line() == "goodput 70.8%: 1 failure cost 1.0 s (0 steps redone), saves 21%"
+    unseen = run(CASES["steps not reported"][0], 9.0)
+    assert "(redone steps unseen)" in unseen.line()
+    assert run(CASES["no step ever"][0], 9.0).line().startswith("goodput unknown")
+
+
+def test_live_figures_do_not_change_the_ledger() -> None:
+    ledger = Ledger(0.0)
+    ledger.started(0.0)
+    ledger.beat(beat(1.0, 1, first=(1.0, 1)))
+    assert ledger.figures(5.0).of(Cause.TRAINING) == pytest.approx(4.0)
+    assert ledger.figures(3.0).of(Cause.TRAINING) == pytest.approx(2.0)
+    ledger.ended(6.0)
+    assert ledger.figures(6.0).of(Cause.TRAINING) == pytest.approx(5.0)
+
+
+def test_json_round_trip_and_event() -> None:
+    got = run(CASES["hang"][0], 50.0)
+    back = Goodput.from_json(got.to_json())
+    assert back == got
+    event = parse_event({"kind": "goodput", **got.to_json()})
+    assert isinstance(event, GoodputAccounted)
+    assert event.goodput == pytest.approx(17.0 / 49.0, abs=1e-4)
+    with pytest.raises(ValueError, match="seconds"):
+        Goodput.from_json({"seconds": {"bogus": 1.0}})
+
+
+def test_progress_record_fields_read() -> None:
+    b = parse_beat(
+        {
+            "monotonic": 10.0,
+            "step": 7,
+            "first_at": 2.5,
+            "first_step": 3,
+            "saving_s": 0.25,
+            "reported": True,
+        }
+    )
+    assert b is not None
+    assert (b.first_at, b.first_step, b.saving_s, b.reported) == (2.5, 3, 0.25, True)
+    old = parse_beat({"monotonic": 10.0, "step": 7})  # a record without them
+    assert old is not None and old.first_at is None and old.reported is False

@@ -1,0 +1,198 @@
+"""In-process restarts, the pure parts: the protocol's messages and their
+bounds, the worker's port (a stale or repeated Abort or Enter is refused),
+the collective-break rule, and the wrapper outside elastrun. End to end:
+tests/integration/test_in_process.py, tests/faults/test_in_process_random.py."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elastrun.train import in_process
+from elastrun.train.in_process import collective_broken
+from elastrun.worker import _messages as M
+from elastrun.worker import _runner
+from elastrun.worker._restart import Port
+
+
+def roundtrip(message: M.Message) -> M.Message:
+    return M.from_json(json.loads(M.encode_line(message)))
+
+
+def test_the_messages_read_back_as_written() -> None:
+    for message in (
+        M.Restartable(round=3),
+        M.Left(round=3, why="RuntimeError: Connection closed by peer"),
+        M.Entered(round=4),
+        M.Abort(round=3),
+        M.Enter(round=4, env={"RANK": "1", "MASTER_PORT": "29500"}),
+    ):
+        assert roundtrip(message) == message
+
+
+def test_an_enter_with_too_many_variables_or_non_strings_is_refused() -> None:
+    many = {f"V{i}": "x" for i in range(M.MAX_ENTER_VARS + 1)}
+    with pytest.raises(M.BadMessage, match="env"):
+        roundtrip(M.Enter(round=1, env=many))
+    raw = {"v": M.PROTOCOL, "kind": "enter", "round": 1, "env": {"RANK": 1}}
+    with pytest.raises(M.BadMessage, match="env"):
+        M.from_json(raw)
+
+
+def test_a_long_reason_is_cut() -> None:
+    left = roundtrip(M.Left(round=1, why="x" * 10_000))
+    assert isinstance(left, M.Left) and len(left.why) == M.MAX_WHY
+
+
+class Agent:
+    """The agent's end of a port's channel (a real socket pair)."""
+
+    def __init__(self) -> None:
+        self.ours, theirs = socket.socketpair()
+        self.channel = _runner.Channel(theirs.detach())
+        self.got: list[M.Message] = []
+
+    def send(self, message: M.Message) -> None:
+        self.ours.sendall(M.encode_line(message))
+
+    def read(self) -> M.Message:
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = self.ours.recv(65536)
+            assert chunk, "the channel closed"
+            buf += chunk
+        return M.from_json(json.loads(buf))
+
+
+@pytest.fixture
+def agent() -> Iterator[Agent]:
+    a = Agent()
+    yield a
+    a.ours.close()
+
+
+def wait_enter(port: Port) -> tuple[threading.Thread, list[dict[str, str] | None]]:
+    out: list[dict[str, str] | None] = []
+    t = threading.Thread(target=lambda: out.append(port.wait_enter()), daemon=True)
+    t.start()
+    return t, out
+
+
+def test_the_port_acts_on_its_own_round_only(agent: Agent) -> None:
+    port = Port(agent.channel, 5)
+    aborted = threading.Event()
+    port.on_abort = aborted.set
+    port.entering()
+    first = agent.read()
+    assert first == M.Restartable(round=5)
+    # A stale Abort (round 4), an Enter while inside: refused.
+    agent.send(M.Abort(round=4))
+    agent.send(M.Enter(round=6, env={"RANK": "0"}))
+    agent.send(M.Abort(round=5))
+    assert aborted.wait(30)
+    assert port.aborted() and port.refused == 2
+    port.leaving("aborted")
+    assert agent.read() == M.Left(round=5, why="aborted")
+    # An Enter of a round not newer than 5 is refused; the next one is taken.
+    t, out = wait_enter(port)
+    agent.send(M.Enter(round=5, env={"RANK": "9"}))
+    agent.send(M.Enter(round=7, env={"RANK": "1"}))
+    t.join(30)
+    assert out == [{"RANK": "1"}] and port.round == 7 and port.refused == 3
+    port.entering()
+    assert agent.read() == M.Entered(round=7)
+    assert not port.aborted()  # the last round's Abort does not carry over
+
+
+def test_the_port_gives_up_when_the_agent_is_gone(agent: Agent) -> None:
+    port = Port(agent.channel, 0)
+    port.entering()
+    agent.read()
+    port.leaving("broken")
+    t, out = wait_enter(port)
+    agent.ours.close()
+    t.join(30)
+    assert out == [None]
+
+
+def test_a_broken_collective_is_told_from_the_ranks_own_error() -> None:
+    peer = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [::1]:1")
+    assert collective_broken(peer)
+    assert not collective_broken(ValueError("bad batch"))
+    assert not collective_broken(KeyError("x"))
+    assert not collective_broken(KeyboardInterrupt())
+
+
+def test_outside_elastrun_the_function_runs_once() -> None:
+    calls: list[int] = []
+
+    @in_process
+    def train(x: int) -> int:
+        calls.append(x)
+        if len(calls) == 1:
+            raise RuntimeError("Connection closed by peer")
+        return x
+
+    with pytest.raises(RuntimeError):
+        train(1)
+    assert train(2) == 2 and calls == [1, 2]
+
+
+def test_each_round_has_its_own_master_port() -> None:
+    """No process of an earlier round can reach a later round's TCPStore at
+    the address it knew (docs/in_process.md, *Safety*)."""
+    import asyncio
+
+    from elastrun.failure import FailureRecord
+    from elastrun.names import RunId
+    from elastrun.rendezvous.api import RendezvousSettings
+    from elastrun.rendezvous.dynamic import DynamicRendezvous
+    from elastrun.store.memory import MemoryStore
+
+    async def scenario() -> list[int]:
+        settings = RendezvousSettings(
+            run_id=RunId("J"),
+            min_nodes=1,
+            max_nodes=1,
+            max_restarts=3,
+            last_call_timeout=0.0,
+            join_timeout=10.0,
+            lease_ttl=5.0,
+            host="a",
+            addr="127.0.0.1",
+        )
+        h = DynamicRendezvous(MemoryStore(), settings, node_id="a")
+        ports = []
+        for _ in range(4):
+            result = await h.next_round()
+            ports.append(result.master_port)
+            await h.request_restart(FailureRecord(rank=0, host="a", exitcode=1))
+        await h.shutdown()
+        return ports
+
+    ports = asyncio.run(asyncio.wait_for(scenario(), 60.0))
+    assert all(a != b for a, b in itertools.pairwise(ports)), ports
+
+
+def test_a_reentered_function_is_judged_from_its_first_progress(tmp_path: Path) -> None:
+    """The watchdog reads no progress from a kept process until it makes
+    some in the new round (a record without a time is no beat)."""
+    from elastrun.agent.watchdog import parse_beat
+    from elastrun.worker._progress import Progress
+
+    now = [100.0]
+    progress = Progress(str(tmp_path / "heartbeat.json"), 0.1, clock=lambda: now[0])
+    progress.heartbeat(5)
+    assert parse_beat(progress.snapshot()) is not None
+    progress.reentering()
+    assert parse_beat(progress.snapshot()) is None
+    now[0] = 130.0
+    progress.heartbeat(6)
+    beat = parse_beat(progress.snapshot())
+    assert beat is not None and beat.monotonic == 130.0 and beat.step == 6
