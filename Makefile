@@ -81,6 +81,7 @@ demo: setup-demo
 bench: setup etcd
 	$(PY) -m bench $(BENCH_ARGS)
 	$(PY) -m bench.goodput
+	$(PY) -m bench.fault_attribution
 	$(PY) -m bench.memory_save
 	$(PY) -m bench.in_process_restart
 

@@ -37,6 +37,11 @@ Environment:
   BENCH_CKPT_EVERY     steps between checkpoints (default 5)
   BENCH_LOADER_WORKERS DataLoader worker processes (default 0)
   BENCH_NODE           a name for the node (agent) this worker runs under
+  BENCH_FAULT          (realistic workload) ``bug``: rank BENCH_FAULT_RANK (default 1)
+                       raises ValueError at global step BENCH_FAULT_STEP (default 8), every
+                       time it gets there (a deterministic bug); ``bad_node``: the ranks of
+                       node BENCH_FAULT_NODE raise a CUDA-like RuntimeError 3 + restart
+                       steps after every start, once BENCH_DIR/faults_on exists (a failing GPU)
 
 The group stops together: the stop decision travels in each step's all-reduce.
 """
@@ -190,6 +195,7 @@ def realistic_main() -> None:
         step = int(state["step"])
     emit("resume", step=step)
 
+    started_at = step
     epoch = step * 32 * world // len(data)
     sampler.set_epoch(epoch)
     batches = iter(loader)
@@ -202,6 +208,7 @@ def realistic_main() -> None:
             sampler.set_epoch(epoch)
             batches = iter(loader)
             x, y = next(batches)
+        inject_fault(rank, step, step - started_at)
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(model(x), y)
         loss.backward()
@@ -224,6 +231,19 @@ def realistic_main() -> None:
         pace(t_step)
     emit("exit", step=step)
     dist.destroy_process_group()
+
+
+def inject_fault(rank: int, step: int, local: int) -> None:
+    """``BENCH_FAULT``'s failure, when its time has come (see the docstring)."""
+    fault = os.environ.get("BENCH_FAULT", "")
+    bug_rank = int(os.environ.get("BENCH_FAULT_RANK", "1"))
+    if fault == "bug" and rank == bug_rank and step == int(os.environ.get("BENCH_FAULT_STEP", "8")):
+        raise ValueError("bad batch")
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    bad = os.environ.get("BENCH_NODE") == os.environ.get("BENCH_FAULT_NODE")
+    armed = (DIR / "faults_on").exists()  # the bad node fails once the benchmark says so
+    if fault == "bad_node" and bad and armed and local >= 3 + restart:
+        raise RuntimeError("CUDA error: uncorrectable ECC error encountered")
 
 
 def main() -> None:

@@ -24,7 +24,8 @@ this tree at the boundary where they happen, so callers catch one family::
     │   ├── ConfigMismatch           this node's settings differ from the job's (names fields)
     │   ├── RecordDamaged            a record the whole job agrees on does not decode (the key)
     │   └── RestartBudgetExhausted   the job-wide --max-restarts is used up
-    └── WorkerError                  starting or stopping worker processes
+    ├── WorkerError                  starting or stopping worker processes
+    └── NodeUnhealthy                this node failed its --health-check: it does not join
 
 Each exception's message is written for the person running the job: it says
 what went wrong and, where there is one, what to do about it.
@@ -40,6 +41,7 @@ __all__ = [
     "HostLost",
     "LeaseNotFound",
     "LimitExceeded",
+    "NodeUnhealthy",
     "NotHost",
     "ProtocolError",
     "RecordDamaged",
@@ -178,3 +180,8 @@ class RestartBudgetExhausted(RendezvousError):
 
 class WorkerError(ElastrunError):
     """Starting, watching or stopping worker processes failed."""
+
+
+class NodeUnhealthy(ElastrunError):
+    """This node failed its ``--health-check`` command: it does not join the
+    next round (the message says what failed)."""

@@ -731,6 +731,57 @@ class JobFailed(Event):
     failure: FailureRecord | None = None
 
 
+# --------------------------------------------------------- fault attribution
+@dataclass(frozen=True)
+class FaultVerdict(Event):
+    """The verdict on the job's failed rounds (agent/attribution.py): a node
+    fault or a script fault (a transient failure writes none)."""
+
+    KIND = "fault_verdict"
+    OMITTED = frozenset({"rank", "step"})
+    round: int
+    verdict: str  # node_fault | script_fault
+    node: str  # the faulty node (node fault), or where the rank last failed
+    failure: str  # "ValueError: bad batch", "killed by SIGBUS"
+    rounds: list[int]  # the failed rounds the verdict rests on
+    summary: str
+    action: str  # stop | quarantine | leaves | none
+    rank: int | None = None
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class NodeQuarantined(Event):
+    """This node was judged faulty and leaves the job, kept out until ``until``."""
+
+    KIND = "node_quarantined"
+    quarantined_host: str
+    until: float  # wall clock
+    reason: str
+    recorded: bool  # the record was written (false: the store refused or held too many)
+
+
+@dataclass(frozen=True)
+class NodeHealthFailed(Event):
+    """This node's ``--health-check`` command failed (agent/node_health.py)."""
+
+    KIND = "node_health_failed"
+    command: str
+    when: str  # before_round | training
+    reason: str  # "exited with code 1", "timed out after 60 s (killed)", "cannot run ..."
+    output: str  # its last output (at most 2 KiB, escaped)
+
+
+@dataclass(frozen=True)
+class QuarantineRefused(Event):
+    """The agent started on a quarantined node: it does not join."""
+
+    KIND = "quarantine_refused"
+    quarantined_host: str
+    until: float
+    reason: str
+
+
 # ------------------------------------------------------------------- reading
 CATALOGUE: tuple[type[Event], ...] = tuple(
     cls

@@ -48,11 +48,18 @@ class Job:
     dir: Path
     agents: list[Agent] = field(default_factory=list)
 
-    def start_agent(self, name: str, flags: list[str], script: str = "elastic_worker.py") -> Agent:
+    def start_agent(
+        self,
+        name: str,
+        flags: list[str],
+        script: str = "elastic_worker.py",
+        env_extra: dict[str, str] | None = None,
+    ) -> Agent:
         log_path = self.dir / f"agent-{name}.log"
         env = dict(
             os.environ, ELASTIC_TEST_DIR=str(self.dir), ELASTIC_TEST_NODE=name, PYTHONUNBUFFERED="1"
         )
+        env.update(env_extra or {})
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 [*ELASTRUN, *flags, str(SCRIPTS / script)],
@@ -86,6 +93,10 @@ class Job:
                     out.append(json.loads(line))
         return out
 
+    def kinds(self, name: str, kind: str) -> list[dict[str, Any]]:
+        """Agent ``name``'s events of ``kind``."""
+        return [e for e in self.events(name) if e["kind"] == kind]
+
     def touch(self, name: str) -> None:
         (self.dir / name).write_text("")
 
@@ -107,6 +118,11 @@ def job(tmp_path: Path) -> Iterator[Job]:
         yield j
     finally:
         j.cleanup()
+
+
+def node_name(name: str) -> dict[str, str]:
+    """The environment that names an agent's node ``name`` (several on one machine)."""
+    return {"ELASTRUN_HOST_NAME": name}
 
 
 BOUND = 90.0  # generous: a loaded 2-core machine

@@ -86,6 +86,10 @@ def run_job(j: Job, port: int) -> str:
             BOUND,
             "the survivor and the spare training at world 2",
         )
+        # The watch sees the store's loss after seconds of refused connections;
+        # a job that ends sooner takes its store with it: let the watch reach
+        # the new host before the job ends.
+        wait_for(lambda: _terms(watch_out.read_text())[-1:] == [2], BOUND, "the watch at term 2")
         j.touch("finish")
         for agent in (b, s):
             assert agent.wait(BOUND) == 0, agent.output()[-3000:]
@@ -93,6 +97,14 @@ def run_job(j: Job, port: int) -> str:
     finally:
         stop_groups(watch)
     return watch_out.read_text()
+
+
+def _terms(said: str) -> list[int]:
+    """The store terms of the summaries the watch printed, in order (whole
+    lines only: the watch may be writing the last)."""
+    whole = said[: said.rfind("\n") + 1]
+    shown = [json.loads(ln) for ln in whole.splitlines() if ln.startswith("{")]
+    return [s["store_hosts"]["term"] for s in shown]
 
 
 def check_watch(said: str, port: int) -> None:

@@ -82,6 +82,10 @@ def drawn_events() -> list[Event]:
         NodeJoined(round=2, node="n", host="h"),
         WorkersSucceeded(round=2, attempt=0),
         RootCauseElsewhere(0, 0, record, record),
+        te.verdict(1, "script fault: ValueError"),
+        te.quarantined("h", 1_700_000_600.0, "node fault"),
+        te.refused("h", 1_700_000_600.0),
+        te.health_failed("false", "before_round", "exited with code 1"),
     ]
 
 

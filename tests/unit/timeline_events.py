@@ -7,9 +7,13 @@ from typing import Any
 
 from elastrun.event_kinds import (
     Event,
+    FaultVerdict,
     JobFailed,
     JobFinished,
+    NodeHealthFailed,
     NodeLost,
+    NodeQuarantined,
+    QuarantineRefused,
     RanksKept,
     Restart,
     RootCauseElsewhere,
@@ -70,6 +74,22 @@ def finished() -> JobFinished:
 
 def failed(reason: str) -> JobFailed:
     return JobFailed(exit_code=1, reason=reason)
+
+
+def verdict(r: int, summary: str, node: str = "h") -> FaultVerdict:
+    return FaultVerdict(r, "node_fault", node, "RuntimeError: x", [r], summary, "quarantine")
+
+
+def quarantined(host: str, until: float, reason: str) -> NodeQuarantined:
+    return NodeQuarantined(quarantined_host=host, until=until, reason=reason, recorded=True)
+
+
+def refused(host: str, until: float) -> QuarantineRefused:
+    return QuarantineRefused(quarantined_host=host, until=until, reason="node fault")
+
+
+def health_failed(command: str, when: str, reason: str) -> NodeHealthFailed:
+    return NodeHealthFailed(command=command, when=when, reason=reason, output="")
 
 
 def line(ts: float, event: Event, node_id: str = "", host: str = "h") -> dict[str, Any]:

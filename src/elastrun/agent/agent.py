@@ -69,8 +69,10 @@ from elastrun.agent import (
     health_check,
     memory,
     metrics_server,
+    node_health,
     warm,
 )
+from elastrun.agent.attribution import Attribution
 from elastrun.agent.children import Reaper
 from elastrun.agent.env import check_round
 from elastrun.agent.failures import (
@@ -132,6 +134,7 @@ FEATURES: tuple[Callable[[Core], list[Feature]], ...] = (
     memory.features,
     file_timers.features,
     health_check.features,
+    node_health.features,
     goodput.features,
     metrics_server.features,
 )
@@ -206,6 +209,7 @@ class Agent:
             spec, rendezvous, self.events, clock, self._guard, self._reaper, say, self.metrics
         )
         self.features: list[Feature] = [f for make in features for f in make(core)]
+        self._attribution = Attribution(core)
         # What next_round() waits for, on the console (the rendezvous reports it).
         self._waiting = WaitingConsole(clock=clock)
         # Peers refused for their settings, said while this node waits for them.
@@ -234,6 +238,11 @@ class Agent:
             feature.start()
         code = 1
         try:
+            refused = await self._stops.first(self._attribution.refusal())
+            if refused is not None:
+                say(refused)
+                self.events.emit(JobFailed(exit_code=1, reason="quarantined", detail=refused))
+                return 1
             code = await self._loop()
         except Signalled as s:
             code = 128 + s.signum
@@ -386,6 +395,12 @@ class Agent:
                 self.events.emit(JobFinished(exit_code=0, reason="rendezvous_closed"))
                 return 0
             except RestartBudgetExhausted as e:
+                stopped = await self._attribution_stopped()
+                if stopped is not None:  # a script fault stopped the job (a spare's view)
+                    say(f"elastrun: job stopped: {stopped}")
+                    self.ended_by = self._last_failure
+                    self.events.emit(JobFailed(exit_code=1, reason="script_fault", detail=stopped))
+                    return 1
                 say(f"elastrun: job failed: {e}")
                 self.ended_by = self._last_failure
                 self.events.emit(JobFailed(exit_code=1, reason="restarts_exhausted"))
@@ -573,6 +588,14 @@ class Agent:
         peer = None if job is record else job
         if peer is not None:
             failures = elsewhere(failures)
+        stopped = None if exhausted is None else await self._attribution_stopped()
+        if stopped is not None:  # another node stopped the job for a script fault
+            say(with_report(format_summary(failures, f"elastrun: job stopped: {stopped}"), report))
+            self.ended_by = record
+            self.events.emit(
+                JobFailed(exit_code=1, reason="script_fault", detail=stopped, failure=record)
+            )
+            return 1
         if exhausted is not None:
             header = (
                 f"elastrun: job failed: workers failed and no restarts are left "
@@ -586,6 +609,9 @@ class Agent:
         known = peer is not None or any(f.role == ROOT_CAUSE for f in failures)
         title = summary_title(result, job if known else None)
         say(with_report(format_summary(failures, title, peer=peer), report))
+        code = await self._attribute(group, result, job, record)
+        if code is not None:
+            return code
         # With no restarts left, the rendezvous decides when the next round
         # closes: the job fails unless a node was lost (then this failure is
         # collateral, not counted).
@@ -603,6 +629,35 @@ class Agent:
             )
         )
         return None
+
+    async def _attribution_stopped(self) -> str | None:
+        """The script fault that stopped the job (escaped), if one did."""
+        stopped = await self._stops.first(self._attribution.stopped())
+        return None if stopped is None else printable(stopped)
+
+    async def _attribute(
+        self, group: WorkerGroup, result: RoundResult, job: FailureRecord, record: FailureRecord
+    ) -> int | None:
+        """The verdict on the job's failures so far (agent/attribution.py),
+        applied; the agent's exit code when it ends the job or this node's part."""
+        verdict = await self._stops.first(self._attribution.judge(group, result, job, record))
+        if verdict is None:
+            return None
+        action = await self._stops.first(self._attribution.act(verdict, result, job))
+        if action.line:
+            say(action.line)
+        if action.exit_code is not None:
+            if action.exit_code != 0:
+                self.ended_by = record
+            self.events.emit(
+                JobFailed(
+                    exit_code=action.exit_code,
+                    reason=verdict.kind.value,
+                    detail=verdict.summary(),
+                    failure=job,
+                )
+            )
+        return action.exit_code
 
     # ------------------------------------------------------------ log folder
     def _claim_log_dir(self) -> None:

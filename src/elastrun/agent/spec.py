@@ -18,13 +18,16 @@ from elastrun.agent.command import LOCAL_RANK_MACRO, WorkerCommand
 from elastrun.names import RunId
 
 __all__ = [
+    "DEFAULT_FAULT_LIMIT",
     "DEFAULT_GPU_RELEASE_TIMEOUT",
     "DEFAULT_HEALTH_CHECK_HOSTS",
+    "DEFAULT_HEALTH_CHECK_TIMEOUT",
     "DEFAULT_LOG_TEMPLATE",
     "DEFAULT_MEMORY_ROOT",
     "DEFAULT_REPLICA_MAX_BYTES",
     "DEFAULT_REPLICA_MAX_HEADER",
     "LOCAL_RANK_MACRO",
+    "AttributionSettings",
     "FileTimerSettings",
     "GpuReleaseSettings",
     "HangSettings",
@@ -32,6 +35,7 @@ __all__ = [
     "LogSettings",
     "MemorySettings",
     "MetricsSettings",
+    "NodeHealthSettings",
     "StartMethod",
     "Std",
     "WarmModules",
@@ -72,6 +76,8 @@ class WarmModules(enum.StrEnum):
     TORCH = "torch"  # torch alone, no cache
 
 
+DEFAULT_HEALTH_CHECK_TIMEOUT = 60.0  # s a --health-check command may run
+DEFAULT_FAULT_LIMIT = 2  # identical failures that make a fault verdict
 DEFAULT_GPU_RELEASE_TIMEOUT = 30.0  # s a start waits for the stopped workers' GPU memory
 DEFAULT_HEALTH_CHECK_HOSTS = ("127.0.0.1", "::1")
 DEFAULT_MEMORY_ROOT = "/dev/shm"
@@ -199,6 +205,32 @@ class HangSettings:
 
 
 @dataclass(frozen=True)
+class NodeHealthSettings:
+    """agent/node_health.py: the node's own health check (``--health-check``,
+    or ``--rdzv-conf health_check``): ``command`` (an argv; empty: none) runs
+    before the node joins each round, and every ``interval`` s while it
+    trains (0: only before joining); one that runs past ``timeout`` s is
+    killed and counts as failed."""
+
+    command: tuple[str, ...] = ()
+    timeout: float = DEFAULT_HEALTH_CHECK_TIMEOUT
+    interval: float = 0.0
+
+
+@dataclass(frozen=True)
+class AttributionSettings:
+    """agent/attribution.py: fault attribution across restarts. ``limit``
+    (``--fault-limit``): identical failures that make a verdict (0: none is
+    made); ``stop_script_faults`` (``--stop-on-script-fault``): a script
+    fault stops the job; ``quarantine`` (``--quarantine-time``): seconds a
+    node judged faulty is kept out of the job (0: it is not excluded)."""
+
+    limit: int = DEFAULT_FAULT_LIMIT
+    stop_script_faults: bool = True
+    quarantine: float = 0.0
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
     # What each worker runs (agent/command.py): a Python script or module
     # (through the worker runner), or a program run as given.
@@ -241,4 +273,6 @@ class WorkerSpec:
     memory: MemorySettings = MemorySettings()
     health_check: HealthCheckSettings = HealthCheckSettings()
     file_timers: FileTimerSettings = FileTimerSettings()
+    attribution: AttributionSettings = AttributionSettings()
+    node_health: NodeHealthSettings = NodeHealthSettings()
     metrics: MetricsSettings = MetricsSettings()

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from elastrun.agent.spec import DEFAULT_FAULT_LIMIT
 from elastrun.errors import ConfigError
 from elastrun.launcher.flag_grammar import signal_tuple
 from elastrun.launcher.limits import (
@@ -34,6 +35,7 @@ from elastrun.launcher.limits import (
     worker_cost,
 )
 from elastrun.procs import signal_name
+from elastrun.rendezvous.fault_history import MAX_ENTRIES as MAX_FAULT_LIMIT
 from elastrun.rendezvous.sizes import WorldSizes
 
 __all__ = [
@@ -141,6 +143,18 @@ class LaunchConfig:
     virtual_local_rank: bool = False
     # --numa-binding: node | socket | exclusive | core-complex (None: off).
     numa_binding: str | None = None
+    # Fault attribution (agent/attribution.py): --fault-limit identical
+    # failures make a verdict (0: none); --stop-on-script-fault; a node judged
+    # faulty is kept out for --quarantine-time seconds (0: it stays).
+    fault_limit: int = DEFAULT_FAULT_LIMIT
+    stop_on_script_fault: bool = True
+    quarantine_time: float = 0.0
+    # --health-check CMD (agent/node_health.py): before each round and every
+    # --health-check-interval s while training; killed after its timeout.
+    # None: --rdzv-conf's health_check* keys, else none.
+    health_check: str | None = None
+    health_check_timeout: float | None = None
+    health_check_interval: float | None = None
 
     def check(self) -> None:
         """Check the fields that stay plain numbers and text against their
@@ -150,6 +164,7 @@ class LaunchConfig:
         check_nproc(self.nproc_per_node)
         self.check_machine_nproc()
         check_int("--max-restarts", self.max_restarts, 0, MAX_RESTARTS)
+        check_int("--fault-limit", self.fault_limit, 0, MAX_FAULT_LIMIT)
         check_node_unit(self.min_nodes, self.max_nodes, self.node_unit)
         if self.node_rank is not None:
             check_int("--node-rank", self.node_rank, 0, MAX_NODES - 1)
@@ -174,6 +189,9 @@ class LaunchConfig:
             ("--hang-timeout", self.hang_timeout),
             ("--exit-barrier-timeout", self.exit_barrier_timeout),
             ("--warm-join-timeout", self.warm_join_timeout),
+            ("--quarantine-time", self.quarantine_time),
+            ("--health-check-timeout", self.health_check_timeout),
+            ("--health-check-interval", self.health_check_interval),
         ):
             if value is not None:
                 check_seconds(flag, value, FLAG_SECONDS[flag])

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastrun.agent.command import WorkerCommand
-from elastrun.agent.spec import StartMethod, WarmModules
+from elastrun.agent.spec import DEFAULT_FAULT_LIMIT, StartMethod, WarmModules
 from elastrun.agent.watchdog import DEFAULT_AUTO_FLOOR
 from elastrun.errors import ConfigError
 from elastrun.launcher.command import Command, check_command
@@ -220,6 +220,7 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
     hang_timeout, hang_auto = parse_hang_timeout(ns.hang_timeout)
     max_restarts = parse_integer("--max-restarts", ns.max_restarts)
     node_unit = parse_integer("--node-unit", ns.node_unit)
+    fault_limit = parse_integer("--fault-limit", ns.fault_limit)
     config = LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -260,6 +261,14 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
         warm_cache=ns.warm_cache or None,
         warm_join_timeout=parse_seconds_text("--warm-join-timeout", ns.warm_join_timeout),
         require_logs=ns.require_logs,
+        fault_limit=DEFAULT_FAULT_LIMIT if fault_limit is None else fault_limit,
+        stop_on_script_fault=ns.stop_on_script_fault,
+        quarantine_time=parse_seconds_text("--quarantine-time", ns.quarantine_time) or 0.0,
+        health_check=ns.health_check or None,
+        health_check_timeout=parse_seconds_text("--health-check-timeout", ns.health_check_timeout),
+        health_check_interval=parse_seconds_text(
+            "--health-check-interval", ns.health_check_interval
+        ),
         **torchrun_settings(ns),
     )
     cmd = Command(
@@ -621,6 +630,58 @@ def add_fault_flags(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how long a node whose workers succeeded waits for the rest of the job "
         "(default: 300; same as --rdzv-conf exit_barrier_timeout)",
+    )
+
+    f.add_argument(
+        *both("--fault-limit"),
+        action=EnvDefault,
+        default=None,
+        metavar="N",
+        help="identical failures that make a verdict on the job's failures: the same "
+        "exception of the same rank at about the same step is a script fault, failures of "
+        "one node's own ranks in a row are a node fault (default: 2; 0: no verdicts)",
+    )
+    f.add_argument(
+        "--stop-on-script-fault",
+        action=EnvSwitch,
+        default=True,
+        help="a script fault stops the job: every node exits 1 naming the exception, the "
+        "rank and the step, without spending the other restarts (default: on)",
+    )
+    f.add_argument(
+        *both("--quarantine-time"),
+        action=EnvDefault,
+        default=None,
+        metavar="SECONDS",
+        help="a node judged faulty leaves the job and is refused for this long (a spare "
+        "takes its place, else the job shrinks to an allowed size); `elastrun status "
+        "--clear-quarantine HOST` lets it back (default: 0, the node stays)",
+    )
+    f.add_argument(
+        *both("--health-check"),
+        action=EnvDefault,
+        default=None,
+        metavar="CMD",
+        help="a command (e.g. 'nvidia-smi -L', 'dcgmi diag -r 1') run before the node joins "
+        "each round and every --health-check-interval seconds while it trains: a node "
+        "whose check fails (non-zero, or past its timeout: killed) does not join, or leaves "
+        "at the next round boundary (default: none; also --rdzv-conf health_check)",
+    )
+    f.add_argument(
+        *both("--health-check-timeout"),
+        action=EnvDefault,
+        default=None,
+        metavar="SECONDS",
+        help="how long --health-check may run before it is killed and counts as failed "
+        "(default: 60)",
+    )
+    f.add_argument(
+        *both("--health-check-interval"),
+        action=EnvDefault,
+        default=None,
+        metavar="SECONDS",
+        help="run --health-check this often while the node trains (default: 0, only "
+        "before joining)",
     )
 
 

@@ -90,6 +90,8 @@ MIN_TIMEOUT = 1.0
 
 # --rdzv-conf keys that are durations (seconds) and their ranges.
 CONF_SECONDS: dict[str, Range] = {
+    "health_check_timeout": Range(MIN_TIMEOUT, DAY),
+    "health_check_interval": Range(0.0, WEEK),
     "join_timeout": Range(MIN_TIMEOUT, WEEK),
     "timeout": Range(MIN_TIMEOUT, WEEK),  # torch's spelling of join_timeout
     "last_call_timeout": Range(0.0, DAY),
@@ -109,6 +111,9 @@ FLAG_SECONDS: dict[str, Range] = {
     "--hang-timeout": Range(MIN_TIMEOUT, WEEK),
     "--exit-barrier-timeout": Range(0.0, WEEK),
     "--warm-join-timeout": Range(0.0, HOUR),
+    "--quarantine-time": Range(0.0, WEEK),
+    "--health-check-timeout": Range(MIN_TIMEOUT, DAY),
+    "--health-check-interval": Range(0.0, WEEK),
 }
 
 

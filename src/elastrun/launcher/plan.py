@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -36,13 +38,16 @@ from elastrun.agent.command import Executable, WorkerCommand
 from elastrun.agent.logs import validate_template
 from elastrun.agent.modcache import default_cache_dir
 from elastrun.agent.spec import (
+    DEFAULT_HEALTH_CHECK_TIMEOUT,
     DEFAULT_LOG_TEMPLATE,
     DEFAULT_MEMORY_ROOT,
+    AttributionSettings,
     GpuReleaseSettings,
     HangSettings,
     HealthCheckSettings,
     LogSettings,
     MemorySettings,
+    NodeHealthSettings,
     StartMethod,
     Std,
     WarmModules,
@@ -68,7 +73,7 @@ from elastrun.store.etcd_options import DEFAULT_ETCD_PORT
 from elastrun.store.factory import DEFAULT_PORT, Backend
 from elastrun.store.term import MAX_CANDIDATES, MIN_FAILOVER_LEASE_TTL
 from elastrun.store.token import TOKEN_ENV, store_token
-from elastrun.untrusted import ascii_int
+from elastrun.untrusted import ascii_int, printable
 
 __all__ = ["Plan", "resolve"]
 
@@ -100,6 +105,9 @@ class Plan:
     token_source: str = "none"  # noqa: S105 - where the token came from, for messages
     # What the launcher says before it starts (a setting it ignores, as torch).
     warnings: tuple[str, ...] = ()
+    # ELASTRUN_HOST_NAME: this node's name in the job (events, status, a
+    # quarantine) instead of the machine's host name (None: the host name).
+    host_name: str | None = None
 
     @property
     def failover(self) -> bool:
@@ -193,6 +201,7 @@ def resolve(config: LaunchConfig, command: WorkerCommand = EMPTY_COMMAND) -> Pla
     spec, warnings = _with_features(
         _worker_spec(config, run_id, command, authenticated), token.token, os.environ
     )
+    spec = dataclasses.replace(spec, node_health=_node_health(config, where.conf))
     return Plan(
         run_id=run_id,
         backend=where.backend,
@@ -207,7 +216,58 @@ def resolve(config: LaunchConfig, command: WorkerCommand = EMPTY_COMMAND) -> Pla
         generated_run_id=generated and not where.standalone,
         token_source=token.source,
         warnings=warnings,
+        host_name=host_name_from(os.environ),
     )
+
+
+MAX_HEALTH_CHECK = 4096  # characters of a --health-check command
+
+
+def _node_health(config: LaunchConfig, conf: RendezvousConf) -> NodeHealthSettings:
+    """``--health-check*``, else ``--rdzv-conf health_check*``: the command
+    split as a shell would (no shell runs it), its timeout and interval."""
+    text = config.health_check if config.health_check is not None else conf.health_check
+    flag = "--health-check" if config.health_check is not None else "--rdzv-conf health_check"
+    command: tuple[str, ...] = ()
+    if text:
+        if len(text) > MAX_HEALTH_CHECK or "\x00" in text:
+            raise ConfigError(f"{flag}: at most {MAX_HEALTH_CHECK} characters, no NUL")
+        try:
+            command = tuple(shlex.split(text))
+        except ValueError as e:
+            raise ConfigError(f"{flag}: {e} in {printable(repr(text[:64]))}") from None
+    timeout = config.health_check_timeout
+    if timeout is None:
+        timeout = conf.health_check_timeout
+    interval = config.health_check_interval
+    if interval is None:
+        interval = conf.health_check_interval
+    return NodeHealthSettings(
+        command=command,
+        timeout=DEFAULT_HEALTH_CHECK_TIMEOUT if timeout is None else float(timeout),
+        interval=0.0 if interval is None else float(interval),
+    )
+
+
+HOST_NAME_ENV = "ELASTRUN_HOST_NAME"
+MAX_HOST_NAME = 253
+_HOST_NAME = re.compile(r"[A-Za-z0-9._-]{1,253}\Z")
+
+
+def host_name_from(environ: Mapping[str, str]) -> str | None:
+    """``ELASTRUN_HOST_NAME`` (unset or empty: None, the machine's host
+    name): letters, digits, ``.``, ``_`` and ``-``, at most 253; else a
+    ConfigError naming the variable."""
+    raw = environ.get(HOST_NAME_ENV, "")
+    if not raw:
+        return None
+    if _HOST_NAME.match(raw) is None:
+        shown = printable(repr(raw[:64]))
+        raise ConfigError(
+            f"{HOST_NAME_ENV}={shown}: a node name is 1 to {MAX_HOST_NAME} letters, digits, "
+            "'.', '_' or '-'"
+        )
+    return raw
 
 
 def _with_features(
@@ -485,6 +545,11 @@ def _worker_spec(
         hidden_env=frozenset((TOKEN_ENV,)),
         virtual_local_rank=config.virtual_local_rank,
         cpu_binding=numa_cpus(config.numa_binding, config.nproc_per_node),
+        attribution=AttributionSettings(
+            limit=config.fault_limit,
+            stop_script_faults=config.stop_on_script_fault,
+            quarantine=float(config.quarantine_time),
+        ),
     )
 
 

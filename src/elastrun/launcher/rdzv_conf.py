@@ -45,6 +45,10 @@ RDZV_CONF_KEYS: dict[str, str] = {
     "store_bind": "str",  # where the hosted c10d store listens (launcher/bind.py)
     "failover_timeout": "float",  # candidate hosts: how long to find a new host
     "store_max_connections_per_peer": "int",  # the hosted store's cap per address
+    # this node's own health check (agent/node_health.py), as --health-check*
+    "health_check": "str",
+    "health_check_timeout": "float",
+    "health_check_interval": "float",
     # etcd
     "cacert": "str",
     "cert": "str",
@@ -85,6 +89,10 @@ class RendezvousConf:
     # Connections the hosted store accepts from one address (and at least as
     # many in all); None: the store's default (2048).
     store_max_connections_per_peer: int | None = None
+    # --health-check, --health-check-timeout, --health-check-interval (the flags win)
+    health_check: str | None = None
+    health_check_timeout: float | None = None
+    health_check_interval: float | None = None
     cacert: str | None = None
     cert: str | None = None
     key: str | None = None

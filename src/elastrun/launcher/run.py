@@ -49,7 +49,7 @@ async def run_agent(
 
 async def run_async(plan: Plan, *, events: EventSink | None = None) -> int:
     """Run this node's agent for ``plan``; returns the process exit code."""
-    hostname = socket.gethostname()
+    hostname = plan.host_name or socket.gethostname()
     settings = plan.rendezvous
     for warning in plan.warnings:
         say(warning)

@@ -28,7 +28,9 @@ from typing import Any
 from elastrun.errors import RendezvousError, StoreError
 from elastrun.failure import FailureRecord
 from elastrun.names import RunId
+from elastrun.rendezvous.fault_history import FaultEntry, FaultHistory
 from elastrun.rendezvous.notes import Note, NoteT, Refused, Seat
+from elastrun.rendezvous.quarantine import QuarantineRecord
 from elastrun.rendezvous.records import AgreedSettings
 from elastrun.rendezvous.sizes import WorldSizes
 from elastrun.store.base import RevokeSpec
@@ -322,6 +324,41 @@ class Rendezvous(abc.ABC):
         even with one of them gone): joining would hold their restart.
         Asked before ``next_round()``; never raises."""
         return False
+
+    async def record_fault(
+        self, entry: FaultEntry, *, own: bool, timeout: float
+    ) -> FaultHistory | None:
+        """Add ``entry``, the root cause of a failed round, to the job's fault
+        history (:mod:`.fault_history`: the first entry for a round stays;
+        ``own``: this node's failure is the root cause, written at once, else
+        after waiting up to ``timeout`` s for that node's); the history as it
+        then stands, the same on every member. None: no history (a
+        rendezvous without a store, or a store that did not answer). Never
+        raises."""
+        del entry, own, timeout
+        return None
+
+    async def fault_history(self) -> FaultHistory | None:
+        """The job's fault history (None: none kept, or not readable). Never raises."""
+        return None
+
+    async def stop_job(self, summary: str) -> None:
+        """Stop the job for a script fault: keep ``summary`` in the fault
+        history and mark the job failed, so that every node, the spares
+        too, ends. Best effort; never raises."""
+        del summary
+
+    async def quarantine(self, record: QuarantineRecord) -> bool:
+        """Keep ``record.host`` out of the job (:mod:`.quarantine`); False
+        when not written (no store, too many records). Never raises."""
+        del record
+        return False
+
+    async def quarantine_of(self, host: str) -> QuarantineRecord | None:
+        """``host``'s quarantine record, expired or not (None: none, or no
+        store). Never raises."""
+        del host
+        return None
 
     @abc.abstractmethod
     async def shutdown(self) -> None:

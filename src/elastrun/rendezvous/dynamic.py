@@ -62,6 +62,7 @@ from elastrun.rendezvous.api import (
     RendezvousSettings,
     RoundResult,
 )
+from elastrun.rendezvous.fault_access import FaultAccess
 from elastrun.rendezvous.node_io import Executor, Node, Observer, Outcome, read
 from elastrun.rendezvous.note_access import NoteAccess
 from elastrun.rendezvous.plan import PhasePlan, plan_phase
@@ -117,7 +118,7 @@ def _safe_id(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", text[-128:]) or "node"
 
 
-class DynamicRendezvous(NoteAccess, Rendezvous):
+class DynamicRendezvous(NoteAccess, FaultAccess, Rendezvous):
     """One node's handle on a job's dynamic rendezvous in a :class:`Store`."""
 
     def __init__(

@@ -41,7 +41,9 @@ from elastrun.rendezvous.api import (
     RoundResult,
 )
 from elastrun.rendezvous.dynamic import DynamicRendezvous
+from elastrun.rendezvous.fault_history import FaultEntry, FaultHistory
 from elastrun.rendezvous.notes import Note, NoteT, Refused, Seat
+from elastrun.rendezvous.quarantine import QuarantineRecord
 from elastrun.rendezvous.rounds import Carry
 from elastrun.store.base import Store
 from elastrun.store.failover import FailoverClient, Lost
@@ -212,6 +214,26 @@ class FailoverRendezvous(Rendezvous):
         if self._lost is not None:
             return {}
         return await self.inner.gather_notes(kind, round_, seats, timeout)
+
+    async def record_fault(
+        self, entry: FaultEntry, *, own: bool, timeout: float
+    ) -> FaultHistory | None:
+        if self._lost is not None:
+            return None
+        return await self.inner.record_fault(entry, own=own, timeout=timeout)
+
+    async def fault_history(self) -> FaultHistory | None:
+        return None if self._lost is not None else await self.inner.fault_history()
+
+    async def stop_job(self, summary: str) -> None:
+        if self._lost is None:
+            await self.inner.stop_job(summary)
+
+    async def quarantine(self, record: QuarantineRecord) -> bool:
+        return False if self._lost is not None else await self.inner.quarantine(record)
+
+    async def quarantine_of(self, host: str) -> QuarantineRecord | None:
+        return None if self._lost is not None else await self.inner.quarantine_of(host)
 
     async def joining_running_job(self) -> bool:
         return False if self._lost is not None else await self.inner.joining_running_job()

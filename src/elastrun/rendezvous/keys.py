@@ -17,6 +17,10 @@ docs/rendezvous.md)::
     waiting/{node_id}           nodes waiting for the next round, on the lease
     notes/{name}                job notes the agents share (typed, bounded and
                                 untrusted: see :mod:`elastrun.rendezvous.notes`)
+    faults                      the job's root causes, one per failed round
+                                (:mod:`elastrun.rendezvous.fault_history`)
+    quarantine/{host}           nodes kept out of the job for a node fault, no
+                                lease (:mod:`elastrun.rendezvous.quarantine`)
 
 The exit barrier's "round R finished" record is ``round`` itself (``state``
 finished): the one key every member at the barrier watches, besides the
@@ -136,6 +140,17 @@ class Keys:
 
     def done(self, r: int, node_id: str) -> str:
         return self.dones(r) + node_id
+
+    @property
+    def faults(self) -> str:
+        return self.root + "faults"
+
+    @property
+    def quarantines(self) -> str:
+        return self.root + "quarantine/"
+
+    def quarantine(self, host_key: str) -> str:
+        return self.quarantines + host_key
 
     def note(self, name: str) -> str:
         """A job-wide note the agents share (e.g. the modules the script imports)."""

@@ -31,6 +31,7 @@ from elastrun.endpoint import Endpoint, format_endpoints, parse_endpoint_list
 from elastrun.errors import ConfigError, ElastrunError, HostLost, StoreError, StoreUnavailable
 from elastrun.launcher.rdzv_conf import parse_rdzv_conf
 from elastrun.names import RunId
+from elastrun.rendezvous import quarantine
 from elastrun.rendezvous.keys import Keys
 from elastrun.status.hosts import open_candidates
 from elastrun.status.model import TERMINAL_STATES, StoreHosts, Summary
@@ -114,6 +115,14 @@ def _parser() -> argparse.ArgumentParser:
         "password, key_prefix, protocol (the launcher's other keys are checked and ignored)",
     )
     p.add_argument("--json", action="store_true", help="print JSON (one object per line)")
+    p.add_argument(
+        "--clear-quarantine",
+        "--clear_quarantine",
+        dest="clear_quarantine",
+        default=None,
+        metavar="HOST",
+        help="let HOST, kept out of the job for a node fault (--quarantine-time), join again",
+    )
     p.add_argument(
         "--watch",
         action="store_true",
@@ -414,16 +423,34 @@ async def _connect(args: argparse.Namespace, where: str) -> Store:
 async def _main(args: argparse.Namespace) -> int:
     where = format_endpoints(args.endpoints)
     show = Printer(args, where)
-    if args.watch:
+    if args.watch and args.clear_quarantine is None:
         with _stop_on_signals() as stop:
             return await _Watcher(args, where, show, stop).run()
     store = await _connect(args, where)
     try:
+        if args.clear_quarantine is not None:
+            return await _clear(store, args, where)
         show(await _read(store, args, where))
         return 0
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(store.close(), 2.0)
+
+
+async def _clear(store: Store, args: argparse.Namespace, where: str) -> int:
+    """``--clear-quarantine HOST``: remove HOST's quarantine record."""
+    host: str = args.clear_quarantine
+    shown = printable(repr(host[:256]))
+    try:
+        async with asyncio.timeout(args.timeout):
+            cleared = await quarantine.clear(store, Keys(args.run_id), host)
+    except (TimeoutError, StoreError) as exc:
+        raise _Failed(f"clearing the quarantine of {shown} at {where}: {exc}") from None
+    if cleared:
+        print(f"elastrun status: the quarantine of node {shown} is cleared; it may join again")
+    else:
+        print(f"elastrun status: node {shown} is not quarantined in job {args.run_id!r}")
+    return 0
 
 
 def _timeout(text: str) -> float:

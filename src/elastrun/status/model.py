@@ -11,12 +11,14 @@ have written: the table escapes each for the terminal; ``--json`` is JSON.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from elastrun.failure import FailureRecord
 from elastrun.goodput import Goodput
 from elastrun.rendezvous import notes as N
+from elastrun.rendezvous.quarantine import QuarantineRecord
 from elastrun.rendezvous.records import RoundState
 
 __all__ = [
@@ -200,6 +202,11 @@ class Summary:
     revision: int
     store_hosts: StoreHosts | None = None  # candidate hosts only
     goodput: Goodput | None = None  # group rank 0's agent's figures (its note)
+    # Fault attribution (rendezvous/quarantine.py, fault_history.py): the
+    # nodes kept out of the job (expired records too), and the script fault
+    # that stopped it.
+    quarantined: tuple[QuarantineRecord, ...] = ()
+    fault_stopped: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -246,9 +253,18 @@ class Summary:
             "revision": self.revision,
             "store_hosts": self.store_hosts.to_json() if self.store_hosts is not None else None,
             "goodput": self.goodput.to_json() if self.goodput is not None else None,
+            "quarantined": [_quarantine_json(q) for q in self.quarantined],
+            "fault_stopped": self.fault_stopped,
         }
 
     def quiet(self) -> Summary:
         """Itself without what changes by itself (the duration, the revision):
         two summaries that differ only there show the same job."""
         return dataclasses.replace(self, state_for_s=None, revision=0)
+
+
+def _quarantine_json(q: QuarantineRecord) -> dict[str, Any]:
+    out = q.to_json()
+    del out["v"]
+    out["active"] = q.active(time.time())
+    return out

@@ -85,6 +85,13 @@ def render_table(summary: Summary, where: str) -> str:
     # The one wording of a failure (FailureRecord.describe), with its time and message.
     line = printable(failure.describe(detailed=True), limit=2 * MAX_FIELD) if failure else "none"
     out.append("\nlast failure: " + line)
+    if s.fault_stopped:
+        out.append("stopped:  " + printable(s.fault_stopped, limit=2 * MAX_FIELD))
+    for q in s.quarantined:
+        until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(q.until))
+        kept = "quarantined until" if q.active(time.time()) else "quarantine expired at"
+        reason = printable(q.reason, limit=2 * MAX_FIELD)
+        out.append(f"node {_p(q.host)} {kept} {until}: {reason}")
     out.extend(_stacks_block(s.hang_stacks))
     return "\n".join(out)
 

@@ -13,6 +13,8 @@ records the rendezvous keeps anyway (see :mod:`elastrun.rendezvous.keys`)::
     notes/progress_{G}      step times of group rank G's workers (agent/stragglers.py)
     notes/stragglers        group rank 0's straggler verdicts for the round
     notes/stacks_{R}_{G}    its workers' stacks when round R ended on a hang (agent/hangs.py)
+    quarantine/...          nodes kept out for a node fault (rendezvous/quarantine.py)
+    faults                  the script fault that stopped the job (rendezvous/fault_history.py)
 
 The records by key (config, round, the round results shown) are read in one
 transaction (one store revision), guarded by the ``round`` record's revision
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import statistics
 import time
 from collections.abc import Collection, Mapping
@@ -55,6 +58,7 @@ from typing import TypeVar
 from elastrun.endpoint import Endpoint
 from elastrun.errors import ProtocolError, StoreError
 from elastrun.names import RunId
+from elastrun.rendezvous import fault_history, quarantine
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import notes as N
 from elastrun.rendezvous.note_access import find_note
@@ -393,7 +397,7 @@ async def read_summary(store: Store, run_id: RunId) -> Summary | None:
             dones = {K.node_id_of(kv.key) for kv in await _under(store, k.dones(r))}
         round_rec = _one(RoundRecord, round_kvs)
         is_open = round_rec is not None and round_rec.state is RoundState.OPEN
-        return summarize(
+        summary = summarize(
             run_id,
             config=_one(ConfigRecord, config_kvs),
             round_rec=round_rec,
@@ -405,6 +409,12 @@ async def read_summary(store: Store, run_id: RunId) -> Summary | None:
             waiting=_records(await _under(store, k.waiting_prefix), WaitingRecord),
             revision=res.revision,
             notes=await read_notes(store, k, prev if is_open else result, hang_result),
+        )
+        history = await fault_history.read(store, k)
+        return dataclasses.replace(
+            summary,
+            quarantined=tuple(await quarantine.listed(store, k)),
+            fault_stopped=history.stopped or None,
         )
     raise StoreError(
         f"the round record of job {run_id!r} changed {MAX_TRIES} times while reading it; try again"

@@ -34,11 +34,15 @@ from typing import TextIO, TypeVar, cast
 
 from elastrun.event_kinds import (
     Event,
+    FaultVerdict,
     JobFailed,
     JobFinished,
     JobMarkedFailed,
+    NodeHealthFailed,
     NodeJoined,
     NodeLost,
+    NodeQuarantined,
+    QuarantineRefused,
     RanksKept,
     Restart,
     RootCauseElsewhere,
@@ -94,6 +98,10 @@ DRAWN: tuple[type[Event], ...] = (
     JobFinished,
     JobFailed,
     JobMarkedFailed,
+    FaultVerdict,
+    NodeQuarantined,
+    QuarantineRefused,
+    NodeHealthFailed,
 )
 DRAWN_KINDS = frozenset(cls.KIND for cls in DRAWN)
 COMMON = ("node_id", "host", "run_id")  # the sink's fields the page reads
@@ -400,7 +408,8 @@ class _History:
             _end(lane, ts)
 
     def _marks(self, lane: _Lane, e: LoggedEvent) -> None:
-        """Failures, restarts, lost nodes, promoted spares and finished agents."""
+        """Failures, restarts, lost nodes, promoted spares, finished agents and
+        fault attribution (verdicts, quarantines, failed health checks)."""
         ev, ts = e.event, e.ts
         if _root_cause(e, self.elsewhere):
             lane.marks.append((ts, RED, e.failure_title()))
@@ -423,6 +432,8 @@ class _History:
             lane.marks.append((ts, TEAL, f"{_fmt(ts)} {kept_line(ev)}"))
         elif isinstance(ev, JobFinished | JobFailed):
             lane.marks.append(_agent_end(ts, ev))
+        elif (line := _fault_line(ev)) is not None:
+            lane.marks.append((ts, BROWN, f"{_fmt(ts)} {line}"))
 
     def _store(self, lane: _Lane | None, e: LoggedEvent) -> None:
         """The store's hosts: a takeover (its new host's mark), the host's loss
@@ -458,6 +469,28 @@ def kept_line(ev: RanksKept) -> str:
     pids = ", ".join(f"{r} (pid {p})" for r, p in zip(ev.kept, ev.kept_pids, strict=False))
     replaced = ", ".join(map(str, ev.started)) or "none"
     return f"in-process restart, round {ev.round}: ranks kept {pids}; replaced {replaced}"
+
+
+def _fault_line(ev: Event) -> str | None:
+    """Fault attribution's events (verdicts, quarantines, failed health
+    checks), each one line on its node's lane (brown); None for another event."""
+    if isinstance(ev, FaultVerdict):
+        return ev.summary or "fault verdict"
+    if isinstance(ev, NodeQuarantined):
+        return f"quarantined until {_wall(ev.until)}: {ev.reason}"
+    if isinstance(ev, QuarantineRefused):
+        return f"refused: this node is quarantined until {_wall(ev.until)}"
+    if isinstance(ev, NodeHealthFailed):
+        return f"health check failed ({ev.when}): {ev.command} {ev.reason}"
+    return None
+
+
+def _wall(t: float) -> str:
+    """A wall-clock time an event names (a quarantine's end), as a date and
+    time; one beyond any plausible time stamp (``MAX_TS``) as a number."""
+    if 0 <= t <= MAX_TS:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    return f"{t:g} (not a time)"
 
 
 def _end(lane: _Lane, ts: float) -> None:

@@ -8,6 +8,15 @@ group rank, pid, wall-clock time). Control files in that directory:
                   if the file holds "exception" it raises instead, if it holds a
                   signal name ("SIGSEGV", "SIGKILL"...) it sends itself that signal
   finish          the group stops after the current step and exits 0
+
+``FAULT_MODE`` (fault attribution's tests; each step then also steps an
+optimizer, the progress elastrun sees):
+  bug       rank ``FAULT_RANK`` (default 1) raises ValueError at its 3rd step
+            after every start (a deterministic bug)
+  bad_node  the ranks on node ``FAULT_NODE`` (its ``ELASTIC_TEST_NODE``) raise
+            a CUDA-like RuntimeError a few steps after every start (2 + the
+            starts of that rank on that node before: never twice at the same
+            step, whether or not a restart was counted)
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ import torch.distributed as dist
 
 DIR = Path(os.environ["ELASTIC_TEST_DIR"])
 STEP_SLEEP = float(os.environ.get("ELASTIC_STEP_SLEEP", "0.2"))
+FAULT_MODE = os.environ.get("FAULT_MODE", "")
+NODE = os.environ.get("ELASTIC_TEST_NODE", "")
 
 
 def log(record: dict[str, object]) -> None:
@@ -47,6 +58,27 @@ def save_step(step: int) -> None:
     os.replace(tmp, DIR / "ckpt.json")
 
 
+def starts_before(rank: int) -> int:
+    """How many times this rank started on this node before (this start
+    recorded): a restart excused by a membership change is not counted in
+    ``TORCHELASTIC_RESTART_COUNT``, a start is."""
+    fd = os.open(DIR / f"starts_{NODE}_{rank}", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b".")
+    finally:
+        os.close(fd)
+    return (DIR / f"starts_{NODE}_{rank}").stat().st_size - 1
+
+
+def inject_fault(rank: int, local: int, before: int) -> None:
+    """``FAULT_MODE``'s failure, when its time has come (``before``: this
+    rank's earlier starts on this node)."""
+    if FAULT_MODE == "bug" and rank == int(os.environ.get("FAULT_RANK", "1")) and local == 3:
+        raise ValueError("bad batch")
+    if FAULT_MODE == "bad_node" and os.environ.get("FAULT_NODE") == NODE and local == 2 + before:
+        raise RuntimeError("CUDA error: uncorrectable ECC error encountered")
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -55,7 +87,12 @@ def main() -> None:
     start = torch.tensor([load_step()])
     dist.broadcast(start, 0)
     step = int(start.item())
+    w = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1) if FAULT_MODE else None
+    before = starts_before(rank) if FAULT_MODE == "bad_node" else 0
+    local = 0  # steps since this worker started
     while True:
+        inject_fault(rank, local, before)
         crash = DIR / f"crash_rank_{rank}"
         if crash.exists():
             how = crash.read_text().strip()
@@ -73,6 +110,10 @@ def main() -> None:
         t = torch.ones(1)
         dist.all_reduce(t)
         assert int(t.item()) == world
+        if opt is not None:
+            (w * t).sum().backward()
+            opt.step()
+        local += 1
         step += 1
         if rank == 0:
             save_step(step)
@@ -84,7 +125,7 @@ def main() -> None:
                 "restart": restart,
                 "group_rank": group_rank,
                 "pid": os.getpid(),
-                "node": os.environ.get("ELASTIC_TEST_NODE", ""),
+                "node": NODE,
                 "t": time.time(),  # wall clock: one machine (namespaces share it)
             }
         )

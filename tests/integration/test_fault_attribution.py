@@ -1,0 +1,159 @@
+"""Fault attribution end to end: real agents on loopback, real gloo workers,
+the embedded store.
+
+* A deterministic script bug (rank 1 raises at its 3rd step after every
+  start): the job stops after 2 identical failures, not after
+  ``--max-restarts``; every node exits 1 with the same line naming the
+  exception, the rank and the step.
+* A bad node (its ranks raise a CUDA-like error a few steps after every
+  start) beside a hot spare: after its second failure the node is
+  quarantined and leaves, the spare takes its place, the job trains at full
+  size again; ``elastrun status`` shows the quarantine; the node's agent,
+  restarted, is refused until an operator clears it. The event logs of the
+  run are checked: no node is excluded beyond what the rule allows.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import free_port, wait_for
+from tests.integration.elastic_harness import BOUND, ELASTRUN, Job, job, node_name, steps_after
+
+STOP_LINE = (
+    "elastrun: job stopped: script fault: ValueError: bad batch in rank 1 at step 3, "
+    "2 identical failures"
+)
+
+
+def flags(port: int, j: Job, name: str, *, host: bool, nnodes: str, extra: list[str]) -> list[str]:
+    return [
+        f"--nnodes={nnodes}",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=faults",
+        "--max-restarts=5",
+        f"--rdzv-conf=last_call_timeout=1,lease_ttl=2,join_timeout=60,is_host={int(host)}",
+        "--shutdown-timeout=5",
+        f"--events-file={j.dir / f'events-{name}.jsonl'}",
+        *extra,
+    ]
+
+
+def status(port: int, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*ELASTRUN, "status", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=faults", *extra],
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+        check=False,
+    )
+
+
+def test_a_script_bug_stops_the_job_after_two_identical_failures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAULT_MODE", "bug")
+    port = free_port()
+    with job(tmp_path) as j:
+        a = j.start_agent(
+            "a", flags(port, j, "a", host=True, nnodes="2", extra=[]), env_extra=node_name("a")
+        )
+        b = j.start_agent(
+            "b", flags(port, j, "b", host=False, nnodes="2", extra=[]), env_extra=node_name("b")
+        )
+        for agent in (a, b):
+            assert agent.wait(BOUND) == 1, agent.output()[-3000:]
+            assert STOP_LINE in agent.output(), agent.output()[-3000:]
+        for name in ("a", "b"):
+            # Two starts (the first and one restart) of the 6 --max-restarts allowed.
+            assert len(j.kinds(name, "workers_started")) == 2
+            (failed,) = j.kinds(name, "job_failed")
+            assert failed["reason"] == "script_fault"
+        # The node that judged first stopped the job; a node that judged later
+        # judged alike, one that found the job stopped already says so.
+        verdicts = j.kinds("a", "fault_verdict") + j.kinds("b", "fault_verdict")
+        assert verdicts
+        for verdict in verdicts:
+            assert verdict["verdict"] == "script_fault" and verdict["action"] == "stop"
+            assert (verdict["rank"], verdict["step"], verdict["node"]) == (1, 3, "b")
+
+
+def justified(j: Job, names: list[str]) -> None:
+    """The checker over the run's event logs: every quarantine rests on a
+    node-fault verdict whose failed rounds' root causes (each node's
+    ``restart`` events name the job's root cause) were all that node's own
+    failures: never a broken collective, never another node's."""
+    causes: dict[int, dict[str, Any]] = {}
+    for name in names:
+        for e in j.kinds(name, "restart"):
+            if e.get("failure"):
+                causes[e["round"]] = e["failure"]
+    verdicts = {(e["round"], e["node"]): e for n in names for e in j.kinds(n, "fault_verdict")}
+    for name in names:
+        for q in j.kinds(name, "node_quarantined"):
+            host = q["quarantined_host"]
+            (verdict,) = [v for (r, node), v in verdicts.items() if node == host]
+            assert verdict["verdict"] == "node_fault", verdict
+            for r in verdict["rounds"]:
+                cause = causes[r]
+                assert cause["host"] == host and cause["role"] == "root_cause", cause
+                assert cause["kind"] != "broken_collective", cause
+
+
+def test_a_bad_node_is_quarantined_and_replaced_by_the_spare(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAULT_MODE", "bad_node")
+    monkeypatch.setenv("FAULT_NODE", "b")
+    port = free_port()
+    extra = ["--node-unit=2", "--quarantine-time=600"]
+    with job(tmp_path) as j:
+        a = j.start_agent(
+            "a", flags(port, j, "a", host=True, nnodes="2:3", extra=extra), env_extra=node_name("a")
+        )
+        b = j.start_agent(
+            "b",
+            flags(port, j, "b", host=False, nnodes="2:3", extra=extra),
+            env_extra=node_name("b"),
+        )
+        wait_for(lambda: j.kinds("a", "workers_started"), BOUND, "node a training")
+        s = j.start_agent(
+            "s",
+            flags(port, j, "s", host=False, nnodes="2:3", extra=extra),
+            env_extra=node_name("s"),
+        )
+        assert b.wait(BOUND) == 1, b.output()[-3000:]
+        out = b.output()
+        assert "node fault: node b failed 2 times in a row" in out, out[-3000:]
+        assert "this node (b) leaves the job, quarantined until" in out, out[-3000:]
+        mark = len(j.steps())
+        wait_for(
+            lambda: {"a", "s"} <= {st["node"] for st in steps_after(j, mark, lambda st: True)},
+            BOUND,
+            "the spare and the survivor training at full size",
+        )
+        assert all(st["world"] == 2 for st in steps_after(j, mark, lambda st: st["node"] == "s"))
+        assert "node fault: node b failed 2 times in a row" in a.output()
+        table = status(port)
+        assert table.returncode == 0, table.stderr
+        assert "node b quarantined until" in table.stdout, table.stdout
+
+        b2 = flags(port, j, "b2", host=False, nnodes="2:3", extra=extra)
+        again = j.start_agent("b2", b2, env_extra=node_name("b"))  # node b's agent, restarted
+        assert again.wait(BOUND) == 1
+        assert "this node (b) is quarantined until" in again.output(), again.output()[-3000:]
+        assert "--clear-quarantine b" in again.output()
+        cleared = status(port, "--clear-quarantine", "b")
+        assert cleared.returncode == 0 and "is cleared" in cleared.stdout, cleared
+        assert "quarantined until" not in status(port).stdout
+
+        justified(j, ["a", "b", "s"])
+        j.touch("finish")
+        for agent in (a, s):
+            assert agent.wait(BOUND) == 0, agent.output()[-3000:]

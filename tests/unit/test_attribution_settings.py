@@ -1,0 +1,55 @@
+"""Fault attribution's settings as the launcher resolves them: the flags into
+``WorkerSpec.attribution``, their bounds, and ``ELASTRUN_HOST_NAME``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from elastrun.errors import ConfigError
+from elastrun.launcher.config import LaunchConfig
+from elastrun.launcher.flags import parse_flags, resolve_flags
+from elastrun.launcher.plan import host_name_from, resolve
+
+SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "train.py")
+
+
+def test_the_flags_reach_the_agent_as_one_settings_group() -> None:
+    flags = parse_flags(
+        [
+            "--fault-limit=3",
+            "--no-stop-on-script-fault",
+            "--quarantine-time=900",
+            SCRIPT,
+        ]
+    )
+    spec = resolve_flags(flags, resolve(LaunchConfig()).workers.command).workers.attribution
+    assert (spec.limit, spec.stop_script_faults, spec.quarantine) == (3, False, 900.0)
+    default = resolve(LaunchConfig()).workers.attribution
+    assert (default.limit, default.stop_script_faults, default.quarantine) == (2, True, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (LaunchConfig(fault_limit=33), "--fault-limit"),
+        (LaunchConfig(fault_limit=-1), "--fault-limit"),
+        (LaunchConfig(quarantine_time=-5), "--quarantine-time"),
+        (LaunchConfig(quarantine_time=10 * 7 * 24 * 3600), "--quarantine-time"),
+    ],
+)
+def test_out_of_range_settings_are_refused_naming_the_flag(
+    config: LaunchConfig, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        resolve(config)
+
+
+def test_a_node_name_is_checked_where_it_enters() -> None:
+    assert host_name_from({}) is None
+    assert host_name_from({"ELASTRUN_HOST_NAME": ""}) is None
+    assert host_name_from({"ELASTRUN_HOST_NAME": "gpu-07.rack3"}) == "gpu-07.rack3"
+    for bad in ("a/b", "x" * 254, "new\nline", "sp ace"):
+        with pytest.raises(ConfigError, match="ELASTRUN_HOST_NAME="):
+            host_name_from({"ELASTRUN_HOST_NAME": bad})
