@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -617,8 +618,12 @@ class Executor:
             return
         if not self.port or self.port_round != r:
             last = self.port
+            addr = node.settings.addr
             for _ in range(3):  # another port than the last round's
-                self.port = await asyncio.to_thread(rounds.pick_master_port, node.settings.addr)
+                if _is_ip(addr):  # a bind, at once: no name to resolve
+                    self.port = rounds.pick_master_port(addr)
+                else:
+                    self.port = await asyncio.to_thread(rounds.pick_master_port, addr)
                 if self.port != last:
                     break
             self.port_round = r
@@ -775,3 +780,12 @@ def _promotions(
         return []
     prev = {p.node_id: p.group_rank for p in rnd.prev}
     return promotions(prev, {m.node_id: m.group_rank for m in members})
+
+
+def _is_ip(addr: str) -> bool:
+    """Whether ``addr`` is an IP address (binding it resolves no name)."""
+    try:
+        ipaddress.ip_address(addr)
+    except ValueError:
+        return False
+    return True
