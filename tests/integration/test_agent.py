@@ -104,7 +104,7 @@ def test_workers_get_every_variable_and_all_reduce(tmp_path, capfd):
     assert "[testhost:1]: hello from rank 1" in stdout
     assert rdzv.completed == 1 and rdzv.shutdowns == 1
     kinds = sink.kinds()
-    assert kinds[0] == "workers_started" and kinds[-1] == "job_finished"
+    assert kinds[0] == "workers_started" and kinds[-2:] == ["job_finished", "goodput"]
     assert sorted(r["pid"] for r in recs) == sorted(started_pids(sink))
     assert_reaped(started_pids(sink))
 
@@ -162,7 +162,7 @@ def test_root_cause_summary_names_rank_1(tmp_path, capfd, mode):
     exited = [e for e in sink.events if e["kind"] == "worker_exited"]
     assert [e["cause"] for e in exited if e["rank"] == 1] == ["root_cause"]
     assert [e["cause"] for e in exited if e["rank"] == 0] == ["collateral"]
-    assert sink.kinds()[-1] == "job_failed"
+    assert sink.kinds()[-2:] == ["job_failed", "goodput"]  # its end, then its goodput
     assert_reaped(started_pids(sink))
 
 
@@ -274,7 +274,7 @@ def test_sigterm_of_agent_stops_workers_and_exits_143(tmp_path):
         assert "received SIGTERM" in proc.stderr.read().decode()
         kinds = [e["kind"] for e in events_of(tmp_path)]
         assert "workers_stopping" in kinds
-        assert "workers_killed" not in kinds and kinds[-1] == "job_failed"
+        assert "workers_killed" not in kinds and kinds[-2:] == ["job_failed", "goodput"]
     finally:
         cleanup(proc, pids)
 

@@ -124,8 +124,8 @@ class RoundHangs(RoundHooks):
         if self.watchdog is not None or self.group.runs_runner:
             r.heartbeat_file = env[HEARTBEAT_ENV] = progress_file(worker)
             interval = PROGRESS_INTERVAL
-            if spec.hang.timeout is not None:
-                interval = min(interval, heartbeat_interval(spec.hang.timeout))
+            if spec.hang.timeout is not None:  # the watchdog's own pace
+                interval = heartbeat_interval(spec.hang.timeout)
             env[HEARTBEAT_INTERVAL_ENV] = repr(interval)
         if (
             self.watchdog is not None
