@@ -183,7 +183,10 @@ def check_page(page: Path, events: list[dict[str, Any]]) -> None:
     assert dots_on(svg, BROWN, lane_of(svg, lost_host)) == 1  # it took the store at term 1
     assert dots_on(svg, BROWN, lane_of(svg, taker)) == 1  # the takeover, term 2
     assert dots_on(svg, CYAN, lane_of(svg, spare)) == 1  # the promotion
-    assert sum(dots_on(svg, RED, lane_of(svg, n)) for n in (lost_host, taker, spare)) == 1
+    # The crash's root cause, red; and, in the race above, the survivor's failure
+    # its agent took for a root cause before it saw the host go.
+    reds = sum(dots_on(svg, RED, lane_of(svg, n)) for n in (lost_host, taker, spare))
+    assert 1 <= reds <= len(counted), (reds, counted)
     legend = dom[dom.index("</svg>") :]
     assert "Cyan: a spare promoted" in legend and "Brown:" in legend
     assert "hosts the store from term 2" in legend  # the store hosts' list
