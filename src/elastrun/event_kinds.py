@@ -782,6 +782,23 @@ class QuarantineRefused(Event):
     reason: str
 
 
+@dataclass(frozen=True)
+class StragglerReplacement(Event):
+    """Group rank 0's agent judged a node a persistent straggler
+    (``--replace-stragglers``): it replaced it with a waiting spare (its
+    quarantine record written), or only reported it (``why``)."""
+
+    KIND = "straggler_replacement"
+    round: int
+    node: str  # the straggler's host
+    node_id: str
+    ranks: list[int]
+    intervals: int  # intervals in a row it was named
+    replaced: bool
+    why: str  # what was done, or why not
+    until: float | None  # wall clock: kept out until (replaced only)
+
+
 # ------------------------------------------------------------------- reading
 CATALOGUE: tuple[type[Event], ...] = tuple(
     cls

@@ -11,6 +11,11 @@ the embedded store.
   size again; ``elastrun status`` shows the quarantine; the node's agent,
   restarted, is refused until an operator clears it. The event logs of the
   run are checked: no node is excluded beyond what the rule allows.
+* A persistent straggler (its ranks sleep longer in every step) beside a
+  hot spare, with ``--replace-stragglers``: group rank 0's agent decides
+  once, the straggler leaves the job, the spare takes its place; the
+  survivor's restart is a membership change (not counted); ``elastrun
+  status`` shows the straggler kept out.
 """
 
 from __future__ import annotations
@@ -22,7 +27,15 @@ from typing import Any
 import pytest
 
 from tests.helpers import free_port, wait_for
-from tests.integration.elastic_harness import BOUND, ELASTRUN, Job, job, node_name, steps_after
+from tests.integration.elastic_harness import (
+    BOUND,
+    ELASTRUN,
+    Agent,
+    Job,
+    job,
+    node_name,
+    steps_after,
+)
 
 STOP_LINE = (
     "elastrun: job stopped: script fault: ValueError: bad batch in rank 1 at step 3, "
@@ -106,6 +119,17 @@ def justified(j: Job, names: list[str]) -> None:
                 assert cause["kind"] != "broken_collective", cause
 
 
+def spare_trains_in_its_place(j: Job) -> None:
+    """Node b left: the spare s and the survivor a train at full size."""
+    mark = len(j.steps())
+    wait_for(
+        lambda: {"a", "s"} <= {st["node"] for st in steps_after(j, mark, lambda st: True)},
+        BOUND,
+        "the spare and the survivor training at full size",
+    )
+    assert all(st["world"] == 2 for st in steps_after(j, mark, lambda st: st["node"] == "s"))
+
+
 def test_a_bad_node_is_quarantined_and_replaced_by_the_spare(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -132,13 +156,7 @@ def test_a_bad_node_is_quarantined_and_replaced_by_the_spare(
         out = b.output()
         assert "node fault: node b failed 2 times in a row" in out, out[-3000:]
         assert "this node (b) leaves the job, quarantined until" in out, out[-3000:]
-        mark = len(j.steps())
-        wait_for(
-            lambda: {"a", "s"} <= {st["node"] for st in steps_after(j, mark, lambda st: True)},
-            BOUND,
-            "the spare and the survivor training at full size",
-        )
-        assert all(st["world"] == 2 for st in steps_after(j, mark, lambda st: st["node"] == "s"))
+        spare_trains_in_its_place(j)
         assert "node fault: node b failed 2 times in a row" in a.output()
         table = status(port)
         assert table.returncode == 0, table.stderr
@@ -154,6 +172,52 @@ def test_a_bad_node_is_quarantined_and_replaced_by_the_spare(
         assert "quarantined until" not in status(port).stdout
 
         justified(j, ["a", "b", "s"])
+        j.touch("finish")
+        for agent in (a, s):
+            assert agent.wait(BOUND) == 0, agent.output()[-3000:]
+
+
+def test_a_persistent_straggler_is_replaced_by_the_spare(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAULT_MODE", "slow_node")
+    monkeypatch.setenv("FAULT_NODE", "b")
+    port = free_port()
+    extra = [
+        "--node-unit=2",
+        "--quarantine-time=600",
+        "--straggler-interval=0.5",
+        "--replace-stragglers=2",
+    ]
+    with job(tmp_path) as j:
+
+        def start(name: str, *, host: bool = False) -> Agent:
+            f = flags(port, j, name, host=host, nnodes="2:3", extra=extra)
+            return j.start_agent(name, f, env_extra=node_name(name))
+
+        a = start("a", host=True)
+        b = start("b")
+        # Round 0 closes with a and b (its largest allowed size): s is a spare.
+        wait_for(lambda: j.kinds("b", "round_joined"), BOUND, "node b a member")
+        s = start("s")
+        wait_for(lambda: j.kinds("s", "node_waiting"), BOUND, "the spare waiting")
+        assert b.wait(BOUND) == 1, b.output()[-3000:]
+        assert "this node (b) leaves the job, kept out until" in b.output(), b.output()[-3000:]
+        (left,) = j.kinds("b", "job_failed")
+        assert left["reason"] == "straggler_replaced"
+        spare_trains_in_its_place(j)
+        # One decision, by group rank 0's agent, naming b; the survivor's
+        # restart was a membership change, not counted.
+        decisions = [
+            e for n in ("a", "b", "s") for e in j.kinds(n, "straggler_replacement") if e["replaced"]
+        ]
+        assert [d["node"] for d in decisions] == ["b"], decisions
+        assert decisions[0]["intervals"] >= 2
+        assert all(not r["counted"] for r in j.kinds("a", "restart")), j.kinds("a", "restart")
+        table = status(port)
+        assert table.returncode == 0, table.stderr
+        assert "node b quarantined until" in table.stdout, table.stdout
+        assert "straggler: rank 1" in table.stdout, table.stdout
         j.touch("finish")
         for agent in (a, s):
             assert agent.wait(BOUND) == 0, agent.output()[-3000:]

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from xml.etree import ElementTree
 
+from elastrun.event_kinds import StragglerReplacement
 from elastrun.status.timeline import load_events
 from tests.unit.test_timeline_nodes import T, dots, lanes, on_lane, page, two_nodes
 from tests.unit.timeline_events import (
@@ -64,3 +65,19 @@ def test_a_quarantine_ending_at_no_plausible_time_is_drawn(tmp_path: Path) -> No
     lines = [t for _, t in titles(svg, BROWN)]
     assert any("quarantined until 1e+300 (not a time)" in t for t in lines), lines
     assert any("quarantined until -1e+300 (not a time)" in t for t in lines), lines
+
+
+def test_a_straggler_replaced_is_marked_on_the_deciding_node_s_lane() -> None:
+    decided = StragglerReplacement(
+        round=0,
+        node="h2",
+        node_id="n2",
+        ranks=[1],
+        intervals=2,
+        replaced=True,
+        why="replaced by a waiting spare",
+        until=T + 603,
+    )
+    _, svg = page([*two_nodes(), logged(T + 3, decided, "n1", "h1")])
+    (mark,) = [t for y, t in titles(svg, BROWN) if on_lane(y, lanes(svg)["h1"])]
+    assert "straggler h2 (2 intervals in a row): replaced by a spare" in mark

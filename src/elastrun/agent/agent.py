@@ -87,7 +87,7 @@ from elastrun.agent.failures import (
     with_report,
 )
 from elastrun.agent.guard import OrphanGuard
-from elastrun.agent.hooks import Core, Feature
+from elastrun.agent.hooks import Core, Feature, Leave
 from elastrun.agent.log_dirs import (
     claim_host_dir,
     error_files,
@@ -209,6 +209,7 @@ class Agent:
             spec, rendezvous, self.events, clock, self._guard, self._reaper, say, self.metrics
         )
         self.features: list[Feature] = [f for make in features for f in make(core)]
+        self._departure = core.departure
         self._attribution = Attribution(core)
         # What next_round() waits for, on the console (the rendezvous reports it).
         self._waiting = WaitingConsole(clock=clock)
@@ -408,8 +409,8 @@ class Agent:
             check_round(self.spec, result)
             group = self._new_group(result)
             await self._stops.first(self._start(group, result))
-            ended: WorkersExited | Change = await self._stops.first(
-                _exited(group), self.rendezvous.wait_for_change()
+            ended: WorkersExited | Change | Leave = await self._stops.first(
+                _exited(group), self.rendezvous.wait_for_change(), self._departure.wait()
             )
             await group.end()
             match ended:
@@ -423,6 +424,8 @@ class Agent:
                     code = await self._on_change(group, ended, result)
                     if code is not None:
                         return code
+                case Leave():
+                    return await self._on_leave(ended)
 
     async def _next_round(self) -> RoundResult:
         for feature in self.features:
@@ -457,6 +460,7 @@ class Agent:
                 w.release()
         self._kept = {}  # the group's now (stopped with it, whatever happens)
         self._group = group
+        self._departure.reset()  # a request of an earlier round is not this one's
         return group
 
     async def _start(self, group: WorkerGroup, result: RoundResult) -> None:
@@ -528,6 +532,22 @@ class Agent:
             )
         )
         return None
+
+    async def _on_leave(self, leave: Leave) -> int:
+        """A feature asked this node to leave the job while its workers train
+        (a straggler replaced: agent/straggler_replacement.py). It leaves the
+        rendezvous first (its ``left`` key, its lease revoked), so that the
+        others see a member leave, a membership change, rather than their
+        collectives broken by its workers' end; then its workers stop."""
+        say(printable(leave.line))
+        try:
+            bound = max(RDZV_SHUTDOWN_TIMEOUT, self.rendezvous.settings.close_timeout + 1.0)
+            await self._stops.first(asyncio.wait_for(self.rendezvous.shutdown(), bound))
+        except (ElastrunError, TimeoutError, OSError) as e:
+            say(f"elastrun: warning: leaving the rendezvous failed: {e!r}")
+        await self._stop_group(signal.SIGTERM)
+        self.events.emit(JobFailed(exit_code=1, reason=leave.reason, detail=leave.line))
+        return 1
 
     async def _request_restart(self, record: FailureRecord) -> RestartBudgetExhausted | None:
         try:

@@ -78,7 +78,9 @@ class Attribution:
     async def refusal(self) -> str | None:
         """The line refusing this node when it is quarantined (None: it may join)."""
         host = self.core.spec.host
-        if not self.enabled or not host:
+        # A straggler replaced by a spare is kept out by the same record.
+        replaces = self.core.spec.stragglers.replace_after > 0
+        if not (self.enabled or replaces) or not host:
             return None
         rec = await self.core.rendezvous.quarantine_of(host)
         if rec is None or not rec.active(time.time()):

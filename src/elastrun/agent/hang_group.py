@@ -18,7 +18,9 @@ What it does in each round (:class:`RoundHangs`, the feature's hooks):
 * shares the stacks with the other nodes as job notes, and prints every
   node's in the failure summary (agent/hangs.py); on another node's hang
   (a change with ``hang``), shares this node's;
-* publishes the ranks' step times and names stragglers (agent/stragglers.py).
+* publishes the ranks' step times and names stragglers (agent/stragglers.py);
+  with ``--replace-stragglers``, a persistent one is replaced by a waiting
+  spare (agent/straggler_replacement.py).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from elastrun.agent.stacks import (
     ordered,
     top_frame,
 )
+from elastrun.agent.straggler_replacement import Replacement
 from elastrun.agent.watchdog import (
     HEARTBEAT_ENV,
     HEARTBEAT_INTERVAL_ENV,
@@ -152,9 +155,24 @@ class RoundHangs(RoundHooks):
                 if path is not None and w.popen is not None and not w.done:
                     open_channel = w.channel is not None and w.channel.open
                     self.watchdog.watch(w.local_rank, path, channel=open_channel)
+        core = self.core
+        replacement = Replacement(
+            core.rendezvous,
+            self.spec.stragglers,
+            core.rendezvous.settings.sizes(),
+            core.events,
+            core.departure,
+            self.spec.host,
+        )
         self._publish = asyncio.ensure_future(
             stragglers.publish_loop(
-                self.core.rendezvous, files, self.group.result, self.spec.host, self.core.events
+                core.rendezvous,
+                files,
+                self.group.result,
+                self.spec.host,
+                core.events,
+                every=self.spec.stragglers.interval,
+                replacement=replacement,
             )
         )
 

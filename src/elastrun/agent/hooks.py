@@ -18,8 +18,9 @@ them); the others run to their end, and must be bounded.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from elastrun.agent.children import Reaper
@@ -34,7 +35,42 @@ from elastrun.rendezvous.api import Rendezvous
 if TYPE_CHECKING:
     from elastrun.agent.workers import WorkerGroup
 
-__all__ = ["Core", "Feature", "RoundHooks"]
+__all__ = ["Core", "Departure", "Feature", "Leave", "RoundHooks"]
+
+
+@dataclass(frozen=True)
+class Leave:
+    """A feature asked this node to leave the job: ``line``, said on the
+    console, and ``reason``, the ``job_failed`` event's."""
+
+    line: str
+    reason: str
+
+
+class Departure:
+    """A feature's request that this node leave the job now, while its
+    workers train (a straggler replaced by a spare: agent/straggler_replacement.py).
+    The agent's loop races :meth:`wait` with the workers' end and the round's
+    changes; a request is dropped when a new round's workers start
+    (:meth:`reset`)."""
+
+    def __init__(self) -> None:
+        self._leave: Leave | None = None
+        self._event = asyncio.Event()
+
+    def request(self, leave: Leave) -> None:
+        if self._leave is None:
+            self._leave = leave
+            self._event.set()
+
+    def reset(self) -> None:
+        self._leave = None
+        self._event.clear()
+
+    async def wait(self) -> Leave:
+        await self._event.wait()
+        assert self._leave is not None
+        return self._leave
 
 
 @dataclass(frozen=True)
@@ -52,6 +88,8 @@ class Core:
     say: Callable[[str], None]
     # The Prometheus registry (agent/metrics.py) features feed; None: none.
     metrics: Metrics | None = None
+    # Where a feature asks this node to leave the job (the agent's loop waits on it).
+    departure: Departure = field(default_factory=Departure)
 
 
 class Feature:

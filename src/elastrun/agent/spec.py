@@ -38,6 +38,7 @@ __all__ = [
     "NodeHealthSettings",
     "StartMethod",
     "Std",
+    "StragglerSettings",
     "WarmModules",
     "WarmSettings",
     "WorkerSpec",
@@ -231,6 +232,21 @@ class AttributionSettings:
 
 
 @dataclass(frozen=True)
+class StragglerSettings:
+    """agent/stragglers.py and agent/straggler_replacement.py: ``interval``
+    (``--straggler-interval``): seconds between two shares of the ranks' step
+    times (and group rank 0's verdicts); ``replace_after``
+    (``--replace-stragglers K``): a node named a straggler for K intervals in
+    a row is replaced by a waiting spare (0: stragglers are only reported);
+    ``hold``: seconds the replaced node is then kept out (its quarantine
+    record: ``--quarantine-time``, else the default)."""
+
+    interval: float = 5.0
+    replace_after: int = 0
+    hold: float = 1800.0
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
     # What each worker runs (agent/command.py): a Python script or module
     # (through the worker runner), or a program run as given.
@@ -275,4 +291,5 @@ class WorkerSpec:
     file_timers: FileTimerSettings = FileTimerSettings()
     attribution: AttributionSettings = AttributionSettings()
     node_health: NodeHealthSettings = NodeHealthSettings()
+    stragglers: StragglerSettings = StragglerSettings()
     metrics: MetricsSettings = MetricsSettings()

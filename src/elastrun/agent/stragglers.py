@@ -42,6 +42,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from elastrun.agent.straggler_replacement import Replacement
 from elastrun.agent.watchdog import read_beat
 from elastrun.event_kinds import Straggler
 from elastrun.events import EventSink
@@ -143,12 +144,19 @@ class Aggregator:
 
 
 async def _verdict(
-    rendezvous: Rendezvous, result: RoundResult, aggregator: Aggregator | None
+    rendezvous: Rendezvous,
+    result: RoundResult,
+    aggregator: Aggregator | None,
+    replacement: Replacement | None,
 ) -> N.StragglersNote | None:
-    """This interval's stragglers note: judged here (group rank 0), else read."""
+    """This interval's stragglers note: judged here (group rank 0), else read.
+    Group rank 0 then decides on a persistent straggler's replacement."""
     if aggregator is not None:
-        verdict = aggregator.judge(result.round, await members_progress(rendezvous, result))
+        notes = await members_progress(rendezvous, result)
+        verdict = aggregator.judge(result.round, notes)
         await rendezvous.write_note(verdict)
+        if replacement is not None:
+            await replacement.consider(result, verdict, notes)
         return verdict
     return await rendezvous.read_note(N.StragglersNote, result.round)
 
@@ -161,14 +169,22 @@ async def publish_loop(
     events: EventSink,
     *,
     every: float = PUBLISH_EVERY,
+    replacement: Replacement | None = None,
 ) -> None:
     """Publish this node's step times (``files``: each local rank's rank,
-    progress file and process) until cancelled; group rank 0 judges the stragglers,
-    every node announces its own."""
+    progress file and process) every ``every`` seconds until cancelled; group
+    rank 0 judges the stragglers, every node announces its own. With
+    ``replacement`` (``--replace-stragglers``): group rank 0 decides on a
+    persistent straggler's replacement, and a node whose ranks are named
+    looks whether it was replaced (agent/straggler_replacement.py)."""
     aggregator = Aggregator() if result.group_rank == 0 else None
     node_id = result.me.node_id
     mine = range(result.rank_offset, result.rank_offset + result.me.nproc)
     announced: set[int] = set()
+    if replacement is not None and not replacement.enabled:
+        replacement = None
+    if replacement is not None:
+        await replacement.look()  # replaced while the last round ended
     while True:
         await asyncio.sleep(every)
         ranks = local_progress(files)
@@ -187,9 +203,11 @@ async def publish_loop(
         if aggregator is not None and not result.complete:
             # Group rank 0 judges every member's notes: read them all (once).
             result = await whole(rendezvous, result)
-        verdict = await _verdict(rendezvous, result, aggregator)
+        verdict = await _verdict(rendezvous, result, aggregator, replacement)
         if verdict is None:
             continue
+        if replacement is not None and any(s.rank in mine for s in verdict.stragglers):
+            await replacement.look()
         median = None if verdict.median is None else round(verdict.median, 4)
         for s in verdict.stragglers:
             if s.rank in mine and s.rank not in announced:

@@ -28,6 +28,7 @@ from elastrun.launcher.limits import (
     FLAG_SECONDS,
     MAX_NODES,
     MAX_NPROC_PER_NODE,
+    MAX_REPLACE_STRAGGLERS,
     MAX_RESTARTS,
     check_int,
     check_seconds,
@@ -149,6 +150,12 @@ class LaunchConfig:
     fault_limit: int = DEFAULT_FAULT_LIMIT
     stop_on_script_fault: bool = True
     quarantine_time: float = 0.0
+    # Stragglers (agent/stragglers.py, agent/straggler_replacement.py): step
+    # times shared every --straggler-interval s; with --replace-stragglers K
+    # (0: off) a node named a straggler K intervals in a row is replaced by a
+    # waiting spare.
+    straggler_interval: float = 5.0
+    replace_stragglers: int = 0
     # --health-check CMD (agent/node_health.py): before each round and every
     # --health-check-interval s while training; killed after its timeout.
     # None: --rdzv-conf's health_check* keys, else none.
@@ -165,6 +172,7 @@ class LaunchConfig:
         self.check_machine_nproc()
         check_int("--max-restarts", self.max_restarts, 0, MAX_RESTARTS)
         check_int("--fault-limit", self.fault_limit, 0, MAX_FAULT_LIMIT)
+        check_int("--replace-stragglers", self.replace_stragglers, 0, MAX_REPLACE_STRAGGLERS)
         check_node_unit(self.min_nodes, self.max_nodes, self.node_unit)
         if self.node_rank is not None:
             check_int("--node-rank", self.node_rank, 0, MAX_NODES - 1)
@@ -190,6 +198,7 @@ class LaunchConfig:
             ("--exit-barrier-timeout", self.exit_barrier_timeout),
             ("--warm-join-timeout", self.warm_join_timeout),
             ("--quarantine-time", self.quarantine_time),
+            ("--straggler-interval", self.straggler_interval),
             ("--health-check-timeout", self.health_check_timeout),
             ("--health-check-interval", self.health_check_interval),
         ):

@@ -221,6 +221,8 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
     max_restarts = parse_integer("--max-restarts", ns.max_restarts)
     node_unit = parse_integer("--node-unit", ns.node_unit)
     fault_limit = parse_integer("--fault-limit", ns.fault_limit)
+    replace_stragglers = parse_integer("--replace-stragglers", ns.replace_stragglers)
+    straggler_interval = parse_seconds_text("--straggler-interval", ns.straggler_interval)
     config = LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -264,6 +266,8 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
         fault_limit=DEFAULT_FAULT_LIMIT if fault_limit is None else fault_limit,
         stop_on_script_fault=ns.stop_on_script_fault,
         quarantine_time=parse_seconds_text("--quarantine-time", ns.quarantine_time) or 0.0,
+        straggler_interval=5.0 if straggler_interval is None else straggler_interval,
+        replace_stragglers=replace_stragglers or 0,
         health_check=ns.health_check or None,
         health_check_timeout=parse_seconds_text("--health-check-timeout", ns.health_check_timeout),
         health_check_interval=parse_seconds_text(
@@ -656,6 +660,25 @@ def add_fault_flags(p: argparse.ArgumentParser) -> None:
         help="a node judged faulty leaves the job and is refused for this long (a spare "
         "takes its place, else the job shrinks to an allowed size); `elastrun status "
         "--clear-quarantine HOST` lets it back (default: 0, the node stays)",
+    )
+    f.add_argument(
+        *both("--straggler-interval"),
+        action=EnvDefault,
+        default=None,
+        metavar="SECONDS",
+        help="how often each node shares its ranks' step times and group rank 0 names "
+        "the stragglers (a rank slower than 1.2 times the median for 3 intervals in a "
+        "row) (default: 5)",
+    )
+    f.add_argument(
+        *both("--replace-stragglers"),
+        action=EnvDefault,
+        default=None,
+        metavar="K",
+        help="a node named a straggler for K intervals in a row leaves the job and a "
+        "waiting spare takes its place (only when a spare waits: otherwise it is only "
+        "reported); it is kept out for --quarantine-time (default: 0, stragglers are "
+        "only reported)",
     )
     f.add_argument(
         *both("--health-check"),

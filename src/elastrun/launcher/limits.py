@@ -49,6 +49,7 @@ __all__ = [
 MAX_NODES = 100_000
 MAX_NPROC_PER_NODE = 1024
 MAX_RESTARTS = 1_000_000
+MAX_REPLACE_STRAGGLERS = 1000  # --replace-stragglers: intervals in a row
 HOUR = 3600.0
 DAY = 86_400.0
 WEEK = 604_800.0
@@ -112,6 +113,7 @@ FLAG_SECONDS: dict[str, Range] = {
     "--exit-barrier-timeout": Range(0.0, WEEK),
     "--warm-join-timeout": Range(0.0, HOUR),
     "--quarantine-time": Range(0.0, WEEK),
+    "--straggler-interval": Range(0.1, HOUR),
     "--health-check-timeout": Range(MIN_TIMEOUT, DAY),
     "--health-check-interval": Range(0.0, WEEK),
 }

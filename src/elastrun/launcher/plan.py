@@ -50,6 +50,7 @@ from elastrun.agent.spec import (
     NodeHealthSettings,
     StartMethod,
     Std,
+    StragglerSettings,
     WarmModules,
     WarmSettings,
     WorkerSpec,
@@ -69,6 +70,7 @@ from elastrun.launcher.rdzv_conf import RendezvousConf, parse_rdzv_conf
 from elastrun.launcher.torch_config import torch_fields
 from elastrun.names import RunId
 from elastrun.rendezvous.api import RendezvousSettings
+from elastrun.rendezvous.quarantine import DEFAULT_QUARANTINE
 from elastrun.store.etcd_options import DEFAULT_ETCD_PORT
 from elastrun.store.factory import DEFAULT_PORT, Backend
 from elastrun.store.term import MAX_CANDIDATES, MIN_FAILOVER_LEASE_TTL
@@ -549,6 +551,11 @@ def _worker_spec(
             limit=config.fault_limit,
             stop_script_faults=config.stop_on_script_fault,
             quarantine=float(config.quarantine_time),
+        ),
+        stragglers=StragglerSettings(
+            interval=float(config.straggler_interval),
+            replace_after=config.replace_stragglers,
+            hold=float(config.quarantine_time) or DEFAULT_QUARANTINE,
         ),
     )
 

@@ -30,7 +30,7 @@ from elastrun.failure import FailureRecord
 from elastrun.names import RunId
 from elastrun.rendezvous.fault_history import FaultEntry, FaultHistory
 from elastrun.rendezvous.notes import Note, NoteT, Refused, Seat
-from elastrun.rendezvous.quarantine import QuarantineRecord
+from elastrun.rendezvous.quarantine import ClaimState, QuarantineRecord
 from elastrun.rendezvous.records import AgreedSettings
 from elastrun.rendezvous.sizes import WorldSizes
 from elastrun.store.base import RevokeSpec
@@ -359,6 +359,20 @@ class Rendezvous(abc.ABC):
         store). Never raises."""
         del host
         return None
+
+    async def replacement_state(self, host: str, round_: int, now: float) -> ClaimState | None:
+        """What replacing straggler ``host`` in round ``round_`` depends on
+        (:func:`.quarantine.claim_state`; ``now``: wall clock); None: not
+        known (no store, or it did not answer). Never raises."""
+        del host, round_, now
+        return None
+
+    async def claim_replacement(self, state: ClaimState, record: QuarantineRecord) -> bool:
+        """Write straggler ``record.host``'s quarantine record only if
+        nothing ``state`` read changed (:func:`.quarantine.claim`: one
+        compare-and-set); True when this call made the decision. Never raises."""
+        del state, record
+        return False
 
     @abc.abstractmethod
     async def shutdown(self) -> None:

@@ -43,7 +43,7 @@ from elastrun.rendezvous.api import (
 from elastrun.rendezvous.dynamic import DynamicRendezvous
 from elastrun.rendezvous.fault_history import FaultEntry, FaultHistory
 from elastrun.rendezvous.notes import Note, NoteT, Refused, Seat
-from elastrun.rendezvous.quarantine import QuarantineRecord
+from elastrun.rendezvous.quarantine import ClaimState, QuarantineRecord
 from elastrun.rendezvous.rounds import Carry
 from elastrun.store.base import Store
 from elastrun.store.failover import FailoverClient, Lost
@@ -234,6 +234,16 @@ class FailoverRendezvous(Rendezvous):
 
     async def quarantine_of(self, host: str) -> QuarantineRecord | None:
         return None if self._lost is not None else await self.inner.quarantine_of(host)
+
+    async def replacement_state(self, host: str, round_: int, now: float) -> ClaimState | None:
+        if self._lost is not None:
+            return None
+        return await self.inner.replacement_state(host, round_, now)
+
+    async def claim_replacement(self, state: ClaimState, record: QuarantineRecord) -> bool:
+        return (
+            False if self._lost is not None else await self.inner.claim_replacement(state, record)
+        )
 
     async def joining_running_job(self) -> bool:
         return False if self._lost is not None else await self.inner.joining_running_job()

@@ -76,3 +76,15 @@ class FaultAccess:
             async with asyncio.timeout(CALL_TIMEOUT):
                 return await Q.find(self.store, self.keys, host)
         return None
+
+    async def replacement_state(self, host: str, round_: int, now: float) -> Q.ClaimState | None:
+        with contextlib.suppress(StoreError, RendezvousError, TimeoutError):
+            async with asyncio.timeout(CALL_TIMEOUT):
+                return await Q.claim_state(self.store, self.keys, host, round_, now)
+        return None
+
+    async def claim_replacement(self, state: Q.ClaimState, record: Q.QuarantineRecord) -> bool:
+        with contextlib.suppress(StoreError, RendezvousError, TimeoutError):
+            async with asyncio.timeout(CALL_TIMEOUT):
+                return await Q.claim(self.store, self.keys, state, record)
+        return False

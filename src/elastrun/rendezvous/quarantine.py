@@ -17,6 +17,13 @@ of minutes does not notice. At most :data:`MAX_RECORDS` records are kept:
 past that a node is not quarantined (it still leaves the job), so the store
 never holds more than that. Every record is read as untrusted: decoded
 within :data:`MAX_BYTES`, each field checked; one that fails is no record.
+
+A straggler's replacement (agent/straggler_replacement.py) reuses the record:
+group rank 0's agent writes the straggler's record itself, only by
+:func:`claim`, one transaction that holds only while the round it judged is
+still the job's current, closed round, the host holds no active record, and
+the spare it counted still waits (compare-and-set on the three keys' mod
+revisions). :func:`claim_state` reads what the decision needs first.
 """
 
 from __future__ import annotations
@@ -25,10 +32,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from elastrun.errors import ProtocolError
 from elastrun.fields import Fields
 from elastrun.names import path_component
 from elastrun.rendezvous import keys as K
-from elastrun.store.base import Store
+from elastrun.rendezvous.records import RoundRecord, RoundState, WaitingRecord
+from elastrun.store.base import Compare, KeyValue, Put, Store
 from elastrun.untrusted import UntrustedData, loads
 
 __all__ = [
@@ -36,7 +45,10 @@ __all__ = [
     "MAX_BYTES",
     "MAX_QUARANTINE",
     "MAX_RECORDS",
+    "ClaimState",
     "QuarantineRecord",
+    "claim",
+    "claim_state",
     "clear",
     "find",
     "host_key",
@@ -141,3 +153,89 @@ async def put(store: Store, keys: K.Keys, record: QuarantineRecord) -> bool:
 async def clear(store: Store, keys: K.Keys, host: str) -> bool:
     """Remove ``host``'s record; True when there was one. Raises StoreError."""
     return await store.delete(keys.quarantine(host_key(host))) > 0
+
+
+@dataclass(frozen=True)
+class ClaimState:
+    """What a straggler's replacement reads before it decides (see
+    :func:`claim_state`): whether round ``round`` is still the job's current,
+    closed round (``round_rev``: the ``round`` key's mod revision, 0: it is
+    not), the spares that wait (their ``waiting`` keys and mod revisions; a
+    node on the straggler's own host is none), the host's record (``held``:
+    an active one; ``record_rev``: the key's mod revision, 0: absent), and
+    whether the records are full (``full``)."""
+
+    round: int
+    round_rev: int
+    spares: tuple[tuple[str, int], ...]
+    held: QuarantineRecord | None
+    record_rev: int
+    full: bool
+
+    @property
+    def current(self) -> bool:
+        return self.round_rev > 0
+
+
+async def claim_state(store: Store, keys: K.Keys, host: str, round_: int, now: float) -> ClaimState:
+    """What :func:`claim` will compare, read (4 reads, each bounded: the
+    ``waiting/`` keys are the spares', one per node). Raises StoreError."""
+    round_rev = 0
+    kv = await store.get(keys.round)
+    if kv is not None:
+        try:
+            rec = RoundRecord.decode(kv.key, kv.value)
+        except ProtocolError:
+            rec = None
+        if rec is not None and rec.round == round_ and rec.state is RoundState.CLOSED:
+            round_rev = kv.mod_revision
+    waiting, _ = await store.get_prefix(keys.waiting_prefix)
+    spares = tuple((w.key, w.mod_revision) for w in waiting if _spare(w, host))
+    key = keys.quarantine(host_key(host))
+    records, _ = await store.get_prefix(keys.quarantines)
+    mine = next((r for r in records if r.key == key), None)
+    held = None
+    if mine is not None:
+        try:
+            rec_q = QuarantineRecord.decode(mine.value)
+        except UntrustedData:
+            rec_q = None
+        if rec_q is not None and rec_q.host == host and rec_q.active(now):
+            held = rec_q
+    full = len([r for r in records if r.key != key]) >= MAX_RECORDS
+    return ClaimState(
+        round_,
+        round_rev,
+        spares,
+        held,
+        0 if mine is None else mine.mod_revision,
+        full,
+    )
+
+
+def _spare(kv: KeyValue, host: str) -> bool:
+    try:
+        rec = WaitingRecord.decode(kv.key, kv.value)
+    except ProtocolError:
+        return False
+    return rec.host != host
+
+
+async def claim(store: Store, keys: K.Keys, state: ClaimState, record: QuarantineRecord) -> bool:
+    """Write ``record`` (a straggler's) only if nothing ``state`` read has
+    changed since: round ``state.round`` still the current closed round, the
+    host's record key as it was, the first spare still waiting. True when
+    this call wrote it: the one decision. Raises StoreError."""
+    if not state.current or not state.spares or state.held is not None or state.full:
+        return False
+    spare_key, spare_rev = state.spares[0]
+    key = keys.quarantine(host_key(record.host))
+    result = await store.txn(
+        [
+            Compare.unchanged(keys.round, state.round_rev),
+            Compare.unchanged(key, state.record_rev),
+            Compare.unchanged(spare_key, spare_rev),
+        ],
+        [Put(key, record.encode())],
+    )
+    return result.succeeded

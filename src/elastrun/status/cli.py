@@ -121,7 +121,8 @@ def _parser() -> argparse.ArgumentParser:
         dest="clear_quarantine",
         default=None,
         metavar="HOST",
-        help="let HOST, kept out of the job for a node fault (--quarantine-time), join again",
+        help="let HOST, kept out of the job for a node fault (--quarantine-time) or as a "
+        "replaced straggler (--replace-stragglers), join again",
     )
     p.add_argument(
         "--watch",

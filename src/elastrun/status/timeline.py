@@ -48,6 +48,7 @@ from elastrun.event_kinds import (
     RootCauseElsewhere,
     RoundOpened,
     SparePromoted,
+    StragglerReplacement,
     StoreHostLost,
     StoreTakeover,
     WorkerExited,
@@ -102,6 +103,7 @@ DRAWN: tuple[type[Event], ...] = (
     NodeQuarantined,
     QuarantineRefused,
     NodeHealthFailed,
+    StragglerReplacement,
 )
 DRAWN_KINDS = frozenset(cls.KIND for cls in DRAWN)
 COMMON = ("node_id", "host", "run_id")  # the sink's fields the page reads
@@ -473,7 +475,8 @@ def kept_line(ev: RanksKept) -> str:
 
 def _fault_line(ev: Event) -> str | None:
     """Fault attribution's events (verdicts, quarantines, failed health
-    checks), each one line on its node's lane (brown); None for another event."""
+    checks, stragglers replaced), each one line on its node's lane (brown);
+    None for another event."""
     if isinstance(ev, FaultVerdict):
         return ev.summary or "fault verdict"
     if isinstance(ev, NodeQuarantined):
@@ -482,6 +485,9 @@ def _fault_line(ev: Event) -> str | None:
         return f"refused: this node is quarantined until {_wall(ev.until)}"
     if isinstance(ev, NodeHealthFailed):
         return f"health check failed ({ev.when}): {ev.command} {ev.reason}"
+    if isinstance(ev, StragglerReplacement):
+        done = "replaced by a spare" if ev.replaced else ev.why
+        return f"straggler {ev.node} ({ev.intervals} intervals in a row): {done}"
     return None
 
 

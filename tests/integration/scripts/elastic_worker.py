@@ -17,6 +17,8 @@ optimizer, the progress elastrun sees):
             a CUDA-like RuntimeError a few steps after every start (2 + the
             starts of that rank on that node before: never twice at the same
             step, whether or not a restart was counted)
+  slow_node the ranks on node ``FAULT_NODE`` sleep ``SLOW_STEP_SLEEP`` (default
+            0.4) s more in every step: a persistent straggler
 """
 
 from __future__ import annotations
@@ -130,6 +132,8 @@ def main() -> None:
             }
         )
         time.sleep(STEP_SLEEP)
+        if FAULT_MODE == "slow_node" and os.environ.get("FAULT_NODE") == NODE:
+            time.sleep(float(os.environ.get("SLOW_STEP_SLEEP", "0.4")))
     dist.barrier()
     dist.destroy_process_group()
 
