@@ -1,5 +1,6 @@
 """Fault attribution's settings as the launcher resolves them: the flags into
-``WorkerSpec.attribution``, their bounds, and ``ELASTRUN_HOST_NAME``."""
+``WorkerSpec.attribution`` (and ``WorkerSpec.stragglers``: a straggler
+replaced by a spare), their bounds, and ``ELASTRUN_HOST_NAME``."""
 
 from __future__ import annotations
 
@@ -30,9 +31,23 @@ def test_the_flags_reach_the_agent_as_one_settings_group() -> None:
     assert (default.limit, default.stop_script_faults, default.quarantine) == (2, True, 0.0)
 
 
+def test_the_straggler_flags_reach_the_agent_with_the_quarantine_time_as_the_hold() -> None:
+    flags = parse_flags(["--replace-stragglers=3", "--straggler-interval=0.5", SCRIPT])
+    spec = resolve_flags(flags, resolve(LaunchConfig()).workers.command).workers.stragglers
+    assert (spec.replace_after, spec.interval, spec.hold) == (3, 0.5, 1800.0)
+    held = resolve(LaunchConfig(replace_stragglers=2, quarantine_time=60)).workers.stragglers
+    assert held.hold == 60.0
+    default = resolve(LaunchConfig()).workers.stragglers
+    assert (default.replace_after, default.interval) == (0, 5.0)
+
+
 @pytest.mark.parametrize(
     ("config", "message"),
     [
+        (LaunchConfig(replace_stragglers=-1), "--replace-stragglers"),
+        (LaunchConfig(replace_stragglers=1001), "--replace-stragglers"),
+        (LaunchConfig(straggler_interval=0.0), "--straggler-interval"),
+        (LaunchConfig(straggler_interval=float("nan")), "--straggler-interval"),
         (LaunchConfig(fault_limit=33), "--fault-limit"),
         (LaunchConfig(fault_limit=-1), "--fault-limit"),
         (LaunchConfig(quarantine_time=-5), "--quarantine-time"),
