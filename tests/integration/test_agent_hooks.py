@@ -4,7 +4,9 @@ A feature written for the test records when each hook is called and what it
 is given; it runs alone (no warm starts, no hang diagnosis), so these tests
 show the core's contract: the order of the hooks, the environment a feature
 adds, the runner's typed messages, a rank a feature declares failed (the root
-cause by the one rule), a feature's report in the failure summary.
+cause by the one rule), a feature's report in the failure summary, a node a
+feature asks to leave (the rendezvous left before its workers stop), a node
+quarantined while its round ended (it does not join the next).
 """
 
 from __future__ import annotations
@@ -12,19 +14,21 @@ from __future__ import annotations
 import asyncio
 import json
 import textwrap
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from elastrun.agent import Agent, PythonScript, WorkerSpec
 from elastrun.agent.children import ForkedProcess
-from elastrun.agent.hooks import Feature, RoundHooks
+from elastrun.agent.hooks import Core, Feature, Leave, RoundHooks
 from elastrun.agent.process import Worker
-from elastrun.agent.spec import WarmSettings
+from elastrun.agent.spec import StragglerSettings, WarmSettings
 from elastrun.agent.workers import WorkerGroup
 from elastrun.events import ListSink
 from elastrun.names import RunId
 from elastrun.rendezvous.api import Change
+from elastrun.rendezvous.quarantine import QuarantineRecord
 from elastrun.worker._messages import Message, Modules
 from tests.conftest import PYTHON
 from tests.integration.scripts.one_node import OneNodeRendezvous
@@ -176,3 +180,122 @@ def test_a_rank_a_feature_declares_failed_is_the_root_cause(tmp_path: Path, capf
     assert "a report line from the test feature" in err
     (failed,) = [e for e in sink.events if e["kind"] == "job_failed"]
     assert failed["failure"]["rank"] == 1 and "declared failed" in failed["failure"]["hang"]
+
+
+class Leaver(Feature):
+    """Asks the node to leave the job once its workers started (as a
+    replaced straggler's agent does), and records, at each worker's exit,
+    how many times the agent had left the rendezvous by then."""
+
+    def __init__(self, rdzv: OneNodeRendezvous) -> None:
+        self.rdzv = rdzv
+        self.core: Core | None = None
+        self.left_at_exit: list[int] = []
+
+    def round(self, group: WorkerGroup) -> RoundHooks:
+        feature = self
+
+        class Hooks(RoundHooks):
+            def started(self) -> None:
+                assert feature.core is not None
+                feature.core.departure.request(Leave("elastrun: test: this node leaves", "test"))
+
+            def exited(self, worker: Worker) -> None:
+                feature.left_at_exit.append(feature.rdzv.shutdowns)
+
+        return Hooks()
+
+
+def test_a_node_a_feature_asks_to_leave_leaves_the_rendezvous_before_its_workers_stop(
+    tmp_path: Path, capfd: Any
+) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = WorkerSpec(
+        command=PythonScript(str(script), python=PYTHON),
+        nproc=2,
+        run_id=RunId("leave"),
+        host="testhost",
+        shutdown_timeout=5.0,
+        env={"OUT": str(out), "GO_FILE": str(tmp_path / "never")},
+    )
+    rdzv = OneNodeRendezvous(run_id="leave", nproc=2)
+    leaver = Leaver(rdzv)
+
+    def make(core: Core) -> list[Feature]:
+        leaver.core = core
+        return [leaver]
+
+    sink = ListSink()
+    code = asyncio.run(
+        asyncio.wait_for(Agent(spec, rdzv, sink, features=[make]).run(), AGENT_TIMEOUT)
+    )
+    assert code == 1
+    assert "elastrun: test: this node leaves" in capfd.readouterr().err
+    # The others see a member leave (a membership change), not its workers'
+    # collectives broken: the rendezvous was left before any worker stopped.
+    assert len(leaver.left_at_exit) == 2 and min(leaver.left_at_exit) >= 1
+    (failed,) = [e for e in sink.events if e["kind"] == "job_failed"]
+    assert failed["reason"] == "test"
+    assert not [e for e in sink.events if e["kind"] == "restart"]
+
+
+class KeptOutLater(OneNodeRendezvous):
+    """A one-node rendezvous whose node gets a quarantine record while its
+    first round runs (a straggler's replacement it has not seen yet)."""
+
+    record: QuarantineRecord | None = None
+
+    async def quarantine_of(self, host: str) -> QuarantineRecord | None:
+        return self.record
+
+
+class ChangeOnce(Feature):
+    """At the first round's start: the node's record is written and the
+    round ends for another reason (a change); later rounds finish."""
+
+    def __init__(self, rdzv: KeptOutLater, go: Path) -> None:
+        self.rdzv = rdzv
+        self.go = go
+
+    def round(self, group: WorkerGroup) -> RoundHooks:
+        feature = self
+
+        class Hooks(RoundHooks):
+            def started(self) -> None:
+                if feature.rdzv.record is None:
+                    now = time.time()
+                    feature.rdzv.record = QuarantineRecord("testhost", now, now + 60, "straggler")
+                    feature.rdzv.change.set()
+                else:
+                    feature.go.write_text("go")
+
+        return Hooks()
+
+
+def test_a_node_replaced_while_its_round_ended_otherwise_does_not_join_the_next(
+    tmp_path: Path, capfd: Any
+) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = WorkerSpec(
+        command=PythonScript(str(script), python=PYTHON),
+        nproc=1,
+        run_id=RunId("kept"),
+        host="testhost",
+        shutdown_timeout=5.0,
+        env={"OUT": str(out), "GO_FILE": str(tmp_path / "go")},
+        stragglers=StragglerSettings(replace_after=2),
+    )
+    rdzv = KeptOutLater(run_id="kept", nproc=1)
+    feature = ChangeOnce(rdzv, tmp_path / "go")
+    sink = ListSink()
+    agent = Agent(spec, rdzv, sink, features=[lambda _c: [feature]])
+    code = asyncio.run(asyncio.wait_for(agent.run(), AGENT_TIMEOUT))
+    assert code == 1
+    assert "this node (testhost) is quarantined until" in capfd.readouterr().err
+    assert len([e for e in sink.events if e["kind"] == "workers_started"]) == 1

@@ -239,11 +239,9 @@ class Agent:
             feature.start()
         code = 1
         try:
-            refused = await self._stops.first(self._attribution.refusal())
+            refused = await self._refused()
             if refused is not None:
-                say(refused)
-                self.events.emit(JobFailed(exit_code=1, reason="quarantined", detail=refused))
-                return 1
+                return refused
             code = await self._loop()
         except Signalled as s:
             code = 128 + s.signum
@@ -389,6 +387,12 @@ class Agent:
     # ------------------------------------------------------------ the loop
     async def _loop(self) -> int:
         while True:
+            if self._attempt >= 0 and self.spec.stragglers.replace_after > 0:
+                # Replaced as a straggler while its last round ended for
+                # another reason, before it saw its record: it does not rejoin.
+                refused = await self._refused()
+                if refused is not None:
+                    return refused
             try:
                 result = await self._next_round()
             except RendezvousClosed as e:
@@ -426,6 +430,16 @@ class Agent:
                         return code
                 case Leave():
                     return await self._on_leave(ended)
+
+    async def _refused(self) -> int | None:
+        """1 when this node is quarantined (agent/attribution.py): it does
+        not join, it says so and exits 1."""
+        refused = await self._stops.first(self._attribution.refusal())
+        if refused is None:
+            return None
+        say(refused)
+        self.events.emit(JobFailed(exit_code=1, reason="quarantined", detail=refused))
+        return 1
 
     async def _next_round(self) -> RoundResult:
         for feature in self.features:
