@@ -31,7 +31,9 @@ the rendezvous left first, then its workers stopped; exit 1). The others see
 a member leave: a membership change, not counted against ``--max-restarts``;
 the spare takes its group rank (docs/spares.md). Restarted before the
 record expires, its agent is refused (agent/attribution.py), as after a node
-fault.
+fault; with ``--replace-stragglers`` the agent also reads its record before
+each later round (agent/agent.py), so a node whose round ended for another
+reason before it saw the decision does not join the next.
 """
 
 from __future__ import annotations
