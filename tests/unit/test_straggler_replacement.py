@@ -278,3 +278,21 @@ def test_the_claim_holds_only_while_the_round_and_the_spare_are_as_read() -> Non
         assert not (await Q.claim_state(store, KEYS, "c", 2, now)).current
 
     asyncio.run(main())
+
+
+def test_the_record_names_the_member_s_host_from_the_round_not_from_its_note() -> None:
+    async def main() -> None:
+        store = MemoryStore()
+        await job_with_spare(store)
+        judge, sink = replacement(StoreRendezvous(store), "a")
+        verdict, notes = interval()
+        # The straggler's note says another host (a note is anyone's to write).
+        notes[1] = N.ProgressNote(3, 1, "b-1-abc", "victim", time.time(), notes[1].ranks)
+        for _ in range(2):
+            await judge.consider(result(), verdict, notes)
+        assert await Q.find(store, KEYS, "victim") is None
+        rec = await Q.find(store, KEYS, "b")
+        assert rec is not None and rec.active(time.time())
+        assert [d["node"] for d in decisions(sink)] == ["b"]
+
+    asyncio.run(main())

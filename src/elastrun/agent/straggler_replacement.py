@@ -193,49 +193,41 @@ class Replacement:
             self.decided,
         )
         note = named.get(node_id)
-        if outcome is Outcome.LOOK and note is not None:
-            outcome = await self._decide(result, note, streak, slow, verdict.median)
-        if outcome not in (Outcome.WAIT, Outcome.DONE) and note is not None:
-            self._report(result, note, streak, slow, outcome)
+        # The host as the round's result names the member (the rendezvous'
+        # record), not as its note says (a note is anyone's to write).
+        host = next((m.host for m in result.members if m.node_id == node_id), None)
+        if note is None or host is None:
+            return Outcome.WAIT
+        named_one = _Candidate(
+            host, note, streak, sorted(r.rank for r in note.ranks if r.rank in slow)
+        )
+        if outcome is Outcome.LOOK:
+            outcome = await self._decide(result, named_one, verdict.median)
+        if outcome not in (Outcome.WAIT, Outcome.DONE):
+            self._report(result, named_one, outcome)
         return outcome
 
     async def _decide(
-        self,
-        result: RoundResult,
-        note: N.ProgressNote,
-        streak: int,
-        slow: set[int],
-        median: float | None,
+        self, result: RoundResult, named: _Candidate, median: float | None
     ) -> Outcome:
         now = time.time()
-        state = await self.rendezvous.replacement_state(note.host, result.round, now)
+        state = await self.rendezvous.replacement_state(named.host, result.round, now)
         outcome = judge_store(state, result.group_world_size, self.sizes)
         if outcome is not Outcome.REPLACE or state is None:
             return outcome
         record = QuarantineRecord(
-            note.host,
-            now,
-            now + self.settings.hold,
-            _reason(note, streak, slow, median),
-            result.round,
+            named.host, now, now + self.settings.hold, named.reason(median), result.round
         )
         if not await self.rendezvous.claim_replacement(state, record):
             return Outcome.ROUND  # something it read changed: judged again next interval
         self.decided = True
         self.record = record
-        if note.host == self.host:  # group rank 0 is the straggler: it leaves itself
+        if named.host == self.host:  # group rank 0 is the straggler: it leaves itself
             self.departure.request(_leave(record))
         return Outcome.REPLACE
 
-    def _report(
-        self,
-        result: RoundResult,
-        note: N.ProgressNote,
-        streak: int,
-        slow: set[int],
-        outcome: Outcome,
-    ) -> None:
-        key = (note.node_id, outcome)
+    def _report(self, result: RoundResult, named: _Candidate, outcome: Outcome) -> None:
+        key = (named.note.node_id, outcome)
         if key in self.reported:
             return
         self.reported.add(key)
@@ -243,10 +235,10 @@ class Replacement:
         self.events.emit(
             StragglerReplacement(
                 round=result.round,
-                node=note.host,
-                node_id=note.node_id,
-                ranks=sorted(r.rank for r in note.ranks if r.rank in slow),
-                intervals=streak,
+                node=named.host,
+                node_id=named.note.node_id,
+                ranks=named.ranks,
+                intervals=named.streak,
                 replaced=replaced,
                 why=outcome.value,
                 until=self.record.until if replaced and self.record else None,
@@ -266,14 +258,26 @@ class Replacement:
         return True
 
 
-def _reason(note: N.ProgressNote, streak: int, slow: set[int], median: float | None) -> str:
-    worst = max((r for r in note.ranks if r.rank in slow), key=lambda r: r.own_time or 0.0)
-    own = worst.own_time or 0.0
-    ratio = f"{own / median:.1f} times the median {median:.3g} s" if median else "slow"
-    return (
-        f"straggler: rank {worst.rank}'s own step time {own:.3g} s was {ratio} "
-        f"for {streak} intervals in a row; replaced by a waiting spare"
-    )
+@dataclass(frozen=True)
+class _Candidate:
+    """The node named longest in a row: its host (the round's), its note,
+    the intervals and its ranks named."""
+
+    host: str
+    note: N.ProgressNote
+    streak: int
+    ranks: list[int]
+
+    def reason(self, median: float | None) -> str:
+        """The quarantine record's reason."""
+        slow = [r for r in self.note.ranks if r.rank in self.ranks]
+        worst = max(slow, key=lambda r: r.own_time or 0.0)
+        own = worst.own_time or 0.0
+        ratio = f"{own / median:.1f} times the median {median:.3g} s" if median else "slow"
+        return (
+            f"straggler: rank {worst.rank}'s own step time {own:.3g} s was {ratio} "
+            f"for {self.streak} intervals in a row; replaced by a waiting spare"
+        )
 
 
 def _leave(rec: QuarantineRecord) -> Leave:
