@@ -35,7 +35,7 @@ from elastrun.errors import ConfigError
 from elastrun.launcher.devices import count_gpus, count_xpus
 from elastrun.launcher.flag_grammar import parse_nnodes
 from tests.conftest import REPO
-from tests.helpers import free_port, stop_groups, wait_for, without_pet
+from tests.helpers import free_port, stop_groups, without_pet
 from tests.integration.elastic_harness import ELASTRUN
 from tests.store.etcd_fixture import requires_etcd, start_cluster
 
@@ -67,6 +67,20 @@ def torchrun(
         env=env(**(extra_env or {})),
         check=False,
         cwd=REPO,
+    )
+
+
+def start_elastrun(*args: str) -> subprocess.Popen[str]:
+    """``elastrun ARGS`` started in its own process group (stop it with
+    ``stop_groups``), its output piped."""
+    return subprocess.Popen(
+        [*ELASTRUN, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env(),
+        cwd=REPO,
+        start_new_session=True,
     )
 
 
@@ -273,15 +287,7 @@ def test_launch_elastic_multiple_agents(tmp_path: Path) -> None:
         TOUCH,
         f"--touch-file-dir={tmp_path}",
     ]
-    other = subprocess.Popen(
-        [*ELASTRUN, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env(),
-        cwd=REPO,
-        start_new_session=True,
-    )
+    other = start_elastrun(*args)
     try:
         proc = torchrun(*args)
         out, _ = other.communicate(timeout=RUN_TIMEOUT)
@@ -668,16 +674,13 @@ def test_api_launch_elastic_multiple_agents(etcd_endpoint: str, tmp_path: Path) 
     assert ranks_touched(tmp_path) == {str(i) for i in range(8)}
 
 
-def test_heterogeneous_roles_are_refused_and_every_node_is_told(tmp_path: Path) -> None:
+def test_heterogeneous_roles_form_one_world(tmp_path: Path) -> None:
     """upstream (restated): one agent --role=master with 1 worker and one --role=trainer with 2
-    form a world of 3 under torchrun. elastrun: a deliberate difference (docs/cli.md): the
-    second node is refused naming what differs, and the first, waiting, says that a peer was
-    refused instead of counting down join_timeout in silence."""
-    from tests.integration.elastic_harness import BOUND, job
-
+    form a world of 3, global ranks in group-rank order, role ranks within each role, each
+    worker told its role and its node's process count."""
     port = free_port()
 
-    def flags(name: str, role: str, nproc: int, host: bool) -> list[str]:
+    def args(role: str, nproc: int, node_rank: int) -> list[str]:
         return [
             "--nnodes=2",
             f"--nproc-per-node={nproc}",
@@ -685,31 +688,27 @@ def test_heterogeneous_roles_are_refused_and_every_node_is_told(tmp_path: Path) 
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{port}",
             "--rdzv-id=roles",
-            f"--rdzv-conf=is_host={int(host)},join_timeout=120",
-            f"--events-file={tmp_path / f'events-{name}.jsonl'}",
+            f"--rdzv-conf=is_host={int(node_rank == 0)},join_timeout=120",
+            f"--node-rank={node_rank}",  # the master node first
+            "--monitor-interval=1",
+            TOUCH,
+            f"--touch-file-dir={tmp_path}",
         ]
 
-    with job(tmp_path) as j:
-        master = j.start_agent("a", flags("a", "master", 1, True))
-        wait_for(
-            lambda: (
-                "node_joined" in (tmp_path / "events-a.jsonl").read_text(errors="replace")
-                if (tmp_path / "events-a.jsonl").exists()
-                else False
-            ),
-            BOUND,
-            "the master node to join",
-        )
-        trainer = j.start_agent("b", flags("b", "trainer", 2, False))
-        assert trainer.wait(BOUND) != 0
-        why = "role: job has 'master', this node has 'trainer'"
-        assert why in trainer.output(), trainer.output()[-3000:]
-        said = wait_for(
-            lambda: next(
-                (ln for ln in master.output().splitlines() if "was refused by this job" in ln),
-                None,
-            ),
-            BOUND,
-            "the waiting node to say that a peer was refused",
-        )
-        assert why in said and master.proc.poll() is None, master.output()[-3000:]
+    master = start_elastrun(*args("master", 1, 0))
+    try:
+        trainer = torchrun(*args("trainer", 2, 1))
+        out, _ = master.communicate(timeout=RUN_TIMEOUT)
+    finally:
+        stop_groups(master)
+    assert master.returncode == 0, out[-3000:]
+    expect_ranks(trainer, tmp_path, 3)
+    seen = {int(p.name): json.loads(p.read_text()) for p in tmp_path.iterdir()}
+    names = "ROLE_NAME ROLE_RANK ROLE_WORLD_SIZE WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE"
+    names += " LOCAL_WORLD_SIZE LOCAL_RANK"
+    got = {rank: tuple(v[n] for n in names.split()) for rank, v in seen.items()}
+    assert got == {
+        0: ("master", "0", "1", "3", "0", "2", "1", "0"),
+        1: ("trainer", "0", "2", "3", "1", "2", "2", "0"),
+        2: ("trainer", "1", "2", "3", "1", "2", "2", "1"),
+    }, seen

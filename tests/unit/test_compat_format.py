@@ -273,7 +273,7 @@ def summary(round_rec: RoundRecord) -> Summary:
     member = MemberRecord("a", "h", "1.2.3.4", 1, 0)
     return summarize(
         "job",
-        config=ConfigRecord(AgreedSettings(1, 2, 3, "default", 600.0, 30.0)),
+        config=ConfigRecord(AgreedSettings(1, 2, 3, 600.0, 30.0)),
         round_rec=round_rec,
         result=ResultRecord(2, (member,), "1.2.3.4", 5, closed_at=100.0),
         prev_result=None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -32,9 +33,9 @@ def _round(group_rank: int = 1, restart_count: int = 2) -> RoundResult:
     )
 
 
-def _spec(**kw) -> WorkerSpec:
+def _spec(nproc: int = 3, role: str = "trainer", **kw) -> WorkerSpec:
     return WorkerSpec(
-        command=Executable(("python", "x.py")), nproc=3, run_id=RunId("job7"), role="trainer", **kw
+        command=Executable(("python", "x.py")), nproc=nproc, run_id=RunId("job7"), role=role, **kw
     )
 
 
@@ -124,3 +125,20 @@ def test_each_worker_gets_its_share_of_the_cpus_for_torch_compile():
     assert env["TORCHINDUCTOR_COMPILE_THREADS"] == str(compile_threads(3))
     mine = worker_env(_spec(), _round(), 0, "/e", base={"TORCHINDUCTOR_COMPILE_THREADS": "7"})
     assert mine["TORCHINDUCTOR_COMPILE_THREADS"] == "7"
+
+
+def test_role_ranks_count_within_the_role_as_torch() -> None:
+    """A master with 1 worker and trainers with 2 and 3 (torch's heterogeneous roles)."""
+    members = (
+        Member("m", "host-m", "10.0.0.1", 0, 1, "master"),
+        Member("t1", "host-t1", "10.0.0.2", 1, 2, "trainer"),
+        Member("t2", "host-t2", "10.0.0.3", 2, 3, "trainer"),
+    )
+    result = dataclasses.replace(_round(group_rank=2), members=members)
+    env = worker_env(_spec(), result, local_rank=1, error_file="/e", base={})
+    got = {k: env[k] for k in ("RANK", "ROLE_RANK", "WORLD_SIZE", "ROLE_WORLD_SIZE")}
+    assert got == {"RANK": "4", "ROLE_RANK": "3", "WORLD_SIZE": "6", "ROLE_WORLD_SIZE": "5"}
+    assert (env["GROUP_RANK"], env["GROUP_WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("2", "3", "3")
+    master = dataclasses.replace(result, group_rank=0)
+    env = worker_env(_spec(nproc=1, role="master"), master, local_rank=0, error_file="/e", base={})
+    assert (env["RANK"], env["ROLE_RANK"], env["ROLE_WORLD_SIZE"]) == ("0", "0", "1")

@@ -288,6 +288,7 @@ def test_the_status_table_escapes_everything_from_the_store() -> None:
     rnd["detail"] = "line one\nline two" + ESCAPES
     rnd["last_failure"] = {"rank": 0, "host": "h" + ESCAPES, "message": "boom" + ESCAPES}
     member = {"node_id": "a", "host": "h" + ESCAPES, "addr": ESCAPES, "nproc": 1, "group_rank": 0}
+    member["role"] = "trainer" + ESCAPES
     res = ResultRecord(
         1, (MemberRecord.from_json(member, "m"),), master_addr=ESCAPES, master_port=1
     )
@@ -311,6 +312,7 @@ def test_the_status_table_escapes_everything_from_the_store() -> None:
     text = render_table(s, "store" + ESCAPES)
     assert not RAW_CONTROL.search(text), text
     assert "\\x1b]0;owned\\x07" in text and "line one\\x0aline two" in text
+    assert "ROLE" in text and "trainer\\x1b]0;owned\\x07" in text  # each member's role
     assert "last failure: rank 0 on h\\x1b]0;owned\\x07" in text and ": boom\\x1b" in text
     out = json.dumps(s.to_json())
     assert json.loads(out)["ranks"][0]["host"] == "h" + ESCAPES  # --json: escaped by JSON

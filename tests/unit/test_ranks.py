@@ -1,11 +1,13 @@
-"""Group-rank assignment: a bijection; sticky; hints honoured when free."""
+"""Group-rank assignment: a bijection; sticky; hints honoured when free.
+Worker ranks: global and role ranks as torch's agent gives them."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elastrun.rendezvous.ranks import Candidate, assign_ranks
+from elastrun.rendezvous.ranks import Candidate, assign_ranks, worker_ranks
 
 
 def test_join_order_without_history() -> None:
@@ -59,3 +61,47 @@ def test_always_a_bijection_and_sticky_when_possible(
         same = [d for d in joiners if d.rank_hint == c.rank_hint and d.node_id not in in_range]
         if c.rank_hint not in sticky_ranks and same[0] is c:
             assert got[c.node_id] == c.rank_hint
+
+
+# Worker ranks, as torch's agent assigns them (_assign_worker_ranks): global
+# ranks in group-rank order, role ranks within each role, per-node nproc.
+# Each row: the members' (role, nproc) in group-rank order, and each member's
+# (first global rank, first role rank, role world size).
+WORKER_RANKS = [
+    # torch's launcher test: a master with 1 worker, a trainer with 2
+    ([("master", 1), ("trainer", 2)], [(0, 0, 1), (1, 0, 2)]),
+    # one role: role ranks are global ranks, the role's size the world's
+    ([("r", 2), ("r", 3), ("r", 4)], [(0, 0, 9), (2, 2, 9), (5, 5, 9)]),
+    # roles interleaved in group-rank order
+    (
+        [("t", 2), ("ps", 1), ("t", 3), ("ps", 2), ("t", 1)],
+        [(0, 0, 6), (2, 0, 3), (3, 2, 6), (6, 1, 3), (8, 5, 6)],
+    ),
+    # every node its own role
+    ([("a", 4), ("b", 4)], [(0, 0, 4), (4, 0, 4)]),
+    # the roles of older versions' results ("": one role)
+    ([("", 1), ("", 1)], [(0, 0, 2), (1, 1, 2)]),
+    ([("solo", 8)], [(0, 0, 8)]),
+    ([], []),
+]
+
+
+@pytest.mark.parametrize(("nodes", "expected"), WORKER_RANKS)
+def test_worker_ranks_as_torch_assigns_them(
+    nodes: list[tuple[str, int]], expected: list[tuple[int, int, int]]
+) -> None:
+    got = worker_ranks(nodes)
+    assert [(w.rank_base, w.role_base, w.role_size) for w in got] == expected
+
+
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.integers(1, 4)), max_size=12))
+def test_every_role_rank_once_and_every_global_rank_once(nodes: list[tuple[str, int]]) -> None:
+    got = worker_ranks(nodes)
+    world = sum(n for _, n in nodes)
+    ranks = [w.rank_base + lr for w, (_, n) in zip(got, nodes, strict=True) for lr in range(n)]
+    assert ranks == list(range(world))
+    for role in {r for r, _ in nodes}:
+        mine = [(w, n) for w, (r, n) in zip(got, nodes, strict=True) if r == role]
+        size = sum(n for _, n in mine)
+        assert all(w.role_size == size for w, _ in mine)
+        assert sorted(w.role_base + lr for w, n in mine for lr in range(n)) == list(range(size))

@@ -5,6 +5,8 @@ for the same bytes, anything that does not add up refused."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any, cast
 
 import pytest
 
@@ -23,7 +25,7 @@ from elastrun.rendezvous.results import (
     shard_of,
     stored_form,
 )
-from elastrun.rendezvous.rounds import partial_result
+from elastrun.rendezvous.rounds import partial_result, round_result
 from elastrun.store.base import KeyValue
 
 KEYS = K.Keys(RunId("job-decode"))
@@ -131,3 +133,81 @@ def test_a_single_record_result_of_another_version_is_named() -> None:
     expected = f"record version 1; this elastrun reads version {RESULT_VERSION}"
     with pytest.raises(ProtocolError, match=expected):
         ResultHeader.decode(old.key, old.value)
+
+
+def _roles_result(roles: str) -> ResultRecord:
+    """Members n0.. of roles ``roles`` (one letter each), 1 + i % 3 workers each."""
+    members = tuple(
+        MemberRecord(f"n{i}", f"h{i}", "10.0.0.1", 1 + i % 3, i, role)
+        for i, role in enumerate(roles)
+    )
+    return ResultRecord(round=4, members=members, master_addr="h0", master_port=29500)
+
+
+def test_each_members_role_ranks_are_readable_from_its_own_place() -> None:
+    result = _roles_result("mtmttmt" * 6)  # 42 members of two roles, in 4 shards
+    head, shards = _kvs(result, 4)
+    assert _whole(head, shards) == result  # the roles round-trip
+    header = ResultHeader.decode(head.key, head.value)
+    whole = round_result("job", "n0", result, 3)
+    for me in result.members:
+        shard = next(kv for kv in shards if kv.key == KEYS.shard(4, shard_of(me.node_id, 4)))
+        part = ResultShard.decode(shard.key, shard.value, header)
+        alone = partial_result("job", Head.find(header, part, me.node_id), max_restarts=3)
+        full = dataclasses.replace(whole, group_rank=me.group_rank)
+        assert alone.me.role == me.role
+        got = (alone.rank_offset, alone.role_rank_offset, alone.role_world_size)
+        assert got == (full.rank_offset, full.role_rank_offset, full.role_world_size)
+    sizes = {m.role: 0 for m in result.members}
+    for m in result.members:
+        sizes[m.role] += m.nproc
+    last_t = whole.members[-1]
+    last = dataclasses.replace(whole, group_rank=last_t.group_rank)
+    assert last.role_world_size == sizes[last_t.role]
+    assert last.role_rank_offset == sizes[last_t.role] - last_t.nproc
+
+
+def _edit_members(kv: KeyValue, edit: Callable[[dict[str, Any]], None]) -> KeyValue:
+    """The shard ``kv`` with ``edit`` applied to each member's JSON object."""
+    raw = dict(K.decode(kv.key, kv.value, version=RESULT_VERSION))
+    raw.pop("v")
+    members = [dict(m) for m in cast(list[dict[str, Any]], raw["members"])]
+    for m in members:
+        edit(m)
+    return dataclasses.replace(kv, value=K.encode({**raw, "members": members}, RESULT_VERSION))
+
+
+def test_a_result_of_a_version_with_one_role_a_job_reads_as_one_role() -> None:
+    result = _result(29500, n=3, nproc=(2, 1, 3))
+    head, (only,) = _kvs(result, 1)
+
+    def older(m: dict[str, Any]) -> None:
+        for name in ("role", "role_base", "role_size"):
+            del m[name]
+
+    old = _edit_members(only, older)
+    assert b"role" not in old.value
+    header = ResultHeader.decode(head.key, head.value)
+    part = ResultShard.decode(old.key, old.value, header)
+    rr = partial_result("job", Head.find(header, part, "n1"), max_restarts=3)
+    assert (rr.rank_offset, rr.role_rank_offset, rr.role_world_size, rr.world_size) == (2, 2, 6, 6)
+    assert _whole(head, [old]) == result
+
+
+def test_role_ranks_that_do_not_add_up_are_refused() -> None:
+    head, (only,) = _kvs(_roles_result("mtt"), 1)
+
+    def edit(name: str, value: object) -> Callable[[dict[str, Any]], None]:
+        def apply(m: dict[str, Any]) -> None:
+            if m["node_id"] == "n2":
+                m[name] = value
+
+        return apply
+
+    assert _whole(head, [_edit_members(only, edit("role", "t"))]) == _roles_result("mtt")
+    with pytest.raises(ProtocolError, match="role ranks that do not add up"):
+        _whole(head, [_edit_members(only, edit("role_base", 0))])  # n1's place in role t
+    with pytest.raises(ProtocolError, match="role ranks that do not add up"):
+        _whole(head, [_edit_members(only, edit("role", "m"))])  # the role's sizes change
+    with pytest.raises(ProtocolError, match="outside its role's size"):
+        _whole(head, [_edit_members(only, edit("role_size", 99))])

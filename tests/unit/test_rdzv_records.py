@@ -52,7 +52,7 @@ ROUND = RoundRecord(
 )
 RESULT = ResultRecord(4, MEMBERS, "10.0.0.1", 29500, 1, True, "last_call", 12.5, 13.0)
 HEADER_JSON = stored_form(RESULT, 1)[0].to_json()  # the result's header, as stored
-CONFIG = ConfigRecord(AgreedSettings(1, 4, 3, "trainer", 600, 30.0))
+CONFIG = ConfigRecord(AgreedSettings(1, 4, 3, 600, 30.0))
 
 
 def stored(obj: dict[str, Any], version: int = 1) -> bytes:

@@ -29,7 +29,7 @@ from elastrun.rendezvous.register import TABLE, Verdict, classify, describe_rese
 from elastrun.store.memory import MemoryStore
 
 T = TypeVar("T")
-CONFIG = ConfigRecord(AgreedSettings(1, 1, 1, "default", 600.0, 30.0))
+CONFIG = ConfigRecord(AgreedSettings(1, 1, 1, 600.0, 30.0))
 OPEN, CLOSED = RoundState.OPEN, RoundState.CLOSED
 FINISHED, FAILED = RoundState.FINISHED, RoundState.FAILED
 STATES = [None, OPEN, CLOSED, FINISHED, FAILED]
@@ -103,14 +103,25 @@ def run(scenario: Callable[[], Awaitable[T]]) -> T:
 
 
 def handler(
-    store: MemoryStore, node: str, *, max_nodes: int = 1, max_restarts: int = 1
+    store: MemoryStore,
+    node: str,
+    *,
+    max_nodes: int = 1,
+    max_restarts: int = 1,
+    min_nodes: int = 1,
+    role: str = "default",
+    nproc: int = 1,
+    hint: int | None = None,
 ) -> tuple[DynamicRendezvous, Events, list[str]]:
     events, said = Events(), list[str]()
     h = DynamicRendezvous(
         store,
         RendezvousSettings(
             run_id=RunId("J"),
-            min_nodes=1,
+            min_nodes=min_nodes,
+            role=role,
+            nproc=nproc,
+            node_rank_hint=hint,
             max_nodes=max_nodes,
             max_restarts=max_restarts,
             last_call_timeout=0.0,
@@ -204,6 +215,29 @@ def test_a_live_job_is_joined_with_its_restart_count_and_settings() -> None:
     run(scenario)
 
 
+def test_nodes_of_other_roles_and_process_counts_form_one_world() -> None:
+    """As torchrun: a master with 1 worker and a trainer with 2 are one world
+    of 3, with ranks per role; a node with other agreed settings is refused."""
+
+    async def scenario() -> None:
+        store = MemoryStore()
+        a, _, _ = handler(store, "a", min_nodes=2, max_nodes=2, role="master", nproc=1, hint=0)
+        b, _, _ = handler(store, "b", min_nodes=2, max_nodes=2, role="trainer", nproc=2, hint=1)
+        ra, rb = await asyncio.gather(a.next_round(), b.next_round())
+        assert [(m.role, m.nproc) for m in ra.members] == [("master", 1), ("trainer", 2)]
+        places = [
+            (r.me.role, r.world_size, r.rank_offset, r.role_rank_offset, r.role_world_size)
+            for r in (ra, rb)
+        ]
+        assert places == [("master", 3, 0, 0, 1), ("trainer", 3, 1, 0, 2)]
+        c, _, _ = handler(store, "c", min_nodes=2, max_nodes=2, max_restarts=5, role="master")
+        with pytest.raises(ConfigMismatch, match="max_restarts: job has 1, this node has 5"):
+            await c.next_round()
+        await asyncio.gather(a.shutdown(), b.shutdown(), c.shutdown())
+
+    run(scenario)
+
+
 def test_a_finished_jobs_id_has_nothing_to_do() -> None:
     async def scenario() -> None:
         store = MemoryStore()
@@ -211,8 +245,8 @@ def test_a_finished_jobs_id_has_nothing_to_do() -> None:
         await a.next_round()
         await a.complete()
         await a.shutdown()
-        for settings in ({}, {"max_nodes": 4}):  # even with other settings
-            again, events, said = handler(store, "again", **settings)
+        for max_nodes in (1, 4):  # even with other settings
+            again, events, said = handler(store, "again", max_nodes=max_nodes)
             with pytest.raises(RendezvousClosed, match="finished earlier; to run it again"):
                 await again.next_round()
             assert not said and "job_reset" not in [k for k, _ in events.seen]

@@ -377,7 +377,7 @@ def _summary(unit: int, waiting: list[str]) -> Summary:
     members = tuple(MemberRecord(n, f"h-{n}", "10.0.0.1", 1, i) for i, n in enumerate("ab"))
     return summarize(
         "job",
-        config=ConfigRecord(AgreedSettings(2, 4, 3, "default", 600.0, 30.0, node_unit=unit)),
+        config=ConfigRecord(AgreedSettings(2, 4, 3, 600.0, 30.0, node_unit=unit)),
         round_rec=RoundRecord(0, RoundState.CLOSED),
         result=ResultRecord(0, members, "10.0.0.1", 5, closed_at=100.0),
         prev_result=None,

@@ -173,11 +173,11 @@ def worker_env(
         {
             "RANK": str(rank),
             "GROUP_RANK": str(result.group_rank),
-            # One role per job (the role is agreed job-wide), so role ranks are global ranks.
-            "ROLE_RANK": str(rank),
+            # As torch: ranks within this node's role (rendezvous/ranks.py).
+            "ROLE_RANK": str(result.role_rank_offset + local_rank),
             "WORLD_SIZE": str(result.world_size),
             "GROUP_WORLD_SIZE": str(result.group_world_size),
-            "ROLE_WORLD_SIZE": str(result.world_size),
+            "ROLE_WORLD_SIZE": str(result.role_world_size),
             "MASTER_ADDR": result.master_addr,
             "MASTER_PORT": str(result.master_port),
             "TORCHELASTIC_RESTART_COUNT": str(result.restart_count),

@@ -31,6 +31,7 @@ from elastrun.names import RunId
 from elastrun.rendezvous.fault_history import FaultEntry, FaultHistory
 from elastrun.rendezvous.notes import Note, NoteT, Refused, Seat
 from elastrun.rendezvous.quarantine import ClaimState, QuarantineRecord
+from elastrun.rendezvous.ranks import WorkerRanks, worker_ranks
 from elastrun.rendezvous.records import AgreedSettings
 from elastrun.rendezvous.sizes import WorldSizes
 from elastrun.store.base import RevokeSpec
@@ -61,7 +62,6 @@ class RendezvousSettings:
     min_nodes: int
     max_nodes: int
     max_restarts: int = 0
-    role: str = "default"
     join_timeout: float = 600.0
     last_call_timeout: float = 30.0
     # Per node: how long leaving (shutdown: revoking the lease) may take; as
@@ -73,6 +73,7 @@ class RendezvousSettings:
     # largest allowed size wait as spares); agreed by every node.
     node_unit: int = 1
     # per node:
+    role: str = "default"  # its workers' ROLE_NAME; a job's nodes may differ (as torchrun)
     nproc: int = 1
     host: str = ""  # human-readable host name
     addr: str = ""  # address other nodes and workers use to reach this node
@@ -86,7 +87,6 @@ class RendezvousSettings:
             min_nodes=self.min_nodes,
             max_nodes=self.max_nodes,
             max_restarts=self.max_restarts,
-            role=self.role,
             join_timeout=self.join_timeout,
             last_call_timeout=self.last_call_timeout,
             node_unit=self.node_unit,
@@ -105,6 +105,7 @@ class Member:
     addr: str
     group_rank: int
     nproc: int
+    role: str = ""  # its workers' role ("" in results of versions with one role a job)
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,8 @@ class GroupShape:
     group_world_size: int  # members
     world_size: int  # workers: every member's nproc
     rank_offset: int  # this node's first global rank
+    role_rank_offset: int  # this node's first role rank
+    role_world_size: int  # the workers of this node's role
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,23 @@ class RoundResult:
         if self.shape is not None:
             return self.shape.rank_offset
         return sum(m.nproc for m in self.members if m.group_rank < self.group_rank)
+
+    @property
+    def role_rank_offset(self) -> int:
+        """Role rank of this node's local rank 0 (:func:`.ranks.worker_ranks`)."""
+        if self.shape is not None:
+            return self.shape.role_rank_offset
+        return self._worker_ranks().role_base
+
+    @property
+    def role_world_size(self) -> int:
+        """The workers of this node's role, on every member."""
+        if self.shape is not None:
+            return self.shape.role_world_size
+        return self._worker_ranks().role_size
+
+    def _worker_ranks(self) -> WorkerRanks:
+        return worker_ranks([(m.role, m.nproc) for m in self.members])[self.group_rank]
 
     @property
     def me(self) -> Member:

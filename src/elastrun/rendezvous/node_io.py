@@ -150,6 +150,7 @@ class Node:
             nproc=s.nproc,
             rank_hint=s.node_rank_hint,
             pid=self.pid,
+            role=s.role,
         )
 
 
@@ -173,7 +174,7 @@ class DecodedResult:
 
 def _decoded(record: ResultRecord) -> DecodedResult:
     members = tuple(
-        Member(m.node_id, m.host, m.addr, m.group_rank, m.nproc) for m in record.members
+        Member(m.node_id, m.host, m.addr, m.group_rank, m.nproc, m.role) for m in record.members
     )
     return DecodedResult(record, members, {m.node_id: m.group_rank for m in members})
 

@@ -1,10 +1,17 @@
-"""Group-rank assignment for a closed round (pure).
+"""Ranks of a closed round (pure): each node's group rank, then its workers'.
 
-Sticky first: a node keeps its previous group rank when that rank is below the
-new group world size and nobody earlier claimed it. Then rank hints
-(``--node-rank``) when free and in range. Then the remaining ranks, lowest
-first, to the remaining nodes in join order. The result is always a bijection
-from the joiners onto ``range(len(joiners))``.
+Group ranks (:func:`assign_ranks`). Sticky first: a node keeps its previous
+group rank when that rank is below the new group world size and nobody earlier
+claimed it. Then rank hints (``--node-rank``) when free and in range. Then the
+remaining ranks, lowest first, to the remaining nodes in join order. The
+result is always a bijection from the joiners onto ``range(len(joiners))``.
+
+Worker ranks (:func:`worker_ranks`), as torch's agent assigns them
+(``SimpleElasticAgent._assign_worker_ranks``): a node's global ranks follow
+those of the nodes before it in group-rank order (each node runs its own
+number of workers), and its role ranks follow those of the nodes of its role
+before it; a role's world size is its nodes' workers, together. Nodes of one
+role (every job before roles differed) get role ranks equal to global ranks.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Candidate", "assign_ranks"]
+__all__ = ["Candidate", "WorkerRanks", "assign_ranks", "worker_ranks"]
 
 
 @dataclass(frozen=True)
@@ -47,3 +54,30 @@ def assign_ranks(
         if cand.node_id not in ranks:
             ranks[cand.node_id] = next(free)
     return ranks
+
+
+@dataclass(frozen=True)
+class WorkerRanks:
+    """One node's place among the round's workers: its local rank 0's global
+    rank and role rank, and the size of its role (its workers run
+    ``rank_base + local_rank``, ``role_base + local_rank``)."""
+
+    rank_base: int
+    role_base: int
+    role_size: int
+
+
+def worker_ranks(nodes: Sequence[tuple[str, int]]) -> list[WorkerRanks]:
+    """``nodes``: each member's (role, nproc), in group-rank order. Returns
+    each member's :class:`WorkerRanks`, in the same order."""
+    sizes: dict[str, int] = {}
+    for role, nproc in nodes:
+        sizes[role] = sizes.get(role, 0) + nproc
+    out: list[WorkerRanks] = []
+    base = 0
+    role_bases: dict[str, int] = {}
+    for role, nproc in nodes:
+        out.append(WorkerRanks(base, role_bases.get(role, 0), sizes[role]))
+        base += nproc
+        role_bases[role] = role_bases.get(role, 0) + nproc
+    return out

@@ -118,12 +118,13 @@ class _NodeRecord(_Record):
 @dataclass(frozen=True)
 class AgreedSettings:
     """The settings every node of a job must share (config agreement); the
-    others are per node (see :class:`~.api.RendezvousSettings`)."""
+    others are per node (see :class:`~.api.RendezvousSettings`). The role is
+    per node (nodes of several roles form one world, as under torchrun): the
+    ``role`` of older versions' records is ignored."""
 
     min_nodes: int
     max_nodes: int
     max_restarts: int
-    role: str
     join_timeout: float
     last_call_timeout: float
     # --node-unit; 1 in records of elastrun versions without it.
@@ -136,7 +137,6 @@ class AgreedSettings:
             "min_nodes": self.min_nodes,
             "max_nodes": self.max_nodes,
             "max_restarts": self.max_restarts,
-            "role": self.role,
             "join_timeout": self.join_timeout,
             "last_call_timeout": self.last_call_timeout,
             "node_unit": self.node_unit,
@@ -152,7 +152,6 @@ class AgreedSettings:
             min_nodes=f.integer("min_nodes"),
             max_nodes=f.integer("max_nodes"),
             max_restarts=f.integer("max_restarts"),
-            role=f.text("role"),
             join_timeout=f.number("join_timeout"),
             last_call_timeout=f.number("last_call_timeout"),
             node_unit=f.count("node_unit", 1),
@@ -176,6 +175,13 @@ class ConfigRecord(_Record):
 
 
 # -- per-node records ---------------------------------------------------------------
+def _read_role(f: Fields) -> str:
+    """A node's ``role``: it decides role ranks, so a present one must be
+    text (within the bounds); absent ("") in records of versions that
+    agreed one role per job."""
+    return f.text("role") if "role" in f.raw else ""
+
+
 @dataclass(frozen=True)
 class NodeInfo:
     """A node as it presents itself (its presence and join records)."""
@@ -186,6 +192,7 @@ class NodeInfo:
     nproc: int
     rank_hint: int | None = None  # --node-rank
     pid: int | None = None  # its agent's, for people
+    role: str = ""  # --role (its workers' ROLE_NAME); "" in older versions' records
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -195,6 +202,7 @@ class NodeInfo:
             "nproc": self.nproc,
             "rank_hint": self.rank_hint,
             "pid": self.pid,
+            "role": self.role,
         }
 
     @classmethod
@@ -206,6 +214,7 @@ class NodeInfo:
             nproc=f.integer("nproc", low=1),
             rank_hint=f.optional_integer("rank_hint"),
             pid=f.maybe_count("pid"),
+            role=_read_role(f),
         )
 
 
@@ -375,6 +384,7 @@ class MemberRecord:
     addr: str
     nproc: int
     group_rank: int
+    role: str = ""  # its workers' role; "" in older versions' results (one role a job)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -383,6 +393,7 @@ class MemberRecord:
             "addr": self.addr,
             "nproc": self.nproc,
             "group_rank": self.group_rank,
+            "role": self.role,
         }
 
     @classmethod
@@ -394,6 +405,7 @@ class MemberRecord:
             addr=f.text("addr"),
             nproc=f.integer("nproc", low=1),
             group_rank=f.integer("group_rank"),
+            role=_read_role(f),
         )
 
 

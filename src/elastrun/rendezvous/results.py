@@ -9,7 +9,8 @@ txn writes it as (record version :data:`RESULT_VERSION`)::
                                the shard count, group rank 0's member
     rounds/{R}/members/{k}     ResultShard   the members whose node id hashes
                                to shard k (:func:`shard_of`), each with its
-                               group rank and its first global rank
+                               group rank, role, first global rank, first
+                               role rank and role size
 
 A member reads the header and its own shard, in one txn (:class:`Head`:
 O(n / shards) bytes, at most :data:`SHARD_MEMBERS` members on average); the
@@ -25,7 +26,8 @@ written, empty or not: a missing shard is a broken result.
 
 Every record is untrusted: a shard names its round and its index, every member
 in it hashes to it, and the union of the shards is the header's members,
-group ranks 0..n-1 each once, with first global ranks that add up; else
+group ranks 0..n-1 each once, with first global ranks and role ranks that
+add up (:func:`.ranks.worker_ranks`); else
 :class:`~elastrun.errors.ProtocolError` names the key and the problem. A key
 under the shards' prefix that is none of the header's shards
 (``members/{k}``, k in 0..shards-1) is not part of the result: left out
@@ -36,11 +38,12 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Self
 
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.fields import Fields
+from elastrun.rendezvous.ranks import worker_ranks
 from elastrun.rendezvous.records import MemberRecord, ResultRecord
 from elastrun.store.base import KeyValue
 
@@ -79,18 +82,34 @@ def shard_of(node_id: str, shards: int) -> int:
 
 @dataclass(frozen=True)
 class Seat:
-    """A member and its first global rank (the sum of the nproc of the
-    members before it in group-rank order)."""
+    """A member and its workers' place (:func:`.ranks.worker_ranks`): its
+    first global rank (the sum of the nproc of the members before it in
+    group-rank order), its first role rank (the same, over the members of
+    its role) and its role's size (0 as read from a shard of an older
+    version, which has none: :meth:`ResultShard.decode` makes it the
+    header's world size, as every member then had the job's one role)."""
 
     member: MemberRecord
     rank_base: int
+    role_base: int
+    role_size: int
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.member.to_json(), "rank_base": self.rank_base}
+        return {
+            **self.member.to_json(),
+            "rank_base": self.rank_base,
+            "role_base": self.role_base,
+            "role_size": self.role_size,
+        }
 
     @classmethod
     def from_json(cls, raw: object, where: str) -> Seat:
-        return cls(MemberRecord.from_json(raw, where), Fields(raw, where).integer("rank_base"))
+        f = Fields(raw, where)
+        base = f.integer("rank_base")
+        # Absent from older versions' shards: one role, role ranks = global ranks.
+        role_base = f.integer("role_base") if "role_base" in f.raw else base
+        role_size = f.integer("role_size", low=1) if "role_size" in f.raw else 0
+        return cls(MemberRecord.from_json(raw, where), base, role_base, role_size)
 
 
 @dataclass(frozen=True)
@@ -190,26 +209,30 @@ class ResultShard:
         f = Fields({}, where)
         if shard.round != header.round or str(shard.shard) != K.node_id_of(key):
             raise f.bad("shard", f"not shard {K.node_id_of(key)} of round {header.round}")
-        for s in shard.seats:
+        seats = tuple(
+            s if s.role_size else replace(s, role_size=header.world_size) for s in shard.seats
+        )
+        for s in seats:
             m = s.member
             if shard_of(m.node_id, header.shards) != shard.shard:
                 raise f.bad("members", f"naming {m.node_id}, which is not in this shard")
             if m.group_rank >= header.size or s.rank_base + m.nproc > header.world_size:
                 raise f.bad("members", f"placing {m.node_id} outside the header's sizes")
-        return shard
+            if s.role_base + m.nproc > s.role_size or s.role_size > header.world_size:
+                raise f.bad("members", f"placing {m.node_id} outside its role's size")
+        return replace(shard, seats=seats)
 
 
 def stored_form(result: ResultRecord, shards: int) -> tuple[ResultHeader, list[ResultShard]]:
     """``result`` as its header and its ``shards`` shards."""
     placed: list[list[Seat]] = [[] for _ in range(shards)]
-    base = 0
-    for m in result.members:  # in group-rank order
-        placed[shard_of(m.node_id, shards)].append(Seat(m, base))
-        base += m.nproc
+    places = worker_ranks([(m.role, m.nproc) for m in result.members])  # group-rank order
+    for m, w in zip(result.members, places, strict=True):
+        placed[shard_of(m.node_id, shards)].append(Seat(m, w.rank_base, w.role_base, w.role_size))
     header = ResultHeader(
         round=result.round,
         size=len(result.members),
-        world_size=base,
+        world_size=result.world_size,
         shards=shards,
         first=result.members[0],
         master_addr=result.master_addr,
@@ -235,12 +258,13 @@ def load(header: ResultHeader, shards: Sequence[ResultShard], where: str) -> Res
         raise f.bad("members", f"not group ranks 0..{header.size - 1}, each once")
     if len({m.node_id for m in members}) != len(members):
         raise f.bad("members", "naming a node twice")
-    base = 0
-    for s in seats:
-        if s.rank_base != base:
+    places = worker_ranks([(m.role, m.nproc) for m in members])
+    for s, w in zip(seats, places, strict=True):
+        if s.rank_base != w.rank_base:
             raise f.bad("members", f"giving {s.member.node_id} first global rank {s.rank_base}")
-        base += s.member.nproc
-    if base != header.world_size or members[0] != header.first:
+        if (s.role_base, s.role_size) != (w.role_base, w.role_size):
+            raise f.bad("members", f"giving {s.member.node_id} role ranks that do not add up")
+    if sum(m.nproc for m in members) != header.world_size or members[0] != header.first:
         raise f.bad("members", "not the header's world size and group rank 0")
     return ResultRecord(
         round=header.round,

@@ -139,7 +139,7 @@ def close_records(
     records.sort(key=lambda j: ranks[j.node.node_id])
     nodes = [j.node for j in records]
     members = tuple(
-        MemberRecord(n.node_id, n.host, n.addr, n.nproc, ranks[n.node_id]) for n in nodes
+        MemberRecord(n.node_id, n.host, n.addr, n.nproc, ranks[n.node_id], n.role) for n in nodes
     )
     master = records[0]
     charged = rnd.counts and prev.keys() <= {m.node_id for m in members}
@@ -240,7 +240,7 @@ def takeover_round(
 def round_result(run_id: str, node_id: str, result: ResultRecord, max_restarts: int) -> RoundResult:
     """Round ``result`` as member ``node_id`` sees it."""
     members = tuple(
-        Member(m.node_id, m.host, m.addr, m.group_rank, m.nproc) for m in result.members
+        Member(m.node_id, m.host, m.addr, m.group_rank, m.nproc, m.role) for m in result.members
     )
     me = next(m for m in members if m.node_id == node_id)
     return RoundResult(
@@ -266,14 +266,14 @@ def partial_result(run_id: str, head: Head, max_restarts: int) -> RoundResult:
     return RoundResult(
         run_id=run_id,
         round=h.round,
-        members=(Member(m.node_id, m.host, m.addr, m.group_rank, m.nproc),),
+        members=(Member(m.node_id, m.host, m.addr, m.group_rank, m.nproc, m.role),),
         group_rank=m.group_rank,
         master_addr=h.master_addr,
         master_port=h.master_port,
         restart_count=h.restarts,
         max_restarts=max_restarts,
         reason=h.reason,
-        shape=GroupShape(h.size, h.world_size, seat.rank_base),
+        shape=GroupShape(h.size, h.world_size, seat.rank_base, seat.role_base, seat.role_size),
     )
 
 

@@ -7,7 +7,8 @@ of node rank 0 host the process group's store on ``A:P`` (``MASTER_ADDR`` /
 per node against ``--max-restarts``, and the exit barrier returns at once.
 
 As nothing is exchanged, every node must run the same ``--nproc-per-node``
-(the world size is ``nnodes * nproc``); use ``c10d`` or ``etcd`` otherwise.
+(the world size is ``nnodes * nproc``) and the same ``--role`` (role ranks are
+global ranks); use ``c10d`` or ``etcd`` otherwise.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class StaticRendezvous(Rendezvous):
             addr=addr,
             group_rank=rank,
             nproc=self.settings.nproc,
+            # Nothing is exchanged: every node is taken to run this node's role.
+            role=self.settings.role,
         )
 
     async def next_round(self) -> RoundResult:

@@ -64,6 +64,7 @@ class MemberRow:
     nproc: int
     node_id: str
     status: str  # alive | done | lost | gone
+    role: str = ""  # its workers' --role ("" in results of older versions)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

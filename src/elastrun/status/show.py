@@ -67,9 +67,17 @@ def render_table(summary: Summary, where: str) -> str:
     if s.members:
         label = "members" if s.members_round == s.round else "members of the last round"
         out.append(f"\n{label} (round {s.members_round}):")
-        rows = [("GROUP_RANK", "HOST", "ADDR", "NPROC", "STATUS", "NODE")]
+        rows = [("GROUP_RANK", "HOST", "ADDR", "NPROC", "ROLE", "STATUS", "NODE")]
         rows += [
-            (str(m.group_rank), _p(m.host), _p(m.addr), str(m.nproc), m.status, _p(m.node_id))
+            (
+                str(m.group_rank),
+                _p(m.host),
+                _p(m.addr),
+                str(m.nproc),
+                _p(m.role or "-"),
+                m.status,
+                _p(m.node_id),
+            )
             for m in s.members
         ]
         out.extend(_table(rows))

@@ -5,7 +5,7 @@ records the rendezvous keeps anyway (see :mod:`elastrun.rendezvous.keys`)::
 
     config                  min/max nodes, max restarts (the agreed settings)
     round                   current round number, state, restarts, last failure
-    rounds/{R}/result       members of round R: host, address, group rank, nproc
+    rounds/{R}/result       members of round R: host, address, group rank, nproc, role
     rounds/{R}/join/...     who joined the open round R
     rounds/{R}/done/...     members whose workers succeeded (exit barrier)
     nodes/...               presence (on each node's lease)
@@ -136,7 +136,7 @@ def _members(
             status = "alive"
         else:
             status = "lost" if state in ("running", "restarting") else "gone"
-        rows.append(MemberRow(m.group_rank, m.host, m.addr, m.nproc, m.node_id, status))
+        rows.append(MemberRow(m.group_rank, m.host, m.addr, m.nproc, m.node_id, status, m.role))
     return tuple(sorted(rows, key=lambda m: m.group_rank))
 
 

@@ -1,9 +1,11 @@
 """Conformance worker: check the torchrun worker environment, then create a
-file named after this worker's global rank (or fail when given --fail)."""
+file named after this worker's global rank, holding the variables checked as a
+JSON object (or fail when given --fail)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -17,6 +19,7 @@ EXPECTED = (
     "ROLE_RANK",
     "ROLE_NAME",
     "LOCAL_WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
     "WORLD_SIZE",
     "ROLE_WORLD_SIZE",
     "MASTER_ADDR",
@@ -43,7 +46,7 @@ def main() -> None:
     if args.fail:
         raise RuntimeError("failing on purpose (--fail)")
     target = Path(args.touch_dir, os.environ["RANK"])
-    target.touch()
+    target.write_text(json.dumps({name: os.environ[name] for name in EXPECTED}))
     print(f"touched {target}")
 
 
