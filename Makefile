@@ -84,6 +84,8 @@ bench: setup etcd
 	$(PY) -m bench.fault_attribution
 	$(PY) -m bench.memory_save
 	$(PY) -m bench.in_process_restart
+	$(PY) -m bench.compile_restart
+	$(PY) -m bench.goodput --setup-heavy
 
 bench-quick: setup etcd
 	$(PY) -m bench --quick $(BENCH_ARGS)

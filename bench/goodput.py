@@ -57,6 +57,14 @@ its throughput (the network between two nodes is slower than loopback;
 this is the floor of what the agent's background thread spends per marked
 snapshot).
 
+``--setup-heavy``: the setup-heavy worker under a worker SIGKILL every 10 s
+(``--kill-every``; no node loss) for 60 s (``--duration``): each process
+does ``--setup-seconds`` (3) of CPU work once before it trains (a script's
+own setup: data, model, compilation), and a fourth run, ``elastrun
+--in-process``, trains in ``elastrun.train.in_process`` (docs/in_process.md):
+the ranks whose processes survive a kill enter the training again without
+their setup. Goodput: each run's steps over the failure-free reference's.
+
 Run: ``python -m bench.goodput [--duration 120 --kill-every 30 --node-every 90]``
 (part of ``make bench``; about 8 minutes); ``--quick``: 40 s runs, a worker
 kill at 12 s and a node loss at 24 s, small states (about 3 minutes), a smoke
@@ -110,6 +118,7 @@ class Run:
     nodes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     started: list[subprocess.Popen[bytes]] = field(default_factory=list)
     disruptions: list[Disruption] = field(default_factory=list)
+    in_process: bool = False  # the worker trains in elastrun.train.in_process
 
     @property
     def events(self) -> Path:
@@ -127,6 +136,8 @@ class Run:
             "GP_NODE": name,
             "GP_SHARED": "0" if self.args.per_rank else "1",
             "GP_REPLICATE": str(self.args.replicate_every),
+            "GP_SETUP": str(self.args.setup_seconds),
+            "GP_IN_PROCESS": "1" if self.in_process else "0",
             # the nodes share this machine's cores: one thread per worker
             # (elastrun's default; torchrun sets it only with several
             # workers per node), else each worker oversubscribes the CPUs
@@ -253,11 +264,16 @@ def _inject(run: Run, kind: str, k: int) -> None:
 
 
 def run_one(
-    name: str, cfg: LauncherConfig, mode: str, folder: Path, args: argparse.Namespace
+    name: str,
+    cfg: LauncherConfig,
+    mode: str,
+    folder: Path,
+    args: argparse.Namespace,
+    in_process: bool = False,
 ) -> dict[str, Any]:
     """One launcher's run under the schedule (none for the reference)."""
     folder.mkdir(parents=True, exist_ok=True)
-    run = Run(cfg, mode, folder, args)
+    run = Run(cfg, mode, folder, args, in_process=in_process)
     plan = [] if name == "reference" else schedule(args.duration, args.kill_every, args.node_every)
     try:
         for node in (chr(ord("a") + i) for i in range(args.nodes)):
@@ -361,6 +377,7 @@ def report(
     replica: dict[str, float] | None = None,
 ) -> str:
     world = args.nodes * args.nproc
+    what = {**WHAT, IN_PROCESS: WHAT["elastrun"] + ", in_process"} if args.setup_heavy else WHAT
     low = args.min_nodes if args.min_nodes > 0 else max(1, args.nodes - 1)
     plan = schedule(args.duration, args.kill_every, args.node_every)
     lines = [
@@ -368,13 +385,14 @@ def report(
         "",
         f"{args.nodes} nodes x {args.nproc} worker(s) on loopback (`--nnodes={low}:{args.nodes}`), "
         f"{args.duration:.0f} s of training per run from the first step at the full world; "
-        "schedule: "
+        + (f"{args.setup_seconds:g} s of setup per process; " if args.setup_seconds else "")
+        + "schedule: "
         + ", ".join(f"{kind} at {t:.0f} s" for t, kind in plan)
         + f"; machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end. "
         "Reference (torchrun, no checkpoint, no failure): "
         f"{runs['reference']['final_step']} steps.",
         "",
-        *report_lines(runs, WHAT, world),
+        *report_lines(runs, what, world),
     ]
     if blocked is not None:
         lines += [
@@ -393,6 +411,7 @@ def report(
 
 
 WHAT = {"torchrun": "torch.save every 50 steps", "elastrun": "memory, every step"}
+IN_PROCESS = "elastrun --in-process"  # --setup-heavy's fourth run
 
 
 def replica_line(r: dict[str, float]) -> str:
@@ -406,7 +425,7 @@ def replica_line(r: dict[str, float]) -> str:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--duration", type=float, default=120.0, help="seconds of training per run")
+    p.add_argument("--duration", type=float, default=None, help="seconds of training per run")
     p.add_argument("--kill-every", type=float, default=30.0, help="seconds between worker kills")
     p.add_argument("--node-every", type=float, default=90.0, help="seconds between node losses")
     p.add_argument("--nodes", type=int, default=2, help="nodes (loopback addresses), 2 to 8")
@@ -418,8 +437,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replica-mib", type=int, default=256, help="replica size (0: skip)")
     p.add_argument("--replica-only", action="store_true", help="measure the replica only")
     p.add_argument("--quick", action="store_true", help="a short smoke run (about 3 minutes)")
+    p.add_argument(
+        "--setup-heavy",
+        action="store_true",
+        help="setup-heavy workers, a worker SIGKILL every 10 s for 60 s, and elastrun --in-process",
+    )
+    p.add_argument("--setup-seconds", type=float, default=None, help="CPU setup per process (s)")
     p.add_argument("--out", type=Path, default=None, help="results folder")
     args = p.parse_args(argv)
+    if args.setup_heavy:
+        args.duration = 60.0 if args.duration is None else args.duration
+        args.kill_every, args.node_every = 10.0, 0.0
+        args.setup_seconds = 3.0 if args.setup_seconds is None else args.setup_seconds
+        args.blocked_mib = args.replica_mib = 0
+    args.duration = 120.0 if args.duration is None else args.duration
+    args.setup_seconds = args.setup_seconds or 0.0
     if args.quick:
         args.duration, args.kill_every, args.node_every = 40.0, 12.0, 24.0
         args.blocked_mib, args.replica_mib = 64, 16
@@ -441,6 +473,10 @@ def main(argv: list[str] | None = None) -> int:
         "torchrun": run_one("torchrun", TORCHRUN_TUNED, "torchsave", out / "torchrun", args),
         "elastrun": run_one("elastrun", ELASTRUN_TUNED, "memory", out / "elastrun", args),
     }
+    if args.setup_heavy:
+        runs[IN_PROCESS] = run_one(
+            IN_PROCESS, ELASTRUN_TUNED, "memory", out / "in-process", args, in_process=True
+        )
     blocked = blocked_1g(args.blocked_mib, out / "blocked") if args.blocked_mib > 0 else None
     text = report(runs, blocked, args, replica)
     text += f"\nWall time of the benchmark: {time.monotonic() - t0:.0f} s.\n"

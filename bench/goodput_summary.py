@@ -22,7 +22,7 @@ KINDS = (WORKER_KILL, NODE_LOSS, REJOIN)
 # A restart's pause, in order: the worker's phases (bench/goodput_worker.py)
 PHASES = (
     ("script", "failure to the new worker's first line (stop, rendezvous, spawn)"),
-    ("start", "its imports"),
+    ("start", "its imports (and its own setup, --setup-seconds)"),
     ("process_group", "process group"),
     ("model", "data, model, DDP"),
     ("checkpoint", "checkpoint load"),

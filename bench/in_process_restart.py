@@ -49,7 +49,10 @@ EXAMPLE = REPO / "examples" / "train.py"
 WORKER_LINE = r"^(?:\[[^\]\s]+\]: )?"
 STEP = re.compile(WORKER_LINE + r"epoch \d+ step (\d+) ")
 SETUP = re.compile(WORKER_LINE + r"setup done: pid (\d+)")
-KILLED = re.compile(WORKER_LINE + r"\[rank \d+\] injected failure at step")
+# Not anchored: torchrun's workers share one unprefixed output, where the line may follow
+# another worker's on the same line; the first match is the worker's own (elastrun's failure
+# summary quotes it later).
+KILLED = re.compile(r"\[rank \d+\] injected failure at step")
 RANK0_PID = re.compile(WORKER_LINE + r"=> start: .* pid (\d+)$")
 RAISED = re.compile(WORKER_LINE + r"\[rank \d+\] injected exception at step")
 

@@ -8,7 +8,9 @@
   event log names, with no children.
 * Hugging Face ``accelerate``: ``Accelerator()`` with ``ACCELERATE_USE_CPU=1``
   (what ``accelerate launch --cpu`` sets) trains as 2 processes with the data
-  sharded; without it, on a machine with no accelerator, ``Accelerator()``
+  sharded, its loop in ``elastrun.train.in_process``: rank 1 is SIGKILLed once,
+  rank 0's process is kept and enters the loop again; without
+  ``ACCELERATE_USE_CPU``, on a machine with no accelerator, ``Accelerator()``
   runs each process on its own, exactly as under torchrun.
 * Lightning with a worker SIGKILLed mid-epoch: the job restarts once and
   ``fit(ckpt_path="last")`` resumes from ``last.ckpt``, ending at the right
@@ -252,17 +254,20 @@ def test_accelerate_loop(tmp_path: Path, use_cpu: bool) -> None:
         pytest.skip("Accelerator() picks the GPU here; this case is about CPU-only machines")
     epochs, steps_per_epoch = 2, 4
     env = {"ACCELERATE_USE_CPU": "1"} if use_cpu else {}
+    # The distributed case also restarts in process: rank 1 SIGKILLed after its step 2.
+    restart = ["--max-restarts=1"] if use_cpu else []
+    in_process = ["--in-process", "--kill-at", "2"] if use_cpu else []
     with jobs(tmp_path) as j:
         agent = j.start(
             "a",
-            ["--standalone", "--nproc-per-node=2"],
+            ["--standalone", "--nproc-per-node=2", *restart],
             "accelerate_loop.py",
-            ["--epochs", str(epochs), "--steps-per-epoch", str(steps_per_epoch)],
+            ["--epochs", str(epochs), "--steps-per-epoch", str(steps_per_epoch), *in_process],
             **env,
         )
         assert agent.wait(BOUND) == 0, agent.output()[-3000:]
         runs = j.records("accelerate-*.json")
-        pids = started_pids(j.events_file("a"))
+        pids = started_pids(j.events_file("a"), restart=1 if use_cpu else 0)
         assert sorted(r["pid"] for r in runs.values()) == pids
         for r in runs.values():
             assert r["children"] == [], r
@@ -279,6 +284,15 @@ def test_accelerate_loop(tmp_path: Path, use_cpu: bool) -> None:
                 assert r["is_main_process"] == (r["process_index"] == 0)
                 assert len(r["gathered_losses"]) == 2
             assert sorted(r["process_index"] for r in runs.values()) == [0, 1]
+            # In process: rank 0 kept its process (its second entry of the loop, after
+            # accelerate's state was reset), rank 1's was replaced.
+            evs = events(j.events_file("a"))
+            kept = [(e["kept"], e["started"]) for e in evs if e["kind"] == "ranks_kept"]
+            assert kept == [([0], [1])], evs
+            first = started_pids(j.events_file("a"))
+            assert runs["accelerate-r0"]["pid"] in first and runs["accelerate-r0"]["entries"] == 2
+            assert runs["accelerate-r1"]["pid"] not in first
+            assert runs["accelerate-r1"]["entries"] == 1
             # Gradients were averaged: the ranks, on different shards, end with equal weights.
             checksums = {r["checksum"] for r in runs.values()}
             assert len(checksums) == 1, checksums

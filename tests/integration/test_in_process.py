@@ -190,3 +190,24 @@ def test_status_shows_which_ranks_kept_their_process(tmp_path: Path) -> None:
         assert proc.wait(BOUND) == 0, out.read_text()[-3000:]
     finally:
         stop_groups(proc)
+
+
+@pytest.mark.bench  # each process imports torch._dynamo and compiles: ~30 s on 2 loaded cores
+def test_kept_ranks_do_not_compile_their_model_again(tmp_path: Path) -> None:
+    """bench/compile_worker.py (a ``torch.compile``d model, compiled in each
+    process's setup, a backend that counts the graphs) with 2 ranks, rank 1
+    SIGKILLed after step 3: rank 0's process is kept and compiles nothing
+    after the kill; rank 1's new process compiles its model again."""
+    from argparse import Namespace
+
+    from bench.compile_restart import run_one
+    from bench.configs import ELASTRUN_TUNED
+
+    args = Namespace(nproc=2, backend="aot_eager", steps=6, kill_at=3, timeout=BOUND)
+    got = run_one("in-process", ELASTRUN_TUNED, True, args, tmp_path / "run")
+    log = (tmp_path / "run" / "launcher.log").read_text(errors="replace")[-3000:]
+    assert got.returncode == 0, log
+    assert [(r.rank, r.kept) for r in got.ranks] == [(0, True), (1, False)], (got, log)
+    kept, new = got.ranks
+    assert kept.compiled == 0, got
+    assert new.compiled >= 1, got

@@ -56,3 +56,17 @@ def test_the_report_counts_new_processes_and_rank_0_s_pid_per_launcher() -> None
     assert "| 1 of 3 | yes |" in rows["elastrun --in-process"]
     assert "| 5.5 s (1.00x) |" in rows["torchrun"] and "| 4.5 s (1.00x) |" in rows["torchrun"]
     assert "| elastrun --in-process | 5.5 s (1.00x) | 4.5 s (1.00x) |" in medians
+
+
+def test_a_fault_line_glued_to_another_worker_s_line_is_found() -> None:
+    # torchrun's workers share one unprefixed output: rank 2's line may follow
+    # rank 0's on the same line.
+    o = Outcome(
+        "torchrun",
+        [
+            Line(2.0, "epoch 0 step 6 offset 576/1437 loss 2.2[rank 2] injected failure at step 6"),
+            Line(9.0, "epoch 0 step 7 offset 672/1437 loss 2.2"),
+        ],
+        0,
+    )
+    assert o.recovery(KILLED, 6) == 9.0 - 2.0
