@@ -1,6 +1,7 @@
 # One entry point for newcomers, developers and CI.
 #   make demo   set up what the demo needs (elastrun + torch + numpy), then train the example with a
-#               worker killed partway: elastrun restarts it and training resumes (examples/demo.py)
+#               worker killed partway: elastrun restarts it and training resumes (examples/demo.py);
+#               then again with memory checkpoints: 0 steps redone
 #   make test   set up everything (venv, torch, dev tools, etcd), run the checks and the tests
 #   make test-fast  the checks and the fast tests (unit, stores) for daily work
 #   make soak   the long series and soaks that `make test` runs short (see below)

@@ -9,6 +9,12 @@ checkpoint they agree on. Afterwards this script tells the story again from
 elastrun's event log (``--events-file``) and the workers' output, and checks it:
 it exits non-zero when the run did not restart and resume as described.
 
+Then the best path: the same job and the same fault with ``--memory-checkpoint``
+(``elastrun.train.MemoryCheckpoint``): each rank copies its state into shared
+memory that its agent holds across the restart, every step, so the restarted
+workers resume from the very step the failure interrupted: 0 steps redone
+(fewer epochs: ``--memory-epochs``; ``--no-memory`` skips it).
+
 Everything is written under ``--run-dir`` (default ``runs/demo``, ignored by
 git); the previous demo's checkpoints and events there are removed first, so
 the demo always trains from scratch.
@@ -35,6 +41,8 @@ RESUMED = re.compile(
     r"=> resumed: epoch=(\d+) offset=(\d+)/(\d+) global_step=(\d+) \(world (\d+), restart (\d+)\)"
 )
 FINAL = re.compile(r"final: epoch=(\d+) test_acc=([0-9.]+) world=(\d+) restarts=(\d+)")
+FROM_MEMORY = re.compile(r"=> using memory checkpoint: step (\d+)")
+REDONE = re.compile(r"elastrun: goodput [0-9.]+%: .*\((\d+) steps? redone\)")
 RULE = "-" * 78
 
 
@@ -48,6 +56,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--checkpoint-every", type=int, default=10, help="checkpoint every N steps (default 10)"
     )
+    p.add_argument(
+        "--memory-epochs",
+        type=int,
+        default=4,
+        help="epochs of the memory-checkpoint run (default 4)",
+    )
+    p.add_argument("--no-memory", action="store_true", help="skip the memory-checkpoint run")
     p.add_argument(
         "--timeout", type=float, default=600.0, help="give up after this many seconds (600)"
     )
@@ -63,20 +78,25 @@ def elastrun_program() -> tuple[list[str], str]:
     return [sys.executable, "-m", "elastrun"], "python -m elastrun"
 
 
-def build_command(args: argparse.Namespace, run_dir: Path) -> tuple[list[str], list[str]]:
-    """The elastrun command line: (argv to run, argv to show)."""
+def build_command(
+    args: argparse.Namespace, run_dir: Path, memory: bool = False
+) -> tuple[list[str], list[str]]:
+    """The elastrun command line: (argv to run, argv to show); ``memory``: the
+    memory-checkpoint run (its own checkpoints and events)."""
+    tag = "memory-" if memory else ""
     flags = [
         "--standalone",
         "--nproc-per-node=2",
         "--max-restarts=1",
-        f"--events-file={run_dir / 'events.jsonl'}",
+        f"--events-file={run_dir / f'{tag}events.jsonl'}",
     ]
     script = [
-        *("--epochs", str(args.epochs)),
-        *("--checkpoint-dir", str(run_dir / "checkpoints")),
+        *("--epochs", str(args.memory_epochs if memory else args.epochs)),
+        *("--checkpoint-dir", str(run_dir / f"{tag}checkpoints")),
         *("--checkpoint-every", str(args.checkpoint_every)),
         *("--log-every", "10"),
         *("--crash-at-step", str(args.crash_at_step), "--crash-how", "sigkill"),
+        *(("--memory-checkpoint",) if memory else ()),
     ]
     prefix, shown = elastrun_program()
     try:
@@ -108,6 +128,49 @@ $ {shlex.join(shown)}
 {RULE}""",
         flush=True,
     )
+
+
+def memory_intro(args: argparse.Namespace, shown: list[str]) -> None:
+    print(
+        f"""{RULE}
+The best path: memory checkpoints, 0 steps redone
+{RULE}
+The same job and the same fault, now with --memory-checkpoint ({args.memory_epochs} epochs):
+each rank copies its state every step into shared memory that elastrun's agent
+holds (elastrun.train.MemoryCheckpoint), and the disk checkpoint every
+{args.checkpoint_every} steps is written by the agent in the background. The restarted
+workers resume from the step the failure interrupted (step {args.crash_at_step}), read
+from memory: no step is done twice.
+
+$ {shlex.join(shown)}
+{RULE}""",
+        flush=True,
+    )
+
+
+def memory_story(output: str, code: int, disk_redone: int | None) -> tuple[list[str], list[str]]:
+    """What the memory-checkpoint run did, and what did not go as expected."""
+    told: list[str] = []
+    wrong: list[str] = []
+    crashed = re.search(r"injected failure at step (\d+)", output)
+    held = FROM_MEMORY.search(output)
+    if crashed and held:
+        redone = int(crashed[1]) - int(held[1])
+        than = "" if disk_redone is None else f" (from the disk checkpoint: {disk_redone})"
+        told.append(
+            f"rank 1 died at step {crashed[1]}; the restarted workers resumed from step "
+            f"{held[1]}, held in memory by the agent: {redone} steps redone{than}"
+        )
+        if redone != 0:
+            wrong.append(f"{redone} steps were redone after the memory checkpoint")
+    else:
+        wrong.append("the memory-checkpoint run did not resume from memory")
+    accounted = REDONE.search(output)
+    if accounted:
+        told.append(f"elastrun's own goodput account agrees: {accounted[1]} steps redone")
+    if code != 0 or not FINAL.search(output):
+        wrong.append(f"the memory-checkpoint run did not finish (elastrun exit code {code})")
+    return told, wrong
 
 
 def run(cmd: list[str], timeout: float) -> tuple[int, str]:
@@ -232,8 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run_dir = Path(args.run_dir)
     # A fresh start: the previous demo's checkpoints would make this one resume at once.
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    (run_dir / "events.jsonl").unlink(missing_ok=True)
+    for tag in ("", "memory-"):
+        shutil.rmtree(run_dir / f"{tag}checkpoints", ignore_errors=True)
+        (run_dir / f"{tag}events.jsonl").unlink(missing_ok=True)
     (run_dir / "timeline.html").unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -254,6 +318,22 @@ def main(argv: list[str] | None = None) -> int:
     if wrong:
         print("The demo did not go as expected: " + "; ".join(wrong), file=sys.stderr)
         return code or 1
+    if not args.no_memory:
+        crashed = re.search(r"injected failure at step (\d+)", output)
+        resumed = RESUMED.search(output)
+        disk_redone = int(crashed[1]) - int(resumed[4]) if crashed and resumed else None
+        cmd, shown = build_command(args, run_dir, memory=True)
+        memory_intro(args, shown)
+        t0 = time.monotonic()
+        code, output = run(cmd, args.timeout)
+        told, wrong = memory_story(output, code, disk_redone)
+        print(f"{RULE}\nWhat happened with memory checkpoints:")
+        for i, line in enumerate(told, 1):
+            print(f"  {i}. {line}")
+        print(f"  ({time.monotonic() - t0:.0f} s in all)")
+        if wrong:
+            print("The demo did not go as expected: " + "; ".join(wrong), file=sys.stderr)
+            return code or 1
     print(
         "Try it on several machines: README.md (Using it), docs/slurm.md, docs/kubernetes.md.\n"
         + RULE

@@ -1,5 +1,8 @@
 """``make demo`` end to end: ``examples/demo.py`` with its defaults, as the Makefile runs it.
 
+Its second run, the same fault with memory checkpoints, must resume from the step the failure
+interrupted: 0 steps redone, as the demo says and elastrun's goodput account agrees.
+
 The demo's injected failure (rank 1 SIGKILLs itself at step 75, first attempt only) must lead to
 an elastrun restart and a resume from the step-70 checkpoint, read from what a user sees: the
 agent's event log and the output. A demo run in which nothing fails must say so and exit non-zero
@@ -27,7 +30,7 @@ pytest.importorskip("torch")
 DEMO = REPO / "examples" / "demo.py"
 
 
-def run_demo(run_dir: Path, *extra: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def run_demo(run_dir: Path, *extra: str, timeout: float = 360) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(DEMO), "--run-dir", str(run_dir), *extra],
         cwd=REPO,
@@ -49,7 +52,7 @@ def events(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_demo_injected_kill_restarts_and_resumes_from_the_checkpoint(tmp_path: Path) -> None:
     run_dir = tmp_path / "demo"
     done = run_demo(run_dir)
@@ -111,6 +114,29 @@ def test_demo_injected_kill_restarts_and_resumes_from_the_checkpoint(tmp_path: P
     # ... and `elastrun timeline` drew it.
     assert f"timeline): {run_dir / 'timeline.html'}" in summary
     assert "<html" in (run_dir / "timeline.html").read_text(encoding="utf-8").lower()
+
+    # Then the best path: the same fault with memory checkpoints redoes no step.
+    best = summary[summary.index("The best path: memory checkpoints") :]
+    assert "--memory-checkpoint" in best and "--epochs 4" in best
+    assert "[rank 1] injected failure at step 75: SIGKILL to itself" in best
+    assert "=> using memory checkpoint: step 75" in best, best[-4000:]
+    assert "=> resumed: epoch=3 offset=384/1437 global_step=75 (world 2, restart 1)" in best
+    steps_after = [int(s) for s in re.findall(r"epoch \d+ step (\d+) offset", best)]
+    assert steps_after[-2:] == [80, 90], steps_after  # on from 75, none again
+    mem = events(run_dir / "memory-events.jsonl")
+    started = [e for e in mem if e["kind"] == "workers_started"]
+    assert [e["restart_count"] for e in started] == [0, 1], started
+    goodput = [e for e in mem if e["kind"] == "goodput"]
+    assert [(e["steps_redone"], e["steps_known"], e["failures"]) for e in goodput] == [
+        (0, True, 1)
+    ], goodput
+    told = best[best.index("What happened with memory checkpoints") :]
+    assert (
+        "resumed from step 75, held in memory by the agent: 0 steps redone "
+        "(from the disk checkpoint: 5)" in told
+    ), told
+    assert "goodput account agrees: 0 steps redone" in told
+    assert "final: epoch=4" in best and "did not go as expected" not in done.stderr
 
 
 @pytest.mark.timeout(200)

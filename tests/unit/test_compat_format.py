@@ -376,7 +376,7 @@ def test_timeline_has_an_axis_and_separate_labels_at_a_restart() -> None:
         logged(t + 20.0, restart(0, 1), "n1", "a"),
         logged(t + 20.01, opened(1), "n1", "a"),
         logged(t + 20.02, opened(2), "n1", "a"),
-        logged(t + 20.1, started(2, 2), "n1", "a"),
+        logged(t + 20.1, started(2, 2, restarts=1), "n1", "a"),
         logged(t + 40.0, finished(), "n1", "a"),
     ]
     page = render_html(events)

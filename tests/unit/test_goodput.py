@@ -12,6 +12,7 @@ from elastrun.agent.goodput import Ledger
 from elastrun.agent.watchdog import Beat, parse_beat
 from elastrun.event_kinds import GoodputAccounted, parse_event
 from elastrun.goodput import Cause, Goodput
+from elastrun.worker._progress import Progress
 
 
 def beat(
@@ -22,7 +23,9 @@ def beat(
     step_time: float = 0.1,
     saving: float = 0.0,
     reported: bool = True,
+    loaded: float | None = None,
 ) -> Beat:
+    """``loaded``: of ``saving``, the seconds before the first step (a load)."""
     return Beat(
         step=step,
         monotonic=at,
@@ -31,6 +34,7 @@ def beat(
         first_step=first[1],
         saving_s=saving,
         reported=reported,
+        first_saving_s=loaded,
     )
 
 
@@ -187,6 +191,22 @@ CASES: dict[str, tuple[list[Step], float, dict[str, float], dict[str, int]]] = {
         {"startup": 1.0, "training": 10.0 - 2.0 + 1.0 - 0.5, "saves": 2.5, "restart": 1.0},
         {"failures": 1, "steps_redone": 0},
     ),
+    # The restarted process loads its checkpoint (0.8 s in a checkpoint
+    # phase) before its first step: that is the restart's time, not a save
+    # taken from training; its first save after (0.2 s) is.
+    "a checkpoint loaded before the first step": (
+        [
+            Start(0.0),
+            See(beat(1.0, 1, first=(1.0, 1))),
+            See(beat(11.0, 100, first=(1.0, 1))),
+            End(11.0, restart=True),
+            Start(11.5),
+            See(beat(13.0, 101, first=(13.0, 101), saving=1.0, loaded=0.8)),
+        ],
+        14.0,
+        {"startup": 1.0, "training": 10.0 + 1.0 - 0.2, "saves": 0.2, "restart": 2.0},
+        {"failures": 1, "steps_redone": 0},
+    ),
     # A node joins: the round ends without a restart; from its last step to
     # the first step of the next round, the time is waiting.
     "membership change": (
@@ -282,10 +302,30 @@ def test_progress_record_fields_read() -> None:
             "first_at": 2.5,
             "first_step": 3,
             "saving_s": 0.25,
+            "first_saving_s": 0.125,
             "reported": True,
         }
     )
     assert b is not None
     assert (b.first_at, b.first_step, b.saving_s, b.reported) == (2.5, 3, 0.25, True)
+    assert b.first_saving_s == 0.125
     old = parse_beat({"monotonic": 10.0, "step": 7})  # a record without them
     assert old is not None and old.first_at is None and old.reported is False
+
+
+def test_the_record_says_which_checkpoint_phases_came_before_the_first_step(tmp_path) -> None:
+    """A restarted process loads its checkpoint (a checkpoint phase) before
+    its first step: the record gives those seconds apart (``first_saving_s``)
+    so that the ledger does not take them from training a second time."""
+    now = [100.0]
+    p = Progress(str(tmp_path / "hb.json"), 0.5, clock=lambda: now[0])
+    with p.in_phase("checkpoint"):  # the load
+        now[0] += 0.75
+    now[0] += 0.5  # the first step
+    p.optimizer_step()
+    with p.in_phase("checkpoint"):  # its save
+        now[0] += 0.25
+    record = p.snapshot()
+    assert (record["saving_s"], record["first_saving_s"]) == (1.0, 0.75)
+    b = parse_beat(record)
+    assert b is not None and (b.first_at, b.first_saving_s) == (101.25, 0.75)

@@ -27,6 +27,8 @@ from elastrun.event_kinds import (
     WorkerExited,
 )
 from elastrun.goodput import Goodput
+from elastrun.launcher.config import LaunchConfig
+from elastrun.launcher.plan import resolve
 from tests.helpers import free_port
 
 # One sample line of the text format: a name, optional labels, a number.
@@ -131,6 +133,17 @@ def test_the_flag(text: str, port: int | None, hosts: tuple[str, ...]) -> None:
 def test_a_bad_flag_is_refused_naming_it(text: str) -> None:
     with pytest.raises(ConfigError, match="--metrics-port"):
         settings_from(text)
+
+
+def test_the_rdzv_conf_key_serves_metrics_and_the_flag_wins() -> None:
+    conf = {"metrics_port": "0.0.0.0:9400"}
+    got = resolve(LaunchConfig(rdzv_configs=conf)).workers.metrics
+    assert (got.port, got.hosts) == (9400, ("0.0.0.0",))
+    got = resolve(LaunchConfig(rdzv_configs=conf, metrics_port="9500")).workers.metrics
+    assert (got.port, got.hosts) == (9500, ("127.0.0.1", "::1"))
+    assert resolve(LaunchConfig()).workers.metrics.port is None
+    with pytest.raises(ConfigError, match="--rdzv-conf metrics_port: expected PORT"):
+        resolve(LaunchConfig(rdzv_configs={"metrics_port": "http"}))
 
 
 class _Events:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import stat
 import sys
+import threading
 import types
 
 import pytest
@@ -25,6 +27,7 @@ from elastrun.agent.modcache import (
     valid_names,
 )
 from elastrun.worker import _runner
+from elastrun.worker._messages import Modules, from_json
 
 
 def test_the_key_follows_the_script_its_flags_and_the_interpreter(tmp_path):
@@ -201,3 +204,39 @@ def test_the_runner_names_installed_modules_but_never_the_script(tmp_path):
     ]
     assert not _runner.origin_installed(str(tmp_path / "x.py"), (), roots)
     assert _runner.origin_installed("built-in", (), roots)
+
+
+class _ThreadNoting(_runner.Channel):
+    """The runner's channel over a real socket pair, noting which thread sent."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__(fd)
+        self.threads: list[str] = []
+
+    def send(self, message):
+        self.threads.append(threading.current_thread().name)
+        super().send(message)
+
+
+def test_the_module_list_is_made_outside_the_script_s_first_optimizer_step():
+    """Finding where each module lives takes a few tenths of a second: made
+    inside the first optimizer step, it lengthened every start and restart's
+    first step (and the goodput accounting counted it as training). It is
+    made from a copy of the modules, in a thread, and goes out before the
+    script's end."""
+    ours, theirs = socket.socketpair()
+    channel = _ThreadNoting(ours.detach())
+    try:
+        recorder = _runner.ModuleRecorder(channel, "installed", 0.0)
+        recorder._on_step()  # as torch.optim calls it, in the script's thread
+        theirs.settimeout(60)
+        line = theirs.recv(1 << 20).split(b"\n")[0]
+        assert channel.threads == ["elastrun-modules"]
+        sent = from_json(json.loads(line))
+        assert isinstance(sent, Modules) and sent.why == "optimizer_step"
+        assert "json" in sent.modules
+        recorder.finish()  # the script's end: nothing left to wait for
+    finally:
+        theirs.close()
+        if channel.fd is not None:
+            os.close(channel.fd)

@@ -156,16 +156,16 @@ def test_a_store_failover_is_drawn_with_its_rounds_restarts_loss_takeover_and_sp
         logged(T + 20.1, restart(0, 1), "n2", "h2"),
         logged(T + 20.1, restart(0, 1), "n1", "h1"),
         logged(T + 20.2, opened(1, "restart_requested"), "n2", "h2"),
-        logged(T + 21.0, started(1, 2), "n1", "h1"),
-        logged(T + 21.0, started(1, 2), "n2", "h2"),
+        logged(T + 21.0, started(1, 2, restarts=1), "n1", "h1"),
+        logged(T + 21.0, started(1, 2, restarts=1), "n2", "h2"),
         logged(t_kill, restart(1, 1, "store_host_lost", counted=False), "n2", "h2"),
         logged(t_kill, host_lost(1, a1), "n2", "h2"),
         logged(t_kill + 0.1, host_lost(1, a1), "n3", "h3"),
         logged(t_kill + 0.5, took_over(2, a2), "n2", "h2"),
         logged(t_kill + 0.6, joined(2, "n2"), "n2", "h2"),
         logged(t_kill + 0.7, promoted(2, "n3", 0, "n1"), "n3", "h3"),
-        logged(t_kill + 0.8, started(2, 2), "n2", "h2"),
-        logged(t_kill + 0.8, started(2, 2), "n3", "h3"),
+        logged(t_kill + 0.8, started(2, 2, restarts=1), "n2", "h2"),
+        logged(t_kill + 0.8, started(2, 2, restarts=1), "n3", "h3"),
         logged(T + 60.0, finished(), "n2", "h2"),
         logged(T + 60.0, finished(), "n3", "h3"),
     ]
@@ -192,3 +192,33 @@ def test_a_store_failover_is_drawn_with_its_rounds_restarts_loss_takeover_and_sp
     # the uncounted restart is a grey dash, the counted one orange
     dashes = sorted(e.get("stroke", "") for e in svg.iter() if e.get("stroke-dasharray"))
     assert dashes == sorted([ORANGE, GREY]), dashes
+
+
+def test_a_restart_announced_counted_that_the_rendezvous_did_not_charge_is_not_counted() -> None:
+    """A survivor's collective broke when the store's host died, before its
+    agent saw the host go: its agent announced a counted restart for its
+    failure. The next round started with the same restart count (a lost node
+    is never charged): the page says so, and the failure is no root cause."""
+    events = [
+        *two_nodes(),
+        logged(T + 10.0, exited(0, 1), "n2", "h2"),
+        logged(T + 10.1, restart(0, 1), "n2", "h2"),
+        logged(T + 11.0, started(1, 2, restarts=1), "n1", "h1"),
+        logged(T + 11.0, started(1, 2, restarts=1), "n2", "h2"),
+        logged(T + 20.0, exited(1, 0), "n1", "h1"),  # collateral to the host's loss
+        logged(T + 20.1, restart(1, 2), "n1", "h1"),  # announced counted
+        logged(T + 21.0, started(2, 2, restarts=1), "n1", "h1"),  # not charged
+        logged(T + 30.0, finished(), "n1", "h1"),
+    ]
+    html, svg = page(events)
+    head = html[html.index("<h2>") : html.index("</h2>")]
+    assert "2 restarts (1 counted)" in head, head
+    dashes = sorted(e.get("stroke", "") for e in svg.iter() if e.get("stroke-dasharray"))
+    assert dashes == sorted([ORANGE, GREY]), dashes
+    y = lanes(svg)
+    (red,) = dots(svg, RED)
+    assert on_lane(red[1], y["h2"])  # the crash, the root cause
+    (orange,) = dots(svg, ORANGE)
+    assert on_lane(orange[1], y["h1"])
+    failures = html.split("<h3>failures</h3>", 1)[1]
+    assert "rank 1 on h2" in failures and "rank 0 on h1" not in failures

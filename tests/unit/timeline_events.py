@@ -32,8 +32,9 @@ def opened(r: int, reason: str = "job_started") -> RoundOpened:
     return RoundOpened(round=r, reason=reason)
 
 
-def started(r: int, world: int) -> WorkersStarted:
-    return WorkersStarted(r, 0, 0, [1], [0], [0], [False], world, 0, "h:1")
+def started(r: int, world: int, restarts: int = 0) -> WorkersStarted:
+    """Round ``r``'s workers started, the job having used ``restarts``."""
+    return WorkersStarted(r, 0, restarts, [1], [0], [0], [False], world, 0, "h:1")
 
 
 def exited(r: int, rank: int, exitcode: int | None = 1, cause: str = "root_cause") -> WorkerExited:

@@ -8,8 +8,9 @@ every ``POLL_EVERY`` seconds while the round runs): when this process's first
 step ended and at which step, the time of the last progress and its step,
 the median step time, and the seconds spent in ``checkpoint`` phases
 (``torch.save``, ``torch.load``, elastrun's checkpoint helpers, a
-``MemoryCheckpoint`` save). Every second of the agent's life goes to exactly
-one cause:
+``MemoryCheckpoint`` save), less those before its first step (a checkpoint
+loaded: already the start's or the restart's time). Every second of the
+agent's life goes to exactly one cause:
 
 ========== ==============================================================
 training   from a round's first step to its end, less the two below
@@ -125,6 +126,9 @@ class Ledger:
             self.step_time = b.step_time
         if not r.first:
             r.first = True
+            # Checkpoint phases before the first step (a checkpoint loaded)
+            # are in the start or restart's time already: not owed again.
+            r.saving = b.first_saving_s or 0.0
             first = max(b.first_at, self.mark)
             self._account(first)
             self.cause = Cause.TRAINING

@@ -84,10 +84,10 @@ def features(core: Core) -> list[Feature]:
 MAX_HOSTS = 16
 
 
-def settings_from(raw: str | None) -> MetricsSettings:
+def settings_from(raw: str | None, flag: str = "--metrics-port") -> MetricsSettings:
     """``--metrics-port``: ``PORT`` (loopback) or ``HOST[,HOST...]:PORT``
     (``[::1]:PORT`` for an IPv6 address; ``0.0.0.0:PORT`` for every
-    address); None or empty: not served. ConfigError naming the flag."""
+    address); None or empty: not served. ConfigError naming ``flag``."""
     if raw is None or not raw.strip():
         return MetricsSettings()
     text = raw.strip()
@@ -96,7 +96,7 @@ def settings_from(raw: str | None) -> MetricsSettings:
     hosts = tuple(h.strip().strip("[]") for h in head.split(",") if h.strip()) if sep else ()
     if port is None or not 0 < port < 65536 or (sep and not hosts) or len(hosts) > MAX_HOSTS:
         raise ConfigError(
-            f"--metrics-port: expected PORT or HOST[,HOST...]:PORT (at most {MAX_HOSTS} hosts), "
+            f"{flag}: expected PORT or HOST[,HOST...]:PORT (at most {MAX_HOSTS} hosts), "
             f"got {printable(repr(text[:100]))}"
         )
     return MetricsSettings(port=port, hosts=hosts) if hosts else MetricsSettings(port=port)

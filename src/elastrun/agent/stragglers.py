@@ -109,6 +109,7 @@ def local_progress(files: Sequence[RankFile]) -> list[N.RankProgress]:
             N.RankProgress(
                 rank=rank,
                 step=beat.step,
+                reported=beat.reported,
                 steps=beat.steps,
                 step_time=beat.step_time,
                 own_time=beat.own_time,

@@ -122,12 +122,13 @@ class Beat:
     phase: str | None = None  # a long phase it is in ("checkpoint")
     phase_since: float | None = None
     # For the goodput accounting (agent/goodput.py): this process's first
-    # step and when it ended, its seconds in checkpoint phases, and whether
-    # ``step`` is the script's own.
+    # step and when it ended, its seconds in checkpoint phases (and of them,
+    # those before its first step), and whether ``step`` is the script's own.
     first_at: float | None = None
     first_step: int | None = None
     saving_s: float | None = None
     reported: bool = False
+    first_saving_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,7 @@ def parse_beat(data: object) -> Beat | None:
         first_step=f.maybe_int("first_step"),
         saving_s=_seconds(f, "saving_s"),
         reported=f.raw.get("reported") is True,
+        first_saving_s=_seconds(f, "first_saving_s"),
     )
 
 

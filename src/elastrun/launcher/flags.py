@@ -371,8 +371,8 @@ def add_rendezvous_flags(p: argparse.ArgumentParser) -> None:
         "when the endpoint is a local address and its port is free), store_bind (where the "
         "hosted store listens: default the endpoint's addresses; 0.0.0.0, ::, * for every "
         "interface), token or token_file (store auth; default: $ELASTRUN_STORE_TOKEN or "
-        "$ELASTRUN_STORE_TOKEN_FILE); etcd: cacert, cert, key, user, password, key_prefix, "
-        "protocol",
+        "$ELASTRUN_STORE_TOKEN_FILE), metrics_port (as --metrics-port); etcd: cacert, cert, "
+        "key, user, password, key_prefix, protocol",
     )
     g.add_argument(
         "--standalone",

@@ -47,6 +47,7 @@ from elastrun.agent.spec import (
     HealthCheckSettings,
     LogSettings,
     MemorySettings,
+    MetricsSettings,
     NodeHealthSettings,
     StartMethod,
     Std,
@@ -203,7 +204,11 @@ def resolve(config: LaunchConfig, command: WorkerCommand = EMPTY_COMMAND) -> Pla
     spec, warnings = _with_features(
         _worker_spec(config, run_id, command, authenticated), token.token, os.environ
     )
-    spec = dataclasses.replace(spec, node_health=_node_health(config, where.conf))
+    spec = dataclasses.replace(
+        spec,
+        node_health=_node_health(config, where.conf),
+        metrics=_metrics(config, where.conf),
+    )
     return Plan(
         run_id=run_id,
         backend=where.backend,
@@ -220,6 +225,13 @@ def resolve(config: LaunchConfig, command: WorkerCommand = EMPTY_COMMAND) -> Pla
         warnings=warnings,
         host_name=host_name_from(os.environ),
     )
+
+
+def _metrics(config: LaunchConfig, conf: RendezvousConf) -> MetricsSettings:
+    """``--metrics-port``, else ``--rdzv-conf metrics_port``."""
+    if config.metrics_port:
+        return metrics_server.settings_from(config.metrics_port)
+    return metrics_server.settings_from(conf.metrics_port, "--rdzv-conf metrics_port")
 
 
 MAX_HEALTH_CHECK = 4096  # characters of a --health-check command
@@ -530,7 +542,6 @@ def _worker_spec(
             stack_signal=config.stack_signal,
         ),
         events_file=os.path.abspath(config.events_file) if config.events_file else None,
-        metrics=metrics_server.settings_from(config.metrics_port),
         warm=WarmSettings(
             # numactl runs each worker (--numa-binding): not forked from a warm interpreter.
             enabled=config.warm and config.numa_binding is None,

@@ -49,6 +49,8 @@ RDZV_CONF_KEYS: dict[str, str] = {
     "health_check": "str",
     "health_check_timeout": "float",
     "health_check_interval": "float",
+    # the agent's Prometheus endpoint (agent/metrics_server.py), as --metrics-port
+    "metrics_port": "str",
     # etcd
     "cacert": "str",
     "cert": "str",
@@ -93,6 +95,8 @@ class RendezvousConf:
     health_check: str | None = None
     health_check_timeout: float | None = None
     health_check_interval: float | None = None
+    # --metrics-port (the flag wins): PORT or HOST:PORT (no comma: one host here)
+    metrics_port: str | None = None
     cacert: str | None = None
     cert: str | None = None
     key: str | None = None

@@ -393,11 +393,15 @@ class RankProgress:
     phase: str | None = None  # a long phase it is in ("checkpoint")
     pid: int | None = None  # its process
     kept: bool | None = None  # its process was kept from an earlier round (in-process restart)
+    # step is the script's own number (heartbeat(step)); False: this process's
+    # optimizer steps; None: not said (an older agent)
+    reported: bool | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "rank": self.rank,
             "step": self.step,
+            "reported": self.reported,
             "steps": self.steps,
             "step_time": self.step_time,
             "own_time": self.own_time,
@@ -420,6 +424,7 @@ class RankProgress:
             phase=obj.optional_text("phase", MAX_PHASE),
             pid=obj.optional_integer("pid"),
             kept=None if obj.absent("kept") else obj.flag("kept"),
+            reported=None if obj.absent("reported") else obj.flag("reported"),
         )
 
 

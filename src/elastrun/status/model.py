@@ -108,6 +108,8 @@ class RankRow:
     reported_at: float
     pid: int | None = None
     kept: bool | None = None  # its process kept from the last round (an in-process restart)
+    # step is the script's own (heartbeat(step)); False: the process's optimizer steps
+    reported: bool | None = None
 
     @classmethod
     def of(cls, p: N.RankProgress, note: N.ProgressNote) -> RankRow:
@@ -123,6 +125,7 @@ class RankRow:
             reported_at=note.at,
             pid=p.pid,
             kept=p.kept,
+            reported=p.reported,
         )
 
     def flagged(self, straggler: bool) -> RankRow:

@@ -136,7 +136,7 @@ def _ranks_block(ranks: Sequence[RankRow]) -> list[str]:
                 str(r.rank),
                 _p(r.host or "?"),
                 *((process_text(r),) if process else ()),
-                _opt(r.step, "-"),
+                step_text(r),
                 _ms(r.step_time_s),
                 _ms(r.own_time_s),
                 "-" if r.idle_s is None else duration_text(r.idle_s),
@@ -149,14 +149,28 @@ def _ranks_block(ranks: Sequence[RankRow]) -> list[str]:
         if process
         else ""
     )
+    counted = (
+        "; a STEP ending in * is no training step: the script reports none, so it is the "
+        "optimizer steps this worker process took since it started (a restarted rank counts "
+        "from 0 again, ranks started apart differ)"
+        if any(r.reported is False and r.step is not None for r in ranks)
+        else ""
+    )
     title = (
-        "\nranks (STEP: the step the script reports, elastrun.train.heartbeat(step); without "
-        "one, the optimizer steps this worker process took since it started, so a restarted "
-        "rank counts from 0 again and ranks started apart differ. STEP_TIME, OWN_TIME: medians "
+        "\nranks (STEP: the training step the script reports, elastrun.train.heartbeat(step)"
+        f"{counted}. STEP_TIME, OWN_TIME: medians "
         "of the recent optimizer steps; own time: outside backward passes, where DDP waits "
         f"for the slowest rank{kept}):"
     )
     return [title, *_table(rows)]
+
+
+def step_text(r: RankRow) -> str:
+    """A rank's STEP cell: the script's step, or its process's optimizer
+    steps marked ``*`` (the script reports no step of its own)."""
+    if r.step is None:
+        return "-"
+    return f"{r.step}*" if r.reported is False else str(r.step)
 
 
 def process_text(r: RankRow) -> str:

@@ -368,6 +368,9 @@ class _History:
     # (node id, round) whose failures came after another node's root cause
     # (root_cause_elsewhere): their own "root cause" ranks are not the job's.
     elsewhere: set[tuple[str, int]] = field(default_factory=set)
+    # round -> the restarts the job had used when its workers started
+    # (workers_started's restart_count): what the rendezvous charged (_charged).
+    charges: dict[int, int] = field(default_factory=dict)
     hosts: dict[str, str] = field(default_factory=dict)  # store address -> the node hosting it
     takeovers: list[tuple[float, str]] = field(default_factory=list)  # ts, line
     lost_terms: set[int] = field(default_factory=set)  # terms whose host's loss is drawn
@@ -413,15 +416,27 @@ class _History:
         """Failures, restarts, lost nodes, promoted spares, finished agents and
         fault attribution (verdicts, quarantines, failed health checks)."""
         ev, ts = e.event, e.ts
-        if _root_cause(e, self.elsewhere):
+        if _root_cause(e, self.elsewhere, self.charges):
             lane.marks.append((ts, RED, e.failure_title()))
-        elif _root_cause(e, set()):  # this node's, after another node's root cause
-            title = e.failure_title().replace("(root cause)", "(after another node's failure)")
+        elif _root_cause(e, set(), {}):  # this node's, after another node's root cause
+            after = (
+                "after another node's failure"
+                if (e.node_id, cast(WorkerExited, ev).round) in self.elsewhere
+                else "not counted: a node or the store's host was lost"
+            )
+            title = e.failure_title().replace("(root cause)", f"({after})")
             lane.marks.append((ts, ORANGE, title))
         elif isinstance(ev, Restart) and ev.round not in self.restarts:
             what = "worker failed" if ev.reason == "worker_failed" else ev.reason
-            charged = f"restart {ev.count}" if ev.counted else "a restart not counted"
-            self.restarts[ev.round] = (ts, f"{_fmt(ts)} {charged} ({what})", ev.counted)
+            # What the rendezvous charged, once the next round started (an agent
+            # announces its restart before: a failure collateral to a lost node
+            # is announced counted, and is not charged).
+            count, counted = ev.count, ev.counted
+            charged = _charged(self.charges, ev.round)
+            if charged is not None:
+                count, counted = self.charges[ev.round] + charged, charged > 0
+            said = f"restart {count}" if counted else "a restart not counted"
+            self.restarts[ev.round] = (ts, f"{_fmt(ts)} {said} ({what})", counted)
         elif isinstance(ev, NodeLost):
             self._lost(lane, ts, ev.detail, lost_node(ev.detail))
         elif isinstance(ev, SparePromoted):
@@ -518,13 +533,36 @@ def _agent_end(ts: float, ev: JobFinished | JobFailed) -> tuple[float, str, str]
     return ts, color, f"{_fmt(ts)} {ev.KIND} ({ev.reason})"
 
 
-def _root_cause(e: LoggedEvent, elsewhere: set[tuple[str, int]]) -> bool:
-    """A worker that was the job's root cause (not one of a node whose
-    failure came after another node's, in ``elsewhere``)."""
+def _root_cause(
+    e: LoggedEvent, elsewhere: set[tuple[str, int]], charges: Mapping[int, int]
+) -> bool:
+    """A worker that was the job's root cause: not one of a node whose
+    failure came after another node's (in ``elsewhere``), nor of a round whose
+    restart the rendezvous did not charge (a node or the store's host was lost:
+    the failure was collateral; :func:`_charged` of ``charges``)."""
     ev = e.event
     if not isinstance(ev, WorkerExited) or ev.cause != "root_cause":
         return False
-    return (e.node_id, ev.round) not in elsewhere
+    return (e.node_id, ev.round) not in elsewhere and _charged(charges, ev.round) != 0
+
+
+def _charges(events: Sequence[LoggedEvent]) -> dict[int, int]:
+    """Round -> the job's restarts used when its workers started."""
+    out: dict[int, int] = {}
+    for e in events:
+        if isinstance(e.event, WorkersStarted):
+            out.setdefault(e.event.round, e.event.restart_count)
+    return out
+
+
+def _charged(charges: Mapping[int, int], r: int) -> int | None:
+    """The restarts the rendezvous charged for round ``r``'s end: the next
+    round that started workers, less ``r``'s count; None when unknown (no
+    later round, or ``r`` not seen)."""
+    if r not in charges:
+        return None
+    later = [k for k in charges if k > r]
+    return charges[min(later)] - charges[r] if later else None
 
 
 def _elsewhere(events: Sequence[LoggedEvent]) -> set[tuple[str, int]]:
@@ -533,7 +571,7 @@ def _elsewhere(events: Sequence[LoggedEvent]) -> set[tuple[str, int]]:
 
 def _history(events: Sequence[LoggedEvent]) -> _History:
     t0, t1 = events[0].ts, events[-1].ts
-    h = _History(t0, t1, world=[(t0, 0)], elsewhere=_elsewhere(events))
+    h = _History(t0, t1, world=[(t0, 0)], elsewhere=_elsewhere(events), charges=_charges(events))
     for e in events:
         h.add(e)
     h.world.append((t1, 0))
@@ -662,11 +700,12 @@ def render_html(events: Sequence[LoggedEvent], title: str = "") -> str:
     if not events:
         return "<!doctype html><meta charset=utf-8><title>elastrun timeline</title><p>no events"
     h = _history(events)
-    failures = [e.failure_title() for e in events if _root_cause(e, h.elsewhere)]
+    failures = [e.failure_title() for e in events if _root_cause(e, h.elsewhere, h.charges)]
     legend = (
         "<p>Bands: rounds. Blue line: world size. Blue bars: a node's workers running. "
         "Red dot: a root-cause worker failure (orange: a node's ranks that failed after "
-        "another node's). Dashes: a restart (orange: counted against --max-restarts; grey: "
+        "another node's, or in a round ended by a lost node, not counted). Dashes: a restart "
+        "(orange: counted against --max-restarts; grey: "
         "not counted, after a node or the store's host was lost). Purple: a node lost, or the "
         "store's host lost, on its own lane. Cyan: a spare promoted into the world. Teal: an "
         "in-process restart on that node (hover: the ranks whose processes were kept, and "

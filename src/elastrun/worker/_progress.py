@@ -23,7 +23,8 @@ more fields)::
     {"v": 1, "pid": 1234, "step": 42, "monotonic": 51234.1,
      "steps": 40, "step_time": 0.051, "own_time": 0.02, "calib": 1.2,
      "phase": null, "phase_since": null,
-     "first_at": 51200.3, "first_step": 1, "saving_s": 0.8, "reported": false}
+     "first_at": 51200.3, "first_step": 1, "saving_s": 0.8, "first_saving_s": 0.3,
+     "reported": false}
 
 ``monotonic`` is the time of the last progress (CLOCK_MONOTONIC, machine
 wide); ``step_time`` the median of the recent optimizer step intervals;
@@ -36,7 +37,9 @@ gap: a checkpoint save does not teach the watchdog to wait longer for steps.
 For the agent's goodput accounting (agent/goodput.py): ``first_at`` and
 ``first_step``, this process's first optimizer step (or reported step) and
 when it ended; ``saving_s``, the seconds it spent in ``checkpoint`` phases so
-far; ``reported``, whether ``step`` is the script's own (``heartbeat(step)``)
+far, and ``first_saving_s`` those before its first step (loading a checkpoint: part
+of the start or restart, not taken from training); ``reported``, whether
+``step`` is the script's own (``heartbeat(step)``)
 rather than this process's count of optimizer steps.
 
 The file is replaced through a new, randomly named file beside it
@@ -150,6 +153,7 @@ class Progress:
         self.first_step: int | None = None
         self.first_reported = False  # first_step is the script's own number
         self.saving = 0.0  # s spent in checkpoint phases, ended ones
+        self.first_saving: float | None = None  # of them, before the first step
         self._written = -1
         self.failure: OSError | None = None  # the file's last write error (None: it works)
         self._backoff = 0.0
@@ -186,6 +190,7 @@ class Progress:
     def _first(self, now: float) -> None:
         if self.first_at is None:
             self.first_at, self.first_step = now, self.step
+            self.first_saving = self.saving
 
     def heartbeat(self, step: int | None) -> None:
         if step is not None:
@@ -197,6 +202,7 @@ class Progress:
             self.first_step = step
             if self.first_at is None:
                 self.first_at = self.last
+                self.first_saving = self.saving
 
     @contextlib.contextmanager
     def in_phase(self, name: str) -> Iterator[None]:
@@ -256,6 +262,7 @@ class Progress:
             "first_at": self.first_at,
             "first_step": self.first_step,
             "saving_s": round(self.saving, 6),
+            "first_saving_s": None if self.first_saving is None else round(self.first_saving, 6),
             "reported": self.explicit,
         }
 

@@ -182,8 +182,19 @@ class _OnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+# s the script's end waits for the module list still being sent (then it is dropped).
+MODULES_JOIN = 5.0
+
+
 class ModuleRecorder:
-    """Sends the worker's imported modules to the agent once it trains."""
+    """Sends the worker's imported modules to the agent once it trains.
+
+    The list is made in a thread of its own (``elastrun-modules``), from a
+    copy of ``sys.modules`` taken at the first optimizer step: finding where
+    each of a thousand modules lives (their real paths) takes a few tenths of
+    a second, which would otherwise lengthen the first step of every start
+    and restart (and the goodput accounting would count it as training).
+    """
 
     def __init__(
         self, channel: Channel, scope: str, after: float, script: str | None = None
@@ -195,6 +206,7 @@ class ModuleRecorder:
         self._sent = False
         self._lock = threading.Lock()
         self._hook: Any = None
+        self._thread: threading.Thread | None = None
 
     def install(self) -> None:
         mod = sys.modules.get(OPTIMIZER_MODULE)
@@ -214,24 +226,40 @@ class ModuleRecorder:
             self._hook = register(self._on_step)
 
     def _on_step(self, *_: Any) -> None:
+        """Inside the script's first optimizer step: a copy of the modules,
+        sent from a thread. Never raises."""
         hook, self._hook = self._hook, None
         if hook is not None:
             with contextlib.suppress(Exception):
                 hook.remove()
-        self.send("optimizer_step")
+        with contextlib.suppress(Exception):
+            modules = dict(sys.modules)
+            thread = threading.Thread(
+                target=self.send, args=("optimizer_step", modules), name="elastrun-modules"
+            )
+            thread.daemon = True
+            self._thread = thread
+            thread.start()
 
-    def send(self, why: str) -> None:
-        """Never raises: it runs inside the script's optimizer step."""
+    def finish(self, timeout: float = MODULES_JOIN) -> None:
+        """The script ended: let a list being sent go out (at most ``timeout`` s)."""
+        thread = self._thread
+        if thread is not None:
+            with contextlib.suppress(Exception):
+                thread.join(timeout)
+
+    def send(self, why: str, modules: dict[str, Any] | None = None) -> None:
+        """Never raises (it runs in the script's process)."""
         with self._lock:
             if self._sent:
                 return
             self._sent = True
         with contextlib.suppress(Exception):
-            self._send(why)
+            self._send(why, dict(sys.modules) if modules is None else modules)
 
-    def _send(self, why: str) -> None:
-        names = select_modules(sys.modules, self.scope, installed_roots(), script=self.script)
-        torch = sys.modules.get("torch")
+    def _send(self, why: str, modules: dict[str, Any]) -> None:
+        names = select_modules(modules, self.scope, installed_roots(), script=self.script)
+        torch = modules.get("torch")
         self.channel.send(
             M.Modules(
                 why=why,
@@ -441,8 +469,10 @@ def run_worker(kind: str, target: str, args: list[str], quick: Any = None) -> No
     _load_sibling("_restart").install(channel, env.get(ROUND_ENV), numbers)
     for name in PRIVATE_ENV:
         env.pop(name, None)
+    recorder = None
     if channel.fd is not None:
-        ModuleRecorder(channel, scope, after, _names.script_module(kind, target)).install()
+        recorder = ModuleRecorder(channel, scope, after, _names.script_module(kind, target))
+        recorder.install()
     guard_teardown()
     # Ranks other than 0 connect to rank 0's store as soon as it listens (_master.py).
     on_import("torch.distributed.rendezvous", _load_sibling("_master").install)
@@ -460,6 +490,8 @@ def run_worker(kind: str, target: str, args: list[str], quick: Any = None) -> No
             finally:
                 if progress is not None:
                     progress.exiting()  # the teardown is no hang of the training
+                if recorder is not None:
+                    recorder.finish()
     except SystemExit as e:
         if e.code not in (None, 0):
             channel.send(M.Failing())
