@@ -18,7 +18,8 @@ recovery bounded in time), drawn from:
   fault): a failure moving between nodes, never a node fault;
 * ``cut X``: a training node cut off from the others for longer than the
   lease, then healed: it comes back as a spare (or, if its agent gave up,
-  is started again).
+  is started again); only while the others are more than the minimum (a
+  crash instead otherwise).
 
 Then every quarantined node's agent is started again: refused while its
 quarantine lasts, let in once it expired. The job finishes; the checker
@@ -208,7 +209,7 @@ class Series:
             self.crash(x, f"exit {code}")
             if y in self.training():
                 self.crash(y, f"exit {code}")
-        elif kind == "cut" and training:
+        elif kind == "cut" and training and self.available() > NNODES[0]:
             node = rng.choice(training)
             self.log.append(f"{number}: cut {node}")
             self.cut(node)
