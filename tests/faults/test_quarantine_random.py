@@ -114,8 +114,28 @@ class Series:
         alive = [n for n, a in self.live.items() if a.proc.poll() is None]
         return len([n for n in alive if n not in self.cut_off])
 
+    def violations(self) -> list[str]:
+        """The checker over the logs as they stand (tests/faults/quarantine_check.py)."""
+        logs = {
+            p.stem.removeprefix("events-"): read_log(p) for p in self.j.dir.glob("events-*.jsonl")
+        }
+        injected = self.j.dir / "injected.jsonl"
+        return violations(
+            logs,
+            read_log(injected) if injected.exists() else [],
+            limit=LIMIT,
+            nnodes=NNODES,
+            quarantine_time=QUARANTINE,
+            hosts={a.name: a.name.split("-")[0] for a in self.j.agents},
+        )
+
     def fail(self, what: str) -> AssertionError:
-        return AssertionError(f"seed {self.seed}, faults {self.log}: {what}\n{diag(self.j)}")
+        """The failure, with the seed, the faults so far and what the checker
+        finds in the logs so far (whatever failed first)."""
+        found = "\n".join(self.violations()) or "none"
+        return AssertionError(
+            f"seed {self.seed}, faults {self.log}: {what}\nthe checker: {found}\n{diag(self.j)}"
+        )
 
     def trains(self, what: str, old: set[int]) -> None:
         """Until STEPS rank-0 steps of new workers at the full world the
@@ -286,14 +306,9 @@ def test_random_faults_quarantine_only_what_the_rule_allows(
             if code != 0:
                 raise series.fail(f"{agent.name} exited {code} at the end")
         assert_no_workers(j, bound=15.0)
+        if series.violations():
+            raise series.fail("the checker found violations")
         logs = {p.stem.removeprefix("events-"): read_log(p) for p in j.dir.glob("events-*.jsonl")}
-        injected = read_log(j.dir / "injected.jsonl")
-        hosts = {a.name: a.name.split("-")[0] for a in j.agents}
-        found = violations(
-            logs, injected, limit=LIMIT, nnodes=NNODES, quarantine_time=QUARANTINE, hosts=hosts
-        )
-        if found:
-            raise series.fail("\n".join(found))
         kinds = [e["kind"] for evs in logs.values() for e in evs]
         assert kinds.count("node_quarantined") == len(series.quarantined), series.log
     assert_namespaces_empty(net)
