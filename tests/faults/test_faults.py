@@ -75,7 +75,13 @@ def events_flag(j: Job, name: str) -> list[str]:
 
 
 def start_in(
-    j: Job, net: Network, node: str, name: str, flags: list[str], step_sleep: float = 0.1
+    j: Job,
+    net: Network,
+    node: str,
+    name: str,
+    flags: list[str],
+    step_sleep: float = 0.1,
+    env_extra: dict[str, str] | None = None,
 ) -> Agent:
     """Start an agent (the ``elastrun`` command) inside ``node``'s namespace."""
     log_path = j.dir / f"agent-{name}.log"
@@ -84,6 +90,7 @@ def start_in(
         ELASTIC_TEST_DIR=str(j.dir),
         PYTHONUNBUFFERED="1",
         ELASTIC_STEP_SLEEP=str(step_sleep),
+        **(env_extra or {}),
     )
     argv = [*ELASTRUN, *flags, *events_flag(j, name), str(SCRIPTS / "elastic_worker.py")]
     proc = net.run_in(node, argv, env=env, log_path=log_path)

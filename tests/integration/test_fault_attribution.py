@@ -51,7 +51,9 @@ def flags(port: int, j: Job, name: str, *, host: bool, nnodes: str, extra: list[
         f"--rdzv-endpoint=127.0.0.1:{port}",
         "--rdzv-id=faults",
         "--max-restarts=5",
-        f"--rdzv-conf=last_call_timeout=1,lease_ttl=2,join_timeout=60,is_host={int(host)}",
+        # A long lease: an agent starved for seconds on a loaded machine must
+        # not lose its place (a node quarantined leaves at once, lease or not).
+        f"--rdzv-conf=last_call_timeout=1,lease_ttl=10,join_timeout=60,is_host={int(host)}",
         "--shutdown-timeout=5",
         f"--events-file={j.dir / f'events-{name}.jsonl'}",
         *extra,
@@ -157,7 +159,15 @@ def test_a_bad_node_is_quarantined_and_replaced_by_the_spare(
         assert "node fault: node b failed 2 times in a row" in out, out[-3000:]
         assert "this node (b) leaves the job, quarantined until" in out, out[-3000:]
         spare_trains_in_its_place(j)
-        assert "node fault: node b failed 2 times in a row" in a.output()
+        # The survivor judged too when its ranks' broken collective failed
+        # before b's restart order reached its agent; when the order came
+        # first, its agent stopped its ranks (no failure of its own to judge)
+        # and it says why the round ended: b's failure.
+        said = a.output()
+        if [v for v in j.kinds("a", "fault_verdict") if v["node"] == "b"]:
+            assert "node fault: node b failed 2 times in a row" in said, said[-3000:]
+        else:
+            assert said.count("rank 1 on b") >= 2, said[-3000:]
         table = status(port)
         assert table.returncode == 0, table.stderr
         assert "node b quarantined until" in table.stdout, table.stdout

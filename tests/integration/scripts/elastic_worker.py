@@ -7,6 +7,10 @@ group rank, pid, wall-clock time). Control files in that directory:
   crash_rank_<R>  worker with global rank R exits 1 at its next step (file removed);
                   if the file holds "exception" it raises instead, if it holds a
                   signal name ("SIGSEGV", "SIGKILL"...) it sends itself that signal
+  crash_node_<N>  the worker on node N (its ``ELASTIC_TEST_NODE``) fails at its next
+                  step (file removed): "exit <code>" exits with that code, "raise <text>"
+                  raises RuntimeError(text); it first appends what it does, with its pid,
+                  to ``injected.jsonl`` (a checker matches failures to injections)
   finish          the group stops after the current step and exits 0
 
 ``FAULT_MODE`` (fault attribution's tests; each step then also steps an
@@ -81,6 +85,26 @@ def inject_fault(rank: int, local: int, before: int) -> None:
         raise RuntimeError("CUDA error: uncorrectable ECC error encountered")
 
 
+def node_crash() -> None:
+    """The ``crash_node_<NODE>`` control file's failure, if it is there."""
+    path = DIR / f"crash_node_{NODE}"
+    try:
+        how = path.read_text().strip()
+        path.unlink()
+    except FileNotFoundError:
+        return
+    fd = os.open(DIR / "injected.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        record = {"node": NODE, "pid": os.getpid(), "how": how, "t": time.time()}
+        os.write(fd, (json.dumps(record) + "\n").encode())
+    finally:
+        os.close(fd)
+    verb, _, arg = how.partition(" ")
+    if verb == "raise":
+        raise RuntimeError(arg)
+    raise SystemExit(int(arg or 1))
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -95,6 +119,7 @@ def main() -> None:
     local = 0  # steps since this worker started
     while True:
         inject_fault(rank, local, before)
+        node_crash()
         crash = DIR / f"crash_rank_{rank}"
         if crash.exists():
             how = crash.read_text().strip()
