@@ -392,6 +392,15 @@ GLOO = (
             ("ncclRemoteError: ... a remote process exiting prematurely.",),
             BROKEN_COLLECTIVE,
         ),
+        (
+            -6,
+            False,
+            (
+                "[Rank 0] Watchdog caught collective operation timeout: "
+                "WorkNCCL(SeqNum=7, OpType=ALLREDUCE) ran for 600000 milliseconds",
+            ),
+            BROKEN_COLLECTIVE,
+        ),
         # An old warning, many lines before the rank's own error, is not its error.
         (1, False, (GLOO, "a", "b", "c", "d", "e", "ValueError: boom"), ERROR),
         (-15, True, (GLOO,), HANG),

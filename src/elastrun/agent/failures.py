@@ -137,6 +137,9 @@ BROKEN_COLLECTIVE_SIGNS = (
     "remote process exit",  # NCCL: "... or a remote process exiting prematurely"
     "ncclRemoteError",
     "NCCL communicator was aborted",
+    # NCCL's watchdog on a rank whose peer died or hung: the collective timed
+    # out waiting for the peer (the hung rank's own hang is the hang watchdog's).
+    "Watchdog caught collective operation timeout",
     "DistNetworkError",
 )
 ERROR_LINES = 5  # the last lines of a rank's output that say its error
