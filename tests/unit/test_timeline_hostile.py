@@ -19,6 +19,7 @@ from elastrun.event_kinds import (
     JobMarkedFailed,
     NodeJoined,
     RootCauseElsewhere,
+    StragglerReplacement,
     WorkersSucceeded,
 )
 from elastrun.failure import FailureRecord
@@ -86,6 +87,16 @@ def drawn_events() -> list[Event]:
         te.quarantined("h", 1_700_000_600.0, "node fault"),
         te.refused("h", 1_700_000_600.0),
         te.health_failed("false", "before_round", "exited with code 1"),
+        StragglerReplacement(
+            round=1,
+            node="h",
+            node_id="n",
+            ranks=[1],
+            intervals=2,
+            replaced=True,
+            why="replaced by a waiting spare",
+            until=1_700_000_600.0,
+        ),
     ]
 
 
