@@ -51,6 +51,7 @@ __all__ = [
     "free_ports",
     "kill_group",
     "pid_alive",
+    "port_on_every",
     "soak_or",
     "stop_groups",
     "wait_for",
@@ -96,6 +97,30 @@ def free_port(host: str = "127.0.0.1") -> int:
             raise AssertionError(f"this test session asked for over {MAX_HELD} ports")
         _held.append(s)
     return int(s.getsockname()[1])
+
+
+def port_on_every(hosts: tuple[str, ...] = ("127.0.0.1", "127.0.0.2", "127.0.0.3")) -> int:
+    """One port held, as :func:`free_port` holds it, on every one of ``hosts``
+    (candidate store hosts listen on one port, each on its own loopback
+    address: a port held on the first alone may be another test's on the
+    others)."""
+    for _ in range(100):
+        port = free_port(hosts[0])
+        held = []
+        try:
+            for host in hosts[1:]:
+                s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+                held.append(s)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((host, port))
+        except OSError:
+            for s in held:
+                s.close()
+            continue
+        with _held_lock:
+            _held.extend(held)
+        return port
+    raise AssertionError(f"no port free on every one of {hosts}")
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:

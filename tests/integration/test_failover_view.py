@@ -22,7 +22,7 @@ from xml.etree import ElementTree
 
 import pytest
 
-from tests.helpers import free_port, stop_groups, wait_for
+from tests.helpers import port_on_every, stop_groups, wait_for
 from tests.integration.browser import CHROMIUM, SKIP_REASON, colors, render
 from tests.integration.elastic_harness import BOUND, ELASTRUN, Job, job, steps_after
 from tests.integration.test_spares import kinds
@@ -195,7 +195,7 @@ def check_page(page: Path, events: list[dict[str, Any]]) -> None:
 
 
 def test_a_crash_a_takeover_and_a_promotion_as_the_operator_sees_them(tmp_path: Path) -> None:
-    port = free_port()
+    port = port_on_every()
     with job(tmp_path) as j:
         said = run_job(j, port)
     check_watch(said, port)

@@ -27,7 +27,7 @@ import pytest
 
 from elastrun.event_kinds import parse_event
 from elastrun.store.term import list_digest
-from tests.helpers import free_port, pid_alive, soak_or, wait_for
+from tests.helpers import pid_alive, port_on_every, soak_or, wait_for
 from tests.integration.elastic_harness import (
     BOUND,
     ELASTRUN,
@@ -90,7 +90,7 @@ def start_three(j: Job, tmp_path: Path, port: int) -> list[Any]:
 
 
 def test_survivors_train_at_world_2_after_the_store_host_is_killed(tmp_path: Path) -> None:
-    port = free_port()
+    port = port_on_every()
     with job(tmp_path) as j:
         a, b, c = start_three(j, tmp_path, port)
         assert "hosts the store from term 1" in a.output(), a.output()[-3000:]
@@ -139,7 +139,7 @@ def test_survivors_train_at_world_2_after_the_store_host_is_killed(tmp_path: Pat
 
 
 def test_a_node_with_another_candidate_list_is_refused_naming_it(tmp_path: Path) -> None:
-    port = free_port()
+    port = port_on_every()
     with job(tmp_path) as j:
         a = j.start_agent("n1", flags(port, 1, tmp_path / "ev1.jsonl", nnodes="2:3"))
         j.start_agent("n3", flags(port, 3, tmp_path / "ev3.jsonl", nnodes="2:3"))
@@ -161,7 +161,7 @@ def test_a_candidate_that_never_answers_at_start_is_reported_and_not_waited_for_
     stands by: the node reports the unreachable candidate and which answered what, and,
     alone no majority of the candidates, gives up at the join timeout (here 12 s) naming
     them."""
-    port = free_port()
+    port = port_on_every()
     with job(tmp_path) as j:
         argv = flags(port, 2, tmp_path / "ev2.jsonl", nnodes="2:3")
         argv = [
@@ -186,7 +186,7 @@ def test_the_job_starts_without_the_first_candidate_which_joins_it_late(tmp_path
     second candidate host of term 1, and train at world 2. The first
     candidate's agent started afterwards finds that host through the list
     and joins the job as a member (its store stands by): world 3, one host."""
-    port = free_port()
+    port = port_on_every()
     with job(tmp_path) as j:
         b = j.start_agent("n2", flags(port, 2, tmp_path / "ev2.jsonl"))
         c = j.start_agent("n3", flags(port, 3, tmp_path / "ev3.jsonl"))
@@ -226,7 +226,7 @@ def test_a_candidate_restarted_after_voting_does_not_vote_again_in_that_term(
     it may not vote for the first candidate in term 1 as well, so the first
     candidate is elected in term 2 (a second vote in term 1 would have
     elected it there at once)."""
-    port = free_port()
+    port = port_on_every()
     with job(tmp_path) as j:
         b = j.start_agent("n2", flags(port, 2, tmp_path / "ev2.jsonl"))
         voted = (tmp_path / "ev2.jsonl", f"127.0.0.2:{port}")
@@ -274,7 +274,7 @@ def test_stalls_of_whichever_candidate_hosts_each_end_back_at_world_3(tmp_path: 
     stalled host, continued, steps down, finds the new host and stands by
     again (docs/failover.md), so the next stall still finds a majority: the
     job is back at world 3 after each, as with one endpoint."""
-    port = free_port()
+    port = port_on_every()
     with job(tmp_path) as j:
         agents = start_three(j, tmp_path, port)
         stalled = []
@@ -402,7 +402,7 @@ def test_planted_or_damaged_ballots_are_refused_in_one_line_and_failover_still_w
     a linked run folder). Each agent says in one line that it keeps its votes
     in memory; nothing is written through a link; the job forms, and when the
     host is SIGKILLed the standbys fail over."""
-    port = free_port()
+    port = port_on_every()
     digest = list_digest(f"127.0.0.1:{port},127.0.0.2:{port},127.0.0.3:{port}")
     untouched = []
     with job(tmp_path) as j:

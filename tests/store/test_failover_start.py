@@ -15,7 +15,7 @@ from elastrun.events import ListSink
 from elastrun.store.failover import Candidates, FailoverClient
 from elastrun.store.server import StoreServer
 from elastrun.store.term import FailoverTiming, Role, TermState
-from tests.helpers import free_port
+from tests.helpers import port_on_every
 
 # vote_after = 1.2 * 1.01 / 0.99 + 0.1 = 1.32 s; start_wait longer, as by default.
 TIMING = FailoverTiming(heartbeat=0.2, silence=1.0, suspect=0.6, fence=1.2, margin=0.1,
@@ -57,7 +57,7 @@ async def connect(client: FailoverClient) -> None:
 
 
 def endpoints() -> tuple[Endpoint, ...]:
-    port = free_port()
+    port = port_on_every()
     return tuple(Endpoint(f"127.0.0.{i}", port) for i in (1, 2, 3))
 
 
