@@ -393,6 +393,7 @@ class RankProgress:
     phase: str | None = None  # a long phase it is in ("checkpoint")
     pid: int | None = None  # its process
     kept: bool | None = None  # its process was kept from an earlier round (in-process restart)
+    standby: bool | None = None  # its process was a standby's (set up before it had a rank)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -405,6 +406,7 @@ class RankProgress:
             "phase": self.phase,
             "pid": self.pid,
             "kept": self.kept,
+            "standby": self.standby,
         }
 
     @classmethod
@@ -420,6 +422,7 @@ class RankProgress:
             phase=obj.optional_text("phase", MAX_PHASE),
             pid=obj.optional_integer("pid"),
             kept=None if obj.absent("kept") else obj.flag("kept"),
+            standby=None if obj.absent("standby") else obj.flag("standby"),
         )
 
 

@@ -107,6 +107,7 @@ class RankRow:
     reported_at: float
     pid: int | None = None
     kept: bool | None = None  # its process kept from the last round (an in-process restart)
+    standby: bool | None = None  # its process was a standby's (set up before it had a rank)
 
     @classmethod
     def of(cls, p: N.RankProgress, note: N.ProgressNote) -> RankRow:
@@ -122,6 +123,7 @@ class RankRow:
             reported_at=note.at,
             pid=p.pid,
             kept=p.kept,
+            standby=p.standby,
         )
 
     def flagged(self, straggler: bool) -> RankRow:

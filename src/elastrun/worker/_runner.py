@@ -68,6 +68,7 @@ STACKS_ENV = "ELASTRUN_STACKS_FILE"  # where faulthandler writes on the stack si
 STACK_SIGNAL_ENV = "ELASTRUN_STACK_SIGNAL"  # its number (--stack-signal)
 PROGRESS_ENV = ("ELASTRUN_HEARTBEAT_FILE", "ELASTRUN_HEARTBEAT_INTERVAL")  # see _progress.py
 ROUND_ENV = "ELASTRUN_ROUND"  # the round it starts in (in-process restarts: _restart.py)
+STANDBY_ENV = "ELASTRUN_STANDBY"  # "1": a standby without a rank yet (_restart.py)
 PRIVATE_ENV = (
     MODE_ENV,
     CHANNEL_ENV,
@@ -76,6 +77,7 @@ PRIVATE_ENV = (
     STACKS_ENV,
     STACK_SIGNAL_ENV,
     ROUND_ENV,
+    STANDBY_ENV,
     *PROGRESS_ENV,
 )
 # The default signal on which a worker writes every thread's Python stack (the
@@ -214,10 +216,13 @@ class ModuleRecorder:
             self._hook = register(self._on_step)
 
     def _on_step(self, *_: Any) -> None:
-        hook, self._hook = self._hook, None
-        if hook is not None:
-            with contextlib.suppress(Exception):
-                hook.remove()
+        # Left registered, a no-op after the first step: removed here, inside
+        # the optimizer's loop over its hooks, it breaks that loop ("OrderedDict
+        # mutated during iteration") when a hook follows it (a standby's
+        # progress hook is registered after it: _restart.py).
+        if self._hook is None:
+            return
+        self._hook = None
         self.send("optimizer_step")
 
     def send(self, why: str) -> None:
@@ -429,18 +434,27 @@ def run_worker(kind: str, target: str, args: list[str], quick: Any = None) -> No
     scope = env.get(SCOPE_ENV, "installed")
     after = numbers.ascii_decimal(env.get(AFTER_ENV, ""))
     after = DEFAULT_AFTER if after is None else after
-    stacks = env.get(STACKS_ENV)
-    signum = stack_signal(env.get(STACK_SIGNAL_ENV))
-    if stacks and signum is not None:
-        register_stacks(stacks, signum)
-    # Reads its own variables; the channel carries progress when its file fails.
-    progress = _load_sibling("_progress").install(
-        on_import, channel.send if channel.fd is not None else None
-    )
+
+    def observe() -> Any:
+        """What the rank's variables name for the runner itself: its stacks
+        file and its progress (a standby's, once it has a rank)."""
+        stacks = env.get(STACKS_ENV)
+        signum = stack_signal(env.get(STACK_SIGNAL_ENV))
+        if stacks and signum is not None:
+            register_stacks(stacks, signum)
+        # Reads its own variables; the channel carries progress when its file fails.
+        progress = _load_sibling("_progress").install(
+            on_import, channel.send if channel.fd is not None else None
+        )
+        for name in PRIVATE_ENV:
+            env.pop(name, None)
+        return progress
+
     # In-process restarts (train/in_process.py) talk to the agent over the channel.
-    _load_sibling("_restart").install(channel, env.get(ROUND_ENV), numbers)
-    for name in PRIVATE_ENV:
-        env.pop(name, None)
+    _load_sibling("_restart").install(
+        channel, env.get(ROUND_ENV), numbers, env.get(STANDBY_ENV), observe
+    )
+    observe()
     if channel.fd is not None:
         ModuleRecorder(channel, scope, after, _names.script_module(kind, target)).install()
     guard_teardown()
@@ -458,6 +472,7 @@ def run_worker(kind: str, target: str, args: list[str], quick: Any = None) -> No
                 else:
                     _run_script(target, args)
             finally:
+                progress = _load_sibling("_progress").current()  # a standby's: late
                 if progress is not None:
                     progress.exiting()  # the teardown is no hang of the training
     except SystemExit as e:
