@@ -28,13 +28,15 @@ from elastrun.errors import WorkerError
 from elastrun.events import ListSink
 from elastrun.names import RunId
 from elastrun.rendezvous import notes as N
+from elastrun.status.timeline import read_line, render_html
 from elastrun.worker import _messages as M
 from elastrun.worker import _restart
 from elastrun.worker._messages import MAX_ENTER_VARS
 from elastrun.worker._restart import Port
 from tests.unit.test_env import _round, _spec
 from tests.unit.test_in_process import Agent, roundtrip
-from tests.unit.test_in_process_visibility import rank, table
+from tests.unit.test_in_process_visibility import T, rank, table
+from tests.unit.timeline_events import line, logged, opened, standby_used, started
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 BOUND = 120.0
@@ -115,6 +117,15 @@ def test_status_shows_a_rank_served_by_a_standby() -> None:
     assert [r["standby"] for r in out["ranks"]] == [None, None, True]
     with pytest.raises(ValueError):
         N.RankProgress.from_json({"rank": 0, "standby": "yes"})
+
+
+def test_the_timeline_marks_a_rank_served_by_a_standby() -> None:
+    used = standby_used(1, 2, 404)
+    read = read_line(line(T + 10.2, used, "n1", "h1"))
+    assert read is not None and read.event == used  # a drawn kind, typed
+    events = [logged(T, opened(0), "n1", "h1"), logged(T + 0.1, started(0, 3), "n1", "h1"), read]
+    html = render_html(events)
+    assert "in-process restart, round 1: rank 2 served by a standby (pid 404)" in html
 
 
 def test_a_standby_taken_over_is_served_not_kept() -> None:
