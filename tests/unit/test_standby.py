@@ -83,10 +83,10 @@ def test_a_worker_tells_its_agent_once_that_the_script_wraps_a_function(agent: A
 def test_the_runner_makes_a_standby_port_from_its_variable(agent: Agent) -> None:
     numbers = type("N", (), {"ascii_int": staticmethod(lambda s: int(s) if s else None)})
     try:
-        _restart.install(agent.channel, None, numbers, "1")
+        _restart.install(agent.channel, None, numbers, standby_text="1")
         port = _restart.PORT
         assert port is not None and port.standby and port.round == -1
-        _restart.install(agent.channel, "3", numbers, None)
+        _restart.install(agent.channel, "3", numbers)
         port = _restart.PORT
         assert port is not None and not port.standby and port.round == 3
     finally:

@@ -30,10 +30,12 @@ from collections.abc import Callable
 
 from elastrun.agent.channel import RunnerChannel
 from elastrun.agent.children import Reaper
+from elastrun.agent.command import Executable
 from elastrun.agent.env import standby_env
 from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.log_dirs import rank_dir
 from elastrun.agent.logs import LogWriteErrors, StreamRoute
+from elastrun.agent.modcache import ModuleCache, cache_key
 from elastrun.agent.process import Worker, killpg
 from elastrun.agent.spec import WorkerSpec
 from elastrun.agent.workers import spawn, stop_unowned
@@ -44,6 +46,7 @@ from elastrun.events import EventSink
 from elastrun.procs import signal_name
 from elastrun.worker._messages import Message
 from elastrun.worker._messages import StandbyReady as Ready
+from elastrun.worker._restart import PRELOAD_ENV
 
 __all__ = ["MAX_FAILURES", "READY_TIMEOUT", "Standbys"]
 
@@ -111,6 +114,16 @@ class Standbys:
             StreamRoute(name, os.path.join(folder, f"{name}.log"), True, f"[standby{k}]: ")
             for name in ("stdout", "stderr")
         )
+        names = self._preload()
+        if names:  # what the workers imported when the script last ran
+            try:
+                path = os.path.join(folder, "preload.txt")
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write("\n".join(names))
+                env = {**env, PRELOAD_ENV: path}
+            except OSError:
+                pass  # it starts without: its function's first imports are slower
         w = Worker(-1, -1, folder, os.path.join(folder, "error.json"), (routes[0], routes[1]))
         w.standby_env = env
         ours, theirs = socket.socketpair()
@@ -132,6 +145,14 @@ class Standbys:
         self._timers[w.pid] = loop.call_later(READY_TIMEOUT, self._too_slow, w)
         self.events.emit(StandbyStarted(pid=w.pid, attempt=k))
         return True
+
+    def _preload(self) -> list[str]:
+        """The modules the warm interpreter's cache holds for this script
+        (agent/modcache.py), which a standby imports while it waits."""
+        command, warm = self.spec.command, self.spec.warm
+        if isinstance(command, Executable) or warm.cache is None or warm.modules == "torch":
+            return []
+        return ModuleCache(warm.cache, cache_key(command, os.getcwd())).load().shared()
 
     def _message(self, w: Worker, message: Message) -> None:
         if isinstance(message, Ready) and w in self.starting:

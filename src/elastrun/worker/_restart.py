@@ -44,6 +44,13 @@ from typing import Any
 
 ROUND_ENV = "ELASTRUN_ROUND"  # the round the worker was started in (the agent sets it)
 STANDBY_ENV = "ELASTRUN_STANDBY"  # "1": a standby, started without a rank (agent/standby.py)
+# A file of module names (one a line) a standby imports once its script reached
+# its function, before it says it is ready: what the workers imported when the
+# script last ran (the warm interpreter's list), torch's lazy imports among them
+# (the first optimizer alone imports torch._dynamo: seconds).
+PRELOAD_ENV = "ELASTRUN_STANDBY_PRELOAD"
+PRELOAD_BUDGET = 120.0  # s of such imports, at most
+MAX_PRELOAD_BYTES = 1 << 20
 MAX_LINE = 1 << 16  # one message from the agent, at most
 
 PORT: Port | None = None
@@ -64,11 +71,13 @@ class Port:
         round_: int,
         standby: bool = False,
         late: Callable[[], None] = lambda: None,
+        preload: str | None = None,
     ) -> None:
         self.channel = channel  # the runner's Channel: send(message)
         self.round = round_  # the round the process is in
         self.standby = standby  # no rank yet: it stands by at its first entry
         self.late = late  # the runner's setup from the rank's variables (a standby's)
+        self.preload = preload  # a standby's file of modules to import while it waits
         self._told = False  # Restartable sent
         self._wrapped = False  # InProcess sent
         self.inside = False  # inside the function (an Abort may act)
@@ -110,6 +119,7 @@ class Port:
     def stand_by(self) -> dict[str, str] | None:
         """A standby at its function: tell the agent it is ready and wait for
         a rank (the ``Enter``'s variables; None when the agent is gone)."""
+        self._import_ahead()
         self._listen()
         self.channel.send(_messages().StandbyReady())
         env = self.wait_enter()
@@ -138,6 +148,26 @@ class Port:
                 return None
             self.round = enter.round
             return dict(enter.env)
+
+    def _import_ahead(self) -> None:
+        """The modules of ``preload`` (bounded: bytes, time); one that fails
+        is skipped."""
+        if not self.preload:
+            return
+        import importlib
+        import time
+
+        try:
+            with open(self.preload, "rb") as f:
+                names = f.read(MAX_PRELOAD_BYTES).decode("ascii", "replace").split()
+        except OSError:
+            return
+        deadline = time.monotonic() + PRELOAD_BUDGET
+        for name in names:
+            if time.monotonic() > deadline:
+                break
+            with contextlib.suppress(Exception, SystemExit):
+                importlib.import_module(name)
 
     # ------------------------------------------------------------ the agent's messages
     def _read(self) -> None:
@@ -197,14 +227,16 @@ def install(
     channel: Any,
     round_text: str | None,
     numbers: Any,
+    *,
     standby_text: str | None = None,
     late: Callable[[], None] = lambda: None,
+    preload: str | None = None,
 ) -> None:
     """The runner's call: a port when the worker has a channel and a round,
     or is a standby (``late``: the runner's setup once a standby has a rank)."""
     global PORT
     if channel.fd is not None and standby_text == "1":
-        PORT = Port(channel, -1, standby=True, late=late)
+        PORT = Port(channel, -1, standby=True, late=late, preload=preload)
         return
     round_ = numbers.ascii_int(round_text or "")
     if channel.fd is not None and round_ is not None and round_ >= 0:

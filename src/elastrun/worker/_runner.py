@@ -69,6 +69,7 @@ STACK_SIGNAL_ENV = "ELASTRUN_STACK_SIGNAL"  # its number (--stack-signal)
 PROGRESS_ENV = ("ELASTRUN_HEARTBEAT_FILE", "ELASTRUN_HEARTBEAT_INTERVAL")  # see _progress.py
 ROUND_ENV = "ELASTRUN_ROUND"  # the round it starts in (in-process restarts: _restart.py)
 STANDBY_ENV = "ELASTRUN_STANDBY"  # "1": a standby without a rank yet (_restart.py)
+STANDBY_PRELOAD_ENV = "ELASTRUN_STANDBY_PRELOAD"  # what it imports while it waits (_restart.py)
 PRIVATE_ENV = (
     MODE_ENV,
     CHANNEL_ENV,
@@ -78,6 +79,7 @@ PRIVATE_ENV = (
     STACK_SIGNAL_ENV,
     ROUND_ENV,
     STANDBY_ENV,
+    STANDBY_PRELOAD_ENV,
     *PROGRESS_ENV,
 )
 # The default signal on which a worker writes every thread's Python stack (the
@@ -428,6 +430,7 @@ def run_worker(kind: str, target: str, args: list[str], quick: Any = None) -> No
     (``quick``: in a worker forked from the warm interpreter, see
     :class:`QuickExit`)."""
     env = os.environ
+    standby = env.get(STANDBY_ENV) == "1"  # read before the runner's variables are removed
     numbers = _load_sibling("_progress").numbers()  # ASCII only: '²'.isdigit() is True
     channel_fd = numbers.ascii_int(env.get(CHANNEL_ENV, ""))
     channel = Channel(channel_fd if channel_fd is not None and channel_fd >= 0 else None)
@@ -452,7 +455,12 @@ def run_worker(kind: str, target: str, args: list[str], quick: Any = None) -> No
 
     # In-process restarts (train/in_process.py) talk to the agent over the channel.
     _load_sibling("_restart").install(
-        channel, env.get(ROUND_ENV), numbers, env.get(STANDBY_ENV), observe
+        channel,
+        env.get(ROUND_ENV),
+        numbers,
+        standby_text=env.get(STANDBY_ENV),
+        late=observe,
+        preload=env.get(STANDBY_PRELOAD_ENV),
     )
     observe()
     if channel.fd is not None:
@@ -460,7 +468,9 @@ def run_worker(kind: str, target: str, args: list[str], quick: Any = None) -> No
     guard_teardown()
     # Ranks other than 0 connect to rank 0's store as soon as it listens (_master.py).
     on_import("torch.distributed.rendezvous", _load_sibling("_master").install)
-    quick = quick or _load_sibling("_quick_exit").QuickExit(forked=False)
+    # A standby that failed ends as a forked worker does: its finalization would
+    # tear down a process group whose peers still wait in its collectives.
+    quick = quick or _load_sibling("_quick_exit").QuickExit(forked=standby)
     # A script that succeeded has torch.distributed shut down before the
     # interpreter finalizes, so it cannot abort in its teardown (_settle.py).
     settle = _load_sibling("_settle")
