@@ -220,3 +220,31 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "Z"
+
+
+def test_the_module_report_leaves_the_optimizer_s_later_hooks_working() -> None:
+    """A standby's progress hook is registered after the runner's module
+    report (once it has a rank): the report, done at the first step, must
+    not break the optimizer's loop over its hooks by removing itself."""
+    torch = pytest.importorskip("torch")
+    from torch.optim import optimizer
+
+    from elastrun.worker import _runner
+
+    sent: list[Any] = []
+    channel = type("C", (), {"fd": None, "send": lambda self, m: sent.append(m)})()
+    before = set(optimizer._global_optimizer_post_hooks)
+    seen: list[int] = []
+    try:
+        _runner.ModuleRecorder(channel, "installed", 0.0).install()
+        optimizer.register_optimizer_step_post_hook(lambda *_: seen.append(1))
+        p = torch.nn.Parameter(torch.ones(1))
+        opt = torch.optim.SGD([p], lr=0.1)
+        for _ in range(2):
+            p.grad = torch.ones(1)
+            opt.step()
+    finally:
+        for key in set(optimizer._global_optimizer_post_hooks) - before:
+            del optimizer._global_optimizer_post_hooks[key]
+    assert seen == [1, 1]
+    assert [type(m).__name__ for m in sent] == ["Modules"]
