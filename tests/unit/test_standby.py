@@ -248,3 +248,22 @@ def test_the_module_report_leaves_the_optimizer_s_later_hooks_working() -> None:
             del optimizer._global_optimizer_post_hooks[key]
     assert seen == [1, 1]
     assert [type(m).__name__ for m in sent] == ["Modules"]
+
+
+def test_the_flag_reaches_the_agent_as_a_settings_group_within_its_bounds() -> None:
+    from elastrun.errors import ConfigError
+    from elastrun.launcher.config import LaunchConfig
+    from elastrun.launcher.flags import parse_flags, resolve_flags
+    from elastrun.launcher.plan import resolve
+
+    script = str(SRC.parent / "examples" / "train.py")
+    flags = parse_flags(["--standby-ranks=2", script])
+    spec = resolve_flags(flags, resolve(LaunchConfig()).workers.command).workers.standby
+    assert spec.count == 2
+    assert resolve(LaunchConfig()).workers.standby.count == 1  # the default
+    assert (
+        resolve(LaunchConfig(standby_ranks=3, virtual_local_rank=True)).workers.standby.count == 0
+    )
+    for bad in (-1, 9):
+        with pytest.raises(ConfigError, match="--standby-ranks"):
+            resolve(LaunchConfig(standby_ranks=bad))
