@@ -228,9 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # Once per process: with --in-process, a kept process does not do it again.
     device = select_device(args.device, context().local_rank)
+    # Wrapped before the setup, as a decorator would: elastrun's standby
+    # processes start now, beside this one's setup (docs/in_process.md).
+    run = in_process(train) if args.in_process else train
     if args.setup_seconds > 0:
         setup_work(args.setup_seconds)
-    run = in_process(train) if args.in_process else train
     return run(args, device)
 
 

@@ -378,6 +378,51 @@ class RanksKept(Event):
 
 
 @dataclass(frozen=True)
+class StandbyStarted(Event):
+    """A standby process was started (agent/standby.py): it runs the script
+    up to its in-process function without a rank, then waits."""
+
+    KIND = "standby_started"
+    pid: int
+    attempt: int  # the how-manieth standby of this agent (0-based)
+
+
+@dataclass(frozen=True)
+class StandbyReady(Event):
+    """A standby reached the script's in-process function (its setup done)."""
+
+    KIND = "standby_ready"
+    pid: int
+    setup_s: float  # s from its start
+
+
+@dataclass(frozen=True)
+class StandbyUsed(Event):
+    """A rank whose process is gone is served by a ready standby: its process
+    takes the rank and enters the function with the round's variables."""
+
+    KIND = "standby_used"
+    round: int
+    attempt: int
+    rank: int
+    local_rank: int
+    pid: int
+    waited_s: float  # s the standby was ready before it was used
+
+
+@dataclass(frozen=True)
+class StandbyFailed(Event):
+    """A standby ended or was stopped before it served a rank (its setup
+    raised, it exited, it was not ready in time); ``retry``: another is
+    started (consecutive failures are bounded: agent/standby.py)."""
+
+    KIND = "standby_failed"
+    pid: int
+    reason: str
+    retry: bool
+
+
+@dataclass(frozen=True)
 class RankEntered(Event):
     """A worker's process entered its in-process function in ``round``
     (``again``: re-entered, a kept process), as its runner reported."""

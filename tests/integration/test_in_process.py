@@ -5,7 +5,8 @@ step 10 (its process is replaced), then one raising at step 20 (its process
 is replaced too: an exception of its own makes it suspect). The survivors'
 processes are kept: their pids never change, their setup is not done again
 (``setup done`` is printed once per process), and the training resumes from
-the memory checkpoint of the step it was at (no step redone).
+the memory checkpoint of the step it was at (no step redone). With a standby
+rank, a SIGKILLed rank is served by the standby's process instead.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +58,7 @@ def test_example_keeps_the_survivors_processes(tmp_path: Path) -> None:
         "--standalone",
         "--nproc-per-node=3",
         "--max-restarts=2",
+        "--standby-ranks=0",  # replaced ranks start as new processes (standbys: below)
         f"--events-file={log}",
         str(EXAMPLE),
         "--epochs=2",
@@ -146,16 +149,20 @@ def test_a_hung_rank_is_replaced_and_its_peers_kept(tmp_path: Path) -> None:
     assert after[0] == before[0] and after[2] == before[2] and after[1] != before[1]
 
 
-def test_status_shows_which_ranks_kept_their_process(tmp_path: Path) -> None:
-    """After rank 2's SIGKILL, ``elastrun status`` shows ranks 0 and 1 kept
-    (their pids unchanged) and rank 2 replaced, in --json and in its table."""
+def test_a_killed_rank_is_served_by_a_standby_and_status_shows_it(tmp_path: Path) -> None:
+    """Once the node's standby is ready (it ran the script up to its
+    in-process function), rank 2 is SIGKILLed: the standby's process takes
+    rank 2 (its pid is the standby's, it ran its setup once, before the kill),
+    ranks 0 and 1 keep theirs, the job trains on and ends; ``elastrun status``
+    shows ranks 0 and 1 kept and rank 2 served by the standby, in --json and
+    in its table. No standby outlives the job."""
     finish = tmp_path / "finish"
-    env = worker_env(tmp_path, {"rank": 2, "how": "kill", "step": 2}, steps=4)
+    env = worker_env(tmp_path, {"rank": 0, "how": "none", "step": -1}, steps=4)
     env["INPROC_UNTIL"] = str(finish)
-    out = tmp_path / "agent.log"
+    out, log = tmp_path / "agent.log", tmp_path / "events.jsonl"
     argv = [
         *(sys.executable, "-m", "elastrun", "--standalone", "--nproc-per-node=3"),
-        *("--max-restarts=1", f"--events-file={tmp_path / 'events.jsonl'}"),
+        *("--max-restarts=1", "--standby-ranks=1", f"--events-file={log}"),
         str(SCRIPTS / "inproc_worker.py"),
     ]
     with open(out, "wb") as sink:
@@ -172,24 +179,58 @@ def test_status_shows_which_ranks_kept_their_process(tmp_path: Path) -> None:
         )
         given = shlex.split(line[line.index("(elastrun status") + 1 : -1])[2:]
 
-        def kept_shown() -> dict[str, Any] | None:
+        def ready() -> dict[str, Any] | None:
+            evs = events(log) if log.exists() else []
+            kinds = {e["kind"]: e for e in evs}
+            return kinds if {"workers_started", "standby_ready"} <= set(kinds) else None
+
+        ready_events = wait_for(ready, BOUND, "the standby to be ready")
+        first = ready_events["workers_started"]
+        standby = ready_events["standby_ready"]["pid"]
+        pids = dict(zip(first["ranks"], first["pids"], strict=True))
+        views = tmp_path / "views.jsonl"
+        before = [json.loads(x) for x in views.read_text().splitlines()]
+        setups_before = [r["setup"] for r in before if "setup" in r]
+        os.kill(pids[2], signal.SIGKILL)
+
+        def standby_shown() -> dict[str, Any] | None:
             shown = status(*given, "--json")
             s = json.loads(shown.stdout) if shown.returncode == 0 else None
             ranks = s["ranks"] if s and s["restarts"] == 1 else []
-            return s if [r["kept"] for r in ranks] == [True, True, False] else None
+            seen = [(r["kept"], r["standby"]) for r in ranks]
+            return s if seen == [(True, None), (True, None), (False, True)] else None
 
-        s = wait_for(kept_shown, BOUND, "status to show ranks 0 and 1 kept", interval=1.0)
-        evs = events(tmp_path / "events.jsonl")
-        first = next(e for e in evs if e["kind"] == "workers_started")
-        pids = dict(zip(first["ranks"], first["pids"], strict=True))
-        assert [r["pid"] for r in s["ranks"][:2]] == [pids[0], pids[1]]
-        assert s["ranks"][2]["pid"] != pids[2]
+        s = wait_for(standby_shown, BOUND, "status to show rank 2 served by the standby")
+        assert [r["pid"] for r in s["ranks"]] == [pids[0], pids[1], standby]
         table = status(*given).stdout
-        assert f"kept (pid {pids[0]})" in table and "PROCESS" in table, table
+        assert f"kept (pid {pids[0]})" in table and f"standby (pid {standby})" in table, table
         finish.touch()
         assert proc.wait(BOUND) == 0, out.read_text()[-3000:]
     finally:
         stop_groups(proc)
+    evs = events(log)
+    used = [e for e in evs if e["kind"] == "standby_used"]
+    assert [(e["rank"], e["pid"]) for e in used] == [(2, standby)]
+    started = [e for e in evs if e["kind"] == "workers_started"]
+    after = dict(zip(started[1]["ranks"], started[1]["pids"], strict=True))
+    assert after == {0: pids[0], 1: pids[1], 2: standby}
+    records = [json.loads(x) for x in views.read_text().splitlines()]
+    # The standby ran its setup once, before the kill; rank 2 trained in round 1.
+    assert standby in setups_before
+    assert [r["setup"] for r in records if "setup" in r].count(standby) == 1
+    assert any(r.get("pid") == standby and r.get("rank") == 2 for r in records if "members" in r)
+    # Every standby (the used one, the one started after it) ended with the job.
+    for e in evs:
+        if e["kind"] == "standby_started":
+            assert not _alive(e["pid"]), f"standby {e['pid']} outlived the job"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 @pytest.mark.bench  # each process imports torch._dynamo and compiles: ~30 s on 2 loaded cores

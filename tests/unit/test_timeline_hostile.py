@@ -75,6 +75,7 @@ def drawn_events() -> list[Event]:
         te.lost(0, "node h (n) lost: lease expired or revoked", "n"),
         te.promoted(1, "n", 0, "m"),
         te.kept(1, [0, 1], [11, 12], [2]),
+        te.standby_used(1, 2, 404),
         te.took_over(2, "127.0.0.2:1"),
         te.host_lost(1, "127.0.0.1:1"),
         te.failed("worker_failed"),

@@ -19,6 +19,7 @@ from elastrun.event_kinds import (
     RootCauseElsewhere,
     RoundOpened,
     SparePromoted,
+    StandbyUsed,
     StoreHostLost,
     StoreTakeover,
     WorkerExited,
@@ -59,6 +60,10 @@ def promoted(r: int, node: str, group_rank: int, replaces: str | None) -> SpareP
 
 def kept(r: int, ranks: list[int], pids: list[int], replaced: list[int]) -> RanksKept:
     return RanksKept(round=r, attempt=r, kept=ranks, kept_pids=pids, started=replaced)
+
+
+def standby_used(r: int, rank: int, pid: int) -> StandbyUsed:
+    return StandbyUsed(round=r, attempt=r, rank=rank, local_rank=rank, pid=pid, waited_s=1.0)
 
 
 def took_over(term: int, address: str) -> StoreTakeover:

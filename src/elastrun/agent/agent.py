@@ -97,12 +97,13 @@ from elastrun.agent.log_dirs import (
 )
 from elastrun.agent.logs import LogWriteErrors, needs_files
 from elastrun.agent.metrics import Metrics
-from elastrun.agent.process import Worker, killpg
+from elastrun.agent.process import Worker
 from elastrun.agent.refusals import RefusalWatch
 from elastrun.agent.signals import Signalled, SignalRouter, StopSignals
 from elastrun.agent.spec import WorkerSpec
+from elastrun.agent.standby import Standbys
 from elastrun.agent.waiting import WaitingConsole
-from elastrun.agent.workers import KILL_WAIT, WorkerGroup
+from elastrun.agent.workers import WorkerGroup, stop_unowned
 from elastrun.clock import SYSTEM_CLOCK, Clock
 from elastrun.errors import ElastrunError, RendezvousClosed, RestartBudgetExhausted
 from elastrun.event_kinds import (
@@ -113,6 +114,7 @@ from elastrun.event_kinds import (
     Restart,
     RootCauseElsewhere,
     SignalForwarded,
+    StandbyUsed,
     WorkersStarted,
     WorkersSucceeded,
 )
@@ -205,6 +207,16 @@ class Agent:
         self._last_failure: FailureRecord | None = None  # this node's latest
         self._guard = OrphanGuard()
         self._reaper = Reaper()
+        # Standby ranks: processes set up ahead of time for the ranks to replace.
+        self._standbys = Standbys(
+            spec,
+            sink,
+            self._ensure_base_dir,
+            clock=clock,
+            guard=self._guard,
+            reaper=self._reaper,
+            log_errors=self._log_errors,
+        )
         core = Core(
             spec, rendezvous, self.events, clock, self._guard, self._reaper, say, self.metrics
         )
@@ -263,6 +275,7 @@ class Agent:
             # Also on cancellation / unexpected errors: never leave workers behind.
             await self._stop_group(signal.SIGTERM)
         await self._stop_kept(signal.SIGTERM)
+        await self._standbys.stop(self.spec.shutdown_timeout)
         try:
             # The rendezvous bounds its leave by close_timeout; this is the backstop.
             bound = max(RDZV_SHUTDOWN_TIMEOUT, self.rendezvous.settings.close_timeout + 1.0)
@@ -349,21 +362,7 @@ class Agent:
         kept, self._kept = list(self._kept.values()), {}
         for w in kept:
             w.kept = False
-            killpg(w.pid, sig)
-        waits = [w.exited for w in kept if w.exited is not None and not w.done]
-        if waits:
-            await asyncio.wait(waits, timeout=self.spec.shutdown_timeout)
-        for w in kept:
-            if not w.done:
-                killpg(w.pid, signal.SIGKILL)
-        waits = [w.exited for w in kept if w.exited is not None and not w.done]
-        if waits:
-            await asyncio.wait(waits, timeout=KILL_WAIT)
-        for w in kept:
-            killpg(w.pid, signal.SIGKILL)  # what it left behind in its group
-            if w.done:
-                self._guard.remove(w.pid)
-            w.release()
+        await stop_unowned(kept, sig, self.spec.shutdown_timeout, self._guard)
 
     async def _leave(self, group: WorkerGroup, result: RoundResult) -> None:
         """In-process restarts: the ranks that may survive leave their
@@ -467,7 +466,8 @@ class Agent:
             reaper=self._reaper,
             log_errors=self._log_errors,
             round_hooks=lambda g: [f.round(g) for f in self.features],
-            kept={lr: w for lr, w in self._kept.items() if not w.done},
+            kept=self._takers(result),
+            on_restartable=lambda: self._standbys.want(result.run_id, result.max_restarts),
         )
         for w in self._kept.values():
             if w.done:  # ended between the rounds: its rank starts anew
@@ -477,8 +477,29 @@ class Agent:
         self._departure.reset()  # a request of an earlier round is not this one's
         return group
 
+    def _takers(self, result: RoundResult) -> dict[int, Worker]:
+        """The processes the next round's group takes over, by local rank:
+        the kept ones, and a ready standby for each rank that has none."""
+        takers = {lr: w for lr, w in self._kept.items() if not w.done}
+        missing = [lr for lr in range(self.spec.nproc) if lr not in takers]
+        for lr, (w, waited) in zip(missing, self._standbys.take(len(missing)), strict=False):
+            w.local_rank = lr
+            takers[lr] = w
+            self.events.emit(
+                StandbyUsed(
+                    round=result.round,
+                    attempt=self._attempt,
+                    rank=result.rank_offset + lr,
+                    local_rank=lr,
+                    pid=w.pid,
+                    waited_s=waited,
+                )
+            )
+        return takers
+
     async def _start(self, group: WorkerGroup, result: RoundResult) -> None:
-        kept = [w for w in group.workers if w.popen is not None]  # taken over
+        # Taken over: kept from the last round (standbys: told in standby_used).
+        kept = [w for w in group.workers if w.popen is not None and not w.standby]
         await group.start()  # on WorkerError or a signal, run() stops those started
         if kept:
             self.events.emit(
@@ -487,7 +508,7 @@ class Agent:
                     attempt=self._attempt,
                     kept=[w.rank for w in kept],
                     kept_pids=[w.pid for w in kept],
-                    started=[w.rank for w in group.workers if w not in kept],
+                    started=[w.rank for w in group.workers if w not in kept and not w.standby],
                 )
             )
         self.events.emit(

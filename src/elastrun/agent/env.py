@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from elastrun.agent.spec import WorkerSpec
 from elastrun.errors import WorkerError
 from elastrun.rendezvous.api import RoundResult
+from elastrun.worker._messages import MAX_ENTER_VARS
+from elastrun.worker._restart import STANDBY_ENV
 from elastrun.worker.local_main import ENV as LOCAL_MAIN_ENV
 
 __all__ = [
@@ -25,7 +27,9 @@ __all__ = [
     "WORKER_ENV_VARS",
     "check_round",
     "compile_threads",
+    "rank_vars",
     "stable_env",
+    "standby_env",
     "virtual_local_rank",
     "worker_env",
 ]
@@ -185,3 +189,29 @@ def worker_env(
         }
     )
     return env
+
+
+def standby_env(
+    spec: WorkerSpec, run_id: str, max_restarts: int, base: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """A standby's environment (agent/standby.py): a worker's that is the same
+    in every round, without any rank variable (no ``LOCAL_RANK``: it has no
+    rank yet), flagged for the runner (``ELASTRUN_STANDBY=1``)."""
+    env = stable_env(spec, 0, run_id, max_restarts, base)
+    for name in ("LOCAL_RANK", *ROUND_ENV_VARS):  # the agent's own environment may hold some
+        env.pop(name, None)
+    env[STANDBY_ENV] = "1"
+    return env
+
+
+def rank_vars(standby: Mapping[str, str], env: Mapping[str, str]) -> dict[str, str]:
+    """What a standby started with ``standby`` is told when it takes the rank
+    whose environment is ``env``: every variable ``env`` sets otherwise (its
+    rank's, the round's, the features' files of its local rank). Raises
+    WorkerError past an ``Enter``'s bound (MAX_ENTER_VARS)."""
+    given = {k: v for k, v in env.items() if standby.get(k) != v}
+    if len(given) > MAX_ENTER_VARS:
+        raise WorkerError(
+            f"a standby would be given {len(given)} variables, more than {MAX_ENTER_VARS}"
+        )
+    return given

@@ -145,7 +145,9 @@ class RoundHangs(RoundHooks):
 
     def started(self) -> None:
         files = [
-            stragglers.RankFile(w.rank, path, w.pid if w.popen else None, w.taken_over)
+            stragglers.RankFile(
+                w.rank, path, w.pid if w.popen else None, w.taken_over, w.standby or None
+            )
             for w in self.group.workers
             if (path := self.ranks[w.local_rank].heartbeat_file) is not None
         ]

@@ -109,6 +109,10 @@ class Worker:
     left: tuple[str, float] | None = None  # why, monotonic
     kept: bool = False
     taken_over: bool = False  # its process was kept from an earlier round (status shows it)
+    # A standby's (agent/standby.py): the environment it started with, until it
+    # is told its rank's; ``standby``: its process came from a standby.
+    standby_env: dict[str, str] | None = None
+    standby: bool = False
     on_exit: Callable[[], None] = lambda: None  # its exit's callback (the group's)
 
     @property
@@ -180,7 +184,8 @@ class Worker:
     def take_over(self, rank: int, round_: int) -> None:
         """A new round's group takes this kept process over (rank ``rank``):
         what it ended as in the last round is forgotten."""
-        self.rank, self.round, self.taken_over = rank, round_, True
+        # A standby's process was never in a round before: served, not kept.
+        self.rank, self.round, self.taken_over = rank, round_, not self.standby
         self.kept, self.left, self.declared, self.failing, self.dying = (
             False,
             None,

@@ -192,6 +192,18 @@ class FileTimerSettings:
     path: str = ""  # the pipes' prefix (PATH.{local_rank}); "": a private folder
 
 
+MAX_STANDBY_RANKS = 8  # standby processes per node, at most (--standby-ranks)
+
+
+@dataclass(frozen=True)
+class StandbySettings:
+    """agent/standby.py: how many standby processes a node keeps ready for a
+    script that uses ``elastrun.train.in_process`` (``--standby-ranks``; 0:
+    none, a replaced rank starts as a new process)."""
+
+    count: int = 1
+
+
 @dataclass(frozen=True)
 class HangSettings:
     """agent/hang_group.py: the progress watchdog (agent/watchdog.py,
@@ -293,3 +305,4 @@ class WorkerSpec:
     node_health: NodeHealthSettings = NodeHealthSettings()
     stragglers: StragglerSettings = StragglerSettings()
     metrics: MetricsSettings = MetricsSettings()
+    standby: StandbySettings = StandbySettings()

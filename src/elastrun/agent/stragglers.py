@@ -94,6 +94,7 @@ class RankFile(NamedTuple):
     path: str
     pid: int | None = None
     kept: bool | None = None
+    standby: bool | None = None  # its process was a standby's
 
 
 def local_progress(files: Sequence[RankFile]) -> list[N.RankProgress]:
@@ -101,7 +102,7 @@ def local_progress(files: Sequence[RankFile]) -> list[N.RankProgress]:
     and process), as the note carries it."""
     out = []
     now = time.monotonic()
-    for rank, path, pid, kept in files:
+    for rank, path, pid, kept, standby in files:
         beat = read_beat(path)
         if beat is None:
             continue
@@ -117,6 +118,7 @@ def local_progress(files: Sequence[RankFile]) -> list[N.RankProgress]:
                 phase=beat.phase[: N.MAX_PHASE] if beat.phase else None,
                 pid=pid,
                 kept=kept,
+                standby=standby,
             )
         )
     return out

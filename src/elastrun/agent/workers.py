@@ -40,7 +40,7 @@ from typing import Any
 from elastrun.agent.channel import CHANNEL_ENV, RunnerChannel
 from elastrun.agent.children import ForkedProcess, Reaper
 from elastrun.agent.command import Executable
-from elastrun.agent.env import ROUND_ENV_VARS, worker_env
+from elastrun.agent.env import ROUND_ENV_VARS, rank_vars, worker_env
 from elastrun.agent.failures import WorkerFailure, roles
 from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.log_dirs import rank_dir
@@ -61,10 +61,19 @@ from elastrun.event_kinds import (
 from elastrun.events import EventSink
 from elastrun.procs import signal_name
 from elastrun.rendezvous.api import Change, RoundResult
-from elastrun.worker._messages import Abort, Enter, Entered, Failing, Left, Message, Restartable
+from elastrun.worker._messages import (
+    Abort,
+    Enter,
+    Entered,
+    Failing,
+    InProcess,
+    Left,
+    Message,
+    Restartable,
+)
 from elastrun.worker._restart import ROUND_ENV  # the round a worker starts in
 
-__all__ = ["FAILING_GRACE", "Worker", "WorkerGroup"]
+__all__ = ["FAILING_GRACE", "Worker", "WorkerGroup", "spawn", "stop_unowned"]
 
 # How long a rank whose script failed may take to end by itself (its
 # interpreter's teardown) before it is stopped like the others.
@@ -78,6 +87,78 @@ DRAIN_TIMEOUT = 2.0  # after exit, how long to wait for the rest of a worker's o
 # before it is declared failed.
 LEAVE_TIMEOUT = 10.0
 LEFT_GRACE = 30.0
+
+
+def spawn(
+    spec: WorkerSpec,
+    local_rank: int,
+    env: dict[str, str],
+    channel: socket.socket | None,
+    *,
+    guard: OrphanGuard | None,
+    reaper: Reaper | None,
+) -> subprocess.Popen[bytes]:
+    """Start the command of ``local_rank`` (a standby: 0) as a new session and
+    process group, dying with the agent (PR_SET_PDEATHSIG), registered with
+    the orphan guard and the reaper; its stdout and stderr are pipes.
+    Raises WorkerError when it cannot be started."""
+    argv = spec.command.worker_argv(local_rank)
+    cpus = spec.cpu_binding.get(local_rank)
+    if cpus:  # --numa-binding, as torchrun
+        argv = ("numactl", f"--physcpubind={cpus}", *argv)
+    fds: tuple[int, ...] = ()
+    if channel is not None:
+        env = {**env, CHANNEL_ENV: str(channel.fileno())}
+        fds = (channel.fileno(),)
+    try:
+        stdin = launcher_stdin()
+        popen = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL if stdin is None else stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=preexec_for(os.getpid()),  # noqa: PLW1509 - a pre-resolved prctl
+            close_fds=True,
+            pass_fds=fds,
+        )
+    except OSError as e:
+        raise WorkerError(
+            f"cannot start worker local rank {local_rank}: "
+            f"{spec.command.program}: {e.strerror or e}"
+        ) from e
+    if guard is not None:
+        guard.add(popen.pid)
+    if reaper is not None:
+        reaper.watch_session(popen.pid)
+    return popen
+
+
+async def stop_unowned(
+    workers: list[Worker], sig: int, grace: float, guard: OrphanGuard | None
+) -> None:
+    """Stop processes no round's group owns (kept ones no round took over,
+    standbys): ``sig`` to each process group, ``grace``, SIGKILL, a bounded
+    wait (KILL_WAIT); what is left in their groups is killed, the agent's
+    hold on them released."""
+    for w in workers:
+        if not w.done:
+            killpg(w.pid, sig)
+    waits = [w.exited for w in workers if w.exited is not None and not w.done]
+    if waits:
+        await asyncio.wait(waits, timeout=grace)
+    for w in workers:
+        if not w.done:
+            killpg(w.pid, signal.SIGKILL)
+    waits = [w.exited for w in workers if w.exited is not None and not w.done]
+    if waits:
+        await asyncio.wait(waits, timeout=KILL_WAIT)
+    for w in workers:
+        killpg(w.pid, signal.SIGKILL)  # what it left behind in its group
+        if w.done and guard is not None:
+            guard.remove(w.pid)
+        w.release()
 
 
 class WorkerGroup:
@@ -98,8 +179,11 @@ class WorkerGroup:
         log_errors: LogWriteErrors | None = None,
         round_hooks: Callable[[WorkerGroup], Iterable[RoundHooks | None]] = lambda _g: (),
         kept: Mapping[int, Worker] | None = None,
+        on_restartable: Callable[[], None] = lambda: None,
     ) -> None:
         self.spec = spec
+        # A worker said its script uses an in-process function (standbys may start).
+        self.on_restartable = on_restartable
         self.result = result
         self.attempt = attempt
         self.attempt_dir = attempt_dir
@@ -212,7 +296,12 @@ class WorkerGroup:
                 lambda message: self._on_message(w, message), lambda: self._channel_closed(w)
             )
             env = self.envs[w.local_rank]
-            w.channel.send(Enter(self.result.round, {k: env[k] for k in ROUND_ENV_VARS}))
+            if w.standby_env is not None:  # a standby: every variable its rank sets
+                given = rank_vars(w.standby_env, env)
+                w.standby_env = None
+            else:
+                given = {k: env[k] for k in ROUND_ENV_VARS}
+            w.channel.send(Enter(self.result.round, given))
         if w.done:  # it ended meanwhile: its exit is this round's failure
             self._changed.set()
 
@@ -236,37 +325,7 @@ class WorkerGroup:
     def _spawn(
         self, w: Worker, env: dict[str, str], channel: socket.socket | None
     ) -> subprocess.Popen[bytes]:
-        argv = self.spec.command.worker_argv(w.local_rank)
-        cpus = self.spec.cpu_binding.get(w.local_rank)
-        if cpus:  # --numa-binding, as torchrun
-            argv = ("numactl", f"--physcpubind={cpus}", *argv)
-        fds: tuple[int, ...] = ()
-        if channel is not None:
-            env = {**env, CHANNEL_ENV: str(channel.fileno())}
-            fds = (channel.fileno(),)
-        try:
-            stdin = launcher_stdin()
-            popen = subprocess.Popen(
-                argv,
-                env=env,
-                stdin=subprocess.DEVNULL if stdin is None else stdin,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-                preexec_fn=preexec_for(os.getpid()),  # noqa: PLW1509 - a pre-resolved prctl
-                close_fds=True,
-                pass_fds=fds,
-            )
-        except OSError as e:
-            raise WorkerError(
-                f"cannot start worker local rank {w.local_rank}: "
-                f"{self.spec.command.program}: {e.strerror or e}"
-            ) from e
-        if self.guard is not None:
-            self.guard.add(popen.pid)
-        if self.reaper is not None:
-            self.reaper.watch_session(popen.pid)
-        return popen
+        return spawn(self.spec, w.local_rank, env, channel, guard=self.guard, reaper=self.reaper)
 
     # ------------------------------------------------------------- watching
     def _watch(self, w: Worker) -> None:
@@ -286,6 +345,11 @@ class WorkerGroup:
     def _on_message(self, w: Worker, message: Message) -> None:
         if isinstance(message, Restartable | Left | Entered):
             self._in_process(w, message)
+            if isinstance(message, Restartable):
+                self.on_restartable()
+            return
+        if isinstance(message, InProcess):
+            self.on_restartable()
             return
         if isinstance(message, Failing):
             if w.failing is None and not w.done:

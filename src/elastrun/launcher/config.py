@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from elastrun.agent.spec import DEFAULT_FAULT_LIMIT
+from elastrun.agent.spec import DEFAULT_FAULT_LIMIT, MAX_STANDBY_RANKS
 from elastrun.errors import ConfigError
 from elastrun.launcher.flag_grammar import signal_tuple
 from elastrun.launcher.limits import (
@@ -126,6 +126,8 @@ class LaunchConfig:
     warm_modules: str = "installed"
     warm_cache: str | None = None  # None: $ELASTRUN_CACHE_DIR or ~/.cache/elastrun
     warm_join_timeout: float | None = None  # None: 60 s
+    # Standby processes per node for in_process scripts (agent/standby.py).
+    standby_ranks: int = 1
     # --require-logs: lost worker output fails a job whose workers succeeded.
     require_logs: bool = False
     # torch's fields (launcher/torch_config.py reads them as torch does).
@@ -173,6 +175,7 @@ class LaunchConfig:
         check_int("--max-restarts", self.max_restarts, 0, MAX_RESTARTS)
         check_int("--fault-limit", self.fault_limit, 0, MAX_FAULT_LIMIT)
         check_int("--replace-stragglers", self.replace_stragglers, 0, MAX_REPLACE_STRAGGLERS)
+        check_int("--standby-ranks", self.standby_ranks, 0, MAX_STANDBY_RANKS)
         check_node_unit(self.min_nodes, self.max_nodes, self.node_unit)
         if self.node_rank is not None:
             check_int("--node-rank", self.node_rank, 0, MAX_NODES - 1)

@@ -223,6 +223,7 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
     fault_limit = parse_integer("--fault-limit", ns.fault_limit)
     replace_stragglers = parse_integer("--replace-stragglers", ns.replace_stragglers)
     straggler_interval = parse_seconds_text("--straggler-interval", ns.straggler_interval)
+    standby_ranks = parse_integer("--standby-ranks", ns.standby_ranks)
     config = LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -262,6 +263,7 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
         warm_modules=parse_choice(WarmModules, ns.warm_modules, "--warm-modules"),
         warm_cache=ns.warm_cache or None,
         warm_join_timeout=parse_seconds_text("--warm-join-timeout", ns.warm_join_timeout),
+        standby_ranks=1 if standby_ranks is None else standby_ranks,
         require_logs=ns.require_logs,
         fault_limit=DEFAULT_FAULT_LIMIT if fault_limit is None else fault_limit,
         stop_on_script_fault=ns.stop_on_script_fault,
@@ -626,6 +628,15 @@ def add_fault_flags(p: argparse.ArgumentParser) -> None:
         help="a node joining a running job waits up to this long for its warm interpreter "
         "before it enters the round, so the others pause only for the restart (default: "
         "60; 0: do not wait)",
+    )
+    f.add_argument(
+        *both("--standby-ranks"),
+        action=EnvDefault,
+        default="1",
+        metavar="N",
+        help="for a script that uses elastrun.train.in_process: standby processes per node "
+        "that ran the script up to its in-process function, so that a rank whose process "
+        "is gone is served at once by one of them (default: 1; 0: none)",
     )
     f.add_argument(
         *both("--exit-barrier-timeout"),

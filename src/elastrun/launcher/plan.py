@@ -49,6 +49,7 @@ from elastrun.agent.spec import (
     MemorySettings,
     MetricsSettings,
     NodeHealthSettings,
+    StandbySettings,
     StartMethod,
     Std,
     StragglerSettings,
@@ -558,6 +559,13 @@ def _worker_spec(
         hidden_env=frozenset((TOKEN_ENV,)),
         virtual_local_rank=config.virtual_local_rank,
         cpu_binding=numa_cpus(config.numa_binding, config.nproc_per_node),
+        # numactl runs each worker with its local rank's CPUs (--numa-binding), and
+        # --virtual-local-rank gives each its own device: no rank-less standby.
+        standby=StandbySettings(
+            count=0
+            if config.numa_binding is not None or config.virtual_local_rank
+            else config.standby_ranks
+        ),
         attribution=AttributionSettings(
             limit=config.fault_limit,
             stop_script_faults=config.stop_on_script_fault,

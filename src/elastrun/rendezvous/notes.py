@@ -396,6 +396,7 @@ class RankProgress:
     # step is the script's own number (heartbeat(step)); False: this process's
     # optimizer steps; None: not said (an older agent)
     reported: bool | None = None
+    standby: bool | None = None  # its process was a standby's (set up before it had a rank)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -409,6 +410,7 @@ class RankProgress:
             "phase": self.phase,
             "pid": self.pid,
             "kept": self.kept,
+            "standby": self.standby,
         }
 
     @classmethod
@@ -425,6 +427,7 @@ class RankProgress:
             pid=obj.optional_integer("pid"),
             kept=None if obj.absent("kept") else obj.flag("kept"),
             reported=None if obj.absent("reported") else obj.flag("reported"),
+            standby=None if obj.absent("standby") else obj.flag("standby"),
         )
 
 

@@ -110,6 +110,7 @@ class RankRow:
     kept: bool | None = None  # its process kept from the last round (an in-process restart)
     # step is the script's own (heartbeat(step)); False: the process's optimizer steps
     reported: bool | None = None
+    standby: bool | None = None  # its process was a standby's (set up before it had a rank)
 
     @classmethod
     def of(cls, p: N.RankProgress, note: N.ProgressNote) -> RankRow:
@@ -126,6 +127,7 @@ class RankRow:
             pid=p.pid,
             kept=p.kept,
             reported=p.reported,
+            standby=p.standby,
         )
 
     def flagged(self, straggler: bool) -> RankRow:

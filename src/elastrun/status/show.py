@@ -126,7 +126,7 @@ def _ranks_block(ranks: Sequence[RankRow]) -> list[str]:
     if not ranks:
         return []
     # After an in-process restart (some rank's process kept): which processes were kept.
-    process = any(r.kept for r in ranks)
+    process = any(r.kept or r.standby for r in ranks)
     head = ("RANK", "HOST", *(("PROCESS",) if process else ()), "STEP", "STEP_TIME", "OWN_TIME")
     rows = [(*head, "IDLE", "")]
     for r in ranks:
@@ -145,7 +145,7 @@ def _ranks_block(ranks: Sequence[RankRow]) -> list[str]:
         )
     kept = (
         "; PROCESS: whether the rank's process was kept in the last restart (in-process), "
-        "or replaced by a new one"
+        "served by a standby set up ahead of time, or replaced by a new one"
         if process
         else ""
     )
@@ -174,8 +174,11 @@ def step_text(r: RankRow) -> str:
 
 
 def process_text(r: RankRow) -> str:
-    """A rank's process after an in-process restart: kept or replaced (and its pid)."""
+    """A rank's process after an in-process restart: kept, a standby's or
+    replaced (and its pid)."""
     what = "?" if r.kept is None else "kept" if r.kept else "replaced"
+    if r.standby:
+        what = "standby"
     return what if r.pid is None else f"{what} (pid {r.pid})"
 
 

@@ -48,6 +48,7 @@ from elastrun.event_kinds import (
     RootCauseElsewhere,
     RoundOpened,
     SparePromoted,
+    StandbyUsed,
     StoreHostLost,
     StoreTakeover,
     StragglerReplacement,
@@ -94,6 +95,7 @@ DRAWN: tuple[type[Event], ...] = (
     NodeLost,
     SparePromoted,
     RanksKept,
+    StandbyUsed,
     StoreHostLost,
     StoreTakeover,
     JobFinished,
@@ -447,6 +449,11 @@ class _History:
                 _end(self.lanes[ev.replaces], ts)
         elif isinstance(ev, RanksKept):
             lane.marks.append((ts, TEAL, f"{_fmt(ts)} {kept_line(ev)}"))
+        elif isinstance(ev, StandbyUsed):
+            what = f"rank {ev.rank} served by a standby (pid {ev.pid})"
+            lane.marks.append(
+                (ts, TEAL, f"{_fmt(ts)} in-process restart, round {ev.round}: {what}")
+            )
         elif isinstance(ev, JobFinished | JobFailed):
             lane.marks.append(_agent_end(ts, ev))
         elif (line := _fault_line(ev)) is not None:
@@ -709,7 +716,7 @@ def render_html(events: Sequence[LoggedEvent], title: str = "") -> str:
         "not counted, after a node or the store's host was lost). Purple: a node lost, or the "
         "store's host lost, on its own lane. Cyan: a spare promoted into the world. Teal: an "
         "in-process restart on that node (hover: the ranks whose processes were kept, and "
-        "those replaced). Brown: "
+        "those replaced), or a rank served by a standby. Brown: "
         "this node's agent took the store's hosting (a new term). Green: an agent finished; "
         "grey: stopped by a signal; red: its job failed. "
         "The axis: time from the first event. Hover for details.</p>"

@@ -24,6 +24,10 @@ waits. Once the next round forms, the agent sends the new round's variables
 and calls the function again. What the process built outside the function
 (imports, data, models, compiled code) is kept.
 
+A standby process (agent/standby.py) runs the script up to its first call of
+the wrapper without a rank, then waits there until the agent hands it the
+rank of a process that is gone, with that round's variables.
+
 A rank whose function raised an exception of its own (not a broken
 collective) is suspect: the exception goes on, the process ends and the agent
 starts a new one. Outside elastrun (or under torchrun), the function is
@@ -118,6 +122,9 @@ def in_process(fn: Callable[P, R]) -> Callable[P, R]:
     """Wrap ``fn`` so that elastrun may restart it in this process (see the
     module's docstring). The wrapped function returns ``fn``'s value once a
     call of it returns."""
+    told = _port()
+    if told is not None:
+        told.wrapped()  # the agent may start its standbys now
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -125,6 +132,12 @@ def in_process(fn: Callable[P, R]) -> Callable[P, R]:
         if port is None:
             return fn(*args, **kwargs)
         port.on_abort = _abort_groups
+        if port.standby:  # set up without a rank: wait for one (agent/standby.py)
+            env = port.stand_by()
+            if env is None:
+                raise SystemExit("elastrun: the agent is gone; this standby ends")
+            os.environ.update(env)
+            port.late()
         while True:
             port.entering()
             try:

@@ -27,6 +27,10 @@ JSON lines, :func:`encode_line`)::
                       Left            it left round ``round``'s function (its
                                       collectives aborted or broken) and waits
                       Entered         it entered the function again in ``round``
+                      InProcess       the script wrapped a function in
+                                      ``in_process`` (standbys may start)
+                      StandbyReady    (a standby) the script reached its in-process
+                                      function: it waits for an ``Enter``
     agent -> runner   Go              (a forked worker) registered: run the script
                       Abort           leave round ``round``'s function now
                       Enter           enter it again for ``round``, with these
@@ -72,6 +76,7 @@ __all__ = [
     "Fork",
     "Forked",
     "Go",
+    "InProcess",
     "Left",
     "Message",
     "Modules",
@@ -81,6 +86,7 @@ __all__ = [
     "ProgressFailed",
     "Ready",
     "Restartable",
+    "StandbyReady",
     "Unsafe",
     "encode",
     "encode_line",
@@ -406,6 +412,40 @@ class Entered(_Message):
 
 
 @dataclass(frozen=True)
+class InProcess(_Message):
+    """The script wrapped a function in ``elastrun.train.in_process`` (sent
+    once, when it wraps it, before its setup typically): the agent may start
+    its standby processes (agent/standby.py) now."""
+
+    KIND: ClassVar[str] = "in_process"
+
+    def fields(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def parse(cls, data: Fields) -> InProcess:
+        del data
+        return cls()
+
+
+@dataclass(frozen=True)
+class StandbyReady(_Message):
+    """A standby process (started without a rank, agent/standby.py) reached
+    its in-process function: its setup is done; it waits for an ``Enter``
+    that gives it a rank."""
+
+    KIND: ClassVar[str] = "standby_ready"
+
+    def fields(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def parse(cls, data: Fields) -> StandbyReady:
+        del data
+        return cls()
+
+
+@dataclass(frozen=True)
 class Abort(_Message):
     """To a restartable worker: leave round ``round``'s function now (abort
     its process group). A worker in another round ignores it."""
@@ -460,6 +500,8 @@ Message = (
     | Restartable
     | Left
     | Entered
+    | InProcess
+    | StandbyReady
     | Abort
     | Enter
 )
@@ -479,6 +521,8 @@ KINDS: dict[str, Any] = {
         Restartable,
         Left,
         Entered,
+        InProcess,
+        StandbyReady,
         Abort,
         Enter,
     )

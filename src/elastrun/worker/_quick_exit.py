@@ -28,7 +28,10 @@ class QuickExit:
     the script and of every module (its non-daemon threads were joined
     before them): it flushes every file still open (what
     finalization would have done by closing them; nothing is lost), then
-    ends the process with the script's exit status. A worker started cold,
+    ends the process with the script's exit status. A standby process
+    (agent/standby.py) that failed ends so too: finalizing a process group
+    whose peers still wait in its collectives can take until the agent stops
+    it. A worker started cold,
     a script that succeeded, and an exit status that is not a number are
     left to the normal exit."""
 

@@ -10,11 +10,20 @@ function runs once, as without the wrapper).
 The protocol (the messages: ``_messages.py``; the agent's side:
 ``agent/in_process.py``)::
 
-    worker -> agent  Restartable(round)  first entry into the function
+    worker -> agent  InProcess           the script wrapped a function (once)
+                     Restartable(round)  first entry into the function
                      Left(round, why)    left it (collective broken or aborted)
                      Entered(round)      entered it again
+                     StandbyReady        (a standby) reached the function, waits
     agent -> worker  Abort(round)        leave round's function now
                      Enter(round, env)   enter it again for a newer round
+
+A standby (``ELASTRUN_STANDBY=1``, agent/standby.py) starts with no rank and
+no round (-1): at its first call of the wrapped function it says
+``StandbyReady`` and waits for the ``Enter`` that gives it a rank; the
+variables its rank names for the runner itself (its progress file, its stacks
+file) are taken up then (the runner's ``late`` setup), before the function
+is entered.
 
 A thread reads the agent's messages. ``Abort`` for the round the process is
 in calls the wrapper's abort (which aborts the process group, so that the
@@ -34,6 +43,14 @@ from collections.abc import Callable
 from typing import Any
 
 ROUND_ENV = "ELASTRUN_ROUND"  # the round the worker was started in (the agent sets it)
+STANDBY_ENV = "ELASTRUN_STANDBY"  # "1": a standby, started without a rank (agent/standby.py)
+# A file of module names (one a line) a standby imports once its script reached
+# its function, before it says it is ready: what the workers imported when the
+# script last ran (the warm interpreter's list), torch's lazy imports among them
+# (the first optimizer alone imports torch._dynamo: seconds).
+PRELOAD_ENV = "ELASTRUN_STANDBY_PRELOAD"
+PRELOAD_BUDGET = 120.0  # s of such imports, at most
+MAX_PRELOAD_BYTES = 1 << 20
 MAX_LINE = 1 << 16  # one message from the agent, at most
 
 PORT: Port | None = None
@@ -48,9 +65,21 @@ def _messages() -> Any:
 class Port:
     """The in-process restart protocol over the runner's channel."""
 
-    def __init__(self, channel: Any, round_: int) -> None:
+    def __init__(
+        self,
+        channel: Any,
+        round_: int,
+        standby: bool = False,
+        late: Callable[[], None] = lambda: None,
+        preload: str | None = None,
+    ) -> None:
         self.channel = channel  # the runner's Channel: send(message)
         self.round = round_  # the round the process is in
+        self.standby = standby  # no rank yet: it stands by at its first entry
+        self.late = late  # the runner's setup from the rank's variables (a standby's)
+        self.preload = preload  # a standby's file of modules to import while it waits
+        self._told = False  # Restartable sent
+        self._wrapped = False  # InProcess sent
         self.inside = False  # inside the function (an Abort may act)
         self.refused = 0  # stale or unexpected messages, ignored
         self.on_abort: Callable[[], None] = lambda: None
@@ -65,15 +94,37 @@ class Port:
         """Into the function (first time: tells the agent it is restartable)."""
         M = _messages()
         with self._lock:
-            first = self._reader is None
+            first, self._told = not self._told, True
             self.inside, self._aborted = True, False
             r = self.round
+        self._listen()
         if first:
-            self._reader = threading.Thread(target=self._read, name="elastrun-restart", daemon=True)
-            self._reader.start()
             self.channel.send(M.Restartable(round=r))
         else:
             self.channel.send(M.Entered(round=r))
+
+    def _listen(self) -> None:
+        if self._reader is None:
+            self._reader = threading.Thread(target=self._read, name="elastrun-restart", daemon=True)
+            self._reader.start()
+
+    def wrapped(self) -> None:
+        """The script wrapped a function: tell the agent once (a worker's:
+        its standbys may start now, while this process does its setup)."""
+        with self._lock:
+            first, self._wrapped = not self._wrapped, True
+        if first and not self.standby:
+            self.channel.send(_messages().InProcess())
+
+    def stand_by(self) -> dict[str, str] | None:
+        """A standby at its function: tell the agent it is ready and wait for
+        a rank (the ``Enter``'s variables; None when the agent is gone)."""
+        self._import_ahead()
+        self._listen()
+        self.channel.send(_messages().StandbyReady())
+        env = self.wait_enter()
+        self.standby = False
+        return env
 
     def aborted(self) -> bool:
         with self._lock:
@@ -97,6 +148,26 @@ class Port:
                 return None
             self.round = enter.round
             return dict(enter.env)
+
+    def _import_ahead(self) -> None:
+        """The modules of ``preload`` (bounded: bytes, time); one that fails
+        is skipped."""
+        if not self.preload:
+            return
+        import importlib
+        import time
+
+        try:
+            with open(self.preload, "rb") as f:
+                names = f.read(MAX_PRELOAD_BYTES).decode("ascii", "replace").split()
+        except OSError:
+            return
+        deadline = time.monotonic() + PRELOAD_BUDGET
+        for name in names:
+            if time.monotonic() > deadline:
+                break
+            with contextlib.suppress(Exception, SystemExit):
+                importlib.import_module(name)
 
     # ------------------------------------------------------------ the agent's messages
     def _read(self) -> None:
@@ -152,9 +223,21 @@ class Port:
                 self.on_abort()
 
 
-def install(channel: Any, round_text: str | None, numbers: Any) -> None:
-    """The runner's call: a port when the worker has a channel and a round."""
+def install(
+    channel: Any,
+    round_text: str | None,
+    numbers: Any,
+    *,
+    standby_text: str | None = None,
+    late: Callable[[], None] = lambda: None,
+    preload: str | None = None,
+) -> None:
+    """The runner's call: a port when the worker has a channel and a round,
+    or is a standby (``late``: the runner's setup once a standby has a rank)."""
     global PORT
+    if channel.fd is not None and standby_text == "1":
+        PORT = Port(channel, -1, standby=True, late=late, preload=preload)
+        return
     round_ = numbers.ascii_int(round_text or "")
     if channel.fd is not None and round_ is not None and round_ >= 0:
         PORT = Port(channel, round_)

@@ -68,6 +68,8 @@ STACKS_ENV = "ELASTRUN_STACKS_FILE"  # where faulthandler writes on the stack si
 STACK_SIGNAL_ENV = "ELASTRUN_STACK_SIGNAL"  # its number (--stack-signal)
 PROGRESS_ENV = ("ELASTRUN_HEARTBEAT_FILE", "ELASTRUN_HEARTBEAT_INTERVAL")  # see _progress.py
 ROUND_ENV = "ELASTRUN_ROUND"  # the round it starts in (in-process restarts: _restart.py)
+STANDBY_ENV = "ELASTRUN_STANDBY"  # "1": a standby without a rank yet (_restart.py)
+STANDBY_PRELOAD_ENV = "ELASTRUN_STANDBY_PRELOAD"  # what it imports while it waits (_restart.py)
 PRIVATE_ENV = (
     MODE_ENV,
     CHANNEL_ENV,
@@ -76,6 +78,8 @@ PRIVATE_ENV = (
     STACKS_ENV,
     STACK_SIGNAL_ENV,
     ROUND_ENV,
+    STANDBY_ENV,
+    STANDBY_PRELOAD_ENV,
     *PROGRESS_ENV,
 )
 # The default signal on which a worker writes every thread's Python stack (the
@@ -227,11 +231,14 @@ class ModuleRecorder:
 
     def _on_step(self, *_: Any) -> None:
         """Inside the script's first optimizer step: a copy of the modules,
-        sent from a thread. Never raises."""
-        hook, self._hook = self._hook, None
-        if hook is not None:
-            with contextlib.suppress(Exception):
-                hook.remove()
+        sent from a thread. Never raises. Left registered, a no-op after the
+        first step: removed here, inside the optimizer's loop over its hooks,
+        it breaks that loop ("OrderedDict mutated during iteration") when a
+        hook follows it (a standby's progress hook is registered after it:
+        _restart.py)."""
+        if self._hook is None:
+            return
+        self._hook = None
         with contextlib.suppress(Exception):
             modules = dict(sys.modules)
             thread = threading.Thread(
@@ -451,24 +458,39 @@ def run_worker(kind: str, target: str, args: list[str], quick: Any = None) -> No
     (``quick``: in a worker forked from the warm interpreter, see
     :class:`QuickExit`)."""
     env = os.environ
+    standby = env.get(STANDBY_ENV) == "1"  # read before the runner's variables are removed
     numbers = _load_sibling("_progress").numbers()  # ASCII only: '²'.isdigit() is True
     channel_fd = numbers.ascii_int(env.get(CHANNEL_ENV, ""))
     channel = Channel(channel_fd if channel_fd is not None and channel_fd >= 0 else None)
     scope = env.get(SCOPE_ENV, "installed")
     after = numbers.ascii_decimal(env.get(AFTER_ENV, ""))
     after = DEFAULT_AFTER if after is None else after
-    stacks = env.get(STACKS_ENV)
-    signum = stack_signal(env.get(STACK_SIGNAL_ENV))
-    if stacks and signum is not None:
-        register_stacks(stacks, signum)
-    # Reads its own variables; the channel carries progress when its file fails.
-    progress = _load_sibling("_progress").install(
-        on_import, channel.send if channel.fd is not None else None
-    )
+
+    def observe() -> Any:
+        """What the rank's variables name for the runner itself: its stacks
+        file and its progress (a standby's, once it has a rank)."""
+        stacks = env.get(STACKS_ENV)
+        signum = stack_signal(env.get(STACK_SIGNAL_ENV))
+        if stacks and signum is not None:
+            register_stacks(stacks, signum)
+        # Reads its own variables; the channel carries progress when its file fails.
+        progress = _load_sibling("_progress").install(
+            on_import, channel.send if channel.fd is not None else None
+        )
+        for name in PRIVATE_ENV:
+            env.pop(name, None)
+        return progress
+
     # In-process restarts (train/in_process.py) talk to the agent over the channel.
-    _load_sibling("_restart").install(channel, env.get(ROUND_ENV), numbers)
-    for name in PRIVATE_ENV:
-        env.pop(name, None)
+    _load_sibling("_restart").install(
+        channel,
+        env.get(ROUND_ENV),
+        numbers,
+        standby_text=env.get(STANDBY_ENV),
+        late=observe,
+        preload=env.get(STANDBY_PRELOAD_ENV),
+    )
+    observe()
     recorder = None
     if channel.fd is not None:
         recorder = ModuleRecorder(channel, scope, after, _names.script_module(kind, target))
@@ -476,7 +498,9 @@ def run_worker(kind: str, target: str, args: list[str], quick: Any = None) -> No
     guard_teardown()
     # Ranks other than 0 connect to rank 0's store as soon as it listens (_master.py).
     on_import("torch.distributed.rendezvous", _load_sibling("_master").install)
-    quick = quick or _load_sibling("_quick_exit").QuickExit(forked=False)
+    # A standby that failed ends as a forked worker does: its finalization would
+    # tear down a process group whose peers still wait in its collectives.
+    quick = quick or _load_sibling("_quick_exit").QuickExit(forked=standby)
     # A script that succeeded has torch.distributed shut down before the
     # interpreter finalizes, so it cannot abort in its teardown (_settle.py).
     settle = _load_sibling("_settle")
@@ -488,6 +512,7 @@ def run_worker(kind: str, target: str, args: list[str], quick: Any = None) -> No
                 else:
                     _run_script(target, args)
             finally:
+                progress = _load_sibling("_progress").current()  # a standby's: late
                 if progress is not None:
                     progress.exiting()  # the teardown is no hang of the training
                 if recorder is not None:
