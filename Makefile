@@ -19,9 +19,11 @@ DEV_STAMP := $(VENV)/.dev-installed
 
 # Test processes in parallel (pytest-xdist): most tests wait on the processes
 # they start, not on the CPU, so more processes than cores pay off. PYTEST_JOBS=0
-# runs the tests in this process, one after the other.
+# runs the tests in this process, one after the other. Work stealing: a process
+# that ran out of tests takes some of a busy one's, so long tests do not queue
+# behind each other at the end.
 PYTEST_JOBS ?= 4
-PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_JOBS)
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_JOBS) --dist worksteal
 
 .PHONY: setup setup-demo etcd chromium check test test-fast soak demo bench bench-quick clean
 
