@@ -236,13 +236,15 @@ def test_the_module_report_leaves_the_optimizer_s_later_hooks_working() -> None:
     before = set(optimizer._global_optimizer_post_hooks)
     seen: list[int] = []
     try:
-        _runner.ModuleRecorder(channel, "installed", 0.0).install()
+        recorder = _runner.ModuleRecorder(channel, "installed", 0.0)
+        recorder.install()
         optimizer.register_optimizer_step_post_hook(lambda *_: seen.append(1))
         p = torch.nn.Parameter(torch.ones(1))
         opt = torch.optim.SGD([p], lr=0.1)
         for _ in range(2):
             p.grad = torch.ones(1)
             opt.step()
+        recorder.finish()  # the list goes out from a thread of its own
     finally:
         for key in set(optimizer._global_optimizer_post_hooks) - before:
             del optimizer._global_optimizer_post_hooks[key]

@@ -210,6 +210,7 @@ class ModuleRecorder:
         self._sent = False
         self._lock = threading.Lock()
         self._hook: Any = None
+        self._stepped = False  # the first optimizer step came (the hook then does nothing)
         self._thread: threading.Thread | None = None
 
     def install(self) -> None:
@@ -236,9 +237,9 @@ class ModuleRecorder:
         it breaks that loop ("OrderedDict mutated during iteration") when a
         hook follows it (a standby's progress hook is registered after it:
         _restart.py)."""
-        if self._hook is None:
+        if self._stepped:
             return
-        self._hook = None
+        self._stepped = True
         with contextlib.suppress(Exception):
             modules = dict(sys.modules)
             thread = threading.Thread(
