@@ -10,9 +10,10 @@ script's own setup: data, model, compilation), a checkpoint every step
 (``--memory-checkpoint``: the agent's memory under elastrun, the disk under
 torchrun) and two faults in one run:
 
-* hard fault: the last rank SIGKILLs itself at step ``--crash-at-step``;
-* soft fault: rank 0 raises an exception at step ``--raise-at-step`` of the
-  run after that restart.
+* hard fault: the last rank SIGKILLs itself at step ``--crash-at-step``
+  (default 150, about 10 s into the job: a standby rank is ready by then);
+* soft fault: rank 0 raises an exception at step ``--raise-at-step`` (default
+  250) of the run after that restart.
 
 Times come from the launcher's output, each line stamped when read: from the
 fault's line (the worker prints it just before it dies or raises) to the
@@ -216,9 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=3)
     p.add_argument("--setup-seconds", type=float, default=3.0)
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--crash-at-step", type=int, default=6)
-    p.add_argument("--raise-at-step", type=int, default=14)
+    # The faults come about 10 s into the job (and 7 s after the first restart):
+    # a standby rank is then ready (6-9 s after the script wraps its function on
+    # a loaded 2-core machine), as it would be in a job that trains for hours.
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--crash-at-step", type=int, default=150)
+    p.add_argument("--raise-at-step", type=int, default=250)
     p.add_argument("--repeats", type=int, default=3, help="repetitions (default 3)")
     p.add_argument("--timeout", type=float, default=300.0, help="per launcher run (s)")
     args = p.parse_args(argv)
