@@ -116,6 +116,12 @@ def job(tmp_path: Path) -> Iterator[Job]:
     j = Job(tmp_path)
     try:
         yield j
+    except BaseException:
+        # What each agent said, in the failed test's report (pytest shows its output).
+        for agent in j.agents:
+            print(f"----- agent {agent.name} (last 4000 characters) -----")
+            print(agent.output()[-4000:])
+        raise
     finally:
         j.cleanup()
 
