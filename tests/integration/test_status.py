@@ -283,12 +283,15 @@ def test_status_and_event_log_tell_the_job_story(tmp_path: Path) -> None:
     svg = text[text.index("<svg") : text.index("</svg>") + len("</svg>")]
     ElementTree.fromstring(svg)  # well-formed
     head = text[text.index("<h2>") : text.index("</h2>")]
-    # every restart once (c's join re-formed the group: not counted), and how many counted
+    # every restart once, and how many the rendezvous charged: the crash's
+    # alone (the status above: 1). c's join re-formed the group uncharged; an
+    # agent whose worker's collective broke as c's join stopped the group may
+    # have announced that restart as counted (its `restart` event comes before
+    # the charge: docs/events.md), which the page does not believe.
     restarts = {e["round"] for e in events if e["kind"] == "restart"}
-    counted = {e["round"] for e in events if e["kind"] == "restart" and e["counted"]}
     said = f"{len(restarts)} restart{'s' if len(restarts) > 1 else ''}"
-    said += f" ({len(counted)} counted)," if len(counted) < len(restarts) else ","
-    assert "3 nodes" in head and said in head and len(counted) == 1, (said, head)
+    said += " (1 counted)," if len(restarts) > 1 else ","
+    assert "3 nodes" in head and said in head, (said, head)
     assert f"round {closed[-1]['round']}" in svg
     assert "rank 1 on" in text and "<script" not in text
 
