@@ -218,6 +218,11 @@ def test_a_killed_rank_is_served_by_a_standby_and_status_shows_it(tmp_path: Path
     evs = events(log)
     used = [e for e in evs if e["kind"] == "standby_used"]
     assert [(e["rank"], e["pid"]) for e in used] == [(2, standby)]
+    # The standby in its place is spawned after the round's workers started, not before
+    # (its spawn is not on the path to the round's first step).
+    kinds = [e["kind"] for e in evs]
+    after_use = kinds[kinds.index("standby_used") :]
+    assert after_use.index("workers_started") < after_use.index("standby_started"), kinds
     started = [e for e in evs if e["kind"] == "workers_started"]
     after = dict(zip(started[1]["ranks"], started[1]["pids"], strict=True))
     assert after == {0: pids[0], 1: pids[1], 2: standby}
