@@ -167,6 +167,19 @@ def stop_groups(*procs: subprocess.Popen[Any], timeout: float = 10.0) -> None:
             proc.wait(timeout)
 
 
+def finished(proc: subprocess.Popen[bytes], timeout: float) -> str:
+    """The output of ``proc`` (started with stdout piped, stderr to it, in a
+    session of its own) once it ends successfully within ``timeout``; its
+    group is stopped in any case."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        stop_groups(proc)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-4000:]
+    return text
+
+
 def run_ranks(code: str, world: int, *args: str, env: Mapping[str, str] | None = None) -> list[str]:
     """Run the Python ``code`` (with ``args``) as ranks 0..world-1 of one
     torch.distributed job on loopback (``env://``: ``RANK``, ``WORLD_SIZE``,

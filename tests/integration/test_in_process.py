@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from elastrun.status.timeline import load_events, render_html
-from tests.helpers import stop_groups, wait_for
+from tests.helpers import finished, stop_groups, wait_for
 from tests.integration.elastic_harness import SCRIPTS
 from tests.integration.test_status import status
 
@@ -49,17 +49,29 @@ def worker_env(folder: Path, fault: dict[str, Any], steps: int) -> dict[str, str
     }
 
 
-def test_example_keeps_the_survivors_processes(tmp_path: Path) -> None:
-    log = tmp_path / "events.jsonl"
+def run_job(log: Path, args: list[str], env: dict[str, str] | None = None) -> str:
+    """elastrun on one node of 3 ranks with ``args`` (its flags, the script and
+    the script's), to its end: its output (the job must succeed)."""
     argv = [
         sys.executable,
         "-m",
         "elastrun",
         "--standalone",
         "--nproc-per-node=3",
+        f"--events-file={log}",
+        *args,
+    ]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, env=env
+    )
+    return finished(proc, BOUND)
+
+
+def test_example_keeps_the_survivors_processes(tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    args = [
         "--max-restarts=2",
         "--standby-ranks=0",  # replaced ranks start as new processes (standbys: below)
-        f"--events-file={log}",
         str(EXAMPLE),
         "--epochs=2",
         "--in-process",
@@ -71,15 +83,7 @@ def test_example_keeps_the_survivors_processes(tmp_path: Path) -> None:
         "--raise-at-step=20",
         "--log-every=5",
     ]
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=BOUND)
-    finally:
-        stop_groups(proc)
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text[-4000:]
+    text = run_job(log, args)
     assert "final: epoch=2" in text
 
     evs = events(log)
@@ -120,26 +124,8 @@ def test_a_hung_rank_is_replaced_and_its_peers_kept(tmp_path: Path) -> None:
     which ends its peers' collectives, and their processes are kept."""
     log = tmp_path / "events.jsonl"
     env = worker_env(tmp_path, {"rank": 1, "how": "hang", "step": 2}, steps=5)
-    argv = [
-        sys.executable,
-        "-m",
-        "elastrun",
-        "--standalone",
-        "--nproc-per-node=3",
-        "--max-restarts=1",
-        "--hang-timeout=10",
-        f"--events-file={log}",
-        str(SCRIPTS / "inproc_worker.py"),
-    ]
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, env=env
-    )
-    try:
-        out, _ = proc.communicate(timeout=BOUND)
-    finally:
-        stop_groups(proc)
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text[-4000:]
+    worker = str(SCRIPTS / "inproc_worker.py")
+    text = run_job(log, ["--max-restarts=1", "--hang-timeout=10", worker], env)
     evs = events(log)
     assert any(e["kind"] == "hang_detected" for e in evs), text[-3000:]
     left = [e for e in evs if e["kind"] == "ranks_left"]
@@ -147,6 +133,27 @@ def test_a_hung_rank_is_replaced_and_its_peers_kept(tmp_path: Path) -> None:
     started = [e for e in evs if e["kind"] == "workers_started"]
     before, after = (dict(zip(e["ranks"], e["pids"], strict=True)) for e in started)
     assert after[0] == before[0] and after[2] == before[2] and after[1] != before[1]
+
+
+def test_a_survivor_waiting_in_the_store_leaves_and_is_kept(tmp_path: Path) -> None:
+    """Rank 2 is SIGKILLed while rank 0 waits in the group's store for a key
+    no rank sets: aborting the process group does not end that wait, the
+    connections rank 0 opened in its function are shut down under it, it
+    leaves its function and its process is kept (it is not replaced for
+    having missed the agent's time to leave)."""
+    log = tmp_path / "events.jsonl"
+    fault = {"rank": 2, "how": "kill", "step": 2, "stuck": 0}
+    env = worker_env(tmp_path, fault, steps=4)
+    text = run_job(log, ["--max-restarts=1", str(SCRIPTS / "inproc_worker.py")], env)
+    views = events(tmp_path / "views.jsonl")
+    stuck = [v for v in views if "stuck" in v]
+    assert [(v["rank"], v["stuck"]) for v in stuck] == [(0, stuck[0]["stuck"])], views
+    evs = events(log)
+    left = [e for e in evs if e["kind"] == "ranks_left"]
+    assert [(e["kept"], e["replaced"]) for e in left] == [([0, 1], [2])], text[-3000:]
+    # The process that waited in the store trains on as rank 0 of the next round.
+    again = [v for v in views if v.get("restarts") == 1 and v.get("rank") == 0]
+    assert [v["pid"] for v in again] == [stuck[0]["stuck"]], views
 
 
 def test_a_killed_rank_is_served_by_a_standby_and_status_shows_it(tmp_path: Path) -> None:
@@ -211,6 +218,11 @@ def test_a_killed_rank_is_served_by_a_standby_and_status_shows_it(tmp_path: Path
     evs = events(log)
     used = [e for e in evs if e["kind"] == "standby_used"]
     assert [(e["rank"], e["pid"]) for e in used] == [(2, standby)]
+    # The standby in its place is spawned after the round's workers started, not before
+    # (its spawn is not on the path to the round's first step).
+    kinds = [e["kind"] for e in evs]
+    after_use = kinds[kinds.index("standby_used") :]
+    assert after_use.index("workers_started") < after_use.index("standby_started"), kinds
     started = [e for e in evs if e["kind"] == "workers_started"]
     after = dict(zip(started[1]["ranks"], started[1]["pids"], strict=True))
     assert after == {0: pids[0], 1: pids[1], 2: standby}

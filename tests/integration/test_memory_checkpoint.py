@@ -24,7 +24,7 @@ import pytest
 
 from elastrun.train import load_checkpoint
 from elastrun.worker.checkpoint_files import check, list_checkpoints
-from tests.helpers import free_port, kill_group, stop_groups, wait_for
+from tests.helpers import finished, free_port, kill_group, stop_groups, wait_for
 from tests.integration.elastic_harness import SCRIPTS
 
 torch = pytest.importorskip("torch")
@@ -59,12 +59,7 @@ def run_job(tmp_path: Path, env: dict[str, str]) -> tuple[str, list[dict[str, An
         env={**os.environ, **env},
         start_new_session=True,
     )
-    try:
-        out, _ = proc.communicate(timeout=BOUND)
-    finally:
-        stop_groups(proc)
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text[-4000:]
+    text = finished(proc, BOUND)
     return text, [json.loads(line) for line in events.read_text().splitlines()]
 
 
@@ -188,12 +183,7 @@ def test_the_example_resumes_from_the_step_before_the_kill(tmp_path: Path) -> No
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
-    try:
-        out, _ = proc.communicate(timeout=BOUND)
-    finally:
-        stop_groups(proc)
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text[-4000:]
+    text = finished(proc, BOUND)
     m = re.search(r"=> using memory checkpoint: step (\d+)", text)
     assert m is not None and int(m.group(1)) in (36, 37), text[-3000:]
     step = int(m.group(1))
@@ -228,12 +218,7 @@ def test_lightning_resumes_from_rank_0s_memory_copy(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
-    try:
-        out, _ = proc.communicate(timeout=BOUND)
-    finally:
-        stop_groups(proc)
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text[-4000:]
+    text = finished(proc, BOUND)
     assert "SIGKILLs itself at step 12" in text
     fits = [json.loads(ln) for ln in (tmp_path / "fits.jsonl").read_text().splitlines()]
     assert sorted(f["rank"] for f in fits) == [0, 1] and all(f["restart"] == 1 for f in fits)

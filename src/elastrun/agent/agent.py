@@ -525,6 +525,9 @@ class Agent:
                 master=f"{result.master_addr}:{result.master_port}",
             )
         )
+        # In place of the standbys taken (_takers): spawned once the round's workers
+        # were started or told to enter, not on the path to the round's first step.
+        self._standbys.fill()
 
     async def _on_success(self, group: WorkerGroup, result: RoundResult) -> int:
         await group.close()

@@ -202,8 +202,9 @@ class Standbys:
     # ------------------------------------------------------------ using
     def take(self, n: int) -> list[tuple[Worker, float]]:
         """Up to ``n`` ready standbys (each with how long it was ready), no
-        longer this pool's: the round's group owns them. New ones are
-        started in the background."""
+        longer this pool's: the round's group owns them. The caller starts
+        new ones (:meth:`fill`) once the round's workers have started: a
+        standby's spawn is not on the path to the round's first step."""
         now = self.clock.monotonic()
         taken: list[tuple[Worker, float]] = []
         while self.ready and len(taken) < n:
@@ -212,8 +213,6 @@ class Standbys:
                 continue
             w.standby = True
             taken.append((w, round(now - since, 3)))
-        if taken:
-            asyncio.get_running_loop().call_soon(self.fill)
         return taken
 
     # ------------------------------------------------------------ the end

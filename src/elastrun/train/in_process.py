@@ -45,6 +45,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
+from elastrun.train import connections
+
 __all__ = ["collective_broken", "current_round", "in_process"]
 
 P = ParamSpec("P")
@@ -61,6 +63,10 @@ BROKEN_MARKERS = (
     "Broken pipe",
 )
 DISTRIBUTED_PATH = os.sep + os.path.join("torch", "distributed") + os.sep
+# After an Abort, how long the function has to leave before the connections it
+# opened are shut down under it (connections.py): the aborted group ends most
+# waits at once; this ends the others (a wait on a live peer, on the store).
+ABORT_GRACE = 2.0
 
 
 def _port() -> Any:
@@ -111,6 +117,33 @@ def _abort_groups() -> None:
                 c10d.destroy_process_group()
 
 
+class _Entry:
+    """The function's current entry, as the port's thread sees it on an Abort."""
+
+    def __init__(self) -> None:
+        self.number = 0  # entries so far
+        self.spared: frozenset[str] = frozenset()  # sockets open before it
+
+    def enter(self) -> None:
+        self.spared = connections.snapshot()
+        self.number += 1
+
+    def abort(self, port: Any) -> None:
+        """The agent's Abort: abort the groups now; if the function has not
+        left within :data:`ABORT_GRACE`, shut down the connections this entry
+        opened (the wait the abort did not end ends then)."""
+        number, spared = self.number, self.spared
+        _abort_groups()
+
+        def still_inside() -> None:
+            if port.inside and self.number == number:
+                connections.shut_down(spared)
+
+        timer = threading.Timer(ABORT_GRACE, still_inside)
+        timer.daemon = True
+        timer.start()
+
+
 def _new_progress() -> None:
     """The hang watchdog judges a re-entered function from its first progress."""
     progress = getattr(sys.modules.get(PROGRESS_MODULE), "current", lambda: None)()
@@ -131,7 +164,8 @@ def in_process(fn: Callable[P, R]) -> Callable[P, R]:
         port = _port()
         if port is None:
             return fn(*args, **kwargs)
-        port.on_abort = _abort_groups
+        entry = _Entry()
+        port.on_abort = lambda: entry.abort(port)
         if port.standby:  # set up without a rank: wait for one (agent/standby.py)
             env = port.stand_by()
             if env is None:
@@ -139,15 +173,25 @@ def in_process(fn: Callable[P, R]) -> Callable[P, R]:
             os.environ.update(env)
             port.late()
         while True:
+            entry.enter()
             port.entering()
             try:
                 return fn(*args, **kwargs)
             except BaseException as e:
                 if not isinstance(e, Exception) or not (port.aborted() or collective_broken(e)):
                     raise  # the rank's own error: its process is replaced
+                # Before the old round's frames are freed (``del e``): freeing them (the
+                # group, a DDP wrapper and its pending work) can wait in C++, holding the
+                # GIL (so that no other thread of ours runs), for the group's threads,
+                # which a wait on a live peer keeps (the abort does not end it). Measured
+                # with the example, SIGKILL of one of 3 ranks: a survivor stopped in that
+                # ``del`` until LEAVE_TIMEOUT in 4 of 6 runs; aborting and shutting down
+                # this entry's connections first, in 1 of 13.
+                _abort_groups()
+                connections.shut_down(entry.spared)
                 why = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
                 del e  # no frame of the old round kept alive
-            _abort_groups()
+            _abort_groups()  # whatever the freed frames left (a group made since)
             port.leaving(why)
             env = port.wait_enter()
             if env is None:

@@ -11,8 +11,32 @@ import atexit
 import contextlib
 import os
 import sys
+from typing import Any
 
 __all__ = ["QuickExit"]
+
+
+def open_files() -> list[Any]:
+    """Every file object alive (``io``'s, whatever their class), found among
+    the interpreter's objects without one Python-level step per object (there
+    are some 300,000 with torch loaded: a loop of ``isinstance`` over them took
+    0.3-0.9 s on a loaded 2-core machine, a failed rank's exit that its
+    group's restart waits for): their types are sorted out once, then the
+    objects of the file types are picked at C speed."""
+    import gc
+    import io
+    import itertools
+
+    objects = gc.get_objects()
+    file_types = {t for t in set(map(type, objects)) if _is_file_type(t, io.IOBase)}
+    return list(itertools.compress(objects, map(file_types.__contains__, map(type, objects))))
+
+
+def _is_file_type(t: type, base: type) -> bool:
+    try:
+        return issubclass(t, base)
+    except Exception:  # a type whose metaclass refuses the question
+        return False
 
 
 class QuickExit:
@@ -47,14 +71,10 @@ class QuickExit:
     def _end(self) -> None:
         if self.code is None:
             return
-        import gc
-        import io
-
-        for obj in gc.get_objects():
-            if isinstance(obj, io.IOBase):
-                with contextlib.suppress(Exception):
-                    if not obj.closed and obj.writable():
-                        obj.flush()
+        for obj in open_files():
+            with contextlib.suppress(Exception):
+                if not obj.closed and obj.writable():
+                    obj.flush()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()

@@ -7,6 +7,8 @@ all-reduce steps. ``INPROC_PLAN`` (JSON, one entry per restart count:
 ``{"rank": r, "how": "kill" | "raise" | "hang", "step": s}``) says which
 rank fails, how and at which step, in the run of that restart count (``hang``:
 it sleeps, out of any collective, until the hang watchdog declares it).
+An entry's ``"stuck": r2``: at that step, rank ``r2`` waits in the group's
+store for a key no rank sets (a wait no process group abort ends).
 ``INPROC_UNTIL`` (a path): after the steps, more steps until that file exists
 (the ranks agree on it over the group).
 """
@@ -73,6 +75,9 @@ def train() -> None:
         t = torch.ones(1)
         dist.all_reduce(t)
         heartbeat(step + 1)
+        if fault is not None and fault.get("stuck") == rank and fault["step"] == step:
+            record({"stuck": os.getpid(), "rank": rank, "round": r})
+            dist.distributed_c10d._get_default_store().get("never-set")
         if fault is not None and fault["rank"] == rank and fault["step"] == step:
             record({"fault": fault["how"], "pid": os.getpid(), "rank": rank, "round": r})
             if fault["how"] == "kill":
