@@ -234,7 +234,8 @@ class Series:
             self.log.append(f"{number}: cut {node}")
             self.cut(node)
         else:
-            node = rng.choice(self.training())
+            # Between rounds no node has workers for a moment: wait for one that does.
+            node = rng.choice(wait_for(self.training, BOUND, "a training node to crash"))
             self.log.append(f"{number}: crash {node}")
             self.crash(node, f"exit {next(self.codes)}")
 
