@@ -418,6 +418,11 @@ class Outcome:
     error: BaseException | None = None
 
 
+# Tries of one write on ``round`` whose compare other nodes' writes keep
+# failing while the round stays where it was (:meth:`Executor._on_round`).
+ROUND_WRITE_TRIES = 64
+
+
 class Executor:
     """Carries the rules' actions out for one node (its writes)."""
 
@@ -613,9 +618,8 @@ class Executor:
         return Outcome(error=error)
 
     async def _join(self, a: Join) -> None:
-        node, view, r = self.node, self.observer.view, a.round
-        kv = view.round_kv
-        if kv is None or view.round is None or view.round.round != r:
+        node, r = self.node, a.round
+        if self.observer.view.round_kv is None:
             return
         if not self.port or self.port_round != r:
             last = self.port
@@ -629,52 +633,93 @@ class Executor:
                     break
             self.port_round = r
         rec = JoinRecord(node.info(), port=self.port)
-        res = await node.store.txn(
-            [Compare.unchanged(node.keys.round, kv.mod_revision)],
-            [
-                Put(node.keys.join(r, node.node_id), rec.encode(), self.keeper.lease),
-                Delete(self._waiting_key),
-            ],
-        )
-        if res.succeeded:
-            # round is unchanged at this revision (compared): the next phase
-            # need not read it again.
-            self.observer.round_seen = (kv, res.revision)
-            self.observer.joined = (r, res.revision)
+
+        async def join(kv: KeyValue, _: RoundRecord) -> bool:
+            res = await node.store.txn(
+                [Compare.unchanged(node.keys.round, kv.mod_revision)],
+                [
+                    Put(node.keys.join(r, node.node_id), rec.encode(), self.keeper.lease),
+                    Delete(self._waiting_key),
+                ],
+            )
+            if res.succeeded:
+                # round is unchanged at this revision (compared): the next
+                # phase need not read it again.
+                self.observer.round_seen = (kv, res.revision)
+                self.observer.joined = (r, res.revision)
+            return res.succeeded
+
+        if await self._on_round(r, RoundState.OPEN, join):
             node.events.emit(NodeJoined(round=r, node=node.node_id, host=node.host))
 
+    async def _on_round(
+        self,
+        r: int,
+        state: RoundState,
+        write: Callable[[KeyValue, RoundRecord], Awaitable[bool]],
+    ) -> bool:
+        """``write`` (a compare on ``round`` at the given record) while ``round``
+        is round ``r`` in ``state``; True once it succeeded. Other nodes write
+        ``round`` without moving it on (a root-cause report, a fault mark): a
+        compare that such a write failed is read again and tried again, else a
+        join or a close would be lost and the round would wait on a node that
+        thinks it did its part. Bounded: each retry follows another node's
+        successful write. Where the round moved on, False: the round feed
+        brings the change to the rules (the view is left as it is)."""
+        view = self.observer.view
+        kv, rec = view.round_kv, view.round
+        for _ in range(ROUND_WRITE_TRIES):
+            if kv is None or rec is None or rec.round != r or rec.state is not state:
+                return False
+            if await write(kv, rec):
+                return True
+            kvs, rev = await read(self.node.store, self.node.keys.round, False)
+            kv = kvs[0] if kvs else None
+            rec = None if kv is None else P.decode_round(kv.key, kv.value)
+            if rec is not None and rec.round == r and rec.state is state:
+                # Only what it holds changed: the view takes it (the feed's
+                # event of that revision, when it comes, is then ignored).
+                view.set_round(kv, rev)
+        return False
+
     async def _close_round(self, a: CloseRound) -> None:
-        node, view = self.node, self.observer.view
-        kv, r = view.round_kv, a.round
-        if kv is None or view.round is None or view.round.state is not RoundState.OPEN:
-            return
+        node, view, r = self.node, self.observer.view, a.round
         order = sorted(view.joiners.values(), key=lambda kv: kv.create_revision)
         joiners = [JoinRecord.decode(j.key, j.value) for j in order]
         settings = node.settings
-        closed, result = rounds.close_records(
-            view.round,
-            joiners,
-            settings.max_nodes,
-            a.reason,
-            time.time(),
-            max_restarts=settings.max_restarts,
-            unit=settings.node_unit,
-        )
+        shards = shard_count(settings.max_nodes)
+        made: list[tuple[RoundRecord, ResultRecord]] = []
+
+        async def close(kv: KeyValue, rec: RoundRecord) -> bool:
+            closed, result = rounds.close_records(
+                rec,
+                joiners,
+                settings.max_nodes,
+                a.reason,
+                time.time(),
+                max_restarts=settings.max_restarts,
+                unit=settings.node_unit,
+            )
+            made.append((closed, result))
+            header, parts = stored_form(result, shards)
+            res = await node.store.txn(
+                [Compare.unchanged(node.keys.round, kv.mod_revision)],
+                [
+                    Put(node.keys.round, closed.encode()),
+                    Put(node.keys.result(r), header.encode()),
+                    *(Put(node.keys.shard(r, p.shard), p.encode()) for p in parts),
+                ],
+            )
+            return res.succeeded
+
+        if not await self._on_round(r, RoundState.OPEN, close):
+            return
+        closed, result = made[-1]
         members = result.members
         chosen = {m.node_id for m in members}
-        shards = shard_count(settings.max_nodes)
-        header, parts = stored_form(result, shards)
-        res = await node.store.txn(
-            [Compare.unchanged(node.keys.round, kv.mod_revision)],
-            [
-                Put(node.keys.round, closed.encode()),
-                Put(node.keys.result(r), header.encode()),
-                *(Put(node.keys.shard(r, p.shard), p.encode()) for p in parts),
-            ],
-        )
-        if res.succeeded and closed.state is RoundState.FAILED:
+        if closed.state is RoundState.FAILED:
             node.events.emit(JobMarkedFailed(round=r, reason="restart budget exhausted"))
-        elif res.succeeded:
+        else:
             view.results[r] = result
             view.heads[r] = Head.of(result, node.node_id, shards)
             node.events.emit(
@@ -690,13 +735,6 @@ class Executor:
                     spares=[j.node.node_id for j in joiners if j.node.node_id not in chosen],
                 )
             )
-
-    def _closed_round_kv(self, r: int) -> tuple[KeyValue, RoundRecord] | None:
-        view = self.observer.view
-        kv, rec = view.round_kv, view.round
-        if kv is None or rec is None or rec.round != r or rec.state is not RoundState.CLOSED:
-            return None
-        return kv, rec
 
     async def _cas_round(self, kv: KeyValue, new: RoundRecord) -> bool:
         keys, store = self.node.keys, self.node.store
@@ -716,35 +754,36 @@ class Executor:
         return res.succeeded
 
     async def _open_round(self, a: OpenRound) -> None:
-        found = self._closed_round_kv(a.round)
-        if found is None:
+        rec = self.observer.view.round
+        if rec is None or rec.round != a.round or rec.state is not RoundState.CLOSED:
             return
-        kv, rec = found
         result = await self.observer.get_result(a.round)
-        new = rounds.next_round_record(
-            rec,
-            result,
-            a.reason,
-            a.detail,
-            counts=a.counts,
-            failure=self.failure,
-            opened_at=time.time(),
-            reporter=self.node.node_id,
-        )
-        if await self._open(kv, new, hang=new.hang_round == a.round):
+
+        async def open_next(kv: KeyValue, rec: RoundRecord) -> bool:
+            new = rounds.next_round_record(
+                rec,
+                result,
+                a.reason,
+                a.detail,
+                counts=a.counts,
+                failure=self.failure,
+                opened_at=time.time(),
+                reporter=self.node.node_id,
+            )
+            return await self._open(kv, new, hang=new.hang_round == a.round)
+
+        if await self._on_round(a.round, RoundState.CLOSED, open_next):
             events, me = self.node.events, self.node.node_id
             if a.reason == "member_lost":
                 events.emit(NodeLost(round=a.round, detail=a.detail, by=me))
             events.emit(RoundOpened(round=a.round + 1, reason=a.reason, detail=a.detail, by=me))
 
     async def _mark_finished(self, a: MarkFinished) -> None:
-        r = a.round
-        found = self._closed_round_kv(r)
-        if found is None:
-            return
-        kv, rec = found
-        if await self._cas_round(kv, dataclasses.replace(rec, state=RoundState.FINISHED)):
-            self.node.events.emit(JobMarkedFinished(round=r))
+        async def finish(kv: KeyValue, rec: RoundRecord) -> bool:
+            return await self._cas_round(kv, dataclasses.replace(rec, state=RoundState.FINISHED))
+
+        if await self._on_round(a.round, RoundState.CLOSED, finish):
+            self.node.events.emit(JobMarkedFinished(round=a.round))
 
     def _spare(self, r: int) -> bool:
         return spare(self.node.settings, self.observer.view.size(r))
