@@ -103,13 +103,57 @@ def collective_broken(exc: BaseException) -> bool:
 _ABORT_LOCK = threading.Lock()
 
 
-def _abort_groups() -> None:
-    """Abort every process group (its collectives end now); no-op without one."""
+class _Retired:
+    """The process groups this process aborted, held until the entry after
+    the next one (:meth:`release`), so that leaving never destroys one.
+
+    A gloo group's destructor joins its worker threads, and runs where its
+    last reference is dropped: in the wrapper's ``del e`` (a DDP wrapper's
+    reducer in the old round's frames holds the group) or in the abort (which
+    clears torch's table of groups), with the GIL held. A worker thread that
+    is just ending a collective the abort broke frees the collective's work,
+    which needs the GIL (the work holds Python objects of the thread that
+    started it: the ``contextvars`` context that ``backward()`` stashes):
+    each waits for the other, and the rank never leaves (found with gdb in a
+    survivor of the example that was replaced at ``LEAVE_TIMEOUT``). Held a
+    round longer, a group is destroyed once its threads have long ended their
+    last work (they got the GIL while this process waited for its ``Enter``
+    and trained a round), and its destructor only joins idle threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the port's thread holds too (an Abort)
+        self._held: dict[int, list[Any]] = {}  # entry number -> its groups
+
+    def hold(self, entry: int, groups: list[Any]) -> None:
+        with self._lock:
+            self._held.setdefault(entry, []).extend(groups)
+
+    def release(self, entry: int) -> None:
+        """Entering the function for the ``entry``-th time: drop the groups
+        of entries before ``entry - 1`` (those of the last one are kept)."""
+        with self._lock:
+            old = [self._held.pop(n) for n in list(self._held) if n < entry - 1]
+        del old  # destroyed here, out of the lock
+
+
+_RETIRED = _Retired()
+
+
+def _groups(c10d: Any) -> list[Any]:
+    """Every process group torch knows of now (the default one among them)."""
+    pg_map = getattr(getattr(c10d, "_world", None), "pg_map", None)
+    return list(pg_map) if isinstance(pg_map, dict) else []
+
+
+def _abort_groups(entry: int = 0) -> None:
+    """Abort every process group (its collectives end now), holding them in
+    :data:`_RETIRED` for entry ``entry``; no-op without one."""
     c10d = sys.modules.get("torch.distributed.distributed_c10d")
     if c10d is None:
         return
     with _ABORT_LOCK, contextlib.suppress(Exception):
         if c10d.is_initialized():
+            _RETIRED.hold(entry, _groups(c10d))
             abort = getattr(c10d, "_abort_process_group", None)
             if abort is not None:
                 abort()
@@ -127,13 +171,14 @@ class _Entry:
     def enter(self) -> None:
         self.spared = connections.snapshot()
         self.number += 1
+        _RETIRED.release(self.number)
 
     def abort(self, port: Any) -> None:
         """The agent's Abort: abort the groups now; if the function has not
         left within :data:`ABORT_GRACE`, shut down the connections this entry
         opened (the wait the abort did not end ends then)."""
         number, spared = self.number, self.spared
-        _abort_groups()
+        _abort_groups(number)
 
         def still_inside() -> None:
             if port.inside and self.number == number:
@@ -187,11 +232,11 @@ def in_process(fn: Callable[P, R]) -> Callable[P, R]:
                 # with the example, SIGKILL of one of 3 ranks: a survivor stopped in that
                 # ``del`` until LEAVE_TIMEOUT in 4 of 6 runs; aborting and shutting down
                 # this entry's connections first, in 1 of 13.
-                _abort_groups()
+                _abort_groups(entry.number)  # held: ``del e`` does not destroy them
                 connections.shut_down(entry.spared)
                 why = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
                 del e  # no frame of the old round kept alive
-            _abort_groups()  # whatever the freed frames left (a group made since)
+            _abort_groups(entry.number)  # whatever the freed frames left (a group made since)
             port.leaving(why)
             env = port.wait_enter()
             if env is None:
