@@ -105,7 +105,7 @@ _ABORT_LOCK = threading.Lock()
 
 class _Retired:
     """The process groups this process aborted, held until the entry after
-    the next one (:meth:`release`), so that leaving never destroys one.
+    the next one (:meth:`entered`), so that leaving never destroys one.
 
     A gloo group's destructor joins its worker threads, and runs where its
     last reference is dropped: in the wrapper's ``del e`` (a DDP wrapper's
@@ -122,17 +122,20 @@ class _Retired:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # the port's thread holds too (an Abort)
-        self._held: dict[int, list[Any]] = {}  # entry number -> its groups
+        self._entry = 0  # entries into a wrapped function so far, in this process
+        self._held: dict[int, list[Any]] = {}  # entry -> the groups aborted in it
 
-    def hold(self, entry: int, groups: list[Any]) -> None:
+    def hold(self, groups: list[Any]) -> None:
+        """Groups aborted in the current entry."""
         with self._lock:
-            self._held.setdefault(entry, []).extend(groups)
+            self._held.setdefault(self._entry, []).extend(groups)
 
-    def release(self, entry: int) -> None:
-        """Entering the function for the ``entry``-th time: drop the groups
-        of entries before ``entry - 1`` (those of the last one are kept)."""
+    def entered(self) -> None:
+        """A wrapped function is entered: the groups of the entries before
+        the last one are dropped (the last one's are kept)."""
         with self._lock:
-            old = [self._held.pop(n) for n in list(self._held) if n < entry - 1]
+            self._entry += 1
+            old = [self._held.pop(n) for n in list(self._held) if n < self._entry - 1]
         del old  # destroyed here, out of the lock
 
 
@@ -145,15 +148,15 @@ def _groups(c10d: Any) -> list[Any]:
     return list(pg_map) if isinstance(pg_map, dict) else []
 
 
-def _abort_groups(entry: int = 0) -> None:
-    """Abort every process group (its collectives end now), holding them in
-    :data:`_RETIRED` for entry ``entry``; no-op without one."""
+def _abort_groups() -> None:
+    """Abort every process group (its collectives end now), held in
+    :data:`_RETIRED`; no-op without one."""
     c10d = sys.modules.get("torch.distributed.distributed_c10d")
     if c10d is None:
         return
     with _ABORT_LOCK, contextlib.suppress(Exception):
         if c10d.is_initialized():
-            _RETIRED.hold(entry, _groups(c10d))
+            _RETIRED.hold(_groups(c10d))
             abort = getattr(c10d, "_abort_process_group", None)
             if abort is not None:
                 abort()
@@ -171,14 +174,14 @@ class _Entry:
     def enter(self) -> None:
         self.spared = connections.snapshot()
         self.number += 1
-        _RETIRED.release(self.number)
+        _RETIRED.entered()
 
     def abort(self, port: Any) -> None:
         """The agent's Abort: abort the groups now; if the function has not
         left within :data:`ABORT_GRACE`, shut down the connections this entry
         opened (the wait the abort did not end ends then)."""
         number, spared = self.number, self.spared
-        _abort_groups(number)
+        _abort_groups()
 
         def still_inside() -> None:
             if port.inside and self.number == number:
@@ -232,11 +235,11 @@ def in_process(fn: Callable[P, R]) -> Callable[P, R]:
                 # with the example, SIGKILL of one of 3 ranks: a survivor stopped in that
                 # ``del`` until LEAVE_TIMEOUT in 4 of 6 runs; aborting and shutting down
                 # this entry's connections first, in 1 of 13.
-                _abort_groups(entry.number)  # held: ``del e`` does not destroy them
+                _abort_groups()  # held: ``del e`` does not destroy them
                 connections.shut_down(entry.spared)
                 why = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
                 del e  # no frame of the old round kept alive
-            _abort_groups(entry.number)  # whatever the freed frames left (a group made since)
+            _abort_groups()  # whatever the freed frames left (a group made since)
             port.leaving(why)
             env = port.wait_enter()
             if env is None:
