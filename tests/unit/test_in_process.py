@@ -5,17 +5,20 @@ tests/integration/test_in_process.py, tests/faults/test_in_process_random.py."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from elastrun.train import in_process
-from elastrun.train.in_process import collective_broken
+from elastrun.train.in_process import PORT_MODULE, collective_broken
 from elastrun.worker import _messages as M
 from elastrun.worker import _runner
 from elastrun.worker._restart import Port
@@ -196,3 +199,51 @@ def test_a_reentered_function_is_judged_from_its_first_progress(tmp_path: Path) 
     progress.heartbeat(6)
     beat = parse_beat(progress.snapshot())
     assert beat is not None and beat.monotonic == 130.0 and beat.step == 6
+
+
+def test_a_rank_that_leaves_destroys_no_process_group_before_the_entry_after_next(
+    agent: Agent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wrapper leaving (a broken collective) holds the groups it aborted:
+    freeing the old round's frames, or the abort itself, never runs a group's
+    destructor (it joins gloo's worker threads with the GIL held, and one
+    that is ending a work waits for the GIL: the rank would never leave).
+    They are destroyed at the entry after the next one."""
+    import types
+    import weakref
+
+    dist = pytest.importorskip("torch.distributed")
+    monkeypatch.setitem(sys.modules, "_elastrun_messages", M)
+    port = Port(agent.channel, 0)
+    monkeypatch.setitem(sys.modules, PORT_MODULE, types.SimpleNamespace(PORT=port))
+    groups: list[weakref.ref[Any]] = []
+    alive: list[list[bool]] = []
+
+    @in_process
+    def train() -> None:
+        alive.append([g() is not None for g in groups])  # at each entry
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        groups.append(weakref.ref(dist.group.WORLD))
+        if len(groups) < 3:
+            raise RuntimeError("Connection closed by peer")
+        dist.destroy_process_group()
+
+    lines = agent.ours.makefile("rb")
+
+    def read() -> M.Message:
+        return M.from_json(json.loads(lines.readline()))
+
+    assert read() == M.InProcess()  # the decorator's
+    t = threading.Thread(target=train, daemon=True)
+    t.start()
+    for r in (0, 1):
+        assert read() == (M.Restartable(round=0) if r == 0 else M.Entered(round=1))
+        assert isinstance(read(), M.Left)
+        gc.collect()
+        assert [g() is not None for g in groups] == [True] * (r + 1)  # none destroyed
+        agent.send(M.Enter(round=r + 1, env={}))
+    assert read() == M.Entered(round=2)
+    t.join(60)
+    assert not t.is_alive()
+    # Entry 2 found entry 1's group held; entry 3, only entry 2's.
+    assert alive == [[], [True], [False, True]]

@@ -103,13 +103,60 @@ def collective_broken(exc: BaseException) -> bool:
 _ABORT_LOCK = threading.Lock()
 
 
+class _Retired:
+    """The process groups this process aborted, held until the entry after
+    the next one (:meth:`entered`), so that leaving never destroys one.
+
+    A gloo group's destructor joins its worker threads, and runs where its
+    last reference is dropped: in the wrapper's ``del e`` (a DDP wrapper's
+    reducer in the old round's frames holds the group) or in the abort (which
+    clears torch's table of groups), with the GIL held. A worker thread that
+    is just ending a collective the abort broke frees the collective's work,
+    which needs the GIL (the work holds Python objects of the thread that
+    started it: the ``contextvars`` context that ``backward()`` stashes):
+    each waits for the other, and the rank never leaves (found with gdb in a
+    survivor of the example that was replaced at ``LEAVE_TIMEOUT``). Held a
+    round longer, a group is destroyed once its threads have long ended their
+    last work (they got the GIL while this process waited for its ``Enter``
+    and trained a round), and its destructor only joins idle threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the port's thread holds too (an Abort)
+        self._entry = 0  # entries into a wrapped function so far, in this process
+        self._held: dict[int, list[Any]] = {}  # entry -> the groups aborted in it
+
+    def hold(self, groups: list[Any]) -> None:
+        """Groups aborted in the current entry."""
+        with self._lock:
+            self._held.setdefault(self._entry, []).extend(groups)
+
+    def entered(self) -> None:
+        """A wrapped function is entered: the groups of the entries before
+        the last one are dropped (the last one's are kept)."""
+        with self._lock:
+            self._entry += 1
+            old = [self._held.pop(n) for n in list(self._held) if n < self._entry - 1]
+        del old  # destroyed here, out of the lock
+
+
+_RETIRED = _Retired()
+
+
+def _groups(c10d: Any) -> list[Any]:
+    """Every process group torch knows of now (the default one among them)."""
+    pg_map = getattr(getattr(c10d, "_world", None), "pg_map", None)
+    return list(pg_map) if isinstance(pg_map, dict) else []
+
+
 def _abort_groups() -> None:
-    """Abort every process group (its collectives end now); no-op without one."""
+    """Abort every process group (its collectives end now), held in
+    :data:`_RETIRED`; no-op without one."""
     c10d = sys.modules.get("torch.distributed.distributed_c10d")
     if c10d is None:
         return
     with _ABORT_LOCK, contextlib.suppress(Exception):
         if c10d.is_initialized():
+            _RETIRED.hold(_groups(c10d))
             abort = getattr(c10d, "_abort_process_group", None)
             if abort is not None:
                 abort()
@@ -127,6 +174,7 @@ class _Entry:
     def enter(self) -> None:
         self.spared = connections.snapshot()
         self.number += 1
+        _RETIRED.entered()
 
     def abort(self, port: Any) -> None:
         """The agent's Abort: abort the groups now; if the function has not
@@ -187,7 +235,7 @@ def in_process(fn: Callable[P, R]) -> Callable[P, R]:
                 # with the example, SIGKILL of one of 3 ranks: a survivor stopped in that
                 # ``del`` until LEAVE_TIMEOUT in 4 of 6 runs; aborting and shutting down
                 # this entry's connections first, in 1 of 13.
-                _abort_groups()
+                _abort_groups()  # held: ``del e`` does not destroy them
                 connections.shut_down(entry.spared)
                 why = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
                 del e  # no frame of the old round kept alive
