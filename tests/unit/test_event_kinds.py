@@ -5,6 +5,7 @@ itself from its JSON line; no event is emitted as a free-form kind."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import re
 import types
@@ -168,3 +169,24 @@ def test_the_timeline_reads_events_of_the_catalogue() -> None:
 
     assert set(DRAWN) <= set(CATALOGUE)
     assert set(COMMON) <= {"source", "run_id", "host", "node_id"}
+
+
+@pytest.mark.parametrize("cls", CATALOGUE, ids=lambda c: c.__name__)
+def test_every_kind_is_an_event_kind_that_compares_and_shows_as_a_dataclass(
+    cls: type[Event],
+) -> None:
+    """Made by ``@event_kind`` (cheap to build: every agent start imports the
+    catalogue), an event is still a frozen dataclass to its users: equal to
+    one of the same fields, hashed by them, shown as ``@dataclass`` shows it."""
+    assert "__eq__" not in vars(cls) and "__repr__" not in vars(cls), (
+        f"{cls.__name__}: declare it with @event_kind, not @dataclass"
+    )
+    event, same = example(cls), example(cls)
+    values = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
+    assert event == same and event != object()
+    shown = ", ".join(f"{name}={value!r}" for name, value in values.items())
+    assert repr(event) == f"{cls.__qualname__}({shown})"
+    if all(isinstance(v, (str, int, float, type(None), FailureRecord)) for v in values.values()):
+        assert hash(event) == hash(same) == hash(tuple(values.values()))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        event.KIND_FIELD = 1  # type: ignore[attr-defined]
