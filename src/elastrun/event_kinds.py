@@ -22,10 +22,10 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar, Union, dataclass_transform
 
 from elastrun.failure import FailureRecord
+from elastrun.frozen import frozen
 
 __all__ = ["CATALOGUE", "Event", "event_classes", "parse_event"]
 
@@ -33,32 +33,12 @@ JSONScalar = str | int | float | bool | None
 Promotion = dict[str, str | int | None]  # {node, group_rank, replaces}
 
 
-@dataclass(frozen=True, eq=False, repr=False)
+@frozen
 class Event:
-    """One event: ``KIND`` and typed fields (subclasses, each an :func:`event_kind`).
-
-    Its ``__eq__``, ``__hash__`` and ``__repr__`` are those ``@dataclass``
-    writes for a frozen class (the fields compared, hashed and shown in order),
-    written once here for every kind (see :func:`event_kind`)."""
+    """One event: ``KIND`` and typed fields (subclasses, each an :func:`event_kind`)."""
 
     KIND: ClassVar[str] = ""
     OMITTED: ClassVar[frozenset[str]] = frozenset()
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        assert isinstance(other, Event)
-        return self._values() == other._values()
-
-    def __hash__(self) -> int:
-        return hash(self._values())
-
-    def __repr__(self) -> str:
-        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
-        return f"{type(self).__qualname__}({shown})"
-
-    def _values(self) -> tuple[object, ...]:
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
     def to_json(self) -> dict[str, Any]:
         """The event's fields as JSON values (a FailureRecord as its ``to_json()``)."""
@@ -76,16 +56,13 @@ _E = TypeVar("_E", bound=Event)
 
 @dataclass_transform(frozen_default=True)
 def event_kind(cls: type[_E]) -> type[_E]:
-    """A kind of event: a frozen dataclass with :class:`Event`'s ``__eq__``,
-    ``__hash__`` and ``__repr__``, and a docstring naming its kind where it has
-    none. ``@dataclass`` compiles each method it writes, for each class:
-    compiling them (and the signature that makes a missing docstring) for
-    each of the ~80 kinds was half of this module's import, which every agent
-    start pays; what it writes now is ``__init__`` and the frozen
-    ``__setattr__`` and ``__delattr__``."""
+    """A kind of event: ``@frozen`` (elastrun/frozen.py), with a docstring naming
+    its kind where it has none (``@dataclass`` would make one from the class's
+    signature, a sixth of the cost of building it: every agent start builds
+    this catalogue's ~80 classes)."""
     if not cls.__doc__:
         cls.__doc__ = f"The ``{cls.KIND}`` event (docs/events.md)."
-    return dataclass(frozen=True, eq=False, repr=False)(cls)
+    return frozen(cls)
 
 
 # ------------------------------------------------------------------ launcher
