@@ -4,6 +4,7 @@ a test suite starts hundreds). One fresh interpreter each."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -70,3 +71,15 @@ def test_a_worker_imports_nothing_its_common_path_does_not_use(tmp_path: Path) -
     loaded = set(json.loads(out.stdout.splitlines()[-1]))
     assert "_elastrun_messages" in loaded  # the runner ran the script
     assert loaded & NOT_AT_WORKER_START == set()
+
+
+def test_the_processes_a_test_starts_load_elastrun_compiled() -> None:
+    """Each module of src/ has its bytecode cached (tests/conftest.py compiles
+    them once per session): the agents, workers and stores the tests start do
+    not compile them from source, PYTHONDONTWRITEBYTECODE set or not."""
+    stale = []
+    for path in sorted((ROOT / "src").rglob("*.py")):
+        cached = Path(importlib.util.cache_from_source(str(path)))
+        if not cached.exists() or cached.stat().st_mtime < path.stat().st_mtime:
+            stale.append(str(path.relative_to(ROOT)))
+    assert stale == []
