@@ -22,10 +22,10 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, TypeVar, Union, dataclass_transform
 
 from elastrun.failure import FailureRecord
+from elastrun.frozen import frozen
 
 __all__ = ["CATALOGUE", "Event", "event_classes", "parse_event"]
 
@@ -33,9 +33,9 @@ JSONScalar = str | int | float | bool | None
 Promotion = dict[str, str | int | None]  # {node, group_rank, replaces}
 
 
-@dataclass(frozen=True)
+@frozen
 class Event:
-    """One event: ``KIND`` and typed fields (subclasses)."""
+    """One event: ``KIND`` and typed fields (subclasses, each an :func:`event_kind`)."""
 
     KIND: ClassVar[str] = ""
     OMITTED: ClassVar[frozenset[str]] = frozenset()
@@ -51,8 +51,22 @@ class Event:
         return out
 
 
+_E = TypeVar("_E", bound=Event)
+
+
+@dataclass_transform(frozen_default=True)
+def event_kind(cls: type[_E]) -> type[_E]:
+    """A kind of event: ``@frozen`` (elastrun/frozen.py), with a docstring naming
+    its kind where it has none (``@dataclass`` would make one from the class's
+    signature, a sixth of the cost of building it: every agent start builds
+    this catalogue's ~80 classes)."""
+    if not cls.__doc__:
+        cls.__doc__ = f"The ``{cls.KIND}`` event (docs/events.md)."
+    return frozen(cls)
+
+
 # ------------------------------------------------------------------ launcher
-@dataclass(frozen=True)
+@event_kind
 class AgentStarted(Event):
     KIND = "agent_started"
     pid: int
@@ -66,14 +80,14 @@ class AgentStarted(Event):
     node_rank: int | None
 
 
-@dataclass(frozen=True)
+@event_kind
 class AgentExited(Event):
     KIND = "agent_exited"
     exit_code: int
 
 
 # ---------------------------------------------------------------- rendezvous
-@dataclass(frozen=True)
+@event_kind
 class RoundOpened(Event):
     KIND = "round_opened"
     OMITTED = frozenset({"detail", "node", "by"})
@@ -84,7 +98,7 @@ class RoundOpened(Event):
     by: str | None = None
 
 
-@dataclass(frozen=True)
+@event_kind
 class NodeJoined(Event):
     KIND = "node_joined"
     round: int
@@ -92,7 +106,7 @@ class NodeJoined(Event):
     host: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class NodeWaiting(Event):
     KIND = "node_waiting"
     round: int
@@ -102,7 +116,7 @@ class NodeWaiting(Event):
     spare: bool
 
 
-@dataclass(frozen=True)
+@event_kind
 class RendezvousWaiting(Event):
     KIND = "rendezvous_waiting"
     node: str
@@ -117,7 +131,7 @@ class RendezvousWaiting(Event):
     detail: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class RoundJoined(Event):
     KIND = "round_joined"
     round: int
@@ -131,7 +145,7 @@ class RoundJoined(Event):
     restart_count: int
 
 
-@dataclass(frozen=True)
+@event_kind
 class RoundClosed(Event):
     KIND = "round_closed"
     round: int
@@ -142,7 +156,7 @@ class RoundClosed(Event):
     spares: list[str]
 
 
-@dataclass(frozen=True)
+@event_kind
 class SparePromoted(Event):
     KIND = "spare_promoted"
     round: int
@@ -151,7 +165,7 @@ class SparePromoted(Event):
     replaces: str | None
 
 
-@dataclass(frozen=True)
+@event_kind
 class NodeLost(Event):
     KIND = "node_lost"
     round: int
@@ -159,14 +173,14 @@ class NodeLost(Event):
     by: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class RestartRequested(Event):
     KIND = "restart_requested"
     node: str
     failure: FailureRecord
 
 
-@dataclass(frozen=True)
+@event_kind
 class RootCauseElsewhere(Event):
     KIND = "root_cause_elsewhere"
     round: int
@@ -175,7 +189,7 @@ class RootCauseElsewhere(Event):
     node_failure: FailureRecord
 
 
-@dataclass(frozen=True)
+@event_kind
 class ConfigMismatched(Event):
     KIND = "config_mismatch"
     node: str
@@ -183,7 +197,7 @@ class ConfigMismatched(Event):
     fields: list[str]
 
 
-@dataclass(frozen=True)
+@event_kind
 class JobReset(Event):
     KIND = "job_reset"
     node: str
@@ -195,27 +209,27 @@ class JobReset(Event):
     last_failure: FailureRecord | None
 
 
-@dataclass(frozen=True)
+@event_kind
 class JobMarkedFinished(Event):
     KIND = "job_finished"
     round: int
 
 
-@dataclass(frozen=True)
+@event_kind
 class JobMarkedFailed(Event):
     KIND = "job_failed"
     round: int
     reason: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class NodeLeft(Event):
     KIND = "node_left"
     node: str
     host: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class LeaseRegained(Event):
     KIND = "lease_regained"
     node: str
@@ -224,7 +238,7 @@ class LeaseRegained(Event):
     after_s: float
 
 
-@dataclass(frozen=True)
+@event_kind
 class RecordSkipped(Event):
     KIND = "record_skipped"
     node: str
@@ -233,7 +247,7 @@ class RecordSkipped(Event):
     problem: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class WatchReread(Event):
     KIND = "watch_reread"
     node: str
@@ -243,7 +257,7 @@ class WatchReread(Event):
 
 
 # ------------------------------------------------------------ store failover
-@dataclass(frozen=True)
+@event_kind
 class StoreTakeover(Event):
     KIND = "store_takeover"
     term: int
@@ -251,7 +265,7 @@ class StoreTakeover(Event):
     detail: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class StoreSteppedDown(Event):
     KIND = "store_stepped_down"
     term: int
@@ -259,7 +273,7 @@ class StoreSteppedDown(Event):
     detail: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class StoreStandby(Event):
     KIND = "store_standby"
     term: int
@@ -267,7 +281,7 @@ class StoreStandby(Event):
     detail: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class StoreCandidateUnreachable(Event):
     KIND = "store_candidate_unreachable"
     candidate: str
@@ -275,7 +289,7 @@ class StoreCandidateUnreachable(Event):
     detail: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class StoreHostLost(Event):
     KIND = "store_host_lost"
     term: int
@@ -283,14 +297,14 @@ class StoreHostLost(Event):
     cause: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class StoreVote(Event):
     KIND = "store_vote"
     term: int
     candidate: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class StoreHostFound(Event):
     KIND = "store_host_found"
     term: int
@@ -300,7 +314,7 @@ class StoreHostFound(Event):
 
 
 # --------------------------------------------------------------------- agent
-@dataclass(frozen=True)
+@event_kind
 class WorkersStarted(Event):
     KIND = "workers_started"
     round: int
@@ -315,7 +329,7 @@ class WorkersStarted(Event):
     master: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class WorkerExited(Event):
     KIND = "worker_exited"
     round: int
@@ -329,7 +343,7 @@ class WorkerExited(Event):
     stopped_by_agent: bool
 
 
-@dataclass(frozen=True)
+@event_kind
 class WorkersStopping(Event):
     KIND = "workers_stopping"
     signal: str
@@ -337,20 +351,20 @@ class WorkersStopping(Event):
     grace: float
 
 
-@dataclass(frozen=True)
+@event_kind
 class WorkersKilled(Event):
     KIND = "workers_killed"
     pids: list[int]
     after_grace: float
 
 
-@dataclass(frozen=True)
+@event_kind
 class WorkersUnkillable(Event):
     KIND = "workers_unkillable"
     pids: list[int]
 
 
-@dataclass(frozen=True)
+@event_kind
 class RanksLeft(Event):
     """In-process restarts: the group failed; the ranks whose processes left
     their function in time are kept, the others are replaced."""
@@ -364,7 +378,7 @@ class RanksLeft(Event):
     waited_s: float
 
 
-@dataclass(frozen=True)
+@event_kind
 class RanksKept(Event):
     """In-process restarts: a round's workers, some of them kept processes
     (told to enter their function again), the others started."""
@@ -377,7 +391,7 @@ class RanksKept(Event):
     started: list[int]  # ranks (global) started as new processes
 
 
-@dataclass(frozen=True)
+@event_kind
 class StandbyStarted(Event):
     """A standby process was started (agent/standby.py): it runs the script
     up to its in-process function without a rank, then waits."""
@@ -387,7 +401,7 @@ class StandbyStarted(Event):
     attempt: int  # the how-manieth standby of this agent (0-based)
 
 
-@dataclass(frozen=True)
+@event_kind
 class StandbyReady(Event):
     """A standby reached the script's in-process function (its setup done)."""
 
@@ -396,7 +410,7 @@ class StandbyReady(Event):
     setup_s: float  # s from its start
 
 
-@dataclass(frozen=True)
+@event_kind
 class StandbyUsed(Event):
     """A rank whose process is gone is served by a ready standby: its process
     takes the rank and enters the function with the round's variables."""
@@ -410,7 +424,7 @@ class StandbyUsed(Event):
     waited_s: float  # s the standby was ready before it was used
 
 
-@dataclass(frozen=True)
+@event_kind
 class StandbyFailed(Event):
     """A standby ended or was stopped before it served a rank (its setup
     raised, it exited, it was not ready in time); ``retry``: another is
@@ -422,7 +436,7 @@ class StandbyFailed(Event):
     retry: bool
 
 
-@dataclass(frozen=True)
+@event_kind
 class RankEntered(Event):
     """A worker's process entered its in-process function in ``round``
     (``again``: re-entered, a kept process), as its runner reported."""
@@ -438,14 +452,14 @@ class RankEntered(Event):
     again: bool
 
 
-@dataclass(frozen=True)
+@event_kind
 class WorkersSucceeded(Event):
     KIND = "workers_succeeded"
     round: int
     attempt: int
 
 
-@dataclass(frozen=True)
+@event_kind
 class Restart(Event):
     KIND = "restart"
     OMITTED = frozenset({"detail", "failure"})
@@ -457,7 +471,7 @@ class Restart(Event):
     failure: FailureRecord | None = None
 
 
-@dataclass(frozen=True)
+@event_kind
 class WarmStarted(Event):
     KIND = "warm_started"
     pid: int
@@ -465,7 +479,7 @@ class WarmStarted(Event):
     local_rank: int | None
 
 
-@dataclass(frozen=True)
+@event_kind
 class WarmReady(Event):
     KIND = "warm_ready"
     pid: int
@@ -477,7 +491,7 @@ class WarmReady(Event):
     stopped: str | None
 
 
-@dataclass(frozen=True)
+@event_kind
 class WarmUsed(Event):
     KIND = "warm_used"
     local_rank: int
@@ -488,7 +502,7 @@ class WarmUsed(Event):
     waited_s: float
 
 
-@dataclass(frozen=True)
+@event_kind
 class WarmDiscarded(Event):
     KIND = "warm_discarded"
     pid: int
@@ -496,7 +510,7 @@ class WarmDiscarded(Event):
     local_rank: int | None
 
 
-@dataclass(frozen=True)
+@event_kind
 class WarmFailed(Event):
     KIND = "warm_failed"
     OMITTED = frozenset({"local_rank"})
@@ -504,7 +518,7 @@ class WarmFailed(Event):
     local_rank: int | None = None
 
 
-@dataclass(frozen=True)
+@event_kind
 class ModulesRecorded(Event):
     KIND = "modules_recorded"
     modules: int
@@ -513,13 +527,13 @@ class ModulesRecorded(Event):
     cache: str | None
 
 
-@dataclass(frozen=True)
+@event_kind
 class ModulesNoteIgnored(Event):
     KIND = "modules_note_ignored"
     reason: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class WarmJoin(Event):
     KIND = "warm_join"
     waited_s: float
@@ -527,7 +541,7 @@ class WarmJoin(Event):
     timeout: float
 
 
-@dataclass(frozen=True)
+@event_kind
 class GpuMemoryWait(Event):
     KIND = "gpu_memory_wait"
     pids: list[int]
@@ -537,34 +551,34 @@ class GpuMemoryWait(Event):
     timeout: float
 
 
-@dataclass(frozen=True)
+@event_kind
 class SignalForwarded(Event):
     KIND = "signal_forwarded"
     signal: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class FileTimersStarted(Event):
     KIND = "file_timers_started"
     path: str
     pipes: int
 
 
-@dataclass(frozen=True)
+@event_kind
 class FileTimersFailed(Event):
     KIND = "file_timers_failed"
     path: str
     error: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class FileTimerRefused(Event):
     KIND = "file_timer_refused"
     pid: int
     local_rank: int
 
 
-@dataclass(frozen=True)
+@event_kind
 class FileTimerExpired(Event):
     KIND = "file_timer_expired"
     rank: int
@@ -574,35 +588,35 @@ class FileTimerExpired(Event):
     signal: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class HealthCheckStarted(Event):
     KIND = "health_check_started"
     port: int
     hosts: list[str]
 
 
-@dataclass(frozen=True)
+@event_kind
 class HealthCheckFailed(Event):
     KIND = "health_check_failed"
     port: int
     error: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class MetricsStarted(Event):
     KIND = "metrics_started"
     port: int
     hosts: list[str]
 
 
-@dataclass(frozen=True)
+@event_kind
 class MetricsFailed(Event):
     KIND = "metrics_failed"
     port: int
     error: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class HangDetected(Event):
     KIND = "hang_detected"
     round: int
@@ -619,7 +633,7 @@ class HangDetected(Event):
     sits_in: dict[int, str]  # rank -> "func (file:line)"; JSON keys are strings
 
 
-@dataclass(frozen=True)
+@event_kind
 class HangSuspected(Event):
     KIND = "hang_suspected"
     round: int
@@ -628,7 +642,7 @@ class HangSuspected(Event):
     sits_in: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class ProgressWriteFailed(Event):
     KIND = "progress_write_failed"
     round: int
@@ -640,7 +654,7 @@ class ProgressWriteFailed(Event):
     relayed: bool
 
 
-@dataclass(frozen=True)
+@event_kind
 class ProgressUnknown(Event):
     KIND = "progress_unknown"
     round: int
@@ -650,7 +664,7 @@ class ProgressUnknown(Event):
     why: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class StacksSkipped(Event):
     KIND = "stacks_skipped"
     round: int
@@ -661,7 +675,7 @@ class StacksSkipped(Event):
     why: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class Straggler(Event):
     KIND = "straggler"
     round: int
@@ -670,7 +684,7 @@ class Straggler(Event):
     median_s: float | None
 
 
-@dataclass(frozen=True)
+@event_kind
 class LogWriteFailed(Event):
     KIND = "log_write_failed"
     path: str
@@ -681,7 +695,7 @@ class LogWriteFailed(Event):
     stream: str | None
 
 
-@dataclass(frozen=True)
+@event_kind
 class LogOutputLost(Event):
     KIND = "log_output_lost"
     path: str
@@ -691,7 +705,7 @@ class LogOutputLost(Event):
     stream: str | None
 
 
-@dataclass(frozen=True)
+@event_kind
 class MemoryCheckpointPersisted(Event):
     KIND = "memory_checkpoint_persisted"
     local_rank: int
@@ -702,7 +716,7 @@ class MemoryCheckpointPersisted(Event):
     seconds: float
 
 
-@dataclass(frozen=True)
+@event_kind
 class MemoryCheckpointPersistFailed(Event):
     KIND = "memory_checkpoint_persist_failed"
     local_rank: int
@@ -710,7 +724,7 @@ class MemoryCheckpointPersistFailed(Event):
     reason: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class MemoryReplicaSent(Event):
     KIND = "memory_replica_sent"
     local_rank: int
@@ -721,7 +735,7 @@ class MemoryReplicaSent(Event):
     seconds: float
 
 
-@dataclass(frozen=True)
+@event_kind
 class MemoryReplicaSendFailed(Event):
     KIND = "memory_replica_send_failed"
     local_rank: int
@@ -730,7 +744,7 @@ class MemoryReplicaSendFailed(Event):
     reason: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class MemoryReplicaReceived(Event):
     KIND = "memory_replica_received"
     rank: int
@@ -740,14 +754,14 @@ class MemoryReplicaReceived(Event):
     authenticated: bool
 
 
-@dataclass(frozen=True)
+@event_kind
 class MemoryReplicaRefused(Event):
     KIND = "memory_replica_refused"
     peer: str
     reason: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class GoodputAccounted(Event):
     KIND = "goodput"
     seconds: dict[str, float]  # cause -> s (agent/goodput.py)
@@ -758,14 +772,14 @@ class GoodputAccounted(Event):
     goodput: float | None
 
 
-@dataclass(frozen=True)
+@event_kind
 class JobFinished(Event):
     KIND = "job_finished"
     exit_code: int
     reason: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class JobFailed(Event):
     KIND = "job_failed"
     OMITTED = frozenset({"detail", "files", "failure"})
@@ -777,7 +791,7 @@ class JobFailed(Event):
 
 
 # --------------------------------------------------------- fault attribution
-@dataclass(frozen=True)
+@event_kind
 class FaultVerdict(Event):
     """The verdict on the job's failed rounds (agent/attribution.py): a node
     fault or a script fault (a transient failure writes none)."""
@@ -795,7 +809,7 @@ class FaultVerdict(Event):
     step: int | None = None
 
 
-@dataclass(frozen=True)
+@event_kind
 class NodeQuarantined(Event):
     """This node was judged faulty and leaves the job, kept out until ``until``."""
 
@@ -806,7 +820,7 @@ class NodeQuarantined(Event):
     recorded: bool  # the record was written (false: the store refused or held too many)
 
 
-@dataclass(frozen=True)
+@event_kind
 class NodeHealthFailed(Event):
     """This node's ``--health-check`` command failed (agent/node_health.py)."""
 
@@ -817,7 +831,7 @@ class NodeHealthFailed(Event):
     output: str  # its last output (at most 2 KiB, escaped)
 
 
-@dataclass(frozen=True)
+@event_kind
 class QuarantineRefused(Event):
     """The agent started on a quarantined node: it does not join."""
 
@@ -827,7 +841,7 @@ class QuarantineRefused(Event):
     reason: str
 
 
-@dataclass(frozen=True)
+@event_kind
 class StragglerReplacement(Event):
     """Group rank 0's agent judged a node a persistent straggler
     (``--replace-stragglers``): it replaced it with a waiting spare (its

@@ -27,6 +27,7 @@ FOUNDATION = {
     "untrusted",
     "fields",
     "goodput",
+    "frozen",
 }
 # layer name -> the elastrun layers it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {

@@ -5,6 +5,7 @@ itself from its JSON line; no event is emitted as a free-form kind."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import re
 import types
@@ -168,3 +169,28 @@ def test_the_timeline_reads_events_of_the_catalogue() -> None:
 
     assert set(DRAWN) <= set(CATALOGUE)
     assert set(COMMON) <= {"source", "run_id", "host", "node_id"}
+
+
+def test_every_kind_is_declared_an_event_kind() -> None:
+    """``@event_kind``, not ``@dataclass``: cheap to build (every agent start
+    builds the catalogue; elastrun/frozen.py)."""
+    tree = ast.parse((ROOT / "src" / "elastrun" / "event_kinds.py").read_text(encoding="utf-8"))
+    kinds = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name != "Event"]
+    assert {c.name for c in kinds} == {cls.__name__ for cls in CATALOGUE}
+    plain = [c.name for c in kinds if [ast.unparse(d) for d in c.decorator_list] != ["event_kind"]]
+    assert plain == [], "declare each kind with @event_kind alone"
+
+
+@pytest.mark.parametrize("cls", CATALOGUE, ids=lambda c: c.__name__)
+def test_an_event_compares_hashes_and_shows_as_a_dataclass(cls: type[Event]) -> None:
+    """An event is a frozen dataclass to its users: equal to one of the same
+    fields, hashed by them, shown as ``@dataclass`` shows it, read-only."""
+    event, same = example(cls), example(cls)
+    values = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
+    assert event == same and event != object()
+    shown = ", ".join(f"{name}={value!r}" for name, value in values.items())
+    assert repr(event) == f"{cls.__qualname__}({shown})"
+    if all(isinstance(v, (str, int, float, type(None), FailureRecord)) for v in values.values()):
+        assert hash(event) == hash(same) == hash(tuple(values.values()))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        event.KIND_FIELD = 1  # type: ignore[attr-defined]

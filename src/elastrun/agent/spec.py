@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import enum
 import signal
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from elastrun.agent.command import LOCAL_RANK_MACRO, WorkerCommand
+from elastrun.frozen import frozen
 from elastrun.names import RunId
 
 __all__ = [
@@ -92,7 +93,7 @@ DEFAULT_REPLICA_MAX_HEADER = 4 << 20
 # the features read no environment.
 
 
-@dataclass(frozen=True)
+@frozen
 class LogSettings:
     """agent/logs.py (and the agent's log folder): the workers' output."""
 
@@ -117,7 +118,7 @@ class LogSettings:
     duplicate_stderr_filters: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
+@frozen
 class WarmSettings:
     """agent/warm.py, warm_pool.py, modlearn.py: warm starts."""
 
@@ -143,7 +144,7 @@ class WarmSettings:
     debug: bool = False
 
 
-@dataclass(frozen=True)
+@frozen
 class GpuReleaseSettings:
     """agent/gpu_release.py: how long a start waits for the stopped workers'
     GPU memory (``ELASTRUN_GPU_RELEASE_TIMEOUT``; 0: no wait)."""
@@ -151,7 +152,7 @@ class GpuReleaseSettings:
     timeout: float = DEFAULT_GPU_RELEASE_TIMEOUT
 
 
-@dataclass(frozen=True)
+@frozen
 class MemorySettings:
     """agent/memory.py and agent/replica.py: memory checkpoints and their replicas."""
 
@@ -163,7 +164,7 @@ class MemorySettings:
     replica_max_header: int = DEFAULT_REPLICA_MAX_HEADER  # ELASTRUN_REPLICA_MAX_HEADER
 
 
-@dataclass(frozen=True)
+@frozen
 class HealthCheckSettings:
     """agent/health_check.py: torch's health check server
     (``TORCHELASTIC_HEALTH_CHECK_PORT``; None: not served) and the addresses
@@ -173,7 +174,7 @@ class HealthCheckSettings:
     hosts: tuple[str, ...] = DEFAULT_HEALTH_CHECK_HOSTS
 
 
-@dataclass(frozen=True)
+@frozen
 class MetricsSettings:
     """agent/metrics.py: the Prometheus endpoint (``--metrics-port
     [HOST,...:]PORT``; None: not served) and the addresses it listens on
@@ -183,7 +184,7 @@ class MetricsSettings:
     hosts: tuple[str, ...] = DEFAULT_HEALTH_CHECK_HOSTS
 
 
-@dataclass(frozen=True)
+@frozen
 class FileTimerSettings:
     """agent/file_timers.py: torch's file timer server
     (``TORCHELASTIC_ENABLE_FILE_TIMER=1`` or ``TORCHELASTIC_TIMER_FILE``)."""
@@ -195,7 +196,7 @@ class FileTimerSettings:
 MAX_STANDBY_RANKS = 8  # standby processes per node, at most (--standby-ranks)
 
 
-@dataclass(frozen=True)
+@frozen
 class StandbySettings:
     """agent/standby.py: how many standby processes a node keeps ready for a
     script that uses ``elastrun.train.in_process`` (``--standby-ranks``; 0:
@@ -204,7 +205,7 @@ class StandbySettings:
     count: int = 1
 
 
-@dataclass(frozen=True)
+@frozen
 class HangSettings:
     """agent/hang_group.py: the progress watchdog (agent/watchdog.py,
     ``--hang-timeout``: a fixed timeout, or with ``auto`` the floor of each
@@ -217,7 +218,7 @@ class HangSettings:
     stack_signal: int | None = int(signal.SIGRTMIN) + 5
 
 
-@dataclass(frozen=True)
+@frozen
 class NodeHealthSettings:
     """agent/node_health.py: the node's own health check (``--health-check``,
     or ``--rdzv-conf health_check``): ``command`` (an argv; empty: none) runs
@@ -230,7 +231,7 @@ class NodeHealthSettings:
     interval: float = 0.0
 
 
-@dataclass(frozen=True)
+@frozen
 class AttributionSettings:
     """agent/attribution.py: fault attribution across restarts. ``limit``
     (``--fault-limit``): identical failures that make a verdict (0: none is
@@ -243,7 +244,7 @@ class AttributionSettings:
     quarantine: float = 0.0
 
 
-@dataclass(frozen=True)
+@frozen
 class StragglerSettings:
     """agent/stragglers.py and agent/straggler_replacement.py: ``interval``
     (``--straggler-interval``): seconds between two shares of the ranks' step
@@ -258,7 +259,7 @@ class StragglerSettings:
     hold: float = 1800.0
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkerSpec:
     # What each worker runs (agent/command.py): a Python script or module
     # (through the worker runner), or a program run as given.

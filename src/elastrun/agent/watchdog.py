@@ -76,6 +76,7 @@ from dataclasses import dataclass
 
 from elastrun.clock import SYSTEM_CLOCK, Clock, remaining
 from elastrun.fields import Fields
+from elastrun.frozen import frozen
 from elastrun.safefs import UnsafePath, read_regular
 from elastrun.untrusted import UntrustedData, loads
 
@@ -111,7 +112,7 @@ def heartbeat_interval(hang_timeout: float) -> float:
     return min(MAX_INTERVAL, hang_timeout / 4)
 
 
-@dataclass(frozen=True)
+@frozen
 class Beat:
     step: int | None
     monotonic: float
@@ -131,7 +132,7 @@ class Beat:
     first_saving_s: float | None = None
 
 
-@dataclass(frozen=True)
+@frozen
 class HangPolicy:
     """``--hang-timeout S`` (fixed) or ``auto[:FLOOR]`` (``seconds`` is the floor)."""
 
@@ -149,7 +150,7 @@ class HangPolicy:
         return f"auto (floor {self.seconds:g} s)" if self.auto else f"{self.seconds:g} s"
 
 
-@dataclass(frozen=True)
+@frozen
 class ProgressRead:
     """One read of a rank's progress file: its beat (None: no valid record),
     whether the file is missing, and why it could not be read."""
@@ -245,7 +246,7 @@ class _Watch:
     patient: bool = False  # waiting for a peer: allowed PHASE_FACTOR times longer
 
 
-@dataclass(frozen=True)
+@frozen
 class Hang:
     """What the watchdog saw when it declared a rank stuck."""
 

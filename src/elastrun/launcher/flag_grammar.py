@@ -5,6 +5,7 @@ flag value's text.
 environment defaults (:class:`EnvDefault`, :class:`EnvFlag`; a value's error
 names the variable it came from: :func:`env_sources`, :func:`name_env`),
 torchrun's ``--logs-specs`` accepted as the no-op it is (:class:`LogsSpecs`),
+``--version``, looked up only when given (:class:`Version`),
 and the message for arguments that are no flag (:func:`unknown_flags_message`:
 flags are never abbreviated). The flags themselves are declared in
 :mod:`elastrun.launcher.flags`.
@@ -41,6 +42,7 @@ __all__ = [
     "EnvSwitch",
     "LogsSpecs",
     "Parser",
+    "Version",
     "both",
     "env_sources",
     "name_env",
@@ -55,7 +57,6 @@ __all__ = [
     "parse_std",
     "signal_tuple",
     "unknown_flags_message",
-    "version",
 ]
 
 
@@ -240,7 +241,27 @@ def both(name: str) -> list[str]:
     return [name] if under == name else [name, under]
 
 
-def version() -> str:
+class Version(argparse.Action):
+    """``--version``: ``elastrun <version>`` on stdout, then exit. The version is
+    looked up only when asked: importlib.metadata is about 45 ms of CPU, which
+    every agent start would pay for a flag it is almost never given."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        kwargs.setdefault("help", "show program's version number and exit")
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        print(f"elastrun {_installed_version()}")
+        parser.exit()
+
+
+def _installed_version() -> str:
     try:
         from importlib.metadata import version
 

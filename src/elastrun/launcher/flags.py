@@ -42,6 +42,7 @@ from elastrun.launcher.flag_grammar import (
     EnvSwitch,
     LogsSpecs,
     Parser,
+    Version,
     both,
     env_sources,
     name_env,
@@ -55,7 +56,6 @@ from elastrun.launcher.flag_grammar import (
     parse_stack_signal,
     parse_std,
     unknown_flags_message,
-    version,
 )
 from elastrun.launcher.limits import FLAG_SECONDS, parse_seconds
 from elastrun.launcher.numa import NUMA_MODES
@@ -149,7 +149,7 @@ def build_parser(*, legacy: bool = False) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    p.add_argument("--version", action="version", version=f"elastrun {version()}")
+    p.add_argument("--version", action=Version)
 
     for add in (
         add_rendezvous_flags,

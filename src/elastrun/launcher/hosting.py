@@ -46,13 +46,13 @@ from elastrun.launcher.rdzv_conf import RendezvousConf
 from elastrun.procs import say
 from elastrun.store.ballot import Ballot, BallotError, ballot_path
 from elastrun.store.factory import Backend, StoreOptions, open_store
-from elastrun.store.failover import Candidates, FailoverClient
 from elastrun.store.limits import DEFAULT_LIMITS, StoreLimits
 from elastrun.store.term import FailoverTiming, Role, TermState
 from elastrun.store.token import TOKEN_ENV, no_token_warning
 
 if TYPE_CHECKING:
     from elastrun.store.base import Store
+    from elastrun.store.failover import Candidates, FailoverClient
     from elastrun.store.server import StoreServer
 
 __all__ = [
@@ -398,6 +398,9 @@ async def link_candidates(
     elected host and yield the link; on exit close it, stop the store
     (:func:`linger`) and forget this node's votes. ``cache``: the folder
     that keeps them (None: the default cache folder)."""
+    # Imported here: only candidate hosts run the failover client (and its server).
+    from elastrun.store.failover import Candidates, FailoverClient
+
     endpoints = plan.endpoints
     me = await in_thread(my_candidate, endpoints, plan.local_addr)
     candidates = Candidates(endpoints, me)

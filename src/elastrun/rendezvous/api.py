@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from elastrun.errors import RendezvousError, StoreError
 from elastrun.failure import FailureRecord
+from elastrun.frozen import frozen
 from elastrun.names import RunId
 from elastrun.rendezvous.fault_history import FaultEntry, FaultHistory
 from elastrun.rendezvous.notes import Note, NoteT, Refused, Seat
@@ -53,7 +54,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
+@frozen
 class RendezvousSettings:
     """Settings of one node's rendezvous. The fields of :meth:`agreed` must be
     equal on every node of a job (config agreement); the rest are per node."""
@@ -98,7 +99,7 @@ class RendezvousSettings:
         return WorldSizes(self.min_nodes, self.max_nodes, self.node_unit)
 
 
-@dataclass(frozen=True)
+@frozen
 class Member:
     node_id: str
     host: str
@@ -108,7 +109,7 @@ class Member:
     role: str = ""  # its workers' role ("" in results of versions with one role a job)
 
 
-@dataclass(frozen=True)
+@frozen
 class GroupShape:
     """The sizes of a round whose result names only this node (see
     :attr:`RoundResult.shape`)."""
@@ -120,7 +121,7 @@ class GroupShape:
     role_world_size: int  # the workers of this node's role
 
 
-@dataclass(frozen=True)
+@frozen
 class RoundResult:
     """The outcome of a closed rendezvous round, as seen by one member.
 
@@ -190,7 +191,7 @@ class RoundResult:
         return asdict(self)
 
 
-@dataclass(frozen=True)
+@frozen
 class Change:
     """Why the current round must end (returned by ``wait_for_change``)."""
 
@@ -203,7 +204,7 @@ class Change:
     stop_now: bool = False
 
 
-@dataclass(frozen=True)
+@frozen
 class WaitingStatus:
     """What ``next_round()`` waits for (reported on each change; the
     ``rendezvous_waiting`` event carries the same fields)."""
@@ -225,7 +226,7 @@ ProgressCallback = Callable[[WaitingStatus], None]
 LeaseListener = Callable[[RevokeSpec | None], None]
 
 
-@dataclass(frozen=True)
+@frozen
 class RendezvousHooks:
     """What a rendezvous calls back (each optional), given by :meth:`Rendezvous.attach`."""
 

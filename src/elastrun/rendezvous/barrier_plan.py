@@ -11,8 +11,8 @@ step.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
+from elastrun.frozen import frozen
 from elastrun.rendezvous.protocol import BarrierDone
 from elastrun.rendezvous.records import MemberRecord
 
@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
+@frozen
 class BarrierSeen:
     """What a member's done txn read at its revision, as good as reads made
     then: the done keys' count (its own counted) and whether the presence
@@ -40,35 +40,35 @@ class BarrierSeen:
     present: Mapping[str, bool]
 
 
-@dataclass(frozen=True)
+@frozen
 class CheckPresence:
     """Read this member's presence key, then ask again."""
 
     node_id: str
 
 
-@dataclass(frozen=True)
+@frozen
 class CheckDone:
     """Read whether this member put its done key, then ask again."""
 
     node_id: str
 
 
-@dataclass(frozen=True)
+@frozen
 class WatchWatcher:
     """Watch this member's presence key: it is the barrier's watcher."""
 
     node_id: str
 
 
-@dataclass(frozen=True)
+@frozen
 class LostAtBarrier:
     """This member is gone without a done key: it is lost."""
 
     member: MemberRecord
 
 
-@dataclass(frozen=True)
+@frozen
 class BeWatcher:
     """This node is the barrier's watcher: read and watch the done keys and
     ``nodes/``."""

@@ -45,10 +45,10 @@ import abc
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar, Self, TypeVar
 
 from elastrun.fields import Fields
+from elastrun.frozen import frozen
 from elastrun.goodput import Goodput
 from elastrun.untrusted import UntrustedData, loads
 from elastrun.worker import _modnames
@@ -185,7 +185,7 @@ def _unique(ranks: Iterable[int]) -> None:
 
 
 # -- the round's members, as the records name them -------------------------------
-@dataclass(frozen=True)
+@frozen
 class Seat:
     """A member of a round, from the round's result record: its node id,
     group rank and global ranks (contiguous, in group rank order)."""
@@ -272,7 +272,7 @@ class Note(abc.ABC):
 NoteT = TypeVar("NoteT", bound=Note)
 
 
-@dataclass(frozen=True)
+@frozen
 class Refused:
     """A note that decoded within the bounds but is not what its reader
     expects (its schema, its round, its member): why, in one line."""
@@ -299,7 +299,7 @@ def parse(
 
 
 # -- stacks ------------------------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class RankStack:
     """One rank's main-thread stack when a hang was declared."""
 
@@ -333,7 +333,7 @@ class RankStack:
         )
 
 
-@dataclass(frozen=True)
+@frozen
 class StacksNote(Note):
     """``stacks_{round}_{group_rank}``: a node's ranks' stacks at a hang."""
 
@@ -380,7 +380,7 @@ class StacksNote(Note):
 
 
 # -- progress -------------------------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class RankProgress:
     """One rank's last progress (from its heartbeat file)."""
 
@@ -431,7 +431,7 @@ class RankProgress:
         )
 
 
-@dataclass(frozen=True)
+@frozen
 class ProgressNote(Note):
     """``progress_{group_rank}``: a node's ranks' step times in a round."""
 
@@ -488,7 +488,7 @@ class ProgressNote(Note):
         return self
 
 
-@dataclass(frozen=True)
+@frozen
 class Straggler:
     rank: int
     own_time: float  # its step time outside backward passes (s)
@@ -502,7 +502,7 @@ class Straggler:
         return cls(rank=obj.integer("rank"), own_time=obj.number("own_time", high=MAX_SECONDS))
 
 
-@dataclass(frozen=True)
+@frozen
 class StragglersNote(Note):
     """``stragglers``: the ranks of a round that group rank 0's agent judged
     persistently slower than the median (at most ``MAX_STRAGGLERS``). Read
@@ -552,7 +552,7 @@ class StragglersNote(Note):
 
 
 # -- goodput ------------------------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class GoodputNote(Note):
     """``goodput``: the goodput figures of group rank 0's agent (its ledger
     goes on across rounds). Read for a round: a note of that round or an
@@ -594,7 +594,7 @@ class GoodputNote(Note):
 
 
 # -- memory checkpoint replicas -----------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class ReplicaNote(Note):
     """``replica_{group_rank}``: where a node's agent takes the memory
     checkpoints of the node before it (the port on the member's address)."""
@@ -644,7 +644,7 @@ class ReplicaNote(Note):
 
 
 # -- a node refused ------------------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class RefusalNote(Note):
     """``refused``: the last node the job refused for settings that differ
     from the job's, and why (the refused node's own error line). One key,
@@ -676,7 +676,7 @@ class RefusalNote(Note):
 
 
 # -- the modules the script imports ---------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class ModuleReport(Note):
     """``modules``: the modules a script imported. What a worker reports over
     its channel (agent/modlearn.py builds it with :meth:`listed`), and what

@@ -46,6 +46,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from elastrun.frozen import frozen
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.damage import agreed
 from elastrun.rendezvous.keys import Memo
@@ -113,7 +114,7 @@ class Phase(enum.Enum):
     COMPLETE = "complete"
 
 
-@dataclass(frozen=True)
+@frozen
 class PhasePlan:
     """What one phase reads and watches, besides ``round`` (every phase)."""
 
@@ -230,12 +231,12 @@ class View:
 
 
 # -- the decider ----------------------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class Decider:
     """This node decides the round: it watches every join and ``nodes/``."""
 
 
-@dataclass(frozen=True)
+@frozen
 class Follower:
     """This node watches only its predecessor's join key; when it goes, the
     phase is read again (this node may be the decider then)."""
@@ -395,19 +396,19 @@ def waiting_event(
 
 
 # -- watch events -> reactions ------------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class Resnap:
     """Set the phase up again: read, then watch (the predecessor or the
     barrier's watcher left)."""
 
 
-@dataclass(frozen=True)
+@frozen
 class RoundChanged:
     """The round record changed (in the view): its event is
     :func:`round_event`, once any result it needs is read."""
 
 
-@dataclass(frozen=True)
+@frozen
 class GoneMember:
     """A member's presence went: :func:`lost_event` unless it put its done
     key; if it did and ``resnap`` (it was the barrier's watcher), set the

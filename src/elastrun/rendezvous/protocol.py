@@ -11,13 +11,13 @@ event does in each state.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 from elastrun.errors import (
     RendezvousClosed,
     RendezvousTimeout,
     RestartBudgetExhausted,
 )
+from elastrun.frozen import frozen
 
 __all__ = [
     "ACTIONS",
@@ -83,19 +83,19 @@ class State(enum.Enum):
 
 
 # -- events: one class each, with only its own fields ---------------------------
-@dataclass(frozen=True)
+@frozen
 class Event:
     """Base of the rule events (never fed itself)."""
 
 
-@dataclass(frozen=True)
+@frozen
 class NextRound(Event):
     """The agent called ``next_round()``."""
 
     now: float  # the node's monotonic clock: the join timeout counts from here
 
 
-@dataclass(frozen=True)
+@frozen
 class RoundOpen(Event):
     """The job's ``round`` record: round ``round`` is open."""
 
@@ -103,7 +103,7 @@ class RoundOpen(Event):
     now: float = 0.0  # this node's clock when it read the record
 
 
-@dataclass(frozen=True)
+@frozen
 class RoundClosed(Event):
     """The job's ``round`` record: round ``round`` is closed (its result written)."""
 
@@ -114,21 +114,21 @@ class RoundClosed(Event):
     detail: str = ""  # this node waiting, for people (the reason of a round it opens)
 
 
-@dataclass(frozen=True)
+@frozen
 class RoundFinished(Event):
     """The job's ``round`` record: the job finished (after round ``round``)."""
 
     round: int
 
 
-@dataclass(frozen=True)
+@frozen
 class RoundFailed(Event):
     """The job's ``round`` record: the job failed (its restart budget spent)."""
 
     round: int
 
 
-@dataclass(frozen=True)
+@frozen
 class JoinersChanged(Event):
     """The joiners of the open round changed (or were read)."""
 
@@ -144,24 +144,24 @@ class JoinersChanged(Event):
     members_pending: bool = False
 
 
-@dataclass(frozen=True)
+@frozen
 class LastCallExpired(Event):
     """The decider's last-call deadline passed."""
 
 
-@dataclass(frozen=True)
+@frozen
 class JoinTimeout(Event):
     """The join timeout passed before this node became a member."""
 
 
-@dataclass(frozen=True)
+@frozen
 class MemberLost(Event):
     """A member of this node's round is gone without finishing."""
 
     detail: str
 
 
-@dataclass(frozen=True)
+@frozen
 class NodeWaiting(Event):
     """A node waits to join the next round."""
 
@@ -169,38 +169,38 @@ class NodeWaiting(Event):
     detail: str
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkersFailed(Event):
     """This node's workers failed (``request_restart()``)."""
 
     detail: str  # the failure in one line: the new round's detail
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkersSucceeded(Event):
     """This node's workers all succeeded (``complete()``)."""
 
     now: float  # the exit barrier's timeout counts from here
 
 
-@dataclass(frozen=True)
+@frozen
 class BarrierDone(Event):
     """Every member of the round put its done key."""
 
 
-@dataclass(frozen=True)
+@frozen
 class BarrierTimeout(Event):
     """The exit barrier's timeout passed."""
 
 
-@dataclass(frozen=True)
+@frozen
 class LeaseLost(Event):
     """This node's lease is gone (expired, revoked, or the store unreachable)."""
 
     detail: str
 
 
-@dataclass(frozen=True)
+@frozen
 class Shutdown(Event):
     """The agent called ``shutdown()``: leave."""
 
@@ -247,33 +247,33 @@ RaisedError = type[RendezvousTimeout] | type[RendezvousClosed] | type[RestartBud
 # -- actions: one class each, with only its own fields ---------------------------
 # The rules' table (:mod:`.rules`) names each in capitals: ``OPEN_ROUND`` is
 # :class:`OpenRound`, ``CANCEL(join)`` is ``Cancel(Timer.JOIN)``.
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class ReadRound:
     """Read the job's ``round`` record (the SEEKING phase does: no write)."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class Join:
     """Put ``rounds/R/join/me`` (if ``round`` is still open ``R``), drop ``waiting/me``."""
 
     round: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class Leave:
     """Delete this node's join and waiting keys of round ``round``."""
 
     round: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class Wait:
     """Put ``waiting/me``: round ``round`` closed without this node."""
 
     round: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class CloseRound:
     """The decider closes open round ``round`` (CAS ``round``, with its result)."""
 
@@ -281,7 +281,7 @@ class CloseRound:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class OpenRound:
     """CAS ``round``: closed ``round`` -> open ``round + 1``."""
 
@@ -291,21 +291,21 @@ class OpenRound:
     counts: bool = False  # the restart counts against the budget
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class PutDone:
     """Put this node's done key of round ``round`` (the exit barrier)."""
 
     round: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class MarkFinished:
     """CAS ``round``: closed ``round`` -> finished."""
 
     round: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class Arm:
     """Arm ``timer`` for ``deadline`` (the node's monotonic clock)."""
 
@@ -313,31 +313,31 @@ class Arm:
     deadline: float
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class Cancel:
     """Cancel ``timer`` (armed or not)."""
 
     timer: Timer
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class RenewLease:
     """A new lease and the presence key again (the lease was lost)."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class Revoke:
     """Leave: the ``left`` key, then revoke the lease."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class ReturnResult:
     """End the call with round ``round``'s result."""
 
     round: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class ReturnChange:
     """End the call with a change (round ``round`` moved on without this node)."""
 
@@ -346,12 +346,12 @@ class ReturnChange:
     detail: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class Return:
     """End the call with nothing to return."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class Raise:
     """End the call with ``error`` (its message is the driver's: it reads the
     store for it); ``round``: the round it concerns."""
@@ -398,7 +398,7 @@ ACTIONS: tuple[type[Action], ...] = (
 )
 
 
-@dataclass(frozen=True)
+@frozen
 class Context:
     min_nodes: int
     max_nodes: int

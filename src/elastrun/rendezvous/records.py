@@ -39,11 +39,11 @@ record the whole job agrees on is the verdict ``RecordDamaged``.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from typing import Any, Self
 
 from elastrun.errors import ProtocolError
 from elastrun.failure import FailureRecord
+from elastrun.frozen import frozen
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.fields import Fields
 
@@ -115,7 +115,7 @@ class _NodeRecord(_Record):
 
 
 # -- config -------------------------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class AgreedSettings:
     """The settings every node of a job must share (config agreement); the
     others are per node (see :class:`~.api.RendezvousSettings`). The role is
@@ -159,7 +159,7 @@ class AgreedSettings:
         )
 
 
-@dataclass(frozen=True)
+@frozen
 class ConfigRecord(_Record):
     """``config``: the job's agreed settings (created by its first node)."""
 
@@ -182,7 +182,7 @@ def _read_role(f: Fields) -> str:
     return f.text("role") if "role" in f.raw else ""
 
 
-@dataclass(frozen=True)
+@frozen
 class NodeInfo:
     """A node as it presents itself (its presence and join records)."""
 
@@ -218,7 +218,7 @@ class NodeInfo:
         )
 
 
-@dataclass(frozen=True)
+@frozen
 class PresenceRecord(_NodeRecord):
     """``nodes/{node_id}``: a node of the job is alive (on its lease)."""
 
@@ -237,7 +237,7 @@ class PresenceRecord(_NodeRecord):
         return cls(NodeInfo.read(f), since=f.wall("since"))
 
 
-@dataclass(frozen=True)
+@frozen
 class JoinRecord(_NodeRecord):
     """``rounds/{R}/join/{node_id}``: a node joined open round R (on its lease)."""
 
@@ -256,7 +256,7 @@ class JoinRecord(_NodeRecord):
         return cls(NodeInfo.read(f), port=f.port("port"))
 
 
-@dataclass(frozen=True)
+@frozen
 class WaitingRecord(_NodeRecord):
     """``waiting/{node_id}``: a node waits for the round after ``round`` (on its lease)."""
 
@@ -277,7 +277,7 @@ class WaitingRecord(_NodeRecord):
 
 
 # -- the round and its result ---------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class PrevMember:
     """A member of the previous closed round: who keeps which group rank."""
 
@@ -296,7 +296,7 @@ class PrevMember:
 TAKEOVER_REASON = "store_failover"
 
 
-@dataclass(frozen=True)
+@frozen
 class RoundRecord(_Record):
     """``round``: the job's current round (every write a compare-and-set).
 
@@ -375,7 +375,7 @@ def _node_ids(raw: list[object], f: Fields, name: str) -> list[str]:
     return out
 
 
-@dataclass(frozen=True)
+@frozen
 class MemberRecord:
     """A member of a closed round, as its result names it."""
 
@@ -409,7 +409,7 @@ class MemberRecord:
         )
 
 
-@dataclass(frozen=True)
+@frozen
 class ResultRecord:
     """Round R's whole result: who is in it, with which group rank (decided
     once, with the close). Not a record of its own in the store: it is

@@ -38,9 +38,10 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Self
 
+from elastrun.frozen import frozen
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.fields import Fields
 from elastrun.rendezvous.ranks import worker_ranks
@@ -80,7 +81,7 @@ def shard_of(node_id: str, shards: int) -> int:
     return zlib.crc32(node_id.encode()) % shards
 
 
-@dataclass(frozen=True)
+@frozen
 class Seat:
     """A member and its workers' place (:func:`.ranks.worker_ranks`): its
     first global rank (the sum of the nproc of the members before it in
@@ -112,7 +113,7 @@ class Seat:
         return cls(MemberRecord.from_json(raw, where), base, role_base, role_size)
 
 
-@dataclass(frozen=True)
+@frozen
 class ResultHeader:
     """``rounds/{R}/result``: round R's result without its members."""
 
@@ -176,7 +177,7 @@ class ResultHeader:
         return cls.from_json(K.decode(key, value, version=RESULT_VERSION), where)
 
 
-@dataclass(frozen=True)
+@frozen
 class ResultShard:
     """``rounds/{R}/members/{k}``: the members of round R in shard ``k``, in
     group-rank order."""
@@ -299,7 +300,7 @@ def decode_result(
     return load(head, parts, f"store key {header.key}"), extra
 
 
-@dataclass(frozen=True)
+@frozen
 class Head:
     """What a node reads of a closed round: the header and its own place
     (None: it is not a member)."""

@@ -1,37 +1,7 @@
 """The coordination store: an etcd-shaped interface and its implementations.
 
 ``open_store(backend, endpoint, ...)`` (in :mod:`elastrun.store.factory`) picks
-an implementation from a ``--rdzv-backend`` name.
+an implementation from a ``--rdzv-backend`` name. The interface and its values
+are :mod:`elastrun.store.base`'s; each implementation is imported from its own
+module, so that an agent loads only the store it uses.
 """
-
-from elastrun.store.base import (
-    NO_LEASE,
-    Compare,
-    Count,
-    Delete,
-    Get,
-    KeyValue,
-    Op,
-    Put,
-    Store,
-    TxnResult,
-    Watch,
-    WatchEvent,
-)
-from elastrun.store.memory import MemoryStore
-
-__all__ = [
-    "NO_LEASE",
-    "Compare",
-    "Count",
-    "Delete",
-    "Get",
-    "KeyValue",
-    "MemoryStore",
-    "Op",
-    "Put",
-    "Store",
-    "TxnResult",
-    "Watch",
-    "WatchEvent",
-]

@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Literal
 
 from elastrun.endpoint import Endpoint
 from elastrun.fields import Fields, is_int
+from elastrun.frozen import frozen
 
 __all__ = [
     "NO_LEASE",
@@ -60,7 +61,7 @@ __all__ = [
 NO_LEASE = 0
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class KeyValue:
     key: str
     value: bytes
@@ -70,7 +71,7 @@ class KeyValue:
     lease: int = NO_LEASE
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class WatchEvent:
     """A change to one key. For ``delete``, ``kv.value`` is empty and
     ``kv.mod_revision`` is the revision of the deletion."""
@@ -83,7 +84,7 @@ CompareTarget = Literal["mod", "create", "version", "value", "lease"]
 CompareOp = Literal["==", "!=", "<", ">"]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class Compare:
     """One condition of a txn, e.g. ``Compare("k", "mod", "==", 0)`` (k absent)."""
 
@@ -128,26 +129,26 @@ class Compare:
         return actual > expected  # type: ignore[operator]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class Put:
     key: str
     value: bytes
     lease: int = NO_LEASE
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class Delete:
     key: str
     prefix: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class Get:
     key: str
     prefix: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class Count:
     """A txn read of how many keys are under ``prefix`` (etcd's range with
     ``count_only``): one number, a few bytes whatever the count. It sees the
@@ -159,7 +160,7 @@ class Count:
 Op = Put | Delete | Get | Count
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class TxnResult:
     succeeded: bool
     revision: int
@@ -210,7 +211,7 @@ class Watch(abc.ABC):
         await self.close()
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class RevokeSpec:
     """How another process could revoke lease ``lease`` once its holder is
     gone (the agent's orphan guard does, when the agent is killed): the
@@ -255,7 +256,7 @@ class RevokeSpec:
         raise ValueError(f"a revoke spec's kind is 'elastrun' or 'etcd', not {kind!r}")
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class EmbeddedRevoke(RevokeSpec):
     """The embedded store's address and token: a ``lease_revoke`` request."""
 
@@ -273,7 +274,7 @@ class EmbeddedRevoke(RevokeSpec):
         }
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class EtcdRevoke(RevokeSpec):
     """etcd's endpoints, TLS files and user: ``POST /v3/lease/revoke`` on its
     JSON gateway."""

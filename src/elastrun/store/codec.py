@@ -30,11 +30,11 @@ import binascii
 import json
 import struct
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, assert_never, cast
 
 from elastrun.errors import ProtocolError
 from elastrun.fields import Fields
+from elastrun.frozen import frozen
 from elastrun.store.base import (
     NO_LEASE,
     Compare,
@@ -440,7 +440,7 @@ def encode_error(code: str, message: str) -> Json:
 # ``req`` frame (the server), ``to_json`` writes them (the client). ``OP`` is
 # the wire name; ``RETRIED``: a request the client sends again on a new
 # connection when the first one was lost (a read: no write applied twice).
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class GetRequest:
     """One key."""
 
@@ -456,7 +456,7 @@ class GetRequest:
         return {"op": self.OP, "key": self.key}
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class RangeRequest:
     """Every key under ``key``, in one answer (an older client's read; an
     answer over the server's limit is refused)."""
@@ -469,7 +469,7 @@ class RangeRequest:
         return {"op": self.OP, "key": self.key}
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class RangePageRequest:
     """A page of the keys under ``key``: those after ``after`` (None: from
     the first), at most ``limit`` of them (0: any number), within the
@@ -491,7 +491,7 @@ class RangePageRequest:
         }
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class RangeNewestRequest:
     """Up to ``limit`` keys under ``key`` created at or before
     ``max_create``, newest first, and the ``count`` of all keys under it (a
@@ -525,7 +525,7 @@ def _decode_range(obj: Mapping[str, Any]) -> RangeRequest | RangePageRequest | R
     return RangeRequest(key)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class PutRequest:
     OP: ClassVar[str] = "put"
     RETRIED: ClassVar[bool] = False
@@ -543,7 +543,7 @@ class PutRequest:
         return {"op": self.OP, "key": self.key, "value": b64(self.value), "lease": self.lease}
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class DeleteRequest:
     OP: ClassVar[str] = "delete"
     RETRIED: ClassVar[bool] = False
@@ -558,7 +558,7 @@ class DeleteRequest:
         return {"op": self.OP, "key": self.key, "prefix": self.prefix}
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class TxnRequest:
     OP: ClassVar[str] = "txn"
     RETRIED: ClassVar[bool] = False
@@ -583,7 +583,7 @@ class TxnRequest:
         }
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class LeaseGrantRequest:
     OP: ClassVar[str] = "lease_grant"
     RETRIED: ClassVar[bool] = False
@@ -597,7 +597,7 @@ class LeaseGrantRequest:
         return {"op": self.OP, "ttl": self.ttl}
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class LeaseKeepaliveRequest:
     OP: ClassVar[str] = "lease_keepalive"
     RETRIED: ClassVar[bool] = True
@@ -611,7 +611,7 @@ class LeaseKeepaliveRequest:
         return {"op": self.OP, "lease": self.lease}
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class LeaseRevokeRequest:
     OP: ClassVar[str] = "lease_revoke"
     RETRIED: ClassVar[bool] = False
@@ -625,7 +625,7 @@ class LeaseRevokeRequest:
         return {"op": self.OP, "lease": self.lease}
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class WatchRequest:
     """Stream the changes of ``key`` (or under it) from ``start_revision``
     (None: from now on), as ``events`` frames of watch id ``watch``."""
@@ -655,7 +655,7 @@ class WatchRequest:
         }
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class WatchCancelRequest:
     OP: ClassVar[str] = "watch_cancel"
     RETRIED: ClassVar[bool] = True
@@ -669,7 +669,7 @@ class WatchCancelRequest:
         return {"op": self.OP, "watch": self.watch}
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class CompactRequest:
     OP: ClassVar[str] = "compact"
     RETRIED: ClassVar[bool] = False
@@ -683,7 +683,7 @@ class CompactRequest:
         return {"op": self.OP, "revision": self.revision}
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class PingRequest:
     OP: ClassVar[str] = "ping"
     RETRIED: ClassVar[bool] = True
@@ -754,7 +754,7 @@ def decode_request(obj: Mapping[str, Any]) -> tuple[int, Request]:
 # -- answers ------------------------------------------------------------------
 # One class per kind of answer (a txn's is base.TxnResult): ``to_json`` writes
 # a response's ``result`` (the server), ``from_json`` reads it (the client).
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class RevisionAnswer:
     """The store's revision after the request (put, ping, watch)."""
 
@@ -768,7 +768,7 @@ class RevisionAnswer:
         return {"revision": self.revision}
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class EmptyAnswer:
     """Done (lease_revoke, watch_cancel)."""
 
@@ -780,7 +780,7 @@ class EmptyAnswer:
         return {}
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class GetAnswer:
     kv: KeyValue | None
     revision: int
@@ -794,7 +794,7 @@ class GetAnswer:
         return {"kv": None if self.kv is None else encode_kv(self.kv), "revision": self.revision}
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class RangeAnswer:
     """Keys at ``revision``; ``more``: a page's answer (more keys follow);
     ``count``: a newest-first answer's count of every key under the prefix
@@ -827,7 +827,7 @@ class RangeAnswer:
         return out
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class DeleteAnswer:
     deleted: int
     revision: int
@@ -843,7 +843,7 @@ class DeleteAnswer:
         return {"deleted": self.deleted, "revision": self.revision}
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class LeaseGrantAnswer:
     lease: int
     ttl: float
@@ -859,7 +859,7 @@ class LeaseGrantAnswer:
         return {"lease": self.lease, "ttl": self.ttl}
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class LeaseKeepaliveAnswer:
     ttl: float
 
@@ -871,7 +871,7 @@ class LeaseKeepaliveAnswer:
         return {"ttl": self.ttl}
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class CompactAnswer:
     revision: int
     compact_revision: int

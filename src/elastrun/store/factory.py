@@ -26,7 +26,6 @@ from elastrun.endpoint import Endpoint, format_endpoints
 from elastrun.errors import ConfigError
 from elastrun.store.base import Store
 from elastrun.store.etcd_options import EtcdOptions
-from elastrun.store.memory import MemoryStore
 from elastrun.untrusted import printable
 
 __all__ = [
@@ -106,6 +105,8 @@ async def open_store(
     reconnections included, so that a store lost mid-job is reported within
     it; otherwise the backend's default (embedded store) or ``timeout`` (etcd)."""
     if isinstance(backend, str) and backend.strip().lower() == "memory":
+        from elastrun.store.memory import MemoryStore  # tests only: no agent loads the engine
+
         return MemoryStore()
     kind = Backend.parse(backend)
     options = options or StoreOptions()

@@ -60,7 +60,6 @@ import functools
 import importlib.util
 import json
 import os
-import statistics
 import sys
 import threading
 import time
@@ -112,6 +111,14 @@ def numbers() -> Any:
 def messages() -> Any:
     """``_messages.py``, as ``_elastrun_messages`` (as the runner loads it)."""
     return _by_path("_elastrun_messages", "_messages.py")
+
+
+def _median(values: deque[float]) -> float | None:
+    if not values:
+        return None
+    import statistics  # here: with decimal and fractions, 4 ms of every worker's start
+
+    return statistics.median(values)
 
 
 # Sends one of _messages.py's messages to the agent (the runner's channel).
@@ -230,13 +237,13 @@ class Progress:
 
     # ------------------------------------------------------------ numbers
     def step_time(self) -> float | None:
-        return statistics.median(self.step_times) if self.step_times else None
+        return _median(self.step_times)
 
     def own_time(self) -> float | None:
         """The median step time outside backward passes and collectives: in
         DDP every rank's step lasts as long as the slowest's (the others wait
         in the backward pass's all-reduce), so this is what tells the slow rank."""
-        return statistics.median(self.own_times) if self.own_times else None
+        return _median(self.own_times)
 
     def calibrated(self) -> float | None:
         """This rank's own timeout, learned from its gaps (None: too few)."""

@@ -497,8 +497,12 @@ def run_worker(kind: str, target: str, args: list[str], quick: Any = None) -> No
         recorder = ModuleRecorder(channel, scope, after, _names.script_module(kind, target))
         recorder.install()
     guard_teardown()
-    # Ranks other than 0 connect to rank 0's store as soon as it listens (_master.py).
-    on_import("torch.distributed.rendezvous", _load_sibling("_master").install)
+    # Ranks other than 0 connect to rank 0's store as soon as it listens (_master.py,
+    # loaded then: a script that does not use torch.distributed never needs it).
+    on_import(
+        "torch.distributed.rendezvous",
+        lambda rendezvous: _load_sibling("_master").install(rendezvous),
+    )
     # A standby that failed ends as a forked worker does: its finalization would
     # tear down a process group whose peers still wait in its collectives.
     quick = quick or _load_sibling("_quick_exit").QuickExit(forked=standby)

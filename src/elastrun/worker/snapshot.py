@@ -58,10 +58,10 @@ import os
 import re
 import stat
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from elastrun.fields import Fields
+from elastrun.frozen import frozen
 from elastrun.safefs import read_regular, write_atomic
 from elastrun.untrusted import UntrustedData, loads
 from elastrun.worker.snapshot_bounds import (
@@ -175,7 +175,7 @@ def _fields(obj: object, what: str) -> Fields:
     return Fields(obj, what, SnapshotError)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class TensorEntry:
     """One tensor of a snapshot: its key in the state (for messages), dtype
     (torch's name), shape, and bytes at ``offset`` in the data."""
@@ -223,7 +223,7 @@ class TensorEntry:
         return cls(key, dtype, tuple(dims), offset, nbytes)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class Persist:
     """Where the agent writes a snapshot to disk: a checkpoint folder
     (absolute) and how many checkpoints it keeps there (0: all)."""
@@ -245,7 +245,7 @@ class Persist:
         return cls(d, f.integer("keep", high=MAX_COUNT))
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class SnapshotHeader:
     """What a snapshot holds (see the module doc)."""
 
@@ -418,7 +418,7 @@ def _read_note(folder: str, name: str, where: str) -> Fields | None:
     return Fields.versioned(obj, VERSION, where, SnapshotError)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class Marked:
     """A snapshot marked for the disk: its slot, generation and step."""
 
@@ -427,7 +427,7 @@ class Marked:
     step: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class CommitNote:
     """What the worker committed last (the ``committed`` note): the newest
     snapshot's slot, generation and step, and the newest one marked for the
