@@ -9,12 +9,14 @@ process group. End to end: tests/integration/test_in_process.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -25,10 +27,12 @@ from elastrun.agent.logs import LogWriteErrors
 from elastrun.agent.process import Worker
 from elastrun.agent.spec import StandbySettings, WorkerSpec
 from elastrun.agent.standby import MAX_FAILURES, Standbys
+from elastrun.agent.workers import WorkerGroup
 from elastrun.errors import WorkerError
 from elastrun.events import ListSink
 from elastrun.names import RunId
 from elastrun.rendezvous import notes as N
+from elastrun.rendezvous.api import RoundResult
 from elastrun.status.timeline import read_line, render_html
 from elastrun.worker import _messages as M
 from elastrun.worker import _restart
@@ -135,6 +139,35 @@ def test_a_standby_taken_over_is_served_not_kept() -> None:
     w.standby = True
     w.take_over(rank=2, round_=4)
     assert (w.taken_over, w.rank, w.round) == (False, 2, 4)
+
+
+def test_a_process_a_standby_served_is_kept_when_a_later_round_keeps_it(tmp_path: Path) -> None:
+    """Round 5: rank 4 (local 2) served by a standby; round 6 keeps that process
+    and rank 2's (local 0): both are in ``ranks_kept``, as status shows them."""
+
+    def group(result: RoundResult, kept: dict[int, Worker]) -> WorkerGroup:
+        return WorkerGroup(
+            _spec(),
+            result,
+            attempt=result.round,
+            attempt_dir=str(tmp_path),
+            keep_files=False,
+            events=ListSink(),
+            kept=kept,
+        )
+
+    served = Worker(-1, -1, "f", "f/error.json", cast(Any, (None, None)))
+    served.popen, served.standby = cast(Any, SimpleNamespace(pid=404)), True  # Standbys.take
+    first = group(_round(), {2: served})
+    assert first.ranks_kept() is None  # a standby served, nothing kept
+    assert (served.standby, served.taken_over) == (True, False)
+    survivor = first.workers[0]
+    survivor.popen = cast(Any, SimpleNamespace(pid=101))
+    second = group(dataclasses.replace(_round(), round=6), {0: survivor, 2: served})
+    kept = second.ranks_kept()
+    assert kept is not None
+    assert (kept.round, kept.kept, kept.kept_pids, kept.started) == (6, [2, 4], [101, 404], [3])
+    assert (served.standby, served.taken_over) == (False, True)  # status: kept (pid 404)
 
 
 # ---------------------------------------------------------------- the pool, real processes

@@ -109,7 +109,6 @@ from elastrun.errors import ElastrunError, RendezvousClosed, RestartBudgetExhaus
 from elastrun.event_kinds import (
     JobFailed,
     JobFinished,
-    RanksKept,
     RanksLeft,
     Restart,
     RootCauseElsewhere,
@@ -498,19 +497,10 @@ class Agent:
         return takers
 
     async def _start(self, group: WorkerGroup, result: RoundResult) -> None:
-        # Taken over: kept from the last round (standbys: told in standby_used).
-        kept = [w for w in group.workers if w.popen is not None and not w.standby]
         await group.start()  # on WorkerError or a signal, run() stops those started
-        if kept:
-            self.events.emit(
-                RanksKept(
-                    round=result.round,
-                    attempt=self._attempt,
-                    kept=[w.rank for w in kept],
-                    kept_pids=[w.pid for w in kept],
-                    started=[w.rank for w in group.workers if w not in kept and not w.standby],
-                )
-            )
+        kept = group.ranks_kept()  # standbys served: told in standby_used
+        if kept is not None:
+            self.events.emit(kept)
         self.events.emit(
             WorkersStarted(
                 round=result.round,

@@ -110,7 +110,8 @@ class Worker:
     kept: bool = False
     taken_over: bool = False  # its process was kept from an earlier round (status shows it)
     # A standby's (agent/standby.py): the environment it started with, until it
-    # is told its rank's; ``standby``: its process came from a standby.
+    # is told its rank's; ``standby``: its process came from a standby in this
+    # round (a later round that takes it over keeps it: ``taken_over``).
     standby_env: dict[str, str] | None = None
     standby: bool = False
     on_exit: Callable[[], None] = lambda: None  # its exit's callback (the group's)
@@ -185,6 +186,8 @@ class Worker:
         """A new round's group takes this kept process over (rank ``rank``):
         what it ended as in the last round is forgotten."""
         # A standby's process was never in a round before: served, not kept.
+        # Once it was in a round (served then), a later round keeps it.
+        self.standby = self.standby and self.round < 0
         self.rank, self.round, self.taken_over = rank, round_, not self.standby
         self.kept, self.left, self.declared, self.failing, self.dying = (
             False,

@@ -53,6 +53,7 @@ from elastrun.clock import SYSTEM_CLOCK, Clock, remaining
 from elastrun.errors import WorkerError
 from elastrun.event_kinds import (
     RankEntered,
+    RanksKept,
     WorkerExited,
     WorkersKilled,
     WorkersStopping,
@@ -515,6 +516,22 @@ class WorkerGroup:
                     attempt=self.attempt,
                 )
             )
+
+    def ranks_kept(self) -> RanksKept | None:
+        """Which ranks' processes this round took over from the last one
+        (kept), and which started anew; None when none was kept. A rank served
+        by a standby in this round is in neither (``standby_used`` tells it);
+        that process, kept again in a later round, is kept."""
+        kept = [w for w in self.workers if w.taken_over]
+        if not kept:
+            return None
+        return RanksKept(
+            round=self.result.round,
+            attempt=self.attempt,
+            kept=[w.rank for w in kept],
+            kept_pids=[w.pid for w in kept],
+            started=[w.rank for w in self.workers if not w.taken_over and not w.standby],
+        )
 
     @property
     def pids(self) -> list[int]:
