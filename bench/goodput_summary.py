@@ -104,10 +104,13 @@ def _per_failure(
         out[kind]["pause"].append(after["t"] - since)
         times = r.get("phases") or {}
         if all(name in times for name, _ in PHASES):
+            # A phase over before the failure (a standby's start and setup,
+            # done ahead) paused nothing: 0, and the next counts from the failure.
             prev = since
             for name, _ in PHASES:
-                out["phases"][name].append(times[name] - prev)
-                prev = times[name]
+                at = max(times[name], prev)
+                out["phases"][name].append(at - prev)
+                prev = at
             out["phases"]["first step"].append(after["t"] - prev)
     return out
 

@@ -86,3 +86,28 @@ def test_a_node_loss_then_the_rejoin_each_count_their_restart() -> None:
 def test_steps_after_the_end_are_not_counted() -> None:
     events = [_step(s, 100 + s) for s in range(1, 11)]
     assert summarize(events, [], t_end=105.5)["final_step"] == 5
+
+
+def test_a_standby_s_start_before_the_failure_pauses_nothing() -> None:
+    """A rank served by a standby: its first line and setup came before the
+    kill; its pause counts from the kill (no phase below zero)."""
+    events = [_step(s, 100 + s * 0.05) for s in range(1, 41)]  # to t=102
+    resume = _resume(40, 102.9)
+    resume["phases"] = {
+        "script": 95.0,  # the standby's first line, 7.5 s before the kill
+        "start": 102.6,  # it entered the function, 0.1 s after the kill
+        "process_group": 102.7,
+        "model": 102.8,
+        "checkpoint": 102.85,
+    }
+    events += [resume, _step(41, 103.0)]
+    out = summarize(events, [Disruption(WORKER_KILL, 102.5, 40, "x")])
+    phases = {k: [round(x, 6) for x in v] for k, v in out["per_failure"]["phases"].items()}
+    assert phases == {
+        "script": [0.0],
+        "start": [0.1],
+        "process_group": [0.1],
+        "model": [0.1],
+        "checkpoint": [0.05],
+        "first step": [0.15],
+    }
