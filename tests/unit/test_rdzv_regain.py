@@ -14,7 +14,11 @@ from elastrun.errors import (
     StoreTimeout,
     StoreUnavailable,
 )
+from elastrun.names import RunId
+from elastrun.rendezvous.api import RendezvousSettings
+from elastrun.rendezvous.dynamic import DynamicRendezvous
 from elastrun.rendezvous.register import RETRY_EVERY, regain
+from elastrun.store.memory import MemoryStore
 
 
 def _clock() -> Clock:
@@ -104,3 +108,60 @@ def test_a_window_bounded_by_something_else_names_it() -> None:
 
     text = run_virtual(scenario())
     assert "unreachable for 3 s (the exit barrier)" in text and "join_timeout" not in text
+
+
+class SlowGrants(MemoryStore):
+    """A real store whose first ``slow`` lease grants answer after 3 s (its
+    host loaded): past a 2 s lease_ttl."""
+
+    def __init__(self, slow: int) -> None:
+        super().__init__(clock=_clock())
+        self.slow = slow
+        self.grants = 0
+
+    async def lease_grant(self, ttl: float) -> int:
+        self.grants += 1
+        if self.grants <= self.slow:
+            await asyncio.sleep(3.0)  # virtual seconds
+        return await super().lease_grant(ttl)
+
+
+def _node(store: MemoryStore, join_timeout: float) -> DynamicRendezvous:
+    settings = RendezvousSettings(
+        run_id=RunId("slow-grants"),
+        host="h-a",
+        addr="127.0.0.1",
+        min_nodes=1,
+        max_nodes=1,
+        lease_ttl=2.0,
+        join_timeout=join_timeout,
+    )
+    return DynamicRendezvous(store, settings, node_id="a", clock=_clock())
+
+
+def test_a_first_lease_granted_late_is_asked_for_again_until_one_comes() -> None:
+    async def scenario() -> tuple[int, int]:
+        store = SlowGrants(slow=3)
+        node = _node(store, join_timeout=60.0)
+        result = await node.next_round()
+        await node.shutdown()
+        return result.world_size, store.grants
+
+    world, grants = run_virtual(scenario())
+    assert world == 1
+    assert grants == 4  # three late answers, then one in time
+
+
+def test_a_store_that_never_grants_in_time_fails_at_the_join_timeout_saying_so() -> None:
+    async def scenario() -> tuple[BaseException, float]:
+        clock = _clock()
+        start = clock.monotonic()
+        node = _node(SlowGrants(slow=1000), join_timeout=20.0)
+        with pytest.raises(StoreTimeout) as info:
+            await node.next_round()
+        return info.value, clock.monotonic() - start
+
+    err, took = run_virtual(scenario())
+    assert 20.0 <= took <= 20.0 + 2.0 + RETRY_EVERY  # the last try's own lease_ttl
+    assert "granted no lease within 2 s (lease_ttl)" in str(err)
+    assert "asked again for join_timeout=20s" in str(err)

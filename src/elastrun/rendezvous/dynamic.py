@@ -283,7 +283,7 @@ class DynamicRendezvous(NoteAccess, FaultAccess, Rendezvous):
             # while the store is unreachable for at most join_timeout.
             await self._registration.regain_lease(check=self._registration.check_config)
             return
-        await self.keeper.start()
+        await self._registration.first_lease()
         if self.carry is not None:
             await self._registration.after_takeover(self.carry)
         else:

@@ -94,6 +94,7 @@ from elastrun.errors import (
     RendezvousClosed,
     RendezvousError,
     StoreError,
+    StoreTimeout,
     StoreUnavailable,
 )
 from elastrun.event_kinds import ConfigMismatched, JobReset, LeaseRegained, RoundOpened
@@ -267,6 +268,25 @@ class Registration:
         record = PresenceRecord(self.node.info(), since=time.time())
         key = self.node.keys.node(self.node.node_id)
         return Put(key, record.encode(), self.keeper.lease)
+
+    async def first_lease(self) -> None:
+        """This node's first lease. A store that answers no grant within
+        ``lease_ttl`` (its host loaded, an etcd without quorum for a moment:
+        StoreTimeout) is asked again every :data:`RETRY_EVERY` seconds, for at
+        most ``join_timeout``: a node joining a job does not give up on one
+        slow answer. Any other error is raised at once (a wrong endpoint fails
+        fast)."""
+        node = self.node
+        window = node.settings.join_timeout
+        deadline = node.clock.monotonic() + window
+        while True:
+            try:
+                await self.keeper.start()
+                return
+            except StoreTimeout as exc:
+                if remaining(deadline, node.clock) <= 0:
+                    raise StoreTimeout(f"{exc}; asked again for join_timeout={window:g}s") from None
+            await node.clock.sleep_until(min(node.clock.monotonic() + RETRY_EVERY, deadline))
 
     async def first(self) -> None:
         """Classify what is under the job id (the reuse table) and act: create
