@@ -57,8 +57,9 @@ check: setup
 	$(PY) -m mypy
 
 # Every test but a whole benchmark's (marked `bench`: its runs are bounded in time,
-# so it belongs where the machine is quiet: `make soak`).
-test: setup etcd chromium check
+# so it belongs where the machine is quiet: `make soak`). The checks (`make check`)
+# are one of the tests (tests/unit/test_static_checks.py), run beside the others.
+test: setup etcd chromium
 	$(PYTEST) -m "not bench" $(PYTEST_ARGS)
 
 # The fast subset for daily work (about a minute): pure logic and the stores.

@@ -9,6 +9,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from tests.store.etcd_fixture import etcd_with_auth  # noqa: F401 (fixture)
 
@@ -28,3 +29,9 @@ if "ELASTRUN_CACHE_DIR" not in os.environ:
     _CACHE = tempfile.mkdtemp(prefix="elastrun-test-cache-")
     os.environ["ELASTRUN_CACHE_DIR"] = _CACHE
     atexit.register(shutil.rmtree, _CACHE, True)
+
+
+def pytest_collection_modifyitems(items: list[Any]) -> None:
+    """The static checks first: one long test (mypy), run beside the others
+    from the start rather than last, when nothing is left to overlap it."""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/unit/test_static_checks.py"))

@@ -89,7 +89,10 @@ def test_make_demo_installs_only_what_the_demo_needs() -> None:
     # `make test` (and check) installs the dev extra
     assert rules["setup"][0].split() == ["$(DEV_STAMP)"]
     assert "'.[dev]'" in " ".join(rules["$(DEV_STAMP)"][1])
-    assert "setup" in rules["test"][0].split() and "check" in rules["test"][0].split()
+    assert "setup" in rules["test"][0].split()
+    # ... and runs the checks: as a test of the suite (tests/unit/test_static_checks.py)
+    assert (REPO / "tests" / "unit" / "test_static_checks.py").is_file()
+    assert '-m "not bench"' in " ".join(rules["test"][1]), "make test runs the slow tests too"
     for tool in ("pytest", "mypy", "ruff", "hypothesis"):
         assert any(d.startswith(tool) for d in extras["dev"])
         assert not any(d.startswith(tool) for d in extras["torch"])
