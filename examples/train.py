@@ -224,6 +224,20 @@ def setup_work(seconds: float) -> None:
     print(f"setup done: pid {os.getpid()} ({seconds:g} s)", flush=True)
 
 
+class Setup:
+    """What a process builds once, before it trains: the data and the model
+    (with --in-process, a kept process enters ``train`` again with them)."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        self.device = device
+        self.train_ds, test_ds = load_digits(args.data)
+        self.test_ds = TensorDataset(*(t.to(device) for t in test_ds.tensors))
+        torch.manual_seed(args.seed)
+        self.model = make_model().to(device)
+        # The weights a run without a checkpoint starts from, in every entry.
+        self.initial = {k: v.clone() for k, v in self.model.state_dict().items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # Once per process: with --in-process, a kept process does not do it again.
@@ -231,15 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     # Wrapped before the setup, as a decorator would: elastrun's standby
     # processes start now, beside this one's setup (docs/in_process.md).
     run = in_process(train) if args.in_process else train
+    setup = Setup(args, device)
     if args.setup_seconds > 0:
         setup_work(args.setup_seconds)
-    return run(args, device)
+    return run(args, setup)
 
 
-def train(args: argparse.Namespace, device: torch.device) -> int:
+def train(args: argparse.Namespace, setup: Setup) -> int:
     """Join the process group and train (again, after an in-process restart:
     the round's RANK, WORLD_SIZE, MASTER_PORT, ... are in os.environ)."""
-    ctx = context()
+    ctx, device = context(), setup.device
     backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
     init_distributed(backend, ctx.launched)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -248,11 +263,8 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
         if rank == 0:
             print(msg, flush=True)
 
-    torch.manual_seed(args.seed)
-    train_ds, test_ds = load_digits(args.data)
-    test_ds = TensorDataset(*(t.to(device) for t in test_ds.tensors))
+    train_ds, test_ds, model = setup.train_ds, setup.test_ds, setup.model
     n = len(train_ds)
-    model = make_model().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sampler = ElasticSampler(n, seed=args.seed, rank=rank, world_size=world)
     global_step = 0
@@ -265,7 +277,9 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
     mem = MemoryCheckpoint(args.checkpoint_dir, keep=args.keep) if args.memory_checkpoint else None
     state = mem.load(shared=True) if mem else load_checkpoint(args.checkpoint_dir, keep=args.keep)
     fresh = state is None and ctx.restart_count == 0
-    if state is not None:
+    if state is None:
+        model.load_state_dict(setup.initial)
+    else:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sampler.load_state_dict(state["sampler"])
@@ -291,7 +305,7 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
         elif ctx.local_rank == 0 and disk:
             save_checkpoint(snap, args.checkpoint_dir, step=global_step, keep=args.keep)
 
-    acc = accuracy(model, test_ds)
+    acc: float | None = None  # measured after each epoch (a run that trains none: at the end)
     for epoch in range(sampler.epoch, args.epochs):
         if sampler.epoch != epoch:
             sampler.set_epoch(epoch)
@@ -340,6 +354,8 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
             f"test_acc {acc:.4f} samples/s {samples / max(elapsed, 1e-9):.0f} "
             f"world {world} restarts {ctx.restart_count}"
         )
+    if acc is None:
+        acc = accuracy(model, test_ds)
     say(f"final: epoch={args.epochs} test_acc={acc:.4f} world={world} restarts={ctx.restart_count}")
     if mem is not None:
         mem.close()
