@@ -13,6 +13,7 @@ the change another node's failure made (``changed``), then ``next_round()``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from types import SimpleNamespace
 from typing import cast
@@ -150,3 +151,13 @@ def test_a_restart_collateral_to_a_lost_node_is_not_said_counted() -> None:
         'elastrun_restarts_total{reason="restart_requested",counted="false"} 1',
     ]
     assert [t[3] for t in told] == [0, 0]
+
+
+def test_only_the_round_a_restart_opened_charges_it() -> None:
+    """A node that was not in the round its restart opened (it lost its
+    lease, it was lost) joins a later one: that round's charge, if any, is of
+    another failure, and this node's restart was not charged (a round closes
+    charged only with every member of the round before back)."""
+    r3 = RoundResult("job", 3, (), 0, "127.0.0.1", 29500, 2, 3, charged=True)
+    assert r3.charges(2) and not r3.charges(1)
+    assert not dataclasses.replace(r3, charged=False).charges(2)
