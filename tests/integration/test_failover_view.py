@@ -158,6 +158,17 @@ def dots_on(svg: ElementTree.Element, color: str, lane_y: float) -> int:
     )
 
 
+def check_restarts(events: list[dict[str, Any]]) -> None:
+    """Every node's ``restart`` event says what the rendezvous charged: the
+    crash's restart counted (restart 1), the host loss's not (still 1), even
+    where a survivor's collective broke before its agent saw the host go (its
+    restart is then a worker failure, collateral, not charged)."""
+    restarts = sorted({e["round"] for e in events if e["kind"] == "restart"})
+    assert len(restarts) == 2, events
+    said = {(e["round"], e["counted"], e["count"]) for e in events if e["kind"] == "restart"}
+    assert said == {(restarts[0], True, 1), (restarts[1], False, 1)}, said
+
+
 def check_page(page: Path, events: list[dict[str, Any]]) -> None:
     """The page as Chromium parsed and painted it."""
     shown = render(page)
@@ -200,6 +211,7 @@ def test_a_crash_a_takeover_and_a_promotion_as_the_operator_sees_them(tmp_path: 
         said = run_job(j, port)
     check_watch(said, port)
     page, events = draw(j)
+    check_restarts(events)
     if CHROMIUM is None:  # the job and the watch were checked; the page needs a browser
         pytest.skip(SKIP_REASON)
     check_page(page, events)

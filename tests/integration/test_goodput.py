@@ -82,7 +82,7 @@ def test_a_crash_is_accounted_live_and_at_the_end(tmp_path: Path) -> None:
         assert "goodput   " in table.stdout and "lost to: " in table.stdout, table.stdout
         # The agent's metrics say the same (loopback, the port given).
         m = scrape(metrics_port)
-        assert m['elastrun_restarts_total{reason="worker_failed"}'] == 1, m
+        assert m['elastrun_restarts_total{reason="worker_failed",counted="true"}'] == 1, m
         assert m['elastrun_worker_failures_total{cause="root_cause"}'] == 1, m
         assert m["elastrun_recovery_seconds_count"] == 1 and m["elastrun_round"] >= 1, m
         assert 0 < m["elastrun_goodput_ratio"] < 1 and m["elastrun_steps_redone"] == 10, m

@@ -188,6 +188,10 @@ def test_status_and_event_log_tell_the_job_story(tmp_path: Path) -> None:
             j.touch("finish")
             for agent in j.agents:
                 assert agent.wait(BOUND) == 0, agent.output()[-3000:]
+                # Every member says the one restart charged, once the next round formed;
+                # c's join is said not counted, as it was not charged.
+                said_counts = re.findall(r"restarting workers \(restart (\d+)/3\)", agent.output())
+                assert said_counts == ["1"], agent.output()[-3000:]
             assert watcher.wait(CLI_BOUND) == 0, watch_out.read_text()[-3000:]
 
     # --watch: one JSON object per change, in order, ending with the finished job.
@@ -238,6 +242,14 @@ def test_status_and_event_log_tell_the_job_story(tmp_path: Path) -> None:
         "restart",
     )
     assert events[restart]["count"] == 1 and events[restart]["counted"] is True
+    # Every restart event says what the rendezvous charged: the crash's round,
+    # counted, restart 1, on each of its 3 members; c's join, not counted, 0.
+    crashed = events[crash]["round"]
+    charges = [
+        (e["round"] == crashed, e["counted"], e["count"]) for e in events if e["kind"] == "restart"
+    ]
+    assert sorted(set(charges)) == [(False, False, 0), (True, True, 1)], charges
+    assert charges.count((True, True, 1)) == 3, charges
     reopened = first_index(
         events,
         crash,
@@ -284,14 +296,10 @@ def test_status_and_event_log_tell_the_job_story(tmp_path: Path) -> None:
     ElementTree.fromstring(svg)  # well-formed
     head = text[text.index("<h2>") : text.index("</h2>")]
     # every restart once, and how many the rendezvous charged: the crash's
-    # alone (the status above: 1). c's join re-formed the group uncharged; an
-    # agent whose worker's collective broke as c's join stopped the group may
-    # have announced that restart as counted (its `restart` event comes before
-    # the charge: docs/events.md), which the page does not believe.
+    # alone (the status above: 1); c's join re-formed the group uncharged.
     restarts = {e["round"] for e in events if e["kind"] == "restart"}
-    said = f"{len(restarts)} restart{'s' if len(restarts) > 1 else ''}"
-    said += " (1 counted)," if len(restarts) > 1 else ","
-    assert "3 nodes" in head and said in head, (said, head)
+    assert len(restarts) == 2, restarts
+    assert "3 nodes" in head and "2 restarts (1 counted)," in head, head
     assert f"round {closed[-1]['round']}" in svg
     assert "rank 1 on" in text and "<script" not in text
 

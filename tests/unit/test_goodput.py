@@ -54,6 +54,7 @@ class End:
     restart: bool = False
     hang: bool = False
     change: bool = False  # a membership change that is no restart
+    charged: bool = True  # the next round's close charged the restart
 
 
 Step = Start | See | End
@@ -67,10 +68,12 @@ def run(script: list[Step], now: float) -> Goodput:
                 ledger.started(at)
             case See(b):
                 ledger.beat(b)
-            case End(at, restart, hang, change):
+            case End(at, restart, hang, change, charged):
                 ledger.ended(at)
                 if restart:
                     ledger.restarting(hang=hang)
+                    if charged:
+                        ledger.charged()
                 elif change:
                     ledger.changing()
     return ledger.figures(now)
@@ -236,6 +239,22 @@ CASES: dict[str, tuple[list[Step], float, dict[str, float], dict[str, int]]] = {
         9.0,
         {"startup": 1.0, "training": 6.0, "restart": 2.0},
         {"failures": 1, "steps_redone": 0},
+    ),
+    # A failure collateral to a lost node (or one the rendezvous charged to
+    # another report of the same round): its time is the restart's, and it
+    # is no failure more than the rendezvous charged.
+    "restart not charged": (
+        [
+            Start(0.0),
+            See(beat(1.0, 1, first=(1.0, 1))),
+            See(beat(5.0, 40, first=(1.0, 1))),
+            End(5.0, restart=True, charged=False),
+            Start(6.0),
+            See(beat(7.0, 41, first=(7.0, 41))),
+        ],
+        9.0,
+        {"startup": 1.0, "training": 6.0, "restart": 2.0},
+        {"failures": 0, "steps_redone": 0},
     ),
     # A script that reports no step at all: everything is start-up, and the
     # figure is unknown.

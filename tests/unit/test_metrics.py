@@ -69,7 +69,7 @@ def test_the_exposition_holds_what_the_agent_saw() -> None:
     got = samples(fed().render().decode())
     assert got["elastrun_round"] == 3 and got["elastrun_world_size"] == 4
     assert got["elastrun_members"] == 2 and got["elastrun_spares"] == 1
-    assert got['elastrun_restarts_total{reason="worker_failed"}'] == 1
+    assert got['elastrun_restarts_total{reason="worker_failed",counted="true"}'] == 1
     assert got['elastrun_worker_failures_total{cause="root_cause"}'] == 1
     assert got['elastrun_recovery_seconds_bucket{le="1"}'] == 0
     assert got['elastrun_recovery_seconds_bucket{le="2"}'] == 1
@@ -94,7 +94,7 @@ def test_label_values_are_bounded() -> None:
     m.emit(Restart(count=0, reason="Not A Word {}", counted=False, round=0))
     restarts = [k for k in samples(m.render().decode()) if k.startswith("elastrun_restarts_total")]
     assert len(restarts) == MAX_LABEL_VALUES + 1  # the first ones, and "other"
-    assert 'elastrun_restarts_total{reason="other"}' in restarts
+    assert 'elastrun_restarts_total{reason="other",counted="false"}' in restarts
 
 
 @pytest.mark.parametrize(

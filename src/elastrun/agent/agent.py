@@ -99,6 +99,7 @@ from elastrun.agent.logs import LogWriteErrors, needs_files
 from elastrun.agent.metrics import Metrics
 from elastrun.agent.process import Worker
 from elastrun.agent.refusals import RefusalWatch
+from elastrun.agent.restart_charge import RoundEnd
 from elastrun.agent.signals import Signalled, SignalRouter, StopSignals
 from elastrun.agent.spec import WorkerSpec
 from elastrun.agent.standby import Standbys
@@ -110,7 +111,6 @@ from elastrun.event_kinds import (
     JobFailed,
     JobFinished,
     RanksLeft,
-    Restart,
     RootCauseElsewhere,
     SignalForwarded,
     StandbyUsed,
@@ -204,6 +204,8 @@ class Agent:
         # with no restarts left (the launcher passes its error file on).
         self.ended_by: FailureRecord | None = None
         self._last_failure: FailureRecord | None = None  # this node's latest
+        # How the last round ended, said once the next one formed (with its charge).
+        self._round_end: RoundEnd | None = None
         self._guard = OrphanGuard()
         self._reaper = Reaper()
         # Standby ranks: processes set up ahead of time for the ranks to replace.
@@ -393,6 +395,7 @@ class Agent:
                     return refused
             try:
                 result = await self._next_round()
+                self._formed(result)
             except RendezvousClosed as e:
                 say(f"elastrun: the job is already finished ({e}); nothing to do")
                 self.events.emit(JobFinished(exit_code=0, reason="rendezvous_closed"))
@@ -428,6 +431,17 @@ class Agent:
                         return code
                 case Leave():
                     return await self._on_leave(ended)
+
+    def _formed(self, result: RoundResult) -> None:
+        """The next round formed: say how the last one ended, with what the
+        rendezvous charged for it (agent/restart_charge.py)."""
+        end, self._round_end = self._round_end, None
+        if end is None:
+            return
+        line = end.line(result)
+        if line is not None:
+            say(line)
+        self.events.emit(end.restart(result))
 
     async def _refused(self) -> int | None:
         """1 when this node is quarantined (agent/attribution.py): it does
@@ -550,15 +564,7 @@ class Agent:
         if own:
             say(printable(change_line(change, result)))
         self._stops.raise_pending()
-        self.events.emit(
-            Restart(
-                count=result.restart_count + (1 if change.counts_as_restart else 0),
-                reason=change.reason,
-                detail=change.detail,
-                counted=change.counts_as_restart,
-                round=result.round,
-            )
-        )
+        self._round_end = RoundEnd.changed(result, change)  # said once the next round formed
         return None
 
     async def _on_leave(self, leave: Leave) -> int:
@@ -653,29 +659,20 @@ class Agent:
             self.ended_by = record
             self.events.emit(JobFailed(exit_code=1, reason="restarts_exhausted", failure=record))
             return 1
-        # The title announces the restart, once (with the job's root cause).
+        # The title says why the round ended, once (with the job's root cause);
+        # whether the restart counts, once the next round formed (_formed).
         known = peer is not None or any(f.role == ROOT_CAUSE for f in failures)
-        title = summary_title(result, job if known else None)
+        root = job if known else None
+        title = summary_title(result, root)
         say(with_report(format_summary(failures, title, peer=peer), report))
         code = await self._attribute(group, result, job, record)
         if code is not None:
             return code
-        # With no restarts left, the rendezvous decides when the next round
-        # closes: the job fails unless a node was lost (then this failure is
-        # collateral, not counted).
-        spent = result.restart_count >= result.max_restarts
+        # The rendezvous charges the restart when the next round closes (with
+        # no restarts left, the job fails then unless a node was lost: this
+        # failure is then collateral, not counted).
         self._stops.raise_pending()
-        if spent:
-            return None
-        self.events.emit(
-            Restart(
-                count=result.restart_count + 1,
-                reason="worker_failed",
-                counted=True,
-                round=result.round,
-                failure=job,
-            )
-        )
+        self._round_end = RoundEnd.failed(result, job, root)
         return None
 
     async def _attribution_stopped(self) -> str | None:

@@ -55,14 +55,16 @@ __all__ = [
     "WorkerFailure",
     "broke_collective",
     "change_line",
+    "change_why",
     "classify",
     "describe_exit",
     "elsewhere",
+    "failed_why",
     "failure_kind",
     "failure_record",
     "format_summary",
-    "restart_line",
     "roles",
+    "round_end_line",
     "summary_title",
     "with_report",
 ]
@@ -458,10 +460,11 @@ def format_summary(
 
 def summary_title(result: RoundResult, root: FailureRecord | None = None) -> str:
     """The failure summary's title. With a restart left it is the one line
-    that announces the restart (:func:`restart_line`: the job's root cause,
-    ``root``), as every other node prints it."""
+    that says why the round ended (:func:`round_end_line`: the job's root
+    cause, ``root``), as every other node prints it; whether the restart
+    counts is said once the next round formed (agent/restart_charge.py)."""
     if result.restart_count < result.max_restarts:
-        return restart_line(result, root)
+        return round_end_line(result, printable(failed_why(root)))
     spent = f"no restarts are left (max restarts {result.max_restarts})"
     if result.group_world_size <= 1:
         # No other node in the group: none can have been lost.
@@ -472,27 +475,32 @@ def summary_title(result: RoundResult, root: FailureRecord | None = None) -> str
     )
 
 
-def restart_line(result: RoundResult, root: FailureRecord | None) -> str:
-    """The one console line that says why the workers restart (``root``: the
-    job's root cause; None: the agent stopped every failed rank itself)."""
-    why = printable(root.describe()) if root is not None else "workers failed on this node"
-    return (
-        f"elastrun: restarting workers (restart {result.restart_count + 1}/"
-        f"{result.max_restarts}): {why}"
-    )
+def round_end_line(result: RoundResult, why: str) -> str:
+    """The one console line that says why the workers restart, as the round
+    ends: before the rendezvous charges the restart (or not), so no count."""
+    return f"elastrun: round {result.round} ended: {why}; restarting workers"
 
 
 def change_line(change: Change, result: RoundResult) -> str:
     """The one console line that says why this round ends."""
-    why = change.detail or change.reason.replace("_", " ")
     if change.counts_as_restart:
-        if not change.detail:
-            why = f"workers failed on another node ({change.reason})"
-        return (
-            f"elastrun: restarting workers (restart {result.restart_count + 1}/"
-            f"{result.max_restarts}): {why}"
-        )
-    return f"elastrun: re-forming: {why}; not counted as a restart"
+        return round_end_line(result, change_why(change))
+    return f"elastrun: re-forming: {change_why(change)}; not counted as a restart"
+
+
+def failed_why(root: FailureRecord | None) -> str:
+    """Why a round whose workers failed here ended, as its lines say it
+    (``root``: the job's root cause; None: the agent stopped every failed
+    rank itself). Not escaped: the record may be another node's."""
+    return root.describe() if root is not None else "workers failed on this node"
+
+
+def change_why(change: Change) -> str:
+    """Why a round ended for ``change``, as its lines say it (not escaped:
+    the detail is another node's)."""
+    if change.counts_as_restart and not change.detail:
+        return f"workers failed on another node ({change.reason})"
+    return change.detail or change.reason.replace("_", " ")
 
 
 def with_report(summary: str, report: str) -> str:

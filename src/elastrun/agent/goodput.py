@@ -2,7 +2,8 @@
 
 Each agent keeps a :class:`Ledger` of its node's time, fed from what it
 already sees: its rounds (a round's workers start; the round ends; a restart
-is counted, for a failure here or on another node; a hang was declared here),
+is counted, for a failure here or on another node, once the rendezvous
+charged it; a hang was declared here),
 and the progress record of its first local rank (worker/_progress.py, read
 every ``POLL_EVERY`` seconds while the round runs): when this process's first
 step ended and at which step, the time of the last progress and its step,
@@ -161,12 +162,18 @@ class Ledger:
     def restarting(self, *, hang: bool = False) -> None:
         """The round that ended is a restart (a failure here or elsewhere);
         ``hang``: a rank was declared hung here. The time since its last
-        step is the hang's or the restart's (:meth:`_lost`)."""
-        self.failures += 1
+        step is the hang's or the restart's (:meth:`_lost`). Counted among
+        the failures once the rendezvous charged it (:meth:`charged`)."""
         self.cause = Cause.RESTART
         self.restarted_at = self.ended_at
         self.hangs += hang
         self._lost(Cause.HANG if hang else Cause.RESTART)
+
+    def charged(self) -> None:
+        """The next round's close charged the restart (a failure collateral to
+        a lost node or store host is not charged, and one that several nodes
+        report is charged once): one failure more."""
+        self.failures += 1
 
     def changing(self) -> None:
         """The round that ended is a change that is no restart (a node
@@ -257,6 +264,7 @@ class GoodputAccounting(Feature):
     def __init__(self, core: Core) -> None:
         self.core = core
         self.ledger = Ledger(core.clock.monotonic())
+        self._last_round: int | None = None  # this node's last round
         if core.metrics is not None:  # served live (agent/metrics.py)
             core.metrics.goodput = self.figures
             core.metrics.step_time = lambda: self.ledger.step_time
@@ -269,6 +277,9 @@ class GoodputAccounting(Feature):
         return self.ledger.figures(self.now())
 
     def round(self, group: WorkerGroup) -> RoundHooks:
+        last, self._last_round = self._last_round, group.result.round
+        if last is not None and group.result.charges(last):
+            self.ledger.charged()
         return RoundGoodput(self, group)
 
     async def close(self) -> None:

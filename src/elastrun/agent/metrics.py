@@ -18,7 +18,8 @@ here is tested against the format's rules.
 
 Label values are bounded: a label's values come from the agent's own small
 sets (causes of loss, event reasons), at most ``MAX_LABEL_VALUES`` per metric
-(more go to ``other``), each at most ``MAX_LABEL_CHARS`` characters and escaped;
+(more go to ``other``; the restarts' reasons each twice, ``counted`` or not),
+each at most ``MAX_LABEL_CHARS`` characters and escaped;
 the store host is one series at a time. A scrape's answer is therefore bounded
 (about 8 KiB), and scrapes keep no state.
 """
@@ -59,15 +60,19 @@ def _label(value: str) -> str:
 
 @dataclass
 class _ByLabel:
-    """A counter by one label, with at most ``MAX_LABEL_VALUES`` values."""
+    """A counter by label values: the first label with at most
+    ``MAX_LABEL_VALUES`` values (more are counted as "other"), any further
+    ones from the agent's own fixed sets (``counted``: "true", "false")."""
 
-    counts: dict[str, float] = field(default_factory=dict)
+    counts: dict[tuple[str, ...], float] = field(default_factory=dict)
+    firsts: set[str] = field(default_factory=set)
 
-    def add(self, value: str, amount: float = 1.0) -> None:
+    def add(self, value: str, *more: str) -> None:
         key = value if _WORD.fullmatch(value) else "other"
-        if key not in self.counts and len(self.counts) >= MAX_LABEL_VALUES:
+        if key not in self.firsts and len(self.firsts) >= MAX_LABEL_VALUES:
             key = "other"
-        self.counts[key] = self.counts.get(key, 0.0) + amount
+        self.firsts.add(key)
+        self.counts[(key, *more)] = self.counts.get((key, *more), 0.0) + 1.0
 
 
 @dataclass
@@ -119,8 +124,8 @@ class Metrics:
                 self.stragglers, self.straggler_score = 0, 0.0
             case RoundClosed():
                 self.spares = len(event.spares)
-            case Restart():
-                self.restarts.add(event.reason)
+            case Restart():  # written once the next round formed, with its charge
+                self.restarts.add(event.reason, "true" if event.counted else "false")
             case WorkerExited() if event.cause != "ok":
                 self.worker_exits.add(event.cause)
             case Straggler():
@@ -165,14 +170,21 @@ class Metrics:
         metric(
             "restarts_total",
             "counter",
-            "Rounds ended for a restart or a membership change, by reason.",
-            [(f'{{reason="{_label(k)}"}}', v) for k, v in sorted(self.restarts.counts.items())],
+            "Rounds ended for a restart or a membership change, by reason and by whether "
+            "the rendezvous counted it against --max-restarts.",
+            [
+                (f'{{reason="{_label(k)}",counted="{c}"}}', v)
+                for (k, c), v in sorted(self.restarts.counts.items())
+            ],
         )
         metric(
             "worker_failures_total",
             "counter",
             "This node's workers that ended other than ok, by cause.",
-            [(f'{{cause="{_label(k)}"}}', v) for k, v in sorted(self.worker_exits.counts.items())],
+            [
+                (f'{{cause="{_label(k)}"}}', v)
+                for (k,), v in sorted(self.worker_exits.counts.items())
+            ],
         )
         h = self.recovery
         counts = h.counts or [0] * len(h.buckets)

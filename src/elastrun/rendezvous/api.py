@@ -140,11 +140,23 @@ class RoundResult:
     max_restarts: int
     reason: str = ""  # why the round closed (dynamic: the decider's rule)
     shape: GroupShape | None = None
+    # This round's close charged the worker failure that opened it (restart_count
+    # counts it): the restart that ended round ``round - 1``.
+    charged: bool = False
 
     @property
     def complete(self) -> bool:
         """``members`` holds every member."""
         return self.shape is None
+
+    def charges(self, ended: int) -> bool:
+        """Whether this round's close charged the restart that ended round
+        ``ended`` (this node's last round): the round that restart opened is
+        ``ended + 1``, and a round closes charged only with every member of
+        the round before back. A later round (this node was not in ``ended +
+        1``, a lost member) or one closed uncharged (a node or the store's
+        host lost: the failure was collateral) did not."""
+        return self.charged and self.round == ended + 1
 
     @property
     def group_world_size(self) -> int:

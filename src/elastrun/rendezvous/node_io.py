@@ -806,6 +806,7 @@ class Executor:
                 restart_count=result.restarts,
                 max_restarts=s.max_restarts,
                 reason=result.reason,
+                charged=result.charged,
             )
         head = await self.observer.get_head(r)
         return rounds.partial_result(s.run_id, head, s.max_restarts)

@@ -253,6 +253,7 @@ def round_result(run_id: str, node_id: str, result: ResultRecord, max_restarts: 
         restart_count=result.restarts,
         max_restarts=max_restarts,
         reason=result.reason,
+        charged=result.charged,
     )
 
 
@@ -273,6 +274,7 @@ def partial_result(run_id: str, head: Head, max_restarts: int) -> RoundResult:
         restart_count=h.restarts,
         max_restarts=max_restarts,
         reason=h.reason,
+        charged=h.charged,
         shape=GroupShape(h.size, h.world_size, seat.rank_base, seat.role_base, seat.role_size),
     )
 

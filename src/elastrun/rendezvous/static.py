@@ -82,6 +82,8 @@ class StaticRendezvous(Rendezvous):
             restart_count=self.restart_count,
             max_restarts=self.settings.max_restarts,
             reason="static",
+            # Round r > 0 follows the r-th restart, charged as it was asked for.
+            charged=self.restart_count > 0,
         )
 
     async def wait_for_change(self) -> Change:

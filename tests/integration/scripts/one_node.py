@@ -40,6 +40,7 @@ class OneNodeRendezvous(Rendezvous):
         )
         self.round = -1
         self.restart_count = 0
+        self._charged = 0  # restarts the last round handed out counted
         self.failures: list[dict[str, Any]] = []  # the records, as JSON
         self.completed = 0
         self.shutdowns = 0
@@ -56,6 +57,8 @@ class OneNodeRendezvous(Rendezvous):
         self.round += 1
         self.change.clear()
         s = self.settings
+        # As the store's rendezvous: a round charges the restart asked for in the one before.
+        charged, self._charged = self.restart_count > self._charged, self.restart_count
         return RoundResult(
             run_id=s.run_id,
             round=self.round,
@@ -65,6 +68,7 @@ class OneNodeRendezvous(Rendezvous):
             master_port=free_port(),
             restart_count=self.restart_count,
             max_restarts=s.max_restarts,
+            charged=charged,
         )
 
     async def wait_for_change(self) -> Change:
