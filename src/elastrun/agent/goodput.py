@@ -52,10 +52,10 @@ The warm-up: a new process's first steps are slower than the job's pace
 pages faulted in, a new standby's start beside it); measured on
 bench/goodput_accounting.py, 0.1 to 0.6 s per failure on 2 shared cores,
 which, counted as training, made the figure read 4 to 7 points high at a
-kill every 10 s. The
-pace is the median of the recent intervals between two reads of the record
-(seconds over optimizer steps, saves included), taken before the failure; a
-process that counts no optimizer steps shows no warm-up.
+kill every 10 s. The pace is the median of the recent intervals between two
+reads of the record (seconds over optimizer steps, saves included), taken
+before the failure; a process that counts no optimizer steps shows no
+warm-up, and none is counted after a change that is no restart.
 
 The ledger is pure (times given, no clock, no I/O): tests/unit/test_goodput.py
 drives it in virtual time. :class:`GoodputAccounting` is its driver, a feature
