@@ -90,6 +90,8 @@ bench: setup etcd
 	$(PY) -m bench.in_process_restart
 	$(PY) -m bench.compile_restart
 	$(PY) -m bench.goodput --setup-heavy
+	$(PY) -m bench.goodput_accounting
+	$(PY) -m bench.metrics_scrape
 
 bench-quick: setup etcd
 	$(PY) -m bench --quick $(BENCH_ARGS)

@@ -119,6 +119,8 @@ class Run:
     started: list[subprocess.Popen[bytes]] = field(default_factory=list)
     disruptions: list[Disruption] = field(default_factory=list)
     in_process: bool = False  # the worker trains in elastrun.train.in_process
+    pace: str = "step"  # the worker's GP_PACE
+    interval: float = 0.05  # the worker's GP_INTERVAL (s)
 
     @property
     def events(self) -> Path:
@@ -138,6 +140,8 @@ class Run:
             "GP_REPLICATE": str(self.args.replicate_every),
             "GP_SETUP": str(self.args.setup_seconds),
             "GP_IN_PROCESS": "1" if self.in_process else "0",
+            "GP_PACE": self.pace,
+            "GP_INTERVAL": str(self.interval),
             # the nodes share this machine's cores: one thread per worker
             # (elastrun's default; torchrun sets it only with several
             # workers per node), else each worker oversubscribes the CPUs

@@ -17,6 +17,13 @@ every ``GP_INTERVAL`` seconds at most. ``GP_MODE``:
   as a replica (default: ``GP_EVERY``);
 * ``none``: no checkpoint (the failure-free reference).
 
+``GP_PACE``: ``step`` (the default) paces whole steps, their checkpoint
+call included, so a save shorter than the pause costs no step; ``compute``
+pads the compute alone to ``GP_INTERVAL`` (the pause stands in for a GPU's
+compute) and the checkpoint call comes on top, as in a script whose steps
+are compute-bound: a save then costs its blocked time
+(bench/goodput_accounting.py).
+
 ``GP_SETUP``: seconds of CPU work once per process before training (a
 script's own setup: data, model, compilation; default 0). ``GP_IN_PROCESS=1``:
 the training runs in ``elastrun.train.in_process``, so that a kept process
@@ -57,6 +64,7 @@ SHARED = os.environ.get("GP_SHARED", "1") == "1"
 NODE = os.environ.get("GP_NODE", "")
 SETUP = float(os.environ.get("GP_SETUP", "0"))
 IN_PROCESS = os.environ.get("GP_IN_PROCESS") == "1"
+PACE_COMPUTE = os.environ.get("GP_PACE", "step") == "compute"
 ENTERED = 0  # times this process entered main()
 
 
@@ -148,6 +156,8 @@ def main() -> None:
         loss_fn(model(x), y).backward()
         opt.step()
         step += 1
+        if PACE_COMPUTE:  # the compute padded to the interval; the save on top
+            time.sleep(max(0.0, INTERVAL - (time.monotonic() - t0)))
         t1 = time.monotonic()
         snap = None
         if mem is not None or (MODE == "torchsave" and rank == 0 and step % EVERY == 0):
@@ -169,7 +179,7 @@ def main() -> None:
             saved=snap is not None,
         )
         left = INTERVAL - (time.monotonic() - t0)
-        if left > 0:
+        if left > 0 and not PACE_COMPUTE:
             time.sleep(left)
 
 

@@ -87,6 +87,11 @@ def test_a_crash_is_accounted_live_and_at_the_end(tmp_path: Path) -> None:
         assert m["elastrun_recovery_seconds_count"] == 1 and m["elastrun_round"] >= 1, m
         assert 0 < m["elastrun_goodput_ratio"] < 1 and m["elastrun_steps_redone"] == 10, m
         assert m["elastrun_step_rate"] > 0 and m['elastrun_goodput_seconds{cause="restart"}'] > 0
+        # The crashed worker's 5 memory checkpoint saves at least (steps 10 to
+        # 50, the model's 5 floats each), and the time they kept it waiting.
+        assert m["elastrun_memory_checkpoint_saves_total"] >= 5, m
+        assert m["elastrun_memory_checkpoint_save_bytes_total"] >= 5 * 5 * 4, m
+        assert m["elastrun_memory_checkpoint_save_blocked_seconds_total"] > 0, m
         (tmp_path / "finish").touch()
         assert agent.wait(BOUND) == 0, log.read_text()[-3000:]
     finally:

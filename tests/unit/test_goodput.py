@@ -24,11 +24,14 @@ def beat(
     saving: float = 0.0,
     reported: bool = True,
     loaded: float | None = None,
+    steps: int | None = None,
 ) -> Beat:
-    """``loaded``: of ``saving``, the seconds before the first step (a load)."""
+    """``loaded``: of ``saving``, the seconds before the first step (a load);
+    ``steps``: the process's count of optimizer steps (the pace's)."""
     return Beat(
         step=step,
         monotonic=at,
+        steps=steps,
         step_time=step_time,
         first_at=first[0],
         first_step=first[1],
@@ -77,6 +80,24 @@ def run(script: list[Step], now: float) -> Goodput:
                 elif change:
                     ledger.changing()
     return ledger.figures(now)
+
+
+# From 1 s, a step every 0.1 s, counted by the process (the pace: 0.1 s).
+STEADY = [Start(0.0)] + [
+    See(beat(1.0 + k, 1 + 10 * k, first=(1.0, 1), steps=1 + 10 * k)) for k in range(3)
+]
+
+
+def slow_start(end: End, saving: float = 0.0) -> list[Step]:
+    """STEADY, ``end``, then a new process whose first second makes 2
+    steps (its first at 4 s), and its next 10 (at the pace)."""
+    return [
+        *STEADY,
+        end,
+        Start(3.5),
+        See(beat(5.0, 23, first=(4.0, 22), steps=2, saving=saving)),
+        See(beat(6.0, 33, first=(4.0, 22), steps=12, saving=saving)),
+    ]
 
 
 CASES: dict[str, tuple[list[Step], float, dict[str, float], dict[str, int]]] = {
@@ -254,6 +275,55 @@ CASES: dict[str, tuple[list[Step], float, dict[str, float], dict[str, int]]] = {
         ],
         9.0,
         {"startup": 1.0, "training": 6.0, "restart": 2.0},
+        {"failures": 0, "steps_redone": 0},
+    ),
+    # A step every 0.1 s; after the crash, the new process's first steps are
+    # slow (2 steps in its first second): what they took beyond the pace
+    # before (0.8 s) is the restart's, until the pace is back (10 in 1 s).
+    "the warm-up after a restart": (
+        [
+            *STEADY,
+            See(beat(4.0, 31, first=(1.0, 1), steps=31)),
+            End(4.0, restart=True),
+            Start(4.5),
+            See(beat(6.0, 34, first=(5.0, 32), steps=3)),
+            See(beat(7.0, 44, first=(5.0, 32), steps=13)),
+            See(beat(8.0, 51, first=(5.0, 32), steps=20)),  # slower again: training
+        ],
+        9.0,
+        {"startup": 1.0, "training": 3.0 + 4.0 - 0.8, "restart": 1.0 + 0.8},
+        {"failures": 1, "steps_redone": 0},
+    ),
+    # A save among the slow steps is the saves' (0.3 s), not the warm-up's.
+    "a save during the warm-up": (
+        slow_start(End(3.0, restart=True), saving=0.3),
+        7.0,
+        {"startup": 1.0, "training": 2.0 + 3.0 - 0.6 - 0.3, "restart": 1.0 + 0.6, "saves": 0.3},
+        {"failures": 1, "steps_redone": 0},
+    ),
+    # A round that stays slower (a smaller world: 0.2 s a step against 0.1)
+    # is no warm-up past WARM_MAX (10 s) after its first step: 10 reads of
+    # 0.5 s beyond the pace each, then training.
+    "a slower round's warm-up is bounded": (
+        [
+            *STEADY,
+            End(3.0, restart=True),
+            Start(4.0),
+            *(
+                See(beat(5.0 + k, 22 + 5 * k, first=(5.0, 22), steps=1 + 5 * k))
+                for k in range(1, 16)
+            ),
+        ],
+        20.0,
+        {"startup": 1.0, "training": 2.0 + 15.0 - 5.0, "restart": 2.0 + 5.0},
+        {"failures": 1, "steps_redone": 0},
+    ),
+    # A membership change (a node joins) is no failure: the next round's
+    # pace is not compared with the one before.
+    "no warm-up after a membership change": (
+        slow_start(End(3.0, change=True)),
+        7.0,
+        {"startup": 1.0, "training": 2.0 + 3.0, "waiting": 1.0},
         {"failures": 0, "steps_redone": 0},
     ),
     # A script that reports no step at all: everything is start-up, and the

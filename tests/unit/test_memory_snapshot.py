@@ -4,6 +4,7 @@ the one warning when shared memory has no room (real files, real torch)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -123,6 +124,30 @@ def test_saves_rotate_over_the_slots_and_keep_the_newest_and_the_marked(folder: 
             held.add(view.header.step)
             view.close()
     assert held == {7, 8, 9}
+
+
+def test_the_commit_note_carries_the_process_saves_so_far(folder: Path) -> None:
+    before = CommitNote.read(str(folder))
+    assert before is None
+    mem = MemoryCheckpoint(log=None)
+    for step in range(1, 4):
+        mem.save({"w": torch.zeros(256)}, step=step)  # 1 KiB of state each
+    mem.wait()
+    note = CommitNote.read(str(folder))
+    assert note is not None and note.saves is not None
+    mem.close()
+    got = note.saves
+    assert got.pid == os.getpid() and got.saves >= 3 and got.nbytes >= 3 * 1024
+    assert got.blocked_s > 0
+    # What a stranger may have written there is refused naming the field.
+    raw = json.loads((folder / "committed").read_text())
+    raw["saves"]["bytes"] = -1
+    (folder / "committed").write_text(json.dumps(raw))
+    with pytest.raises(SnapshotError, match="saves: bytes is not an integer"):
+        CommitNote.read(str(folder))
+    raw["saves"] = None  # a note written without them
+    (folder / "committed").write_text(json.dumps(raw))
+    assert (note2 := CommitNote.read(str(folder))) is not None and note2.saves is None
 
 
 def test_a_torn_or_damaged_slot_is_never_loaded(folder: Path) -> None:

@@ -1,18 +1,22 @@
 """The Prometheus endpoint (agent/metrics.py, agent/metrics_server.py): the
 registry fed by events, the text it writes, bounded label values, the flag's
 grammar, and a real server on loopback: 1000 scrapes leave the agent's memory
-where it was, and a scraper that sends nothing is cut off."""
+(traced and resident) and open files where they were, a scraper that sends
+nothing is cut off at the deadline, and one that never reads at once."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import re
+import socket
 import tracemalloc
 from typing import Any
 
 import pytest
 
+from elastrun.agent.memory import saves_since
 from elastrun.agent.metrics import MAX_LABEL_VALUES, Metrics
 from elastrun.agent.metrics_server import MetricsServer, respond, settings_from
 from elastrun.errors import ConfigError
@@ -29,6 +33,7 @@ from elastrun.event_kinds import (
 from elastrun.goodput import Goodput
 from elastrun.launcher.config import LaunchConfig
 from elastrun.launcher.plan import resolve
+from elastrun.worker.snapshot import SaveTotals
 from tests.helpers import free_port
 
 # One sample line of the text format: a name, optional labels, a number.
@@ -48,6 +53,8 @@ def fed() -> Metrics:
     ):
         m.emit(event)
     m.recovered(1.5)
+    m.saved(3, 0.25, 3072)
+    m.saved(1, 0.05, 1024)
     m.goodput = lambda: Goodput({"training": 90.0, "restart": 10.0, "startup": 5.0}, failures=1)
     m.step_time = lambda: 0.05
     return m
@@ -85,6 +92,20 @@ def test_the_exposition_holds_what_the_agent_saw() -> None:
         'elastrun_store_host_info{host="10.0.0.2:29400\\"\\n"}'
     ]
     assert got["elastrun_memory_checkpoint_persist_bytes_total"] == 4096
+    assert got["elastrun_memory_checkpoint_saves_total"] == 4
+    assert got["elastrun_memory_checkpoint_save_blocked_seconds_total"] == pytest.approx(0.3)
+    assert got["elastrun_memory_checkpoint_save_bytes_total"] == 4096
+
+
+def test_the_workers_saves_are_counted_once_across_looks_and_restarts() -> None:
+    a1, a2 = SaveTotals(100, 3, 0.3, 300), SaveTotals(100, 5, 0.5, 500)
+    assert saves_since(None, a1) == a1  # the first look: all of them
+    assert saves_since(a1, a1).saves == 0  # the same note again: none
+    grown = saves_since(a1, a2)
+    assert (grown.pid, grown.saves, grown.nbytes) == (100, 2, 200)
+    assert grown.blocked_s == pytest.approx(0.2)
+    b = SaveTotals(101, 1, 0.1, 100)  # a restarted worker counts from 0
+    assert saves_since(a2, b) == b
 
 
 def test_label_values_are_bounded() -> None:
@@ -163,6 +184,16 @@ class _Core:
         self.lines.append(line)
 
 
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _rss() -> int:
+    """This process's resident memory (bytes)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 async def _scrape(port: int) -> bytes:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -197,6 +228,7 @@ def test_scrapes_do_not_grow_memory_and_a_silent_scraper_is_cut_off() -> None:
             for _ in range(50):  # warm: the allocator's and asyncio's own caches
                 await _scrape(port)
             gc.collect()
+            rss, fds = _rss(), _fds()
             tracemalloc.start()
             before = tracemalloc.take_snapshot()
             for _ in range(1000):
@@ -206,6 +238,11 @@ def test_scrapes_do_not_grow_memory_and_a_silent_scraper_is_cut_off() -> None:
             tracemalloc.stop()
             grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
             assert grown < 64 * 1024, f"{grown} bytes more after 1000 scrapes"
+            # The process as the kernel sees it: no socket left open, and its
+            # resident memory where it was (about 0.1 MiB more here, the
+            # tracer's own; one answer kept per scrape would be 4.5 MiB).
+            assert _fds() == fds
+            assert _rss() - rss < 2 << 20, f"{_rss() - rss} bytes more resident"
             assert server.metrics.scrapes == 1051
             # A scraper that connects and sends nothing is cut off.
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -215,6 +252,53 @@ def test_scrapes_do_not_grow_memory_and_a_silent_scraper_is_cut_off() -> None:
                 writer.close()
             assert not server.clients
         finally:
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_scraper_that_never_reads_is_cut_off_and_blocks_nothing() -> None:
+    """Scrapers that send their request and never read, with the smallest
+    receive buffer, against the smallest send buffer (the answer does not
+    fit): the agent answers each with what fits, closes it at once (not at
+    the read deadline), and serves a real scrape meanwhile."""
+    port = free_port()
+    clients = 20
+
+    async def main() -> None:
+        core = _Core()
+        server = MetricsServer(core, fed(), port, ("127.0.0.1",))  # type: ignore[arg-type]
+        server.read_timeout = 600.0  # no connection is closed by the deadline here
+        server.start()
+        await _until(lambda: core.events.emitted, "the server up")
+        for listener in server.listeners:  # accepted sockets take the listener's size
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)
+        full = await _scrape(port)
+        base = _fds()
+        stuck = []
+        try:
+            for _ in range(clients):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)
+                s.settimeout(60)
+                s.connect(("127.0.0.1", port))
+                s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                stuck.append(s)
+            # The agent's loop is not held: a scrape is answered in full.
+            answer = await _scrape(port)
+            assert answer.startswith(b"HTTP/1.0 200 OK") and answer.endswith(b"\n"), answer[-200:]
+            # Every stuck scraper's connection is closed by the agent (only
+            # the clients' own sockets are left open here), none held.
+            await _until(lambda: _fds() == base + clients, "the stuck connections closed")
+            assert not server.clients and server.metrics.scrapes == 2 + clients
+            for s in stuck:  # each got what fit (a part of an answer), then the end
+                got = b""
+                while chunk := await asyncio.to_thread(s.recv, 65536):
+                    got += chunk
+                assert got.startswith(b"HTTP/1.0 200 OK") and len(got) <= len(full) + 64, got
+        finally:
+            for s in stuck:
+                s.close()
             await server.close()
 
     asyncio.run(main())

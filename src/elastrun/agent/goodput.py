@@ -21,7 +21,10 @@ redone     steps done again after a restart: the steps between the step
            step time (taken out of the training that follows the restart)
 restart    from a restart's cause (a failure here, or another node's
            failure or lost node that ends the round) to the first step after
-           it: stopping, the failure summary, the rendezvous, the start
+           it: stopping, the failure summary, the rendezvous, the start; and
+           the warm-up after it: what the steps after that first one took
+           beyond the pace before the failure, until the pace is back
+           (``WARM_SLACK``; at most ``WARM_MAX`` seconds after the first step)
 hang       from a rank's last progress to the hang being declared here
 waiting    a round ended by a membership change that is no restart (a node
            joining), from its last step to the first step after it; the exit
@@ -45,6 +48,16 @@ declared on another node ends this node's round as a restart: the time its
 ranks waited in a collective before counts as the restart's here, not the
 hang's.
 
+The warm-up: a new process's first steps are slower than the job's pace
+(the allocator, autograd and the collectives' first use, a checkpoint's
+pages faulted in, a new standby's start beside it); measured on
+bench/goodput_accounting.py, 0.1 to 0.6 s per failure on 2 shared cores,
+which, counted as training, made the figure read 4 to 7 points high at a
+kill every 10 s. The pace is the median of the recent intervals between two
+reads of the record (seconds over optimizer steps, saves included), taken
+before the failure; a process that counts no optimizer steps shows no
+warm-up, and none is counted after a change that is no restart.
+
 The ledger is pure (times given, no clock, no I/O): tests/unit/test_goodput.py
 drives it in virtual time. :class:`GoodputAccounting` is its driver, a feature
 of the agent; at the end it emits a ``goodput`` event and prints
@@ -55,7 +68,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -78,6 +93,12 @@ POLL_EVERY = 0.5  # s between two reads of the progress record while a round run
 # write interval (worker/_progress.py), which the agent sets this low.
 RECORD_LAG = PROGRESS_INTERVAL
 PUBLISH_EVERY = 5.0  # s between two goodput notes of group rank 0's agent
+# The warm-up after a restart ends at the first read whose steps came at most
+# this much slower than the pace before the failure, or this long after the
+# first step (a round that stays slower, a smaller world, is no warm-up).
+WARM_SLACK = 1.25
+WARM_MAX = 10.0  # s
+PACES = 15  # recent intervals the pace is the median of
 
 
 @dataclass
@@ -89,6 +110,9 @@ class _Round:
     last_at: float | None = None  # its last progress
     step: int | None = None
     saving: float = 0.0  # s in checkpoint phases seen so far (the process's count)
+    started_at: float = 0.0
+    seen: tuple[float, int] | None = None  # the last read's last step: when, and the count
+    warm_until: float | None = None  # warming up after a restart until then at most
 
 
 @dataclass
@@ -110,13 +134,15 @@ class Ledger:
     run: _Round | None = None  # the round that runs (None: between rounds)
     last: _Round | None = None  # the round that ended last
     restarted_at: float | None = None  # the last restart's cause (its lost time's start)
+    paces: deque[float] = field(default_factory=lambda: deque(maxlen=PACES))
+    warm_pace: float | None = None  # the pace before the last restart (s per step)
     # Told each restart's recovery: from its cause to the first step after it.
     recovered: Callable[[float], None] | None = None
 
     # ------------------------------------------------------------ feeding
     def started(self, now: float) -> None:
         """A round's workers start."""
-        self.run = _Round()
+        self.run = _Round(started_at=now)
 
     def beat(self, b: Beat) -> None:
         """The progress record of the round's (first local) rank, read now."""
@@ -135,7 +161,14 @@ class Ledger:
             self.cause = Cause.TRAINING
             if self.restarted_at is not None and self.recovered is not None:
                 self.recovered(max(0.0, first - self.restarted_at))
+            if self.restarted_at is not None and self.warm_pace is not None and b.steps:
+                r.warm_until = first + WARM_MAX
+                # A new process: from its first step (count 1); one kept
+                # across the restart (in-process): from this read.
+                new = b.first_at >= r.started_at
+                r.seen = (first, 1) if new else (b.monotonic, b.steps)
             self.restarted_at = None
+        self._pace(b, max(0.0, (b.saving_s or 0.0) - r.saving))
         if not r.resumed and b.reported and b.first_step is not None:
             # The script's number for this process's first step (a record
             # written between its first optimizer step and its report of it
@@ -152,6 +185,32 @@ class Ledger:
             self._owe(Cause.SAVES, saving - r.saving)
             r.saving = saving
 
+    def _pace(self, b: Beat, saved: float) -> None:
+        """The steps since the last read: a sample of the pace, or, warming
+        up after a restart, what they took beyond the pace before it, less
+        ``saved`` (the checkpoint phases among them: the saves' already)."""
+        r = self.run
+        assert r is not None
+        if b.steps is None:
+            return
+        last, r.seen = r.seen, (b.monotonic, b.steps)
+        if last is None or b.steps <= last[1] or b.monotonic <= last[0]:
+            if last is not None and b.steps < last[1]:
+                r.warm_until = None  # another process's count: no comparison
+            return
+        took, steps = b.monotonic - last[0], b.steps - last[1]
+        pace = self.warm_pace
+        if r.warm_until is None or pace is None:
+            self.paces.append(took / steps)
+            return
+        if took <= WARM_SLACK * steps * pace or b.monotonic > r.warm_until:
+            r.warm_until = None  # the pace is back
+            return
+        self._account(b.monotonic)
+        slow = min(max(0.0, took - steps * pace - saved), self.seconds[Cause.TRAINING])
+        self.seconds[Cause.TRAINING] -= slow
+        self.seconds[Cause.RESTART] += slow
+
     def ended(self, now: float) -> None:
         """The round is over (its workers exited, one failed, or it must end);
         until a restart is counted, what follows is waiting."""
@@ -166,6 +225,7 @@ class Ledger:
         the failures once the rendezvous charged it (:meth:`charged`)."""
         self.cause = Cause.RESTART
         self.restarted_at = self.ended_at
+        self.warm_pace = statistics.median(self.paces) if self.paces else None
         self.hangs += hang
         self._lost(Cause.HANG if hang else Cause.RESTART)
 

@@ -84,6 +84,7 @@ from elastrun.worker.snapshot import (
     REPLICA_ENV,
     CommitNote,
     Marked,
+    SaveTotals,
     SlotView,
     SnapshotError,
     TensorEntry,
@@ -93,7 +94,14 @@ from elastrun.worker.snapshot import (
 from elastrun.worker.snapshot_digest import DataDigest, UnknownDigest
 from elastrun.worker.torch_file import write_torch_file
 
-__all__ = ["ENV", "REPLICA_ENV", "MemoryCheckpoints", "features", "persist_snapshot"]
+__all__ = [
+    "ENV",
+    "REPLICA_ENV",
+    "MemoryCheckpoints",
+    "features",
+    "persist_snapshot",
+    "saves_since",
+]
 
 ROOT_ENV = "ELASTRUN_MEMORY_CHECKPOINT_ROOT"  # where the folders go (MemorySettings.root)
 POLL = 0.2  # s between looks at the commit notes
@@ -170,6 +178,20 @@ def persist_snapshot(view: SlotView) -> Persisted:
     return Persisted(str(final), header.step, final.stat().st_size, digest)
 
 
+def saves_since(last: SaveTotals | None, now: SaveTotals) -> SaveTotals:
+    """The saves a worker made between two looks at its commit note (``last``:
+    None at the first): those of ``now`` less those of ``last``, or all of
+    ``now``'s when it is another process (a restarted worker counts from 0)."""
+    if last is None or last.pid != now.pid or now.saves < last.saves:
+        return now
+    return SaveTotals(
+        now.pid,
+        now.saves - last.saves,
+        max(0.0, now.blocked_s - last.blocked_s),
+        max(0, now.nbytes - last.nbytes),
+    )
+
+
 class MemoryCheckpoints(Feature):
     """The agent's part of memory checkpoints (see the module doc)."""
 
@@ -181,6 +203,7 @@ class MemoryCheckpoints(Feature):
         self.base: str | None = None
         self.folders: dict[int, str] = {}  # local rank -> its folder
         self._seen: dict[int, int] = {}  # local rank -> newest generation looked at
+        self._totals: dict[int, SaveTotals] = {}  # local rank -> its saves last looked at
         self._task: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
         self._warned = False
@@ -323,11 +346,21 @@ class MemoryCheckpoints(Feature):
                 self._failed(lr, -1, f"commit note: {e}")
             self._seen[lr] = -2
             return None
+        if note is not None and note.saves is not None:
+            self._count(lr, note.saves)
         m = None if note is None else note.marked
         if m is None or m.generation <= self._seen.get(lr, -1):
             return None
         self._seen[lr] = m.generation
         return m
+
+    def _count(self, lr: int, totals: SaveTotals) -> None:
+        """The saves of the worker of ``lr`` made since the last look go to
+        the metrics."""
+        new = saves_since(self._totals.get(lr), totals)
+        self._totals[lr] = totals
+        if new.saves and self.core.metrics is not None:
+            self.core.metrics.saved(new.saves, new.blocked_s, new.nbytes)
 
     def _persist(self, lr: int, folder: str, marked: Marked, to: Neighbour | None) -> None:
         try:

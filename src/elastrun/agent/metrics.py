@@ -111,6 +111,9 @@ class Metrics:
     persisted: int = 0
     persisted_bytes: int = 0
     persisted_seconds: float = 0.0
+    saves: int = 0  # the workers' memory checkpoint saves (agent/memory.py counts them)
+    saves_blocked: float = 0.0
+    saves_bytes: int = 0
     scrapes: int = 0
     # Set by the goodput accounting (agent/goodput.py).
     goodput: Callable[[], Goodput] | None = None
@@ -143,6 +146,13 @@ class Metrics:
                 self.persisted_seconds += event.seconds
             case _:
                 pass
+
+    def saved(self, saves: int, blocked_s: float, nbytes: int) -> None:
+        """The workers made ``saves`` more memory checkpoint saves, which kept
+        training waiting ``blocked_s`` and copied ``nbytes`` of state."""
+        self.saves += saves
+        self.saves_blocked += blocked_s
+        self.saves_bytes += nbytes
 
     def recovered(self, seconds: float) -> None:
         """A restart's recovery: from its cause to the first step after it."""
@@ -246,6 +256,24 @@ class Metrics:
                 "The store's host in the current term (one series).",
                 [(f'{{host="{_label(self.store_host)}"}}', 1.0)],
             )
+        one(
+            "memory_checkpoint_saves_total",
+            "counter",
+            "Memory checkpoint saves of this node's workers (into shared memory).",
+            self.saves,
+        )
+        one(
+            "memory_checkpoint_save_blocked_seconds_total",
+            "counter",
+            "Seconds those saves kept training waiting.",
+            self.saves_blocked,
+        )
+        one(
+            "memory_checkpoint_save_bytes_total",
+            "counter",
+            "Bytes of state those saves copied.",
+            self.saves_bytes,
+        )
         one(
             "memory_checkpoints_persisted_total",
             "counter",

@@ -81,6 +81,7 @@ from elastrun.worker.snapshot import (
     CommitNote,
     Marked,
     Persist,
+    SaveTotals,
     SlotView,
     SnapshotError,
     SnapshotHeader,
@@ -102,6 +103,25 @@ _NO_ROOM = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
 
 class _NoRoom(Exception):
     pass
+
+
+class _Totals:
+    """This process's saves into shared memory so far (every MemoryCheckpoint
+    of it: they share its folder), written in each commit note."""
+
+    saves = 0
+    blocked_s = 0.0
+    nbytes = 0
+
+    @classmethod
+    def counted(cls, blocked_s: float, nbytes: int) -> None:
+        cls.saves += 1
+        cls.blocked_s += blocked_s
+        cls.nbytes += nbytes
+
+    @classmethod
+    def now(cls) -> SaveTotals:
+        return SaveTotals(os.getpid(), cls.saves, cls.blocked_s, cls.nbytes)
 
 
 class _Uncommitted(SnapshotError):
@@ -365,7 +385,7 @@ class MemoryCheckpoint:
             mark = target is not None or (every > 0 and step % every == 0)
             if self._fallback is None:
                 try:
-                    self._save_memory(flat, step, target, mark)
+                    self._save_memory(flat, step, target, mark, t0)
                 except _NoRoom as e:
                     self._fall_back(flat.data_size, str(e))
             if self._fallback is not None and not self._warned:
@@ -374,7 +394,9 @@ class MemoryCheckpoint:
                 save_checkpoint(state, target.directory, step=step, keep=target.keep)
         self.last_blocked_s = time.perf_counter() - t0
 
-    def _save_memory(self, flat: Flat, step: int, target: Persist | None, mark: bool) -> None:
+    def _save_memory(
+        self, flat: Flat, step: int, target: Persist | None, mark: bool, t0: float
+    ) -> None:
         assert self.folder is not None
         if self._slots is None:
             self._slots = _Slots(self.folder, self._slot_count, self._copier.unmapping)
@@ -408,6 +430,9 @@ class MemoryCheckpoint:
             self._slots.release(i)
             raise
         flat.tensors.clear()  # the caller's tensors are held only until their copies are done
+        # Counted before the commit is queued, so that its note carries this
+        # save (the caller waits for nothing more after this).
+        _Totals.counted(time.perf_counter() - t0, flat.data_size)
         self._committer().put(i, header, start, mark, copied)
 
     def _commit(
@@ -427,7 +452,8 @@ class MemoryCheckpoint:
                     slots.marked,
                     Marked(i, header.generation, header.step),
                 )
-            CommitNote(i, header.generation, header.step, slots.marked).write(slots.folder)
+            note = CommitNote(i, header.generation, header.step, slots.marked, _Totals.now())
+            note.write(slots.folder)
             self.last_commit_s = time.perf_counter() - t0
         except BaseException as e:
             self._error = e

@@ -92,6 +92,7 @@ __all__ = [
     "CommitNote",
     "Marked",
     "Persist",
+    "SaveTotals",
     "SlotView",
     "SnapshotError",
     "SnapshotHeader",
@@ -427,17 +428,53 @@ class Marked:
     step: int
 
 
+MAX_SAVE_SECONDS = 1e12  # a total of seconds blocked read from a note is at most this
+
+
+@frozen(slots=True)
+class SaveTotals:
+    """The saves a worker process made so far (its ``pid``): how many, the
+    seconds they kept training waiting, and the bytes of state they copied.
+    Counted from the process's start; the agent adds what grew since it last
+    looked (agent/memory.py), for its metrics."""
+
+    pid: int
+    saves: int
+    blocked_s: float
+    nbytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "saves": self.saves,
+            "blocked_s": round(self.blocked_s, 6),
+            "bytes": self.nbytes,
+        }
+
+    @classmethod
+    def from_json(cls, raw: object) -> SaveTotals:
+        f = Fields(raw, "its commit note's saves", SnapshotError)
+        return cls(
+            f.integer("pid", high=MAX_COUNT),
+            f.integer("saves", high=MAX_COUNT),
+            f.number("blocked_s", high=MAX_SAVE_SECONDS),
+            f.integer("bytes", high=MAX_COUNT),
+        )
+
+
 @frozen(slots=True)
 class CommitNote:
     """What the worker committed last (the ``committed`` note): the newest
-    snapshot's slot, generation and step, and the newest one marked for the
+    snapshot's slot, generation and step, the newest one marked for the
     disk (``marked``), which the worker keeps until the agent has written it
-    (the ``persisted`` note says so)."""
+    (the ``persisted`` note says so), and the process's saves so far
+    (``saves``; None in a note written without them)."""
 
     slot: int
     generation: int
     step: int
     marked: Marked | None = None
+    saves: SaveTotals | None = None
 
     def write(self, folder: str) -> None:
         m = self.marked
@@ -450,6 +487,7 @@ class CommitNote:
                 "generation": self.generation,
                 "step": self.step,
                 "marked": None if m is None else [m.slot, m.generation, m.step],
+                "saves": None if self.saves is None else self.saves.to_json(),
             },
         )
 
@@ -467,8 +505,13 @@ class CommitNote:
             marked = Marked(m[0], m[1], m[2])
         if slot >= MAX_SLOTS:
             raise SnapshotError("its commit note has no valid slot")
+        saves = None if f.absent("saves") else SaveTotals.from_json(f.raw["saves"])
         return cls(
-            slot, f.integer("generation", high=MAX_COUNT), f.integer("step", high=MAX_COUNT), marked
+            slot,
+            f.integer("generation", high=MAX_COUNT),
+            f.integer("step", high=MAX_COUNT),
+            marked,
+            saves,
         )
 
 
