@@ -65,6 +65,22 @@ class FaultAccess:
                 await H.stop(self.store, self.keys, summary)
                 await mark_failed(self.store, self.keys, summary)
 
+    async def record_verdict(self, verdict: H.JudgedFault) -> None:
+        with contextlib.suppress(StoreError, RendezvousError, TimeoutError):
+            async with asyncio.timeout(CALL_TIMEOUT):
+                await H.judged(self.store, self.keys, verdict)
+
+    async def record_health(self, failure: H.HealthFailure) -> None:
+        with contextlib.suppress(StoreError, RendezvousError, TimeoutError):
+            async with asyncio.timeout(CALL_TIMEOUT):
+                await H.health_failed(self.store, self.keys, failure)
+
+    async def spares_for(self, host: str) -> int | None:
+        with contextlib.suppress(StoreError, RendezvousError, TimeoutError):
+            async with asyncio.timeout(CALL_TIMEOUT):
+                return len(await Q.waiting_spares(self.store, self.keys, host))
+        return None
+
     async def quarantine(self, record: Q.QuarantineRecord) -> bool:
         with contextlib.suppress(StoreError, RendezvousError, TimeoutError):
             async with asyncio.timeout(CALL_TIMEOUT):
