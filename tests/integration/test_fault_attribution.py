@@ -8,7 +8,7 @@ the embedded store.
 * A bad node (its ranks raise a CUDA-like error a few steps after every
   start) beside a hot spare: after its second failure the node is
   quarantined and leaves, the spare takes its place, the job trains at full
-  size again; ``elastrun status`` shows the quarantine; the node's agent,
+  size again; ``elastrun status`` shows the verdict and the quarantine; the node's agent,
   restarted, is refused until an operator clears it. The event logs of the
   run are checked: no node is excluded beyond what the rule allows.
 * A persistent straggler (its ranks sleep longer in every step) beside a
@@ -20,6 +20,7 @@ the embedded store.
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,13 @@ def test_a_bad_node_is_quarantined_and_replaced_by_the_spare(
         table = status(port)
         assert table.returncode == 0, table.stderr
         assert "node b quarantined until" in table.stdout, table.stdout
+        # The verdict, with what was done: status names the bad node.
+        assert "node fault: node b failed 2 times in a row" in table.stdout, table.stdout
+        assert "; left the job, quarantined until" in table.stdout, table.stdout
+        as_json = json.loads(status(port, "--json").stdout)
+        (verdict,) = as_json["fault_verdicts"]
+        assert (verdict["kind"], verdict["host"]) == ("node_fault", "b"), verdict
+        assert as_json["fault_stopped"] is None
 
         b2 = flags(port, j, "b2", host=False, nnodes="2:3", extra=extra)
         again = j.start_agent("b2", b2, env_extra=node_name("b"))  # node b's agent, restarted
@@ -184,7 +192,7 @@ def test_a_bad_node_is_quarantined_and_replaced_by_the_spare(
         assert "--clear-quarantine b" in again.output()
         cleared = status(port, "--clear-quarantine", "b")
         assert cleared.returncode == 0 and "is cleared" in cleared.stdout, cleared
-        assert "quarantined until" not in status(port).stdout
+        assert "node b quarantined until" not in status(port).stdout  # the record is gone
 
         justified(j, ["a", "b", "s"])
         j.touch("finish")

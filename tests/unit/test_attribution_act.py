@@ -22,7 +22,7 @@ from elastrun.events import ListSink
 from elastrun.failure import FailureRecord
 from elastrun.rendezvous import fault_history as H
 from elastrun.rendezvous import quarantine as Q
-from elastrun.rendezvous.records import RoundRecord, RoundState, WaitingRecord
+from elastrun.rendezvous.records import NodeInfo, PresenceRecord, RoundRecord, RoundState
 from elastrun.rendezvous.verdict import Verdict, VerdictKind
 from elastrun.status.show import render_table
 from elastrun.status.summary import read_summary
@@ -75,10 +75,19 @@ def verdict_events(sink: ListSink) -> list[dict[str, Any]]:
     return [e for e in sink.events if e["kind"] == FaultVerdict.KIND]
 
 
+def present(node_id: str, host: str) -> bytes:
+    return PresenceRecord(NodeInfo(node_id, host, "127.0.0.1", 1)).encode()
+
+
 async def job(store: MemoryStore, *, spare: bool) -> None:
+    """Round 3 (a and b) failed, round 4 is open; with ``spare``, node s is
+    alive beside them (it waited, and may have joined round 4 already)."""
     await store.put(KEYS.round, RoundRecord(4, RoundState.OPEN).encode())
+    for node_id, host in (("a-1-abc", "a"), ("b-1-abc", "b"), ("b-2-def", "b")):
+        # (a second agent on b, a node of the faulty host, is no spare)
+        await store.put(KEYS.node(node_id), present(node_id, host))
     if spare:
-        await store.put(KEYS.waiting("s-1-abc"), WaitingRecord("s-1-abc", "s", 3).encode())
+        await store.put(KEYS.node("s-1-abc"), present("s-1-abc", "s"))
 
 
 def test_a_node_fault_at_the_minimum_without_a_spare_stays_and_status_says_why() -> None:

@@ -16,9 +16,10 @@ too, with what was done about it, for ``elastrun status``:
   same line). Without it, the verdict is reported and the job restarts.
 * **node fault**: with ``--quarantine-time S`` (default 600 s; 0: off), the
   faulty node leaves only where the job can go on without it: a spare waits
-  to take its place, or the round's other members are still at least
-  ``--nnodes``' minimum (rendezvous/quarantine.py ``kept_in``; every member
-  decides alike from the round and the waiting nodes). Then it writes its
+  to take its place (a node of the job alive beside the failed round's
+  members), or the round's other members are still at least ``--nnodes``'
+  minimum (rendezvous/quarantine.py ``kept_in``; every member decides alike
+  from the round and the nodes present). Then it writes its
   quarantine record, says so and leaves the job (exit 1); the others go on:
   a waiting spare takes its place (docs/spares.md), else the job goes on at
   a smaller allowed world size. Otherwise it stays, and the verdict says
@@ -34,6 +35,7 @@ Settings: :class:`~elastrun.agent.spec.AttributionSettings` (``--fault-limit``
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -42,6 +44,7 @@ from elastrun.agent.hang_group import progress_file
 from elastrun.agent.hooks import Core
 from elastrun.agent.watchdog import read_beat
 from elastrun.agent.workers import WorkerGroup
+from elastrun.errors import ElastrunError
 from elastrun.event_kinds import FaultVerdict, NodeQuarantined, QuarantineRefused
 from elastrun.failure import FailureRecord, same_failure
 from elastrun.rendezvous.api import RoundResult
@@ -191,10 +194,15 @@ class Attribution:
     async def _kept_in(self, faulty: str, result: RoundResult) -> str | None:
         """Why node ``faulty`` stays in the job (None: it leaves): the job
         could not go on without it (rendezvous/quarantine.py ``kept_in``).
-        Spares not known (the store did not answer) count as none."""
-        spares = await self.core.rendezvous.spares_for(faulty)
-        min_nodes = self.core.rendezvous.settings.min_nodes
-        return kept_in(result.group_world_size, min_nodes, spares or 0)
+        A spare is a node of the job alive beside the failed round's members
+        (waiting, or joined the round the failure opened); spares not known
+        (the store did not answer) count as none."""
+        rdzv = self.core.rendezvous
+        spares = None
+        with contextlib.suppress(ElastrunError):
+            full = result if result.complete else await rdzv.full_result(result)
+            spares = await rdzv.spares_for(faulty, [m.node_id for m in full.members])
+        return kept_in(result.group_world_size, rdzv.settings.min_nodes, spares or 0)
 
     async def _quarantine(
         self, verdict: Verdict, result: RoundResult, summary: str

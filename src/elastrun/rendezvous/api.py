@@ -379,11 +379,12 @@ class Rendezvous(abc.ABC):
         ``elastrun status`` (the last few kept). Best effort; never raises."""
         del failure
 
-    async def spares_for(self, host: str) -> int | None:
-        """How many nodes wait for a round that could take ``host``'s place
-        (:func:`.quarantine.waiting_spares`); None: not known (no store, or
+    async def spares_for(self, host: str, members: Sequence[str]) -> int | None:
+        """How many nodes of the job, alive, not ``members`` (the failed
+        round's node ids) and not on ``host``, could take ``host``'s place
+        (:func:`.quarantine.spares_present`); None: not known (no store, or
         it did not answer). Never raises."""
-        del host
+        del host, members
         return None
 
     async def quarantine(self, record: QuarantineRecord) -> bool:

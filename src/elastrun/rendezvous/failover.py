@@ -237,8 +237,8 @@ class FailoverRendezvous(Rendezvous):
         if self._lost is None:
             await self.inner.record_health(failure)
 
-    async def spares_for(self, host: str) -> int | None:
-        return None if self._lost is not None else await self.inner.spares_for(host)
+    async def spares_for(self, host: str, members: Sequence[str]) -> int | None:
+        return None if self._lost is not None else await self.inner.spares_for(host, members)
 
     async def quarantine(self, record: QuarantineRecord) -> bool:
         return False if self._lost is not None else await self.inner.quarantine(record)

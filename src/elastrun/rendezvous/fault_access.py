@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from collections.abc import Sequence
 
 from elastrun.errors import RendezvousError, StoreError
 from elastrun.rendezvous import fault_history as H
@@ -75,10 +76,10 @@ class FaultAccess:
             async with asyncio.timeout(CALL_TIMEOUT):
                 await H.health_failed(self.store, self.keys, failure)
 
-    async def spares_for(self, host: str) -> int | None:
+    async def spares_for(self, host: str, members: Sequence[str]) -> int | None:
         with contextlib.suppress(StoreError, RendezvousError, TimeoutError):
             async with asyncio.timeout(CALL_TIMEOUT):
-                return len(await Q.waiting_spares(self.store, self.keys, host))
+                return await Q.spares_present(self.store, self.keys, host, set(members))
         return None
 
     async def quarantine(self, record: Q.QuarantineRecord) -> bool:

@@ -29,6 +29,7 @@ revisions). :func:`claim_state` reads what the decision needs first.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ from elastrun.errors import ProtocolError
 from elastrun.fields import Fields
 from elastrun.names import path_component
 from elastrun.rendezvous import keys as K
-from elastrun.rendezvous.records import RoundRecord, RoundState, WaitingRecord
+from elastrun.rendezvous.records import PresenceRecord, RoundRecord, RoundState, WaitingRecord
 from elastrun.store.base import Compare, KeyValue, Put, Store
 from elastrun.untrusted import UntrustedData, loads
 
@@ -55,6 +56,7 @@ __all__ = [
     "kept_in",
     "listed",
     "put",
+    "spares_present",
     "waiting_spares",
 ]
 
@@ -220,6 +222,24 @@ async def waiting_spares(store: Store, keys: K.Keys, host: str) -> tuple[tuple[s
     bounded read: a key per node). Raises StoreError."""
     waiting, _ = await store.get_prefix(keys.waiting_prefix)
     return tuple((w.key, w.mod_revision) for w in waiting if _spare(w, host))
+
+
+async def spares_present(store: Store, keys: K.Keys, host: str, members: Collection[str]) -> int:
+    """How many nodes of the job are alive (their presence records) that
+    are not ``members`` (node ids: the failed round's) nor on ``host``:
+    what could take ``host``'s place, whether it still waits or already
+    joined the round its failure opened (one bounded read: a key per node).
+    Raises StoreError."""
+    kvs, _ = await store.get_prefix(keys.nodes)
+    count = 0
+    for kv in kvs:
+        try:
+            rec = PresenceRecord.decode(kv.key, kv.value)
+        except ProtocolError:
+            continue
+        if rec.node.node_id not in members and rec.node.host != host:
+            count += 1
+    return count
 
 
 def kept_in(members: int, min_nodes: int, spares: int) -> str | None:
