@@ -62,7 +62,7 @@ def test_verdicts_and_health_failures_are_kept_within_their_bounds() -> None:
     assert {v.summary for v in hist.verdicts} == {"first"}  # the first of a round stays
     for i in range(H.MAX_HEALTH + 2):
         hist = hist.with_health(H.HealthFailure(f"c{i}", "training", None, 1.7e9, "x" * 300))
-    assert [h.host for h in hist.health][0] == "c2" and len(hist.health) == H.MAX_HEALTH
+    assert hist.health[0].host == "c2" and len(hist.health) == H.MAX_HEALTH
     full = H.FaultHistory(
         entries=tuple(entry(r, step=r) for r in range(H.MAX_ENTRIES)),
         stopped="s" * H.MAX_SUMMARY,
