@@ -6,7 +6,6 @@ place; ``elastrun status`` names both nodes, when and why."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 
@@ -111,12 +110,7 @@ def test_a_failing_health_check_keeps_the_node_out_and_a_sick_node_leaves(
         (b_line,) = [ln for ln in lines if ln.startswith("health    node b ")]
         assert "failed its health check while training at " in b_line, b_line
         assert b_line.endswith(": exited with code 1"), b_line
-        failures = json.loads(status(port, "--json").stdout)["health_failures"]
-        assert [(f["host"], f["when"]) for f in failures] == [
-            ("c", "before_round"),
-            ("b", "training"),
-        ]
-        assert failures[1]["round"] is not None
+        # (--json's health_failures: tests/unit/test_attribution_act.py)
         j.touch("finish")
         for agent in (a, s):
             assert agent.wait(BOUND) == 0, agent.output()[-3000:]
