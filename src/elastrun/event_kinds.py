@@ -804,7 +804,7 @@ class FaultVerdict(Event):
     failure: str  # "ValueError: bad batch", "killed by SIGBUS"
     rounds: list[int]  # the failed rounds the verdict rests on
     summary: str
-    action: str  # stop | quarantine | leaves | none
+    action: str  # stop | quarantine | leaves | stays | none
     rank: int | None = None
     step: int | None = None
 

@@ -24,7 +24,16 @@ settings, :func:`violations` lists every breach of:
 4. no script-fault verdict: every injected failure's message is unique;
 5. a quarantine lasts ``--quarantine-time`` (its ``until``); while it lasts
    no agent of that node joins the job (waits in a round or trains), and a
-   refused start (``quarantine_refused``) happens only before it expires.
+   refused start (``quarantine_refused``) happens only before it expires;
+6. an exclusion never takes the job below ``--nnodes``' minimum without a
+   spare: a node quarantined for a node fault left a round (the verdict's
+   last failed round) whose other members were at least the minimum, or a
+   node of another host was there to take its place (its last
+   ``node_waiting`` / ``round_joined`` / ``workers_started`` before the
+   quarantine a ``node_waiting``, or it joined a later round without being a
+   member of the failed one); and a
+   node that stayed (action ``stays``) left a round whose other members were
+   fewer than the minimum.
 
 Times are the events' ``ts`` (wall clock of the one machine that runs every
 namespace), so the logs of different agents compare.
@@ -141,6 +150,7 @@ def violations(
                     found.append(f"{agent}: quarantined for {length:.1f} s: {ev}")
             elif ev["kind"] == "quarantine_refused" and ev["ts"] >= ev["until"]:
                 found.append(f"{agent}: refused after its quarantine expired: {ev}")
+    found += _below_minimum(logs, low, hosts)
     periods = [
         (ev["quarantined_host"], ev["ts"], ev["until"])
         for events in logs.values()
@@ -162,4 +172,82 @@ def violations(
         rounds = [r for v in verdicts for r in v]
         if len(rounds) != len(set(rounds)):
             found.append(f"{host}'s quarantines share failed rounds: {verdicts}")
+    return found
+
+
+def round_sizes(logs: Mapping[str, Sequence[Event]]) -> dict[int, int]:
+    """Round -> its members, as its members and its decider logged them."""
+    sizes: dict[int, int] = {}
+    for events in logs.values():
+        for ev in events:
+            if ev["kind"] == "round_joined":
+                n = int(ev["members"])
+            elif ev["kind"] == "round_closed":
+                n = len(ev["members"])
+            else:
+                continue
+            sizes[ev["round"]] = max(sizes.get(ev["round"], 0), n)
+    return sizes
+
+
+def _spare_waited(
+    logs: Mapping[str, Sequence[Event]],
+    hosts: Mapping[str, str],
+    host: str,
+    ts: float,
+    failed: int,
+) -> bool:
+    """A node of another host was there to take ``host``'s place at ``ts``:
+    waiting, or already joined a round after the ``failed`` one."""
+    steps = ("node_waiting", "round_joined", "workers_started")
+    for agent, events in logs.items():
+        if hosts.get(agent) == host:
+            continue
+        before = [e for e in events if e["kind"] in steps and e["ts"] <= ts]
+        if not before:
+            continue
+        last = before[-1]
+        if last["kind"] == "node_waiting":
+            return True
+        joined = [e for e in before if e["kind"] == "round_joined"]
+        if (
+            joined
+            and joined[-1]["round"] > failed
+            and not any(e["kind"] == "round_joined" and e["round"] == failed for e in events)
+        ):
+            return True
+    return False
+
+
+def _below_minimum(
+    logs: Mapping[str, Sequence[Event]], low: int, hosts: Mapping[str, str]
+) -> list[str]:
+    """Rule 6: exclusions only where the job goes on (see the docstring)."""
+    found: list[str] = []
+    sizes = round_sizes(logs)
+    for agent, events in logs.items():
+        verdicts = [e for e in events if e["kind"] == "fault_verdict"]
+        for ev in verdicts:
+            if ev["verdict"] != "node_fault" or ev["action"] not in ("quarantine", "stays"):
+                continue
+            # The verdict's last failed round (else the latest of its rounds
+            # whose members were logged).
+            known = [r for r in [*ev["rounds"], ev["round"]] if r in sizes]
+            if not known:
+                found.append(f"{agent}: no member logged the rounds of {ev}")
+                continue
+            last = max(known)
+            members = sizes[last]
+            goes_on = members - 1 >= low
+            if ev["action"] == "stays" and goes_on:
+                found.append(f"{agent}: {ev['node']} stayed though {members - 1} others remain")
+            elif (
+                ev["action"] == "quarantine"
+                and not goes_on
+                and not _spare_waited(logs, hosts, ev["node"], ev["ts"], last)
+            ):
+                found.append(
+                    f"{agent}: {ev['node']} excluded below --nnodes min {low} with no spare "
+                    f"(round {last} had {members} members)"
+                )
     return found

@@ -9,8 +9,9 @@ recovery bounded in time), drawn from:
 * ``node_fault X``: the worker on X fails twice in a row with a failure of
   one class (a RuntimeError, its message different each time: never the
   same failure, so never a script fault): a real node fault. X must be
-  quarantined and leave; the spare takes its place, else the job goes on
-  smaller. At most two, so that the job keeps its minimum of two nodes;
+  quarantined and leave where the job can go on without it (the spare
+  takes its place, else the job goes on smaller), and stay where it cannot
+  (two nodes train, no spare: ``--nnodes``' minimum). At most three;
 * ``crash X``: the worker on X (h included) exits once with an exit code
   used once: a transient failure, whose peers' collectives break
   (collateral failures on every other node);
@@ -174,10 +175,23 @@ class Series:
         if node not in self.training():
             self.log.append(f"  ({node} waits as a spare after its first failure)")
             return
+        # It leaves only where the job goes on without it: the others are
+        # still the minimum, or a spare is there (a live node not training).
+        others = len(self.training()) - 1
+        spare = any(
+            n not in self.training() and n not in self.cut_off and a.proc.poll() is None
+            for n, a in self.live.items()
+        )
         old = self.pids()
         tmp = self.j.dir / f".crash_node_{node}.tmp"
         tmp.write_text(f"raise CUDA error: uncorrectable ECC error ({number}.2)")
         os.replace(tmp, self.j.dir / f"crash_node_{node}")
+        if others < NNODES[0] and not spare:
+            stays = "not excluded: the job would fall below --nnodes min 2 with no spare"
+            wait_for(lambda: stays in agent.output(), BOUND, f"{node} staying")
+            self.log.append(f"  ({node} stays: the job could not go on without it)")
+            self.trains(f"after {node} stayed", old)
+            return
         code = wait_exit(self.j, agent, BOUND)
         out = agent.output()
         if code != 1 or f"this node ({node}) leaves the job, quarantined until" not in out:
@@ -269,12 +283,13 @@ class Series:
 
 
 def draw(rng: random.Random, count: int) -> list[str]:
-    """The series' kinds: at least one node fault, at most two (the job keeps
-    two nodes), the rest crashes, pairs and cuts."""
+    """The series' kinds: at least one node fault, at most three (a third,
+    the job at its minimum of two with no spare, stays), the rest crashes,
+    pairs and cuts."""
     kinds = ["node_fault"]
     for _ in range(count - 1):
         kinds.append(rng.choice(["crash", "pair", "cut", "node_fault"]))
-    while kinds.count("node_fault") > 2:
+    while kinds.count("node_fault") > 3:
         kinds[kinds.index("node_fault", 1)] = "crash"
     rng.shuffle(kinds)
     return kinds
@@ -393,3 +408,56 @@ def test_the_checker_bounds_quarantines_by_the_injections() -> None:
         {"n2": events}, injected, limit=2, nnodes=(2, 3), quarantine_time=QUARANTINE, hosts={}
     )
     assert any("quarantined 2 times, its injections allow 1" in v for v in found), found
+
+
+def test_the_checker_sees_an_exclusion_below_the_minimum_without_a_spare() -> None:
+    """n2 quarantined out of a round of two (--nnodes=2:3) with no node
+    waiting: a violation; with n3 waiting as a spare then: none; n2 staying
+    where the others were still the minimum: a violation too."""
+    injected = [{"node": "n2", "pid": 21}, {"node": "n2", "pid": 22}]
+    cause = [_failure("n2", 21), _failure("n2", 22)]
+
+    def logs(action: str, members: list[str], spare: bool) -> dict[str, list[dict[str, Any]]]:
+        verdict = {
+            "round": 3, "verdict": "node_fault", "node": "n2", "rounds": [2, 3], "action": action,
+        }  # fmt: skip
+        n2 = [
+            _ev("round_joined", 1.5, round=3, members=len(members)),
+            _ev("restart", 2.0, round=2, failure=cause[0]),
+            _ev("fault_verdict", 3.0, **verdict),
+        ]
+        if action == "quarantine":
+            n2 += [
+                _ev("node_quarantined", 3.0, quarantined_host="n2", until=3.0 + QUARANTINE),
+                _ev("job_failed", 3.0, failure=cause[1]),
+            ]
+        else:  # it stays: restarts with the others
+            n2.append(_ev("restart", 3.5, round=3, failure=cause[1]))
+        out = {
+            "h": [
+                _ev("round_closed", 1.0, round=2, members=members),
+                _ev("restart", 2.0, round=2, failure=cause[0]),
+            ],
+            "n2": n2,
+        }
+        if spare:
+            out["n3"] = [_ev("workers_started", 0.5), _ev("node_waiting", 2.5, round=4)]
+        return out
+
+    def check(action: str, members: list[str], spare: bool) -> list[str]:
+        return violations(
+            logs(action, members, spare),
+            injected,
+            limit=2,
+            nnodes=(2, 3),
+            quarantine_time=QUARANTINE,
+            hosts={"h": "h", "n2": "n2", "n3": "n3"},
+        )
+
+    found = check("quarantine", ["h", "n2"], spare=False)
+    assert any("excluded below --nnodes min 2 with no spare" in v for v in found), found
+    assert check("quarantine", ["h", "n2"], spare=True) == []
+    assert check("quarantine", ["h", "n1", "n2"], spare=False) == []
+    assert check("stays", ["h", "n2"], spare=False) == []
+    found = check("stays", ["h", "n1", "n2"], spare=False)
+    assert any("n2 stayed though 2 others remain" in v for v in found), found

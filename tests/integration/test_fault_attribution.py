@@ -8,7 +8,7 @@ the embedded store.
 * A bad node (its ranks raise a CUDA-like error a few steps after every
   start) beside a hot spare: after its second failure the node is
   quarantined and leaves, the spare takes its place, the job trains at full
-  size again; ``elastrun status`` shows the quarantine; the node's agent,
+  size again; ``elastrun status`` shows the verdict and the quarantine; the node's agent,
   restarted, is refused until an operator clears it. The event logs of the
   run are checked: no node is excluded beyond what the rule allows.
 * A persistent straggler (its ranks sleep longer in every step) beside a
@@ -20,6 +20,7 @@ the embedded store.
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,9 @@ STOP_LINE = (
     "elastrun: job stopped: script fault: ValueError: bad batch in rank 1 at step 3, "
     "2 identical failures"
 )
+
+
+NO_SPARE = "not excluded: the job would fall below --nnodes min 2 with no spare"
 
 
 def flags(port: int, j: Job, name: str, *, host: bool, nnodes: str, extra: list[str]) -> list[str]:
@@ -109,11 +113,13 @@ def justified(j: Job, names: list[str]) -> None:
         for e in j.kinds(name, "restart"):
             if e.get("failure"):
                 causes[e["round"]] = e["failure"]
-    verdicts = {(e["round"], e["node"]): e for n in names for e in j.kinds(n, "fault_verdict")}
+    verdicts = [e for n in names for e in j.kinds(n, "fault_verdict")]
     for name in names:
         for q in j.kinds(name, "node_quarantined"):
             host = q["quarantined_host"]
-            (verdict,) = [v for (r, node), v in verdicts.items() if node == host]
+            # Its own verdict (the others say it leaves; earlier ones, while
+            # no spare was there yet, that it stays).
+            (verdict,) = [v for v in verdicts if v["node"] == host and v["action"] == "quarantine"]
             assert verdict["verdict"] == "node_fault", verdict
             # The round the node left in may have no `restart` event naming its
             # cause (the node leaves instead of restarting; a survivor told to
@@ -143,7 +149,10 @@ def test_a_bad_node_is_quarantined_and_replaced_by_the_spare(
     monkeypatch.setenv("FAULT_MODE", "bad_node")
     monkeypatch.setenv("FAULT_NODE", "b")
     port = free_port()
-    extra = ["--node-unit=2", "--quarantine-time=600"]
+    # b fails after every start: until the spare s is there it stays (the
+    # job would fall below --nnodes min 2), so the job may restart a few
+    # times more than the 2 failures that judge b.
+    extra = ["--node-unit=2", "--quarantine-time=600", "--max-restarts=12"]
     with job(tmp_path) as j:
         a = j.start_agent(
             "a", flags(port, j, "a", host=True, nnodes="2:3", extra=extra), env_extra=node_name("a")
@@ -176,6 +185,16 @@ def test_a_bad_node_is_quarantined_and_replaced_by_the_spare(
         table = status(port)
         assert table.returncode == 0, table.stderr
         assert "node b quarantined until" in table.stdout, table.stdout
+        # The verdict, with what was done: status names the bad node.
+        assert "node fault: node b failed 2 times in a row" in table.stdout, table.stdout
+        assert "; left the job, quarantined until" in table.stdout, table.stdout
+        as_json = json.loads(status(port, "--json").stdout)
+        *stayed, left = as_json["fault_verdicts"]
+        assert (left["kind"], left["host"]) == ("node_fault", "b"), left
+        assert left["outcome"].startswith("left the job, quarantined until"), left
+        for v in stayed:  # judged before the spare was there: b stayed, saying why
+            assert (v["host"], v["outcome"]) == ("b", NO_SPARE), v
+        assert as_json["fault_stopped"] is None
 
         b2 = flags(port, j, "b2", host=False, nnodes="2:3", extra=extra)
         again = j.start_agent("b2", b2, env_extra=node_name("b"))  # node b's agent, restarted
@@ -184,7 +203,7 @@ def test_a_bad_node_is_quarantined_and_replaced_by_the_spare(
         assert "--clear-quarantine b" in again.output()
         cleared = status(port, "--clear-quarantine", "b")
         assert cleared.returncode == 0 and "is cleared" in cleared.stdout, cleared
-        assert "quarantined until" not in status(port).stdout
+        assert "node b quarantined until" not in status(port).stdout  # the record is gone
 
         justified(j, ["a", "b", "s"])
         j.touch("finish")

@@ -1,16 +1,25 @@
 """``--health-check`` end to end: real agents on loopback, real gloo workers,
 real check commands. A node whose check fails does not join the job (the
 others train on, unchanged); a node whose check starts failing while it
-trains leaves at the next round boundary, and the job goes on without it."""
+trains leaves at the next round boundary, and a waiting spare takes its
+place; ``elastrun status`` names both nodes, when and why."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import free_port, wait_for
-from tests.integration.elastic_harness import BOUND, Job, job, node_name, steps_after
+from tests.integration.elastic_harness import (
+    BOUND,
+    ELASTRUN,
+    Job,
+    job,
+    node_name,
+    steps_after,
+)
 
 
 def flags(port: int, j: Job, name: str, *, host: bool, extra: list[str]) -> list[str]:
@@ -62,6 +71,9 @@ def test_a_failing_health_check_keeps_the_node_out_and_a_sick_node_leaves(
             BOUND,
             "node b training at world 2",
         )
+        # A hot spare: the world is at its max (2), so it waits.
+        s = j.start_agent("s", flags(port, j, "s", host=False, extra=[]), env_extra=node_name("s"))
+        wait_for(lambda: j.kinds("s", "node_waiting"), BOUND, "the spare waiting")
         sick.write_text("")
         wait_for(
             lambda: "this node leaves the job when this round ends" in b.output(),
@@ -75,10 +87,40 @@ def test_a_failing_health_check_keeps_the_node_out_and_a_sick_node_leaves(
         assert b.wait(BOUND) == 1, b.output()[-3000:]
         assert "this node does not join the job" in b.output()
         wait_for(
-            # (not charged: a member, b, did not come back)
-            lambda: steps_after(j, mark, lambda s: s["world"] == 1 and s["pid"] not in old),
+            # The spare replaces b: a and s train at world 2 again.
+            lambda: (
+                {"a", "s"}
+                <= {
+                    st["node"]
+                    for st in steps_after(
+                        j, mark, lambda st: st["world"] == 2 and st["pid"] not in old
+                    )
+                }
+            ),
             BOUND,
-            "node a training alone after the boundary",
+            "the spare training in b's place",
         )
+        # elastrun status names both nodes whose check failed, when, and why.
+        table = status(port)
+        assert table.returncode == 0, table.stderr
+        lines = table.stdout.splitlines()
+        (c_line,) = [ln for ln in lines if ln.startswith("health    node c ")]
+        assert "failed its health check before joining at " in c_line, c_line
+        assert c_line.endswith(": exited with code 7: GPU 0 has fallen off the bus"), c_line
+        (b_line,) = [ln for ln in lines if ln.startswith("health    node b ")]
+        assert "failed its health check while training at " in b_line, b_line
+        assert b_line.endswith(": exited with code 1"), b_line
+        # (--json's health_failures: tests/unit/test_attribution_act.py)
         j.touch("finish")
-        assert a.wait(BOUND) == 0, a.output()[-3000:]
+        for agent in (a, s):
+            assert agent.wait(BOUND) == 0, agent.output()[-3000:]
+
+
+def status(port: int, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*ELASTRUN, "status", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=health", *extra],
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+        check=False,
+    )

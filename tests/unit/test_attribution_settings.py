@@ -8,12 +8,17 @@ from pathlib import Path
 
 import pytest
 
+from elastrun.agent.command import WorkerCommand
 from elastrun.errors import ConfigError
 from elastrun.launcher.config import LaunchConfig
 from elastrun.launcher.flags import parse_flags, resolve_flags
 from elastrun.launcher.plan import host_name_from, resolve
 
 SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "train.py")
+
+
+def default_command() -> WorkerCommand:
+    return resolve(LaunchConfig()).workers.command
 
 
 def test_the_flags_reach_the_agent_as_one_settings_group() -> None:
@@ -28,13 +33,18 @@ def test_the_flags_reach_the_agent_as_one_settings_group() -> None:
     spec = resolve_flags(flags, resolve(LaunchConfig()).workers.command).workers.attribution
     assert (spec.limit, spec.stop_script_faults, spec.quarantine) == (3, False, 900.0)
     default = resolve(LaunchConfig()).workers.attribution
-    assert (default.limit, default.stop_script_faults, default.quarantine) == (2, True, 0.0)
+    assert (default.limit, default.stop_script_faults, default.quarantine) == (2, True, 600.0)
+    # The flags' default is the API's, and 0 turns exclusion off.
+    no_flag = parse_flags([SCRIPT])
+    assert resolve_flags(no_flag, default_command()).workers.attribution.quarantine == 600.0
+    off = parse_flags(["--quarantine-time=0", SCRIPT])
+    assert resolve_flags(off, default_command()).workers.attribution.quarantine == 0.0
 
 
 def test_the_straggler_flags_reach_the_agent_with_the_quarantine_time_as_the_hold() -> None:
     flags = parse_flags(["--replace-stragglers=3", "--straggler-interval=0.5", SCRIPT])
     spec = resolve_flags(flags, resolve(LaunchConfig()).workers.command).workers.stragglers
-    assert (spec.replace_after, spec.interval, spec.hold) == (3, 0.5, 1800.0)
+    assert (spec.replace_after, spec.interval, spec.hold) == (3, 0.5, 600.0)
     held = resolve(LaunchConfig(replace_stragglers=2, quarantine_time=60)).workers.stragglers
     assert held.hold == 60.0
     default = resolve(LaunchConfig()).workers.stragglers

@@ -45,6 +45,40 @@ def test_an_entry_is_made_of_the_root_cause_and_the_step() -> None:
     assert H.split_exception("KeyboardInterrupt") == ("KeyboardInterrupt", "")
 
 
+VERDICT = H.JudgedFault(3, "node_fault", "b", "node fault: node b failed 2 times", "stays")
+HEALTH = H.HealthFailure("c", "before_round", 2, 1.7e9, "exited with code 7", "GPU 0 fell off")
+
+
+def _v(round_: int) -> dict[str, object]:
+    return dict(VERDICT.to_json(), round=round_)
+
+
+def test_verdicts_and_health_failures_are_kept_within_their_bounds() -> None:
+    hist = H.FaultHistory()
+    for r in range(H.MAX_VERDICTS + 3):
+        hist = hist.with_verdict(H.JudgedFault(r, "node_fault", "b", "first"))
+        hist = hist.with_verdict(H.JudgedFault(r, "node_fault", "b", "later"))
+    assert [v.round for v in hist.verdicts] == list(range(3, H.MAX_VERDICTS + 3))
+    assert {v.summary for v in hist.verdicts} == {"first"}  # the first of a round stays
+    for i in range(H.MAX_HEALTH + 2):
+        hist = hist.with_health(H.HealthFailure(f"c{i}", "training", None, 1.7e9, "x" * 300))
+    assert hist.health[0].host == "c2" and len(hist.health) == H.MAX_HEALTH
+    full = H.FaultHistory(
+        entries=tuple(entry(r, step=r) for r in range(H.MAX_ENTRIES)),
+        stopped="s" * H.MAX_SUMMARY,
+        verdicts=tuple(
+            H.JudgedFault(r, "script_fault", "h" * 256, "x" * 1000, "y" * 1000)
+            for r in range(H.MAX_VERDICTS)
+        ),
+        health=tuple(
+            H.HealthFailure("h" * 256, "training", 9, 1.7e9, "r" * 300, "o" * 500)
+            for _ in range(H.MAX_HEALTH)
+        ),
+    )
+    assert H.FaultHistory.decode(full.encode()) == full
+    assert len(full.encode()) < H.MAX_BYTES  # every list at its bound fits
+
+
 def test_the_history_keeps_one_entry_per_round_and_the_newest_within_its_bound() -> None:
     hist = H.FaultHistory()
     for r in range(H.MAX_ENTRIES + 5):
@@ -68,6 +102,13 @@ def test_the_history_keeps_one_entry_per_round_and_the_newest_within_its_bound()
         json.dumps({"v": 1, "entries": [dict(entry(0).to_json(), message="x" * 301)]}).encode(),
         json.dumps({"v": 1, "entries": [dict(entry(0).to_json(), own=1)]}).encode(),
         json.dumps({"v": 1, "entries": [], "stopped": "x" * 2000}).encode(),
+        json.dumps({"v": 1, "verdicts": [VERDICT.to_json()] * 2}).encode(),  # one per round
+        json.dumps({"v": 1, "verdicts": [_v(r) for r in range(H.MAX_VERDICTS + 1)]}).encode(),
+        json.dumps({"v": 1, "verdicts": [dict(VERDICT.to_json(), summary="x" * 1001)]}).encode(),
+        json.dumps({"v": 1, "health": [HEALTH.to_json()] * (H.MAX_HEALTH + 1)}).encode(),
+        json.dumps({"v": 1, "health": [dict(HEALTH.to_json(), output="x" * 501)]}).encode(),
+        json.dumps({"v": 1, "health": [dict(HEALTH.to_json(), at="now")]}).encode(),
+        json.dumps({"v": 1, "health": [dict(HEALTH.to_json(), round=-1)]}).encode(),
         b"[" * 100 + b"]" * 100,
         b" " * (H.MAX_BYTES + 1),
     ],

@@ -6,20 +6,27 @@ its rank reached (the rank's progress file, which the worker's runner writes
 as the script raises: agent/watchdog.py), to the job's fault history in the
 store (rendezvous/fault_history.py) and applies the verdict rule
 (rendezvous/verdict.py) to that history, which every member of the failed
-round reads alike:
+round reads alike. A verdict that is not transient is kept in the history
+too, with what was done about it, for ``elastrun status``:
 
 * **script fault**: with ``--stop-on-script-fault`` (the default), every
   node prints ``elastrun: job stopped: script fault: ValueError: bad batch
   in rank 1 at step 5, 2 identical failures`` and exits 1; the job is marked
   failed in the store, so that a spare that waits ends too (and prints the
   same line). Without it, the verdict is reported and the job restarts.
-* **node fault**: with ``--quarantine-time S`` (default 0: off), the faulty
-  node writes its quarantine record (rendezvous/quarantine.py), says so and
-  leaves the job (exit 1); the others go on: a waiting spare takes its place
-  (docs/spares.md), else the job goes on at a smaller allowed world size. An
-  agent that starts on a quarantined node is refused (:meth:`refusal`)
-  until the record expires or an operator clears it (``elastrun status
-  --clear-quarantine HOST``).
+* **node fault**: with ``--quarantine-time S`` (default 600 s; 0: off), the
+  faulty node leaves only where the job can go on without it: a spare waits
+  to take its place (a node of the job alive beside the failed round's
+  members), or the round's other members are still at least ``--nnodes``'
+  minimum (rendezvous/quarantine.py ``kept_in``; every member decides alike
+  from the round and the nodes present). Then it writes its
+  quarantine record, says so and leaves the job (exit 1); the others go on:
+  a waiting spare takes its place (docs/spares.md), else the job goes on at
+  a smaller allowed world size. Otherwise it stays, and the verdict says
+  why (``not excluded: the job would fall below --nnodes min 2 with no
+  spare``). An agent that starts on a quarantined node is refused
+  (:meth:`refusal`) until the record expires or an operator clears it
+  (``elastrun status --clear-quarantine HOST``).
 * **transient**: nothing more than the restart.
 
 Settings: :class:`~elastrun.agent.spec.AttributionSettings` (``--fault-limit``
@@ -28,6 +35,7 @@ Settings: :class:`~elastrun.agent.spec.AttributionSettings` (``--fault-limit``
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -36,11 +44,12 @@ from elastrun.agent.hang_group import progress_file
 from elastrun.agent.hooks import Core
 from elastrun.agent.watchdog import read_beat
 from elastrun.agent.workers import WorkerGroup
+from elastrun.errors import ElastrunError
 from elastrun.event_kinds import FaultVerdict, NodeQuarantined, QuarantineRefused
 from elastrun.failure import FailureRecord, same_failure
 from elastrun.rendezvous.api import RoundResult
-from elastrun.rendezvous.fault_history import entry_of
-from elastrun.rendezvous.quarantine import QuarantineRecord
+from elastrun.rendezvous.fault_history import JudgedFault, entry_of
+from elastrun.rendezvous.quarantine import QuarantineRecord, kept_in
 from elastrun.rendezvous.verdict import Verdict, VerdictKind, judge
 from elastrun.untrusted import printable
 
@@ -136,25 +145,37 @@ class Attribution:
         summary = verdict.summary()
         shown = printable(summary, limit=1000)
         host = self.core.spec.host
-        action, out = "none", Action(None, "")
+        action, out, outcome = "none", Action(None, ""), ""
         if verdict.kind is VerdictKind.SCRIPT and self.settings.stop_script_faults:
             await self.core.rendezvous.stop_job(summary)
-            action = "stop"
+            action, outcome = "stop", "the job stopped"
             out = Action(1, f"elastrun: job stopped: {shown}")
         elif verdict.kind is VerdictKind.SCRIPT:
-            out = Action(None, f"elastrun: {shown} (--no-stop-on-script-fault: restarting)")
+            outcome = "--no-stop-on-script-fault: restarting"
+            out = Action(None, f"elastrun: {shown} ({outcome})")
         elif verdict.kind is VerdictKind.NODE and self.settings.quarantine > 0:
-            if verdict.host == host:
+            kept = await self._kept_in(verdict.host, result)
+            if kept is not None:
+                action, outcome = "stays", kept
+                out = Action(None, f"elastrun: {shown}: {kept}")
+            elif verdict.host == host:
                 action = "quarantine"
-                out = await self._quarantine(verdict, result, summary)
+                out, outcome = await self._quarantine(verdict, result, summary)
             else:
                 action = "leaves"
                 out = Action(
                     None, f"elastrun: {shown}: node {printable(verdict.host)} leaves the job"
                 )
         elif verdict.kind is VerdictKind.NODE:
-            out = Action(None, f"elastrun: {shown} (no --quarantine-time: it stays)")
+            outcome = "not excluded: --quarantine-time 0"
+            out = Action(None, f"elastrun: {shown} (--quarantine-time 0: it stays)")
         if verdict.kind is not VerdictKind.TRANSIENT:
+            # For `elastrun status`, by the node that acts on it: a node
+            # fault's own node decides whether it leaves.
+            if verdict.kind is VerdictKind.SCRIPT or verdict.host == host:
+                await self.core.rendezvous.record_verdict(
+                    JudgedFault(result.round, verdict.kind.value, verdict.host, summary, outcome)
+                )
             self.core.events.emit(
                 FaultVerdict(
                     round=result.round,
@@ -170,7 +191,22 @@ class Attribution:
             )
         return out
 
-    async def _quarantine(self, verdict: Verdict, result: RoundResult, summary: str) -> Action:
+    async def _kept_in(self, faulty: str, result: RoundResult) -> str | None:
+        """Why node ``faulty`` stays in the job (None: it leaves): the job
+        could not go on without it (rendezvous/quarantine.py ``kept_in``).
+        A spare is a node of the job alive beside the failed round's members
+        (waiting, or joined the round the failure opened); spares not known
+        (the store did not answer) count as none."""
+        rdzv = self.core.rendezvous
+        spares = None
+        with contextlib.suppress(ElastrunError):
+            full = result if result.complete else await rdzv.full_result(result)
+            spares = await rdzv.spares_for(faulty, [m.node_id for m in full.members])
+        return kept_in(result.group_world_size, rdzv.settings.min_nodes, spares or 0)
+
+    async def _quarantine(
+        self, verdict: Verdict, result: RoundResult, summary: str
+    ) -> tuple[Action, str]:
         host = self.core.spec.host
         now = time.time()
         until = now + self.settings.quarantine
@@ -184,8 +220,8 @@ class Attribution:
             if recorded
             else "not quarantined (the store did not take the record)"
         )
-        return Action(
-            1,
+        line = (
             f"elastrun: {printable(summary, limit=1000)}: this node ({printable(host)}) leaves "
-            f"the job, {kept}",
+            f"the job, {kept}"
         )
+        return Action(1, line), f"left the job, {kept}"

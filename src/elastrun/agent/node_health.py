@@ -17,7 +17,10 @@ shell: ``sh -c '...'`` for one), run with no stdin, in a session of its own
 kept to its last :data:`MAX_OUTPUT` bytes. It passes when it exits 0 within
 ``--health-check-timeout`` seconds; one that runs longer (a hung driver
 call) has its process group killed and counts as failed, as does one that
-cannot be started. Each failure is a ``node_health_failed`` event.
+cannot be started. Each failure is a ``node_health_failed`` event, and is
+kept in the job's fault history in the store (rendezvous/fault_history.py:
+the node, when, the round, why, the output's tail), which ``elastrun
+status`` shows.
 """
 
 from __future__ import annotations
@@ -26,12 +29,15 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 
 from elastrun.agent.hooks import Core, Feature, RoundHooks
 from elastrun.agent.workers import WorkerGroup
 from elastrun.errors import NodeUnhealthy
 from elastrun.event_kinds import NodeHealthFailed
 from elastrun.procs import signal_name
+from elastrun.rendezvous.fault_history import MAX_HOST, MAX_MESSAGE, HealthFailure
+from elastrun.rendezvous.fault_history import MAX_OUTPUT as H_OUTPUT
 from elastrun.untrusted import printable
 
 __all__ = ["MAX_OUTPUT", "NodeHealth", "features", "run_check"]
@@ -100,6 +106,17 @@ class NodeHealth(Feature):
             return None
         self.core.events.emit(
             NodeHealthFailed(command=self.shown, when=when, reason=why, output=output[-MAX_OUTPUT:])
+        )
+        # Kept in the job's fault history too, for `elastrun status`.
+        await self.core.rendezvous.record_health(
+            HealthFailure(
+                host=self.core.spec.host[:MAX_HOST],
+                when=when,
+                round=None,
+                at=time.time(),
+                reason=why[:MAX_MESSAGE],
+                output=output[-H_OUTPUT:],
+            )
         )
         return f"the health check `{self.shown}` {why}{_last_line(output)}"
 

@@ -17,6 +17,7 @@ from dataclasses import field
 from elastrun.agent.command import LOCAL_RANK_MACRO, WorkerCommand
 from elastrun.frozen import frozen
 from elastrun.names import RunId
+from elastrun.rendezvous.quarantine import DEFAULT_QUARANTINE
 
 __all__ = [
     "DEFAULT_FAULT_LIMIT",
@@ -237,11 +238,12 @@ class AttributionSettings:
     (``--fault-limit``): identical failures that make a verdict (0: none is
     made); ``stop_script_faults`` (``--stop-on-script-fault``): a script
     fault stops the job; ``quarantine`` (``--quarantine-time``): seconds a
-    node judged faulty is kept out of the job (0: it is not excluded)."""
+    node judged faulty is kept out of the job, where the job can go on
+    without it (0: it is not excluded)."""
 
     limit: int = DEFAULT_FAULT_LIMIT
     stop_script_faults: bool = True
-    quarantine: float = 0.0
+    quarantine: float = DEFAULT_QUARANTINE
 
 
 @frozen
@@ -256,7 +258,7 @@ class StragglerSettings:
 
     interval: float = 5.0
     replace_after: int = 0
-    hold: float = 1800.0
+    hold: float = DEFAULT_QUARANTINE
 
 
 @frozen

@@ -18,7 +18,7 @@ replaced*, has the safety argument):
    a world of at least the current size (so never fewer nodes than
    ``--nnodes``' MIN, never more removed than spares wait);
 3. the one decision: the node's quarantine record (reason ``straggler: ...``,
-   kept for ``--quarantine-time``, else 30 minutes), written by one
+   kept for ``--quarantine-time``, else 10 minutes when that is 0), written by one
    compare-and-set on the round, the record and the spare's waiting key
    (:func:`~elastrun.rendezvous.quarantine.claim`). A decision that does not
    hold (step 1 or 2 says no) is only reported: a ``straggler_replacement``

@@ -37,6 +37,7 @@ from elastrun.launcher.limits import (
 )
 from elastrun.procs import signal_name
 from elastrun.rendezvous.fault_history import MAX_ENTRIES as MAX_FAULT_LIMIT
+from elastrun.rendezvous.quarantine import DEFAULT_QUARANTINE
 from elastrun.rendezvous.sizes import WorldSizes
 
 __all__ = [
@@ -148,10 +149,11 @@ class LaunchConfig:
     numa_binding: str | None = None
     # Fault attribution (agent/attribution.py): --fault-limit identical
     # failures make a verdict (0: none); --stop-on-script-fault; a node judged
-    # faulty is kept out for --quarantine-time seconds (0: it stays).
+    # faulty is kept out for --quarantine-time seconds where the job can go
+    # on without it (0: it stays).
     fault_limit: int = DEFAULT_FAULT_LIMIT
     stop_on_script_fault: bool = True
-    quarantine_time: float = 0.0
+    quarantine_time: float = DEFAULT_QUARANTINE
     # Stragglers (agent/stragglers.py, agent/straggler_replacement.py): step
     # times shared every --straggler-interval s; with --replace-stragglers K
     # (0: off) a node named a straggler K intervals in a row is replaced by a

@@ -62,6 +62,7 @@ from elastrun.launcher.numa import NUMA_MODES
 from elastrun.launcher.plan import Plan, resolve
 from elastrun.launcher.rdzv_conf import split_rdzv_conf
 from elastrun.names import RunId
+from elastrun.rendezvous.quarantine import DEFAULT_QUARANTINE
 from elastrun.store.factory import Backend
 
 __all__ = [
@@ -221,6 +222,7 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
     max_restarts = parse_integer("--max-restarts", ns.max_restarts)
     node_unit = parse_integer("--node-unit", ns.node_unit)
     fault_limit = parse_integer("--fault-limit", ns.fault_limit)
+    quarantine_time = parse_seconds_text("--quarantine-time", ns.quarantine_time)
     replace_stragglers = parse_integer("--replace-stragglers", ns.replace_stragglers)
     straggler_interval = parse_seconds_text("--straggler-interval", ns.straggler_interval)
     standby_ranks = parse_integer("--standby-ranks", ns.standby_ranks)
@@ -267,7 +269,7 @@ def config_from_args(ns: argparse.Namespace) -> tuple[LaunchConfig, Command]:
         require_logs=ns.require_logs,
         fault_limit=DEFAULT_FAULT_LIMIT if fault_limit is None else fault_limit,
         stop_on_script_fault=ns.stop_on_script_fault,
-        quarantine_time=parse_seconds_text("--quarantine-time", ns.quarantine_time) or 0.0,
+        quarantine_time=DEFAULT_QUARANTINE if quarantine_time is None else quarantine_time,
         straggler_interval=5.0 if straggler_interval is None else straggler_interval,
         replace_stragglers=replace_stragglers or 0,
         health_check=ns.health_check or None,
@@ -670,7 +672,9 @@ def add_fault_flags(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="a node judged faulty leaves the job and is refused for this long (a spare "
         "takes its place, else the job shrinks to an allowed size); `elastrun status "
-        "--clear-quarantine HOST` lets it back (default: 0, the node stays)",
+        "--clear-quarantine HOST` lets it back; only where the job can go on without it "
+        "(a spare waits, or the others are at least --nnodes' minimum), else it stays "
+        f"(default: {DEFAULT_QUARANTINE:g}; 0: node faults are only reported)",
     )
     f.add_argument(
         *both("--straggler-interval"),

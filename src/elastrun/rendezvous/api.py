@@ -29,7 +29,7 @@ from elastrun.errors import RendezvousError, StoreError
 from elastrun.failure import FailureRecord
 from elastrun.frozen import frozen
 from elastrun.names import RunId
-from elastrun.rendezvous.fault_history import FaultEntry, FaultHistory
+from elastrun.rendezvous.fault_history import FaultEntry, FaultHistory, HealthFailure, JudgedFault
 from elastrun.rendezvous.notes import Note, NoteT, Refused, Seat
 from elastrun.rendezvous.quarantine import ClaimState, QuarantineRecord
 from elastrun.rendezvous.ranks import WorkerRanks, worker_ranks
@@ -380,6 +380,24 @@ class Rendezvous(abc.ABC):
         history and mark the job failed, so that every node, the spares
         too, ends. Best effort; never raises."""
         del summary
+
+    async def record_verdict(self, verdict: JudgedFault) -> None:
+        """Keep ``verdict`` in the fault history for ``elastrun status`` (the
+        first of its round stays). Best effort; never raises."""
+        del verdict
+
+    async def record_health(self, failure: HealthFailure) -> None:
+        """Keep this node's failed health check in the fault history for
+        ``elastrun status`` (the last few kept). Best effort; never raises."""
+        del failure
+
+    async def spares_for(self, host: str, members: Sequence[str]) -> int | None:
+        """How many nodes of the job, alive, not ``members`` (the failed
+        round's node ids) and not on ``host``, could take ``host``'s place
+        (:func:`.quarantine.spares_present`); None: not known (no store, or
+        it did not answer). Never raises."""
+        del host, members
+        return None
 
     async def quarantine(self, record: QuarantineRecord) -> bool:
         """Keep ``record.host`` out of the job (:mod:`.quarantine`); False

@@ -41,7 +41,7 @@ from elastrun.rendezvous.api import (
     RoundResult,
 )
 from elastrun.rendezvous.dynamic import DynamicRendezvous
-from elastrun.rendezvous.fault_history import FaultEntry, FaultHistory
+from elastrun.rendezvous.fault_history import FaultEntry, FaultHistory, HealthFailure, JudgedFault
 from elastrun.rendezvous.notes import Note, NoteT, Refused, Seat
 from elastrun.rendezvous.quarantine import ClaimState, QuarantineRecord
 from elastrun.rendezvous.rounds import Carry
@@ -228,6 +228,17 @@ class FailoverRendezvous(Rendezvous):
     async def stop_job(self, summary: str) -> None:
         if self._lost is None:
             await self.inner.stop_job(summary)
+
+    async def record_verdict(self, verdict: JudgedFault) -> None:
+        if self._lost is None:
+            await self.inner.record_verdict(verdict)
+
+    async def record_health(self, failure: HealthFailure) -> None:
+        if self._lost is None:
+            await self.inner.record_health(failure)
+
+    async def spares_for(self, host: str, members: Sequence[str]) -> int | None:
+        return None if self._lost is not None else await self.inner.spares_for(host, members)
 
     async def quarantine(self, record: QuarantineRecord) -> bool:
         return False if self._lost is not None else await self.inner.quarantine(record)

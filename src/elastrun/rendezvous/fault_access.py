@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from collections.abc import Sequence
 
 from elastrun.errors import RendezvousError, StoreError
 from elastrun.rendezvous import fault_history as H
@@ -64,6 +65,22 @@ class FaultAccess:
             async with asyncio.timeout(CALL_TIMEOUT):
                 await H.stop(self.store, self.keys, summary)
                 await mark_failed(self.store, self.keys, summary)
+
+    async def record_verdict(self, verdict: H.JudgedFault) -> None:
+        with contextlib.suppress(StoreError, RendezvousError, TimeoutError):
+            async with asyncio.timeout(CALL_TIMEOUT):
+                await H.judged(self.store, self.keys, verdict)
+
+    async def record_health(self, failure: H.HealthFailure) -> None:
+        with contextlib.suppress(StoreError, RendezvousError, TimeoutError):
+            async with asyncio.timeout(CALL_TIMEOUT):
+                await H.health_failed(self.store, self.keys, failure)
+
+    async def spares_for(self, host: str, members: Sequence[str]) -> int | None:
+        with contextlib.suppress(StoreError, RendezvousError, TimeoutError):
+            async with asyncio.timeout(CALL_TIMEOUT):
+                return await Q.spares_present(self.store, self.keys, host, set(members))
+        return None
 
     async def quarantine(self, record: Q.QuarantineRecord) -> bool:
         with contextlib.suppress(StoreError, RendezvousError, TimeoutError):

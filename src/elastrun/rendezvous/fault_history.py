@@ -27,6 +27,21 @@ leads to a verdict: it fails safe (no exclusion, no stop).
 ``stopped``: the summary of the script fault that stopped the job (set
 once, by :func:`stop`), which a node that waited as a spare prints when the
 job fails under it.
+
+Beside the entries, the record keeps what ``elastrun status`` shows of the
+job's faults, each list bounded (the oldest dropped first) and read as
+untrusted like the rest:
+
+* ``verdicts``: the last :data:`MAX_VERDICTS` verdicts that were not
+  transient (:class:`JudgedFault`: the round, the kind, the node, the
+  verdict's line and what was done about it), one per round, written by the
+  node that acts on it (:func:`judged`: a script fault by every node, the
+  first kept; a node fault by the faulty node, which decides whether it
+  leaves);
+* ``health``: the last :data:`MAX_HEALTH` failed health checks
+  (:class:`HealthFailure`: the node, when, the round the store was at, why,
+  the output's tail), written by the node whose check failed
+  (:func:`health_failed`).
 """
 
 from __future__ import annotations
@@ -40,10 +55,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from elastrun.errors import RendezvousError, StoreError
+from elastrun.errors import ProtocolError, RendezvousError, StoreError
 from elastrun.failure import FailureRecord, weight
 from elastrun.fields import Fields
 from elastrun.rendezvous import keys as K
+from elastrun.rendezvous.records import RoundRecord
 from elastrun.store.base import Store
 from elastrun.untrusted import UntrustedData, loads
 
@@ -53,8 +69,12 @@ __all__ = [
     "MAX_ENTRIES",
     "FaultEntry",
     "FaultHistory",
+    "HealthFailure",
     "HistoryInvalid",
+    "JudgedFault",
     "entry_of",
+    "health_failed",
+    "judged",
     "read",
     "record",
     "split_exception",
@@ -67,7 +87,12 @@ MAX_HOST = 256
 MAX_EXCEPTION = 128  # an exception's (qualified) type name
 MAX_MESSAGE = 300  # an exception's message, as kept
 MAX_SUMMARY = 1000
-MAX_BYTES = 64 * 1024  # the record: MAX_ENTRIES entries fit in a fraction of it
+MAX_VERDICTS = 8  # verdicts kept for `elastrun status`
+MAX_HEALTH = 16  # failed health checks kept for `elastrun status`
+MAX_OUTPUT = 500  # characters of a failed check's output kept (its last)
+# The record: MAX_ENTRIES entries, MAX_VERDICTS verdicts and MAX_HEALTH
+# health failures at their bounds fit in it.
+MAX_BYTES = 128 * 1024
 WRITE_TRIES = 8  # compare-and-set attempts (other members write it too)
 _EXCEPTION = re.compile(r"([A-Za-z_][A-Za-z0-9_.]{0,127})(?::\s?(.*))?\Z", re.DOTALL)
 
@@ -122,12 +147,73 @@ class FaultEntry:
 
 
 @dataclass(frozen=True)
+class JudgedFault:
+    """A verdict that was not transient, as ``elastrun status`` shows it:
+    judged on round ``round``'s failure, its ``kind`` (``node_fault`` or
+    ``script_fault``), the node it names, its one line (``summary``) and what
+    was done (``outcome``: the job stopped, the node left, or why it stayed)."""
+
+    round: int
+    kind: str
+    host: str
+    summary: str
+    outcome: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: object) -> JudgedFault:
+        f = Fields(raw, "a verdict", HistoryInvalid)
+        return cls(
+            round=f.integer("round"),
+            kind=f.text("kind", 32),
+            host=f.text("host", MAX_HOST),
+            summary=f.text("summary", MAX_SUMMARY),
+            outcome=f.text("outcome", MAX_SUMMARY),
+        )
+
+
+@dataclass(frozen=True)
+class HealthFailure:
+    """A node's failed health check (agent/node_health.py): ``host``, when
+    (``before_round``: it did not join; ``training``: it leaves at the next
+    round boundary), the job's round in the store when it was written
+    (None: no round yet), the wall-clock time ``at`` (the writer's clock),
+    why (``reason``) and the last :data:`MAX_OUTPUT` characters of its output."""
+
+    host: str
+    when: str
+    round: int | None
+    at: float
+    reason: str
+    output: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: object) -> HealthFailure:
+        f = Fields(raw, "a health failure", HistoryInvalid)
+        return cls(
+            host=f.text("host", MAX_HOST),
+            when=f.text("when", 32),
+            round=f.optional_integer("round"),
+            at=f.number("at", high=2.0**40),
+            reason=f.text("reason", MAX_MESSAGE),
+            output=f.text("output", MAX_OUTPUT),
+        )
+
+
+@dataclass(frozen=True)
 class FaultHistory:
     """The job's failed rounds, oldest first (one entry per round, at most
     :data:`MAX_ENTRIES`), and the summary of the verdict that stopped it."""
 
     entries: tuple[FaultEntry, ...] = ()
     stopped: str = ""
+    verdicts: tuple[JudgedFault, ...] = ()  # oldest first, one per round
+    health: tuple[HealthFailure, ...] = ()  # oldest first
 
     def has(self, round_: int) -> bool:
         return any(e.round == round_ for e in self.entries)
@@ -139,11 +225,24 @@ class FaultHistory:
         entries = sorted((*self.entries, entry), key=lambda e: e.round)
         return dataclasses.replace(self, entries=tuple(entries[-MAX_ENTRIES:]))
 
+    def with_verdict(self, verdict: JudgedFault) -> FaultHistory:
+        """With ``verdict`` (unless its round has one), the oldest dropped past the bound."""
+        if any(v.round == verdict.round for v in self.verdicts):
+            return self
+        kept = sorted((*self.verdicts, verdict), key=lambda v: v.round)
+        return dataclasses.replace(self, verdicts=tuple(kept[-MAX_VERDICTS:]))
+
+    def with_health(self, failure: HealthFailure) -> FaultHistory:
+        """With ``failure`` last, the oldest dropped past the bound."""
+        return dataclasses.replace(self, health=(*self.health, failure)[-MAX_HEALTH:])
+
     def encode(self) -> bytes:
         obj = {
             "v": FAULTS_VERSION,
             "entries": [e.to_json() for e in self.entries],
             "stopped": self.stopped,
+            "verdicts": [v.to_json() for v in self.verdicts],
+            "health": [h.to_json() for h in self.health],
         }
         return json.dumps(obj, separators=(",", ":")).encode()
 
@@ -153,10 +252,19 @@ class FaultHistory:
         obj = loads(raw, max_bytes=MAX_BYTES, what="the fault history")
         f = Fields.versioned(obj, FAULTS_VERSION, "the fault history", HistoryInvalid)
         entries = tuple(FaultEntry.from_json(e) for e in f.items("entries", MAX_ENTRIES))
+        verdicts = tuple(JudgedFault.from_json(v) for v in f.items("verdicts", MAX_VERDICTS))
         rounds = [e.round for e in entries]
         if rounds != sorted(set(rounds)):
             raise HistoryInvalid("the fault history: entries are not one per round, in order")
-        return cls(entries=entries, stopped=f.text("stopped", MAX_SUMMARY))
+        rounds = [v.round for v in verdicts]
+        if rounds != sorted(set(rounds)):
+            raise HistoryInvalid("the fault history: verdicts are not one per round, in order")
+        return cls(
+            entries=entries,
+            stopped=f.text("stopped", MAX_SUMMARY),
+            verdicts=verdicts,
+            health=tuple(HealthFailure.from_json(h) for h in f.items("health", MAX_HEALTH)),
+        )
 
 
 def split_exception(message: str) -> tuple[str, str]:
@@ -258,3 +366,22 @@ async def stop(store: Store, keys: K.Keys, summary: str) -> None:
     Raises StoreError."""
     text = summary[:MAX_SUMMARY]
     await _update(store, keys, lambda h: h if h.stopped else dataclasses.replace(h, stopped=text))
+
+
+async def judged(store: Store, keys: K.Keys, verdict: JudgedFault) -> None:
+    """Keep ``verdict`` for ``elastrun status`` (the first of its round
+    stays). Raises StoreError."""
+    await _update(store, keys, lambda h: h.with_verdict(verdict))
+
+
+async def health_failed(store: Store, keys: K.Keys, failure: HealthFailure) -> None:
+    """Keep ``failure`` for ``elastrun status``, stamped with the job's
+    current round (its ``round`` record's; None when it has none that
+    reads). Raises StoreError."""
+    round_ = None
+    kv = await store.get(keys.round)
+    if kv is not None:
+        with contextlib.suppress(ProtocolError):
+            round_ = RoundRecord.decode(kv.key, kv.value).round
+    stamped = dataclasses.replace(failure, round=round_)
+    await _update(store, keys, lambda h: h.with_health(stamped))

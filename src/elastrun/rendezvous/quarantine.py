@@ -29,6 +29,7 @@ revisions). :func:`claim_state` reads what the decision needs first.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ from elastrun.errors import ProtocolError
 from elastrun.fields import Fields
 from elastrun.names import path_component
 from elastrun.rendezvous import keys as K
-from elastrun.rendezvous.records import RoundRecord, RoundState, WaitingRecord
+from elastrun.rendezvous.records import PresenceRecord, RoundRecord, RoundState, WaitingRecord
 from elastrun.store.base import Compare, KeyValue, Put, Store
 from elastrun.untrusted import UntrustedData, loads
 
@@ -52,12 +53,15 @@ __all__ = [
     "clear",
     "find",
     "host_key",
+    "kept_in",
     "listed",
     "put",
+    "spares_present",
+    "waiting_spares",
 ]
 
 QUARANTINE_VERSION = 1
-DEFAULT_QUARANTINE = 1800.0  # s a node stays out after a node fault
+DEFAULT_QUARANTINE = 600.0  # s a node stays out after a node fault (--quarantine-time)
 MAX_QUARANTINE = 7 * 24 * 3600.0
 MAX_RECORDS = 64
 MAX_BYTES = 4096
@@ -189,8 +193,7 @@ async def claim_state(store: Store, keys: K.Keys, host: str, round_: int, now: f
             rec = None
         if rec is not None and rec.round == round_ and rec.state is RoundState.CLOSED:
             round_rev = kv.mod_revision
-    waiting, _ = await store.get_prefix(keys.waiting_prefix)
-    spares = tuple((w.key, w.mod_revision) for w in waiting if _spare(w, host))
+    spares = await waiting_spares(store, keys, host)
     key = keys.quarantine(host_key(host))
     records, _ = await store.get_prefix(keys.quarantines)
     mine = next((r for r in records if r.key == key), None)
@@ -211,6 +214,43 @@ async def claim_state(store: Store, keys: K.Keys, host: str, round_: int, now: f
         0 if mine is None else mine.mod_revision,
         full,
     )
+
+
+async def waiting_spares(store: Store, keys: K.Keys, host: str) -> tuple[tuple[str, int], ...]:
+    """The nodes that wait for a round (their ``waiting`` keys and mod
+    revisions), but for those on ``host``: what could take its place (one
+    bounded read: a key per node). Raises StoreError."""
+    waiting, _ = await store.get_prefix(keys.waiting_prefix)
+    return tuple((w.key, w.mod_revision) for w in waiting if _spare(w, host))
+
+
+async def spares_present(store: Store, keys: K.Keys, host: str, members: Collection[str]) -> int:
+    """How many nodes of the job are alive (their presence records) that
+    are not ``members`` (node ids: the failed round's) nor on ``host``:
+    what could take ``host``'s place, whether it still waits or already
+    joined the round its failure opened (one bounded read: a key per node).
+    Raises StoreError."""
+    kvs, _ = await store.get_prefix(keys.nodes)
+    count = 0
+    for kv in kvs:
+        try:
+            rec = PresenceRecord.decode(kv.key, kv.value)
+        except ProtocolError:
+            continue
+        if rec.node.node_id not in members and rec.node.host != host:
+            count += 1
+    return count
+
+
+def kept_in(members: int, min_nodes: int, spares: int) -> str | None:
+    """Why a node judged faulty is not excluded (None: it leaves): it
+    leaves only when the job can go on without it: a spare waits to take
+    its place, or the round's ``members`` but it are still at least the
+    job's ``min_nodes`` (pure; docs/reliability.md, *What excluding a node
+    can cost*)."""
+    if spares > 0 or members - 1 >= min_nodes:
+        return None
+    return f"not excluded: the job would fall below --nnodes min {min_nodes} with no spare"
 
 
 def _spare(kv: KeyValue, host: str) -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 from elastrun.failure import FailureRecord
 from elastrun.goodput import Goodput
 from elastrun.rendezvous import notes as N
+from elastrun.rendezvous.fault_history import HealthFailure, JudgedFault
 from elastrun.rendezvous.quarantine import QuarantineRecord
 from elastrun.rendezvous.records import RoundState
 
@@ -213,6 +214,10 @@ class Summary:
     # that stopped it.
     quarantined: tuple[QuarantineRecord, ...] = ()
     fault_stopped: str | None = None
+    # The last verdicts that were not transient (with what was done), and
+    # the nodes whose health check failed (fault_history.py), oldest first.
+    verdicts: tuple[JudgedFault, ...] = ()
+    health_failures: tuple[HealthFailure, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -261,6 +266,8 @@ class Summary:
             "goodput": self.goodput.to_json() if self.goodput is not None else None,
             "quarantined": [_quarantine_json(q) for q in self.quarantined],
             "fault_stopped": self.fault_stopped,
+            "fault_verdicts": [v.to_json() for v in self.verdicts],
+            "health_failures": [h.to_json() for h in self.health_failures],
         }
 
     def quiet(self) -> Summary:

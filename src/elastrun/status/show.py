@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from elastrun.clock import duration_text
+from elastrun.rendezvous.fault_history import HealthFailure, JudgedFault
 from elastrun.status.model import HangStacks, RankRow, Summary
 from elastrun.untrusted import printable
 
@@ -95,6 +96,10 @@ def render_table(summary: Summary, where: str) -> str:
     out.append("\nlast failure: " + line)
     if s.fault_stopped:
         out.append("stopped:  " + printable(s.fault_stopped, limit=2 * MAX_FIELD))
+    for v in s.verdicts:
+        out.append(_verdict_line(v))
+    for h in s.health_failures:
+        out.append(_health_line(h))
     for q in s.quarantined:
         until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(q.until))
         kept = "quarantined until" if q.active(time.time()) else "quarantine expired at"
@@ -102,6 +107,25 @@ def render_table(summary: Summary, where: str) -> str:
         out.append(f"node {_p(q.host)} {kept} {until}: {reason}")
     out.extend(_stacks_block(s.hang_stacks))
     return "\n".join(out)
+
+
+def _verdict_line(v: JudgedFault) -> str:
+    """A verdict kept in the fault history (its text from the store: escaped)."""
+    outcome = f"; {printable(v.outcome, limit=MAX_FIELD)}" if v.outcome else ""
+    return f"verdict   round {v.round}: {printable(v.summary, limit=2 * MAX_FIELD)}{outcome}"
+
+
+def _health_line(h: HealthFailure) -> str:
+    """A node's failed health check kept in the fault history (escaped)."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h.at))
+    where = "before joining" if h.when == "before_round" else "while training"
+    rnd = "" if h.round is None else f", round {h.round}"
+    lines = [ln for ln in h.output.splitlines() if ln.strip()]
+    tail = f": {printable(lines[-1], limit=MAX_FIELD)}" if lines else ""
+    return (
+        f"health    node {_p(h.host)} failed its health check {where} at {when}{rnd}: "
+        f"{printable(h.reason, limit=MAX_FIELD)}{tail}"
+    )
 
 
 def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:

@@ -14,7 +14,8 @@ records the rendezvous keeps anyway (see :mod:`elastrun.rendezvous.keys`)::
     notes/stragglers        group rank 0's straggler verdicts for the round
     notes/stacks_{R}_{G}    its workers' stacks when round R ended on a hang (agent/hangs.py)
     quarantine/...          nodes kept out for a node fault (rendezvous/quarantine.py)
-    faults                  the script fault that stopped the job (rendezvous/fault_history.py)
+    faults                  the job's fault history (rendezvous/fault_history.py): the script
+                            fault that stopped it, the last verdicts, failed health checks
 
 The records by key (config, round, the round results shown) are read in one
 transaction (one store revision), guarded by the ``round`` record's revision
@@ -415,6 +416,8 @@ async def read_summary(store: Store, run_id: RunId) -> Summary | None:
             summary,
             quarantined=tuple(await quarantine.listed(store, k)),
             fault_stopped=history.stopped or None,
+            verdicts=history.verdicts,
+            health_failures=history.health,
         )
     raise StoreError(
         f"the round record of job {run_id!r} changed {MAX_TRIES} times while reading it; try again"
