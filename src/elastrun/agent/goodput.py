@@ -68,10 +68,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -225,7 +224,7 @@ class Ledger:
         the failures once the rendezvous charged it (:meth:`charged`)."""
         self.cause = Cause.RESTART
         self.restarted_at = self.ended_at
-        self.warm_pace = statistics.median(self.paces) if self.paces else None
+        self.warm_pace = _median(self.paces) if self.paces else None
         self.hangs += hang
         self._lost(Cause.HANG if hang else Cause.RESTART)
 
@@ -416,3 +415,11 @@ class RoundGoodput(RoundHooks):
             self.ledger.restarting()
         elif not change.counts_as_restart:
             self.ledger.changing()
+
+
+def _median(values: Iterable[float]) -> float:
+    """The median of a few paces (not statistics': with decimal and
+    fractions, milliseconds of every agent's start)."""
+    s = sorted(values)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
