@@ -3,13 +3,16 @@
 ``examples/train.py`` trains for a few epochs twice, on loopback, with real
 agents, real gloo workers and the embedded store:
 
-* undisturbed: ``elastrun --standalone --nproc-per-node=2``;
+* undisturbed: ``elastrun --standalone --nproc-per-node=2``, as ``examples/demo.py``
+  runs it with its crash step past the end: the demo in which nothing fails, which
+  must then say so and exit non-zero (the demo checks its own story);
 * disturbed: agent A (2 workers, ``--nnodes=1:2``, c10d, its own checkpoint
   directory) trains; past its first checkpoints one of its workers is
   SIGKILLed mid-epoch, the group restarts and resumes from the newest
   checkpoint; then agent B (2 workers, an EMPTY checkpoint directory of its
   own: no shared filesystem) joins, gets the checkpoint by broadcast, and
-  training continues at world 4 to the end.
+  training continues at world 4 to the end (A's workers pause while B's agent
+  starts, so that B joins a job that still trains, however slow the machine).
 
 Both runs end at the same epoch with test accuracies within ``ACC_TOLERANCE``
 of each other (the disturbed run trains its last epochs at a 2x larger global
@@ -42,6 +45,7 @@ from tests.integration.elastic_harness import ELASTRUN, Agent, Job, job
 torch = pytest.importorskip("torch")
 
 TRAIN = REPO / "examples" / "train.py"
+DEMO = REPO / "examples" / "demo.py"
 BOUND = 90.0  # per wait; generous for a loaded 2-core machine
 EPOCHS = 4
 ACC_TOLERANCE = 0.05
@@ -78,6 +82,30 @@ def start(j: Job, name: str, flags: list[str], ckpt: Path, extra: list[str]) -> 
     agent = Agent(name, proc, log_path)
     j.agents.append(agent)
     return agent
+
+
+def start_demo_without_a_failure(j: Job) -> tuple[Agent, Path]:
+    """``examples/demo.py`` with its crash step past the end: an undisturbed
+    ``--standalone --nproc-per-node=2`` run of the example (seed 0, the same
+    math as ``TRAIN_ARGS``: --checkpoint-every and --log-every change no
+    result), after which the demo must say that nothing failed; (the demo as
+    an ``Agent``, its stderr)."""
+    stderr = j.dir / "demo-ref.stderr"
+    argv = [sys.executable, str(DEMO), "--run-dir", str(j.dir / "demo-ref")]
+    argv += ["--epochs", str(EPOCHS), "--crash-at-step", "1000", "--no-memory"]
+    log_path = j.dir / "agent-ref.log"
+    with open(log_path, "wb") as log, open(stderr, "wb") as err:
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=err,
+            cwd=REPO,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            start_new_session=True,
+        )
+    agent = Agent("ref", proc, log_path)
+    j.agents.append(agent)
+    return agent, stderr
 
 
 def c10d_flags(port: int, name: str, j: Job, *, host: bool) -> list[str]:
@@ -129,8 +157,9 @@ def test_example_survives_worker_kill_and_join_with_the_same_result(tmp_path: Pa
 
     with job(tmp_path) as j:
         try:
-            # The undisturbed run, beside the disturbed one (it needs no delays).
-            ref = start(j, "ref", ["--standalone", "--nproc-per-node=2"], tmp_path / "ckpt-ref", [])
+            # The undisturbed run, beside the disturbed one (it needs no delays): the demo
+            # in which nothing fails (its crash step is past the end), the same training.
+            ref, ref_stderr = start_demo_without_a_failure(j)
 
             ckpt_a, ckpt_b = tmp_path / "ckpt-a", tmp_path / "ckpt-b"
             ckpt_b.mkdir()
@@ -167,10 +196,31 @@ def test_example_survives_worker_kill_and_join_with_the_same_result(tmp_path: Pa
             assert res is not None
             resumed_from = (int(res[1]), int(res[2]), int(res[3]))
 
-            # Node B joins, with an empty checkpoint directory.
+            # Node B joins, with an empty checkpoint directory. While its agent starts (its
+            # warm interpreter imports torch: many seconds on a loaded machine), A's workers
+            # are paused (SIGSTOP), so that the job still trains when B joins; they go on
+            # (SIGCONT) once B's warm interpreter is ready, and B joins at once.
+            paused = [
+                int(pid)
+                for e in events(j, "a")
+                if e["kind"] == "workers_started" and e["restart_count"] == 1
+                for pid in e["pids"]
+            ]
+            assert len(paused) == 2, paused
             mark_a, join_step = len(a.output()), a_step()
             t_join = time.monotonic()
-            b = start(j, "b", c10d_flags(port, "b", j, host=False), ckpt_b, delay)
+            for pid in paused:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                b = start(j, "b", c10d_flags(port, "b", j, host=False), ckpt_b, delay)
+                wait_for(
+                    lambda: any(e["kind"] == "warm_ready" for e in events(j, "b")),
+                    "B's warm interpreter",
+                )
+            finally:
+                for pid in paused:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
 
             def both() -> str:  # what the job printed since B started
                 return a.output()[mark_a:] + b.output()
@@ -190,9 +240,14 @@ def test_example_survives_worker_kill_and_join_with_the_same_result(tmp_path: Pa
 
             assert a.wait(BOUND) == 0, a.output()[-3000:]
             assert b.wait(BOUND) == 0, b.output()[-3000:]
-            assert ref.wait(BOUND) == 0, ref.output()[-3000:]
             timings["total"] = time.monotonic() - t_start
 
+            # The demo checks its own story: nothing failed, so it says so and exits non-zero.
+            assert ref.wait(BOUND) != 0, ref.output()[-3000:]
+            assert f"final: epoch={EPOCHS}" in ref.output()  # training itself went fine
+            demo_err = ref_stderr.read_text()
+            assert "did not go as expected: no worker failed" in demo_err, demo_err
+            assert "elastrun did not restart the workers" in demo_err
             epoch0, acc0, world0, restarts0 = final(ref.output())
             epoch, acc, world, restarts = final(a.output() + b.output())
             print(f"undisturbed: epoch={epoch0} test_acc={acc0:.4f} world={world0}")
