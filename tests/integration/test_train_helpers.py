@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -110,15 +111,23 @@ def test_heartbeat_writes_step_and_monotonic_time_rate_limited(
 
 # -- atomic save under SIGKILL ------------------------------------------------
 
+# One interpreter imports torch; each round, a child forked from it saves in a
+# loop (its first line: its pid) until the test SIGKILLs it mid-save.
 _SAVER = """
-import sys, torch
+import os, sys, torch
 from elastrun.train import save_checkpoint
-d, step = sys.argv[1], int(sys.argv[2])
-while True:
-    step += 1
-    state = {"step": step, "w": torch.full((3_000_000,), float(step))}
-    save_checkpoint(state, d, step=step, keep=2)
-    print(step, flush=True)
+d = sys.argv[1]
+for line in sys.stdin:  # a round: the step to go on from
+    step = int(line)
+    child = os.fork()
+    if child == 0:
+        while True:
+            step += 1
+            state = {"step": step, "w": torch.full((3_000_000,), float(step))}
+            save_checkpoint(state, d, step=step, keep=2)
+            print(os.getpid(), step, flush=True)
+    os.waitpid(child, 0)
+    print("reaped", flush=True)
 """
 
 
@@ -128,33 +137,41 @@ def test_atomic_save_survives_sigkill_mid_save(tmp_path: Path) -> None:
     d = tmp_path / "ckpt"
     rng = random.Random()
     step = 0
-    for _round in range(4):
-        proc = subprocess.Popen(
-            [PYTHON, "-c", _SAVER, str(d), str(step)],
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            assert proc.stdout is not None
-            first = proc.stdout.readline()  # one complete save in this round
-            assert first.strip(), "saver produced no checkpoint"
+    saver = subprocess.Popen(
+        [PYTHON, "-c", _SAVER, str(d)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert saver.stdin is not None and saver.stdout is not None
+    try:
+        for _round in range(4):
+            saver.stdin.write(f"{step}\n")
+            saver.stdin.flush()
+            first = saver.stdout.readline().split()  # one complete save in this round
+            assert len(first) == 2, f"saver produced no checkpoint: {first}"
             time.sleep(rng.uniform(0.0, 0.4))
-        finally:
-            _stop(proc)
-        newest = latest_checkpoint(d)
-        assert newest is not None and newest.step > step
-        step = newest.step
-        # `latest` names a complete checkpoint (it may lag one behind the newest)
-        pointed = d / (d / "latest").read_text().strip()
-        assert pointed.exists()
-        for info in list_checkpoints(d):
-            assert check(info, info.path.read_bytes()).status == "verified"  # record and data agree
-            st = torch.load(info.path, weights_only=True)
-            assert st["step"] == info.step
-            assert bool((st["w"] == float(info.step)).all())
-        state = load_checkpoint(d, log=None)
-        assert state is not None and state["step"] == step
+            os.kill(int(first[0]), signal.SIGKILL)
+            while (line := saver.stdout.readline()) and line.strip() != "reaped":
+                pass
+            assert line.strip() == "reaped", "the saver did not reap its killed child"
+            newest = latest_checkpoint(d)
+            assert newest is not None and newest.step > step
+            step = newest.step
+            # `latest` names a complete checkpoint (it may lag one behind the newest)
+            pointed = d / (d / "latest").read_text().strip()
+            assert pointed.exists()
+            for info in list_checkpoints(d):
+                # record and data agree
+                assert check(info, info.path.read_bytes()).status == "verified"
+                st = torch.load(info.path, weights_only=True)
+                assert st["step"] == info.step
+                assert bool((st["w"] == float(info.step)).all())
+            state = load_checkpoint(d, log=None)
+            assert state is not None and state["step"] == step
+    finally:
+        _stop(saver)
     # a later successful save removes the dead savers' temp files and old checkpoints
     from elastrun.train import save_checkpoint
 
