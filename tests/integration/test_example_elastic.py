@@ -153,7 +153,7 @@ def test_example_survives_worker_kill_and_join_with_the_same_result(tmp_path: Pa
     timings: dict[str, float] = {}
 
     def wait_for(pred: Any, what: str) -> Any:
-        return _wait_for(pred, BOUND, what, interval=0.05)
+        return _wait_for(pred, BOUND, what, interval=0.2)  # steps take 0.15 s and more
 
     with job(tmp_path) as j:
         try:
