@@ -9,14 +9,14 @@ agents, real gloo workers and the embedded store:
 * disturbed: agent A (2 workers, ``--nnodes=1:2``, c10d, its own checkpoint
   directory) trains; past its first checkpoints one of its workers is
   SIGKILLed mid-epoch, the group restarts and resumes from the newest
-  checkpoint; then agent B (2 workers, an EMPTY checkpoint directory of its
+  checkpoint; then agent B (1 worker, an EMPTY checkpoint directory of its
   own: no shared filesystem) joins, gets the checkpoint by broadcast, and
-  training continues at world 4 to the end (A's workers pause while B's agent
+  training continues at world 3 to the end (A's workers pause while B's agent
   starts, so that B joins a job that still trains, however slow the machine).
 
 Both runs end at the same epoch with test accuracies within ``ACC_TOLERANCE``
-of each other (the disturbed run trains its last epochs at a 2x larger global
-batch, so the two trajectories differ: 0.9417 undisturbed, 0.944-0.958 disturbed
+of each other (the disturbed run trains its last epochs at a 1.5x larger global
+batch, so the two trajectories differ: 0.9611 undisturbed, about 0.95 disturbed
 depending on where the kill and the join land).
 Only the kill counts as a restart (``restarts=1``), not the join.
 """
@@ -48,7 +48,7 @@ torch = pytest.importorskip("torch")
 TRAIN = REPO / "examples" / "train.py"
 DEMO = REPO / "examples" / "demo.py"
 BOUND = 90.0  # per wait; generous for a loaded 2-core machine
-EPOCHS = 4
+EPOCHS = 3
 ACC_TOLERANCE = 0.05
 ACC_FLOOR = 0.90
 STEP_DELAY = 0.15  # s per step, so the kill and the join land mid-training
@@ -109,10 +109,10 @@ def start_demo_without_a_failure(j: Job) -> tuple[Agent, Path]:
     return agent, stderr
 
 
-def c10d_flags(port: int, name: str, j: Job, *, host: bool) -> list[str]:
+def c10d_flags(port: int, name: str, j: Job, *, host: bool, nproc: int) -> list[str]:
     return [
         "--nnodes=1:2",
-        "--nproc-per-node=2",
+        f"--nproc-per-node={nproc}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{port}",
         "--rdzv-id=example-e2e",
@@ -166,7 +166,7 @@ def test_example_survives_worker_kill_and_join_with_the_same_result(tmp_path: Pa
             ckpt_b.mkdir()
             port = free_port()
             delay = ["--step-delay", str(STEP_DELAY)]
-            a = start(j, "a", c10d_flags(port, "a", j, host=True), ckpt_a, delay)
+            a = start(j, "a", c10d_flags(port, "a", j, host=True, nproc=2), ckpt_a, delay)
 
             def a_step() -> tuple[int, int] | None:
                 found = STEP_LINE.findall(a.output())
@@ -213,7 +213,7 @@ def test_example_survives_worker_kill_and_join_with_the_same_result(tmp_path: Pa
             for pid in paused:
                 os.kill(pid, signal.SIGSTOP)
             try:
-                b = start(j, "b", c10d_flags(port, "b", j, host=False), ckpt_b, delay)
+                b = start(j, "b", c10d_flags(port, "b", j, host=False, nproc=1), ckpt_b, delay)
                 wait_for(
                     lambda: any(e["kind"] == "warm_ready" for e in events(j, "b")),
                     "B's warm interpreter",
@@ -226,17 +226,17 @@ def test_example_survives_worker_kill_and_join_with_the_same_result(tmp_path: Pa
             def both() -> str:  # what the job printed since B started
                 return a.output()[mark_a:] + b.output()
 
-            resumed4 = re.compile(r"global_step=(\d+) \(world 4, restart 1\)")
-            wait_for(lambda: resumed4.search(both()), "resumed at world 4")
-            timings["join -> resumed at world 4"] = time.monotonic() - t_join
+            resumed3 = re.compile(r"global_step=(\d+) \(world 3, restart 1\)")
+            wait_for(lambda: resumed3.search(both()), "resumed at world 3")
+            timings["join -> resumed at world 3"] = time.monotonic() - t_join
             wait_for(
-                lambda: STEP_LINE.search(both(), both().index("(world 4, restart 1)")),
-                "a step at world 4",
+                lambda: STEP_LINE.search(both(), both().index("(world 3, restart 1)")),
+                "a step at world 3",
             )
-            timings["join -> first step at world 4"] = time.monotonic() - t_join
-            res4 = resumed4.search(both())
-            assert res4 is not None
-            step4 = int(res4[1])
+            timings["join -> first step at world 3"] = time.monotonic() - t_join
+            res3 = resumed3.search(both())
+            assert res3 is not None
+            step3 = int(res3[1])
             assert "checkpoint broadcast size is" in both(), both()[-3000:]
 
             assert a.wait(BOUND) == 0, a.output()[-3000:]
@@ -263,14 +263,14 @@ def test_example_survives_worker_kill_and_join_with_the_same_result(tmp_path: Pa
                 print(f"{what}: {seconds:.1f}s")
 
             assert (epoch0, world0, restarts0) == (EPOCHS, 2, 0)
-            assert (epoch, world, restarts) == (EPOCHS, 4, 1)
+            assert (epoch, world, restarts) == (EPOCHS, 3, 1)
             assert acc0 >= ACC_FLOOR and acc >= ACC_FLOOR, (acc0, acc)
             assert abs(acc - acc0) <= ACC_TOLERANCE, (acc0, acc)
 
             # B, started empty, received A's checkpoint byte for byte ...
             steps_b = sorted(int(p.stem.split("-")[1]) for p in ckpt_b.glob("ckpt-*.pt"))
-            assert steps_b and steps_b[0] == step4, (steps_b, step4)
-            name = f"ckpt-{step4:012d}.pt"
+            assert steps_b and steps_b[0] == step3, (steps_b, step3)
+            name = f"ckpt-{step3:012d}.pt"
             assert (ckpt_b / name).read_bytes() == (ckpt_a / name).read_bytes()
             # ... and saved the same state as A from then on.
             newest_a = sorted(ckpt_a.glob("ckpt-*.pt"))[-1]
