@@ -40,6 +40,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 from elastrun.procs import pid_alive
@@ -180,40 +181,84 @@ def finished(proc: subprocess.Popen[bytes], timeout: float) -> str:
     return text
 
 
+# The ranks of run_ranks: one interpreter imports torch, then forks each rank
+# with it loaded (as an agent's warm interpreter does), its output in a file
+# of its own; it prints each rank's exit code.
+_FORKED_RANKS = """
+import atexit, json, os, sys, traceback
+import torch, torch.distributed
+code, world, outdir, args = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+children = {}
+for rank in range(world):
+    pid = os.fork()
+    if pid == 0:
+        out = os.open(os.path.join(outdir, f"rank{rank}.out"), os.O_WRONLY | os.O_CREAT)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+        sys.argv = ["-c", *args]
+        status = 0
+        try:
+            exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+        except SystemExit as e:
+            status = e.code if isinstance(e.code, int) else (e.code is not None)
+            if not isinstance(e.code, int) and e.code is not None:
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+    children[pid] = rank
+codes = {}
+while children:
+    pid, status = os.wait()
+    codes[children.pop(pid)] = os.waitstatus_to_exitcode(status)
+print(json.dumps(codes), flush=True)
+"""
+
+
 def run_ranks(code: str, world: int, *args: str, env: Mapping[str, str] | None = None) -> list[str]:
     """Run the Python ``code`` (with ``args``) as ranks 0..world-1 of one
     torch.distributed job on loopback (``env://``: ``RANK``, ``WORLD_SIZE``,
-    ``LOCAL_RANK`` set), each in its own group; their outputs, once every
-    rank exited 0 (each within 180 s)."""
+    ``LOCAL_RANK`` set), forked from one interpreter that imported torch (one
+    import for all: the ranks' CPU is their own work); their outputs, once
+    every rank exited 0 (within 180 s)."""
+    import json
     import sys
+    import tempfile
 
     port = free_port()
-    procs = []
-    for rank in range(world):
-        rank_env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", code, *args],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=rank_env,
-                start_new_session=True,
-            )
+    rank_env = {
+        **os.environ,
+        **(env or {}),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world),
+    }
+    with tempfile.TemporaryDirectory(prefix="ranks-") as outdir:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _FORKED_RANKS, code, str(world), outdir, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=rank_env,
+            start_new_session=True,
         )
-    outs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=180)
-            outs.append(out)
-            assert p.returncode == 0, out
-    finally:
-        stop_groups(*procs, timeout=30)
+        try:
+            parent, _ = proc.communicate(timeout=180)
+        finally:
+            stop_groups(proc, timeout=30)
+        outs = []
+        for rank in range(world):
+            path = Path(outdir, f"rank{rank}.out")
+            outs.append(path.read_text(errors="replace") if path.exists() else "")
+    assert proc.returncode == 0, parent + "".join(outs)
+    codes = json.loads(parent.strip().splitlines()[-1])
+    for rank, out in enumerate(outs):
+        assert codes[str(rank)] == 0, f"rank {rank} exited {codes[str(rank)]}:\n{out}"
     return outs

@@ -7,6 +7,10 @@ background, and those files load with ``load_checkpoint``; a worker
 SIGKILLed in the middle of copying a large state leaves the previous
 snapshots intact, and the ranks agree on the step before
 (tests/integration/scripts/mem_worker.py).
+
+``examples/train.py --memory-checkpoint`` end to end (a SIGKILLed rank, the resume from the
+step it interrupted, the disk copies the agent wrote): the demo's memory-checkpoint run,
+tests/integration/test_demo.py.
 """
 
 from __future__ import annotations
@@ -156,45 +160,6 @@ def test_a_worker_killed_mid_copy_leaves_the_previous_snapshot_intact(tmp_path: 
     restarted = [d for d in loaded(text) if d["step"] > 0]
     assert sorted(d["rank"] for d in restarted) == [0, 1]
     assert all(d["step"] == 11 for d in restarted)
-
-
-def test_the_example_resumes_from_the_step_before_the_kill(tmp_path: Path) -> None:
-    """examples/train.py --memory-checkpoint: rank 1 SIGKILLs itself at step
-    37 before saving it; the job resumes from step 37 (rank 0's copy, sent to
-    rank 1: the state is the same on both; 36 if rank 0 was stopped before
-    its commit of 37), not from the epoch-end disk checkpoint of step 23, and
-    the agent wrote the disk ones."""
-    example = Path(__file__).resolve().parents[2] / "examples" / "train.py"
-    d = tmp_path / "ckpt"
-    argv = [
-        sys.executable,
-        "-m",
-        "elastrun",
-        "--standalone",
-        "--nproc-per-node=2",
-        "--max-restarts=1",
-        str(example),
-        "--epochs=3",
-        "--memory-checkpoint",
-        "--crash-at-step=37",
-        "--crash-how=sigkill",
-        f"--checkpoint-dir={d}",
-    ]
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    text = finished(proc, BOUND)
-    m = re.search(r"=> using memory checkpoint: step (\d+)", text)
-    assert m is not None and int(m.group(1)) in (36, 37), text[-3000:]
-    step = int(m.group(1))
-    offset = (step - 23) * 64  # 23 steps per epoch, 2 ranks x 32 samples per step
-    assert (
-        f"=> resumed: epoch=1 offset={offset}/1437 global_step={step} (world 2, restart 1)" in text
-    )
-    assert "final: epoch=3" in text
-    infos = list_checkpoints(d)
-    assert [i.step for i in infos] == [23, 46, 69]  # the epoch ends, written by the agent
-    assert all(check(i, i.path.read_bytes()).status == "verified" for i in infos)
 
 
 def test_lightning_resumes_from_rank_0s_memory_copy(tmp_path: Path) -> None:

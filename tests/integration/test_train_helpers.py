@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -110,15 +111,23 @@ def test_heartbeat_writes_step_and_monotonic_time_rate_limited(
 
 # -- atomic save under SIGKILL ------------------------------------------------
 
+# One interpreter imports torch; each round, a child forked from it saves in a
+# loop (its first line: its pid) until the test SIGKILLs it mid-save.
 _SAVER = """
-import sys, torch
+import os, sys, torch
 from elastrun.train import save_checkpoint
-d, step = sys.argv[1], int(sys.argv[2])
-while True:
-    step += 1
-    state = {"step": step, "w": torch.full((3_000_000,), float(step))}
-    save_checkpoint(state, d, step=step, keep=2)
-    print(step, flush=True)
+d = sys.argv[1]
+for line in sys.stdin:  # a round: the step to go on from
+    step = int(line)
+    child = os.fork()
+    if child == 0:
+        while True:
+            step += 1
+            state = {"step": step, "w": torch.full((3_000_000,), float(step))}
+            save_checkpoint(state, d, step=step, keep=2)
+            print(os.getpid(), step, flush=True)
+    os.waitpid(child, 0)
+    print("reaped", flush=True)
 """
 
 
@@ -128,33 +137,41 @@ def test_atomic_save_survives_sigkill_mid_save(tmp_path: Path) -> None:
     d = tmp_path / "ckpt"
     rng = random.Random()
     step = 0
-    for _round in range(4):
-        proc = subprocess.Popen(
-            [PYTHON, "-c", _SAVER, str(d), str(step)],
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            assert proc.stdout is not None
-            first = proc.stdout.readline()  # one complete save in this round
-            assert first.strip(), "saver produced no checkpoint"
+    saver = subprocess.Popen(
+        [PYTHON, "-c", _SAVER, str(d)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert saver.stdin is not None and saver.stdout is not None
+    try:
+        for _round in range(4):
+            saver.stdin.write(f"{step}\n")
+            saver.stdin.flush()
+            first = saver.stdout.readline().split()  # one complete save in this round
+            assert len(first) == 2, f"saver produced no checkpoint: {first}"
             time.sleep(rng.uniform(0.0, 0.4))
-        finally:
-            _stop(proc)
-        newest = latest_checkpoint(d)
-        assert newest is not None and newest.step > step
-        step = newest.step
-        # `latest` names a complete checkpoint (it may lag one behind the newest)
-        pointed = d / (d / "latest").read_text().strip()
-        assert pointed.exists()
-        for info in list_checkpoints(d):
-            assert check(info, info.path.read_bytes()).status == "verified"  # record and data agree
-            st = torch.load(info.path, weights_only=True)
-            assert st["step"] == info.step
-            assert bool((st["w"] == float(info.step)).all())
-        state = load_checkpoint(d, log=None)
-        assert state is not None and state["step"] == step
+            os.kill(int(first[0]), signal.SIGKILL)
+            while (line := saver.stdout.readline()) and line.strip() != "reaped":
+                pass
+            assert line.strip() == "reaped", "the saver did not reap its killed child"
+            newest = latest_checkpoint(d)
+            assert newest is not None and newest.step > step
+            step = newest.step
+            # `latest` names a complete checkpoint (it may lag one behind the newest)
+            pointed = d / (d / "latest").read_text().strip()
+            assert pointed.exists()
+            for info in list_checkpoints(d):
+                # record and data agree
+                assert check(info, info.path.read_bytes()).status == "verified"
+                st = torch.load(info.path, weights_only=True)
+                assert st["step"] == info.step
+                assert bool((st["w"] == float(info.step)).all())
+            state = load_checkpoint(d, log=None)
+            assert state is not None and state["step"] == step
+    finally:
+        _stop(saver)
     # a later successful save removes the dead savers' temp files and old checkpoints
     from elastrun.train import save_checkpoint
 
@@ -224,7 +241,7 @@ def test_ranks_agree_on_newest_checkpoint_and_holder_broadcasts_it(tmp_path: Pat
     assert "no checkpoint on any rank" in outs[0].split("== phase empty")[1]
 
 
-# -- the example under torchrun ----------------------------------------------
+# -- the example under torchrun, then elastrun ---------------------------------
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
@@ -242,9 +259,10 @@ def test_example_trains_and_resumes_mid_epoch_at_another_world_size(tmp_path: Pa
         "3",
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    crash = ["--crash-at-step", "35"]
     # 1) two workers; the last rank fails at global step 35 (epoch 1, mid-epoch)
     crashed = _run(
-        [str(TORCHRUN), "--standalone", "--nproc-per-node=2", *common, "--crash-at-step", "35"],
+        [str(TORCHRUN), "--standalone", "--nproc-per-node=2", *common, *crash],
         timeout=180,
         env=env,
     )
@@ -256,13 +274,15 @@ def test_example_trains_and_resumes_mid_epoch_at_another_world_size(tmp_path: Pa
     saved = torch.load(newest.path, weights_only=True)
     assert saved["sampler"]["epoch"] == 1 and saved["sampler"]["offset"] == 448  # 7 steps * 64
 
-    # 2) restarted with three workers: continues epoch 1 at sample 448, then epoch 2
+    # 2) restarted with three workers: continues epoch 1 at sample 448, then epoch 2. Under
+    # elastrun (its workers fork from one warm interpreter: 3 fewer imports of torch than
+    # torchrun's); the checkpoint torchrun's run left is what it resumes from.
     resumed = _run(
-        [str(TORCHRUN), "--standalone", "--nproc-per-node=3", *common, "--crash-at-step", "35"],
+        [PYTHON, "-m", "elastrun", "--standalone", "--nproc-per-node=3", *common, *crash],
         timeout=180,
         env=env,
     )
-    out = resumed.stdout
+    out = re.sub(r"^\[[^\]\n]*\]: ", "", resumed.stdout, flags=re.M)  # elastrun's line prefix
     assert resumed.returncode == 0, out[-3000:]
     assert "=> using checkpoint from rank: 0, step: 30" in out
     assert "=> resumed: epoch=1 offset=448/1437 global_step=30 (world 3" in out
