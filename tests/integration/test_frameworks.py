@@ -12,9 +12,11 @@
   rank 0's process is kept and enters the loop again; without
   ``ACCELERATE_USE_CPU``, on a machine with no accelerator, ``Accelerator()``
   runs each process on its own, exactly as under torchrun.
-* Lightning with a worker SIGKILLed mid-epoch: the job restarts once and
-  ``fit(ckpt_path="last")`` resumes from ``last.ckpt``, ending at the right
-  step and epoch with the weights of an undisturbed run.
+* Lightning with a worker SIGKILLed mid-epoch (the standalone job above): the
+  job restarts once, its workers forked from per-rank warm interpreters (each
+  imported Lightning with its rank's variables), and ``fit(ckpt_path="last")``
+  resumes from ``last.ckpt``, ending at the right step and epoch with the
+  weights of an undisturbed run; rank-zero-only logging is on rank 0 alone.
 
 Every Lightning fit trains a linear model on random tensors, so its final
 weights are known: ``reference_checksum`` replays the same steps in this
@@ -201,27 +203,6 @@ def check_lightning_fit(
     assert sorted(f["global_rank"] for f in fits.values()) == list(range(world))
 
 
-def test_lightning_ddp_standalone(tmp_path: Path) -> None:
-    epochs, batches = 2, 4
-    with jobs(tmp_path) as j:
-        agent = j.start(
-            "a",
-            ["--standalone", "--nproc-per-node=2"],
-            "lightning_fit.py",
-            lightning_args(j, epochs=epochs, batches=batches, devices=2, nodes=1),
-        )
-        assert agent.wait(BOUND) == 0, agent.output()[-3000:]
-        fits = j.records("fit-*.json")
-        pids = started_pids(j.events_file("a"))
-        check_lightning_fit(fits, pids, world=2, nodes=1, epochs=epochs, batches=batches)
-        assert all(f["env"]["GROUP_RANK"] == "0" for f in fits.values())
-        # Every step of every rank ran in those two processes.
-        assert {s["pid"] for s in j.steps()} == set(pids)
-        assert len(j.steps()) == 2 * epochs * batches
-        assert not any(pid_alive(p) for p in pids)
-        assert (j.dir / "root" / "ckpt" / "last.ckpt").is_file()
-
-
 def test_lightning_ddp_two_agents(tmp_path: Path) -> None:
     epochs, batches = 2, 4
     port = free_port()
@@ -304,85 +285,20 @@ def test_accelerate_loop(tmp_path: Path, use_cpu: bool) -> None:
                 assert r["num_processes"] == 1 and r["model_class"] == "Linear"
 
 
-def test_lightning_resumes_from_last_checkpoint_after_a_worker_is_killed(tmp_path: Path) -> None:
-    epochs, batches = 3, 5
-    with jobs(tmp_path) as j:
-        args = lightning_args(j, epochs=epochs, batches=batches, devices=2, nodes=1)
-        agent = j.start(
-            "a",
-            ["--standalone", "--nproc-per-node=2", "--max-restarts=1"],
-            "lightning_fit.py",
-            [*args, "--resume", "--step-delay", "0.2"],
-        )
-        last = j.dir / "root" / "ckpt" / "last.ckpt"
-
-        def killable_step() -> int | None:
-            # Mid-epoch 1 or later, past the first epoch's checkpoint, and not in an
-            # epoch's last step: rank 1 may be one step past its last line, and the next
-            # epoch-end checkpoint must not be written before it dies.
-            steps = [s["step"] for s in j.steps() if s["restart"] == 0 and s["rank"] == 1]
-            if steps and steps[-1] > batches and steps[-1] % batches not in (0, batches - 1):
-                return int(steps[-1]) if last.exists() else None
-            return None
-
-        killed_at = wait_for(killable_step, BOUND, "rank 1 mid-epoch past a checkpoint", 0.05)
-        pids = started_pids(j.events_file("a"))
-        assert len(pids) == 2
-        victim = next(s["pid"] for s in j.steps() if s["rank"] == 1)
-        assert victim in pids and pid_alive(victim)
-        os.kill(victim, signal.SIGKILL)
-
-        assert agent.wait(BOUND) == 0, agent.output()[-3000:]
-        assert not any(pid_alive(p) for p in pids)
-
-        # elastrun saw the kill as the root cause and restarted the group once.
-        evs = events(j.events_file("a"))
-        root = [e for e in evs if e["kind"] == "worker_exited" and e["cause"] == "root_cause"]
-        assert [(e["pid"], e["signal"]) for e in root] == [(victim, "SIGKILL")]
-        restarts = [e for e in evs if e["kind"] == "restart"]
-        assert [(e["reason"], e["count"]) for e in restarts] == [("worker_failed", 1)]
-        # Lightning's SIGTERM handler let the surviving rank exit within the grace.
-        assert not [e for e in evs if e["kind"] == "workers_killed"]
-
-        # The killed attempt never finished; the restarted one resumed from last.ckpt.
-        assert j.records("fit-*-a0.json") == {}
-        fits = j.records("fit-*-a1.json")
-        check_lightning_fit(
-            fits,
-            started_pids(j.events_file("a"), restart=1),
-            world=2,
-            nodes=1,
-            epochs=epochs,
-            batches=batches,
-        )
-        starts = {(f["start_step"], f["start_epoch"]) for f in fits.values()}
-        assert len(starts) == 1, starts
-        ((start_step, start_epoch),) = starts
-        # An epoch-end checkpoint at or before the kill, not a fresh start.
-        assert batches <= start_step <= killed_at and start_step % batches == 0, starts
-        assert start_epoch == start_step // batches
-        assert all(Path(f["ckpt_path"]).resolve() == last.resolve() for f in fits.values())
-
-        # No step lost: the restarted ranks ran exactly the steps after the checkpoint.
-        for rank in (0, 1):
-            after = [s["step"] for s in j.steps() if s["restart"] == 1 and s["rank"] == rank]
-            assert after == list(range(start_step + 1, epochs * batches + 1)), (rank, after)
-        warm = [e["warm"] for e in evs if e["kind"] == "workers_started"]
-        print(
-            f"killed at step {killed_at}, resumed from step {start_step} (epoch {start_epoch}); "
-            f"workers warm per attempt: {warm}"
-        )
-
-
-def test_lightning_restarts_from_per_rank_warm_interpreters_with_rank_zero_logging_right(
+def test_lightning_resumes_from_last_checkpoint_in_per_rank_warm_interpreters(
     tmp_path: Path,
 ) -> None:
-    # Lightning reads RANK when it is imported: the shared warm interpreter
-    # leaves it to per-rank ones, started with each local rank's variables
-    # once the job taught the agent what the script imports. The restart after
-    # a SIGKILL forks each rank's worker from its rank's interpreter, and the
-    # script's rank-zero-only function (called before any Trainer resets the
-    # rank) logs on rank 0 alone, in both attempts.
+    """One standalone Lightning job, 2 ranks, whose rank 1 is SIGKILLed mid-epoch
+    past the first epoch's checkpoint. Its first attempt starts from a fresh
+    warm cache, so it teaches the agent what the script imports: Lightning reads
+    RANK when it is imported, so the shared warm interpreter leaves it to
+    per-rank ones, started with each local rank's variables. The restart forks
+    each rank's worker from its rank's interpreter; ``fit(ckpt_path="last")``
+    resumes from ``last.ckpt`` and ends at the right step and epoch with the
+    weights of an undisturbed run; the script's rank-zero-only function (called
+    before any Trainer resets the rank) logs on rank 0 alone, in both attempts."""
+    epochs, batches = 2, 4
+    hold_at = batches + 1  # mid-epoch 1, past the first epoch's checkpoint
     with jobs(tmp_path) as j:
         flags = [
             "--standalone",
@@ -391,9 +307,10 @@ def test_lightning_restarts_from_per_rank_warm_interpreters_with_rank_zero_loggi
             "--warm",
             f"--warm-cache={tmp_path / 'cache'}",
         ]
-        args = ["--root", str(j.dir / "root"), "--devices", "2", "--steps", "3"]
-        agent = j.start("a", flags, "lightning_ranks.py", args)
+        args = lightning_args(j, epochs=epochs, batches=batches, devices=2, nodes=1)
+        agent = j.start("a", flags, "lightning_fit.py", [*args, "--resume", f"--hold-at={hold_at}"])
         log = j.events_file("a")
+        last = j.dir / "root" / "ckpt" / "last.ckpt"
 
         def per_rank_ready() -> bool:
             ready = {
@@ -403,17 +320,37 @@ def test_lightning_restarts_from_per_rank_warm_interpreters_with_rank_zero_loggi
             }
             return ready >= {0, 1} or agent.proc.poll() is not None
 
+        def held() -> bool:
+            # Rank 1 stops after step hold_at (the first attempt) until it is killed.
+            steps = [s["step"] for s in j.steps() if s["restart"] == 0 and s["rank"] == 1]
+            return hold_at in steps or agent.proc.poll() is not None
+
         wait_for(per_rank_ready, 2 * BOUND, "a per-rank warm interpreter for each local rank", 0.2)
+        wait_for(held, BOUND, f"rank 1 held after step {hold_at}", 0.1)
         assert agent.proc.poll() is None, agent.output()[-3000:]
-        first = [s for s in j.steps() if s["restart"] == 0 and s["rank"] == 1]
-        assert first, "the first attempt trains until it is killed"
-        victim = first[-1]["pid"]
-        assert victim in started_pids(log) and pid_alive(victim)
+        assert last.is_file(), "the first epoch's checkpoint is written before the kill"
+        pids = started_pids(log)
+        assert len(pids) == 2
+        first = [s for s in j.steps() if s["restart"] == 0]
+        # Every step of the first attempt ran in elastrun's two processes.
+        assert {s["pid"] for s in first} == set(pids)
+        victim = next(s["pid"] for s in first if s["rank"] == 1)
+        killed_at = max(s["step"] for s in first if s["rank"] == 1)
+        assert killed_at == hold_at and pid_alive(victim)
         os.kill(victim, signal.SIGKILL)
 
         assert agent.wait(BOUND) == 0, agent.output()[-3000:]
+        assert not any(pid_alive(p) for p in pids)
+
+        # elastrun saw the kill as the root cause and restarted the group once.
         evs = events(log)
-        assert [e["count"] for e in evs if e["kind"] == "restart"] == [1]
+        root = [e for e in evs if e["kind"] == "worker_exited" and e["cause"] == "root_cause"]
+        assert [(e["pid"], e["signal"]) for e in root] == [(victim, "SIGKILL")]
+        restarts = [e for e in evs if e["kind"] == "restart"]
+        assert [(e["reason"], e["count"]) for e in restarts] == [("worker_failed", 1)]
+        # Lightning's SIGTERM handler let the surviving rank exit within the grace.
+        assert not [e for e in evs if e["kind"] == "workers_killed"]
+
         # The restarted workers came from the per-rank interpreters, each its own rank's.
         per_rank = {
             e["pid"]: e["local_rank"]
@@ -424,12 +361,34 @@ def test_lightning_restarts_from_per_rank_warm_interpreters_with_rank_zero_loggi
         used = [e for e in evs if e["kind"] == "warm_used" and e["pid"] in again]
         assert sorted(e["pid"] for e in used if e["per_rank"]) == again, used
         assert all(per_rank[e["zygote"]] == e["local_rank"] for e in used), (used, per_rank)
-        # Lightning's rank, read at import, is the worker's own in both attempts.
+        assert not any(pid_alive(p) for p in again)
+
+        # The killed attempt never finished; the restarted one resumed from last.ckpt.
+        assert j.records("fit-*-a0.json") == {}
         fits = j.records("fit-*-a1.json")
+        check_lightning_fit(fits, again, world=2, nodes=1, epochs=epochs, batches=batches)
+        assert all(f["env"]["GROUP_RANK"] == "0" for f in fits.values())
+        # Lightning's rank, read at import, is the worker's own in both attempts
+        # (check_lightning_fit: import_rank == RANK), and rank-zero-only logs on rank 0.
         assert {k: (f["import_rank"], f["global_rank"]) for k, f in fits.items()} == {
             "fit-r0-a1": (0, 0),
             "fit-r1-a1": (1, 1),
         }
         zero = events(j.out / "rank-zero.jsonl")
         assert [(z["restart"], z["rank"]) for z in zero] == [(0, "0"), (1, "0")], zero
-        assert zero[1]["pid"] == fits["fit-r0-a1"]["pid"]
+        assert zero[0]["pid"] in pids and zero[1]["pid"] == fits["fit-r0-a1"]["pid"]
+        starts = {(f["start_step"], f["start_epoch"]) for f in fits.values()}
+        assert len(starts) == 1, starts
+        ((start_step, start_epoch),) = starts
+        # An epoch-end checkpoint at or before the kill, not a fresh start.
+        assert batches <= start_step <= killed_at and start_step % batches == 0, starts
+        assert start_epoch == start_step // batches
+        assert all(Path(f["ckpt_path"]).resolve() == last.resolve() for f in fits.values())
+
+        # No step lost: the restarted ranks ran exactly the steps after the checkpoint,
+        # in the two processes elastrun started for the restart.
+        for rank in (0, 1):
+            after = [s["step"] for s in j.steps() if s["restart"] == 1 and s["rank"] == rank]
+            assert after == list(range(start_step + 1, epochs * batches + 1)), (rank, after)
+        assert {s["pid"] for s in j.steps() if s["restart"] == 1} == set(again)
+        assert last.is_file()

@@ -163,10 +163,10 @@ def test_a_worker_killed_mid_copy_leaves_the_previous_snapshot_intact(tmp_path: 
 
 
 def test_lightning_resumes_from_rank_0s_memory_copy(tmp_path: Path) -> None:
-    """MemoryCheckpointIO: a checkpoint every step (rank 0's memory copy);
-    rank 1 SIGKILLed when step 12 starts; both ranks resume at step 12 (11
-    if rank 0's last commit was cut short) from memory, not from the disk
-    copy of step 10, and the fit ends at max_steps."""
+    """MemoryCheckpointIO: a checkpoint every step (rank 0's memory copy, on
+    disk every 5 steps); rank 1 SIGKILLed when step 7 starts; both ranks
+    resume at step 7 (6 if rank 0's last commit was cut short) from memory,
+    not from the disk copy of step 5, and the fit ends at max_steps."""
     pytest.importorskip("lightning")
     argv = [
         sys.executable,
@@ -177,21 +177,22 @@ def test_lightning_resumes_from_rank_0s_memory_copy(tmp_path: Path) -> None:
         "--max-restarts=1",
         str(SCRIPTS / "lightning_memory.py"),
         str(tmp_path),
-        "--kill-at=12",
-        "--max-steps=20",
+        "--kill-at=7",
+        "--max-steps=10",
+        "--persist-every=5",
     ]
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
     text = finished(proc, BOUND)
-    assert "SIGKILLs itself at step 12" in text
+    assert "SIGKILLs itself at step 7" in text
     fits = [json.loads(ln) for ln in (tmp_path / "fits.jsonl").read_text().splitlines()]
     assert sorted(f["rank"] for f in fits) == [0, 1] and all(f["restart"] == 1 for f in fits)
     starts = {f["start_step"] for f in fits}
-    assert len(starts) == 1 and starts <= {11, 12}, fits
-    assert all(f["end_step"] == 20 for f in fits)
+    assert len(starts) == 1 and starts <= {6, 7}, fits
+    assert all(f["end_step"] == 10 for f in fits)
     assert "from rank 0's agent, sent to 1 rank(s)" in text
-    assert [c.step for c in list_checkpoints(tmp_path / "ckpt")][-1] in (10, 20)
+    assert [c.step for c in list_checkpoints(tmp_path / "ckpt")][-1] in (5, 10)
 
 
 def test_after_a_node_loss_survivors_and_a_replacement_resume_from_memory(

@@ -1,12 +1,19 @@
 """Worker: a tiny PyTorch Lightning DDP fit on CPU (gloo), as users write one.
 
 Usage: lightning_fit.py OUT --root DIR [--devices N] [--num-nodes N] [--epochs E]
-       [--batches B] [--step-delay S] [--resume]
+       [--batches B] [--resume] [--hold-at STEP]
 
 ``Trainer(accelerator="cpu", devices=N, num_nodes=M, strategy="ddp")`` fits a
 linear model on random tensors, ``B`` batches per rank and epoch, with a
 ``ModelCheckpoint(save_last=True)`` in ``DIR/ckpt`` saved at every epoch end.
 ``--resume`` fits with ``ckpt_path="last"`` (a fresh start when there is none).
+``--hold-at STEP``: in the first attempt, rank 1 stops after that step (the
+other rank waits for it in DDP's next gradient sum) until the test kills it.
+
+Before its Trainer, the script logs through a rank-zero-only function, as
+scripts do (a banner, the config): Lightning read the rank when it was
+imported, so a worker started with another rank's import would log on the
+wrong rank.
 
 What Lightning saw is written for the test to check:
   OUT/steps.jsonl                 one line per training step and rank:
@@ -16,6 +23,7 @@ What Lightning saw is written for the test to check:
                                   world size; the launcher's variables; the step
                                   and epoch it started and ended at; a weights
                                   checksum; this process's children
+  OUT/rank-zero.jsonl             one line per rank_zero_only call: pid, RANK, restart
 """
 
 from __future__ import annotations
@@ -72,6 +80,15 @@ def children() -> list[int]:
     return sorted(set(out))
 
 
+@rank_zero_only
+def announce(out: Path) -> None:
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    append(
+        out / "rank-zero.jsonl",
+        {"pid": os.getpid(), "rank": os.environ.get("RANK"), "restart": restart},
+    )
+
+
 class Regression(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -88,9 +105,9 @@ class Regression(pl.LightningModule):
 class Record(pl.Callback):
     """Logs every step; remembers where the fit started (after any resume)."""
 
-    def __init__(self, out: Path, step_delay: float) -> None:
+    def __init__(self, out: Path, hold_at: int) -> None:
         self.out = out
-        self.step_delay = step_delay
+        self.hold_at = hold_at
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.start: dict[str, int] = {}
 
@@ -113,8 +130,11 @@ class Record(pl.Callback):
             "epoch": trainer.current_epoch,
         }
         append(self.out / "steps.jsonl", record)
-        if self.step_delay:
-            time.sleep(self.step_delay)
+        if self.restart == 0 and trainer.global_rank == 1 and trainer.global_step == self.hold_at:
+            # The test kills this process here (bounded: 10 minutes, then it trains on).
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
 
 
 def main() -> None:
@@ -125,9 +145,10 @@ def main() -> None:
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batches", type=int, default=4)
-    parser.add_argument("--step-delay", type=float, default=0.0)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--hold-at", type=int, default=-1)
     args = parser.parse_args()
+    announce(args.out)
 
     world = args.devices * args.num_nodes
     generator = torch.Generator().manual_seed(0)
@@ -137,7 +158,7 @@ def main() -> None:
 
     pl.seed_everything(0, verbose=False)
     model = Regression()
-    record = Record(args.out, args.step_delay)
+    record = Record(args.out, args.hold_at)
     checkpoint = ModelCheckpoint(dirpath=args.root / "ckpt", save_last=True)
     trainer = pl.Trainer(
         accelerator="cpu",

@@ -1,9 +1,10 @@
 """Worker: a Lightning DDP fit (CPU, gloo) with elastrun's MemoryCheckpointIO.
 
-Usage: lightning_memory.py OUT --kill-at N --max-steps M
+Usage: lightning_memory.py OUT --kill-at N --max-steps M [--persist-every P]
 
 A linear model on random tensors, ``ModelCheckpoint(every_n_train_steps=1)``
-(a checkpoint every step: a memory copy on rank 0), ``fit(ckpt_path=
+(a checkpoint every step: a memory copy on rank 0, written to disk every
+``P`` steps, default 10), ``fit(ckpt_path=
 io.resume_path())``. In the first attempt, rank 1 SIGKILLs itself when step
 ``N`` starts. Each rank appends ``{"rank", "restart", "start_step",
 "end_step"}`` to OUT/fits.jsonl after its fit.
@@ -58,10 +59,11 @@ def main() -> None:
     p.add_argument("out", type=Path)
     p.add_argument("--kill-at", type=int, default=-1)
     p.add_argument("--max-steps", type=int, default=30)
+    p.add_argument("--persist-every", type=int, default=10)
     args = p.parse_args()
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(512, 8), torch.randn(512, 1))
-    io = MemoryCheckpointIO(args.out / "ckpt", persist_every=10)
+    io = MemoryCheckpointIO(args.out / "ckpt", persist_every=args.persist_every)
     kill = Kill(args.kill_at)
     trainer = pl.Trainer(
         accelerator="cpu",
