@@ -236,8 +236,7 @@ def test_a_candidate_restarted_after_voting_does_not_vote_again_in_that_term(
     elected it there at once)."""
     port = port_on_every()
     with job(tmp_path) as j:
-        # (killed before any round: no warm interpreter to import torch for it)
-        b = j.start_agent("n2", [*flags(port, 2, tmp_path / "ev2.jsonl"), "--no-warm"])
+        b = j.start_agent("n2", flags(port, 2, tmp_path / "ev2.jsonl"))
         voted = (tmp_path / "ev2.jsonl", f"127.0.0.2:{port}")
 
         def voted_for_itself() -> bool:
