@@ -42,14 +42,14 @@ def _kinds(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [e for e in events if e["kind"] == kind]
 
 
-def _run(tmp_path: Path, *flags: str, mode: str, steps: int = 60, **env: str):
+def _run(tmp_path: Path, *flags: str, mode: str, steps: int = 60, nproc: int = 3, **env: str):
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     events = tmp_path / "events.jsonl"
     proc = subprocess.Popen(
         [
             *ELASTRUN,
-            "--nproc-per-node=2",
+            f"--nproc-per-node={nproc}",
             "--shutdown-timeout=5",
             f"--events-file={events}",
             *flags,
@@ -88,7 +88,12 @@ FLOOR = 10
 
 def test_a_rank_stuck_in_its_own_code_is_found_shown_and_the_job_recovers(tmp_path):
     code, err, events, out = _run(
-        tmp_path, "--max-restarts=1", f"--hang-timeout=auto:{FLOOR}", mode="stuck", steps=40
+        tmp_path,
+        "--max-restarts=1",
+        f"--hang-timeout=auto:{FLOOR}",
+        mode="stuck",
+        steps=40,
+        nproc=2,  # the stuck rank and a peer that waits for it in torch
     )
     assert code == 0, err[-4000:]
     (hang,) = _kinds(events, "hang_detected")
@@ -120,8 +125,8 @@ def test_long_evaluation_and_checkpoint_saves_do_not_fire_auto(tmp_path):
     # hang_suspected, while it waits in torch: it is then judged at 10 times
     # its timeout, and none is declared hung.)
     assert not _kinds(events, "hang_detected")
-    assert {s["rank"] for s in _steps(out) if s["step"] == 59} == {0, 1}
-    assert all((out / f"ckpt{r}").is_dir() and (out / f"own{r}.pt").exists() for r in range(2))
+    assert {s["rank"] for s in _steps(out) if s["step"] == 59} == {0, 1, 2}
+    assert all((out / f"ckpt{r}").is_dir() and (out / f"own{r}.pt").exists() for r in range(3))
 
 
 def test_the_same_pauses_fire_a_fixed_timeout_of_that_floor(tmp_path):
