@@ -161,13 +161,32 @@ def test_plain_script_without_destroy_finishes_every_time(tmp_path: Path) -> Non
 
 # -- what after_success does and does not do, in one real process each ---------
 
+# Each mode's process is forked from one interpreter that imported
+# torch.distributed (as elastrun's warm interpreter forks workers): one
+# import of torch for the five, each mode still a process of its own that
+# runs the script at its top level and ends as that script makes it end.
 _OBSERVED = textwrap.dedent(
     """
-    import atexit, sys
+    import atexit, os, sys
     import torch.distributed as dist
     from elastrun.worker._settle import after_success
 
-    mode = sys.argv[1]
+    outdir = sys.argv[1]
+    for mode in sys.argv[2:]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # this mode's process: the script below, then exit as it ends
+            for fd, name in ((1, ".out"), (2, ".err")):
+                path = os.path.join(outdir, mode + name)
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), fd)
+            break
+        _, status = os.waitpid(pid, 0)
+        with open(os.path.join(outdir, mode + ".rc"), "w") as fp:
+            fp.write(str(os.waitstatus_to_exitcode(status)))
+    else:
+        sys.exit(0)
+
     # registered first, so it runs last: after elastrun's settle
     atexit.register(lambda: print("FINAL initialized=" + str(dist.is_initialized()), flush=True))
     with after_success():
@@ -185,28 +204,42 @@ _OBSERVED = textwrap.dedent(
     """
 )
 
+# mode: (exit status, what the script's exit function sees, what is seen last)
+_MODES = {
+    "return": (0, "True", "False"),
+    "exit0": (0, "True", "False"),
+    "exit3": (3, "True", "True"),
+    "raise": (1, "True", "True"),
+    "destroyed": (0, "False", "False"),
+}
 
-@pytest.mark.parametrize(
-    ("mode", "rc", "script_sees", "final"),
-    [
-        ("return", 0, "True", "False"),
-        ("exit0", 0, "True", "False"),
-        ("exit3", 3, "True", "True"),
-        ("raise", 1, "True", "True"),
-        ("destroyed", 0, "False", "False"),
-    ],
-)
-def test_after_success_shuts_the_group_down_only_when_the_script_succeeded(
-    mode: str, rc: int, script_sees: str, final: str
-) -> None:
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every mode of ``_OBSERVED`` run once, its exit status and output in the folder."""
+    outdir = tmp_path_factory.mktemp("after_success")
     proc = subprocess.run(
-        [PYTHON, "-c", _OBSERVED, mode], check=False, capture_output=True, text=True, timeout=120
+        [PYTHON, "-c", _OBSERVED, str(outdir), *_MODES],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == rc, out
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return outdir
+
+
+@pytest.mark.parametrize("mode", list(_MODES))
+def test_after_success_shuts_the_group_down_only_when_the_script_succeeded(
+    observed: Path, mode: str
+) -> None:
+    rc, script_sees, final = _MODES[mode]
+    stderr = (observed / f"{mode}.err").read_text()
+    out = (observed / f"{mode}.out").read_text() + stderr
+    assert int((observed / f"{mode}.rc").read_text()) == rc, out
     assert f"SCRIPT initialized={script_sees}" in out, out
     assert f"FINAL initialized={final}" in out, out
-    assert "elastrun:" not in proc.stderr, out  # nothing to report
+    assert "elastrun:" not in stderr, out  # nothing to report
 
 
 def test_settle_without_torch_distributed_imports_nothing() -> None:

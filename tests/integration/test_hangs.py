@@ -1,9 +1,9 @@
 """Hangs found and explained with no change to the script (real agents, real
 gloo DDP workers: scripts/hang_ddp.py never calls elastrun.train.heartbeat).
 
-* a rank stuck in a function of its own, the others blocked in the backward
+* a rank stuck in a function of its own, the other blocked in the backward
   pass's all-reduce: ``--hang-timeout auto`` finds it, the summary names that
-  function for that rank and torch for the others, the job restarts and ends;
+  function for that rank and torch for the other, the job restarts and ends;
 * a long evaluation and two long checkpoint saves do not fire ``auto`` (a
   fixed timeout of the same floor does fire on the save: the pauses are real);
 * a rank slower than its peers in every step is named in ``status --json``;
@@ -42,14 +42,14 @@ def _kinds(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [e for e in events if e["kind"] == kind]
 
 
-def _run(tmp_path: Path, *flags: str, mode: str, steps: int = 60, **env: str):
+def _run(tmp_path: Path, *flags: str, mode: str, steps: int = 60, nproc: int = 3, **env: str):
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     events = tmp_path / "events.jsonl"
     proc = subprocess.Popen(
         [
             *ELASTRUN,
-            "--nproc-per-node=3",
+            f"--nproc-per-node={nproc}",
             "--shutdown-timeout=5",
             f"--events-file={events}",
             *flags,
@@ -88,27 +88,32 @@ FLOOR = 10
 
 def test_a_rank_stuck_in_its_own_code_is_found_shown_and_the_job_recovers(tmp_path):
     code, err, events, out = _run(
-        tmp_path, "--max-restarts=1", f"--hang-timeout=auto:{FLOOR}", mode="stuck", steps=40
+        tmp_path,
+        "--max-restarts=1",
+        f"--hang-timeout=auto:{FLOOR}",
+        mode="stuck",
+        steps=40,
+        nproc=2,  # the stuck rank and a peer that waits for it in torch
     )
     assert code == 0, err[-4000:]
     (hang,) = _kinds(events, "hang_detected")
     assert hang["rank"] == 1 and hang["auto"] is True
     assert hang["hang_timeout"] >= FLOOR
     assert "stuck_in_my_function" in hang["sits_in"]["1"]
-    assert all("torch" in hang["sits_in"][r] for r in ("0", "2")), hang["sits_in"]
+    assert "torch" in hang["sits_in"]["0"], hang["sits_in"]
     # The summary: the stuck rank first, with its function; the others in torch.
     start = err.index("Python stacks when the hang was declared")
     block = err[start : err.index("=" * 72, start)].splitlines()
     ranks = [ln for ln in block if ln.startswith("  rank ")]
     assert ranks[0].startswith("  rank 1 on ") and "[stuck in its own code" in ranks[0]
     assert "sits in stuck_in_my_function (" in ranks[0] and "hang_ddp.py:" in ranks[0]
-    assert all("[waiting in torch]" in r for r in ranks[1:]) and len(ranks) == 3
+    assert all("[waiting in torch]" in r for r in ranks[1:]) and len(ranks) == 2
     assert "rank 1 made no progress for" in err and "(timeout auto: " in err
     # A hang consumes a restart like a crash, and training then finishes.
     (restart,) = _kinds(events, "restart")
     assert restart["counted"] is True
     finished = {s["rank"] for s in _steps(out) if s["restart"] == 1 and s["step"] == 39}
-    assert finished == {0, 1, 2}
+    assert finished == {0, 1}
 
 
 def test_long_evaluation_and_checkpoint_saves_do_not_fire_auto(tmp_path):
@@ -181,8 +186,15 @@ def test_a_straggler_is_named_in_status(tmp_path):
             seen.update(json.loads(proc.stdout))
         return bool(seen.get("stragglers"))
 
+    def judged() -> bool:  # read from a file: no status process per look
+        lines = events.read_text().splitlines() if events.exists() else []
+        return any('"straggler"' in line for line in lines)
+
     try:
-        wait_for(flagged, 90, "a straggler in status --json", interval=2.0)
+        # Judged by the agent first (its event), then seen in status (the
+        # same verdict, a store note), with one status process per look.
+        wait_for(judged, 90, "a straggler event", interval=0.5)
+        wait_for(flagged, 60, "a straggler in status --json", interval=2.0)
         (out / "stop").touch()
         _, err = agent.communicate(timeout=60)
     finally:

@@ -81,70 +81,18 @@ def events(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def start_three(j: Job, tmp_path: Path, port: int) -> list[Any]:
-    agents = []
-    for me in (1, 2, 3):
-        agents.append(j.start_agent(f"n{me}", flags(port, me, tmp_path / f"ev{me}.jsonl")))
-    wait_for(lambda: any(s["world"] == 3 for s in j.steps()), BOUND, "training at world 3")
-    return agents
-
-
-def test_survivors_train_at_world_2_after_the_store_host_is_killed(tmp_path: Path) -> None:
-    port = port_on_every()
-    with job(tmp_path) as j:
-        a, b, c = start_three(j, tmp_path, port)
-        assert "hosts the store from term 1" in a.output(), a.output()[-3000:]
-        assert "stands by" in b.output() and "stands by" in c.output()
-
-        # One restart spent before the loss: the count the survivors carry.
-        crash_and_train_again(j, 3)
-        host_pids = {s["pid"] for s in j.steps() if s["group_rank"] == 0 and s["restart"] == 1}
-        before = status(port)
-        assert before["store_hosts"]["host"] == f"127.0.0.1:{port}"
-        assert before["store_hosts"]["term"] == 1
-        assert len(before["store_hosts"]["standbys"]) == 2
-        step_before = max(s["step"] for s in j.steps())
-
-        mark = len(j.steps())
-        a.kill_group()
-        wait_for(
-            lambda: steps_after(j, mark, lambda s: s["world"] == 2),
-            BOUND,
-            "training at world 2 after the store's host was killed",
-        )
-        after = steps_after(j, mark, lambda s: s["world"] == 2)
-        # Same job, restart count carried: not reset to 0, the loss not charged.
-        assert {s["restart"] for s in after} == {1}, after
-        # Resumed from the checkpoint: no step before the one the job had reached.
-        assert min(s["step"] for s in after) >= step_before - 1
-        assert not any(pid_alive(p) for p in host_pids), "the killed host's workers survived"
-        for agent in (b, c):
-            out = agent.output()
-            assert "lost the store's host 127.0.0.1" in out, out[-3000:]
-            assert "the store's host is now 127.0.0.2" in out, out[-3000:]
-        took = [e for e in events(tmp_path / "ev2.jsonl") if e["kind"] == "store_takeover"]
-        assert took and took[-1]["term"] == 2, took
-        run_ids = {e["run_id"] for n in (2, 3) for e in events(tmp_path / f"ev{n}.jsonl")}
-        assert run_ids == {"failover-job"}
-        after_ = status(port)  # the same command finds the job at its new host
-        assert after_["store_hosts"]["host"] == f"127.0.0.2:{port}"
-        assert after_["store_hosts"]["term"] == 2
-        assert after_["store_hosts"]["others"] == [f"127.0.0.1:{port} (refused)"]
-        assert after_["restarts"] == 1 and after_["world_size"] == 2
-
-        j.touch("finish")
-        for agent in (b, c):
-            assert agent.wait(BOUND) == 0, agent.output()[-3000:]
-        assert not any(pid_alive(s["pid"]) for s in j.steps())
-
-
 def test_a_node_with_another_candidate_list_is_refused_naming_it(tmp_path: Path) -> None:
+    # The refusal is the rendezvous's (the candidate list is one of the job's
+    # settings): the job waits for its third node, so no worker starts, and
+    # no warm interpreter imports torch for one.
     port = port_on_every()
     with job(tmp_path) as j:
-        a = j.start_agent("n1", flags(port, 1, tmp_path / "ev1.jsonl", nnodes="2:3"))
-        j.start_agent("n3", flags(port, 3, tmp_path / "ev3.jsonl", nnodes="2:3"))
+        a = j.start_agent(
+            "n1", [*flags(port, 1, tmp_path / "ev1.jsonl", nnodes="3:3"), "--no-warm"]
+        )
+        j.start_agent("n3", [*flags(port, 3, tmp_path / "ev3.jsonl", nnodes="3:3"), "--no-warm"])
         wait_for(lambda: "hosts the store from term 1" in a.output(), BOUND, "n1 hosting the store")
-        other = flags(port, 2, tmp_path / "ev2.jsonl", nnodes="2:3")
+        other = [*flags(port, 2, tmp_path / "ev2.jsonl", nnodes="3:3"), "--no-warm"]
         reordered = f"--rdzv-endpoint=127.0.0.1:{port},127.0.0.3:{port},127.0.0.2:{port}"
         other = [reordered if f.startswith("--rdzv-endpoint=") else f for f in other]
         b = j.start_agent("n2", other)
@@ -180,12 +128,69 @@ def test_a_candidate_that_never_answers_at_start_is_reported_and_not_waited_for_
         assert "Traceback" not in out
 
 
-def test_the_job_starts_without_the_first_candidate_which_joins_it_late(tmp_path: Path) -> None:
+# Stalls of whichever candidate hosts, one after another: two show that a
+# stalled host, continued, stands by again and so counts towards the next
+# takeover's majority; ``make soak`` runs three.
+STALLS = soak_or(2, 3)
+
+
+def takeovers(tmp_path: Path) -> list[tuple[int, int]]:
+    """(term, node) of every store takeover in the three nodes' event logs."""
+    return [
+        (e["term"], n)
+        for n in (1, 2, 3)
+        for e in events(tmp_path / f"ev{n}.jsonl")
+        if e["kind"] == "store_takeover"
+    ]
+
+
+def stall_each_host(j: Job, tmp_path: Path, agents: list[Any]) -> None:
+    """The hosting candidate's agent SIGSTOPped, ``STALLS`` times, each time
+    until a standby has taken over (as long as the failover needs: silence,
+    then the vote; the stall of a GC or swap pause that outlasts it). Each
+    stalled host, continued, steps down, finds the new host and stands by
+    again (docs/failover.md), so the next stall still finds a majority: the
+    job is back at world 3 after each, as with one endpoint. ``agents``: by
+    node (n1, n2, n3)."""
+    stalled = []
+    for stall in range(1, STALLS + 1):
+        term, hosting = max(takeovers(tmp_path))
+        agent = agents[hosting - 1]
+        old = {s["pid"] for s in j.steps()}
+
+        def taken_over(term: int = term) -> bool:
+            return max(takeovers(tmp_path))[0] > term
+
+        agent.kill_group(signal.SIGSTOP)
+        try:
+            wait_for(taken_over, BOUND, f"a takeover while n{hosting} is stopped ({stall})")
+        finally:
+            agent.kill_group(signal.SIGCONT)
+
+        def back(old: set[int] = old) -> bool:
+            fresh = [s for s in j.steps() if s["pid"] not in old and s["world"] == 3]
+            return len(fresh) >= 3 * 2  # every rank of a new world-3 group stepped
+
+        continued = time.monotonic()
+        wait_for(back, BOUND, f"training at world 3 after stall {stall} of host n{hosting}")
+        took_s = time.monotonic() - continued
+        print(f"stall {stall} of n{hosting}: world 3 {took_s:.1f} s after SIGCONT")
+        stalled.append(agent)
+    for agent in stalled:  # each stepped down, then stood by again
+        assert "stands by again" in agent.output(), agent.output()[-3000:]
+
+
+@pytest.mark.slow
+def test_the_job_starts_without_the_first_candidate_which_joins_it_late_then_survives_stalls(
+    tmp_path: Path,
+) -> None:
     """The first candidate's node is down at start: the two others pass it
     over once it has been unreachable for a while (reported), elect the
     second candidate host of term 1, and train at world 2. The first
     candidate's agent started afterwards finds that host through the list
-    and joins the job as a member (its store stands by): world 3, one host."""
+    and joins the job as a member (its store stands by): world 3, one host.
+    Then stalls of whichever candidate hosts (``stall_each_host``) each end
+    back at world 3, and the job finishes."""
     port = port_on_every()
     with job(tmp_path) as j:
         b = j.start_agent("n2", flags(port, 2, tmp_path / "ev2.jsonl"))
@@ -214,6 +219,9 @@ def test_the_job_starts_without_the_first_candidate_which_joins_it_late(tmp_path
         assert seen["store_hosts"]["host"] == f"127.0.0.2:{port}"
         assert seen["store_hosts"]["term"] == 1
         assert f"127.0.0.1:{port}" in seen["store_hosts"]["standbys"], seen
+
+        # The same job, at world 3 with every candidate: its hosts stalled in turn.
+        stall_each_host(j, tmp_path, [a, b, c])
         check_finished(j, tmp_path, a, b, c)
 
 
@@ -248,64 +256,6 @@ def test_a_candidate_restarted_after_voting_does_not_vote_again_in_that_term(
         took = [e for e in events(tmp_path / "ev1.jsonl") if e["kind"] == "store_takeover"]
         assert [e["term"] for e in took] == [2], took
         check_finished(j, tmp_path, a, b2)
-
-
-# Stalls of whichever candidate hosts, one after another: two show that a
-# stalled host, continued, stands by again and so counts towards the next
-# takeover's majority; ``make soak`` runs three.
-STALLS = soak_or(2, 3)
-
-
-def takeovers(tmp_path: Path) -> list[tuple[int, int]]:
-    """(term, node) of every store takeover in the three nodes' event logs."""
-    return [
-        (e["term"], n)
-        for n in (1, 2, 3)
-        for e in events(tmp_path / f"ev{n}.jsonl")
-        if e["kind"] == "store_takeover"
-    ]
-
-
-@pytest.mark.slow
-def test_stalls_of_whichever_candidate_hosts_each_end_back_at_world_3(tmp_path: Path) -> None:
-    """The hosting candidate's agent SIGSTOPped, ``STALLS`` times, each time
-    until a standby has taken over (as long as the failover needs: silence,
-    then the vote; the stall of a GC or swap pause that outlasts it). Each
-    stalled host, continued, steps down, finds the new host and stands by
-    again (docs/failover.md), so the next stall still finds a majority: the
-    job is back at world 3 after each, as with one endpoint."""
-    port = port_on_every()
-    with job(tmp_path) as j:
-        agents = start_three(j, tmp_path, port)
-        stalled = []
-        for stall in range(1, STALLS + 1):
-            term, hosting = max(takeovers(tmp_path))
-            agent = agents[hosting - 1]
-            old = {s["pid"] for s in j.steps()}
-
-            def taken_over(term: int = term) -> bool:
-                return max(takeovers(tmp_path))[0] > term
-
-            agent.kill_group(signal.SIGSTOP)
-            try:
-                wait_for(taken_over, BOUND, f"a takeover while n{hosting} is stopped ({stall})")
-            finally:
-                agent.kill_group(signal.SIGCONT)
-
-            def back(old: set[int] = old) -> bool:
-                fresh = [s for s in j.steps() if s["pid"] not in old and s["world"] == 3]
-                return len(fresh) >= 3 * 2  # every rank of a new world-3 group stepped
-
-            continued = time.monotonic()
-            wait_for(back, BOUND, f"training at world 3 after stall {stall} of host n{hosting}")
-            took_s = time.monotonic() - continued
-            print(f"stall {stall} of n{hosting}: world 3 {took_s:.1f} s after SIGCONT")
-            stalled.append(agent)
-        for agent in stalled:  # each stepped down, then stood by again
-            assert "stands by again" in agent.output(), agent.output()[-3000:]
-        j.touch("finish")
-        for agent in agents:
-            assert agent.wait(BOUND) == 0, agent.output()[-3000:]
 
 
 def _fifo(ballot: Path, tmp_path: Path) -> Path | None:
@@ -389,44 +339,91 @@ PLANTED = [
 ]
 
 
+# Under root, the survivors' job runs with planted ballots (every plant that
+# needs no root is refused the same way in tests/unit/test_failover_ballot.py,
+# and the takeovers of the stalls and the vote kept across a restart above
+# use ballots on disk); otherwise it runs with none.
+SURVIVORS = PLANTED if os.geteuid() == 0 else [pytest.param(None, id="unplanted")]
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's folders needs root")
-@pytest.mark.parametrize("plants", PLANTED)
-def test_planted_or_damaged_ballots_are_refused_in_one_line_and_failover_still_works(
-    tmp_path: Path, plants: tuple[Plant, Plant, Plant]
+@pytest.mark.parametrize("plants", SURVIVORS)
+def test_survivors_train_at_world_2_after_the_store_host_is_killed(
+    tmp_path: Path, plants: tuple[Plant, Plant, Plant] | None
 ) -> None:
-    """Each candidate's --warm-cache holds a planted or damaged ballot (a
-    FIFO, a record with term 2^53 on a standby, another user's cache whose
-    ``failover`` links to a root-only folder; under ``make soak`` also a link
-    to a root file, 10 MB, corrupt JSON, another user's ``failover`` folder,
-    a linked run folder). Each agent says in one line that it keeps its votes
-    in memory; nothing is written through a link; the job forms, and when the
-    host is SIGKILLed the standbys fail over."""
+    """Three candidates train at world 3; a worker crash spends one restart;
+    the store's host is SIGKILLed: the standbys fail over (term 2) and train
+    at world 2, the same job, its restart count carried.
+
+    Planted or damaged ballots (as root): each candidate's --warm-cache holds
+    one (a FIFO, a record with term 2^53 on a standby that votes in the
+    failover, another user's cache whose ``failover`` links to a root-only
+    folder; under ``make soak`` also a link to a root file, 10 MB, corrupt
+    JSON, another user's ``failover`` folder, a linked run folder). Each
+    agent says in one line that it keeps its votes in memory; nothing is
+    written through a link; the job forms and fails over all the same."""
     port = port_on_every()
     digest = list_digest(f"127.0.0.1:{port},127.0.0.2:{port},127.0.0.3:{port}")
     untouched = []
     with job(tmp_path) as j:
         agents = []
-        for me, plant in zip((1, 2, 3), plants, strict=True):
-            cache = tmp_path / f"cache{me}"
-            ballot = cache / "failover" / "failover-job" / f"ballot-{digest}-{me - 1}.json"
-            untouched.append(plant(ballot, tmp_path))
-            ev = tmp_path / f"ev{me}.jsonl"
-            agents.append(j.start_agent(f"n{me}", [*flags(port, me, ev), f"--warm-cache={cache}"]))
+        for me in (1, 2, 3):
+            argv = flags(port, me, tmp_path / f"ev{me}.jsonl")
+            if plants is not None:
+                cache = tmp_path / f"cache{me}"
+                ballot = cache / "failover" / "failover-job" / f"ballot-{digest}-{me - 1}.json"
+                untouched.append(plants[me - 1](ballot, tmp_path))
+                argv.append(f"--warm-cache={cache}")
+            agents.append(j.start_agent(f"n{me}", argv))
         wait_for(lambda: any(s["world"] == 3 for s in j.steps()), BOUND, "training at world 3")
+        a, b, c = agents
+        assert "hosts the store from term 1" in a.output(), a.output()[-3000:]
+        assert "stands by" in b.output() and "stands by" in c.output()
+
+        # One restart spent before the loss: the count the survivors carry.
+        crash_and_train_again(j, 3)
+        host_pids = {s["pid"] for s in j.steps() if s["group_rank"] == 0 and s["restart"] == 1}
+        before = status(port)
+        assert before["store_hosts"]["host"] == f"127.0.0.1:{port}"
+        assert before["store_hosts"]["term"] == 1
+        assert len(before["store_hosts"]["standbys"]) == 2
+        step_before = max(s["step"] for s in j.steps())
+
         mark = len(j.steps())
-        agents[0].kill_group()
+        a.kill_group()
         wait_for(
             lambda: steps_after(j, mark, lambda s: s["world"] == 2),
             BOUND,
             "training at world 2 after the store's host was killed",
         )
-        j.touch("finish")
-        for agent in agents[1:]:
-            assert agent.wait(BOUND) == 0, agent.output()[-3000:]
-        for agent in agents:
+        after = steps_after(j, mark, lambda s: s["world"] == 2)
+        # Same job, restart count carried: not reset to 0, the loss not charged.
+        assert {s["restart"] for s in after} == {1}, after
+        # Resumed from the checkpoint: no step before the one the job had reached.
+        assert min(s["step"] for s in after) >= step_before - 1
+        assert not any(pid_alive(p) for p in host_pids), "the killed host's workers survived"
+        for agent in (b, c):
             out = agent.output()
-            lines = [line for line in out.splitlines() if "kept in memory only" in line]
-            assert len(lines) == 1, out[-3000:]
+            assert "lost the store's host 127.0.0.1" in out, out[-3000:]
+            assert "the store's host is now 127.0.0.2" in out, out[-3000:]
+        took = [e for e in events(tmp_path / "ev2.jsonl") if e["kind"] == "store_takeover"]
+        assert took and took[-1]["term"] == 2, took
+        run_ids = {e["run_id"] for n in (2, 3) for e in events(tmp_path / f"ev{n}.jsonl")}
+        assert run_ids == {"failover-job"}
+        after_ = status(port)  # the same command finds the job at its new host
+        assert after_["store_hosts"]["host"] == f"127.0.0.2:{port}"
+        assert after_["store_hosts"]["term"] == 2
+        assert after_["store_hosts"]["others"] == [f"127.0.0.1:{port} (refused)"]
+        assert after_["restarts"] == 1 and after_["world_size"] == 2
+
+        j.touch("finish")
+        for agent in (b, c):
+            assert agent.wait(BOUND) == 0, agent.output()[-3000:]
+        assert not any(pid_alive(s["pid"]) for s in j.steps())
+        if plants is not None:
+            for agent in agents:
+                out = agent.output()
+                lines = [line for line in out.splitlines() if "kept in memory only" in line]
+                assert len(lines) == 1, out[-3000:]
     for folder in untouched:
         assert folder is None or list(folder.iterdir()) == [], folder
