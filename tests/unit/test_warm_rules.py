@@ -124,3 +124,28 @@ def test_the_file_a_module_entry_runs(tmp_path, monkeypatch):
     assert entry_file(PythonModule("pkg.app")) == str(tmp_path / "pkg" / "app" / "__main__.py")
     assert entry_file(PythonModule("json.tool")) is None
     assert entry_file(PythonScript("t.py")) == "t.py"
+
+
+def test_a_function_launched_names_its_module_as_the_source_of_its_imports(tmp_path, monkeypatch):
+    """launch(fn): the workers run the function runner, which imports the
+    function's module: that module's imports give the warm interpreter its
+    head start (without it, each worker imported torch itself, cold)."""
+    import importlib
+
+    from elastrun.launcher.api import FN_RUNNER, _source
+
+    (tmp_path / "fnmod.py").write_text("import torch\n\ndef work():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fnmod = importlib.import_module("fnmod")
+    source = _source(fnmod.work)
+    assert source == str(tmp_path / "fnmod.py")
+    command = PythonModule(FN_RUNNER, ("spec.json",), source=source)
+    assert entry_file(command) == source
+    assert imports_any(entry_file(command), ["torch"])
+    assert not imports_any(entry_file(PythonModule(FN_RUNNER, ("spec.json",))), ["torch"])
+    assert _source(len) is None  # a builtin: no file to read
+    # Two functions' workers import different modules: their lists are kept apart.
+    from elastrun.agent.modcache import cache_key
+
+    other = PythonModule(FN_RUNNER, ("spec.json",), source=str(tmp_path / "other.py"))
+    assert cache_key(command, str(tmp_path)) != cache_key(other, str(tmp_path))

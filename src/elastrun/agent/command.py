@@ -122,6 +122,10 @@ class PythonModule(_Python):
     name: str
     args: tuple[str, ...] = ()
     python: str = field(default_factory=_python)
+    # The source file that says what the workers import, when it is not the
+    # module's own (``launch(fn)``: the function's module, which the runner
+    # imports); read, never imported, for the warm interpreter's choices.
+    source: str | None = None
 
     @property
     def target(self) -> str:

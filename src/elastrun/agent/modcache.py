@@ -107,6 +107,8 @@ def cache_key(command: PythonCommand, cwd: str) -> str:
         args_shape(command.args),
         os.path.realpath(command.python),
     ]
+    if isinstance(command, PythonModule) and command.source is not None:  # launch(fn)
+        parts.append(os.path.realpath(command.source))
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
 

@@ -65,9 +65,12 @@ def preexec_for(parent_pid: int) -> Callable[[], None]:
 def entry_file(command: PythonCommand) -> str | None:
     """The source file the worker runs first: the script, or for ``-m`` the
     module's file under the working directory (None when not found there; the
-    agent never imports user code to find it)."""
+    agent never imports user code to find it), or the file the command names
+    as its source (``PythonModule.source``)."""
     if isinstance(command, PythonScript):
         return command.path
+    if command.source is not None:
+        return command.source
     base = os.path.join(os.getcwd(), *command.name.split("."))
     for path in (base + ".py", os.path.join(base, "__main__.py")):
         if os.path.isfile(path):

@@ -17,7 +17,8 @@ When the zygote is used:
 
 * ready (its imports done): always;
 * still importing: for a script that imports the preloaded modules itself
-  (its source says so, or its module list was recorded), it is a head start
+  (its source says so, or its module list was recorded; ``launch(fn)``: the
+  source of the function's module, ``PythonModule.source``), it is a head start
   (raised to normal priority): with more workers than usable CPUs the start
   waits for it (at most ``READY_WAIT``: one import beats N fighting for the
   cores); otherwise the workers are forked as soon as it has torch, between

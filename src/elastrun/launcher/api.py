@@ -125,6 +125,13 @@ def _function_spec(fn: Callable[..., Any]) -> dict[str, Any]:
     return spec
 
 
+def _source(fn: Callable[..., Any]) -> str | None:
+    """The file of ``fn``'s module (its imports are what the workers import:
+    the warm interpreter's head start, agent/warm.py), when it has one."""
+    path = getattr(sys.modules.get(getattr(fn, "__module__", "")), "__file__", None)
+    return os.path.abspath(path) if isinstance(path, str) and path.endswith(".py") else None
+
+
 def _json_args(args: Sequence[Any], kwargs: dict[str, Any]) -> None:
     for i, arg in enumerate(args):
         try:
@@ -197,7 +204,7 @@ def launch(
         python = os.environ.get("PYTHON_EXEC", sys.executable)
         plan = _resolve(
             dataclasses.replace(config, env=env),
-            PythonModule(FN_RUNNER, (spec_path,), python=python),
+            PythonModule(FN_RUNNER, (spec_path,), python=python, source=_source(entrypoint)),
         )
         code = run_plan(plan)
         if code != 0:
