@@ -89,6 +89,7 @@ bench: setup etcd
 	$(PY) -m bench.memory_save
 	$(PY) -m bench.in_process_restart
 	$(PY) -m bench.compile_restart
+	$(PY) -m bench.standby_fork
 	$(PY) -m bench.goodput --setup-heavy
 	$(PY) -m bench.goodput_accounting
 	$(PY) -m bench.metrics_scrape
