@@ -382,10 +382,13 @@ def test_is_not_torchelastic_launched(tmp_path: Path) -> None:
     assert torch_says.stdout.strip() == "[(False, False), (True, True)]", torch_says.stdout
 
 
-@pytest.mark.parametrize("method", ["tcp", "env"])
-def test_init_method_with_torchelastic(method: str) -> None:
+@pytest.fixture(scope="module")
+def init_methods() -> tuple[subprocess.CompletedProcess[str], dict[str, str]]:
+    """upstream's two init-method cases in one launch (their arguments, as
+    they spell them): the workers form the group with ``tcp://`` on the
+    master port, then with ``env://`` (one ``import torch`` a worker for both)."""
     port = free_port()
-    init = f"tcp://localhost:{port}" if method == "tcp" else "env://"
+    methods = {"tcp": f"tcp://localhost:{port}", "env": "env://"}
     proc = torchrun(
         "--run-path",
         "--nnodes=1",
@@ -394,10 +397,18 @@ def test_init_method_with_torchelastic(method: str) -> None:
         f"--master-port={port}",
         "--monitor-interval=1",
         str(BIN / "init_method.py"),
-        f"--init-method={init}",
+        *(f"--init-method={init}" for init in methods.values()),
     )
+    return proc, methods
+
+
+@pytest.mark.parametrize("method", ["tcp", "env"])
+def test_init_method_with_torchelastic(
+    init_methods: tuple[subprocess.CompletedProcess[str], dict[str, str]], method: str
+) -> None:
+    proc, methods = init_methods
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("all-reduce ok") == 4
+    assert proc.stdout.count(f"{methods[method]} all-reduce ok") == 4, proc.stdout
 
 
 def test_capture_logs_using_default_logs_specs(tmp_path: Path) -> None:
@@ -576,32 +587,26 @@ def etcd_cases(etcd_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> 
     elastic: a script, a failing script), each with both run ids: one launch
     each, one after the other in one driver process. Keyed by (case, run id):
     what came back and the case's folder."""
-    min1max1 = {"rdzv_configs": {}, "max_nodes": 1}
-    elastic = {"rdzv_configs": SHORT_LAST_CALL, "max_nodes": 2}  # min 1, max 2
-    kinds = {
-        "script": ("script", min1max1),
-        "bash": ("bash", min1max1),
-        "function": ("function", min1max1),
-        "elastic": ("script", elastic),
-        "elastic_fail": ("fail", elastic),
+    # kind: (api_driver case, max nodes, rendezvous settings); min 1 node
+    kinds: dict[str, tuple[str, int, dict[str, Any]]] = {
+        "script": ("script", 1, {}),
+        "bash": ("bash", 1, {}),
+        "function": ("function", 1, {}),
+        "elastic": ("script", 2, SHORT_LAST_CALL),
+        "elastic_fail": ("fail", 2, SHORT_LAST_CALL),
     }
     keys: list[tuple[str, str]] = []
+    folders: list[Path] = []
     cases: list[Case] = []
-    for kind, (case, shape) in kinds.items():
+    for kind, (case, max_nodes, conf) in kinds.items():
         for rid in ("", "conformance"):
             rid_here = rid and f"{rid}-{uuid.uuid4().hex[:8]}"
-            cfg = etcd_config(
-                etcd_endpoint,
-                1,
-                shape["max_nodes"],
-                4,
-                run_id=rid_here,
-                rdzv_configs=shape["rdzv_configs"],
-            )
+            cfg = etcd_config(etcd_endpoint, 1, max_nodes, 4, run_id=rid_here, rdzv_configs=conf)
             keys.append((kind, rid))
-            cases.append((case, cfg, tmp_path_factory.mktemp(f"{kind}-{rid or 'empty'}")))
+            folders.append(tmp_path_factory.mktemp(f"{kind}-{rid or 'empty'}"))
+            cases.append((case, cfg, folders[-1]))
     got = launch_cases(cases)
-    return {key: (one, Path(case[2])) for key, one, case in zip(keys, got, cases, strict=True)}
+    return {key: (one, folder) for key, one, folder in zip(keys, got, folders, strict=True)}
 
 
 @requires_etcd
