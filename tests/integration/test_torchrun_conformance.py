@@ -644,18 +644,9 @@ def static_config(nproc: int) -> Any:
     )
 
 
-@pytest.fixture(scope="module")
-def returned() -> dict[str, dict[str, Any]]:
-    """What came back from functions returning tensors, a state_dict tree and
-    an object: three launches in one driver process (one ``import torch``)."""
-    cases = {"tensors": 2, "state_dict": 2, "object": 1}
-    got = launch_cases([(case, static_config(nproc), None) for case, nproc in cases.items()])
-    return dict(zip(cases, got, strict=True))
-
-
-def test_api_launch_function_returning_tensors(returned: dict[str, dict[str, Any]]) -> None:
+def test_api_launch_function_returning_tensors() -> None:
     # upstream's _dummy_compute returns a tensor: back as a tensor, per rank
-    got = returned["tensors"]
+    got = launch_case("tensors", static_config(2))
     assert "result" in got, got
     ones = {"tensor": "Tensor", "dtype": "torch.float32"}
     assert got["result"] == {
@@ -664,10 +655,8 @@ def test_api_launch_function_returning_tensors(returned: dict[str, dict[str, Any
     }, got
 
 
-def test_api_launch_function_returning_a_state_dict_tree(
-    returned: dict[str, dict[str, Any]],
-) -> None:
-    got = returned["state_dict"]
+def test_api_launch_function_returning_a_state_dict_tree() -> None:
+    got = launch_case("state_dict", static_config(2))
     assert "result" in got, got
     one = got["result"]["1"]
     assert one["model"]["w"]["values"] == [[1.0, 1.0], [1.0, 1.0]], got
@@ -677,41 +666,26 @@ def test_api_launch_function_returning_a_state_dict_tree(
     assert one["history"][0]["values"] == [0.5]
 
 
-def test_api_launch_function_returning_an_object_is_refused_saying_why(
-    returned: dict[str, dict[str, Any]],
-) -> None:
+def test_api_launch_function_returning_an_object_is_refused_saying_why() -> None:
     # anything else would need pickle: refused in the worker, with its type
-    got = returned["object"]
+    got = launch_case("object", static_config(1))
     assert got.get("error") == "WorkerError", got
     assert "neither JSON data nor a tree of tensors" in got["stderr"], got["stderr"][-3000:]
     assert "builtin_function_or_method" in got["stderr"] or "function" in got["stderr"]
 
 
-@pytest.fixture(scope="module")
-def rank_sums() -> dict[str, dict[str, Any]]:
-    """upstream's _dist_sum under the static rendezvous, once per run id: two
-    launches in one driver process."""
-    rids = ["", "conformance"]
-    cases: list[Case] = []
-    for rid in rids:
-        cfg = etcd_config(
-            f"127.0.0.1:{free_port()}",
-            1,
-            1,
-            4,
-            run_id=rid,
-            rdzv_backend="static",
-            rdzv_configs={"rank": 0},
-        )
-        cases.append(("rank_sum", cfg, None))
-    return dict(zip(rids, launch_cases(cases), strict=True))
-
-
 @pytest.mark.parametrize("rid", RUN_IDS)
-def test_api_launch_dist_sum_with_static_rdzv(
-    rank_sums: dict[str, dict[str, Any]], rid: str
-) -> None:
-    got = rank_sums[rid]
+def test_api_launch_dist_sum_with_static_rdzv(rid: str) -> None:
+    cfg = etcd_config(
+        f"127.0.0.1:{free_port()}",
+        1,
+        1,
+        4,
+        run_id=rid,
+        rdzv_backend="static",
+        rdzv_configs={"rank": 0},
+    )
+    got = launch_case("rank_sum", cfg)
     assert "result" in got, got
     assert sorted(got["result"].values()) == [6, 6, 6, 6], got
 
