@@ -37,6 +37,7 @@ from elastrun.launcher.flag_grammar import parse_nnodes
 from tests.conftest import REPO
 from tests.helpers import free_port, stop_groups, without_pet
 from tests.integration.elastic_harness import ELASTRUN
+from tests.integration.scripts.conformance.batch import split
 from tests.store.etcd_fixture import requires_etcd, start_cluster
 
 BIN = Path(__file__).resolve().parent / "scripts" / "conformance"
@@ -343,6 +344,20 @@ def test_logs_logs_spec_entrypoint_must_be_defined(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+ASK_TORCH = """
+import os, sys
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from is_torchelastic import is_torchelastic_launched as ours
+seen = []
+for run_id in (None, "x"):
+    if run_id is not None:
+        os.environ["TORCHELASTIC_RUN_ID"] = run_id
+    seen.append((dist.is_torchelastic_launched(), ours()))
+print(seen)
+"""
+
+
 def test_is_not_torchelastic_launched(tmp_path: Path) -> None:
     out = tmp_path / "out"
     clean = {k: v for k, v in env().items() if not k.startswith("TORCHELASTIC_")}
@@ -353,12 +368,27 @@ def test_is_not_torchelastic_launched(tmp_path: Path) -> None:
         check=True,
     )
     assert out.read_text() == "False"
+    # the worker's answer is torch's own, without and with TORCHELASTIC_RUN_ID
+    # (the launched cases above use the worker without importing torch)
+    torch_says = subprocess.run(
+        [sys.executable, "-c", ASK_TORCH, str(BIN)],
+        env=clean,
+        timeout=RUN_TIMEOUT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert torch_says.returncode == 0, torch_says.stderr[-3000:]
+    assert torch_says.stdout.strip() == "[(False, False), (True, True)]", torch_says.stdout
 
 
-@pytest.mark.parametrize("method", ["tcp", "env"])
-def test_init_method_with_torchelastic(method: str) -> None:
+@pytest.fixture(scope="module")
+def init_methods() -> tuple[subprocess.CompletedProcess[str], dict[str, str]]:
+    """upstream's two init-method cases in one launch (their arguments, as
+    they spell them): the workers form the group with ``tcp://`` on the
+    master port, then with ``env://`` (one ``import torch`` a worker for both)."""
     port = free_port()
-    init = f"tcp://localhost:{port}" if method == "tcp" else "env://"
+    methods = {"tcp": f"tcp://localhost:{port}", "env": "env://"}
     proc = torchrun(
         "--run-path",
         "--nnodes=1",
@@ -367,10 +397,18 @@ def test_init_method_with_torchelastic(method: str) -> None:
         f"--master-port={port}",
         "--monitor-interval=1",
         str(BIN / "init_method.py"),
-        f"--init-method={init}",
+        *(f"--init-method={init}" for init in methods.values()),
     )
+    return proc, methods
+
+
+@pytest.mark.parametrize("method", ["tcp", "env"])
+def test_init_method_with_torchelastic(
+    init_methods: tuple[subprocess.CompletedProcess[str], dict[str, str]], method: str
+) -> None:
+    proc, methods = init_methods
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("all-reduce ok") == 4
+    assert proc.stdout.count(f"{methods[method]} all-reduce ok") == 4, proc.stdout
 
 
 def test_capture_logs_using_default_logs_specs(tmp_path: Path) -> None:
@@ -473,29 +511,39 @@ def test_worker_environment_matches_torchrun_where_it_matters(tmp_path: Path) ->
 
 
 # ------------------------------------------------------------ api_test.py
-def launch_case(case: str, config: dict[str, Any], folder: Path | None = None) -> dict[str, Any]:
-    """One ``elastrun.launch()`` call in its own process (see api_driver)."""
+Case = tuple[str, Any, "Path | None"]
+
+
+def launch_cases(cases: list[Case]) -> list[dict[str, Any]]:
+    """``elastrun.launch()`` calls, one per case, one after the other in one
+    process of their own (see api_driver): one interpreter start and one
+    ``import torch`` for all of them. Each case's JSON line, its ``stderr``
+    added (the driver's stderr while that case ran)."""
+    spec = json.dumps([[case, config, str(folder or "")] for case, config, folder in cases])
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.integration.scripts.conformance.api_driver",
-            case,
-            json.dumps(config),
-            str(folder or ""),
-        ],
+        [sys.executable, "-m", "tests.integration.scripts.conformance.api_driver", "--cases", spec],
         capture_output=True,
         text=True,
-        timeout=RUN_TIMEOUT,
+        timeout=RUN_TIMEOUT * len(cases),
         env=env(OMP_NUM_THREADS="1"),
         cwd=REPO,
         check=False,
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert lines, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    out: dict[str, Any] = json.loads(lines[-1])
-    out["stderr"] = proc.stderr
-    return out
+    said = f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    got = []
+    for index, (out, err) in enumerate(split(proc.stdout, proc.stderr)):
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        assert lines, f"case {index} ({cases[index][0]}): {said}"
+        one: dict[str, Any] = json.loads(lines[-1])
+        one["stderr"] = err
+        got.append(one)
+    assert len(got) == len(cases), said
+    return got
+
+
+def launch_case(case: str, config: dict[str, Any], folder: Path | None = None) -> dict[str, Any]:
+    """One ``elastrun.launch()`` call in its own process (see api_driver)."""
+    return launch_cases([(case, config, folder)])[0]
 
 
 @pytest.fixture(scope="module")
@@ -530,33 +578,60 @@ RUN_IDS = [pytest.param("", id="upstream_empty_run_id"), "conformance"]
 SHORT_LAST_CALL = {"last_call_timeout": 1}
 
 
+EtcdCases = dict[tuple[str, str], tuple[dict[str, Any], Path]]
+
+
+@pytest.fixture(scope="module")
+def etcd_cases(etcd_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> EtcdCases:
+    """upstream's single-node etcd cases (a script, a bash script, a function;
+    elastic: a script, a failing script), each with both run ids: one launch
+    each, one after the other in one driver process. Keyed by (case, run id):
+    what came back and the case's folder."""
+    # kind: (api_driver case, max nodes, rendezvous settings); min 1 node
+    kinds: dict[str, tuple[str, int, dict[str, Any]]] = {
+        "script": ("script", 1, {}),
+        "bash": ("bash", 1, {}),
+        "function": ("function", 1, {}),
+        "elastic": ("script", 2, SHORT_LAST_CALL),
+        "elastic_fail": ("fail", 2, SHORT_LAST_CALL),
+    }
+    keys: list[tuple[str, str]] = []
+    folders: list[Path] = []
+    cases: list[Case] = []
+    for kind, (case, max_nodes, conf) in kinds.items():
+        for rid in ("", "conformance"):
+            rid_here = rid and f"{rid}-{uuid.uuid4().hex[:8]}"
+            cfg = etcd_config(etcd_endpoint, 1, max_nodes, 4, run_id=rid_here, rdzv_configs=conf)
+            keys.append((kind, rid))
+            folders.append(tmp_path_factory.mktemp(f"{kind}-{rid or 'empty'}"))
+            cases.append((case, cfg, folders[-1]))
+    got = launch_cases(cases)
+    return {key: (one, folder) for key, one, folder in zip(keys, got, folders, strict=True)}
+
+
 @requires_etcd
 @pytest.mark.etcd
 @pytest.mark.parametrize("rid", RUN_IDS)
-def test_api_launch_script_python(etcd_endpoint: str, tmp_path: Path, rid: str) -> None:
-    rid = rid and f"{rid}-{uuid.uuid4().hex[:8]}"
-    cfg = etcd_config(etcd_endpoint, 1, 1, 4, run_id=rid)
-    got = launch_case("script", cfg, tmp_path)
+def test_api_launch_script_python(etcd_cases: EtcdCases, rid: str) -> None:
+    got, folder = etcd_cases["script", rid]
     assert got.get("result") == 0, got
-    assert ranks_touched(tmp_path) == {"0", "1", "2", "3"}
+    assert ranks_touched(folder) == {"0", "1", "2", "3"}
 
 
 @requires_etcd
 @pytest.mark.etcd
 @pytest.mark.parametrize("rid", RUN_IDS)
-def test_api_launch_script_bash(etcd_endpoint: str, tmp_path: Path, rid: str) -> None:
-    rid = rid and f"{rid}-{uuid.uuid4().hex[:8]}"
-    got = launch_case("bash", etcd_config(etcd_endpoint, 1, 1, 4, run_id=rid), tmp_path)
+def test_api_launch_script_bash(etcd_cases: EtcdCases, rid: str) -> None:
+    got, folder = etcd_cases["bash", rid]
     assert got.get("result") == 0, got
-    assert ranks_touched(tmp_path) == {"0", "1", "2", "3"}
+    assert ranks_touched(folder) == {"0", "1", "2", "3"}
 
 
 @requires_etcd
 @pytest.mark.etcd
 @pytest.mark.parametrize("rid", RUN_IDS)
-def test_api_launch_function(etcd_endpoint: str, rid: str) -> None:
-    rid = rid and f"{rid}-{uuid.uuid4().hex[:8]}"
-    got = launch_case("function", etcd_config(etcd_endpoint, 1, 1, 4, run_id=rid))
+def test_api_launch_function(etcd_cases: EtcdCases, rid: str) -> None:
+    got, _ = etcd_cases["function", rid]
     # upstream: sorted(res.values()) == [10, 11, 12, 13] (keys: global ranks)
     assert "result" in got, got
     assert sorted(got["result"].values()) == [10, 11, 12, 13], got
@@ -618,24 +693,20 @@ def test_api_launch_dist_sum_with_static_rdzv(rid: str) -> None:
 @requires_etcd
 @pytest.mark.etcd
 @pytest.mark.parametrize("rid", RUN_IDS)
-def test_api_launch_elastic(etcd_endpoint: str, tmp_path: Path, rid: str) -> None:
+def test_api_launch_elastic(etcd_cases: EtcdCases, rid: str) -> None:
     # min 1, max 2, one node: it starts after the last call
-    rid = rid and f"{rid}-{uuid.uuid4().hex[:8]}"
-    cfg = etcd_config(etcd_endpoint, 1, 2, 4, run_id=rid, rdzv_configs=SHORT_LAST_CALL)
-    got = launch_case("script", cfg, tmp_path)
+    got, folder = etcd_cases["elastic", rid]
     assert got.get("result") == 0, got
-    assert ranks_touched(tmp_path) == {"0", "1", "2", "3"}
+    assert ranks_touched(folder) == {"0", "1", "2", "3"}
 
 
 @requires_etcd
 @pytest.mark.etcd
 @pytest.mark.parametrize("rid", RUN_IDS)
-def test_api_launch_elastic_worker_raise_exception(etcd_endpoint: str, rid: str) -> None:
+def test_api_launch_elastic_worker_raise_exception(etcd_cases: EtcdCases, rid: str) -> None:
     # upstream: elastic_launch raises ChildFailedError; launch() with a command
     # returns the agent's exit code instead (docs/cli.md), with the summary.
-    rid = rid and f"{rid}-{uuid.uuid4().hex[:8]}"
-    cfg = etcd_config(etcd_endpoint, 1, 2, 4, run_id=rid, rdzv_configs=SHORT_LAST_CALL)
-    got = launch_case("fail", cfg)
+    got, _ = etcd_cases["elastic_fail", rid]
     assert got.get("result") == 1, got
     assert "failing on purpose (--fail)" in got["stderr"]
 

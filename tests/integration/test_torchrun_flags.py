@@ -26,70 +26,52 @@ from elastrun.launcher.devices import count_gpus
 from tests.conftest import REPO
 from tests.helpers import free_port, stop_groups, wait_for
 from tests.integration.elastic_harness import ELASTRUN
-from tests.integration.test_torchrun_conformance import BIN, env, launch_case, torchrun
+from tests.integration.scripts.conformance.batch import EXIT, split
+from tests.integration.test_torchrun_conformance import BIN, env, launch_cases, torchrun
 from tests.unit.test_health_check import listening
 
 SHOW = str(BIN / "show_env.py")
 RUN_TIMEOUT = 240
 
 
-def real_torchrun(
-    *args: str, extra_env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    """torch's own ``torchrun ARGS``, for comparison."""
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", *args],
+Args = tuple[list[str], dict[str, str]]
+
+
+def real_torchruns(cases: dict[str, Args]) -> dict[str, subprocess.CompletedProcess[str]]:
+    """torch's own ``torchrun ARGS`` with ENV for each case, one after the
+    other in one process (torchrun_driver: one ``import torch`` for all),
+    each as if run on its own: its exit code, stdout and stderr."""
+    spec = json.dumps(list(cases.values()))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.integration.scripts.conformance.torchrun_driver", spec],
         capture_output=True,
         text=True,
-        timeout=RUN_TIMEOUT,
-        env=env(**(extra_env or {})),
+        timeout=RUN_TIMEOUT * len(cases),
+        env=env(),
         check=False,
         cwd=REPO,
     )
+    parts = split(proc.stdout, proc.stderr)
+    assert proc.returncode == 0 and len(parts) == len(cases), proc.stderr[-3000:]
+    got = {}
+    for name, (args, _), (out, err) in zip(cases, cases.values(), parts, strict=True):
+        code = re.findall(rf"^{EXIT} (\d+)$", out, re.MULTILINE)
+        assert code, f"{name}: {out[-2000:]}{err[-2000:]}"
+        got[name] = subprocess.CompletedProcess(args, int(code[-1]), out, err)
+    return got
 
 
-def envs(stdout: str) -> list[dict[str, Any]]:
-    """Every ``ENV {...}`` line show_env.py printed (a prefix may come first)."""
-    return [json.loads(m) for m in re.findall(r"ENV (\{[^}]*\})", stdout)]
-
-
-def pairs(stdout: str) -> list[tuple[str | None, str | None]]:
-    return sorted((e["LOCAL_RANK"], e["CUDA_VISIBLE_DEVICES"]) for e in envs(stdout))
-
-
-@pytest.mark.parametrize(
-    ("how", "visible"),
-    [("flag", None), ("flag", "5,7"), ("PET_VIRTUAL_LOCAL_RANK", None)],
-    ids=["flag", "visible_devices", "pet"],
-)
-def test_virtual_local_rank_as_torchrun(how: str, visible: str | None) -> None:
+def virtual_case(how: str, visible: str | None) -> Args:
     extra = {"CUDA_VISIBLE_DEVICES": visible} if visible else {}
     flags = ["--standalone", "--nproc-per-node=2"]
     if how == "flag":
         flags.append("--virtual-local-rank")
     else:
         extra[how] = "1"
-    args = [*flags, SHOW, "LOCAL_RANK", "CUDA_VISIBLE_DEVICES"]
-    ours = torchrun(*args, extra_env=extra)
-    assert ours.returncode == 0, ours.stderr[-3000:]
-    devices = visible.split(",") if visible else ["0", "1"]
-    assert pairs(ours.stdout) == [("0", devices[0]), ("0", devices[1])], ours.stdout
-    theirs = real_torchrun(*args, extra_env=extra)
-    assert theirs.returncode == 0, theirs.stderr[-3000:]
-    assert pairs(theirs.stdout) == pairs(ours.stdout)
+    return [*flags, SHOW, "LOCAL_RANK", "CUDA_VISIBLE_DEVICES"], extra
 
 
-def filtered(log_dir: Path, stream: str) -> list[str]:
-    """The lines of every filtered_STREAM.log under ``log_dir``, without their prefix."""
-    lines = []
-    for path in sorted(log_dir.rglob(f"filtered_{stream}.log")):
-        for line in path.read_text().splitlines():
-            lines.append(re.sub(r"^\[[^\]]*\]:\s?", "", line))
-    return sorted(lines)
-
-
-@pytest.mark.parametrize("how", ["flags", "pet"])
-def test_duplicate_filters_as_torchrun(tmp_path: Path, how: str) -> None:
+def duplicate_case(how: str, logs: Path) -> Args:
     out_filters, err_filters = "apple,kiwi,,lime", "pear"
     flags = ["--standalone", "--nproc-per-node=2", "--tee=3"]
     extra: dict[str, str] = {}
@@ -105,12 +87,73 @@ def test_duplicate_filters_as_torchrun(tmp_path: Path, how: str) -> None:
         }
     says = ["--say", "apple pie", "--say", "banana", "--say", "kiwi,lime tart"]
     says += ["--say", "kiwi alone", "--warn", "pear drop", "--warn", "plum"]
-    results = {}
-    for name, run in (("ours", torchrun), ("theirs", real_torchrun)):
-        logs = tmp_path / name
-        proc = run(*flags, f"--log-dir={logs}", SHOW, *says, extra_env=extra)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        results[name] = (filtered(logs, "stdout"), filtered(logs, "stderr"))
+    return [*flags, f"--log-dir={logs}", SHOW, *says], extra
+
+
+VIRTUAL = [("flag", None), ("flag", "5,7"), ("PET_VIRTUAL_LOCAL_RANK", None)]
+
+
+@pytest.fixture(scope="module")
+def theirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """What torchrun itself did in this module's comparisons, keyed by case
+    (``virtual:HOW:VISIBLE``, ``duplicate:HOW``, ``error_kept``,
+    ``error_copied``), all in one torchrun_driver; the duplicate cases' log
+    folders and the error_copied case's file under ``folder``."""
+    folder = tmp_path_factory.mktemp("theirs")
+    script = folder / "recorded.py"
+    script.write_text(RECORDED)
+    cases = {f"virtual:{how}:{visible}": virtual_case(how, visible) for how, visible in VIRTUAL}
+    for how in ("flags", "pet"):
+        cases[f"duplicate:{how}"] = duplicate_case(how, folder / how)
+    recorded = ["--standalone", "--nproc-per-node=1", str(script)]
+    cases["error_kept"] = (recorded, {})
+    cases["error_copied"] = (recorded, {"TORCHELASTIC_ERROR_FILE": str(folder / "theirs.json")})
+    return {**real_torchruns(cases), "folder": folder}
+
+
+def envs(stdout: str) -> list[dict[str, Any]]:
+    """Every ``ENV {...}`` line show_env.py printed (a prefix may come first)."""
+    return [json.loads(m) for m in re.findall(r"ENV (\{[^}]*\})", stdout)]
+
+
+def pairs(stdout: str) -> list[tuple[str | None, str | None]]:
+    return sorted((e["LOCAL_RANK"], e["CUDA_VISIBLE_DEVICES"]) for e in envs(stdout))
+
+
+@pytest.mark.parametrize(("how", "visible"), VIRTUAL, ids=["flag", "visible_devices", "pet"])
+def test_virtual_local_rank_as_torchrun(
+    theirs: dict[str, Any], how: str, visible: str | None
+) -> None:
+    args, extra = virtual_case(how, visible)
+    ours = torchrun(*args, extra_env=extra)
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    devices = visible.split(",") if visible else ["0", "1"]
+    assert pairs(ours.stdout) == [("0", devices[0]), ("0", devices[1])], ours.stdout
+    real = theirs[f"virtual:{how}:{visible}"]
+    assert real.returncode == 0, real.stderr[-3000:]
+    assert pairs(real.stdout) == pairs(ours.stdout)
+
+
+def filtered(log_dir: Path, stream: str) -> list[str]:
+    """The lines of every filtered_STREAM.log under ``log_dir``, without their prefix."""
+    lines = []
+    for path in sorted(log_dir.rglob(f"filtered_{stream}.log")):
+        for line in path.read_text().splitlines():
+            lines.append(re.sub(r"^\[[^\]]*\]:\s?", "", line))
+    return sorted(lines)
+
+
+@pytest.mark.parametrize("how", ["flags", "pet"])
+def test_duplicate_filters_as_torchrun(theirs: dict[str, Any], tmp_path: Path, how: str) -> None:
+    args, extra = duplicate_case(how, tmp_path / "ours")
+    proc = torchrun(*args, extra_env=extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    real = theirs[f"duplicate:{how}"]
+    assert real.returncode == 0, real.stderr[-3000:]
+    results = {
+        name: (filtered(logs, "stdout"), filtered(logs, "stderr"))
+        for name, logs in (("ours", tmp_path / "ours"), ("theirs", theirs["folder"] / how))
+    }
     # "kiwi,,lime" is one text, "kiwi,lime": a comma in a filter
     assert results["ours"] == (
         ["apple pie", "apple pie", "kiwi,lime tart", "kiwi,lime tart"],
@@ -129,13 +172,14 @@ def test_numa_binding_without_a_gpu_is_refused_saying_why(tmp_path: Path) -> Non
     assert bad.returncode == 2 and "--numa-binding" in bad.stderr
 
 
-def test_launch_config_takes_torchs_fields_and_types(tmp_path: Path) -> None:
-    """upstream's LaunchConfig fields through ``elastrun.launch()``: torch's
-    DefaultLogsSpecs (logs in its folder, tee'd), signals_to_handle as a
-    string, shutdown_timeout=None, rdzv_timeout, metrics_cfg,
-    event_log_handler, virtual_local_rank and the duplicate filters."""
-    logs = tmp_path / "logs"
-    cfg = {
+@pytest.fixture(scope="module")
+def torch_typed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``elastrun.launch()`` given torch's LaunchConfig fields and types, and
+    (without a GPU) numa_options: both in one driver process (one ``import
+    torch``). What came back, keyed ``fields`` and ``numa``, and the fields
+    case's log folder."""
+    logs = tmp_path_factory.mktemp("typed") / "logs"
+    fields = {
         "min_nodes": 1,
         "max_nodes": 1,
         "nproc_per_node": 2,
@@ -153,7 +197,22 @@ def test_launch_config_takes_torchs_fields_and_types(tmp_path: Path) -> None:
         "duplicate_stdout_filters": ["apple"],
         "duplicate_stderr_filters": None,
     }
-    got = launch_case("env", cfg, Path("LOCAL_RANK,TORCHELASTIC_SIGNALS_TO_HANDLE"))
+    cases = {"fields": ("env", fields, Path("LOCAL_RANK,TORCHELASTIC_SIGNALS_TO_HANDLE"))}
+    if count_gpus() == 0:
+        numa = {"min_nodes": 1, "max_nodes": 1, "nproc_per_node": 1, "rdzv_backend": "c10d"}
+        numa |= {"rdzv_endpoint": "127.0.0.1:0", "numa_options": "node"}
+        cases["numa"] = ("env", numa, Path("LOCAL_RANK"))
+    got = launch_cases(list(cases.values()))
+    return {**dict(zip(cases, got, strict=True)), "logs": logs}
+
+
+def test_launch_config_takes_torchs_fields_and_types(torch_typed: dict[str, Any]) -> None:
+    """upstream's LaunchConfig fields through ``elastrun.launch()``: torch's
+    DefaultLogsSpecs (logs in its folder, tee'd), signals_to_handle as a
+    string, shutdown_timeout=None, rdzv_timeout, metrics_cfg,
+    event_log_handler, virtual_local_rank and the duplicate filters."""
+    logs = torch_typed["logs"]
+    got = torch_typed["fields"]
     assert got.get("result") == 0, got
     # the launching process' environment, as torch's launcher sets it
     assert got["signals_to_handle"] == "SIGTERM,SIGUSR1"
@@ -162,10 +221,8 @@ def test_launch_config_takes_torchs_fields_and_types(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(count_gpus() > 0, reason="this machine has a GPU")
-def test_launch_config_numa_options_without_a_gpu_is_refused() -> None:
-    cfg = {"min_nodes": 1, "max_nodes": 1, "nproc_per_node": 1, "rdzv_backend": "c10d"}
-    cfg |= {"rdzv_endpoint": "127.0.0.1:0", "numa_options": "node"}
-    got = launch_case("env", cfg, Path("LOCAL_RANK"))
+def test_launch_config_numa_options_without_a_gpu_is_refused(torch_typed: dict[str, Any]) -> None:
+    got = torch_typed["numa"]
     assert got.get("error") == "ConfigError", got
     assert "numa_options" in got["message"] and "GPU" in got["message"], got
 
@@ -181,7 +238,9 @@ main()
 """
 
 
-def test_error_files_are_kept_and_named_without_log_dir(tmp_path: Path) -> None:
+def test_error_files_are_kept_and_named_without_log_dir(
+    theirs: dict[str, Any], tmp_path: Path
+) -> None:
     script = tmp_path / "recorded.py"
     script.write_text(RECORDED)
     proc = torchrun("--standalone", "--nproc-per-node=1", str(script))
@@ -193,29 +252,35 @@ def test_error_files_are_kept_and_named_without_log_dir(tmp_path: Path) -> None:
     assert "recorded failure" in path.read_text()
     assert f"error files are kept: {path}" in proc.stderr
     # torchrun keeps its error file too (and names it in its report)
-    theirs = real_torchrun("--standalone", "--nproc-per-node=1", str(script))
-    assert theirs.returncode == 1
-    kept = re.findall(r"error_file: (\S+error\.json)", theirs.stderr)
-    assert kept and os.path.isfile(kept[0]), theirs.stderr[-3000:]
+    real = theirs["error_kept"]
+    assert real.returncode == 1
+    kept = re.findall(r"error_file: (\S+error\.json)", real.stderr)
+    assert kept and os.path.isfile(kept[0]), real.stderr[-3000:]
 
 
-def test_launchers_error_file_gets_the_root_causes_error_as_torchrun(tmp_path: Path) -> None:
+def test_launchers_error_file_gets_the_root_causes_error_as_torchrun(
+    theirs: dict[str, Any], tmp_path: Path
+) -> None:
     """A scheduler sets TORCHELASTIC_ERROR_FILE in the launcher's environment:
     torchrun copies the root cause's error.json there, errorCode its exit code."""
     script = tmp_path / "recorded.py"
     script.write_text(RECORDED)
     written = {}
-    for name, run in (("theirs", real_torchrun), ("ours", torchrun)):
-        dest = tmp_path / f"{name}.json"
-        proc = run(
-            "--standalone",
-            "--nproc-per-node=1",
-            str(script),
-            extra_env={"TORCHELASTIC_ERROR_FILE": str(dest)},
-        )
-        assert proc.returncode == 1, proc.stderr[-3000:]
-        assert dest.is_file(), f"{name}: {proc.stderr[-3000:]}"
-        written[name] = json.loads(dest.read_text())["message"]
+    real = theirs["error_copied"]
+    assert real.returncode == 1, real.stderr[-3000:]
+    dest = theirs["folder"] / "theirs.json"
+    assert dest.is_file(), f"theirs: {real.stderr[-3000:]}"
+    written["theirs"] = json.loads(dest.read_text())["message"]
+    dest = tmp_path / "ours.json"
+    proc = torchrun(
+        "--standalone",
+        "--nproc-per-node=1",
+        str(script),
+        extra_env={"TORCHELASTIC_ERROR_FILE": str(dest)},
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert dest.is_file(), f"ours: {proc.stderr[-3000:]}"
+    written["ours"] = json.loads(dest.read_text())["message"]
     for message in written.values():
         assert "recorded failure" in message["message"], written
         assert message["errorCode"] == 1, written

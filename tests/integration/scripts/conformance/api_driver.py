@@ -1,10 +1,16 @@
-"""Runs one ``elastrun.launch()`` conformance case in its own process.
+"""Runs ``elastrun.launch()`` conformance cases in their own process.
 
     python -m tests.integration.scripts.conformance.api_driver CASE CONFIG_JSON [DIR]
+    python -m tests.integration.scripts.conformance.api_driver --cases CASES_JSON
 
-CONFIG_JSON holds LaunchConfig fields. Prints one JSON line ``{"result": ...}``
-(an exit code, or the per-rank results of a function) and exits 0, or prints
-``{"error": type, "message": ...}`` and exits 3.
+CONFIG_JSON holds LaunchConfig fields. For one case: prints one JSON line
+``{"result": ...}`` (an exit code, or the per-rank results of a function) and
+exits 0, or prints ``{"error": type, "message": ...}`` and exits 3.
+
+With ``--cases`` (a JSON list of ``[CASE, CONFIG, DIR]``) the cases run one
+after the other, each a launch of its own (one interpreter start and one
+``import torch`` for all of them): before each, a line with the
+case's index on stdout and on stderr (batch.mark), then its JSON line as above; exits 0.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import elastrun
+from tests.integration.scripts.conformance.batch import mark
 from tests.integration.scripts.conformance.functions import (
     dummy_compute,
     rank_plus_ten,
@@ -84,17 +91,26 @@ def torch_objects(fields: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def main() -> int:
-    case, raw = sys.argv[1], sys.argv[2]
-    folder = sys.argv[3] if len(sys.argv) > 3 else ""
+def one(case: str, fields: dict[str, Any], folder: str) -> int:
+    """Runs one case and prints its JSON line; 0, or 3 for an elastrun error."""
     try:
-        result = run(case, elastrun.LaunchConfig(**torch_objects(json.loads(raw))), folder)
+        result = run(case, elastrun.LaunchConfig(**torch_objects(fields)), folder)
     except elastrun.ElastrunError as exc:
         print(json.dumps({"error": type(exc).__name__, "message": str(exc)}), flush=True)
         return 3
     signals = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
     print(json.dumps({"result": result, "signals_to_handle": signals}), flush=True)
     return 0
+
+
+def main() -> int:
+    if sys.argv[1] == "--cases":
+        for index, (case, fields, folder) in enumerate(json.loads(sys.argv[2])):
+            mark(index)
+            one(case, fields, folder)
+        return 0
+    folder = sys.argv[3] if len(sys.argv) > 3 else ""
+    return one(sys.argv[1], json.loads(sys.argv[2]), folder)
 
 
 if __name__ == "__main__":
