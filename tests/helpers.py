@@ -33,6 +33,7 @@ The etcd helpers (a real cluster, auth, TLS files) are in
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import socket
@@ -42,6 +43,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
+
+import pytest
 
 from elastrun.procs import pid_alive
 
@@ -127,6 +130,14 @@ def port_on_every(hosts: tuple[str, ...] = ("127.0.0.1", "127.0.0.2", "127.0.0.3
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """``count`` distinct ports, each held as :func:`free_port` does."""
     return [free_port(host) for _ in range(count)]
+
+
+def skip_module_without(package: str) -> None:
+    """Skip the calling test module where ``package`` is not installed, without
+    importing it: an import at collection costs each of the suite's pytest
+    workers (torch: about 2 s of CPU); a test that uses it imports it itself."""
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"needs {package}", allow_module_level=True)
 
 
 def soak_or(short: T, full: T) -> T:

@@ -11,11 +11,9 @@ import json
 import re
 from pathlib import Path
 
-import pytest
+from tests.helpers import run_ranks, skip_module_without
 
-from tests.helpers import run_ranks
-
-torch = pytest.importorskip("torch")
+skip_module_without("torch")
 
 _RANKS = """
 import json, os, sys

@@ -18,9 +18,9 @@ from elastrun.train import WorkerContext, heartbeat, latest_checkpoint, list_che
 from elastrun.train.heartbeat import _reset_for_tests
 from elastrun.worker.checkpoint_files import check
 from tests.conftest import PYTHON, REPO
-from tests.helpers import run_ranks, stop_groups
+from tests.helpers import run_ranks, skip_module_without, stop_groups
 
-torch = pytest.importorskip("torch")
+skip_module_without("torch")
 
 TORCHRUN = Path(PYTHON).parent / "torchrun"
 
@@ -132,6 +132,8 @@ for line in sys.stdin:  # a round: the step to go on from
 
 
 def test_atomic_save_survives_sigkill_mid_save(tmp_path: Path) -> None:
+    import torch
+
     from elastrun.train import load_checkpoint
 
     d = tmp_path / "ckpt"
@@ -202,6 +204,8 @@ dist.destroy_process_group()
 
 
 def test_ranks_agree_on_newest_checkpoint_and_holder_broadcasts_it(tmp_path: Path) -> None:
+    import torch
+
     from elastrun.train import save_checkpoint
 
     def save(rank: int, step: int) -> Path:
@@ -246,6 +250,8 @@ def test_ranks_agree_on_newest_checkpoint_and_holder_broadcasts_it(tmp_path: Pat
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
 def test_example_trains_and_resumes_mid_epoch_at_another_world_size(tmp_path: Path) -> None:
+    import torch
+
     ckpt = tmp_path / "checkpoints"
     common = [
         str(REPO / "examples" / "train.py"),
