@@ -25,26 +25,33 @@ from tests.helpers import WARM_ENV, free_port, pid_alive, stop_groups, wait_for
 from tests.integration.test_cli import ELASTRUN, RUN_TIMEOUT, elastrun, env_without_pet
 
 # Records what a worker sees, all-reduces over gloo, and fails once (rank 1 of
-# the first attempt) so that the job restarts.
+# the first attempt) so that the job restarts. PROBE_PLAIN: only what the script
+# sees of its own start, without torch (the plain run's share of the comparison).
 PROBE = textwrap.dedent(
     """
     import json, os, sys, time
     warm = "torch" in sys.modules            # before the script imports anything
-    import torch
-    import torch.distributed as dist
+    plain = bool(os.environ.get("PROBE_PLAIN"))
+    if not plain:
+        import torch
+        import torch.distributed as dist
 
     rc, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["RANK"]
-    dist.init_process_group("gloo")
-    t = torch.tensor([1.0])
-    dist.all_reduce(t)
+    if not plain:
+        dist.init_process_group("gloo")
+        t = torch.tensor([1.0])
+        dist.all_reduce(t)
     rec = dict(warm=warm, argv=sys.argv, path0=sys.path[0], file=__file__, name=__name__,
                spec=None if __spec__ is None else __spec__.name, env=dict(os.environ),
-               pid=os.getpid(), ppid=os.getppid(), world=dist.get_world_size(), sum=t.item(),
-               stdin_tty=os.isatty(0), stdin=os.read(0, 10).decode(),
-               sid=os.getsid(0), pgid=os.getpgid(0))
+               pid=os.getpid(), ppid=os.getppid(), stdin_tty=os.isatty(0),
+               stdin=os.read(0, 10).decode(), sid=os.getsid(0), pgid=os.getpgid(0))
+    if not plain:
+        rec.update(world=dist.get_world_size(), sum=t.item())
     out = os.environ["PROBE_OUT"]
     with open(os.path.join(out, f"r{rc}-{rank}.json"), "w") as f:
         json.dump(rec, f)
+    if plain:
+        sys.exit(0)
     dist.destroy_process_group()
     if rc == "0" and rank == "1" and not os.environ.get("PROBE_NO_FAIL"):
         sys.exit(3)
@@ -97,17 +104,12 @@ def _probe_run(
 
 
 def _plain_run(tmp_path: Path) -> dict[str, Any]:
-    """The probe run by plain ``python -u probe.py a --b=c`` (world of one)."""
+    """The probe run by plain ``python -u probe.py a --b=c``: what it sees of
+    its own start (``argv``, ``__file__``, ``sys.path[0]``, ``__name__``,
+    ``__spec__``, stdin), not torch's (``PROBE_PLAIN``: nothing of it is
+    compared)."""
     out, env = _setup(tmp_path)
-    env.update(
-        RANK="0",
-        LOCAL_RANK="0",
-        WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        TORCHELASTIC_RESTART_COUNT="0",
-        PROBE_NO_FAIL="1",
-    )
+    env.update(RANK="0", TORCHELASTIC_RESTART_COUNT="0", PROBE_PLAIN="1")
     subprocess.run(
         [PYTHON, "-u", "probe.py", "a", "--b=c"],
         cwd=tmp_path,
