@@ -19,7 +19,10 @@ starts, which ask for one (``--warm`` or :data:`WARM_ENV`). By default the
 agents run as elastrun does, warm, which is also faster: on 2 cores (4 test
 processes) the suite took 384 s and 644 s of CPU warm, 433 s and 745 s cold.
 An agent's warm interpreter imports torch once for all its workers, and most
-test workers import torch.
+test workers import torch. :func:`plant_modules` leaves the module list of a
+script in a cache folder, as an earlier run on the machine would have: a job
+of more workers than CPUs then forks them once its warm interpreter imported
+the list (one import of ``OPTIMIZER_MODULES``, not one per worker).
 
 Length. ``make soak`` sets ``ELASTRUN_SOAK=1``: a test that ``make test``
 runs short (fewer stalls, seeds or cases) runs at full length there
@@ -38,23 +41,28 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
+from elastrun.agent.command import PythonScript
+from elastrun.agent.modcache import ModuleCache, ModuleList, cache_key
 from elastrun.procs import pid_alive
 
 __all__ = [
+    "OPTIMIZER_MODULES",
     "SUITE_KNOBS",
     "WARM_ENV",
     "free_port",
     "free_ports",
     "kill_group",
     "pid_alive",
+    "plant_modules",
     "port_on_every",
     "soak_or",
     "stop_groups",
@@ -73,6 +81,19 @@ MAX_HELD = 4096  # a session that asks for more has a leak
 SUITE_KNOBS = ("PET_WARM",)
 # For the agents of tests about warm starts (a flag on the command line still wins).
 WARM_ENV = {"PET_WARM": "1"}
+# What a torch optimizer imports (torch._dynamo on its first use: some 1.5 s of
+# CPU per process): most of what a training script imports after torch.
+OPTIMIZER_MODULES = ["torch.optim", "torch._dynamo"]
+
+
+def plant_modules(
+    cache_dir: Path, cwd: Path | str, script: str, args: Sequence[str], modules: list[str]
+) -> None:
+    """The module list of ``python script args`` run in ``cwd`` (the agent's
+    working directory), in the warm-start cache folder ``cache_dir``
+    (``ELASTRUN_CACHE_DIR``), as if an earlier run had recorded it."""
+    key = cache_key(PythonScript(script, tuple(args), python=sys.executable), str(cwd))
+    assert ModuleCache(str(cache_dir), key).save(ModuleList(modules=modules))
 
 
 def without_pet(env: Mapping[str, str] | None = None, *drop: str) -> dict[str, str]:

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from elastrun.status.timeline import load_events, render_html
-from tests.helpers import finished, stop_groups, wait_for
+from tests.helpers import OPTIMIZER_MODULES, finished, plant_modules, stop_groups, wait_for
 from tests.integration.elastic_harness import SCRIPTS
 from tests.integration.test_status import status
 
@@ -38,9 +38,10 @@ def events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def worker_env(folder: Path, fault: dict[str, Any], steps: int) -> dict[str, str]:
-    """The environment of scripts/inproc_worker.py: ``fault`` in its first run."""
-    plan = json.dumps([fault])
+def worker_env(folder: Path, faults: list[dict[str, Any]], steps: int) -> dict[str, str]:
+    """The environment of scripts/inproc_worker.py: ``faults[n]`` in its run of
+    restart count n."""
+    plan = json.dumps(faults)
     return {
         **os.environ,
         "ELASTIC_TEST_DIR": str(folder),
@@ -75,7 +76,7 @@ def test_example_keeps_the_survivors_processes(tmp_path: Path) -> None:
         str(EXAMPLE),
         "--epochs=2",
         "--in-process",
-        "--setup-seconds=1",
+        "--setup-seconds=0.01",  # (what is asserted: its line, once per process)
         "--memory-checkpoint",
         f"--checkpoint-dir={tmp_path / 'ckpt'}",
         "--crash-at-step=10",
@@ -83,7 +84,11 @@ def test_example_keeps_the_survivors_processes(tmp_path: Path) -> None:
         "--raise-at-step=20",
         "--log-every=5",
     ]
-    text = run_job(log, args)
+    # As on a machine where the job ran before: its 3 workers (more than the 2
+    # CPUs) are forked once the warm interpreter imported what they import.
+    cache = tmp_path / "cache"
+    plant_modules(cache, os.getcwd(), str(EXAMPLE), args[3:], OPTIMIZER_MODULES)
+    text = run_job(log, args, {**os.environ, "ELASTRUN_CACHE_DIR": str(cache)})
     assert "final: epoch=2" in text
 
     evs = events(log)
@@ -118,41 +123,49 @@ def test_example_keeps_the_survivors_processes(tmp_path: Path) -> None:
     assert f"ranks kept 1 (pid {pids[1][1]}), 2 (pid {pids[1][2]}); replaced 0" in page
 
 
-def test_a_hung_rank_is_replaced_and_its_peers_kept(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def two_faults(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One job of scripts/inproc_worker.py (3 ranks) for the next two tests, a
+    fault in each of its first two runs: rank 1 hangs at step 2 (restart count
+    0), then rank 2 is SIGKILLed at step 2 while rank 0 waits in the group's
+    store (restart count 1); its output, events and the workers' views."""
+    folder = tmp_path_factory.mktemp("two-faults")
+    log = folder / "events.jsonl"
+    hang = {"rank": 1, "how": "hang", "step": 2}
+    faults = [hang, {"rank": 2, "how": "kill", "step": 2, "stuck": 0}]
+    env = worker_env(folder, faults, steps=4)
+    worker = str(SCRIPTS / "inproc_worker.py")
+    text = run_job(log, ["--max-restarts=2", "--hang-timeout=10", worker], env)
+    return {"text": text, "events": events(log), "views": events(folder / "views.jsonl")}
+
+
+def test_a_hung_rank_is_replaced_and_its_peers_kept(two_faults: dict[str, Any]) -> None:
     """Rank 1 stops making progress outside any collective; the others wait
     for it in theirs. The watchdog declares the hang: rank 1 is stopped first,
     which ends its peers' collectives, and their processes are kept."""
-    log = tmp_path / "events.jsonl"
-    env = worker_env(tmp_path, {"rank": 1, "how": "hang", "step": 2}, steps=5)
-    worker = str(SCRIPTS / "inproc_worker.py")
-    text = run_job(log, ["--max-restarts=1", "--hang-timeout=10", worker], env)
-    evs = events(log)
+    text, evs = two_faults["text"], two_faults["events"]
     assert any(e["kind"] == "hang_detected" for e in evs), text[-3000:]
-    left = [e for e in evs if e["kind"] == "ranks_left"]
-    assert [(e["kept"], e["replaced"]) for e in left] == [([0, 2], [1])], text[-3000:]
+    left = [(e["kept"], e["replaced"]) for e in evs if e["kind"] == "ranks_left"]
+    assert left == [([0, 2], [1]), ([0, 1], [2])], text[-3000:]  # (then the next test's)
     started = [e for e in evs if e["kind"] == "workers_started"]
-    before, after = (dict(zip(e["ranks"], e["pids"], strict=True)) for e in started)
+    assert len(started) == 3, started
+    before, after = (dict(zip(e["ranks"], e["pids"], strict=True)) for e in started[:2])
     assert after[0] == before[0] and after[2] == before[2] and after[1] != before[1]
 
 
-def test_a_survivor_waiting_in_the_store_leaves_and_is_kept(tmp_path: Path) -> None:
+def test_a_survivor_waiting_in_the_store_leaves_and_is_kept(two_faults: dict[str, Any]) -> None:
     """Rank 2 is SIGKILLed while rank 0 waits in the group's store for a key
     no rank sets: aborting the process group does not end that wait, the
     connections rank 0 opened in its function are shut down under it, it
     leaves its function and its process is kept (it is not replaced for
     having missed the agent's time to leave)."""
-    log = tmp_path / "events.jsonl"
-    fault = {"rank": 2, "how": "kill", "step": 2, "stuck": 0}
-    env = worker_env(tmp_path, fault, steps=4)
-    text = run_job(log, ["--max-restarts=1", str(SCRIPTS / "inproc_worker.py")], env)
-    views = events(tmp_path / "views.jsonl")
+    text, views = two_faults["text"], two_faults["views"]
     stuck = [v for v in views if "stuck" in v]
     assert [(v["rank"], v["stuck"]) for v in stuck] == [(0, stuck[0]["stuck"])], views
-    evs = events(log)
-    left = [e for e in evs if e["kind"] == "ranks_left"]
-    assert [(e["kept"], e["replaced"]) for e in left] == [([0, 1], [2])], text[-3000:]
+    left = [(e["kept"], e["replaced"]) for e in two_faults["events"] if e["kind"] == "ranks_left"]
+    assert left == [([0, 2], [1]), ([0, 1], [2])], text[-3000:]  # (after the previous test's)
     # The process that waited in the store trains on as rank 0 of the next round.
-    again = [v for v in views if v.get("restarts") == 1 and v.get("rank") == 0]
+    again = [v for v in views if v.get("restarts") == 2 and v.get("rank") == 0]
     assert [v["pid"] for v in again] == [stuck[0]["stuck"]], views
 
 
@@ -164,7 +177,7 @@ def test_a_killed_rank_is_served_by_a_standby_and_status_shows_it(tmp_path: Path
     shows ranks 0 and 1 kept and rank 2 served by the standby, in --json and
     in its table. No standby outlives the job."""
     finish = tmp_path / "finish"
-    env = worker_env(tmp_path, {"rank": 0, "how": "none", "step": -1}, steps=4)
+    env = worker_env(tmp_path, [{"rank": 0, "how": "none", "step": -1}], steps=4)
     env["INPROC_UNTIL"] = str(finish)
     out, log = tmp_path / "agent.log", tmp_path / "events.jsonl"
     argv = [

@@ -18,7 +18,13 @@ from elastrun.train import WorkerContext, heartbeat, latest_checkpoint, list_che
 from elastrun.train.heartbeat import _reset_for_tests
 from elastrun.worker.checkpoint_files import check
 from tests.conftest import PYTHON, REPO
-from tests.helpers import run_ranks, skip_module_without, stop_groups
+from tests.helpers import (
+    OPTIMIZER_MODULES,
+    plant_modules,
+    run_ranks,
+    skip_module_without,
+    stop_groups,
+)
 
 skip_module_without("torch")
 
@@ -282,11 +288,15 @@ def test_example_trains_and_resumes_mid_epoch_at_another_world_size(tmp_path: Pa
 
     # 2) restarted with three workers: continues epoch 1 at sample 448, then epoch 2. Under
     # elastrun (its workers fork from one warm interpreter: 3 fewer imports of torch than
-    # torchrun's); the checkpoint torchrun's run left is what it resumes from.
+    # torchrun's); the checkpoint torchrun's run left is what it resumes from. As on a
+    # machine where the job ran before: its 3 workers (more than the 2 CPUs) are forked
+    # once the warm interpreter imported what they import (once, not once per worker).
+    cache = tmp_path / "cache"
+    plant_modules(cache, os.getcwd(), common[0], [*common[1:], *crash], OPTIMIZER_MODULES)
     resumed = _run(
         [PYTHON, "-m", "elastrun", "--standalone", "--nproc-per-node=3", *common, *crash],
         timeout=180,
-        env=env,
+        env={**env, "ELASTRUN_CACHE_DIR": str(cache)},
     )
     out = re.sub(r"^\[[^\]\n]*\]: ", "", resumed.stdout, flags=re.M)  # elastrun's line prefix
     assert resumed.returncode == 0, out[-3000:]

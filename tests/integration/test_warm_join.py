@@ -17,10 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastrun.agent.command import PythonScript
-from elastrun.agent.modcache import ModuleCache, ModuleList, cache_key
-from tests.conftest import PYTHON
-from tests.helpers import WARM_ENV, free_port, stop_groups, wait_for
+from tests.helpers import WARM_ENV, free_port, plant_modules, stop_groups, wait_for
 from tests.integration.test_cli import ELASTRUN, RUN_TIMEOUT, env_without_pet
 
 # Steps every 0.1 s at whatever world size the round has, logging each step;
@@ -59,8 +56,7 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 
 def _plant(cache_dir: Path, cwd: Path, modules: list[str]) -> None:
     """A module list for trainer.py as if an earlier run had recorded it."""
-    key = cache_key(PythonScript("trainer.py", python=PYTHON), str(cwd))
-    assert ModuleCache(str(cache_dir), key).save(ModuleList(modules=modules))
+    plant_modules(cache_dir, cwd, "trainer.py", [], modules)
 
 
 def _join(

@@ -17,32 +17,41 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from elastrun.agent.warm_pool import ROUND_VARS
 from tests.conftest import PYTHON
 from tests.helpers import WARM_ENV, free_port, pid_alive, stop_groups, wait_for
 from tests.integration.test_cli import ELASTRUN, RUN_TIMEOUT, elastrun, env_without_pet
 
 # Records what a worker sees, all-reduces over gloo, and fails once (rank 1 of
-# the first attempt) so that the job restarts.
+# the first attempt) so that the job restarts. PROBE_PLAIN: only what the script
+# sees of its own start, without torch (the plain run's share of the comparison).
 PROBE = textwrap.dedent(
     """
     import json, os, sys, time
     warm = "torch" in sys.modules            # before the script imports anything
-    import torch
-    import torch.distributed as dist
+    plain = bool(os.environ.get("PROBE_PLAIN"))
+    if not plain:
+        import torch
+        import torch.distributed as dist
 
     rc, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["RANK"]
-    dist.init_process_group("gloo")
-    t = torch.tensor([1.0])
-    dist.all_reduce(t)
+    if not plain:
+        dist.init_process_group("gloo")
+        t = torch.tensor([1.0])
+        dist.all_reduce(t)
     rec = dict(warm=warm, argv=sys.argv, path0=sys.path[0], file=__file__, name=__name__,
                spec=None if __spec__ is None else __spec__.name, env=dict(os.environ),
-               pid=os.getpid(), ppid=os.getppid(), world=dist.get_world_size(), sum=t.item(),
-               stdin_tty=os.isatty(0), stdin=os.read(0, 10).decode(),
-               sid=os.getsid(0), pgid=os.getpgid(0))
+               pid=os.getpid(), ppid=os.getppid(), stdin_tty=os.isatty(0),
+               stdin=os.read(0, 10).decode(), sid=os.getsid(0), pgid=os.getpgid(0))
+    if not plain:
+        rec.update(world=dist.get_world_size(), sum=t.item())
     out = os.environ["PROBE_OUT"]
     with open(os.path.join(out, f"r{rc}-{rank}.json"), "w") as f:
         json.dump(rec, f)
+    if plain:
+        sys.exit(0)
     dist.destroy_process_group()
     if rc == "0" and rank == "1" and not os.environ.get("PROBE_NO_FAIL"):
         sys.exit(3)
@@ -95,17 +104,12 @@ def _probe_run(
 
 
 def _plain_run(tmp_path: Path) -> dict[str, Any]:
-    """The probe run by plain ``python -u probe.py a --b=c`` (world of one)."""
+    """The probe run by plain ``python -u probe.py a --b=c``: what it sees of
+    its own start (``argv``, ``__file__``, ``sys.path[0]``, ``__name__``,
+    ``__spec__``, stdin), not torch's (``PROBE_PLAIN``: nothing of it is
+    compared)."""
     out, env = _setup(tmp_path)
-    env.update(
-        RANK="0",
-        LOCAL_RANK="0",
-        WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        TORCHELASTIC_RESTART_COUNT="0",
-        PROBE_NO_FAIL="1",
-    )
+    env.update(RANK="0", TORCHELASTIC_RESTART_COUNT="0", PROBE_PLAIN="1")
     subprocess.run(
         [PYTHON, "-u", "probe.py", "a", "--b=c"],
         cwd=tmp_path,
@@ -175,28 +179,6 @@ def test_warm_workers_see_what_cold_workers_see(tmp_path):
     assert not pid_alive(zygote), "the warm interpreter outlived the agent"
 
 
-def test_virtual_local_rank_restarts_warm_with_each_ranks_device(tmp_path):
-    """--virtual-local-rank gives each local rank its own CUDA_VISIBLE_DEVICES:
-    set when the worker is forked (the warm interpreter never reads it), so the
-    restart is forked warm, and every worker sees what torchrun gives it."""
-    recs, events, _ = _probe_run(
-        tmp_path, "--virtual-local-rank", extra_env={"CUDA_VISIBLE_DEVICES": "5,7"}
-    )
-    for name, rec in recs.items():
-        local = int(rec["env"]["RANK"])  # one node: the rank is the local rank
-        assert rec["env"]["LOCAL_RANK"] == "0", name
-        assert rec["env"]["CUDA_VISIBLE_DEVICES"] == ("5", "7")[local], name
-        if name.startswith("r1-"):
-            assert rec["warm"] is True, f"{name} started cold"
-    used = {e["pid"] for e in events if e["kind"] == "warm_used"}
-    assert used == {r["pid"] for r in recs.values()}
-    # One warm interpreter, without the device variable, served both ranks.
-    (zygote,) = [e["pid"] for e in events if e["kind"] == "warm_started"]
-    assert {e["zygote"] for e in events if e["kind"] == "warm_used"} == {zygote}
-    gone = [e["reason"] for e in events if e["kind"] == "warm_discarded"]
-    assert gone == ["no restart is possible"]
-
-
 def test_the_first_workers_are_forked_from_a_zygote_ready_during_the_rendezvous(tmp_path):
     # Agent A waits in the rendezvous for B; its zygote imports torch meanwhile.
     out, env = _setup(tmp_path)
@@ -250,16 +232,25 @@ def test_the_first_workers_are_forked_from_a_zygote_ready_during_the_rendezvous(
     assert rec["world"] == 2
 
 
-def test_module_mode_runs_as_python_dash_m(tmp_path):
+@pytest.fixture(scope="module")
+def module_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One job for two tests: ``-m pkg.probe x`` with ``--virtual-local-rank``
+    and ``CUDA_VISIBLE_DEVICES=5,7`` (each flag changes nothing the other's
+    test reads): the records of its 2 ranks over 2 attempts, its events."""
+    tmp_path = tmp_path_factory.mktemp("module-run")
     out, env = _setup(tmp_path)
+    env["CUDA_VISIBLE_DEVICES"] = "5,7"
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "probe.py").write_text(PROBE)
+    events = tmp_path / "events.jsonl"
     proc = elastrun(
         "--standalone",
         "--nproc-per-node=2",
         "--max-restarts=1",
+        "--virtual-local-rank",
+        f"--events-file={events}",
         "-m",
         "pkg.probe",
         "x",
@@ -268,11 +259,39 @@ def test_module_mode_runs_as_python_dash_m(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = _records(out)
-    warm = recs["r1-0"]
+    assert set(recs) == {"r0-0", "r0-1", "r1-0", "r1-1"}
+    return {"dir": tmp_path, "recs": recs, "events": _events(events)}
+
+
+def test_module_mode_runs_as_python_dash_m(module_run: dict[str, Any]) -> None:
+    tmp_path, pkg = module_run["dir"], module_run["dir"] / "pkg"
+    warm = module_run["recs"]["r1-0"]
     assert warm["warm"] is True  # (the first start may be cold)
     assert warm["argv"] == [str(pkg / "probe.py"), "x"]
     assert warm["path0"] == str(tmp_path) and warm["file"] == str(pkg / "probe.py")
     assert warm["spec"] == "pkg.probe" and warm["name"] == "__main__"
+
+
+def test_virtual_local_rank_restarts_warm_with_each_ranks_device(
+    module_run: dict[str, Any],
+) -> None:
+    """--virtual-local-rank gives each local rank its own CUDA_VISIBLE_DEVICES:
+    set when the worker is forked (the warm interpreter never reads it), so the
+    restart is forked warm, and every worker sees what torchrun gives it."""
+    recs, events = module_run["recs"], module_run["events"]
+    for name, rec in recs.items():
+        local = int(rec["env"]["RANK"])  # one node: the rank is the local rank
+        assert rec["env"]["LOCAL_RANK"] == "0", name
+        assert rec["env"]["CUDA_VISIBLE_DEVICES"] == ("5", "7")[local], name
+        if name.startswith("r1-"):
+            assert rec["warm"] is True, f"{name} started cold"
+    used = {e["pid"] for e in events if e["kind"] == "warm_used"}
+    assert used == {r["pid"] for r in recs.values()}
+    # One warm interpreter, without the device variable, served both ranks.
+    (zygote,) = [e["pid"] for e in events if e["kind"] == "warm_started"]
+    assert {e["zygote"] for e in events if e["kind"] == "warm_used"} == {zygote}
+    gone = [e["reason"] for e in events if e["kind"] == "warm_discarded"]
+    assert gone == ["no restart is possible"]
 
 
 def test_a_warm_worker_failure_reads_like_the_scripts_own(tmp_path):
