@@ -93,7 +93,7 @@ class Run:
         self.starts += 1
         name = f"{node}-{self.starts}"
         flags = spare_flags(self.net, node, f"spares{self.seed}", self.join_timeout)
-        self.live[node] = start_in(self.j, self.net, node, name, flags, step_sleep=0.05)
+        self.live[node] = start_in(self.j, self.net, node, name, flags)
 
     def prune(self) -> None:
         """Let go of agents that ended by themselves (a node cut off from the
