@@ -217,10 +217,14 @@ def test_spares_replace_a_node_whose_health_check_fails_and_a_killed_node_with_i
 
 def test_a_node_with_another_node_unit_gets_the_config_mismatch(tmp_path: Path) -> None:
     port = free_port()
+    # No worker ever starts here: no warm interpreter (a torch import) either.
+    cold = ("--no-warm",)
     with job(tmp_path) as j:
-        a = j.start_agent("a", spare_flags(port, "a", j, host=True))
+        a = j.start_agent("a", spare_flags(port, "a", j, host=True, extra=cold))
         wait_for(lambda: kinds(j, "a", "node_joined"), BOUND, "the first node joined")
-        flags = [f for f in spare_flags(port, "b", j, host=False) if f != "--node-unit=2"]
+        flags = [
+            f for f in spare_flags(port, "b", j, host=False, extra=cold) if f != "--node-unit=2"
+        ]
         b = j.start_agent("b", flags)
         assert b.wait(BOUND) != 0
         assert "node_unit: job has 2, this node has 1" in b.output(), b.output()[-3000:]
