@@ -100,7 +100,7 @@ class Series:
         ]
         # Its name in the job (the namespaces share one host name), and the worker's.
         names = {"ELASTRUN_HOST_NAME": node, "ELASTIC_TEST_NODE": node}
-        agent = start_in(self.j, self.net, node, name, flags, step_sleep=0.05, env_extra=names)
+        agent = start_in(self.j, self.net, node, name, flags, env_extra=names)
         self.live[node] = agent
         return agent
 

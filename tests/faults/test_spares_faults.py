@@ -12,7 +12,7 @@ survivors keep theirs; at most one training generation at any moment; every
 worker's end is accounted for. No worker outlives the run.
 
 ``ELASTRUN_SOAK_SEED`` replays a run (the seed is printed);
-``ELASTRUN_SPARE_FAULTS`` sets how many faults (default 5).
+``ELASTRUN_SPARE_FAULTS`` sets how many faults (default 3; 5 under ``make soak``).
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ from tests.faults.test_faults import (
     wait_exit,
     workers_of,
 )
-from tests.helpers import wait_for
+from tests.helpers import soak_or, wait_for
 from tests.integration.elastic_harness import Agent, Job, job
 
-FAULTS = int(os.environ.get("ELASTRUN_SPARE_FAULTS") or 5)
+FAULTS = int(os.environ.get("ELASTRUN_SPARE_FAULTS") or soak_or(3, 5))
 POOL = ("n1", "n2", "n3")  # the nodes faults may hit; "h" hosts the store
 
 
@@ -93,7 +93,7 @@ class Run:
         self.starts += 1
         name = f"{node}-{self.starts}"
         flags = spare_flags(self.net, node, f"spares{self.seed}", self.join_timeout)
-        self.live[node] = start_in(self.j, self.net, node, name, flags, step_sleep=0.05)
+        self.live[node] = start_in(self.j, self.net, node, name, flags)
 
     def prune(self) -> None:
         """Let go of agents that ended by themselves (a node cut off from the
@@ -259,6 +259,7 @@ def one_fault(run: Run, rng: random.Random) -> str:
 
 
 @pytest.mark.netns
+@pytest.mark.slow  # `make soak` runs the longer series
 def test_spares_replace_lost_nodes_under_random_faults(
     tmp_path: Path,
     netns: Callable[[list[str]], Network],  # noqa: F811 (the fixture imported above)

@@ -5,17 +5,18 @@ the embedded store.
   start): the job stops after 2 identical failures, not after
   ``--max-restarts``; every node exits 1 with the same line naming the
   exception, the rank and the step.
-* A bad node (its ranks raise a CUDA-like error a few steps after every
-  start) beside a hot spare: after its second failure the node is
-  quarantined and leaves, the spare takes its place, the job trains at full
-  size again; ``elastrun status`` shows the verdict and the quarantine; the node's agent,
-  restarted, is refused until an operator clears it. The event logs of the
-  run are checked: no node is excluded beyond what the rule allows.
-* A persistent straggler (its ranks sleep longer in every step) beside a
-  hot spare, with ``--replace-stragglers``: group rank 0's agent decides
-  once, the straggler leaves the job, the spare takes its place; the
+* A bad node, then a persistent straggler, each replaced by a hot spare, in
+  one job (one job for both: each agent's warm interpreter costs a torch
+  import). Node b's ranks raise a CUDA-like error a few steps after every
+  start; the spare s's ranks sleep longer in every step. After b's second
+  failure, b is quarantined and leaves, s takes its place, the job trains at
+  full size again; ``elastrun status`` shows the verdict and the quarantine;
+  b's agent, restarted, is refused until an operator clears it. The event
+  logs are checked: no node is excluded beyond what the rule allows. Then,
+  with ``--replace-stragglers``, once a second spare t waits: group rank 0's
+  agent decides once, the straggler s leaves the job, t takes its place; the
   survivor's restart is a membership change (not counted); ``elastrun
-  status`` shows the straggler kept out.
+  status`` shows s kept out.
 """
 
 from __future__ import annotations
@@ -132,47 +133,56 @@ def justified(j: Job, names: list[str]) -> None:
                 assert cause["kind"] != "broken_collective", cause
 
 
-def spare_trains_in_its_place(j: Job) -> None:
-    """Node b left: the spare s and the survivor a train at full size."""
+def spare_trains_in_its_place(j: Job, spare: str = "s") -> None:
+    """The lost node left: ``spare`` and the survivor a train at full size."""
     mark = len(j.steps())
     wait_for(
-        lambda: {"a", "s"} <= {st["node"] for st in steps_after(j, mark, lambda st: True)},
+        lambda: {"a", spare} <= {st["node"] for st in steps_after(j, mark, lambda st: True)},
         BOUND,
         "the spare and the survivor training at full size",
     )
-    assert all(st["world"] == 2 for st in steps_after(j, mark, lambda st: st["node"] == "s"))
+    assert all(st["world"] == 2 for st in steps_after(j, mark, lambda st: st["node"] == spare))
 
 
-def test_a_bad_node_is_quarantined_and_replaced_by_the_spare(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def faulty(name: str, mode: str, node: str) -> dict[str, str]:
+    """Agent ``name``'s environment: its node name, and the fault of its
+    workers (``FAULT_MODE`` on node ``FAULT_NODE``: scripts/elastic_worker.py)."""
+    return {**node_name(name), "FAULT_MODE": mode, "FAULT_NODE": node}
+
+
+def test_a_bad_node_is_quarantined_then_a_persistent_straggler_is_replaced_by_spares(
+    tmp_path: Path,
 ) -> None:
-    monkeypatch.setenv("FAULT_MODE", "bad_node")
-    monkeypatch.setenv("FAULT_NODE", "b")
     port = free_port()
     # b fails after every start: until the spare s is there it stays (the
     # job would fall below --nnodes min 2), so the job may restart a few
-    # times more than the 2 failures that judge b.
-    extra = ["--node-unit=2", "--quarantine-time=600", "--max-restarts=12"]
+    # times more than the 2 failures that judge b. --replace-stragglers
+    # decides only while a spare waits: not before s is a member, once t waits.
+    extra = [
+        "--node-unit=2",
+        "--quarantine-time=600",
+        "--max-restarts=12",
+        "--straggler-interval=0.5",
+        "--replace-stragglers=2",
+    ]
+    bad = ("bad_node", "b")  # b's ranks fail a few steps after every start
+    slow = ("slow_node", "s")  # s's ranks are slow in every step
+
+    def start(name: str, fault: tuple[str, str], *, host: bool = False) -> Agent:
+        f = flags(port, j, name, host=host, nnodes="2:3", extra=extra)
+        return j.start_agent(name, f, env_extra=faulty(name, *fault))
+
     with job(tmp_path) as j:
-        a = j.start_agent(
-            "a", flags(port, j, "a", host=True, nnodes="2:3", extra=extra), env_extra=node_name("a")
-        )
-        b = j.start_agent(
-            "b",
-            flags(port, j, "b", host=False, nnodes="2:3", extra=extra),
-            env_extra=node_name("b"),
-        )
+        # -- a bad node: b quarantined, the spare s in its place
+        a = start("a", bad, host=True)
+        b = start("b", bad)
         wait_for(lambda: j.kinds("a", "workers_started"), BOUND, "node a training")
-        s = j.start_agent(
-            "s",
-            flags(port, j, "s", host=False, nnodes="2:3", extra=extra),
-            env_extra=node_name("s"),
-        )
+        s = start("s", slow)
         assert b.wait(BOUND) == 1, b.output()[-3000:]
         out = b.output()
         assert "node fault: node b failed 2 times in a row" in out, out[-3000:]
         assert "this node (b) leaves the job, quarantined until" in out, out[-3000:]
-        spare_trains_in_its_place(j)
+        spare_trains_in_its_place(j, "s")
         # The survivor judged too when its ranks' broken collective failed
         # before b's restart order reached its agent; when the order came
         # first, its agent stopped its ranks (no failure of its own to judge)
@@ -197,7 +207,7 @@ def test_a_bad_node_is_quarantined_and_replaced_by_the_spare(
         assert as_json["fault_stopped"] is None
 
         b2 = flags(port, j, "b2", host=False, nnodes="2:3", extra=extra)
-        again = j.start_agent("b2", b2, env_extra=node_name("b"))  # node b's agent, restarted
+        again = j.start_agent("b2", b2, env_extra=faulty("b", *bad))  # b's agent, restarted
         assert again.wait(BOUND) == 1
         assert "this node (b) is quarantined until" in again.output(), again.output()[-3000:]
         assert "--clear-quarantine b" in again.output()
@@ -206,52 +216,32 @@ def test_a_bad_node_is_quarantined_and_replaced_by_the_spare(
         assert "node b quarantined until" not in status(port).stdout  # the record is gone
 
         justified(j, ["a", "b", "s"])
-        j.touch("finish")
-        for agent in (a, s):
-            assert agent.wait(BOUND) == 0, agent.output()[-3000:]
 
-
-def test_a_persistent_straggler_is_replaced_by_the_spare(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("FAULT_MODE", "slow_node")
-    monkeypatch.setenv("FAULT_NODE", "b")
-    port = free_port()
-    extra = [
-        "--node-unit=2",
-        "--quarantine-time=600",
-        "--straggler-interval=0.5",
-        "--replace-stragglers=2",
-    ]
-    with job(tmp_path) as j:
-
-        def start(name: str, *, host: bool = False) -> Agent:
-            f = flags(port, j, name, host=host, nnodes="2:3", extra=extra)
-            return j.start_agent(name, f, env_extra=node_name(name))
-
-        a = start("a", host=True)
-        b = start("b")
-        # Round 0 closes with a and b (its largest allowed size): s is a spare.
-        wait_for(lambda: j.kinds("b", "round_joined"), BOUND, "node b a member")
-        s = start("s")
-        wait_for(lambda: j.kinds("s", "node_waiting"), BOUND, "the spare waiting")
-        assert b.wait(BOUND) == 1, b.output()[-3000:]
-        assert "this node (b) leaves the job, kept out until" in b.output(), b.output()[-3000:]
-        (left,) = j.kinds("b", "job_failed")
-        assert left["reason"] == "straggler_replaced"
-        spare_trains_in_its_place(j)
-        # One decision, by group rank 0's agent, naming b; the survivor's
+        # -- a persistent straggler: s, once the spare t waits, replaced by t
+        restarts_before = len(j.kinds("a", "restart"))
+        t = start("t", slow)
+        wait_for(lambda: j.kinds("t", "node_waiting"), BOUND, "the spare t waiting")
+        assert s.wait(BOUND) == 1, s.output()[-3000:]
+        assert "this node (s) leaves the job, kept out until" in s.output(), s.output()[-3000:]
+        (gone,) = j.kinds("s", "job_failed")
+        assert gone["reason"] == "straggler_replaced"
+        spare_trains_in_its_place(j, "t")
+        # One decision, by group rank 0's agent, naming s; the survivor's
         # restart was a membership change, not counted.
         decisions = [
-            e for n in ("a", "b", "s") for e in j.kinds(n, "straggler_replacement") if e["replaced"]
+            e
+            for n in ("a", "b", "s", "t")
+            for e in j.kinds(n, "straggler_replacement")
+            if e["replaced"]
         ]
-        assert [d["node"] for d in decisions] == ["b"], decisions
+        assert [d["node"] for d in decisions] == ["s"], decisions
         assert decisions[0]["intervals"] >= 2
-        assert all(not r["counted"] for r in j.kinds("a", "restart")), j.kinds("a", "restart")
+        since = j.kinds("a", "restart")[restarts_before:]
+        assert all(not r["counted"] for r in since), since
         table = status(port)
         assert table.returncode == 0, table.stderr
-        assert "node b quarantined until" in table.stdout, table.stdout
+        assert "node s quarantined until" in table.stdout, table.stdout
         assert "straggler: rank 1" in table.stdout, table.stdout
         j.touch("finish")
-        for agent in (a, s):
+        for agent in (a, t):
             assert agent.wait(BOUND) == 0, agent.output()[-3000:]

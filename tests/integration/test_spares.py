@@ -1,10 +1,17 @@
 """Hot spares end to end: real agents, real gloo workers, the embedded store.
 
-Three nodes with ``--nnodes=2:3 --node-unit=2``: two train, the third waits as
-a spare (joined, its warm interpreter up, no worker). A training node's agent
-is SIGKILLed: the spare takes its place at world 2 with the lost node's group
-rank, the survivor keeps its own, training goes on from the checkpoint, and
-the event logs record the promotion.
+Nodes with ``--nnodes=2:3 --node-unit=2``: two train, a third waits as a spare
+(joined, its warm interpreter up, no worker). In one job (each agent's warm
+interpreter costs a torch import), in turn:
+
+* ``--health-check``: a node whose check fails does not join the job (the
+  others train on, unchanged); a training node whose check starts failing
+  leaves at the next round boundary, and the waiting spare takes its place;
+  ``elastrun status`` names both nodes, when and why.
+* A training node's agent is SIGKILLed: a second spare takes its place at
+  world 2 with the lost node's group rank, the survivor keeps its own,
+  training goes on from the checkpoint, and the event logs record the
+  promotion.
 """
 
 from __future__ import annotations
@@ -20,14 +27,18 @@ from tests.helpers import free_port, pid_alive, wait_for
 from tests.integration.elastic_harness import (
     BOUND,
     ELASTRUN,
+    Agent,
     Job,
     check_finished,
     job,
+    node_name,
     steps_after,
 )
 
 
-def spare_flags(port: int, name: str, j: Job, *, host: bool) -> list[str]:
+def spare_flags(
+    port: int, name: str, j: Job, *, host: bool, extra: tuple[str, ...] = ()
+) -> list[str]:
     return [
         "--nnodes=2:3",
         "--node-unit=2",
@@ -39,6 +50,7 @@ def spare_flags(port: int, name: str, j: Job, *, host: bool) -> list[str]:
         f"--rdzv-conf=last_call_timeout=1,lease_ttl=2,join_timeout=60,is_host={int(host)}",
         "--shutdown-timeout=5",
         f"--events-file={j.dir / f'events-{name}.jsonl'}",
+        *extra,
     ]
 
 
@@ -68,23 +80,47 @@ def status_json(port: int) -> dict[str, Any]:
     return summary
 
 
-def test_a_killed_training_node_is_replaced_by_the_spare_with_its_rank(tmp_path: Path) -> None:
+def test_spares_replace_a_node_whose_health_check_fails_and_a_killed_node_with_its_rank(
+    tmp_path: Path,
+) -> None:
     port = free_port()
+    sick = tmp_path / "sick_b"
+    bad = "--health-check=sh -c 'echo GPU 0 has fallen off the bus; exit 7'"
+    watch = (f"--health-check=test ! -e {sick}", "--health-check-interval=1")
+
+    def start(name: str, *extra: str, host: bool = False) -> Agent:
+        flags = spare_flags(port, name, j, host=host, extra=extra)
+        return j.start_agent(name, flags, env_extra=node_name(name))
+
     with job(tmp_path) as j:
-        a = j.start_agent("a", spare_flags(port, "a", j, host=True))  # hosts the store
-        b = j.start_agent("b", spare_flags(port, "b", j, host=False))
+        # -- a node whose health check fails does not join
+        a = start("a", host=True)  # hosts the store
+        b = start("b", *watch)
         wait_for(lambda: any(s["world"] == 2 for s in j.steps()), BOUND, "training at world 2")
-        s = j.start_agent("s", spare_flags(port, "s", j, host=False))
+        c = start("c", bad)
+        assert c.wait(BOUND) == 1, c.output()[-3000:]
+        said = (
+            "the health check `sh -c echo GPU 0 has fallen off the bus; exit 7` exited with "
+            "code 7: GPU 0 has fallen off the bus; this node does not join the job"
+        )
+        assert said in c.output(), c.output()[-3000:]
+        assert not kinds(j, "c", "node_joined")
+        # It said so at once: it did not wait for its warm interpreter first.
+        assert not kinds(j, "c", "warm_join"), kinds(j, "c", "warm_join")
+        (failed,) = kinds(j, "c", "node_health_failed")
+        assert failed["when"] == "before_round" and failed["reason"] == "exited with code 7"
+        assert len(kinds(j, "a", "workers_started")) == 1  # a's round never re-formed
+
+        # -- a spare waits, warm, and status shows it
+        s = start("s")
         wait_for(lambda: kinds(j, "s", "node_waiting"), BOUND, "the third node waits")
         waiting = kinds(j, "s", "node_waiting")[-1]
         assert waiting["spare"] is True and "spare" in str(waiting["reason"]), waiting
         wait_for(lambda: kinds(j, "s", "warm_ready"), BOUND, "the spare's warm interpreter")
         assert not any(st["node"] == "s" for st in j.steps()), "the spare trained"
         assert not kinds(j, "s", "workers_started")
-
         ranks = {st["node"]: st["group_rank"] for st in j.steps()}
         assert sorted(ranks) == ["a", "b"] and sorted(ranks.values()) == [0, 1]
-        b_id = kinds(j, "b", "round_joined")[-1]["node_id"]
         s_id = kinds(j, "s", "node_waiting")[-1]["node_id"]
         before = status_json(port)
         assert before["state"] == "running" and before["node_unit"] == 2
@@ -93,47 +129,102 @@ def test_a_killed_training_node_is_replaced_by_the_spare_with_its_rank(tmp_path:
         table = status(port)
         assert any(ln.startswith("spares: ") and s_id in ln for ln in table.splitlines()), table
         assert "node unit 2" in table and "1 spare;" in table, table
-        b_pids = {st["pid"] for st in j.steps() if st["node"] == "b"}
+
+        # -- a training node whose check starts failing leaves; the spare takes its place
+        sick.write_text("")
+        wait_for(
+            lambda: "this node leaves the job when this round ends" in b.output(),
+            BOUND,
+            "node b's check failing while it trains",
+        )
+        assert kinds(j, "b", "node_health_failed")[-1]["when"] == "training"
         mark = len(j.steps())
-        os.kill(b.proc.pid, signal.SIGKILL)  # the agent alone: its guard does the rest
-        wait_for(  # each rank writes its step record on its own: wait for both
+        old = {st["pid"] for st in j.steps()}
+        j.touch("crash_rank_0")  # a round boundary
+        assert b.wait(BOUND) == 1, b.output()[-3000:]
+        assert "this node does not join the job" in b.output()
+        wait_for(
+            # The spare replaces b: a and s train at world 2 again.
             lambda: (
                 {"a", "s"}
+                <= {
+                    st["node"]
+                    for st in steps_after(
+                        j, mark, lambda st: st["world"] == 2 and st["pid"] not in old
+                    )
+                }
+            ),
+            BOUND,
+            "the spare training in b's place",
+        )
+        # elastrun status names both nodes whose check failed, when, and why.
+        lines = status(port).splitlines()
+        (c_line,) = [ln for ln in lines if ln.startswith("health    node c ")]
+        assert "failed its health check before joining at " in c_line, c_line
+        assert c_line.endswith(": exited with code 7: GPU 0 has fallen off the bus"), c_line
+        (b_line,) = [ln for ln in lines if ln.startswith("health    node b ")]
+        assert "failed its health check while training at " in b_line, b_line
+        assert b_line.endswith(": exited with code 1"), b_line
+        # (--json's health_failures: tests/unit/test_attribution_act.py)
+
+        # -- a training node's agent SIGKILLed: a second spare takes its rank
+        t = start("t")
+        wait_for(lambda: kinds(j, "t", "node_waiting"), BOUND, "a second spare waits")
+        wait_for(lambda: kinds(j, "t", "warm_ready"), BOUND, "the second spare's warm interpreter")
+        now = max(st["restart"] for st in j.steps())
+        round_now = status_json(port)["round"]
+        current = [st for st in j.steps() if st["pid"] not in old and st["restart"] == now]
+        ranks = {st["node"]: st["group_rank"] for st in current}
+        assert sorted(ranks) == ["a", "s"] and sorted(ranks.values()) == [0, 1], ranks
+        s_joined = joined_id(j, "s")
+        t_id = kinds(j, "t", "node_waiting")[-1]["node_id"]
+        s_pids = {st["pid"] for st in j.steps() if st["node"] == "s"}
+        mark = len(j.steps())
+        os.kill(s.proc.pid, signal.SIGKILL)  # the agent alone: its guard does the rest
+        wait_for(  # each rank writes its step record on its own: wait for both
+            lambda: (
+                {"a", "t"}
                 <= {st["node"] for st in steps_after(j, mark, lambda st: st["world"] == 2)}
             ),
             BOUND,
             "the spare and the survivor training at world 2",
         )
-        assert b.wait(BOUND) == -signal.SIGKILL
-        wait_for(lambda: not any(pid_alive(p) for p in b_pids), BOUND, "the lost node's workers")
+        assert s.wait(BOUND) == -signal.SIGKILL
+        wait_for(lambda: not any(pid_alive(p) for p in s_pids), BOUND, "the lost node's workers")
 
-        after = steps_after(j, mark, lambda st: st["world"] == 2 and st["node"] in ("a", "s"))
+        after = steps_after(j, mark, lambda st: st["world"] == 2 and st["node"] in ("a", "t"))
         by_node = {st["node"]: st["group_rank"] for st in after}
-        assert by_node == {"a": ranks["a"], "s": ranks["b"]}, by_node
-        promoted = kinds(j, "s", "spare_promoted")
+        assert by_node == {"a": ranks["a"], "t": ranks["s"]}, by_node
+        promoted = kinds(j, "t", "spare_promoted")
         assert len(promoted) == 1, promoted
-        assert promoted[0]["group_rank"] == ranks["b"] and promoted[0]["replaces"] == b_id
-        said = f"this spare trains now, as group rank {ranks['b']}, in place of node {b_id},"
-        assert said in s.output(), s.output()[-3000:]
+        assert promoted[0]["group_rank"] == ranks["s"] and promoted[0]["replaces"] == s_joined
+        said = f"this spare trains now, as group rank {ranks['s']}, in place of node {s_joined},"
+        assert said in t.output(), t.output()[-3000:]
         after_status = wait_for(
-            lambda: (st := status_json(port))["state"] == "running" and st["round"] > 0 and st,
+            lambda: (
+                (st := status_json(port))["state"] == "running" and st["round"] > round_now and st
+            ),
             BOUND,
             "status after the promotion",
         )
         assert after_status["spares"] == [], after_status
         members = {m["node_id"]: m["group_rank"] for m in after_status["members"]}
-        assert members == {s_id: ranks["b"], joined_id(j, "a"): ranks["a"]}, after_status
+        assert members == {t_id: ranks["s"], joined_id(j, "a"): ranks["a"]}, after_status
         joined_a = kinds(j, "a", "round_joined")[-1]
         assert joined_a["group_rank"] == joined_a["previous_group_rank"] == ranks["a"]
-        check_finished(j, tmp_path, a, s)
+        check_finished(j, tmp_path, a, t)
 
 
 def test_a_node_with_another_node_unit_gets_the_config_mismatch(tmp_path: Path) -> None:
     port = free_port()
+    # No worker ever starts here: no warm interpreter (a torch import) either.
+    cold = ("--no-warm",)
     with job(tmp_path) as j:
-        a = j.start_agent("a", spare_flags(port, "a", j, host=True))
+        a = j.start_agent("a", spare_flags(port, "a", j, host=True, extra=cold))
         wait_for(lambda: kinds(j, "a", "node_joined"), BOUND, "the first node joined")
-        flags = [f for f in spare_flags(port, "b", j, host=False) if f != "--node-unit=2"]
+        flags = [
+            f for f in spare_flags(port, "b", j, host=False, extra=cold) if f != "--node-unit=2"
+        ]
         b = j.start_agent("b", flags)
         assert b.wait(BOUND) != 0
         assert "node_unit: job has 2, this node has 1" in b.output(), b.output()[-3000:]

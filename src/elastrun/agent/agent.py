@@ -128,14 +128,16 @@ __all__ = ["FEATURES", "Agent"]
 RDZV_SHUTDOWN_TIMEOUT = 30.0
 
 # The agent's features, each module's own factory; their hooks run in this order.
+# The node's own health check first: a node that fails it says so and leaves
+# before warm starts wait (bounded) for the warm interpreter's imports.
 FEATURES: tuple[Callable[[Core], list[Feature]], ...] = (
+    node_health.features,
     warm.features,
     hang_group.features,
     gpu_release.features,
     memory.features,
     file_timers.features,
     health_check.features,
-    node_health.features,
     goodput.features,
     metrics_server.features,
 )
