@@ -34,10 +34,10 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from elastrun.fields import Fields
+from elastrun.frozen import frozen
 
 __all__ = [
     "BROKEN_COLLECTIVE",
@@ -64,7 +64,7 @@ HANG = "hang"  # declared failed while it ran (the hang watchdog, a file timer)
 BROKEN_COLLECTIVE = "broken_collective"  # its error says a peer's connection broke
 
 
-@dataclass(frozen=True)
+@frozen
 class FailedWorker:
     """One failed worker of the failing node, in brief."""
 
@@ -95,7 +95,7 @@ class FailedWorker:
         )
 
 
-@dataclass(frozen=True)
+@frozen
 class FailureRecord:
     """A node's worker failure: the worker that caused it, and every failed one.
 

@@ -8,11 +8,12 @@ form is :meth:`Goodput.line`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from enum import StrEnum
 from typing import Any
 
 from elastrun.fields import Fields
+from elastrun.frozen import frozen
 
 __all__ = ["LOSSES", "MAX_SECONDS", "Cause", "Goodput"]
 
@@ -32,7 +33,7 @@ class Cause(StrEnum):
 LOSSES = (Cause.RESTART, Cause.REDONE, Cause.HANG, Cause.SAVES, Cause.WAITING)
 
 
-@dataclass(frozen=True)
+@frozen
 class Goodput:
     """The figures at one time: seconds per cause, and what was counted."""
 

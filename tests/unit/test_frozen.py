@@ -70,8 +70,21 @@ def shapes(deco: Any, deco_slots: Any) -> dict[str, tuple[type, dict[str, Any]]]
         def __hash__(self) -> int:
             return 7
 
+    @deco
+    class Checked:
+        low: int
+        high: int = 10
+        span: int = field(init=False, default=0)
+        tags: tuple[str, ...] = field(default=(), kw_only=True)
+
+        def __post_init__(self) -> None:
+            if self.low > self.high:
+                raise ValueError(f"low {self.low} > high {self.high}")
+            object.__setattr__(self, "span", self.high - self.low)
+
     return {
         "Plain": (Plain, {"a": 1, "c": [1, 2]}),
+        "Checked": (Checked, {"low": 1, "tags": ("t",)}),
         "Secret": (Secret, {"user": "u", "password": "p", "note": "n", "tag": "t"}),
         "Slotted": (Slotted, {"key": b"k", "value": 3}),
         "Empty": (Empty, {}),
@@ -123,6 +136,39 @@ def test_a_frozen_class_behaves_as_a_frozen_dataclass(name: str) -> None:
     if kwargs:
         first = next(iter(kwargs))
         assert repr(dataclasses.replace(new, **{first: kwargs[first]})) == repr(new)
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "kwargs"),
+    [
+        ("Plain", (), {}),  # a required field missing
+        ("Plain", (1, "y", [], 4), {}),  # too many positional arguments
+        ("Plain", (1,), {"a": 2}),  # one field twice
+        ("Plain", (), {"a": 1, "d": 2}),  # no such field
+        ("Checked", (1, 2, 3), {}),  # a keyword-only field given by position
+        ("Checked", (1,), {"span": 3}),  # a field that __init__ does not take
+        ("Checked", (5, 1), {}),  # refused by __post_init__
+        ("Empty", (1,), {}),
+    ],
+)
+def test_a_bad_call_is_refused_as_by_dataclass(
+    name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    (ref_cls, _), (cls, _) = DATACLASS[name], FROZEN[name]
+    ref, new = outcome(lambda: ref_cls(*args, **kwargs)), outcome(lambda: cls(*args, **kwargs))
+    assert isinstance(ref, tuple) and isinstance(new, tuple), (ref, new)
+    assert new[0] is ref[0], (ref, new)
+    if ref[0] is ValueError:
+        assert new == ref
+
+
+def test_positional_and_default_arguments_fill_the_fields_as_with_dataclass() -> None:
+    for name, args, kwargs in (("Plain", (1, "y"), {}), ("Checked", (2,), {"high": 4})):
+        (ref_cls, _), (cls, _) = DATACLASS[name], FROZEN[name]
+        assert repr(cls(*args, **kwargs)) == repr(ref_cls(*args, **kwargs))
+    (cls, _), (ref_cls, _) = FROZEN["Checked"], DATACLASS["Checked"]
+    assert cls(2, 4).span == ref_cls(2, 4).span == 2  # set by __post_init__, not an argument
+    assert FROZEN["Plain"][0](1).c is not FROZEN["Plain"][0](1).c  # a new list each time
 
 
 def test_the_hash_is_the_dataclass_hash_of_the_hashed_fields() -> None:

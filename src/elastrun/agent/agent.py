@@ -58,7 +58,6 @@ import shutil
 import signal
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from elastrun.agent import (
@@ -119,6 +118,7 @@ from elastrun.event_kinds import (
 )
 from elastrun.events import EventSink, JsonLinesSink, NullSink, TeeSink
 from elastrun.failure import FailureRecord, same_failure
+from elastrun.frozen import frozen
 from elastrun.procs import say, signal_name
 from elastrun.rendezvous.api import Change, Rendezvous, RendezvousHooks, RoundResult
 from elastrun.untrusted import printable
@@ -143,7 +143,7 @@ FEATURES: tuple[Callable[[Core], list[Feature]], ...] = (
 )
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkersExited:
     """The round's workers ended: all exited 0 (``succeeded``), or one failed."""
 

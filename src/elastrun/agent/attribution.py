@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 
 from elastrun.agent.failures import SETTLE_TIMEOUT
 from elastrun.agent.hang_group import progress_file
@@ -47,6 +46,7 @@ from elastrun.agent.workers import WorkerGroup
 from elastrun.errors import ElastrunError
 from elastrun.event_kinds import FaultVerdict, NodeQuarantined, QuarantineRefused
 from elastrun.failure import FailureRecord, same_failure
+from elastrun.frozen import frozen
 from elastrun.rendezvous.api import RoundResult
 from elastrun.rendezvous.fault_history import JudgedFault, entry_of
 from elastrun.rendezvous.quarantine import QuarantineRecord, kept_in
@@ -60,7 +60,7 @@ __all__ = ["ENTRY_TIMEOUT", "Action", "Attribution"]
 ENTRY_TIMEOUT = SETTLE_TIMEOUT + 5.0
 
 
-@dataclass(frozen=True)
+@frozen
 class Action:
     """What the agent does about a verdict: ``exit_code`` (None: go on) and
     the line it prints."""

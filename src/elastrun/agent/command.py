@@ -32,8 +32,10 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import ClassVar
+
+from elastrun.frozen import frozen
 
 __all__ = [
     "LOCAL_RANK_MACRO",
@@ -96,7 +98,7 @@ class _Python:
         return (self.python, UNBUFFERED, RUNNER_SCRIPT, *self.entry, *args)
 
 
-@dataclass(frozen=True)
+@frozen
 class PythonScript(_Python):
     """``python -u path args``."""
 
@@ -114,7 +116,7 @@ class PythonScript(_Python):
         return (self.path,)
 
 
-@dataclass(frozen=True)
+@frozen
 class PythonModule(_Python):
     """``python -u -m name args``."""
 
@@ -136,7 +138,7 @@ class PythonModule(_Python):
         return ("-m", self.name)
 
 
-@dataclass(frozen=True)
+@frozen
 class Executable:
     """A program run as given (``${local_rank}`` replaced in every part)."""
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterable
-from dataclasses import dataclass
+
+from elastrun.frozen import frozen
 
 __all__ = ["EnvFirst", "env_set_first"]
 
@@ -31,7 +32,7 @@ WRITES = frozenset(("update", "setdefault", "pop", "clear", "__setitem__", "__de
 CALLS = frozenset(("putenv", "unsetenv"))
 
 
-@dataclass(frozen=True)
+@frozen
 class EnvFirst:
     """``variable`` (``?`` when not a literal) set at ``line`` of ``path``,
     before the import of ``module`` at ``import_line``."""

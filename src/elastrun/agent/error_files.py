@@ -12,9 +12,9 @@ torch's ``@record`` or by :func:`elastrun.record` (same JSON format)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from elastrun.frozen import frozen
 from elastrun.safefs import UnsafePath, read_regular
 from elastrun.untrusted import MAX_DEPTH, UntrustedData, depth, loads
 
@@ -23,7 +23,7 @@ __all__ = ["MAX_ERROR_FILE_BYTES", "ErrorFileInfo", "read_error_file"]
 MAX_ERROR_FILE_BYTES = 1 << 20  # an error file larger than this is not read (said so)
 
 
-@dataclass(frozen=True)
+@frozen
 class ErrorFileInfo:
     message: str
     traceback: str | None

@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from typing import Any
 
 from elastrun.agent.error_files import ErrorFileInfo
@@ -43,6 +43,7 @@ from elastrun.failure import (
     FailedWorker,
     FailureRecord,
 )
+from elastrun.frozen import frozen
 from elastrun.procs import signal_name
 from elastrun.rendezvous.api import Change, RoundResult
 from elastrun.untrusted import printable
@@ -85,7 +86,7 @@ COLLATERAL = "collateral"
 OK = "ok"  # exited 0: no failure
 
 
-@dataclass(frozen=True)
+@frozen
 class Ending:
     """How one worker ended, as the root-cause rule sees it.
 
@@ -179,7 +180,7 @@ def describe_exit(returncode: int) -> str:
     return f"signal {signal_name(signum)} ({signum})"
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkerFailure:
     """One worker that ended with a non-zero exit code or a signal."""
 

@@ -55,7 +55,6 @@ import stat
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from elastrun.agent.hooks import Core, Feature
@@ -68,6 +67,7 @@ from elastrun.event_kinds import (
     FileTimersStarted,
 )
 from elastrun.fields import Fields
+from elastrun.frozen import frozen
 from elastrun.procs import signal_name
 from elastrun.untrusted import loads, printable
 
@@ -94,7 +94,7 @@ MAX_TIMERS = 4096  # timers held at once, all processes together
 MAX_SCOPE = 1024  # characters of a scope id
 
 
-@dataclass(frozen=True)
+@frozen
 class TimerRequest:
     """One request of torch's FileTimerClient (``expiration_time`` < 0: a release)."""
 

@@ -20,9 +20,10 @@ summary says so (and why) instead; every string is escaped for the terminal.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from elastrun.agent.stacks import RankStacks, report
+from elastrun.frozen import frozen
 from elastrun.rendezvous import notes as N
 from elastrun.rendezvous.api import Rendezvous, RoundResult, whole
 from elastrun.untrusted import printable
@@ -65,7 +66,7 @@ async def share(rendezvous: Rendezvous, result: RoundResult, stacks: list[RankSt
         await rendezvous.write_note(note)
 
 
-@dataclass(frozen=True)
+@frozen
 class Gathered:
     """Every rank's stacks found, and a line for each member without a usable note."""
 

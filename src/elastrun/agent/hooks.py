@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import TYPE_CHECKING
 
 from elastrun.agent.children import Reaper
@@ -30,6 +30,7 @@ from elastrun.agent.round_hooks import RoundHooks
 from elastrun.agent.spec import WorkerSpec
 from elastrun.clock import Clock
 from elastrun.events import EventSink
+from elastrun.frozen import frozen
 from elastrun.rendezvous.api import Rendezvous
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 __all__ = ["Core", "Departure", "Feature", "Leave", "RoundHooks"]
 
 
-@dataclass(frozen=True)
+@frozen
 class Leave:
     """A feature asked this node to leave the job: ``line``, said on the
     console, and ``reason``, the ``job_failed`` event's."""
@@ -73,7 +74,7 @@ class Departure:
         return self._leave
 
 
-@dataclass(frozen=True)
+@frozen
 class Core:
     """What a feature may use of the agent: the spec, the rendezvous (its
     notes), the event log, the clock, the orphan guard and the reaper its

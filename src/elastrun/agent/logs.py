@@ -56,6 +56,7 @@ from elastrun.agent.spec import Std, WorkerSpec
 from elastrun.errors import ConfigError
 from elastrun.event_kinds import LogOutputLost, LogWriteFailed
 from elastrun.events import EventSink
+from elastrun.frozen import frozen
 from elastrun.procs import say
 from elastrun.safefs import (
     append_fd,
@@ -174,7 +175,7 @@ class FilteredCopy:
             self._file = None
 
 
-@dataclass(frozen=True)
+@frozen
 class StreamRoute:
     """Where one stream of one worker goes."""
 

@@ -49,7 +49,6 @@ import shutil
 import socket
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -71,6 +70,7 @@ from elastrun.event_kinds import (
     MemoryReplicaSendFailed,
     MemoryReplicaSent,
 )
+from elastrun.frozen import frozen
 from elastrun.procs import pid_alive
 from elastrun.rendezvous.api import RoundResult, whole
 from elastrun.rendezvous.notes import ReplicaNote, seats
@@ -114,7 +114,7 @@ def features(core: Core) -> list[Feature]:
     return [MemoryCheckpoints(core)]
 
 
-@dataclass(frozen=True)
+@frozen
 class Neighbour:
     """Where this round's marked snapshots go: the next node's replica port."""
 
@@ -123,7 +123,7 @@ class Neighbour:
     node_id: str
 
 
-@dataclass(frozen=True)
+@frozen
 class Persisted:
     """A snapshot written to disk: where, its step, size and SHA-256."""
 

@@ -23,6 +23,7 @@ from elastrun.agent.children import ForkedProcess
 from elastrun.agent.error_files import ErrorFileInfo, read_error_file
 from elastrun.agent.failures import Ending, WorkerFailure
 from elastrun.agent.logs import TAIL_LINES, LinePump, LogWriteErrors, StreamRoute
+from elastrun.frozen import frozen
 
 __all__ = ["Declared", "Process", "Worker", "exit_begun", "killpg"]
 
@@ -59,7 +60,7 @@ def exit_begun(pid: int) -> bool:
     return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & PF_EXITING)
 
 
-@dataclass(frozen=True)
+@frozen
 class Declared:
     """A rank a feature declared failed while it ran: why (one line), when."""
 

@@ -76,11 +76,11 @@ import secrets
 import socket
 import struct
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from elastrun.agent.spec import DEFAULT_REPLICA_MAX_BYTES, DEFAULT_REPLICA_MAX_HEADER
 from elastrun.fields import Fields
+from elastrun.frozen import frozen
 from elastrun.safefs import create_new
 from elastrun.untrusted import UntrustedData, loads, printable
 from elastrun.worker.snapshot import (
@@ -150,7 +150,7 @@ def header_bound(tensors: int, max_header: int = DEFAULT_MAX_HEADER) -> int:
     return min(max_header, HEADER_BASE + HEADER_PER_TENSOR * tensors)
 
 
-@dataclass(frozen=True)
+@frozen
 class Offer:
     """What a sender offers: one snapshot of ``rank`` at ``step``."""
 
@@ -314,7 +314,7 @@ def send_snapshot(
 # ------------------------------------------------------------------ receiving
 
 
-@dataclass(frozen=True)
+@frozen
 class Received:
     rank: int
     step: int

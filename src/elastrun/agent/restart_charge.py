@@ -21,11 +21,12 @@ Pure: no I/O.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from elastrun.agent.failures import change_why, failed_why
 from elastrun.event_kinds import Restart
 from elastrun.failure import FailureRecord
+from elastrun.frozen import frozen
 from elastrun.rendezvous.api import Change, RoundResult
 from elastrun.untrusted import printable
 
@@ -35,7 +36,7 @@ __all__ = ["NOT_CHARGED", "RoundEnd"]
 NOT_CHARGED = "a node or the store's host was lost"
 
 
-@dataclass(frozen=True)
+@frozen
 class RoundEnd:
     """How this node's round ended, kept until the next round formed:
     ``counts`` (a worker failure, charged if that round's close charged it),

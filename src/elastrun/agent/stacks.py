@@ -43,6 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from elastrun.clock import SYSTEM_CLOCK, Clock
+from elastrun.frozen import frozen
 from elastrun.procs import signal_name
 from elastrun.rendezvous.notes import MAX_FRAMES as NOTE_MAX_FRAMES
 from elastrun.rendezvous.notes import MAX_TEXT, RankStack
@@ -72,7 +73,7 @@ SETTLE = 0.1  # a dump is complete when its file did not grow for this long
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>.+?)\s*$')
 
 
-@dataclass(frozen=True)
+@frozen
 class Frame:
     file: str
     line: int
@@ -281,7 +282,7 @@ MAX_FRAMES = NOTE_MAX_FRAMES  # frames kept of one rank's main thread (most rece
 MAX_LINE = MAX_TEXT
 
 
-@dataclass(frozen=True)
+@frozen
 class RankStacks(RankStack):
     """One rank's main-thread stack, as reported; the job notes' schema
     (:class:`~elastrun.rendezvous.notes.RankStack`: a node shares its ranks'

@@ -47,6 +47,7 @@ from elastrun.agent.hooks import Departure, Leave
 from elastrun.agent.spec import StragglerSettings
 from elastrun.event_kinds import StragglerReplacement
 from elastrun.events import EventSink
+from elastrun.frozen import frozen
 from elastrun.rendezvous import notes as N
 from elastrun.rendezvous.api import Rendezvous, RoundResult
 from elastrun.rendezvous.quarantine import ClaimState, QuarantineRecord
@@ -258,7 +259,7 @@ class Replacement:
         return True
 
 
-@dataclass(frozen=True)
+@frozen
 class _Candidate:
     """The node named longest in a row: its host (the round's), its note,
     the intervals and its ranks named."""

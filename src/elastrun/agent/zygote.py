@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from elastrun.agent.channel import decode
 from elastrun.agent.children import ForkedProcess
 from elastrun.agent.spawn import preexec_for
+from elastrun.frozen import frozen
 from elastrun.worker._messages import Fork, Forked, Preload, PreloadPlan, Ready, Unsafe, encode
 
 __all__ = ["FORK_TIMEOUT", "SCOPE_ENV", "Bounds", "Zygote", "promote"]
@@ -46,7 +47,7 @@ RSS_ENV = "ELASTRUN_PRELOAD_MAX_RSS"
 IMPORT_TIMEOUT_ENV = "ELASTRUN_PRELOAD_IMPORT_TIMEOUT"
 
 
-@dataclass(frozen=True)
+@frozen
 class Bounds:
     """How a zygote imports: ``delay`` s before it starts where it cannot
     import at idle priority, and it stops importing after ``budget`` s or at

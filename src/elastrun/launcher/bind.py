@@ -18,10 +18,10 @@ from __future__ import annotations
 import ipaddress
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from elastrun.endpoint import Endpoint
 from elastrun.errors import ConfigError
+from elastrun.frozen import frozen
 
 __all__ = ["EVERY_INTERFACE", "Listen", "describe", "listen_on", "store_bind_hosts"]
 
@@ -31,7 +31,7 @@ EVERY_INTERFACE = {"0.0.0.0": ("0.0.0.0",), "::": ("::",), "*": ("0.0.0.0", "::"
 Resolver = Callable[[str], Sequence[str]]
 
 
-@dataclass(frozen=True)
+@frozen
 class Listen:
     """Where the hosted store listens."""
 

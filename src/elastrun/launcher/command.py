@@ -8,10 +8,10 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from dataclasses import dataclass
 
 from elastrun.agent.command import Executable, PythonModule, PythonScript, WorkerCommand
 from elastrun.errors import ConfigError
+from elastrun.frozen import frozen
 from elastrun.worker import _settle
 
 __all__ = ["RUN_PATH_CODE", "Command", "check_command", "worker_argv", "worker_command"]
@@ -36,7 +36,7 @@ RUN_PATH_CODE = (
 )
 
 
-@dataclass(frozen=True)
+@frozen
 class Command:
     """What each worker runs."""
 

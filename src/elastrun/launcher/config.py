@@ -18,11 +18,12 @@ from __future__ import annotations
 import enum
 import signal
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, TypeVar
 
 from elastrun.agent.spec import DEFAULT_FAULT_LIMIT, MAX_STANDBY_RANKS
 from elastrun.errors import ConfigError
+from elastrun.frozen import frozen
 from elastrun.launcher.flag_grammar import signal_tuple
 from elastrun.launcher.limits import (
     FLAG_SECONDS,
@@ -59,7 +60,7 @@ NPROC_WHY = "elastrun's limit per agent"
 E = TypeVar("E", bound=enum.Enum)
 
 
-@dataclass(frozen=True)
+@frozen
 class LaunchConfig:
     """Everything a launch needs except what to run (torch's ``LaunchConfig``).
 

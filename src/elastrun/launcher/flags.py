@@ -27,13 +27,14 @@ import argparse
 import enum
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 from elastrun.agent.command import WorkerCommand
 from elastrun.agent.spec import DEFAULT_FAULT_LIMIT, StartMethod, WarmModules
 from elastrun.agent.watchdog import DEFAULT_AUTO_FLOOR
 from elastrun.errors import ConfigError
+from elastrun.frozen import frozen
 from elastrun.launcher.command import Command, check_command
 from elastrun.launcher.config import DEFAULT_SIGNALS, LaunchConfig, parse_choice
 from elastrun.launcher.flag_grammar import (
@@ -96,7 +97,7 @@ class LocalRankStyle(enum.StrEnum):
     DASH = "dash"  # --local-rank=N (torch 2.x)
 
 
-@dataclass(frozen=True)
+@frozen
 class LegacyFlags:
     """torch.distributed.launch's own flags."""
 
@@ -104,7 +105,7 @@ class LegacyFlags:
     local_rank_style: LocalRankStyle = LocalRankStyle.AUTO
 
 
-@dataclass(frozen=True)
+@frozen
 class Flags:
     """A parsed command line."""
 

@@ -30,7 +30,6 @@ import ipaddress
 import os
 import socket
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from elastrun.agent.modcache import default_cache_dir
@@ -39,6 +38,7 @@ from elastrun.endpoint import Endpoint, format_endpoints
 from elastrun.errors import ConfigError, StoreUnavailable
 from elastrun.event_kinds import StoreStandby, StoreSteppedDown, StoreTakeover
 from elastrun.events import NullSink
+from elastrun.frozen import frozen
 from elastrun.launcher.bind import describe, listen_on
 from elastrun.launcher.event_log import EventLog
 from elastrun.launcher.plan import Plan
@@ -263,7 +263,7 @@ async def linger(server: StoreServer) -> None:
     await server.stop()
 
 
-@dataclass(frozen=True)
+@frozen
 class StoreLink:
     """This node's connected store, and its address on the route to it."""
 
@@ -381,7 +381,7 @@ def _ballot(plan: Plan, cache: str | None, candidates: Candidates) -> Ballot:
         return Ballot(count=count)
 
 
-@dataclass(frozen=True)
+@frozen
 class CandidateLink:
     """This node's link to the candidate hosts' store (the client follows
     the host of the highest term), and its address on the route to them."""

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 from elastrun.errors import ConfigError
+from elastrun.frozen import frozen
 from elastrun.untrusted import MAX_NUMBER_TEXT, ascii_decimal, ascii_int, printable
 
 __all__ = [
@@ -64,7 +64,7 @@ FD_RESERVE = 64  # the agent's own: store connection, event loop, logs, the warm
 PROC_RESERVE = 16
 
 
-@dataclass(frozen=True)
+@frozen
 class Range:
     """Allowed values ``lo <= x <= hi`` (``lo < x`` when ``lo_open``)."""
 

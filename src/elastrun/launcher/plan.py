@@ -24,7 +24,6 @@ import os
 import re
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from elastrun.agent import (
     file_timers,
@@ -60,6 +59,7 @@ from elastrun.agent.spec import (
 from elastrun.agent.warm_pool import DEBUG_ENV
 from elastrun.endpoint import Endpoint, format_endpoints, parse_endpoint_list
 from elastrun.errors import ConfigError
+from elastrun.frozen import frozen
 from elastrun.launcher.config import (
     DEFAULT_MASTER_PORT,
     LaunchConfig,
@@ -86,7 +86,7 @@ DEFAULT_WARM_JOIN_TIMEOUT = 60.0
 STOP_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"})
 
 
-@dataclass(frozen=True)
+@frozen
 class Plan:
     """This node's launch, resolved: what :mod:`elastrun.launcher.run` wires up."""
 
@@ -160,7 +160,7 @@ def check_writable_dir(flag: str, path: str) -> None:
         )
 
 
-@dataclass(frozen=True)
+@frozen
 class _Where:
     """Which backend, where, and this node's rank: resolved from the flags."""
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from elastrun.errors import ConfigError
+from elastrun.frozen import frozen
 from elastrun.launcher.limits import CONF_SECONDS, check_seconds, parse_seconds, shown_value
 from elastrun.store.etcd_options import EtcdOptions
 from elastrun.untrusted import ascii_int
@@ -73,7 +73,7 @@ RDZV_CONF_IGNORED = {
 CONF_INT_MAX = 1_000_000
 
 
-@dataclass(frozen=True)
+@frozen
 class RendezvousConf:
     """The typed ``--rdzv-conf``; None: not given (the reader's default)."""
 

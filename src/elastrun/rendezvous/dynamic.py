@@ -37,7 +37,6 @@ import os
 import re
 import socket
 import time
-from dataclasses import dataclass
 
 from elastrun.clock import SYSTEM_CLOCK, Clock, wait_until
 from elastrun.errors import (
@@ -51,6 +50,7 @@ from elastrun.errors import (
 from elastrun.event_kinds import NodeLeft, RestartRequested, RoundOpened, WatchReread
 from elastrun.events import EventSink, NullSink
 from elastrun.failure import FailureRecord, first_failure
+from elastrun.frozen import frozen
 from elastrun.rendezvous import barrier_plan as B
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import plan as P
@@ -448,7 +448,7 @@ def create_dynamic_rendezvous(
 
 
 # -- the phases: the driver's inbox ---------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class WatchFired:
     """An event of one of phase ``phase_id``'s watches."""
 
@@ -457,7 +457,7 @@ class WatchFired:
     event: WatchEvent
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class WatchFailed:
     """One of phase ``phase_id``'s watches ended with a store error."""
 
@@ -465,7 +465,7 @@ class WatchFailed:
     error: StoreError
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class LeaseGone:
     """This node's lease ``lease`` was lost (valid in any phase)."""
 

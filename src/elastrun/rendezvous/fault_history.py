@@ -52,12 +52,12 @@ import dataclasses
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from elastrun.errors import ProtocolError, RendezvousError, StoreError
 from elastrun.failure import FailureRecord, weight
 from elastrun.fields import Fields
+from elastrun.frozen import frozen
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.records import RoundRecord
 from elastrun.store.base import Store
@@ -101,7 +101,7 @@ class HistoryInvalid(UntrustedData):
     """A fault history that is not one this version would have written."""
 
 
-@dataclass(frozen=True)
+@frozen
 class FaultEntry:
     """The root cause of one failed round, as the verdict rule reads it."""
 
@@ -146,7 +146,7 @@ class FaultEntry:
         )
 
 
-@dataclass(frozen=True)
+@frozen
 class JudgedFault:
     """A verdict that was not transient, as ``elastrun status`` shows it:
     judged on round ``round``'s failure, its ``kind`` (``node_fault`` or
@@ -174,7 +174,7 @@ class JudgedFault:
         )
 
 
-@dataclass(frozen=True)
+@frozen
 class HealthFailure:
     """A node's failed health check (agent/node_health.py): ``host``, when
     (``before_round``: it did not join; ``training``: it leaves at the next
@@ -205,7 +205,7 @@ class HealthFailure:
         )
 
 
-@dataclass(frozen=True)
+@frozen
 class FaultHistory:
     """The job's failed rounds, oldest first (one entry per round, at most
     :data:`MAX_ENTRIES`), and the summary of the verdict that stopped it."""

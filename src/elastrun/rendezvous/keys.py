@@ -52,11 +52,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from elastrun.errors import ProtocolError
 from elastrun.fields import Fields
+from elastrun.frozen import frozen
 from elastrun.names import RunId
 from elastrun.store.base import KeyValue
 from elastrun.untrusted import UntrustedData, loads
@@ -80,7 +80,7 @@ RECORD_MAX_BYTES = 4 * 1024 * 1024  # above any value a store holds (the embedde
 NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}\Z")
 
 
-@dataclass(frozen=True)
+@frozen
 class Keys:
     run_id: RunId
 

@@ -59,6 +59,7 @@ from elastrun.event_kinds import (
 )
 from elastrun.events import EventSink
 from elastrun.failure import FailureRecord
+from elastrun.frozen import frozen
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous import notes as N
 from elastrun.rendezvous import plan as P
@@ -126,7 +127,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
+@frozen
 class Node:
     """This node's identity and handles, shared by the driver's parts."""
 
@@ -160,7 +161,7 @@ async def read(store: Store, key: str, prefix: bool) -> tuple[list[KeyValue], in
     return res.gets[0], res.revision
 
 
-@dataclass(frozen=True)
+@frozen
 class DecodedResult:
     """A round's result as read: the checked record, its members as
     :class:`~.api.Member` values and each member's group rank; ``extra``:

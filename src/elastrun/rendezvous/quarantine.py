@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection
-from dataclasses import dataclass
 from typing import Any
 
 from elastrun.errors import ProtocolError
 from elastrun.fields import Fields
+from elastrun.frozen import frozen
 from elastrun.names import path_component
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.records import PresenceRecord, RoundRecord, RoundState, WaitingRecord
@@ -69,7 +69,7 @@ MAX_HOST = 256
 MAX_REASON = 1000
 
 
-@dataclass(frozen=True)
+@frozen
 class QuarantineRecord:
     """``host`` is kept out of the job from ``since`` until ``until`` (wall
     clock), for ``reason`` (the verdict's summary), judged in ``round``."""
@@ -159,7 +159,7 @@ async def clear(store: Store, keys: K.Keys, host: str) -> bool:
     return await store.delete(keys.quarantine(host_key(host))) > 0
 
 
-@dataclass(frozen=True)
+@frozen
 class ClaimState:
     """What a straggler's replacement reads before it decides (see
     :func:`claim_state`): whether round ``round`` is still the job's current,

@@ -17,12 +17,13 @@ role (every job before roles differed) get role ranks equal to global ranks.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+
+from elastrun.frozen import frozen
 
 __all__ = ["Candidate", "WorkerRanks", "assign_ranks", "worker_ranks"]
 
 
-@dataclass(frozen=True)
+@frozen
 class Candidate:
     node_id: str
     rank_hint: int | None = None
@@ -56,7 +57,7 @@ def assign_ranks(
     return ranks
 
 
-@dataclass(frozen=True)
+@frozen
 class WorkerRanks:
     """One node's place among the round's workers: its local rank 0's global
     rank and role rank, and the size of its role (its workers run

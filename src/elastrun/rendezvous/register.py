@@ -83,7 +83,6 @@ import contextlib
 import enum
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 from elastrun.clock import Clock, remaining, wait_until
 from elastrun.errors import (
@@ -98,6 +97,7 @@ from elastrun.errors import (
     StoreUnavailable,
 )
 from elastrun.event_kinds import ConfigMismatched, JobReset, LeaseRegained, RoundOpened
+from elastrun.frozen import frozen
 from elastrun.rendezvous import notes as N
 from elastrun.rendezvous import rounds
 from elastrun.rendezvous.damage import decode_config
@@ -135,7 +135,7 @@ class Verdict(enum.Enum):
     RESET = "reset"
 
 
-@dataclass(frozen=True)
+@frozen
 class Found:
     """The verdict, and for RESET why (``failed``, ``abandoned``, ``leftover``)."""
 

@@ -29,10 +29,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from dataclasses import dataclass
 
 from elastrun.errors import RendezvousError, StoreError
 from elastrun.failure import FailureRecord, first_failure, weight
+from elastrun.frozen import frozen
 from elastrun.rendezvous import keys as K
 from elastrun.rendezvous.records import RoundRecord, RoundState
 from elastrun.store.base import Get, Store
@@ -80,7 +80,7 @@ async def report(
     return None
 
 
-@dataclass(frozen=True)
+@frozen
 class Settled:
     """What :func:`settle` found: the job's root cause (None: unknown), and
     the node ids of the round's members that had not reported by the deadline."""

@@ -14,10 +14,10 @@ import dataclasses
 import random
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from elastrun.errors import RendezvousError
 from elastrun.failure import FailureRecord
+from elastrun.frozen import frozen
 from elastrun.rendezvous.api import Change, GroupShape, Member, RoundResult
 from elastrun.rendezvous.ranks import Candidate, assign_ranks
 from elastrun.rendezvous.records import (
@@ -202,7 +202,7 @@ def next_round_record(
     )
 
 
-@dataclass(frozen=True)
+@frozen
 class Carry:
     """What a node carries into the store of a new host after a takeover
     (docs/failover.md): its last closed round, the job's restarts used then,

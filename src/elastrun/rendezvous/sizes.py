@@ -18,15 +18,16 @@ promoted spare takes a lost member's rank.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
+
+from elastrun.frozen import frozen
 
 __all__ = ["WorldSizes", "choose_members", "promotions"]
 
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
+@frozen
 class WorldSizes:
     """The world sizes (in nodes) a job may form: multiples of ``unit``
     between ``min_nodes`` and ``max_nodes``."""

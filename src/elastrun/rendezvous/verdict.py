@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from elastrun.failure import ERROR
+from elastrun.frozen import frozen
 from elastrun.rendezvous.fault_history import FaultEntry
 
 __all__ = ["DEFAULT_LIMIT", "STEP_TOLERANCE", "Verdict", "VerdictKind", "judge"]
@@ -60,7 +60,7 @@ class VerdictKind(enum.StrEnum):
     TRANSIENT = "transient"
 
 
-@dataclass(frozen=True)
+@frozen
 class Verdict:
     """What the rule found, with what names it: the node (a node fault), the
     rank, the step and the failure (a script fault), and the failed rounds."""

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from elastrun.failure import FailureRecord
+from elastrun.frozen import frozen
 from elastrun.goodput import Goodput
 from elastrun.rendezvous import notes as N
 from elastrun.rendezvous.fault_history import HealthFailure, JudgedFault
@@ -55,7 +55,7 @@ FAILURE_FIELDS = (
 )
 
 
-@dataclass(frozen=True)
+@frozen
 class MemberRow:
     """A member of the round shown, and what became of it."""
 
@@ -71,7 +71,7 @@ class MemberRow:
         return dataclasses.asdict(self)
 
 
-@dataclass(frozen=True)
+@frozen
 class JoinedNode:
     """A node that joined the open round."""
 
@@ -83,7 +83,7 @@ class JoinedNode:
         return dataclasses.asdict(self)
 
 
-@dataclass(frozen=True)
+@frozen
 class WaitingNode:
     """A node that waits for the next round."""
 
@@ -94,7 +94,7 @@ class WaitingNode:
         return dataclasses.asdict(self)
 
 
-@dataclass(frozen=True)
+@frozen
 class RankRow:
     """One rank's last reported progress (from its node's progress note)."""
 
@@ -138,7 +138,7 @@ class RankRow:
         return dataclasses.asdict(self)
 
 
-@dataclass(frozen=True)
+@frozen
 class HangStacks:
     """Where every rank sat when round ``round`` ended on a hang, ranks
     stuck in code of their own first."""
@@ -150,7 +150,7 @@ class HangStacks:
         return {"round": self.round, "ranks": [r.to_json() for r in self.ranks]}
 
 
-@dataclass(frozen=True)
+@frozen
 class StoreHosts:
     """A store with candidate hosts (docs/failover.md): who hosts it, in
     which term, who stands by, and what the others answered."""
@@ -174,7 +174,7 @@ class StoreHosts:
         }
 
 
-@dataclass(frozen=True)
+@frozen
 class Summary:
     """The job, as read from its records and notes (docs/events.md has each
     key of :meth:`to_json`)."""

@@ -53,11 +53,11 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
 from typing import TypeVar
 
 from elastrun.endpoint import Endpoint
 from elastrun.errors import ProtocolError, StoreError
+from elastrun.frozen import frozen
 from elastrun.names import RunId
 from elastrun.rendezvous import fault_history, quarantine
 from elastrun.rendezvous import keys as K
@@ -247,7 +247,7 @@ def _seats(result: ResultRecord | None) -> dict[int, N.Seat]:
     return N.seats((m.node_id, m.group_rank, m.nproc) for m in result.members)
 
 
-@dataclass(frozen=True)
+@frozen
 class ShownNotes:
     """The notes a summary shows, each read typed and checked
     (:func:`~elastrun.rendezvous.note_access.find_note`): the progress notes

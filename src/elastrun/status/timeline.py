@@ -58,6 +58,7 @@ from elastrun.event_kinds import (
     parse_event,
 )
 from elastrun.failure import FailureRecord
+from elastrun.frozen import frozen
 from elastrun.rendezvous.plan import lost_node
 from elastrun.untrusted import UntrustedData, loads, printable
 
@@ -131,7 +132,7 @@ class _Lane:
     marks: list[tuple[float, str, str]] = field(default_factory=list)  # ts, color, title
 
 
-@dataclass(frozen=True)
+@frozen
 class LoggedEvent:
     """One line of an agent's event log (docs/events.md): its wall-clock time
     stamp, the sink's fields the page reads (the writing node's id and host,

@@ -19,7 +19,6 @@ import ssl
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from elastrun.endpoint import Endpoint, parse_endpoint_list
@@ -33,6 +32,7 @@ from elastrun.errors import (
     StoreTimeout,
     StoreUnavailable,
 )
+from elastrun.frozen import frozen
 from elastrun.store.etcd_options import DEFAULT_ETCD_PORT, EtcdOptions
 
 try:
@@ -87,7 +87,7 @@ _DEADLINE_EXCEEDED = 4
 _REQUIRE_LEADER = {"Grpc-Metadata-hasleader": "true"}
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class EtcdSettings:
     endpoints: tuple[Endpoint, ...]
     https: bool

@@ -7,14 +7,14 @@ etcd store so that reading them needs no httpx."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from elastrun.frozen import frozen
 
 __all__ = ["DEFAULT_ETCD_PORT", "EtcdOptions"]
 
 DEFAULT_ETCD_PORT = 2379  # etcd's client port
 
 
-@dataclass(frozen=True)
+@frozen
 class EtcdOptions:
     """The etcd store's options (``--rdzv-conf`` keys; None: not given)."""
 

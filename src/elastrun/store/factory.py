@@ -19,11 +19,12 @@ from __future__ import annotations
 import enum
 import importlib
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import cast
 
 from elastrun.endpoint import Endpoint, format_endpoints
 from elastrun.errors import ConfigError
+from elastrun.frozen import frozen
 from elastrun.store.base import Store
 from elastrun.store.etcd_options import EtcdOptions
 from elastrun.untrusted import printable
@@ -71,7 +72,7 @@ _BACKEND_NAMES = {
 }
 
 
-@dataclass(frozen=True)
+@frozen
 class StoreOptions:
     """How to open a store: the embedded store's token, etcd's options."""
 

@@ -49,6 +49,7 @@ from elastrun.errors import (
 )
 from elastrun.event_kinds import StoreCandidateUnreachable, StoreHostFound, StoreHostLost, StoreVote
 from elastrun.events import EventSink, NullSink
+from elastrun.frozen import frozen
 from elastrun.store.ballot import Ballot, BallotError
 from elastrun.store.client import TcpStore
 from elastrun.store.client_conn import close_writer, exchange, open_conn
@@ -69,7 +70,7 @@ AFTER_VOTE = 0.05  # the first wait after a vote (it may have decided the electi
 OWN_ROLE_CHECK = 0.05  # a candidate looks at its own store's role this often between looks
 
 
-@dataclass(frozen=True)
+@frozen
 class Candidates:
     """The store's candidate hosts, and which of them this node is (None: none)."""
 
@@ -92,7 +93,7 @@ class Answer(enum.Enum):
     SILENT = "silent"  # no answer in time (down, cut off, or still starting)
 
 
-@dataclass(frozen=True)
+@frozen
 class Probe:
     """One candidate's answer: what it is and the newest term it knows."""
 
@@ -108,7 +109,7 @@ class Probe:
         return self.answer in (Answer.REFUSED, Answer.FENCED)
 
 
-@dataclass(frozen=True)
+@frozen
 class Lost:
     """Why this node gave its host up; ``proof``: the host serves nobody."""
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 from elastrun.errors import ConfigError, LimitExceeded
+from elastrun.frozen import frozen
 from elastrun.store.base import Get, KeyValue, Op, Put
 
 __all__ = [
@@ -53,7 +53,7 @@ MAX_KEY = 4 * KiB
 KEY_OVERHEAD = 200
 
 
-@dataclass(frozen=True)
+@frozen
 class StoreLimits:
     """The embedded store's limits (engine and server). All sizes in bytes,
     times in seconds."""

@@ -39,12 +39,12 @@ import logging
 import resource
 import socket
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from elastrun.endpoint import Endpoint
 from elastrun.errors import ConfigError, StoreError
 from elastrun.event_kinds import StoreStandby, StoreSteppedDown, StoreTakeover
+from elastrun.frozen import frozen
 from elastrun.store.abuse_log import AbuseLog
 from elastrun.store.budgets import InputBudget, OutputBudget
 from elastrun.store.engine import Engine
@@ -70,7 +70,7 @@ FENCE_CHECK = 0.1
 _FD_RESERVE = 64
 
 
-@dataclass(frozen=True)
+@frozen
 class ServerStats:
     """What a :class:`StoreServer` holds now, and what it did to stay within
     its limits since it started."""

@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from dataclasses import dataclass
 
 from elastrun.clock import SYSTEM_CLOCK, Clock
+from elastrun.frozen import frozen
 
 __all__ = [
     "MAX_CANDIDATES",
@@ -70,7 +70,7 @@ class Role(enum.Enum):
     FENCED = "fenced"  # was the host, stepped down: refuses everything until it learns a newer term
 
 
-@dataclass(frozen=True)
+@frozen
 class FailoverTiming:
     """The failover's clocks, in seconds (each node's own monotonic clock)."""
 

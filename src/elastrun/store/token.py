@@ -22,9 +22,9 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from elastrun.errors import ConfigError
+from elastrun.frozen import frozen
 from elastrun.safefs import UnsafePath, read_regular
 from elastrun.store.limits import MAX_TOKEN
 
@@ -44,7 +44,7 @@ TOKEN_FILE_ENV = "ELASTRUN_STORE_TOKEN_FILE"  # noqa: S105
 _FILE_LIMIT = 4096
 
 
-@dataclass(frozen=True)
+@frozen
 class StoreToken:
     """The token (None: none given) and where it came from, for messages."""
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from elastrun.errors import ConfigError
+from elastrun.frozen import frozen
 from elastrun.untrusted import ascii_int, printable
 from elastrun.worker.local_main import is_local_main
 
@@ -34,7 +34,7 @@ def env_int(env: Mapping[str, str], name: str, default: int) -> int:
     return value
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class WorkerContext:
     """This worker's place in the job (torchrun-compatible variables).
 

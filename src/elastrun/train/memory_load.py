@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from elastrun.errors import ConfigError
+from elastrun.frozen import frozen
 from elastrun.train.log import Log, say
 from elastrun.train.state_codec import decode
 from elastrun.worker.snapshot import MAX_SLOTS, SlotView, SnapshotError, check_data, header_of
@@ -55,7 +55,7 @@ def _newest_per_step(views: list[SlotView]) -> dict[int, SlotView]:
 MAX_REPLICAS = 64  # replicas one rank lists (its node holds one neighbour's ranks)
 
 
-@dataclass(frozen=True)
+@frozen
 class Held:
     """What one rank listed: its own steps (step -> size) and the replicas
     its node holds ((origin rank, step) -> size)."""

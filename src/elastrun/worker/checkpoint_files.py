@@ -42,11 +42,11 @@ import re
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from elastrun.fields import Fields, is_int
+from elastrun.frozen import frozen
 from elastrun.procs import pid_alive
 from elastrun.safefs import UnsafePath, read_regular
 from elastrun.untrusted import UntrustedData, loads
@@ -83,13 +83,13 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _TMP = re.compile(r"^\.(?:ckpt-.*|latest)\.(?P<host>[^.]+)\.(?P<pid>\d+)\.tmp$")
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class CheckpointInfo:
     step: int
     path: Path
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class Verdict:
     """What :func:`check` found: ``verified`` (matches its record), ``unverified``
     (no record) or ``damaged`` (``why`` says how)."""
@@ -286,7 +286,7 @@ class RecordError(Exception):
     """A checksum record that cannot be trusted (the message says why)."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class Record:
     step: int
     size: int

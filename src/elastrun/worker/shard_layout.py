@@ -21,8 +21,9 @@ Standard library only (the agent reads snapshot headers).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
+
+from elastrun.frozen import frozen
 
 __all__ = ["MAX_MESH", "LayoutError", "ShardLayout", "mesh_coordinate", "shard_slices"]
 
@@ -46,7 +47,7 @@ def _ints(value: Any, what: str, low: int, high: int, count: int) -> tuple[int, 
     return tuple(value)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class ShardLayout:
     """Where a local shard sits in its global tensor (see the module doc)."""
 
