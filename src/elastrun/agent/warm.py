@@ -161,7 +161,8 @@ class _WarmRound(RoundHooks):
     async def fork(
         self, envs: Mapping[int, Mapping[str, str]], channels: Mapping[int, int]
     ) -> dict[int, ForkedProcess]:
-        return await self.warm.pool.fork(envs, channels)
+        last = not self.warm.may_restart(self.group.result)
+        return await self.warm.pool.fork(envs, channels, last=last)
 
     def started(self) -> None:
         pool = self.warm.pool

@@ -188,6 +188,10 @@ class WarmPool:
         # False for the next start only: a zygote still importing is not used
         # (set when a joining node stopped waiting for it: it is slow).
         self.use_unready = True
+        # True once the last start that could use a zygote has used what it
+        # could (``fork``: a start no other can follow): none is started then,
+        # e.g. to replace one that quit while it forked; ``keep`` ends it.
+        self.last_start = False
         self.refusals = 0  # zygotes that quit on an unsafe module
         self.gave_up = False  # the recorded list was dropped once already
         self.local = local_vars(spec)
@@ -221,6 +225,7 @@ class WarmPool:
     def keep(self, env: Mapping[str, str]) -> None:
         """Make sure a zygote compatible with workers of environment ``env``
         lives (after a start: for the next one)."""
+        self.last_start = False  # a start may follow
         if self._closed or self.cold is not None:
             return
         self.reap()
@@ -239,6 +244,8 @@ class WarmPool:
             self.ranks.keep(envs, wanted=bool(self.recorded.ranked))
 
     def _spawn(self, env: Mapping[str, str], local_rank: int | None = None) -> Zygote | None:
+        if self.last_start:
+            return None  # no start could use it
         if not self.reaper.enable():
             if self.error is None:
                 self.error = self.reaper.error
@@ -444,18 +451,26 @@ class WarmPool:
         return z.gone is None and z.ready
 
     async def fork(
-        self, envs: Mapping[int, Mapping[str, str]], channels: Mapping[int, int]
+        self,
+        envs: Mapping[int, Mapping[str, str]],
+        channels: Mapping[int, int],
+        *,
+        last: bool = False,
     ) -> dict[int, ForkedProcess]:
         """Workers forked from the zygotes, by local rank: each with its
         environment ``envs[lr]`` and its channel socket fd ``channels[lr]``
         (see worker/_runner.py); from its rank's zygote where one is ready for
         the same ranks, otherwise from the shared one. Those missing start cold
-        (the zygote cannot be used now; one still importing is kept for later)."""
+        (the zygote cannot be used now; one still importing is kept for later).
+        ``last``: no start can follow this one; once the shared zygote is the
+        only one left to fork from, no zygote is started any more (one that
+        quits now is not replaced: nothing could use it)."""
         forked: dict[int, ForkedProcess] = {}
         if self.cold is not None:
             return forked
         for lr, z in self.ranks.take(envs).items():
             forked.update(await self._fork_from(z, {lr: envs[lr]}, channels, 0.0))
+        self.last_start = last
         rest = {lr: env for lr, env in envs.items() if lr not in forked}
         if rest:
             forked.update(await self._fork_shared(rest, channels))
