@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,9 @@ from elastrun.agent import PythonScript, WorkerSpec
 from elastrun.agent.warm_pool import WarmPool
 from elastrun.events import ListSink
 from elastrun.names import RunId
+from elastrun.rendezvous.notes import ModuleReport
 from tests.conftest import PYTHON
+from tests.zygote_forks import fork_many
 
 BOUND = 60.0
 
@@ -24,9 +25,11 @@ def _rank_reader(tmp_path: Path) -> PythonScript:
     """A script importing a package that reads RANK when imported (as
     Lightning does): the shared zygote refuses it, per-rank ones import it."""
     (tmp_path / "rankpkg").mkdir()
-    (tmp_path / "rankpkg" / "__init__.py").write_text("")
-    (tmp_path / "rankpkg" / "reader.py").write_text("import os\nAT = os.environ.get('RANK')\n")
-    (tmp_path / "s.py").write_text("import rankpkg.reader\n")
+    (tmp_path / "rankpkg" / "__init__.py").write_text("import os\nAT = os.environ.get('RANK')\n")
+    (tmp_path / "s.py").write_text(
+        "import sys, email.mime.text\nbefore = 'rankpkg' in sys.modules\nimport rankpkg\n"
+        "print('BEFORE', before, 'READ', rankpkg.AT, flush=True)\n"
+    )
     return PythonScript(str(tmp_path / "s.py"), python=PYTHON)
 
 
@@ -43,42 +46,80 @@ def _kinds(sink: ListSink, kind: str) -> list[dict[str, Any]]:
     return [e for e in sink.events if e["kind"] == kind]
 
 
+async def _until(done: Any, sink: ListSink) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + BOUND
+    while not done() and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+    assert done(), sink.events
+
+
 @pytest.mark.parametrize("last", [True, False], ids=["last-start", "a-start-may-follow"])
-def test_a_zygote_that_quits_during_the_last_start_is_not_replaced(
+def test_after_the_last_start_a_zygote_that_quits_is_not_replaced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, last: bool
 ) -> None:
-    """The shared zygote quits while a start forks from it (it refused a
-    package that reads RANK: the per-rank zygotes' from now on). When a start
-    may follow, a shared one and one for the rank are started for it; when
-    none can (restarts used up, no elastic range), none is: each would be
-    discarded unused a moment later. The start itself is cold either way."""
+    """A start forks its worker from the shared zygote; then the zygote quits
+    (it refused a package the workers reported, which reads RANK: the per-rank
+    zygotes' from now on). When a start may follow, a shared one and one for
+    the rank are started for it; after a start no other can follow (restarts
+    used up, no elastic range), none is: each would be discarded unused."""
     monkeypatch.chdir(tmp_path)
     command = _rank_reader(tmp_path)
     spec = WorkerSpec(command=command, nproc=1, run_id=RunId("warm-needed"))
     sink = ListSink()
     env = _env()
 
-    async def main() -> dict[int, Any]:
-        pool = WarmPool(spec, command, sink, preload=("rankpkg.reader",), scope="all")
+    async def main() -> dict[int, str]:
+        pool = WarmPool(spec, command, sink, preload=("email.mime.text",), scope="all")
         try:
             pool.keep_ranks({0: env})  # the round before: rank 0's variables
             pool.keep(env)
-            ours, theirs = socket.socketpair()
-            try:
-                forked = await pool.fork({0: env}, {0: theirs.fileno()}, last=last)
-            finally:
-                ours.close()
-                theirs.close()
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + BOUND
-            while "rankpkg" not in pool.recorded.ranked and loop.time() < deadline:
-                await asyncio.sleep(0.02)
-            assert "rankpkg" in pool.recorded.ranked, sink.events
-            return dict(forked)
+            assert await pool.wait_ready(BOUND), sink.events
+            out = await fork_many(pool, {0: env}, last=last)
+            assert pool.learn(ModuleReport(("rankpkg",)), "worker")
+            await _until(lambda: "rankpkg" in pool.recorded.ranked, sink)
+            return out
         finally:
             await pool.close()
 
-    forked = asyncio.run(main())
-    assert forked == {}  # the zygote quit: this start is cold
+    out = asyncio.run(main())
+    assert "BEFORE False READ 0" in out[0]  # warm, the package imported by the worker
     started = [e["local_rank"] for e in _kinds(sink, "warm_started")]
     assert started == ([None] if last else [None, 0, None]), sink.events
+
+
+def test_a_single_node_job_keeps_no_shared_zygote_beside_one_per_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One node: every round gives a local rank the same rank variables, so
+    once each local rank has its own zygote no start would fork from the
+    shared one: it is not replaced when it refuses the package, nor kept after
+    a start. The next start forks each rank from its own, even one still
+    importing (the head start the shared one would have been), and the
+    package read the worker's own rank."""
+    monkeypatch.chdir(tmp_path)
+    command = _rank_reader(tmp_path)
+    spec = WorkerSpec(command=command, nproc=2, run_id=RunId("warm-needed"))
+    sink = ListSink()
+    envs = {lr: _env(RANK=str(lr), LOCAL_RANK=str(lr), WORLD_SIZE="2") for lr in (0, 1)}
+
+    async def main() -> dict[int, str]:
+        pool = WarmPool(spec, command, sink, preload=("rankpkg",), scope="all")
+        pool.fixed_ranks = True
+        try:
+            pool.keep_all(envs)  # after the first start: nothing known per rank yet
+            await _until(lambda: len(_kinds(sink, "warm_started")) >= 3, sink)
+            # The shared one refused the package: one per rank instead, no new shared one.
+            assert [e["local_rank"] for e in _kinds(sink, "warm_started")] == [None, 0, 1]
+            pool.keep_all(envs)  # another start, the same ranks: nothing new
+            assert len(_kinds(sink, "warm_started")) == 3, sink.events
+            return await fork_many(pool, envs)
+        finally:
+            await pool.close()
+
+    out = asyncio.run(main())
+    assert [(u["local_rank"], u["per_rank"]) for u in _kinds(sink, "warm_used")] == [
+        (0, True),
+        (1, True),
+    ]
+    assert "BEFORE True READ 0" in out[0] and "BEFORE True READ 1" in out[1], out

@@ -111,6 +111,7 @@ class WarmStarts(Feature):
         # It starts (and imports torch) while the rendezvous runs; the
         # round's variables come when it closes.
         self.pool.say_cold()  # none for a script that sets its environment first
+        self.pool.fixed_ranks = self.core.rendezvous.settings.max_nodes == 1
         self.pool.keep(self.pool.first_env(self.core.rendezvous.settings.max_restarts))
 
     async def before_round(self) -> None:
@@ -167,7 +168,6 @@ class _WarmRound(RoundHooks):
     def started(self) -> None:
         pool = self.warm.pool
         if self.warm.may_restart(self.group.result):
-            pool.keep(self.group.envs[0])  # for the next start
-            pool.keep_ranks(self.group.envs)
+            pool.keep_all(self.group.envs)  # for the next start
         else:
             pool.drop()

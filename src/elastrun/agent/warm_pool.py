@@ -196,6 +196,10 @@ class WarmPool:
         self.gave_up = False  # the recorded list was dropped once already
         self.local = local_vars(spec)
         self.ranks = RankZygotes(self._spawn, self._discard, self._compatible)
+        # Every round gives each local rank the same rank variables (a job of
+        # one node: WarmStarts sets it): a rank with its own zygote never needs
+        # the shared one, which is then not kept beside them.
+        self.fixed_ranks = False
 
     def _compatible(self, started: Mapping[str, str], wanted: Mapping[str, str]) -> str | None:
         return compatible(started, wanted, self.local)
@@ -224,12 +228,17 @@ class WarmPool:
     # ------------------------------------------------------------ starting
     def keep(self, env: Mapping[str, str]) -> None:
         """Make sure a zygote compatible with workers of environment ``env``
-        lives (after a start: for the next one)."""
-        self.last_start = False  # a start may follow
+        lives (after a start: for the next one), unless every local rank has
+        its own (``per_rank_only``)."""
         if self._closed or self.cold is not None:
             return
         self.reap()
         z = self._z
+        if self.per_rank_only():
+            if z is not None and z.gone is None:
+                self._discard(z, "every local rank has its own")
+            self._z = None
+            return
         if z is not None and z.gone is None and z.popen.poll() is None:
             why = self._compatible(z.env, env)
             if why is None:
@@ -242,6 +251,24 @@ class WarmPool:
         same ranks, when a recorded package reads a rank variable at import."""
         if not self._closed and self.cold is None:
             self.ranks.keep(envs, wanted=bool(self.recorded.ranked))
+
+    def keep_all(self, envs: Mapping[int, Mapping[str, str]]) -> None:
+        """After a start (``envs``: its workers', by local rank): the zygotes
+        the next start may fork from, per rank first (``per_rank_only``)."""
+        self.last_start = False  # a start may follow
+        self.keep_ranks(envs)
+        self.keep(envs[min(envs)])
+
+    def per_rank_only(self) -> bool:
+        """Whether no start would fork from the shared zygote: the ranks are
+        the same in every round (``fixed_ranks``) and each local rank of the
+        last round has its own zygote, alive."""
+        ranks = self.ranks
+        return (
+            self.fixed_ranks
+            and bool(ranks.envs)
+            and all(lr in ranks.by_rank and ranks.by_rank[lr].gone is None for lr in ranks.envs)
+        )
 
     def _spawn(self, env: Mapping[str, str], local_rank: int | None = None) -> Zygote | None:
         if self.last_start:
@@ -338,10 +365,14 @@ class WarmPool:
             self.ranks.forget(z)
             self.ranks.given_up = self.refusals > MAX_REFUSALS
             self.keep_ranks(self.ranks.envs)
+            self._cover()
             return
         if ranked:
             self.keep_ranks(self.ranks.envs)  # the ranks of the round running, if any
         if self._z is not z:
+            return
+        if self.per_rank_only():
+            self._z = None  # no start would fork from a new one
             return
         if not names or self.refusals > MAX_REFUSALS:
             # Something keeps refusing that the skip list does not catch:
@@ -468,7 +499,13 @@ class WarmPool:
         forked: dict[int, ForkedProcess] = {}
         if self.cold is not None:
             return forked
-        for lr, z in self.ranks.take(envs).items():
+        # Without a shared zygote (``per_rank_only``), a rank's zygote still
+        # importing is the head start the shared one would have been.
+        shared = self._z is not None and self._z.gone is None
+        unready = not shared and self.head_start and self.use_unready
+        for lr, z in self.ranks.take(envs, unready=unready).items():
+            if not z.ready:
+                promote(z.pid)
             forked.update(await self._fork_from(z, {lr: envs[lr]}, channels, 0.0))
         self.last_start = last
         rest = {lr: env for lr, env in envs.items() if lr not in forked}
@@ -556,6 +593,14 @@ class WarmPool:
             self.events.emit(WarmDiscarded(pid=z.pid, reason=reason, local_rank=z.local_rank))
         z.kill(f"discarded: {reason}")
         self._dead.append(z.popen)
+
+    def _cover(self) -> None:
+        """A per-rank zygote was lost: the shared one again, when it was not
+        kept because of them (``per_rank_only``) and a start may follow."""
+        z, envs = self._z, self.ranks.envs
+        lost = self.fixed_ranks and envs and (z is None or z.gone is not None)
+        if lost and not (self._closed or self.last_start or self.per_rank_only()):
+            self.keep(envs[min(envs)])
 
     def reap(self) -> None:
         """Reap zygotes that were let go (on SIGCHLD, and before a new one)."""
