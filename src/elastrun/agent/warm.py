@@ -28,9 +28,10 @@ When the zygote is used:
 
 A zygote that has died, or was started with an environment that differs from
 a worker's in anything but the per-round and per-rank variables
-(``ROUND_VARS``, ``LOCAL_VARS``; with ``--virtual-local-rank`` also each rank's
-``CUDA_VISIBLE_DEVICES``, ``DEVICE_VARS``, set when the worker is forked: the
-zygote never initialises CUDA), is discarded and the workers start cold: a
+(``ROUND_VARS``, ``LOCAL_VARS``: the local rank, torch's file timer pipe; with
+``--virtual-local-rank`` also each rank's ``CUDA_VISIBLE_DEVICES``,
+``DEVICE_VARS``, set when the worker is forked: the zygote never initialises
+CUDA), is discarded and the workers start cold: a
 warm start can only save time, never change what runs. The zygote imports at
 idle CPU priority where it may return to normal priority afterwards (root or
 ``CAP_SYS_NICE``), otherwise after a delay, so it does not slow the workers'

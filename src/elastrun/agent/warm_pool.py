@@ -22,6 +22,7 @@ from elastrun.agent.children import ForkedProcess, Reaper
 from elastrun.agent.command import PythonCommand, with_local_rank
 from elastrun.agent.env import ROUND_ENV_VARS, stable_env
 from elastrun.agent.env_first import EnvFirst, env_set_first
+from elastrun.agent.file_timers import TIMER_FILE_ENV
 from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.modcache import (
     ModuleCache,
@@ -94,7 +95,8 @@ ROUND_VARS = frozenset(
         MEMORY_REPLICA_ENV,
     )
 )
-LOCAL_VARS = frozenset(("LOCAL_RANK", LOCAL_MAIN_ENV))  # the flag: --virtual-local-rank only
+# The flag: --virtual-local-rank only; torch's file timer: a pipe per local rank.
+LOCAL_VARS = frozenset(("LOCAL_RANK", LOCAL_MAIN_ENV, TIMER_FILE_ENV))
 # With --virtual-local-rank, the device variables differ by local rank too
 # (agent/env.py virtual_local_rank). They are set when a worker is forked: the
 # zygote never initialises CUDA nor loads its driver (worker/_zygote.py refuses
@@ -287,9 +289,10 @@ class WarmPool:
         if local_rank is None:
             skip.update(self.recorded.ranked)
         else:
-            # Its rank's variables, and its device (the same for a local rank in every round).
+            # Its rank's variables, and its local rank's own (its device, its
+            # timer pipe: the same for a local rank in every round).
             z_env.update(rank_part(env))
-            z_env.update({k: env[k] for k in sorted(self.local - LOCAL_VARS) if k in env})
+            z_env.update({k: env[k] for k in sorted(self.local - RANK_VARS) if k in env})
             watch = watch - RANK_VARS - self.local
         modules = [m for m in (*self.preload, *self.recorded.modules) if not skipped(m, skip)]
         preload = PreloadPlan(
