@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from elastrun.agent import PythonScript, WorkerSpec
 from elastrun.agent.warm_pool import WarmPool
 from elastrun.events import ListSink
 from elastrun.names import RunId
+from elastrun.procs import pid_alive
 from elastrun.rendezvous.notes import ModuleReport
 from tests.conftest import PYTHON
 from tests.zygote_forks import fork_many
@@ -96,14 +98,15 @@ def test_a_single_node_job_keeps_no_shared_zygote_beside_one_per_rank(
     shared one: it is not replaced when it refuses the package, nor kept after
     a start. The next start forks each rank from its own, even one still
     importing (the head start the shared one would have been), and the
-    package read the worker's own rank."""
+    package read the worker's own rank. Should a rank's own zygote die, the
+    shared one is started again: that rank's next start is still warm."""
     monkeypatch.chdir(tmp_path)
     command = _rank_reader(tmp_path)
     spec = WorkerSpec(command=command, nproc=2, run_id=RunId("warm-needed"))
     sink = ListSink()
     envs = {lr: _env(RANK=str(lr), LOCAL_RANK=str(lr), WORLD_SIZE="2") for lr in (0, 1)}
 
-    async def main() -> dict[int, str]:
+    async def main() -> list[dict[int, str]]:
         pool = WarmPool(spec, command, sink, preload=("rankpkg",), scope="all")
         pool.fixed_ranks = True
         try:
@@ -113,13 +116,22 @@ def test_a_single_node_job_keeps_no_shared_zygote_beside_one_per_rank(
             assert [e["local_rank"] for e in _kinds(sink, "warm_started")] == [None, 0, 1]
             pool.keep_all(envs)  # another start, the same ranks: nothing new
             assert len(_kinds(sink, "warm_started")) == 3, sink.events
-            return await fork_many(pool, envs)
+            first = await fork_many(pool, envs)
+            (rank_1,) = [e["pid"] for e in _kinds(sink, "warm_started") if e["local_rank"] == 1]
+            os.kill(rank_1, signal.SIGKILL)
+            await _until(lambda: not pid_alive(rank_1), sink)
+            pool.on_child()  # the agent's SIGCHLD handler
+            assert [e["local_rank"] for e in _kinds(sink, "warm_started")] == [None, 0, 1, None]
+            return [first, await fork_many(pool, envs)]
         finally:
             await pool.close()
 
-    out = asyncio.run(main())
+    first, again = asyncio.run(main())
     assert [(u["local_rank"], u["per_rank"]) for u in _kinds(sink, "warm_used")] == [
         (0, True),
         (1, True),
+        (0, True),
+        (1, False),  # from the shared one, which imports no rankpkg: the worker does
     ]
-    assert "BEFORE True READ 0" in out[0] and "BEFORE True READ 1" in out[1], out
+    assert "BEFORE True READ 0" in first[0] and "BEFORE True READ 1" in first[1], first
+    assert "BEFORE True READ 0" in again[0] and "BEFORE False READ 1" in again[1], again

@@ -143,7 +143,7 @@ class WarmStarts(Feature):
         return _WarmRound(self, group)
 
     def on_child(self) -> None:
-        self.pool.reap()
+        self.pool.on_child()
 
     async def close(self) -> None:
         await self.pool.close()

@@ -269,7 +269,7 @@ class WarmPool:
         return (
             self.fixed_ranks
             and bool(ranks.envs)
-            and all(lr in ranks.by_rank and ranks.by_rank[lr].gone is None for lr in ranks.envs)
+            and all(lr in ranks.by_rank and _alive(ranks.by_rank[lr]) for lr in ranks.envs)
         )
 
     def _spawn(self, env: Mapping[str, str], local_rank: int | None = None) -> Zygote | None:
@@ -605,6 +605,14 @@ class WarmPool:
         if lost and not (self._closed or self.last_start or self.per_rank_only()):
             self.keep(envs[min(envs)])
 
+    def on_child(self) -> None:
+        """A child exited (SIGCHLD): reap the zygotes let go; should a rank's
+        own zygote have died, the shared one is started again if it was not
+        kept because of them (its rank's next start is not colder)."""
+        self.reap()
+        if not all(_alive(z) for z in self.ranks.zygotes()):
+            self._cover()
+
     def reap(self) -> None:
         """Reap zygotes that were let go (on SIGCHLD, and before a new one)."""
         alive = []
@@ -641,3 +649,7 @@ class WarmPool:
             self.reap()
             if self._dead:
                 await asyncio.sleep(0.01)
+
+
+def _alive(z: Zygote) -> bool:
+    return z.gone is None and z.popen.poll() is None
