@@ -135,3 +135,41 @@ def test_a_single_node_job_keeps_no_shared_zygote_beside_one_per_rank(
     ]
     assert "BEFORE True READ 0" in first[0] and "BEFORE True READ 1" in first[1], first
     assert "BEFORE True READ 0" in again[0] and "BEFORE False READ 1" in again[1], again
+
+
+def test_a_shared_zygote_serves_until_every_ranks_own_is_ready(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One node, the package known to read RANK (the module cache said so):
+    the shared zygote, without it, forks the first start; the per-rank ones
+    are started after it, and the shared one is kept until they are all
+    ready (a restart before then forks from it, not from them still
+    importing), then let go."""
+    monkeypatch.chdir(tmp_path)
+    command = _rank_reader(tmp_path)
+    spec = WorkerSpec(command=command, nproc=2, run_id=RunId("warm-needed"))
+    sink = ListSink()
+    envs = {lr: _env(RANK=str(lr), LOCAL_RANK=str(lr), WORLD_SIZE="2") for lr in (0, 1)}
+
+    def reasons() -> list[tuple[int | None, str]]:
+        return [(e["local_rank"], e["reason"]) for e in _kinds(sink, "warm_discarded")]
+
+    async def main() -> None:
+        pool = WarmPool(spec, command, sink, preload=("rankpkg",), scope="all")
+        pool.fixed_ranks = True
+        pool.recorded.ranked["rankpkg"] = "rankpkg reads RANK when it is imported"
+        try:
+            pool.keep(envs[0])  # at the agent's start
+            assert await pool.wait_ready(BOUND), sink.events
+            await fork_many(pool, envs)
+            pool.keep_all(envs)  # after the first start
+            assert [e["local_rank"] for e in _kinds(sink, "warm_started")] == [None, 0, 1]
+            assert reasons() == []  # they are importing: the shared one stays
+            await _until(lambda: reasons() != [], sink)
+            assert reasons() == [(None, "every local rank has its own")]
+            ready = {e["local_rank"] for e in _kinds(sink, "warm_ready")}
+            assert ready == {None, 0, 1}, sink.events
+        finally:
+            await pool.close()
+
+    asyncio.run(main())

@@ -231,22 +231,34 @@ class WarmPool:
     def keep(self, env: Mapping[str, str]) -> None:
         """Make sure a zygote compatible with workers of environment ``env``
         lives (after a start: for the next one), unless every local rank has
-        its own (``per_rank_only``)."""
+        its own (``per_rank_only``): then none is started, and one that lives
+        is kept until they are all ready (a start before then forks from it,
+        not from them still importing)."""
         if self._closed or self.cold is not None:
             return
         self.reap()
         z = self._z
-        if self.per_rank_only():
-            if z is not None and z.gone is None:
-                self._discard(z, "every local rank has its own")
-            self._z = None
-            return
-        if z is not None and z.gone is None and z.popen.poll() is None:
+        if z is not None and _alive(z):
             why = self._compatible(z.env, env)
             if why is None:
+                if not self.per_rank_only():
+                    return
+                self._let_shared_go()
                 return
             self._discard(z, f"started with a different {why}")
-        self._z = self._spawn(env)
+            self._z = None
+        if not self.per_rank_only():
+            self._z = self._spawn(env)
+
+    def _let_shared_go(self) -> None:
+        """The shared zygote, once every local rank's own is ready
+        (``per_rank_only``) and it forks nothing: let go."""
+        z = self._z
+        if z is None or not _alive(z) or z.pending is not None or not self.per_rank_only():
+            return
+        if all(rz.ready for rz in self.ranks.zygotes()):
+            self._discard(z, "every local rank has its own")
+            self._z = None
 
     def keep_ranks(self, envs: Mapping[int, Mapping[str, str]]) -> None:
         """After a start (``envs``: its workers'): per-rank zygotes for the
@@ -334,6 +346,8 @@ class WarmPool:
         )
         for name, why in message.failed:
             self.debug(f"warm interpreter skipped module {name}: {why}")
+        if z.local_rank is not None:
+            self._let_shared_go()
         if message.stopped:
             self.debug(f"warm interpreter stopped importing: {message.stopped}")
 

@@ -18,11 +18,11 @@ discards it: the worker is forked from the shared interpreter and imports the
 package itself, and a new per-rank one is started with the new variables for
 the next restart. One not ready yet is not waited for (the shared one serves
 that rank). In a job of one node the ranks never change: once every local
-rank has its own, the shared one is not kept (agent/warm_pool.py
-``per_rank_only``), and one still importing is forked from as the shared one
-would have been. A package that reads a variable outside ``RANK_VARS`` when it is
-imported (the port, the restart count) is refused by the per-rank ones too,
-and then imported ahead of time by none.
+rank has its own, the shared one is not kept once they are ready
+(agent/warm_pool.py ``per_rank_only``), and one still importing is forked
+from as the shared one would have been. A package that reads a variable
+outside ``RANK_VARS`` when it is imported (the port, the restart count) is
+refused by the per-rank ones too, and then imported ahead of time by none.
 
 Cost: one interpreter per local rank, only for a script that imports such a
 package, each bounded as the shared one (time, resident memory) and importing
