@@ -23,11 +23,9 @@ from elastrun.agent.warm_pool import WarmPool
 from elastrun.events import ListSink
 from elastrun.names import RunId
 from elastrun.rendezvous.notes import ModuleReport
-from elastrun.worker._messages import Go, encode_line
 from tests.conftest import PYTHON
 from tests.helpers import pid_alive
-
-GO = encode_line(Go())  # what the agent sends a forked worker it registered
+from tests.zygote_forks import GO, fork_many
 
 # Prints which of the modules named in PROBE_MODULES were loaded before the
 # script itself imported anything, then imports them (as a script would).
@@ -102,26 +100,6 @@ def _kinds(sink: ListSink, kind: str) -> list[dict[str, Any]]:
     return [e for e in sink.events if e["kind"] == kind]
 
 
-async def _fork_many(pool: WarmPool, envs: dict[int, dict[str, str]]) -> dict[int, str]:
-    """Fork one worker per entry of ``envs``; each one's output (they must all be forked)."""
-    pairs = {lr: socket.socketpair() for lr in envs}
-    try:
-        forked = await pool.fork(envs, {lr: theirs.fileno() for lr, (_, theirs) in pairs.items()})
-    finally:
-        for _, theirs in pairs.values():
-            theirs.close()
-    assert set(forked) == set(envs)
-    loop = asyncio.get_running_loop()
-    out = {}
-    for lr, proc in forked.items():
-        pairs[lr][0].send(GO)
-        assert proc.stdout is not None
-        out[lr] = (await loop.run_in_executor(None, proc.stdout.read)).decode()
-        assert await loop.run_in_executor(None, proc.wait, 60) == 0
-        pairs[lr][0].close()
-    return out
-
-
 def test_more_workers_than_cpus_wait_for_a_zygote_importing_what_they_import(tmp_path):
     # The zygote's preload takes 3 s; the script imports the same module; two
     # workers on one CPU: the start waits for the whole import (one import
@@ -136,7 +114,7 @@ def test_more_workers_than_cpus_wait_for_a_zygote_importing_what_they_import(tmp
         assert pool.head_start
         pool.keep(env)
         try:
-            return await _fork_many(pool, {0: {**env, "RANK": "5"}, 1: {**env, "RANK": "6"}})
+            return await fork_many(pool, {0: {**env, "RANK": "5"}, 1: {**env, "RANK": "6"}})
         finally:
             await pool.close()
 
@@ -518,10 +496,10 @@ def test_virtual_local_rank_forks_each_rank_with_its_device(tmp_path):
             (gone,) = _kinds(sink, "warm_discarded")
             assert "reads CUDA_VISIBLE_DEVICES when it is imported" in gone["reason"]
             assert "per-rank" in gone["reason"]
-            first = await _fork_many(pool, envs)
+            first = await fork_many(pool, envs)
             pool.keep_ranks(envs)
             await _events_until(sink, "warm_ready", 3)
-            again = await _fork_many(pool, envs)
+            again = await fork_many(pool, envs)
             used = _kinds(sink, "warm_used")
             assert [u["per_rank"] for u in used] == [False, False, True, True], used
             # No zygote was let go for a device that differs between ranks.

@@ -52,6 +52,9 @@ def test_only_round_variables_may_differ():
     hang = {**base, "ELASTRUN_HEARTBEAT_FILE": "/l/0/heartbeat.json"}
     hang |= {"ELASTRUN_STACKS_FILE": "/l/0/stacks.txt", "ELASTRUN_STACK_SIGNAL": "39"}
     assert compatible(base, hang) is None
+    # torch's file timer: a pipe per local rank (TORCHELASTIC_ENABLE_FILE_TIMER=1).
+    timer = {**base, "TORCHELASTIC_TIMER_FILE": "/t/timer.fifo.0"}
+    assert compatible(timer, {**timer, "TORCHELASTIC_TIMER_FILE": "/t/timer.fifo.1"}) is None
 
 
 def test_virtual_local_rank_makes_the_device_a_local_rank_variable():
@@ -61,7 +64,12 @@ def test_virtual_local_rank_makes_the_device_a_local_rank_variable():
         command=Executable(("python", "x.py")), nproc=2, run_id=RunId("j"), virtual_local_rank=True
     )
     assert local_vars(virtual) == LOCAL_VARS | DEVICE_VARS
-    assert local_vars(virtual) == {"LOCAL_RANK", "ELASTRUN_LOCAL_MAIN", "CUDA_VISIBLE_DEVICES"}
+    assert local_vars(virtual) == {
+        "LOCAL_RANK",
+        "ELASTRUN_LOCAL_MAIN",
+        "TORCHELASTIC_TIMER_FILE",
+        "CUDA_VISIBLE_DEVICES",
+    }
     base = {"PATH": "/bin", "LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "5"}
     rank1 = {**base, "CUDA_VISIBLE_DEVICES": "7"}
     # Without the flag the device list is the node's, and must be the same.

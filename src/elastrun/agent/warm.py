@@ -28,9 +28,10 @@ When the zygote is used:
 
 A zygote that has died, or was started with an environment that differs from
 a worker's in anything but the per-round and per-rank variables
-(``ROUND_VARS``, ``LOCAL_VARS``; with ``--virtual-local-rank`` also each rank's
-``CUDA_VISIBLE_DEVICES``, ``DEVICE_VARS``, set when the worker is forked: the
-zygote never initialises CUDA), is discarded and the workers start cold: a
+(``ROUND_VARS``, ``LOCAL_VARS``: the local rank, torch's file timer pipe; with
+``--virtual-local-rank`` also each rank's ``CUDA_VISIBLE_DEVICES``,
+``DEVICE_VARS``, set when the worker is forked: the zygote never initialises
+CUDA), is discarded and the workers start cold: a
 warm start can only save time, never change what runs. The zygote imports at
 idle CPU priority where it may return to normal priority afterwards (root or
 ``CAP_SYS_NICE``), otherwise after a delay, so it does not slow the workers'
@@ -111,6 +112,7 @@ class WarmStarts(Feature):
         # It starts (and imports torch) while the rendezvous runs; the
         # round's variables come when it closes.
         self.pool.say_cold()  # none for a script that sets its environment first
+        self.pool.fixed_ranks = self.core.rendezvous.settings.max_nodes == 1
         self.pool.keep(self.pool.first_env(self.core.rendezvous.settings.max_restarts))
 
     async def before_round(self) -> None:
@@ -141,7 +143,7 @@ class WarmStarts(Feature):
         return _WarmRound(self, group)
 
     def on_child(self) -> None:
-        self.pool.reap()
+        self.pool.on_child()
 
     async def close(self) -> None:
         await self.pool.close()
@@ -161,12 +163,12 @@ class _WarmRound(RoundHooks):
     async def fork(
         self, envs: Mapping[int, Mapping[str, str]], channels: Mapping[int, int]
     ) -> dict[int, ForkedProcess]:
-        return await self.warm.pool.fork(envs, channels)
+        last = not self.warm.may_restart(self.group.result)
+        return await self.warm.pool.fork(envs, channels, last=last)
 
     def started(self) -> None:
         pool = self.warm.pool
         if self.warm.may_restart(self.group.result):
-            pool.keep(self.group.envs[0])  # for the next start
-            pool.keep_ranks(self.group.envs)
+            pool.keep_all(self.group.envs)  # for the next start
         else:
             pool.drop()

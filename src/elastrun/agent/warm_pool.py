@@ -22,6 +22,7 @@ from elastrun.agent.children import ForkedProcess, Reaper
 from elastrun.agent.command import PythonCommand, with_local_rank
 from elastrun.agent.env import ROUND_ENV_VARS, stable_env
 from elastrun.agent.env_first import EnvFirst, env_set_first
+from elastrun.agent.file_timers import TIMER_FILE_ENV
 from elastrun.agent.guard import OrphanGuard
 from elastrun.agent.modcache import (
     ModuleCache,
@@ -94,7 +95,8 @@ ROUND_VARS = frozenset(
         MEMORY_REPLICA_ENV,
     )
 )
-LOCAL_VARS = frozenset(("LOCAL_RANK", LOCAL_MAIN_ENV))  # the flag: --virtual-local-rank only
+# The flag: --virtual-local-rank only; torch's file timer: a pipe per local rank.
+LOCAL_VARS = frozenset(("LOCAL_RANK", LOCAL_MAIN_ENV, TIMER_FILE_ENV))
 # With --virtual-local-rank, the device variables differ by local rank too
 # (agent/env.py virtual_local_rank). They are set when a worker is forked: the
 # zygote never initialises CUDA nor loads its driver (worker/_zygote.py refuses
@@ -188,10 +190,18 @@ class WarmPool:
         # False for the next start only: a zygote still importing is not used
         # (set when a joining node stopped waiting for it: it is slow).
         self.use_unready = True
+        # True once the last start that could use a zygote has used what it
+        # could (``fork``: a start no other can follow): none is started then,
+        # e.g. to replace one that quit while it forked; ``keep`` ends it.
+        self.last_start = False
         self.refusals = 0  # zygotes that quit on an unsafe module
         self.gave_up = False  # the recorded list was dropped once already
         self.local = local_vars(spec)
         self.ranks = RankZygotes(self._spawn, self._discard, self._compatible)
+        # Every round gives each local rank the same rank variables (a job of
+        # one node: WarmStarts sets it): a rank with its own zygote never needs
+        # the shared one, which is then not kept beside them.
+        self.fixed_ranks = False
 
     def _compatible(self, started: Mapping[str, str], wanted: Mapping[str, str]) -> str | None:
         return compatible(started, wanted, self.local)
@@ -220,17 +230,35 @@ class WarmPool:
     # ------------------------------------------------------------ starting
     def keep(self, env: Mapping[str, str]) -> None:
         """Make sure a zygote compatible with workers of environment ``env``
-        lives (after a start: for the next one)."""
+        lives (after a start: for the next one), unless every local rank has
+        its own (``per_rank_only``): then none is started, and one that lives
+        is kept until they are all ready (a start before then forks from it,
+        not from them still importing)."""
         if self._closed or self.cold is not None:
             return
         self.reap()
         z = self._z
-        if z is not None and z.gone is None and z.popen.poll() is None:
+        if z is not None and _alive(z):
             why = self._compatible(z.env, env)
             if why is None:
+                if not self.per_rank_only():
+                    return
+                self._let_shared_go()
                 return
             self._discard(z, f"started with a different {why}")
-        self._z = self._spawn(env)
+            self._z = None
+        if not self.per_rank_only():
+            self._z = self._spawn(env)
+
+    def _let_shared_go(self) -> None:
+        """The shared zygote, once every local rank's own is ready
+        (``per_rank_only``) and it forks nothing: let go."""
+        z = self._z
+        if z is None or not _alive(z) or z.pending is not None or not self.per_rank_only():
+            return
+        if all(rz.ready for rz in self.ranks.zygotes()):
+            self._discard(z, "every local rank has its own")
+            self._z = None
 
     def keep_ranks(self, envs: Mapping[int, Mapping[str, str]]) -> None:
         """After a start (``envs``: its workers'): per-rank zygotes for the
@@ -238,7 +266,27 @@ class WarmPool:
         if not self._closed and self.cold is None:
             self.ranks.keep(envs, wanted=bool(self.recorded.ranked))
 
+    def keep_all(self, envs: Mapping[int, Mapping[str, str]]) -> None:
+        """After a start (``envs``: its workers', by local rank): the zygotes
+        the next start may fork from, per rank first (``per_rank_only``)."""
+        self.last_start = False  # a start may follow
+        self.keep_ranks(envs)
+        self.keep(envs[min(envs)])
+
+    def per_rank_only(self) -> bool:
+        """Whether no start would fork from the shared zygote: the ranks are
+        the same in every round (``fixed_ranks``) and each local rank of the
+        last round has its own zygote, alive."""
+        ranks = self.ranks
+        return (
+            self.fixed_ranks
+            and bool(ranks.envs)
+            and all(lr in ranks.by_rank and _alive(ranks.by_rank[lr]) for lr in ranks.envs)
+        )
+
     def _spawn(self, env: Mapping[str, str], local_rank: int | None = None) -> Zygote | None:
+        if self.last_start:
+            return None  # no start could use it
         if not self.reaper.enable():
             if self.error is None:
                 self.error = self.reaper.error
@@ -253,9 +301,10 @@ class WarmPool:
         if local_rank is None:
             skip.update(self.recorded.ranked)
         else:
-            # Its rank's variables, and its device (the same for a local rank in every round).
+            # Its rank's variables, and its local rank's own (its device, its
+            # timer pipe: the same for a local rank in every round).
             z_env.update(rank_part(env))
-            z_env.update({k: env[k] for k in sorted(self.local - LOCAL_VARS) if k in env})
+            z_env.update({k: env[k] for k in sorted(self.local - RANK_VARS) if k in env})
             watch = watch - RANK_VARS - self.local
         modules = [m for m in (*self.preload, *self.recorded.modules) if not skipped(m, skip)]
         preload = PreloadPlan(
@@ -297,6 +346,8 @@ class WarmPool:
         )
         for name, why in message.failed:
             self.debug(f"warm interpreter skipped module {name}: {why}")
+        if z.local_rank is not None:
+            self._let_shared_go()
         if message.stopped:
             self.debug(f"warm interpreter stopped importing: {message.stopped}")
 
@@ -331,10 +382,14 @@ class WarmPool:
             self.ranks.forget(z)
             self.ranks.given_up = self.refusals > MAX_REFUSALS
             self.keep_ranks(self.ranks.envs)
+            self._cover()
             return
         if ranked:
             self.keep_ranks(self.ranks.envs)  # the ranks of the round running, if any
         if self._z is not z:
+            return
+        if self.per_rank_only():
+            self._z = None  # no start would fork from a new one
             return
         if not names or self.refusals > MAX_REFUSALS:
             # Something keeps refusing that the skip list does not catch:
@@ -444,18 +499,32 @@ class WarmPool:
         return z.gone is None and z.ready
 
     async def fork(
-        self, envs: Mapping[int, Mapping[str, str]], channels: Mapping[int, int]
+        self,
+        envs: Mapping[int, Mapping[str, str]],
+        channels: Mapping[int, int],
+        *,
+        last: bool = False,
     ) -> dict[int, ForkedProcess]:
         """Workers forked from the zygotes, by local rank: each with its
         environment ``envs[lr]`` and its channel socket fd ``channels[lr]``
         (see worker/_runner.py); from its rank's zygote where one is ready for
         the same ranks, otherwise from the shared one. Those missing start cold
-        (the zygote cannot be used now; one still importing is kept for later)."""
+        (the zygote cannot be used now; one still importing is kept for later).
+        ``last``: no start can follow this one; once the shared zygote is the
+        only one left to fork from, no zygote is started any more (one that
+        quits now is not replaced: nothing could use it)."""
         forked: dict[int, ForkedProcess] = {}
         if self.cold is not None:
             return forked
-        for lr, z in self.ranks.take(envs).items():
+        # Without a shared zygote (``per_rank_only``), a rank's zygote still
+        # importing is the head start the shared one would have been.
+        shared = self._z is not None and self._z.gone is None
+        unready = not shared and self.head_start and self.use_unready
+        for lr, z in self.ranks.take(envs, unready=unready).items():
+            if not z.ready:
+                promote(z.pid)
             forked.update(await self._fork_from(z, {lr: envs[lr]}, channels, 0.0))
+        self.last_start = last
         rest = {lr: env for lr, env in envs.items() if lr not in forked}
         if rest:
             forked.update(await self._fork_shared(rest, channels))
@@ -542,6 +611,22 @@ class WarmPool:
         z.kill(f"discarded: {reason}")
         self._dead.append(z.popen)
 
+    def _cover(self) -> None:
+        """A per-rank zygote was lost: the shared one again, when it was not
+        kept because of them (``per_rank_only``) and a start may follow."""
+        z, envs = self._z, self.ranks.envs
+        lost = self.fixed_ranks and envs and (z is None or z.gone is not None)
+        if lost and not (self._closed or self.last_start or self.per_rank_only()):
+            self.keep(envs[min(envs)])
+
+    def on_child(self) -> None:
+        """A child exited (SIGCHLD): reap the zygotes let go; should a rank's
+        own zygote have died, the shared one is started again if it was not
+        kept because of them (its rank's next start is not colder)."""
+        self.reap()
+        if not all(_alive(z) for z in self.ranks.zygotes()):
+            self._cover()
+
     def reap(self) -> None:
         """Reap zygotes that were let go (on SIGCHLD, and before a new one)."""
         alive = []
@@ -578,3 +663,7 @@ class WarmPool:
             self.reap()
             if self._dead:
                 await asyncio.sleep(0.01)
+
+
+def _alive(z: Zygote) -> bool:
+    return z.gone is None and z.popen.poll() is None

@@ -17,9 +17,12 @@ would read. A round that gives it other ones (the membership changed)
 discards it: the worker is forked from the shared interpreter and imports the
 package itself, and a new per-rank one is started with the new variables for
 the next restart. One not ready yet is not waited for (the shared one serves
-that rank). A package that reads a variable outside ``RANK_VARS`` when it is
-imported (the port, the restart count) is refused by the per-rank ones too,
-and then imported ahead of time by none.
+that rank). In a job of one node the ranks never change: once every local
+rank has its own, the shared one is not kept once they are ready
+(agent/warm_pool.py ``per_rank_only``), and one still importing is forked
+from as the shared one would have been. A package that reads a variable
+outside ``RANK_VARS`` when it is imported (the port, the restart count) is
+refused by the per-rank ones too, and then imported ahead of time by none.
 
 Cost: one interpreter per local rank, only for a script that imports such a
 package, each bounded as the shared one (time, resident memory) and importing
@@ -121,9 +124,12 @@ class RankZygotes:
         for lr in [lr for lr in self.by_rank if lr not in self.envs]:
             self._let_go(lr, self.by_rank[lr], "its local rank is not started any more")
 
-    def take(self, envs: Mapping[int, Mapping[str, str]]) -> dict[int, Zygote]:
-        """The ready ones that may fork these workers, by local rank; those
-        that may not are discarded (one still importing is kept)."""
+    def take(
+        self, envs: Mapping[int, Mapping[str, str]], *, unready: bool = False
+    ) -> dict[int, Zygote]:
+        """The ready ones (``unready``: those still importing too) that may
+        fork these workers, by local rank; those that may not are discarded
+        (one still importing, not taken, is kept)."""
         out = {}
         for lr, env in envs.items():
             z = self.by_rank.get(lr)
@@ -132,7 +138,7 @@ class RankZygotes:
             why = self.why_not(z, env)
             if why is not None:
                 self._let_go(lr, z, why)
-            elif z.ready:
+            elif z.ready or unready:
                 out[lr] = z
         return out
 
