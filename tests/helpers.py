@@ -21,6 +21,11 @@ processes) the suite took 384 s and 644 s of CPU warm, 433 s and 745 s cold.
 An agent's warm interpreter imports torch once for all its workers, and most
 test workers import torch.
 
+Optional packages. :func:`needs` skips a test whose workers import a package
+that is not installed (Lightning, accelerate), without importing it in the
+test process: a module-level ``pytest.importorskip`` costs every test
+process the package's import (seconds for Lightning) when it collects.
+
 Length. ``make soak`` sets ``ELASTRUN_SOAK=1``: a test that ``make test``
 runs short (fewer stalls, seeds or cases) runs at full length there
 (:func:`soak_or`). Such a test is marked ``slow``, so that ``make soak``
@@ -33,6 +38,7 @@ The etcd helpers (a real cluster, auth, TLS files) are in
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import socket
@@ -41,9 +47,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from elastrun.procs import pid_alive
+
+if TYPE_CHECKING:  # pytest itself is imported by needs() alone: scripts import this module too
+    import pytest
 
 __all__ = [
     "SUITE_KNOBS",
@@ -51,6 +60,7 @@ __all__ = [
     "free_port",
     "free_ports",
     "kill_group",
+    "needs",
     "pid_alive",
     "port_on_every",
     "soak_or",
@@ -127,6 +137,17 @@ def port_on_every(hosts: tuple[str, ...] = ("127.0.0.1", "127.0.0.2", "127.0.0.3
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """``count`` distinct ports, each held as :func:`free_port` does."""
     return [free_port(host) for _ in range(count)]
+
+
+def needs(package: str) -> pytest.MarkDecorator:
+    """A mark that skips the test when ``package`` is not installed (found, not
+    imported: see the module docstring)."""
+    import pytest
+
+    return pytest.mark.skipif(
+        importlib.util.find_spec(package) is None,
+        reason=f"{package} is not installed (pip install -e '.[dev]')",
+    )
 
 
 def soak_or(short: T, full: T) -> T:
