@@ -24,6 +24,11 @@ script in a cache folder, as an earlier run on the machine would have: a job
 of more workers than CPUs then forks them once its warm interpreter imported
 the list (one import of ``OPTIMIZER_MODULES``, not one per worker).
 
+Optional packages. :func:`needs` skips a test (or, as ``pytestmark``, a module) that needs a package
+that is not installed (Lightning, accelerate), without importing it in the
+test process: a module-level ``pytest.importorskip`` costs every test
+process the package's import (seconds for Lightning) when it collects.
+
 Length. ``make soak`` sets ``ELASTRUN_SOAK=1``: a test that ``make test``
 runs short (fewer stalls, seeds or cases) runs at full length there
 (:func:`soak_or`). Such a test is marked ``slow``, so that ``make soak``
@@ -46,13 +51,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import pytest
-
-from elastrun.agent.command import PythonScript
-from elastrun.agent.modcache import ModuleCache, ModuleList, cache_key
 from elastrun.procs import pid_alive
+
+if TYPE_CHECKING:  # pytest itself is imported by needs() alone: scripts import this module too
+    import pytest
 
 __all__ = [
     "OPTIMIZER_MODULES",
@@ -61,6 +65,7 @@ __all__ = [
     "free_port",
     "free_ports",
     "kill_group",
+    "needs",
     "pid_alive",
     "plant_modules",
     "port_on_every",
@@ -92,6 +97,9 @@ def plant_modules(
     """The module list of ``python script args`` run in ``cwd`` (the agent's
     working directory), in the warm-start cache folder ``cache_dir``
     (``ELASTRUN_CACHE_DIR``), as if an earlier run had recorded it."""
+    from elastrun.agent.command import PythonScript  # not for the scripts that import this module
+    from elastrun.agent.modcache import ModuleCache, ModuleList, cache_key
+
     key = cache_key(PythonScript(script, tuple(args), python=sys.executable), str(cwd))
     assert ModuleCache(str(cache_dir), key).save(ModuleList(modules=modules))
 
@@ -153,12 +161,15 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     return [free_port(host) for _ in range(count)]
 
 
-def skip_module_without(package: str) -> None:
-    """Skip the calling test module where ``package`` is not installed, without
-    importing it: an import at collection costs each of the suite's pytest
-    workers (torch: about 2 s of CPU); a test that uses it imports it itself."""
-    if importlib.util.find_spec(package) is None:
-        pytest.skip(f"needs {package}", allow_module_level=True)
+def needs(package: str) -> pytest.MarkDecorator:
+    """A mark that skips the test when ``package`` is not installed (found, not
+    imported: see the module docstring)."""
+    import pytest
+
+    return pytest.mark.skipif(
+        importlib.util.find_spec(package) is None,
+        reason=f"{package} is not installed (pip install -e '.[dev]')",
+    )
 
 
 def soak_or(short: T, full: T) -> T:

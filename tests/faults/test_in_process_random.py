@@ -26,10 +26,10 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import free_port, skip_module_without
+from tests.helpers import free_port, needs
 from tests.integration.elastic_harness import job
 
-skip_module_without("torch")
+pytestmark = needs("torch")
 
 SEED = int(os.environ.get("ELASTRUN_FAULT_SEED", "3201"))
 FAULTS = 3  # rounds with a fault; the run of the last restart count has none

@@ -252,38 +252,66 @@ def test_intact_checkpoint_that_cannot_be_loaded_is_an_error_not_damage(tmp_path
 
 # -- kills at each step of a save ---------------------------------------------
 
-_KILLED_SAVER = """
-import os, signal, sys
+_KILLED_SAVERS = """
+import json, os, signal, sys, traceback
 import torch
 from elastrun.train import save_checkpoint
-d, at = sys.argv[1], sys.argv[2]
-save_checkpoint({"step": 1, "w": torch.ones(1000)}, d, step=1)
-real_replace = os.replace
-def replace(src, dst):
-    name = os.path.basename(dst)
-    if (at == "record" and name.endswith(".pt.json")) or (at == "data" and name.endswith(".pt")) \\
-            or (at == "latest" and name == "latest"):
-        os.kill(os.getpid(), signal.SIGKILL)
-    return real_replace(src, dst)
-os.replace = replace
-save_checkpoint({"step": 2, "w": torch.ones(1000) * 2}, d, step=2)
-print("not killed", flush=True)
+root, ats = sys.argv[1], sys.argv[2:]
+
+def killed_save(d, at):
+    save_checkpoint({"step": 1, "w": torch.ones(1000)}, d, step=1)
+    real_replace = os.replace
+    def replace(src, dst):
+        name = os.path.basename(dst)
+        if (at == "record" and name.endswith(".pt.json")) \\
+                or (at == "data" and name.endswith(".pt")) \\
+                or (at == "latest" and name == "latest"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_replace(src, dst)
+    os.replace = replace
+    save_checkpoint({"step": 2, "w": torch.ones(1000) * 2}, d, step=2)
+    print("not killed", flush=True)
+
+status = {}
+for at in ats:  # each save in a process of its own, forked: torch imported once for all
+    pid = os.fork()
+    if pid == 0:
+        try:
+            killed_save(os.path.join(root, at, "ckpt"), at)
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        os._exit(0)
+    status[at] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+print("STATUS " + json.dumps(status), flush=True)
 """
+RENAMES = [("record", 1), ("data", 1), ("latest", 2)]
 
 
-@pytest.mark.parametrize(("at", "expect"), [("record", 1), ("data", 1), ("latest", 2)])
-def test_sigkill_at_each_rename_of_a_save_loses_nothing(
-    tmp_path: Path, at: str, expect: int
-) -> None:
-    d = tmp_path / "ckpt"
+@pytest.fixture(scope="module")
+def killed_saves(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int], str]:
+    """A save SIGKILLed at each rename (one folder each, under the path
+    returned), each one's exit status as ``subprocess`` gives it, and their output."""
+    root = tmp_path_factory.mktemp("killed-saves")
     proc = subprocess.run(
-        [PYTHON, "-c", _KILLED_SAVER, str(d), at],
+        [PYTHON, "-c", _KILLED_SAVERS, str(root), *(at for at, _ in RENAMES)],
         check=False,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("STATUS ")]
+    return root, json.loads(line[len("STATUS ") :]), proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(("at", "expect"), RENAMES)
+def test_sigkill_at_each_rename_of_a_save_loses_nothing(
+    killed_saves: tuple[Path, dict[str, int], str], at: str, expect: int
+) -> None:
+    root, status, output = killed_saves
+    d = root / at / "ckpt"
+    assert status[at] == -signal.SIGKILL, output
 
     state, lines = _logged(d)
 

@@ -36,12 +36,13 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import free_port, pid_alive, wait_for
+from tests.helpers import free_port, needs, pid_alive, wait_for
 from tests.integration.elastic_harness import ELASTRUN, SCRIPTS, Agent
 from tests.integration.test_cli import env_without_pet
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("lightning", reason="lightning is not installed (pip install -e '.[dev]')")
+# Found, not imported here: the workers import Lightning, this process never does.
+needs_lightning = needs("lightning")
 
 BOUND = 150.0  # per job: a loaded 2-core machine; Lightning alone imports in 3-8 s
 FEATURES = 8  # as the worker scripts
@@ -203,6 +204,7 @@ def check_lightning_fit(
     assert sorted(f["global_rank"] for f in fits.values()) == list(range(world))
 
 
+@needs_lightning
 def test_lightning_ddp_two_agents(tmp_path: Path) -> None:
     epochs, batches = 2, 4
     port = free_port()
@@ -226,17 +228,17 @@ def test_lightning_ddp_two_agents(tmp_path: Path) -> None:
         assert all(f["local_rank"] == 0 for f in fits.values())
 
 
+@needs("accelerate")
 @pytest.mark.parametrize("use_cpu", [True, False], ids=["ACCELERATE_USE_CPU=1", "plain"])
 def test_accelerate_loop(tmp_path: Path, use_cpu: bool) -> None:
-    pytest.importorskip(
-        "accelerate", reason="accelerate is not installed (pip install -e '.[dev]')"
-    )
     if not use_cpu and torch.cuda.is_available():
         pytest.skip("Accelerator() picks the GPU here; this case is about CPU-only machines")
     epochs, steps_per_epoch = 2, 4
     env = {"ACCELERATE_USE_CPU": "1"} if use_cpu else {}
     # The distributed case also restarts in process: rank 1 SIGKILLed after its step 2.
-    restart = ["--max-restarts=1"] if use_cpu else []
+    # No standby process (--standby-ranks=0): rank 1's replacement is forked from the
+    # warm interpreter, as standbys are not this test's subject (test_in_process.py).
+    restart = ["--max-restarts=1", "--standby-ranks=0"] if use_cpu else []
     in_process = ["--in-process", "--kill-at", "2"] if use_cpu else []
     with jobs(tmp_path) as j:
         agent = j.start(
@@ -285,6 +287,7 @@ def test_accelerate_loop(tmp_path: Path, use_cpu: bool) -> None:
                 assert r["num_processes"] == 1 and r["model_class"] == "Linear"
 
 
+@needs_lightning
 def test_lightning_resumes_from_last_checkpoint_in_per_rank_warm_interpreters(
     tmp_path: Path,
 ) -> None:

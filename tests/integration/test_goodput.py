@@ -5,6 +5,7 @@ prints them in one line and its event log has them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -47,6 +48,15 @@ def scrape(port: int) -> dict[str, float]:
     }
 
 
+def kinds(events: Path) -> set[str]:
+    """The kinds of the events the agent has written so far."""
+    found = set()
+    for line in events.read_text().splitlines() if events.exists() else []:
+        with contextlib.suppress(json.JSONDecodeError):
+            found.add(json.loads(line)["kind"])
+    return found
+
+
 def test_a_crash_is_accounted_live_and_at_the_end(tmp_path: Path) -> None:
     port, metrics_port = free_port(), free_port()
     events = tmp_path / "events.jsonl"
@@ -74,8 +84,10 @@ def test_a_crash_is_accounted_live_and_at_the_end(tmp_path: Path) -> None:
         )
     try:
         wait_for((tmp_path / "crashed").exists, BOUND, "the crash")
-        # Live: group rank 0's agent publishes its figures (every 5 s).
-        live = wait_for(lambda: figures(port), BOUND, "status showing the restart's cost")
+        wait_for(lambda: "restart" in kinds(events), BOUND, "the restart in the event log")
+        # Live: group rank 0's agent publishes its figures (every 5 s). Each look
+        # is an `elastrun status` process (a Python start): once a second is enough.
+        live = wait_for(lambda: figures(port), BOUND, "status showing the restart's cost", 1.0)
         assert live["seconds"]["restart"] > 0 and 0 < live["goodput"] < 1, live
         table = status(port)
         assert table.returncode == 0, table.stderr

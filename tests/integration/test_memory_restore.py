@@ -11,9 +11,9 @@ import json
 import re
 from pathlib import Path
 
-from tests.helpers import run_ranks, skip_module_without
+from tests.helpers import needs, run_ranks
 
-skip_module_without("torch")
+pytestmark = needs("torch")
 
 _RANKS = """
 import json, os, sys

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,6 @@ from typing import Any
 import pytest
 
 from elastrun.worker.snapshot import ENV, MAGIC, CommitNote, open_slot
-from tests.conftest import PYTHON
 from tests.helpers import run_ranks
 
 torch = pytest.importorskip("torch")
@@ -270,38 +268,53 @@ def test_a_slot_newer_than_its_commit_note_is_said_and_not_used(newest: Path) ->
 # -- peak memory, in a child process ---------------------------------------------
 
 _PEAK = """
-import json
+import json, os, sys
 from elastrun.train.memory import MemoryCheckpoint
+from elastrun.worker.snapshot import ENV
 
 def peak_mb():
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) // 1024
 
-import torch  # noqa: the baseline holds torch
-before = peak_mb()
+# each child loads one folder (the argument of its index), as the rank it was saved by
+os.environ[ENV] = sys.argv[1 + int(os.environ["RANK"])]
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+before = peak_mb()  # the baseline holds torch
 lines = []
 state = MemoryCheckpoint(log=lines.append).load()
 print("PEAK " + json.dumps({"before": before, "after": peak_mb(), "step": state["step"],
                             "lines": lines}), flush=True)
 """
+LARGE = ["60 MB header", "8 MB header of empty objects"]
 
 
-@pytest.mark.parametrize("kind", ["60 MB header", "8 MB header of empty objects"])
-def test_a_large_header_costs_no_memory_to_refuse(newest: Path, kind: str) -> None:
-    DAMAGE[kind][0](newest)
-    assert os.path.getsize(newest) > 8 * MB
-    out = subprocess.run(
-        [PYTHON, "-c", _PEAK],
-        capture_output=True,
-        text=True,
-        env={**os.environ, ENV: str(newest.parent)},
-        timeout=300,
-        check=False,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    (line,) = [ln for ln in out.stdout.splitlines() if ln.startswith("PEAK ")]
-    got = json.loads(line[5:])
+@pytest.fixture(scope="module")
+def large_header_peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Each of the LARGE damages done to a newest slot of its own, each slot
+    loaded in a child process of its own (forked from one that imported torch:
+    ``run_ranks``) that says its peak memory before and after ``load()``."""
+    root = tmp_path_factory.mktemp("large-headers")
+    folders = []
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        for i, kind in enumerate(LARGE):
+            newest = _save_two(root / str(i) / "local-0", monkeypatch)
+            DAMAGE[kind][0](newest)
+            assert os.path.getsize(newest) > 8 * MB
+            folders.append(newest.parent)
+    outs = run_ranks(_PEAK, len(LARGE), *map(str, folders))
+    peaks = {}
+    for kind, out in zip(LARGE, outs, strict=True):
+        (line,) = [ln for ln in out.splitlines() if ln.startswith("PEAK ")]
+        peaks[kind] = json.loads(line[5:])
+    return peaks
+
+
+@pytest.mark.parametrize("kind", LARGE)
+def test_a_large_header_costs_no_memory_to_refuse(
+    large_header_peaks: dict[str, dict[str, Any]], kind: str
+) -> None:
+    got = large_header_peaks[kind]
     print(f"{kind}: peak {got['before']} MB before load(), {got['after']} MB after")
     assert got["step"] == 1 and len([ln for ln in got["lines"] if "is damaged" in ln]) == 1
     # Refused before the header is decoded: no more than its bytes, once or twice

@@ -8,7 +8,8 @@ disk copies load with a plain ``torch.load(weights_only=True)``;
 ``elastrun checkpoint-convert`` puts them together (``torch.save`` and
 ``torch.distributed.checkpoint``); one rank (the world changed) is told why
 memory and disk cannot serve, and loads the converted checkpoint with
-``dcp.load``, resharded.
+``dcp.load``, resharded. The three phases' ranks are forked from one process
+(``Ranks``), which imports torch once for all of them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ import pytest
 from elastrun.agent.memory import persist_snapshot
 from elastrun.cli import main as elastrun_main
 from elastrun.worker.snapshot import CommitNote, open_slot
-from tests.helpers import finished, free_port
+from tests.helpers import finished, free_port, kill_group, wait_for
 from tests.integration.elastic_harness import SCRIPTS
 
 torch = pytest.importorskip("torch")
@@ -34,18 +36,53 @@ torch = pytest.importorskip("torch")
 BOUND = 300.0
 
 
-def ranks(phase: str, world: int, base: Path) -> list[dict[str, Any]]:
-    script = str(SCRIPTS / "sharded_ranks.py")
-    proc = subprocess.run(
-        [sys.executable, script, phase, str(world), str(base), str(free_port())],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=BOUND,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads((base / f"{phase}-{r}.json").read_text()) for r in range(world)]
+class Ranks:
+    """One ``sharded_ranks.py`` process for every phase of a test: it imports
+    torch once and forks each phase's ranks."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.log = base / "ranks.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(SCRIPTS / "sharded_ranks.py"), str(base)],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                start_new_session=True,
+            )
+
+    def __call__(self, phase: str, world: int) -> list[dict[str, Any]]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{phase} {world} {free_port()}\n")
+        self.proc.stdin.flush()
+        done = self.base / f"{phase}.done"
+
+        def said() -> str | None:
+            if done.exists():
+                return done.read_text()
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            return None
+
+        assert wait_for(said, BOUND, f"the {phase} ranks", 0.2) == "ok", (
+            done.read_text() + self.log.read_text()[-3000:]
+        )
+        return [json.loads((self.base / f"{phase}-{r}.json").read_text()) for r in range(world)]
+
+    def close(self) -> None:
+        kill_group(self.proc.pid)
+        self.proc.wait(BOUND)
+
+
+@pytest.fixture
+def ranks(tmp_path: Path) -> Iterator[Ranks]:
+    r = Ranks(tmp_path)
+    try:
+        yield r
+    finally:
+        r.close()
 
 
 def persist(base: Path, world: int) -> list[Path]:
@@ -63,9 +100,9 @@ def persist(base: Path, world: int) -> list[Path]:
 
 
 def test_sharded_state_saved_restored_converted_and_resharded(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, ranks: Ranks, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    saved = ranks("save", 2, tmp_path)
+    saved = ranks("save", 2)
     files = persist(tmp_path, 2)
 
     # Each disk copy is a plain torch.save file: the rank's local shards.
@@ -77,7 +114,7 @@ def test_sharded_state_saved_restored_converted_and_resharded(
         assert shapes["0.weight"] == [3 - r, 6]  # 5 rows over 2 ranks: 3 and 2
 
     # Same world: every rank gets its shards back as DTensors, from memory and disk.
-    restored = ranks("restore", 2, tmp_path)
+    restored = ranks("restore", 2)
     for seen in restored:
         for source in ("memory", "disk"):
             kinds = seen[f"{source}_kinds"]
@@ -109,7 +146,7 @@ def test_sharded_state_saved_restored_converted_and_resharded(
 
     # Another world: memory says why it is not used, the disk refuses with the
     # way out, and the converted checkpoint loads resharded.
-    (seen,) = ranks("reshard", 1, tmp_path)
+    (seen,) = ranks("reshard", 1)
     said = "\n".join(seen["lines"])
     assert (
         "=> memory checkpoint step 7 not used: its sharded tensors (state['model']['0.weight'], "

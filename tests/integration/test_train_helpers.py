@@ -20,13 +20,13 @@ from elastrun.worker.checkpoint_files import check
 from tests.conftest import PYTHON, REPO
 from tests.helpers import (
     OPTIMIZER_MODULES,
+    needs,
     plant_modules,
     run_ranks,
-    skip_module_without,
     stop_groups,
 )
 
-skip_module_without("torch")
+pytestmark = needs("torch")
 
 TORCHRUN = Path(PYTHON).parent / "torchrun"
 

@@ -1,8 +1,11 @@
 """Ranks with a sharded state (gloo on CPU), for test_sharded_checkpoint.py.
 
-``python sharded_ranks.py PHASE WORLD BASE`` runs WORLD ranks (processes of
-``torch.multiprocessing``), each with its memory checkpoint folder
-``BASE/mem/r<rank>`` and its disk folder ``BASE/ckpt/rank-<rank>``:
+``python sharded_ranks.py BASE`` reads one ``PHASE WORLD PORT`` line at a
+time from its stdin (until it ends) and runs WORLD ranks for it (processes of
+``torch.multiprocessing``, forked: the phases share this process' imports,
+torch's once in all), each with its memory checkpoint folder
+``BASE/mem/r<rank>`` and its disk folder ``BASE/ckpt/rank-<rank>``; once the
+ranks are done it writes ``BASE/<phase>.done``: ``ok``, or why it failed.
 
 * ``save``: an FSDP2 model (``fully_shard`` on the world's mesh) after one
   Adam step, and two DTensors (``Shard(0)`` and ``Replicate()``), saved at
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 from typing import Any
 
 import torch
@@ -139,7 +143,25 @@ def run(rank: int, phase: str, world: int, base: str, port: int) -> None:
     dist.destroy_process_group()
 
 
+def serve(base: str) -> None:
+    for line in sys.stdin:
+        phase, world, port = line.split()
+        try:
+            # forked: the ranks share this process' imports (torch once, not once per rank)
+            start_processes(
+                run,
+                args=(phase, int(world), base, int(port)),
+                nprocs=int(world),
+                start_method="fork",
+            )
+            said = "ok"
+        except Exception:
+            said = traceback.format_exc()
+        done = os.path.join(base, f"{phase}.done")
+        with open(done + ".tmp", "w") as f:
+            f.write(said)
+        os.replace(done + ".tmp", done)  # whole, for the test that waits for it
+
+
 if __name__ == "__main__":
-    phase, world, base, port = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-    # forked: the ranks share this process' imports (torch once, not once per rank)
-    start_processes(run, args=(phase, world, base, port), nprocs=world, start_method="fork")
+    serve(sys.argv[1])
