@@ -24,9 +24,9 @@ script in a cache folder, as an earlier run on the machine would have: a job
 of more workers than CPUs then forks them once its warm interpreter imported
 the list (one import of ``OPTIMIZER_MODULES``, not one per worker).
 
-Optional packages. :func:`needs` skips a test (or, as ``pytestmark``, a module) that needs a package
-that is not installed (Lightning, accelerate), without importing it in the
-test process: a module-level ``pytest.importorskip`` costs every test
+Optional packages. :func:`needs` skips a test (or, as ``pytestmark``, a
+module) that needs a package that is not installed (torch, Lightning,
+accelerate), without importing it in the test process: a module-level ``pytest.importorskip`` costs every test
 process the package's import (seconds for Lightning) when it collects.
 
 Length. ``make soak`` sets ``ELASTRUN_SOAK=1``: a test that ``make test``
