@@ -26,8 +26,9 @@ the list (one import of ``OPTIMIZER_MODULES``, not one per worker).
 
 Optional packages. :func:`needs` skips a test (or, as ``pytestmark``, a
 module) that needs a package that is not installed (torch, Lightning,
-accelerate), without importing it in the test process: a module-level ``pytest.importorskip`` costs every test
-process the package's import (seconds for Lightning) when it collects.
+accelerate), without importing it in the test process: a module-level
+``pytest.importorskip`` costs every test process the package's import
+(seconds for Lightning) when it collects.
 
 Length. ``make soak`` sets ``ELASTRUN_SOAK=1``: a test that ``make test``
 runs short (fewer stalls, seeds or cases) runs at full length there
