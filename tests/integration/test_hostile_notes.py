@@ -11,10 +11,11 @@ for the attacker, and ``elastrun status`` as a real command.
   escapes, for a job that never hung: status (table, ``--json``, ``--watch``)
   prints no escape byte, no stacks section and no straggler; with 10 MB of
   junk notes in the store it still prints the job;
-* a real two-node hang while the attacker keeps overwriting the stacks notes:
-  the declaring agent survives and prints the other node's stacks or says they
-  were unreadable; the job restarts and ends without waiting out the join
-  timeout;
+* a real two-node hang (workers reporting progress through
+  ``elastrun.train.heartbeat``: the notes, not torch, are what is tested) while
+  the attacker keeps overwriting the stacks notes: the declaring agent
+  survives and prints the other node's stacks or says they were unreadable;
+  the job restarts and ends without waiting out the join timeout;
 * a worker's error file with escapes: the failure summary shows them escaped.
 """
 
@@ -27,6 +28,7 @@ import os
 import re
 import signal
 import subprocess
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -44,7 +46,7 @@ from elastrun.store.client import TcpStore
 from elastrun.store.server import StoreServer
 from tests.helpers import free_port, stop_groups, wait_for
 from tests.integration.elastic_harness import ELASTRUN
-from tests.integration.test_hangs import stacks_block, two_node_hang
+from tests.integration.test_hangs import FLOOR, stacks_block
 
 SCRIPTS = Path(__file__).parent / "scripts"
 BOUND = 150.0  # a whole job on a loaded 2-core machine
@@ -316,16 +318,73 @@ class HostileWriter:
             await store.close()
 
 
+# The hang for the hostile writer: the agents' reading of the notes is what is
+# tested, so no torch (no DDP, no warm interpreter importing it). Progress
+# through elastrun.train.heartbeat; rank 1's first attempt stops in a function
+# of its own after 5 steps, the other rank steps until stopped; the restart's
+# attempt steps for a second and ends.
+HANG_ONCE = textwrap.dedent(
+    """
+    import os, time
+    from elastrun.train import heartbeat
+
+    def stuck_in_my_function():
+        time.sleep(600)
+
+    rank = int(os.environ["RANK"])
+    first = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+    end = time.monotonic() + (600 if first else 1)
+    step = 0
+    while time.monotonic() < end:
+        if first and rank == 1 and step == 5:
+            stuck_in_my_function()
+        heartbeat(step)
+        step += 1
+        time.sleep(0.2)
+    """
+)
+
+
+def two_node_hang_without_torch(
+    name: str, port: int, run_id: str, tmp_path: Path
+) -> subprocess.Popen[str]:
+    """Node ``name`` (a: group rank 0, hosting the store; b: 1) of a two-node job
+    of one rank each running ``HANG_ONCE`` under ``--hang-timeout auto:FLOOR``
+    (test_hangs.two_node_hang's settings)."""
+    return subprocess.Popen(
+        [
+            *ELASTRUN,
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id={run_id}",
+            # A crashed agent would leave the other waiting 600 s: past BOUND.
+            f"--rdzv-conf=is_host={int(name == 'a')},join_timeout=600",
+            f"--node-rank={0 if name == 'a' else 1}",
+            "--max-restarts=1",
+            f"--hang-timeout=auto:{FLOOR}",
+            "--shutdown-timeout=5",
+            "--no-warm",
+            str(tmp_path / "hang_once.py"),
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
 def test_a_hostile_stacks_note_during_a_real_hang_kills_no_agent(tmp_path: Path) -> None:
     port, run_id = free_port(), "hostile-hang"
-    (tmp_path / "out").mkdir()
+    (tmp_path / "hang_once.py").write_text(HANG_ONCE)
     writer = HostileWriter(port, run_id)
     procs: list[subprocess.Popen[str]] = []
     errs: dict[str, str] = {}
     try:
         for name in ("a", "b"):
-            # A crashed agent would leave the other waiting 600 s: past BOUND.
-            procs.append(two_node_hang(name, port, run_id, tmp_path, 1, ",join_timeout=600"))
+            procs.append(two_node_hang_without_torch(name, port, run_id, tmp_path))
             if name == "a":
                 writer.thread.start()  # it waits for the store to listen
         for name, p in zip("ab", procs, strict=True):
