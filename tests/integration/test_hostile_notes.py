@@ -28,7 +28,6 @@ import os
 import re
 import signal
 import subprocess
-import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -320,36 +319,17 @@ class HostileWriter:
 
 # The hang for the hostile writer: the agents' reading of the notes is what is
 # tested, so no torch (no DDP, no warm interpreter importing it). Progress
-# through elastrun.train.heartbeat; rank 1's first attempt stops in a function
-# of its own after 5 steps, the other rank steps until stopped; the restart's
-# attempt steps for a second and ends.
-HANG_ONCE = textwrap.dedent(
-    """
-    import os, time
-    from elastrun.train import heartbeat
-
-    def stuck_in_my_function():
-        time.sleep(600)
-
-    rank = int(os.environ["RANK"])
-    first = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
-    end = time.monotonic() + (600 if first else 1)
-    step = 0
-    while time.monotonic() < end:
-        if first and rank == 1 and step == 5:
-            stuck_in_my_function()
-        heartbeat(step)
-        step += 1
-        time.sleep(0.2)
-    """
-)
+# through elastrun.train.heartbeat (heartbeat_worker.py hang): rank 1's first
+# attempt stops after 5 steps, the other rank steps until stopped; the
+# restart's attempt steps a few times and ends.
+HEARTBEATS = SCRIPTS / "heartbeat_worker.py"
 
 
 def two_node_hang_without_torch(
     name: str, port: int, run_id: str, tmp_path: Path
 ) -> subprocess.Popen[str]:
     """Node ``name`` (a: group rank 0, hosting the store; b: 1) of a two-node job
-    of one rank each running ``HANG_ONCE`` under ``--hang-timeout auto:FLOOR``
+    of one rank each running ``HEARTBEATS`` under ``--hang-timeout auto:FLOOR``
     (test_hangs.two_node_hang's settings)."""
     return subprocess.Popen(
         [
@@ -366,7 +346,9 @@ def two_node_hang_without_torch(
             f"--hang-timeout=auto:{FLOOR}",
             "--shutdown-timeout=5",
             "--no-warm",
-            str(tmp_path / "hang_once.py"),
+            str(HEARTBEATS),
+            str(tmp_path),
+            "hang",
         ],
         cwd=tmp_path,
         stdout=subprocess.DEVNULL,
@@ -378,7 +360,6 @@ def two_node_hang_without_torch(
 
 def test_a_hostile_stacks_note_during_a_real_hang_kills_no_agent(tmp_path: Path) -> None:
     port, run_id = free_port(), "hostile-hang"
-    (tmp_path / "hang_once.py").write_text(HANG_ONCE)
     writer = HostileWriter(port, run_id)
     procs: list[subprocess.Popen[str]] = []
     errs: dict[str, str] = {}
