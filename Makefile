@@ -67,7 +67,7 @@ test-fast: setup etcd check
 	$(PYTEST) -m "not slow" tests/unit tests/store $(PYTEST_ARGS)
 
 # What `make test` runs short, at full length (10-15 minutes on 2 cores): the
-# clean-exit series 30 runs each instead of 2 (tests/integration/test_clean_exit.py),
+# clean-exit series 30 runs each instead of 1 (tests/integration/test_clean_exit.py),
 # the churn soak 10 minutes instead of 20 s (tests/faults/test_faults.py), and, with
 # ELASTRUN_SOAK=1 (tests/helpers.py soak_or), three stalls of the store's host instead
 # of two, all planted-ballot jobs, the wheel on every declared Python, 20 natural
