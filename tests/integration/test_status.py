@@ -324,8 +324,7 @@ def test_a_standalone_job_prints_the_status_command_that_finds_it(tmp_path: Path
         "    time.sleep(0.1)\n"
     )
     out = tmp_path / "agent.log"
-    args = [*ELASTRUN, "--standalone", "--nproc-per-node=2", "--no-warm"]  # no torch to import
-    args.append(str(tmp_path / "wait.py"))
+    args = [*ELASTRUN, "--standalone", "--nproc-per-node=2", str(tmp_path / "wait.py")]
     with background(args, out) as agent:
         line = wait_for(
             lambda: next(
