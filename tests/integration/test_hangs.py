@@ -211,11 +211,20 @@ def test_a_straggler_is_named_in_status(tmp_path):
 
 
 def two_node_hang(
-    name: str, port: int, run_id: str, tmp_path: Path, stuck_rank: int, conf: str = ""
+    name: str,
+    port: int,
+    run_id: str,
+    tmp_path: Path,
+    stuck_rank: int,
+    conf: str = "",
+    last: list[str] | None = None,
 ) -> subprocess.Popen[str]:
     """Node ``name`` (a: group rank 0, hosting the store; b: 1) of a two-node job of
     one rank each, where rank ``stuck_rank`` gets stuck at step 30 of its first
-    attempt (hang_ddp.py stuck), under ``--hang-timeout auto:FLOOR``."""
+    attempt (hang_ddp.py stuck), under ``--hang-timeout auto:FLOOR``. ``last``:
+    the agent's last arguments instead (more flags, the script and its own)."""
+    if last is None:
+        last = [str(SCRIPT), str(tmp_path / "out"), "stuck", "40"]
     return subprocess.Popen(
         [
             *ELASTRUN,
@@ -229,10 +238,7 @@ def two_node_hang(
             "--max-restarts=1",
             f"--hang-timeout=auto:{FLOOR}",
             "--shutdown-timeout=5",
-            str(SCRIPT),
-            str(tmp_path / "out"),
-            "stuck",
-            "40",
+            *last,
         ],
         cwd=tmp_path,
         env={**os.environ, "STUCK_RANK": str(stuck_rank)},

@@ -45,7 +45,7 @@ from elastrun.store.client import TcpStore
 from elastrun.store.server import StoreServer
 from tests.helpers import free_port, stop_groups, wait_for
 from tests.integration.elastic_harness import ELASTRUN
-from tests.integration.test_hangs import FLOOR, stacks_block
+from tests.integration.test_hangs import stacks_block, two_node_hang
 
 SCRIPTS = Path(__file__).parent / "scripts"
 BOUND = 150.0  # a whole job on a loaded 2-core machine
@@ -325,39 +325,6 @@ class HostileWriter:
 HEARTBEATS = SCRIPTS / "heartbeat_worker.py"
 
 
-def two_node_hang_without_torch(
-    name: str, port: int, run_id: str, tmp_path: Path
-) -> subprocess.Popen[str]:
-    """Node ``name`` (a: group rank 0, hosting the store; b: 1) of a two-node job
-    of one rank each running ``HEARTBEATS`` under ``--hang-timeout auto:FLOOR``
-    (test_hangs.two_node_hang's settings)."""
-    return subprocess.Popen(
-        [
-            *ELASTRUN,
-            "--nnodes=2",
-            "--nproc-per-node=1",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            f"--rdzv-id={run_id}",
-            # A crashed agent would leave the other waiting 600 s: past BOUND.
-            f"--rdzv-conf=is_host={int(name == 'a')},join_timeout=600",
-            f"--node-rank={0 if name == 'a' else 1}",
-            "--max-restarts=1",
-            f"--hang-timeout=auto:{FLOOR}",
-            "--shutdown-timeout=5",
-            "--no-warm",
-            str(HEARTBEATS),
-            str(tmp_path),
-            "hang",
-        ],
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-
-
 def test_a_hostile_stacks_note_during_a_real_hang_kills_no_agent(tmp_path: Path) -> None:
     port, run_id = free_port(), "hostile-hang"
     writer = HostileWriter(port, run_id)
@@ -365,7 +332,9 @@ def test_a_hostile_stacks_note_during_a_real_hang_kills_no_agent(tmp_path: Path)
     errs: dict[str, str] = {}
     try:
         for name in ("a", "b"):
-            procs.append(two_node_hang_without_torch(name, port, run_id, tmp_path))
+            # A crashed agent would leave the other waiting 600 s: past BOUND.
+            last = ["--no-warm", str(HEARTBEATS), str(tmp_path), "hang"]
+            procs.append(two_node_hang(name, port, run_id, tmp_path, 1, ",join_timeout=600", last))
             if name == "a":
                 writer.thread.start()  # it waits for the store to listen
         for name, p in zip("ab", procs, strict=True):
