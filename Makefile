@@ -70,8 +70,8 @@ test-fast: setup etcd check
 # clean-exit series 30 runs each instead of 2 (tests/integration/test_clean_exit.py),
 # the churn soak 10 minutes instead of 12 s (tests/faults/test_faults.py), and, with
 # ELASTRUN_SOAK=1 (tests/helpers.py soak_or), three stalls of the store's host instead
-# of two, 5 random faults among hot spares instead of 3, all planted-ballot jobs, the wheel on every declared Python, 20 natural
-# root-cause races instead of 1; and the benchmark smoke test (marked `bench`) that
+# of two, 5 random faults among hot spares instead of 3, all planted-ballot jobs, the
+# wheel on every declared Python, 20 natural root-cause races instead of 1; and the benchmark smoke test (marked `bench`) that
 # `make test` leaves out.
 SERIES_RUNS ?= 30
 SOAK_SECONDS ?= 600

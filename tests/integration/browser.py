@@ -54,18 +54,18 @@ def _chromium(args: list[str], profile: Path) -> subprocess.CompletedProcess[str
 
 
 def render(page: Path, width: int = 1120, height: int = 600) -> Rendered:
-    """``page`` loaded by headless Chromium: its DOM, its console, a screenshot."""
+    """``page`` loaded by headless Chromium: its DOM, its console, a screenshot
+    (one load of the page, one browser: each start costs about a second of CPU)."""
     url = page.resolve().as_uri()
     with tempfile.TemporaryDirectory(prefix="elastrun-chromium-") as tmp:
         profile = Path(tmp) / "profile"
-        dom = _chromium(["--dump-dom", url], profile)
-        assert dom.returncode == 0, dom.stderr[-3000:]
         shot = Path(tmp) / "shot.png"
         size = f"--window-size={width},{height}"
-        taken = _chromium(["--hide-scrollbars", size, f"--screenshot={shot}", url], profile)
-        assert taken.returncode == 0 and shot.exists(), taken.stderr[-3000:]
-        console = [m.group(1) for m in CONSOLE.finditer(dom.stderr + taken.stderr)]
-        return Rendered(dom.stdout, console, shot.read_bytes())
+        args = ["--dump-dom", "--hide-scrollbars", size, f"--screenshot={shot}", url]
+        done = _chromium(args, profile)
+        assert done.returncode == 0 and shot.exists(), done.stderr[-3000:]
+        console = [m.group(1) for m in CONSOLE.finditer(done.stderr)]
+        return Rendered(done.stdout, console, shot.read_bytes())
 
 
 def png_pixels(png: bytes) -> tuple[int, int, list[bytes]]:

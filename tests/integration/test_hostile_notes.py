@@ -11,10 +11,11 @@ for the attacker, and ``elastrun status`` as a real command.
   escapes, for a job that never hung: status (table, ``--json``, ``--watch``)
   prints no escape byte, no stacks section and no straggler; with 10 MB of
   junk notes in the store it still prints the job;
-* a real two-node hang while the attacker keeps overwriting the stacks notes:
-  the declaring agent survives and prints the other node's stacks or says they
-  were unreadable; the job restarts and ends without waiting out the join
-  timeout;
+* a real two-node hang (workers reporting progress through
+  ``elastrun.train.heartbeat``: the notes, not torch, are what is tested) while
+  the attacker keeps overwriting the stacks notes: the declaring agent
+  survives and prints the other node's stacks or says they were unreadable;
+  the job restarts and ends without waiting out the join timeout;
 * a worker's error file with escapes: the failure summary shows them escaped.
 """
 
@@ -316,16 +317,24 @@ class HostileWriter:
             await store.close()
 
 
+# The hang for the hostile writer: the agents' reading of the notes is what is
+# tested, so no torch (no DDP, no warm interpreter importing it). Progress
+# through elastrun.train.heartbeat (heartbeat_worker.py hang): rank 1's first
+# attempt stops after 5 steps, the other rank steps until stopped; the
+# restart's attempt steps a few times and ends.
+HEARTBEATS = SCRIPTS / "heartbeat_worker.py"
+
+
 def test_a_hostile_stacks_note_during_a_real_hang_kills_no_agent(tmp_path: Path) -> None:
     port, run_id = free_port(), "hostile-hang"
-    (tmp_path / "out").mkdir()
     writer = HostileWriter(port, run_id)
     procs: list[subprocess.Popen[str]] = []
     errs: dict[str, str] = {}
     try:
         for name in ("a", "b"):
             # A crashed agent would leave the other waiting 600 s: past BOUND.
-            procs.append(two_node_hang(name, port, run_id, tmp_path, 1, ",join_timeout=600"))
+            last = ["--no-warm", str(HEARTBEATS), str(tmp_path), "hang"]
+            procs.append(two_node_hang(name, port, run_id, tmp_path, 1, ",join_timeout=600", last))
             if name == "a":
                 writer.thread.start()  # it waits for the store to listen
         for name, p in zip("ab", procs, strict=True):

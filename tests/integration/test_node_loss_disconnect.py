@@ -59,6 +59,7 @@ def flags(port: int, *, host: bool) -> list[str]:
         f"--rdzv-conf=last_call_timeout=1,lease_ttl={LEASE_TTL},join_timeout=60,"
         f"is_host={int(host)}",
         "--shutdown-timeout=5",
+        "--no-warm",  # the worker never imports torch: no warm interpreter to import it
     ]
 
 

@@ -19,6 +19,8 @@ from tests.helpers import free_port, stop_groups, without_pet
 
 ELASTRUN = [sys.executable, "-m", "elastrun"]
 TIMEOUT = 180
+# For a script that never imports torch: no warm interpreter importing it meanwhile.
+NO_TORCH = "--no-warm"
 
 STDOUT_ERROR = textwrap.dedent(
     """
@@ -67,7 +69,7 @@ def elastrun(
 
 def test_single_node_failure_shows_stdout_and_says_the_job_fails(tmp_path: Path) -> None:
     (tmp_path / "w.py").write_text(STDOUT_ERROR)
-    proc = elastrun("--standalone", "--nproc-per-node=2", "w.py", cwd=tmp_path)
+    proc = elastrun("--standalone", "--nproc-per-node=2", NO_TORCH, "w.py", cwd=tmp_path)
     assert proc.returncode == 1
     err = proc.stderr
     assert "no restarts are left (max restarts 0): the job fails" in err, err
@@ -128,6 +130,7 @@ def test_group_failure_header_names_the_only_way_on(tmp_path: Path) -> None:
         f"--rdzv-endpoint=127.0.0.1:{port}",
         "--rdzv-id=msg-group",
         "--max-restarts=0",
+        NO_TORCH,
     ]
     host = subprocess.Popen(
         [*ELASTRUN, *common, "--rdzv-conf=is_host=1", "--node-rank=0", "w.py"],
@@ -159,6 +162,7 @@ def test_waiting_line_after_the_last_call_is_not_the_join_timeout(tmp_path: Path
         f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         "--rdzv-id=msg-wait",
         "--rdzv-conf=last_call_timeout=3,join_timeout=600",
+        NO_TORCH,
         "w.py",
         cwd=tmp_path,
     )

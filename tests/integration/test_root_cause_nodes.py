@@ -178,9 +178,7 @@ def test_both_nodes_name_the_first_failure_across_nodes(tmp_path: Path, candidat
     procs = start_nodes(tmp_path, port, candidates, (1, 2))
     try:
         # elastrun status, while the restarted workers wait: the job's last failure
-        found = wait_for(
-            lambda: restarted(port, candidates), TIMEOUT, "the restart in elastrun status"
-        )
+        found = status_once_restarted(tmp_path, port, candidates)
         (tmp_path / "finish").touch()
         outs = [p.communicate(timeout=TIMEOUT) for p in procs]
     finally:
@@ -235,8 +233,8 @@ KILLED = AFTER_RESTART + textwrap.dedent(
 RUNS = int(os.environ.get("ELASTRUN_ROOT_CAUSE_RUNS") or soak_or(1, 20))
 
 
-def _round_opened_by_node_0(path: Path) -> bool:
-    """Node 0's event log says it opened round 1 (its failure is in the store)."""
+def _logged(path: Path, kind: str, **fields: int) -> bool:
+    """The event log at ``path`` holds an event of ``kind`` with these fields."""
     if not path.exists():
         return False
     for line in path.read_text().splitlines():
@@ -244,9 +242,29 @@ def _round_opened_by_node_0(path: Path) -> bool:
             e = json.loads(line)
         except ValueError:
             continue  # a line being written
-        if e.get("kind") == "round_opened" and e.get("round") == 1:
+        if e.get("kind") == kind and all(e.get(k) == v for k, v in fields.items()):
             return True
     return False
+
+
+def _round_opened_by_node_0(path: Path) -> bool:
+    """Node 0's event log says it opened round 1 (its failure is in the store)."""
+    return _logged(path, "round_opened", round=1)
+
+
+def status_once_restarted(tmp_path: Path, port: int, candidates: bool) -> dict[str, Any]:
+    """``elastrun status --json`` once the job restarted: looked at once node 0's
+    event log says its workers started again (a file read per look, not a
+    status process), then as often as it takes."""
+    wait_for(
+        lambda: _logged(tmp_path / "events-0.jsonl", "workers_started", attempt=1),
+        TIMEOUT,
+        "node 0's workers started again",
+    )
+    found: dict[str, Any] = wait_for(
+        lambda: restarted(port, candidates), TIMEOUT, "the restart in elastrun status", interval=0.5
+    )
+    return found
 
 
 def _timeline_root_causes(*paths: Path) -> list[str]:
@@ -286,7 +304,7 @@ def killed_run(tmp_path: Path, *, held: bool) -> list[str]:
         finally:
             if held:
                 os.kill(procs[1].pid, signal.SIGCONT)
-        found = wait_for(lambda: restarted(port, False), TIMEOUT, "the restart in elastrun status")
+        found = status_once_restarted(tmp_path, port, False)
         (tmp_path / "finish").touch()
         outs = [p.communicate(timeout=TIMEOUT) for p in procs]
     finally:

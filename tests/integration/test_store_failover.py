@@ -236,7 +236,8 @@ def test_a_candidate_restarted_after_voting_does_not_vote_again_in_that_term(
     elected it there at once)."""
     port = port_on_every()
     with job(tmp_path) as j:
-        b = j.start_agent("n2", flags(port, 2, tmp_path / "ev2.jsonl"))
+        # It only votes (no round forms without a majority): no warm interpreter.
+        b = j.start_agent("n2", [*flags(port, 2, tmp_path / "ev2.jsonl"), "--no-warm"])
         voted = (tmp_path / "ev2.jsonl", f"127.0.0.2:{port}")
 
         def voted_for_itself() -> bool:
