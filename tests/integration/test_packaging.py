@@ -253,11 +253,8 @@ def test_wheel_installs_into_a_clean_venv_and_runs_without_torch(
     made = run([python, "-m", "venv", "--without-pip", str(venv)], env=clean_env())
     assert made.returncode == 0, made.stderr
     py, elastrun = venv / "bin" / "python", venv / "bin" / "elastrun"
-    pip = run(
-        [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-index"]
-        + ["--no-deps", str(wheel)],
-        env=clean_env(),
-    )
+    install = ["install", "-q", "--no-index", "--no-deps", str(wheel)]
+    pip = run([sys.executable, "-m", "pip", "--python", str(py), *install], env=clean_env())
     assert pip.returncode == 0, pip.stdout + pip.stderr
     env = clean_env()
     # Python's development mode (resource and asyncio checks) and deprecations as errors: what
