@@ -1,8 +1,12 @@
 """The agent with real worker processes (torch gloo over loopback).
 
 The rendezvous is a one-node test double (tests/integration/scripts/one_node.py);
-every worker is a real process. Tests that signal or SIGKILL the agent run it
-in its own process (scripts/agent_driver.py).
+every worker is a real process. Tests whose workers import torch only for
+what they do (a crash, a membership change, a root cause) start them as
+elastrun does, forked from the agent's warm interpreter (one ``import torch``
+a test, not one a worker start); the worker environment is checked on workers
+started cold. Tests that signal or SIGKILL the agent run it in its own process
+(scripts/agent_driver.py).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 import pytest
 
 from elastrun.agent import Agent, Executable, PythonScript, Std, WorkerSpec
-from elastrun.agent.spec import LogSettings
+from elastrun.agent.spec import LogSettings, WarmModules, WarmSettings
 from elastrun.events import ListSink
 from elastrun.names import RunId
 from tests.conftest import PYTHON, REPO
@@ -52,6 +56,16 @@ def spec_for(script: str, *args: str, nproc: int = 2, **kw) -> WorkerSpec:
     kw.setdefault("run_id", "agent-test")
     command = Executable((PYTHON, str(SCRIPTS / script), *args))
     return WorkerSpec(command=command, nproc=nproc, **kw)
+
+
+def warm_spec_for(script: str, *args: str, nproc: int = 2, **kw) -> WorkerSpec:
+    """As elastrun runs a Python script: workers forked from the agent's warm
+    interpreter (one ``import torch`` for every start, not one a worker)."""
+    kw.setdefault("host", "testhost")
+    kw.setdefault("run_id", "agent-test")
+    command = PythonScript(str(SCRIPTS / script), args, python=PYTHON)
+    warm = WarmSettings(enabled=True, modules=WarmModules.TORCH)
+    return WorkerSpec(command=command, nproc=nproc, warm=warm, **kw)
 
 
 def records(outdir: Path) -> list[dict[str, Any]]:
@@ -112,8 +126,8 @@ def test_workers_get_every_variable_and_all_reduce(tmp_path, capfd):
 def test_crash_consumes_a_restart_and_group_restarts(tmp_path, capfd):
     out = tmp_path / "out"
     out.mkdir()
-    rdzv = OneNodeRendezvous(nproc=2, max_restarts=2)
-    spec = spec_for("gloo_env.py", str(out), "--crash-rank", "1", "--crash-restart", "0")
+    rdzv = OneNodeRendezvous(run_id="agent-test", nproc=2, max_restarts=2)
+    spec = warm_spec_for("gloo_env.py", str(out), "--crash-rank", "1", "--crash-restart", "0")
     code, sink = run_agent(spec, rdzv)
     assert code == 0
     assert rdzv.restart_count == 1
@@ -137,9 +151,10 @@ def test_crash_consumes_a_restart_and_group_restarts(tmp_path, capfd):
 
 @pytest.mark.parametrize("mode", ["torch", "elastrun", "plain"])
 def test_root_cause_summary_names_rank_1(tmp_path, capfd, mode):
-    rdzv = OneNodeRendezvous(nproc=2, max_restarts=0)
+    rdzv = OneNodeRendezvous(run_id="agent-test", nproc=2, max_restarts=0)
     log_dir = tmp_path / "logs"
-    spec = spec_for("fail_rank1.py", mode, logs=LogSettings(dir=str(log_dir)), shutdown_timeout=10)
+    logs = LogSettings(dir=str(log_dir))
+    spec = warm_spec_for("fail_rank1.py", mode, logs=logs, shutdown_timeout=10)
     code, sink = run_agent(spec, rdzv)
     assert code == 1
     err = capfd.readouterr().err
@@ -169,8 +184,9 @@ def test_root_cause_summary_names_rank_1(tmp_path, capfd, mode):
 def test_membership_change_restarts_without_counting(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    rdzv = OneNodeRendezvous(nproc=2, max_restarts=0)
-    spec = spec_for("gloo_env.py", str(out), "--hold", shutdown_timeout=10)
+    # an elastic job (room for a second node: the one that waits), no restart left
+    rdzv = OneNodeRendezvous(run_id="agent-test", nproc=2, max_restarts=0, max_nodes=2)
+    spec = warm_spec_for("gloo_env.py", str(out), "--hold", shutdown_timeout=10)
 
     async def side():
         deadline = time.monotonic() + 100

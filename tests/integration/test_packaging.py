@@ -7,9 +7,10 @@ package, README, LICENSE, pyproject.toml and the docs and nothing else; the whee
 module and declares the version, the Python and torch ranges and the extras, and its PyPI
 description is its own: it opens with ``pip install`` and a torchrun-style command, links to
 nothing relative (PyPI cannot resolve a checkout's paths), and the docs it names are in the
-sdist. The wheel then goes into a fresh ``python -m venv`` without torch, once with each
-CPython version the classifiers declare that this machine has (3.11 always; 3.12 and 3.13 where
-found on PATH or under pyenv; ``make test`` the oldest and the newest only): every module
+sdist. The wheel then goes (with the dev venv's pip) into a fresh ``python -m venv`` without
+torch or pip, once with each CPython version the classifiers declare that this machine has
+(3.11 always; 3.12 and 3.13 where found on PATH or under pyenv; ``make test`` the oldest and
+the newest only): every module
 compiles without warnings and imports, ``elastrun --version``/``--help`` work, and a 2-worker
 ``--standalone`` run of a plain script and of a ``--no-python`` program succeed in Python's
 development mode with deprecations as errors, printing no warning.
@@ -247,13 +248,13 @@ def test_wheel_installs_into_a_clean_venv_and_runs_without_torch(
 ) -> None:
     _, wheel = dists
     venv = tmp_path / "venv"
-    made = run([python, "-m", "venv", str(venv)], env=clean_env())
+    # Without pip of its own (ensurepip: some 4 s of CPU a venv): the dev venv's pip
+    # installs the wheel into it (``--python``), as the venv's own pip would.
+    made = run([python, "-m", "venv", "--without-pip", str(venv)], env=clean_env())
     assert made.returncode == 0, made.stderr
     py, elastrun = venv / "bin" / "python", venv / "bin" / "elastrun"
-    pip = run(
-        [str(py), "-m", "pip", "install", "-q", "--no-index", "--no-deps", str(wheel)],
-        env=clean_env(),
-    )
+    install = ["install", "-q", "--no-index", "--no-deps", str(wheel)]
+    pip = run([sys.executable, "-m", "pip", "--python", str(py), *install], env=clean_env())
     assert pip.returncode == 0, pip.stdout + pip.stderr
     env = clean_env()
     # Python's development mode (resource and asyncio checks) and deprecations as errors: what

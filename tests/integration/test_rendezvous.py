@@ -1,8 +1,9 @@
 """The dynamic rendezvous with real processes and a real embedded TCP store.
 
-Each test starts ``elastrun store serve`` on loopback and rendezvous handlers in
-separate processes (tests/integration/rdzv_node.py), reads their JSON lines, and
-stops every process it started by pid.
+The module starts one ``elastrun store serve`` on loopback (each test's
+handlers use a run id of their own in it); each test starts rendezvous handlers
+in separate processes (tests/integration/rdzv_node.py), reads their JSON lines,
+and stops every process it started by pid.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class Proc:
             self.p.wait(10)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def store() -> Iterator[tuple[str, int]]:
     p = subprocess.Popen(
         [PYTHON, "-m", "elastrun", "store", "serve", "--host", "127.0.0.1", "--port", "0"],

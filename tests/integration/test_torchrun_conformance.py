@@ -541,11 +541,6 @@ def launch_cases(cases: list[Case]) -> list[dict[str, Any]]:
     return got
 
 
-def launch_case(case: str, config: dict[str, Any], folder: Path | None = None) -> dict[str, Any]:
-    """One ``elastrun.launch()`` call in its own process (see api_driver)."""
-    return launch_cases([(case, config, folder)])[0]
-
-
 @pytest.fixture(scope="module")
 def etcd_endpoint() -> Any:
     cluster = start_cluster(1)
@@ -638,15 +633,38 @@ def test_api_launch_function(etcd_cases: EtcdCases, rid: str) -> None:
     assert sorted(got["result"]) == ["0", "1", "2", "3"]
 
 
-def static_config(nproc: int) -> Any:
+def static_config(nproc: int, run_id: str = "") -> Any:
     return etcd_config(
-        f"127.0.0.1:{free_port()}", 1, 1, nproc, rdzv_backend="static", rdzv_configs={"rank": 0}
+        f"127.0.0.1:{free_port()}",
+        1,
+        1,
+        nproc,
+        run_id=run_id,
+        rdzv_backend="static",
+        rdzv_configs={"rank": 0},
     )
 
 
-def test_api_launch_function_returning_tensors() -> None:
+@pytest.fixture(scope="module")
+def static_cases() -> dict[str, dict[str, Any]]:
+    """upstream's function cases on the static rendezvous (tensors, a
+    ``state_dict`` tree, an object refused; the rank sum with both run ids):
+    one launch each, one after the other in one driver process (one
+    ``import torch`` there for the tensors that come back). Keyed by case
+    (``rank_sum:RUN_ID`` for the sums): what came back."""
+    cases: dict[str, Case] = {
+        "tensors": ("tensors", static_config(2), None),
+        "state_dict": ("state_dict", static_config(2), None),
+        "object": ("object", static_config(1), None),
+    }
+    for rid in ("", "conformance"):  # RUN_IDS
+        cases[f"rank_sum:{rid}"] = ("rank_sum", static_config(4, run_id=rid), None)
+    return dict(zip(cases, launch_cases(list(cases.values())), strict=True))
+
+
+def test_api_launch_function_returning_tensors(static_cases: dict[str, dict[str, Any]]) -> None:
     # upstream's _dummy_compute returns a tensor: back as a tensor, per rank
-    got = launch_case("tensors", static_config(2))
+    got = static_cases["tensors"]
     assert "result" in got, got
     ones = {"tensor": "Tensor", "dtype": "torch.float32"}
     assert got["result"] == {
@@ -655,8 +673,10 @@ def test_api_launch_function_returning_tensors() -> None:
     }, got
 
 
-def test_api_launch_function_returning_a_state_dict_tree() -> None:
-    got = launch_case("state_dict", static_config(2))
+def test_api_launch_function_returning_a_state_dict_tree(
+    static_cases: dict[str, dict[str, Any]],
+) -> None:
+    got = static_cases["state_dict"]
     assert "result" in got, got
     one = got["result"]["1"]
     assert one["model"]["w"]["values"] == [[1.0, 1.0], [1.0, 1.0]], got
@@ -666,26 +686,21 @@ def test_api_launch_function_returning_a_state_dict_tree() -> None:
     assert one["history"][0]["values"] == [0.5]
 
 
-def test_api_launch_function_returning_an_object_is_refused_saying_why() -> None:
+def test_api_launch_function_returning_an_object_is_refused_saying_why(
+    static_cases: dict[str, dict[str, Any]],
+) -> None:
     # anything else would need pickle: refused in the worker, with its type
-    got = launch_case("object", static_config(1))
+    got = static_cases["object"]
     assert got.get("error") == "WorkerError", got
     assert "neither JSON data nor a tree of tensors" in got["stderr"], got["stderr"][-3000:]
     assert "builtin_function_or_method" in got["stderr"] or "function" in got["stderr"]
 
 
 @pytest.mark.parametrize("rid", RUN_IDS)
-def test_api_launch_dist_sum_with_static_rdzv(rid: str) -> None:
-    cfg = etcd_config(
-        f"127.0.0.1:{free_port()}",
-        1,
-        1,
-        4,
-        run_id=rid,
-        rdzv_backend="static",
-        rdzv_configs={"rank": 0},
-    )
-    got = launch_case("rank_sum", cfg)
+def test_api_launch_dist_sum_with_static_rdzv(
+    static_cases: dict[str, dict[str, Any]], rid: str
+) -> None:
+    got = static_cases[f"rank_sum:{rid}"]
     assert "result" in got, got
     assert sorted(got["result"].values()) == [6, 6, 6, 6], got
 

@@ -28,11 +28,14 @@ class OneNodeRendezvous(Rendezvous):
         max_restarts: int = 0,
         host: str = "testhost",
         closed: bool = False,
+        max_nodes: int = 1,
     ) -> None:
+        # max_nodes: what the job allows (more than 1: an elastic job, whose
+        # round a waiting node can end); this node is always the only member.
         self.settings = RendezvousSettings(
             run_id=RunId(run_id),
             min_nodes=1,
-            max_nodes=1,
+            max_nodes=max_nodes,
             max_restarts=max_restarts,
             nproc=nproc,
             host=host,

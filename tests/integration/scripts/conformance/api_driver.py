@@ -25,11 +25,11 @@ import elastrun
 from tests.integration.scripts.conformance.batch import mark
 from tests.integration.scripts.conformance.functions import (
     dummy_compute,
-    rank_plus_ten,
     rank_sum,
     returns_an_object,
     state_dict_tree,
 )
+from tests.integration.scripts.conformance.plain_functions import rank_plus_ten
 
 HERE = Path(__file__).resolve().parent
 

@@ -1,13 +1,9 @@
-"""Function entrypoints for the ``launch()`` conformance cases."""
+"""Function entrypoints for the ``launch()`` conformance cases that use torch
+(those that do not: plain_functions.py)."""
 
 from __future__ import annotations
 
 import os
-
-
-def rank_plus_ten() -> int:
-    """Each worker returns 10 + its global rank."""
-    return 10 + int(os.environ["RANK"])
 
 
 def rank_sum() -> int:
