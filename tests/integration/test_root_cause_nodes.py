@@ -452,30 +452,30 @@ FAILS_WITH_WORK_LEFT_AT_EXIT = textwrap.dedent(
                 sys.exit("the warm interpreter was not ready within 90 s")
             time.sleep(0.1)
         sys.exit(3)
-    if attempt == "2":
-        sys.exit(0)  # done
-    log = open("log.txt", "w")  # never closed: released with the module
-    log.write("written before the failure\\n")
+    end = "failure" if attempt == "1" else "success"
+    log = open(f"log-{end}.txt", "w")  # never closed: released with the module
+    log.write(f"written before the {end}\\n")
     def at_exit():
-        open("atexit.txt", "w").write("ran")
+        open(f"atexit-{end}.txt", "w").write("ran")
     atexit.register(at_exit)
     def late():
         time.sleep(0.5)
-        open("thread.txt", "w").write("joined")
+        open(f"thread-{end}.txt", "w").write("joined")
     threading.Thread(target=late).start()  # not a daemon: joined at exit
-    raise ValueError("failed with work left for the teardown")
+    if attempt == "1":
+        raise ValueError("failed with work left for the teardown")
     """
 )
 
 
-def test_a_failed_rank_still_runs_its_exit_work_flushes_its_files_and_exits_1(
+def test_a_forked_rank_still_runs_its_exit_work_flushes_its_files_and_exits_1_or_0(
     tmp_path: Path,
 ) -> None:
-    """A rank forked from the warm interpreter whose script failed ends
-    without the interpreter's finalization, but what a script relies on at
-    exit still happens: its atexit functions, its threads joined, a file it
-    left open flushed; the rank is its own root cause with its own exit
-    code."""
+    """A rank forked from the warm interpreter, whose script failed or
+    succeeded, ends without the interpreter's finalization, but what a script
+    relies on at exit still happens: its atexit functions, its threads
+    joined, a file it left open flushed; the failed rank is its own root
+    cause with its own exit code, and the job ends 0 after the success."""
     (tmp_path / "w.py").write_text(FAILS_WITH_WORK_LEFT_AT_EXIT)
     events = tmp_path / "events.jsonl"
     argv = ["--standalone", "--nproc-per-node=1", "--max-restarts=2", f"--events-file={events}"]
@@ -499,6 +499,8 @@ def test_a_failed_rank_still_runs_its_exit_work_flushes_its_files_and_exits_1(
     assert len(roots) == 2 and "exit code 3" in roots[0], proc.stderr[-3000:]
     assert "exit code 1" in roots[1], proc.stderr[-3000:]
     assert "ValueError: failed with work left for the teardown" in proc.stderr
-    assert (tmp_path / "log.txt").read_text() == "written before the failure\n"
-    assert (tmp_path / "atexit.txt").read_text() == "ran"
-    assert (tmp_path / "thread.txt").read_text() == "joined"
+    for end in ("failure", "success"):  # attempts 1 and 2, both forked
+        assert (tmp_path / f"log-{end}.txt").read_text() == f"written before the {end}\n"
+        assert (tmp_path / f"atexit-{end}.txt").read_text() == "ran"
+        assert (tmp_path / f"thread-{end}.txt").read_text() == "joined"
+    assert kinds[kinds.index(("workers_started", 2)) - 1][0] == "warm_used", kinds

@@ -526,6 +526,8 @@ def run_worker(kind: str, target: str, args: list[str], quick: Any = None) -> No
         if e.code not in (None, 0):
             channel.send(M.Failing())
             quick.failed(e.code)
+        else:
+            quick.succeeded()
         raise
     except KeyboardInterrupt:
         channel.send(M.Failing())
@@ -537,6 +539,7 @@ def run_worker(kind: str, target: str, args: list[str], quick: Any = None) -> No
         sys.excepthook(type(e), e, e.__traceback__)
         quick.failed(1)
         sys.exit(1)
+    quick.succeeded()
 
 
 def main(argv: list[str]) -> None:
