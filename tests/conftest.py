@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import compileall
+import multiprocessing
 import os
 import re
 import shutil
@@ -55,7 +56,7 @@ def pytest_configure(config: Any) -> None:
         return
     global _CONFIG
     _CONFIG = config
-    with ProcessPoolExecutor(2, mp_context=_fork()) as pool:
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork")) as pool:
         list(pool.map(_rewrite, todo, chunksize=8))
 
 
@@ -63,12 +64,6 @@ def pytest_configure(config: Any) -> None:
 # python_files, which this project keeps).
 _REWRITTEN = re.compile(r"(/test_[^/]*|_test|/conftest)\.py$")
 _CONFIG: Any = None
-
-
-def _fork() -> Any:
-    import multiprocessing
-
-    return multiprocessing.get_context("fork")
 
 
 def _rewritten_pyc(path: str, rewrite: Any) -> Path:

@@ -42,7 +42,7 @@ from tests.faults.test_faults import (
 )
 from tests.faults.test_spares_faults import Run, read_log
 from tests.helpers import wait_for
-from tests.integration.elastic_harness import job
+from tests.integration.elastic_harness import Agent, job
 
 CUT_FOR = 7.0  # s: past the lease TTL (2 s) and a first try to register again
 # The job's rejoin window: a cut of CUT_FOR heals well within it (the window
@@ -60,15 +60,22 @@ def _three(run: Run) -> str:
     return "n1"
 
 
-def _rejoins_as_a_spare(run: Run, node: str) -> None:
-    """Scenario 1: ``node`` (training) cut past its lease, then healed."""
-    j = run.j
+def _replaced_by_the_spare(run: Run, node: str) -> tuple[Agent, set[int], float]:
+    """Cut ``node`` (training) off; the spare trains in its place and its own
+    agent stops its workers. Its agent, those workers and when the cut began."""
     cut_agent = run.live[node]
     old = workers_of(cut_agent)
-    mark, before = len(j.steps()), run.steps_pids()
+    mark, before = len(run.j.steps()), run.steps_pids()
     since = run.cut(node)
     run.wait_world(mark, before, f"the spare training while {node} is cut off")
     wait_dead(old, BOUND, f"the cut node {node}'s workers to be stopped by its agent")
+    return cut_agent, old, since
+
+
+def _rejoins_as_a_spare(run: Run, node: str) -> None:
+    """Scenario 1: ``node`` (training) cut past its lease, then healed."""
+    j = run.j
+    cut_agent, old, since = _replaced_by_the_spare(run, node)
     time.sleep(max(0.0, since + CUT_FOR - time.time()))
     healed = run.heal(node, since)
     run.settle_cut(node, healed)
@@ -90,12 +97,7 @@ def _gives_up_past_join_timeout(run: Run, node: str) -> None:
     """Scenario 2: ``node`` (training) cut for good: the spare trains in its
     place, and ``node`` exits 1 naming the store and the timeout."""
     j = run.j
-    cut_agent = run.live[node]
-    old = workers_of(cut_agent)
-    mark, before = len(j.steps()), run.steps_pids()
-    since = run.cut(node)
-    run.wait_world(mark, before, f"the spare training while {node} is cut off")
-    wait_dead(old, BOUND, f"the cut node {node}'s workers to be stopped by its agent")
+    cut_agent, _, since = _replaced_by_the_spare(run, node)
     code = wait_exit(j, cut_agent, JOIN_TIMEOUT + BOUND)
     out = cut_agent.output()
     assert code == 1, out[-2000:]
