@@ -43,6 +43,12 @@ SCRIPT = textwrap.dedent(
 )
 
 
+# A module that starts a thread when imported: not safe in the zygote.
+THREADER = (
+    "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+)
+
+
 def _pool(
     tmp_path: Path,
     *,
@@ -310,10 +316,7 @@ def test_a_module_that_starts_a_thread_is_dropped_and_remembered(tmp_path):
     # Forking copies one thread: a module that starts a thread at import is
     # not safe in the zygote. It is refused, remembered in the cache, and a
     # new zygote without it takes over.
-    (tmp_path / "threader.py").write_text(
-        "import threading, time\n"
-        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
-    )
+    (tmp_path / "threader.py").write_text(THREADER)
     env = _env(PROBE_MODULES="email.mime.text")
 
     async def main() -> tuple[int, str] | None:
@@ -335,6 +338,111 @@ def test_a_module_that_starts_a_thread_is_dropped_and_remembered(tmp_path):
     assert got is not None and got[0] == 0 and "BEFORE email.mime.text" in got[1]
     (cached,) = (tmp_path / "cache").glob("modules-*.json")
     assert "threader" in json.loads(cached.read_text())["skip"]
+
+
+def _skipped(tmp_path: Path) -> dict[str, str]:
+    (cached,) = (tmp_path / "cache").glob("modules-*.json")
+    skip: dict[str, str] = json.loads(cached.read_text())["skip"]
+    return skip
+
+
+def test_a_refusal_sent_while_the_agent_was_busy_is_read_before_the_start(tmp_path):
+    # The zygote refuses a module and exits while the agent runs without
+    # reading it (a round start in progress, its event loop not yet back to
+    # the socket). The start that finds it ended reads the refusal first: the
+    # module is remembered, a zygote without it takes over, and the workers
+    # start cold at once. Before, the zygote was let go as "exited before it
+    # was needed" and the refusal was lost: the next zygote refused again.
+    (tmp_path / "threader.py").write_text(THREADER)
+    env = _env()
+
+    async def main() -> tuple[tuple[int, str] | None, dict[str, Any], int]:
+        pool, sink = _pool(tmp_path, preload=("threader", "email.mime.text"), scope="all")
+        pool.keep(env)
+        try:
+            first = pool._z
+            assert first is not None
+            assert first.popen.wait(60) == 4  # blocks the loop: nothing is read meanwhile
+            got = await _fork_one(pool, env)
+            (gone,) = _kinds(sink, "warm_discarded")
+            return got, gone, len(_kinds(sink, "warm_started"))
+        finally:
+            await pool.close()
+
+    got, gone, started = asyncio.run(main())
+    assert "threader" in gone["reason"] and "thread" in gone["reason"], gone
+    assert "threader" in _skipped(tmp_path)
+    assert started == 2  # another zygote, without it
+    assert got is None  # cold, at once
+
+
+def test_a_refusal_sent_before_a_fork_order_is_read_when_the_order_fails(tmp_path):
+    # The zygote exits (its refusal sent) after the agent found it usable and
+    # before its fork order went out: the order cannot be sent, and what the
+    # zygote sent before it exited is read then, not dropped with it.
+    (tmp_path / "threader.py").write_text(THREADER)
+    env = _env()
+
+    async def main() -> tuple[str, dict[str, Any]]:
+        pool, sink = _pool(tmp_path, preload=("threader",), scope="all")
+        pool.keep(env)
+        ours, theirs = socket.socketpair()
+        try:
+            z = pool._z
+            assert z is not None
+            assert z.popen.wait(60) == 4  # blocks the loop: nothing is read meanwhile
+            try:
+                await z.fork_workers({0: (env, ("s.py",), theirs.fileno())}, None)
+            except OSError as e:
+                failed = repr(e)
+            else:
+                failed = "no error"
+            (gone,) = _kinds(sink, "warm_discarded")
+            return failed, gone
+        finally:
+            ours.close()
+            theirs.close()
+            await pool.close()
+
+    failed, gone = asyncio.run(main())
+    assert "BrokenPipe" in failed or "ConnectionReset" in failed, failed
+    assert "threader" in gone["reason"] and "thread" in gone["reason"], gone
+    assert "threader" in _skipped(tmp_path)
+
+
+def test_a_refusal_of_a_per_rank_zygote_is_read_before_the_start(tmp_path):
+    # The same for a local rank's own zygote: the start that finds it ended
+    # reads its refusal (the module is skipped from then on) instead of
+    # letting it go as "exited before it was needed".
+    pkg = tmp_path / "rankpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "reader.py").write_text(THREADER)
+    command_cache = ModuleCache(
+        str(tmp_path / "cache"),
+        cache_key(PythonScript(str(tmp_path / "s.py"), python=PYTHON), str(tmp_path)),
+    )
+    assert command_cache.save(
+        ModuleList(modules=["rankpkg.reader"], ranked={"rankpkg": "reads RANK"})
+    )
+    env = _env(RANK="7")
+
+    async def main() -> tuple[tuple[int, str] | None, dict[str, Any]]:
+        pool, sink = _pool(tmp_path, preload=(), scope="all")
+        pool.keep_ranks({0: env})
+        try:
+            rz = pool.ranks.by_rank[0]
+            assert rz.popen.wait(60) == 4  # blocks the loop: nothing is read meanwhile
+            got = await _fork_one(pool, env)
+            (gone,) = [e for e in _kinds(sink, "warm_discarded") if e["local_rank"] == 0]
+            return got, gone
+        finally:
+            await pool.close()
+
+    got, gone = asyncio.run(main())
+    assert got is None or got[0] == 0, got  # cold, or from its replacement (a head start)
+    assert "rankpkg.reader" in gone["reason"] and "thread" in gone["reason"], gone
+    assert "rankpkg.reader" in _skipped(tmp_path)
 
 
 def test_the_preload_is_bounded_in_time(tmp_path):

@@ -237,6 +237,7 @@ class WarmPool:
         if self._closed or self.cold is not None:
             return
         self.reap()
+        self._catch_up()  # a refusal read: the new zygote leaves the module out
         z = self._z
         if z is not None and _alive(z):
             why = self._compatible(z.env, env)
@@ -257,13 +258,16 @@ class WarmPool:
         if z is None or not _alive(z) or z.pending is not None or not self.per_rank_only():
             return
         if all(rz.ready for rz in self.ranks.zygotes()):
-            self._discard(z, "every local rank has its own")
-            self._z = None
+            z.catch_up()  # a refusal it sent is recorded, not let go with it
+            if self._z is z and z.gone is None:
+                self._discard(z, "every local rank has its own")
+                self._z = None
 
     def keep_ranks(self, envs: Mapping[int, Mapping[str, str]]) -> None:
         """After a start (``envs``: its workers'): per-rank zygotes for the
         same ranks, when a recorded package reads a rank variable at import."""
         if not self._closed and self.cold is None:
+            self._catch_up()
             self.ranks.keep(envs, wanted=bool(self.recorded.ranked))
 
     def keep_all(self, envs: Mapping[int, Mapping[str, str]]) -> None:
@@ -285,7 +289,7 @@ class WarmPool:
         )
 
     def _spawn(self, env: Mapping[str, str], local_rank: int | None = None) -> Zygote | None:
-        if self.last_start:
+        if self.last_start or self._closed or self.cold is not None:
             return None  # no start could use it
         if not self.reaper.enable():
             if self.error is None:
@@ -332,6 +336,14 @@ class WarmPool:
         return z
 
     # ------------------------------------------------------------ its messages
+    def _catch_up(self) -> None:
+        """Read what every zygote sent and the event loop has not read yet
+        (``Zygote.catch_up``): before anything is decided about them (one
+        found ended is let go), so that a refusal it sent is handled first."""
+        for z in [self._z, *self.ranks.zygotes()]:
+            if z is not None:
+                z.catch_up()
+
     def _ready(self, z: Zygote, message: Ready) -> None:
         self.events.emit(
             WarmReady(
@@ -516,6 +528,7 @@ class WarmPool:
         forked: dict[int, ForkedProcess] = {}
         if self.cold is not None:
             return forked
+        self._catch_up()
         # Without a shared zygote (``per_rank_only``), a rank's zygote still
         # importing is the head start the shared one would have been.
         shared = self._z is not None and self._z.gone is None
@@ -592,8 +605,13 @@ class WarmPool:
         z = self._z
         if z is None or not envs:
             return None
-        if z.gone is not None or z.popen.poll() is not None:
-            self._discard(z, z.gone or f"exited before it was needed: {z.tail()}")
+        # What it sent first (a zygote that ended is gone then): one that
+        # refused a module just now was replaced, and the workers start cold.
+        z.catch_up()
+        if self._z is not z:
+            return None
+        if z.gone is not None:
+            self._discard(z, z.gone)
             self._z = None
             return None
         for env in envs.values():
@@ -606,8 +624,9 @@ class WarmPool:
 
     # ------------------------------------------------------------ ending
     def _discard(self, z: Zygote, reason: str) -> None:
-        if z.gone is None or not z.gone.startswith("discarded"):
-            self.events.emit(WarmDiscarded(pid=z.pid, reason=reason, local_rank=z.local_rank))
+        if z.gone is not None and z.gone.startswith("discarded"):
+            return  # let go already (its refusal, read while an order failed)
+        self.events.emit(WarmDiscarded(pid=z.pid, reason=reason, local_rank=z.local_rank))
         z.kill(f"discarded: {reason}")
         self._dead.append(z.popen)
 
@@ -620,9 +639,11 @@ class WarmPool:
             self.keep(envs[min(envs)])
 
     def on_child(self) -> None:
-        """A child exited (SIGCHLD): reap the zygotes let go; should a rank's
-        own zygote have died, the shared one is started again if it was not
-        kept because of them (its rank's next start is not colder)."""
+        """A child exited (SIGCHLD): what the zygotes sent is read (a zygote
+        that refused a module exits at once); reap the zygotes let go; should a
+        rank's own zygote have died, the shared one is started again if it was
+        not kept because of them (its rank's next start is not colder)."""
+        self._catch_up()
         self.reap()
         if not all(_alive(z) for z in self.ranks.zygotes()):
             self._cover()
@@ -642,7 +663,9 @@ class WarmPool:
         self._dead = alive
 
     def drop(self, why: str = "no restart is possible") -> None:
-        """Kill the zygotes (no start will need them: ``why``)."""
+        """Kill the zygotes (no start will need them: ``why``); a refusal one
+        sent is recorded first (the module cache outlives the run)."""
+        self._catch_up()
         z = self._z
         if z is not None and z.gone is None:
             self._discard(z, why)
@@ -650,8 +673,10 @@ class WarmPool:
         self.ranks.drop(why)
 
     async def close(self) -> None:
-        """Kill the zygote and reap it (bounded)."""
+        """Kill the zygote and reap it (bounded); a refusal one sent is
+        recorded first (the module cache outlives the run)."""
         self._closed = True
+        self._catch_up()
         for z in [self._z, *self.ranks.zygotes()]:
             if z is not None:
                 z.kill(z.gone or "closed")

@@ -90,11 +90,11 @@ class RankZygotes:
         return list(self.by_rank.values())
 
     def why_not(self, z: Zygote, env: Mapping[str, str]) -> str | None:
-        """Why ``z`` cannot fork a worker with ``env`` (None: it can)."""
+        """Why ``z`` cannot fork a worker with ``env`` (None: it can). Its end
+        is what the pool read (``Zygote.catch_up``, before ``keep`` and
+        ``take``), never its exit code alone: a refusal it sent is read first."""
         if z.gone is not None:
             return z.gone
-        if z.popen.poll() is not None:
-            return f"exited before it was needed: {z.tail()}"
         why = self._compatible(z.env, env) or same_ranks(z.env, env)
         return None if why is None else f"started with a different {why}"
 

@@ -6,7 +6,10 @@ fd 0 a ``SOCK_SEQPACKET`` socket to the agent), reads what it sends (typed
 messages of worker/_messages.py, decoded within bounds: agent/channel.py)
 and the tail of its stderr, tells it to import more (``Preload``) or to fork
 a batch of workers (``Fork``, with each worker's fds), and kills it. When it
-is started, used and let go is agent/warm.py's to decide.
+is started, used and let go is agent/warm.py's to decide; before deciding,
+the agent reads what it sent and the event loop has not read yet
+(:meth:`Zygote.catch_up`): a zygote found ended, or one a fork order cannot
+be handed to, may have sent a refusal (``Unsafe``) just before it exited.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 from elastrun.agent.channel import decode
 from elastrun.agent.children import ForkedProcess
@@ -30,6 +34,9 @@ from elastrun.frozen import frozen
 from elastrun.worker._messages import Fork, Forked, Preload, PreloadPlan, Ready, Unsafe, encode
 
 __all__ = ["FORK_TIMEOUT", "SCOPE_ENV", "Bounds", "Zygote", "promote"]
+
+OnReady: TypeAlias = "Callable[[Zygote, Ready], None]"
+OnUnsafe: TypeAlias = "Callable[[Zygote, Unsafe], None]"
 
 FORK_TIMEOUT = 30.0  # s for a zygote to answer a fork order
 MAX_MESSAGE = 1 << 20
@@ -76,6 +83,7 @@ class Zygote:
     stderr: bytearray = field(default_factory=bytearray)
     gone: str | None = None  # why it cannot be used any more
     local_rank: int | None = None  # a per-rank one's local rank
+    handlers: tuple[OnReady, OnUnsafe] | None = field(default=None, repr=False)  # watch's
 
     @property
     def pid(self) -> int:
@@ -127,10 +135,9 @@ class Zygote:
         return cls(popen, ours, env, local_rank=local_rank)
 
     # ------------------------------------------------------------ reading
-    def watch(
-        self, on_ready: Callable[[Zygote, Ready], None], on_unsafe: Callable[[Zygote, Unsafe], None]
-    ) -> None:
+    def watch(self, on_ready: OnReady, on_unsafe: OnUnsafe) -> None:
         """Read its messages and its stderr on the event loop."""
+        self.handlers = (on_ready, on_unsafe)
         loop = asyncio.get_running_loop()
         loop.add_reader(self.sock.fileno(), self._on_message, on_ready, on_unsafe)
         if self.popen.stderr is not None:
@@ -151,10 +158,22 @@ class Zygote:
         self.stderr += data
         del self.stderr[:-STDERR_TAIL]
 
-    def _on_message(
-        self, on_ready: Callable[[Zygote, Ready], None], on_unsafe: Callable[[Zygote, Unsafe], None]
-    ) -> None:
-        while True:
+    def catch_up(self) -> None:
+        """Read now what it sent that the event loop has not read yet, as the
+        loop would (a refusal goes to ``on_unsafe`` at once); once its process
+        has ended, that is all it sent, and it is gone. The agent calls this
+        before it decides anything about a zygote: one found ended by its exit
+        code alone would be let go with its refusal unread (the module not
+        remembered, the next zygote refusing it again)."""
+        if self.gone is not None or self.handlers is None:
+            return
+        ended = self.popen.poll() is not None  # first: then all it sent is in the socket
+        self._on_message(*self.handlers)
+        if ended and self.gone is None:
+            self._lost()
+
+    def _on_message(self, on_ready: OnReady, on_unsafe: OnUnsafe) -> None:
+        while self.gone is None:
             try:
                 data = self.sock.recv(MAX_MESSAGE)
             except BlockingIOError:
@@ -248,11 +267,20 @@ class Zygote:
         order (None: not forked)."""
         self.pending = asyncio.get_running_loop().create_future()
         try:
-            for order, fds in orders:
-                self.sock.setblocking(True)
-                self.sock.settimeout(SEND_TIMEOUT)
-                rights = array.array("i", fds)
-                self.sock.sendmsg([encode(order)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
+            try:
+                for order, fds in orders:
+                    self.sock.setblocking(True)
+                    self.sock.settimeout(SEND_TIMEOUT)
+                    rights = array.array("i", fds)
+                    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)]
+                    self.sock.sendmsg([encode(order)], ancillary)
+            except OSError:
+                # It may have quit since it was found usable (a refusal sent,
+                # then its exit): what it sent is read before it is let go.
+                with contextlib.suppress(OSError):
+                    self.sock.setblocking(False)
+                self.catch_up()
+                raise
             self.sock.setblocking(False)
             return await asyncio.wait_for(self.pending, FORK_TIMEOUT)
         finally:
