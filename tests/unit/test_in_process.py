@@ -201,6 +201,70 @@ def test_a_reentered_function_is_judged_from_its_first_progress(tmp_path: Path) 
     assert beat is not None and beat.monotonic == 130.0 and beat.step == 6
 
 
+def test_a_kept_process_keeps_its_stacks_file_and_loses_its_last_round_s_progress(
+    tmp_path: Path,
+) -> None:
+    """The next round's hang diagnosis removes a kept process's progress
+    record of the last round (it is judged from its first progress in this
+    one), never its stacks file: its runner's handler writes to that file's
+    descriptor, and without the file the rank is never signalled, so a hang
+    is blamed without its stack. A new worker's stale files go."""
+    import dataclasses
+    from types import SimpleNamespace
+    from typing import cast
+
+    from elastrun.agent.command import PythonScript
+    from elastrun.agent.hang_group import HangDiagnosis
+    from elastrun.agent.hooks import Core
+    from elastrun.agent.process import Worker
+    from elastrun.agent.spec import HangSettings, WorkerSpec
+    from elastrun.agent.workers import WorkerGroup
+    from elastrun.events import ListSink
+    from elastrun.names import RunId
+    from tests.unit.test_env import _round
+
+    spec = WorkerSpec(
+        command=PythonScript("train.py"),
+        nproc=3,
+        run_id=RunId("job7"),
+        hang=HangSettings(timeout=10.0),
+    )
+    nothing = cast(Any, None)
+    core = Core(spec, nothing, ListSink(), nothing, nothing, nothing, lambda _line: None)
+
+    def group(round_: int, kept: dict[int, Worker]) -> WorkerGroup:
+        result = dataclasses.replace(_round(), round=round_)
+        attempt_dir = tmp_path / str(round_)
+        return WorkerGroup(
+            spec,
+            result,
+            attempt=round_,
+            attempt_dir=str(attempt_dir),
+            keep_files=False,
+            events=ListSink(),
+            kept=kept,
+        )
+
+    def files(w: Worker) -> list[Path]:
+        folder = Path(w.folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        made = [folder / "stacks.txt", folder / "heartbeat.json"]
+        for f in made:
+            f.write_text("of the last round\n")
+        return made
+
+    survivor = group(5, {}).workers[0]
+    survivor.popen = cast(Any, SimpleNamespace(pid=101))  # it ran in round 5
+    its_stacks, its_progress = files(survivor)
+    second = group(6, {0: survivor})
+    new_stacks, new_progress = files(second.workers[1])  # an earlier run's, same folder
+    hooks = HangDiagnosis(core).round(second)
+    assert hooks.worker_env(survivor)["ELASTRUN_STACKS_FILE"] == str(its_stacks)
+    hooks.worker_env(second.workers[1])
+    assert its_stacks.exists() and not its_progress.exists()
+    assert not new_stacks.exists() and not new_progress.exists()
+
+
 def test_a_rank_that_leaves_destroys_no_process_group_before_the_entry_after_next(
     agent: Agent, monkeypatch: pytest.MonkeyPatch
 ) -> None:
