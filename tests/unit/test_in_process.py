@@ -219,6 +219,7 @@ def test_a_kept_process_keeps_its_stacks_file_and_loses_its_last_round_s_progres
     from elastrun.agent.process import Worker
     from elastrun.agent.spec import HangSettings, WorkerSpec
     from elastrun.agent.workers import WorkerGroup
+    from elastrun.clock import SYSTEM_CLOCK
     from elastrun.events import ListSink
     from elastrun.names import RunId
     from tests.unit.test_env import _round
@@ -230,7 +231,7 @@ def test_a_kept_process_keeps_its_stacks_file_and_loses_its_last_round_s_progres
         hang=HangSettings(timeout=10.0),
     )
     nothing = cast(Any, None)
-    core = Core(spec, nothing, ListSink(), nothing, nothing, nothing, lambda _line: None)
+    core = Core(spec, nothing, ListSink(), SYSTEM_CLOCK, nothing, nothing, lambda _line: None)
 
     def group(round_: int, kept: dict[int, Worker]) -> WorkerGroup:
         result = dataclasses.replace(_round(), round=round_)

@@ -99,6 +99,7 @@ class _Rank:
     stacks: str | None = None  # its Python stacks, once collected
     stacks_skipped: str | None = None  # why its stacks were not asked for
     main_thread: int | None = None
+    since: float | None = None  # when its process was prepared for this round (monotonic)
 
 
 class RoundHangs(RoundHooks):
@@ -123,6 +124,7 @@ class RoundHangs(RoundHooks):
     # ---------------------------------------------------------------- hooks
     def worker_env(self, worker: Worker) -> dict[str, str]:
         r, spec, env = self.ranks[worker.local_rank], self.spec, {}
+        r.since = self.core.clock.monotonic()  # before it starts or enters again
         # Progress: for the watchdog, and (from the runner) the step times.
         if self.watchdog is not None or self.group.runs_runner:
             r.heartbeat_file = env[HEARTBEAT_ENV] = progress_file(worker)
@@ -164,7 +166,8 @@ class RoundHangs(RoundHooks):
                 path = self.ranks[w.local_rank].heartbeat_file
                 if path is not None and w.popen is not None and not w.done:
                     open_channel = w.channel is not None and w.channel.open
-                    self.watchdog.watch(w.local_rank, path, channel=open_channel)
+                    since = self.ranks[w.local_rank].since
+                    self.watchdog.watch(w.local_rank, path, channel=open_channel, since=since)
         core = self.core
         replacement = Replacement(
             core.rendezvous,
