@@ -1,10 +1,12 @@
 """In-process restarts, the pure parts: the protocol's messages and their
 bounds, the worker's port (a stale or repeated Abort or Enter is refused),
-the collective-break rule, and the wrapper outside elastrun. End to end:
+the collective-break rule, the wrapper outside elastrun, and what the next
+round's hang diagnosis keeps of a kept process (its stacks file). End to end:
 tests/integration/test_in_process.py, tests/faults/test_in_process_random.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import json
@@ -13,15 +15,26 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
+from elastrun.agent.command import PythonScript
+from elastrun.agent.hang_group import HangDiagnosis
+from elastrun.agent.hooks import Core
+from elastrun.agent.process import Worker
+from elastrun.agent.spec import HangSettings, WorkerSpec
+from elastrun.agent.workers import WorkerGroup
+from elastrun.clock import SYSTEM_CLOCK
+from elastrun.events import ListSink
+from elastrun.names import RunId
 from elastrun.train import in_process
 from elastrun.train.in_process import PORT_MODULE, collective_broken
 from elastrun.worker import _messages as M
 from elastrun.worker import _runner
 from elastrun.worker._restart import Port
+from tests.unit.test_env import _round
 
 
 def roundtrip(message: M.Message) -> M.Message:
@@ -209,21 +222,6 @@ def test_a_kept_process_keeps_its_stacks_file_and_loses_its_last_round_s_progres
     one), never its stacks file: its runner's handler writes to that file's
     descriptor, and without the file the rank is never signalled, so a hang
     is blamed without its stack. A new worker's stale files go."""
-    import dataclasses
-    from types import SimpleNamespace
-    from typing import cast
-
-    from elastrun.agent.command import PythonScript
-    from elastrun.agent.hang_group import HangDiagnosis
-    from elastrun.agent.hooks import Core
-    from elastrun.agent.process import Worker
-    from elastrun.agent.spec import HangSettings, WorkerSpec
-    from elastrun.agent.workers import WorkerGroup
-    from elastrun.clock import SYSTEM_CLOCK
-    from elastrun.events import ListSink
-    from elastrun.names import RunId
-    from tests.unit.test_env import _round
-
     spec = WorkerSpec(
         command=PythonScript("train.py"),
         nproc=3,

@@ -283,9 +283,9 @@ def hung_rank(
     timeout; with none, ``judged``. ``dumps``: rank -> (dump, main thread id)
     of the ranks whose stacks were collected now; ``idle``: rank -> seconds
     since its last progress in this round (None or absent: unknown, never the
-    culprit). Ranks whose timeouts expire together (all stopped with the
-    hung one) are told apart only by their stacks, never by which timer fired
-    first."""
+    culprit). The peers that wait for a hung rank stopped progressing with
+    it, so their timeouts expire with its own: which timer fired first says
+    nothing, the stacks do."""
     if in_own_code(*dumps.get(judged, (None, None))):
         return judged
     for r in sorted(dumps):
