@@ -126,13 +126,15 @@ def test_example_keeps_the_survivors_processes(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def two_faults(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One job of scripts/inproc_worker.py (3 ranks) for the next two tests, a
-    fault in each of its first two runs: rank 1 hangs at step 2 (restart count
-    0), then rank 2 is SIGKILLed at step 2 while rank 0 waits in the group's
-    store (restart count 1); its output, events and the workers' views."""
+    fault in each of its first two runs: rank 2 is SIGKILLed at step 2 while
+    rank 0 waits in the group's store (restart count 0), then rank 1, a kept
+    process, hangs at step 2 beside rank 0, the kept process that was stuck
+    the round before (restart count 1); its output, events and the workers'
+    views."""
     folder = tmp_path_factory.mktemp("two-faults")
     log = folder / "events.jsonl"
     hang = {"rank": 1, "how": "hang", "step": 2}
-    faults = [hang, {"rank": 2, "how": "kill", "step": 2, "stuck": 0}]
+    faults = [{"rank": 2, "how": "kill", "step": 2, "stuck": 0}, hang]
     env = worker_env(folder, faults, steps=4)
     worker = str(SCRIPTS / "inproc_worker.py")
     text = run_job(log, ["--max-restarts=2", "--hang-timeout=10", worker], env)
@@ -141,15 +143,22 @@ def two_faults(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_a_hung_rank_is_replaced_and_its_peers_kept(two_faults: dict[str, Any]) -> None:
     """Rank 1 stops making progress outside any collective; the others wait
-    for it in theirs. The watchdog declares the hang: rank 1 is stopped first,
-    which ends its peers' collectives, and their processes are kept."""
+    for it in theirs. The watchdog declares the hang on rank 1, whichever
+    rank's timeout expired first and whatever the kept processes did in the
+    round before (rank 0 sat in the store then): every rank's stack is
+    collected, kept processes' too. Rank 1 is stopped first, which ends its
+    peers' collectives, and their processes are kept."""
     text, evs = two_faults["text"], two_faults["events"]
-    assert any(e["kind"] == "hang_detected" for e in evs), text[-3000:]
+    hangs = [e for e in evs if e["kind"] == "hang_detected"]
+    assert [(e["round"], e["rank"]) for e in hangs] == [(1, 1)], text[-3000:]
+    assert sorted(hangs[0]["sits_in"]) == ["0", "1", "2"], hangs
+    assert "rank 1 made no progress for 10 s" in text, text[-3000:]
     left = [(e["kept"], e["replaced"]) for e in evs if e["kind"] == "ranks_left"]
-    assert left == [([0, 2], [1]), ([0, 1], [2])], text[-3000:]  # (then the next test's)
+    assert left == [([0, 1], [2]), ([0, 2], [1])], text[-3000:]  # (the next test's first)
     started = [e for e in evs if e["kind"] == "workers_started"]
     assert len(started) == 3, started
-    before, after = (dict(zip(e["ranks"], e["pids"], strict=True)) for e in started[:2])
+    first, before, after = (dict(zip(e["ranks"], e["pids"], strict=True)) for e in started)
+    assert before[1] == first[1]  # the hung rank's process was kept from the round before
     assert after[0] == before[0] and after[2] == before[2] and after[1] != before[1]
 
 
@@ -163,10 +172,10 @@ def test_a_survivor_waiting_in_the_store_leaves_and_is_kept(two_faults: dict[str
     stuck = [v for v in views if "stuck" in v]
     assert [(v["rank"], v["stuck"]) for v in stuck] == [(0, stuck[0]["stuck"])], views
     left = [(e["kept"], e["replaced"]) for e in two_faults["events"] if e["kind"] == "ranks_left"]
-    assert left == [([0, 2], [1]), ([0, 1], [2])], text[-3000:]  # (after the previous test's)
-    # The process that waited in the store trains on as rank 0 of the next round.
-    again = [v for v in views if v.get("restarts") == 2 and v.get("rank") == 0]
-    assert [v["pid"] for v in again] == [stuck[0]["stuck"]], views
+    assert left == [([0, 1], [2]), ([0, 2], [1])], text[-3000:]  # (then the previous test's)
+    # The process that waited in the store trains on as rank 0 of the next rounds.
+    again = [v["pid"] for v in views if v.get("restarts") in (1, 2) and v.get("rank") == 0]
+    assert again == [stuck[0]["stuck"]] * 2, views
 
 
 def test_a_killed_rank_is_served_by_a_standby_and_status_shows_it(tmp_path: Path) -> None:

@@ -14,9 +14,9 @@ import pytest
 from elastrun.agent.stacks import (
     RankStacks,
     frames,
+    hung_rank,
     in_torch,
     main_thread,
-    ordered,
     report,
     top_frame,
 )
@@ -222,8 +222,6 @@ _STUCK = """Current thread 0x00007f0000000001 (most recent call first):
 
 def test_stuck_ranks_come_before_those_waiting_in_torch():
     assert in_torch(_WAITING) and not in_torch(_STUCK)
-    dumps = {0: (_WAITING, None), 1: (_STUCK, None), 2: (_WAITING, None)}
-    assert ordered(dumps, [0, 1, 2, 3]) == [1, 0, 2, 3]
     text = report(
         [
             RankStacks.of(0, "a", _WAITING, None, hung=True),
@@ -233,6 +231,34 @@ def test_stuck_ranks_come_before_those_waiting_in_torch():
     lines = text.splitlines()
     assert "rank 1 on b [stuck in its own code] sits in stuck_in_my_function" in lines[1]
     assert "rank 0 on a [waiting in torch, judged hung by the watchdog]" in text
+
+
+_ENDING = "Current thread 0x00007f0000000001 (most recent call first):\n"
+
+
+def test_a_hang_is_blamed_on_the_rank_stuck_in_its_own_code_whichever_timer_fired():
+    """Rank 1 is stuck in its own code; ranks 0 and 2 wait in torch for it
+    since the same step, so their timeouts expire with rank 1's, and any of
+    the three may be the one the watchdog judged: the verdict is rank 1."""
+    dumps = {0: (_WAITING, None), 1: (_STUCK, None), 2: (_WAITING, None)}
+    idle = {0: 10.0, 1: 10.0, 2: 10.0}
+    assert [hung_rank(judged, dumps, idle, 10.0) for judged in (0, 1, 2)] == [1, 1, 1]
+    # The judged rank without a stack (a process kept from an earlier round
+    # whose stack was not collected, a rank that ignores the signal): nothing
+    # says it is stuck, rank 1's stack does.
+    assert hung_rank(0, {1: (_STUCK, None), 2: (_WAITING, None)}, idle, 10.0) == 1
+    assert hung_rank(0, {0: (_ENDING, None), 1: (_STUCK, None)}, idle, 10.0) == 1
+    # Another rank in its own code is no culprit if it progressed in the last
+    # half timeout, or if its progress is unknown: then the judged rank is.
+    assert hung_rank(0, dumps, {**idle, 1: 4.9}, 10.0) == 0
+    assert hung_rank(0, dumps, {**idle, 1: None}, 10.0) == 0
+    assert hung_rank(0, dumps, {0: 10.0}, 10.0) == 0
+    # The judged rank in its own code is the culprit, whatever the others show.
+    both = {0: (_STUCK, None), 1: (_STUCK, None)}
+    assert hung_rank(1, both, idle, 10.0) == 1
+    assert hung_rank(0, {}, {}, 10.0) == 0  # no stacks at all: the watchdog's rank
+    # A rank that was ending (no Python frame) is no culprit either.
+    assert hung_rank(0, {0: (_WAITING, None), 1: (_ENDING, None)}, idle, 10.0) == 0
 
 
 def test_rank_stacks_from_a_note_are_checked_and_bounded():

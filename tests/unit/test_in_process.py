@@ -1,10 +1,12 @@
 """In-process restarts, the pure parts: the protocol's messages and their
 bounds, the worker's port (a stale or repeated Abort or Enter is refused),
-the collective-break rule, and the wrapper outside elastrun. End to end:
+the collective-break rule, the wrapper outside elastrun, and what the next
+round's hang diagnosis keeps of a kept process (its stacks file). End to end:
 tests/integration/test_in_process.py, tests/faults/test_in_process_random.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import json
@@ -13,15 +15,26 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
+from elastrun.agent.command import PythonScript
+from elastrun.agent.hang_group import HangDiagnosis
+from elastrun.agent.hooks import Core
+from elastrun.agent.process import Worker
+from elastrun.agent.spec import HangSettings, WorkerSpec
+from elastrun.agent.workers import WorkerGroup
+from elastrun.clock import SYSTEM_CLOCK
+from elastrun.events import ListSink
+from elastrun.names import RunId
 from elastrun.train import in_process
 from elastrun.train.in_process import PORT_MODULE, collective_broken
 from elastrun.worker import _messages as M
 from elastrun.worker import _runner
 from elastrun.worker._restart import Port
+from tests.unit.test_env import _round
 
 
 def roundtrip(message: M.Message) -> M.Message:
@@ -199,6 +212,56 @@ def test_a_reentered_function_is_judged_from_its_first_progress(tmp_path: Path) 
     progress.heartbeat(6)
     beat = parse_beat(progress.snapshot())
     assert beat is not None and beat.monotonic == 130.0 and beat.step == 6
+
+
+def test_a_kept_process_keeps_its_stacks_file_and_loses_its_last_round_s_progress(
+    tmp_path: Path,
+) -> None:
+    """The next round's hang diagnosis removes a kept process's progress
+    record of the last round (it is judged from its first progress in this
+    one), never its stacks file: its runner's handler writes to that file's
+    descriptor, and without the file the rank is never signalled, so a hang
+    is blamed without its stack. A new worker's stale files go."""
+    spec = WorkerSpec(
+        command=PythonScript("train.py"),
+        nproc=3,
+        run_id=RunId("job7"),
+        hang=HangSettings(timeout=10.0),
+    )
+    nothing = cast(Any, None)
+    core = Core(spec, nothing, ListSink(), SYSTEM_CLOCK, nothing, nothing, lambda _line: None)
+
+    def group(round_: int, kept: dict[int, Worker]) -> WorkerGroup:
+        result = dataclasses.replace(_round(), round=round_)
+        attempt_dir = tmp_path / str(round_)
+        return WorkerGroup(
+            spec,
+            result,
+            attempt=round_,
+            attempt_dir=str(attempt_dir),
+            keep_files=False,
+            events=ListSink(),
+            kept=kept,
+        )
+
+    def files(w: Worker) -> list[Path]:
+        folder = Path(w.folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        made = [folder / "stacks.txt", folder / "heartbeat.json"]
+        for f in made:
+            f.write_text("of the last round\n")
+        return made
+
+    survivor = group(5, {}).workers[0]
+    survivor.popen = cast(Any, SimpleNamespace(pid=101))  # it ran in round 5
+    its_stacks, its_progress = files(survivor)
+    second = group(6, {0: survivor})
+    new_stacks, new_progress = files(second.workers[1])  # an earlier run's, same folder
+    hooks = HangDiagnosis(core).round(second)
+    assert hooks.worker_env(survivor)["ELASTRUN_STACKS_FILE"] == str(its_stacks)
+    hooks.worker_env(second.workers[1])
+    assert its_stacks.exists() and not its_progress.exists()
+    assert not new_stacks.exists() and not new_progress.exists()
 
 
 def test_a_rank_that_leaves_destroys_no_process_group_before_the_entry_after_next(

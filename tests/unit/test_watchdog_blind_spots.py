@@ -132,6 +132,32 @@ def test_a_hang_is_declared_exactly_the_timeout_after_the_last_progress(tmp_path
     assert (hang.last_step, hang.idle, hang.timeout) == (4, TIMEOUT, TIMEOUT)
 
 
+def test_a_kept_process_s_record_of_an_earlier_round_is_no_progress(tmp_path: Path) -> None:
+    """A kept process's runner may write its last round's record after the
+    agent removed it for the new round (its writer thread wakes late): the
+    rank is judged from its first progress of this round, never from that."""
+    hb, seen = tmp_path / "hb.json", Seen()
+
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        assert isinstance(loop, VirtualTimeLoop)
+        await asyncio.sleep(60)  # the round before
+        since = loop.time()  # the round's start for this rank
+        dog = HangWatchdog(TIMEOUT, seen.hangs.append, loop.clock)
+        dog.watch(0, str(hb), since=since)
+        write_beat(hb, since - 0.5, 7)  # its last step of the round before
+        await asyncio.sleep(3 * TIMEOUT)  # re-entering its function takes long
+        assert not seen.hangs
+        first = loop.time()
+        write_beat(hb, first, 8)  # its first step of this round, then it hangs
+        await asyncio.sleep(2 * TIMEOUT)
+        dog.close()
+        return first
+
+    first = run_virtual(main())
+    assert [(h.last_step, h.idle) for h in seen.hangs] == [(8, TIMEOUT)], first
+
+
 def test_the_script_s_end_is_an_exit_phase_judged_from_its_start(tmp_path: Path) -> None:
     """A rank whose script returned or raised tears down (torch.distributed's
     shutdown, atexit handlers): judged from the end of the script, not from

@@ -39,9 +39,9 @@ from elastrun.agent.stacks import (
     STACKS_ENV,
     RankStacks,
     collect,
+    hung_rank,
     in_torch,
     main_thread,
-    ordered,
     top_frame,
 )
 from elastrun.agent.straggler_replacement import Replacement
@@ -99,6 +99,7 @@ class _Rank:
     stacks: str | None = None  # its Python stacks, once collected
     stacks_skipped: str | None = None  # why its stacks were not asked for
     main_thread: int | None = None
+    since: float | None = None  # when its process was prepared for this round (monotonic)
 
 
 class RoundHangs(RoundHooks):
@@ -123,6 +124,7 @@ class RoundHangs(RoundHooks):
     # ---------------------------------------------------------------- hooks
     def worker_env(self, worker: Worker) -> dict[str, str]:
         r, spec, env = self.ranks[worker.local_rank], self.spec, {}
+        r.since = self.core.clock.monotonic()  # before it starts or enters again
         # Progress: for the watchdog, and (from the runner) the step times.
         if self.watchdog is not None or self.group.runs_runner:
             r.heartbeat_file = env[HEARTBEAT_ENV] = progress_file(worker)
@@ -137,7 +139,15 @@ class RoundHangs(RoundHooks):
         ):
             r.stacks_file = env[STACKS_ENV] = os.path.join(worker.folder, "stacks.txt")
             env[STACK_SIGNAL_ENV] = str(spec.hang.stack_signal)
-        for stale in (r.heartbeat_file, r.stacks_file):  # of an earlier run with this run id
+        # Stale files: of an earlier run with this run id, or a kept process's
+        # progress record of the last round (removed, the rank is judged from
+        # its first progress in this one). Never the stacks file of a kept
+        # process: its runner's handler writes to that file's descriptor, and
+        # with the file gone the rank would look like one without a handler,
+        # never signalled, its stack missing from this round's verdict. (A
+        # standby makes its file once it has a rank, after this.)
+        kept = worker.popen is not None and not worker.standby
+        for stale in (r.heartbeat_file, None if kept else r.stacks_file):
             if stale is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(stale)
@@ -156,7 +166,8 @@ class RoundHangs(RoundHooks):
                 path = self.ranks[w.local_rank].heartbeat_file
                 if path is not None and w.popen is not None and not w.done:
                     open_channel = w.channel is not None and w.channel.open
-                    self.watchdog.watch(w.local_rank, path, channel=open_channel)
+                    since = self.ranks[w.local_rank].since
+                    self.watchdog.watch(w.local_rank, path, channel=open_channel, since=since)
         core = self.core
         replacement = Replacement(
             core.rendezvous,
@@ -318,23 +329,18 @@ class RoundHangs(RoundHooks):
         return r.stacks is not None and in_torch(r.stacks, r.main_thread)
 
     def _hung_one(self, hang: Hang) -> Worker:
-        """The hung rank: the one the watchdog judged, unless it waits in torch
-        (for a peer) while another rank, also without progress for half the
-        timeout, sits in code of its own: that one is the culprit."""
-        judged = self.group.workers[hang.key]
-        if not self._in_torch(judged.local_rank):
-            return judged
+        """The hung rank (agent/stacks.py ``hung_rank``): the one the watchdog
+        judged, unless its stack does not show it in code of its own while
+        another live rank's does, that one also without progress for half
+        the timeout."""
         dumps = {
             lr: (r.stacks, r.main_thread) for lr, r in self.ranks.items() if r.stacks is not None
         }
-        for lr in ordered(dumps, range(len(self.group.workers))):
-            w = self.group.workers[lr]
-            if lr not in dumps or self._in_torch(lr) or w.done or self.watchdog is None:
-                continue
-            _, idle = self.watchdog.latest(lr)  # None: its progress is unknown
-            if idle is not None and idle >= hang.timeout / 2:
-                return w
-        return judged
+        workers, watchdog = self.group.workers, self.watchdog
+        live = [lr for lr in dumps if not workers[lr].done]
+        # Seconds since its last progress in this round (None: unknown).
+        idle = {lr: watchdog.latest(lr)[1] for lr in live} if watchdog is not None else {}
+        return workers[hung_rank(hang.key, dumps, idle, hang.timeout)]
 
     async def _declare_hang(self, hang: Hang) -> None:
         await self.collect_stacks()

@@ -25,10 +25,11 @@ growing and reads what was added. The file is read with
 ``elastrun.safefs.read_regular``: no link followed, never blocked by a
 FIFO, bounded. The rest is pure: :func:`top_frame` picks
 the frame where a rank sits (its main thread's most recent call; the runner
-writes the main thread's id at the head of the file), and :func:`in_torch`
+writes the main thread's id at the head of the file), :func:`in_torch`
 tells a rank blocked in torch (a collective, or a backward pass whose
 all-reduce waits: the usual state of the ranks that wait for a stuck peer)
-from one stuck in code of its own.
+from one stuck in code of its own, and :func:`hung_rank` names the rank a
+hang is blamed on.
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ __all__ = [
     "Frame",
     "RankStacks",
     "collect",
+    "hung_rank",
+    "in_own_code",
     "in_torch",
     "main_thread",
-    "ordered",
     "report",
     "signal_caught",
     "top_frame",
@@ -262,18 +264,35 @@ async def collect(
     return out
 
 
-def ordered(dumps: Mapping[int, tuple[str, int | None]], ranks: Sequence[int]) -> list[int]:
-    """``ranks`` with the ones stuck in code of their own first (the likely
-    culprits), then those waiting in torch, then those with no dump.
-    ``dumps``: rank -> (dump, main thread id)."""
+def in_own_code(dump: str | None, main: int | None = None) -> bool:
+    """Whether a rank's stack shows it in code of its own (not in torch, not
+    ending: a frame to show). False without a dump."""
+    return dump is not None and top_frame(dump, main) is not None and not in_torch(dump, main)
 
-    def key(r: int) -> tuple[int, int]:
-        got = dumps.get(r)
-        if got is None or top_frame(*got) is None:
-            return (2, r)
-        return (1 if in_torch(*got) else 0, r)
 
-    return sorted(ranks, key=key)
+def hung_rank(
+    judged: int,
+    dumps: Mapping[int, tuple[str, int | None]],
+    idle: Mapping[int, float | None],
+    timeout: float,
+) -> int:
+    """The rank a hang is blamed on: ``judged`` (the one whose timeout
+    expired first) when its stack shows it in code of its own; otherwise
+    (it waits in torch, or it has no stack) the first rank whose stack shows
+    it in code of its own and that made no progress for at least half the
+    timeout; with none, ``judged``. ``dumps``: rank -> (dump, main thread id)
+    of the ranks whose stacks were collected now; ``idle``: rank -> seconds
+    since its last progress in this round (None or absent: unknown, never the
+    culprit). The peers that wait for a hung rank stopped progressing with
+    it, so their timeouts expire with its own: which timer fired first says
+    nothing, the stacks do."""
+    if in_own_code(*dumps.get(judged, (None, None))):
+        return judged
+    for r in sorted(dumps):
+        seconds = idle.get(r)
+        if in_own_code(*dumps[r]) and seconds is not None and seconds >= timeout / 2:
+            return r
+    return judged
 
 
 # ------------------------------------------------------------ the report

@@ -10,7 +10,9 @@ fires the file is read once: newer progress re-arms the timer at the new
 ``last_progress + S``; none means the rank made no progress for S seconds and
 ``on_hang`` is called (once per watchdog). Until a rank's first heartbeat it
 is not judged (it may still be importing or initialising): its timer only
-looks again every S seconds.
+looks again every S seconds. A record of progress from before the rank was
+started (or told to enter its function again) in this round is no heartbeat:
+a kept process's of an earlier round (``watch``'s ``since``).
 
 The worker rate-limits its writes; the agent tells it the interval through
 ``ELASTRUN_HEARTBEAT_INTERVAL`` (at most a quarter of S, so a rank that calls
@@ -244,6 +246,7 @@ class _Watch:
     beat: Beat | None = None
     handle: asyncio.TimerHandle | None = None
     patient: bool = False  # waiting for a peer: allowed PHASE_FACTOR times longer
+    since: float | None = None  # progress before this is an earlier round's, not this one's
 
 
 @frozen
@@ -285,10 +288,13 @@ class HangWatchdog:
         self._fired = False
         self._closed = False
 
-    def watch(self, key: int, path: str, channel: bool = False) -> None:
+    def watch(self, key: int, path: str, channel: bool = False, since: float | None = None) -> None:
         """Start watching ``path`` (the rank was just started; ``channel``:
-        its runner has a channel that can relay its progress)."""
-        w = _Watch(key, path, channel=channel)
+        its runner has a channel that can relay its progress; ``since``: when
+        it was started or told to enter its function again in this round:
+        a record of progress before that is a kept process's of an earlier
+        round, never this round's progress)."""
+        w = _Watch(key, path, channel=channel, since=since)
         self._watches[key] = w
         self._arm(w, self.clock.monotonic() + self.timeout)
 
@@ -327,6 +333,8 @@ class HangWatchdog:
         """A beat, from the file or the channel: the newer progress counts."""
         # A phase that began after the last progress restarts the clock.
         mark = max(beat.monotonic, beat.phase_since or 0.0)
+        if w.since is not None and mark < w.since:
+            return  # an earlier round's (see watch)
         if from_file and w.relayed and w.last_progress is not None and mark > w.last_progress:
             w.relayed = False  # the file is written again: newer than anything relayed
         if w.last_progress is None or mark > w.last_progress:
