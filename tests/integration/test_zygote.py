@@ -555,6 +555,70 @@ def test_a_module_that_reads_a_round_variable_is_not_preloaded_even_per_rank(tmp
     assert got is not None and got[0] == 0 and "BEFORE False READ 2 NOW 2" in got[1], got
 
 
+def test_a_restart_does_not_wait_for_the_rest_of_an_import_that_read_a_rank(tmp_path):
+    # The first run of a Lightning script: its workers report what they
+    # imported, the zygote imports it while they train, and a restart comes
+    # while it is inside the long import that reads LOCAL_RANK (Lightning's:
+    # seconds, its rank read in the first 2%). The zygote quits at the read,
+    # not after the import: the restart starts cold at once, instead of
+    # waiting for an import whose zygote could only refuse (before, it waited
+    # for all of it, up to the 30 s fork timeout, to start cold anyway). The
+    # next zygote, without the package, forks warm.
+    script = "import email.mime.text\n" + _rank_package(tmp_path, "LOCAL_RANK")
+    reader = tmp_path / "rankpkg" / "reader.py"
+    marks = {m: tmp_path / m for m in ("importing", "go", "imported")}
+    reader.write_text(
+        "import os, pathlib, time\n"
+        f"pathlib.Path({str(marks['importing'])!r}).touch()\n"
+        "for _ in range(6000):  # until the restart came (at most 60 s)\n"
+        f"    if pathlib.Path({str(marks['go'])!r}).exists():\n"
+        "        break\n"
+        "    time.sleep(0.01)\n"
+        + reader.read_text()
+        + "if AT_IMPORT is None:  # the zygote: the rest of a long import\n"
+        "    time.sleep(3600)\n"
+        f"    pathlib.Path({str(marks['imported'])!r}).touch()\n"
+    )
+
+    async def main() -> tuple[tuple[int, str] | None, tuple[int, str] | None, ListSink]:
+        pool, sink = _pool(
+            tmp_path,
+            preload=("email.mime.text",),
+            scope="all",
+            script_text=script,
+            import_timeout=0,
+        )
+        pool.keep(_env())
+        try:
+            assert await pool.wait_ready(60)
+            assert pool.learn(ModuleReport(("rankpkg.reader",)), "optimizer_step")
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 60
+            while not marks["importing"].exists() and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            assert marks["importing"].exists(), sink.events
+            restart = asyncio.ensure_future(_fork_one(pool, _env(LOCAL_RANK="0")))
+            await asyncio.sleep(0)  # its fork order sent
+            marks["go"].touch()
+            cold = await restart
+            (gone,) = _kinds(sink, "warm_discarded")
+            assert "rankpkg.reader reads LOCAL_RANK when it is imported" in gone["reason"], gone
+            assert await pool.wait_ready(60)
+            return cold, await _fork_one(pool, _env(LOCAL_RANK="0")), sink
+        finally:
+            await pool.close()
+
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        cold, warm, sink = asyncio.run(main())
+    finally:
+        os.chdir(old)
+    assert cold is None and not marks["imported"].exists()  # started cold, import cut short
+    assert warm is not None and "BEFORE False READ 0 NOW 0" in warm[1], warm
+    assert [u["per_rank"] for u in _kinds(sink, "warm_used")] == [False]
+
+
 def test_a_module_that_initialises_cuda_is_not_preloaded(tmp_path):
     # The warm interpreter must leave the GPU free. This machine has no GPU, so
     # the module only marks torch.cuda initialised as CUDA initialisation
