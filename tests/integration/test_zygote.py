@@ -619,6 +619,65 @@ def test_a_restart_does_not_wait_for_the_rest_of_an_import_that_read_a_rank(tmp_
     assert [u["per_rank"] for u in _kinds(sink, "warm_used")] == [False]
 
 
+def test_a_restart_forks_every_rank_from_its_own_zygote_at_once(tmp_path):
+    # A job of one node, on the script's first run: the shared zygote refused
+    # the package that reads the rank, per-rank zygotes started for the round
+    # that ran, and the restart comes while they are inside an import (each
+    # forks once it is done). Every rank's order is sent at once: each rank's
+    # zygote, inside the import, sees its order come, and the other rank's
+    # too (before, the second rank's order waited for the first rank's fork,
+    # which waited for its import: waits added up, one per local rank).
+    _rank_package(tmp_path, "RANK")
+    seen = {d: tmp_path / d for d in ("importing", "orders")}
+    for d in seen.values():
+        d.mkdir()
+    (tmp_path / "rankpkg" / "both.py").write_text(
+        "import os, pathlib, select, time\n"
+        "rank = os.environ['RANK']\n"
+        f"pathlib.Path({str(seen['importing'])!r}, rank).touch()\n"
+        "select.select([0], [], [], 60)  # its fork order came (the zygote's socket)\n"
+        f"orders = pathlib.Path({str(seen['orders'])!r})\n"
+        "(orders / rank).touch()\n"
+        "for _ in range(2000):  # the other rank's came too (at most 20 s: within the fork's 30)\n"
+        "    if len(list(orders.iterdir())) == 2:\n"
+        "        break\n"
+        "    time.sleep(0.01)\n"
+        "BOTH = len(list(orders.iterdir())) == 2\n"
+    )
+    script = (
+        "import email.mime.text, sys\n"
+        "print('BOTH', getattr(sys.modules.get('rankpkg.both'), 'BOTH', None), flush=True)\n"
+    )
+    envs = {lr: _env(RANK=str(lr), LOCAL_RANK=str(lr)) for lr in (0, 1)}
+
+    async def main() -> tuple[dict[int, str], ListSink]:
+        pool, sink = _pool(tmp_path, preload=("email.mime.text",), scope="all", script_text=script)
+        pool.fixed_ranks = True
+        pool.keep_all(envs)  # after the first round's start
+        try:
+            assert await pool.wait_ready(60)
+            # The workers report what they imported; the shared zygote refuses it.
+            assert pool.learn(ModuleReport(("rankpkg.reader", "rankpkg.both")), "optimizer_step")
+            await _events_until(sink, "warm_started", 3)  # then one per rank
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 60
+            while len(list(seen["importing"].iterdir())) < 2 and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            assert pool._z is None and len(list(seen["importing"].iterdir())) == 2, sink.events
+            return await fork_many(pool, envs), sink
+        finally:
+            await pool.close()
+
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        out, sink = asyncio.run(main())
+    finally:
+        os.chdir(old)
+    assert "BOTH True" in out[0] and "BOTH True" in out[1], out
+    assert [u["per_rank"] for u in _kinds(sink, "warm_used")] == [True, True]
+
+
 def test_a_module_that_initialises_cuda_is_not_preloaded(tmp_path):
     # The warm interpreter must leave the GPU free. This machine has no GPU, so
     # the module only marks torch.cuda initialised as CUDA initialisation
