@@ -555,7 +555,7 @@ def test_a_module_that_reads_a_round_variable_is_not_preloaded_even_per_rank(tmp
     assert got is not None and got[0] == 0 and "BEFORE False READ 2 NOW 2" in got[1], got
 
 
-def test_a_restart_does_not_wait_for_the_rest_of_an_import_that_read_a_rank(tmp_path):
+def test_a_restart_does_not_wait_for_the_rest_of_an_import_that_read_a_rank(tmp_path, monkeypatch):
     # The first run of a Lightning script: its workers report what they
     # imported, the zygote imports it while they train, and a restart comes
     # while it is inside the long import that reads LOCAL_RANK (Lightning's:
@@ -608,18 +608,14 @@ def test_a_restart_does_not_wait_for_the_rest_of_an_import_that_read_a_rank(tmp_
         finally:
             await pool.close()
 
-    old = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        cold, warm, sink = asyncio.run(main())
-    finally:
-        os.chdir(old)
+    monkeypatch.chdir(tmp_path)
+    cold, warm, sink = asyncio.run(main())
     assert cold is None and not marks["imported"].exists()  # started cold, import cut short
     assert warm is not None and "BEFORE False READ 0 NOW 0" in warm[1], warm
     assert [u["per_rank"] for u in _kinds(sink, "warm_used")] == [False]
 
 
-def test_a_restart_forks_every_rank_from_its_own_zygote_at_once(tmp_path):
+def test_a_restart_forks_every_rank_from_its_own_zygote_at_once(tmp_path, monkeypatch):
     # A job of one node, on the script's first run: the shared zygote refused
     # the package that reads the rank, per-rank zygotes started for the round
     # that ran, and the restart comes while they are inside an import (each
@@ -668,12 +664,8 @@ def test_a_restart_forks_every_rank_from_its_own_zygote_at_once(tmp_path):
         finally:
             await pool.close()
 
-    old = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        out, sink = asyncio.run(main())
-    finally:
-        os.chdir(old)
+    monkeypatch.chdir(tmp_path)
+    out, sink = asyncio.run(main())
     assert "BOTH True" in out[0] and "BOTH True" in out[1], out
     assert [u["per_rank"] for u in _kinds(sink, "warm_used")] == [True, True]
 
