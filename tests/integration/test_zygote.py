@@ -663,6 +663,121 @@ def test_a_module_that_reads_a_round_variable_is_not_preloaded_even_per_rank(tmp
     assert got is not None and got[0] == 0 and "BEFORE False READ 2 NOW 2" in got[1], got
 
 
+def test_a_restart_does_not_wait_for_the_rest_of_an_import_that_read_a_rank(tmp_path, monkeypatch):
+    # The first run of a Lightning script: its workers report what they
+    # imported, the zygote imports it while they train, and a restart comes
+    # while it is inside the long import that reads LOCAL_RANK (Lightning's:
+    # seconds, its rank read in the first 2%). The zygote quits at the read,
+    # not after the import: the restart starts cold at once, instead of
+    # waiting for an import whose zygote could only refuse (before, it waited
+    # for all of it, up to the 30 s fork timeout, to start cold anyway). The
+    # next zygote, without the package, forks warm.
+    script = "import email.mime.text\n" + _rank_package(tmp_path, "LOCAL_RANK")
+    reader = tmp_path / "rankpkg" / "reader.py"
+    marks = {m: tmp_path / m for m in ("importing", "go", "imported")}
+    reader.write_text(
+        "import os, pathlib, time\n"
+        f"pathlib.Path({str(marks['importing'])!r}).touch()\n"
+        "for _ in range(6000):  # until the restart came (at most 60 s)\n"
+        f"    if pathlib.Path({str(marks['go'])!r}).exists():\n"
+        "        break\n"
+        "    time.sleep(0.01)\n"
+        + reader.read_text()
+        + "if AT_IMPORT is None:  # the zygote: the rest of a long import\n"
+        "    time.sleep(3600)\n"
+        f"    pathlib.Path({str(marks['imported'])!r}).touch()\n"
+    )
+
+    async def main() -> tuple[tuple[int, str] | None, tuple[int, str] | None, ListSink]:
+        pool, sink = _pool(
+            tmp_path,
+            preload=("email.mime.text",),
+            scope="all",
+            script_text=script,
+            import_timeout=0,
+        )
+        pool.keep(_env())
+        try:
+            assert await pool.wait_ready(60)
+            assert pool.learn(ModuleReport(("rankpkg.reader",)), "optimizer_step")
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 60
+            while not marks["importing"].exists() and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            assert marks["importing"].exists(), sink.events
+            restart = asyncio.ensure_future(_fork_one(pool, _env(LOCAL_RANK="0")))
+            await asyncio.sleep(0)  # its fork order sent
+            marks["go"].touch()
+            cold = await restart
+            (gone,) = _kinds(sink, "warm_discarded")
+            assert "rankpkg.reader reads LOCAL_RANK when it is imported" in gone["reason"], gone
+            assert await pool.wait_ready(60)
+            return cold, await _fork_one(pool, _env(LOCAL_RANK="0")), sink
+        finally:
+            await pool.close()
+
+    monkeypatch.chdir(tmp_path)
+    cold, warm, sink = asyncio.run(main())
+    assert cold is None and not marks["imported"].exists()  # started cold, import cut short
+    assert warm is not None and "BEFORE False READ 0 NOW 0" in warm[1], warm
+    assert [u["per_rank"] for u in _kinds(sink, "warm_used")] == [False]
+
+
+def test_a_restart_forks_every_rank_from_its_own_zygote_at_once(tmp_path, monkeypatch):
+    # A job of one node, on the script's first run: the shared zygote refused
+    # the package that reads the rank, per-rank zygotes started for the round
+    # that ran, and the restart comes while they are inside an import (each
+    # forks once it is done). Every rank's order is sent at once: each rank's
+    # zygote, inside the import, sees its order come, and the other rank's
+    # too (before, the second rank's order waited for the first rank's fork,
+    # which waited for its import: waits added up, one per local rank).
+    _rank_package(tmp_path, "RANK")
+    seen = {d: tmp_path / d for d in ("importing", "orders")}
+    for d in seen.values():
+        d.mkdir()
+    (tmp_path / "rankpkg" / "both.py").write_text(
+        "import os, pathlib, select, time\n"
+        "rank = os.environ['RANK']\n"
+        f"pathlib.Path({str(seen['importing'])!r}, rank).touch()\n"
+        "select.select([0], [], [], 60)  # its fork order came (the zygote's socket)\n"
+        f"orders = pathlib.Path({str(seen['orders'])!r})\n"
+        "(orders / rank).touch()\n"
+        "for _ in range(2000):  # the other rank's came too (at most 20 s: within the fork's 30)\n"
+        "    if len(list(orders.iterdir())) == 2:\n"
+        "        break\n"
+        "    time.sleep(0.01)\n"
+        "BOTH = len(list(orders.iterdir())) == 2\n"
+    )
+    script = (
+        "import email.mime.text, sys\n"
+        "print('BOTH', getattr(sys.modules.get('rankpkg.both'), 'BOTH', None), flush=True)\n"
+    )
+    envs = {lr: _env(RANK=str(lr), LOCAL_RANK=str(lr)) for lr in (0, 1)}
+
+    async def main() -> tuple[dict[int, str], ListSink]:
+        pool, sink = _pool(tmp_path, preload=("email.mime.text",), scope="all", script_text=script)
+        pool.fixed_ranks = True
+        pool.keep_all(envs)  # after the first round's start
+        try:
+            assert await pool.wait_ready(60)
+            # The workers report what they imported; the shared zygote refuses it.
+            assert pool.learn(ModuleReport(("rankpkg.reader", "rankpkg.both")), "optimizer_step")
+            await _events_until(sink, "warm_started", 3)  # then one per rank
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 60
+            while len(list(seen["importing"].iterdir())) < 2 and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            assert pool._z is None and len(list(seen["importing"].iterdir())) == 2, sink.events
+            return await fork_many(pool, envs), sink
+        finally:
+            await pool.close()
+
+    monkeypatch.chdir(tmp_path)
+    out, sink = asyncio.run(main())
+    assert "BOTH True" in out[0] and "BOTH True" in out[1], out
+    assert [u["per_rank"] for u in _kinds(sink, "warm_used")] == [True, True]
+
+
 def test_a_module_that_initialises_cuda_is_not_preloaded(tmp_path):
     # The warm interpreter must leave the GPU free. This machine has no GPU, so
     # the module only marks torch.cuda initialised as CUDA initialisation

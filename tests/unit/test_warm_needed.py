@@ -127,12 +127,13 @@ def test_a_single_node_job_keeps_no_shared_zygote_beside_one_per_rank(
             await pool.close()
 
     first, again = asyncio.run(main())
-    assert [(u["local_rank"], u["per_rank"]) for u in _kinds(sink, "warm_used")] == [
-        (0, True),
-        (1, True),
+    used = [(u["local_rank"], u["per_rank"]) for u in _kinds(sink, "warm_used")]
+    # The ranks' own zygotes fork together: their events come in either order.
+    assert sorted(used[:2]) == [(0, True), (1, True)], used
+    assert used[2:] == [
         (0, True),
         (1, False),  # from the shared one, which imports no rankpkg: the worker does
-    ]
+    ], used
     assert "BEFORE True READ 0" in first[0] and "BEFORE True READ 1" in first[1], first
     assert "BEFORE True READ 0" in again[0] and "BEFORE False READ 1" in again[1], again
 

@@ -533,10 +533,16 @@ class WarmPool:
         # importing is the head start the shared one would have been.
         shared = self._z is not None and self._z.gone is None
         unready = not shared and self.head_start and self.use_unready
-        for lr, z in self.ranks.take(envs, unready=unready).items():
+        own = self.ranks.take(envs, unready=unready)
+        for z in own.values():
             if not z.ready:
                 promote(z.pid)
-            forked.update(await self._fork_from(z, {lr: envs[lr]}, channels, 0.0))
+        # Every rank's order at once: a zygote still importing forks once the
+        # import it is in is done, and the other ranks' do not wait in turn.
+        for got in await asyncio.gather(
+            *(self._fork_from(z, {lr: envs[lr]}, channels, 0.0) for lr, z in own.items())
+        ):
+            forked.update(got)
         self.last_start = last
         rest = {lr: env for lr, env in envs.items() if lr not in forked}
         if rest:

@@ -23,9 +23,12 @@ it or loaded the CUDA driver (not fork-safe), read a per-rank variable
 (RANK, ...) when imported, or did not finish importing within
 ``ELASTRUN_PRELOAD_IMPORT_TIMEOUT`` s. These checks run after every import,
 whether it succeeded or raised, and again before each fork: a zygote that
-fails one never forks. Once torch is imported, CUDA initialisation is refused
-in the zygote (``torch.cuda._lazy_init`` raises there, in the zygote's pid
-only): a module imported while workers train cannot put a context on a GPU.
+fails one never forks. A variable read ends it at once, in the middle of
+the import (as the bound on a hanging import does): a fork waiting for it
+starts cold without waiting for the rest of the import. Once torch is
+imported, CUDA initialisation is refused in the zygote
+(``torch.cuda._lazy_init`` raises there, in the zygote's pid only): a
+module imported while workers train cannot put a context on a GPU.
 While it imports, ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (unless set):
 ``torch.cuda.is_available()`` asks NVML, not the driver. A message
 it cannot read is ignored (its fds closed). End of file from the agent:
@@ -182,13 +185,16 @@ def _version(name: str) -> str | None:
 class _EnvWatch(os._Environ):  # type: ignore[type-arg]
     """``os.environ`` while the zygote imports a module: the same variables,
     but reading one of ``watched`` (the per-round and per-rank variables,
-    which the zygote does not have) is noted with the module that read it."""
+    which the zygote does not have) is noted with the module that read it,
+    and ``on_read(variable, module)`` is called at once (the zygote quits
+    there: the rest of the import could only delay a start)."""
 
-    def __init__(self, real: Any, watched: frozenset[str]) -> None:
+    def __init__(self, real: Any, watched: frozenset[str], on_read: Any = None) -> None:
         super().__init__(
             real._data, real.encodekey, real.decodekey, real.encodevalue, real.decodevalue
         )
         self.watched = watched
+        self.on_read = on_read
         self.seen: tuple[str, str] | None = None  # (variable, module)
 
     def __getitem__(self, key: str) -> str:
@@ -204,6 +210,8 @@ class _EnvWatch(os._Environ):  # type: ignore[type-arg]
     def _note(self, key: str) -> None:
         if self.seen is None:
             self.seen = (key, _reader())
+            if self.on_read is not None:
+                self.on_read(*self.seen)
 
 
 def _reader() -> str:
@@ -313,7 +321,7 @@ class Zygote:
             self._fail(name, "not from the standard library or an installed package")
             return
         real = os.environ
-        watch = _EnvWatch(real, self.watched)
+        watch = _EnvWatch(real, self.watched, lambda key, reader: self._read(name, key, reader))
         os.environ = watch  # noqa: B003 - swapped for this import only, same variables
         nvml = real.get(NVML_CHECK_ENV)
         if nvml is None:
@@ -337,16 +345,22 @@ class Zygote:
         # Whether it succeeded or raised: what it did before it raised stays.
         self._check(name)
         self._refuse_cuda()
-        if watch.seen is not None:
-            # Its state now holds what a worker of another rank would not see:
-            # not safe ahead of time (nor anything of its package, nor of the
-            # package whose import brought it in).
-            key, reader = watch.seen
-            packages = sorted({name.split(".")[0], (reader or name).split(".")[0]})
-            self._unsafe(packages, f"{reader or name} reads {key} when it is imported", key)
+        if watch.seen is not None:  # on_read quits: never a fork after such a read
+            self._read(name, *watch.seen)
         if name == "torch" and self.expect_torch not in (None, _version("torch")):
             self.queue.clear()  # recorded with another torch: only torch itself is sure
             self.stopped = f"the module list was recorded with torch {self.expect_torch}"
+
+    def _read(self, name: str, key: str, reader: str) -> None:
+        """Quit (``Unsafe``): the import of ``name`` read ``key``, by
+        ``reader``'s code. Its state now holds what a worker of another rank
+        would not see: not safe ahead of time (nor anything of its package,
+        nor of the package whose import brought it in). Said as soon as it
+        is read, not once the import is done: a start waiting for this
+        zygote would wait for the rest of the import (most of Lightning's
+        seconds: its rank is read in its first 2%) to start cold anyway."""
+        packages = sorted({name.partition(".")[0], (reader or name).partition(".")[0]})
+        self._unsafe(packages, f"{reader or name} reads {key} when it is imported", key)
 
     # ------------------------------------------------------------ fork safety
     def _check(self, name: str | None) -> None:
