@@ -410,6 +410,52 @@ def test_a_refusal_sent_before_a_fork_order_is_read_when_the_order_fails(tmp_pat
     assert "threader" in _skipped(tmp_path)
 
 
+def test_a_refusal_sent_with_a_fork_order_unread_is_read_not_taken_for_a_reset(tmp_path):
+    # The fork order reaches the zygote while it imports a module that turns
+    # out unsafe: it refuses and exits with the order still unread in its
+    # socket. Linux then reports a reset to the agent before the refusal that
+    # is still queued; the refusal is read (the module remembered), not lost
+    # with the zygote as "exited before it was needed".
+    go = tmp_path / "go"
+    (tmp_path / "late_threader.py").write_text(
+        "import pathlib, time\n"
+        f"(pathlib.Path({str(tmp_path)!r}) / 'importing').touch()\n"
+        "for _ in range(6000):  # until the test says (at most 60 s)\n"
+        f"    if pathlib.Path({str(go)!r}).exists():\n"
+        "        break\n"
+        "    time.sleep(0.01)\n" + THREADER
+    )
+    env = _env()
+
+    async def main() -> tuple[dict[int, Any], list[dict[str, Any]]]:
+        pool, sink = _pool(tmp_path, preload=("late_threader",), scope="all")
+        pool.keep(env)
+        ours, theirs = socket.socketpair()
+        try:
+            z = pool._z
+            assert z is not None
+            for _ in range(600):
+                if (tmp_path / "importing").exists():
+                    break
+                await asyncio.sleep(0.1)
+            order = asyncio.ensure_future(
+                z.fork_workers({0: (env, ("s.py",), theirs.fileno())}, None)
+            )
+            await asyncio.sleep(0)  # the order is in the zygote's socket
+            go.touch()
+            assert z.popen.wait(60) == 4  # blocks the loop: nothing is read meanwhile
+            return await order, _kinds(sink, "warm_discarded")
+        finally:
+            ours.close()
+            theirs.close()
+            await pool.close()
+
+    forked, gone = asyncio.run(main())
+    assert forked == {}  # nothing forked: the start is cold
+    assert gone and "late_threader is not safe" in gone[0]["reason"], gone
+    assert "late_threader" in _skipped(tmp_path)
+
+
 def test_a_refusal_of_a_per_rank_zygote_is_read_before_the_start(tmp_path):
     # The same for a local rank's own zygote: the start that finds it ended
     # reads its refusal (the module is skipped from then on) instead of

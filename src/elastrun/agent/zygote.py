@@ -173,11 +173,22 @@ class Zygote:
             self._lost()
 
     def _on_message(self, on_ready: OnReady, on_unsafe: OnUnsafe) -> None:
+        reset = False
         while self.gone is None:
             try:
                 data = self.sock.recv(MAX_MESSAGE)
             except BlockingIOError:
                 return
+            except ConnectionResetError:
+                # It quit with an order of ours unread (a refusal while a fork
+                # order waited): Linux then reports the reset before the
+                # messages it sent first, still queued. Read them (the reset
+                # is said once): a refusal is never lost to it.
+                if reset:
+                    data = b""
+                else:
+                    reset = True
+                    continue
             except OSError:
                 data = b""
             if not data:
