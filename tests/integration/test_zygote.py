@@ -376,37 +376,55 @@ def test_a_refusal_sent_while_the_agent_was_busy_is_read_before_the_start(tmp_pa
     assert got is None  # cold, at once
 
 
+async def _order_to_a_refusing_zygote(
+    tmp_path: Path, module: str, *, unread: bool
+) -> tuple[Any, list[dict[str, Any]]]:
+    """A fork order to a zygote that imports ``module`` and refuses it: sent
+    once it quit, or (``unread``) while it imports the module, the order left
+    unread when it quits (the module waits for ``go`` once it wrote
+    ``importing``). The event loop reads nothing until the zygote exited.
+    What the order returned (or the OSError it raised), and the discards."""
+    env = _env()
+    pool, sink = _pool(tmp_path, preload=(module,), scope="all")
+    pool.keep(env)
+    ours, theirs = socket.socketpair()
+    try:
+        z = pool._z
+        assert z is not None
+        pending = None
+        if unread:
+            for _ in range(600):
+                if (tmp_path / "importing").exists():
+                    break
+                await asyncio.sleep(0.1)
+            pending = asyncio.ensure_future(
+                z.fork_workers({0: (env, ("s.py",), theirs.fileno())}, None)
+            )
+            await asyncio.sleep(0)  # the order is in the zygote's socket
+            (tmp_path / "go").touch()
+        assert z.popen.wait(60) == 4  # blocks the loop: nothing is read meanwhile
+        try:
+            got: Any = await (
+                pending or z.fork_workers({0: (env, ("s.py",), theirs.fileno())}, None)
+            )
+        except OSError as e:
+            got = repr(e)
+        return got, _kinds(sink, "warm_discarded")
+    finally:
+        ours.close()
+        theirs.close()
+        await pool.close()
+
+
 def test_a_refusal_sent_before_a_fork_order_is_read_when_the_order_fails(tmp_path):
     # The zygote exits (its refusal sent) after the agent found it usable and
     # before its fork order went out: the order cannot be sent, and what the
     # zygote sent before it exited is read then, not dropped with it.
     (tmp_path / "threader.py").write_text(THREADER)
-    env = _env()
-
-    async def main() -> tuple[str, dict[str, Any]]:
-        pool, sink = _pool(tmp_path, preload=("threader",), scope="all")
-        pool.keep(env)
-        ours, theirs = socket.socketpair()
-        try:
-            z = pool._z
-            assert z is not None
-            assert z.popen.wait(60) == 4  # blocks the loop: nothing is read meanwhile
-            try:
-                await z.fork_workers({0: (env, ("s.py",), theirs.fileno())}, None)
-            except OSError as e:
-                failed = repr(e)
-            else:
-                failed = "no error"
-            (gone,) = _kinds(sink, "warm_discarded")
-            return failed, gone
-        finally:
-            ours.close()
-            theirs.close()
-            await pool.close()
-
-    failed, gone = asyncio.run(main())
+    failed, gone = asyncio.run(_order_to_a_refusing_zygote(tmp_path, "threader", unread=False))
     assert "BrokenPipe" in failed or "ConnectionReset" in failed, failed
-    assert "threader" in gone["reason"] and "thread" in gone["reason"], gone
+    assert len(gone) == 1 and "threader is not safe" in gone[0]["reason"], gone
+    assert "thread" in gone[0]["reason"], gone
     assert "threader" in _skipped(tmp_path)
 
 
@@ -416,41 +434,15 @@ def test_a_refusal_sent_with_a_fork_order_unread_is_read_not_taken_for_a_reset(t
     # socket. Linux then reports a reset to the agent before the refusal that
     # is still queued; the refusal is read (the module remembered), not lost
     # with the zygote as "exited before it was needed".
-    go = tmp_path / "go"
     (tmp_path / "late_threader.py").write_text(
         "import pathlib, time\n"
         f"(pathlib.Path({str(tmp_path)!r}) / 'importing').touch()\n"
         "for _ in range(6000):  # until the test says (at most 60 s)\n"
-        f"    if pathlib.Path({str(go)!r}).exists():\n"
+        f"    if (pathlib.Path({str(tmp_path)!r}) / 'go').exists():\n"
         "        break\n"
         "    time.sleep(0.01)\n" + THREADER
     )
-    env = _env()
-
-    async def main() -> tuple[dict[int, Any], list[dict[str, Any]]]:
-        pool, sink = _pool(tmp_path, preload=("late_threader",), scope="all")
-        pool.keep(env)
-        ours, theirs = socket.socketpair()
-        try:
-            z = pool._z
-            assert z is not None
-            for _ in range(600):
-                if (tmp_path / "importing").exists():
-                    break
-                await asyncio.sleep(0.1)
-            order = asyncio.ensure_future(
-                z.fork_workers({0: (env, ("s.py",), theirs.fileno())}, None)
-            )
-            await asyncio.sleep(0)  # the order is in the zygote's socket
-            go.touch()
-            assert z.popen.wait(60) == 4  # blocks the loop: nothing is read meanwhile
-            return await order, _kinds(sink, "warm_discarded")
-        finally:
-            ours.close()
-            theirs.close()
-            await pool.close()
-
-    forked, gone = asyncio.run(main())
+    forked, gone = asyncio.run(_order_to_a_refusing_zygote(tmp_path, "late_threader", unread=True))
     assert forked == {}  # nothing forked: the start is cold
     assert gone and "late_threader is not safe" in gone[0]["reason"], gone
     assert "late_threader" in _skipped(tmp_path)
