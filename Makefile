@@ -21,9 +21,10 @@ DEV_STAMP := $(VENV)/.dev-installed
 # they start, not on the CPU, so more processes than cores pay off. PYTEST_JOBS=0
 # runs the tests in this process, one after the other. Work stealing: a process
 # that ran out of tests takes some of a busy one's, so long tests do not queue
-# behind each other at the end. On 2 cores, 5 processes keep the cores busier than
-# 4 (the tests' own waits: leases, timeouts): a fresh clone's suite took
-# 8 min 39 s against 9 min 9 s (one run each); with two CPU hogs beside it, it passes.
+# behind each other at the end. On 2 cores, 5 processes fill more of the time the
+# tests spend waiting (leases, timeouts) than 4: fresh clones' suites took 8 min 39 s
+# and 9 min 36 s, against 8 min 38 s and 9 min 9 s with 4 (the machine varies more
+# than that); with two CPU hogs beside it, it passes (12 min 36 s in all).
 PYTEST_JOBS ?= 5
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_JOBS) --dist worksteal
 
