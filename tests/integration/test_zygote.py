@@ -376,6 +376,28 @@ def test_a_refusal_sent_while_the_agent_was_busy_is_read_before_the_start(tmp_pa
     assert got is None  # cold, at once
 
 
+def _held_import(folder: Path) -> str:
+    """The head of a module whose import writes ``folder/importing``, then
+    waits (at most 60 s) until ``folder/go`` exists: a test holds it there."""
+    return (
+        "import pathlib, time\n"
+        f"(pathlib.Path({str(folder)!r}) / 'importing').touch()\n"
+        "for _ in range(6000):\n"
+        f"    if (pathlib.Path({str(folder)!r}) / 'go').exists():\n"
+        "        break\n"
+        "    time.sleep(0.01)\n"
+    )
+
+
+async def _importing(folder: Path) -> None:
+    """Until the zygote is inside a ``_held_import`` module (at most 60 s)."""
+    for _ in range(600):
+        if (folder / "importing").exists():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("the zygote never started the held import")
+
+
 async def _order_to_a_refusing_zygote(
     tmp_path: Path, module: str, *, unread: bool
 ) -> tuple[Any, list[dict[str, Any]]]:
@@ -393,10 +415,7 @@ async def _order_to_a_refusing_zygote(
         assert z is not None
         pending = None
         if unread:
-            for _ in range(600):
-                if (tmp_path / "importing").exists():
-                    break
-                await asyncio.sleep(0.1)
+            await _importing(tmp_path)
             pending = asyncio.ensure_future(
                 z.fork_workers({0: (env, ("s.py",), theirs.fileno())}, None)
             )
@@ -434,14 +453,7 @@ def test_a_refusal_sent_with_a_fork_order_unread_is_read_not_taken_for_a_reset(t
     # socket. Linux then reports a reset to the agent before the refusal that
     # is still queued; the refusal is read (the module remembered), not lost
     # with the zygote as "exited before it was needed".
-    (tmp_path / "late_threader.py").write_text(
-        "import pathlib, time\n"
-        f"(pathlib.Path({str(tmp_path)!r}) / 'importing').touch()\n"
-        "for _ in range(6000):  # until the test says (at most 60 s)\n"
-        f"    if (pathlib.Path({str(tmp_path)!r}) / 'go').exists():\n"
-        "        break\n"
-        "    time.sleep(0.01)\n" + THREADER
-    )
+    (tmp_path / "late_threader.py").write_text(_held_import(tmp_path) + THREADER)
     forked, gone = asyncio.run(_order_to_a_refusing_zygote(tmp_path, "late_threader", unread=True))
     assert forked == {}  # nothing forked: the start is cold
     assert gone and "late_threader is not safe" in gone[0]["reason"], gone
@@ -712,14 +724,9 @@ def test_a_restart_does_not_wait_for_the_rest_of_an_import_that_read_a_rank(tmp_
     # next zygote, without the package, forks warm.
     script = "import email.mime.text\n" + _rank_package(tmp_path, "LOCAL_RANK")
     reader = tmp_path / "rankpkg" / "reader.py"
-    marks = {m: tmp_path / m for m in ("importing", "go", "imported")}
+    marks = {m: tmp_path / m for m in ("go", "imported")}
     reader.write_text(
-        "import os, pathlib, time\n"
-        f"pathlib.Path({str(marks['importing'])!r}).touch()\n"
-        "for _ in range(6000):  # until the restart came (at most 60 s)\n"
-        f"    if pathlib.Path({str(marks['go'])!r}).exists():\n"
-        "        break\n"
-        "    time.sleep(0.01)\n"
+        _held_import(tmp_path)  # until the restart came
         + reader.read_text()
         + "if AT_IMPORT is None:  # the zygote: the rest of a long import\n"
         "    time.sleep(3600)\n"
@@ -738,11 +745,7 @@ def test_a_restart_does_not_wait_for_the_rest_of_an_import_that_read_a_rank(tmp_
         try:
             assert await pool.wait_ready(60)
             assert pool.learn(ModuleReport(("rankpkg.reader",)), "optimizer_step")
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 60
-            while not marks["importing"].exists() and loop.time() < deadline:
-                await asyncio.sleep(0.05)
-            assert marks["importing"].exists(), sink.events
+            await _importing(tmp_path)
             restart = asyncio.ensure_future(_fork_one(pool, _env(LOCAL_RANK="0")))
             await asyncio.sleep(0)  # its fork order sent
             marks["go"].touch()
